@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a local virtual environment in .venv with everything softops' tests, demo and benchmarks need.
+# Safe to re-run. torch is installed first and pinned (constraints.txt), so no CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" - <<'PYEOF'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"softops needs Python >= 3.11; {sys.executable} is {sys.version.split()[0]}")
+PYEOF
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+# Peers for the benchmarks, installed without dependencies so they reuse the pinned torch.
+.venv/bin/python -m pip install -q --no-deps "entmax==1.3"

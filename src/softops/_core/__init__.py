@@ -1,0 +1,1 @@
+"""Private numerical core. Imports nothing from the rest of softops."""

@@ -1,0 +1,168 @@
+"""Argument checks shared by every public op.
+
+Every message follows ``"<op>: expected <what>; got <value>."`` so that users see both the contract
+and what they passed. Nothing here imports from the rest of softops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "check_choice",
+    "check_dim",
+    "check_epsilon",
+    "check_floating",
+    "check_k",
+    "check_max_iter",
+    "check_nonempty",
+    "check_tol",
+    "check_unused",
+    "compute_dtype",
+]
+
+
+def check_floating(x: Any, op: str, name: str = "x") -> torch.Tensor:
+    """Return ``x`` if it is a real floating-point tensor, else raise ``TypeError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected `{name}` to be a torch.Tensor; got {type(x).__name__}.")
+    if not x.dtype.is_floating_point or x.is_complex():
+        raise TypeError(
+            f"{op}: expected `{name}` to have a real floating dtype (float16, bfloat16, float32 or "
+            f"float64); got dtype={x.dtype}."
+        )
+    return x
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in: float16 and bfloat16 are promoted to float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_dim(x: torch.Tensor, dim: Any, op: str) -> int:
+    """Normalise ``dim`` to a non-negative int for ``x``, or raise."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{op}: expected `dim` to be an int; got {dim!r}.")
+    ndim = x.dim()
+    if ndim == 0:
+        raise ValueError(f"{op}: expected `x` with at least 1 dimension; got a 0-dim tensor.")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{op}: expected `dim` in [{-ndim}, {ndim - 1}] for x of shape {tuple(x.shape)}; "
+            f"got dim={dim}."
+        )
+    return dim % ndim
+
+
+def check_nonempty(x: torch.Tensor, dim: int, op: str) -> int:
+    """Return ``x.shape[dim]``; raise if it is 0."""
+    n = x.shape[dim]
+    if n == 0:
+        raise ValueError(
+            f"{op}: expected a non-empty `dim`; got x.shape[{dim}] = 0 (x.shape={tuple(x.shape)})."
+        )
+    return n
+
+
+def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch.Tensor:
+    """Check that ``epsilon`` is a positive finite float or a floating tensor with positive entries.
+
+    A tensor is checked once, here; the solvers never sync on it again.
+    """
+    if isinstance(epsilon, torch.Tensor):
+        if not epsilon.dtype.is_floating_point:
+            raise TypeError(
+                f"{op}: expected `{name}` to be a float or a floating tensor; "
+                f"got a tensor of dtype={epsilon.dtype}."
+            )
+        if epsilon.numel() == 0:
+            raise ValueError(f"{op}: expected a non-empty `{name}`; got an empty tensor.")
+        bad = ~(epsilon.detach() > 0) | ~torch.isfinite(epsilon.detach())
+        if bool(bad.any()):
+            value = epsilon.detach()[bad].flatten()[0].item()
+            raise ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={value}.")
+        return epsilon
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise TypeError(f"{op}: expected `{name}` to be a float or a tensor; got {epsilon!r}.")
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={epsilon}.")
+    return float(epsilon)
+
+
+def check_k(
+    k: Any,
+    n: int,
+    op: str,
+    *,
+    low: float = 0,
+    integer: bool = False,
+    allow_tensor: bool = True,
+) -> float | torch.Tensor:
+    """Check ``low <= k <= n``. ``k`` is an int, a float (unless ``integer``) or a tensor.
+
+    Tensor entries are checked once, here (one host sync at validation, none in the solver).
+    """
+    what = "an int" if integer else "a number"
+    if isinstance(k, torch.Tensor):
+        if not allow_tensor or integer:
+            if k.numel() == 1 and not k.requires_grad and not k.dtype.is_floating_point:
+                k = int(k.item())
+            else:
+                raise TypeError(f"{op}: expected `k` to be {what}; got a tensor {k!r}.")
+        else:
+            kd = k.detach()
+            if k.dtype == torch.bool or k.is_complex():
+                raise TypeError(f"{op}: expected `k` to be a real number; got dtype={k.dtype}.")
+            bad = ~((kd >= low) & (kd <= n))
+            if kd.numel() and bool(bad.any()):
+                value = kd[bad].flatten()[0].item()
+                raise ValueError(
+                    f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={value:g}."
+                )
+            return k
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"{op}: expected `k` to be {what}; got {k!r}.")
+    if integer and not float(k).is_integer():
+        raise TypeError(f"{op}: expected `k` to be an int; got k={k!r}.")
+    if not (low <= k <= n):
+        raise ValueError(f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={k!r}.")
+    return int(k) if integer else k
+
+
+def check_choice(value: Any, choices: Iterable[str], op: str, name: str) -> str:
+    """Check that ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{op}: expected `{name}` to be one of {choices}; got {name}={value!r}.")
+    return value
+
+
+def check_max_iter(max_iter: Any, default: int, op: str) -> int:
+    """``None`` means ``default``; otherwise a positive int."""
+    if max_iter is None:
+        return default
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"{op}: expected `max_iter` to be a positive int or None; got {max_iter!r}.")
+    return max_iter
+
+
+def check_tol(tol: Any, default: float, op: str) -> float:
+    """``None`` means ``default``; otherwise a float >= 0 (0 runs exactly ``max_iter`` steps)."""
+    if tol is None:
+        return default
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+        raise ValueError(f"{op}: expected `tol` >= 0 or None; got tol={tol!r}.")
+    return float(tol)
+
+
+def check_unused(op: str, method: str, **kwargs: Any) -> None:
+    """Raise if an argument that ``method`` does not use was passed (is not None)."""
+    for name, value in kwargs.items():
+        if value is not None:
+            raise ValueError(
+                f"{op}: `{name}` is not used by method={method!r}; got {name}={value!r}."
+            )
