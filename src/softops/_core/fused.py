@@ -1,0 +1,85 @@
+"""Optional fused (``torch.compile``) versions of the hot loops, with the eager code as reference.
+
+Each hot function is written once, in plain torch, and used as is (the eager reference) or through
+``torch.compile`` (the fused path), which turns one Newton evaluation of the top-k threshold into a
+single pass over memory instead of about seven.
+
+The fused path is used only when it pays: when compilation is enabled (``SOFTOPS_COMPILE=0`` in the
+environment or ``softops.set_compile(False)`` turns it off), the tensor has at least
+``FUSED_MIN_NUMEL`` elements, it lives on a CPU or CUDA device, and the caller is not itself being
+traced by ``torch.compile`` (the eager code is then traced into the caller's graph instead).
+The first call in a process compiles each function: about 20 s on a 2-core CPU (inductor caches
+the result on disk, so later processes start faster). If compilation fails (for example, no C++
+compiler), softops warns once and stays on the eager path.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FUSED_MIN_NUMEL", "compile_enabled", "maybe_fused", "set_compile"]
+
+FUSED_MIN_NUMEL = 1 << 18
+"""Smallest ``numel`` for which the compiled path is used; below it the compile time never pays."""
+
+_state: dict[str, Any] = {
+    "enabled": os.environ.get("SOFTOPS_COMPILE", "1").strip().lower() not in {"0", "false", "no"},
+    "compiled": {},
+    "failed": False,
+}
+
+
+def set_compile(enabled: bool) -> None:
+    """Turn the fused ``torch.compile`` paths on or off for this process.
+
+    Args:
+        enabled: ``True`` to allow the fused paths (the default unless ``SOFTOPS_COMPILE=0``),
+            ``False`` to always run the eager reference code.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_compile: expected a bool; got {enabled!r}.")
+    _state["enabled"] = enabled
+
+
+def compile_enabled() -> bool:
+    """Whether the fused paths may be used (see :func:`set_compile`)."""
+    return bool(_state["enabled"]) and not _state["failed"]
+
+
+def _use_fused(x: torch.Tensor) -> bool:
+    return (
+        compile_enabled()
+        and x.numel() >= FUSED_MIN_NUMEL
+        and x.device.type in ("cpu", "cuda")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def maybe_fused(fn: Callable[..., Any], x: torch.Tensor) -> Callable[..., Any]:
+    """Return the compiled version of ``fn`` when the fused path applies to ``x``, else ``fn``."""
+    if not _use_fused(x):
+        return fn
+    compiled = _state["compiled"].get(fn)
+    if compiled is None:
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        _state["compiled"][fn] = compiled
+
+    def call(*args: Any) -> Any:
+        try:
+            return compiled(*args)
+        except Exception as err:  # compilation needs a working toolchain; never fail the op
+            _state["failed"] = True
+            warnings.warn(
+                f"softops: torch.compile failed ({type(err).__name__}: {err}); using the eager "
+                "path from now on. Set SOFTOPS_COMPILE=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return fn(*args)
+
+    return call

@@ -1,0 +1,499 @@
+r"""Batched log-domain Sinkhorn for n x m problems with a small m, and its implicit backward.
+
+Problem (one per batch row, rows fully independent):
+
+.. math::
+
+    \Gamma^\star = \arg\min_{\Gamma \ge 0,\ \Gamma 1 = a,\ \Gamma^\top 1 = b}
+    \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
+    \qquad \Gamma_{ij} = \exp((f_i + g_j - C_{ij})/\varepsilon).
+
+Public (inside softops) entry points:
+
+* ``log_sinkhorn(cost, log_a, log_b, epsilon, *, max_iter, tol, newton=False) -> SinkhornResult``
+  runs without autograd. ``cost`` is (B, n, m), ``log_a`` (B, n), ``log_b`` (B, m), ``epsilon``
+  a (B,) tensor (one value per row).
+* ``sinkhorn_plan(cost, log_a, log_b, epsilon, max_iter, tol, newton=False)
+  -> tuple[Tensor, SinkhornResult]`` returns ``(plan, result)`` where ``plan`` (B, n, m) is
+  differentiable with respect to ``cost`` through the implicit Function ``SinkhornPlanFunction``
+  (``result.plan`` is the same tensor; ``result.f``/``result.g`` carry no gradient).
+  ``log_a``, ``log_b`` and ``epsilon`` are treated as constants: no gradient flows to them.
+  Callers that need a gradient in epsilon pass ``cost / epsilon`` with ``epsilon = 1``.
+
+Conventions and choices:
+
+* **Iteration.** One iteration is the pair (row update of f, column update of g), as in the SOFT
+  paper's code (Xie et al. 2020, arXiv 2002.06504). The returned plan is the state after the last
+  g-update, so its **columns are exact** and ``residual`` is the L1 error of its row sums, relative
+  to the total mass: ``sum_i |sum_j Gamma_ij - a_i| / sum_i a_i``. With ``tol=0`` exactly
+  ``max_iter`` iterations run (``max_iter=200, tol=0`` is the paper's fixed 200 iterations).
+* **Internal form.** The row update is implicit: with v = g/epsilon and scaled cost
+  S = C/epsilon, ``Gamma = diag(a) softmax_j(v_j - S_ij) diag(b/c)`` with c the column sums of
+  ``diag(a) softmax``. The loop only updates v (B, m): ``v += log b - log c``. The layout is
+  (B, m, n) so that the sums over n are contiguous; for m = 2 the softmax is one ``sigmoid``.
+  The first column update is done fully in log space (it may see underflowing columns); after an
+  exact column update every column sum is at least ``b_j min_i a_i / sum b``, so later updates
+  cannot underflow.
+* **Convergence** is checked every ``CHECK_EVERY`` iterations, batched (one host sync per check).
+  Converged rows are frozen and removed from the working set, so a row's result does not depend on
+  the other rows. A row whose residual is NaN/inf stops at once; its outputs are NaN.
+* **Newton polish** (``newton=True`` and ``tol > 0``): Sinkhorn runs until the residual is at most
+  ``max(tol, NEWTON_SWITCH)``; then semi-dual Newton on the reduced (m-1) x (m-1) SPD system
+  (gauge: the last v is fixed) with Armijo backtracking, at most ``NEWTON_MAX_STEPS`` steps. Each
+  row keeps whichever of the Sinkhorn/Newton states has the smaller residual, and rows Newton did
+  not finish go back to Sinkhorn for the rest of the ``max_iter`` budget.
+* **Backward** (MATH.md §2.3): with W = Gbar * Gamma, w = W 1, wc = W^T 1 and
+  ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (mu, nu the marginals of the saved plan, "<"
+  dropping the last column), solve ``K beta = wc_< - Gamma_<^T (w/mu)`` by Cholesky in float64
+  (jitter 1e-12 max diag K), ``alpha = (w - Gamma_< beta)/mu`` and
+  ``Cbar = (Gamma (alpha + beta) - W)/epsilon``. Only the plan (B, n, m) and epsilon (B,) are saved,
+  so memory does not grow with the number of iterations. The backward is written with
+  differentiable torch ops, so double backward works.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHECK_EVERY",
+    "NEWTON_MAX_STEPS",
+    "NEWTON_SWITCH",
+    "SinkhornPlanFunction",
+    "SinkhornResult",
+    "log_sinkhorn",
+    "sinkhorn_plan",
+]
+
+CHECK_EVERY = 10
+"""Iterations between two batched convergence checks."""
+NEWTON_SWITCH = 1e-3
+"""Residual below which Sinkhorn hands over to Newton."""
+NEWTON_MAX_STEPS = 30
+"""Cap on Newton steps per polish phase."""
+_ARMIJO_MAX_HALVINGS = 30
+_ARMIJO_SIGMA = 1e-4
+_JITTER = 1e-12
+
+
+class SinkhornResult(NamedTuple):
+    """Solution of a batch of entropic OT problems, with diagnostics.
+
+    Attributes:
+        f: (B, n) row potentials, in the units of the cost.
+        g: (B, m) column potentials, in the units of the cost.
+        plan: (B, n, m) transport plan ``exp((f_i + g_j - C_ij)/epsilon)``; columns exact.
+        converged: (B,) bool, ``residual <= tol`` (False for NaN rows).
+        iterations: Sinkhorn iterations plus Newton steps run by the solver (max over rows).
+        residual: (B,) relative L1 row-marginal error of ``plan``.
+    """
+
+    f: Tensor
+    g: Tensor
+    plan: Tensor
+    converged: Tensor
+    iterations: int
+    residual: Tensor
+
+
+class _Problem(NamedTuple):
+    """Scaled problem data for the working set of rows (internal layout (B, m, n))."""
+
+    s: Tensor  # (B, m, n) cost / epsilon
+    d: Tensor | None  # (B, n) s[:, 1] - s[:, 0] when m == 2
+    log_a: Tensor  # (B, n)
+    a: Tensor  # (B, n)
+    a_sum: Tensor  # (B,)
+    log_b: Tensor  # (B, m)
+    sign: Tensor | None  # (B, 1) +1 where column 1 has the smaller mass, else -1 (m == 2)
+
+    def select(self, keep: Tensor) -> _Problem:
+        return _Problem(
+            self.s[keep],
+            None if self.d is None else self.d[keep],
+            self.log_a[keep],
+            self.a[keep],
+            self.a_sum[keep],
+            self.log_b[keep],
+            None if self.sign is None else self.sign[keep],
+        )
+
+
+def _make_problem(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor) -> _Problem:
+    bsz, n, m = cost.shape
+    s = torch.empty((bsz, m, n), dtype=cost.dtype, device=cost.device)
+    s.copy_(cost.transpose(1, 2))
+    s.div_(epsilon.to(cost.dtype).reshape(bsz, 1, 1))
+    log_a = log_a.to(cost.dtype)
+    log_b = log_b.to(cost.dtype)
+    a = log_a.exp()
+    d = sign = None
+    if m == 2:
+        d = s[:, 1] - s[:, 0]
+        sign = torch.where(log_b[:, 1:2] <= log_b[:, 0:1], 1.0, -1.0).to(cost.dtype)
+    return _Problem(s, d, log_a, a, a.sum(-1), log_b, sign)
+
+
+def _probs(prob: _Problem, v: Tensor) -> Tensor:
+    """Row softmax ``P_ij = softmax_j(v_j - s_ij)`` in (B, m, n) layout, full relative precision."""
+    if prob.d is not None:
+        z = (v[:, 1:2] - v[:, 0:1]) - prob.d
+        p = torch.empty_like(prob.s)
+        torch.sigmoid(z, out=p[:, 1])
+        torch.sigmoid(z.neg_(), out=p[:, 0])
+        return p
+    return torch.softmax(v.unsqueeze(-1) - prob.s, dim=1)
+
+
+def _row_lse(prob: _Problem, v: Tensor) -> Tensor:
+    """``LSE_j(v_j - s_ij)``, shape (B, n)."""
+    if prob.d is not None:
+        s0 = v[:, 0:1] - prob.s[:, 0]
+        z = (v[:, 1:2] - v[:, 0:1]) - prob.d
+        return s0 + torch.nn.functional.softplus(z)
+    return torch.logsumexp(v.unsqueeze(-1) - prob.s, dim=1)
+
+
+def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
+    """``log c_j = LSE_i(log a_i + log P_ij)`` fully in log space (robust to underflow)."""
+    if prob.d is not None:
+        z = (v[:, 1:2] - v[:, 0:1]) - prob.d
+        log_p = torch.stack(
+            (torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)), dim=1
+        )
+    else:
+        log_p = torch.log_softmax(v.unsqueeze(-1) - prob.s, dim=1)
+    return torch.logsumexp(log_p + prob.log_a.unsqueeze(1), dim=-1)
+
+
+def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor) -> Tensor:
+    """log column sums for the hot loop (one sigmoid pass when m = 2)."""
+    if prob.d is not None and prob.sign is not None:
+        # Compute the column whose target mass is smaller directly and the other by subtraction:
+        # near the solution the latter is at least half the total, so no precision is lost.
+        torch.sub(v[:, 1:2] - v[:, 0:1], prob.d, out=buf)
+        buf.mul_(prob.sign)
+        torch.sigmoid(buf, out=buf)
+        c_small = torch.linalg.vecdot(buf, prob.a)
+        c_big = prob.a_sum - c_small
+        small1 = prob.sign[:, 0] > 0
+        c1 = torch.where(small1, c_small, c_big)
+        c0 = torch.where(small1, c_big, c_small)
+        return torch.stack((c0, c1), dim=-1).log()
+    p = _probs(prob, v)
+    return torch.linalg.vecdot(p, prob.a.unsqueeze(1)).log()
+
+
+def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Return ``(log_c, err)`` at the state ``v``.
+
+    ``err`` is the relative L1 row error of the column-exact plan ``diag(a) P diag(b/c)``.
+    """
+    p = _probs(prob, v)
+    c = torch.linalg.vecdot(p, prob.a.unsqueeze(1))
+    log_c = c.log()
+    if exact_log_c is not None:
+        tiny = torch.finfo(c.dtype).tiny
+        log_c = torch.where(c > tiny * 2**30, log_c, exact_log_c)
+    r = (prob.log_b - log_c).exp()
+    row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)  # (B, n): sum_j P_ij r_j
+    err = torch.linalg.vecdot((row - 1).abs(), prob.a) / prob.a_sum
+    return log_c, err
+
+
+def _sinkhorn_loop(
+    prob: _Problem, v: Tensor, max_iter: int, tol: float
+) -> tuple[Tensor, Tensor, int]:
+    """Run Sinkhorn from ``v``; return (v per row, err per row (NaN if unchecked), iterations).
+
+    Each returned v is the state at which the row stopped (before its would-be next update).
+    """
+    bsz = v.shape[0]
+    out_v = v.clone()
+    out_err = torch.full((bsz,), math.nan, dtype=v.dtype, device=v.device)
+    idx = torch.arange(bsz, device=v.device)
+    cur, cv = prob, v
+    buf = torch.empty_like(prob.a)
+    it = 0
+    for it in range(1, max_iter + 1):
+        last = it == max_iter
+        check = tol > 0 and (it % CHECK_EVERY == 0 or last)
+        if last and not check:
+            break
+        if check:
+            log_c, err = _check(cur, cv, _log_col_sums_exact(cur, cv) if it == 1 else None)
+            done = ~(err > tol) | last  # NaN residual stops the row
+            n_done = int(done.sum())
+            if n_done:
+                rows = idx[done]
+                out_v[rows] = cv[done]
+                out_err[rows] = err[done]
+                if n_done == idx.numel():
+                    idx = idx[:0]
+                    break
+                keep = ~done
+                idx, cur, cv, log_c = idx[keep], cur.select(keep), cv[keep], log_c[keep]
+        elif it == 1:
+            log_c = _log_col_sums_exact(cur, cv)
+        else:
+            if buf.shape != cur.a.shape:
+                buf = torch.empty_like(cur.a)
+            log_c = _fast_log_col_sums(cur, cv, buf)
+        cv = cv + (cur.log_b - log_c)
+    if idx.numel():
+        out_v[idx] = cv
+    return out_v, out_err, it
+
+
+def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]:
+    """Semi-dual Newton with Armijo steps; return (v, err, steps). Rows are never made worse."""
+    bsz, m, _ = prob.s.shape
+    out_v = v.clone()
+    out_err = torch.full((bsz,), math.nan, dtype=v.dtype, device=v.device)
+    idx = torch.arange(bsz, device=v.device)
+    cur, cv = prob, v
+    steps = 0
+    for step in range(NEWTON_MAX_STEPS + 1):
+        p = _probs(cur, cv)
+        c = torch.linalg.vecdot(p, cur.a.unsqueeze(1))
+        log_c = c.log()
+        r = (cur.log_b - log_c).exp()
+        row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)
+        err = torch.linalg.vecdot((row - 1).abs(), cur.a) / cur.a_sum
+        out_v[idx] = cv
+        out_err[idx] = err
+        done = ~(err > tol)
+        if step == NEWTON_MAX_STEPS or bool(done.all()):
+            break
+        steps = step + 1
+        # Reduced Newton system in float64: K delta = (b - c)_<.
+        pd = p.double()
+        a64 = cur.a.double()
+        c64 = c.double()
+        grad = cur.log_b.double().exp() - c64
+        chol, info = torch.linalg.cholesky_ex(_reduced_schur(pd, a64))
+        delta = torch.cholesky_solve(grad[:, : m - 1, None], chol).squeeze(-1)
+        slope = (grad[:, : m - 1] * delta).sum(-1)
+        ok_sys = (info == 0) & torch.isfinite(slope) & (slope > 0)
+        delta = torch.cat((delta, torch.zeros_like(delta[:, :1])), dim=-1)
+        b64 = grad + c64
+        # Armijo on the exact dual increase, computed without cancellation:
+        # Psi(v + D) - Psi(v) = <D, b> - sum_i a_i log1p(sum_j P_ij expm1(D_j)).
+        t = torch.ones_like(slope)
+        accepted = torch.zeros_like(ok_sys)
+        for _ in range(_ARMIJO_MAX_HALVINGS):
+            step_v = t[:, None] * delta
+            inner = torch.linalg.vecdot(pd, torch.expm1(step_v).unsqueeze(-1), dim=1)
+            gain = (step_v * b64).sum(-1) - torch.linalg.vecdot(torch.log1p(inner), a64)
+            ok = ok_sys & ~accepted & torch.isfinite(gain) & (gain >= _ARMIJO_SIGMA * t * slope)
+            accepted = accepted | ok
+            if bool((accepted | ~ok_sys).all()):
+                break
+            t = torch.where(accepted, t, t * 0.5)
+        stalled = ~accepted
+        new_v = cv + torch.where(accepted[:, None], t[:, None] * delta, 0.0).to(cv.dtype)
+        keep = ~(done | stalled)
+        if not bool(keep.any()):
+            break
+        idx, cur, cv = idx[keep], cur.select(keep), new_v[keep]
+    return out_v, out_err, steps
+
+
+def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
+    """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns, plus jitter.
+
+    ``p`` (B, m, n) has rows ``P_i`` summing to 1 over m; ``w`` (B, n) > 0. This is
+    ``diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` for ``Gamma = diag(w) P``. The diagonal is formed
+    as ``sum_i w_i P_ij sum_{l != j} P_il`` (no cancellation when P is nearly one-hot, i.e. at small
+    epsilon), and ``_JITTER * max diag`` is added. Differentiable; float64 in, float64 out.
+    """
+    m = p.shape[1]
+    ps = p[:, : m - 1]
+    zeros = torch.zeros_like(p[:, :1])
+    before = torch.cat((zeros, p[:, :-1].cumsum(1)), dim=1)  # sum_{l<j} P_il
+    after = torch.cat((p[:, 1:].flip(1).cumsum(1).flip(1), zeros), dim=1)  # sum_{l>j} P_il
+    others = (before + after)[:, : m - 1]
+    diag = torch.linalg.vecdot(ps * others, w.unsqueeze(1))  # (B, m-1)
+    gram = (ps * w.unsqueeze(1)) @ ps.transpose(1, 2)
+    kmat = torch.diag_embed(gram.diagonal(dim1=-2, dim2=-1) + diag) - gram
+    scale = diag.detach().amax(-1).clamp_min(torch.finfo(p.dtype).tiny)
+    eye = torch.eye(m - 1, dtype=p.dtype, device=p.device)
+    return kmat + (_JITTER * scale)[:, None, None] * eye
+
+
+def _finalize(
+    prob: _Problem, v: Tensor, epsilon: Tensor, tol: float, iterations: int
+) -> SinkhornResult:
+    """Column-exact plan, potentials and diagnostics at the states ``v``."""
+    exact = _log_col_sums_exact(prob, v)
+    log_c, err = _check(prob, v, exact)
+    p = _probs(prob, v)
+    r = (prob.log_b - log_c).exp()
+    plan = p.mul_((prob.a.unsqueeze(1)) * r.unsqueeze(-1))  # (B, m, n)
+    eps = epsilon.to(v.dtype)
+    f = (prob.log_a - _row_lse(prob, v)) * eps[:, None]
+    g = (v + prob.log_b - log_c) * eps[:, None]
+    converged = err <= tol
+    bad = ~torch.isfinite(err)
+    plan = torch.where(bad[:, None, None], math.nan, plan)
+    f = torch.where(bad[:, None], math.nan, f)
+    g = torch.where(bad[:, None], math.nan, g)
+    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
+
+
+def log_sinkhorn(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    *,
+    max_iter: int,
+    tol: float,
+    newton: bool = False,
+) -> SinkhornResult:
+    """Solve a batch of entropic OT problems (no autograd).
+
+    Args:
+        cost: (B, n, m) floating cost; computation happens in its dtype (callers upcast).
+        log_a: (B, n) log row marginals.
+        log_b: (B, m) log column marginals (same total mass as ``a``).
+        epsilon: (B,) positive regularisation, in the units of the cost.
+        max_iter: cap on Sinkhorn iterations (a Newton polish adds at most ``NEWTON_MAX_STEPS``).
+        tol: relative L1 marginal tolerance; ``0`` runs exactly ``max_iter`` iterations.
+        newton: polish with semi-dual Newton once the residual is below ``NEWTON_SWITCH``.
+
+    Returns:
+        A :class:`SinkhornResult`; ``plan`` is a (B, n, m) view of a (B, m, n) buffer.
+    """
+    with torch.no_grad():
+        cost = cost.detach()
+        bsz, n, m = cost.shape
+        prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
+        v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
+        if bsz == 0 or n == 0:
+            return _finalize(prob, v, epsilon, tol, 0)
+        use_newton = newton and tol > 0 and m > 1
+        tol1 = max(tol, NEWTON_SWITCH) if use_newton else tol
+        v, err, iters = _sinkhorn_loop(prob, v, max_iter, tol1)
+        if use_newton:
+            todo = err > tol  # finite rows that are not done yet
+            if bool(todo.any()):
+                sub = prob.select(todo)
+                v_sub, err_sub, steps = _newton(sub, v[todo], tol)
+                better = err_sub < err[todo]  # keep the Newton state only if it is better
+                v_new = torch.where(better[:, None], v_sub, v[todo])
+                err_new = torch.where(better, err_sub, err[todo])
+                v[todo] = v_new
+                err[todo] = err_new
+                iters += steps
+                left = max_iter - iters
+                todo2 = err > tol
+                if left > 0 and bool(todo2.any()):
+                    v2, _, it2 = _sinkhorn_loop(prob.select(todo2), v[todo2], left, tol)
+                    v[todo2] = v2
+                    iters += it2
+        return _finalize(prob, v, epsilon, tol, iters)
+
+
+class SinkhornPlanFunction(torch.autograd.Function):
+    """cost (B, n, m) -> plan (B, n, m) with the implicit (Schur complement) backward.
+
+    Inputs after ``cost`` (log marginals, epsilon, solver settings) get no gradient. Outputs:
+    ``(plan, f, g, converged, residual, iterations)``; only ``plan`` is differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        cost: Tensor,
+        log_a: Tensor,
+        log_b: Tensor,
+        epsilon: Tensor,
+        max_iter: int,
+        tol: float,
+        newton: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+        res = log_sinkhorn(
+            cost, log_a, log_b, epsilon, max_iter=max_iter, tol=tol, newton=newton
+        )
+        return res.plan, res.f, res.g, res.converged, res.residual, res.iterations
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        epsilon = inputs[3]
+        plan, f, g, converged, residual, _ = output
+        ctx.save_for_backward(plan, epsilon.detach())
+        ctx.mark_non_differentiable(f, g, converged, residual)
+
+    @staticmethod
+    def backward(ctx: Any, grad_plan: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
+        nones: tuple[None, ...] = (None,) * 6
+        if not ctx.needs_input_grad[0] or grad_plan is None:
+            return (None, *nones)
+        plan, epsilon = ctx.saved_tensors
+        return (implicit_cost_vjp(plan, grad_plan, epsilon), *nones)
+
+
+def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
+    """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (MATH.md §2.3).
+
+    Args:
+        plan: (B, n, m) converged plan.
+        grad_plan: (B, n, m) incoming gradient.
+        epsilon: (B,) regularisation in cost units.
+
+    Returns:
+        (B, n, m) gradient with respect to the cost, in ``plan``'s dtype.
+    """
+    dtype = plan.dtype
+    bsz, n, m = plan.shape
+    gam = plan.transpose(1, 2).double()  # (B, m, n)
+    w_mat = gam * grad_plan.transpose(1, 2).double()
+    if m == 1:
+        return torch.zeros_like(plan)
+    w = w_mat.sum(1)  # (B, n)
+    wc = w_mat.sum(2)  # (B, m)
+    mu = gam.sum(1)  # (B, n) row sums of the plan
+    gs = gam[:, : m - 1]  # (B, m-1, n)
+    chol, _ = torch.linalg.cholesky_ex(_reduced_schur(gam / mu.unsqueeze(1), mu))
+    rhs = wc[:, : m - 1] - torch.linalg.vecdot(gs, (w / mu).unsqueeze(1))
+    beta = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)  # (B, m-1)
+    alpha = (w - torch.linalg.vecdot(gs, beta.unsqueeze(-1), dim=1)) / mu  # (B, n)
+    beta = torch.cat((beta, torch.zeros_like(beta[:, :1])), dim=-1)
+    gbar = (gam * (alpha.unsqueeze(1) + beta.unsqueeze(-1)) - w_mat) / epsilon.double().reshape(
+        bsz, 1, 1
+    )
+    return gbar.to(dtype).transpose(1, 2)
+
+
+def sinkhorn_plan(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    newton: bool = False,
+) -> tuple[Tensor, SinkhornResult]:
+    """Differentiable (in ``cost``) Sinkhorn plan with the implicit backward.
+
+    Args:
+        cost: (B, n, m) cost; may require grad.
+        log_a: (B, n) log row marginals (constant).
+        log_b: (B, m) log column marginals (constant).
+        epsilon: (B,) regularisation in cost units (constant).
+        max_iter: iteration cap.
+        tol: relative L1 marginal tolerance (0: exactly ``max_iter`` iterations).
+        newton: semi-dual Newton polish (see the module docstring).
+
+    Returns:
+        ``(plan, result)`` with ``plan`` (B, n, m) differentiable in ``cost`` and ``result`` the
+        diagnostics (``result.plan is plan``).
+    """
+    plan, f, g, converged, residual, iterations = SinkhornPlanFunction.apply(
+        cost, log_a, log_b, epsilon, max_iter, tol, newton
+    )
+    return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual)

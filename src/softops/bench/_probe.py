@@ -1,0 +1,161 @@
+"""Measurements that need a fresh process, run by the harness as subprocesses.
+
+``python -m softops.bench._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
+    Peak extra memory of one forward+backward of one case, after a warm-up call (so a compiled
+    path is compiled before measuring). On CPU: the ``ru_maxrss`` high-water mark after the call
+    minus the resident set before it, with the high-water mark first reset to the current
+    resident set through ``/proc/self/clear_refs`` (Linux). Where that reset is unavailable, the
+    baseline is the high-water mark before the call, which can only under-estimate. On CUDA:
+    ``torch.cuda.max_memory_allocated`` minus ``memory_allocated``, after resetting the peak.
+    Also reports the bytes saved for backward (see :func:`softops.bench.harness.count_saved_bytes`).
+
+``python -m softops.bench._probe first-call ...``
+    Seconds of the first forward+backward of one case in this fresh process (which includes any
+    ``torch.compile`` compilation), and of the second.
+
+The result is printed as one JSON line prefixed with ``SOFTOPS_PROBE_RESULT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from softops.bench.harness import (
+    PROBE_MARKER,
+    Case,
+    Config,
+    Suite,
+    count_saved_bytes,
+    functional_weights,
+    make_generator,
+    sync,
+)
+
+_MB = 2.0**20
+
+
+def resolve_suite(ref: str) -> Suite:
+    """Import ``"module:attribute"`` and return the suite object."""
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def _current_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset the peak RSS to the current RSS (Linux >= 4.0); return whether it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _memory(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
+    device = x.device
+    out = case.fn(x)
+    g = functional_weights(out.shape, out, seed, case.name)
+    (out * g).sum().backward()  # warm-up (compiles a compiled path)
+    del out
+    x.grad = None
+    gc.collect()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        kind = "cuda max_memory_allocated"
+    else:
+        current = _current_rss_bytes()
+        if current is not None and _reset_high_water_mark():
+            baseline, kind = current, "rss"
+        else:
+            baseline, kind = _maxrss_bytes(), "rss (high-water mark not reset: a lower bound)"
+    out, saved = count_saved_bytes(case.fn, x)
+    (out * g).sum().backward()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _maxrss_bytes()
+    return {
+        "peak_mb": max(0, peak - baseline) / _MB,
+        "peak_kind": kind,
+        "baseline_mb": baseline / _MB,
+        "saved_mb": saved / _MB,
+    }
+
+
+def _first_call(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
+    device = x.device
+    result: dict[str, Any] = {}
+    for tag in ("first_s", "second_s"):
+        x.grad = None
+        sync(device)
+        start = time.perf_counter()
+        out = case.fn(x)
+        sync(device)
+        forward = time.perf_counter() - start
+        g = functional_weights(out.shape, out, seed, case.name)  # not timed
+        start = time.perf_counter()
+        (out * g).sum().backward()
+        sync(device)
+        result[tag] = forward + time.perf_counter() - start
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one probe and print its JSON result line; the exit status is 0 on success."""
+    parser = argparse.ArgumentParser(prog="python -m softops.bench._probe")
+    parser.add_argument("kind", choices=["memory", "first-call"])
+    parser.add_argument("--suite", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    suite = resolve_suite(args.suite)
+    config = Config.from_json(args.config)
+    cases = {case.name: case for case in suite.make_cases(config)}
+    if args.case not in cases:
+        parser.error(f"expected a case of {config.label}: {sorted(cases)}; got {args.case!r}.")
+    case = cases[args.case]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    gen = make_generator(device, args.seed)
+    x = suite.make_input(config, device=device, dtype=dtype, generator=gen)
+    x = x.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        if args.kind == "memory":
+            result = _memory(case, x, args.seed)
+        else:
+            result = _first_call(case, x, args.seed)
+    print(PROBE_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""soft_topk_mask (method="ot" and "hard") and topk_selection_matrix."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck, gradgradcheck
+
+import softops
+from softops import soft_topk_mask, topk_selection_matrix
+from softops.topk import topk_threshold
+
+from .reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
+
+F64 = torch.float64
+
+
+def _distinct(B: int, n: int, dtype=F64) -> torch.Tensor:
+    """Rows with well-separated entries (a gap of at least 1/n between any two)."""
+    return torch.stack([torch.randperm(n).to(dtype) / n * 4 for _ in range(B)])
+
+
+# ----------------------------------------------------------------------------- reference values
+
+
+def test_reproduces_official_demo():
+    # The official notebook: scores [5,2,3,4,1,6], k=3, the k smallest, paper eps 5e-2 on a cost
+    # normalised by max C = 36, i.e. epsilon = 0.05 * 36 / 2 = 0.9 in our units.
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64, requires_grad=True)
+    A = soft_topk_mask(x, 3, epsilon=0.9, largest=False)
+    expected = torch.tensor([0.15886910, 0.84113090, 0.63542356, 0.36457644, 0.94146310, 0.05853690])
+    torch.testing.assert_close(A.detach(), expected.to(F64), atol=1e-7, rtol=0)
+    (A[1] + A[2] + A[3]).backward()
+    grad = torch.tensor([0.10541585, -0.04306151, -0.07465184, -0.07465144, 0.04347444, 0.04347456])
+    torch.testing.assert_close(x.grad, grad.to(F64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (40, 1, 0.2), (40, 39, 0.2), (60, 12, 1.0)])
+def test_equals_converged_sinkhorn_and_its_autograd(n, k, eps):
+    x = torch.randn(3, n, dtype=F64, requires_grad=True)
+    ref = unrolled_sinkhorn_topk_mask(x, k, eps, iters=3000)
+    A = soft_topk_mask(x, k, epsilon=eps)
+    torch.testing.assert_close(A, ref, atol=1e-10, rtol=0)
+    g = torch.randn_like(A)
+    (gx,) = torch.autograd.grad(A, x, g)
+    (gref,) = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(gx, gref, atol=1e-9, rtol=0)
+
+
+# ----------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (50, 1, 0.1), (50, 49, 0.1), (30, 15, 3.0)])
+def test_gradcheck_x_k_epsilon(n, k, eps):
+    x = torch.randn(2, n, dtype=F64, requires_grad=True)
+    kt = torch.tensor(float(k), dtype=F64, requires_grad=True)
+    et = torch.tensor(eps, dtype=F64, requires_grad=True)
+    assert gradcheck(lambda x, k, e: soft_topk_mask(x, k, epsilon=e), (x, kt, et))
+    assert gradgradcheck(lambda x: soft_topk_mask(x, k, epsilon=eps), (x,))
+
+
+def test_gradcheck_per_row_k_and_epsilon_any_dim():
+    x = torch.randn(3, 9, 2, dtype=F64, requires_grad=True)
+    k = torch.tensor([[2.0, 3.5], [1.0, 8.0], [4.0, 4.25]], dtype=F64, requires_grad=True)
+    e = torch.tensor([[0.3], [1.0], [0.7]], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda x, k, e: soft_topk_mask(x, k, dim=1, epsilon=e), (x, k, e))
+
+
+def test_gradient_is_zero_not_nan_in_the_hard_limit():
+    x = torch.tensor([[3.0, 1.0, 2.0, 0.0]], dtype=F64, requires_grad=True)
+    A = soft_topk_mask(x, 2, epsilon=1e-300)
+    assert torch.equal(A.detach(), torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=F64))
+    (g,) = torch.autograd.grad(A.sum() + (A * torch.arange(4.0)).sum(), x)
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_hard_straight_through():
+    x = torch.randn(4, 10, dtype=F64, requires_grad=True)
+    A = soft_topk_mask(x, 3, epsilon=0.5, hard=True)
+    assert torch.equal(A.detach(), hard_topk_mask(x.detach(), 3))
+    g = torch.randn_like(A)
+    (gh,) = torch.autograd.grad(A, x, g)
+    (gs,) = torch.autograd.grad(soft_topk_mask(x, 3, epsilon=0.5), x, g)
+    torch.testing.assert_close(gh, gs)
+    per_row = torch.tensor([1.0, 2.0, 3.0, 9.0], dtype=F64)
+    H = soft_topk_mask(x, per_row, epsilon=0.5, hard=True)
+    assert H.sum(-1).tolist() == per_row.tolist()
+    assert torch.equal(H[0], hard_topk_mask(x[0].detach(), 1))
+    with pytest.raises(ValueError, match=r"hard=True needs an integer k; got k=2.5"):
+        soft_topk_mask(x, 2.5, hard=True)
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize(("n", "k"), [(10, 3), (1000, 10), (1000, 990), (20000, 200), (20000, 10000)])
+@pytest.mark.parametrize("eps", [10.0, 1.0, 0.1, 1e-3, 1e-6])
+def test_in_unit_interval_and_sums_to_k(dtype, n, k, eps):
+    x = torch.randn(8, n, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # must converge within the default cap
+        A = soft_topk_mask(x, k, epsilon=eps)
+    assert A.dtype == dtype
+    assert bool(((A >= 0) & (A <= 1)).all())
+    rel = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(A.double().sum(-1), torch.full((8,), float(k), dtype=F64),
+                               rtol=rel, atol=0)
+
+
+def test_permutation_equivariant_and_shift_invariant():
+    x = torch.randn(5, 30, dtype=F64)
+    perm = torch.randperm(30)
+    A = soft_topk_mask(x, 7, epsilon=0.3)
+    torch.testing.assert_close(soft_topk_mask(x[:, perm], 7, epsilon=0.3), A[:, perm])
+    torch.testing.assert_close(soft_topk_mask(x + 123.25, 7, epsilon=0.3), A, atol=1e-10, rtol=0)
+    # scaling law: soft_topk_mask(c x, epsilon=c e) == soft_topk_mask(x, epsilon=e)
+    torch.testing.assert_close(soft_topk_mask(4 * x, 7, epsilon=1.2), A, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
+def test_any_dim_equals_loop_over_rows(dim):
+    x = torch.randn(4, 6, 5, dtype=F64)
+    A = soft_topk_mask(x, 2.5, dim=dim, epsilon=0.4)
+    xm = x.movedim(dim, -1)
+    rows = xm.reshape(-1, xm.shape[-1])
+    looped = torch.stack([soft_topk_mask(r, 2.5, epsilon=0.4) for r in rows]).reshape(xm.shape)
+    torch.testing.assert_close(A, looped.movedim(-1, dim))
+    torch.testing.assert_close(A.sum(dim), torch.full_like(A.sum(dim), 2.5))
+
+
+def test_reaches_hard_mask_as_epsilon_goes_to_zero():
+    x = _distinct(6, 50)
+    hard = hard_topk_mask(x, 10)
+    errs = [float((soft_topk_mask(x, 10, epsilon=e) - hard).abs().max()) for e in (1.0, 0.1, 0.01, 1e-3)]
+    assert errs == sorted(errs, reverse=True)
+    assert errs[-1] < 1e-8
+    lo = soft_topk_mask(x, 10, epsilon=1e-3, largest=False)
+    torch.testing.assert_close(lo, hard_topk_mask(x, 10, largest=False), atol=1e-8, rtol=0)
+
+
+def test_largest_false_is_largest_of_negated():
+    x = torch.randn(3, 20, dtype=F64)
+    torch.testing.assert_close(soft_topk_mask(x, 4, largest=False), soft_topk_mask(-x, 4))
+
+
+def test_ties_share_mass_at_tiny_epsilon_in_float32():
+    x = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
+    A = soft_topk_mask(x, 2, epsilon=1e-6)
+    torch.testing.assert_close(A, torch.tensor([1.0, 1 / 3, 1 / 3, 1 / 3, 0.0, 0.0]))
+    # all-equal rows: k/n everywhere, finite gradient
+    y = torch.zeros(1, 8, dtype=F64, requires_grad=True)
+    B = soft_topk_mask(y, 3, epsilon=0.1)
+    torch.testing.assert_close(B, torch.full_like(B, 3 / 8))
+    (g,) = torch.autograd.grad((B * torch.arange(8.0)).sum(), y)
+    assert bool(torch.isfinite(g).all())
+
+
+def test_rows_are_independent():
+    # The official implementation divides the cost by a batch-wide max: scaling one row changes
+    # the others. Here rows never interact.
+    x = torch.randn(4, 25, dtype=F64)
+    A = soft_topk_mask(x, 5, epsilon=0.2)
+    x2 = x.clone()
+    x2[0] *= 1000
+    A2 = soft_topk_mask(x2, 5, epsilon=0.2)
+    assert torch.equal(A2[1:], A[1:])
+
+
+def test_k_edges_and_fractional_k():
+    x = torch.randn(3, 11, dtype=F64, requires_grad=True)
+    assert torch.equal(soft_topk_mask(x, 0), torch.zeros_like(x))
+    assert torch.equal(soft_topk_mask(x, 11), torch.ones_like(x))
+    (g,) = torch.autograd.grad(soft_topk_mask(x, 11).sum(), x, allow_unused=True)
+    assert g is None or torch.equal(g, torch.zeros_like(x))
+    A = soft_topk_mask(x, 3.7, epsilon=0.5)
+    torch.testing.assert_close(A.sum(-1), torch.full((3,), 3.7, dtype=F64))
+
+
+def test_per_row_k_and_gradient_in_k():
+    x = torch.randn(2, 3, 12, dtype=F64)
+    k = torch.tensor([[1.0, 5.0, 11.5], [0.0, 12.0, 6.0]], dtype=F64)
+    A = soft_topk_mask(x, k, epsilon=0.3)
+    torch.testing.assert_close(A.sum(-1), k)
+    # dA/dk = s / sum(s): increasing k by dk adds exactly dk of mass
+    kt = torch.tensor(4.0, dtype=F64, requires_grad=True)
+    (gk,) = torch.autograd.grad(soft_topk_mask(x, kt, epsilon=0.3).sum(), kt)
+    torch.testing.assert_close(gk, torch.tensor(6.0, dtype=F64))
+
+
+# -------------------------------------------------------------------------- special values
+
+
+def test_nan_row_stays_in_its_row():
+    x = torch.randn(3, 10, dtype=F64, requires_grad=True)
+    with torch.no_grad():
+        x[1, 4] = math.nan
+    A = soft_topk_mask(x, 3, epsilon=0.2)
+    assert bool(torch.isnan(A[1]).all())
+    assert bool(torch.isfinite(A[[0, 2]]).all())
+    torch.testing.assert_close(A[[0, 2]], soft_topk_mask(x[[0, 2]].detach(), 3, epsilon=0.2))
+    (g,) = torch.autograd.grad(A[[0, 2]].pow(2).sum(), x)
+    assert bool(torch.isfinite(g[[0, 2]]).all())
+
+
+def test_infinities_behave_as_their_limits():
+    inf = math.inf
+    x = torch.tensor(
+        [
+            [1.0, -inf, 3.0, 2.0, -inf, 0.5],  # -inf never selected
+            [inf, 1.0, 2.0, 0.0, -1.0, 3.0],  # +inf always selected
+            [-inf, -inf, -inf, 1.0, 2.0, 3.0],  # exactly k finite: all of them
+            [inf, inf, inf, inf, 1.0, 2.0],  # more +inf than k: cannot hold
+            [-inf, -inf, -inf, -inf, -inf, 2.0],  # fewer than k above -inf: cannot hold
+            [inf, inf, inf, 1.0, 2.0, -inf],  # exactly k at +inf
+        ],
+        dtype=F64,
+        requires_grad=True,
+    )
+    A = soft_topk_mask(x, 3, epsilon=0.1)
+    ref0 = soft_topk_mask(torch.tensor([1.0, 3.0, 2.0, 0.5], dtype=F64), 3, epsilon=0.1)
+    torch.testing.assert_close(A[0, [0, 2, 3, 5]], ref0)
+    assert A[0, 1] == 0 and A[0, 4] == 0
+    assert A[1, 0] == 1
+    torch.testing.assert_close(A[1, 1:].sum(), torch.tensor(2.0, dtype=F64))
+    assert A[2].tolist() == [0, 0, 0, 1, 1, 1]
+    assert bool(torch.isnan(A[3]).all()) and bool(torch.isnan(A[4]).all())
+    assert A[5].tolist() == [1, 1, 1, 0, 0, 0]
+    (g,) = torch.autograd.grad((A[[0, 1, 2, 5]] * torch.randn(4, 6, dtype=F64)).sum(), x)
+    assert bool(torch.isfinite(g[[0, 1, 2, 5]]).all())
+    assert g[0, 1] == 0 and g[1, 0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_computed_in_float32(dtype):
+    x = torch.randn(4, 1000)
+    A = soft_topk_mask(x.to(dtype), 100, epsilon=0.1)
+    assert A.dtype == dtype
+    ref = soft_topk_mask(x.to(dtype).float(), 100, epsilon=0.1)
+    torch.testing.assert_close(A.float(), ref, atol=4e-3, rtol=0)
+    xr = x.to(dtype).requires_grad_()
+    soft_topk_mask(xr, 100).sum().backward()
+    assert xr.grad.dtype == dtype
+
+
+def test_very_long_rows():
+    x = torch.randn(1, 10_000_000)
+    A = soft_topk_mask(x, 1000, epsilon=0.01)
+    assert abs(float(A.double().sum()) - 1000) < 1000 * 1e-5
+    torch.testing.assert_close(A[0].topk(1000).indices.sort().values,
+                               x[0].topk(1000).indices.sort().values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 40),
+    data=st.data(),
+    scale=st.sampled_from([1e-20, 1e-3, 1.0, 1e3, 1e20]),
+    eps_rel=st.sampled_from([1e-6, 1e-2, 1.0, 100.0]),
+)
+def test_property_sum_bounds_and_no_nan(n, data, scale, eps_rel):
+    # ties (integers in a small range), extreme magnitudes, temperatures across 8 decades
+    vals = data.draw(st.lists(st.integers(-3, 3), min_size=n, max_size=n))
+    k = data.draw(st.floats(0.0, float(n)))
+    x = torch.tensor(vals, dtype=F64) * scale
+    A = soft_topk_mask(x, k, epsilon=eps_rel * scale)
+    assert bool(torch.isfinite(A).all())
+    assert bool(((A >= 0) & (A <= 1)).all())
+    assert abs(float(A.sum()) - k) <= 1e-8 * max(k, 1)
+    # monotone in x: a larger score never gets less mass
+    order = x.argsort()
+    assert bool((A[order].diff() >= -1e-12).all())
+
+
+# -------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"k": 7}, ValueError, r"expected 0 <= `k` <= x.shape\[dim\] \(= 5\); got k=7"),
+        ({"k": -1}, ValueError, r"got k=-1"),
+        ({"k": torch.tensor([1.0, 6.0])}, ValueError, r"got k=6"),
+        ({"k": 2, "epsilon": 0.0}, ValueError, r"expected `epsilon` > 0 and finite; got epsilon=0.0"),
+        ({"k": 2, "epsilon": -1.0}, ValueError, r"got epsilon=-1.0"),
+        ({"k": 2, "epsilon": torch.tensor([0.1, -2.0])}, ValueError, r"got epsilon=-2.0"),
+        ({"k": 2, "dim": 2}, ValueError, r"expected `dim` in \[-2, 1\].*got dim=2"),
+        ({"k": 2, "method": "bogus"}, ValueError, r"got method='bogus'"),
+        ({"k": "2"}, TypeError, r"expected `k` to be a number; got '2'"),
+        ({"k": 2, "max_iter": 0}, ValueError, r"got 0"),
+        ({"k": 2, "tol": -1.0}, ValueError, r"got tol=-1.0"),
+        ({"k": torch.ones(3)}, ValueError, r"broadcastable to the batch shape \(2,\)"),
+    ],
+)
+def test_bad_input_raises_clear_errors(kwargs, exc, match):
+    x = torch.randn(2, 5)
+    with pytest.raises(exc, match=match):
+        soft_topk_mask(x, **kwargs)
+
+
+def test_bad_dtype_and_empty_dim():
+    with pytest.raises(TypeError, match=r"real floating dtype.*got dtype=torch.int64"):
+        soft_topk_mask(torch.arange(5), 2)
+    with pytest.raises(ValueError, match=r"non-empty `dim`; got x.shape\[1\] = 0"):
+        soft_topk_mask(torch.zeros(3, 0), 0)
+    with pytest.raises(TypeError, match=r"expected `x` to be a torch.Tensor; got list"):
+        soft_topk_mask([1.0, 2.0], 1)
+
+
+def test_empty_batch_is_fine():
+    x = torch.zeros(0, 5)
+    assert soft_topk_mask(x, 2).shape == (0, 5)
+
+
+def test_not_converged_warns():
+    x = torch.randn(4, 100, dtype=F64)
+    with pytest.warns(RuntimeWarning, match=r"did not converge within max_iter=2"):
+        soft_topk_mask(x, 10, epsilon=0.5, max_iter=2)
+
+
+# ------------------------------------------------------------------------------ diagnostics
+
+
+def test_topk_threshold_diagnostics():
+    x = torch.randn(3, 50, 4, dtype=F64)
+    res = topk_threshold(x, 10, 0.2, dim=1)
+    assert res.threshold.shape == (3, 4)
+    assert bool(res.converged.all()) and 1 <= res.iterations <= 10
+    assert float(res.residual.abs().max()) < 1e-10
+    A = torch.sigmoid((x - res.threshold[:, None]) / 0.2)
+    torch.testing.assert_close(A, soft_topk_mask(x, 10, dim=1, epsilon=0.2))
+    small = topk_threshold(x, 10, 0.2, dim=1, largest=False)
+    B = torch.sigmoid((small.threshold[:, None] - x) / 0.2)
+    torch.testing.assert_close(B, soft_topk_mask(x, 10, dim=1, epsilon=0.2, largest=False))
+
+
+# --------------------------------------------------------------------- selection matrix (seed 003)
+
+
+def test_selection_matrix_reproduces_torch_topk_gradients():
+    W = torch.randn(8, 6, dtype=F64)
+    x1 = torch.randn(6, dtype=F64, requires_grad=True)
+    W1 = W.clone().requires_grad_()
+    torch.topk(W1 @ x1, 3).values.pow(2).sum().backward()
+    x2 = x1.detach().clone().requires_grad_()
+    W2 = W.clone().requires_grad_()
+    y = W2 @ x2
+    Wk = topk_selection_matrix(torch.topk(y.detach(), 3).indices, 8).to(F64)
+    (Wk @ y).pow(2).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(W1.grad, W2.grad)
+    assert Wk.shape == (3, 8) and torch.equal(Wk.sum(-1), torch.ones(3, dtype=F64))
+
+
+def test_selection_matrix_errors_and_batch():
+    idx = torch.tensor([[0, 2], [1, 1]])
+    W = topk_selection_matrix(idx, 3)
+    assert W.shape == (2, 2, 3) and W[1, 0, 1] == 1 and W[0, 1, 2] == 1
+    with pytest.raises(ValueError, match=r"indices in \[0, n\) = \[0, 2\); got values in \[0, 2\]"):
+        topk_selection_matrix(idx, 2)
+    with pytest.raises(TypeError, match=r"integer tensor of indices"):
+        topk_selection_matrix(idx.float(), 3)
+
+
+# ---------------------------------------------------------------------------- compiled path
+
+
+def test_fused_path_matches_eager():
+    # One compile smoke test in the default run (about 20-40 s on 2 cores).
+    x = torch.randn(4, 70_000, requires_grad=True)
+    g = torch.randn(4, 70_000)
+    softops.set_compile(False)
+    A0 = soft_topk_mask(x, 700, epsilon=0.05)
+    (g0,) = torch.autograd.grad(A0, x, g)
+    softops.set_compile(True)
+    A1 = soft_topk_mask(x, 700, epsilon=0.05)
+    (g1,) = torch.autograd.grad(A1, x, g)
+    torch.testing.assert_close(A1, A0, atol=2e-5, rtol=0)
+    torch.testing.assert_close(g1, g0, atol=1e-4, rtol=1e-3)
+    assert abs(float(A1.double().sum(-1).max()) - 700) < 700 * 1e-5
