@@ -72,6 +72,11 @@ def _evaluate(
     return F, D, U
 
 
+def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row min, max and sum in one pass (NaN propagates into all three)."""
+    return x.amin(-1), x.amax(-1), x.sum(-1)
+
+
 def _mask(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(((x - m) - t) / eps)
 
@@ -98,7 +103,8 @@ def solve(
     B, n = x.shape
     dtype = x.dtype
     em = torch.finfo(dtype).eps
-    all_finite = bool(torch.isfinite(x).all())
+    xmin, xmax, xsum = maybe_fused(_row_stats, x)(x)
+    all_finite = bool((torch.isfinite(xmin) & torch.isfinite(xmax)).all())
     sel_none = sel_all = invalid = None
     if all_finite:
         k_eff = k
@@ -153,7 +159,6 @@ def solve(
         top = max(top, 2)
         topv = sample.topk(top, dim=-1).values
         m = 0.5 * (topv.gather(-1, (q - 1)[:, None]) + topv.gather(-1, q[:, None])).squeeze(-1)
-        xmin, xmax = torch.aminmax(x, dim=-1)
         lo = (xmin - m) - eps * logit_k
         hi = (xmax - m) - eps * logit_k
     # Bounds on the residual at the bracket's ends: every entry above lo, none above hi.
@@ -166,7 +171,7 @@ def solve(
     pad = 4 * em * (lo.abs() + hi.abs() + eps)
     lo, hi = lo - pad, hi + pad
 
-    xmean = x.mean(-1) if all_finite else torch.where(finite, x, 0).sum(-1) / nn_
+    xmean = xsum / n if all_finite else torch.where(finite, x, 0).sum(-1) / nn_
     t_large = torch.minimum(torch.maximum(xmean - m - eps * logit_k, lo), hi)
     t_mid = torch.minimum(torch.maximum(zeros, lo), hi)
 
