@@ -43,7 +43,7 @@ __all__ = ["TopK", "soft_topk"]
 _OP = "soft_topk"
 DEFAULT_MAX_ITER = 2000
 """Default Sinkhorn iteration cap (a Newton polish of at most 30 steps follows)."""
-_INF_MARGIN = 1000.0  # substitutes for infinite scores sit this many epsilons beyond the finite ones
+_INF_MARGIN = 1000.0  # stand-ins for infinite scores sit this many epsilons beyond the finite ones
 
 
 class TopK(NamedTuple):
@@ -174,6 +174,8 @@ def soft_topk(
     # Paper orientation: the smallest s are selected, smallest first.
     s = -x2 if largest else x2
     if has_inf:
+        # rows with fewer than k selectable entries give NaN (DESIGN §2, infinities)
+        selectable = (s.detach() != math.inf).sum(-1) >= k
         s = _substitute_infinities(s, eps)
     m = k + 1 if k < n else k
 
@@ -198,7 +200,6 @@ def soft_topk(
     weights = plan[:, :, :k].transpose(1, 2) * n  # (B, k, n)
     if has_inf:
         values = _values_with_infinities(weights, x2)
-        selectable = (s.detach() != math.inf).sum(-1) >= k
         weights = torch.where(selectable[:, None, None], weights, math.nan)
         values = torch.where(selectable[:, None], values, math.nan)
     else:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._core import threshold as _threshold
+from ._sorted_topk import TopK, soft_topk
 from ._core.dims import flatten_to_2d, row_param
 from ._core.fused import maybe_fused
 from ._core.straight_through import hard_topk_mask, straight_through
@@ -43,7 +44,14 @@ from ._core.validation import (
     compute_dtype,
 )
 
-__all__ = ["ThresholdResult", "soft_topk_mask", "topk_selection_matrix", "topk_threshold"]
+__all__ = [
+    "ThresholdResult",
+    "TopK",
+    "soft_topk",
+    "soft_topk_mask",
+    "topk_selection_matrix",
+    "topk_threshold",
+]
 
 _MASK_METHODS = ("ot", "sinkhorn")
 
@@ -193,7 +201,7 @@ def soft_topk_mask(
     Example:
         >>> x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])
         >>> soft_topk_mask(x, 3, epsilon=0.5).round(decimals=3)
-        tensor([0.8810, 0.0180, 0.1190, 0.5000, 0.0020, 0.9820])
+        tensor([0.9530, 0.0470, 0.2690, 0.7310, 0.0070, 0.9930])
         >>> soft_topk_mask(x, 3, epsilon=1e-3)
         tensor([1., 0., 0., 1., 0., 1.])
 

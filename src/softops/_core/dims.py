@@ -17,14 +17,14 @@ def flatten_to_2d(
     The inverse takes a (B, n') tensor (n' may differ from n, e.g. k) or a (B, n', m) tensor and
     restores the batch shape, putting the n' axis back at ``dim`` (trailing axes stay last).
     """
-    moved = x.movedim(dim, -1)
+    moved = x if dim == x.dim() - 1 else x.movedim(dim, -1)
     batch_shape = moved.shape[:-1]
     x2 = moved.reshape(-1, moved.shape[-1])
 
     def restore(y: torch.Tensor) -> torch.Tensor:
         extra = y.shape[2:]
         y = y.reshape(*batch_shape, y.shape[1], *extra)
-        return y.movedim(len(batch_shape), dim)
+        return y if len(batch_shape) == dim else y.movedim(len(batch_shape), dim)
 
     return x2, restore
 

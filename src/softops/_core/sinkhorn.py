@@ -138,6 +138,19 @@ def _make_problem(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor) -
     return _Problem(s, d, log_a, a, a.sum(-1), log_b, sign)
 
 
+def _softmax_parts(prob: _Problem, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(S - M, M, Z)`` for ``S = v_j - s_ij``, ``M = max_j S``, ``Z = sum_j exp(S - M)``.
+
+    Written with plain reductions: ``torch.softmax`` over a non-last dim opens a parallel region
+    even for tiny inputs, which is slow on a busy machine.
+    """
+    shifted = v.unsqueeze(-1) - prob.s
+    mx = shifted.amax(1, keepdim=True)
+    shifted.sub_(mx)
+    z = shifted.exp().sum(1)
+    return shifted, mx.squeeze(1), z
+
+
 def _probs(prob: _Problem, v: Tensor) -> Tensor:
     """Row softmax ``P_ij = softmax_j(v_j - s_ij)`` in (B, m, n) layout, full relative precision."""
     if prob.d is not None:
@@ -146,7 +159,8 @@ def _probs(prob: _Problem, v: Tensor) -> Tensor:
         torch.sigmoid(z, out=p[:, 1])
         torch.sigmoid(z.neg_(), out=p[:, 0])
         return p
-    return torch.softmax(v.unsqueeze(-1) - prob.s, dim=1)
+    shifted, _, z = _softmax_parts(prob, v)
+    return shifted.exp_().div_(z.unsqueeze(1))
 
 
 def _row_lse(prob: _Problem, v: Tensor) -> Tensor:
@@ -155,7 +169,8 @@ def _row_lse(prob: _Problem, v: Tensor) -> Tensor:
         s0 = v[:, 0:1] - prob.s[:, 0]
         z = (v[:, 1:2] - v[:, 0:1]) - prob.d
         return s0 + torch.nn.functional.softplus(z)
-    return torch.logsumexp(v.unsqueeze(-1) - prob.s, dim=1)
+    _, mx, z = _softmax_parts(prob, v)
+    return mx + z.log()
 
 
 def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
@@ -166,7 +181,8 @@ def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
             (torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)), dim=1
         )
     else:
-        log_p = torch.log_softmax(v.unsqueeze(-1) - prob.s, dim=1)
+        shifted, _, z = _softmax_parts(prob, v)
+        log_p = shifted.sub_(z.log().unsqueeze(1))
     return torch.logsumexp(log_p + prob.log_a.unsqueeze(1), dim=-1)
 
 
@@ -184,8 +200,8 @@ def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor) -> Tensor:
         c1 = torch.where(small1, c_small, c_big)
         c0 = torch.where(small1, c_big, c_small)
         return torch.stack((c0, c1), dim=-1).log()
-    p = _probs(prob, v)
-    return torch.linalg.vecdot(p, prob.a.unsqueeze(1)).log()
+    shifted, _, z = _softmax_parts(prob, v)
+    return torch.linalg.vecdot(shifted.exp_(), (prob.a / z).unsqueeze(1)).log()
 
 
 def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -416,9 +432,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         tol: float,
         newton: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-        res = log_sinkhorn(
-            cost, log_a, log_b, epsilon, max_iter=max_iter, tol=tol, newton=newton
-        )
+        res = log_sinkhorn(cost, log_a, log_b, epsilon, max_iter=max_iter, tol=tol, newton=newton)
         return res.plan, res.f, res.g, res.converged, res.residual, res.iterations
 
     @staticmethod
@@ -449,7 +463,7 @@ def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tenso
         (B, n, m) gradient with respect to the cost, in ``plan``'s dtype.
     """
     dtype = plan.dtype
-    bsz, n, m = plan.shape
+    bsz, _, m = plan.shape
     gam = plan.transpose(1, 2).double()  # (B, m, n)
     w_mat = gam * grad_plan.transpose(1, 2).double()
     if m == 1:

@@ -2,10 +2,11 @@
 
 ``python -m softops.bench._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
     Peak extra memory of one forward+backward of one case, after a warm-up call (so a compiled
-    path is compiled before measuring). On CPU: the ``ru_maxrss`` high-water mark after the call
-    minus the resident set before it, with the high-water mark first reset to the current
-    resident set through ``/proc/self/clear_refs`` (Linux). Where that reset is unavailable, the
-    baseline is the high-water mark before the call, which can only under-estimate. On CUDA:
+    path is compiled before measuring). On CPU: the peak resident set after the call minus the
+    resident set before it, with the high-water mark first reset to the current resident set
+    through ``/proc/self/clear_refs`` (Linux). The peak is ``VmHWM`` from /proc where available,
+    else ``resource.getrusage(...).ru_maxrss``; without the reset the baseline is the
+    high-water mark before the call, which can only under-estimate. On CUDA:
     ``torch.cuda.max_memory_allocated`` minus ``memory_allocated``, after resetting the peak.
     Also reports the bytes saved for backward (see :func:`softops.bench.harness.count_saved_bytes`).
 
@@ -51,7 +52,20 @@ def resolve_suite(ref: str) -> Suite:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def _maxrss_bytes() -> int:
+def _peak_rss_bytes() -> int:
+    """The process's peak resident set: ``VmHWM`` where /proc has it, else ``ru_maxrss``.
+
+    On Linux ``ru_maxrss`` is the larger of the memory map's high-water mark (``VmHWM``, which
+    ``clear_refs`` resets) and the marks recorded when threads exit (which nothing resets), so
+    ``VmHWM`` is read first.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
@@ -76,9 +90,10 @@ def _reset_high_water_mark() -> bool:
 
 def _memory(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
     device = x.device
-    out = case.fn(x)
-    g = functional_weights(out.shape, out, seed, case.name)
-    (out * g).sum().backward()  # warm-up (compiles a compiled path)
+    with case.context():
+        out = case.fn(x)
+        g = functional_weights(out.shape, out, seed, case.name)
+        (out * g).sum().backward()  # warm-up (compiles a compiled path)
     del out
     x.grad = None
     gc.collect()
@@ -92,11 +107,12 @@ def _memory(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
         if current is not None and _reset_high_water_mark():
             baseline, kind = current, "rss"
         else:
-            baseline, kind = _maxrss_bytes(), "rss (high-water mark not reset: a lower bound)"
-    out, saved = count_saved_bytes(case.fn, x)
-    (out * g).sum().backward()
+            baseline, kind = _peak_rss_bytes(), "rss (high-water mark not reset: a lower bound)"
+    with case.context():
+        out, saved = count_saved_bytes(case.fn, x)
+        (out * g).sum().backward()
     sync(device)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _maxrss_bytes()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     return {
         "peak_mb": max(0, peak - baseline) / _MB,
         "peak_kind": kind,
@@ -110,15 +126,16 @@ def _first_call(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for tag in ("first_s", "second_s"):
         x.grad = None
-        sync(device)
-        start = time.perf_counter()
-        out = case.fn(x)
-        sync(device)
-        forward = time.perf_counter() - start
-        g = functional_weights(out.shape, out, seed, case.name)  # not timed
-        start = time.perf_counter()
-        (out * g).sum().backward()
-        sync(device)
+        with case.context():
+            sync(device)
+            start = time.perf_counter()
+            out = case.fn(x)
+            sync(device)
+            forward = time.perf_counter() - start
+            g = functional_weights(out.shape, out, seed, case.name)  # not timed
+            start = time.perf_counter()
+            (out * g).sum().backward()
+            sync(device)
         result[tag] = forward + time.perf_counter() - start
     return result
 

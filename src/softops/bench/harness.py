@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -85,6 +85,8 @@ class Case:
         skip: a reason not to run the case (for example a peer that is not installed); the case
             is still reported, with this reason.
         first_call: time the first call in fresh subprocesses (for compiled paths).
+        mode: a context-manager factory entered around every call, forward *and* backward
+            (for example a global switch that the backward also reads).
     """
 
     name: str
@@ -92,6 +94,11 @@ class Case:
     floor: bool = False
     skip: str | None = None
     first_call: bool = False
+    mode: Callable[[], AbstractContextManager[Any]] | None = None
+
+    def context(self) -> AbstractContextManager[Any]:
+        """The context to run a call of this case in (``mode()``, or a no-op)."""
+        return self.mode() if self.mode is not None else nullcontext()
 
 
 @dataclass(frozen=True)
@@ -221,13 +228,15 @@ def _timed(call: Callable[[], Any], device: torch.device) -> float:
 
 
 def _forward(case: Case, x: torch.Tensor) -> torch.Tensor:
-    return case.fn(x)
+    with case.context():
+        return case.fn(x)
 
 
 def _forward_backward(case: Case, x: torch.Tensor, g: torch.Tensor) -> None:
     x.grad = None
-    out = case.fn(x)
-    (out * g).sum().backward()
+    with case.context():
+        out = case.fn(x)
+        (out * g).sum().backward()
 
 
 def count_saved_bytes(
@@ -406,67 +415,16 @@ def _run_config(
     base = suite.make_input(config, device=device, dtype=dtype, generator=gen)
     x_fwd = base.detach()
     x = base.detach().clone().requires_grad_(True)
-    budget = options.time_budget_s
 
     states = [_CaseState(case) for case in suite.make_cases(config)]
     for st in states:
         reason = st.case.skip or too_slow.get((config.group, st.case.name))
         if reason:
             st.fwd_skip = st.fwdbwd_skip = reason
-    active = [st for st in states if st.fwd_skip is None]
-
-    # Warm-up: one call per case and mode. Its forward output feeds `compare`; the
-    # forward+backward warm-up also draws `g` and counts the bytes saved for backward.
-    for st in active:
-        try:
-            t_fwd = _timed(lambda st=st: setattr(st, "output", _forward(st.case, x_fwd)), device)
-        except Exception as err:  # a failing method is reported, not fatal
-            st.fwd_skip = st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
-            log(f"    {st.case.name}: {st.fwd_skip}")
-            continue
-        if t_fwd > budget:
-            st.fwd_skip = st.fwdbwd_skip = too_slow[(config.group, st.case.name)] = (
-                f"too slow: one forward took {t_fwd:.1f} s at {config.label}, over the "
-                f"{budget:g} s budget"
-            )
-            log(f"    {st.case.name}: {st.fwd_skip}")
-            continue
-        assert st.output is not None
-        st.g = functional_weights(st.output.shape, st.output, options.seed, st.case.name)
-        try:
-            t_fb = _timed(lambda st=st: _warm_fwdbwd(st, x), device)
-        except Exception as err:
-            st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
-            log(f"    {st.case.name}: {st.fwdbwd_skip}")
-            continue
-        if t_fb > budget:
-            st.fwdbwd_skip = too_slow[(config.group, st.case.name)] = (
-                f"too slow: one forward+backward took {t_fb:.1f} s at {config.label}, over the "
-                f"{budget:g} s budget"
-            )
-            log(f"    {st.case.name}: {st.fwdbwd_skip}")
-
-    # Timed repeats, interleaved round-robin; the order alternates between repeats.
+        else:
+            _warm_up(st, x_fwd, x, config, options, device, too_slow, log)
     runnable = [st for st in states if st.fwd_skip is None]
-    for st in runnable:
-        st.repeats = options.repeats
-    with _gc_paused():
-        for rep in range(options.repeats):
-            order = runnable if rep % 2 == 0 else runnable[::-1]
-            for st in order:
-                if rep >= st.repeats:
-                    continue
-                st.fwd.append(_timed(lambda st=st: _forward(st.case, x_fwd), device))
-                if st.fwdbwd_skip is None:
-                    assert st.g is not None
-                    st.fwdbwd.append(
-                        _timed(lambda st=st: _forward_backward(st.case, x, st.g), device)
-                    )
-            if rep == 0:  # fit the remaining repeats into the budget
-                for st in runnable:
-                    per_repeat = st.fwd[0] + (st.fwdbwd[0] if st.fwdbwd else 0.0)
-                    fit = int(budget // per_repeat) if per_repeat > 0 else options.repeats
-                    st.repeats = max(options.min_repeats, min(options.repeats, fit))
+    _timed_repeats(runnable, x_fwd, x, options, device)
 
     outputs = {st.case.name: st.output for st in runnable if st.output is not None}
     facts = suite.compare(config, outputs) if outputs else {}
@@ -513,11 +471,93 @@ def _run_config(
     return records
 
 
-def _warm_fwdbwd(st: _CaseState, x: torch.Tensor) -> None:
-    assert st.g is not None
-    x.grad = None
-    out, st.saved_bytes = count_saved_bytes(st.case.fn, x)
-    (out * st.g).sum().backward()
+def _warm_up(
+    st: _CaseState,
+    x_fwd: torch.Tensor,
+    x: torch.Tensor,
+    config: Config,
+    options: RunOptions,
+    device: torch.device,
+    too_slow: dict[tuple[str, str], str],
+    log: Callable[[str], None],
+) -> None:
+    """One untimed call per mode of one case.
+
+    Keeps the forward output (for ``compare``), draws ``g``, counts the bytes saved for
+    backward, and skips the case (here and at larger sizes of its group) when one call exceeds
+    the time budget. A case that raises is reported with its error instead of stopping the run.
+    """
+    budget = options.time_budget_s
+    name = st.case.name
+    try:
+        start = time.perf_counter()
+        out = _forward(st.case, x_fwd)
+        sync(device)
+        t_fwd = time.perf_counter() - start
+    except Exception as err:
+        st.fwd_skip = st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
+        log(f"    {name}: {st.fwd_skip}")
+        return
+    if t_fwd > budget:
+        st.fwd_skip = st.fwdbwd_skip = too_slow[(config.group, name)] = (
+            f"too slow: one forward took {t_fwd:.1f} s at {config.label}, over the "
+            f"{budget:g} s budget"
+        )
+        log(f"    {name}: {st.fwd_skip}")
+        return
+    st.output = out.detach()
+    g = st.g = functional_weights(out.shape, out, options.seed, name)
+    try:
+        start = time.perf_counter()
+        x.grad = None
+        with st.case.context():
+            out, st.saved_bytes = count_saved_bytes(st.case.fn, x)
+            (out * g).sum().backward()
+        sync(device)
+        t_fb = time.perf_counter() - start
+    except Exception as err:
+        st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
+        log(f"    {name}: {st.fwdbwd_skip}")
+        return
+    if t_fb > budget:
+        st.fwdbwd_skip = too_slow[(config.group, name)] = (
+            f"too slow: one forward+backward took {t_fb:.1f} s at {config.label}, over the "
+            f"{budget:g} s budget"
+        )
+        log(f"    {name}: {st.fwdbwd_skip}")
+
+
+def _timed_repeats(
+    runnable: Sequence[_CaseState],
+    x_fwd: torch.Tensor,
+    x: torch.Tensor,
+    options: RunOptions,
+    device: torch.device,
+) -> None:
+    """The timed repeats, interleaved round-robin; the order alternates between repeats.
+
+    After the first repeat each case's number of repeats is cut to fit the time budget, never
+    below ``min_repeats``.
+    """
+    for st in runnable:
+        st.repeats = options.repeats
+    with _gc_paused():
+        for rep in range(options.repeats):
+            for st in runnable if rep % 2 == 0 else runnable[::-1]:
+                if rep >= st.repeats:
+                    continue
+                case = st.case
+                st.fwd.append(_timed(lambda case=case: _forward(case, x_fwd), device))
+                if st.fwdbwd_skip is None and st.g is not None:
+                    g = st.g
+                    st.fwdbwd.append(
+                        _timed(lambda case=case, g=g: _forward_backward(case, x, g), device)
+                    )
+            if rep == 0:
+                for st in runnable:
+                    per_repeat = st.fwd[0] + (st.fwdbwd[0] if st.fwdbwd else 0.0)
+                    fit = int(options.time_budget_s // per_repeat) if per_repeat > 0 else 0
+                    st.repeats = max(options.min_repeats, min(options.repeats, fit or 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -659,36 +699,44 @@ def markdown_report(
     ]
     if command:
         lines += ["", f"Reproduce with `{command}`."]
+    peak = any(r.get("peak_mb") is not None for r in records)
+    kinds = sorted({r["peak_kind"] for r in records if r.get("peak_kind")})
     lines += [
         "",
         f"Ratios are times over the floor's forward time ({suite.floor_label}); "
         "medians over interleaved repeats. fwd+bwd is the forward plus `.backward()` of "
         "`(out * g).sum()` for a fixed random g. *saved* is the memory the forward keeps for "
-        "backward (saved-tensor hooks, the input excluded); *peak Δ* is the peak extra memory "
-        "of one forward+backward in a fresh process.",
+        "backward (saved-tensor hooks, the input excluded)"
+        + (
+            "; *peak Δ* is the peak extra memory of one forward+backward in a fresh process "
+            f"({', '.join(kinds)}), x.grad included."
+            if peak
+            else "; peak memory was not measured in this run."
+        ),
     ]
+    head = ["method", "fwd × floor", "fwd+bwd × floor", "fwd ms", "fwd+bwd ms", "saved MB"]
+    head += ["peak Δ MB"] * peak + ["repeats"]
     for rows in _group_configs(records):
         lines += ["", f"### {rows[0]['config']}", ""]
-        lines += [
-            "| method | fwd × floor | fwd+bwd × floor | fwd ms | fwd+bwd ms | saved MB "
-            "| peak Δ MB | repeats |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+        lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
         notes = []
         for r in rows:
             if r["skip"]:
-                lines.append(f"| {r['case']} | skipped | | | | | | |")
+                lines.append(f"| {r['case']} | skipped" + " |" * (len(head) - 1))
                 notes.append(f"- {r['case']}: {r['skip']}")
                 continue
             if r.get("fwdbwd_skip"):
                 notes.append(f"- {r['case']} (fwd+bwd): {r['fwdbwd_skip']}")
-            lines.append(
-                f"| {r['case']} | {_fmt(r['fwd_ratio'], '.2f', '×')} "
-                f"| {_fmt(r['fwdbwd_ratio'], '.2f', '×')} "
-                f"| {_fmt(r['fwd_ms'], '.2f')} | {_fmt(r['fwdbwd_ms'], '.2f')} "
-                f"| {_fmt(r['saved_mb'], '.3g')} | {_fmt(r['peak_mb'], '.3g')} "
-                f"| {r['repeats']} |"
-            )
+            cells = [
+                r["case"],
+                _fmt(r["fwd_ratio"], ".2f", "×"),
+                _fmt(r["fwdbwd_ratio"], ".2f", "×"),
+                _fmt(r["fwd_ms"], ".2f"),
+                _fmt(r["fwdbwd_ms"], ".2f"),
+                _fmt(r["saved_mb"], ".3g"),
+            ]
+            cells += [_fmt(r["peak_mb"], ".3g")] * peak + [str(r["repeats"])]
+            lines.append("| " + " | ".join(cells) + " |")
             if r.get("peak_error"):
                 notes.append(f"- {r['case']}: memory probe failed: {r['peak_error']}")
         if notes:

@@ -23,9 +23,10 @@ forward+backward, at B=8, n=1e4.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -193,12 +194,25 @@ class TopKSuite:
             return mask(x, k, epsilon=eps, method="ot")
 
         if hasattr(softops, "set_compile"):
+            # The switch is held through the backward too: it also picks the backward's path.
             cases.append(
-                Case(_EAGER_LABEL, _with_compile(ot, False), skip=missing, first_call=True)
+                Case(
+                    _EAGER_LABEL,
+                    ot,
+                    skip=missing,
+                    first_call=True,
+                    mode=functools.partial(_compile_mode, False),
+                )
             )
             fused_skip = missing or _fused_skip(int(p["B"]) * int(p["n"]))
             cases.append(
-                Case(_FUSED_LABEL, _with_compile(ot, True), skip=fused_skip, first_call=True)
+                Case(
+                    _FUSED_LABEL,
+                    ot,
+                    skip=fused_skip,
+                    first_call=True,
+                    mode=functools.partial(_compile_mode, True),
+                )
             )
         else:
             cases.append(Case("ot", ot, skip=missing))
@@ -307,16 +321,6 @@ def _fused_skip(numel: int) -> str | None:
             "it runs the eager code"
         )
     return None
-
-
-def _with_compile(
-    fn: Callable[[torch.Tensor], torch.Tensor], fused: bool
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    def call(x: torch.Tensor) -> torch.Tensor:
-        with _compile_mode(fused):
-            return fn(x)
-
-    return call
 
 
 def _entmax_case(k: int) -> Case:

@@ -1,0 +1,204 @@
+"""Smoke tests of the benchmark harness, the top-k suite and the CLI, at tiny sizes (< 15 s)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import softops
+from softops.bench import Case, Config, RunOptions, count_saved_bytes, run_suite, write_results
+from softops.bench.harness import run_probe
+from softops.bench.topk import SUITE, build_configs, unrolled_sorted_topk
+from softops.cli import build_parser, main
+
+
+class TinySuite:
+    """A suite of cheap cases that records the order of its calls."""
+
+    ref = "tests.test_bench:TINY"  # never probed: the tests below run it with probes off
+    name = "tiny"
+    floor_label = "torch.topk(x, 2).values"
+    plot_group = "grid"
+    plot_x = "n"
+
+    def __init__(self, slow_s: float = 0.0) -> None:
+        self.calls: list[str] = []
+        self.slow_s = slow_s
+
+    def make_input(
+        self,
+        config: Config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        p = config.params
+        return torch.randn(p["B"], p["n"], generator=generator, device=device, dtype=dtype)
+
+    def _traced(self, name: str, fn: Any) -> Any:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            self.calls.append(name)
+            return fn(x)
+
+        return call
+
+    def make_cases(self, config: Config) -> list[Case]:
+        def slow(x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.slow_s)
+            return x * 2
+
+        def broken(x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+        return [
+            Case("floor", self._traced("floor", lambda x: torch.topk(x, 2).values), floor=True),
+            Case("exp", self._traced("exp", lambda x: (2 * x).exp())),
+            Case("slow", self._traced("slow", slow)),
+            Case("broken", broken),
+            Case("absent", lambda x: x, skip="not installed"),
+        ]
+
+    def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return {"n_outputs": len(outputs)}
+
+    def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        return ["### Targets", "", "- tiny summary line"]
+
+
+def _configs() -> list[Config]:
+    return [Config("grid", {"B": 2, "n": n}) for n in (16, 32)]
+
+
+def test_run_suite_records_and_files(tmp_path: Any) -> None:
+    suite = TinySuite()
+    options = RunOptions(repeats=3, min_repeats=1, memory=False, first_call=False)
+    threads = torch.get_num_threads()
+    records = run_suite(suite, _configs(), options, log=lambda line: None)
+    assert torch.get_num_threads() == threads  # restored
+    assert len(records) == 10
+    by = {(r["n"], r["case"]): r for r in records}
+    floor = by[(16, "floor")]
+    assert floor["fwd_ratio"] == pytest.approx(1.0)
+    exp = by[(16, "exp")]
+    assert exp["repeats"] == 3 and len(exp["fwdbwd_ms_samples"]) == 3
+    assert exp["fwd_ratio"] == pytest.approx(exp["fwd_ms"] / floor["fwd_ms"])
+    assert exp["fwdbwd_ratio"] == pytest.approx(exp["fwdbwd_ms"] / floor["fwd_ms"])
+    assert exp["saved_mb"] == pytest.approx(2 * 16 * 4 / 2**20)  # exp saves its output
+    assert exp["threads"] == 1 and exp["torch"] == torch.__version__ and exp["device"] == "cpu"
+    assert exp["n_outputs"] == 3
+    assert by[(16, "broken")]["skip"].startswith("error: RuntimeError: boom")
+    assert by[(32, "absent")]["skip"] == "not installed"
+
+    paths = write_results(records, suite, tmp_path, "tiny", command="softops bench tiny")
+    lines = paths["jsonl"].read_text().splitlines()
+    assert len(lines) == 10 and json.loads(lines[0])["case"] == "floor"
+    md = paths["md"].read_text()
+    assert "| method | fwd × floor | fwd+bwd × floor |" in md
+    assert "- broken: error: RuntimeError: boom" in md and "tiny summary line" in md
+    assert "`softops bench tiny`" in md
+    pytest.importorskip("matplotlib")
+    assert paths["png"].stat().st_size > 0
+
+
+def test_repeats_are_interleaved_round_robin() -> None:
+    suite = TinySuite()
+    options = RunOptions(repeats=4, min_repeats=1, memory=False, first_call=False)
+    run_suite(suite, _configs()[:1], options, log=lambda line: None)
+    calls = list(suite.calls)
+    # warm-up: forward, forward+backward (draws g), per case; then each repeat: fwd, fwd+bwd.
+    timed = calls[6:]
+    per_repeat = [timed[i : i + 6] for i in range(0, len(timed), 6)]
+    assert len(per_repeat) == 4
+    assert per_repeat[0] == ["floor", "floor", "exp", "exp", "slow", "slow"]
+    assert per_repeat[1] == ["slow", "slow", "exp", "exp", "floor", "floor"]  # order alternates
+
+
+def test_too_slow_case_is_skipped_here_and_at_larger_sizes() -> None:
+    suite = TinySuite(slow_s=0.05)
+    options = RunOptions(repeats=2, min_repeats=1, time_budget_s=0.02, memory=False)
+    records = run_suite(suite, _configs(), options, log=lambda line: None)
+    slow = [r for r in records if r["case"] == "slow"]
+    assert slow[0]["skip"].startswith("too slow: one forward took")
+    assert slow[1]["skip"] == slow[0]["skip"]
+    assert "slow" not in suite.calls[suite.calls.index("floor", 3) :]  # never called again
+
+
+def test_count_saved_bytes_excludes_the_input() -> None:
+    x = torch.randn(3, 5, requires_grad=True)
+    _, saved = count_saved_bytes(torch.sin, x)  # sin saves only its input
+    assert saved == 0
+    out, saved = count_saved_bytes(lambda t: (t * 3).exp(), x)
+    assert saved == out.numel() * out.element_size()
+
+
+def test_unrolled_sorted_topk_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 12, generator=gen, dtype=torch.float64)
+    values, weights = unrolled_sorted_topk(x, 3, epsilon=0.1, n_iter=1000)
+    assert values.shape == (3, 3) and weights.shape == (3, 3, 12)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 3, dtype=torch.float64))
+    torch.testing.assert_close(values, torch.topk(x, 3).values, atol=0.1, rtol=0)
+    if hasattr(softops, "soft_topk"):  # converged, the reference solves the same problem
+        ref = softops.soft_topk(x, 3, epsilon=0.1)
+        torch.testing.assert_close(values, ref.values, atol=1e-8, rtol=0)
+        torch.testing.assert_close(weights, ref.weights, atol=1e-8, rtol=0)
+
+
+def test_memory_probe_and_lean_core_import() -> None:
+    # Two fresh interpreters, run side by side: `import softops` pulls in neither the harness
+    # nor its optional dependencies, and the memory probe works in a subprocess.
+    code = (
+        "import sys, softops; "
+        "bad = [m for m in sys.modules if m.startswith(('softops.bench', 'softops.cli', "
+        "'matplotlib', 'rich'))]; "
+        "assert not bad, bad"
+    )
+    lean = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    config = Config("grid", {"B": 2, "n": 1000, "k": 10, "epsilon": 0.1})
+    result = run_probe("memory", SUITE, config, "torch.topk", RunOptions())
+    assert lean.wait(timeout=120) == 0, lean.stderr.read() if lean.stderr else ""
+    assert "error" not in result, result
+    assert result["peak_mb"] >= 0.0
+    assert result["saved_mb"] == pytest.approx(2 * 10 * 8 / 2**20)  # the int64 indices
+
+
+def test_topk_configs() -> None:
+    configs = build_configs(sizes=[10_000, 1_000])
+    grid = [c for c in configs if c.group == "grid"]
+    assert [c.params["n"] for c in grid] == [1_000, 10_000]
+    assert [c.params["k"] for c in grid] == [10, 100]
+    assert [c.first_call for c in grid] == [False, True]
+    assert {c.group for c in configs} == {"grid", "speedup", "sorted"}
+    names = [case.name for case in SUITE.make_cases(grid[0])]
+    assert names[0] == "torch.topk" and "sinkhorn-200" in names
+
+
+def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
+    assert main([*argv, "--no-speedup", "--no-sorted", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| torch.topk | 1.00× |" in out
+    assert (tmp_path / "topk-quick.jsonl").exists() and (tmp_path / "topk-quick.md").exists()
+
+
+def test_cli_demo_without_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "epsilon=0.01" in out and "Gradient" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "topk", "--sizes", "0"], ["bench", "topk", "--threads", "0"], ["bench"], []],
+)
+def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)

@@ -1,0 +1,297 @@
+"""Tests for the log-domain Sinkhorn core (softops._core.sinkhorn) and softops.solvers.sinkhorn."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
+from softops.solvers import sinkhorn
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny problems: avoid waking the intra-op pool (slow on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _problem(bsz: int, n: int, m: int, seed: int = 0, dtype: torch.dtype = F64):
+    g = _gen(seed)
+    cost = torch.randn(bsz, n, m, generator=g, dtype=dtype)
+    log_a = torch.log_softmax(torch.randn(bsz, n, generator=g, dtype=dtype), -1)
+    log_b = torch.log_softmax(torch.randn(bsz, m, generator=g, dtype=dtype), -1)
+    eps = 0.3 + torch.rand(bsz, generator=g, dtype=dtype)
+    return cost, log_a, log_b, eps
+
+
+def unrolled_sinkhorn(cost, log_a, log_b, eps, iters):
+    """Reference: the paper's log-domain Sinkhorn (f then g updates), plain autograd."""
+    e = eps[:, None]
+    f = torch.zeros_like(log_a)
+    g = torch.zeros_like(log_b)
+    for _ in range(iters):
+        f = e * log_a - e * torch.logsumexp((g[:, None, :] - cost) / e[..., None], dim=-1)
+        g = e * log_b - e * torch.logsumexp((f[:, :, None] - cost) / e[..., None], dim=1)
+    return torch.exp((f[:, :, None] + g[:, None, :] - cost) / e[..., None]), f, g
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("m", [2, 3, 6])
+@pytest.mark.parametrize("iters", [1, 2, 9, 200])
+def test_fixed_iterations_match_paper_iterates(m: int, iters: int) -> None:
+    cost, log_a, log_b, eps = _problem(3, 17, m, seed=m)
+    ref, f_ref, g_ref = unrolled_sinkhorn(cost, log_a, log_b, eps, iters)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=iters, tol=0)
+    assert isinstance(res, SinkhornResult)
+    assert res.iterations == iters
+    torch.testing.assert_close(res.plan, ref, atol=1e-13, rtol=1e-10)
+    # potentials agree up to the f/g gauge: compare f_i + g_j
+    torch.testing.assert_close(
+        res.f[:, :, None] + res.g[:, None, :],
+        f_ref[:, :, None] + g_ref[:, None, :],
+        atol=1e-9,
+        rtol=1e-9,
+    )
+
+
+@pytest.mark.parametrize("m", [2, 5])
+@pytest.mark.parametrize("newton", [False, True])
+def test_converges_to_marginals(m: int, newton: bool) -> None:
+    cost, log_a, log_b, eps = _problem(4, 40, m, seed=1)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=5000, tol=1e-12, newton=newton)
+    assert bool(res.converged.all())
+    assert float(res.residual.max()) <= 1e-12
+    torch.testing.assert_close(res.plan.sum(-1), log_a.exp(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(res.plan.sum(-2), log_b.exp(), atol=1e-14, rtol=0)
+    # the plan is exp((f + g - C)/eps)
+    torch.testing.assert_close(
+        res.plan,
+        torch.exp((res.f[:, :, None] + res.g[:, None, :] - cost) / eps[:, None, None]),
+        atol=1e-14,
+        rtol=1e-9,
+    )
+
+
+def test_newton_polish_small_epsilon() -> None:
+    cost, log_a, log_b, _ = _problem(3, 30, 4, seed=2)
+    eps = torch.full((3,), 0.02, dtype=F64)
+    plain = log_sinkhorn(cost, log_a, log_b, eps, max_iter=200_000, tol=1e-12)
+    polished = log_sinkhorn(cost, log_a, log_b, eps, max_iter=200_000, tol=1e-12, newton=True)
+    assert bool(plain.converged.all()) and bool(polished.converged.all())
+    assert polished.iterations < plain.iterations
+    torch.testing.assert_close(polished.plan, plain.plan, atol=1e-10, rtol=0)
+
+
+def test_tol_zero_runs_exactly_max_iter_and_reports() -> None:
+    cost, log_a, log_b, eps = _problem(2, 10, 2)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=37, tol=0, newton=True)
+    assert res.iterations == 37
+    assert res.residual.shape == (2,) and res.converged.dtype == torch.bool
+
+
+def test_not_converged_is_reported() -> None:
+    cost, log_a, log_b, _ = _problem(2, 30, 3, seed=3)
+    eps = torch.full((2,), 0.01, dtype=F64)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=20, tol=1e-12)
+    assert not bool(res.converged.any())
+    assert bool((res.residual > 1e-12).all())
+    assert res.iterations == 20
+
+
+def test_nan_row_isolated_and_no_hang() -> None:
+    cost, log_a, log_b, eps = _problem(3, 25, 3, seed=4)
+    bad = cost.clone()
+    bad[1, 7, 2] = math.nan
+    for newton in (False, True):
+        res = log_sinkhorn(bad, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=newton)
+        assert res.iterations < 100_000
+        assert bool(res.plan[1].isnan().all()) and bool(res.f[1].isnan().all())
+        assert not bool(res.converged[1]) and bool(res.converged[[0, 2]].all())
+        ok = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=newton)
+        torch.testing.assert_close(res.plan[[0, 2]], ok.plan[[0, 2]], atol=0, rtol=0)
+
+
+def test_rows_are_independent() -> None:
+    cost, log_a, log_b, eps = _problem(4, 30, 4, seed=5)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=5000, tol=1e-11, newton=True)
+    scaled = cost.clone()
+    scaled[2] *= 50.0
+    res2 = log_sinkhorn(scaled, log_a, log_b, eps, max_iter=5000, tol=1e-11, newton=True)
+    keep = [0, 1, 3]
+    torch.testing.assert_close(res2.plan[keep], res.plan[keep], atol=1e-15, rtol=0)
+    alone = log_sinkhorn(cost[2:3], log_a[2:3], log_b[2:3], eps[2:3], max_iter=5000, tol=1e-11)
+    torch.testing.assert_close(alone.plan[0], res.plan[2], atol=1e-11, rtol=0)
+
+
+def test_two_targets_plan_is_the_sigmoid_mask() -> None:
+    """m=2 with targets (0, 1): n*Gamma[:, 1] = sigmoid((x - t)/epsilon), sum = k (DESIGN §3.1)."""
+    g = _gen(6)
+    bsz, n = 3, 50
+    x = torch.randn(bsz, n, generator=g, dtype=F64)
+    ks = torch.tensor([1.0, 10.0, 49.0], dtype=F64)
+    epsilon = torch.tensor([0.05, 0.2, 1.0], dtype=F64)
+    y = torch.tensor([0.0, 1.0], dtype=F64)
+    cost = -2 * x[..., None] * y + y**2  # (x - y)^2 without the x^2 row constant
+    log_a = torch.full((bsz, n), -math.log(n), dtype=F64)
+    log_b = torch.stack((torch.log((n - ks) / n), torch.log(ks / n)), dim=-1)
+    res = log_sinkhorn(cost, log_a, log_b, 2 * epsilon, max_iter=100_000, tol=1e-13, newton=True)
+    assert bool(res.converged.all())
+    mask = n * res.plan[..., 1]
+    # threshold t: sum_i sigmoid((x_i - t)/eps) = k, by float64 bisection
+    lo = x.min(-1).values - 50 * epsilon
+    hi = x.max(-1).values + 50 * epsilon
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        high = torch.sigmoid((x - mid[:, None]) / epsilon[:, None]).sum(-1) > ks
+        lo = torch.where(high, mid, lo)
+        hi = torch.where(high, hi, mid)
+    t = 0.5 * (lo + hi)
+    expected = torch.sigmoid((x - t[:, None]) / epsilon[:, None])
+    torch.testing.assert_close(mask, expected, atol=1e-9, rtol=0)
+    torch.testing.assert_close(mask.sum(-1), ks, atol=1e-9, rtol=0)
+
+
+def test_float32_reaches_default_tolerance() -> None:
+    cost, log_a, log_b, eps = _problem(4, 2000, 2, seed=7, dtype=torch.float32)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=2000, tol=1e-6)
+    assert bool(res.converged.all())
+    assert res.plan.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_gradcheck_implicit_plan(m: int) -> None:
+    cost, log_a, log_b, eps = _problem(2, 7, m, seed=10 + m)
+    cost.requires_grad_(True)
+
+    def fn(c: torch.Tensor) -> torch.Tensor:
+        return sinkhorn_plan(c, log_a, log_b, eps, 100_000, 1e-14, True)[0]
+
+    assert torch.autograd.gradcheck(fn, (cost,), atol=1e-7, rtol=1e-5)
+
+
+def test_gradgradcheck_implicit_plan() -> None:
+    cost, log_a, log_b, eps = _problem(1, 6, 3, seed=20)
+    cost.requires_grad_(True)
+
+    def fn(c: torch.Tensor) -> torch.Tensor:
+        return sinkhorn_plan(c, log_a, log_b, eps, 100_000, 1e-14, True)[0]
+
+    assert torch.autograd.gradgradcheck(fn, (cost,), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_implicit_vjp_matches_unrolled_autograd(m: int) -> None:
+    cost, log_a, log_b, eps = _problem(3, 20, m, seed=30 + m)
+    cost.requires_grad_(True)
+    weight = torch.randn(3, 20, m, generator=_gen(1), dtype=F64)
+    plan, res = sinkhorn_plan(cost, log_a, log_b, eps, 100_000, 1e-14, True)
+    assert bool(res.converged.all())
+    (g_impl,) = torch.autograd.grad((plan * weight).sum(), cost)
+    ref, _, _ = unrolled_sinkhorn(cost, log_a, log_b, eps, 800)
+    (g_ref,) = torch.autograd.grad((ref * weight).sum(), cost)
+    torch.testing.assert_close(plan, ref, atol=1e-13, rtol=0)
+    torch.testing.assert_close(g_impl, g_ref, atol=1e-10, rtol=1e-8)
+
+
+def _saved_bytes(fn) -> int:
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_saved_memory_does_not_grow_with_iterations() -> None:
+    cost, log_a, log_b, eps = _problem(2, 200, 3, seed=40)
+    cost.requires_grad_(True)
+
+    def run(iters: int):
+        return lambda: sinkhorn_plan(cost, log_a, log_b, eps, iters, 0.0)[0]
+
+    b50, b500 = _saved_bytes(run(50)), _saved_bytes(run(500))
+    assert b50 == b500
+    assert b50 <= cost.numel() * 8 + 1024  # the plan and epsilon only
+    unrolled = _saved_bytes(lambda: unrolled_sinkhorn(cost, log_a, log_b, eps, 50))
+    assert unrolled > 50 * b50
+
+
+# --------------------------------------------------------------------------- public wrapper
+
+
+def test_public_sinkhorn_batch_dims_and_dtype() -> None:
+    g = _gen(50)
+    cost = torch.rand(2, 3, 8, 4, generator=g, dtype=F64)
+    a = torch.full((8,), 1 / 8, dtype=F64)
+    b = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
+    res = sinkhorn(cost, a, b, 0.1)
+    assert res.plan.shape == (2, 3, 8, 4) and res.f.shape == (2, 3, 8) and res.g.shape == (2, 3, 4)
+    assert res.converged.shape == (2, 3) and bool(res.converged.all())
+    flat = sinkhorn(cost.reshape(6, 8, 4)[4], a, b, 0.1)
+    torch.testing.assert_close(res.plan[1, 1], flat.plan, atol=1e-14, rtol=0)
+    torch.testing.assert_close(res.plan.sum(-2), b.expand(2, 3, 4), atol=1e-14, rtol=0)
+    half = sinkhorn(cost.half(), a.half(), b.half(), 0.1)
+    assert half.plan.dtype == torch.float16 and half.f.dtype == torch.float16
+
+
+def test_public_sinkhorn_gradients_in_cost_and_epsilon() -> None:
+    g = _gen(51)
+    cost = torch.rand(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
+    a = torch.full((6,), 1 / 6, dtype=F64)
+    b = torch.tensor([0.2, 0.3, 0.5], dtype=F64)
+
+    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(c, a, b, e, max_iter=100_000, tol=1e-14, newton=True).plan
+
+    assert torch.autograd.gradcheck(fn, (cost, eps), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"cost": torch.zeros(4)}, ValueError, r"shape \(4,\)"),
+        ({"cost": torch.zeros(3, 2, dtype=torch.int64)}, TypeError, "dtype=torch.int64"),
+        ({"a": torch.tensor([0.5, 0.5, 0.0])}, ValueError, r"got a containing 0\.0"),
+        ({"a": torch.full((4,), 0.25)}, ValueError, r"got shape \(4,\)"),
+        ({"b": torch.tensor([0.3, 0.3])}, ValueError, "b.sum"),
+        ({"epsilon": -1.0}, ValueError, "epsilon=-1.0"),
+        ({"max_iter": 0}, ValueError, "max_iter"),
+        ({"tol": -1.0}, ValueError, "tol=-1.0"),
+        ({"b": torch.tensor([0.5, 0.5], requires_grad=True)}, ValueError, "requires_grad"),
+    ],
+)
+def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
+    args = {
+        "cost": torch.zeros(3, 2),
+        "a": torch.full((3,), 1 / 3),
+        "b": torch.tensor([0.5, 0.5]),
+        "epsilon": 0.1,
+    }
+    opts = {}
+    for key in ("max_iter", "tol"):
+        if key in kwargs:
+            opts[key] = kwargs.pop(key)
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)

@@ -1,0 +1,331 @@
+"""Tests for the sorted SOFT top-k (softops._sorted_topk.soft_topk)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from softops._sorted_topk import TopK, soft_topk
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny problems: avoid waking the intra-op pool (slow on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def unrolled_soft_topk(x: torch.Tensor, k: int, epsilon: float, iters: int, largest: bool = True):
+    """Reference from the paper's formulation: (B, n) -> values (B, k), weights (B, k, n).
+
+    Sources s_i (mass 1/n), targets j = 0..k (masses 1/n, ..., (n-k)/n), cost (s_i - j)^2,
+    entropic weight 2 * epsilon, plain autograd through log-domain Sinkhorn.
+    """
+    bsz, n = x.shape
+    s = -x if largest else x
+    y = torch.arange(k + 1, dtype=x.dtype)
+    cost = (s[:, :, None] - y) ** 2
+    nu = torch.tensor([1 / n] * k + [(n - k) / n], dtype=x.dtype)
+    if k == n:
+        cost, nu = cost[..., :k], nu[:k]
+    eps = 2 * epsilon
+    log_mu = torch.full((bsz, n), -math.log(n), dtype=x.dtype)
+    log_nu = nu.log().expand(bsz, -1)
+    f = torch.zeros_like(log_mu)
+    g = torch.zeros_like(log_nu)
+    for _ in range(iters):
+        f = eps * log_mu - eps * torch.logsumexp((g[:, None, :] - cost) / eps, dim=-1)
+        g = eps * log_nu - eps * torch.logsumexp((f[:, :, None] - cost) / eps, dim=1)
+    plan = torch.exp((f[:, :, None] + g[:, None, :] - cost) / eps)
+    weights = n * plan[..., :k].transpose(1, 2)
+    return torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1), weights
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize(("n", "k", "eps"), [(12, 3, 0.5), (20, 1, 0.3), (9, 9, 0.4)])
+def test_matches_unrolled_reference_forward_and_backward(n, k, eps, largest) -> None:
+    g = _gen(n + k)
+    x = torch.randn(3, n, generator=g, dtype=F64, requires_grad=True)
+    out = soft_topk(x, k, epsilon=eps, largest=largest, tol=1e-14, max_iter=100_000)
+    ref_v, ref_w = unrolled_soft_topk(x, k, eps, 500, largest)
+    torch.testing.assert_close(out.weights, ref_w, atol=1e-11, rtol=0)
+    torch.testing.assert_close(out.values, ref_v, atol=1e-11, rtol=0)
+    gv = torch.randn(3, k, generator=g, dtype=F64)
+    gw = torch.randn(3, k, n, generator=g, dtype=F64)
+    (g_impl,) = torch.autograd.grad((out.values * gv).sum() + (out.weights * gw).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref_v * gv).sum() + (ref_w * gw).sum(), x)
+    torch.testing.assert_close(g_impl, g_ref, atol=1e-8, rtol=1e-8)
+
+
+@pytest.mark.parametrize(("n", "k", "eps"), [(6, 1, 1.0), (10, 3, 0.5), (15, 4, 0.3), (7, 7, 0.6)])
+def test_gradcheck_values_and_weights(n: int, k: int, eps: float) -> None:
+    x = torch.randn(2, n, generator=_gen(n), dtype=F64, requires_grad=True)
+
+    def fn(inp: torch.Tensor):
+        out = soft_topk(inp, k, epsilon=eps, tol=1e-14, max_iter=100_000)
+        return out.values, out.weights
+
+    assert torch.autograd.gradcheck(fn, (x,), atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_epsilon_tensor() -> None:
+    x = torch.randn(2, 8, generator=_gen(3), dtype=F64)
+    eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
+
+    def fn(e: torch.Tensor):
+        return soft_topk(x, 3, epsilon=e, tol=1e-14, max_iter=100_000).values
+
+    assert torch.autograd.gradcheck(fn, (eps,), atol=1e-7, rtol=1e-5)
+
+
+def test_invariants_and_order() -> None:
+    x = torch.randn(5, 40, generator=_gen(4), dtype=F64)
+    for largest in (True, False):
+        out = soft_topk(x, 6, epsilon=0.2, largest=largest)
+        assert isinstance(out, TopK)
+        assert out.values.shape == (5, 6) and out.weights.shape == (5, 6, 40)
+        assert bool((out.weights >= 0).all())
+        torch.testing.assert_close(out.weights.sum(-1), torch.ones(5, 6, dtype=F64))
+        # columns over j: sum_j n Gamma_ij <= n * mu_i = 1, up to the L1 tolerance n * tol
+        assert float(out.weights.sum(-2).max()) <= 1 + 40 * 1e-9
+        diffs = out.values.diff(dim=-1)
+        assert bool((diffs < 0).all()) if largest else bool((diffs > 0).all())
+        torch.testing.assert_close(out.values, (out.weights @ x.unsqueeze(-1)).squeeze(-1))
+        assert out.indices.dtype == torch.int64
+        assert torch.equal(out.indices, torch.topk(x, 6, -1, largest, sorted=True).indices)
+        lo, hi = x.min(-1, keepdim=True).values, x.max(-1, keepdim=True).values
+        assert bool(((out.values >= lo) & (out.values <= hi)).all())
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_hard_limit(largest: bool, dtype: torch.dtype) -> None:
+    g = _gen(5)
+    x = torch.stack([torch.randperm(30, generator=g) for _ in range(4)]).to(dtype) * 0.5
+    hard = torch.topk(x, 5, -1, largest, sorted=True)
+    out = soft_topk(x, 5, largest=largest, epsilon=0.005)
+    onehot = torch.nn.functional.one_hot(hard.indices, 30).to(dtype)
+    atol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.weights, onehot, atol=atol, rtol=0)
+    torch.testing.assert_close(out.values, hard.values, atol=atol * 10, rtol=0)
+
+
+def test_scaling_law_and_orientation() -> None:
+    x = torch.randn(3, 25, generator=_gen(6), dtype=F64)
+    out = soft_topk(x, 4, epsilon=0.3)
+    scaled = soft_topk(7.0 * x, 4, epsilon=2.1)
+    torch.testing.assert_close(scaled.values, 7.0 * out.values)
+    torch.testing.assert_close(scaled.weights, out.weights)
+    smallest = soft_topk(-x, 4, epsilon=0.3, largest=False)
+    torch.testing.assert_close(smallest.values, -out.values)
+    torch.testing.assert_close(smallest.weights, out.weights)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
+def test_any_dim_equals_loop_over_rows(dim: int) -> None:
+    x = torch.randn(4, 6, 5, generator=_gen(7), dtype=F64)
+    k = 3
+    out = soft_topk(x, k, dim=dim, epsilon=0.25)
+    d = dim % 3
+    n = x.shape[d]
+    exp_shape = list(x.shape)
+    exp_shape[d] = k
+    assert out.values.shape == tuple(exp_shape)
+    assert out.weights.shape == (*exp_shape, n)
+    assert out.indices.shape == tuple(exp_shape)
+    moved = x.movedim(d, -1)
+    vals = out.values.movedim(d, -1)
+    wts = out.weights.movedim(d, -2)
+    for idx in torch.cartesian_prod(*[torch.arange(s) for s in moved.shape[:-1]]):
+        row = moved[tuple(idx)]
+        single = soft_topk(row, k, epsilon=0.25)
+        torch.testing.assert_close(vals[tuple(idx)], single.values, atol=1e-12, rtol=0)
+        torch.testing.assert_close(wts[tuple(idx)], single.weights, atol=1e-12, rtol=0)
+
+
+def test_rows_are_independent() -> None:
+    x = torch.randn(4, 30, generator=_gen(8), dtype=F64)
+    out = soft_topk(x, 5, epsilon=0.2)
+    x2 = x.clone()
+    x2[1] *= 100.0
+    out2 = soft_topk(x2, 5, epsilon=0.2)
+    keep = [0, 2, 3]
+    torch.testing.assert_close(out2.values[keep], out.values[keep], atol=0, rtol=0)
+    torch.testing.assert_close(out2.weights[keep], out.weights[keep], atol=0, rtol=0)
+
+
+def test_nan_row_isolated_no_hang() -> None:
+    x = torch.randn(3, 20, generator=_gen(9), dtype=F64, requires_grad=True)
+    bad = x.detach().clone()
+    bad[1, 4] = math.nan
+    bad.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a NaN row is not a convergence failure
+        out = soft_topk(bad, 4, epsilon=0.3, max_iter=100_000)
+    assert bool(out.values[1].isnan().all()) and bool(out.weights[1].isnan().all())
+    ref = soft_topk(x, 4, epsilon=0.3)
+    torch.testing.assert_close(out.values[[0, 2]], ref.values[[0, 2]], atol=0, rtol=0)
+    out.values.sum().backward()
+    assert bool(torch.isfinite(bad.grad[[0, 2]]).all())
+
+
+def test_minus_inf_is_never_selected() -> None:
+    x = torch.randn(2, 12, generator=_gen(10), dtype=F64)
+    masked = x.clone()
+    masked[:, [2, 7]] = -math.inf
+    keep = [i for i in range(12) if i not in (2, 7)]
+    out = soft_topk(masked, 3, epsilon=0.3)
+    assert bool(torch.isfinite(out.values).all())
+    assert float(out.weights[..., [2, 7]].abs().max()) == 0.0
+    # equals the problem on the finite entries with the rest mass including the masked ones
+    ref_v2, ref_w2 = _solve_with_extra_rest(x[:, keep], 3, 0.3, extra=2)
+    torch.testing.assert_close(out.weights[..., keep], ref_w2, atol=1e-9, rtol=0)
+    torch.testing.assert_close(out.values, ref_v2, atol=1e-9, rtol=0)
+    # too few selectable entries: NaN in that row only
+    few = x.clone()
+    few[0, 2:] = -math.inf
+    out = soft_topk(few, 3, epsilon=0.3)
+    assert bool(out.values[0].isnan().all()) and bool(torch.isfinite(out.values[1]).all())
+
+
+def _solve_with_extra_rest(x: torch.Tensor, k: int, epsilon: float, extra: int):
+    """Reference for masked entries: n' finite sources, each of mass 1/n with n = n' + extra."""
+    bsz, nf = x.shape
+    n = nf + extra
+    s = -x
+    y = torch.arange(k + 1, dtype=x.dtype)
+    cost = (s[:, :, None] - y) ** 2
+    log_mu = torch.full((bsz, nf), -math.log(n), dtype=x.dtype)
+    log_nu = torch.tensor([1 / n] * k + [(nf - k) / n], dtype=x.dtype).log().expand(bsz, -1)
+    eps = 2 * epsilon
+    f = torch.zeros_like(log_mu)
+    g = torch.zeros_like(log_nu)
+    for _ in range(1000):
+        f = eps * log_mu - eps * torch.logsumexp((g[:, None, :] - cost) / eps, dim=-1)
+        g = eps * log_nu - eps * torch.logsumexp((f[:, :, None] - cost) / eps, dim=1)
+    plan = torch.exp((f[:, :, None] + g[:, None, :] - cost) / eps)
+    weights = n * plan[..., :k].transpose(1, 2)
+    return torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1), weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_dtypes(dtype: torch.dtype) -> None:
+    x = torch.randn(3, 50, generator=_gen(11)).to(dtype).requires_grad_(True)
+    out = soft_topk(x, 4, epsilon=0.3)
+    assert out.values.dtype == dtype and out.weights.dtype == dtype
+    ref = soft_topk(x.detach().double(), 4, epsilon=0.3)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.values.double(), ref.values, atol=tol, rtol=tol)
+    out.values.sum().backward()
+    assert x.grad is not None and x.grad.dtype == dtype
+
+
+def test_k_equals_n_is_a_soft_sort() -> None:
+    x = torch.randn(2, 8, generator=_gen(12), dtype=F64)
+    out = soft_topk(x, 8, epsilon=0.05)
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(2, 8, dtype=F64))
+    torch.testing.assert_close(out.weights.sum(-2), torch.ones(2, 8, dtype=F64))
+    assert bool((out.values.diff(dim=-1) < 0).all())
+    one = soft_topk(x[:, :1], 1)
+    torch.testing.assert_close(one.values, x[:, :1])
+
+
+def test_not_converged_warns_once() -> None:
+    x = torch.randn(4, 30, generator=_gen(13), dtype=F64)
+    with pytest.warns(UserWarning, match="did not reach tol") as record:
+        soft_topk(x, 5, epsilon=0.05, max_iter=5, tol=1e-30)
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_topk(x, 5, epsilon=0.05, max_iter=3, tol=0)  # fixed iterations: no warning
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _saved_bytes(fn) -> int:
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_saved_memory_independent_of_iterations() -> None:
+    x = torch.randn(4, 200, generator=_gen(14), dtype=F64, requires_grad=True)
+    k = 4
+
+    def run(iters: int):
+        return lambda: soft_topk(x, k, epsilon=0.3, max_iter=iters, tol=0)
+
+    b50, b500 = _saved_bytes(run(50)), _saved_bytes(run(500))
+    assert b50 == b500
+    # the plan (B, n, k+1), the weights (B, k, n) and x, plus small state
+    assert b50 <= 8 * (4 * 200 * (2 * k + 2)) + 4096
+    unrolled = _saved_bytes(lambda: unrolled_soft_topk(x, k, 0.3, 200))
+    assert unrolled > 100 * b50
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "err", "match"),
+    [
+        ((torch.zeros(5), 0), {}, ValueError, "got k=0"),
+        ((torch.zeros(5), 6), {}, ValueError, "got k=6"),
+        ((torch.zeros(5), 1.5), {}, TypeError, "got k=1.5"),
+        ((torch.zeros(5, dtype=torch.int64), 2), {}, TypeError, "dtype=torch.int64"),
+        ((torch.zeros(5), 2), {"dim": 1}, ValueError, "got dim=1"),
+        ((torch.zeros(3, 0), 1), {}, ValueError, r"x.shape\[1\] = 0"),
+        ((torch.zeros(5), 2), {"epsilon": 0.0}, ValueError, "epsilon=0.0"),
+        ((torch.zeros(5), 2), {"epsilon": -1.0}, ValueError, "epsilon=-1.0"),
+        ((torch.zeros(5), 2), {"largest": 1}, TypeError, "largest=1"),
+        ((torch.zeros(5), 2), {"max_iter": 0}, ValueError, "max_iter"),
+        ((torch.zeros(5), 2), {"tol": -0.5}, ValueError, "tol=-0.5"),
+        ((torch.zeros(2, 5), 2), {"epsilon": torch.ones(3)}, ValueError, r"shape \(3,\)"),
+    ],
+)
+def test_errors(args, kwargs, err, match) -> None:
+    with pytest.raises(err, match=match):
+        soft_topk(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    values=st.lists(st.integers(-3, 3), min_size=4, max_size=12),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    k=st.integers(1, 4),
+)
+def test_property_ties_and_magnitudes(values: list[int], scale: float, k: int) -> None:
+    x = torch.tensor(values, dtype=F64) * scale
+    k = min(k, x.numel())
+    out = soft_topk(x, k, epsilon=0.1 * scale)
+    assert bool(torch.isfinite(out.weights).all())
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(k, dtype=F64), atol=1e-7, rtol=0)
+    assert bool((out.values.diff() <= 1e-9 * scale).all())
+    assert float(out.values.max()) <= float(x.max()) + 1e-9 * scale
