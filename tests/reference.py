@@ -7,7 +7,9 @@ import math
 import torch
 
 
-def unrolled_sinkhorn_topk_mask(x: torch.Tensor, k: float, epsilon: float, iters: int) -> torch.Tensor:
+def unrolled_sinkhorn_topk_mask(
+    x: torch.Tensor, k: float, epsilon: float, iters: int
+) -> torch.Tensor:
     """SOFT top-k by log-domain Sinkhorn on the n x 2 problem, differentiated by plain autograd.
 
     x: (B, n). Targets y = (0, 1) with masses ((n - k)/n, k/n), cost (x_i - y_j)^2, eps_p = 2 eps.

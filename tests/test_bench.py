@@ -22,7 +22,7 @@ from softops.cli import build_parser, main
 class TinySuite:
     """A suite of cheap cases that records the order of its calls."""
 
-    ref = "tests.test_bench:TINY"  # never probed: the tests below run it with probes off
+    ref = "tests.test_bench:TINY"  # the tests below run it with the subprocess probes off
     name = "tiny"
     floor_label = "torch.topk(x, 2).values"
     plot_group = "grid"
@@ -73,16 +73,23 @@ class TinySuite:
         return ["### Targets", "", "- tiny summary line"]
 
 
+TINY = TinySuite()
+
+
 def _configs() -> list[Config]:
     return [Config("grid", {"B": 2, "n": n}) for n in (16, 32)]
 
 
+def _options(**kwargs: Any) -> RunOptions:
+    # Keep this process's thread count: an explicit torch.set_num_threads slows tiny ops in the
+    # tests that run after these on a busy machine. The CLI sets 1 thread in its own process.
+    kwargs = {"min_repeats": 1, "memory": False, "first_call": False, **kwargs}
+    return RunOptions(threads=torch.get_num_threads(), **kwargs)
+
+
 def test_run_suite_records_and_files(tmp_path: Any) -> None:
     suite = TinySuite()
-    options = RunOptions(repeats=3, min_repeats=1, memory=False, first_call=False)
-    threads = torch.get_num_threads()
-    records = run_suite(suite, _configs(), options, log=lambda line: None)
-    assert torch.get_num_threads() == threads  # restored
+    records = run_suite(suite, _configs(), _options(repeats=3), log=lambda line: None)
     assert len(records) == 10
     by = {(r["n"], r["case"]): r for r in records}
     floor = by[(16, "floor")]
@@ -92,7 +99,8 @@ def test_run_suite_records_and_files(tmp_path: Any) -> None:
     assert exp["fwd_ratio"] == pytest.approx(exp["fwd_ms"] / floor["fwd_ms"])
     assert exp["fwdbwd_ratio"] == pytest.approx(exp["fwdbwd_ms"] / floor["fwd_ms"])
     assert exp["saved_mb"] == pytest.approx(2 * 16 * 4 / 2**20)  # exp saves its output
-    assert exp["threads"] == 1 and exp["torch"] == torch.__version__ and exp["device"] == "cpu"
+    assert exp["threads"] == torch.get_num_threads()
+    assert exp["torch"] == torch.__version__ and exp["device"] == "cpu"
     assert exp["n_outputs"] == 3
     assert by[(16, "broken")]["skip"].startswith("error: RuntimeError: boom")
     assert by[(32, "absent")]["skip"] == "not installed"
@@ -110,8 +118,7 @@ def test_run_suite_records_and_files(tmp_path: Any) -> None:
 
 def test_repeats_are_interleaved_round_robin() -> None:
     suite = TinySuite()
-    options = RunOptions(repeats=4, min_repeats=1, memory=False, first_call=False)
-    run_suite(suite, _configs()[:1], options, log=lambda line: None)
+    run_suite(suite, _configs()[:1], _options(repeats=4), log=lambda line: None)
     calls = list(suite.calls)
     # warm-up: forward, forward+backward (draws g), per case; then each repeat: fwd, fwd+bwd.
     timed = calls[6:]
@@ -123,8 +130,9 @@ def test_repeats_are_interleaved_round_robin() -> None:
 
 def test_too_slow_case_is_skipped_here_and_at_larger_sizes() -> None:
     suite = TinySuite(slow_s=0.05)
-    options = RunOptions(repeats=2, min_repeats=1, time_budget_s=0.02, memory=False)
-    records = run_suite(suite, _configs(), options, log=lambda line: None)
+    records = run_suite(
+        suite, _configs(), _options(repeats=2, time_budget_s=0.02), log=lambda line: None
+    )
     slow = [r for r in records if r["case"] == "slow"]
     assert slow[0]["skip"].startswith("too slow: one forward took")
     assert slow[1]["skip"] == slow[0]["skip"]
@@ -142,14 +150,14 @@ def test_count_saved_bytes_excludes_the_input() -> None:
 def test_unrolled_sorted_topk_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 12, generator=gen, dtype=torch.float64)
-    values, weights = unrolled_sorted_topk(x, 3, epsilon=0.1, n_iter=1000)
+    values, weights = unrolled_sorted_topk(x, 3, epsilon=0.3, n_iter=200)
     assert values.shape == (3, 3) and weights.shape == (3, 3, 12)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 3, dtype=torch.float64))
-    torch.testing.assert_close(values, torch.topk(x, 3).values, atol=0.1, rtol=0)
+    assert torch.allclose(weights.sum(-1), torch.ones(3, 3, dtype=torch.float64))
+    assert (values - torch.topk(x, 3).values).abs().max() < 0.2
     if hasattr(softops, "soft_topk"):  # converged, the reference solves the same problem
-        ref = softops.soft_topk(x, 3, epsilon=0.1)
-        torch.testing.assert_close(values, ref.values, atol=1e-8, rtol=0)
-        torch.testing.assert_close(weights, ref.weights, atol=1e-8, rtol=0)
+        ref = softops.soft_topk(x, 3, epsilon=0.3)
+        assert (values - ref.values).abs().max() < 1e-8
+        assert (weights - ref.weights).abs().max() < 1e-8
 
 
 def test_memory_probe_and_lean_core_import() -> None:
@@ -183,7 +191,8 @@ def test_topk_configs() -> None:
 
 def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
-    assert main([*argv, "--no-speedup", "--no-sorted", "--out", str(tmp_path)]) == 0
+    argv += ["--threads", str(torch.get_num_threads()), "--no-speedup", "--no-sorted"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| torch.topk | 1.00× |" in out
     assert (tmp_path / "topk-quick.jsonl").exists() and (tmp_path / "topk-quick.md").exists()
@@ -202,3 +211,17 @@ def test_cli_demo_without_bench(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
+
+
+def test_optional_dependencies_missing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without rich the demo prints a plain table; without matplotlib no PNG is written.
+    for name in ("rich", "rich.console", "rich.table", "matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["demo", "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "hard (torch.topk)" in out and "┃" not in out
+    records = run_suite(TinySuite(), _configs()[:1], _options(repeats=1), log=lambda line: None)
+    paths = write_results(records, TINY, tmp_path, "tiny")
+    assert set(paths) == {"jsonl", "md"}

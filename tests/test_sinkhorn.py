@@ -136,6 +136,24 @@ def test_rows_are_independent() -> None:
     torch.testing.assert_close(alone.plan[0], res.plan[2], atol=1e-11, rtol=0)
 
 
+@pytest.mark.parametrize("masses", [(0.5, 0.0, 0.5), (0.0, 1.0), (1.0, 0.0)])
+def test_zero_mass_columns(masses: tuple[float, ...]) -> None:
+    """A target of mass 0 (e.g. k = 0 or k = n in the mask) gets an exactly empty column."""
+    m = len(masses)
+    cost, log_a, _, eps = _problem(2, 9, m, seed=60)
+    cost.requires_grad_(True)
+    log_b = torch.tensor(masses, dtype=F64).log().expand(2, m)
+    for newton in (False, True):
+        plan, res = sinkhorn_plan(cost, log_a, log_b, eps, 1000, 1e-12, newton)
+        assert bool(res.converged.all())
+        torch.testing.assert_close(plan.sum(-2), log_b.exp(), atol=1e-14, rtol=0)
+        empty = [j for j, b in enumerate(masses) if b == 0]
+        assert float(plan.detach()[..., empty].abs().max()) == 0.0
+    assert torch.autograd.gradcheck(
+        lambda c: sinkhorn_plan(c, log_a, log_b, eps, 10_000, 1e-14, True)[0], (cost,)
+    )
+
+
 def test_two_targets_plan_is_the_sigmoid_mask() -> None:
     """m=2 with targets (0, 1): n*Gamma[:, 1] = sigmoid((x - t)/epsilon), sum = k (DESIGN §3.1)."""
     g = _gen(6)

@@ -197,6 +197,12 @@ def test_minus_inf_is_never_selected() -> None:
     ref_v2, ref_w2 = _solve_with_extra_rest(x[:, keep], 3, 0.3, extra=2)
     torch.testing.assert_close(out.weights[..., keep], ref_w2, atol=1e-9, rtol=0)
     torch.testing.assert_close(out.values, ref_v2, atol=1e-9, rtol=0)
+    # +inf is always selected, first; -inf entries of the same row still get weight 0
+    both = masked.clone()
+    both[:, 5] = math.inf
+    out = soft_topk(both, 3, epsilon=0.3)
+    assert bool((out.values[:, 0] == math.inf).all()) and bool(out.values[:, 1:].isfinite().all())
+    torch.testing.assert_close(out.weights[:, 0, 5], torch.ones(2, dtype=F64))
     # too few selectable entries: NaN in that row only
     few = x.clone()
     few[0, 2:] = -math.inf
@@ -329,3 +335,20 @@ def test_property_ties_and_magnitudes(values: list[int], scale: float, k: int) -
     torch.testing.assert_close(out.weights.sum(-1), torch.ones(k, dtype=F64), atol=1e-7, rtol=0)
     assert bool((out.values.diff() <= 1e-9 * scale).all())
     assert float(out.values.max()) <= float(x.max()) + 1e-9 * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [100, 3000])
+@pytest.mark.parametrize("k", [1, 8, 32])
+@pytest.mark.parametrize("eps", [1.0, 0.1, 0.01, 1e-3])
+def test_float32_grid_converges_and_matches_float64(n: int, k: int, eps: float) -> None:
+    x = torch.randn(4, n, generator=_gen(n + k), dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref = soft_topk(x, k, epsilon=eps)
+        out = soft_topk(x.float(), k, epsilon=eps)
+    assert bool(torch.isfinite(out.weights).all())
+    # float32 resolves the plan to about k * ulp(x) / epsilon
+    tol = max(1e-4, 1e-6 * k / eps)
+    torch.testing.assert_close(out.values.double(), ref.values, atol=tol, rtol=0)
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(4, k), atol=1e-5, rtol=0)

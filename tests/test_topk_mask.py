@@ -13,7 +13,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import softops
 from softops import soft_topk_mask, topk_selection_matrix
-from softops.topk import topk_threshold
+from softops.solvers import topk_threshold
 
 from .reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
 
@@ -33,14 +33,18 @@ def test_reproduces_official_demo():
     # normalised by max C = 36, i.e. epsilon = 0.05 * 36 / 2 = 0.9 in our units.
     x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64, requires_grad=True)
     A = soft_topk_mask(x, 3, epsilon=0.9, largest=False)
-    expected = torch.tensor([0.15886910, 0.84113090, 0.63542356, 0.36457644, 0.94146310, 0.05853690])
+    expected = torch.tensor(
+        [0.15886910, 0.84113090, 0.63542356, 0.36457644, 0.94146310, 0.05853690]
+    )
     torch.testing.assert_close(A.detach(), expected.to(F64), atol=1e-7, rtol=0)
     (A[1] + A[2] + A[3]).backward()
     grad = torch.tensor([0.10541585, -0.04306151, -0.07465184, -0.07465144, 0.04347444, 0.04347456])
     torch.testing.assert_close(x.grad, grad.to(F64), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (40, 1, 0.2), (40, 39, 0.2), (60, 12, 1.0)])
+@pytest.mark.parametrize(
+    ("n", "k", "eps"), [(7, 3, 0.5), (40, 1, 0.2), (40, 39, 0.2), (60, 12, 1.0)]
+)
 def test_equals_converged_sinkhorn_and_its_autograd(n, k, eps):
     x = torch.randn(3, n, dtype=F64, requires_grad=True)
     ref = unrolled_sinkhorn_topk_mask(x, k, eps, iters=3000)
@@ -55,7 +59,9 @@ def test_equals_converged_sinkhorn_and_its_autograd(n, k, eps):
 # ----------------------------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (50, 1, 0.1), (50, 49, 0.1), (30, 15, 3.0)])
+@pytest.mark.parametrize(
+    ("n", "k", "eps"), [(7, 3, 0.5), (50, 1, 0.1), (50, 49, 0.1), (30, 15, 3.0)]
+)
 def test_gradcheck_x_k_epsilon(n, k, eps):
     x = torch.randn(2, n, dtype=F64, requires_grad=True)
     kt = torch.tensor(float(k), dtype=F64, requires_grad=True)
@@ -99,7 +105,9 @@ def test_hard_straight_through():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize(("n", "k"), [(10, 3), (1000, 10), (1000, 990), (20000, 200), (20000, 10000)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(10, 3), (1000, 10), (1000, 990), (20000, 200), (20000, 10000)]
+)
 @pytest.mark.parametrize("eps", [10.0, 1.0, 0.1, 1e-3, 1e-6])
 def test_in_unit_interval_and_sums_to_k(dtype, n, k, eps):
     x = torch.randn(8, n, dtype=dtype)
@@ -109,8 +117,9 @@ def test_in_unit_interval_and_sums_to_k(dtype, n, k, eps):
     assert A.dtype == dtype
     assert bool(((A >= 0) & (A <= 1)).all())
     rel = 1e-5 if dtype == torch.float32 else 1e-10
-    torch.testing.assert_close(A.double().sum(-1), torch.full((8,), float(k), dtype=F64),
-                               rtol=rel, atol=0)
+    torch.testing.assert_close(
+        A.double().sum(-1), torch.full((8,), float(k), dtype=F64), rtol=rel, atol=0
+    )
 
 
 def test_permutation_equivariant_and_shift_invariant():
@@ -137,7 +146,9 @@ def test_any_dim_equals_loop_over_rows(dim):
 def test_reaches_hard_mask_as_epsilon_goes_to_zero():
     x = _distinct(6, 50)
     hard = hard_topk_mask(x, 10)
-    errs = [float((soft_topk_mask(x, 10, epsilon=e) - hard).abs().max()) for e in (1.0, 0.1, 0.01, 1e-3)]
+    errs = [
+        float((soft_topk_mask(x, 10, epsilon=e) - hard).abs().max()) for e in (1.0, 0.1, 0.01, 1e-3)
+    ]
     assert errs == sorted(errs, reverse=True)
     assert errs[-1] < 1e-8
     lo = soft_topk_mask(x, 10, epsilon=1e-3, largest=False)
@@ -252,8 +263,9 @@ def test_very_long_rows():
     x = torch.randn(1, 10_000_000)
     A = soft_topk_mask(x, 1000, epsilon=0.01)
     assert abs(float(A.double().sum()) - 1000) < 1000 * 1e-5
-    torch.testing.assert_close(A[0].topk(1000).indices.sort().values,
-                               x[0].topk(1000).indices.sort().values)
+    torch.testing.assert_close(
+        A[0].topk(1000).indices.sort().values, x[0].topk(1000).indices.sort().values
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -286,7 +298,11 @@ def test_property_sum_bounds_and_no_nan(n, data, scale, eps_rel):
         ({"k": 7}, ValueError, r"expected 0 <= `k` <= x.shape\[dim\] \(= 5\); got k=7"),
         ({"k": -1}, ValueError, r"got k=-1"),
         ({"k": torch.tensor([1.0, 6.0])}, ValueError, r"got k=6"),
-        ({"k": 2, "epsilon": 0.0}, ValueError, r"expected `epsilon` > 0 and finite; got epsilon=0.0"),
+        (
+            {"k": 2, "epsilon": 0.0},
+            ValueError,
+            r"expected `epsilon` > 0 and finite; got epsilon=0.0",
+        ),
         ({"k": 2, "epsilon": -1.0}, ValueError, r"got epsilon=-1.0"),
         ({"k": 2, "epsilon": torch.tensor([0.1, -2.0])}, ValueError, r"got epsilon=-2.0"),
         ({"k": 2, "dim": 2}, ValueError, r"expected `dim` in \[-2, 1\].*got dim=2"),

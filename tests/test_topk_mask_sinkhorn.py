@@ -15,7 +15,9 @@ from .reference import unrolled_sinkhorn_topk_mask
 F64 = torch.float64
 
 
-@pytest.mark.parametrize(("n", "k", "eps"), [(10, 3, 0.5), (200, 20, 0.1), (200, 199, 0.3), (1000, 10, 1.0)])
+@pytest.mark.parametrize(
+    ("n", "k", "eps"), [(10, 3, 0.5), (200, 20, 0.1), (200, 199, 0.3), (1000, 10, 1.0)]
+)
 def test_agrees_with_ot_at_convergence(n, k, eps):
     x = torch.randn(4, n, dtype=F64)
     A = soft_topk_mask(x, k, epsilon=eps, method="sinkhorn")

@@ -43,7 +43,7 @@ __all__ = ["TopK", "soft_topk"]
 _OP = "soft_topk"
 DEFAULT_MAX_ITER = 2000
 """Default Sinkhorn iteration cap (a Newton polish of at most 30 steps follows)."""
-_INF_MARGIN = 1000.0  # stand-ins for infinite scores sit this many epsilons beyond the finite ones
+_INF_MARGIN = 2000.0  # stand-ins for infinite scores sit this many epsilons beyond the finite ones
 
 
 class TopK(NamedTuple):
@@ -199,7 +199,7 @@ def soft_topk(
 
     weights = plan[:, :, :k].transpose(1, 2) * n  # (B, k, n)
     if has_inf:
-        values = _values_with_infinities(weights, x2)
+        values = _values_with_infinities(weights, x2, largest)
         weights = torch.where(selectable[:, None, None], weights, math.nan)
         values = torch.where(selectable[:, None], values, math.nan)
     else:
@@ -226,8 +226,8 @@ def soft_topk(
 def _substitute_infinities(s: Tensor, eps: Tensor) -> Tensor:
     """Replace +inf (never selected) and -inf (always selected) by finite stand-ins.
 
-    The stand-ins lie ``span + 1000 epsilon`` beyond the finite range, so their plan rows are exact
-    to underflow; they carry no gradient.
+    The stand-ins lie ``span + 2000 epsilon`` beyond the finite range, so their plan rows are exact
+    to underflow (the soft boundary between two targets sits about half-way); no gradient.
     """
     with torch.no_grad():
         sd = s.detach()
@@ -243,13 +243,16 @@ def _substitute_infinities(s: Tensor, eps: Tensor) -> Tensor:
     return torch.where(sd == math.inf, hi, torch.where(sd == -math.inf, lo, s))
 
 
-def _values_with_infinities(weights: Tensor, x2: Tensor) -> Tensor:
-    """``weights @ x`` where infinite x with zero weight contributes 0 (not NaN)."""
+def _values_with_infinities(weights: Tensor, x2: Tensor, largest: bool) -> Tensor:
+    """``weights @ x`` for rows with infinite scores.
+
+    The c always-selected infinities (``+inf`` for ``largest``) fill the first c targets, whose
+    values are that infinity; the other infinities have zero weight and contribute 0 (not NaN).
+    """
     xd = x2.detach()
     finite_x = torch.where(torch.isinf(xd), 0.0, x2)
     values = torch.bmm(weights, finite_x.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        pos = torch.bmm(weights, (xd == math.inf).to(weights.dtype).unsqueeze(-1)).squeeze(-1)
-        neg = torch.bmm(weights, (xd == -math.inf).to(weights.dtype).unsqueeze(-1)).squeeze(-1)
-        extra = torch.where(pos > 0, math.inf, 0.0) + torch.where(neg > 0, -math.inf, 0.0)
-    return values + extra
+    sure = math.inf if largest else -math.inf
+    count = (xd == sure).sum(-1, keepdim=True)  # (B, 1)
+    j = torch.arange(values.shape[-1], device=values.device)
+    return torch.where(j < count, sure, values)

@@ -244,6 +244,7 @@ def run_topk_bench(
         memory=memory and not quick,
         first_call=first_call and not quick,
         seed=seed,
+        extra={"command": command} if command else {},
     )
     options.min_repeats = min(options.min_repeats, options.repeats)
     configs = build_configs(

@@ -6,20 +6,26 @@ on them (``soft_topk``, ``soft_topk_mask``, ...) call the private cores directly
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from softops._core.dims import row_param
+from softops._core import threshold as _threshold
+from softops._core.dims import flatten_to_2d, row_param
 from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
 from softops._core.validation import (
+    check_dim,
     check_epsilon,
     check_floating,
+    check_k,
     check_max_iter,
+    check_nonempty,
     check_tol,
     compute_dtype,
 )
 
-__all__ = ["SinkhornResult", "sinkhorn"]
+__all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
 
 SINKHORN_MAX_ITER = 1000
 """Default iteration cap of :func:`sinkhorn`."""
@@ -181,4 +187,89 @@ def sinkhorn(
         converged=res.converged.reshape(batch_shape),
         iterations=res.iterations,
         residual=res.residual.reshape(batch_shape),
+    )
+
+
+class ThresholdResult(NamedTuple):
+    """The SOFT top-k threshold of each row, with the solver's diagnostics.
+
+    Attributes:
+        threshold: x.shape without ``dim``, in the units of x. The mask is
+            ``sigmoid((x - threshold) / epsilon)`` (``largest=True``) or
+            ``sigmoid((threshold - x) / epsilon)`` (``largest=False``).
+        converged: bool, same shape: ``|sum(A) - k|`` reached machine precision (or ``tol``).
+        iterations: the number of Newton evaluations (the same for every row).
+        residual: ``sum(A) - k`` at the returned threshold, same shape.
+    """
+
+    threshold: torch.Tensor
+    converged: torch.Tensor
+    iterations: int
+    residual: torch.Tensor
+
+
+def topk_threshold(
+    x: torch.Tensor,
+    k: int | float | torch.Tensor,
+    epsilon: float | torch.Tensor,
+    *,
+    dim: int = -1,
+    largest: bool = True,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> ThresholdResult:
+    r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
+
+    This is the solver behind ``soft_topk_mask(method="ot")``, exposed with its diagnostics.
+    It is not differentiable (use :func:`soft_topk_mask` for gradients). Rows whose k cannot be
+    met (NaN entries, too many ``+inf``) have a NaN residual and ``converged=False``; rows that
+    select exactly their ``+inf`` or all their non-``-inf`` entries have no finite threshold and
+    report 0 with ``converged=True``.
+
+    Args:
+        x: scores, any shape, floating dtype.
+        k: number to select, as in :func:`soft_topk_mask`.
+        epsilon: temperature, as in :func:`soft_topk_mask`.
+        dim: dimension to select along.
+        largest: select the largest (default) or the smallest.
+        max_iter: cap on Newton evaluations (None: 100).
+        tol: extra absolute tolerance on ``|sum(A) - k|`` (None: machine precision only).
+
+    Returns:
+        A :class:`ThresholdResult`.
+
+    Example:
+        >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
+        >>> res.threshold, bool(res.converged)
+        (tensor(1.5000), True)
+    """
+    op = "topk_threshold"
+    check_floating(x, op)
+    d = check_dim(x, dim, op)
+    n = check_nonempty(x, d, op)
+    epsilon = check_epsilon(epsilon, op)
+    k = check_k(k, n, op)
+    max_iter = check_max_iter(max_iter, _threshold.DEFAULT_MAX_ITER, op)
+    tol = check_tol(tol, 0.0, op)
+    cd = compute_dtype(x.dtype)
+    x2, _ = flatten_to_2d(x.detach(), d)
+    x2 = x2.to(cd) if largest else -x2.to(cd)
+    batch_shape = x.movedim(d, -1).shape[:-1]
+    k_row = row_param(k, batch_shape, op, "k", cd, x.device).detach()
+    eps_row = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device).detach()
+    state = _threshold.solve(
+        x2,
+        k_row,
+        eps_row,
+        max_iter=max_iter,
+        tol=tol,
+        k_scalar=None if isinstance(k, torch.Tensor) else k,
+    )
+    t = state.m + state.t
+    t = t if largest else -t
+    return ThresholdResult(
+        t.reshape(batch_shape).to(x.dtype),
+        state.converged.reshape(batch_shape),
+        state.iterations,
+        state.residual.reshape(batch_shape).to(x.dtype),
     )

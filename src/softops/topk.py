@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ._core import threshold as _threshold
-from ._sorted_topk import TopK, soft_topk
 from ._core.dims import flatten_to_2d, row_param
 from ._core.fused import maybe_fused
 from ._core.straight_through import hard_topk_mask, straight_through
@@ -43,15 +42,9 @@ from ._core.validation import (
     check_tol,
     compute_dtype,
 )
+from ._sorted_topk import TopK, soft_topk
 
-__all__ = [
-    "ThresholdResult",
-    "TopK",
-    "soft_topk",
-    "soft_topk_mask",
-    "topk_selection_matrix",
-    "topk_threshold",
-]
+__all__ = ["TopK", "soft_topk", "soft_topk_mask", "topk_selection_matrix"]
 
 _MASK_METHODS = ("ot", "sinkhorn")
 
@@ -92,7 +85,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, k, eps = inputs[:3]
+        x, _, eps = inputs[:3]
         A, m, t, converged = output
         ctx.mark_non_differentiable(m, t, converged)
         if ctx.needs_input_grad[2]:
@@ -101,9 +94,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             ctx.save_for_backward(A, eps)
 
     @staticmethod
-    def backward(
-        ctx: Any, gA: torch.Tensor, *_: Any
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, gA: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         A, eps = ctx.saved_tensors[:2]
         e = eps[:, None]
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
@@ -281,7 +272,7 @@ def _sinkhorn_mask(
     dtype = x2.dtype
     max_iter = check_max_iter(max_iter, 2000, op)
     tol = check_tol(tol, 1e-6 if dtype == torch.float32 else 1e-9, op)
-    B, n = x2.shape
+    n = x2.shape[1]
     k_row, eps_row = k_row.detach(), eps_row.detach()
     # Infinities are their limits: solve with stand-ins far beyond the finite range, then set
     # those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
@@ -371,8 +362,10 @@ def topk_selection_matrix(indices: torch.Tensor, n: int) -> torch.Tensor:
         tensor([2.0000, 0.7000])
     """
     op = "topk_selection_matrix"
-    if not isinstance(indices, torch.Tensor) or indices.dtype.is_floating_point or (
-        indices.dtype == torch.bool or indices.is_complex()
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.dtype.is_floating_point
+        or (indices.dtype == torch.bool or indices.is_complex())
     ):
         raise TypeError(f"{op}: expected an integer tensor of indices; got {indices!r}.")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -384,84 +377,3 @@ def topk_selection_matrix(indices: torch.Tensor, n: int) -> torch.Tensor:
         )
     W = torch.zeros(*indices.shape, n, device=indices.device)
     return W.scatter_(-1, indices.long().unsqueeze(-1), 1.0)
-
-
-class ThresholdResult(NamedTuple):
-    """The SOFT top-k threshold of each row, with the solver's diagnostics.
-
-    Attributes:
-        threshold: x.shape without ``dim``, in the units of x. The mask is
-            ``sigmoid((x - threshold) / epsilon)`` (``largest=True``) or
-            ``sigmoid((threshold - x) / epsilon)`` (``largest=False``).
-        converged: bool, same shape: ``|sum(A) - k|`` reached machine precision (or ``tol``).
-        iterations: the number of Newton evaluations (the same for every row).
-        residual: ``sum(A) - k`` at the returned threshold, same shape.
-    """
-
-    threshold: torch.Tensor
-    converged: torch.Tensor
-    iterations: int
-    residual: torch.Tensor
-
-
-def topk_threshold(
-    x: torch.Tensor,
-    k: int | float | torch.Tensor,
-    epsilon: float | torch.Tensor,
-    *,
-    dim: int = -1,
-    largest: bool = True,
-    max_iter: int | None = None,
-    tol: float | None = None,
-) -> ThresholdResult:
-    r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
-
-    This is the solver behind ``soft_topk_mask(method="ot")``, exposed with its diagnostics.
-    It is not differentiable (use :func:`soft_topk_mask` for gradients). Rows whose k cannot be
-    met (NaN entries, too many ``+inf``) have a NaN residual and ``converged=False``; rows that
-    select exactly their ``+inf`` or all their non-``-inf`` entries have no finite threshold and
-    report 0 with ``converged=True``.
-
-    Args:
-        x: scores, any shape, floating dtype.
-        k: number to select, as in :func:`soft_topk_mask`.
-        epsilon: temperature, as in :func:`soft_topk_mask`.
-        dim: dimension to select along.
-        largest: select the largest (default) or the smallest.
-        max_iter: cap on Newton evaluations (None: 100).
-        tol: extra absolute tolerance on ``|sum(A) - k|`` (None: machine precision only).
-
-    Returns:
-        A :class:`ThresholdResult`.
-
-    Example:
-        >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
-        >>> res.threshold, bool(res.converged)
-        (tensor(1.5000), True)
-    """
-    op = "topk_threshold"
-    check_floating(x, op)
-    d = check_dim(x, dim, op)
-    n = check_nonempty(x, d, op)
-    epsilon = check_epsilon(epsilon, op)
-    k = check_k(k, n, op)
-    max_iter = check_max_iter(max_iter, _threshold.DEFAULT_MAX_ITER, op)
-    tol = check_tol(tol, 0.0, op)
-    cd = compute_dtype(x.dtype)
-    x2, _ = flatten_to_2d(x.detach(), d)
-    x2 = x2.to(cd) if largest else -x2.to(cd)
-    batch_shape = x.movedim(d, -1).shape[:-1]
-    k_row = row_param(k, batch_shape, op, "k", cd, x.device).detach()
-    eps_row = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device).detach()
-    state = _threshold.solve(
-        x2, k_row, eps_row, max_iter=max_iter, tol=tol,
-        k_scalar=None if isinstance(k, torch.Tensor) else k,
-    )
-    t = state.m + state.t
-    t = t if largest else -t
-    return ThresholdResult(
-        t.reshape(batch_shape).to(x.dtype),
-        state.converged.reshape(batch_shape),
-        state.iterations,
-        state.residual.reshape(batch_shape).to(x.dtype),
-    )

@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["FUSED_MIN_NUMEL", "compile_enabled", "maybe_fused", "set_compile"]
 
-FUSED_MIN_NUMEL = 1 << 18
+FUSED_MIN_NUMEL = 1 << 15
 """Smallest ``numel`` for which the compiled path is used; below it the compile time never pays."""
 
 _state: dict[str, Any] = {

@@ -10,7 +10,7 @@ it is capped at ``max_iter`` evaluations.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ class RootResult(NamedTuple):
 
     Attributes:
         root: (B,) the last iterate of each row.
-        converged: (B,) bool, ``|F(root)| <= tol`` or the step fell below the resolution of ``root``.
+        converged: (B,) bool: ``|F(root)| <= tol``, or the step fell below the resolution.
         iterations: number of evaluations of ``F`` (the same for all rows).
         residual: (B,) ``F(root)``.
     """
@@ -48,6 +48,7 @@ def bracketed_newton(
     done: torch.Tensor | None = None,
     check_every: int = 1,
     first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> RootResult:
     """Solve ``F(t) = 0`` per row by safeguarded Newton.
 
@@ -70,6 +71,7 @@ def bracketed_newton(
             costs nothing; on an accelerator a larger value avoids a sync per iteration.
         first: ``evaluate(t)`` when the caller already has it (it is not evaluated again and not
             counted in ``iterations``).
+        wrap: applied once to the per-step update (pure tensor code), e.g. to compile it.
 
     Returns:
         A :class:`RootResult`.
@@ -81,6 +83,7 @@ def bracketed_newton(
     done = skip.clone()
     residual = nan
     side = torch.zeros_like(t)
+    update = _update if wrap is None else wrap(_update)
     iterations = 0
     for it in range(max_iter):
         if it == 0 and first is not None:
@@ -88,24 +91,45 @@ def bracketed_newton(
         else:
             F, dF, tol = evaluate(t)
             iterations += 1
-        residual = torch.where(skip, residual, F)
-        done = done | (F.abs() <= tol)
-        up, down = F > 0, F < 0
-        # Illinois: when the same end is replaced twice in a row, halve the other end's residual.
-        f_hi = torch.where(up & (side > 0), 0.5 * f_hi, f_hi)
-        f_lo = torch.where(down & (side < 0), 0.5 * f_lo, f_lo)
-        lo, f_lo = torch.where(up, t, lo), torch.where(up, F, f_lo)
-        hi, f_hi = torch.where(down, t, hi), torch.where(down, F, f_hi)
-        side = up.to(t.dtype) - down.to(t.dtype)
-        step = t - F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
-        inside = (step >= lo) & (step <= hi)
-        secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
-        secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
-        fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))
-        step = torch.where(inside, step, fallback)
-        done = done | (step == t)
-        t = torch.where(done, t, step)
+        t, lo, hi, f_lo, f_hi, side, done, residual = update(
+            t, F, dF, tol, lo, hi, f_lo, f_hi, side, done, skip, residual
+        )
         if (it + 1) % check_every == 0 and bool(done.all()):
             break
     converged = done & ~skip & (residual == residual)
     return RootResult(t, converged, iterations, residual)
+
+
+def _update(
+    t: torch.Tensor,
+    F: torch.Tensor,
+    dF: torch.Tensor,
+    tol: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    f_lo: torch.Tensor,
+    f_hi: torch.Tensor,
+    side: torch.Tensor,
+    done: torch.Tensor,
+    skip: torch.Tensor,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """One safeguarded step, given ``F(t)``: tighten the bracket and pick the next iterate."""
+    residual = torch.where(skip, residual, F)
+    done = done | (F.abs() <= tol)
+    up, down = F > 0, F < 0
+    # Illinois: when the same end is replaced twice in a row, halve the other end's residual.
+    f_hi = torch.where(up & (side > 0), 0.5 * f_hi, f_hi)
+    f_lo = torch.where(down & (side < 0), 0.5 * f_lo, f_lo)
+    lo, f_lo = torch.where(up, t, lo), torch.where(up, F, f_lo)
+    hi, f_hi = torch.where(down, t, hi), torch.where(down, F, f_hi)
+    side = up.to(t.dtype) - down.to(t.dtype)
+    step = t - F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
+    inside = (step >= lo) & (step <= hi)
+    secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
+    secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
+    fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))
+    step = torch.where(inside, step, fallback)
+    done = done | (step == t)
+    t = torch.where(done, t, step)
+    return t, lo, hi, f_lo, f_hi, side, done, residual

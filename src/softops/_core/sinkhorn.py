@@ -40,8 +40,10 @@ Conventions and choices:
 * **Newton polish** (``newton=True`` and ``tol > 0``): Sinkhorn runs until the residual is at most
   ``max(tol, NEWTON_SWITCH)``; then semi-dual Newton on the reduced (m-1) x (m-1) SPD system
   (gauge: the last v is fixed) with Armijo backtracking, at most ``NEWTON_MAX_STEPS`` steps. Each
-  row keeps whichever of the Sinkhorn/Newton states has the smaller residual, and rows Newton did
-  not finish go back to Sinkhorn for the rest of the ``max_iter`` budget.
+  row keeps the state of smallest residual seen (Newton never makes it worse), and rows Newton
+  did not finish go back to Sinkhorn for the rest of the ``max_iter`` budget. The polish, that
+  fallback and the final plan run in float64 (the bulk of the iterations stays in the input
+  dtype): in float32 the residual of a plan with many targets has a floor near 1e-6.
 * **Backward** (MATH.md §2.3): with W = Gbar * Gamma, w = W 1, wc = W^T 1 and
   ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (mu, nu the marginals of the saved plan, "<"
   dropping the last column), solve ``K beta = wc_< - Gamma_<^T (w/mu)`` by Cholesky in float64
@@ -110,6 +112,12 @@ class _Problem(NamedTuple):
     a_sum: Tensor  # (B,)
     log_b: Tensor  # (B, m)
     sign: Tensor | None  # (B, 1) +1 where column 1 has the smaller mass, else -1 (m == 2)
+    empty: Tensor  # (B, m) columns of zero mass (log_b = -inf): their plan column is 0
+
+    def to(self, dtype: torch.dtype) -> _Problem:
+        if self.s.dtype == dtype:
+            return self
+        return _Problem(*(t if t is None or t.dtype == torch.bool else t.to(dtype) for t in self))
 
     def select(self, keep: Tensor) -> _Problem:
         return _Problem(
@@ -120,6 +128,7 @@ class _Problem(NamedTuple):
             self.a_sum[keep],
             self.log_b[keep],
             None if self.sign is None else self.sign[keep],
+            self.empty[keep],
         )
 
 
@@ -135,20 +144,40 @@ def _make_problem(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor) -
     if m == 2:
         d = s[:, 1] - s[:, 0]
         sign = torch.where(log_b[:, 1:2] <= log_b[:, 0:1], 1.0, -1.0).to(cost.dtype)
-    return _Problem(s, d, log_a, a, a.sum(-1), log_b, sign)
+    return _Problem(s, d, log_a, a, a.sum(-1), log_b, sign, torch.isneginf(log_b))
 
 
-def _softmax_parts(prob: _Problem, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(S - M, M, Z)`` for ``S = v_j - s_ij``, ``M = max_j S``, ``Z = sum_j exp(S - M)``.
+def _log_ratio(prob: _Problem, log_c: Tensor) -> Tensor:
+    """``log(b/c)``, with -inf (not NaN) for the zero-mass columns."""
+    return torch.where(prob.empty, -math.inf, prob.log_b - log_c)
+
+
+def _shifted(prob: _Problem, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(S - M, M)`` for ``S_ji = v_j - s_ji`` and ``M_i = max_j S_ji`` (M of shape (B, 1, n)).
 
     Written with plain reductions: ``torch.softmax`` over a non-last dim opens a parallel region
     even for tiny inputs, which is slow on a busy machine.
     """
     shifted = v.unsqueeze(-1) - prob.s
     mx = shifted.amax(1, keepdim=True)
-    shifted.sub_(mx)
-    z = shifted.exp().sum(1)
-    return shifted, mx.squeeze(1), z
+    return shifted.sub_(mx), mx
+
+
+def _exp_and_sum(prob: _Problem, v: Tensor, floor: float | None = None) -> tuple[Tensor, Tensor]:
+    """``(E, Z)`` with ``E = exp(S - M)`` (B, m, n) and ``Z = sum_j E`` (B, n).
+
+    With ``floor``, ``S - M`` is clamped below at it first, which keeps the hot loop out of
+    subnormal numbers (slow on CPUs); the entries it changes are below 1e-26 relative to the row.
+    """
+    shifted, _ = _shifted(prob, v)
+    if floor is not None:
+        shifted.clamp_min_(floor)
+    e = shifted.exp_()
+    return e, e.sum(1)
+
+
+def _loop_floor(dtype: torch.dtype) -> float:
+    return 0.7 * math.log(torch.finfo(dtype).tiny)
 
 
 def _probs(prob: _Problem, v: Tensor) -> Tensor:
@@ -159,18 +188,16 @@ def _probs(prob: _Problem, v: Tensor) -> Tensor:
         torch.sigmoid(z, out=p[:, 1])
         torch.sigmoid(z.neg_(), out=p[:, 0])
         return p
-    shifted, _, z = _softmax_parts(prob, v)
-    return shifted.exp_().div_(z.unsqueeze(1))
+    e, z = _exp_and_sum(prob, v)
+    return e.div_(z.unsqueeze(1))
 
 
 def _row_lse(prob: _Problem, v: Tensor) -> Tensor:
     """``LSE_j(v_j - s_ij)``, shape (B, n)."""
     if prob.d is not None:
-        s0 = v[:, 0:1] - prob.s[:, 0]
-        z = (v[:, 1:2] - v[:, 0:1]) - prob.d
-        return s0 + torch.nn.functional.softplus(z)
-    _, mx, z = _softmax_parts(prob, v)
-    return mx + z.log()
+        return torch.logaddexp(v[:, 0:1] - prob.s[:, 0], v[:, 1:2] - prob.s[:, 1])
+    shifted, mx = _shifted(prob, v)
+    return mx.squeeze(1) + shifted.exp_().sum(1).log()
 
 
 def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
@@ -181,8 +208,8 @@ def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
             (torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)), dim=1
         )
     else:
-        shifted, _, z = _softmax_parts(prob, v)
-        log_p = shifted.sub_(z.log().unsqueeze(1))
+        shifted, _ = _shifted(prob, v)
+        log_p = shifted.sub_(shifted.exp().sum(1, keepdim=True).log())
     return torch.logsumexp(log_p + prob.log_a.unsqueeze(1), dim=-1)
 
 
@@ -200,8 +227,8 @@ def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor) -> Tensor:
         c1 = torch.where(small1, c_small, c_big)
         c0 = torch.where(small1, c_big, c_small)
         return torch.stack((c0, c1), dim=-1).log()
-    shifted, _, z = _softmax_parts(prob, v)
-    return torch.linalg.vecdot(shifted.exp_(), (prob.a / z).unsqueeze(1)).log()
+    e, z = _exp_and_sum(prob, v, _loop_floor(v.dtype))
+    return torch.linalg.vecdot(e, (prob.a / z).unsqueeze(1)).log()
 
 
 def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -215,7 +242,7 @@ def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tupl
     if exact_log_c is not None:
         tiny = torch.finfo(c.dtype).tiny
         log_c = torch.where(c > tiny * 2**30, log_c, exact_log_c)
-    r = (prob.log_b - log_c).exp()
+    r = _log_ratio(prob, log_c).exp()
     row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)  # (B, n): sum_j P_ij r_j
     err = torch.linalg.vecdot((row - 1).abs(), prob.a) / prob.a_sum
     return log_c, err
@@ -259,14 +286,18 @@ def _sinkhorn_loop(
             if buf.shape != cur.a.shape:
                 buf = torch.empty_like(cur.a)
             log_c = _fast_log_col_sums(cur, cv, buf)
-        cv = cv + (cur.log_b - log_c)
+        cv = cv + _log_ratio(cur, log_c)
     if idx.numel():
         out_v[idx] = cv
     return out_v, out_err, it
 
 
 def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]:
-    """Semi-dual Newton with Armijo steps; return (v, err, steps). Rows are never made worse."""
+    """Semi-dual Newton with Armijo steps; return (best v, its err, steps) per row.
+
+    Each row returns the state of smallest residual among those evaluated (the start included),
+    so Newton never makes a row worse.
+    """
     bsz, m, _ = prob.s.shape
     out_v = v.clone()
     out_err = torch.full((bsz,), math.nan, dtype=v.dtype, device=v.device)
@@ -277,11 +308,13 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
         p = _probs(cur, cv)
         c = torch.linalg.vecdot(p, cur.a.unsqueeze(1))
         log_c = c.log()
-        r = (cur.log_b - log_c).exp()
+        r = _log_ratio(cur, log_c).exp()
         row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)
         err = torch.linalg.vecdot((row - 1).abs(), cur.a) / cur.a_sum
-        out_v[idx] = cv
-        out_err[idx] = err
+        old = out_err[idx]
+        best = (err < old) | torch.isnan(old)  # keep the best state seen (step 0 included)
+        out_v[idx] = torch.where(best[:, None], cv, out_v[idx])
+        out_err[idx] = torch.where(best, err, old)
         done = ~(err > tol)
         if step == NEWTON_MAX_STEPS or bool(done.all()):
             break
@@ -325,14 +358,15 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
     ``p`` (B, m, n) has rows ``P_i`` summing to 1 over m; ``w`` (B, n) > 0. This is
     ``diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` for ``Gamma = diag(w) P``. The diagonal is formed
     as ``sum_i w_i P_ij sum_{l != j} P_il`` (no cancellation when P is nearly one-hot, i.e. at small
-    epsilon), and ``_JITTER * max diag`` is added. Differentiable; float64 in, float64 out.
+    epsilon), and ``_JITTER * max diag`` is added. Differentiable (almost everywhere); float64.
     """
     m = p.shape[1]
     ps = p[:, : m - 1]
-    zeros = torch.zeros_like(p[:, :1])
-    before = torch.cat((zeros, p[:, :-1].cumsum(1)), dim=1)  # sum_{l<j} P_il
-    after = torch.cat((p[:, 1:].flip(1).cumsum(1).flip(1), zeros), dim=1)  # sum_{l>j} P_il
-    others = (before + after)[:, : m - 1]
+    # sum_{l != j} P_il: 1 - P_ij when P_ij <= 1/2 (no cancellation); for the (at most one)
+    # entry above 1/2, the sum of the other entries of its row, which are exactly those <= 1/2.
+    big = ps > 0.5
+    rest = torch.where(p > 0.5, 0.0, p).sum(1, keepdim=True)
+    others = torch.where(big, rest, 1.0 - ps)
     diag = torch.linalg.vecdot(ps * others, w.unsqueeze(1))  # (B, m-1)
     gram = (ps * w.unsqueeze(1)) @ ps.transpose(1, 2)
     kmat = torch.diag_embed(gram.diagonal(dim1=-2, dim2=-1) + diag) - gram
@@ -348,11 +382,11 @@ def _finalize(
     exact = _log_col_sums_exact(prob, v)
     log_c, err = _check(prob, v, exact)
     p = _probs(prob, v)
-    r = (prob.log_b - log_c).exp()
+    r = _log_ratio(prob, log_c).exp()
     plan = p.mul_((prob.a.unsqueeze(1)) * r.unsqueeze(-1))  # (B, m, n)
     eps = epsilon.to(v.dtype)
     f = (prob.log_a - _row_lse(prob, v)) * eps[:, None]
-    g = (v + prob.log_b - log_c) * eps[:, None]
+    g = (v + _log_ratio(prob, log_c)) * eps[:, None]
     converged = err <= tol
     bad = ~torch.isfinite(err)
     plan = torch.where(bad[:, None, None], math.nan, plan)
@@ -396,15 +430,15 @@ def log_sinkhorn(
         tol1 = max(tol, NEWTON_SWITCH) if use_newton else tol
         v, err, iters = _sinkhorn_loop(prob, v, max_iter, tol1)
         if use_newton:
-            todo = err > tol  # finite rows that are not done yet
+            # Polish, fallback and final plan in float64: in float32 the marginal error of a plan
+            # with many targets has a floor near the default tolerance (m roundings per row).
+            prob, v = prob.to(torch.float64), v.double()
+            todo = torch.isfinite(err)  # rows already below tol stop at Newton's first check
             if bool(todo.any()):
-                sub = prob.select(todo)
-                v_sub, err_sub, steps = _newton(sub, v[todo], tol)
-                better = err_sub < err[todo]  # keep the Newton state only if it is better
-                v_new = torch.where(better[:, None], v_sub, v[todo])
-                err_new = torch.where(better, err_sub, err[todo])
-                v[todo] = v_new
-                err[todo] = err_new
+                v_sub, err_sub, steps = _newton(prob.select(todo), v[todo], tol)
+                v[todo] = v_sub
+                err = err.double()
+                err[todo] = err_sub
                 iters += steps
                 left = max_iter - iters
                 todo2 = err > tol
@@ -412,6 +446,11 @@ def log_sinkhorn(
                     v2, _, it2 = _sinkhorn_loop(prob.select(todo2), v[todo2], left, tol)
                     v[todo2] = v2
                     iters += it2
+            res = _finalize(prob, v, epsilon, tol, iters)
+            dt = cost.dtype
+            return res._replace(
+                f=res.f.to(dt), g=res.g.to(dt), plan=res.plan.to(dt), residual=res.residual.to(dt)
+            )
         return _finalize(prob, v, epsilon, tol, iters)
 
 

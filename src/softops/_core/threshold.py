@@ -30,7 +30,7 @@ import torch
 from .fused import maybe_fused
 from .rootfind import bracketed_newton
 
-__all__ = ["EXACT_MAX_N", "DEFAULT_MAX_ITER", "ThresholdState", "mask_from_threshold", "solve"]
+__all__ = ["DEFAULT_MAX_ITER", "EXACT_MAX_N", "ThresholdState", "mask_from_threshold", "solve"]
 
 EXACT_MAX_N = 16384
 """Rows up to this length are bracketed and centred by an exact ``torch.topk`` of k + 1 entries;
@@ -60,16 +60,27 @@ class ThresholdState(NamedTuple):
 
 
 def _evaluate(
-    x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, eps: torch.Tensor, k: torch.Tensor
+    x: torch.Tensor,
+    m: torch.Tensor,
+    t: torch.Tensor,
+    eps: torch.Tensor,
+    k: torch.Tensor,
+    tol: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sum A - k, sum A(1 - A), sum min(A, 1 - A))`` per row, in one pass over x."""
+    """``F = sum A - k``, ``dF/dt`` and the tolerance on ``|F|``, reducing over the last dim.
+
+    ``m``, ``t`` and ``eps`` have a trailing singleton dim; ``k`` has the reduced shape. With ``u =
+    min(A, 1 - A)`` the residual is split by sign, so it has no cancellation; the tolerance is the
+    rounding of the sums plus the change of F over one ulp of t, plus the user's ``tol``.
+    """
+    em = torch.finfo(x.dtype).eps
     z = ((x - m) - t) / eps
     u = torch.sigmoid(-z.abs())
     pos = z > 0
     F = torch.where(pos, -u, u).sum(-1) + pos.sum(-1, dtype=x.dtype) - k
-    D = (u * (1 - u)).sum(-1)
-    U = u.sum(-1)
-    return F, D, U
+    slope = (u * (1 - u)).sum(-1) / eps.squeeze(-1)
+    bound = 32 * em * u.sum(-1).clamp(min=1) + 2 * em * slope * t.squeeze(-1).abs() + tol
+    return F, -slope, bound
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,8 +140,14 @@ def solve(
     zeros = torch.zeros(B, dtype=dtype, device=x.device)
     if solve_rows is not None and not bool(solve_rows.any()):
         return ThresholdState(
-            zeros, zeros, ~invalid, 0, zeros.masked_fill(invalid, math.nan),
-            sel_none, sel_all, invalid,
+            zeros,
+            zeros,
+            ~invalid,
+            0,
+            zeros.masked_fill(invalid, math.nan),
+            sel_none,
+            sel_all,
+            invalid,
         )
     # Rows that are not solved get a harmless k so that the arithmetic below stays finite.
     kk = k_eff if solve_rows is None else torch.where(solve_rows, k_eff, 0.5 * n_fin.clamp(min=1))
@@ -181,31 +198,38 @@ def solve(
     m2, e2 = m[:, None], eps[:, None]
 
     def evaluate(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        F, D, U = evaluate_fn(x, m2, t[:, None], e2, k_total)
-        dF = -D / eps
-        tol_ = 32 * em * U.clamp(min=1) + 2 * em * (D / eps) * t.abs() + tol
-        return F, dF, tol_
+        return evaluate_fn(x, m2, t[:, None], e2, k_total, tol)
 
-    # Best of two starting points; both evaluations tighten the bracket.
-    Fa, dFa, tola = evaluate(t_mid)
-    Fb, dFb, tolb = evaluate(t_large)
-    for t_, F_ in ((t_mid, Fa), (t_large, Fb)):
-        tighter_lo = (F_ > 0) & (t_ >= lo)
-        tighter_hi = (F_ < 0) & (t_ <= hi)
-        lo, f_lo = torch.where(tighter_lo, t_, lo), torch.where(tighter_lo, F_, f_lo)
-        hi, f_hi = torch.where(tighter_hi, t_, hi), torch.where(tighter_hi, F_, f_hi)
-    use_b = Fb.abs() < Fa.abs()
-    t0 = torch.where(use_b, t_large, t_mid)
-    first = (
-        torch.where(use_b, Fb, Fa),
-        torch.where(use_b, dFb, dFa),
-        torch.where(use_b, tolb, tola),
+    # Best of two starting points, evaluated in one pass; both tighten the bracket.
+    t2 = torch.stack((t_mid, t_large), -1)
+    F2, dF2, tol2 = evaluate_fn(
+        x[:, None, :], m2[..., None], t2[..., None], e2[..., None], k_total[:, None], tol
     )
+    tighter_lo = (F2 > 0) & (t2 >= lo[:, None])
+    tighter_hi = (F2 < 0) & (t2 <= hi[:, None])
+    lo2 = torch.where(tighter_lo, t2, lo[:, None])
+    hi2 = torch.where(tighter_hi, t2, hi[:, None])
+    lo, hi = lo2.amax(-1), hi2.amin(-1)
+    f_lo = torch.where(tighter_lo, F2, f_lo[:, None]).gather(-1, lo2.argmax(-1, keepdim=True))
+    f_hi = torch.where(tighter_hi, F2, f_hi[:, None]).gather(-1, hi2.argmin(-1, keepdim=True))
+    f_lo, f_hi = f_lo.squeeze(-1), f_hi.squeeze(-1)
+    best = F2.abs().argmin(-1, keepdim=True)
+    t0 = t2.gather(-1, best).squeeze(-1)
+    first = tuple(v.gather(-1, best).squeeze(-1) for v in (F2, dF2, tol2))
     done = None if solve_rows is None else ~solve_rows
     check_every = 1 if x.device.type == "cpu" else 4
     res = bracketed_newton(
-        evaluate, t0, lo, hi, max_iter=max(max_iter - 1, 1), done=done,
-        f_lo=f_lo, f_hi=f_hi, check_every=check_every, first=first,
+        evaluate,
+        t0,
+        lo,
+        hi,
+        max_iter=max(max_iter - 1, 1),
+        done=done,
+        f_lo=f_lo,
+        f_hi=f_hi,
+        check_every=check_every,
+        first=first,
+        wrap=lambda fn: maybe_fused(fn, x),
     )
     converged, residual = res.converged, res.residual
     if solve_rows is not None:

@@ -146,7 +146,9 @@ def check_max_iter(max_iter: Any, default: int, op: str) -> int:
     if max_iter is None:
         return default
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"{op}: expected `max_iter` to be a positive int or None; got {max_iter!r}.")
+        raise ValueError(
+            f"{op}: expected `max_iter` to be a positive int or None; got {max_iter!r}."
+        )
     return max_iter
 
 

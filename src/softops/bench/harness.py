@@ -186,6 +186,7 @@ class RunOptions:
         first_call: run the first-call probes of the cases flagged ``first_call``.
         seed: seed of the inputs and of the linear functionals.
         probe_timeout_s: a probe subprocess is abandoned after this long.
+        extra: JSON-serialisable fields stored in every record (for example the command line).
     """
 
     device: str = "cpu"
@@ -285,7 +286,16 @@ def _storage_key(t: torch.Tensor) -> Any:
 
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch threads, then restore the previous count.
+
+    Nothing is called when the count is already ``n``: on a busy machine, any explicit
+    ``torch.set_num_threads`` (even to the current count) can make tiny ops in the rest of the
+    process much slower (observed with torch 2.13 on CPU), so the process state is left alone.
+    """
     previous = torch.get_num_threads()
+    if previous == n:
+        yield
+        return
     torch.set_num_threads(n)
     try:
         yield
@@ -460,6 +470,7 @@ def _run_config(
             "fwdbwd_skip": st.fwdbwd_skip if st.fwd_skip is None else None,
             **facts,
             **env,
+            **options.extra,
             "time": stamp,
         }
         records.append(record)
@@ -601,9 +612,11 @@ def run_probe(
 ) -> dict[str, Any]:
     """Run one probe in a fresh subprocess and return its JSON result (or ``{"error": ...}``)."""
     full_env = dict(os.environ)
-    # A fixed mmap threshold turns off glibc's dynamic one, so large freed buffers are returned to
-    # the OS at once and the resident set tracks live memory.
-    full_env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if kind == "memory":
+        # A fixed mmap threshold turns off glibc's dynamic one, so large freed buffers go back to
+        # the OS at once and the resident set tracks live memory. Not for timing probes: mapping
+        # every large buffer afresh slows allocation-heavy code down.
+        full_env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     full_env.update(env or {})
     try:
         proc = subprocess.run(
@@ -770,20 +783,24 @@ def _ms(seconds: float | None) -> float | None:
 def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite) -> bool:
     """Plot median time against ``suite.plot_x`` per method (forward and forward+backward).
 
-    Needs matplotlib (the ``bench`` extra); returns ``False`` without it or without data.
+    Needs matplotlib (the ``bench`` extra); returns ``False`` without it or without data. Draws
+    on a bare ``Figure`` (saved through the Agg canvas), so pyplot's global backend is untouched.
     """
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return False
     rows = [r for r in records if r["group"] == suite.plot_group and r["fwd_ms"] is not None]
     if not rows:
         return False
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
+    colors = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, key, title in (
         (axes[0], "fwd_ms", "forward"),
         (axes[1], "fwdbwd_ms", "forward + backward"),
@@ -796,7 +813,11 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
                 continue
             floor = any(r["floor"] for r in rows if r["case"] == case)
             ax.plot(
-                *zip(*pts, strict=True), marker="o", label=case, linestyle="--" if floor else "-"
+                *zip(*pts, strict=True),
+                marker="o",
+                label=case,
+                color=colors[case],
+                linestyle="--" if floor else "-",
             )
         floor_pts = sorted(
             (r[suite.plot_x], r["floor_fwd_ms"]) for r in rows if r["floor"] and r["floor_fwd_ms"]
@@ -824,7 +845,6 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return True
 
 

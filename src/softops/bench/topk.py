@@ -145,10 +145,15 @@ def _compile_default() -> bool:
 
 @contextmanager
 def _compile_mode(fused: bool) -> Iterator[None]:
+    """Hold ``softops.set_compile(fused)`` for a forward and its backward, then restore."""
     import softops
 
-    getter = getattr(softops, "compile_enabled", None)
-    previous = getter() if callable(getter) else _compile_default()
+    try:
+        from softops._core.fused import compile_enabled
+    except ImportError:
+        previous = _compile_default()
+    else:
+        previous = compile_enabled()
     softops.set_compile(fused)
     try:
         yield

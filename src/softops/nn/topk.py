@@ -36,8 +36,15 @@ class SoftTopKMask(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_topk_mask(
-            x, self.k, dim=self.dim, largest=self.largest, epsilon=self.epsilon,
-            method=self.method, max_iter=self.max_iter, tol=self.tol, hard=self.hard,
+            x,
+            self.k,
+            dim=self.dim,
+            largest=self.largest,
+            epsilon=self.epsilon,
+            method=self.method,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            hard=self.hard,
         )
 
     def extra_repr(self) -> str:
@@ -66,8 +73,13 @@ class SoftTopK(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):  # -> softops.TopK
         return soft_topk(
-            x, self.k, dim=self.dim, largest=self.largest, epsilon=self.epsilon,
-            max_iter=self.max_iter, tol=self.tol,
+            x,
+            self.k,
+            dim=self.dim,
+            largest=self.largest,
+            epsilon=self.epsilon,
+            max_iter=self.max_iter,
+            tol=self.tol,
         )
 
     def extra_repr(self) -> str:
