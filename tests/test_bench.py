@@ -172,7 +172,8 @@ def test_memory_probe_and_lean_core_import() -> None:
     lean = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     config = Config("grid", {"B": 2, "n": 1000, "k": 10, "epsilon": 0.1})
     result = run_probe("memory", SUITE, config, "torch.topk", RunOptions())
-    assert lean.wait(timeout=120) == 0, lean.stderr.read() if lean.stderr else ""
+    _, lean_err = lean.communicate(timeout=120)
+    assert lean.returncode == 0, lean_err
     assert "error" not in result, result
     assert result["peak_mb"] >= 0.0
     assert result["saved_mb"] == pytest.approx(2 * 10 * 8 / 2**20)  # the int64 indices

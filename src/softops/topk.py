@@ -29,7 +29,7 @@ import torch
 
 from ._core import threshold as _threshold
 from ._core.dims import flatten_to_2d, row_param
-from ._core.fused import maybe_fused
+from ._core.fused import compile_enabled, maybe_fused
 from ._core.straight_through import hard_topk_mask, straight_through
 from ._core.validation import (
     check_choice,
@@ -92,6 +92,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             ctx.save_for_backward(A, eps, x, m, t)
         else:
             ctx.save_for_backward(A, eps)
+        ctx.fused = compile_enabled()  # the backward follows the forward's choice
 
     @staticmethod
     def backward(ctx: Any, gA: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
@@ -101,7 +102,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         gx = gk = geps = None
         if need_x and not (need_k or need_eps) and not torch.is_grad_enabled():
             # The common case: one fused pass for the sums, one for the gradient.
-            return maybe_fused(_vjp_x, A)(A, gA, e), None, None, None, None, None
+            return maybe_fused(_vjp_x, A, ctx.fused)(A, gA, e), None, None, None, None, None
         s, ss, sg = _vjp_terms(A, gA, e)
         pos = ss > 0
         inv = torch.where(pos, 1 / torch.where(pos, ss, 1), 0)

@@ -52,17 +52,26 @@ def compile_enabled() -> bool:
 
 
 def _use_fused(x: torch.Tensor) -> bool:
+    return compile_enabled() and _use_fused_shape(x)
+
+
+def _use_fused_shape(x: torch.Tensor) -> bool:
     return (
-        compile_enabled()
+        not _state["failed"]
         and x.numel() >= FUSED_MIN_NUMEL
         and x.device.type in ("cpu", "cuda")
         and not torch.compiler.is_compiling()
     )
 
 
-def maybe_fused(fn: Callable[..., Any], x: torch.Tensor) -> Callable[..., Any]:
-    """Return the compiled version of ``fn`` when the fused path applies to ``x``, else ``fn``."""
-    if not _use_fused(x):
+def maybe_fused(
+    fn: Callable[..., Any], x: torch.Tensor, enabled: bool | None = None
+) -> Callable[..., Any]:
+    """Return the compiled version of ``fn`` when the fused path applies to ``x``, else ``fn``.
+
+    ``enabled`` overrides the global switch (a backward pass uses the choice of its forward).
+    """
+    if not (_use_fused(x) if enabled is None else enabled and _use_fused_shape(x)):
         return fn
     compiled = _state["compiled"].get(fn)
     if compiled is None:

@@ -9,6 +9,7 @@ it is capped at ``max_iter`` evaluations.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ class RootResult(NamedTuple):
     residual: torch.Tensor
 
 
-Evaluate = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Evaluate = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def bracketed_newton(
@@ -43,10 +44,11 @@ def bracketed_newton(
     hi: torch.Tensor,
     *,
     max_iter: int,
+    eval_args: tuple[Any, ...] = (),
     f_lo: torch.Tensor | None = None,
     f_hi: torch.Tensor | None = None,
     done: torch.Tensor | None = None,
-    check_every: int = 1,
+    block: int = 1,
     first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> RootResult:
@@ -58,20 +60,26 @@ def bracketed_newton(
     functions of top-k at a tiny temperature, where the derivative vanishes between entries, the
     secant step is an interpolation search and needs far fewer steps than bisection.
 
+    Steps run in blocks of ``block`` evaluations with no host synchronisation inside a block;
+    ``all(done)`` is tested between blocks. Rows that are done keep their iterate, so a block that
+    overshoots convergence changes nothing but the evaluation count.
+
     Args:
-        evaluate: maps t (B,) to ``(F, dF, tol)``, each (B,): the residual, its derivative in t
-            (<= 0) and the tolerance on ``|F|`` below which the row counts as solved.
+        evaluate: a pure function mapping ``(t, *eval_args)``, t (B,), to ``(F, dF, tol)``, each
+            (B,): the residual, its derivative in t (<= 0) and the tolerance on ``|F|`` below
+            which the row counts as solved. Pass a module-level function: blocks are cached per
+            function, so that ``wrap`` (e.g. compilation) happens once.
         t: (B,) initial iterate, inside ``[lo, hi]``.
         lo, hi: (B,) bracket with ``F(lo) >= 0 >= F(hi)``.
         max_iter: cap on evaluations.
+        eval_args: the extra arguments of ``evaluate``.
         f_lo, f_hi: (B,) ``F(lo)`` and ``F(hi)``, or upper bounds on their magnitudes; ``nan``
             or None where unknown.
         done: (B,) rows to leave alone (e.g. NaN rows); they count as not converged.
-        check_every: test ``all(done)`` on the host every this many iterations. On a CPU the test
-            costs nothing; on an accelerator a larger value avoids a sync per iteration.
+        block: evaluations between two host-side convergence tests.
         first: ``evaluate(t)`` when the caller already has it (it is not evaluated again and not
             counted in ``iterations``).
-        wrap: applied once to the per-step update (pure tensor code), e.g. to compile it.
+        wrap: applied to each block function (pure tensor code), e.g. to compile it.
 
     Returns:
         A :class:`RootResult`.
@@ -83,21 +91,34 @@ def bracketed_newton(
     done = skip.clone()
     residual = nan
     side = torch.zeros_like(t)
-    update = _update if wrap is None else wrap(_update)
+    state = (t, lo, hi, f_lo, f_hi, side, done, residual)
+    if first is not None:
+        state = _update(t, *first, lo, hi, f_lo, f_hi, side, done, skip, residual)
     iterations = 0
-    for it in range(max_iter):
-        if it == 0 and first is not None:
-            F, dF, tol = first
-        else:
-            F, dF, tol = evaluate(t)
-            iterations += 1
-        t, lo, hi, f_lo, f_hi, side, done, residual = update(
-            t, F, dF, tol, lo, hi, f_lo, f_hi, side, done, skip, residual
-        )
-        if (it + 1) % check_every == 0 and bool(done.all()):
-            break
+    while iterations < max_iter and not bool(state[6].all()):
+        steps = min(block, max_iter - iterations)
+        run = _block(evaluate, steps)
+        state = (run if wrap is None else wrap(run))(skip, eval_args, *state)
+        iterations += steps
+    t, done, residual = state[0], state[6], state[7]
     converged = done & ~skip & (residual == residual)
     return RootResult(t, converged, iterations, residual)
+
+
+@functools.cache
+def _block(evaluate: Evaluate, steps: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``steps`` evaluations and updates as one pure function (one stable object per key)."""
+
+    def run(skip: torch.Tensor, eval_args: tuple[Any, ...], *state: torch.Tensor):
+        t, lo, hi, f_lo, f_hi, side, done, residual = state
+        for _ in range(steps):
+            F, dF, tol = evaluate(t, *eval_args)
+            t, lo, hi, f_lo, f_hi, side, done, residual = _update(
+                t, F, dF, tol, lo, hi, f_lo, f_hi, side, done, skip, residual
+            )
+        return t, lo, hi, f_lo, f_hi, side, done, residual
+
+    return run
 
 
 def _update(

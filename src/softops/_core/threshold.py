@@ -36,6 +36,8 @@ EXACT_MAX_N = 16384
 """Rows up to this length are bracketed and centred by an exact ``torch.topk`` of k + 1 entries;
 longer rows by a strided subsample of about ``SAMPLE_SIZE`` entries (the bracket stays exact)."""
 SAMPLE_SIZE = 2048
+BLOCK = 3
+"""Newton evaluations between two convergence tests (no host sync inside a block)."""
 DEFAULT_MAX_ITER = 100
 """Cap on Newton evaluations. 3 to 6 are typical; plain bisection within the coarse bracket of the
 subsampled path needs at most about 30 (float32) or 60 (float64)."""
@@ -81,6 +83,18 @@ def _evaluate(
     slope = (u * (1 - u)).sum(-1) / eps.squeeze(-1)
     bound = 32 * em * u.sum(-1).clamp(min=1) + 2 * em * slope * t.squeeze(-1).abs() + tol
     return F, -slope, bound
+
+
+def _evaluate_t(
+    t: torch.Tensor,
+    x: torch.Tensor,
+    m: torch.Tensor,
+    eps: torch.Tensor,
+    k: torch.Tensor,
+    tol: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_evaluate` for a (B,) iterate, the form the root finder calls."""
+    return _evaluate(x, m, t[:, None], eps, k, tol)
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,10 +209,8 @@ def solve(
     # The residual counts +inf entries as selected, so it is taken against the total k.
     k_total = kk if all_finite else kk + (k - k_eff)
     evaluate_fn = maybe_fused(_evaluate, x)
+    fused = evaluate_fn is not _evaluate
     m2, e2 = m[:, None], eps[:, None]
-
-    def evaluate(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return evaluate_fn(x, m2, t[:, None], e2, k_total, tol)
 
     # Best of two starting points, evaluated in one pass; both tighten the bracket.
     t2 = torch.stack((t_mid, t_large), -1)
@@ -217,18 +229,19 @@ def solve(
     t0 = t2.gather(-1, best).squeeze(-1)
     first = tuple(v.gather(-1, best).squeeze(-1) for v in (F2, dF2, tol2))
     done = None if solve_rows is None else ~solve_rows
-    check_every = 1 if x.device.type == "cpu" else 4
     res = bracketed_newton(
-        evaluate,
+        _evaluate_t,
         t0,
         lo,
         hi,
-        max_iter=max(max_iter - 1, 1),
+        max_iter=max(max_iter - 2, 1),
+        eval_args=(x, m2, e2, k_total, tol),
         done=done,
         f_lo=f_lo,
         f_hi=f_hi,
-        check_every=check_every,
         first=first,
+        # a host test is free on a CPU; elsewhere, or when fused, run blocks without syncs
+        block=1 if x.device.type == "cpu" and not fused else BLOCK,
         wrap=lambda fn: maybe_fused(fn, x),
     )
     converged, residual = res.converged, res.residual

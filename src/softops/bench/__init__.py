@@ -2,14 +2,17 @@
 
 :mod:`softops.bench.harness` is generic: interleaved median timings of forward and
 forward+backward, saved-for-backward bytes, peak memory in fresh subprocesses, and JSONL, Markdown
-and PNG reports (numpy, matplotlib and rich, the ``bench`` extra, are imported lazily and are
-optional). :mod:`softops.bench.topk` is the top-k suite.
+and PNG reports (matplotlib, for the plot, is imported lazily and is optional).
+:mod:`softops.bench.topk` is the top-k suite.
 
-Example:
-    >>> from softops.bench import RunOptions, run_suite, write_results  # doctest: +SKIP
-    >>> from softops.bench.topk import SUITE, build_configs  # doctest: +SKIP
-    >>> records = run_suite(SUITE, build_configs(sizes=[1000]), RunOptions())  # doctest: +SKIP
-    >>> write_results(records, SUITE, "benchmarks/results", "topk")  # doctest: +SKIP
+Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted``)::
+
+    from softops.bench import RunOptions, run_suite, write_results
+    from softops.bench.topk import SUITE, build_configs
+
+    configs = build_configs(sizes=[1000], speedup=False, sorted_memory=False)
+    records = run_suite(SUITE, configs, RunOptions(threads=1))
+    write_results(records, SUITE, "benchmarks/results", "topk-1000")
 """
 
 from softops.bench.harness import (
