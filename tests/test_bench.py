@@ -226,3 +226,19 @@ def test_optional_dependencies_missing(
     records = run_suite(TinySuite(), _configs()[:1], _options(repeats=1), log=lambda line: None)
     paths = write_results(records, TINY, tmp_path, "tiny")
     assert set(paths) == {"jsonl", "md"}
+
+
+def test_paper_sinkhorn_reference_equals_library_ops() -> None:
+    from softops.bench.topk import paper_sinkhorn_topk_mask
+
+    x = torch.randn(3, 40, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 40, dtype=torch.float64)
+    paper = paper_sinkhorn_topk_mask(x, 6, epsilon=0.3, n_iter=200)
+    lib = softops.soft_topk_mask(x, 6, epsilon=0.3, method="sinkhorn", max_iter=200, tol=0)
+    torch.testing.assert_close(paper, lib, atol=1e-12, rtol=0)
+    converged = paper_sinkhorn_topk_mask(x, 6, epsilon=0.3, n_iter=3000)
+    ot = softops.soft_topk_mask(x, 6, epsilon=0.3)
+    torch.testing.assert_close(converged, ot, atol=1e-12, rtol=0)
+    (gp,) = torch.autograd.grad(converged, x, g)
+    (go,) = torch.autograd.grad(ot, x, g)
+    torch.testing.assert_close(gp, go, atol=1e-10, rtol=0)
