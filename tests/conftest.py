@@ -20,3 +20,17 @@ def _seed_and_eager():
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny problems: avoid waking the intra-op pool (slow on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    """A fresh CPU generator with a fixed seed."""
+    return torch.Generator().manual_seed(seed)

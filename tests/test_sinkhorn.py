@@ -10,24 +10,17 @@ import torch
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.solvers import sinkhorn
 
+from .conftest import seeded
+
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny problems: avoid waking the intra-op pool (slow on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+# Tiny problems: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _problem(bsz: int, n: int, m: int, seed: int = 0, dtype: torch.dtype = F64):
-    g = _gen(seed)
+    g = seeded(seed)
     cost = torch.randn(bsz, n, m, generator=g, dtype=dtype)
     log_a = torch.log_softmax(torch.randn(bsz, n, generator=g, dtype=dtype), -1)
     log_b = torch.log_softmax(torch.randn(bsz, m, generator=g, dtype=dtype), -1)
@@ -156,7 +149,7 @@ def test_zero_mass_columns(masses: tuple[float, ...]) -> None:
 
 def test_two_targets_plan_is_the_sigmoid_mask() -> None:
     """m=2 with targets (0, 1): n*Gamma[:, 1] = sigmoid((x - t)/epsilon), sum = k (DESIGN §3.1)."""
-    g = _gen(6)
+    g = seeded(6)
     bsz, n = 3, 50
     x = torch.randn(bsz, n, generator=g, dtype=F64)
     ks = torch.tensor([1.0, 10.0, 49.0], dtype=F64)
@@ -217,7 +210,7 @@ def test_gradgradcheck_implicit_plan() -> None:
 def test_implicit_vjp_matches_unrolled_autograd(m: int) -> None:
     cost, log_a, log_b, eps = _problem(3, 20, m, seed=30 + m)
     cost.requires_grad_(True)
-    weight = torch.randn(3, 20, m, generator=_gen(1), dtype=F64)
+    weight = torch.randn(3, 20, m, generator=seeded(1), dtype=F64)
     plan, res = sinkhorn_plan(cost, log_a, log_b, eps, 100_000, 1e-14, True)
     assert bool(res.converged.all())
     (g_impl,) = torch.autograd.grad((plan * weight).sum(), cost)
@@ -258,7 +251,7 @@ def test_saved_memory_does_not_grow_with_iterations() -> None:
 
 
 def test_public_sinkhorn_batch_dims_and_dtype() -> None:
-    g = _gen(50)
+    g = seeded(50)
     cost = torch.rand(2, 3, 8, 4, generator=g, dtype=F64)
     a = torch.full((8,), 1 / 8, dtype=F64)
     b = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
@@ -273,7 +266,7 @@ def test_public_sinkhorn_batch_dims_and_dtype() -> None:
 
 
 def test_public_sinkhorn_gradients_in_cost_and_epsilon() -> None:
-    g = _gen(51)
+    g = seeded(51)
     cost = torch.rand(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
     eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
     a = torch.full((6,), 1 / 6, dtype=F64)

@@ -12,20 +12,13 @@ from hypothesis import strategies as st
 
 from softops._sorted_topk import TopK, soft_topk
 
+from .conftest import seeded
+
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny problems: avoid waking the intra-op pool (slow on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+# Tiny problems: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def unrolled_soft_topk(x: torch.Tensor, k: int, epsilon: float, iters: int, largest: bool = True):
@@ -60,7 +53,7 @@ def unrolled_soft_topk(x: torch.Tensor, k: int, epsilon: float, iters: int, larg
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize(("n", "k", "eps"), [(12, 3, 0.5), (20, 1, 0.3), (9, 9, 0.4)])
 def test_matches_unrolled_reference_forward_and_backward(n, k, eps, largest) -> None:
-    g = _gen(n + k)
+    g = seeded(n + k)
     x = torch.randn(3, n, generator=g, dtype=F64, requires_grad=True)
     out = soft_topk(x, k, epsilon=eps, largest=largest, tol=1e-14, max_iter=100_000)
     ref_v, ref_w = unrolled_soft_topk(x, k, eps, 500, largest)
@@ -75,7 +68,7 @@ def test_matches_unrolled_reference_forward_and_backward(n, k, eps, largest) -> 
 
 @pytest.mark.parametrize(("n", "k", "eps"), [(6, 1, 1.0), (10, 3, 0.5), (15, 4, 0.3), (7, 7, 0.6)])
 def test_gradcheck_values_and_weights(n: int, k: int, eps: float) -> None:
-    x = torch.randn(2, n, generator=_gen(n), dtype=F64, requires_grad=True)
+    x = torch.randn(2, n, generator=seeded(n), dtype=F64, requires_grad=True)
 
     def fn(inp: torch.Tensor):
         out = soft_topk(inp, k, epsilon=eps, tol=1e-14, max_iter=100_000)
@@ -85,7 +78,7 @@ def test_gradcheck_values_and_weights(n: int, k: int, eps: float) -> None:
 
 
 def test_gradcheck_epsilon_tensor() -> None:
-    x = torch.randn(2, 8, generator=_gen(3), dtype=F64)
+    x = torch.randn(2, 8, generator=seeded(3), dtype=F64)
     eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
 
     def fn(e: torch.Tensor):
@@ -95,7 +88,7 @@ def test_gradcheck_epsilon_tensor() -> None:
 
 
 def test_invariants_and_order() -> None:
-    x = torch.randn(5, 40, generator=_gen(4), dtype=F64)
+    x = torch.randn(5, 40, generator=seeded(4), dtype=F64)
     for largest in (True, False):
         out = soft_topk(x, 6, epsilon=0.2, largest=largest)
         assert isinstance(out, TopK)
@@ -116,7 +109,7 @@ def test_invariants_and_order() -> None:
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_hard_limit(largest: bool, dtype: torch.dtype) -> None:
-    g = _gen(5)
+    g = seeded(5)
     x = torch.stack([torch.randperm(30, generator=g) for _ in range(4)]).to(dtype) * 0.5
     hard = torch.topk(x, 5, -1, largest, sorted=True)
     out = soft_topk(x, 5, largest=largest, epsilon=0.005)
@@ -127,7 +120,7 @@ def test_hard_limit(largest: bool, dtype: torch.dtype) -> None:
 
 
 def test_scaling_law_and_orientation() -> None:
-    x = torch.randn(3, 25, generator=_gen(6), dtype=F64)
+    x = torch.randn(3, 25, generator=seeded(6), dtype=F64)
     out = soft_topk(x, 4, epsilon=0.3)
     scaled = soft_topk(7.0 * x, 4, epsilon=2.1)
     torch.testing.assert_close(scaled.values, 7.0 * out.values)
@@ -139,7 +132,7 @@ def test_scaling_law_and_orientation() -> None:
 
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
 def test_any_dim_equals_loop_over_rows(dim: int) -> None:
-    x = torch.randn(4, 6, 5, generator=_gen(7), dtype=F64)
+    x = torch.randn(4, 6, 5, generator=seeded(7), dtype=F64)
     k = 3
     out = soft_topk(x, k, dim=dim, epsilon=0.25)
     d = dim % 3
@@ -160,7 +153,7 @@ def test_any_dim_equals_loop_over_rows(dim: int) -> None:
 
 
 def test_rows_are_independent() -> None:
-    x = torch.randn(4, 30, generator=_gen(8), dtype=F64)
+    x = torch.randn(4, 30, generator=seeded(8), dtype=F64)
     out = soft_topk(x, 5, epsilon=0.2)
     x2 = x.clone()
     x2[1] *= 100.0
@@ -171,7 +164,7 @@ def test_rows_are_independent() -> None:
 
 
 def test_nan_row_isolated_no_hang() -> None:
-    x = torch.randn(3, 20, generator=_gen(9), dtype=F64, requires_grad=True)
+    x = torch.randn(3, 20, generator=seeded(9), dtype=F64, requires_grad=True)
     bad = x.detach().clone()
     bad[1, 4] = math.nan
     bad.requires_grad_(True)
@@ -186,7 +179,7 @@ def test_nan_row_isolated_no_hang() -> None:
 
 
 def test_minus_inf_is_never_selected() -> None:
-    x = torch.randn(2, 12, generator=_gen(10), dtype=F64)
+    x = torch.randn(2, 12, generator=seeded(10), dtype=F64)
     masked = x.clone()
     masked[:, [2, 7]] = -math.inf
     keep = [i for i in range(12) if i not in (2, 7)]
@@ -232,7 +225,7 @@ def _solve_with_extra_rest(x: torch.Tensor, k: int, epsilon: float, extra: int):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_dtypes(dtype: torch.dtype) -> None:
-    x = torch.randn(3, 50, generator=_gen(11)).to(dtype).requires_grad_(True)
+    x = torch.randn(3, 50, generator=seeded(11)).to(dtype).requires_grad_(True)
     out = soft_topk(x, 4, epsilon=0.3)
     assert out.values.dtype == dtype and out.weights.dtype == dtype
     ref = soft_topk(x.detach().double(), 4, epsilon=0.3)
@@ -243,7 +236,7 @@ def test_low_precision_dtypes(dtype: torch.dtype) -> None:
 
 
 def test_k_equals_n_is_a_soft_sort() -> None:
-    x = torch.randn(2, 8, generator=_gen(12), dtype=F64)
+    x = torch.randn(2, 8, generator=seeded(12), dtype=F64)
     out = soft_topk(x, 8, epsilon=0.05)
     torch.testing.assert_close(out.weights.sum(-1), torch.ones(2, 8, dtype=F64))
     torch.testing.assert_close(out.weights.sum(-2), torch.ones(2, 8, dtype=F64))
@@ -253,7 +246,7 @@ def test_k_equals_n_is_a_soft_sort() -> None:
 
 
 def test_not_converged_warns_once() -> None:
-    x = torch.randn(4, 30, generator=_gen(13), dtype=F64)
+    x = torch.randn(4, 30, generator=seeded(13), dtype=F64)
     with pytest.warns(UserWarning, match="did not reach tol") as record:
         soft_topk(x, 5, epsilon=0.05, max_iter=5, tol=1e-30)
     assert len(record) == 1
@@ -279,7 +272,7 @@ def _saved_bytes(fn) -> int:
 
 
 def test_saved_memory_independent_of_iterations() -> None:
-    x = torch.randn(4, 200, generator=_gen(14), dtype=F64, requires_grad=True)
+    x = torch.randn(4, 200, generator=seeded(14), dtype=F64, requires_grad=True)
     k = 4
 
     def run(iters: int):
@@ -342,7 +335,7 @@ def test_property_ties_and_magnitudes(values: list[int], scale: float, k: int) -
 @pytest.mark.parametrize("k", [1, 8, 32])
 @pytest.mark.parametrize("eps", [1.0, 0.1, 0.01, 1e-3])
 def test_float32_grid_converges_and_matches_float64(n: int, k: int, eps: float) -> None:
-    x = torch.randn(4, n, generator=_gen(n + k), dtype=F64)
+    x = torch.randn(4, n, generator=seeded(n + k), dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ref = soft_topk(x, k, epsilon=eps)
