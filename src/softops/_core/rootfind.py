@@ -151,6 +151,8 @@ def _update(
     secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
     fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))
     step = torch.where(inside, step, fallback)
-    done = done | (step == t)
+    # Resolution limit: the step rounds to t, or the bracket has shrunk to a few ulps of t.
+    ulp = torch.finfo(t.dtype).eps
+    done = done | (step == t) | (hi - lo <= 4 * ulp * torch.maximum(lo.abs(), hi.abs()))
     t = torch.where(done, t, step)
     return t, lo, hi, f_lo, f_hi, side, done, residual

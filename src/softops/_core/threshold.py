@@ -79,7 +79,7 @@ def _evaluate(
     z = ((x - m) - t) / eps
     u = torch.sigmoid(-z.abs())
     pos = z > 0
-    F = torch.where(pos, -u, u).sum(-1) + pos.sum(-1, dtype=x.dtype) - k
+    F = torch.where(pos, -u, u).sum(-1) + (pos.sum(-1, dtype=x.dtype) - k)  # count - k first
     slope = (u * (1 - u)).sum(-1) / eps.squeeze(-1)
     bound = 32 * em * u.sum(-1).clamp(min=1) + 2 * em * slope * t.squeeze(-1).abs() + tol
     return F, -slope, bound
@@ -168,6 +168,7 @@ def solve(
     nn_ = n_fin if solve_rows is None else n_fin.clamp(min=1)
     logit_k = torch.log(kk) - torch.log(nn_ - kk)
 
+    sample = None
     if n <= EXACT_MAX_N or not all_finite:
         j_hi = torch.ceil(kk).clamp(min=1).long()
         j_lo = torch.minimum(torch.floor(kk).long() + 1, nn_.long())
@@ -212,29 +213,43 @@ def solve(
     fused = evaluate_fn is not _evaluate
     m2, e2 = m[:, None], eps[:, None]
 
-    # Best of two starting points, evaluated in one pass; both tighten the bracket.
     t2 = torch.stack((t_mid, t_large), -1)
-    F2, dF2, tol2 = evaluate_fn(
-        x[:, None, :], m2[..., None], t2[..., None], e2[..., None], k_total[:, None], tol
-    )
-    tighter_lo = (F2 > 0) & (t2 >= lo[:, None])
-    tighter_hi = (F2 < 0) & (t2 <= hi[:, None])
-    lo2 = torch.where(tighter_lo, t2, lo[:, None])
-    hi2 = torch.where(tighter_hi, t2, hi[:, None])
-    lo, hi = lo2.amax(-1), hi2.amin(-1)
-    f_lo = torch.where(tighter_lo, F2, f_lo[:, None]).gather(-1, lo2.argmax(-1, keepdim=True))
-    f_hi = torch.where(tighter_hi, F2, f_hi[:, None]).gather(-1, hi2.argmin(-1, keepdim=True))
-    f_lo, f_hi = f_lo.squeeze(-1), f_hi.squeeze(-1)
-    best = F2.abs().argmin(-1, keepdim=True)
-    t0 = t2.gather(-1, best).squeeze(-1)
-    first = tuple(v.gather(-1, best).squeeze(-1) for v in (F2, dF2, tol2))
+    if sample is not None:
+        # Long rows: pick the better starting point on the subsample (a negligible cost).
+        F2 = _evaluate(
+            sample[:, None, :],
+            m2[..., None],
+            t2[..., None],
+            e2[..., None],
+            (k_total * (sample.shape[-1] / n))[:, None],
+            0.0,
+        )[0]
+        t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
+        first, init_evals = None, 0
+    else:
+        # Best of two starting points, evaluated in one pass; both tighten the bracket.
+        F2, dF2, tol2 = evaluate_fn(
+            x[:, None, :], m2[..., None], t2[..., None], e2[..., None], k_total[:, None], tol
+        )
+        tighter_lo = (F2 > 0) & (t2 >= lo[:, None])
+        tighter_hi = (F2 < 0) & (t2 <= hi[:, None])
+        lo2 = torch.where(tighter_lo, t2, lo[:, None])
+        hi2 = torch.where(tighter_hi, t2, hi[:, None])
+        lo, hi = lo2.amax(-1), hi2.amin(-1)
+        f_lo = torch.where(tighter_lo, F2, f_lo[:, None]).gather(-1, lo2.argmax(-1, keepdim=True))
+        f_hi = torch.where(tighter_hi, F2, f_hi[:, None]).gather(-1, hi2.argmin(-1, keepdim=True))
+        f_lo, f_hi = f_lo.squeeze(-1), f_hi.squeeze(-1)
+        best = F2.abs().argmin(-1, keepdim=True)
+        t0 = t2.gather(-1, best).squeeze(-1)
+        first = tuple(v.gather(-1, best).squeeze(-1) for v in (F2, dF2, tol2))
+        init_evals = 2
     done = None if solve_rows is None else ~solve_rows
     res = bracketed_newton(
         _evaluate_t,
         t0,
         lo,
         hi,
-        max_iter=max(max_iter - 2, 1),
+        max_iter=max(max_iter - init_evals, 1),
         eval_args=(x, m2, e2, k_total, tol),
         done=done,
         f_lo=f_lo,
@@ -249,7 +264,7 @@ def solve(
         converged = converged | ~(solve_rows | invalid)
         residual = torch.where(solve_rows, residual, zeros).masked_fill(invalid, math.nan)
     return ThresholdState(
-        m, res.root, converged, res.iterations + 2, residual, sel_none, sel_all, invalid
+        m, res.root, converged, res.iterations + init_evals, residual, sel_none, sel_all, invalid
     )
 
 

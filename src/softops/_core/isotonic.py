@@ -1,0 +1,254 @@
+r"""Batched pool-adjacent-violators (PAV) for decreasing isotonic regression, L2 and KL.
+
+Both problems are solved row by row, on rows that the caller has already sorted:
+
+.. math::
+
+    v_{L2}(y) = \arg\min_{v_1 \ge \dots \ge v_n} \tfrac12 \|v - y\|^2, \qquad
+    v_{KL}(s, w) = \arg\min_{v_1 \ge \dots \ge v_n} \langle e^{s - v}, 1\rangle
+        + \langle e^{w}, v\rangle .
+
+The solution is constant on contiguous blocks B, with the value ``mean(y_B)`` (L2) or
+``logsumexp(s_B) - logsumexp(w_B)`` (KL). The stack algorithm pushes one block per entry and pools
+the top two blocks while they violate the order (``value(prev) <= value(top)``), so it costs O(n)
+per row. The block id of every position is returned too: the Jacobian is block diagonal, which is
+all a backward pass needs (MATH.md §4.1).
+
+Backends:
+
+- ``"numba"``: a compiled kernel, parallel over rows (``numba.njit(parallel=True, cache=True)``,
+  ``prange`` over the batch; ``_isotonic_numba.py``, imported on first use). It is used when numba
+  is installed (``pip install softops[pav]``) and the fused paths are enabled
+  (``softops.set_compile``, ``SOFTOPS_COMPILE``). The first call in a fresh environment compiles
+  the kernel for its dtype (a few seconds); numba caches it on disk. Tensors on another device
+  (CUDA) make a round trip through host memory, which synchronises the stream (a GPU kernel is
+  out of scope).
+- ``"torch"``: the reference, in plain torch on the tensor's own device, vectorised over the batch
+  and looping over n in Python. It gives the same answers, far more slowly. It is used when numba
+  is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
+  turned off (``softops.set_compile(False)``, as the test suite does).
+
+Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
+cast back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import warnings
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from .fused import compile_enabled
+
+__all__ = [
+    "HAVE_NUMBA",
+    "IsotonicResult",
+    "block_mean",
+    "block_softmax",
+    "block_sum",
+    "isotonic_kl",
+    "isotonic_l2",
+]
+
+# numba is an optional dependency (the `pav` extra); it is imported on first use, not here.
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+
+_BACKENDS = ("numba", "torch")
+_state: dict = {"warned": False}
+
+
+class IsotonicResult(NamedTuple):
+    """The solution ``v`` (B, n) and the block id of each position (B, n), int64, from 0."""
+
+    v: torch.Tensor
+    block: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- numba kernels
+
+
+def _kernels() -> ModuleType | None:
+    """The compiled kernels (``_isotonic_numba``), or None when numba cannot be imported."""
+    if "kernels" not in _state:
+        try:
+            from . import _isotonic_numba
+        except ImportError as err:  # installed but broken (e.g. an incompatible numpy)
+            warnings.warn(
+                f"softops: numba could not be imported ({err}); PAV uses its torch fallback.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            _isotonic_numba = None
+        _state["kernels"] = _isotonic_numba
+    return _state["kernels"]
+
+
+def _numba_l2(y: torch.Tensor) -> IsotonicResult:
+    import numpy as np
+
+    yc = y.detach().cpu().contiguous().numpy()
+    B, n = yc.shape
+    v = np.empty_like(yc)
+    block = np.empty((B, n), dtype=np.int64)
+    _kernels().pav_l2(yc, v, block, np.empty((B, n)), np.empty((B, n), dtype=np.int64))
+    return IsotonicResult(torch.from_numpy(v).to(y.device), torch.from_numpy(block).to(y.device))
+
+
+def _numba_kl(s: torch.Tensor, w: torch.Tensor) -> IsotonicResult:
+    import numpy as np
+
+    sc = s.detach().cpu().contiguous().numpy()
+    wc = w.detach().cpu().to(s.dtype).contiguous().numpy()
+    B, n = sc.shape
+    v = np.empty_like(sc)
+    block = np.empty((B, n), dtype=np.int64)
+    work = (np.empty((B, n)), np.empty((B, n)), np.empty((B, n), dtype=np.int64))
+    _kernels().pav_kl(sc, wc, v, block, *work)
+    return IsotonicResult(torch.from_numpy(v).to(s.device), torch.from_numpy(block).to(s.device))
+
+
+# ------------------------------------------------------------------------- torch reference
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.device.type == "mps" else torch.float64
+
+
+def _blocks_from_counts(cnt: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Block id per position from the stack's counts (B, n) and top index (B,)."""
+    B, n = cnt.shape
+    live = torch.arange(n, device=cnt.device) <= top[:, None]
+    ends = torch.where(live, cnt, 0).cumsum(-1)  # ends[k] = one past the last position of block k
+    positions = torch.arange(n, device=cnt.device).expand(B, n).contiguous()
+    return torch.searchsorted(ends, positions, right=True)
+
+
+def _torch_pav(s: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack PAV over all rows at once; ``w is None`` selects L2 (``s`` is y), else KL."""
+    B, n = s.shape
+    dev, acc = s.device, _acc_dtype(s)
+    kl = w is not None
+    a = torch.zeros(B, n, dtype=acc, device=dev)  # L2: block sums; KL: logsumexp(s_B)
+    c = torch.zeros(B, n, dtype=acc, device=dev)  # L2: block counts; KL: logsumexp(w_B)
+    cnt = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    top = torch.full((B,), -1, dtype=torch.int64, device=dev)
+    rows = torch.arange(B, device=dev)
+    s_acc = s.detach().to(acc)
+    w_acc = w.detach().to(acc) if kl else torch.ones_like(s_acc)
+    ones = torch.ones(B, dtype=torch.int64, device=dev)
+
+    def violated(t: torch.Tensor) -> torch.Tensor:
+        p = (t - 1).clamp(min=0)
+        if kl:
+            return (t > 0) & (a[rows, p] - c[rows, p] <= a[rows, t] - c[rows, t])
+        return (t > 0) & (a[rows, p] * c[rows, t] <= a[rows, t] * c[rows, p])
+
+    for i in range(n):
+        top += 1
+        a[rows, top] = s_acc[:, i]
+        c[rows, top] = w_acc[:, i]
+        cnt[rows, top] = ones
+        need = violated(top)
+        while bool(need.any()):
+            r, t = rows[need], top[need]
+            if kl:
+                a[r, t - 1] = torch.logaddexp(a[r, t - 1], a[r, t])
+                c[r, t - 1] = torch.logaddexp(c[r, t - 1], c[r, t])
+            else:
+                a[r, t - 1] += a[r, t]
+                c[r, t - 1] += c[r, t]
+            cnt[r, t - 1] += cnt[r, t]
+            top -= need.long()
+            need = violated(top)
+    block = _blocks_from_counts(cnt, top)
+    value = a - c if kl else a / c
+    return value.gather(1, block).to(s.dtype), block
+
+
+def _warn_fallback(device: torch.device) -> None:
+    if device.type == "cpu" and compile_enabled() and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(
+            "softops: numba is not installed, so PAV (the soft sort/rank method 'pav') runs on "
+            "its pure-torch fallback, which loops over n in Python and is much slower. Install "
+            "the extra: pip install 'softops[pav]'.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _backend(backend: str | None) -> str:
+    if backend is None:
+        return "numba" if compile_enabled() and HAVE_NUMBA and _kernels() is not None else "torch"
+    if backend not in _BACKENDS:
+        raise ValueError(f"isotonic: expected `backend` in {_BACKENDS} or None; got {backend!r}.")
+    if backend == "numba" and not (HAVE_NUMBA and _kernels() is not None):
+        raise ValueError("isotonic: backend='numba' needs numba; pip install 'softops[pav]'.")
+    return backend
+
+
+def isotonic_l2(y: torch.Tensor, *, backend: str | None = None) -> IsotonicResult:
+    """Decreasing L2 isotonic regression of each row of ``y`` (B, n). No autograd.
+
+    Args:
+        y: a (B, n) floating tensor.
+        backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
+
+    Returns:
+        ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``y``.
+    """
+    if y.shape[-1] == 0 or y.shape[0] == 0:
+        return IsotonicResult(y.detach().clone(), torch.zeros_like(y, dtype=torch.int64))
+    if _backend(backend) == "numba":
+        return _numba_l2(y)
+    if backend is None:
+        _warn_fallback(y.device)
+    return IsotonicResult(*_torch_pav(y, None))
+
+
+def isotonic_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> IsotonicResult:
+    """Decreasing KL isotonic regression ``v_KL(s, w)`` of each row (B, n). No autograd.
+
+    Args:
+        s: a (B, n) floating tensor.
+        w: a tensor broadcastable to ``s``.
+        backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
+
+    Returns:
+        ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``s``.
+    """
+    w = w.to(s.dtype).expand_as(s)
+    if s.shape[-1] == 0 or s.shape[0] == 0:
+        return IsotonicResult(s.detach().clone(), torch.zeros_like(s, dtype=torch.int64))
+    if _backend(backend) == "numba":
+        return _numba_kl(s, w)
+    if backend is None:
+        _warn_fallback(s.device)
+    return IsotonicResult(*_torch_pav(s, w))
+
+
+# --------------------------------------------------------------------- blockwise helpers (VJP)
+
+
+def block_sum(g: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The sum of ``g`` over each position's block, at every position (differentiable in g)."""
+    return torch.zeros_like(g).scatter_add(1, block, g).gather(1, block)
+
+
+def block_mean(g: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The mean of ``g`` over each position's block, at every position (differentiable in g)."""
+    count = torch.zeros_like(g).scatter_add(1, block, torch.ones_like(g)).gather(1, block)
+    return block_sum(g, block) / count
+
+
+def block_softmax(s: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """``softmax(s_B)`` within each block, at every position (differentiable in s)."""
+    m = torch.full_like(s, -math.inf).scatter_reduce(1, block, s.detach(), "amax")
+    m = m.gather(1, block)
+    m = torch.where(torch.isfinite(m), m, 0)
+    e = torch.exp(s - m)
+    return e / block_sum(e, block)

@@ -1,0 +1,455 @@
+"""soft_sort, soft_rank and soft_quantile with method="pav" (Blondel et al. 2020); the PAV core."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck, gradgradcheck
+
+import softops
+from softops import soft_quantile, soft_rank, soft_sort
+from softops._core import isotonic
+
+F64 = torch.float64
+REGS = ["l2", "kl"]
+
+
+def _distinct(B: int, n: int, scale: float = 4.0, dtype=F64) -> torch.Tensor:
+    """Rows with well-separated entries (a gap of scale/n between neighbours), shuffled."""
+    return torch.stack([torch.randperm(n).to(dtype) / n * scale for _ in range(B)])
+
+
+def _hard_rank(x: torch.Tensor, dim: int = -1, descending: bool = False) -> torch.Tensor:
+    return (x.argsort(dim, descending=descending).argsort(dim) + 1).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------- the PAV core
+
+
+def _pav_reference(y: list[float]) -> list[float]:
+    """Decreasing isotonic regression by brute force: v_k = min_{i<=k} max_{j>=k} mean(y[i:j+1])."""
+    n = len(y)
+    return [
+        min(max(sum(y[i : j + 1]) / (j + 1 - i) for j in range(k, n)) for i in range(k + 1))
+        for k in range(n)
+    ]
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_isotonic_l2_matches_min_max_formula(backend):
+    y = torch.randint(-3, 4, (6, 9)).to(F64) + 0.1 * torch.randn(6, 9, dtype=F64)
+    y[0] = 1.0  # all tied: one block
+    res = isotonic.isotonic_l2(y, backend=backend)
+    for row, v in zip(y.tolist(), res.v, strict=True):
+        torch.testing.assert_close(v, torch.tensor(_pav_reference(row), dtype=F64))
+    assert (res.v.diff(dim=-1) <= 0).all()
+    assert (res.block[0] == 0).all()
+    # blocks are contiguous, numbered from 0, and v is constant on each
+    assert (res.block.diff(dim=-1) >= 0).all() and (res.block.diff(dim=-1) <= 1).all()
+
+
+def test_isotonic_l2_matches_sklearn():
+    sk = pytest.importorskip("sklearn.isotonic")
+    y = torch.randn(4, 40, dtype=F64).cumsum(-1) * 0.2 + torch.randn(4, 40, dtype=F64)
+    v = isotonic.isotonic_l2(y, backend="numba").v
+    for row, vr in zip(y, v, strict=True):
+        ref = sk.IsotonicRegression(increasing=False).fit_transform(range(40), row.numpy())
+        torch.testing.assert_close(vr, torch.from_numpy(ref), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_numba_kernel_equals_torch_fallback(dtype):
+    y = torch.randn(7, 60, dtype=dtype)
+    y[1] = torch.randint(0, 3, (60,)).to(dtype)  # many ties
+    y[2, 5] = math.inf
+    y[3, 7] = -math.inf
+    y[4, 9] = math.nan
+    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    torch.testing.assert_close(a.v, b.v, equal_nan=True)
+    assert torch.equal(a.block, b.block)
+    s = torch.randn(7, 60, dtype=dtype)
+    w = torch.randn(7, 60, dtype=dtype).sort(-1, descending=True).values
+    s[1] = torch.randint(0, 3, (60,)).to(dtype)
+    s[2, 3] = -math.inf
+    a, b = isotonic.isotonic_kl(s, w, backend="numba"), isotonic.isotonic_kl(s, w, backend="torch")
+    torch.testing.assert_close(a.v, b.v, equal_nan=True)
+    assert torch.equal(a.block, b.block)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(-3, 3), min_size=1, max_size=12),
+    st.sampled_from([1e-3, 1.0, 1e6]),
+)
+def test_numba_equals_torch_with_ties_and_magnitudes(values, scale):
+    y = torch.tensor([values], dtype=F64) * scale
+    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    torch.testing.assert_close(a.v, b.v)
+    assert torch.equal(a.block, b.block)
+
+
+def test_default_backend_follows_set_compile(monkeypatch):
+    calls = []
+    monkeypatch.setattr(isotonic, "_torch_pav", lambda s, w: calls.append("torch") or (s, s.long()))
+    isotonic.isotonic_l2(torch.randn(2, 3))
+    assert calls == ["torch"]  # the test run has set_compile(False)
+    softops.set_compile(True)
+    isotonic.isotonic_l2(torch.randn(2, 3))
+    assert calls == ["torch"] or not isotonic.HAVE_NUMBA
+
+
+# ------------------------------------------------------------------------------- hard limits
+
+
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("descending", [False, True])
+def test_hard_limit(reg, descending):
+    x = _distinct(3, 10)
+    ref_sort = torch.sort(x, -1, descending).values
+    ref_rank = _hard_rank(x, -1, descending)
+    torch.testing.assert_close(
+        soft_sort(x, epsilon=1e-3, regularization=reg, descending=descending), ref_sort
+    )
+    torch.testing.assert_close(
+        soft_rank(x, epsilon=1e-3, regularization=reg, descending=descending), ref_rank
+    )
+
+
+def test_large_epsilon_limit():
+    x = torch.randn(3, 8, dtype=F64)
+    torch.testing.assert_close(
+        soft_sort(x, epsilon=1e8), x.mean(-1, keepdim=True).expand_as(x), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(soft_rank(x, epsilon=1e8), torch.full_like(x, 4.5))
+
+
+def test_ties_share_ranks():
+    x = torch.tensor([[1.0, 3.0, 1.0, 2.0]], dtype=F64)
+    torch.testing.assert_close(
+        soft_rank(x, epsilon=1e-4), torch.tensor([[1.5, 4, 1.5, 3]], dtype=F64)
+    )
+
+
+def test_epsilon_changes_the_sort():
+    # The reference numpy code's precedence slip (arange(n)[::-1] + 1/eps) makes the sort ignore
+    # epsilon; rho/eps must not.
+    x = torch.randn(2, 6, dtype=F64)
+    assert not torch.allclose(soft_sort(x, epsilon=0.1), soft_sort(x, epsilon=10.0))
+
+
+# -------------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("eps", [0.05, 1.0, 20.0])
+def test_sort_monotone_and_rank_in_permutahedron(reg, eps):
+    x = torch.randn(5, 30, dtype=F64)
+    s = soft_sort(x, epsilon=eps, regularization=reg)
+    assert (s.diff(dim=-1) >= -1e-12).all()
+    assert (
+        soft_sort(x, epsilon=eps, regularization=reg, descending=True).diff(dim=-1) <= 1e-12
+    ).all()
+    r = soft_rank(x, epsilon=eps, regularization=reg)
+    n = x.shape[-1]
+    assert (r >= 1 - 1e-9).all() and (r <= n + 1e-9).all()
+    torch.testing.assert_close(r.sum(-1), torch.full((5,), n * (n + 1) / 2, dtype=F64))
+    if reg == "l2":  # the l2 soft sort keeps the mean
+        torch.testing.assert_close(s.mean(-1), x.mean(-1))
+
+
+@pytest.mark.parametrize("c", [0.1, 3.0])
+def test_scaling_laws_l2(c):
+    x = torch.randn(4, 12, dtype=F64)
+    torch.testing.assert_close(soft_sort(c * x, epsilon=0.7 / c), c * soft_sort(x, epsilon=0.7))
+    torch.testing.assert_close(soft_rank(c * x, epsilon=0.7 * c), soft_rank(x, epsilon=0.7))
+
+
+@pytest.mark.parametrize("reg", REGS)
+def test_permutation_equivariance(reg):
+    x = torch.randn(3, 15, dtype=F64)
+    perm = torch.randperm(15)
+    torch.testing.assert_close(
+        soft_rank(x[:, perm], regularization=reg), soft_rank(x, regularization=reg)[:, perm]
+    )
+    torch.testing.assert_close(
+        soft_sort(x[:, perm], regularization=reg), soft_sort(x, regularization=reg)
+    )
+
+
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("fn", [soft_sort, soft_rank])
+def test_any_dim_equals_loop_over_rows(fn, reg):
+    x = torch.randn(3, 7, 4, dtype=F64)
+    eps = torch.tensor([[0.3], [1.0], [2.0]], dtype=F64)  # per-row epsilon, broadcast over dim 2
+    for dim in (1, -2):
+        y = fn(x, dim=dim, epsilon=eps, regularization=reg)
+        assert y.shape == x.shape
+        for i in range(3):
+            for j in range(4):
+                row = fn(x[i, :, j], epsilon=float(eps[i, 0]), regularization=reg)
+                torch.testing.assert_close(y[i, :, j], row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtype_preserved(dtype):
+    x = torch.randn(2, 9).to(dtype)
+    for fn in (soft_sort, soft_rank):
+        y = fn(x, epsilon=0.5)
+        assert y.dtype == dtype and y.device == x.device
+        torch.testing.assert_close(y.float(), fn(x.float(), epsilon=0.5), atol=1e-2, rtol=1e-2)
+
+
+def test_nan_stays_in_its_row_and_infinities_are_limits():
+    x = torch.randn(3, 6, dtype=F64)
+    x[1, 2] = math.nan
+    for fn in (soft_sort, soft_rank):
+        for reg in REGS:
+            y = fn(x, regularization=reg)
+            assert torch.isnan(y[1]).all()
+            assert torch.isfinite(y[[0, 2]]).all()
+    x = torch.tensor([[0.0, math.inf, 1.0, -math.inf, math.inf]], dtype=F64)
+    for reg in REGS:
+        r = soft_rank(x, epsilon=0.5, regularization=reg)
+        ref = soft_rank(
+            torch.tensor([[0.0, 1e9, 1.0, -1e9, 1e9]], dtype=F64), epsilon=0.5, regularization=reg
+        )
+        torch.testing.assert_close(r, ref)
+    assert torch.equal(soft_sort(torch.tensor([1.0, math.inf])), torch.tensor([math.inf, math.inf]))
+
+
+# ---------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("fn", [soft_sort, soft_rank])
+def test_gradcheck(fn, reg):
+    x = (_distinct(2, 8) + 0.01 * torch.randn(2, 8, dtype=F64)).requires_grad_()
+    eps = torch.tensor([0.4, 1.3], dtype=F64, requires_grad=True)  # one per row
+    assert gradcheck(lambda x, e: fn(x, epsilon=e, regularization=reg), (x, eps))
+    assert gradcheck(lambda x: fn(x, epsilon=0.7, regularization=reg, descending=True), (x,))
+    assert gradgradcheck(lambda x: fn(x, epsilon=0.7, regularization=reg), (x,))
+
+
+def test_vjp_is_block_mean_l2_rank():
+    # In sorted coordinates the rank Jacobian is (I - blockdiag(11^T/|B|)) / epsilon.
+    x = torch.tensor([0.0, 0.1, 0.2, 5.0], dtype=F64, requires_grad=True)  # one block {0,1,2}
+    g = torch.tensor([1.0, 2.0, 6.0, 1.0], dtype=F64)
+    (gx,) = torch.autograd.grad(soft_rank(x, epsilon=1.0), x, g)
+    torch.testing.assert_close(gx, torch.tensor([-2.0, -1.0, 3.0, 0.0], dtype=F64))
+
+
+def test_gradient_matches_finite_differences():
+    x = torch.randn(3, 10, dtype=F64, requires_grad=True)
+    r = soft_rank(x, epsilon=0.8)
+    g = torch.randn_like(r)
+    (gx,) = torch.autograd.grad(r, x, g)
+    # finite differences of the forward, per entry
+    h = 1e-6
+    fd = torch.zeros_like(x)
+    for i in range(3):
+        for j in range(10):
+            d = torch.zeros_like(x)
+            d[i, j] = h
+            fd[i, j] = (
+                (soft_rank(x + d, epsilon=0.8) - soft_rank(x - d, epsilon=0.8)) * g
+            ).sum() / (2 * h)
+    torch.testing.assert_close(gx, fd, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------ the brute-force QP
+
+
+def _project(z, w, kl: bool):
+    """argmin over the permutahedron of w (Rado's description) of ||mu - z||^2/2 or KL(mu||e^z)."""
+    opt = pytest.importorskip("scipy.optimize")
+    import numpy as np
+
+    n = len(z)
+    ws = np.sort(w)[::-1]
+    cons = [{"type": "eq", "fun": lambda m: m.sum() - ws.sum()}]
+    for size in range(1, n):
+        for S in itertools.combinations(range(n), size):
+            idx = list(S)
+            cons.append(
+                {
+                    "type": "ineq",
+                    "fun": lambda m, idx=idx, size=size: ws[:size].sum() - m[idx].sum(),
+                }
+            )
+    if kl:
+
+        def f(m):
+            m = np.maximum(m, 1e-300)
+            return float((m * (np.log(m) - z) - m).sum())
+
+        def jac(m):
+            return np.log(np.maximum(m, 1e-300)) - z
+    else:
+
+        def f(m):
+            return 0.5 * float(((m - z) ** 2).sum())
+
+        def jac(m):
+            return m - z
+
+    x0 = np.full(n, ws.mean())
+    bounds = [(1e-12, None)] * n if kl else None
+    res = opt.minimize(
+        f,
+        x0,
+        jac=jac,
+        constraints=cons,
+        method="SLSQP",
+        bounds=bounds,
+        options={"ftol": 1e-15, "maxiter": 1000},
+    )
+    return res.x
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_against_brute_force_qp(seed):
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    n = 3 + seed % 3
+    x = torch.randn(n, generator=g, dtype=F64)
+    if seed == 1:
+        x[1] = x[0]  # a tie
+    eps = [0.1, 0.7, 2.0, 10.0][seed]
+    rho = np.arange(n, 0, -1, dtype=np.float64)
+    xn = x.numpy()
+    # rank l2 = P_Q(x/eps, rho); rank kl = exp P_E(x/eps, log rho)
+    torch.testing.assert_close(
+        soft_rank(x, epsilon=eps),
+        torch.from_numpy(_project(xn / eps, rho, False)),
+        atol=1e-7,
+        rtol=0,
+    )
+    torch.testing.assert_close(
+        soft_rank(x, epsilon=eps, regularization="kl"),
+        torch.from_numpy(_project(xn / eps, rho, True)),
+        atol=1e-5,
+        rtol=0,
+    )
+    # ascending sort = -P(rho/eps, -x)
+    torch.testing.assert_close(
+        soft_sort(x, epsilon=eps),
+        -torch.from_numpy(_project(rho / eps, -xn, False)),
+        atol=1e-7,
+        rtol=0,
+    )
+    kl = np.log(_project(rho / eps, np.exp(-xn), True))
+    torch.testing.assert_close(
+        soft_sort(x, epsilon=eps, regularization="kl"), -torch.from_numpy(kl), atol=1e-5, rtol=0
+    )
+
+
+# ---------------------------------------------------------------------------------- torchsort
+
+
+@pytest.mark.parametrize("reg", REGS)
+def test_against_torchsort(reg):
+    torchsort = pytest.importorskip("torchsort")
+    x = torch.randn(4, 20, dtype=F64)
+    for e in (0.1, 1.0, 5.0):
+        torch.testing.assert_close(
+            soft_rank(x, epsilon=e, regularization=reg),
+            torchsort.soft_rank(x, regularization=reg, regularization_strength=e),
+        )
+        torch.testing.assert_close(
+            soft_sort(x, epsilon=e, regularization=reg),
+            torchsort.soft_sort(x, regularization=reg, regularization_strength=e),
+        )
+
+
+# ---------------------------------------------------------------------------------- quantile
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_quantile_hard_limit_matches_torch(dim, keepdim):
+    x = torch.stack([_distinct(4, 9) for _ in range(3)])  # (3, 4, 9) with distinct values per row
+    x = (x + torch.arange(3, dtype=F64)[:, None, None] * 10).movedim(-1, dim)
+    for q in (
+        0.0,
+        0.3,
+        0.5,
+        1.0,
+        torch.tensor(0.25, dtype=F64),
+        torch.tensor([0.1, 0.5, 0.9], dtype=F64),
+    ):
+        ref = torch.quantile(x, q, dim=dim, keepdim=keepdim)
+        out = soft_quantile(x, q, dim=dim, keepdim=keepdim, epsilon=1e-4)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref)
+
+
+def test_quantile_gradcheck_and_smoothing():
+    x = (_distinct(2, 7) + 0.01 * torch.randn(2, 7, dtype=F64)).requires_grad_()
+    q = torch.tensor([0.2, 0.55, 0.85], dtype=F64, requires_grad=True)  # off the grid q(n-1)
+    assert gradcheck(lambda x, q: soft_quantile(x, q, epsilon=0.8), (x, q))
+    xd = x.detach()
+    torch.testing.assert_close(soft_quantile(xd, 0.3, epsilon=1e8), xd.mean(-1), atol=1e-6, rtol=0)
+    # it is the l2 soft sort, interpolated at q (n - 1)
+    s = soft_sort(xd, epsilon=0.8)
+    torch.testing.assert_close(soft_quantile(xd, 0.5, epsilon=0.8), s[:, 3])
+    torch.testing.assert_close(soft_quantile(xd, 0.25, epsilon=0.8), 0.5 * (s[:, 1] + s[:, 2]))
+
+
+def test_nn_modules():
+    x = torch.randn(2, 5, dtype=F64)
+    torch.testing.assert_close(softops.nn.SoftSort(epsilon=0.3)(x), soft_sort(x, epsilon=0.3))
+    torch.testing.assert_close(
+        softops.nn.SoftRank(epsilon=0.3, regularization="kl")(x),
+        soft_rank(x, epsilon=0.3, regularization="kl"),
+    )
+    torch.testing.assert_close(
+        softops.nn.SoftQuantile(0.4, keepdim=True)(x), soft_quantile(x, 0.4, keepdim=True)
+    )
+    assert "epsilon=0.3" in repr(softops.nn.SoftSort(epsilon=0.3))
+
+
+def test_fallback_warns_once_when_numba_is_missing(monkeypatch):
+    monkeypatch.setattr(isotonic, "HAVE_NUMBA", False)
+    monkeypatch.setitem(isotonic._state, "warned", False)
+    softops.set_compile(True)
+    x = torch.randn(2, 5, dtype=F64)
+    with pytest.warns(RuntimeWarning, match="softops\\[pav\\]"):
+        soft_rank(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_rank(x)  # once per process
+    softops.set_compile(False)
+    monkeypatch.setitem(isotonic._state, "warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_rank(x)  # the fallback chosen by set_compile(False) is silent
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(-4, 4), min_size=1, max_size=10),
+    st.sampled_from([1e-6, 1.0, 1e6]),
+    st.sampled_from([1e-3, 1.0, 1e3]),
+    st.sampled_from(REGS),
+)
+def test_invariants_with_ties_and_extreme_magnitudes(values, scale, eps, reg):
+    x = torch.tensor([values], dtype=F64) * scale
+    n = x.shape[-1]
+    r = soft_rank(x, epsilon=eps, regularization=reg)
+    assert torch.isfinite(r).all()
+    assert (r >= 1 - 1e-6).all() and (r <= n + 1e-6).all()
+    torch.testing.assert_close(r.sum(), torch.tensor(n * (n + 1) / 2, dtype=F64))
+    s = soft_sort(x, epsilon=eps, regularization=reg)
+    assert (s.diff(dim=-1) >= -1e-9 * (1 + s.abs().max())).all()
+    # tied inputs get equal ranks
+    for i in range(n):
+        for j in range(n):
+            if values[i] == values[j]:
+                torch.testing.assert_close(r[0, i], r[0, j])
