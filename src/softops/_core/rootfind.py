@@ -153,6 +153,8 @@ def _update(
     step = torch.where(inside, step, fallback)
     # Resolution limit: the step rounds to t, or the bracket has shrunk to a few ulps of t.
     ulp = torch.finfo(t.dtype).eps
-    done = done | (step == t) | (hi - lo <= 4 * ulp * torch.maximum(lo.abs(), hi.abs()))
+    width = hi - lo
+    collapsed = (width <= 4 * ulp * torch.maximum(lo.abs(), hi.abs())) & width.isfinite()
+    done = done | (step == t) | collapsed
     t = torch.where(done, t, step)
     return t, lo, hi, f_lo, f_hi, side, done, residual

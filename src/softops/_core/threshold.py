@@ -181,7 +181,7 @@ def solve(
         x_lo = topv.gather(-1, (j_lo - 1)[:, None]).squeeze(-1)
         m = 0.5 * (x_hi + x_lo)
         lo = (x_lo - m) - eps * torch.log(kk / (j_lo.to(dtype) - kk))
-        hi = (x_hi - m) - eps * torch.log((kk - j_hi.to(dtype) + 1) / (nn_ - kk))
+        hi = (x_hi - m) - eps * torch.log((kk - (j_hi - 1).to(dtype)) / (nn_ - kk))
     else:
         stride = max(n // SAMPLE_SIZE, 1)
         sample = x[:, ::stride]
