@@ -453,3 +453,20 @@ def test_invariants_with_ties_and_extreme_magnitudes(values, scale, eps, reg):
         for j in range(n):
             if values[i] == values[j]:
                 torch.testing.assert_close(r[0, i], r[0, j])
+
+
+@pytest.mark.parametrize("reg", REGS)
+def test_torch_func_vmap_and_grad(reg):
+    x = torch.randn(4, 3, 6, dtype=F64)
+    for fn in (soft_sort, soft_rank):
+        out = torch.func.vmap(lambda t, fn=fn: fn(t, epsilon=0.5, regularization=reg))(x)
+        torch.testing.assert_close(out, fn(x, epsilon=0.5, regularization=reg))
+
+        def loss(t, fn=fn):
+            return (fn(t, epsilon=0.5, regularization=reg) * torch.arange(6.0)).sum()
+
+        xr = x.clone().requires_grad_()
+        loss(xr).backward()
+        torch.testing.assert_close(torch.func.grad(loss)(x), xr.grad)
+        jac = torch.func.vmap(torch.func.jacrev(lambda t, fn=fn: fn(t, regularization=reg)))(x[0])
+        assert jac.shape == (3, 6, 6)

@@ -6,6 +6,7 @@ the solvers with their diagnostics and ``softops.nn`` the Module wrappers.
 
 from . import nn, solvers
 from ._core.fused import set_compile
+from .sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from .topk import TopK, soft_topk, soft_topk_mask, topk_selection_matrix
 
 __version__ = "0.1.0.dev0"
@@ -15,6 +16,10 @@ __all__ = [
     "__version__",
     "nn",
     "set_compile",
+    "soft_argsort",
+    "soft_quantile",
+    "soft_rank",
+    "soft_sort",
     "soft_topk",
     "soft_topk_mask",
     "solvers",

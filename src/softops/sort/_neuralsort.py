@@ -1,0 +1,164 @@
+r"""NeuralSort backend: the unimodal row-stochastic relaxation of Grover et al.
+
+Reference: A. Grover, E. Wang, A. Zweig and S. Ermon, *Stochastic Optimization of Sorting
+Networks via Continuous Relaxations*, ICLR 2019 (arXiv 1903.08850).
+
+Private backend of :mod:`softops.sort`. Every function takes canonical tensors: ``x2`` (B, n) of
+dtype float32 or float64, ``epsilon`` (B,) positive (it may require grad), and does no
+validation.
+
+Deviations from the paper's notation (DESIGN.md §2, MATH.md §3):
+
+* The paper's temperature :math:`\tau` is ``epsilon``, in units of x (the logits are linear in
+  x). Scaling law: ``sort(c x, c e) = c sort(x, e)`` for c > 0; ranks and P are unchanged. The
+  operator is shift-invariant, which is used to centre x (by a detached constant) before the
+  O(n)-magnitude logits are formed.
+* The paper's :math:`\hat P_{\max}` sorts in **descending** order: its row i uses the coefficient
+  :math:`n + 1 - 2i`. That is ``descending=True`` here. ``descending=False`` (the default of the
+  public API) uses the row coefficient :math:`2i - n - 1`, i.e. the paper's rows in reverse order,
+  so ``P @ x`` is ascending.
+* Soft ranks use the estimator :math:`r_j = \sum_i i\,P_{ij}` (1-based positions in the output
+  order), which is not confined to [1, n].
+
+Algorithm: :math:`(A_x 1)_j = \sum_l |x_j - x_l|` is computed exactly in O(n log n) from one sort
+and prefix sums in float64: at the k-th smallest value :math:`u_k` (1-based),
+:math:`(A 1)_k = (2k - n) u_k - 2 S_k + S_n` with :math:`S_k = \sum_{l \le k} u_l`. Only the final
+softmax is O(n²); it is row-chunked with checkpointing (see
+:func:`softops.sort._softsort.chunked_rows` and its ``BLOCK_ELEMENTS``), so autograd keeps O(n)
+per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)`` (an O(n³) matmul) is
+not used. At exact ties :math:`|x_j - x_l|` is at its kink; the prefix-sum formula and the dense
+``abs().sum(-1)`` pick different subgradients there and agree everywhere else.
+
+Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from softops.sort._softsort import chunked_rows
+
+__all__ = ["argsort", "rank", "sort"]
+
+
+def _abs_row_sums(x2: Tensor) -> Tensor:
+    """``(A 1)_j = sum_l |x_j - x_l|`` in O(n log n), float64, plain autograd."""
+    n = x2.shape[-1]
+    u, perm = torch.sort(x2.double(), dim=-1)
+    s = u.cumsum(-1)
+    k = torch.arange(1, n + 1, dtype=u.dtype, device=u.device)
+    sorted_sums = (2 * k - n) * u - 2 * s + s[:, -1:]
+    return torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums)
+
+
+def _logits(coef: Tensor, xc: Tensor, a1: Tensor, eps: Tensor) -> Tensor:
+    """(B, b, n) NeuralSort logits ``(c_i x_j - (A 1)_j) / epsilon`` for the rows with coef c."""
+    return (coef.unsqueeze(-1) * xc.unsqueeze(1) - a1.unsqueeze(1)) / eps.view(-1, 1, 1)
+
+
+def _run(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool,
+    *,
+    values: bool = False,
+    ranks: bool = False,
+    matrix: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    n = x2.shape[-1]
+    with torch.no_grad():
+        centre = 0.5 * (x2.amax(-1, keepdim=True) + x2.amin(-1, keepdim=True))
+        centre = torch.where(torch.isfinite(centre), centre, 0.0)
+    xc = x2 - centre  # shift-invariant: same P
+    a1 = _abs_row_sums(xc).to(x2.dtype)
+    i = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
+    coef = 2 * i - n - 1  # ascending rows (row i = i-th smallest); chunked_rows flips if needed
+    eps = epsilon.to(x2.dtype)
+    return chunked_rows(
+        _logits,
+        coef,
+        x2,
+        (xc, a1, eps),
+        descending,
+        values=values,
+        ranks=ranks,
+        matrix=matrix,
+    )
+
+
+def sort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+    r"""NeuralSort values ``P @ x``: a relaxation of ``torch.sort(x, -1, descending).values``.
+
+    .. math::
+
+        P_{ij} = \operatorname{softmax}_j\!\Big(\frac{c_i x_j - \sum_l |x_j - x_l|}
+                 {\varepsilon}\Big),\qquad
+        c_i = \begin{cases} 2i - n - 1 & \text{ascending}\\ n + 1 - 2i & \text{descending}
+              \end{cases},\qquad v = P x.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        descending: sort in descending order (the paper's orientation).
+
+    Returns:
+        (B, n) soft-sorted values, in x2's dtype; the hard sorted values as epsilon -> 0.
+
+    References:
+        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
+        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
+    """
+    return cast(Tensor, _run(x2, epsilon, descending, values=True)[0])
+
+
+def rank(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+    r"""NeuralSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
+
+    .. math::
+
+        r_j = \sum_{i=1}^n i\, P_{ij},
+
+    with P as in :func:`sort` (rank 1 is the smallest when ``descending=False``). Not confined to
+    [1, n]; the hard ranks as epsilon -> 0 for distinct values.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        descending: rank 1 for the largest instead of the smallest.
+
+    Returns:
+        (B, n) soft ranks, in x2's dtype.
+
+    References:
+        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
+        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
+    """
+    return cast(Tensor, _run(x2, epsilon, descending, ranks=True)[1])
+
+
+def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+    r"""The NeuralSort matrix P: row i relaxes ``one_hot(argsort(x, -1, descending)[i])``.
+
+    .. math::
+
+        P_{ij} = \operatorname{softmax}_j\!\Big(\frac{c_i x_j - (A_x 1)_j}{\varepsilon}\Big),
+        \qquad (A_x)_{jl} = |x_j - x_l|.
+
+    P is unimodal and row-stochastic; ``P @ x`` equals :func:`sort`.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        descending: rows in descending order of x (the paper's :math:`\hat P_{\max}`).
+
+    Returns:
+        (B, n, n) row-stochastic P, in x2's dtype.
+
+    References:
+        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
+        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
+    """
+    return cast(Tensor, _run(x2, epsilon, descending, matrix=True)[2])

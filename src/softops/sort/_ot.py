@@ -1,0 +1,266 @@
+r"""Optimal-transport backend: soft sort, rank, argsort and quantile by entropic OT.
+
+Reference: M. Cuturi, O. Teboul and J.-P. Vert, *Differentiable Ranks and Sorting using Optimal
+Transport*, NeurIPS 2019 (arXiv 1905.11885).
+
+Private backend of :mod:`softops.sort`. Every function takes canonical tensors: ``x2`` (B, n) of
+dtype float32 or float64, ``epsilon`` (B,) positive (it may require grad), and does no
+validation; ``max_iter=None`` / ``tol=None`` select the defaults below.
+
+Formulation. Each row's n inputs :math:`x_i` (mass 1/n each) are transported onto n targets
+:math:`y_j` (mass 1/n each) with the squared cost and entropic weight :math:`\varepsilon`:
+
+.. math::
+
+    \Gamma = \arg\min_{\Gamma 1 = \frac1n 1,\ \Gamma^\top 1 = \frac1n 1}
+        \sum_{ij} \Gamma_{ij} (x_i - y_j)^2
+        + \varepsilon \sum_{ij} \Gamma_{ij} (\log \Gamma_{ij} - 1),\qquad
+    P = n \Gamma^\top .
+
+Deviations from the paper (DESIGN.md §2: never squash the input implicitly):
+
+* **Targets.** The paper squashes x (a sigmoid after per-row standardisation) into [0, 1] and
+  uses a fixed grid of targets there. Here the targets are the row's own hard-sorted values
+  :math:`y = \mathrm{sort}(x)` (ascending). They are part of the function and are
+  differentiated (``sort`` is piecewise linear), so the gradient is the exact derivative of the
+  map x -> output away from ties. Hence the operator is shift-equivariant, epsilon is in
+  **units of x²** (the units of the cost), and the scaling law is
+  ``sort(c x, c² e) = c sort(x, e)`` for c > 0 (ranks and P unchanged). As epsilon -> 0 the
+  plan tends to the monotone (sorting) assignment, as epsilon -> inf to the uniform plan
+  (every soft value tends to the row mean). Epsilon should be compared with the squared gaps
+  between neighbouring values.
+* **Orientation.** ``descending=False`` (the public default) is ascending; ``descending=True``
+  reverses the targets, which is exactly the same OT problem with permuted columns.
+* **Outputs** (the paper's :math:`\tilde S` and :math:`\tilde R`): ``P`` is row-stochastic
+  **exactly** (the solver's columns are exact), ``sort = P @ x``, and the 1-based ranks are
+  :math:`r_i = n \sum_j \Gamma_{ij}\, j = \sum_j P_{ji}\, j`, which lie in [1, n] and sum to
+  n(n+1)/2 up to the solver tolerance (the row marginals are met to ``tol``). ``quantile``
+  interpolates the soft-sorted values linearly, as :func:`torch.quantile` does the hard ones.
+
+Solver (always in float64; outputs are cast back to x2's dtype): the shared log-domain
+Sinkhorn of :mod:`softops._core.sinkhorn`, with convergence checked in batches and a semi-dual
+Newton polish once the marginal error is below 1e-3 (without it, m = n targets at small epsilon
+take many thousands of iterations), and its implicit backward (a Schur-complement Cholesky solve
+of size n - 1 in float64), so memory does not grow with the iteration count. A row that does not
+reach ``tol`` within ``max_iter`` iterations raises a ``UserWarning``: gradients are only as
+accurate as the forward. Epsilon gets its gradient through the scaled cost ``C / epsilon``.
+
+Cost and limits: each Sinkhorn iteration is O(B n²) time, the plan is (B, n, n) float64, and
+each Newton step or backward solve is O(B n³) (a float64 Cholesky of size n - 1). This backend
+is meant for n up to a few thousand. Measured (1 thread, float32 input, N(0, 1) rows, default
+tol): B=8, n=500: forward 0.9 s / 1.9 s and forward+backward 1.2 s / 2.3 s at epsilon 1 / 0.1;
+B=1, epsilon 0.1: forward 1.5 s at n=1000 and 4.4 s at n=2000 (backward 0.2 s / 1.3 s). Small
+epsilon (relative to the squared gaps) needs more iterations.
+
+Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+
+__all__ = ["DEFAULT_MAX_ITER", "argsort", "default_tol", "quantile", "rank", "sort"]
+
+_OP = "softops.sort (method='ot')"
+DEFAULT_MAX_ITER = 2000
+"""Default cap on Sinkhorn iterations (a Newton polish of at most 30 steps may follow)."""
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """Default relative L1 marginal tolerance: 1e-9 in float64, 1e-6 otherwise."""
+    return 1e-9 if dtype == torch.float64 else 1e-6
+
+
+def _plan(
+    x2: Tensor, epsilon: Tensor, max_iter: int | None, tol: float | None
+) -> tuple[Tensor, SinkhornResult]:
+    """The (B, n, n) float64 plan P = n Gamma^T (rows = targets in ascending order), diagnostics.
+
+    The solve runs in float64 whatever x2's dtype (in float32 the cost ``(x - y)^2 / epsilon``
+    loses the digits that small epsilon needs, and the hybrid solver then stalls).
+    """
+    bsz, n = x2.shape
+    max_iter = DEFAULT_MAX_ITER if max_iter is None else max_iter
+    tol = default_tol(x2.dtype) if tol is None else tol
+    x64 = x2.double()
+    y = torch.sort(x64, dim=-1).values
+    cost = (x64.unsqueeze(-1) - y.unsqueeze(1)).square() / epsilon.double().view(-1, 1, 1)
+    log_m = torch.full((bsz, n), -math.log(n), dtype=torch.float64, device=x2.device)
+    ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
+    gamma, res = sinkhorn_plan(cost, log_m, log_m, ones, max_iter, tol, newton=True)
+    if tol > 0:
+        bad = ~res.converged & torch.isfinite(res.residual)
+        if bool(bad.any()):
+            worst = res.residual[bad].max().item()
+            warnings.warn(
+                f"{_OP}: Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
+                f"for {int(bad.sum())} of {bsz} rows (worst relative marginal error {worst:.3g}); "
+                "gradients are only as accurate as the forward. Increase `max_iter` or "
+                "`epsilon`.",
+                UserWarning,
+                stacklevel=4,
+            )
+    return gamma.transpose(1, 2) * n, res
+
+
+def _positions(n: int, descending: bool, x2: Tensor) -> Tensor:
+    pos = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
+    return pos.flip(0) if descending else pos
+
+
+def sort(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool = False,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Tensor:
+    r"""OT soft sort: a relaxation of ``torch.sort(x, -1, descending).values``.
+
+    .. math::
+
+        v_j = n \sum_i \Gamma_{ij}\, x_i,
+
+    the barycentre of the inputs transported to the j-th target (Cuturi et al.'s
+    :math:`\tilde S`), with :math:`\Gamma` the entropic plan onto the sorted values
+    (module docstring), differentiated through both the plan and
+    the targets.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        descending: sort in descending order.
+        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
+        tol: relative L1 marginal tolerance; None means :func:`default_tol`; 0 runs exactly
+            ``max_iter`` iterations.
+
+    Returns:
+        (B, n) soft-sorted values, in x2's dtype (each a convex combination of the row).
+
+    References:
+        M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
+        Transport. NeurIPS 2019. arXiv:1905.11885.
+    """
+    p, _ = _plan(x2, epsilon, max_iter, tol)
+    v = torch.linalg.vecdot(p, x2.double().unsqueeze(1)).to(x2.dtype)
+    return v.flip(-1) if descending else v
+
+
+def rank(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool = False,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Tensor:
+    r"""OT soft ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
+
+    .. math::
+
+        r_i = n \sum_j \Gamma_{ij}\, \mathrm{pos}_j,\qquad
+        \mathrm{pos}_j = j \ (\text{ascending}),\ n + 1 - j \ (\text{descending}),
+
+    Cuturi et al.'s :math:`\tilde R = n^2\,\Gamma \bar b` with :math:`\bar b` the cumulated
+    target masses. In [1, n]; the ranks sum to n(n+1)/2 up to the solver tolerance.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        descending: rank 1 for the largest instead of the smallest.
+        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
+        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+
+    Returns:
+        (B, n) soft ranks, in x2's dtype.
+
+    References:
+        M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
+        Transport. NeurIPS 2019. arXiv:1905.11885.
+    """
+    n = x2.shape[-1]
+    p, _ = _plan(x2, epsilon, max_iter, tol)
+    return torch.matmul(_positions(n, descending, p), p).to(x2.dtype)
+
+
+def argsort(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool = False,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Tensor:
+    r"""The OT sorting matrix: row j relaxes ``one_hot(argsort(x, -1, descending)[j])``.
+
+    .. math::
+
+        P_{ji} = n\, \Gamma_{ij}.
+
+    Rows sum to 1 exactly (non-negative); columns sum to 1 up to the solver tolerance, so P is
+    (nearly) doubly stochastic. ``P @ x`` equals :func:`sort`.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        descending: rows in descending order of x.
+        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
+        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+
+    Returns:
+        (B, n, n) P, in x2's dtype.
+
+    References:
+        M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
+        Transport. NeurIPS 2019. arXiv:1905.11885.
+    """
+    p, _ = _plan(x2, epsilon, max_iter, tol)
+    p = p.to(x2.dtype)
+    return p.flip(1) if descending else p
+
+
+def quantile(
+    x2: Tensor,
+    q: Tensor,
+    epsilon: Tensor,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Tensor:
+    r"""OT soft quantiles: a relaxation of ``torch.quantile(x, q, dim=-1)`` (linear).
+
+    .. math::
+
+        h = q (n - 1),\quad k = \lfloor h \rfloor,\qquad
+        Q(q) = v_k + (h - k)\,(v_{k+1} - v_k),
+
+    with :math:`v` (0-based) the ascending OT soft-sorted values of :func:`sort`; the hard
+    values give exactly :func:`torch.quantile` with ``interpolation="linear"``. One soft sort
+    serves all q.
+
+    Args:
+        x2: (B, n) float32 or float64 input.
+        q: (Q,) quantile levels in [0, 1] (a gradient flows to q through the interpolation).
+        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
+        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+
+    Returns:
+        (B, Q) soft quantiles, in x2's dtype.
+
+    References:
+        M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
+        Transport. NeurIPS 2019. arXiv:1905.11885.
+    """
+    n = x2.shape[-1]
+    v = sort(x2, epsilon, False, max_iter, tol)
+    h = q.to(x2.dtype).reshape(-1) * (n - 1)
+    lo = h.detach().floor().clamp(0, n - 1).long()
+    hi = (lo + 1).clamp(max=n - 1)
+    frac = h - lo.to(h.dtype)
+    v_lo = v[:, lo]
+    v_hi = v[:, hi]
+    return v_lo + frac * (v_hi - v_lo)
