@@ -264,7 +264,12 @@ class TopKSuite:
                 mode=fused,
             ),
             Case(_SINKHORN_LABEL, sinkhorn),
-            Case(_PAPER_LABEL, lambda x: paper_sinkhorn_topk_mask(x, k, epsilon=eps)),
+            Case(
+                _PAPER_LABEL,
+                lambda x: paper_sinkhorn_topk_mask(x, k, epsilon=eps),
+                # about 110 s a forward at B=64, n=1e5 on this machine: measured below that
+                skip=None if int(p["B"]) * int(p["n"]) <= 1_000_000 else "too slow (> 100 s)",
+            ),
         ]
         if config.group == "grid":
             cases.append(_entmax_case(k))
