@@ -29,7 +29,8 @@ per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)`` (a
 not used. At exact ties :math:`|x_j - x_l|` is at its kink; the prefix-sum formula and the dense
 ``abs().sum(-1)`` pick different subgradients there and agree everywhere else.
 
-Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN.
+Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN here, and the
+public layer (:mod:`softops.sort`) takes them to their limits before calling this backend.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _run(
     values: bool = False,
     ranks: bool = False,
     matrix: bool = False,
+    offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     n = x2.shape[-1]
     with torch.no_grad():
@@ -86,6 +88,7 @@ def _run(
         values=values,
         ranks=ranks,
         matrix=matrix,
+        offset=offset,
     )
 
 
@@ -114,7 +117,9 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
     return cast(Tensor, _run(x2, epsilon, descending, values=True)[0])
 
 
-def rank(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+def rank(
+    x2: Tensor, epsilon: Tensor, descending: bool = False, offset: Tensor | None = None
+) -> Tensor:
     r"""NeuralSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
 
     .. math::
@@ -128,6 +133,7 @@ def rank(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
         x2: (B, n) float32 or float64 input.
         epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
         descending: rank 1 for the largest instead of the smallest.
+        offset: optional (B,) shift of the positions i (used by the public layer for infinities).
 
     Returns:
         (B, n) soft ranks, in x2's dtype.
@@ -136,7 +142,7 @@ def rank(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
         A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
         Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
     """
-    return cast(Tensor, _run(x2, epsilon, descending, ranks=True)[1])
+    return cast(Tensor, _run(x2, epsilon, descending, ranks=True, offset=offset)[1])
 
 
 def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:

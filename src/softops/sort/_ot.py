@@ -52,7 +52,8 @@ tol): B=8, n=500: forward 0.9 s / 1.9 s and forward+backward 1.2 s / 2.3 s at ep
 B=1, epsilon 0.1: forward 1.5 s at n=1000 and 4.4 s at n=2000 (backward 0.2 s / 1.3 s). Small
 epsilon (relative to the squared gaps) needs more iterations.
 
-Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only.
+Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only here; the public layer
+(:mod:`softops.sort`) takes infinities to their limits before calling this backend.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def rank(
     descending: bool = False,
     max_iter: int | None = None,
     tol: float | None = None,
+    offset: Tensor | None = None,
 ) -> Tensor:
     r"""OT soft ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
 
@@ -175,6 +177,7 @@ def rank(
         descending: rank 1 for the largest instead of the smallest.
         max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
         tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+        offset: optional (B,) shift of the positions (used by the public layer for infinities).
 
     Returns:
         (B, n) soft ranks, in x2's dtype.
@@ -185,7 +188,11 @@ def rank(
     """
     n = x2.shape[-1]
     p, _ = _plan(x2, epsilon, max_iter, tol)
-    return torch.matmul(_positions(n, descending, p), p).to(x2.dtype)
+    pos = _positions(n, descending, p)
+    if offset is None:
+        return torch.matmul(pos, p).to(x2.dtype)
+    pos = pos + offset.to(p.dtype).unsqueeze(-1)
+    return torch.matmul(pos.unsqueeze(1), p).squeeze(1).to(x2.dtype)
 
 
 def argsort(

@@ -149,7 +149,13 @@ def sort(
         v, _ = _IsotonicL2.apply(a - theta)
     else:
         v, _ = _IsotonicKL.apply(a, theta)
-    return _nan_rows(x2, a - v if descending else v - a)
+    out = _nan_rows(x2, a - v if descending else v - a)
+    if regularization == "l2":
+        # The l2 sort keeps the row's mean: with both +inf and -inf the limit depends on their
+        # rates, so the whole row is NaN (not only the positions where inf - inf appeared).
+        mixed = (x2 == torch.inf).any(-1, keepdim=True) & (x2 == -torch.inf).any(-1, keepdim=True)
+        out = torch.where(mixed, torch.full_like(out, torch.nan), out)
+    return out
 
 
 def quantile(x2: torch.Tensor, q: torch.Tensor, epsilon: torch.Tensor) -> torch.Tensor:

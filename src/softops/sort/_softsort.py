@@ -47,8 +47,9 @@ Algorithms:
   (besides the (B, n, n) output of ``argsort`` itself). The first checkpointed call in a process
   pays torch's one-time import of ``torch._dynamo`` (about 2 s on a small CPU).
 
-Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`` are outside the
-relaxation (an infinite sorted value has no finite distance to itself) and give NaN.
+Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`` give NaN here
+(an infinite sorted value has no finite distance to itself); the public layer
+(:mod:`softops.sort`) takes them to their limits before calling this backend.
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def _laplace_lse(a: Tensor, logw: Tensor) -> Tensor:
 
 
 def _l1_scan(
-    x2: Tensor, epsilon: Tensor, descending: bool, values: bool, ranks: bool
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool,
+    values: bool,
+    ranks: bool,
+    offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Values and/or ranks of l1 SoftSort by the semiseparable scans (float64)."""
     n = x2.shape[-1]
@@ -108,6 +114,8 @@ def _l1_scan(
         out_v = (v.flip(-1) if descending else v).to(x2.dtype)
     if ranks:
         pos = _positions(n, descending, torch.float64, x2.device)
+        if offset is not None:
+            pos = pos + offset.double().unsqueeze(-1)
         r_sorted = _laplace_lse(a, pos.log() - log_z).exp()
         r = torch.zeros_like(r_sorted).scatter(-1, perm, r_sorted)
         out_r = r.to(x2.dtype)
@@ -132,6 +140,7 @@ def chunked_rows(
     values: bool = False,
     ranks: bool = False,
     matrix: bool = False,
+    offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Row-chunked, checkpointed ``P = softmax(logits)`` reductions.
 
@@ -139,11 +148,14 @@ def chunked_rows(
     per-row parameter (a (B, b) or (b,) slice of ``row_param`` along its last dim) is given, in
     the ascending orientation (row i is the i-th smallest). Returns ``(values, ranks, P)`` in the
     requested orientation, each None unless asked for: ``values = P @ x``, ``ranks_j = sum_i
-    pos_i P_ij`` and ``P`` itself (B, n, n). Extra memory is O(block) per block kept by autograd.
+    pos_i P_ij`` (``pos`` the 1-based output positions, plus ``offset`` (B,) when given) and ``P``
+    itself (B, n, n). Extra memory is O(block) per block kept by autograd.
     """
     bsz, n = x2.shape
     rows = _rows_per_block(bsz, n)
     pos = _positions(n, descending, x2.dtype, x2.device)
+    if offset is not None:
+        pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
     use_ckpt = _needs_graph(x2, row_param, *extra)
     v_blocks: list[Tensor] = []
     r_sum: Tensor | None = None
@@ -157,7 +169,10 @@ def chunked_rows(
         if values:
             outs.append(torch.linalg.vecdot(p, xx.unsqueeze(1)))  # (B, b)
         if ranks:
-            outs.append(torch.matmul(pp, p))  # (B, n)
+            if pp.dim() == 1:
+                outs.append(torch.matmul(pp, p))  # (B, n)
+            else:
+                outs.append(torch.matmul(pp.unsqueeze(1), p).squeeze(1))
         if matrix:
             outs.append(p)
         return tuple(outs)
@@ -165,7 +180,7 @@ def chunked_rows(
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         rp = row_param[..., start:stop]
-        pp = pos[start:stop]
+        pp = pos[..., start:stop]
         if use_ckpt:
             outs = checkpoint(run, rp, x2, pp, *extra, use_reentrant=False)
         else:
@@ -206,10 +221,14 @@ def _chunked(
     values: bool = False,
     ranks: bool = False,
     matrix: bool = False,
+    offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     if distance not in _DISTANCES:
         raise ValueError(f"softsort: expected `distance` in {_DISTANCES}; got {distance!r}.")
-    u = torch.sort(x2, dim=-1).values
+    # The sorted values by a gather, not ``torch.sort(x2).values``: the same gradient, but
+    # torch.compile (torch 2.13, inductor) gets the gradient of the latter wrong when x2 also
+    # enters the graph directly, as it does here (tests/test_sort_contract.py, slow).
+    u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     eps = epsilon.to(x2.dtype)
     return chunked_rows(
         _distance_logits(distance),
@@ -220,6 +239,7 @@ def _chunked(
         values=values,
         ranks=ranks,
         matrix=matrix,
+        offset=offset,
     )
 
 
@@ -257,7 +277,13 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = 
     return cast(Tensor, v)
 
 
-def rank(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = "l1") -> Tensor:
+def rank(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool = False,
+    distance: str = "l1",
+    offset: Tensor | None = None,
+) -> Tensor:
     r"""SoftSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
 
     .. math::
@@ -274,6 +300,8 @@ def rank(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = 
         epsilon: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
         descending: rank 1 for the largest instead of the smallest.
         distance: "l1" (default, exact O(n log n)) or "l2" (row-chunked, O(n²) time).
+        offset: optional (B,) shift of the positions i (the public layer uses it for the entries
+            that precede a row's finite ones when it takes infinities to their limits).
 
     Returns:
         (B, n) soft ranks, in x2's dtype.
@@ -283,9 +311,9 @@ def rank(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = 
         ICML 2020. arXiv:2006.16038.
     """
     if distance == "l1":
-        _, r = _l1_scan(x2, epsilon, descending, values=False, ranks=True)
+        _, r = _l1_scan(x2, epsilon, descending, values=False, ranks=True, offset=offset)
     else:
-        _, r, _ = _chunked(x2, epsilon, descending, distance, ranks=True)
+        _, r, _ = _chunked(x2, epsilon, descending, distance, ranks=True, offset=offset)
     return cast(Tensor, r)
 
 
