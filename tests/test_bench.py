@@ -242,3 +242,82 @@ def test_paper_sinkhorn_reference_equals_library_ops() -> None:
     (gp,) = torch.autograd.grad(converged, x, g)
     (go,) = torch.autograd.grad(ot, x, g)
     torch.testing.assert_close(gp, go, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sort suite (softops bench sort)
+
+
+def test_sort_configs_and_cases() -> None:
+    from softops.bench.sort import SUITE as SORT
+    from softops.bench.sort import build_configs as sort_configs
+
+    configs = sort_configs(sizes=[100_000, 1_000])
+    grid = [c for c in configs if c.group == "grid"]
+    assert [c.params["n"] for c in grid] == [1_000, 100_000]
+    assert {c.group for c in configs} == {"grid", "vs", "dense", "memory"}
+    assert [(c.params["B"], c.params["n"]) for c in configs if c.group == "vs"] == [
+        (1, 4_000),
+        (8, 4_000),
+    ]
+    memory = next(c for c in configs if c.group == "memory")
+    assert (memory.params["B"], memory.params["n"]) == (8, 100_000)
+    names = {case.name: case for case in SORT.make_cases(grid[0])}
+    assert next(iter(names)) == "torch.sort" and names["torch.sort"].floor
+    for name in ("pav sort", "pav rank", "torchsort sort", "torchpsort rank", "softsort rank"):
+        assert name in names
+    assert names["neuralsort sort"].skip is None  # B=64, n=1e3 fits
+    big = {case.name: case for case in SORT.make_cases(grid[1])}
+    assert big["neuralsort sort"].skip is not None  # O(n²) at n=1e5: skipped
+    assert big["SoftTorch"].skip is not None
+    mem = {case.name: case for case in SORT.make_cases(memory)}
+    assert mem["softsort values+ranks"].skip is None
+
+
+def test_sort_cases_agree_on_a_tiny_input() -> None:
+    from softops.bench.sort import SUITE as SORT
+
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(0))  # float32, as benched
+    outputs = {}
+    for group in ("grid", "dense", "vs"):
+        config = Config(group, {"B": 2, "n": 40, "epsilon": 1.0})
+        for case in SORT.make_cases(config):
+            if case.skip is None:
+                with case.context():
+                    outputs[case.name] = case.fn(x)
+    assert outputs["softsort values+ranks"].shape == (2, 2, 40)  # values and ranks, stacked
+    facts = SORT.compare(Config("grid", {"B": 2, "n": 40, "epsilon": 1.0}), outputs)
+    for key, value in facts.items():  # the peers present solve the same problems
+        if "vs_floor" not in key:
+            assert value < 1e-3, (key, value)
+    if "torchsort sort" in outputs:
+        assert "max_abs_diff_pav_vs_torchsort_sort" in facts
+    if "difftopk.SoftSort (dense)" in outputs:
+        assert facts["max_abs_diff_softsort_vs_difftopk"] < 1e-3
+
+
+def test_sort_peers_skipped_when_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from softops.bench.sort import SUITE as SORT
+
+    for name in ("torchsort", "torchpsort", "difftopk"):
+        monkeypatch.setitem(sys.modules, name, None)
+    rows = {}
+    for group in ("grid", "dense"):
+        config = Config(group, {"B": 2, "n": 50, "epsilon": 1.0})
+        rows.update({case.name: case for case in SORT.make_cases(config)})
+    for name in ("torchsort sort", "torchpsort rank", "difftopk.NeuralSort (dense)"):
+        assert rows[name].skip is not None and "not installed" in rows[name].skip
+    assert rows["pav sort"].skip is None
+
+
+def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "sort", "--quick", "--sizes", "200", "--batch", "2", "--repeats", "1"]
+    argv += ["--threads", str(torch.get_num_threads()), "--no-vs", "--no-dense"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| torch.sort | 1.00× |" in out and "### Targets" in out
+    assert "softsort values+ranks fwd+bwd at B=2, n=10000" in out  # the quick memory config
+    lines = (tmp_path / "sort-quick.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert {r["group"] for r in records} == {"grid", "memory"}
+    assert (tmp_path / "sort-quick.md").exists()

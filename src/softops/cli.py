@@ -4,12 +4,16 @@ Usage::
 
     softops bench topk [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
+    softops bench sort [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
+                       [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
     softops demo [--out DIR] [--threads N] [--no-bench]
 
 ``softops bench topk`` runs the top-k benchmark suite (:mod:`softops.bench.topk`), prints its
 Markdown table and writes ``topk.jsonl``, ``topk.md`` and ``topk.png`` (``topk-quick.*`` with
 ``--quick``) under ``--out`` (default ``benchmarks/results``). ``softops demo`` shows the soft
 top-k mask on a small vector, its gradient, and runs the quick top-k benchmark.
+``softops bench sort`` runs the sort suite (:mod:`softops.bench.sort`) the same way, into
+``sort.jsonl``, ``sort.md`` and ``sort.png`` (``sort-quick.*`` with ``--quick``).
 
 rich (pretty progress and tables) and matplotlib (the plot) come with the ``bench`` extra and are
 optional: without them the output is plain text and no PNG is written.
@@ -29,6 +33,7 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_OUT = "benchmarks/results"
 QUICK = {"sizes": (1_000, 10_000), "batch": 16, "repeats": 3, "time_budget": 3.0}
+SORT_QUICK = {"sizes": (1_000, 10_000), "batch": 4, "repeats": 3, "time_budget": 2.0}
 
 
 def _size(text: str) -> int:
@@ -129,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     topk.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     topk.set_defaults(func=_bench_topk)
+    _add_sort_parser(suites)
 
     demo = commands.add_parser(
         "demo", help="show the soft top-k mask and its gradient, then run the quick benchmark"
@@ -284,6 +290,165 @@ def _bench_topk(args: argparse.Namespace) -> int:
         first_call=not args.no_first_call,
         speedup=not args.no_speedup,
         sorted_memory=not args.no_sorted,
+        seed=args.seed,
+        command="softops " + shlex.join(args.argv),
+    )
+    print(report)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# softops bench sort
+
+
+def _add_sort_parser(suites: Any) -> None:
+    sort = suites.add_parser(
+        "sort",
+        help="soft sort and rank vs torch.sort, torchsort, torchpsort and difftopk",
+        description="Time soft_sort / soft_rank (pav, softsort, neuralsort) against torch.sort "
+        "(the floor) and the installed peers (torchsort, torchpsort, difftopk), forward and "
+        "forward+backward; softsort against neuralsort at n=4000; and the peak memory of "
+        "softsort values+ranks at B=8, n=1e5.",
+    )
+    sort.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, 3 repeats, no subprocess probes (under a minute)",
+    )
+    sort.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch (and numba) threads for the run (default: 1)",
+    )
+    sort.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    sort.add_argument("--dtype", default="float32", help="input dtype (default: float32)")
+    sort.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    sort.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        help="timed repeats per case (default: 10, or 3 with --quick)",
+    )
+    sort.add_argument(
+        "--sizes",
+        type=_size,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="the grid's n values (default: 1e3 1e4 1e5, or 1e3 1e4 with --quick)",
+    )
+    sort.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=None,
+        help="the grid's B (default: 64, or 4 with --quick)",
+    )
+    sort.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds of timed repeats per case and configuration; a case whose "
+        "single call exceeds it is skipped (default: 30, or 2 with --quick)",
+    )
+    sort.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="skip the peak-memory subprocesses (always off with --quick)",
+    )
+    sort.add_argument(
+        "--no-vs", action="store_true", help="skip the softsort-vs-neuralsort configurations"
+    )
+    sort.add_argument(
+        "--no-dense", action="store_true", help="skip the dense difftopk configuration"
+    )
+    sort.add_argument(
+        "--no-memory-config",
+        action="store_true",
+        help="skip the B=8, n=1e5 softsort memory configuration",
+    )
+    sort.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    sort.set_defaults(func=_bench_sort)
+
+
+def run_sort_bench(
+    *,
+    quick: bool = False,
+    threads: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    out: str = DEFAULT_OUT,
+    repeats: int | None = None,
+    sizes: Sequence[int] | None = None,
+    batch: int | None = None,
+    time_budget: float | None = None,
+    memory: bool = True,
+    vs: bool = True,
+    dense: bool = True,
+    memory_config: bool = True,
+    seed: int = 0,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """Run the sort suite and write its files; return the Markdown report and the paths.
+
+    ``quick`` sets the defaults of the size arguments to small values and turns the subprocess
+    probes off. Arguments left at ``None`` take the defaults of the mode.
+    """
+    from softops.bench import RunOptions, run_suite, write_results
+    from softops.bench.sort import GRID_SIZES, SUITE, build_configs
+
+    log = log or _logger()
+    options = RunOptions(
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats or (SORT_QUICK["repeats"] if quick else 10),
+        time_budget_s=time_budget or (SORT_QUICK["time_budget"] if quick else 30.0),
+        memory=memory and not quick,
+        first_call=False,
+        seed=seed,
+        extra={"command": command} if command else {},
+    )
+    options.min_repeats = min(options.min_repeats, options.repeats)
+    configs = build_configs(
+        sizes=sizes or (SORT_QUICK["sizes"] if quick else GRID_SIZES),
+        batch=batch or (SORT_QUICK["batch"] if quick else 64),
+        vs=vs,
+        dense=dense,
+        memory=memory_config,
+        quick=quick,
+    )
+    start = time.perf_counter()
+    records = run_suite(SUITE, configs, options, log=log)
+    paths = write_results(records, SUITE, out, "sort-quick" if quick else "sort", command=command)
+    log(
+        f"done in {time.perf_counter() - start:.0f} s; wrote "
+        + ", ".join(str(p) for p in paths.values())
+    )
+    return paths["md"].read_text(encoding="utf-8"), paths
+
+
+def _bench_sort(args: argparse.Namespace) -> int:
+    error = _check_device(args.device)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    report, _ = run_sort_bench(
+        quick=args.quick,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        out=args.out,
+        repeats=args.repeats,
+        sizes=args.sizes,
+        batch=args.batch,
+        time_budget=args.time_budget,
+        memory=not args.no_memory,
+        vs=not args.no_vs,
+        dense=not args.no_dense,
+        memory_config=not args.no_memory_config,
         seed=args.seed,
         command="softops " + shlex.join(args.argv),
     )

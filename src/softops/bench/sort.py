@@ -1,0 +1,445 @@
+r"""The sort benchmark suite: ``softops bench sort``.
+
+Inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default, epsilon = 1.0 everywhere (pav's
+epsilon is torchsort's ``regularization_strength`` and torchpsort's ``tau``; SoftSort's and
+NeuralSort's temperature is the peers' ``tau``). Every case returns ascending values or
+1-based ascending ranks, so the outputs of methods solving the same problem are compared
+(``max_abs_diff_*``). Four groups of configurations:
+
+``grid``
+    B=64, n in {1e3, 1e4, 1e5}. Cases: the floor ``torch.sort(x).values``; **pav sort** and
+    **pav rank** (``method="pav"``, l2); **torchsort sort/rank** and **torchpsort sort/rank**
+    when installed; **softsort sort/rank** (``method="softsort"``, l1: the exact O(n log n)
+    scans); **neuralsort sort** where B·n² <= ``NEURALSORT_MAX_ENTRIES`` (its softmax is
+    O(n²) time) and within the time budget; difftopk's dense ``SoftSort`` and ``NeuralSort``
+    (see ``dense``) where B·n² <= ``DENSE_MAX_ENTRIES`` (n=1e3 only).
+``vs``
+    n=4000, B in {1, 8}: SoftSort against NeuralSort, **values and ranks**: one case calls
+    ``soft_sort`` and then ``soft_rank`` of the method and stacks the two (B, n) outputs, so its
+    time is the sum of both calls (forward, or forward+backward of a functional of both).
+    Cases: floor; softsort values+ranks (l1, the default); softsort values+ranks (l2, the
+    row-chunked O(n²) path, only where B·n² <= ``L2_MAX_ENTRIES``: B=1); neuralsort
+    values+ranks.
+``dense``
+    B=8, n=1e3: difftopk's dense ``SoftSort`` (``(P @ x)`` flipped to ascending; ``pow=1``, the
+    l1 distance) and ``NeuralSort`` (``P^T @ x``, ascending) against ours.
+``memory``
+    B=8, n=1e5: softsort values+ranks, forward+backward; its peak extra memory is the target.
+    The measured path is **l1** (the default distance): exact semiseparable scans, O(B n)
+    memory, no blocks and nothing recomputed. The l2 path is row-chunked with checkpointing
+    (blocks recomputed in the backward) at ``softops.sort._softsort.BLOCK_ELEMENTS`` = 2**20
+    entries per block, i.e. ``max(1, 2**20 // (B n))`` = 1 row per block here; its O(B n²) time
+    (about 8e10 kernel entries per call) keeps it out of this run, so its row is skipped unless
+    B·n² <= ``L2_MAX_ENTRIES``.
+
+The targets of the issue, checked in the report's summary: pav within 1.5× of torchsort at
+n=1e5 (forward+backward); softsort values+ranks at least 3× faster than NeuralSort at n=4000
+(forward+backward); softsort values+ranks at B=8, n=1e5, forward+backward, under 256 MB of peak
+extra memory. The numba kernels (pav's isotonic step, torchpsort) run on as many threads as
+torch (:func:`numba_threads`), so a 1-thread run is 1 thread for every method. SoftTorch is not
+run (it needs Python >= 3.12 and a CUDA torch build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import softops
+from softops.bench.harness import Case, Config
+
+__all__ = ["SUITE", "SortSuite", "build_configs", "numba_threads"]
+
+GRID_SIZES = (1_000, 10_000, 100_000)
+QUICK_SIZES = (1_000, 10_000)
+EPSILON = 1.0
+NEURALSORT_MAX_ENTRIES = 100_000_000
+"""Largest B·n² at which NeuralSort (O(n²) softmax) is run in the grid: B=64, n=1e3."""
+L2_MAX_ENTRIES = 20_000_000
+"""Largest B·n² at which the O(n²) l2 SoftSort path is run: B=1, n=4000 (1.6e7), not B=8."""
+DENSE_MAX_ENTRIES = 64_000_000
+"""Largest B·n² at which the dense difftopk peers (B×n×n matrices) are run: B=64, n=1e3."""
+PAV_VS_TORCHSORT = 1.5
+SOFTSORT_VS_NEURALSORT = 3.0
+MEMORY_LIMIT_MB = 256.0
+SOFTTORCH_SKIP = (
+    "SoftTorch 0.1.1 is not installed: it needs Python >= 3.12 and a torch build for it (a "
+    "~4 GB CUDA download); PEERS.md measured its softsort at B=8, n=1e4: 89 s and 15 GB"
+)
+
+_FLOOR = "torch.sort"
+_PAV_SORT, _PAV_RANK = "pav sort", "pav rank"
+_TS_SORT, _TS_RANK = "torchsort sort", "torchsort rank"
+_TPS_SORT, _TPS_RANK = "torchpsort sort", "torchpsort rank"
+_SS_SORT, _SS_RANK = "softsort sort", "softsort rank"
+_NS_SORT = "neuralsort sort"
+_SS_VR = "softsort values+ranks"
+_SS_VR_L2 = "softsort values+ranks (l2, chunked)"
+_NS_VR = "neuralsort values+ranks"
+_DT_SS = "difftopk.SoftSort (dense)"
+_DT_NS = "difftopk.NeuralSort (dense)"
+_SOFTTORCH = "SoftTorch"
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def build_configs(
+    *,
+    sizes: Sequence[int] = GRID_SIZES,
+    batch: int = 64,
+    vs: bool = True,
+    dense: bool = True,
+    memory: bool = True,
+    quick: bool = False,
+) -> list[Config]:
+    """The configurations of the sort suite.
+
+    Args:
+        sizes: the grid's n values (sorted increasingly here).
+        batch: the grid's B.
+        vs: include the softsort-vs-neuralsort configurations (n=4000, B=1 and B=8).
+        dense: include the dense difftopk configuration (B=8, n=1e3).
+        memory: include the memory configuration (B=8, n=1e5).
+        quick: shrink the extra configurations for ``--quick`` (vs: B=1, n=1000; dense: B=2,
+            n=300; memory: B=2, n=1e4).
+
+    Returns:
+        The configurations, each group in increasing size.
+    """
+    ns = sorted({int(n) for n in sizes})
+    configs = [Config("grid", {"B": batch, "n": n, "epsilon": EPSILON}) for n in ns]
+    if vs:
+        shapes = ((1, 1_000),) if quick else ((1, 4_000), (8, 4_000))
+        configs += [Config("vs", {"B": b, "n": n, "epsilon": EPSILON}) for b, n in shapes]
+    if dense:
+        b, n = (2, 300) if quick else (8, 1_000)
+        configs.append(Config("dense", {"B": b, "n": n, "epsilon": EPSILON}))
+    if memory:
+        b, n = (2, 10_000) if quick else (8, 100_000)
+        configs.append(Config("memory", {"B": b, "n": n, "epsilon": EPSILON}))
+    return configs
+
+
+@contextmanager
+def numba_threads() -> Iterator[None]:
+    """Run numba's parallel kernels on as many threads as torch (restored afterwards).
+
+    pav's isotonic kernel and torchpsort are numba ``prange`` loops, which otherwise use every
+    core whatever ``torch.set_num_threads`` says; held through the backward too.
+    """
+    try:
+        import numba
+    except ImportError:
+        yield
+        return
+    previous = numba.get_num_threads()
+    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def _unavailable(name: str, reason: str) -> Case:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(reason)
+
+    return Case(name, fn, skip=reason)
+
+
+def _peer_cases(module: str, eps: float) -> list[Case]:
+    """``soft_sort`` and ``soft_rank`` of torchsort or torchpsort, or skipped rows without it."""
+    names = (_TS_SORT, _TS_RANK) if module == "torchsort" else (_TPS_SORT, _TPS_RANK)
+    try:
+        peer = __import__(module)
+    except ImportError:
+        reason = f"{module} is not installed (scripts/install_peers.sh)"
+        return [_unavailable(name, reason) for name in names]
+    if module == "torchsort":
+
+        def p_sort(x: torch.Tensor) -> torch.Tensor:
+            return peer.soft_sort(x, regularization_strength=eps)
+
+        def p_rank(x: torch.Tensor) -> torch.Tensor:
+            return peer.soft_rank(x, regularization_strength=eps)
+    else:
+
+        def p_sort(x: torch.Tensor) -> torch.Tensor:
+            return peer.soft_sort(x, tau=eps)
+
+        def p_rank(x: torch.Tensor) -> torch.Tensor:
+            return peer.soft_rank(x, tau=eps)
+
+    mode = numba_threads if module == "torchpsort" else None
+    return [Case(names[0], p_sort, mode=mode), Case(names[1], p_rank, mode=mode)]
+
+
+def _difftopk_cases(eps: float, entries: int) -> list[Case]:
+    """difftopk's dense SoftSort and NeuralSort as ascending values, or skipped rows (when it
+    is not installed, or when B·n² = ``entries`` is over ``DENSE_MAX_ENTRIES``)."""
+    reason = _too_big(entries, DENSE_MAX_ENTRIES, "dense B×n×n")
+    try:
+        import difftopk
+    except ImportError:
+        reason = "difftopk is not installed (scripts/install_peers.sh)"
+    if reason is not None:
+        return [_unavailable(_DT_SS, reason), _unavailable(_DT_NS, reason)]
+    softsort = difftopk.SoftSort(tau=eps)
+    neuralsort = difftopk.NeuralSort(tau=eps)
+
+    def dt_softsort(x: torch.Tensor) -> torch.Tensor:
+        # P @ x is descending for difftopk's SoftSort
+        return (softsort(x) @ x.unsqueeze(-1)).squeeze(-1).flip(-1)
+
+    def dt_neuralsort(x: torch.Tensor) -> torch.Tensor:
+        # P^T @ x is ascending for difftopk's NeuralSort
+        return (neuralsort(x).transpose(-2, -1) @ x.unsqueeze(-1)).squeeze(-1)
+
+    return [Case(_DT_SS, dt_softsort), Case(_DT_NS, dt_neuralsort)]
+
+
+def _values_and_ranks(method: str, eps: float, **kwargs: Any) -> Fn:
+    """One call of ``soft_sort`` and one of ``soft_rank``, stacked: (2, B, n)."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        values = softops.soft_sort(x, epsilon=eps, method=method, **kwargs)
+        ranks = softops.soft_rank(x, epsilon=eps, method=method, **kwargs)
+        return torch.stack((values, ranks))
+
+    return fn
+
+
+def _too_big(entries: int, limit: int, what: str) -> str | None:
+    if entries <= limit:
+        return None
+    return f"{what}: B·n² = {entries:.2g} is over this suite's limit of {limit:.2g}"
+
+
+class SortSuite:
+    """The sort suite (see the module docstring); ``SUITE`` is its instance."""
+
+    ref = "softops.bench.sort:SUITE"
+    name = "sort"
+    floor_label = "torch.sort(x).values"
+    plot_group = "grid"
+    plot_x = "n"
+
+    def make_input(
+        self,
+        config: Config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Standard normal inputs of shape (B, n)."""
+        p = config.params
+        return torch.randn(p["B"], p["n"], generator=generator, device=device, dtype=dtype)
+
+    def make_cases(self, config: Config) -> list[Case]:
+        """The floor and the methods of one configuration (see the module docstring)."""
+        p = config.params
+        eps = float(p["epsilon"])
+        entries = int(p["B"]) * int(p["n"]) ** 2
+        cases = [Case(_FLOOR, lambda x: torch.sort(x, dim=-1).values, floor=True)]
+        if config.group == "grid":
+            cases += [
+                Case(
+                    _PAV_SORT,
+                    lambda x: softops.soft_sort(x, epsilon=eps, method="pav"),
+                    mode=numba_threads,
+                ),
+                Case(
+                    _PAV_RANK,
+                    lambda x: softops.soft_rank(x, epsilon=eps, method="pav"),
+                    mode=numba_threads,
+                ),
+                *_peer_cases("torchsort", eps),
+                *_peer_cases("torchpsort", eps),
+                Case(_SS_SORT, lambda x: softops.soft_sort(x, epsilon=eps, method="softsort")),
+                Case(_SS_RANK, lambda x: softops.soft_rank(x, epsilon=eps, method="softsort")),
+                Case(
+                    _NS_SORT,
+                    lambda x: softops.soft_sort(x, epsilon=eps, method="neuralsort"),
+                    skip=_too_big(entries, NEURALSORT_MAX_ENTRIES, "O(n²) softmax"),
+                ),
+                *_difftopk_cases(eps, entries),
+                _unavailable(_SOFTTORCH, SOFTTORCH_SKIP),
+            ]
+        elif config.group == "vs":
+            cases += [
+                Case(_SS_VR, _values_and_ranks("softsort", eps)),
+                Case(
+                    _SS_VR_L2,
+                    _values_and_ranks("softsort", eps, distance="l2"),
+                    skip=_too_big(entries, L2_MAX_ENTRIES, "O(n²) time"),
+                ),
+                Case(_NS_VR, _values_and_ranks("neuralsort", eps)),
+            ]
+        elif config.group == "dense":
+            cases += [
+                Case(_SS_SORT, lambda x: softops.soft_sort(x, epsilon=eps, method="softsort")),
+                Case(_NS_SORT, lambda x: softops.soft_sort(x, epsilon=eps, method="neuralsort")),
+                *_difftopk_cases(eps, entries),
+            ]
+        elif config.group == "memory":
+            cases += [
+                Case(_SS_VR, _values_and_ranks("softsort", eps)),
+                Case(
+                    _SS_VR_L2,
+                    _values_and_ranks("softsort", eps, distance="l2"),
+                    skip=_too_big(entries, L2_MAX_ENTRIES, "O(n²) time"),
+                ),
+            ]
+        return cases
+
+    def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Max abs differences between methods that solve the same problem."""
+        facts: dict[str, Any] = {}
+        pairs = (
+            ("max_abs_diff_pav_vs_torchsort_sort", _PAV_SORT, _TS_SORT),
+            ("max_abs_diff_pav_vs_torchsort_rank", _PAV_RANK, _TS_RANK),
+            ("max_abs_diff_pav_vs_torchpsort_sort", _PAV_SORT, _TPS_SORT),
+            ("max_abs_diff_pav_vs_torchpsort_rank", _PAV_RANK, _TPS_RANK),
+            ("max_abs_diff_softsort_vs_difftopk", _SS_SORT, _DT_SS),
+            ("max_abs_diff_neuralsort_vs_difftopk", _NS_SORT, _DT_NS),
+            ("max_abs_diff_sort_l1_vs_floor", _SS_SORT, _FLOOR),
+        )
+        for key, a, b in pairs:
+            if a in outputs and b in outputs:
+                facts[key] = (outputs[a].double() - outputs[b].double()).abs().max().item()
+        return facts
+
+    def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """The issue's targets, with the measured numbers and whether each holds."""
+        lines = ["### Targets", ""]
+        lines += _pav_lines(records)
+        lines += _vs_lines(records)
+        lines += _memory_lines(records)
+        if len(lines) == 2:
+            return []
+        lines += _agreement_lines(records)
+        lines += [
+            "",
+            f"- SoftTorch: not run. {SOFTTORCH_SKIP}.",
+        ]
+        return lines
+
+
+def _met(ok: bool) -> str:
+    return "(met)" if ok else "(not met)"
+
+
+def _find(rows: Sequence[Mapping[str, Any]], case: str) -> Mapping[str, Any] | None:
+    return next((r for r in rows if r["case"] == case), None)
+
+
+def _pav_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    grid = [r for r in records if r["group"] == "grid"]
+    if not grid:
+        return []
+    n_max = max(r["n"] for r in grid)
+    rows = [r for r in grid if r["n"] == n_max]
+    where = "" if n_max == 100_000 else " — the target is stated at n=1e5"
+    lines = []
+    for ours, theirs in ((_PAV_SORT, _TS_SORT), (_PAV_RANK, _TS_RANK)):
+        a, b = _find(rows, ours), _find(rows, theirs)
+        if a is None or b is None or not a.get("fwdbwd_ms") or not b.get("fwdbwd_ms"):
+            reason = (b or {}).get("skip") or "not measured"
+            lines.append(f"- {ours} vs {theirs} at n={n_max}: not measured ({reason})")
+            continue
+        ratio = a["fwdbwd_ms"] / b["fwdbwd_ms"]
+        fwd = a["fwd_ms"] / b["fwd_ms"]
+        lines.append(
+            f"- {ours} / {theirs} at B={a['B']}, n={n_max}: {ratio:.2f}× fwd+bwd "
+            f"({a['fwdbwd_ms']:.1f} vs {b['fwdbwd_ms']:.1f} ms), {fwd:.2f}× fwd; "
+            f"target ≤ {PAV_VS_TORCHSORT:g}× {_met(ratio <= PAV_VS_TORCHSORT)}{where}. "
+            "pav is torch plus a numba isotonic kernel, no compiled extension of our own."
+        )
+    return lines
+
+
+def _vs_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = []
+    for config in dict.fromkeys(r["config"] for r in records if r["group"] == "vs"):
+        rows = [r for r in records if r["config"] == config]
+        ss, ns = _find(rows, _SS_VR), _find(rows, _NS_VR)
+        if ss is None or ns is None or not ss.get("fwdbwd_ms") or not ns.get("fwdbwd_ms"):
+            continue
+        speed = ns["fwdbwd_ms"] / ss["fwdbwd_ms"]
+        fwd = ns["fwd_ms"] / ss["fwd_ms"]
+        where = "" if ss["n"] == 4_000 else " — the target is stated at n=4000"
+        text = (
+            f"- softsort values+ranks (l1) vs neuralsort values+ranks at B={ss['B']}, "
+            f"n={ss['n']}: {speed:.1f}× faster fwd+bwd ({ss['fwdbwd_ms']:.1f} vs "
+            f"{ns['fwdbwd_ms']:.1f} ms), {fwd:.1f}× fwd; target ≥ {SOFTSORT_VS_NEURALSORT:g}× "
+            f"{_met(speed >= SOFTSORT_VS_NEURALSORT)}{where}"
+        )
+        l2 = _find(rows, _SS_VR_L2)
+        if l2 is not None and l2.get("fwdbwd_ms"):
+            text += (
+                f"; the O(n²) l2 path: {ns['fwdbwd_ms'] / l2['fwdbwd_ms']:.1f}× faster fwd+bwd "
+                "than neuralsort"
+            )
+        lines.append(text)
+    return lines
+
+
+def _agreement_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The largest disagreement between methods that solve the same problem, per fact."""
+    worst: dict[str, tuple[float, str]] = {}
+    for r in records:
+        for key, value in r.items():
+            if key.startswith("max_abs_diff_") and "vs_floor" not in key and value is not None:
+                if key not in worst or value > worst[key][0]:
+                    worst[key] = (value, r["config"])
+    if not worst:
+        return []
+    parts = [
+        f"{key.removeprefix('max_abs_diff_').replace('_', ' ')}: {value:.2g} ({config})"
+        for key, (value, config) in worst.items()
+    ]
+    return [
+        "- Agreement, max |difference| of the outputs (ranks go up to n; float32): "
+        + "; ".join(parts)
+    ]
+
+
+def _memory_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = [r for r in records if r["group"] == "memory"]
+    ss = _find(rows, _SS_VR)
+    if ss is None or ss.get("fwd_ms") is None:
+        return []
+    head = f"- softsort values+ranks fwd+bwd at B={ss['B']}, n={ss['n']} (l1, exact scans)"
+    where = "" if (ss["B"], ss["n"]) == (8, 100_000) else " — the target is stated at B=8, n=1e5"
+    if ss.get("peak_mb") is None:
+        reason = ss.get("peak_error") or "the memory probe was off in this run"
+        text = f"{head}: peak not measured ({reason})"
+        if ss.get("saved_mb") is not None:
+            text += f"; saved for backward {ss['saved_mb']:.3g} MB"
+        return [text + where]
+    ok = ss["peak_mb"] < MEMORY_LIMIT_MB
+    block = "no blocks: the l1 scans are O(B n); the l2 path's block is BLOCK_ELEMENTS = 2**20"
+    try:
+        from softops.sort._softsort import BLOCK_ELEMENTS
+    except ImportError:  # pragma: no cover - the backend ships with softops
+        pass
+    else:
+        rows_per_block = max(1, min(ss["n"], BLOCK_ELEMENTS // (ss["B"] * ss["n"])))
+        block = (
+            "no blocks: the l1 path is exact O(B n) scans, nothing recomputed; the l2/P path's "
+            f"block is BLOCK_ELEMENTS = {BLOCK_ELEMENTS} entries = {rows_per_block} row(s) at "
+            "this shape"
+        )
+    return [
+        f"{head}: peak Δ {ss['peak_mb']:.1f} MB (x.grad included; saved for backward "
+        f"{ss['saved_mb']:.3g} MB); target < {MEMORY_LIMIT_MB:g} MB {_met(ok)}{where}. "
+        f"Path: {block}."
+    ]
+
+
+SUITE = SortSuite()
