@@ -213,6 +213,22 @@ def _check_device(device: str) -> str | None:
     return None
 
 
+def _run_and_write(
+    suite: Any, configs: Any, options: Any, out: Any, name: str, command: str | None, log: Any
+) -> tuple[str, dict[str, Any]]:
+    """Run ``configs`` of ``suite``, write the JSONL/Markdown/PNG files, return the report."""
+    from softops.bench import run_suite, write_results
+
+    start = time.perf_counter()
+    records = run_suite(suite, configs, options, log=log)
+    paths = write_results(records, suite, out, name, command=command)
+    log(
+        f"done in {time.perf_counter() - start:.0f} s; wrote "
+        + ", ".join(str(p) for p in paths.values())
+    )
+    return paths["md"].read_text(encoding="utf-8"), paths
+
+
 def run_topk_bench(
     *,
     quick: bool = False,
@@ -237,7 +253,7 @@ def run_topk_bench(
     ``quick`` sets the defaults of the size arguments to small values and turns the subprocess
     probes off. Arguments left at ``None`` take the defaults of the mode.
     """
-    from softops.bench import RunOptions, run_suite, write_results
+    from softops.bench import RunOptions
     from softops.bench.topk import GRID_SIZES, SUITE, build_configs
 
     log = log or _logger()
@@ -261,14 +277,8 @@ def run_topk_bench(
         first_call=options.first_call,
         quick=quick,
     )
-    start = time.perf_counter()
-    records = run_suite(SUITE, configs, options, log=log)
-    paths = write_results(records, SUITE, out, "topk-quick" if quick else "topk", command=command)
-    log(
-        f"done in {time.perf_counter() - start:.0f} s; wrote "
-        + ", ".join(str(p) for p in paths.values())
-    )
-    return paths["md"].read_text(encoding="utf-8"), paths
+    name = "topk-quick" if quick else "topk"
+    return _run_and_write(SUITE, configs, options, out, name, command, log)
 
 
 def _bench_topk(args: argparse.Namespace) -> int:
@@ -396,7 +406,7 @@ def run_sort_bench(
     ``quick`` sets the defaults of the size arguments to small values and turns the subprocess
     probes off. Arguments left at ``None`` take the defaults of the mode.
     """
-    from softops.bench import RunOptions, run_suite, write_results
+    from softops.bench import RunOptions
     from softops.bench.sort import GRID_SIZES, SUITE, build_configs
 
     log = log or _logger()
@@ -420,14 +430,8 @@ def run_sort_bench(
         memory=memory_config,
         quick=quick,
     )
-    start = time.perf_counter()
-    records = run_suite(SUITE, configs, options, log=log)
-    paths = write_results(records, SUITE, out, "sort-quick" if quick else "sort", command=command)
-    log(
-        f"done in {time.perf_counter() - start:.0f} s; wrote "
-        + ", ".join(str(p) for p in paths.values())
-    )
-    return paths["md"].read_text(encoding="utf-8"), paths
+    name = "sort-quick" if quick else "sort"
+    return _run_and_write(SUITE, configs, options, out, name, command, log)
 
 
 def _bench_sort(args: argparse.Namespace) -> int:
