@@ -306,3 +306,20 @@ def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
     args.update(kwargs)
     with pytest.raises(err, match=match):
         sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
+
+
+def test_warn_not_converged_only_for_finite_unconverged_rows():
+    import warnings as _w
+
+    from softops._core.sinkhorn import SinkhornResult, warn_not_converged
+
+    def result(conv, res):
+        z = torch.zeros(len(conv), 1)
+        return SinkhornResult(z, z, z, torch.tensor(conv), 3, torch.tensor(res))
+
+    with pytest.warns(UserWarning, match=r"op: Sinkhorn did not reach tol=0.1 .* for 1 of 3 rows"):
+        warn_not_converged("op", result([True, False, False], [0.0, 0.5, math.nan]), 3, 0.1, 1)
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        warn_not_converged("op", result([False], [math.nan]), 3, 0.1, 1)  # NaN row: by contract
+        warn_not_converged("op", result([False], [0.5]), 3, 0.0, 1)  # tol=0: fixed iterations

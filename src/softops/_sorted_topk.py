@@ -19,14 +19,13 @@ Deviations from the paper's notation (see DESIGN.md §2 and §3.2, MATH.md §2):
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from softops._core.dims import flatten_to_2d, row_param
-from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.sinkhorn import sinkhorn_plan, warn_not_converged
 from softops._core.validation import (
     check_dim,
     check_epsilon,
@@ -205,18 +204,7 @@ def soft_topk(
     else:
         values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
-    if tol > 0:
-        bad = ~res.converged & torch.isfinite(res.residual)
-        if bool(bad.any()):
-            worst = res.residual[bad].max().item()
-            warnings.warn(
-                f"{_OP}: Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
-                f"for {int(bad.sum())} of {bsz} rows (worst relative marginal error {worst:.3g}); "
-                "gradients are only as accurate as the forward. Increase `max_iter` or "
-                "`epsilon`.",
-                UserWarning,
-                stacklevel=2,
-            )
+    warn_not_converged(_OP, res, max_iter, tol, stacklevel=2)
 
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))

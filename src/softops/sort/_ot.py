@@ -59,12 +59,11 @@ Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only here; th
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
 
-from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan, warn_not_converged
 
 __all__ = ["DEFAULT_MAX_ITER", "argsort", "default_tol", "quantile", "rank", "sort"]
 
@@ -95,18 +94,7 @@ def _plan(
     log_m = torch.full((bsz, n), -math.log(n), dtype=torch.float64, device=x2.device)
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
     gamma, res = sinkhorn_plan(cost, log_m, log_m, ones, max_iter, tol, newton=True)
-    if tol > 0:
-        bad = ~res.converged & torch.isfinite(res.residual)
-        if bool(bad.any()):
-            worst = res.residual[bad].max().item()
-            warnings.warn(
-                f"{_OP}: Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
-                f"for {int(bad.sum())} of {bsz} rows (worst relative marginal error {worst:.3g}); "
-                "gradients are only as accurate as the forward. Increase `max_iter` or "
-                "`epsilon`.",
-                UserWarning,
-                stacklevel=4,
-            )
+    warn_not_converged(_OP, res, max_iter, tol, stacklevel=4)
     return gamma.transpose(1, 2) * n, res
 
 
