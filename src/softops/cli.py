@@ -213,6 +213,37 @@ def _check_device(device: str) -> str | None:
     return None
 
 
+def _run_options(
+    quick_defaults: dict[str, Any],
+    quick: bool,
+    device: str,
+    dtype: str,
+    threads: int,
+    repeats: int | None,
+    time_budget: float | None,
+    memory: bool,
+    first_call: bool,
+    seed: int,
+    command: str | None,
+) -> Any:
+    """The harness options of a bench run; ``quick`` takes ``quick_defaults`` and no probes."""
+    from softops.bench import RunOptions
+
+    options = RunOptions(
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats or (quick_defaults["repeats"] if quick else 10),
+        time_budget_s=time_budget or (quick_defaults["time_budget"] if quick else 30.0),
+        memory=memory and not quick,
+        first_call=first_call and not quick,
+        seed=seed,
+        extra={"command": command} if command else {},
+    )
+    options.min_repeats = min(options.min_repeats, options.repeats)
+    return options
+
+
 def _run_and_write(
     suite: Any, configs: Any, options: Any, out: Any, name: str, command: str | None, log: Any
 ) -> tuple[str, dict[str, Any]]:
@@ -253,22 +284,22 @@ def run_topk_bench(
     ``quick`` sets the defaults of the size arguments to small values and turns the subprocess
     probes off. Arguments left at ``None`` take the defaults of the mode.
     """
-    from softops.bench import RunOptions
     from softops.bench.topk import GRID_SIZES, SUITE, build_configs
 
     log = log or _logger()
-    options = RunOptions(
-        device=device,
-        dtype=dtype,
-        threads=threads,
-        repeats=repeats or (QUICK["repeats"] if quick else 10),
-        time_budget_s=time_budget or (QUICK["time_budget"] if quick else 30.0),
-        memory=memory and not quick,
-        first_call=first_call and not quick,
-        seed=seed,
-        extra={"command": command} if command else {},
+    options = _run_options(
+        QUICK,
+        quick,
+        device,
+        dtype,
+        threads,
+        repeats,
+        time_budget,
+        memory,
+        first_call,
+        seed,
+        command,
     )
-    options.min_repeats = min(options.min_repeats, options.repeats)
     configs = build_configs(
         sizes=sizes or (QUICK["sizes"] if quick else GRID_SIZES),
         batch=batch or (QUICK["batch"] if quick else 64),
@@ -406,22 +437,22 @@ def run_sort_bench(
     ``quick`` sets the defaults of the size arguments to small values and turns the subprocess
     probes off. Arguments left at ``None`` take the defaults of the mode.
     """
-    from softops.bench import RunOptions
     from softops.bench.sort import GRID_SIZES, SUITE, build_configs
 
     log = log or _logger()
-    options = RunOptions(
-        device=device,
-        dtype=dtype,
-        threads=threads,
-        repeats=repeats or (SORT_QUICK["repeats"] if quick else 10),
-        time_budget_s=time_budget or (SORT_QUICK["time_budget"] if quick else 30.0),
-        memory=memory and not quick,
-        first_call=False,
-        seed=seed,
-        extra={"command": command} if command else {},
+    options = _run_options(
+        SORT_QUICK,
+        quick,
+        device,
+        dtype,
+        threads,
+        repeats,
+        time_budget,
+        memory,
+        False,
+        seed,
+        command,
     )
-    options.min_repeats = min(options.min_repeats, options.repeats)
     configs = build_configs(
         sizes=sizes or (SORT_QUICK["sizes"] if quick else GRID_SIZES),
         batch=batch or (SORT_QUICK["batch"] if quick else 64),
