@@ -10,7 +10,7 @@ import torch
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.solvers import sinkhorn
 
-from .conftest import seeded
+from .conftest import saved_bytes, seeded
 
 F64 = torch.float64
 
@@ -220,19 +220,6 @@ def test_implicit_vjp_matches_unrolled_autograd(m: int) -> None:
     torch.testing.assert_close(g_impl, g_ref, atol=1e-10, rtol=1e-8)
 
 
-def _saved_bytes(fn) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def test_saved_memory_does_not_grow_with_iterations() -> None:
     cost, log_a, log_b, eps = _problem(2, 200, 3, seed=40)
     cost.requires_grad_(True)
@@ -240,10 +227,10 @@ def test_saved_memory_does_not_grow_with_iterations() -> None:
     def run(iters: int):
         return lambda: sinkhorn_plan(cost, log_a, log_b, eps, iters, 0.0)[0]
 
-    b50, b500 = _saved_bytes(run(50)), _saved_bytes(run(500))
+    b50, b500 = saved_bytes(run(50)), saved_bytes(run(500))
     assert b50 == b500
     assert b50 <= cost.numel() * 8 + 1024  # the plan and epsilon only
-    unrolled = _saved_bytes(lambda: unrolled_sinkhorn(cost, log_a, log_b, eps, 50))
+    unrolled = saved_bytes(lambda: unrolled_sinkhorn(cost, log_a, log_b, eps, 50))
     assert unrolled > 50 * b50
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from softops._sorted_topk import TopK, soft_topk
 
-from .conftest import seeded
+from .conftest import saved_bytes, seeded
 
 F64 = torch.float64
 
@@ -258,19 +258,6 @@ def test_not_converged_warns_once() -> None:
 # --------------------------------------------------------------------------- memory
 
 
-def _saved_bytes(fn) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 def test_saved_memory_independent_of_iterations() -> None:
     x = torch.randn(4, 200, generator=seeded(14), dtype=F64, requires_grad=True)
     k = 4
@@ -278,11 +265,11 @@ def test_saved_memory_independent_of_iterations() -> None:
     def run(iters: int):
         return lambda: soft_topk(x, k, epsilon=0.3, max_iter=iters, tol=0)
 
-    b50, b500 = _saved_bytes(run(50)), _saved_bytes(run(500))
+    b50, b500 = saved_bytes(run(50)), saved_bytes(run(500))
     assert b50 == b500
     # the plan (B, n, k+1), the weights (B, k, n) and x, plus small state
     assert b50 <= 8 * (4 * 200 * (2 * k + 2)) + 4096
-    unrolled = _saved_bytes(lambda: unrolled_soft_topk(x, k, 0.3, 200))
+    unrolled = saved_bytes(lambda: unrolled_soft_topk(x, k, 0.3, 200))
     assert unrolled > 100 * b50
 
 
