@@ -40,13 +40,15 @@ from ._core.validation import (
     check_max_iter,
     check_nonempty,
     check_tol,
+    check_unused,
     compute_dtype,
 )
 from ._sorted_topk import TopK, soft_topk
 
 __all__ = ["TopK", "soft_topk", "soft_topk_mask", "topk_selection_matrix"]
 
-_MASK_METHODS = ("ot", "sinkhorn")
+_MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+_PERTURBED_DEFAULT_SAMPLES = 100
 
 
 def _vjp_terms(
@@ -131,6 +133,8 @@ def soft_topk_mask(
     max_iter: int | None = None,
     tol: float | None = None,
     hard: bool = False,
+    n_samples: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     r"""Soft top-k mask: a differentiable relaxation of the 0/1 indicator of the k largest entries.
 
@@ -169,6 +173,14 @@ def soft_topk_mask(
             with respect to x only. The paper normalises the cost by its maximum; its epsilon
             ``eps_paper`` corresponds to ``epsilon = eps_paper * max_i C_i / 2`` per row, where
             ``max_i C_i = max_i max(x_i^2, (x_i - 1)^2)`` for the paper's orientation.
+            ``"softkmax"`` is the recursion of seed 002 (see :func:`softops.soft_kmax`): k
+            softmaxes, plain autograd, O(k n) time; it is biased, and it is not clipped, so an
+            entry can exceed 1 where the k-th largest ties with the row minimum (k = n, say).
+            ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean of the
+            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, whose backward
+            is the Monte-Carlo Jacobian estimate ``E[mask(x + eps Z) Z^T] / eps`` on the same
+            draws (O(B n) memory; the noise is regenerated, never stored). Both need an integer
+            k, and differentiate with respect to x (softkmax also epsilon), not k.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
             reproduces the paper's fixed 200 iterations.
@@ -178,6 +190,11 @@ def soft_topk_mask(
             iterations). A row that does not converge within ``max_iter`` raises a warning.
         hard: straight-through: return the hard mask, with the gradient of the soft one. Needs
             an integer k.
+        n_samples: for ``"perturbed"`` only: the number of noise draws (None: 100). The
+            standard error of each entry is at most ``0.5 / sqrt(n_samples)``.
+        generator: for ``"perturbed"`` only: a ``torch.Generator`` on x's device, for
+            reproducible draws (None: a seed is drawn from the global generator, so
+            ``torch.manual_seed`` also makes it reproducible).
 
     Returns:
         A tensor with the shape, dtype and device of ``x``.
@@ -223,6 +240,23 @@ def soft_topk_mask(
         )
     if hard and not _is_integral(k):
         raise ValueError(f"{op}: hard=True needs an integer k; got k={_describe(k)}.")
+    if method != "perturbed":
+        check_unused(op, method, n_samples=n_samples, generator=generator)
+    if method in ("softkmax", "perturbed"):
+        check_unused(op, method, max_iter=max_iter, tol=tol)
+        if not _is_integral(k):
+            raise ValueError(f"{op}: method={method!r} needs an integer k; got k={_describe(k)}.")
+        no_grad = (("k", k), ("epsilon", epsilon)) if method == "perturbed" else (("k", k),)
+        for name, value in no_grad:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(
+                    f"{op}: method={method!r} does not differentiate with respect to `{name}`; "
+                    f"got `{name}` that requires grad (use method='ot')."
+                )
+        k_int = int(k.detach()) if isinstance(k, torch.Tensor) else int(k)
+        if method == "perturbed":
+            n_samples = _check_n_samples(n_samples, op)
+            _check_generator(generator, x.device, op)
 
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)
@@ -240,14 +274,22 @@ def soft_topk_mask(
         tol = check_tol(tol, 0.0, op)
         A, _, _, converged = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
         _warn_not_converged(op, converged, max_iter)
-    else:
+    elif method == "sinkhorn":
         A = _sinkhorn_mask(op, x2, k_row, eps_row, k, epsilon, max_iter, tol)
+    elif method == "softkmax":
+        from .smooth import _soft_kmax_rows
+
+        A = _soft_kmax_rows(x2, k_int, eps_row)
+    else:
+        from ._core.perturbed import perturbed_topk_mask
+
+        A = perturbed_topk_mask(x2, k_int, eps_row.detach(), n_samples, generator)
 
     if hard:
-        k_int = None if k_scalar is None else int(k_scalar)
+        k_hard = None if k_scalar is None else int(k_scalar)
         if isinstance(k, torch.Tensor) and k.dim() == 0:
-            k_int = int(k.detach())
-        A = straight_through(hard_topk_mask(x2.detach(), k_row.detach(), k_int), A)
+            k_hard = int(k.detach())
+        A = straight_through(hard_topk_mask(x2.detach(), k_row.detach(), k_hard), A)
     return restore(A).to(x.dtype)
 
 
@@ -311,6 +353,30 @@ def _sinkhorn_mask(
         bad = torch.isnan(x2).any(-1) | (n_pinf > k_row) | (n_pinf + n_fin < k_row)
         A = A.masked_fill(bad[:, None], math.nan)
     return A
+
+
+def _check_n_samples(n_samples: Any, op: str) -> int:
+    if n_samples is None:
+        return _PERTURBED_DEFAULT_SAMPLES
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(
+            f"{op}: expected `n_samples` to be a positive int or None; got n_samples={n_samples!r}."
+        )
+    return n_samples
+
+
+def _check_generator(generator: Any, device: torch.device, op: str) -> None:
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{op}: expected `generator` to be a torch.Generator or None; got {generator!r}."
+        )
+    if generator.device.type != device.type:
+        raise ValueError(
+            f"{op}: expected `generator` on the device of x ({device.type}); got a generator on "
+            f"{generator.device.type}."
+        )
 
 
 def _is_integral(k: Any) -> bool:
