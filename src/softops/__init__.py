@@ -1,11 +1,20 @@
 """softops: differentiable relaxations of discrete operators for PyTorch.
 
 The flat functional API lives here; see the README for the table of ops. ``softops.solvers`` holds
-the solvers with their diagnostics and ``softops.nn`` the Module wrappers.
+the solvers with their diagnostics, ``softops.metrics`` and ``softops.losses`` the smooth metrics
+and the losses built on the ops, and ``softops.nn`` the Module wrappers.
 """
 
-from . import nn, solvers
+from . import losses, metrics, nn, solvers
 from ._core.fused import set_compile
+from .smooth import (
+    smooth_max,
+    smooth_min,
+    soft_argmax,
+    soft_argmax_onehot,
+    soft_argmin,
+    soft_kmax,
+)
 from .sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from .topk import TopK, soft_topk, soft_topk_mask, topk_selection_matrix
 
@@ -14,9 +23,17 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "TopK",
     "__version__",
+    "losses",
+    "metrics",
     "nn",
     "set_compile",
+    "smooth_max",
+    "smooth_min",
+    "soft_argmax",
+    "soft_argmax_onehot",
+    "soft_argmin",
     "soft_argsort",
+    "soft_kmax",
     "soft_quantile",
     "soft_rank",
     "soft_sort",

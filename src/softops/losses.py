@@ -1,0 +1,444 @@
+r"""Losses built on the soft metrics and the soft sort family: 1 - (soft metric).
+
+- :func:`accuracy_loss`, :func:`topk_accuracy_loss`: per sample, with ``reduction``.
+- :func:`f1_loss`: ``1 - soft_f1``, a statistic of the whole batch (no ``reduction``).
+- :func:`spearman_loss`: 1 - the Pearson correlation of the soft ranks of the predictions with
+  the ranks of the target (Blondel et al. 2020, §6).
+- :func:`ndcg_loss`: 1 - the NDCG whose ranks are the soft ranks of the scores, optionally
+  truncated at k by the soft top-k mask.
+
+Conventions for the classification losses (``input``, ``target``, ``average``,
+``from_logits``, ``epsilon``) are those of :mod:`softops.metrics`. The ranking losses take any
+number of batch dims and work along ``dim``; their ``epsilon`` is passed on to
+:func:`softops.soft_rank` (and :func:`softops.soft_topk_mask`) unchanged.
+
+References:
+    Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking. ICML 2020.
+    arXiv:2002.08871.
+    Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
+    arXiv:2002.06504.
+    Järvelin and Kekäläinen. Cumulated Gain-Based Evaluation of IR Techniques. ACM TOIS 2002.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._core.dims import flatten_to_2d, row_param
+from ._core.validation import (
+    check_choice,
+    check_dim,
+    check_epsilon,
+    check_floating,
+    check_nonempty,
+    compute_dtype,
+)
+from .metrics import _check_topk_args, _correct_probability, _topk_hit, _validate, soft_f1
+from .sort import _SORT_METHODS, soft_rank
+from .topk import soft_topk_mask
+
+__all__ = ["accuracy_loss", "f1_loss", "ndcg_loss", "spearman_loss", "topk_accuracy_loss"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_GAINS = ("linear", "exp")
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+# ------------------------------------------------------------------------------ classification
+
+
+def accuracy_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""Soft 0-1 loss: one minus the probability given to the true class, per sample.
+
+    The hard loss is ``(input.argmax(-1) != target).float()``; the soft one is
+
+    .. math::
+
+        \ell_n = 1 - p_{n, t_n}, \qquad
+        \text{binary: } p_{n, t_n} = p_n \text{ if } t_n = 1 \text{ else } 1 - p_n,
+
+    so ``accuracy_loss(input, target)`` equals ``1 - soft_accuracy(input, target)``. Unlike
+    cross-entropy it is bounded, so confidently wrong samples do not dominate.
+
+    Args:
+        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
+            logits with ``from_logits=True``. Floating dtype.
+        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
+        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
+            ``sigmoid(input / epsilon)``).
+        epsilon: the softmax temperature, in the units of the logits, used only with
+            ``from_logits=True``; a positive float or a 0-dim tensor (it receives a gradient).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
+
+    Returns:
+        A 0-dim tensor, or shape (N,) for ``reduction="none"``, in the dtype of ``input``.
+
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> accuracy_loss(p, torch.tensor([0, 1, 0]), reduction="none")
+        tensor([0.3000, 0.2000, 0.7000])
+        >>> accuracy_loss(torch.tensor([2.0, -1.0]), torch.tensor([1, 1]), from_logits=True)
+        tensor(0.4251)
+    """
+    op = "accuracy_loss"
+    epsilon = _validate(input, target, from_logits, epsilon, op)
+    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    loss = 1 - _correct_probability(input, target, from_logits, epsilon)
+    return _reduce(loss, reduction).to(input.dtype)
+
+
+def topk_accuracy_loss(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    k: int,
+    *,
+    epsilon: float | torch.Tensor = 0.1,
+    method: str = "ot",
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""Soft top-k 0-1 loss: one minus the soft membership of the true class in the top k.
+
+    The hard loss is ``1 - (scores.topk(k, -1).indices == target[:, None]).any(-1).float()``;
+    the soft one reads the true class off the soft top-k mask :math:`A`
+    (:func:`softops.soft_topk_mask`):
+
+    .. math::
+
+        \ell_n = 1 - A_{n, t_n}, \qquad
+        A_{nc} = \sigma\!\left(\frac{s_{nc} - \tau_n}{\varepsilon}\right), \quad
+        \sum_c A_{nc} = k .
+
+    The loss only asks the true class to be among the k best, not to be the best, which suits
+    ambiguous labels (Berrada et al. 2018).
+
+    Args:
+        scores: raw scores, (N, C), floating dtype.
+        target: integer labels, (N,), in [0, C).
+        k: an int in [1, C].
+        epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
+            A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
+        method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
+            ``"sinkhorn"``, ``"softkmax"`` or ``"perturbed"``.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
+
+    Returns:
+        A 0-dim tensor, or shape (N,) for ``reduction="none"``, in the dtype of ``scores``.
+
+    Example:
+        >>> s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+        >>> topk_accuracy_loss(s, torch.tensor([1, 2]), 2, reduction="none", epsilon=0.01)
+        tensor([0., 0.])
+        >>> topk_accuracy_loss(s, torch.tensor([2, 0]), 2, reduction="none", epsilon=0.01)
+        tensor([1., 1.])
+
+    References:
+        Berrada, Zisserman and Kumar. Smooth Loss Functions for Deep Top-k Classification.
+        ICLR 2018. arXiv:1802.07595.
+    """
+    op = "topk_accuracy_loss"
+    k, epsilon = _check_topk_args(scores, target, k, epsilon, method, op)
+    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    loss = 1 - _topk_hit(scores, target, k, epsilon, method, False)
+    return _reduce(loss, reduction).to(scores.dtype)
+
+
+def f1_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    average: str | None = None,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    r"""Soft F1 loss: ``1 - soft_f1(input, target)``, a statistic of the whole batch.
+
+    .. math::
+
+        \mathcal L = 1 - F1, \qquad F1_c = \frac{2\,TP_c}{P_c + T_c}
+        = \frac{2 \sum_n p_{nc} [t_n = c]}{\sum_n \big(p_{nc} + [t_n = c]\big)},
+
+    averaged as :func:`softops.metrics.soft_f1` does (``average``: None means "binary" for a 1-D
+    input and "macro" otherwise). F1 does not decompose over samples, so there is no
+    ``reduction``: the loss is one scalar for the batch.
+
+    **Batch bias.** The loss is a ratio of sums over the batch, so its value and gradient on a
+    minibatch are biased estimates of those of the dataset's F1 (the bias shrinks like 1/N and
+    is worst for rare classes). The recipe that works: train with cross-entropy first, then
+    fine-tune with ``f1_loss`` on large batches. With ``"macro"``, a class absent from the
+    batch's ``target`` scores 0 whatever the predictions (its TP is 0), so it adds a constant
+    1/C to the loss and no gradient: one more reason for large batches.
+
+    Args:
+        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
+            logits with ``from_logits=True``. Floating dtype.
+        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
+        average: ``"binary"``, ``"micro"`` or ``"macro"``, or None (default), as for
+            :func:`softops.metrics.soft_f1`.
+        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
+            ``sigmoid(input / epsilon)``).
+        epsilon: the softmax temperature, in the units of the logits, used only with
+            ``from_logits=True``; a positive float or a 0-dim tensor (it receives a gradient).
+
+    Returns:
+        A 0-dim tensor in the dtype of ``input``, in [0, 1] for probabilities.
+
+    Example:
+        >>> p = torch.tensor([0.9, 0.2, 0.6, 0.3])
+        >>> f1_loss(p, torch.tensor([1, 0, 1, 1]))
+        tensor(0.2800)
+        >>> f1_loss(torch.tensor([[0.9, 0.1], [0.4, 0.6]]), torch.tensor([0, 1]), average="micro")
+        tensor(0.2500)
+    """
+    return 1 - soft_f1(input, target, average=average, from_logits=from_logits, epsilon=epsilon)
+
+
+# ------------------------------------------------------------------------------------- ranking
+
+
+def _check_ranking(
+    input: Any,
+    target: Any,
+    dim: Any,
+    epsilon: Any,
+    reduction: Any,
+    op: str,
+) -> tuple[int, int, float | torch.Tensor]:
+    """Common checks of spearman_loss and ndcg_loss; returns (dim, n, epsilon)."""
+    check_floating(input, op, "input")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"{op}: expected `target` to be a torch.Tensor; got {type(target).__name__}."
+        )
+    if target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"{op}: expected `target` to have a real floating or integer dtype; "
+            f"got dtype={target.dtype}."
+        )
+    if target.shape != input.shape:
+        raise ValueError(
+            f"{op}: expected `target` of the shape of input {tuple(input.shape)}; "
+            f"got shape {tuple(target.shape)}."
+        )
+    d = check_dim(input, dim, op)
+    n = check_nonempty(input, d, op)
+    if input.numel() == 0:
+        raise ValueError(
+            f"{op}: expected a non-empty batch; got `input` of shape {tuple(input.shape)}."
+        )
+    epsilon = check_epsilon(epsilon, op)
+    if isinstance(epsilon, torch.Tensor):  # checked here so that errors name this op
+        batch_shape = input.movedim(d, -1).shape[:-1]
+        row_param(epsilon, batch_shape, op, "epsilon", epsilon.dtype, epsilon.device)
+    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    return d, n, epsilon
+
+
+def _average_ranks(t: torch.Tensor) -> torch.Tensor:
+    """1-based ranks along the last dim, ties sharing their mean rank (``scipy.stats.rankdata``).
+
+    A row holding a NaN gives NaN.
+    """
+    t = t.contiguous()
+    s = t.sort(dim=-1).values
+    lo = torch.searchsorted(s, t, right=False)
+    hi = torch.searchsorted(s, t, right=True)
+    ranks = (lo + hi + 1).to(t.dtype) / 2
+    return torch.where(torch.isnan(t).any(-1, keepdim=True), math.nan, ranks)
+
+
+def spearman_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    dim: int = -1,
+    epsilon: float | torch.Tensor = 1.0,
+    method: str = "pav",
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""Soft Spearman loss: 1 - the correlation of the soft ranks of ``input`` with ``target``'s.
+
+    The hard loss is ``1 - scipy.stats.spearmanr(input_row, target_row).statistic`` per row.
+    The soft one replaces the ranks of ``input`` by :func:`softops.soft_rank` (ascending) and
+    keeps the hard ranks :math:`h` of ``target``, ties sharing their mean rank as in
+    ``scipy.stats.rankdata``:
+
+    .. math::
+
+        \ell = 1 - \frac{\sum_i (r_i - \bar r)(h_i - \bar h)}
+        {\sqrt{\sum_i (r_i - \bar r)^2}\sqrt{\sum_i (h_i - \bar h)^2}} \in [0, 2],
+        \qquad r = \mathrm{soft\_rank}(x; \varepsilon).
+
+    A row where ``input`` or ``target`` is constant (so ranks have zero variance; a row of one
+    entry, say) has correlation 0 by definition: its loss is 1, with a zero gradient. A row
+    holding a NaN gives NaN.
+
+    Args:
+        input: predictions, any shape, floating dtype; ranked along ``dim``.
+        target: the values to agree with, the shape of ``input``, floating or integer dtype.
+            Only their ranks matter.
+        dim: the dimension to rank along; every other dim is a batch dim.
+        epsilon: the smoothing strength of :func:`softops.soft_rank`, passed on unchanged; larger
+            is smoother. A float, or a tensor broadcastable to the batch shape (it receives a
+            gradient). With "pav" (default) it is in the units of ``input``
+            (``spearman_loss(c*x, t, epsilon=c*e) == spearman_loss(x, t, epsilon=e)``), and the
+            soft ranks are the hard ones, so the loss is ``1 - spearmanr`` exactly, once every
+            gap between sorted neighbours of the row exceeds ``epsilon``. See
+            :func:`softops.soft_rank` for the other methods' units.
+        method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
+            ``"ot"``.
+        reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
+            shape of ``input`` without ``dim``).
+
+    Returns:
+        A tensor in the dtype of ``input``: 0-dim, or the batch shape for ``reduction="none"``.
+
+    Example:
+        >>> x = torch.tensor([[0.1, 0.4, 0.3, 0.9], [1.0, 2.0, 3.0, 4.0]])
+        >>> t = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
+        >>> spearman_loss(x, t, epsilon=0.01, reduction="none")
+        tensor([0.2000, 2.0000])
+        >>> spearman_loss(x, t, epsilon=10.0, reduction="none").round(decimals=4)
+        tensor([0.1276, 2.0000])
+
+    References:
+        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
+        ICML 2020. arXiv:2002.08871.
+    """
+    op = "spearman_loss"
+    d, _, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
+    check_choice(method, _SORT_METHODS, op, "method")
+    cd = compute_dtype(input.dtype)
+    x = input.to(cd)
+    r = soft_rank(x, dim=d, epsilon=epsilon, method=method)
+    r2, restore = flatten_to_2d(r, d)
+    x2, _ = flatten_to_2d(x, d)
+    t2, _ = flatten_to_2d(target.to(cd), d)
+    h = _average_ranks(t2)
+    rc = r2 - r2.mean(-1, keepdim=True)
+    hc = h - h.mean(-1, keepdim=True)
+    var = (rc * rc).sum(-1) * (hc * hc).sum(-1)
+    # A constant row: correlation 0 (decided on the data, not on round-off of the soft ranks).
+    x_const = (x2.amax(-1) == x2.amin(-1)) & ~torch.isnan(x2).any(-1)
+    degenerate = x_const | (var == 0)
+    den = torch.sqrt(torch.where(degenerate, 1.0, var))  # no 0 * inf in the backward
+    corr = torch.where(degenerate, 0.0, (rc * hc).sum(-1) / den)
+    loss = restore((1 - corr).unsqueeze(-1)).squeeze(d)
+    return _reduce(loss, reduction).to(input.dtype)
+
+
+def _gain(rel: torch.Tensor, gain: str) -> torch.Tensor:
+    return rel if gain == "linear" else torch.expm1(rel * math.log(2.0))
+
+
+def ndcg_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    dim: int = -1,
+    k: int | None = None,
+    epsilon: float | torch.Tensor = 1.0,
+    gain: str = "linear",
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""Soft NDCG loss: 1 - the NDCG of the ranking of ``input``, with soft ranks.
+
+    The hard loss is ``1 - sklearn.metrics.ndcg_score(target, input, k=k)`` per row (on scores
+    without ties). The soft one takes the descending soft ranks
+    :math:`r = \mathrm{soft\_rank}(x, \text{descending=True})` (rank 1 for the highest score;
+    method "pav", so :math:`1 \le r_i \le n`) and, with ``k``, the soft top-k mask
+    :math:`m = \mathrm{soft\_topk\_mask}(x, k)` as the soft indicator of :math:`r_i \le k`:
+
+    .. math::
+
+        \mathrm{DCG} = \sum_i \frac{g(y_i)\, m_i}{\log_2(1 + r_i)}, \qquad
+        \mathrm{IDCG} = \sum_{j=1}^{\min(k, n)} \frac{g(y_{[j]})}{\log_2(1 + j)}, \qquad
+        \ell = 1 - \frac{\mathrm{DCG}}{\mathrm{IDCG}},
+
+    with :math:`y_{[j]}` the j-th largest relevance (the ideal ordering, hard), :math:`m = 1`
+    without ``k``, and the gain :math:`g(y) = y` ("linear", scikit-learn's ``ndcg_score``) or
+    :math:`2^y - 1` ("exp"). The loss lies in [0, 1]. A row with IDCG = 0 (no relevant entry)
+    has loss 0 and a zero gradient: every ordering of it is ideal (scikit-learn scores such a
+    row 0, so ``1 - ndcg_score`` would give 1 there). A row holding a NaN gives NaN.
+
+    Args:
+        input: scores, any shape, floating dtype; a higher score ranks higher along ``dim``.
+        target: the relevance of each entry, the shape of ``input``, non-negative (floating or
+            integer dtype).
+        dim: the dimension to rank along; every other dim is a batch dim.
+        k: None (default; all n positions count) or an int in [1, n]: NDCG@k.
+        epsilon: one smoothing strength for both the soft ranks (:func:`softops.soft_rank`,
+            method "pav") and the top-k mask, both in the units of ``input``; larger is
+            smoother. A float, or a tensor broadcastable to the batch shape (it receives a
+            gradient). Scaling law: ``ndcg_loss(c*x, y, epsilon=c*e) == ndcg_loss(x, y,
+            epsilon=e)``. The soft ranks are the hard ones once every gap between sorted
+            neighbours of a row exceeds ``epsilon``; the mask is within
+            :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one, where gap is the distance
+            of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
+            ``1 - ndcg_score(target, input, k=k)``.
+        gain: ``"linear"`` (default) or ``"exp"``.
+        reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
+            shape of ``input`` without ``dim``).
+
+    Returns:
+        A tensor in the dtype of ``input``: 0-dim, or the batch shape for ``reduction="none"``.
+
+    Example:
+        >>> x = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]])
+        >>> y = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+        >>> ndcg_loss(x, y, epsilon=0.1, reduction="none")
+        tensor([0.0000, 0.3801])
+        >>> ndcg_loss(x, y, k=1, epsilon=0.01, reduction="none")
+        tensor([0., 1.])
+
+    References:
+        Järvelin and Kekäläinen. Cumulated Gain-Based Evaluation of IR Techniques.
+        ACM TOIS 2002.
+        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
+        ICML 2020. arXiv:2002.08871.
+    """
+    op = "ndcg_loss"
+    d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
+    check_choice(gain, _GAINS, op, "gain")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")
+        if not 1 <= k <= n:
+            raise ValueError(
+                f"{op}: expected 1 <= `k` <= input.shape[dim] (= {n}) or None; got k={k}."
+            )
+    if bool((target < 0).any()):
+        value = target[target < 0].flatten()[0].item()
+        raise ValueError(f"{op}: expected non-negative `target` (relevance); got {value}.")
+    cd = compute_dtype(input.dtype)
+    x = input.to(cd)
+    r = soft_rank(x, dim=d, descending=True, epsilon=epsilon)
+    discount = 1 / torch.log2(1 + r)
+    if k is not None and k < n:
+        discount = discount * soft_topk_mask(x, k, dim=d, epsilon=epsilon)
+    g = _gain(target.to(cd), gain)
+    dcg = (g * discount).sum(d)
+    g2, _ = flatten_to_2d(g, d)
+    m = n if k is None else k
+    ideal = g2.sort(dim=-1, descending=True).values[:, :m]
+    positions = torch.arange(2, m + 2, dtype=cd, device=x.device)
+    idcg = (ideal / torch.log2(positions)).sum(-1).reshape(dcg.shape)
+    zero = idcg == 0
+    loss = torch.where(zero, 0.0, 1 - dcg / torch.where(zero, 1.0, idcg))
+    return _reduce(loss, reduction).to(input.dtype)

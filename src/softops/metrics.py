@@ -1,0 +1,534 @@
+r"""Soft classification metrics: accuracy, precision, recall, F1 and top-k accuracy.
+
+Each metric replaces the hard prediction (the argmax, or membership in the top k) by a
+probability, so that the confusion counts become sums of probabilities and the metric is
+differentiable in the predictions. With the class probabilities :math:`p_{nc}` of N samples and
+their labels :math:`t_n`, the soft counts of class c are
+
+.. math::
+
+    TP_c = \sum_n p_{nc}\,[t_n = c], \qquad P_c = \sum_n p_{nc}, \qquad T_c = \sum_n [t_n = c],
+
+(true positives, predicted mass, true count), and precision, recall and F1 are
+:math:`TP_c / P_c`, :math:`TP_c / T_c` and :math:`2\,TP_c / (P_c + T_c)`. On one-hot
+probabilities every metric here equals its scikit-learn counterpart exactly (with
+``labels=range(C)`` and ``zero_division=0``); with ``from_logits=True`` and ``epsilon -> 0`` it
+tends to scikit-learn's metric of the argmax predictions.
+
+**Inputs.** ``input`` holds the predictions: shape (N, C) with the classes on the last dim, as
+probabilities by default or, with ``from_logits=True``, as logits turned into
+``softmax(input / epsilon)``. The binary case takes shape (N,), the probability of the positive
+class (``sigmoid(input / epsilon)`` with ``from_logits``). Probabilities are used as given: they
+are not checked to lie in [0, 1] or to sum to 1 (a check would cost a host sync). ``target``
+holds the integer labels, shape (N,), values in [0, C) ({0, 1} in the binary case).
+
+**Average.** ``average=None`` means ``"binary"`` for 1-D input and ``"macro"`` otherwise:
+
+- ``"binary"``: the counts of the positive class only (class 1 of an (N, 2) input; an (N, C > 2)
+  input raises).
+- ``"micro"``: the counts summed over the classes first. For probabilities that sum to 1 per
+  sample, micro precision, recall and F1 all equal :func:`soft_accuracy`.
+- ``"macro"``: the unweighted mean of the per-class scores over all C classes (two for a 1-D
+  input), including classes absent from both ``target`` and the predictions.
+
+A zero denominator scores 0 and passes a zero gradient (scikit-learn's ``zero_division=0``).
+
+**Batch bias.** Precision, recall and F1 are ratios of sums over the batch, so the value on a
+minibatch is a biased estimate of the value on the whole dataset (the mean of ratios is not the
+ratio of the sums; the bias shrinks like 1/N). See :func:`soft_f1`.
+
+All metrics return a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 are computed
+in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``.
+
+References:
+    Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP 2005.
+    Bénédict, Koops, Odijk and de Rijke. sigmoidF1: A Smooth F1 Score Surrogate Loss for
+    Multilabel Classification. arXiv:2108.10566.
+    Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
+    arXiv:2002.06504.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._core.validation import check_choice, check_epsilon, check_floating, compute_dtype
+from .topk import _MASK_METHODS, soft_topk_mask
+
+__all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
+
+_AVERAGES = ("binary", "micro", "macro")
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, op: str) -> None:
+    """Integer labels of shape (n,) with values in [0, n_classes); one host sync for the range."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"{op}: expected `target` to be a torch.Tensor; got {type(target).__name__}."
+        )
+    if target.dtype.is_floating_point or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"{op}: expected `target` to have an integer dtype (class labels); "
+            f"got dtype={target.dtype}."
+        )
+    if tuple(target.shape) != (n,):
+        raise ValueError(
+            f"{op}: expected `target` of shape ({n},) to match input of shape "
+            f"{tuple(input_shape)}; got shape {tuple(target.shape)}."
+        )
+    bad = (target < 0) | (target >= n_classes)
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        what = "in {0, 1}" if len(input_shape) == 1 else f"in [0, C) = [0, {n_classes})"
+        raise ValueError(f"{op}: expected `target` values {what}; got {value}.")
+
+
+def _check_input(input: Any, op: str, name: str = "input") -> None:
+    """Predictions of shape (N,) or (N, C), floating, non-empty."""
+    check_floating(input, op, name)
+    if input.dim() not in (1, 2):
+        raise ValueError(
+            f"{op}: expected `{name}` of shape (N,) (binary) or (N, C); "
+            f"got shape {tuple(input.shape)}."
+        )
+    if input.numel() == 0:
+        raise ValueError(
+            f"{op}: expected a non-empty batch; got `{name}` of shape {tuple(input.shape)}."
+        )
+
+
+def _check_logits_args(from_logits: Any, epsilon: Any, op: str) -> float | torch.Tensor:
+    if not isinstance(from_logits, bool):
+        raise TypeError(f"{op}: expected `from_logits` to be a bool; got {from_logits!r}.")
+    if not from_logits:
+        if isinstance(epsilon, torch.Tensor) or epsilon != 1.0:
+            raise ValueError(
+                f"{op}: expected `epsilon` to be left at its default 1.0 (it is used only with "
+                f"from_logits=True); got epsilon={epsilon!r}."
+            )
+        return 1.0
+    epsilon = check_epsilon(epsilon, op)
+    if isinstance(epsilon, torch.Tensor) and epsilon.dim() != 0:
+        raise ValueError(
+            f"{op}: expected `epsilon` to be a float or a 0-dim tensor; "
+            f"got a tensor of shape {tuple(epsilon.shape)}."
+        )
+    return epsilon
+
+
+def _validate(
+    input: Any, target: Any, from_logits: Any, epsilon: Any, op: str
+) -> float | torch.Tensor:
+    _check_input(input, op)
+    n_classes = 2 if input.dim() == 1 else input.shape[1]
+    _check_target(target, input.shape[0], n_classes, input.shape, op)
+    return _check_logits_args(from_logits, epsilon, op)
+
+
+def _resolve_average(average: Any, input: torch.Tensor, op: str) -> str:
+    if average is None:
+        return "binary" if input.dim() == 1 else "macro"
+    check_choice(average, _AVERAGES, op, "average")
+    if average == "binary" and input.dim() == 2 and input.shape[1] != 2:
+        raise ValueError(
+            f"{op}: expected input of shape (N,) or (N, 2) for average='binary' (use 'micro' or "
+            f"'macro' for more classes); got shape {tuple(input.shape)}."
+        )
+    return average
+
+
+# ----------------------------------------------------------------------------------- the counts
+
+
+def _logits_scale(x: torch.Tensor, epsilon: float | torch.Tensor) -> torch.Tensor:
+    if isinstance(epsilon, torch.Tensor):
+        return x / epsilon.to(x.dtype)
+    return x if epsilon == 1.0 else x / epsilon
+
+
+def _class_probabilities(
+    input: torch.Tensor, from_logits: bool, epsilon: float | torch.Tensor
+) -> torch.Tensor:
+    """(N, C) probabilities in the compute dtype; a 1-D input becomes (N, 2) = [1 - p, p]."""
+    x = input.to(compute_dtype(input.dtype))
+    if from_logits:
+        z = _logits_scale(x, epsilon)
+        if x.dim() == 1:
+            return torch.stack([torch.sigmoid(-z), torch.sigmoid(z)], dim=-1)
+        return torch.softmax(z, dim=-1)
+    return torch.stack([1 - x, x], dim=-1) if x.dim() == 1 else x
+
+
+def _positive_probability(
+    input: torch.Tensor, from_logits: bool, epsilon: float | torch.Tensor
+) -> torch.Tensor:
+    """(N,) probability of class 1 (binary average), in the compute dtype."""
+    x = input.to(compute_dtype(input.dtype))
+    if input.dim() == 1:
+        return torch.sigmoid(_logits_scale(x, epsilon)) if from_logits else x
+    if from_logits:
+        return torch.softmax(_logits_scale(x, epsilon), dim=-1)[:, 1]
+    return x[:, 1]
+
+
+def _correct_probability(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    from_logits: bool,
+    epsilon: float | torch.Tensor,
+) -> torch.Tensor:
+    """(N,) probability given to the true class, in the compute dtype."""
+    x = input.to(compute_dtype(input.dtype))
+    if x.dim() == 1:
+        positive = target == 1
+        if from_logits:
+            z = _logits_scale(x, epsilon)
+            return torch.sigmoid(torch.where(positive, z, -z))
+        return torch.where(positive, x, 1 - x)
+    p = torch.softmax(_logits_scale(x, epsilon), dim=-1) if from_logits else x
+    return p.gather(1, target.long().unsqueeze(1)).squeeze(1)
+
+
+def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den``, and 0 (with a zero gradient) where ``den == 0``."""
+    zero = den == 0
+    return torch.where(zero, 0.0, num / torch.where(zero, 1.0, den))
+
+
+def _confusion(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    average: str,
+    from_logits: bool,
+    epsilon: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Soft (TP, P, T): 0-dim for "binary" and "micro", shape (C,) for "macro"."""
+    if average == "binary":
+        p = _positive_probability(input, from_logits, epsilon)
+        t = (target == 1).to(p.dtype)
+        return (p * t).sum(), p.sum(), t.sum()
+    p = _class_probabilities(input, from_logits, epsilon)
+    n_classes = p.shape[1]
+    t = target.long()
+    tp = p.gather(1, t.unsqueeze(1)).squeeze(1)
+    if average == "micro":
+        return tp.sum(), p.sum(), torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
+    onehot = torch.nn.functional.one_hot(t, n_classes).to(p.dtype)
+    true = torch.bincount(t, minlength=n_classes).to(p.dtype)
+    return (p * onehot).sum(0), p.sum(0), true
+
+
+def _score(
+    kind: str,
+    input: Any,
+    target: Any,
+    average: Any,
+    from_logits: Any,
+    epsilon: Any,
+    op: str,
+) -> torch.Tensor:
+    epsilon = _validate(input, target, from_logits, epsilon, op)
+    average = _resolve_average(average, input, op)
+    tp, pred, true = _confusion(input, target, average, from_logits, epsilon)
+    if kind == "precision":
+        score = _safe_divide(tp, pred)
+    elif kind == "recall":
+        score = _safe_divide(tp, true)
+    else:
+        score = _safe_divide(2 * tp, pred + true)
+    if average == "macro":
+        score = score.mean()
+    return score.to(input.dtype)
+
+
+# --------------------------------------------------------------------------------- the metrics
+
+
+def soft_accuracy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    r"""Soft accuracy: the mean probability given to the true class.
+
+    The hard metric is::
+
+        (input.argmax(-1) == target).float().mean()     # (N, C) input
+        ((input > 0.5).long() == target).float().mean()  # (N,) binary input
+
+    and the soft one replaces the 0/1 hit by the probability of the true class:
+
+    .. math::
+
+        \mathrm{acc} = \frac1N \sum_n p_{n, t_n}, \qquad
+        \text{binary: } p_{n, t_n} = p_n \text{ if } t_n = 1 \text{ else } 1 - p_n .
+
+    Args:
+        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
+            logits with ``from_logits=True``. Floating dtype.
+        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
+        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
+            ``sigmoid(input / epsilon)``).
+        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
+            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
+            or a 0-dim tensor, which receives a gradient. Scaling law: logits ``c * z`` with
+            ``epsilon = c * e`` give the value of ``z`` with ``e``. As ``epsilon -> 0`` the
+            value tends to the accuracy of the argmax (on logits without ties for the max).
+
+    Shape:
+        - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; output: :math:`()`.
+
+    Returns:
+        A 0-dim tensor in the dtype of ``input``, in [0, 1] for probabilities. On one-hot
+        probabilities it equals ``sklearn.metrics.accuracy_score``.
+
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> soft_accuracy(p, torch.tensor([0, 1, 0]))
+        tensor(0.6000)
+        >>> soft_accuracy(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 0]))
+        tensor(0.7000)
+    """
+    op = "soft_accuracy"
+    epsilon = _validate(input, target, from_logits, epsilon, op)
+    return _correct_probability(input, target, from_logits, epsilon).mean().to(input.dtype)
+
+
+_COMMON_ARGS = r"""
+    Args:
+        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
+            logits with ``from_logits=True``. Floating dtype.
+        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
+        average: ``"binary"`` (the positive class: a 1-D input, or class 1 of an (N, 2) input),
+            ``"micro"`` (counts summed over the classes) or ``"macro"`` (the mean over all C
+            classes, a 1-D input counting as two). None (default): ``"binary"`` for a 1-D input,
+            ``"macro"`` otherwise.
+        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
+            ``sigmoid(input / epsilon)``).
+        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
+            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
+            or a 0-dim tensor, which receives a gradient. Scaling law: logits ``c * z`` with
+            ``epsilon = c * e`` give the value of ``z`` with ``e``. As ``epsilon -> 0`` the
+            value tends to scikit-learn's metric of the argmax predictions.
+
+    Shape:
+        - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; output: :math:`()`.
+
+    Returns:
+        A 0-dim tensor in the dtype of ``input``. For probabilities it lies in [0, 1]. On one-hot
+        probabilities it equals scikit-learn's metric with ``labels=range(C)``,
+        ``zero_division=0`` and the same ``average``. A zero denominator scores 0.
+
+"""
+
+
+def soft_precision(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    average: str | None = None,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    r"""Soft precision: true-positive mass over predicted mass.
+
+    The hard metric is ``sklearn.metrics.precision_score(target, input.argmax(-1),
+    labels=range(C), average=average, zero_division=0)``. The soft one uses the soft counts of
+    the module docstring:
+
+    .. math::
+
+        \mathrm{precision}_c = \frac{TP_c}{P_c}
+        = \frac{\sum_n p_{nc} [t_n = c]}{\sum_n p_{nc}} .
+    {args}
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> soft_precision(p, t).round(decimals=4)
+        tensor(0.5082)
+        >>> soft_precision(p, t, average="micro")
+        tensor(0.6000)
+    """
+    return _score("precision", input, target, average, from_logits, epsilon, "soft_precision")
+
+
+def soft_recall(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    average: str | None = None,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    r"""Soft recall: true-positive mass over the number of true members.
+
+    The hard metric is ``sklearn.metrics.recall_score(target, input.argmax(-1),
+    labels=range(C), average=average, zero_division=0)``. The soft one uses the soft counts of
+    the module docstring:
+
+    .. math::
+
+        \mathrm{recall}_c = \frac{TP_c}{T_c} = \frac{\sum_n p_{nc} [t_n = c]}{\sum_n [t_n = c]} .
+    {args}
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> soft_recall(p, t)
+        tensor(0.4333)
+        >>> soft_recall(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 1]))
+        tensor(0.7500)
+    """
+    return _score("recall", input, target, average, from_logits, epsilon, "soft_recall")
+
+
+def soft_f1(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    average: str | None = None,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    r"""Soft F1: the harmonic mean of soft precision and soft recall.
+
+    The hard metric is ``sklearn.metrics.f1_score(target, input.argmax(-1), labels=range(C),
+    average=average, zero_division=0)``. The soft one (the smooth F1 of seed 002) uses the soft
+    counts of the module docstring:
+
+    .. math::
+
+        F1_c = \frac{2\,TP_c}{P_c + T_c}
+        = \frac{2 \sum_n p_{nc} [t_n = c]}{\sum_n \big(p_{nc} + [t_n = c]\big)},
+
+    averaged over the classes for ``"macro"``; ``"micro"`` sums the counts over the classes
+    first.
+
+    **Batch bias.** F1 is a ratio of sums over the batch, not a mean over samples, so the value on
+    a minibatch is a biased estimate of the F1 of the whole dataset, and the mean of the
+    minibatch values is not the dataset's value (the bias shrinks like 1/N, and is worst for rare
+    classes, whose counts a small batch barely sees). To train for F1, first train with
+    cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large batches; to
+    evaluate, accumulate the counts over the whole dataset (or use the hard metric).
+    {args}
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> soft_f1(p, t).round(decimals=4)
+        tensor(0.4469)
+        >>> soft_f1(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1, 0, 0, 1]))
+        tensor(0.8000)
+    """
+    return _score("f1", input, target, average, from_logits, epsilon, "soft_f1")
+
+
+for _fn in (soft_precision, soft_recall, soft_f1):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("    {args}\n", _COMMON_ARGS)
+
+
+def _check_topk_args(
+    scores: Any, target: Any, k: Any, epsilon: Any, method: Any, op: str
+) -> tuple[int, float | torch.Tensor]:
+    check_floating(scores, op, "scores")
+    if scores.dim() != 2:
+        raise ValueError(
+            f"{op}: expected `scores` of shape (N, C); got shape {tuple(scores.shape)}."
+        )
+    if scores.numel() == 0:
+        raise ValueError(
+            f"{op}: expected a non-empty batch; got `scores` of shape {tuple(scores.shape)}."
+        )
+    n, n_classes = scores.shape
+    _check_target(target, n, n_classes, scores.shape, op)
+    if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.dtype.is_floating_point:
+        k = int(k)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{op}: expected `k` to be an int; got k={k!r}.")
+    if not 1 <= k <= n_classes:
+        raise ValueError(
+            f"{op}: expected 1 <= `k` <= C (= {n_classes}) for scores of shape "
+            f"{tuple(scores.shape)}; got k={k}."
+        )
+    check_choice(method, _MASK_METHODS, op, "method")
+    return k, check_epsilon(epsilon, op)
+
+
+def _topk_hit(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    k: int,
+    epsilon: float | torch.Tensor,
+    method: str,
+    hard: bool,
+) -> torch.Tensor:
+    """(N,) soft membership of the true class in the top k, in the compute dtype."""
+    x = scores.to(compute_dtype(scores.dtype))
+    mask = soft_topk_mask(x, k, epsilon=epsilon, method=method, hard=hard)
+    return mask.gather(1, target.long().unsqueeze(1)).squeeze(1)
+
+
+def soft_topk_accuracy(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    k: int,
+    *,
+    epsilon: float | torch.Tensor = 0.1,
+    method: str = "ot",
+    hard: bool = False,
+) -> torch.Tensor:
+    r"""Soft top-k accuracy: the mean soft membership of the true class in the top k.
+
+    The hard metric is::
+
+        (scores.topk(k, -1).indices == target[:, None]).any(-1).float().mean()
+
+    which is ``sklearn.metrics.top_k_accuracy_score(target, scores, k=k, labels=range(C))`` on
+    scores without ties. The soft one reads the true class off the soft top-k mask
+    (:func:`softops.soft_topk_mask`):
+
+    .. math::
+
+        \mathrm{acc}@k = \frac1N \sum_n A_{n, t_n}, \qquad
+        A_{nc} = \sigma\!\left(\frac{s_{nc} - \tau_n}{\varepsilon}\right), \quad
+        \sum_c A_{nc} = k .
+
+    Args:
+        scores: raw scores (not probabilities), (N, C), floating dtype.
+        target: integer labels, (N,), in [0, C).
+        k: an int in [1, C]; k = C gives 1.
+        epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
+            A positive float, or a tensor broadcastable to (N,), which receives a gradient.
+            Scaling law: ``soft_topk_accuracy(c*s, t, k, epsilon=c*e) ==
+            soft_topk_accuracy(s, t, k, epsilon=e)``. As ``epsilon -> 0`` the value tends to the
+            hard top-k accuracy (on scores without ties at the k-th place).
+        method: the mask's method, as for :func:`softops.soft_topk_mask`: ``"ot"`` (default,
+            exact), ``"sinkhorn"``, ``"softkmax"`` or ``"perturbed"`` (with its default draws).
+        hard: straight-through: the forward is the hard top-k accuracy, the backward that of
+            the soft one.
+
+    Shape:
+        - scores: :math:`(N, C)`; target: :math:`(N,)`; output: :math:`()`.
+
+    Returns:
+        A 0-dim tensor in the dtype of ``scores``, in [0, 1].
+
+    Example:
+        >>> s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+        >>> t = torch.tensor([1, 2])
+        >>> soft_topk_accuracy(s, t, 1, epsilon=0.5).round(decimals=4)
+        tensor(0.1796)
+        >>> soft_topk_accuracy(s, t, 2, hard=True)
+        tensor(1.)
+    """
+    op = "soft_topk_accuracy"
+    k, epsilon = _check_topk_args(scores, target, k, epsilon, method, op)
+    if not isinstance(hard, bool):
+        raise TypeError(f"{op}: expected `hard` to be a bool; got {hard!r}.")
+    return _topk_hit(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)

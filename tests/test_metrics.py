@@ -1,0 +1,469 @@
+"""softops.metrics: soft accuracy, precision, recall, F1 and top-k accuracy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+from softops.metrics import (
+    soft_accuracy,
+    soft_f1,
+    soft_precision,
+    soft_recall,
+    soft_topk_accuracy,
+)
+
+from .conftest import seeded
+
+F64 = torch.float64
+METRICS = {"precision": soft_precision, "recall": soft_recall, "f1": soft_f1}
+
+
+def _skm():
+    return pytest.importorskip("sklearn.metrics")
+
+
+def _sk_score(kind: str, target, pred, n_classes: int, average: str) -> float:
+    skm = _skm()
+    fn = {"precision": skm.precision_score, "recall": skm.recall_score, "f1": skm.f1_score}[kind]
+    kw = {"pos_label": 1} if average == "binary" else {"labels": list(range(n_classes))}
+    return float(fn(target.numpy(), pred.numpy(), average=average, zero_division=0, **kw))
+
+
+def _labels(g: torch.Generator, n: int, weights: list[float]) -> torch.Tensor:
+    """Imbalanced labels: class c drawn with probability proportional to weights[c]."""
+    w = torch.tensor(weights, dtype=F64)
+    return torch.multinomial(w, n, replacement=True, generator=g)
+
+
+# The classes present in the target and in the predictions differ: class 4 is never a label,
+# class 3 never predicted, class 5 neither (C = 6).
+TARGET_WEIGHTS = [0.6, 0.25, 0.1, 0.05, 0.0, 0.0]
+PRED_WEIGHTS = [0.3, 0.3, 0.2, 0.0, 0.2, 0.0]
+
+
+# --------------------------------------------------------------------- exact on one-hot inputs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("average", ["micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_one_hot_equals_sklearn_multiclass(seed, average, kind):
+    g = seeded(seed)
+    n, c = 40, len(TARGET_WEIGHTS)
+    target = _labels(g, n, TARGET_WEIGHTS)
+    pred = _labels(g, n, PRED_WEIGHTS)
+    onehot = torch.nn.functional.one_hot(pred, c).to(F64)
+    got = METRICS[kind](onehot, target, average=average)
+    assert got.dtype == F64 and got.dim() == 0
+    expected = _sk_score(kind, target, pred, c, average)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=F64), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_hot_accuracy_equals_sklearn(seed):
+    g = seeded(seed)
+    target = _labels(g, 37, TARGET_WEIGHTS)
+    pred = _labels(g, 37, PRED_WEIGHTS)
+    onehot = torch.nn.functional.one_hot(pred, 6).to(F64)
+    expected = _skm().accuracy_score(target.numpy(), pred.numpy())
+    assert float(soft_accuracy(onehot, target)) == pytest.approx(expected, rel=1e-15)
+    # binary: (N,) probabilities of class 1
+    tb, pb = (target > 0).long(), (pred > 1).long()
+    expected_b = _skm().accuracy_score(tb.numpy(), pb.numpy())
+    assert float(soft_accuracy(pb.to(F64), tb)) == pytest.approx(expected_b, rel=1e-15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("average", ["binary", "micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_one_hot_equals_sklearn_binary(seed, average, kind):
+    g = seeded(seed)
+    target = _labels(g, 30, [0.8, 0.2])
+    pred = _labels(g, 30, [0.6, 0.4])
+    expected = _sk_score(kind, target, pred, 2, average)
+    got_1d = METRICS[kind](pred.to(F64), target, average=average)
+    got_2d = METRICS[kind](torch.nn.functional.one_hot(pred, 2).to(F64), target, average=average)
+    for got in (got_1d, got_2d):
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=F64), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_zero_division_scores_zero(kind):
+    # No positive predicted and no positive true: every binary denominator is 0.
+    zeros = torch.zeros(5, dtype=F64, requires_grad=True)
+    target = torch.zeros(5, dtype=torch.long)
+    assert METRICS[kind](zeros, target).item() == 0.0
+    expected = _sk_score(kind, target, target, 2, "binary")
+    assert expected == 0.0
+    (grad,) = torch.autograd.grad(METRICS[kind](zeros, target), zeros)
+    assert bool(torch.isfinite(grad).all())
+
+
+def test_average_default_is_binary_for_1d_and_macro_otherwise():
+    g = seeded(3)
+    p = torch.rand(20, generator=g, dtype=F64)
+    t = _labels(g, 20, [0.5, 0.5])
+    assert torch.equal(soft_f1(p, t), soft_f1(p, t, average="binary"))
+    q = torch.softmax(torch.randn(20, 4, generator=g, dtype=F64), -1)
+    t4 = _labels(g, 20, [0.4, 0.3, 0.2, 0.1])
+    assert torch.equal(soft_f1(q, t4), soft_f1(q, t4, average="macro"))
+    q2 = torch.stack([1 - p, p], -1)
+    torch.testing.assert_close(soft_f1(q2, t), soft_f1(q2, t, average="macro"))
+    torch.testing.assert_close(soft_f1(q2, t, average="binary"), soft_f1(p, t))
+
+
+# ------------------------------------------------------------------------ plain-formula reference
+
+
+def _reference(kind: str, p: torch.Tensor, t: torch.Tensor, average: str) -> float:
+    """The soft counts written out per class, in Python loops (float64)."""
+    n, c = p.shape
+    tp = [sum(float(p[i, j]) for i in range(n) if int(t[i]) == j) for j in range(c)]
+    pred = [sum(float(p[i, j]) for i in range(n)) for j in range(c)]
+    true = [sum(1.0 for i in range(n) if int(t[i]) == j) for j in range(c)]
+    if average == "binary":
+        tp, pred, true = [tp[1]], [pred[1]], [true[1]]
+    if average == "micro":
+        tp, pred, true = [sum(tp)], [sum(pred)], [sum(true)]
+
+    def div(a, b):
+        return a / b if b != 0 else 0.0
+
+    if kind == "precision":
+        scores = [div(a, b) for a, b in zip(tp, pred, strict=True)]
+    elif kind == "recall":
+        scores = [div(a, b) for a, b in zip(tp, true, strict=True)]
+    else:
+        scores = [div(2 * a, b + d) for a, b, d in zip(tp, pred, true, strict=True)]
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.parametrize("average", ["binary", "micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_matches_plain_formula(kind, average):
+    g = seeded(7)
+    c = 2 if average == "binary" else 5
+    p = torch.softmax(2 * torch.randn(23, c, generator=g, dtype=F64), -1)
+    t = _labels(g, 23, [0.5, 0.3, 0.1, 0.1, 0.0][:c])
+    got = METRICS[kind](p, t, average=average)
+    assert float(got) == pytest.approx(_reference(kind, p, t, average), rel=1e-13, abs=1e-15)
+    if average == "binary":
+        got_1d = METRICS[kind](p[:, 1].contiguous(), t)
+        assert float(got_1d) == pytest.approx(float(got), rel=1e-13)
+
+
+def test_accuracy_matches_plain_formula_and_logits():
+    g = seeded(8)
+    z = torch.randn(17, 4, generator=g, dtype=F64)
+    t = _labels(g, 17, [0.1, 0.2, 0.3, 0.4])
+    p = torch.softmax(z / 0.7, -1)
+    expected = sum(float(p[i, int(t[i])]) for i in range(17)) / 17
+    assert float(soft_accuracy(p, t)) == pytest.approx(expected, rel=1e-14)
+    got = soft_accuracy(z, t, from_logits=True, epsilon=0.7)
+    assert float(got) == pytest.approx(expected, rel=1e-14)
+    zb = torch.randn(17, generator=g, dtype=F64)
+    tb = (t > 1).long()
+    pb = torch.sigmoid(zb / 0.7)
+    expected_b = float(torch.where(tb == 1, pb, 1 - pb).mean())
+    got_b = soft_accuracy(zb, tb, from_logits=True, epsilon=0.7)
+    assert float(got_b) == pytest.approx(expected_b, rel=1e-14)
+
+
+# ------------------------------------------------------------------------- hard limit from logits
+
+
+def _separated_logits(g: torch.Generator, n: int, c: int, margin: float) -> torch.Tensor:
+    """Logits whose argmax leads the runner-up by at least ``margin``."""
+    z = torch.randn(n, c, generator=g, dtype=F64)
+    top = z.argmax(-1, keepdim=True)
+    return z.scatter_add(1, top, torch.full((n, 1), margin, dtype=F64))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("average", ["micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_from_logits_tends_to_sklearn_on_argmax(seed, average, kind):
+    g = seeded(seed)
+    z = _separated_logits(g, 50, 5, margin=0.05)
+    t = _labels(g, 50, [0.5, 0.2, 0.2, 0.1, 0.0])
+    expected = _sk_score(kind, t, z.argmax(-1), 5, average)
+    errs = [
+        abs(float(METRICS[kind](z, t, average=average, from_logits=True, epsilon=e)) - expected)
+        for e in (1.0, 0.1, 1e-2, 1e-4)
+    ]
+    assert errs[-1] < 1e-12
+    assert errs[0] > 1e-3  # the soft value really differs at epsilon = 1
+
+
+def test_binary_from_logits_tends_to_sklearn():
+    g = seeded(4)
+    z = torch.randn(40, generator=g, dtype=F64)
+    z = z + 0.05 * torch.sign(z)  # away from the 0.5 threshold
+    t = _labels(g, 40, [0.7, 0.3])
+    pred = (z > 0).long()
+    for kind, fn in METRICS.items():
+        expected = _sk_score(kind, t, pred, 2, "binary")
+        got = fn(z, t, from_logits=True, epsilon=1e-4)
+        assert float(got) == pytest.approx(expected, abs=1e-12)
+    acc = _skm().accuracy_score(t.numpy(), pred.numpy())
+    assert float(soft_accuracy(z, t, from_logits=True, epsilon=1e-4)) == pytest.approx(acc)
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@st.composite
+def _prob_batches(draw):
+    n = draw(st.integers(1, 12))
+    c = draw(st.integers(2, 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.1, 1.0, 10.0, 100.0]))
+    g = seeded(seed)
+    p = torch.softmax(scale * torch.randn(n, c, generator=g, dtype=F64), -1)
+    t = torch.randint(0, c, (n,), generator=g)
+    return p, t
+
+
+@settings(max_examples=40, deadline=None)
+@given(_prob_batches())
+def test_scores_in_unit_interval_and_micro_is_accuracy(batch):
+    p, t = batch
+    acc = soft_accuracy(p, t)
+    for average in ("micro", "macro"):
+        for fn in METRICS.values():
+            v = float(fn(p, t, average=average))
+            assert -1e-15 <= v <= 1 + 1e-15
+    for fn in METRICS.values():
+        torch.testing.assert_close(fn(p, t, average="micro"), acc, rtol=1e-12, atol=1e-15)
+    # F1 lies between min and max of precision and recall (harmonic mean), for every class
+    for c in range(p.shape[1]):
+        t_c, p_c = (t == c).long(), p[:, c].contiguous()
+        pr, rc, f1 = (float(fn(p_c, t_c)) for fn in METRICS.values())
+        assert min(pr, rc) - 1e-12 <= f1 <= max(pr, rc) + 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 15), st.integers(0, 2**31 - 1))
+def test_binary_1d_equals_two_columns(n, seed):
+    g = seeded(seed)
+    p = torch.rand(n, generator=g, dtype=F64)
+    t = torch.randint(0, 2, (n,), generator=g)
+    p2 = torch.stack([1 - p, p], -1)
+    for average in ("binary", "micro", "macro"):
+        for fn in METRICS.values():
+            torch.testing.assert_close(
+                fn(p, t, average=average), fn(p2, t, average=average), rtol=1e-12, atol=1e-15
+            )
+    torch.testing.assert_close(soft_accuracy(p, t), soft_accuracy(p2, t))
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("average", ["binary", "micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_gradcheck_probabilities_and_logits(kind, average):
+    g = seeded(11)
+    fn = METRICS[kind]
+    c = 2 if average == "binary" else 4
+    p = torch.softmax(torch.randn(9, c, generator=g, dtype=F64), -1).requires_grad_()
+    t = torch.randint(0, c, (9,), generator=g)
+    assert gradcheck(lambda p: fn(p, t, average=average), (p,))
+    z = torch.randn(9, c, generator=g, dtype=F64, requires_grad=True)
+    e = torch.tensor(0.7, dtype=F64, requires_grad=True)
+    assert gradcheck(lambda z, e: fn(z, t, average=average, from_logits=True, epsilon=e), (z, e))
+    zb = torch.randn(9, generator=g, dtype=F64, requires_grad=True)
+    assert gradcheck(
+        lambda z, e: fn(z, t % 2, average=average, from_logits=True, epsilon=e), (zb, e)
+    )
+
+
+def test_gradcheck_accuracy():
+    g = seeded(12)
+    z = torch.randn(7, 3, generator=g, dtype=F64, requires_grad=True)
+    zb = torch.randn(7, generator=g, dtype=F64, requires_grad=True)
+    e = torch.tensor(0.5, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 3, (7,), generator=g)
+    assert gradcheck(lambda z, e: soft_accuracy(z, t, from_logits=True, epsilon=e), (z, e))
+    assert gradcheck(lambda z, e: soft_accuracy(z, t % 2, from_logits=True, epsilon=e), (zb, e))
+    p = torch.rand(7, generator=g, dtype=F64, requires_grad=True)
+    assert gradcheck(lambda p: soft_accuracy(p, t % 2), (p,))
+
+
+def test_gradient_of_accuracy_is_the_true_class_indicator():
+    p = torch.full((4, 3), 1 / 3, dtype=F64, requires_grad=True)
+    t = torch.tensor([0, 2, 2, 1])
+    (grad,) = torch.autograd.grad(soft_accuracy(p, t), p)
+    assert torch.equal(grad, torch.nn.functional.one_hot(t, 3).to(F64) / 4)
+
+
+# ------------------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_is_computed_in_float32(dtype):
+    g = seeded(5)
+    p = torch.softmax(torch.randn(64, 5, generator=g), -1)
+    t = torch.randint(0, 5, (64,), generator=g)
+    for fn in (soft_accuracy, soft_precision, soft_recall, soft_f1):
+        out = fn(p.to(dtype), t)
+        assert out.dtype == dtype and out.dim() == 0
+        ref = fn(p.to(dtype).float(), t)
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=0)
+    out = soft_topk_accuracy(p.to(dtype), t, 2)
+    assert out.dtype == dtype
+
+
+def test_any_integer_target_dtype():
+    p = torch.tensor([[0.2, 0.8], [0.6, 0.4]])
+    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        t = torch.tensor([1, 0], dtype=dt)
+        assert soft_f1(p, t).item() == pytest.approx(soft_f1(p, t.long()).item())
+        assert soft_topk_accuracy(p, t, 1, hard=True).item() == 1.0
+
+
+# -------------------------------------------------------------------------- top-k accuracy
+
+
+def _distinct_scores(g: torch.Generator, n: int, c: int) -> torch.Tensor:
+    """Rows with entries at least 4/c apart (no ties)."""
+    return torch.stack([torch.randperm(c, generator=g).to(F64) * 4 / c for _ in range(n)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.filterwarnings("ignore:.*will result in a perfect score")
+def test_topk_accuracy_hard_equals_sklearn(seed, k):
+    g = seeded(seed)
+    s = _distinct_scores(g, 30, 7) + 0.01 * torch.randn(30, 7, generator=g, dtype=F64)
+    t = _labels(g, 30, [0.4, 0.3, 0.1, 0.1, 0.1, 0.0, 0.0])
+    expected = _skm().top_k_accuracy_score(t.numpy(), s.numpy(), k=k, labels=list(range(7)))
+    got = soft_topk_accuracy(s, t, k, hard=True)
+    assert float(got) == pytest.approx(expected, rel=1e-15)
+    errs = [abs(float(soft_topk_accuracy(s, t, k, epsilon=e)) - expected) for e in (1, 0.1, 1e-3)]
+    assert errs[-1] < 1e-10
+    if k < 7:
+        assert errs[0] > 1e-3
+
+
+def test_topk_accuracy_k1_is_soft_argmax_accuracy_limit_and_bounds():
+    g = seeded(9)
+    s = torch.randn(25, 6, generator=g, dtype=F64)
+    t = torch.randint(0, 6, (25,), generator=g)
+    for k in range(1, 7):
+        v = float(soft_topk_accuracy(s, t, k, epsilon=0.3))
+        assert 0 <= v <= 1
+    assert soft_topk_accuracy(s, t, 6).item() == 1.0
+    # a larger k never lowers the soft accuracy (the mask is monotone in k)
+    vals = [float(soft_topk_accuracy(s, t, k, epsilon=0.3)) for k in range(1, 7)]
+    assert vals == sorted(vals)
+    # the plain formula: sigmoid((s - tau)/eps) read at the target
+    from softops import soft_topk_mask
+
+    mask = soft_topk_mask(s, 3, epsilon=0.3)
+    expected = sum(float(mask[i, int(t[i])]) for i in range(25)) / 25
+    assert float(soft_topk_accuracy(s, t, 3, epsilon=0.3)) == pytest.approx(expected, rel=1e-14)
+
+
+def test_topk_accuracy_gradcheck_and_straight_through():
+    g = seeded(10)
+    s = torch.randn(5, 6, generator=g, dtype=F64, requires_grad=True)
+    t = torch.randint(0, 6, (5,), generator=g)
+    e = torch.tensor(0.4, dtype=F64, requires_grad=True)
+    assert gradcheck(lambda s, e: soft_topk_accuracy(s, t, 2, epsilon=e), (s, e))
+    (gs,) = torch.autograd.grad(soft_topk_accuracy(s, t, 2, epsilon=0.4), s)
+    (gh,) = torch.autograd.grad(soft_topk_accuracy(s, t, 2, epsilon=0.4, hard=True), s)
+    torch.testing.assert_close(gh, gs)
+
+
+@pytest.mark.parametrize("method", ["sinkhorn", "softkmax"])
+def test_topk_accuracy_other_methods(method):
+    g = seeded(13)
+    s = _distinct_scores(g, 8, 5)
+    t = torch.randint(0, 5, (8,), generator=g)
+    hard = float(soft_topk_accuracy(s, t, 2, hard=True))
+    assert float(soft_topk_accuracy(s, t, 2, epsilon=0.01, method=method)) == pytest.approx(
+        hard, abs=1e-6
+    )
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_errors():
+    p = torch.softmax(torch.randn(4, 3), -1)
+    t = torch.tensor([0, 1, 2, 1])
+    with pytest.raises(
+        ValueError,
+        match=r"soft_f1: expected `average` to be one of .*"
+        r"got average='weighted'",
+    ):
+        soft_f1(p, t, average="weighted")
+    with pytest.raises(ValueError, match=r"average='binary'.*got shape \(4, 3\)"):
+        soft_precision(p, t, average="binary")
+    with pytest.raises(ValueError, match=r"expected `target` of shape \(4,\).*got shape \(3,\)"):
+        soft_recall(p, t[:3])
+    with pytest.raises(ValueError, match=r"expected `target` values in \[0, C\) = \[0, 3\); got 3"):
+        soft_f1(p, torch.tensor([0, 1, 3, 1]))
+    with pytest.raises(ValueError, match=r"got -1"):
+        soft_accuracy(p, torch.tensor([0, -1, 2, 1]))
+    with pytest.raises(ValueError, match=r"expected `target` values in \{0, 1\}; got 2"):
+        soft_f1(torch.rand(3), torch.tensor([0, 2, 1]))
+    with pytest.raises(TypeError, match=r"expected `target` to have an integer dtype.*float32"):
+        soft_f1(p, t.float())
+    with pytest.raises(TypeError, match=r"integer dtype.*torch.bool"):
+        soft_f1(torch.rand(4), t > 0)
+    with pytest.raises(TypeError, match=r"soft_accuracy: expected `input` to have a real floating"):
+        soft_accuracy(t, t)
+    with pytest.raises(TypeError, match=r"expected `target` to be a torch.Tensor; got list"):
+        soft_f1(p, [0, 1, 2, 1])
+    with pytest.raises(
+        ValueError, match=r"expected `input` of shape \(N,\) .*got shape \(2, 2, 3\)"
+    ):
+        soft_f1(torch.rand(2, 2, 3), t[:2])
+    with pytest.raises(
+        ValueError, match=r"expected a non-empty batch; got `input` of shape \(0, 3\)"
+    ):
+        soft_f1(torch.rand(0, 3), t[:0])
+    with pytest.raises(ValueError, match=r"expected a non-empty batch"):
+        soft_accuracy(torch.rand(0), t[:0])
+    with pytest.raises(ValueError, match=r"expected `epsilon` > 0 and finite; got epsilon=0.0"):
+        soft_f1(p, t, from_logits=True, epsilon=0.0)
+    with pytest.raises(ValueError, match=r"got epsilon=-1"):
+        soft_accuracy(p, t, from_logits=True, epsilon=torch.tensor(-1.0))
+    with pytest.raises(ValueError, match=r"used only with from_logits=True\); got epsilon=0.5"):
+        soft_f1(p, t, epsilon=0.5)
+    with pytest.raises(ValueError, match=r"0-dim tensor; got a tensor of shape \(4,\)"):
+        soft_f1(p, t, from_logits=True, epsilon=torch.ones(4))
+    with pytest.raises(TypeError, match=r"expected `from_logits` to be a bool; got 1"):
+        soft_f1(p, t, from_logits=1)
+
+
+def test_topk_errors():
+    s = torch.randn(4, 5)
+    t = torch.tensor([0, 1, 4, 2])
+    op = "soft_topk_accuracy"
+    with pytest.raises(ValueError, match=rf"{op}: expected 1 <= `k` <= C \(= 5\).*got k=6"):
+        soft_topk_accuracy(s, t, 6)
+    with pytest.raises(ValueError, match=r"got k=0"):
+        soft_topk_accuracy(s, t, 0)
+    with pytest.raises(TypeError, match=r"expected `k` to be an int; got k=2.0"):
+        soft_topk_accuracy(s, t, 2.0)
+    with pytest.raises(ValueError, match=r"expected `scores` of shape \(N, C\); got shape \(4,\)"):
+        soft_topk_accuracy(s[:, 0], t, 1)
+    with pytest.raises(ValueError, match=r"got 5"):
+        soft_topk_accuracy(s, torch.tensor([0, 1, 5, 2]), 2)
+    with pytest.raises(ValueError, match=r"expected `epsilon` > 0 and finite; got epsilon=0"):
+        soft_topk_accuracy(s, t, 2, epsilon=0)
+    with pytest.raises(ValueError, match=r"expected `method` to be one of .*got method='pav'"):
+        soft_topk_accuracy(s, t, 2, method="pav")
+    with pytest.raises(TypeError, match=r"expected `hard` to be a bool"):
+        soft_topk_accuracy(s, t, 2, hard=None)
+    with pytest.raises(TypeError, match=r"expected `scores` to have a real floating"):
+        soft_topk_accuracy(s.long(), t, 2)
+    with pytest.raises(ValueError, match=r"non-empty batch"):
+        soft_topk_accuracy(s[:0], t[:0], 2)

@@ -1,0 +1,562 @@
+"""smooth_max/min, soft_argmax/argmin, soft_argmax_onehot and soft_kmax (seed 002)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck, gradgradcheck
+
+from softops import soft_topk_mask
+from softops.nn.smooth import (
+    SmoothMax,
+    SmoothMin,
+    SoftArgmax,
+    SoftArgmaxOneHot,
+    SoftArgmin,
+    SoftKMax,
+)
+from softops.smooth import (
+    _soft_kmax_rows,
+    smooth_max,
+    smooth_min,
+    soft_argmax,
+    soft_argmax_onehot,
+    soft_argmin,
+    soft_kmax,
+)
+
+from .conftest import saved_bytes, seeded
+
+F64 = torch.float64
+inf, nan = math.inf, math.nan
+
+REDUCTIONS = [smooth_max, smooth_min, soft_argmax, soft_argmin]
+
+
+def _hard_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.zeros_like(x).scatter(-1, x.topk(k, -1).indices, 1)
+
+
+def _distinct(B: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Rows of distinct entries, a gap of at least 4/n between any two."""
+    g = seeded(seed)
+    return torch.stack([torch.randperm(n, generator=g).to(F64) / n * 4 for _ in range(B)])
+
+
+def reference_soft_kmax(row: torch.Tensor, k: int, eps: float | torch.Tensor) -> torch.Tensor:
+    """The seed's recursion on one finite 1-D row, written out plainly (float64, autograd)."""
+    xp = row - row.min()
+    p = torch.zeros_like(row)
+    for _ in range(k):
+        z = xp * (1 - p) / eps
+        w = torch.exp(z - z.max())
+        p = p + w / w.sum()
+    return p
+
+
+def _call(op, x, **kw):
+    return op(x, 3, **kw) if op is soft_kmax else op(x, **kw)
+
+
+ALL_OPS = [*REDUCTIONS, soft_argmax_onehot, soft_kmax]
+
+
+# ----------------------------------------------------------------------------- reference values
+
+
+@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (12, 1, 0.2), (12, 11, 1.0), (9, 9, 2.0)])
+def test_soft_kmax_equals_plain_reference_values_and_gradients(n, k, eps):
+    x = torch.randn(4, n, dtype=F64, generator=seeded(n + k), requires_grad=True)
+    P = soft_kmax(x, k, epsilon=eps)
+    ref = torch.stack([reference_soft_kmax(r, k, eps) for r in x])
+    torch.testing.assert_close(P, ref, atol=1e-12, rtol=0)
+    g = torch.randn_like(P)
+    (gx,) = torch.autograd.grad(P, x, g)
+    (gref,) = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(gx, gref, atol=1e-10, rtol=0)
+    assert abs(float(gx.sum())) < 1e-9  # shift invariance: the gradient sums to 0
+
+
+def test_closed_forms():
+    x = torch.tensor([[1.0, 2.0, 3.0]], dtype=F64)
+    e = 0.7
+    torch.testing.assert_close(smooth_max(x, epsilon=e), e * torch.logsumexp(x / e, -1))
+    torch.testing.assert_close(smooth_min(x, epsilon=e), -e * torch.logsumexp(-x / e, -1))
+    p = torch.softmax(x / e, -1)
+    torch.testing.assert_close(soft_argmax_onehot(x, epsilon=e), p)
+    torch.testing.assert_close(soft_argmax(x, epsilon=e), (p * torch.arange(3.0)).sum(-1).double())
+    q = torch.softmax(-x / e, -1)
+    torch.testing.assert_close(soft_argmin(x, epsilon=e), (q * torch.arange(3.0)).sum(-1).double())
+    # k = 1 is a single softmax of the shifted row: the onehot relaxation
+    torch.testing.assert_close(soft_kmax(x, 1, epsilon=e), p)
+
+
+# ----------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_gradcheck_x_and_per_row_epsilon(op):
+    x = torch.randn(3, 6, 2, dtype=F64, generator=seeded(1), requires_grad=True)
+    e = torch.tensor([[0.5], [1.3], [0.8]], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda x, e: _call(op, x, dim=1, epsilon=e), (x, e))
+
+
+@pytest.mark.parametrize("op", [smooth_max, soft_argmax, soft_kmax], ids=lambda f: f.__name__)
+def test_gradgradcheck(op):
+    x = torch.randn(2, 5, dtype=F64, generator=seeded(2), requires_grad=True)
+    e = torch.tensor(0.6, dtype=F64, requires_grad=True)
+    assert gradgradcheck(lambda x, e: _call(op, x, epsilon=e), (x, e))
+
+
+def test_gradients_of_the_closed_forms():
+    x = torch.randn(3, 7, dtype=F64, generator=seeded(3), requires_grad=True)
+    e = 0.4
+    (g,) = torch.autograd.grad(smooth_max(x, epsilon=e).sum(), x)
+    torch.testing.assert_close(g, torch.softmax(x / e, -1).detach())
+    # d/d(eps) of smooth_max is the entropy of the softmax
+    et = torch.tensor(e, dtype=F64, requires_grad=True)
+    (ge,) = torch.autograd.grad(smooth_max(x.detach(), epsilon=et).sum(), et)
+    p = torch.softmax(x.detach() / e, -1)
+    torch.testing.assert_close(ge, -(p * p.log()).sum())
+
+
+def test_hard_onehot_straight_through():
+    x = torch.randn(4, 9, dtype=F64, generator=seeded(4), requires_grad=True)
+    H = soft_argmax_onehot(x, epsilon=0.5, hard=True)
+    assert torch.equal(H.detach(), F.one_hot(x.argmax(-1), 9).to(F64))
+    g = torch.randn_like(H)
+    (gh,) = torch.autograd.grad(H, x, g)
+    (gs,) = torch.autograd.grad(soft_argmax_onehot(x, epsilon=0.5), x, g)
+    torch.testing.assert_close(gh, gs)
+    Hd = soft_argmax_onehot(x.detach().T, dim=0, hard=True)
+    assert torch.equal(Hd, F.one_hot(x.detach().T.argmax(0), 9).movedim(-1, 0).to(F64))
+
+
+def _unique_saved_bytes(fn) -> int:
+    """Bytes of the distinct storages that ``fn()`` saves for backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_soft_kmax_memory_is_linear_in_k():
+    x = torch.randn(4, 50, requires_grad=True)
+    row = x.numel() * 4  # one (B, n) float32 tensor
+    per_step = [
+        (f(lambda: soft_kmax(x, 8)) - f(lambda: soft_kmax(x, 4))) / 4
+        for f in (_unique_saved_bytes, saved_bytes)
+    ]
+    assert per_step[0] == pytest.approx(2 * row, rel=0.05)  # (1 - p) and q, as documented
+    assert per_step[1] == pytest.approx(3 * row, rel=0.05)  # the shared xp is saved each round
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    data=st.data(),
+    scale=st.sampled_from([1e-3, 1.0, 1e4]),
+    eps_rel=st.sampled_from([1e-6, 1e-2, 1.0, 100.0]),
+)
+def test_property_bounds(n, data, scale, eps_rel):
+    # ties (integers in a small range), magnitudes over 7 decades, temperatures over 8
+    vals = data.draw(st.lists(st.integers(-3, 3), min_size=n, max_size=n))
+    k = data.draw(st.integers(0, n))
+    x = torch.tensor(vals, dtype=F64) * scale
+    e = eps_rel * scale
+    sm = smooth_max(x, epsilon=e)
+    assert x.max() <= sm <= x.max() + e * math.log(n) * (1 + 1e-12) + 1e-12 * scale
+    sn = smooth_min(x, epsilon=e)
+    assert x.min() - e * math.log(n) * (1 + 1e-12) - 1e-12 * scale <= sn <= x.min()
+    for a in (soft_argmax(x, epsilon=e), soft_argmin(x, epsilon=e)):
+        assert -1e-12 <= float(a) <= (n - 1) * (1 + 1e-12)
+    p = soft_argmax_onehot(x, epsilon=e)
+    assert bool((p >= 0).all()) and abs(float(p.sum()) - 1) < 1e-12
+    P = soft_kmax(x, k, epsilon=e)
+    assert bool(torch.isfinite(P).all()) and bool((P >= 0).all())
+    assert abs(float(P.sum()) - k) <= 1e-9 * max(k, 1)
+
+
+def test_soft_kmax_sums_to_k_float32_large():
+    x = torch.randn(16, 500, generator=seeded(5))
+    for k in (1, 37, 250):
+        for eps in (1e-3, 0.1, 10.0):
+            P = soft_kmax(x, k, epsilon=eps)
+            torch.testing.assert_close(P.sum(-1), torch.full((16,), float(k)), rtol=1e-5, atol=0)
+            assert bool((P >= 0).all())
+
+
+def test_hard_limits_as_epsilon_goes_to_zero():
+    x = _distinct(6, 20)
+    xs = x[:, :7]
+    for op, hard in [
+        (smooth_max, x.amax(-1)),
+        (smooth_min, x.amin(-1)),
+        (soft_argmax, x.argmax(-1).to(F64)),
+        (soft_argmin, x.argmin(-1).to(F64)),
+        (soft_argmax_onehot, F.one_hot(x.argmax(-1), 20).to(F64)),
+    ]:
+        errs = [float((op(x, epsilon=e) - hard).abs().max()) for e in (1.0, 0.1, 1e-3)]
+        assert errs == sorted(errs, reverse=True), op.__name__
+        assert errs[-1] < 1e-10, op.__name__
+    # k < n and the k-th largest is above the minimum. (The error is not monotone at large
+    # epsilon: for k = 6 it is larger at 0.1 than at 1.0, entries being 0.2 apart.)
+    for k in (1, 3, 6):
+        errs = [
+            float((soft_kmax(xs, k, epsilon=e) - _hard_topk(xs, k)).abs().max())
+            for e in (0.1, 1e-2, 1e-3)
+        ]
+        assert errs == sorted(errs, reverse=True)
+        assert errs[-1] < 1e-10
+    xt = _distinct(20, 6, seed=1).T  # distinct along dim 0
+    H = soft_kmax(xt, 5, dim=0, epsilon=1e-3)
+    torch.testing.assert_close(H, _hard_topk(xt.T, 5).T, atol=1e-10, rtol=0)
+
+
+def test_soft_kmax_exceeds_one_where_kth_ties_with_minimum():
+    n = 6
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64)
+    P = soft_kmax(x, n, epsilon=1e-3)  # k = n: the last round is uniform
+    expected = torch.full((n,), 1 + 1 / n, dtype=F64)
+    expected[4] = 1 / n
+    torch.testing.assert_close(P, expected, atol=1e-12, rtol=0)
+    assert float(P.max()) > 1
+    # many equal minima: the third round finds nothing above the minimum
+    y = torch.tensor([3.0, 2.0, 0.0, 0.0], dtype=F64)
+    Q = soft_kmax(y, 3, epsilon=1e-3)
+    torch.testing.assert_close(Q, torch.tensor([1.25, 1.25, 0.25, 0.25], dtype=F64))
+    # and at a moderate epsilon, k = n still exceeds 1
+    assert float(soft_kmax(x, n, epsilon=0.5).max()) > 1
+
+
+def test_soft_kmax_is_biased_away_from_ot():
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64)
+    P = soft_kmax(x, 3, epsilon=0.5)
+    A = soft_topk_mask(x, 3, epsilon=0.5, method="ot")
+    assert float(P[5]) == pytest.approx(0.891, abs=1e-3)  # the docstring's numbers
+    assert float(A[5]) == pytest.approx(0.993, abs=1e-3)
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_scaling_law_and_shift(op):
+    x = torch.randn(3, 8, dtype=F64, generator=seeded(6))
+    y = _call(op, x, epsilon=0.3)
+    c = 4.0
+    homogeneous = op in (smooth_max, smooth_min)
+    torch.testing.assert_close(_call(op, c * x, epsilon=c * 0.3), c * y if homogeneous else y)
+    shifted = _call(op, x + 12.5, epsilon=0.3)
+    torch.testing.assert_close(shifted, y + 12.5 if homogeneous else y)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2, -3])
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_any_dim_equals_loop_over_rows(op, dim):
+    x = torch.randn(4, 6, 5, dtype=F64, generator=seeded(7))
+    out = _call(op, x, dim=dim, epsilon=0.4)
+    xm = x.movedim(dim, -1)
+    rows = xm.reshape(-1, xm.shape[-1])
+    looped = torch.stack([_call(op, r, epsilon=0.4) for r in rows])
+    if op in REDUCTIONS:
+        torch.testing.assert_close(out, looped.reshape(xm.shape[:-1]))
+        kept = _call(op, x, dim=dim, keepdim=True, epsilon=0.4)
+        assert kept.shape == x.amax(dim, keepdim=True).shape
+        torch.testing.assert_close(kept.squeeze(dim), out)
+    else:
+        torch.testing.assert_close(out, looped.reshape(xm.shape).movedim(-1, dim))
+
+
+def test_per_row_epsilon_broadcasts_to_batch_shape():
+    x = torch.randn(2, 3, 7, dtype=F64, generator=seeded(8))
+    e = torch.tensor([[0.2, 0.5, 1.0], [2.0, 0.3, 0.7]], dtype=F64)
+    for op in ALL_OPS:
+        out = _call(op, x, epsilon=e)
+        for i in range(2):
+            for j in range(3):
+                torch.testing.assert_close(out[i, j], _call(op, x[i, j], epsilon=float(e[i, j])))
+    # a column of epsilons along dim 0 with dim=1
+    col = torch.tensor([[0.3], [0.9]], dtype=F64)
+    sm = smooth_max(x, dim=1, epsilon=col)
+    torch.testing.assert_close(sm[1], smooth_max(x[1], dim=0, epsilon=0.9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_dtype_and_device_preserved(op, dtype):
+    x = torch.randn(3, 10, generator=seeded(9)).to(dtype)
+    out = _call(op, x, epsilon=0.5)
+    assert out.dtype == dtype and out.device == x.device
+    if dtype in (torch.float16, torch.bfloat16):  # computed in float32, then cast back
+        assert torch.equal(out, _call(op, x.float(), epsilon=0.5).to(dtype))
+
+
+def test_fp16_gradient_and_empty_batch():
+    x = torch.randn(3, 10, generator=seeded(10)).half().requires_grad_()
+    P = soft_kmax(x, 4, epsilon=0.5)
+    (g,) = torch.autograd.grad(P.float().pow(2).sum(), x)
+    assert g.dtype == torch.float16 and bool(torch.isfinite(g).all())
+    for op in ALL_OPS:
+        out = _call(op, torch.zeros(0, 5))
+        assert out.shape == ((0,) if op in REDUCTIONS else (0, 5))
+
+
+def test_soft_kmax_k_zero_is_zero_with_a_gradient():
+    x = torch.randn(2, 5, dtype=F64, requires_grad=True)
+    P = soft_kmax(x, 0)
+    assert torch.equal(P, torch.zeros_like(x))
+    (g,) = torch.autograd.grad(P.sum(), x)
+    assert torch.equal(g, torch.zeros_like(x))
+
+
+# --------------------------------------------------------------------------- infinities and NaN
+
+
+def test_smooth_max_infinities():
+    x = torch.tensor(
+        [[1.0, -inf, 2.0], [1.0, inf, 2.0], [-inf, -inf, -inf], [inf, inf, -inf], [nan, 1.0, 2.0]],
+        dtype=F64,
+        requires_grad=True,
+    )
+    v = smooth_max(x, epsilon=0.5)
+    torch.testing.assert_close(v[0], smooth_max(torch.tensor([1.0, 2.0], dtype=F64), epsilon=0.5))
+    assert v[1] == inf and v[2] == -inf and v[3] == inf and bool(torch.isnan(v[4]))
+    w = smooth_min(-x, epsilon=0.5)
+    assert w[1] == -inf and w[2] == inf and bool(torch.isnan(w[4]))
+    (g,) = torch.autograd.grad(v[0], x)
+    assert bool(torch.isfinite(g).all()) and g[0, 1] == 0
+    torch.testing.assert_close(g[0, [0, 2]], torch.softmax(torch.tensor([2.0, 4.0]), 0).double())
+    assert torch.equal(g[1:], torch.zeros_like(g[1:]))
+
+
+def test_softmax_ops_infinities():
+    x = torch.tensor(
+        [
+            [1.0, -inf, 2.0, 0.0],  # -inf gets 0
+            [inf, 1.0, inf, 0.0],  # +inf entries share the mass
+            [-inf, -inf, -inf, -inf],  # nothing to select: NaN
+            [-inf, 3.0, -inf, -inf],  # a single finite entry: 1
+        ],
+        dtype=F64,
+    )
+    P = soft_argmax_onehot(x, epsilon=0.5)
+    fin = torch.softmax(torch.tensor([1.0, 2.0, 0.0], dtype=F64) / 0.5, 0)
+    torch.testing.assert_close(P[0], torch.stack([fin[0], fin.new_zeros(()), fin[1], fin[2]]))
+    assert P[1].tolist() == [0.5, 0.0, 0.5, 0.0]
+    assert bool(torch.isnan(P[2]).all())
+    assert P[3].tolist() == [0.0, 1.0, 0.0, 0.0]
+    a = soft_argmax(x, epsilon=0.5)
+    assert a[1] == 1.0 and bool(torch.isnan(a[2])) and a[3] == 1.0  # mean of indices 0 and 2
+    assert bool(torch.isnan(soft_argmin(-x)[2])) and soft_argmin(-x)[1] == 1.0
+    H = soft_argmax_onehot(x, epsilon=0.5, hard=True)
+    assert H[1].tolist() == [1.0, 0.0, 0.0, 0.0] and bool(torch.isnan(H[2]).all())
+
+
+def test_soft_kmax_infinities():
+    x = torch.tensor(
+        [
+            [1.0, -inf, 3.0, 2.0, -inf, 0.5],  # -inf never selected
+            [inf, 1.0, 2.0, 0.0, -1.0, 3.0],  # +inf always selected, uses one round
+            [-inf, -inf, -inf, 1.0, 2.0, 3.0],  # exactly k above -inf
+            [inf, inf, inf, inf, 1.0, 2.0],  # more +inf than k: NaN
+            [-inf, -inf, -inf, -inf, -inf, 2.0],  # fewer than k above -inf: NaN
+            [inf, inf, inf, 1.0, 2.0, -inf],  # exactly k at +inf
+        ],
+        dtype=F64,
+        requires_grad=True,
+    )
+    P = soft_kmax(x, 3, epsilon=0.5)
+    ref0 = reference_soft_kmax(torch.tensor([1.0, 3.0, 2.0, 0.5], dtype=F64), 3, 0.5)
+    torch.testing.assert_close(P[0, [0, 2, 3, 5]], ref0)
+    assert P[0, 1] == 0 and P[0, 4] == 0
+    ref1 = reference_soft_kmax(torch.tensor([1.0, 2.0, 0.0, -1.0, 3.0], dtype=F64), 2, 0.5)
+    assert P[1, 0] == 1
+    torch.testing.assert_close(P[1, 1:], ref1)
+    torch.testing.assert_close(P[2, 3:], reference_soft_kmax(x[2, 3:].detach(), 3, 0.5))
+    assert P[2, :3].tolist() == [0.0] * 3
+    assert bool(torch.isnan(P[3]).all()) and bool(torch.isnan(P[4]).all())
+    assert P[5].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert float(P[[0, 1, 2, 5]].detach().sum()) == pytest.approx(12)
+    (g,) = torch.autograd.grad(P[[0, 1, 2, 5]].pow(2).sum(), x)
+    assert bool(torch.isfinite(g).all())
+    Pt = soft_kmax(x.detach().T, 3, dim=0, epsilon=0.5)
+    torch.testing.assert_close(Pt.T, P.detach(), equal_nan=True)
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_nan_stays_in_its_row(op):
+    x = torch.randn(3, 8, dtype=F64, generator=seeded(11), requires_grad=True)
+    with torch.no_grad():
+        x[1, 4] = nan
+    e = torch.tensor(0.7, dtype=F64, requires_grad=True)  # shared by all rows
+    out = _call(op, x, epsilon=e)
+    assert bool(torch.isnan(out[1]).all())
+    assert bool(torch.isfinite(out[[0, 2]]).all())
+    torch.testing.assert_close(out[[0, 2]], _call(op, x[[0, 2]].detach(), epsilon=0.7))
+    gx, ge = torch.autograd.grad(out[[0, 2]].pow(2).sum(), (x, e), retain_graph=True)
+    assert bool(torch.isfinite(gx).all()) and bool(torch.isfinite(ge))
+    gx, ge = torch.autograd.grad(out.nan_to_num().sum(), (x, e))  # the NaN row's own gradient
+    assert bool(torch.isfinite(gx).all()) and bool(torch.isfinite(ge))
+
+
+# ---------------------------------------------------------------- soft_topk_mask(method="softkmax")
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+@pytest.mark.parametrize("largest", [True, False])
+def test_soft_topk_mask_softkmax_equals_soft_kmax(dim, largest):
+    x = torch.randn(5, 7, dtype=F64, generator=seeded(12), requires_grad=True)
+    e = torch.tensor(0.4, dtype=F64, requires_grad=True)
+    A = soft_topk_mask(x, 3, dim=dim, largest=largest, epsilon=e, method="softkmax")
+    P = soft_kmax(x if largest else -x, 3, dim=dim, epsilon=e)
+    torch.testing.assert_close(A, P, atol=0, rtol=0)
+    g = torch.randn_like(A)
+    torch.testing.assert_close(
+        torch.autograd.grad(A, (x, e), g), torch.autograd.grad(P, (x, e), g, retain_graph=True)
+    )
+    H = soft_topk_mask(x, 3, dim=dim, largest=largest, epsilon=e, method="softkmax", hard=True)
+    xd = (x if largest else -x).detach().movedim(dim, -1)
+    assert torch.equal(H.detach(), _hard_topk(xd, 3).movedim(-1, dim))
+    torch.testing.assert_close(torch.autograd.grad(H, (x, e), g), torch.autograd.grad(P, (x, e), g))
+    # the private row kernel is what both call
+    x2 = x.detach().movedim(dim, -1).reshape(-1, x.shape[dim])
+    eps_row = torch.full((x2.shape[0],), 0.4, dtype=F64)
+    P2 = _soft_kmax_rows(x2 if largest else -x2, 3, eps_row)
+    assert torch.equal(P2, P.detach().movedim(dim, -1).reshape(-1, x.shape[dim]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"k": torch.tensor([1.0, 2.0])}, r"per-row `k` needs method='ot'"),
+        ({"k": 2.5}, r"method='softkmax' needs an integer k; got k=2.5"),
+        ({"max_iter": 10}, r"`max_iter` is not used by method='softkmax'"),
+        ({"tol": 1e-3}, r"`tol` is not used by method='softkmax'"),
+        ({"n_samples": 10}, r"`n_samples` is not used by method='softkmax'"),
+        (
+            {"k": torch.tensor(2.0, requires_grad=True)},
+            r"does not differentiate with respect to `k`",
+        ),
+    ],
+)
+def test_soft_topk_mask_softkmax_rejects(kwargs, match):
+    x = torch.randn(2, 5)
+    kw = {"k": 2, **kwargs}
+    k = kw.pop("k")
+    with pytest.raises(ValueError, match=match):
+        soft_topk_mask(x, k, method="softkmax", **kw)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+def test_common_errors(op):
+    name = op.__name__
+    x = torch.randn(2, 5)
+    with pytest.raises(TypeError, match=rf"{name}: expected `x` to have a real floating dtype"):
+        _call(op, torch.arange(5))
+    with pytest.raises(TypeError, match=rf"{name}: expected `x` to be a torch.Tensor; got list"):
+        _call(op, [1.0, 2.0, 3.0])
+    with pytest.raises(
+        ValueError, match=rf"{name}: expected a non-empty `dim`; got x.shape\[1\] = 0"
+    ):
+        _call(op, torch.zeros(2, 0))
+    with pytest.raises(
+        ValueError, match=r"expected `dim` in \[-2, 1\] for x of shape \(2, 5\); got dim=2"
+    ):
+        _call(op, x, dim=2)
+    with pytest.raises(TypeError, match=r"expected `dim` to be an int; got 1.0"):
+        _call(op, x, dim=1.0)
+    with pytest.raises(ValueError, match=r"at least 1 dimension; got a 0-dim tensor"):
+        _call(op, torch.tensor(1.0))
+    for bad in (0.0, -1.0, inf, nan):
+        with pytest.raises(
+            ValueError, match=rf"{name}: expected `epsilon` > 0 and finite; got epsilon="
+        ):
+            _call(op, x, epsilon=bad)
+    with pytest.raises(ValueError, match=r"got epsilon=-0.5"):
+        _call(op, x, epsilon=torch.tensor([0.5, -0.5]))
+    with pytest.raises(TypeError, match=r"expected `epsilon` to be a float or a tensor; got '1'"):
+        _call(op, x, epsilon="1")
+    with pytest.raises(
+        ValueError, match=r"broadcastable to the batch shape \(2,\).*got shape \(3,\)"
+    ):
+        _call(op, x, epsilon=torch.ones(3))
+    with pytest.raises(TypeError, match=r"positional argument"):
+        op(x, 3, -1) if op is soft_kmax else op(x, -1)
+
+
+def test_flag_errors():
+    x = torch.randn(2, 5)
+    for op in REDUCTIONS:
+        with pytest.raises(
+            TypeError, match=rf"{op.__name__}: expected `keepdim` to be a bool; got 1"
+        ):
+            op(x, keepdim=1)
+    with pytest.raises(
+        TypeError, match=r"soft_argmax_onehot: expected `hard` to be a bool; got 'y'"
+    ):
+        soft_argmax_onehot(x, hard="y")
+
+
+@pytest.mark.parametrize(
+    ("k", "exc", "match"),
+    [
+        (6, ValueError, r"soft_kmax: expected 0 <= `k` <= x.shape\[dim\] \(= 5\); got k=6"),
+        (-1, ValueError, r"got k=-1"),
+        (2.5, TypeError, r"soft_kmax: expected `k` to be an int; got k=2.5"),
+        (True, TypeError, r"expected `k` to be an int; got True"),
+        (torch.tensor([1, 2]), TypeError, r"expected `k` to be an int; got a tensor"),
+        ("2", TypeError, r"expected `k` to be an int; got '2'"),
+    ],
+)
+def test_soft_kmax_k_errors(k, exc, match):
+    with pytest.raises(exc, match=match):
+        soft_kmax(torch.randn(2, 5), k)
+
+
+def test_soft_kmax_accepts_integral_k_forms():
+    x = torch.randn(2, 5, dtype=F64)
+    P = soft_kmax(x, 2)
+    assert torch.equal(soft_kmax(x, 2.0), P)
+    assert torch.equal(soft_kmax(x, torch.tensor(2)), P)
+
+
+# -------------------------------------------------------------------------------------- modules
+
+
+def test_modules_equal_functions_and_repr():
+    x = torch.randn(3, 4, 5, generator=seeded(13))
+    e = 0.3
+    pairs = [
+        (SmoothMax(dim=1, keepdim=True, epsilon=e), smooth_max(x, dim=1, keepdim=True, epsilon=e)),
+        (SmoothMin(dim=0, epsilon=e), smooth_min(x, dim=0, epsilon=e)),
+        (SoftArgmax(epsilon=e), soft_argmax(x, epsilon=e)),
+        (SoftArgmin(dim=-2, keepdim=True), soft_argmin(x, dim=-2, keepdim=True)),
+        (
+            SoftArgmaxOneHot(dim=1, epsilon=e, hard=True),
+            soft_argmax_onehot(x, dim=1, epsilon=e, hard=True),
+        ),
+        (SoftKMax(2, dim=0, epsilon=e), soft_kmax(x, 2, dim=0, epsilon=e)),
+    ]
+    for module, expected in pairs:
+        assert torch.equal(module(x), expected), type(module).__name__
+        assert list(module.parameters()) == []
+    assert repr(pairs[0][0]) == "SmoothMax(dim=1, keepdim=True, epsilon=0.3)"
+    assert repr(pairs[3][0]) == "SoftArgmin(dim=-2, keepdim=True, epsilon=1.0)"
+    assert repr(pairs[4][0]) == "SoftArgmaxOneHot(dim=1, epsilon=0.3, hard=True)"
+    assert repr(pairs[5][0]) == "SoftKMax(k=2, dim=0, epsilon=0.3)"
+    with pytest.raises(ValueError, match=r"soft_kmax: expected 0 <= `k`"):
+        SoftKMax(9)(x)
