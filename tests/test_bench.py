@@ -185,9 +185,67 @@ def test_topk_configs() -> None:
     assert [c.params["n"] for c in grid] == [1_000, 10_000]
     assert [c.params["k"] for c in grid] == [10, 100]
     assert [c.first_call for c in grid] == [False, True]
-    assert {c.group for c in configs} == {"grid", "speedup", "sorted"}
+    assert {c.group for c in configs} == {"grid", "speedup", "sorted", "max"}
     names = [case.name for case in SUITE.make_cases(grid[0])]
     assert names[0] == "torch.topk" and "sinkhorn-200" in names
+    assert "softkmax" in names and "perturbed-100" in names
+    (smooth,) = [c for c in configs if c.group == "max"]
+    assert smooth.params["k"] == 1 and smooth.params["n"] == 10_000
+    assert {c.group for c in build_configs(sizes=[1_000], smooth=False)} == {
+        "grid",
+        "speedup",
+        "sorted",
+    }
+
+
+def test_softkmax_case_skipped_when_its_backward_would_not_fit() -> None:
+    big = Config("grid", {"B": 64, "n": 100_000, "k": 1_000, "epsilon": 0.1})
+    cases = {case.name: case for case in SUITE.make_cases(big)}
+    assert cases["softkmax"].skip is not None and "O(k·B·n)" in cases["softkmax"].skip
+    assert cases["perturbed-100"].skip is None
+
+
+def test_max_group_cases_agree_with_the_hard_ops() -> None:
+    config = Config("max", {"B": 3, "n": 40, "k": 1, "epsilon": 1e-3})
+    cases = {case.name: case for case in SUITE.make_cases(config)}
+    assert cases["torch.amax"].floor
+    x = torch.stack([torch.randperm(40) for _ in range(3)]).double() / 10  # gaps of 100 eps
+    assert torch.allclose(cases["smooth_max"].fn(x), x.amax(-1), atol=1e-2)
+    assert torch.equal(cases["soft_argmax"].fn(x).round(), x.argmax(-1).double())
+    onehot = torch.nn.functional.one_hot(x.argmax(-1), 40).double()
+    for name in ("soft_argmax_onehot", "ot (eager)", "softkmax", "perturbed-100"):
+        assert torch.allclose(cases[name].fn(x), onehot, atol=1e-3), name
+
+
+def test_topk_l1_sweep_records_and_files(tmp_path: Any) -> None:
+    from softops.bench.topk_l1 import l1_to_hard, write_l1
+
+    records = l1_to_hard(batch=4, n=30, ks=(1, 3), epsilons=(1.0, 1e-3), n_samples=10)
+    methods = {"ot", "sinkhorn-200", "softkmax", "perturbed-10"}
+    assert {r["method"] for r in records if r["k"] == 3} == methods
+    assert {r["method"] for r in records if r["k"] == 1} == methods | {"soft_argmax_onehot"}
+    assert len(records) == 2 * (4 + 5)
+    for r in records:
+        assert 0 <= r["l1"] <= 2 * r["k"] + 1e-4 and r["nan_rows"] == 0
+        assert r["l1_rel"] == pytest.approx(r["l1"] / (2 * r["k"]))
+    ot = {r["epsilon"]: r["l1"] for r in records if r["method"] == "ot" and r["k"] == 3}
+    assert ot[1e-3] < 1e-2 < ot[1.0]
+    paths = write_l1(records, tmp_path, command="softops bench topk-l1")
+    text = paths["md"].read_text(encoding="utf-8")
+    assert "### k = 1" in text and "### k = 3" in text and "| soft_argmax_onehot |" in text
+    assert "`softops bench topk-l1`" in text
+    assert len(paths["jsonl"].read_text(encoding="utf-8").splitlines()) == len(records)
+    assert paths["png"].stat().st_size > 0
+
+
+def test_cli_bench_topk_l1(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "topk-l1", "--batch", "2", "--n", "20", "--k", "2", "--epsilons", "0.5"]
+    assert main([*argv, "--samples", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| ot |" in out and "| perturbed-4 |" in out and "ε=0.5" in out
+    assert main([*argv[:-4], "--k", "30", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "topk-l1", "--epsilons", "0"])
 
 
 def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ Usage::
 
     softops bench topk [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
+    softops bench topk-l1 [--batch 64] [--n 1000] [--k 1 10] [--epsilons EPS ...] [--samples 100]
     softops bench sort [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
     softops demo [--out DIR] [--threads N] [--no-bench]
@@ -12,6 +13,8 @@ Usage::
 Markdown table and writes ``topk.jsonl``, ``topk.md`` and ``topk.png`` (``topk-quick.*`` with
 ``--quick``) under ``--out`` (default ``benchmarks/results``). ``softops demo`` shows the soft
 top-k mask on a small vector, its gradient, and runs the quick top-k benchmark.
+``softops bench topk-l1`` measures the L1 distance of each top-k relaxation to the hard mask
+against epsilon (:mod:`softops.bench.topk_l1`), into ``topk-l1.{jsonl,md,png}``.
 ``softops bench sort`` runs the sort suite (:mod:`softops.bench.sort`) the same way, into
 ``sort.jsonl``, ``sort.md`` and ``sort.png`` (``sort-quick.*`` with ``--quick``).
 
@@ -132,8 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     topk.add_argument(
         "--no-sorted", action="store_true", help="skip the sorted top-k memory configuration"
     )
+    topk.add_argument(
+        "--no-smooth",
+        action="store_true",
+        help="skip the k=1 configuration of the smooth max/argmax family",
+    )
     topk.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     topk.set_defaults(func=_bench_topk)
+    _add_l1_parser(suites)
     _add_sort_parser(suites)
 
     demo = commands.add_parser(
@@ -275,6 +284,7 @@ def run_topk_bench(
     first_call: bool = True,
     speedup: bool = True,
     sorted_memory: bool = True,
+    smooth: bool = True,
     seed: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -305,6 +315,7 @@ def run_topk_bench(
         batch=batch or (QUICK["batch"] if quick else 64),
         speedup=speedup,
         sorted_memory=sorted_memory,
+        smooth=smooth,
         first_call=options.first_call,
         quick=quick,
     )
@@ -331,10 +342,90 @@ def _bench_topk(args: argparse.Namespace) -> int:
         first_call=not args.no_first_call,
         speedup=not args.no_speedup,
         sorted_memory=not args.no_sorted,
+        smooth=not args.no_smooth,
         seed=args.seed,
         command="softops " + shlex.join(args.argv),
     )
     print(report)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# softops bench topk-l1
+
+
+def _epsilon(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
+    return value
+
+
+def _add_l1_parser(suites: Any) -> None:
+    from softops.bench.topk_l1 import L1_EPSILONS
+
+    l1 = suites.add_parser(
+        "topk-l1",
+        help="L1 distance of each top-k relaxation to the hard mask, against epsilon",
+        description="The bias of soft_topk_mask's methods (ot, 200-iteration sinkhorn, "
+        "softkmax, perturbed) and, at k=1, soft_argmax_onehot: the mean L1 distance to the "
+        "hard top-k mask on standard normal rows, for each epsilon.",
+    )
+    l1.add_argument("--batch", type=_positive_int, default=64, help="rows (default: 64)")
+    l1.add_argument("--n", type=_size, default=1_000, help="row length (default: 1000)")
+    l1.add_argument(
+        "--k", type=_positive_int, nargs="+", default=[1, 10], help="k values (default: 1 10)"
+    )
+    l1.add_argument(
+        "--epsilons",
+        type=_epsilon,
+        nargs="+",
+        default=list(L1_EPSILONS),
+        metavar="EPS",
+        help=f"epsilon values (default: {' '.join(f'{e:g}' for e in L1_EPSILONS)})",
+    )
+    l1.add_argument(
+        "--samples", type=_positive_int, default=100, help="perturbed draws (default: 100)"
+    )
+    l1.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default: 1)")
+    l1.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
+    l1.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    l1.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    l1.set_defaults(func=_bench_l1)
+
+
+def _bench_l1(args: argparse.Namespace) -> int:
+    import torch
+
+    from softops.bench.topk_l1 import l1_to_hard, write_l1
+
+    error = _check_device(args.device)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    if any(k > args.n for k in args.k):
+        print(f"softops bench topk-l1: expected every k <= n (= {args.n}); got {args.k}.")
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        records = l1_to_hard(
+            batch=args.batch,
+            n=args.n,
+            ks=args.k,
+            epsilons=args.epsilons,
+            n_samples=args.samples,
+            seed=args.seed,
+            device=args.device,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    paths = write_l1(records, args.out, command="softops " + shlex.join(args.argv))
+    _logger()("wrote " + ", ".join(str(p) for p in paths.values()))
+    print(paths["md"].read_text(encoding="utf-8"))
     return 0
 
 

@@ -52,6 +52,9 @@ _SINKHORN_LABEL = f"sinkhorn-{SINKHORN_ITERS}"
 _PAPER_LABEL = f"sinkhorn-{SINKHORN_ITERS} (paper layout)"
 _SORTED_LABEL = "soft_topk (implicit)"
 _UNROLLED_LABEL = f"unrolled sinkhorn-{SINKHORN_ITERS} (autograd)"
+PERTURBED_SAMPLES = 100
+_PERTURBED_LABEL = f"perturbed-{PERTURBED_SAMPLES}"
+SOFTKMAX_MAX_KBN = 100_000_000
 
 
 def unrolled_sorted_topk(
@@ -157,6 +160,7 @@ def build_configs(
     epsilon: float = 0.1,
     speedup: bool = True,
     sorted_memory: bool = True,
+    smooth: bool = True,
     first_call: bool = True,
     quick: bool = False,
 ) -> list[Config]:
@@ -169,6 +173,8 @@ def build_configs(
         epsilon: the temperature of the soft masks.
         speedup: include the B=8, n=1e4, k=100 configuration (ot against 200-iteration Sinkhorn).
         sorted_memory: include the sorted top-k memory configuration (B=16, n=1e3, k=8, eps=0.3).
+        smooth: include the k = 1 configuration of the smooth max/argmax family (B=batch,
+            n=1e4, or 1e3 with ``quick``).
         first_call: flag the largest grid configuration for the first-call (compile) probe.
         quick: shrink the sorted configuration to B=4, n=500, for ``--quick``.
 
@@ -186,6 +192,9 @@ def build_configs(
     ]
     if speedup:
         configs.append(Config("speedup", {"B": 8, "n": 10_000, "k": 100, "epsilon": epsilon}))
+    if smooth:
+        n = 1_000 if quick else 10_000
+        configs.append(Config("max", {"B": batch, "n": n, "k": 1, "epsilon": epsilon}))
     if sorted_memory:
         b, n = (4, 500) if quick else (16, 1_000)
         configs.append(Config("sorted", {"B": b, "n": n, "k": 8, "epsilon": 0.3}))
@@ -241,6 +250,8 @@ class TopKSuite:
         cases = [Case("torch.topk", lambda x: torch.topk(x, k, dim=-1).values, floor=True)]
         if config.group == "sorted":
             return [*cases, *self._sorted_cases(k, eps)]
+        if config.group == "max":
+            return self._max_cases(eps)
 
         def ot(x: torch.Tensor) -> torch.Tensor:
             return softops.soft_topk_mask(x, k, epsilon=eps, method="ot")
@@ -271,9 +282,26 @@ class TopKSuite:
                 skip=None if int(p["B"]) * int(p["n"]) <= 1_000_000 else "too slow (> 100 s)",
             ),
         ]
+        cases += _relaxation_cases(k, eps, int(p["B"]) * int(p["n"]))
         if config.group == "grid":
             cases.append(_entmax_case(k))
         return cases
+
+    @staticmethod
+    def _max_cases(eps: float) -> list[Case]:
+        """k = 1: the smooth max/argmax family of seed 002 against the top-1 masks."""
+        return [
+            Case("torch.amax", lambda x: torch.amax(x, dim=-1), floor=True),
+            Case("smooth_max", lambda x: softops.smooth_max(x, epsilon=eps)),
+            Case("soft_argmax", lambda x: softops.soft_argmax(x, epsilon=eps)),
+            Case("soft_argmax_onehot", lambda x: softops.soft_argmax_onehot(x, epsilon=eps)),
+            Case(
+                _EAGER_LABEL,
+                lambda x: softops.soft_topk_mask(x, 1, epsilon=eps, method="ot"),
+                mode=functools.partial(_compile_mode, False),
+            ),
+            *_relaxation_cases(1, eps, 0),
+        ]
 
     @staticmethod
     def _sorted_cases(k: int, eps: float) -> list[Case]:
@@ -341,6 +369,7 @@ class TopKSuite:
                 f'- "ot" vs {_PAPER_LABEL} fwd+bwd at B={r["B"]}, n={r["n"]}: '
                 f"{pk['fwdbwd_ms'] / r['fwdbwd_ms']:.0f}× faster ({pk['fwdbwd_ms']:.0f} ms)"
             )
+        lines += _relaxation_summary(records)
         rows = [r for r in records if r["group"] == "sorted"]
         imp = next((s for s in rows if s["case"] == _SORTED_LABEL), None)
         unr = next((s for s in rows if s["case"] == _UNROLLED_LABEL), None)
@@ -356,6 +385,52 @@ class TopKSuite:
                 text += f"; max |values difference| {imp['max_abs_diff_implicit_vs_unrolled']:.1e}"
             lines.append(text)
         return lines if len(lines) > 2 else []
+
+
+def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """fwd+bwd of the other relaxations over "ot (eager)" in each grid and max configuration."""
+    lines = []
+    others = ("softkmax", _PERTURBED_LABEL, "smooth_max", "soft_argmax", "soft_argmax_onehot")
+    by_config: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        if r["group"] in ("grid", "max"):
+            by_config.setdefault(r["config"], []).append(r)
+    for config, rows in by_config.items():
+        ot = next((r for r in rows if r["case"] == _EAGER_LABEL and r.get("fwdbwd_ms")), None)
+        if ot is None:
+            continue
+        parts = [
+            f"{r['case']} {r['fwdbwd_ms'] / ot['fwdbwd_ms']:.2g}×"
+            for r in rows
+            if r["case"] in others and r.get("fwdbwd_ms")
+        ]
+        if parts:
+            lines.append(f'- fwd+bwd over "ot (eager)" at {config}: ' + ", ".join(parts))
+    return lines
+
+
+def _relaxation_cases(k: int, eps: float, numel: int) -> list[Case]:
+    """The seed-002 recursion ("softkmax") and the perturbed optimizer, at the same epsilon."""
+
+    def softkmax(x: torch.Tensor) -> torch.Tensor:
+        return softops.soft_topk_mask(x, k, epsilon=eps, method="softkmax")
+
+    def perturbed(x: torch.Tensor) -> torch.Tensor:
+        return softops.soft_topk_mask(
+            x, k, epsilon=eps, method="perturbed", n_samples=PERTURBED_SAMPLES
+        )
+
+    # softkmax keeps k softmaxes of (B, n) for the backward (plain autograd): a few bytes times
+    # k·B·n, 3 GB at k·B·n = 2e8 (B=64, n=1e4, k=100 is 6.4e7).
+    heavy = k * numel > SOFTKMAX_MAX_KBN
+    return [
+        Case(
+            "softkmax",
+            softkmax,
+            skip=f"saves O(k·B·n) = {k * numel:.1e} floats for backward" if heavy else None,
+        ),
+        Case(_PERTURBED_LABEL, perturbed),
+    ]
 
 
 def _fused_skip(numel: int) -> str | None:

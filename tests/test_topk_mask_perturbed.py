@@ -1,0 +1,432 @@
+"""soft_topk_mask(method="perturbed"): Berthet et al.'s perturbed optimizer on the top-k mask."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from softops import soft_topk_mask
+from softops._core import perturbed as perturbed_mod
+
+from .conftest import saved_bytes, seeded
+from .reference import hard_topk_mask
+
+F64 = torch.float64
+
+
+def _mask(x, k, *, seed=0, n_samples=64, epsilon=0.5, **kw):
+    """The perturbed mask with a fresh generator seeded with ``seed``."""
+    return soft_topk_mask(
+        x, k, method="perturbed", epsilon=epsilon, n_samples=n_samples, generator=seeded(seed), **kw
+    )
+
+
+def _value_and_grad(x, k, g, **kw):
+    x = x.detach().clone().requires_grad_()
+    A = _mask(x, k, **kw)
+    (gx,) = torch.autograd.grad(A, x, g)
+    return A.detach(), gx
+
+
+def _distinct(B: int, n: int, dtype=F64) -> torch.Tensor:
+    """Rows with well-separated entries (a gap of 4/n between any two)."""
+    return torch.stack([torch.randperm(n).to(dtype) / n * 4 for _ in range(B)])
+
+
+# ------------------------------------------------------------ exact probabilities (k = 1, n - 1)
+
+
+def _argmax_probs(x: torch.Tensor, eps: float, deg: int = 80) -> torch.Tensor:
+    """P(i = argmax of x + eps Z) = E_z[prod_{j != i} Phi((x_i - x_j)/eps + z)], by Gauss-Hermite.
+
+    Written in torch float64, so that autograd gives the exact Jacobian of the probabilities.
+    """
+    t, w = np.polynomial.hermite.hermgauss(deg)
+    z = torch.tensor(math.sqrt(2) * t, dtype=F64)
+    w = torch.tensor(w / math.sqrt(math.pi), dtype=F64)
+    d = (x[:, None] - x[None, :]) / eps  # d[i, j] = (x_i - x_j)/eps
+    cdf = torch.special.ndtr(d + z[:, None, None])  # (deg, n, n)
+    eye = torch.eye(x.shape[0], dtype=torch.bool)
+    return w @ torch.where(eye, 1.0, cdf).prod(-1)
+
+
+def _exact_mask(x: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """E[topk_mask(x + eps Z)] for k = 1, or k = n - 1 (1 - P(argmin), argmin(x) = argmax(-x))."""
+    if k == 1:
+        return _argmax_probs(x, eps)
+    assert k == x.shape[0] - 1
+    return 1 - _argmax_probs(-x, eps)
+
+
+X6 = torch.tensor([0.3, -0.2, 0.5, 0.1, -0.4, 0.0], dtype=F64)
+
+
+def test_quadrature_is_exact():
+    # the test's own reference: probabilities sum to 1 and match adaptive quadrature (scipy)
+    from scipy import integrate, special
+
+    p = _argmax_probs(X6, 0.4)
+    assert abs(float(p.sum()) - 1) < 1e-12
+    xs = X6.numpy()
+    for i in (0, 4):
+        others = np.delete(xs, i)
+
+        def f(z, i=i, others=others):
+            pdf = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+            return pdf * np.prod(special.ndtr((xs[i] - others) / 0.4 + z))
+
+        ref, _ = integrate.quad(f, -12, 12, epsabs=1e-13)
+        assert abs(float(p[i]) - ref) < 1e-10
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_forward_is_unbiased(k):
+    # 4000 rows of the same x, 10 draws each: 40000 independent Bernoulli draws per entry.
+    rows, N, eps = 4000, 10, 0.4
+    x = X6.expand(rows, 6)
+    A = _mask(x, k, seed=11, n_samples=N, epsilon=eps)
+    mean = A.mean(0)
+    p = _exact_mask(X6, k, eps)
+    se = torch.sqrt(p * (1 - p) / (rows * N))
+    assert float(p.min()) > 0.01 and float(p.max()) < 0.99  # a non-trivial check
+    z = (mean - p) / se
+    assert float(z.abs().max()) < 5, z
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_backward_estimates_the_exact_jacobian(k):
+    eps = 0.4
+    J = torch.autograd.functional.jacobian(lambda v: _exact_mask(v, k, eps), X6)  # J[i, j]
+    g = torch.tensor([1.0, -0.5, 2.0, 0.0, 0.7, -1.2], dtype=F64)
+    exact = g @ J
+    # Each of the M rows is an independent replication of the estimator (its own draws).
+    M = 2000
+    x = X6.expand(M, 6)
+    stds = {}
+    for N in (8, 128):
+        _, est = _value_and_grad(x, k, g.expand(M, 6), seed=N, n_samples=N, epsilon=eps)
+        mean, std = est.mean(0), est.std(0)
+        z = (mean - exact) / (std / math.sqrt(M))
+        assert float(z.abs().max()) < 5, (N, z)
+        stds[N] = std
+    assert float(exact.abs().max()) > 0.3  # the Jacobian is not trivially zero
+    ratio = stds[8] / stds[128]  # 1/sqrt(N): sqrt(16) = 4
+    assert bool(((ratio > 3.3) & (ratio < 4.8)).all()), ratio
+
+
+# ------------------------------------------------------------------- reference backward (exact)
+
+
+def _reference(x, k, eps, N, seed, g):
+    """The estimator written out: a loop over N draws of (B, n) from one generator."""
+    gen = seeded(seed)
+    e = eps.reshape(-1, 1)
+    total = torch.zeros_like(x)
+    grad = torch.zeros_like(x)
+    for _ in range(N):
+        z = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        y = hard_topk_mask(x + e * z, k)
+        total += y
+        grad += (g * y).sum(-1, keepdim=True) * z
+    return total / N, grad / (e * N)
+
+
+@pytest.mark.parametrize("budget", [None, 1, 3 * 5 * 7, 10**9])
+def test_backward_equals_the_written_out_estimator(monkeypatch, budget):
+    # budget: the work-buffer size; 1 gives one sample per chunk, 105 three (ragged last chunk)
+    if budget is not None:
+        monkeypatch.setattr(perturbed_mod, "_CHUNK_ELEMENTS", budget)
+    B, n, k, N = 5, 7, 2, 37
+    x = torch.randn(B, n, dtype=F64)
+    eps = torch.tensor([0.3, 1.0, 0.05, 2.0, 0.5], dtype=F64)
+    g = torch.randn(B, n, dtype=F64)
+    A, gx = _value_and_grad(x, k, g, seed=3, n_samples=N, epsilon=eps)
+    A_ref, g_ref = _reference(x, k, eps, N, 3, g)
+    assert torch.equal(A, A_ref)
+    torch.testing.assert_close(gx, g_ref, atol=1e-12, rtol=0)
+
+
+def test_torch_func_grad():
+    x = torch.randn(2, 6, dtype=F64)
+    w = torch.randn(2, 6, dtype=F64)
+    fn = lambda v: (_mask(v, 2, seed=4, n_samples=16) * w).sum()  # noqa: E731
+    _, ref = _value_and_grad(x, 2, w, seed=4, n_samples=16)
+    torch.testing.assert_close(torch.func.grad(fn)(x), ref, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- hard limit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("k", [1, 7, 29])
+def test_reaches_the_hard_mask_as_epsilon_goes_to_zero(dtype, k):
+    x = _distinct(4, 30, dtype)
+    for largest in (True, False):
+        A = _mask(x, k, epsilon=1e-6, n_samples=50, largest=largest)
+        assert torch.equal(A, hard_topk_mask(x, k, largest=largest))
+    # and it is smooth away from that limit
+    assert not torch.equal(_mask(x, k, epsilon=0.3), hard_topk_mask(x, k))
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize(("n", "k"), [(9, 1), (9, 4), (9, 8), (300, 30)])
+@pytest.mark.parametrize("N", [1, 37, 64])
+def test_values_are_counts_and_rows_sum_to_k(n, k, N):
+    x = torch.randn(6, n, dtype=F64)
+    A = _mask(x, k, n_samples=N, epsilon=0.7)
+    assert bool(((A >= 0) & (A <= 1)).all())
+    counts = A * N
+    torch.testing.assert_close(counts, counts.round(), atol=1e-9, rtol=0)
+    if N & (N - 1) == 0:  # count / N is exact for a power of two
+        assert torch.equal(A.sum(-1), torch.full((6,), float(k), dtype=F64))
+    else:
+        torch.testing.assert_close(A.sum(-1), torch.full((6,), float(k), dtype=F64))
+
+
+def test_k_edges_draw_nothing():
+    x = torch.randn(3, 8, dtype=F64, requires_grad=True)
+    gen = seeded(5)
+    state = gen.get_state()
+    A0 = soft_topk_mask(x, 0, method="perturbed", generator=gen)
+    A8 = soft_topk_mask(x, 8, method="perturbed", generator=gen)
+    assert torch.equal(A0, torch.zeros_like(x)) and torch.equal(A8, torch.ones_like(x))
+    assert torch.equal(gen.get_state(), state)  # the generator was not advanced
+    (gx,) = torch.autograd.grad((A0 + A8).sum(), x)
+    assert torch.equal(gx, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
+def test_any_dim_equals_moving_it_last(dim):
+    # Rows are the slices along dim in row-major order of the other dims; each row draws its own
+    # noise, so a loop over slices with a reset generator would give other (equally valid) draws.
+    x = torch.randn(4, 6, 5, dtype=F64)
+    g = torch.randn_like(x)
+    A, gx = _value_and_grad(x, 2, g, dim=dim, seed=9, n_samples=16)
+    xm, gm = x.movedim(dim, -1), g.movedim(dim, -1)
+    rows = xm.reshape(-1, xm.shape[-1])
+    A_r, g_r = _value_and_grad(rows, 2, gm.reshape(rows.shape), seed=9, n_samples=16)
+    assert torch.equal(A, A_r.reshape(xm.shape).movedim(-1, dim))
+    assert torch.equal(gx, g_r.reshape(xm.shape).movedim(-1, dim))
+    assert torch.equal(A.sum(dim), torch.full_like(A.sum(dim), 2.0))
+
+
+def test_largest_false_is_largest_of_negated():
+    x = torch.randn(3, 20, dtype=F64)
+    g = torch.randn_like(x)
+    A, gx = _value_and_grad(x, 4, g, seed=2, largest=False)
+    B, gy = _value_and_grad(-x, 4, g, seed=2)
+    assert torch.equal(A, B)
+    assert torch.equal(gx, -gy)
+
+
+def test_scaling_and_shift():
+    # mask(c x, eps = c e) with the same draws is the same mask; the gradient is divided by c
+    x = torch.randn(3, 15, dtype=F64)
+    g = torch.randn_like(x)
+    A, gx = _value_and_grad(x, 5, g, seed=6, epsilon=0.3)
+    A4, g4 = _value_and_grad(4 * x, 5, g, seed=6, epsilon=1.2)
+    assert torch.equal(A, A4)
+    torch.testing.assert_close(g4, gx / 4, atol=1e-14, rtol=1e-12)
+    A_s, g_s = _value_and_grad(x + 0.5, 5, g, seed=6, epsilon=0.3)
+    assert torch.equal(A, A_s)  # no near-ties: the shift moves no entry across another
+    torch.testing.assert_close(g_s, gx, atol=1e-14, rtol=0)
+
+
+def test_hard_is_straight_through():
+    x = torch.randn(4, 10, dtype=F64)
+    g = torch.randn_like(x)
+    H, gh = _value_and_grad(x, 3, g, seed=8, hard=True)
+    assert torch.equal(H, hard_topk_mask(x, 3))
+    _, gs = _value_and_grad(x, 3, g, seed=8)
+    assert torch.equal(gh, gs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_dtype_and_half_precision(dtype):
+    x = torch.randn(4, 50).to(dtype)
+    A, gx = _value_and_grad(x, 5, torch.ones_like(x), seed=1, n_samples=20)
+    assert A.dtype == dtype and gx.dtype == dtype and A.device == x.device
+    # half precision is computed in float32 (the same draws) and cast back; counts are exact
+    A32, _ = _value_and_grad(x.float(), 5, torch.ones(4, 50), seed=1, n_samples=20)
+    if dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(A, A32.to(dtype))
+    assert bool(torch.isfinite(gx).all())
+
+
+# ------------------------------------------------------------------------------ reproducibility
+
+
+def test_same_seed_same_values_and_gradients():
+    x = torch.randn(3, 12, dtype=F64)
+    g = torch.randn_like(x)
+    A1, g1 = _value_and_grad(x, 4, g, seed=21)
+    A2, g2 = _value_and_grad(x, 4, g, seed=21)
+    assert torch.equal(A1, A2) and torch.equal(g1, g2)
+    A3, _ = _value_and_grad(x, 4, g, seed=22)
+    assert not torch.equal(A1, A3)
+
+
+def test_global_seed_makes_generator_none_reproducible():
+    x = torch.randn(3, 12, dtype=F64, requires_grad=True)
+    g = torch.randn_like(x)
+    out = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        A = soft_topk_mask(x, 4, method="perturbed", n_samples=16)
+        out.append((A.detach(), torch.autograd.grad(A, x, g)[0]))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    again = soft_topk_mask(x, 4, method="perturbed", n_samples=16)  # global generator moved on
+    assert not torch.equal(again.detach(), out[1][0])
+
+
+def test_consecutive_calls_advance_the_users_generator():
+    x = torch.randn(3, 12, dtype=F64)
+    gen = seeded(7)
+    A1 = soft_topk_mask(x, 4, method="perturbed", n_samples=16, generator=gen)
+    A2 = soft_topk_mask(x, 4, method="perturbed", n_samples=16, generator=gen)
+    assert not torch.equal(A1, A2)
+    # and it advanced exactly as if the draws had been taken from it directly, one (B, n) each
+    ref = seeded(7)
+    for _ in range(32):
+        torch.randn(3, 12, generator=ref, dtype=F64)
+    assert torch.equal(gen.get_state(), ref.get_state())
+
+
+def test_gradient_uses_the_forwards_draws():
+    x = torch.randn(3, 12, dtype=F64, requires_grad=True)
+    g = torch.randn_like(x)
+    gen = seeded(31)
+    A = soft_topk_mask(x, 4, method="perturbed", epsilon=0.5, n_samples=16, generator=gen)
+    torch.randn(1000, generator=gen)  # the user's generator moves on before backward
+    gen.manual_seed(999)
+    (gx,) = torch.autograd.grad(A, x, g)
+    _, ref = _value_and_grad(x, 4, g, seed=31, n_samples=16)
+    assert torch.equal(gx, ref)
+
+
+def test_saved_memory_does_not_grow_with_n_samples():
+    x = torch.randn(4, 50, requires_grad=True)
+
+    def run(N):
+        return saved_bytes(lambda: _mask(x, 5, n_samples=N).sum().backward())
+
+    small, large = run(10), run(1000)
+    assert small == large
+    assert small <= x.numel() * 4 + 1024  # x and epsilon (the generator state is on ctx)
+
+
+def test_no_grad_saves_nothing():
+    x = torch.randn(4, 50)
+    assert saved_bytes(lambda: _mask(x, 5)) == 0
+
+
+# ------------------------------------------------------------------------------ special values
+
+
+def test_infinities_behave_as_their_limits_and_bad_rows_stay_in_their_row():
+    inf, nan = math.inf, math.nan
+    rows = [
+        [1.0, -inf, 3.0, 2.0, -inf, 0.5],  # -inf never selected
+        [inf, 1.0, 2.0, 0.0, -1.0, 3.0],  # +inf always selected
+        [-inf, -inf, -inf, 1.0, 2.0, 3.0],  # exactly k finite: all of them
+        [inf, inf, inf, inf, 1.0, 2.0],  # more +inf than k: cannot hold
+        [-inf, -inf, -inf, -inf, -inf, 2.0],  # fewer than k above -inf: cannot hold
+        [inf, inf, inf, 1.0, 2.0, -inf],  # exactly k at +inf
+        [0.5, nan, 1.0, 2.0, 3.0, 4.0],  # NaN
+    ]
+    x = torch.tensor(rows, dtype=F64)
+    g = torch.randn_like(x)
+    A, gx = _value_and_grad(x, 3, g, seed=4, epsilon=0.5)
+    assert A[0, 1] == 0 and A[0, 4] == 0 and A[1, 0] == 1
+    assert A[2].tolist() == [0, 0, 0, 1, 1, 1]
+    assert A[5].tolist() == [1, 1, 1, 0, 0, 0]
+    good, bad = [0, 1, 2, 5], [3, 4, 6]
+    assert bool(torch.isnan(A[bad]).all()) and bool(torch.isnan(gx[bad]).all())
+    assert bool(torch.isfinite(gx[good]).all())
+    assert bool((gx[good][torch.isinf(x[good])] == 0).all())
+    # the finite entries of row 0 still receive a gradient
+    assert bool((gx[0, [0, 2, 3, 5]] != 0).any())
+    # other rows are unaffected: replace the bad rows by finite ones, same draws
+    x_ok = x.clone()
+    x_ok[bad] = torch.randn(3, 6, dtype=F64)
+    A_ok, g_ok = _value_and_grad(x_ok, 3, g, seed=4, epsilon=0.5)
+    assert torch.equal(A[good], A_ok[good]) and torch.equal(gx[good], g_ok[good])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(2, 12),
+    data=st.data(),
+    scale=st.sampled_from([1e-20, 1.0, 1e20]),
+    eps_rel=st.sampled_from([1e-6, 1.0, 100.0]),
+)
+def test_property_ties_and_magnitudes(n, data, scale, eps_rel):
+    vals = data.draw(st.lists(st.integers(-2, 2), min_size=n, max_size=n))
+    k = data.draw(st.integers(0, n))
+    x = torch.tensor(vals, dtype=F64) * scale
+    A, gx = _value_and_grad(x, k, torch.ones_like(x), n_samples=8, epsilon=eps_rel * scale)
+    assert bool(torch.isfinite(A).all()) and bool(torch.isfinite(gx).all())
+    assert bool(((A >= 0) & (A <= 1)).all())
+    assert float(A.sum()) == k  # N = 8: exact
+
+
+# -------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"n_samples": 0}, ValueError, r"positive int or None; got n_samples=0\."),
+        ({"n_samples": -1}, ValueError, r"got n_samples=-1\."),
+        ({"n_samples": 2.5}, ValueError, r"got n_samples=2\.5\."),
+        ({"n_samples": True}, ValueError, r"got n_samples=True\."),
+        ({"generator": 3}, TypeError, r"torch\.Generator or None; got 3\."),
+        ({"k": 2.5}, ValueError, r"method='perturbed' needs an integer k; got k=2\.5"),
+        ({"k": torch.tensor([1.0, 2.0])}, ValueError, r"per-row `k` needs method='ot'"),
+        (
+            {"k": torch.tensor(2.0, requires_grad=True)},
+            ValueError,
+            r"respect to `k`; got `k` that requires grad",
+        ),
+        (
+            {"epsilon": torch.tensor(0.5, requires_grad=True)},
+            ValueError,
+            r"respect to `epsilon`; got `epsilon` that requires grad",
+        ),
+        ({"max_iter": 10}, ValueError, r"max_iter"),
+        ({"tol": 1e-3}, ValueError, r"tol"),
+        ({"epsilon": 0.0}, ValueError, r"expected `epsilon` > 0 and finite; got epsilon=0\.0"),
+    ],
+)
+def test_bad_input_raises_clear_errors(kwargs, exc, match):
+    x = torch.randn(2, 5)
+    kwargs = {"k": 2, **kwargs}
+    with pytest.raises(exc, match=match):
+        soft_topk_mask(x, method="perturbed", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"n_samples": 10}, {"generator": torch.Generator()}])
+@pytest.mark.parametrize("method", ["ot", "sinkhorn", "softkmax"])
+def test_perturbed_arguments_rejected_by_other_methods(method, kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        soft_topk_mask(torch.randn(2, 5), 2, method=method, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("eps", [0.1, 1.0, 5.0])
+@pytest.mark.parametrize("k", [1, 9])
+def test_slow_unbiased_grid(eps, k):
+    x = torch.randn(10, dtype=F64)
+    rows, N = 20000, 8
+    A = _mask(x.expand(rows, 10), k, seed=5, n_samples=N, epsilon=eps)
+    p = _exact_mask(x, k, eps)
+    se = torch.sqrt(p * (1 - p) / (rows * N)).clamp_min(1e-4)
+    assert float(((A.mean(0) - p) / se).abs().max()) < 5
