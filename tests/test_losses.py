@@ -435,7 +435,7 @@ def test_classification_loss_errors():
         ValueError, match=r"topk_accuracy_loss: expected `reduction`.*got reduction='max'"
     ):
         topk_accuracy_loss(p, t, 1, reduction="max")
-    with pytest.raises(ValueError, match=r"soft_f1: expected `average` to be one of"):
+    with pytest.raises(ValueError, match=r"f1_loss: expected `average` to be one of"):
         f1_loss(p, t, average="samples")
     with pytest.raises(ValueError, match=r"accuracy_loss: expected `target` of shape \(4,\)"):
         accuracy_loss(p, t[:2])
@@ -510,3 +510,15 @@ def test_ranking_loss_errors():
         ValueError, match=r"ndcg_loss: expected non-negative `target` \(relevance\); got -1"
     ):
         ndcg_loss(x, y - torch.tensor([[0.0] * 4 + [1.5]] * 2))
+
+
+def test_errors_name_the_loss_that_raised_them() -> None:
+    with pytest.raises(ValueError, match=r"^f1_loss: expected `target` values in \{0, 1\}; got 2"):
+        f1_loss(torch.rand(3), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"^f1_loss: expected `average`"):
+        f1_loss(torch.rand(3, 2), torch.tensor([0, 1, 1]), average="weighted")
+    eps = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^topk_accuracy_loss: expected an `epsilon` that does"):
+        topk_accuracy_loss(
+            torch.randn(3, 4), torch.tensor([0, 1, 2]), 2, epsilon=eps, method="sinkhorn"
+        )

@@ -380,7 +380,7 @@ def test_topk_accuracy_gradcheck_and_straight_through():
     torch.testing.assert_close(gh, gs)
 
 
-@pytest.mark.parametrize("method", ["sinkhorn", "softkmax"])
+@pytest.mark.parametrize("method", ["sinkhorn", "perturbed"])
 def test_topk_accuracy_other_methods(method):
     g = seeded(13)
     s = _distinct_scores(g, 8, 5)
@@ -467,3 +467,18 @@ def test_topk_errors():
         soft_topk_accuracy(s.long(), t, 2)
     with pytest.raises(ValueError, match=r"non-empty batch"):
         soft_topk_accuracy(s[:0], t[:0], 2)
+
+
+def test_topk_accuracy_rejects_the_unclipped_softkmax_and_untracked_epsilon_grads() -> None:
+    # softkmax masks can exceed 1 (k = C here gives a "hit probability" of 1.33).
+    scores = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    target = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"soft_topk_accuracy: expected `method` to be one of"):
+        soft_topk_accuracy(scores, target, 3, method="softkmax")
+    eps = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(
+        ValueError,
+        match=r"soft_topk_accuracy: expected an `epsilon` that does not require grad with "
+        r"method='perturbed'",
+    ):
+        soft_topk_accuracy(scores, target, 2, epsilon=eps, method="perturbed")

@@ -439,14 +439,17 @@ def test_soft_topk_mask_softkmax_equals_soft_kmax(dim, largest):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"k": torch.tensor([1.0, 2.0])}, r"per-row `k` needs method='ot'"),
-        ({"k": 2.5}, r"method='softkmax' needs an integer k; got k=2.5"),
+        (
+            {"k": torch.tensor([1.0, 2.0])},
+            r"expected a scalar `k` with method=.*method='ot'",
+        ),
+        ({"k": 2.5}, r"expected an integer `k` with method='softkmax'; got k=2.5"),
         ({"max_iter": 10}, r"`max_iter` is not used by method='softkmax'"),
         ({"tol": 1e-3}, r"`tol` is not used by method='softkmax'"),
         ({"n_samples": 10}, r"`n_samples` is not used by method='softkmax'"),
         (
             {"k": torch.tensor(2.0, requires_grad=True)},
-            r"does not differentiate with respect to `k`",
+            r"expected a `k` that does not require grad with method=",
         ),
     ],
 )
@@ -560,3 +563,14 @@ def test_modules_equal_functions_and_repr():
     assert repr(pairs[5][0]) == "SoftKMax(k=2, dim=0, epsilon=0.3)"
     with pytest.raises(ValueError, match=r"soft_kmax: expected 0 <= `k`"):
         SoftKMax(9)(x)
+
+
+def test_soft_kmax_saturates_instead_of_overflowing() -> None:
+    # (x - min x)/eps overflows float32 here (inf * (1 - p) would be NaN once an entry is
+    # taken); the recursion saturates at the largest float instead and still selects.
+    x = torch.tensor([[0.0, 1e30, -5.0]])
+    assert torch.equal(soft_kmax(x, 1, epsilon=1e-9), torch.tensor([[0.0, 1.0, 0.0]]))
+    assert torch.equal(soft_kmax(x, 2, epsilon=1e-9), torch.tensor([[1.0, 1.0, 0.0]]))
+    y = torch.tensor([[3e38, -3e38, 0.0]])  # x - min x itself overflows
+    assert torch.equal(soft_kmax(y, 1), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.equal(soft_kmax(y, 2), torch.tensor([[1.0, 0.0, 1.0]]))

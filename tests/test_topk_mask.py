@@ -399,3 +399,12 @@ def test_fused_path_matches_eager():
     torch.testing.assert_close(A1, A0, atol=2e-5, rtol=0)
     torch.testing.assert_close(g1, g0, atol=1e-4, rtol=1e-3)
     assert abs(float(A1.double().sum(-1).max()) - 700) < 700 * 1e-5
+
+
+@pytest.mark.parametrize("method", ["ot", "sinkhorn", "softkmax", "perturbed"])
+def test_empty_batch_stays_on_the_graph(method: str) -> None:
+    x = torch.empty(0, 5, requires_grad=True)
+    A = soft_topk_mask(x, 2, method=method)
+    assert A.shape == (0, 5) and A.requires_grad
+    A.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 5)

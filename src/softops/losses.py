@@ -36,7 +36,7 @@ from ._core.validation import (
     check_nonempty,
     compute_dtype,
 )
-from .metrics import _check_topk_args, _correct_probability, _topk_hit, _validate, soft_f1
+from .metrics import _check_topk_args, _correct_probability, _score, _topk_hit, _validate
 from .sort import _SORT_METHODS, soft_rank
 from .topk import soft_topk_mask
 
@@ -135,7 +135,7 @@ def topk_accuracy_loss(
         epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
             A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
         method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
-            ``"sinkhorn"``, ``"softkmax"`` or ``"perturbed"``.
+            ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
 
     Returns:
@@ -206,7 +206,7 @@ def f1_loss(
         >>> f1_loss(torch.tensor([[0.9, 0.1], [0.4, 0.6]]), torch.tensor([0, 1]), average="micro")
         tensor(0.2500)
     """
-    return 1 - soft_f1(input, target, average=average, from_logits=from_logits, epsilon=epsilon)
+    return 1 - _score("f1", input, target, average, from_logits, epsilon, "f1_loss")
 
 
 # ------------------------------------------------------------------------------------- ranking
@@ -391,7 +391,8 @@ def ndcg_loss(
             neighbours of a row exceeds ``epsilon``; the mask is within
             :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one, where gap is the distance
             of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
-            ``1 - ndcg_score(target, input, k=k)``.
+            ``1 - ndcg_score(target, input, k=k)`` on scores without ties (tied scores share
+            their soft rank before the discount, where scikit-learn averages the discounts).
         gain: ``"linear"`` (default) or ``"exp"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
             shape of ``input`` without ``dim``).

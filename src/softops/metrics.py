@@ -38,7 +38,8 @@ minibatch is a biased estimate of the value on the whole dataset (the mean of ra
 ratio of the sums; the bias shrinks like 1/N). See :func:`soft_f1`.
 
 All metrics return a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 are computed
-in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``.
+in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``
+(for ``soft_topk_accuracy``, with method "ot" only).
 
 References:
     Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP 2005.
@@ -60,6 +61,8 @@ from .topk import _MASK_METHODS, soft_topk_mask
 __all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
 
 _AVERAGES = ("binary", "micro", "macro")
+# "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1.
+_TOPK_METHODS = tuple(m for m in _MASK_METHODS if m != "softkmax")
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -339,8 +342,9 @@ def soft_precision(
 ) -> torch.Tensor:
     r"""Soft precision: true-positive mass over predicted mass.
 
-    The hard metric is ``sklearn.metrics.precision_score(target, input.argmax(-1),
-    labels=range(C), average=average, zero_division=0)``. The soft one uses the soft counts of
+    The hard metric is ``sklearn.metrics.precision_score(target, pred,
+    labels=range(C), average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
+    ``input > 0.5`` for a 1-D binary input). The soft one uses the soft counts of
     the module docstring:
 
     .. math::
@@ -369,8 +373,9 @@ def soft_recall(
 ) -> torch.Tensor:
     r"""Soft recall: true-positive mass over the number of true members.
 
-    The hard metric is ``sklearn.metrics.recall_score(target, input.argmax(-1),
-    labels=range(C), average=average, zero_division=0)``. The soft one uses the soft counts of
+    The hard metric is ``sklearn.metrics.recall_score(target, pred,
+    labels=range(C), average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
+    ``input > 0.5`` for a 1-D binary input). The soft one uses the soft counts of
     the module docstring:
 
     .. math::
@@ -398,8 +403,9 @@ def soft_f1(
 ) -> torch.Tensor:
     r"""Soft F1: the harmonic mean of soft precision and soft recall.
 
-    The hard metric is ``sklearn.metrics.f1_score(target, input.argmax(-1), labels=range(C),
-    average=average, zero_division=0)``. The soft one (the smooth F1 of seed 002) uses the soft
+    The hard metric is ``sklearn.metrics.f1_score(target, pred, labels=range(C),
+    average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
+    ``input > 0.5`` for a 1-D binary input). The soft one (the smooth F1 of seed 002) uses the soft
     counts of the module docstring:
 
     .. math::
@@ -456,8 +462,14 @@ def _check_topk_args(
             f"{op}: expected 1 <= `k` <= C (= {n_classes}) for scores of shape "
             f"{tuple(scores.shape)}; got k={k}."
         )
-    check_choice(method, _MASK_METHODS, op, "method")
-    return k, check_epsilon(epsilon, op)
+    check_choice(method, _TOPK_METHODS, op, "method")
+    epsilon = check_epsilon(epsilon, op)
+    if method != "ot" and isinstance(epsilon, torch.Tensor) and epsilon.requires_grad:
+        raise ValueError(
+            f"{op}: expected an `epsilon` that does not require grad with method={method!r} "
+            "(only method='ot' differentiates with respect to epsilon); got one that does."
+        )
+    return k, epsilon
 
 
 def _topk_hit(
@@ -509,7 +521,9 @@ def soft_topk_accuracy(
             soft_topk_accuracy(s, t, k, epsilon=e)``. As ``epsilon -> 0`` the value tends to the
             hard top-k accuracy (on scores without ties at the k-th place).
         method: the mask's method, as for :func:`softops.soft_topk_mask`: ``"ot"`` (default,
-            exact), ``"sinkhorn"``, ``"softkmax"`` or ``"perturbed"`` (with its default draws).
+            exact), ``"sinkhorn"`` or ``"perturbed"`` (with its default draws); only "ot"
+            differentiates with respect to a tensor ``epsilon``. ``"softkmax"`` is not
+            accepted: its mask is not clipped to [0, 1].
         hard: straight-through: the forward is the hard top-k accuracy, the backward that of
             the soft one.
 

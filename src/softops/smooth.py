@@ -137,6 +137,9 @@ def _soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor
     mn = torch.where(ok, xs, math.inf).amin(-1, keepdim=True)
     mn = torch.where(torch.isfinite(mn), mn, 0)
     xp = torch.where(ok, (xs - mn) / eps[:, None], 0)  # (x - min x)/eps >= 0 on `ok` entries
+    # A range beyond the dtype's (x - min x overflows, or a tiny eps) would make inf * 0 = NaN
+    # once an entry is taken (1 - p = 0): saturate at the largest finite value instead.
+    xp = xp.clamp(max=torch.finfo(xp.dtype).max)
     # Exclude the entries that are not `ok`, except in rows with none (they are never active,
     # and an all -inf softmax would put NaN where a 0 is wanted).
     excluded = ~ok & ok.any(-1, keepdim=True)
@@ -504,9 +507,10 @@ def soft_kmax(
     the row minimum (for example k = n, or k - 1 entries above many equal minima), the last
     rounds find nothing above the minimum and spread their mass over the already-selected
     entries too. With distinct entries and k = n, as ``epsilon -> 0`` the n - 1 largest tend to
-    1 + 1/n and the minimum to 1/n. On rows where k < n, the top k entries are distinct and the
-    k-th largest is strictly above the row minimum, it tends to the hard top-k mask as
-    ``epsilon -> 0``.
+    1 + 1/n and the minimum to 1/n. On rows where k < n, the top k entries are distinct, the
+    k-th largest is strictly above the (k+1)-th and above the row minimum, it tends to the hard
+    top-k mask as ``epsilon -> 0``. Input ranges beyond the dtype's (``(x - min x)/epsilon`` over
+    its largest finite value) saturate there, and entries that saturate tie.
 
     **Bias.** This is the sequential relaxation "take the max, then zero it", not a projection
     onto :math:`\{0 \le p \le 1, \sum_i p_i = k\}`: at the same epsilon it differs from

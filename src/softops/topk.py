@@ -235,8 +235,8 @@ def soft_topk_mask(
         k_scalar = k
     elif k.dim() != 0 and method != "ot":
         raise ValueError(
-            f"{op}: a per-row `k` needs method='ot'; got k of shape {tuple(k.shape)} with "
-            f"method={method!r}."
+            f"{op}: expected a scalar `k` with method={method!r} (a per-row k needs "
+            f"method='ot'); got k of shape {tuple(k.shape)}."
         )
     if hard and not _is_integral(k):
         raise ValueError(f"{op}: hard=True needs an integer k; got k={_describe(k)}.")
@@ -245,13 +245,16 @@ def soft_topk_mask(
     if method in ("softkmax", "perturbed"):
         check_unused(op, method, max_iter=max_iter, tol=tol)
         if not _is_integral(k):
-            raise ValueError(f"{op}: method={method!r} needs an integer k; got k={_describe(k)}.")
+            raise ValueError(
+                f"{op}: expected an integer `k` with method={method!r}; got k={_describe(k)}."
+            )
         no_grad = (("k", k), ("epsilon", epsilon)) if method == "perturbed" else (("k", k),)
         for name, value in no_grad:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 raise ValueError(
-                    f"{op}: method={method!r} does not differentiate with respect to `{name}`; "
-                    f"got `{name}` that requires grad (use method='ot')."
+                    f"{op}: expected a `{name}` that does not require grad with "
+                    f"method={method!r} (use method='ot' for gradients in k and epsilon); got "
+                    "one that does."
                 )
         k_int = int(k.detach()) if isinstance(k, torch.Tensor) else int(k)
         if method == "perturbed":
@@ -267,7 +270,7 @@ def soft_topk_mask(
     k_row = row_param(k, batch_shape, op, "k", cd, x.device)
     eps_row = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
     if x2.shape[0] == 0:
-        return torch.zeros_like(x)
+        return x * 0  # empty, but on the graph like every other output
 
     if method == "ot":
         max_iter = check_max_iter(max_iter, _threshold.DEFAULT_MAX_ITER, op)

@@ -14,17 +14,21 @@ Both expectations are estimated on the **same** N draws :math:`Z_1, \dots, Z_N` 
 .. math::
 
     \hat y = \frac1N \sum_s y_s, \qquad
-    \widehat{g^\top J} = \frac{1}{\varepsilon N} \sum_s \langle g, y_s \rangle\, Z_s,
-    \qquad y_s = y(x + \varepsilon Z_s),
+    \widehat{g^\top J} = \frac{1}{\varepsilon N} \sum_s \langle g - \bar g\mathbf 1, y_s \rangle\,
+    Z_s, \qquad y_s = y(x + \varepsilon Z_s),
 
-where :math:`y(\cdot)` is ``zeros_like(x).scatter(-1, x.topk(k).indices, 1)``.
+where :math:`y(\cdot)` is ``zeros_like(x).scatter(-1, x.topk(k).indices, 1)`` and
+:math:`\bar g` the mean of the row of g. Centring g is Berthet et al.'s estimator applied to
+:math:`g - \bar g \mathbf 1`, which has the same exact VJP (every :math:`y_s` sums to k, so
+:math:`\mathbf 1^\top J = 0`): a control variate that keeps the estimate unbiased and removes
+the noise that a common offset of g would add (``mask.sum().backward()`` gives exactly 0).
 
 Variance. Each entry of :math:`\hat y` is a mean of N Bernoulli draws: its standard error is
 :math:`\sqrt{p(1-p)/N} \le 0.5/\sqrt N`. The values are multiples of 1/N and every row sums to
 k (exactly when N is a power of two; otherwise up to the rounding of ``count / N``; the counts
 are exact for N < 2**24 in float32). Each entry of
 the gradient estimate has standard error at most :math:`\|g\|_{(k)} / (\varepsilon \sqrt N)`,
-with :math:`\|g\|_{(k)}` the sum of the k largest :math:`|g_j|` of the row: it shrinks like
+with :math:`\|g\|_{(k)}` the sum of the k largest :math:`|g_j - \bar g|` of the row: it shrinks like
 :math:`1/\sqrt N` and grows like :math:`1/\varepsilon`. The estimator is unbiased for the
 Jacobian of :math:`y_\varepsilon`, not for that of the hard mask (which is 0 almost everywhere).
 
@@ -172,7 +176,11 @@ class _PerturbedTopKMask(torch.autograd.Function):
             c = _chunk_size(B, n, n_samples)
             z_buf = torch.empty((c, B, n), dtype=x.dtype, device=x.device)
             p_buf = torch.empty_like(z_buf)
+            # Every y_s sums to k, so 1^T J = 0 and g^T J = (g - c 1)^T J for any c: centring g
+            # is an exact control variate. It keeps the estimate unbiased and removes the noise
+            # k c Z_s / eps that a common offset of g would otherwise add.
             g = g.to(x.dtype)
+            g = g - g.mean(-1, keepdim=True)
             for start in range(0, n_samples, c):
                 m = min(c, n_samples - start)
                 z, pert = z_buf[:m], p_buf[:m]
