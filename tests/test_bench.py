@@ -379,3 +379,24 @@ def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     records = [json.loads(line) for line in lines]
     assert {r["group"] for r in records} == {"grid", "memory"}
     assert (tmp_path / "sort-quick.md").exists()
+
+
+def test_l1_methods_markdown_and_plot_directly(tmp_path: Any) -> None:
+    from softops.bench.topk_l1 import l1_markdown, l1_methods, plot_l1
+
+    assert list(l1_methods(3, n_samples=7)) == ["ot", "sinkhorn-200", "softkmax", "perturbed-7"]
+    assert "soft_argmax_onehot" in l1_methods(1)
+    x = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    for name, fn in l1_methods(2).items():
+        mask = fn(x, 0.05)  # gaps of 20 epsilon (sinkhorn-200 would stall far below)
+        assert torch.allclose(mask, torch.tensor([[1.0, 0.0, 1.0, 0.0]]), atol=1e-2), name
+    base = {"B": 1, "n": 4, "dtype": "float32", "device": "cpu", "torch": "2", "nan_rows": 0}
+    records = [
+        {**base, "k": 2, "method": "softkmax", "epsilon": 0.1, "l1": 0.5, "max_entry": 1.25},
+        {**base, "k": 2, "method": "ot", "epsilon": 0.1, "l1": 0.25, "max_entry": 0.9},
+    ]
+    text = l1_markdown(records)
+    assert "| softkmax | 0.5 (max 1.25) |" in text and "| ot | 0.25 |" in text
+    assert "No records" in l1_markdown([])
+    assert plot_l1(records, tmp_path / "l1.png") and (tmp_path / "l1.png").stat().st_size > 0
+    assert not plot_l1([], tmp_path / "none.png")

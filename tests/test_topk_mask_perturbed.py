@@ -445,3 +445,21 @@ def test_slow_unbiased_grid(eps, k):
     p = _exact_mask(x, k, eps)
     se = torch.sqrt(p * (1 - p) / (rows * N)).clamp_min(1e-4)
     assert float(((A.mean(0) - p) / se).abs().max()) < 5
+
+
+def test_kernel_on_canonical_rows() -> None:
+    # The (B, n) kernel behind method="perturbed": k = 0 and k = n need no draws (the generator
+    # does not move), and the rows sum to k.
+    from softops._core.perturbed import perturbed_topk_mask
+
+    x = torch.randn(3, 7, dtype=F64)
+    eps = torch.full((3,), 0.5, dtype=F64)
+    gen = seeded(5)
+    state = gen.get_state()
+    assert torch.equal(perturbed_topk_mask(x, 0, eps, 10, gen), torch.zeros_like(x))
+    assert torch.equal(perturbed_topk_mask(x, 7, eps, 10, gen), torch.ones_like(x))
+    assert torch.equal(gen.get_state(), state)
+    A = perturbed_topk_mask(x, 3, eps, 16, gen)
+    assert torch.equal(A.sum(-1), torch.full((3,), 3.0, dtype=F64))
+    assert torch.equal(A * 16, (A * 16).round())
+    assert not torch.equal(gen.get_state(), state)
