@@ -463,3 +463,16 @@ def test_kernel_on_canonical_rows() -> None:
     assert torch.equal(A.sum(-1), torch.full((3,), 3.0, dtype=F64))
     assert torch.equal(A * 16, (A * 16).round())
     assert not torch.equal(gen.get_state(), state)
+
+
+def test_module_passes_n_samples_and_generator() -> None:
+    from softops.nn import SoftTopKMask
+
+    x = torch.randn(2, 9, dtype=F64)
+    layer = SoftTopKMask(3, epsilon=0.4, method="perturbed", n_samples=32, generator=seeded(4))
+    want = soft_topk_mask(x, 3, epsilon=0.4, method="perturbed", n_samples=32, generator=seeded(4))
+    assert torch.equal(layer(x), want)
+    assert "method='perturbed'" in repr(layer) and "n_samples=32" in repr(layer)
+    assert "n_samples" not in repr(SoftTopKMask(3))
+    with pytest.raises(ValueError, match=r"`n_samples` is not used by method='ot'"):
+        SoftTopKMask(3, n_samples=32)(x)

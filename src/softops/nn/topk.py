@@ -29,10 +29,13 @@ class SoftTopKMask(torch.nn.Module):
         max_iter: int | None = None,
         tol: float | None = None,
         hard: bool = False,
+        n_samples: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         self.k, self.dim, self.largest, self.epsilon = k, dim, largest, epsilon
         self.method, self.max_iter, self.tol, self.hard = method, max_iter, tol, hard
+        self.n_samples, self.generator = n_samples, generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_topk_mask(
@@ -45,12 +48,15 @@ class SoftTopKMask(torch.nn.Module):
             max_iter=self.max_iter,
             tol=self.tol,
             hard=self.hard,
+            n_samples=self.n_samples,
+            generator=self.generator,
         )
 
     def extra_repr(self) -> str:
+        extra = "" if self.n_samples is None else f", n_samples={self.n_samples}"
         return (
             f"k={self.k}, dim={self.dim}, largest={self.largest}, epsilon={self.epsilon}, "
-            f"method={self.method!r}, hard={self.hard}"
+            f"method={self.method!r}, hard={self.hard}{extra}"
         )
 
 
