@@ -476,3 +476,12 @@ def test_module_passes_n_samples_and_generator() -> None:
     assert "n_samples" not in repr(SoftTopKMask(3))
     with pytest.raises(ValueError, match=r"`n_samples` is not used by method='ot'"):
         SoftTopKMask(3, n_samples=32)(x)
+
+
+def test_generator_on_another_device_is_refused() -> None:
+    x = torch.empty(2, 5, device="meta")  # validation runs before any computation
+    with pytest.raises(
+        ValueError,
+        match=r"expected `generator` on the device of x \(meta\); got a generator on cpu",
+    ):
+        soft_topk_mask(x, 2, method="perturbed", generator=torch.Generator())

@@ -375,10 +375,11 @@ def _check_generator(generator: Any, device: torch.device, op: str) -> None:
         raise TypeError(
             f"{op}: expected `generator` to be a torch.Generator or None; got {generator!r}."
         )
-    if generator.device.type != device.type:
+    gd = generator.device
+    other_index = None not in (gd.index, device.index) and gd.index != device.index
+    if gd.type != device.type or other_index:
         raise ValueError(
-            f"{op}: expected `generator` on the device of x ({device.type}); got a generator on "
-            f"{generator.device.type}."
+            f"{op}: expected `generator` on the device of x ({device}); got a generator on {gd}."
         )
 
 
