@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ._core.dims import flatten_to_2d, row_param
 from ._core.straight_through import straight_through
@@ -119,7 +120,8 @@ def _soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor
 
     ``x2`` is in the compute dtype (float32 or float64), ``k`` an int in [0, n] (validated by
     the caller), ``eps`` a (B,) tensor that may require grad. Plain autograd: the backward saves
-    about two (B, n) tensors per step, O(k B n) in all.
+    about two (B, n) tensors per step, O(k B n) in all, for k < 16; from k = 16 on, segments of
+    about sqrt(k) steps are checkpointed (recomputed in the backward), O(sqrt(k) B n).
 
     Infinities: ``+inf`` entries are 1 and each uses one of the k steps, ``-inf`` entries are 0
     and take no part (neither in the minimum nor in the softmax); the remaining ``k - #(+inf)``
@@ -146,12 +148,32 @@ def _soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor
     mask = torch.zeros_like(xp).masked_fill_(excluded, -math.inf)  # additive: saves nothing
     steps = torch.where(bad, 0, k - n_pinf)  # recursion steps per row
     p = xp * 0  # zeros, on the graph (k = 0 still has a (zero) gradient)
-    for t in range(k):
+    if k < _KMAX_CHECKPOINT_MIN or not (torch.is_grad_enabled() and xp.requires_grad):
+        p = _kmax_rounds(xp, mask, steps, p, 0, k)
+    else:
+        # Segments of about sqrt(k) rounds, recomputed in the backward: the backward keeps
+        # O(sqrt(k)) (B, n) tensors instead of O(k), for one more forward pass.
+        size = math.isqrt(k - 1) + 1
+        for t0 in range(0, k, size):
+            p = checkpoint(
+                _kmax_rounds, xp, mask, steps, p, t0, min(k, t0 + size), use_reentrant=False
+            )
+    p = torch.where(pinf, 1.0, p)
+    return torch.where(bad[:, None], math.nan, p)
+
+
+_KMAX_CHECKPOINT_MIN = 16  # from this k on, the backward recomputes segments of rounds
+
+
+def _kmax_rounds(
+    xp: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, p: torch.Tensor, t0: int, t1: int
+) -> torch.Tensor:
+    """Rounds t0..t1-1 of the recursion; a row runs only its first ``steps`` rounds."""
+    for t in range(t0, t1):
         # Saved per round: (1 - p) by the product and q by the softmax (xp is shared).
         q = torch.softmax(xp * (1 - p) + mask, -1)
         p = p + torch.where((t < steps)[:, None], q, 0)
-    p = torch.where(pinf, 1.0, p)
-    return torch.where(bad[:, None], math.nan, p)
+    return p
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -538,9 +560,11 @@ def soft_kmax(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Cost: O(k n) time per row. The backward is plain autograd through the k rounds, so it saves
-    about two (B, n) tensors per round: O(k B n) memory, B the number of rows. For large k
-    prefer ``soft_topk_mask(method="ot")`` (O(B n) memory).
+    Cost: O(k n) time per row. The backward is plain autograd through the k rounds: for k < 16
+    it saves about two (B, n) tensors per round, O(k B n) memory (B the number of rows); from
+    k = 16 on, segments of about sqrt(k) rounds are checkpointed and recomputed in the backward,
+    O(sqrt(k) B n) memory for one more forward pass. For large k prefer
+    ``soft_topk_mask(method="ot")`` (O(B n) memory, O(n) per Newton step).
 
     Infinities follow the masking convention of :func:`softops.soft_topk_mask`: a ``+inf``
     entry is always selected (value exactly 1) and uses one of the k rounds; ``-inf`` entries
