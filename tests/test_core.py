@@ -15,6 +15,7 @@ from softops._core.rootfind import bracketed_newton
 from softops._core.straight_through import hard_topk_mask, straight_through
 from softops._core.threshold import mask_from_threshold, solve
 from softops._core.validation import (
+    check_bool,
     check_choice,
     check_dim,
     check_epsilon,
@@ -198,3 +199,10 @@ def test_solve_reports_unsolvable_rows():
     assert state.invalid.tolist() == [True, True, False]
     assert state.converged.tolist() == [False, False, True]
     assert math.isnan(state.residual[0]) and math.isnan(state.residual[1])
+
+
+def test_check_bool() -> None:
+    assert check_bool(True, "op", "flag") is True and check_bool(False, "op", "flag") is False
+    for bad in (1, 0, "yes", None, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^op: expected `flag` to be a bool; got "):
+            check_bool(bad, "op", "flag")

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ._core.validation import check_choice, check_epsilon, check_floating, compute_dtype
+from ._core.validation import check_bool, check_choice, check_epsilon, check_floating, compute_dtype
 from .topk import _MASK_METHODS, soft_topk_mask
 
 __all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
@@ -106,8 +106,7 @@ def _check_input(input: Any, op: str, name: str = "input") -> None:
 
 
 def _check_logits_args(from_logits: Any, epsilon: Any, op: str) -> float | torch.Tensor:
-    if not isinstance(from_logits, bool):
-        raise TypeError(f"{op}: expected `from_logits` to be a bool; got {from_logits!r}.")
+    check_bool(from_logits, op, "from_logits")
     if not from_logits:
         if isinstance(epsilon, torch.Tensor) or epsilon != 1.0:
             raise ValueError(
@@ -218,9 +217,9 @@ def _confusion(
     p = _class_probabilities(input, from_logits, epsilon)
     n_classes = p.shape[1]
     t = target.long()
-    tp = p.gather(1, t.unsqueeze(1)).squeeze(1)
     if average == "micro":
-        return tp.sum(), p.sum(), torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
+        tp = p.gather(1, t.unsqueeze(1)).sum()
+        return tp, p.sum(), torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
     onehot = torch.nn.functional.one_hot(t, n_classes).to(p.dtype)
     true = torch.bincount(t, minlength=n_classes).to(p.dtype)
     return (p * onehot).sum(0), p.sum(0), true
@@ -543,6 +542,5 @@ def soft_topk_accuracy(
     """
     op = "soft_topk_accuracy"
     k, epsilon = _check_topk_args(scores, target, k, epsilon, method, op)
-    if not isinstance(hard, bool):
-        raise TypeError(f"{op}: expected `hard` to be a bool; got {hard!r}.")
+    check_bool(hard, op, "hard")
     return _topk_hit(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)

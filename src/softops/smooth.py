@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ._core.dims import flatten_to_2d, row_param
 from ._core.straight_through import straight_through
 from ._core.validation import (
+    check_bool,
     check_dim,
     check_epsilon,
     check_floating,
@@ -195,11 +196,6 @@ def _prepare(
     return x2.to(cd), eps_row, d, restore
 
 
-def _check_bool(value: object, op: str, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{op}: expected `{name}` to be a bool; got {value!r}.")
-
-
 def _reduce(
     op: str,
     x: torch.Tensor,
@@ -209,7 +205,7 @@ def _reduce(
     rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # (B, n), (B,) -> (B,)
 ) -> torch.Tensor:
     """A reduction along ``dim``: validate, flatten, apply ``rows``, restore the shape."""
-    _check_bool(keepdim, op, "keepdim")
+    check_bool(keepdim, op, "keepdim")
     x2, eps_row, d, restore = _prepare(op, x, dim, epsilon)
     out = restore(rows(x2, eps_row)[:, None])
     if not keepdim:
@@ -492,7 +488,7 @@ def soft_argmax_onehot(
         neurons for conditional computation. arXiv:1308.3432, 2013 (straight-through).
     """
     op = "soft_argmax_onehot"
-    _check_bool(hard, op, "hard")
+    check_bool(hard, op, "hard")
     x2, eps_row, _, restore = _prepare(op, x, dim, epsilon)
     p = _softmax_rows(x2, eps_row)
     if hard:

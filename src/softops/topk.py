@@ -32,6 +32,7 @@ from ._core.dims import flatten_to_2d, row_param
 from ._core.fused import compile_enabled, maybe_fused
 from ._core.straight_through import hard_topk_mask, straight_through
 from ._core.validation import (
+    check_bool,
     check_choice,
     check_dim,
     check_epsilon,
@@ -226,10 +227,8 @@ def soft_topk_mask(
     check_choice(method, _MASK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op)
     k = check_k(k, n, op)
-    if not isinstance(hard, bool):
-        raise TypeError(f"{op}: expected `hard` to be a bool; got {hard!r}.")
-    if not isinstance(largest, bool):
-        raise TypeError(f"{op}: expected `largest` to be a bool; got {largest!r}.")
+    check_bool(hard, op, "hard")
+    check_bool(largest, op, "largest")
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
         k_scalar = k

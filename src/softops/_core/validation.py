@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "check_bool",
     "check_choice",
     "check_dim",
     "check_epsilon",
@@ -131,6 +132,13 @@ def check_k(
     if not (low <= k <= n):
         raise ValueError(f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={k!r}.")
     return int(k) if integer else k
+
+
+def check_bool(value: Any, op: str, name: str) -> bool:
+    """Return ``value`` if it is a bool, else raise ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: expected `{name}` to be a bool; got {value!r}.")
+    return value
 
 
 def check_choice(value: Any, choices: Iterable[str], op: str, name: str) -> str:

@@ -56,6 +56,7 @@ import torch
 from .._core.dims import flatten_to_2d, row_param
 from .._core.straight_through import straight_through
 from .._core.validation import (
+    check_bool,
     check_choice,
     check_dim,
     check_epsilon,
@@ -116,12 +117,6 @@ def _check_method_args(op: str, method: str, **kwargs: Any) -> dict[str, Any]:
     if used.get("tol") is not None:
         check_tol(used["tol"], 0.0, op)
     return used
-
-
-def _check_bool(value: Any, op: str, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{op}: expected `{name}` to be a bool; got {value!r}.")
-    return value
 
 
 def _prepare(x: torch.Tensor, dim: int, epsilon: Any, op: str):
@@ -254,7 +249,7 @@ def _sort_or_rank(
 ) -> torch.Tensor:
     check_choice(method, _SORT_METHODS, op, "method")
     used = _check_method_args(op, method, **kwargs)
-    _check_bool(descending, op, "descending")
+    check_bool(descending, op, "descending")
     x2, restore, eps_row, _ = _prepare(x, dim, epsilon, op)
     if x2.shape[0] == 0:
         return torch.zeros_like(x)
@@ -566,8 +561,8 @@ def soft_argsort(
         )
     check_choice(method, _ARGSORT_METHODS, op, "method")
     used = _check_method_args(op, method, distance=distance, max_iter=max_iter, tol=tol)
-    _check_bool(descending, op, "descending")
-    _check_bool(hard, op, "hard")
+    check_bool(descending, op, "descending")
+    check_bool(hard, op, "hard")
     x2, restore, eps_row, n = _prepare(x, dim, epsilon, op)
     if x2.shape[0] == 0:
         return x.new_zeros(*x.shape, n)
@@ -675,7 +670,7 @@ def soft_quantile(
     """
     op = "soft_quantile"
     check_choice(method, _QUANTILE_METHODS, op, "method")
-    _check_bool(keepdim, op, "keepdim")
+    check_bool(keepdim, op, "keepdim")
     check_floating(x, op)
     d = check_dim(x, dim, op)
     qt = _check_q(q, op, compute_dtype(x.dtype), x.device)
