@@ -16,8 +16,7 @@ import torch
 
 from softops._core import isotonic
 from softops.sort import _ot, _softsort
-
-from .conftest import seeded
+from tests.conftest import seeded
 
 F64 = torch.float64
 

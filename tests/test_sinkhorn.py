@@ -9,8 +9,7 @@ import torch
 
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.solvers import sinkhorn
-
-from .conftest import saved_bytes, seeded
+from tests.conftest import saved_bytes, seeded
 
 F64 = torch.float64
 

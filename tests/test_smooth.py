@@ -29,8 +29,7 @@ from softops.smooth import (
     soft_argmin,
     soft_kmax,
 )
-
-from .conftest import saved_bytes, seeded
+from tests.conftest import saved_bytes, seeded
 
 F64 = torch.float64
 inf, nan = math.inf, math.nan

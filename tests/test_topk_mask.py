@@ -14,8 +14,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import softops
 from softops import soft_topk_mask, topk_selection_matrix
 from softops.solvers import topk_threshold
-
-from .reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
+from tests.reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
 

@@ -9,8 +9,7 @@ import torch
 from torch.autograd import gradcheck
 
 from softops import soft_topk_mask
-
-from .reference import unrolled_sinkhorn_topk_mask
+from tests.reference import unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
 

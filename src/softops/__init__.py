@@ -5,9 +5,9 @@ the solvers with their diagnostics, ``softops.metrics`` and ``softops.losses`` t
 and the losses built on the ops, and ``softops.nn`` the Module wrappers.
 """
 
-from . import losses, metrics, nn, solvers
-from ._core.fused import set_compile
-from .smooth import (
+from softops import losses, metrics, nn, solvers
+from softops._core.fused import set_compile
+from softops.smooth import (
     smooth_max,
     smooth_min,
     soft_argmax,
@@ -15,8 +15,8 @@ from .smooth import (
     soft_argmin,
     soft_kmax,
 )
-from .sort import soft_argsort, soft_quantile, soft_rank, soft_sort
-from .topk import TopK, soft_topk, soft_topk_mask, topk_selection_matrix
+from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
+from softops.topk import TopK, soft_topk, soft_topk_mask, topk_selection_matrix
 
 __version__ = "0.1.0.dev0"
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ._core.dims import flatten_to_2d, row_param
-from ._core.validation import (
+from softops._core.dims import flatten_to_2d, row_param
+from softops._core.validation import (
     check_choice,
     check_dim,
     check_epsilon,
@@ -36,9 +36,9 @@ from ._core.validation import (
     check_nonempty,
     compute_dtype,
 )
-from .metrics import _check_topk_args, _correct_probability, _score, _topk_hit, _validate
-from .sort import _SORT_METHODS, soft_rank
-from .topk import soft_topk_mask
+from softops.metrics import _check_topk_args, _correct_probability, _score, _topk_hit, _validate
+from softops.sort import _SORT_METHODS, soft_rank
+from softops.topk import soft_topk_mask
 
 __all__ = ["accuracy_loss", "f1_loss", "ndcg_loss", "spearman_loss", "topk_accuracy_loss"]
 

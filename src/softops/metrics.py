@@ -55,8 +55,14 @@ from typing import Any
 
 import torch
 
-from ._core.validation import check_bool, check_choice, check_epsilon, check_floating, compute_dtype
-from .topk import _MASK_METHODS, soft_topk_mask
+from softops._core.validation import (
+    check_bool,
+    check_choice,
+    check_epsilon,
+    check_floating,
+    compute_dtype,
+)
+from softops.topk import _MASK_METHODS, soft_topk_mask
 
 __all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
 

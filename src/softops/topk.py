@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from ._core import threshold as _threshold
-from ._core.dims import flatten_to_2d, row_param
-from ._core.fused import compile_enabled, maybe_fused
-from ._core.straight_through import hard_topk_mask, straight_through
-from ._core.validation import (
+from softops._core import threshold as _threshold
+from softops._core.dims import flatten_to_2d, row_param
+from softops._core.fused import compile_enabled, maybe_fused
+from softops._core.straight_through import hard_topk_mask, straight_through
+from softops._core.validation import (
     check_bool,
     check_choice,
     check_dim,
@@ -44,7 +44,7 @@ from ._core.validation import (
     check_unused,
     compute_dtype,
 )
-from ._sorted_topk import TopK, soft_topk
+from softops._sorted_topk import TopK, soft_topk
 
 __all__ = ["TopK", "soft_topk", "soft_topk_mask", "topk_selection_matrix"]
 
@@ -279,11 +279,11 @@ def soft_topk_mask(
     elif method == "sinkhorn":
         A = _sinkhorn_mask(op, x2, k_row, eps_row, k, epsilon, max_iter, tol)
     elif method == "softkmax":
-        from .smooth import _soft_kmax_rows
+        from softops.smooth import _soft_kmax_rows
 
         A = _soft_kmax_rows(x2, k_int, eps_row)
     else:
-        from ._core.perturbed import perturbed_topk_mask
+        from softops._core.perturbed import perturbed_topk_mask
 
         A = perturbed_topk_mask(x2, k_int, eps_row.detach(), n_samples, generator)
 
@@ -306,7 +306,7 @@ def _sinkhorn_mask(
     tol: float | None,
 ) -> torch.Tensor:
     """method="sinkhorn": the paper's n x 2 log-domain Sinkhorn with the implicit backward."""
-    from ._core.sinkhorn import sinkhorn_plan
+    from softops._core.sinkhorn import sinkhorn_plan
 
     for name, value in (("k", k), ("epsilon", epsilon)):
         if isinstance(value, torch.Tensor) and value.requires_grad:

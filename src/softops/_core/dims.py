@@ -1,12 +1,26 @@
-"""Move the working dim last and flatten the batch to (B, n), and back."""
+"""Move the working dim last and flatten the batch to (B, n), and back.
+
+``prepare_rows`` is the one preamble of every public op: validate ``x``, ``dim`` and ``epsilon``,
+move ``dim`` last, flatten to (B, n) in the compute dtype, broadcast epsilon per row, and hand back
+the function that restores the shape.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["flatten_to_2d", "row_param"]
+from softops._core.validation import (
+    check_dim,
+    check_epsilon,
+    check_floating,
+    check_nonempty,
+    compute_dtype,
+)
+
+__all__ = ["Rows", "flatten_to_2d", "prepare_rows", "row_param"]
 
 
 def flatten_to_2d(
@@ -53,3 +67,45 @@ def row_param(
             f"{tuple(batch_shape)} (x.shape without dim); got shape {tuple(value.shape)}."
         ) from None
     return value.reshape(-1)
+
+
+class Rows(NamedTuple):
+    """The canonical (B, n) form of an op's input.
+
+    Attributes:
+        x2: (B, n) with ``dim`` last, in the compute dtype (float16/bfloat16 promoted to float32).
+        eps: (B,) epsilon per row in the compute dtype, or None when the op has no epsilon.
+        restore: maps a (B, n') or (B, n', m) result back to the batch shape, n' at ``dim``.
+        dim: ``dim`` normalised to a non-negative int.
+        n: ``x.shape[dim]``.
+        batch_shape: ``x.shape`` without ``dim``.
+    """
+
+    x2: torch.Tensor
+    eps: torch.Tensor | None
+    restore: Callable[[torch.Tensor], torch.Tensor]
+    dim: int
+    n: int
+    batch_shape: torch.Size
+
+    def param(self, value: float | torch.Tensor, op: str, name: str) -> torch.Tensor:
+        """Another per-row parameter (k, say), broadcast like epsilon: shape (B,)."""
+        return row_param(value, self.batch_shape, op, name, self.x2.dtype, self.x2.device)
+
+
+def prepare_rows(
+    op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor | None = None
+) -> Rows:
+    """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
+    (positive and finite; skipped when None), and return the :class:`Rows` form of ``x``."""
+    check_floating(x, op)
+    d = check_dim(x, dim, op)
+    n = check_nonempty(x, d, op)
+    cd = compute_dtype(x.dtype)
+    x2, restore = flatten_to_2d(x, d)
+    batch_shape = x.movedim(d, -1).shape[:-1]
+    eps = None
+    if epsilon is not None:
+        epsilon = check_epsilon(epsilon, op)
+        eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
+    return Rows(x2.to(cd), eps, restore, d, n, batch_shape)

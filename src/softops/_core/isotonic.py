@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fused import compile_enabled
+from softops._core.fused import compile_enabled
 
 __all__ = [
     "HAVE_NUMBA",
@@ -75,7 +75,7 @@ def _kernels() -> ModuleType | None:
     """The compiled kernels (``_isotonic_numba``), or None when numba cannot be imported."""
     if "kernels" not in _state:
         try:
-            from . import _isotonic_numba
+            from softops._core import _isotonic_numba
         except ImportError as err:  # installed but broken (e.g. an incompatible numpy)
             warnings.warn(
                 f"softops: numba could not be imported ({err}); PAV uses its torch fallback.",

@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from .fused import maybe_fused
-from .rootfind import bracketed_newton
+from softops._core.fused import maybe_fused
+from softops._core.rootfind import bracketed_newton
 
 __all__ = ["DEFAULT_MAX_ITER", "EXACT_MAX_N", "ThresholdState", "mask_from_threshold", "solve"]
 

@@ -21,9 +21,13 @@ __all__ = [
     "check_k",
     "check_max_iter",
     "check_nonempty",
+    "check_positive_int",
+    "check_q",
     "check_tol",
     "check_unused",
     "compute_dtype",
+    "describe",
+    "is_integral",
 ]
 
 
@@ -149,30 +153,88 @@ def check_choice(value: Any, choices: Iterable[str], op: str, name: str) -> str:
     return value
 
 
-def check_max_iter(max_iter: Any, default: int, op: str) -> int:
-    """``None`` means ``default``; otherwise a positive int."""
-    if max_iter is None:
+def check_positive_int(value: Any, op: str, name: str, default: int | None = None) -> int:
+    """``None`` means ``default`` (when one is given); otherwise an int >= 1.
+
+    A non-int raises ``TypeError``; an int < 1 raises ``ValueError``.
+    """
+    if value is None and default is not None:
         return default
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(
-            f"{op}: expected `max_iter` to be a positive int or None; got {max_iter!r}."
-        )
-    return max_iter
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = "a positive int or None" if default is not None else "a positive int"
+        raise TypeError(f"{op}: expected `{name}` to be {what}; got {name}={value!r}.")
+    if value < 1:
+        raise ValueError(f"{op}: expected `{name}` >= 1; got {name}={value!r}.")
+    return value
+
+
+def check_max_iter(max_iter: Any, default: int, op: str) -> int:
+    """``None`` means ``default``; otherwise a positive int (the one ``max_iter`` check)."""
+    return check_positive_int(max_iter, op, "max_iter", default)
 
 
 def check_tol(tol: Any, default: float, op: str) -> float:
-    """``None`` means ``default``; otherwise a float >= 0 (0 runs exactly ``max_iter`` steps)."""
+    """``None`` means ``default``; otherwise a float >= 0 (0 runs exactly ``max_iter`` steps).
+
+    A non-number raises ``TypeError``; a negative or NaN number raises ``ValueError``.
+    """
     if tol is None:
         return default
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"{op}: expected `tol` to be a float >= 0 or None; got tol={tol!r}.")
+    if not tol >= 0:
         raise ValueError(f"{op}: expected `tol` >= 0 or None; got tol={tol!r}.")
     return float(tol)
 
 
-def check_unused(op: str, method: str, **kwargs: Any) -> None:
-    """Raise if an argument that ``method`` does not use was passed (is not None)."""
+def check_unused(
+    op: str, method: str, defaults: dict[str, Any] | None = None, **kwargs: Any
+) -> None:
+    """The one unused-argument rule: an argument that ``method`` does not use must be left at its
+    default (None unless ``defaults`` says otherwise); anything else raises ``ValueError``."""
+    defaults = defaults or {}
     for name, value in kwargs.items():
-        if value is not None:
+        default = defaults.get(name)
+        at_default = value is default or (isinstance(value, str) and value == default)
+        if not at_default:
             raise ValueError(
-                f"{op}: `{name}` is not used by method={method!r}; got {name}={value!r}."
+                f"{op}: expected `{name}` to be left at its default {default!r} (method="
+                f"{method!r} does not use it); got {name}={value!r}."
             )
+
+
+def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """q as a 0-dim or 1-D tensor of ``dtype``, with every entry in [0, 1]."""
+    if isinstance(q, torch.Tensor):
+        if not q.dtype.is_floating_point:
+            raise TypeError(f"{op}: expected `q` to be a float or a floating tensor; got {q!r}.")
+        if q.dim() > 1:
+            raise ValueError(
+                f"{op}: expected `q` to be a float or a 0-dim or 1-D tensor; got q of shape "
+                f"{tuple(q.shape)}."
+            )
+        qd = q.detach()
+        bad = ~((qd >= 0) & (qd <= 1))
+        if bool(bad.any()):
+            raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={qd[bad].flatten()[0].item()}.")
+        return q.to(dtype=dtype, device=device)
+    if isinstance(q, bool) or not isinstance(q, (int, float)):
+        raise TypeError(f"{op}: expected `q` to be a float or a tensor; got {q!r}.")
+    if not 0 <= q <= 1:
+        raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={q!r}.")
+    return torch.tensor(float(q), dtype=dtype, device=device)
+
+
+def is_integral(k: Any) -> bool:
+    """Whether every value of ``k`` (a number or a tensor) is a whole number."""
+    if isinstance(k, torch.Tensor):
+        kd = k.detach()
+        return bool((kd == kd.round()).all())
+    return float(k).is_integer()
+
+
+def describe(k: Any) -> str:
+    """``k`` for an error message: its value, or the shape of a non-scalar tensor."""
+    if isinstance(k, torch.Tensor):
+        return f"tensor of shape {tuple(k.shape)}" if k.dim() else f"{float(k):g}"
+    return f"{k!r}"

@@ -1,8 +1,15 @@
 """Thin ``torch.nn.Module`` wrappers over the functional ops; they hold arguments, no math."""
 
-from .smooth import SmoothMax, SmoothMin, SoftArgmax, SoftArgmaxOneHot, SoftArgmin, SoftKMax
-from .sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
-from .topk import SoftTopK, SoftTopKMask
+from softops.nn.smooth import (
+    SmoothMax,
+    SmoothMin,
+    SoftArgmax,
+    SoftArgmaxOneHot,
+    SoftArgmin,
+    SoftKMax,
+)
+from softops.nn.sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
+from softops.nn.topk import SoftTopK, SoftTopKMask
 
 __all__ = [
     "SmoothMax",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..smooth import (
+from softops.smooth import (
     smooth_max,
     smooth_min,
     soft_argmax,

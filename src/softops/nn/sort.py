@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sort import soft_argsort, soft_quantile, soft_rank, soft_sort
+from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 
 __all__ = ["SoftArgsort", "SoftQuantile", "SoftRank", "SoftSort"]
 

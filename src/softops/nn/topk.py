@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..topk import soft_topk, soft_topk_mask
+from softops.topk import soft_topk, soft_topk_mask
 
 __all__ = ["SoftTopK", "SoftTopKMask"]
 

@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
-from .._core.dims import flatten_to_2d, row_param
-from .._core.straight_through import straight_through
-from .._core.validation import (
+from softops._core.dims import flatten_to_2d, row_param
+from softops._core.straight_through import straight_through
+from softops._core.validation import (
     check_bool,
     check_choice,
     check_dim,

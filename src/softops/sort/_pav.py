@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._core.isotonic import block_mean, block_softmax, block_sum, isotonic_kl, isotonic_l2
+from softops._core.isotonic import block_mean, block_softmax, block_sum, isotonic_kl, isotonic_l2
 
 __all__ = ["quantile", "rank", "sort"]
 

@@ -1,0 +1,100 @@
+"""Solver defaults and the one non-convergence warning, shared by every iterative method.
+
+* ``default_tol(dtype)``: the default stopping tolerance of the Sinkhorn-based methods (the L1
+  error of the row marginals, relative to the total mass): 1e-6 in float32 (and below, which is
+  computed in float32), 1e-9 in float64.
+* ``SINKHORN_MAX_ITER`` (2000) caps every Sinkhorn loop; ``THRESHOLD_MAX_ITER`` (100) caps the
+  bracketed Newton of the top-k threshold, which needs 3 to 6 evaluations.
+* ``warn_not_converged`` issues :class:`ConvergenceWarning` (a ``UserWarning``), once per call,
+  attributed to the first frame outside softops and torch: the user's line, whatever route the call
+  took inside the library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+__all__ = [
+    "SINKHORN_MAX_ITER",
+    "THRESHOLD_MAX_ITER",
+    "ConvergenceWarning",
+    "default_tol",
+    "warn_not_converged",
+]
+
+SINKHORN_MAX_ITER = 2000
+"""Default cap on Sinkhorn iterations (the sorted top-k, method="sinkhorn", OT sort, solvers)."""
+THRESHOLD_MAX_ITER = 100
+"""Default cap on Newton evaluations of the top-k threshold (3 to 6 are typical)."""
+
+_SOFTOPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+class ConvergenceWarning(UserWarning):
+    """An iterative solver stopped at ``max_iter`` before reaching its tolerance.
+
+    The result and its gradient are approximate. Filter it with
+    ``warnings.simplefilter("ignore", softops.ConvergenceWarning)``.
+    """
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """The default relative L1 marginal tolerance of Sinkhorn in the compute dtype ``dtype``."""
+    return 1e-9 if dtype == torch.float64 else 1e-6
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel``, counted from :func:`warn_not_converged` (level 1), of the first frame
+    outside softops and torch."""
+    frame = sys._getframe(1)  # warn_not_converged
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(
+        (_SOFTOPS_DIR, _TORCH_DIR)
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_not_converged(
+    op: str,
+    converged: torch.Tensor,
+    max_iter: int,
+    *,
+    residual: torch.Tensor | None = None,
+    tol: float | None = None,
+) -> None:
+    """Warn once per call when some rows stopped at ``max_iter`` without converging.
+
+    Args:
+        op: the public op, which opens the message.
+        converged: (B,) bool per row.
+        max_iter: the cap that was hit.
+        residual: (B,) per-row residual, when the solver reports one. Rows whose residual is NaN
+            or infinite hold a NaN input: NaN by contract, not a failure, so they never warn.
+        tol: the tolerance asked for. ``tol=0`` asks for exactly ``max_iter`` iterations, so it
+            never warns.
+    """
+    if tol is not None and tol <= 0:
+        return
+    bad = ~converged
+    if residual is not None:
+        bad = bad & torch.isfinite(residual)
+    if not bool(bad.any()):
+        return
+    detail = ""
+    if residual is not None:
+        worst = residual[bad].max().item()
+        detail = f" (tol={tol:g}, worst residual {worst:.3g})" if tol is not None else ""
+    warnings.warn(
+        f"{op}: {int(bad.sum())} of {bad.numel()} rows did not converge within "
+        f"max_iter={max_iter}{detail}; the result and its gradient are approximate. Increase "
+        "`max_iter` or `epsilon`.",
+        ConvergenceWarning,
+        stacklevel=_caller_stacklevel(),
+    )
