@@ -37,7 +37,7 @@ from softops._core.validation import (
     compute_dtype,
 )
 from softops.metrics import _check_topk_args, _correct_probability, _score, _topk_hit, _validate
-from softops.sort import _SORT_METHODS, soft_rank
+from softops.sort import SORT_METHODS, soft_rank
 from softops.topk import soft_topk_mask
 
 __all__ = ["accuracy_loss", "f1_loss", "ndcg_loss", "spearman_loss", "topk_accuracy_loss"]
@@ -323,7 +323,7 @@ def spearman_loss(
     """
     op = "spearman_loss"
     d, _, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
-    check_choice(method, _SORT_METHODS, op, "method")
+    check_choice(method, SORT_METHODS, op, "method")
     cd = compute_dtype(input.dtype)
     x = input.to(cd)
     r = soft_rank(x, dim=d, epsilon=epsilon, method=method)

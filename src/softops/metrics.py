@@ -62,13 +62,13 @@ from softops._core.validation import (
     check_floating,
     compute_dtype,
 )
-from softops.topk import _MASK_METHODS, soft_topk_mask
+from softops.topk import MASK_METHODS, soft_topk_mask
 
 __all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
 
 _AVERAGES = ("binary", "micro", "macro")
 # "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1.
-_TOPK_METHODS = tuple(m for m in _MASK_METHODS if m != "softkmax")
+_TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 
 
 # ------------------------------------------------------------------------------------ validation

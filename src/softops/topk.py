@@ -48,7 +48,7 @@ from softops._sorted_topk import TopK, soft_topk
 
 __all__ = ["TopK", "soft_topk", "soft_topk_mask", "topk_selection_matrix"]
 
-_MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
 _PERTURBED_DEFAULT_SAMPLES = 100
 
 
@@ -224,7 +224,7 @@ def soft_topk_mask(
     check_floating(x, op)
     d = check_dim(x, dim, op)
     n = check_nonempty(x, d, op)
-    check_choice(method, _MASK_METHODS, op, "method")
+    check_choice(method, MASK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op)
     k = check_k(k, n, op)
     check_bool(hard, op, "hard")

@@ -68,11 +68,11 @@ from softops._core.validation import (
 
 __all__ = ["soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
 
-_SORT_METHODS = ("pav", "softsort", "neuralsort", "ot")
-_ARGSORT_METHODS = ("softsort", "neuralsort", "ot")
-_QUANTILE_METHODS = ("pav", "ot")
-_REGULARIZATIONS = ("l2", "kl")
-_DISTANCES = ("l1", "l2")
+SORT_METHODS = ("pav", "softsort", "neuralsort", "ot")
+ARGSORT_METHODS = ("softsort", "neuralsort", "ot")
+QUANTILE_METHODS = ("pav", "ot")
+REGULARIZATIONS = ("l2", "kl")
+DISTANCES = ("l1", "l2")
 
 # The optional arguments each method uses, and their defaults in the public signatures.
 _USES = {
@@ -105,9 +105,9 @@ def _check_method_args(op: str, method: str, **kwargs: Any) -> dict[str, Any]:
             )
     used = {name: value for name, value in kwargs.items() if name in _USES[method]}
     if "regularization" in used:
-        check_choice(used["regularization"], _REGULARIZATIONS, op, "regularization")
+        check_choice(used["regularization"], REGULARIZATIONS, op, "regularization")
     if "distance" in used:
-        check_choice(used["distance"], _DISTANCES, op, "distance")
+        check_choice(used["distance"], DISTANCES, op, "distance")
     max_iter = used.get("max_iter")
     if max_iter is not None:
         if isinstance(max_iter, bool) or not isinstance(max_iter, int):
@@ -247,7 +247,7 @@ def _sort_or_rank(
     method: str,
     **kwargs: Any,
 ) -> torch.Tensor:
-    check_choice(method, _SORT_METHODS, op, "method")
+    check_choice(method, SORT_METHODS, op, "method")
     used = _check_method_args(op, method, **kwargs)
     check_bool(descending, op, "descending")
     x2, restore, eps_row, _ = _prepare(x, dim, epsilon, op)
@@ -556,10 +556,10 @@ def soft_argsort(
     op = "soft_argsort"
     if method == "pav":
         raise ValueError(
-            f"{op}: expected `method` to be one of {_ARGSORT_METHODS} (method='pav' has no "
+            f"{op}: expected `method` to be one of {ARGSORT_METHODS} (method='pav' has no "
             f"permutation matrix: it projects onto the permutahedron); got method={method!r}."
         )
-    check_choice(method, _ARGSORT_METHODS, op, "method")
+    check_choice(method, ARGSORT_METHODS, op, "method")
     used = _check_method_args(op, method, distance=distance, max_iter=max_iter, tol=tol)
     check_bool(descending, op, "descending")
     check_bool(hard, op, "hard")
@@ -669,7 +669,7 @@ def soft_quantile(
         NeurIPS 2019. arXiv:1905.11885.
     """
     op = "soft_quantile"
-    check_choice(method, _QUANTILE_METHODS, op, "method")
+    check_choice(method, QUANTILE_METHODS, op, "method")
     check_bool(keepdim, op, "keepdim")
     check_floating(x, op)
     d = check_dim(x, dim, op)
