@@ -16,7 +16,7 @@ import torch
 
 from softops._core import isotonic
 from softops.sort import _ot, _softsort
-from tests.conftest import seeded
+from tests._helpers import seeded
 
 F64 = torch.float64
 

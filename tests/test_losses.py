@@ -13,7 +13,7 @@ from torch.autograd import gradcheck
 from softops import soft_rank, soft_topk_mask
 from softops.losses import accuracy_loss, f1_loss, ndcg_loss, spearman_loss, topk_accuracy_loss
 from softops.metrics import soft_accuracy, soft_f1, soft_topk_accuracy
-from tests.conftest import seeded
+from tests._helpers import seeded
 
 F64 = torch.float64
 

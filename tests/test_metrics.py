@@ -15,7 +15,7 @@ from softops.metrics import (
     soft_recall,
     soft_topk_accuracy,
 )
-from tests.conftest import seeded
+from tests._helpers import seeded
 
 F64 = torch.float64
 METRICS = {"precision": soft_precision, "recall": soft_recall, "f1": soft_f1}

@@ -9,7 +9,7 @@ import torch
 
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.solvers import sinkhorn
-from tests.conftest import saved_bytes, seeded
+from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
 

@@ -29,7 +29,7 @@ from softops.smooth import (
     soft_argmin,
     soft_kmax,
 )
-from tests.conftest import saved_bytes, seeded
+from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
 inf, nan = math.inf, math.nan

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from softops._sorted_topk import TopK, soft_topk
-from tests.conftest import saved_bytes, seeded
+from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from softops import soft_topk_mask
 from softops._core import perturbed as perturbed_mod
-from tests.conftest import saved_bytes, seeded
+from tests._helpers import saved_bytes, seeded
 from tests.reference import hard_topk_mask
 
 F64 = torch.float64

@@ -1,0 +1,24 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    """A fresh CPU generator with a fixed seed."""
+    return torch.Generator().manual_seed(seed)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of every tensor that ``fn()`` saves for backward (each save counted)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
