@@ -11,24 +11,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from softops._core import threshold as _threshold
-from softops._core.dims import flatten_to_2d, row_param
+from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.dims import prepare_rows, row_param
 from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
 from softops._core.validation import (
-    check_dim,
+    check_bool,
     check_epsilon,
     check_floating,
     check_k,
     check_max_iter,
-    check_nonempty,
     check_tol,
     compute_dtype,
 )
+from softops.topk._ot import solve as solve_threshold
 
 __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
-
-SINKHORN_MAX_ITER = 1000
-"""Default iteration cap of :func:`sinkhorn`."""
 
 
 def _check_marginal(
@@ -99,7 +96,7 @@ def sinkhorn(
             to ``a``'s total).
         epsilon: entropic regularisation > 0 in the units of the cost; a float or a tensor
             broadcastable to the batch shape ``cost.shape[:-2]``.
-        max_iter: iteration cap; None means 1000.
+        max_iter: iteration cap; None means 2000.
         tol: tolerance on the relative L1 row-marginal error of the plan
             ``sum_i |sum_j Gamma_ij - a_i| / sum_i a_i``, checked every 10 iterations; None means
             1e-6 (float32) / 1e-9 (float64); ``0`` runs exactly ``max_iter`` iterations.
@@ -141,12 +138,11 @@ def sinkhorn(
             f"{op}: expected `cost` of shape (*, n, m) with n, m >= 1; "
             f"got shape {tuple(cost.shape)}."
         )
-    if not isinstance(newton, bool):
-        raise TypeError(f"{op}: expected `newton` to be a bool; got newton={newton!r}.")
+    check_bool(newton, op, "newton")
     epsilon = check_epsilon(epsilon, op)
     wdtype = compute_dtype(cost.dtype)
     max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, op)
-    tol = check_tol(tol, 1e-9 if wdtype == torch.float64 else 1e-6, op)
+    tol = check_tol(tol, default_tol(wdtype), op)
 
     batch_shape = cost.shape[:-2]
     n, m = cost.shape[-2], cost.shape[-1]
@@ -244,20 +240,16 @@ def topk_threshold(
         (tensor(1.5000), True)
     """
     op = "topk_threshold"
-    check_floating(x, op)
-    d = check_dim(x, dim, op)
-    n = check_nonempty(x, d, op)
-    epsilon = check_epsilon(epsilon, op)
-    k = check_k(k, n, op)
-    max_iter = check_max_iter(max_iter, _threshold.DEFAULT_MAX_ITER, op)
+    check_bool(largest, op, "largest")
+    rows = prepare_rows(op, x.detach(), dim, epsilon)
+    k = check_k(k, rows.n, op)
+    max_iter = check_max_iter(max_iter, THRESHOLD_MAX_ITER, op)
     tol = check_tol(tol, 0.0, op)
-    cd = compute_dtype(x.dtype)
-    x2, _ = flatten_to_2d(x.detach(), d)
-    x2 = x2.to(cd) if largest else -x2.to(cd)
-    batch_shape = x.movedim(d, -1).shape[:-1]
-    k_row = row_param(k, batch_shape, op, "k", cd, x.device).detach()
-    eps_row = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device).detach()
-    state = _threshold.solve(
+    x2 = rows.x2 if largest else -rows.x2
+    batch_shape = rows.batch_shape
+    k_row = rows.param(k, op, "k").detach()
+    eps_row = rows.eps.detach()
+    state = solve_threshold(
         x2,
         k_row,
         eps_row,

@@ -3,7 +3,7 @@ r"""Sorted SOFT top-k: the k largest (or smallest) entries, in order, by entropi
 Reference: Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister, *Differentiable Top-k Operator with
 Optimal Transport*, NeurIPS 2020 (arXiv 2002.06504), sorted variant with k+1 anchors.
 
-Deviations from the paper's notation (see DESIGN.md §2 and §3.2, MATH.md §2):
+Deviations from the paper's notation (the derivations are in docs/math.md §2):
 
 * Orientation: the paper selects the **smallest** entries, smallest first. ``largest=True`` (the
   default, as in :func:`torch.topk`) applies the paper's operator to ``-x``, so the outputs are in
@@ -24,24 +24,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from softops._core.dims import flatten_to_2d, row_param
-from softops._core.sinkhorn import sinkhorn_plan, warn_not_converged
-from softops._core.validation import (
-    check_dim,
-    check_epsilon,
-    check_floating,
-    check_k,
-    check_max_iter,
-    check_nonempty,
-    check_tol,
-    compute_dtype,
-)
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
+from softops._core.dims import prepare_rows
+from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 
 __all__ = ["TopK", "soft_topk"]
 
 _OP = "soft_topk"
-DEFAULT_MAX_ITER = 2000
-"""Default Sinkhorn iteration cap (a Newton polish of at most 30 steps follows)."""
 _INF_MARGIN = 2000.0  # stand-ins for infinite scores sit this many epsilons beyond the finite ones
 
 
@@ -58,10 +48,6 @@ class TopK(NamedTuple):
     values: Tensor
     weights: Tensor
     indices: Tensor
-
-
-def _default_tol(dtype: torch.dtype) -> float:
-    return 1e-9 if dtype == torch.float64 else 1e-6
 
 
 def soft_topk(
@@ -152,28 +138,22 @@ def soft_topk(
         Y. Xie, H. Dai, M. Chen, B. Dai, T. Zhao, H. Zha, W. Wei, T. Pfister. Differentiable Top-k
         Operator with Optimal Transport. NeurIPS 2020. arXiv:2002.06504.
     """
-    check_floating(x, _OP)
-    d = check_dim(x, dim, _OP)
-    n = check_nonempty(x, d, _OP)
+    check_bool(largest, _OP, "largest")
+    rows = prepare_rows(_OP, x, dim, epsilon)
+    n, x2, eps, restore = rows.n, rows.x2, rows.eps, rows.restore  # x2 (B, n), eps (B,)
     k = int(check_k(k, n, _OP, low=1, integer=True))
-    if not isinstance(largest, bool):
-        raise TypeError(f"{_OP}: expected `largest` to be a bool; got largest={largest!r}.")
-    epsilon = check_epsilon(epsilon, _OP)
-    wdtype = compute_dtype(x.dtype)
-    max_iter = check_max_iter(max_iter, DEFAULT_MAX_ITER, _OP)
-    tol = check_tol(tol, _default_tol(wdtype), _OP)
+    wdtype = x2.dtype
+    max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, _OP)
+    tol = check_tol(tol, default_tol(wdtype), _OP)
 
-    indices = torch.topk(x.detach(), k, dim=d, largest=largest, sorted=True).indices
-    batch_shape = x.movedim(d, -1).shape[:-1]
-    x2, restore = flatten_to_2d(x.to(wdtype), d)  # (B, n)
+    indices = torch.topk(x.detach(), k, dim=rows.dim, largest=largest, sorted=True).indices
     bsz = x2.shape[0]
-    eps = row_param(epsilon, batch_shape, _OP, "epsilon", wdtype, x.device)  # (B,)
     has_inf = bool(torch.isinf(x2.detach()).any())
 
     # Paper orientation: the smallest s are selected, smallest first.
     s = -x2 if largest else x2
     if has_inf:
-        # rows with fewer than k selectable entries give NaN (DESIGN §2, infinities)
+        # rows with fewer than k selectable entries give NaN (infinities are their limits)
         selectable = (s.detach() != math.inf).sum(-1) >= k
         s = _substitute_infinities(s, eps)
     m = k + 1 if k < n else k
@@ -204,7 +184,7 @@ def soft_topk(
     else:
         values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
-    warn_not_converged(_OP, res, max_iter, tol, stacklevel=2)
+    warn_not_converged(_OP, res.converged, max_iter, residual=res.residual, tol=tol)
 
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))

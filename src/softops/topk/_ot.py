@@ -1,10 +1,21 @@
-r"""The SOFT top-k threshold: solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row.
+r"""Method "ot" of ``soft_topk_mask``: the exact SOFT top-k, one threshold per row.
 
-With two targets the entropic OT plan of SOFT top-k is a sigmoid with one threshold (MATH.md §1.2),
-so the forward pass is a scalar root find per row. This module finds it by bracketed Newton
-(:mod:`._core.rootfind`), on rows of a (B, n) tensor, largest-first orientation.
+With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020, §3) is a sigmoid with one
+threshold (the derivation is in the documentation, docs/math.md §1), so the forward pass solves
+:math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row of a (B, n) tensor, largest-first,
+by bracketed Newton (:mod:`softops._core.rootfind`), and the backward is the closed-form implicit
+gradient (``_SoftTopKMaskOT``), O(n) per row:
 
-Numerics (MATH.md §1.3 and §1.6):
+.. math::
+
+    s_i = A_i (1 - A_i)/\varepsilon, \qquad
+    \bar x = s \odot \big(\bar A - \langle s, \bar A\rangle / \textstyle\sum_i s_i\big),
+    \qquad \bar k = \langle s, \bar A\rangle / \textstyle\sum_i s_i .
+
+The two row reductions of the backward, ``sum(s)`` and ``<s, g>``, are ``_vjp_terms``; those of
+the forward are in ``_evaluate``.
+
+Numerics of the solver (docs/math.md §1.3):
 
 * the row is centred on ``m``, an estimate of the threshold (the midpoint of the k-th and (k+1)-th
   largest for n <= ``EXACT_MAX_N``, of a strided subsample's quantile above it), so that ``t``
@@ -12,8 +23,8 @@ Numerics (MATH.md §1.3 and §1.6):
 * the residual is evaluated from ``u = min(A, 1 - A)`` with the sign split, so it has no
   cancellation (plain ``A.sum() - k`` in float32 resolves k = 9990 of n = 1e4 only to +-0.07);
 * the bracket is exact: ``[x_(j) - eps log(k / (j - k)), x_(j') - eps log((k - j' + 1) / (n - k))]``
-  with ``j = floor(k) + 1`` and ``j' = ceil(k)`` (for integer k, the lemma of MATH.md §1.3); the
-  subsampled path uses the looser ``[min x, max x] - eps logit(k / n)``;
+  with ``j = floor(k) + 1`` and ``j' = ceil(k)`` (for integer k, the lemma of docs/math.md
+  §1.3); the subsampled path uses the looser ``[min x, max x] - eps logit(k / n)``;
 * the initial iterate is the better of the centre and the large-epsilon guess
   ``mean(x) - eps logit(k / n)``; both evaluations also tighten the bracket;
 * infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
@@ -23,14 +34,22 @@ Numerics (MATH.md §1.3 and §1.6):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from softops._core.fused import maybe_fused
+from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
+from softops._core.fused import compile_enabled, maybe_fused
 from softops._core.rootfind import bracketed_newton
 
-__all__ = ["DEFAULT_MAX_ITER", "EXACT_MAX_N", "ThresholdState", "mask_from_threshold", "solve"]
+__all__ = [
+    "EXACT_MAX_N",
+    "ThresholdState",
+    "hard_topk_mask",
+    "mask_from_threshold",
+    "ot_mask",
+    "solve",
+]
 
 EXACT_MAX_N = 16384
 """Rows up to this length are bracketed and centred by an exact ``torch.topk`` of k + 1 entries;
@@ -38,9 +57,8 @@ longer rows by a strided subsample of about ``SAMPLE_SIZE`` entries (the bracket
 SAMPLE_SIZE = 2048
 BLOCK = 3
 """Newton evaluations between two convergence tests (no host sync inside a block)."""
-DEFAULT_MAX_ITER = 100
-"""Cap on Newton evaluations. 3 to 6 are typical; plain bisection within the coarse bracket of the
-subsampled path needs at most about 30 (float32) or 60 (float64)."""
+# The cap on Newton evaluations is THRESHOLD_MAX_ITER (100). 3 to 6 are typical; plain bisection
+# within the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
 
 
 class ThresholdState(NamedTuple):
@@ -111,7 +129,7 @@ def solve(
     k: torch.Tensor,
     eps: torch.Tensor,
     *,
-    max_iter: int = DEFAULT_MAX_ITER,
+    max_iter: int = THRESHOLD_MAX_ITER,
     tol: float = 0.0,
     k_scalar: float | None = None,
 ) -> ThresholdState:
@@ -276,3 +294,106 @@ def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tenso
         A = torch.where(state.sel_all[:, None], (x > -math.inf).to(x.dtype), A)
         A = A.masked_fill(state.invalid[:, None], math.nan)
     return A
+
+
+def _vjp_terms(
+    A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s = A(1 - A)/eps``, ``sum s`` and ``<s, g>`` per row (one pass when fused)."""
+    s = A * (1 - A) / eps
+    return s, s.sum(-1, keepdim=True), (s * g).sum(-1, keepdim=True)
+
+
+def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    s, ss, sg = _vjp_terms(A, g, eps)
+    return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
+
+
+class _SoftTopKMaskOT(torch.autograd.Function):
+    """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward.
+
+    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,).
+    """
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        k: torch.Tensor,
+        eps: torch.Tensor,
+        max_iter: int,
+        tol: float,
+        k_scalar: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = solve(x, k, eps, max_iter=max_iter, tol=tol, k_scalar=k_scalar)
+        A = mask_from_threshold(x, state, eps)
+        # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
+        ok = state.converged if state.invalid is None else state.converged | state.invalid
+        return A, state.m, state.t, ok
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, _, eps = inputs[:3]
+        A, m, t, converged = output
+        ctx.mark_non_differentiable(m, t, converged)
+        if ctx.needs_input_grad[2]:
+            ctx.save_for_backward(A, eps, x, m, t)
+        else:
+            ctx.save_for_backward(A, eps)
+        ctx.fused = compile_enabled()  # the backward follows the forward's choice
+
+    @staticmethod
+    def backward(ctx: Any, gA: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        A, eps = ctx.saved_tensors[:2]
+        e = eps[:, None]
+        need_x, need_k, need_eps = ctx.needs_input_grad[:3]
+        gx = gk = geps = None
+        if need_x and not (need_k or need_eps) and not torch.is_grad_enabled():
+            # The common case: one fused pass for the sums, one for the gradient.
+            return maybe_fused(_vjp_x, A, ctx.fused)(A, gA, e), None, None, None, None, None
+        s, ss, sg = _vjp_terms(A, gA, e)
+        pos = ss > 0
+        inv = torch.where(pos, 1 / torch.where(pos, ss, 1), 0)
+        ratio = sg * inv
+        if need_x:
+            gx = s * (gA - ratio)
+        if need_k:
+            gk = ratio.squeeze(-1)
+        if need_eps:
+            x, m, t = ctx.saved_tensors[2:]
+            z = ((x - m[:, None]) - t[:, None]) / e
+            z = torch.where(s > 0, z, 0)
+            zc = z - (s * z).sum(-1, keepdim=True) * inv
+            geps = -(gA * s * zc).sum(-1)
+        return gx, gk, geps, None, None, None
+
+
+def ot_mask(
+    op: str,
+    x2: torch.Tensor,
+    k_row: torch.Tensor,
+    eps_row: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+) -> torch.Tensor:
+    """The mask A (B, n) of canonical rows, with the non-convergence warning (no host sync
+    beyond the one of the warning's check)."""
+    A, _, _, converged = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
+    warn_not_converged(op, converged, max_iter)
+    return A
+
+
+def hard_topk_mask(x: torch.Tensor, k: torch.Tensor, k_scalar: int | None) -> torch.Tensor:
+    """The 0/1 mask of the k largest entries of each row of ``x`` (B, n).
+
+    ``k`` is (B,) with integer values; ``k_scalar`` is its common value when known (one
+    ``torch.topk`` instead of a full argsort). Ties are broken as ``torch.topk`` breaks them.
+    """
+    if k_scalar is not None:
+        if k_scalar == 0:
+            return torch.zeros_like(x)
+        return torch.zeros_like(x).scatter_(-1, x.topk(k_scalar, dim=-1).indices, 1.0)
+    order = x.argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(x.shape[-1], device=x.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return (rank < k[:, None]).to(x.dtype)

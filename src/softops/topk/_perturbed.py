@@ -1,4 +1,4 @@
-r"""The perturbed top-k mask: a Monte-Carlo perturbed optimizer (Berthet et al., NeurIPS 2020).
+r"""Method "perturbed" of ``soft_topk_mask``: the perturbed optimizer of Berthet et al. (2020).
 
 The hard top-k mask :math:`y(x) = \arg\max_{y \in \mathcal{C}} \langle y, x \rangle`, with
 :math:`\mathcal{C}` the 0/1 vectors with k ones, is smoothed by Gaussian perturbation of its input:
@@ -84,6 +84,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from softops.topk._options import unreachable_rows
+
 __all__ = ["perturbed_topk_mask"]
 
 # Work-buffer budget in elements: a chunk of c samples uses c*B*n <= this (c >= 1).
@@ -108,13 +110,6 @@ def _fill_normal(buf: torch.Tensor, generator: torch.Generator) -> None:
         buf[j].normal_(generator=generator)
 
 
-def _bad_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,) bool: rows with a NaN, more than k entries at +inf, or fewer than k above -inf."""
-    n_pinf = (x == math.inf).sum(-1)
-    n_above = (x > -math.inf).sum(-1)
-    return torch.isnan(x).any(-1) | (n_pinf > k) | (n_above < k)
-
-
 class _PerturbedTopKMask(torch.autograd.Function):
     """Mean of hard top-k masks of x + eps Z over N draws; Berthet's estimator as the VJP.
 
@@ -132,7 +127,7 @@ class _PerturbedTopKMask(torch.autograd.Function):
         snapshot: _Snapshot,
     ) -> torch.Tensor:
         B, n = x.shape
-        bad = _bad_rows(x, k)
+        bad = unreachable_rows(x, k)
         if k == 0 or k == n:
             A = torch.full_like(x, 0.0 if k == 0 else 1.0)
             return A.masked_fill_(bad[:, None], math.nan)
@@ -167,7 +162,7 @@ class _PerturbedTopKMask(torch.autograd.Function):
         x, eps = ctx.saved_tensors
         k, n_samples = ctx.k, ctx.n_samples
         B, n = x.shape
-        bad = _bad_rows(x, k)
+        bad = unreachable_rows(x, k)
         gx = torch.zeros_like(x)
         if 0 < k < n:
             generator = torch.Generator(device=x.device)
