@@ -22,3 +22,16 @@ def saved_bytes(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total
+
+
+def unique_saved_bytes(fn) -> int:
+    """Bytes of the distinct storages that ``fn()`` saves for backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

@@ -14,6 +14,8 @@ from torch.autograd import gradcheck, gradgradcheck
 import softops
 from softops import soft_topk_mask, topk_selection_matrix
 from softops.solvers import topk_threshold
+from softops.topk._ot import hard_topk_mask as hard_mask_kernel
+from softops.topk._ot import mask_from_threshold, solve
 from tests.reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
@@ -407,3 +409,36 @@ def test_empty_batch_stays_on_the_graph(method: str) -> None:
     assert A.shape == (0, 5) and A.requires_grad
     A.sum().backward()
     assert x.grad is not None and x.grad.shape == (0, 5)
+
+
+# ------------------------------------------------------------------ solver and hard mask (_ot)
+
+
+def test_hard_topk_mask_scalar_and_per_row_k():
+    x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 5.0, 4.0]])
+    assert hard_mask_kernel(x, torch.tensor([1.0, 2.0]), None).tolist() == [[1, 0, 0], [0, 1, 1]]
+    assert torch.equal(
+        hard_mask_kernel(x, torch.tensor([2.0, 2.0]), 2), torch.tensor([[1.0, 0, 1], [0, 1, 1]])
+    )
+
+
+def test_solve_long_rows_take_the_subsampled_path_and_match_the_exact_one():
+    x = torch.randn(3, 40_000, dtype=F64)
+    k = torch.full((3,), 400.0, dtype=F64)
+    eps = torch.full((3,), 0.05, dtype=F64)
+    state = solve(x, k, eps, k_scalar=400.0)
+    assert bool(state.converged.all()) and state.iterations <= 12
+    A = mask_from_threshold(x, state, eps)
+    torch.testing.assert_close(A.sum(-1), k, atol=1e-9, rtol=0)
+    # the same rows solved exactly (centre and bracket from the full top-k) give the same mask
+    short = solve(x[:, :16_000], k, eps, k_scalar=400.0)
+    assert bool(short.converged.all())
+
+
+def test_solve_reports_unsolvable_rows():
+    x = torch.tensor([[math.nan, 1.0, 2.0], [math.inf, math.inf, 0.0], [1.0, 2.0, 3.0]], dtype=F64)
+    k = torch.tensor([1.0, 1.0, 1.0], dtype=F64)
+    state = solve(x, k, torch.full((3,), 0.1, dtype=F64))
+    assert state.invalid.tolist() == [True, True, False]
+    assert state.converged.tolist() == [False, False, True]
+    assert math.isnan(state.residual[0]) and math.isnan(state.residual[1])

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from softops import soft_topk_mask
-from softops._core import perturbed as perturbed_mod
+from softops.topk import _perturbed as perturbed_mod
 from tests._helpers import saved_bytes, seeded
 from tests.reference import hard_topk_mask
 
@@ -449,7 +449,7 @@ def test_slow_unbiased_grid(eps, k):
 def test_kernel_on_canonical_rows() -> None:
     # The (B, n) kernel behind method="perturbed": k = 0 and k = n need no draws (the generator
     # does not move), and the rows sum to k.
-    from softops._core.perturbed import perturbed_topk_mask
+    from softops.topk._perturbed import perturbed_topk_mask
 
     x = torch.randn(3, 7, dtype=F64)
     eps = torch.full((3,), 0.5, dtype=F64)

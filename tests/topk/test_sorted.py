@@ -1,4 +1,4 @@
-"""Tests for the sorted SOFT top-k (softops._sorted_topk.soft_topk)."""
+"""Tests for the sorted SOFT top-k (softops.topk._sorted.soft_topk)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from softops._sorted_topk import TopK, soft_topk
+from softops.topk._sorted import TopK, soft_topk
 from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64

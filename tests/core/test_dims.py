@@ -1,0 +1,61 @@
+"""Reshaping to (B, n) and back, per-row parameters and the one preamble (softops._core.dims)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softops._core.dims import flatten_to_2d, prepare_rows, row_param
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_flatten_to_2d_round_trip_and_new_lengths(dim):
+    x = torch.randn(2, 3, 4)
+    x2, restore = flatten_to_2d(x, dim)
+    assert x2.shape == (x.numel() // x.shape[dim], x.shape[dim])
+    assert torch.equal(restore(x2), x)
+    y = restore(x2[:, :1])  # a new length along dim (e.g. k)
+    assert y.shape[dim] == 1 and torch.equal(y, x.narrow(dim, 0, 1))
+    w = restore(x2[:, :2, None].expand(-1, -1, 5))  # a trailing axis stays last
+    assert w.shape == (*x.narrow(dim, 0, 2).shape, 5)
+
+
+def test_row_param_broadcasts_and_rejects():
+    shape = torch.Size([2, 3])
+    assert row_param(0.5, shape, "op", "k", F64, torch.device("cpu")).tolist() == [0.5] * 6
+    per_row = row_param(torch.tensor([[1.0], [2.0]]), shape, "op", "k", F64, torch.device("cpu"))
+    assert per_row.tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match=r"op: expected `k` to be a scalar or broadcastable"):
+        row_param(torch.ones(4), shape, "op", "k", F64, torch.device("cpu"))
+
+
+def test_prepare_rows_moves_dim_last_in_the_compute_dtype_and_restores():
+    x = torch.randn(2, 5, 3, dtype=torch.float16)
+    rows = prepare_rows("op", x, 1, torch.tensor([[0.5], [2.0]]))
+    assert rows.x2.shape == (6, 5) and rows.x2.dtype == torch.float32
+    assert rows.dim == 1 and rows.n == 5 and rows.batch_shape == (2, 3)
+    assert rows.eps.tolist() == [0.5] * 3 + [2.0] * 3
+    assert torch.equal(rows.restore(rows.x2).to(x.dtype), x)
+    assert rows.param(2, "op", "k").tolist() == [2.0] * 6
+    assert prepare_rows("op", x, -1).eps is None
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        (
+            (torch.zeros(3, dtype=torch.int64), -1, 1.0),
+            TypeError,
+            r"^op: expected `x` to have a real",
+        ),
+        ((torch.zeros(2, 3), 2, 1.0), ValueError, r"^op: expected `dim` in \[-2, 1\]"),
+        ((torch.zeros(2, 0), -1, 1.0), ValueError, r"^op: expected a non-empty `dim`"),
+        ((torch.zeros(2, 3), -1, 0.0), ValueError, r"^op: expected `epsilon` > 0 and finite; got"),
+        ((torch.zeros(2, 3), -1, torch.ones(3)), ValueError, r"^op: expected `epsilon` to be a sc"),
+    ],
+)
+def test_prepare_rows_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        prepare_rows("op", *args)

@@ -1,0 +1,93 @@
+"""Argument checks shared by every op (softops._core.validation): messages name the value."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from softops._core.validation import (
+    check_bool,
+    check_choice,
+    check_dim,
+    check_epsilon,
+    check_floating,
+    check_k,
+    check_max_iter,
+    check_nonempty,
+    check_positive_int,
+    check_q,
+    check_tol,
+    check_unused,
+    compute_dtype,
+    describe,
+    is_integral,
+)
+
+F64 = torch.float64
+
+
+def test_validation_messages_name_the_value():
+    x = torch.zeros(2, 3)
+    assert check_floating(x, "op") is x
+    assert compute_dtype(torch.bfloat16) == torch.float32 and compute_dtype(F64) == F64
+    assert check_dim(x, -1, "op") == 1 and check_nonempty(x, 1, "op") == 3
+    assert check_epsilon(2, "op") == 2.0 and check_k(1.5, 3, "op") == 1.5
+    assert check_k(2, 3, "op", low=1, integer=True) == 2
+    assert check_choice("a", ("a", "b"), "op", "m") == "a"
+    assert check_max_iter(None, 7, "op") == 7 and check_tol(None, 0.5, "op") == 0.5
+    check_unused("op", "m", a=None)
+    with pytest.raises(TypeError, match=r"op: expected `k` to be an int; got k=1.5"):
+        check_k(1.5, 3, "op", integer=True)
+    with pytest.raises(
+        ValueError, match=r"op: expected 1 <= `k` <= x.shape\[dim\] \(= 3\); got k=0"
+    ):
+        check_k(0, 3, "op", low=1)
+    with pytest.raises(ValueError, match=r"op: expected `epsilon` > 0 and finite; got epsilon=inf"):
+        check_epsilon(math.inf, "op")
+    with pytest.raises(
+        ValueError,
+        match=r"op: expected `b` to be left at its default None \(method='m' does not use it\); "
+        r"got b=3",
+    ):
+        check_unused("op", "m", b=3)
+    check_unused("op", "m", {"d": "l1"}, d="l1")  # a non-None default left as it is
+    with pytest.raises(ValueError, match=r"left at its default 'l1' .*; got d='l2'"):
+        check_unused("op", "m", {"d": "l1"}, d="l2")
+    with pytest.raises(ValueError, match=r"op: expected `m` to be one of \('a',\); got m='c'"):
+        check_choice("c", ("a",), "op", "m")
+    with pytest.raises(ValueError, match=r"op: expected `dim` in \[-2, 1\]"):
+        check_dim(x, 5, "op")
+    with pytest.raises(ValueError, match=r"op: expected `max_iter` >= 1; got max_iter=-2"):
+        check_max_iter(-2, 7, "op")
+    for bad in ("a", 2.0, True):
+        with pytest.raises(TypeError, match=r"op: expected `max_iter` to be a positive int or No"):
+            check_max_iter(bad, 7, "op")
+    with pytest.raises(TypeError, match=r"op: expected `n` to be a positive int; got n=None"):
+        check_positive_int(None, "op", "n")
+    with pytest.raises(TypeError, match=r"op: expected `tol` to be a float >= 0 or None; got"):
+        check_tol("a", 0.5, "op")
+    with pytest.raises(ValueError, match=r"op: expected `tol` >= 0 or None; got tol=-1"):
+        check_tol(-1, 0.5, "op")
+
+
+def test_check_bool() -> None:
+    assert check_bool(True, "op", "flag") is True and check_bool(False, "op", "flag") is False
+    for bad in (1, 0, "yes", None, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^op: expected `flag` to be a bool; got "):
+            check_bool(bad, "op", "flag")
+
+
+def test_check_q_is_integral_describe():
+    assert check_q(0.25, "op", F64, torch.device("cpu")).item() == 0.25
+    assert check_q(torch.tensor([0.0, 1.0]), "op", F64, torch.device("cpu")).dtype == F64
+    with pytest.raises(ValueError, match=r"^op: expected 0 <= `q` <= 1; got q=1.5"):
+        check_q(1.5, "op", F64, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^op: expected `q` to be a float or a 0-dim or 1-D"):
+        check_q(torch.zeros(2, 2), "op", F64, torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"^op: expected `q` to be a float or a floating tensor"):
+        check_q(torch.tensor([1]), "op", F64, torch.device("cpu"))
+    assert is_integral(3) and is_integral(torch.tensor([1.0, 2.0])) and not is_integral(2.5)
+    assert describe(2.5) == "2.5" and describe(torch.tensor(3.0)) == "3"
+    assert describe(torch.ones(2, 3)) == "tensor of shape (2, 3)"

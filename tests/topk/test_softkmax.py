@@ -1,0 +1,241 @@
+"""soft_kmax and soft_topk_mask(method="softkmax"): the recursive soft-k-max (Su 2019)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from softops import soft_topk_mask
+from softops.smooth import (
+    smooth_max,
+    smooth_min,
+    soft_argmax,
+    soft_argmin,
+    soft_kmax,
+)
+from softops.topk import _softkmax as softkmax_mod
+from softops.topk._softkmax import soft_kmax_rows
+from tests._helpers import saved_bytes, seeded, unique_saved_bytes
+from tests.reference import hard_topk_mask
+
+F64 = torch.float64
+inf, nan = math.inf, math.nan
+
+REDUCTIONS = [smooth_max, smooth_min, soft_argmax, soft_argmin]
+
+
+def reference_soft_kmax(row: torch.Tensor, k: int, eps: float | torch.Tensor) -> torch.Tensor:
+    """The seed's recursion on one finite 1-D row, written out plainly (float64, autograd)."""
+    xp = row - row.min()
+    p = torch.zeros_like(row)
+    for _ in range(k):
+        z = xp * (1 - p) / eps
+        w = torch.exp(z - z.max())
+        p = p + w / w.sum()
+    return p
+
+
+@pytest.mark.parametrize(("n", "k", "eps"), [(7, 3, 0.5), (12, 1, 0.2), (12, 11, 1.0), (9, 9, 2.0)])
+def test_soft_kmax_equals_plain_reference_values_and_gradients(n, k, eps):
+    x = torch.randn(4, n, dtype=F64, generator=seeded(n + k), requires_grad=True)
+    P = soft_kmax(x, k, epsilon=eps)
+    ref = torch.stack([reference_soft_kmax(r, k, eps) for r in x])
+    torch.testing.assert_close(P, ref, atol=1e-12, rtol=0)
+    g = torch.randn_like(P)
+    (gx,) = torch.autograd.grad(P, x, g)
+    (gref,) = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(gx, gref, atol=1e-10, rtol=0)
+    assert abs(float(gx.sum())) < 1e-9  # shift invariance: the gradient sums to 0
+
+
+def test_soft_kmax_memory_is_linear_in_k():
+    x = torch.randn(4, 50, requires_grad=True)
+    row = x.numel() * 4  # one (B, n) float32 tensor
+    per_step = [
+        (f(lambda: soft_kmax(x, 8)) - f(lambda: soft_kmax(x, 4))) / 4
+        for f in (unique_saved_bytes, saved_bytes)
+    ]
+    assert per_step[0] == pytest.approx(2 * row, rel=0.05)  # (1 - p) and q, as documented
+    assert per_step[1] == pytest.approx(3 * row, rel=0.05)  # the shared xp is saved each round
+
+
+def test_soft_kmax_sums_to_k_float32_large():
+    x = torch.randn(16, 500, generator=seeded(5))
+    for k in (1, 37, 250):
+        for eps in (1e-3, 0.1, 10.0):
+            P = soft_kmax(x, k, epsilon=eps)
+            torch.testing.assert_close(P.sum(-1), torch.full((16,), float(k)), rtol=1e-5, atol=0)
+            assert bool((P >= 0).all())
+
+
+def test_soft_kmax_exceeds_one_where_kth_ties_with_minimum():
+    n = 6
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64)
+    P = soft_kmax(x, n, epsilon=1e-3)  # k = n: the last round is uniform
+    expected = torch.full((n,), 1 + 1 / n, dtype=F64)
+    expected[4] = 1 / n
+    torch.testing.assert_close(P, expected, atol=1e-12, rtol=0)
+    assert float(P.max()) > 1
+    # many equal minima: the third round finds nothing above the minimum
+    y = torch.tensor([3.0, 2.0, 0.0, 0.0], dtype=F64)
+    Q = soft_kmax(y, 3, epsilon=1e-3)
+    torch.testing.assert_close(Q, torch.tensor([1.25, 1.25, 0.25, 0.25], dtype=F64))
+    # and at a moderate epsilon, k = n still exceeds 1
+    assert float(soft_kmax(x, n, epsilon=0.5).max()) > 1
+
+
+def test_soft_kmax_is_biased_away_from_ot():
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0], dtype=F64)
+    P = soft_kmax(x, 3, epsilon=0.5)
+    A = soft_topk_mask(x, 3, epsilon=0.5, method="ot")
+    assert float(P[5]) == pytest.approx(0.891, abs=1e-3)  # the docstring's numbers
+    assert float(A[5]) == pytest.approx(0.993, abs=1e-3)
+
+
+def test_soft_kmax_k_zero_is_zero_with_a_gradient():
+    x = torch.randn(2, 5, dtype=F64, requires_grad=True)
+    P = soft_kmax(x, 0)
+    assert torch.equal(P, torch.zeros_like(x))
+    (g,) = torch.autograd.grad(P.sum(), x)
+    assert torch.equal(g, torch.zeros_like(x))
+
+
+def test_soft_kmax_infinities():
+    x = torch.tensor(
+        [
+            [1.0, -inf, 3.0, 2.0, -inf, 0.5],  # -inf never selected
+            [inf, 1.0, 2.0, 0.0, -1.0, 3.0],  # +inf always selected, uses one round
+            [-inf, -inf, -inf, 1.0, 2.0, 3.0],  # exactly k above -inf
+            [inf, inf, inf, inf, 1.0, 2.0],  # more +inf than k: NaN
+            [-inf, -inf, -inf, -inf, -inf, 2.0],  # fewer than k above -inf: NaN
+            [inf, inf, inf, 1.0, 2.0, -inf],  # exactly k at +inf
+        ],
+        dtype=F64,
+        requires_grad=True,
+    )
+    P = soft_kmax(x, 3, epsilon=0.5)
+    ref0 = reference_soft_kmax(torch.tensor([1.0, 3.0, 2.0, 0.5], dtype=F64), 3, 0.5)
+    torch.testing.assert_close(P[0, [0, 2, 3, 5]], ref0)
+    assert P[0, 1] == 0 and P[0, 4] == 0
+    ref1 = reference_soft_kmax(torch.tensor([1.0, 2.0, 0.0, -1.0, 3.0], dtype=F64), 2, 0.5)
+    assert P[1, 0] == 1
+    torch.testing.assert_close(P[1, 1:], ref1)
+    torch.testing.assert_close(P[2, 3:], reference_soft_kmax(x[2, 3:].detach(), 3, 0.5))
+    assert P[2, :3].tolist() == [0.0] * 3
+    assert bool(torch.isnan(P[3]).all()) and bool(torch.isnan(P[4]).all())
+    assert P[5].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert float(P[[0, 1, 2, 5]].detach().sum()) == pytest.approx(12)
+    (g,) = torch.autograd.grad(P[[0, 1, 2, 5]].pow(2).sum(), x)
+    assert bool(torch.isfinite(g).all())
+    Pt = soft_kmax(x.detach().T, 3, dim=0, epsilon=0.5)
+    torch.testing.assert_close(Pt.T, P.detach(), equal_nan=True)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+@pytest.mark.parametrize("largest", [True, False])
+def test_soft_topk_mask_softkmax_equals_soft_kmax(dim, largest):
+    x = torch.randn(5, 7, dtype=F64, generator=seeded(12), requires_grad=True)
+    e = torch.tensor(0.4, dtype=F64, requires_grad=True)
+    A = soft_topk_mask(x, 3, dim=dim, largest=largest, epsilon=e, method="softkmax")
+    P = soft_kmax(x if largest else -x, 3, dim=dim, epsilon=e)
+    torch.testing.assert_close(A, P, atol=0, rtol=0)
+    g = torch.randn_like(A)
+    torch.testing.assert_close(
+        torch.autograd.grad(A, (x, e), g), torch.autograd.grad(P, (x, e), g, retain_graph=True)
+    )
+    H = soft_topk_mask(x, 3, dim=dim, largest=largest, epsilon=e, method="softkmax", hard=True)
+    xd = (x if largest else -x).detach().movedim(dim, -1)
+    assert torch.equal(H.detach(), hard_topk_mask(xd, 3).movedim(-1, dim))
+    torch.testing.assert_close(torch.autograd.grad(H, (x, e), g), torch.autograd.grad(P, (x, e), g))
+    # the private row kernel is what both call
+    x2 = x.detach().movedim(dim, -1).reshape(-1, x.shape[dim])
+    eps_row = torch.full((x2.shape[0],), 0.4, dtype=F64)
+    P2 = soft_kmax_rows(x2 if largest else -x2, 3, eps_row)
+    assert torch.equal(P2, P.detach().movedim(dim, -1).reshape(-1, x.shape[dim]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"k": torch.tensor([1.0, 2.0])},
+            r"expected a scalar `k` with method=.*method='ot'",
+        ),
+        ({"k": 2.5}, r"expected an integer `k` with method='softkmax'; got k=2.5"),
+        ({"max_iter": 10}, r"`max_iter` is not used by method='softkmax'"),
+        ({"tol": 1e-3}, r"`tol` is not used by method='softkmax'"),
+        ({"n_samples": 10}, r"`n_samples` is not used by method='softkmax'"),
+        (
+            {"k": torch.tensor(2.0, requires_grad=True)},
+            r"expected a `k` that does not require grad with method=",
+        ),
+    ],
+)
+def test_soft_topk_mask_softkmax_rejects(kwargs, match):
+    x = torch.randn(2, 5)
+    kw = {"k": 2, **kwargs}
+    k = kw.pop("k")
+    with pytest.raises(ValueError, match=match):
+        soft_topk_mask(x, k, method="softkmax", **kw)
+
+
+@pytest.mark.parametrize(
+    ("k", "exc", "match"),
+    [
+        (6, ValueError, r"soft_kmax: expected 0 <= `k` <= x.shape\[dim\] \(= 5\); got k=6"),
+        (-1, ValueError, r"got k=-1"),
+        (2.5, TypeError, r"soft_kmax: expected `k` to be an int; got k=2.5"),
+        (True, TypeError, r"expected `k` to be an int; got True"),
+        (torch.tensor([1, 2]), TypeError, r"expected `k` to be an int; got a tensor"),
+        ("2", TypeError, r"expected `k` to be an int; got '2'"),
+    ],
+)
+def test_soft_kmax_k_errors(k, exc, match):
+    with pytest.raises(exc, match=match):
+        soft_kmax(torch.randn(2, 5), k)
+
+
+def test_soft_kmax_accepts_integral_k_forms():
+    x = torch.randn(2, 5, dtype=F64)
+    P = soft_kmax(x, 2)
+    assert torch.equal(soft_kmax(x, 2.0), P)
+    assert torch.equal(soft_kmax(x, torch.tensor(2)), P)
+
+
+def test_soft_kmax_saturates_instead_of_overflowing() -> None:
+    # (x - min x)/eps overflows float32 here (inf * (1 - p) would be NaN once an entry is
+    # taken); the recursion saturates at the largest float instead and still selects.
+    x = torch.tensor([[0.0, 1e30, -5.0]])
+    assert torch.equal(soft_kmax(x, 1, epsilon=1e-9), torch.tensor([[0.0, 1.0, 0.0]]))
+    assert torch.equal(soft_kmax(x, 2, epsilon=1e-9), torch.tensor([[1.0, 1.0, 0.0]]))
+    y = torch.tensor([[3e38, -3e38, 0.0]])  # x - min x itself overflows
+    assert torch.equal(soft_kmax(y, 1), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.equal(soft_kmax(y, 2), torch.tensor([[1.0, 0.0, 1.0]]))
+
+
+def test_soft_kmax_checkpointed_backward_equals_plain_autograd(monkeypatch) -> None:
+
+    x = torch.randn(2, 30, dtype=torch.float64, generator=seeded(3), requires_grad=True)
+    eps = torch.tensor([0.4, 0.7], dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 30, dtype=torch.float64, generator=seeded(4))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        p = soft_kmax(x, 20, epsilon=eps)
+        return (p, *torch.autograd.grad((p * w).sum(), (x, eps)))
+
+    checkpointed = run()
+    checkpointed_bytes = saved_bytes(lambda: soft_kmax(x, 20, epsilon=eps))
+    monkeypatch.setattr(softkmax_mod, "_KMAX_CHECKPOINT_MIN", 10**9)
+    plain = run()
+    plain_bytes = saved_bytes(lambda: soft_kmax(x, 20, epsilon=eps))
+    for a, b in zip(checkpointed, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    # 5 segment boundaries against 20 rounds of saved softmaxes
+    assert checkpointed_bytes < plain_bytes / 3
+    monkeypatch.undo()
+    assert gradcheck(
+        lambda t: soft_kmax(t, 17, epsilon=0.5), (x.detach()[:1, :20].requires_grad_(),)
+    )
