@@ -1,0 +1,113 @@
+"""The argument checks and row predicates that every method of ``soft_topk_mask`` shares.
+
+``check_mask_options`` validates everything but ``x`` and ``k``, so that ``soft_topk_mask`` and
+``softops.nn.SoftTopKMask`` (at construction, under its own name) apply one copy of each rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.validation import (
+    check_bool,
+    check_choice,
+    check_epsilon,
+    check_max_iter,
+    check_positive_int,
+    check_tol,
+    check_unused,
+)
+
+__all__ = [
+    "MASK_METHODS",
+    "PERTURBED_DEFAULT_SAMPLES",
+    "check_generator",
+    "check_mask_options",
+    "solver_defaults",
+    "unreachable_rows",
+]
+
+MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+PERTURBED_DEFAULT_SAMPLES = 100
+"""Noise draws of method="perturbed" when ``n_samples`` is None."""
+
+
+def check_mask_options(
+    op: str,
+    method: Any,
+    *,
+    largest: Any = True,
+    epsilon: Any = None,
+    max_iter: Any = None,
+    tol: Any = None,
+    hard: Any = False,
+    n_samples: Any = None,
+    generator: Any = None,
+) -> tuple[int | None, float | None, int | None]:
+    """Check the options of a top-k mask for ``method``; return ``(max_iter, tol, n_samples)``.
+
+    ``max_iter`` and ``tol`` come back as given (None stays None: the default depends on the
+    compute dtype, known only with x) after their type and range are checked; ``n_samples``
+    with its default filled in for "perturbed" (None otherwise). Arguments ``method`` does not
+    use must be left at their default (None). ``epsilon`` is checked when given (a layer checks
+    it at construction; the op checks it with x).
+    """
+    check_choice(method, MASK_METHODS, op, "method")
+    check_bool(largest, op, "largest")
+    check_bool(hard, op, "hard")
+    if epsilon is not None:  # the op checks it with x (prepare_rows); a layer checks it here
+        check_epsilon(epsilon, op)
+    if method != "perturbed":
+        check_unused(op, method, n_samples=n_samples, generator=generator)
+    if method in ("softkmax", "perturbed"):
+        check_unused(op, method, max_iter=max_iter, tol=tol)
+    else:
+        check_max_iter(max_iter, 1, op)
+        check_tol(tol, 0.0, op)
+    if method == "perturbed":
+        n_samples = check_positive_int(n_samples, op, "n_samples", PERTURBED_DEFAULT_SAMPLES)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"{op}: expected `generator` to be a torch.Generator or None; got {generator!r}."
+            )
+    return max_iter, tol, n_samples
+
+
+def solver_defaults(
+    method: str, max_iter: int | None, tol: float | None, dtype: torch.dtype
+) -> tuple[int, float]:
+    """The documented defaults of "ot" (100 evaluations, machine precision: tol 0) and
+    "sinkhorn" (2000 iterations, :func:`softops._core.convergence.default_tol`)."""
+    if method == "ot":
+        return (THRESHOLD_MAX_ITER if max_iter is None else max_iter), (0.0 if tol is None else tol)
+    return (
+        SINKHORN_MAX_ITER if max_iter is None else max_iter,
+        default_tol(dtype) if tol is None else tol,
+    )
+
+
+def check_generator(generator: torch.Generator | None, device: torch.device, op: str) -> None:
+    """A generator must live on the device of x (the same index, when both name one)."""
+    if generator is None:
+        return
+    gd = generator.device
+    other_index = None not in (gd.index, device.index) and gd.index != device.index
+    if gd.type != device.type or other_index:
+        raise ValueError(
+            f"{op}: expected `generator` on the device of x ({device}); got a generator on {gd}."
+        )
+
+
+def unreachable_rows(x2: torch.Tensor, k: torch.Tensor | float) -> torch.Tensor:
+    """(B,) bool: the rows of x2 (B, n) that cannot hold their k entries.
+
+    A row with a NaN, with more than k entries at ``+inf`` (they must all be selected), or with
+    fewer than k entries above ``-inf`` (which is never selected) gives NaN by contract.
+    """
+    n_pinf = (x2 == math.inf).sum(-1)
+    n_above = (x2 > -math.inf).sum(-1)
+    return torch.isnan(x2).any(-1) | (n_pinf > k) | (n_above < k)

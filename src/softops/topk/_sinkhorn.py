@@ -1,0 +1,70 @@
+r"""Method "sinkhorn" of ``soft_topk_mask``: the paper's algorithm (Xie et al. 2020, Alg. 1).
+
+The same n x 2 entropic OT problem as method "ot", with the same epsilon (eps_p = 2 epsilon on the
+unnormalised cost :math:`C_{ij} = (x_i - y_j)^2`, targets y = 0, 1 of masses (n - k)/n and k/n),
+solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual Newton polish and
+the implicit backward of the converged plan (Xie et al. 2020, §3.2 and Appendix). At convergence
+it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0`` runs the
+paper's fixed 200 iterations.
+
+Infinities are their limits: the problem is solved with finite stand-ins far beyond the finite
+range, and those entries are then set to exactly 0 or 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from softops._core.convergence import warn_not_converged
+from softops._core.sinkhorn import sinkhorn_plan
+from softops.topk._options import unreachable_rows
+
+__all__ = ["sinkhorn_mask"]
+
+
+def sinkhorn_mask(
+    op: str,
+    x2: torch.Tensor,
+    k_row: torch.Tensor,
+    eps_row: torch.Tensor,
+    max_iter: int,
+    tol: float,
+) -> torch.Tensor:
+    """The mask A (B, n) of canonical rows; ``k_row`` and ``eps_row`` are constants."""
+    dtype = x2.dtype
+    n = x2.shape[1]
+    # Infinities are their limits: solve with stand-ins far beyond the finite range, then set
+    # those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
+    finite = torch.isfinite(x2)
+    all_finite = bool(finite.all())
+    xs = x2
+    if not all_finite:
+        fin_min = torch.where(finite, x2, math.inf).amin(-1, keepdim=True)
+        fin_max = torch.where(finite, x2, -math.inf).amax(-1, keepdim=True)
+        fin_min = torch.where(torch.isfinite(fin_min), fin_min, 0)
+        fin_max = torch.where(torch.isfinite(fin_max), fin_max, 0)
+        reach = (fin_max - fin_min) + 100 * eps_row[:, None]
+        xs = torch.where(x2 == math.inf, fin_max + reach, x2)
+        xs = torch.where(x2 == -math.inf, fin_min - reach, xs)
+        xs = torch.where(torch.isnan(x2), 0, xs)
+    targets = torch.tensor([0.0, 1.0], dtype=dtype, device=x2.device)
+    # Squared cost with the x_i^2 term dropped (absorbed by the row potential): same plan.
+    cost = -2 * xs[:, :, None] * targets + targets**2
+    log_a = torch.full_like(xs, -math.log(n))
+    kc = k_row.clamp(0, n)
+    log_b = torch.stack([torch.log(n - kc), torch.log(kc)], -1) - math.log(n)
+    newton = tol > 0
+    plan, result = sinkhorn_plan(cost, log_a, log_b, 2 * eps_row, max_iter, tol, newton=newton)
+    warn_not_converged(op, result.converged, max_iter, residual=result.residual, tol=tol)
+    A = n * plan[..., 1]
+    edge_none, edge_all = k_row <= 0, k_row >= n
+    if bool((edge_none | edge_all).any()):
+        A = torch.where(edge_none[:, None], torch.zeros_like(A), A)
+        A = torch.where(edge_all[:, None], torch.ones_like(A), A)
+    if not all_finite:
+        A = torch.where(x2 == math.inf, 1.0, A)
+        A = torch.where(x2 == -math.inf, 0.0, A)
+        A = A.masked_fill(unreachable_rows(x2, k_row)[:, None], math.nan)
+    return A
