@@ -36,7 +36,15 @@ from softops._core.validation import (
     check_nonempty,
     compute_dtype,
 )
-from softops.metrics import _check_topk_args, _correct_probability, _score, _topk_hit, _validate
+from softops.metrics import (
+    check_average,
+    check_classification,
+    check_topk_classification,
+    f1_from_counts,
+    soft_confusion,
+    true_class_probability,
+    true_class_topk_membership,
+)
 from softops.sort import SORT_METHODS, soft_rank
 from softops.topk import soft_topk_mask
 
@@ -98,9 +106,9 @@ def accuracy_loss(
         tensor(0.4251)
     """
     op = "accuracy_loss"
-    epsilon = _validate(input, target, from_logits, epsilon, op)
+    epsilon = check_classification(input, target, from_logits, epsilon, op)
     check_choice(reduction, _REDUCTIONS, op, "reduction")
-    loss = 1 - _correct_probability(input, target, from_logits, epsilon)
+    loss = 1 - true_class_probability(input, target, from_logits, epsilon)
     return _reduce(loss, reduction).to(input.dtype)
 
 
@@ -153,9 +161,9 @@ def topk_accuracy_loss(
         ICLR 2018. arXiv:1802.07595.
     """
     op = "topk_accuracy_loss"
-    k, epsilon = _check_topk_args(scores, target, k, epsilon, method, op)
+    k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
     check_choice(reduction, _REDUCTIONS, op, "reduction")
-    loss = 1 - _topk_hit(scores, target, k, epsilon, method, False)
+    loss = 1 - true_class_topk_membership(scores, target, k, epsilon, method, False)
     return _reduce(loss, reduction).to(scores.dtype)
 
 
@@ -206,7 +214,14 @@ def f1_loss(
         >>> f1_loss(torch.tensor([[0.9, 0.1], [0.4, 0.6]]), torch.tensor([0, 1]), average="micro")
         tensor(0.2500)
     """
-    return 1 - _score("f1", input, target, average, from_logits, epsilon, "f1_loss")
+    op = "f1_loss"
+    # Checked here so that the errors name this loss; soft_confusion then cannot fail.
+    epsilon = check_classification(input, target, from_logits, epsilon, op)
+    average = check_average(average, input, op)
+    counts = soft_confusion(
+        input, target, average=average, from_logits=from_logits, epsilon=epsilon
+    )
+    return 1 - f1_from_counts(counts).to(input.dtype)
 
 
 # ------------------------------------------------------------------------------------- ranking

@@ -37,11 +37,28 @@ A zero denominator scores 0 and passes a zero gradient (scikit-learn's ``zero_di
 minibatch is a biased estimate of the value on the whole dataset (the mean of ratios is not the
 ratio of the sums; the bias shrinks like 1/N). See :func:`soft_f1`.
 
+**Update and compute.** As in torchmetrics, each ratio metric is a compute step over counts:
+:func:`soft_confusion` (the update) returns the soft counts ``SoftConfusion(tp, predicted, true)``
+of one batch, which add up over batches (``a + b``, or ``sum(...)``), and
+:func:`precision_from_counts`, :func:`recall_from_counts` and :func:`f1_from_counts` (the compute)
+turn counts into a score. ``soft_f1(input, target)`` is
+``f1_from_counts(soft_confusion(input, target))``, cast to the dtype of ``input``; over a dataset,
+sum the counts of its batches first, and the score has no batch bias.
+
 All metrics return a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 are computed
 in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``
 (for ``soft_topk_accuracy``, with method "ot" only).
 
+**Internal surface.** :func:`check_classification`, :func:`check_average`,
+:func:`check_topk_classification`, :func:`true_class_probability` and
+:func:`true_class_topk_membership` are shared with :mod:`softops.losses`, so that each rule has
+one definition and the errors of a loss name the loss. They are not in ``__all__`` and may change
+without notice.
+
 References:
+    Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
+    of non-differentiable functions), section "正确率" (accuracy): the smooth accuracy and F1, and
+    the recipe of fine-tuning with F1 after cross-entropy. Blog post, kexue.fm, 2019.
     Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP 2005.
     Bénédict, Koops, Odijk and de Rijke. sigmoidF1: A Smooth F1 Score Surrogate Loss for
     Multilabel Classification. arXiv:2108.10566.
@@ -51,7 +68,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,11 +81,59 @@ from softops._core.validation import (
 )
 from softops.topk import MASK_METHODS, soft_topk_mask
 
-__all__ = ["soft_accuracy", "soft_f1", "soft_precision", "soft_recall", "soft_topk_accuracy"]
+__all__ = [
+    "SoftConfusion",
+    "f1_from_counts",
+    "precision_from_counts",
+    "recall_from_counts",
+    "soft_accuracy",
+    "soft_confusion",
+    "soft_f1",
+    "soft_precision",
+    "soft_recall",
+    "soft_topk_accuracy",
+]
 
 _AVERAGES = ("binary", "micro", "macro")
 # "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1.
 _TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
+
+
+class SoftConfusion(NamedTuple):
+    r"""Soft confusion counts, as returned by :func:`soft_confusion`.
+
+    Each field is a 0-dim tensor (averages "binary" and "micro") or has shape (C,), one entry per
+    class (average "macro"). ``a + b`` adds two counts field by field (it does not concatenate,
+    as a plain tuple would), and ``sum(counts)`` works, so that the counts of the batches of a
+    dataset add up to the counts of the dataset.
+
+    Attributes:
+        tp: the true-positive mass :math:`TP = \sum_n p_n [t_n = c]`.
+        predicted: the predicted mass :math:`P = \sum_n p_n`.
+        true: the true count :math:`T = \sum_n [t_n = c]`.
+    """
+
+    tp: torch.Tensor
+    predicted: torch.Tensor
+    true: torch.Tensor
+
+    def __add__(self, other: object) -> SoftConfusion:  # type: ignore[override]
+        if not isinstance(other, SoftConfusion):
+            return NotImplemented
+        if self.tp.shape != other.tp.shape:
+            raise ValueError(
+                "SoftConfusion: expected counts of one shape (made with one `average`) to add; "
+                f"got shapes {tuple(self.tp.shape)} and {tuple(other.tp.shape)}."
+            )
+        return SoftConfusion(
+            self.tp + other.tp, self.predicted + other.predicted, self.true + other.true
+        )
+
+    def __radd__(self, other: object) -> SoftConfusion:
+        # ``sum(...)`` starts from the int 0.
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self
+        return NotImplemented
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -129,16 +194,27 @@ def _check_logits_args(from_logits: Any, epsilon: Any, op: str) -> float | torch
     return epsilon
 
 
-def _validate(
+def check_classification(
     input: Any, target: Any, from_logits: Any, epsilon: Any, op: str
 ) -> float | torch.Tensor:
+    """The checks of every classification metric and loss, errors named after ``op``.
+
+    ``input`` of shape (N,) or (N, C), floating and non-empty; integer ``target`` labels of shape
+    (N,) in range (one host sync); ``from_logits`` a bool, and ``epsilon`` left at 1.0 unless
+    ``from_logits``. Returns ``epsilon`` checked (a float or a 0-dim tensor). Internal, shared
+    with :mod:`softops.losses`.
+    """
     _check_input(input, op)
     n_classes = 2 if input.dim() == 1 else input.shape[1]
     _check_target(target, input.shape[0], n_classes, input.shape, op)
     return _check_logits_args(from_logits, epsilon, op)
 
 
-def _resolve_average(average: Any, input: torch.Tensor, op: str) -> str:
+def check_average(average: Any, input: torch.Tensor, op: str) -> str:
+    """Resolve ``average`` (None: "binary" for 1-D input, "macro" otherwise) or raise.
+
+    Internal, shared with :mod:`softops.losses`.
+    """
     if average is None:
         return "binary" if input.dim() == 1 else "macro"
     check_choice(average, _AVERAGES, op, "average")
@@ -184,13 +260,16 @@ def _positive_probability(
     return x[:, 1]
 
 
-def _correct_probability(
+def true_class_probability(
     input: torch.Tensor,
     target: torch.Tensor,
     from_logits: bool,
     epsilon: float | torch.Tensor,
 ) -> torch.Tensor:
-    """(N,) probability given to the true class, in the compute dtype."""
+    """(N,) probability given to the true class, in the compute dtype: the soft 0/1 hit.
+
+    No checks (see :func:`check_classification`). Internal, shared with :mod:`softops.losses`.
+    """
     x = input.to(compute_dtype(input.dtype))
     if x.dim() == 1:
         positive = target == 1
@@ -214,44 +293,209 @@ def _confusion(
     average: str,
     from_logits: bool,
     epsilon: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Soft (TP, P, T): 0-dim for "binary" and "micro", shape (C,) for "macro"."""
+) -> SoftConfusion:
+    """Soft (TP, P, T), unchecked: 0-dim for "binary" and "micro", shape (C,) for "macro"."""
     if average == "binary":
         p = _positive_probability(input, from_logits, epsilon)
         t = (target == 1).to(p.dtype)
-        return (p * t).sum(), p.sum(), t.sum()
+        return SoftConfusion((p * t).sum(), p.sum(), t.sum())
     p = _class_probabilities(input, from_logits, epsilon)
     n_classes = p.shape[1]
     t = target.long()
     if average == "micro":
         tp = p.gather(1, t.unsqueeze(1)).sum()
-        return tp, p.sum(), torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
+        true = torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
+        return SoftConfusion(tp, p.sum(), true)
     onehot = torch.nn.functional.one_hot(t, n_classes).to(p.dtype)
     true = torch.bincount(t, minlength=n_classes).to(p.dtype)
-    return (p * onehot).sum(0), p.sum(0), true
+    return SoftConfusion((p * onehot).sum(0), p.sum(0), true)
 
 
-def _score(
-    kind: str,
-    input: Any,
-    target: Any,
-    average: Any,
-    from_logits: Any,
-    epsilon: Any,
-    op: str,
-) -> torch.Tensor:
-    epsilon = _validate(input, target, from_logits, epsilon, op)
-    average = _resolve_average(average, input, op)
-    tp, pred, true = _confusion(input, target, average, from_logits, epsilon)
-    if kind == "precision":
-        score = _safe_divide(tp, pred)
-    elif kind == "recall":
-        score = _safe_divide(tp, true)
-    else:
-        score = _safe_divide(2 * tp, pred + true)
-    if average == "macro":
-        score = score.mean()
-    return score.to(input.dtype)
+def _checked_confusion(
+    input: Any, target: Any, average: Any, from_logits: Any, epsilon: Any, op: str
+) -> SoftConfusion:
+    """The update step with its checks, errors named after ``op``."""
+    epsilon = check_classification(input, target, from_logits, epsilon, op)
+    average = check_average(average, input, op)
+    return _confusion(input, target, average, from_logits, epsilon)
+
+
+def _check_counts(counts: Any, op: str) -> SoftConfusion:
+    if not (
+        isinstance(counts, tuple)
+        and len(counts) == 3
+        and all(isinstance(c, torch.Tensor) for c in counts)
+    ):
+        raise TypeError(
+            f"{op}: expected `counts` to be a SoftConfusion (tp, predicted, true) of tensors, as "
+            f"returned by soft_confusion; got {type(counts).__name__}."
+        )
+    shapes = [tuple(c.shape) for c in counts]
+    if len(set(shapes)) != 1 or len(shapes[0]) > 1 or shapes[0] == (0,):
+        raise ValueError(
+            f"{op}: expected `counts` whose three tensors share one shape, () or (C,) with "
+            f"C >= 1; got shapes {shapes}."
+        )
+    return SoftConfusion(*counts)
+
+
+def _class_mean(score: torch.Tensor) -> torch.Tensor:
+    """The macro average: the mean over the classes of per-class counts."""
+    return score.mean() if score.dim() == 1 else score
+
+
+# --------------------------------------------------------------------- update and compute
+
+
+def soft_confusion(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    average: str | None = None,
+    from_logits: bool = False,
+    epsilon: float | torch.Tensor = 1.0,
+) -> SoftConfusion:
+    r"""Soft confusion counts of one batch: the update step of precision, recall and F1.
+
+    The hard counts are those of ``pred = input.argmax(-1)`` (or ``input > 0.5`` for a 1-D binary
+    input): for each class c the true positives, the predicted and the true members,
+    ``((pred == c) & (target == c)).sum()``, ``(pred == c).sum()`` and ``(target == c).sum()``.
+    The soft ones replace ``pred == c`` by the probability :math:`p_{nc}`:
+
+    .. math::
+
+        TP_c = \sum_n p_{nc}\,[t_n = c], \qquad P_c = \sum_n p_{nc}, \qquad
+        T_c = \sum_n [t_n = c] .
+
+    The counts of disjoint batches add up (``a + b``, or ``sum(...)``) to the counts of their
+    union, so :func:`f1_from_counts` (and :func:`precision_from_counts`,
+    :func:`recall_from_counts`) of counts summed over a dataset is the soft F1 of the whole
+    dataset, free of the batch bias of :func:`soft_f1` on minibatches. The counts keep their
+    graph: accumulate under ``torch.no_grad()`` to evaluate.
+
+    Args:
+        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
+            logits with ``from_logits=True``. Floating dtype.
+        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
+        average: which counts: ``"binary"`` (those of the positive class: a 1-D input, or class 1
+            of an (N, 2) input; 0-dim), ``"micro"`` (summed over the classes; 0-dim) or
+            ``"macro"`` (one per class, shape (C,); a 1-D input counts as two classes). None
+            (default): ``"binary"`` for a 1-D input, ``"macro"`` otherwise.
+        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
+            ``sigmoid(input / epsilon)``).
+        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
+            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
+            or a 0-dim tensor, which receives a gradient.
+
+    Shape:
+        - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; each count: :math:`()`
+          ("binary", "micro") or :math:`(C,)` ("macro").
+
+    Returns:
+        ``SoftConfusion(tp, predicted, true)``, differentiable in ``input`` (and a tensor
+        ``epsilon``), in the compute dtype of ``input`` (float32 for float16 and bfloat16, so that
+        sums over a dataset keep their precision). On one-hot probabilities they are the hard
+        counts.
+
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> counts = soft_confusion(p, t)
+        >>> counts.tp, counts.predicted, counts.true
+        (tensor([1.0000, 0.8000, 0.0000]), tensor([1.1000, 1.3000, 0.6000]), tensor([2., 1., 0.]))
+        >>> soft_confusion(p, t, average="micro").tp
+        tensor(1.8000)
+        >>> total = soft_confusion(p[:2], t[:2]) + soft_confusion(p[2:], t[2:])
+        >>> all(torch.allclose(a, b) for a, b in zip(total, counts))
+        True
+    """
+    return _checked_confusion(input, target, average, from_logits, epsilon, "soft_confusion")
+
+
+def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
+    r"""Soft precision from soft counts: :math:`TP / P`, the compute step of :func:`soft_precision`.
+
+    .. math::
+
+        \mathrm{precision} = \frac{TP}{P}, \qquad
+        \text{macro (per-class counts): } \frac1C \sum_c \frac{TP_c}{P_c} .
+
+    Args:
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several.
+            Its ``average`` is the one the counts were made with: 0-dim counts ("binary",
+            "micro") give their ratio, per-class counts of shape (C,) ("macro") the mean of the
+            per-class ratios.
+
+    Returns:
+        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
+        gradient).
+
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> precision_from_counts(soft_confusion(p, t)).round(decimals=4)
+        tensor(0.5082)
+    """
+    tp, predicted, _ = _check_counts(counts, "precision_from_counts")
+    return _class_mean(_safe_divide(tp, predicted))
+
+
+def recall_from_counts(counts: SoftConfusion) -> torch.Tensor:
+    r"""Soft recall from soft counts: :math:`TP / T`, the compute step of :func:`soft_recall`.
+
+    .. math::
+
+        \mathrm{recall} = \frac{TP}{T}, \qquad
+        \text{macro (per-class counts): } \frac1C \sum_c \frac{TP_c}{T_c} .
+
+    Args:
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several;
+            0-dim counts give their ratio, counts of shape (C,) the mean of the per-class ratios.
+
+    Returns:
+        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
+        gradient).
+
+    Example:
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> recall_from_counts(soft_confusion(p, t))
+        tensor(0.4333)
+    """
+    tp, _, true = _check_counts(counts, "recall_from_counts")
+    return _class_mean(_safe_divide(tp, true))
+
+
+def f1_from_counts(counts: SoftConfusion) -> torch.Tensor:
+    r"""Soft F1 from soft counts: :math:`2\,TP / (P + T)`, the compute step of :func:`soft_f1`.
+
+    .. math::
+
+        F1 = \frac{2\,TP}{P + T}, \qquad
+        \text{macro (per-class counts): } \frac1C \sum_c \frac{2\,TP_c}{P_c + T_c} .
+
+    Args:
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several;
+            0-dim counts give their ratio, counts of shape (C,) the mean of the per-class ratios.
+
+    Returns:
+        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
+        gradient).
+
+    Example:
+        Counts summed over the batches of a dataset give the F1 of the dataset, which the mean
+        of the per-batch F1 does not:
+
+        >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+        >>> t = torch.tensor([0, 1, 0])
+        >>> counts = sum(soft_confusion(p[i : i + 2], t[i : i + 2]) for i in (0, 2))
+        >>> f1_from_counts(counts).round(decimals=4)
+        tensor(0.4469)
+        >>> soft_f1(p, t).round(decimals=4)
+        tensor(0.4469)
+    """
+    tp, predicted, true = _check_counts(counts, "f1_from_counts")
+    return _class_mean(_safe_divide(2 * tp, predicted + true))
 
 
 # --------------------------------------------------------------------------------- the metrics
@@ -305,8 +549,8 @@ def soft_accuracy(
         tensor(0.7000)
     """
     op = "soft_accuracy"
-    epsilon = _validate(input, target, from_logits, epsilon, op)
-    return _correct_probability(input, target, from_logits, epsilon).mean().to(input.dtype)
+    epsilon = check_classification(input, target, from_logits, epsilon, op)
+    return true_class_probability(input, target, from_logits, epsilon).mean().to(input.dtype)
 
 
 _COMMON_ARGS = r"""
@@ -365,7 +609,8 @@ def soft_precision(
         >>> soft_precision(p, t, average="micro")
         tensor(0.6000)
     """
-    return _score("precision", input, target, average, from_logits, epsilon, "soft_precision")
+    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_precision")
+    return precision_from_counts(counts).to(input.dtype)
 
 
 def soft_recall(
@@ -395,7 +640,8 @@ def soft_recall(
         >>> soft_recall(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 1]))
         tensor(0.7500)
     """
-    return _score("recall", input, target, average, from_logits, epsilon, "soft_recall")
+    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_recall")
+    return recall_from_counts(counts).to(input.dtype)
 
 
 def soft_f1(
@@ -436,7 +682,8 @@ def soft_f1(
         >>> soft_f1(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1, 0, 0, 1]))
         tensor(0.8000)
     """
-    return _score("f1", input, target, average, from_logits, epsilon, "soft_f1")
+    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
+    return f1_from_counts(counts).to(input.dtype)
 
 
 for _fn in (soft_precision, soft_recall, soft_f1):
@@ -444,9 +691,13 @@ for _fn in (soft_precision, soft_recall, soft_f1):
         _fn.__doc__ = _fn.__doc__.replace("    {args}\n", _COMMON_ARGS)
 
 
-def _check_topk_args(
+def check_topk_classification(
     scores: Any, target: Any, k: Any, epsilon: Any, method: Any, op: str
 ) -> tuple[int, float | torch.Tensor]:
+    """The checks of the top-k accuracy metric and loss, errors named after ``op``.
+
+    Returns ``(k, epsilon)`` checked. Internal, shared with :mod:`softops.losses`.
+    """
     check_floating(scores, op, "scores")
     if scores.dim() != 2:
         raise ValueError(
@@ -477,7 +728,7 @@ def _check_topk_args(
     return k, epsilon
 
 
-def _topk_hit(
+def true_class_topk_membership(
     scores: torch.Tensor,
     target: torch.Tensor,
     k: int,
@@ -485,7 +736,11 @@ def _topk_hit(
     method: str,
     hard: bool,
 ) -> torch.Tensor:
-    """(N,) soft membership of the true class in the top k, in the compute dtype."""
+    """(N,) soft membership of the true class in the top k, in the compute dtype.
+
+    No checks (see :func:`check_topk_classification`). Internal, shared with
+    :mod:`softops.losses`.
+    """
     x = scores.to(compute_dtype(scores.dtype))
     mask = soft_topk_mask(x, k, epsilon=epsilon, method=method, hard=hard)
     return mask.gather(1, target.long().unsqueeze(1)).squeeze(1)
@@ -547,6 +802,8 @@ def soft_topk_accuracy(
         tensor(1.)
     """
     op = "soft_topk_accuracy"
-    k, epsilon = _check_topk_args(scores, target, k, epsilon, method, op)
+    k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
     check_bool(hard, op, "hard")
-    return _topk_hit(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)
+    return (
+        true_class_topk_membership(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)
+    )
