@@ -334,11 +334,11 @@ def test_flag_errors():
     x = torch.randn(2, 5)
     for op in REDUCTIONS:
         with pytest.raises(
-            TypeError, match=rf"{op.__name__}: expected `keepdim` to be a bool; got 1"
+            TypeError, match=rf"{op.__name__}: expected `keepdim` to be a bool; got keepdim=1"
         ):
             op(x, keepdim=1)
     with pytest.raises(
-        TypeError, match=r"soft_argmax_onehot: expected `hard` to be a bool; got 'y'"
+        TypeError, match=r"soft_argmax_onehot: expected `hard` to be a bool; got hard='y'"
     ):
         soft_argmax_onehot(x, hard="y")
 

@@ -2,25 +2,21 @@
 
 The flat functional API lives here; see the README for the table of ops. ``softops.solvers`` holds
 the solvers with their diagnostics, ``softops.metrics`` and ``softops.losses`` the smooth metrics
-and the losses built on the ops, and ``softops.nn`` the Module wrappers.
+and the losses built on the ops, and ``softops.nn`` the Module wrappers. Iterative solvers that
+stop at ``max_iter`` warn with :class:`ConvergenceWarning`.
 """
 
 from softops import losses, metrics, nn, solvers
+from softops._core.convergence import ConvergenceWarning
 from softops._core.fused import set_compile
-from softops.smooth import (
-    smooth_max,
-    smooth_min,
-    soft_argmax,
-    soft_argmax_onehot,
-    soft_argmin,
-    soft_kmax,
-)
+from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_onehot, soft_argmin
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
-from softops.topk import TopK, soft_topk, soft_topk_mask, topk_selection_matrix
+from softops.topk import TopK, soft_kmax, soft_topk, soft_topk_mask, topk_selection_matrix
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ConvergenceWarning",
     "TopK",
     "__version__",
     "losses",

@@ -393,10 +393,10 @@ def test_property_ties_and_magnitudes(n, data, scale, eps_rel):
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"n_samples": 0}, ValueError, r"positive int or None; got n_samples=0\."),
+        ({"n_samples": 0}, ValueError, r"expected `n_samples` >= 1; got n_samples=0\."),
         ({"n_samples": -1}, ValueError, r"got n_samples=-1\."),
-        ({"n_samples": 2.5}, ValueError, r"got n_samples=2\.5\."),
-        ({"n_samples": True}, ValueError, r"got n_samples=True\."),
+        ({"n_samples": 2.5}, TypeError, r"positive int or None; got n_samples=2\.5\."),
+        ({"n_samples": True}, TypeError, r"got n_samples=True\."),
         ({"generator": 3}, TypeError, r"torch\.Generator or None; got 3\."),
         ({"k": 2.5}, ValueError, r"expected an integer `k` with method='perturbed'; got k=2\.5"),
         (
@@ -473,7 +473,10 @@ def test_module_passes_n_samples_and_generator() -> None:
     assert torch.equal(layer(x), want)
     assert "method='perturbed'" in repr(layer) and "n_samples=32" in repr(layer)
     assert "n_samples" not in repr(SoftTopKMask(3))
-    with pytest.raises(ValueError, match=r"`n_samples` is not used by method='ot'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`n_samples` to be left at its default None \(method='ot' does not use it\)",
+    ):
         SoftTopKMask(3, n_samples=32)(x)
 
 

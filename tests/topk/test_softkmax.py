@@ -165,9 +165,18 @@ def test_soft_topk_mask_softkmax_equals_soft_kmax(dim, largest):
             r"expected a scalar `k` with method=.*method='ot'",
         ),
         ({"k": 2.5}, r"expected an integer `k` with method='softkmax'; got k=2.5"),
-        ({"max_iter": 10}, r"`max_iter` is not used by method='softkmax'"),
-        ({"tol": 1e-3}, r"`tol` is not used by method='softkmax'"),
-        ({"n_samples": 10}, r"`n_samples` is not used by method='softkmax'"),
+        (
+            {"max_iter": 10},
+            r"`max_iter` to be left at its default None \(method='softkmax' does not use it\)",
+        ),
+        (
+            {"tol": 1e-3},
+            r"`tol` to be left at its default None \(method='softkmax' does not use it\)",
+        ),
+        (
+            {"n_samples": 10},
+            r"`n_samples` to be left at its default None \(method='softkmax' does not use it\)",
+        ),
         (
             {"k": torch.tensor(2.0, requires_grad=True)},
             r"expected a `k` that does not require grad with method=",

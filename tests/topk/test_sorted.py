@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import softops
 from softops.topk._sorted import TopK, soft_topk
 from tests._helpers import saved_bytes, seeded
 
@@ -246,7 +247,9 @@ def test_k_equals_n_is_a_soft_sort() -> None:
 
 def test_not_converged_warns_once() -> None:
     x = torch.randn(4, 30, generator=seeded(13), dtype=F64)
-    with pytest.warns(UserWarning, match="did not reach tol") as record:
+    with pytest.warns(
+        softops.ConvergenceWarning, match=r"did not converge within max_iter=5 \(tol=1e-30"
+    ) as record:
         soft_topk(x, 5, epsilon=0.05, max_iter=5, tol=1e-30)
     assert len(record) == 1
     with warnings.catch_warnings():

@@ -141,7 +141,7 @@ def check_k(
 def check_bool(value: Any, op: str, name: str) -> bool:
     """Return ``value`` if it is a bool, else raise ``TypeError``."""
     if not isinstance(value, bool):
-        raise TypeError(f"{op}: expected `{name}` to be a bool; got {value!r}.")
+        raise TypeError(f"{op}: expected `{name}` to be a bool; got {name}={value!r}.")
     return value
 
 
