@@ -1,10 +1,11 @@
-"""Modules for the smoothing family (seed 002); they hold arguments, the math is in
-:mod:`softops.smooth`."""
+"""Modules for the smoothing family: they check and store the arguments of the functional ops."""
 
 from __future__ import annotations
 
 import torch
 
+from softops._core.validation import check_bool, check_epsilon
+from softops.nn._checks import check_dim_type, check_k_sign
 from softops.smooth import (
     smooth_max,
     smooth_min,
@@ -25,11 +26,15 @@ __all__ = [
 
 
 class _Reduction(torch.nn.Module):
-    """Shared storage for the reductions along ``dim`` (max, min, argmax, argmin)."""
+    """Shared checks and storage of the reductions along ``dim`` (max, min, argmax, argmin)."""
 
     def __init__(
         self, *, dim: int = -1, keepdim: bool = False, epsilon: float | torch.Tensor = 1.0
     ) -> None:
+        op = type(self).__name__
+        check_dim_type(dim, op)
+        check_bool(keepdim, op, "keepdim")
+        check_epsilon(epsilon, op)
         super().__init__()
         self.dim, self.keepdim, self.epsilon = dim, keepdim, epsilon
 
@@ -38,7 +43,19 @@ class _Reduction(torch.nn.Module):
 
 
 class SmoothMax(_Reduction):
-    """Module form of :func:`softops.smooth_max`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.smooth_max` along ``dim``: the smooth maximum.
+
+    See :func:`softops.smooth_max` for the math and the units of ``epsilon``. The arguments are
+    checked at construction, under this Module's name, and stored, not learned.
+
+    Args:
+        dim: the dimension to reduce.
+        keepdim: keep the reduced dimension, with size 1.
+        epsilon: the smoothing strength, in the units of x; larger is smoother.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
+          ``keepdim``).
 
     Example:
         >>> layer = SmoothMax(dim=0, epsilon=0.5)
@@ -53,28 +70,100 @@ class SmoothMax(_Reduction):
 
 
 class SmoothMin(_Reduction):
-    """Module form of :func:`softops.smooth_min`; the arguments are stored, not learned."""
+    """A Module that applies :func:`softops.smooth_min` along ``dim``: the smooth minimum.
+
+    See :func:`softops.smooth_min` for the math and the units of ``epsilon``. The arguments are
+    checked at construction, under this Module's name, and stored, not learned.
+
+    Args:
+        dim: the dimension to reduce.
+        keepdim: keep the reduced dimension, with size 1.
+        epsilon: the smoothing strength, in the units of x; larger is smoother.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
+          ``keepdim``).
+
+    Example:
+        >>> layer = SmoothMin(epsilon=0.5)
+        >>> layer
+        SmoothMin(dim=-1, keepdim=False, epsilon=0.5)
+        >>> layer(torch.tensor([[1.0, 0.0], [3.0, 0.0]])).round(decimals=4)
+        tensor([-0.0635, -0.0012])
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return smooth_min(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
 
 
 class SoftArgmax(_Reduction):
-    """Module form of :func:`softops.soft_argmax`; the arguments are stored, not learned."""
+    """A Module that applies :func:`softops.soft_argmax` : the expected index of the max.
+
+    See :func:`softops.soft_argmax` for the math and the units of ``epsilon``. The arguments are
+    checked at construction, under this Module's name, and stored, not learned.
+
+    Args:
+        dim: the dimension to reduce.
+        keepdim: keep the reduced dimension, with size 1.
+        epsilon: the smoothing strength, in the units of x; larger is smoother.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
+          ``keepdim``).
+
+    Example:
+        >>> layer = SoftArgmax(epsilon=0.1)
+        >>> layer
+        SoftArgmax(dim=-1, keepdim=False, epsilon=0.1)
+        >>> layer(torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 5.0]])).round(decimals=4)
+        tensor([1., 2.])
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_argmax(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
 
 
 class SoftArgmin(_Reduction):
-    """Module form of :func:`softops.soft_argmin`; the arguments are stored, not learned."""
+    """A Module that applies :func:`softops.soft_argmin` : the expected index of the min.
+
+    See :func:`softops.soft_argmin` for the math and the units of ``epsilon``. The arguments are
+    checked at construction, under this Module's name, and stored, not learned.
+
+    Args:
+        dim: the dimension to reduce.
+        keepdim: keep the reduced dimension, with size 1.
+        epsilon: the smoothing strength, in the units of x; larger is smoother.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
+          ``keepdim``).
+
+    Example:
+        >>> layer = SoftArgmin(epsilon=0.1, keepdim=True)
+        >>> layer
+        SoftArgmin(dim=-1, keepdim=True, epsilon=0.1)
+        >>> layer(torch.tensor([[0.0, 2.0, 2.0], [5.0, 5.0, 0.0]])).round(decimals=3)
+        tensor([[0.],
+                [2.]])
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_argmin(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
 
 
 class SoftArgmaxOneHot(torch.nn.Module):
-    """Module form of :func:`softops.soft_argmax_onehot`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.soft_argmax_onehot` (a softmax) along ``dim``.
+
+    See :func:`softops.soft_argmax_onehot` for the math and the units of ``epsilon``. The
+    arguments are checked at construction, under this Module's name, and stored, not learned.
+
+    Args:
+        dim: the dimension of the softmax.
+        epsilon: the temperature, in the units of x; larger is smoother.
+        hard: straight-through: the one-hot argmax forward, the soft gradient backward.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
     Example:
         >>> layer = SoftArgmaxOneHot(epsilon=0.5, hard=True)
@@ -87,6 +176,10 @@ class SoftArgmaxOneHot(torch.nn.Module):
     def __init__(
         self, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0, hard: bool = False
     ) -> None:
+        op = type(self).__name__
+        check_dim_type(dim, op)
+        check_epsilon(epsilon, op)
+        check_bool(hard, op, "hard")
         super().__init__()
         self.dim, self.epsilon, self.hard = dim, epsilon, hard
 
@@ -98,7 +191,19 @@ class SoftArgmaxOneHot(torch.nn.Module):
 
 
 class SoftKMax(torch.nn.Module):
-    """Module form of :func:`softops.soft_kmax`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.soft_kmax` (the recursive soft-k-max) along ``dim``.
+
+    See :func:`softops.soft_kmax` for the math and the units of ``epsilon``. The arguments are
+    checked at construction, under this Module's name (``k <= n`` on the forward call, with x),
+    and stored, not learned.
+
+    Args:
+        k: the number of rounds (entries to select), an int >= 0.
+        dim: the dimension to select along.
+        epsilon: the smoothing strength, in the units of x; larger is smoother.
+
+    Shape:
+        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
     Example:
         >>> layer = SoftKMax(2, epsilon=0.1)
@@ -109,6 +214,10 @@ class SoftKMax(torch.nn.Module):
     """
 
     def __init__(self, k: int, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0) -> None:
+        op = type(self).__name__
+        check_k_sign(k, op, integer=True)
+        check_dim_type(dim, op)
+        check_epsilon(epsilon, op)
         super().__init__()
         self.k, self.dim, self.epsilon = k, dim, epsilon
 

@@ -1,33 +1,60 @@
-"""Modules for the sort family; each stores its arguments and calls the functional op."""
+"""Modules for the sort family: they check and store the arguments of the functional ops."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from softops._core.validation import check_bool, check_epsilon, check_q
+from softops.nn._checks import check_dim_type
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
+from softops.sort._dispatch import check_options
 
 __all__ = ["SoftArgsort", "SoftQuantile", "SoftRank", "SoftSort"]
 
 
+def _options_repr(**kwargs: Any) -> str:
+    """``", name=value"`` for each option that differs from its default (given as a pair)."""
+    return "".join(
+        f", {name}={value!r}" for name, (value, default) in kwargs.items() if value != default
+    )
+
+
 class _SortLike(torch.nn.Module):
+    _kind = "sort"
+
     def __init__(
         self,
         *,
         dim: int = -1,
         descending: bool = False,
-        epsilon: float = 1.0,
+        epsilon: float | torch.Tensor = 1.0,
         method: str = "pav",
         regularization: str = "l2",
         distance: str = "l1",
         max_iter: int | None = None,
         tol: float | None = None,
     ) -> None:
+        op = type(self).__name__
+        check_options(
+            op,
+            method,
+            self._kind,
+            regularization=regularization,
+            distance=distance,
+            max_iter=max_iter,
+            tol=tol,
+        )
+        check_dim_type(dim, op)
+        check_bool(descending, op, "descending")
+        check_epsilon(epsilon, op)
         super().__init__()
         self.dim, self.descending, self.epsilon, self.method = dim, descending, epsilon, method
         self.regularization, self.distance = regularization, distance
         self.max_iter, self.tol = max_iter, tol
 
-    def _kwargs(self) -> dict:
+    def _kwargs(self) -> dict[str, Any]:
         return {
             "dim": self.dim,
             "descending": self.descending,
@@ -40,125 +67,116 @@ class _SortLike(torch.nn.Module):
         }
 
     def extra_repr(self) -> str:
+        rest = _options_repr(
+            regularization=(self.regularization, "l2"),
+            distance=(self.distance, "l1"),
+            max_iter=(self.max_iter, None),
+            tol=(self.tol, None),
+        )
         return (
             f"dim={self.dim}, descending={self.descending}, epsilon={self.epsilon}, "
-            f"method={self.method!r}"
+            f"method={self.method!r}{rest}"
         )
 
 
 class SoftSort(_SortLike):
-    r"""Module form of :func:`softops.soft_sort`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.soft_sort` along ``dim``.
 
-    The hard operator is ``torch.sort(x, dim, descending).values``. For "pav" (Blondel et al.):
-
-    .. math::
-
-        \mathrm{sort}_\downarrow(\theta) = P_Q(\rho/\varepsilon, \theta),\qquad
-        \rho = (n, \dots, 1).
+    See :func:`softops.soft_sort` for the math, the methods and the units of ``epsilon``. The
+    arguments are checked at construction, under this Module's name (an argument the method
+    does not use must be left at its default), and stored, not learned.
 
     Args:
-        dim: the dimension to work along (negative values count from the end).
-        descending: descending order (rank 1 for the largest).
-        epsilon: the smoothing strength, larger is smoother; its units and scaling law depend
-            on ``method`` (see the functional op).
+        dim: the dimension to sort along.
+        descending: sort in descending order.
+        epsilon: the smoothing strength; larger is smoother.
         method: "pav" (default), "softsort", "neuralsort" or "ot".
-        regularization: "pav" only: "l2" or "kl".
-        distance: "softsort" only: "l1" or "l2".
-        max_iter: "ot" only: the iteration cap (None: its default).
-        tol: "ot" only: the stopping tolerance (None: its default).
-
-    An argument the method does not use raises ``ValueError`` on the forward call when it differs
-    from its default.
+        regularization: "pav": "l2" (default) or "kl".
+        distance: "softsort": "l1" (default) or "l2".
+        max_iter: "ot": the iteration cap (None: its default).
+        tol: "ot": the stopping tolerance (None: its default).
 
     Shape:
         - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
     Example:
-        >>> SoftSort(epsilon=0.1)(torch.tensor([[3.0, 1.0, 2.0]]))
+        >>> layer = SoftSort(epsilon=0.1)
+        >>> layer
+        SoftSort(dim=-1, descending=False, epsilon=0.1, method='pav')
+        >>> layer(torch.tensor([[3.0, 1.0, 2.0]]))
         tensor([[1., 2., 3.]])
-
-    References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
     """
+
+    _kind = "sort"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_sort(x, **self._kwargs())
 
 
 class SoftRank(_SortLike):
-    r"""Module form of :func:`softops.soft_rank`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.soft_rank` (1-based ranks) along ``dim``.
 
-    The hard operator is ``x.argsort(dim, descending).argsort(dim) + 1`` (1-based). For "pav"
-    (Blondel et al.):
-
-    .. math::
-
-        \mathrm{rank}(\theta) = P_Q(\theta/\varepsilon, \rho),\qquad \rho = (n, \dots, 1).
+    See :func:`softops.soft_rank` for the math, the methods and the units of ``epsilon``. The
+    arguments are checked at construction, under this Module's name (an argument the method
+    does not use must be left at its default), and stored, not learned.
 
     Args:
-        dim: the dimension to work along (negative values count from the end).
-        descending: descending order (rank 1 for the largest).
-        epsilon: the smoothing strength, larger is smoother; its units and scaling law depend
-            on ``method`` (see the functional op).
+        dim: the dimension to rank along.
+        descending: rank 1 for the largest entry (default: for the smallest).
+        epsilon: the smoothing strength; larger is smoother.
         method: "pav" (default), "softsort", "neuralsort" or "ot".
-        regularization: "pav" only: "l2" or "kl".
-        distance: "softsort" only: "l1" or "l2".
-        max_iter: "ot" only: the iteration cap (None: its default).
-        tol: "ot" only: the stopping tolerance (None: its default).
-
-    An argument the method does not use raises ``ValueError`` on the forward call when it differs
-    from its default.
+        regularization: "pav": "l2" (default) or "kl".
+        distance: "softsort": "l1" (default) or "l2".
+        max_iter: "ot": the iteration cap (None: its default).
+        tol: "ot": the stopping tolerance (None: its default).
 
     Shape:
         - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
     Example:
-        >>> SoftRank(epsilon=0.1)(torch.tensor([[3.0, 1.0, 2.0]]))
-        tensor([[3., 1., 2.]])
-
-    References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
+        >>> layer = SoftRank(epsilon=0.1, descending=True)
+        >>> layer
+        SoftRank(dim=-1, descending=True, epsilon=0.1, method='pav')
+        >>> layer(torch.tensor([[3.0, 1.0, 2.0]]))
+        tensor([[1., 3., 2.]])
+        >>> SoftRank(regularization="kl")
+        SoftRank(dim=-1, descending=False, epsilon=1.0, method='pav', regularization='kl')
     """
+
+    _kind = "rank"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return soft_rank(x, **self._kwargs())
 
 
 class SoftArgsort(torch.nn.Module):
-    r"""Module form of :func:`softops.soft_argsort`; the arguments are stored, not learned.
+    """A Module that applies :func:`softops.soft_argsort` (a soft permutation matrix).
 
-    The hard operator is ``torch.nn.functional.one_hot(torch.argsort(x, dim, descending), n)``
-    (one-hot axis last). For "softsort" (Prillo and Eisenschlos):
-
-    .. math::
-
-        P_{ij} = \mathrm{softmax}_j\big(-d(x_{[i]}, x_j)/\varepsilon\big).
+    See :func:`softops.soft_argsort` for the math, the methods and the units of ``epsilon``.
+    The arguments are checked at construction, under this Module's name (an argument the method
+    does not use must be left at its default), and stored, not learned.
 
     Args:
         dim: the dimension to sort along.
-        descending: rows of P in descending order of x.
-        epsilon: the temperature, larger is smoother (units of x for "softsort" l1 and
-            "neuralsort", of x² for "softsort" l2 and "ot").
+        descending: rows of the matrix in descending order of x.
+        epsilon: the temperature; larger is smoother.
         method: "softsort" (default), "neuralsort" or "ot".
-        distance: "softsort" only: "l1" or "l2".
+        distance: "softsort": "l1" (default) or "l2".
         hard: straight-through: the hard permutation matrix forward, the soft gradient backward.
-        max_iter: "ot" only: the iteration cap (None: its default).
-        tol: "ot" only: the stopping tolerance (None: its default).
+        max_iter: "ot": the iteration cap (None: its default).
+        tol: "ot": the stopping tolerance (None: its default).
 
     Shape:
         - input: :math:`(*, n, *)` with n at ``dim``; output: :math:`(*, n, *, n)`.
 
     Example:
-        >>> SoftArgsort(hard=True)(torch.tensor([3.0, 1.0, 2.0]))
+        >>> layer = SoftArgsort(hard=True)
+        >>> layer
+        SoftArgsort(dim=-1, descending=False, epsilon=1.0, method='softsort', hard=True)
+        >>> layer(torch.tensor([3.0, 1.0, 2.0]))
         tensor([[0., 1., 0.],
                 [0., 0., 1.],
                 [1., 0., 0.]])
-
-    References:
-        Prillo and Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
     """
 
     def __init__(
@@ -166,13 +184,19 @@ class SoftArgsort(torch.nn.Module):
         *,
         dim: int = -1,
         descending: bool = False,
-        epsilon: float = 1.0,
+        epsilon: float | torch.Tensor = 1.0,
         method: str = "softsort",
         distance: str = "l1",
         hard: bool = False,
         max_iter: int | None = None,
         tol: float | None = None,
     ) -> None:
+        op = type(self).__name__
+        check_options(op, method, "argsort", distance=distance, max_iter=max_iter, tol=tol)
+        check_dim_type(dim, op)
+        check_bool(descending, op, "descending")
+        check_bool(hard, op, "hard")
+        check_epsilon(epsilon, op)
         super().__init__()
         self.dim, self.descending, self.epsilon, self.method = dim, descending, epsilon, method
         self.distance, self.hard, self.max_iter, self.tol = distance, hard, max_iter, tol
@@ -191,40 +215,38 @@ class SoftArgsort(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
+        rest = _options_repr(
+            distance=(self.distance, "l1"), max_iter=(self.max_iter, None), tol=(self.tol, None)
+        )
         return (
             f"dim={self.dim}, descending={self.descending}, epsilon={self.epsilon}, "
-            f"method={self.method!r}, hard={self.hard}"
+            f"method={self.method!r}, hard={self.hard}{rest}"
         )
 
 
 class SoftQuantile(torch.nn.Module):
-    r"""Module form of :func:`softops.soft_quantile`; ``q`` is stored (a float or a 1-D tensor).
+    """A Module that applies :func:`softops.soft_quantile` at the stored ``q`` along ``dim``.
 
-    The hard operator is ``torch.quantile(x, q, dim, keepdim)``: with :math:`s` the soft sort
-    and :math:`p = q(n - 1)`,
-
-    .. math::
-
-        Q_q = s_{\lfloor p \rfloor} + (p - \lfloor p \rfloor)
-              (s_{\lfloor p \rfloor + 1} - s_{\lfloor p \rfloor}).
+    See :func:`softops.soft_quantile` for the math, the methods and the units of ``epsilon``.
+    The arguments are checked at construction, under this Module's name, and stored, not
+    learned (``q`` as given: a float or a 1-D tensor).
 
     Args:
-        q: a float in [0, 1] or a 1-D tensor of them.
+        q: a float in [0, 1], or a 1-D tensor of them (which adds a leading dim).
         dim: the dimension to reduce.
-        epsilon: the smoothing strength, as for :class:`SoftSort` with the same method.
+        epsilon: the smoothing strength, as for :func:`softops.soft_sort` with the same method.
         method: "pav" (default) or "ot".
-        keepdim: keep the reduced dimension with size 1.
+        keepdim: keep the reduced dimension, with size 1.
 
     Shape:
         - input: :math:`(*, n, *)`; output: without ``dim`` (a 1-D q adds a leading dim).
 
     Example:
-        >>> SoftQuantile(0.5, epsilon=0.01)(torch.tensor([[3.0, 1.0, 2.0, 4.0]]))
+        >>> layer = SoftQuantile(0.5, epsilon=0.01)
+        >>> layer
+        SoftQuantile(q=0.5, dim=-1, epsilon=0.01, method='pav')
+        >>> layer(torch.tensor([[3.0, 1.0, 2.0, 4.0]]))
         tensor([2.5000])
-
-    References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
     """
 
     def __init__(
@@ -232,10 +254,19 @@ class SoftQuantile(torch.nn.Module):
         q: float | torch.Tensor,
         *,
         dim: int = -1,
-        epsilon: float = 1.0,
+        epsilon: float | torch.Tensor = 1.0,
         method: str = "pav",
         keepdim: bool = False,
     ) -> None:
+        op = type(self).__name__
+        check_options(op, method, "quantile")
+        dtype, device = (
+            (q.dtype, q.device) if isinstance(q, torch.Tensor) else (torch.float64, None)
+        )
+        check_q(q, op, dtype, device)  # q is stored as given, not converted
+        check_dim_type(dim, op)
+        check_epsilon(epsilon, op)
+        check_bool(keepdim, op, "keepdim")
         super().__init__()
         self.q, self.dim, self.epsilon, self.method, self.keepdim = q, dim, epsilon, method, keepdim
 
@@ -245,4 +276,5 @@ class SoftQuantile(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"q={self.q}, dim={self.dim}, epsilon={self.epsilon}, method={self.method!r}"
+        rest = _options_repr(keepdim=(self.keepdim, False))
+        return f"q={self.q}, dim={self.dim}, epsilon={self.epsilon}, method={self.method!r}{rest}"
