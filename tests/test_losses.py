@@ -521,3 +521,22 @@ def test_errors_name_the_loss_that_raised_them() -> None:
         topk_accuracy_loss(
             torch.randn(3, 4), torch.tensor([0, 1, 2]), 2, epsilon=eps, method="sinkhorn"
         )
+
+
+def test_losses_use_no_private_name_of_another_module():
+    # The losses go through the public soft_confusion / *_from_counts and the documented shared
+    # checks of softops.metrics, never through a private helper of another module.
+    import ast
+    import inspect
+
+    import softops.losses
+
+    tree = ast.parse(inspect.getsource(softops.losses))
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("softops")
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert private == []

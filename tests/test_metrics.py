@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,12 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 from softops.metrics import (
+    SoftConfusion,
+    f1_from_counts,
+    precision_from_counts,
+    recall_from_counts,
     soft_accuracy,
+    soft_confusion,
     soft_f1,
     soft_precision,
     soft_recall,
@@ -19,6 +26,11 @@ from tests._helpers import seeded
 
 F64 = torch.float64
 METRICS = {"precision": soft_precision, "recall": soft_recall, "f1": soft_f1}
+FROM_COUNTS = {
+    "precision": precision_from_counts,
+    "recall": recall_from_counts,
+    "f1": f1_from_counts,
+}
 
 
 def _skm():
@@ -438,7 +450,9 @@ def test_errors():
         soft_f1(p, t, epsilon=0.5)
     with pytest.raises(ValueError, match=r"0-dim tensor; got a tensor of shape \(4,\)"):
         soft_f1(p, t, from_logits=True, epsilon=torch.ones(4))
-    with pytest.raises(TypeError, match=r"expected `from_logits` to be a bool; got 1"):
+    with pytest.raises(
+        TypeError, match=r"expected `from_logits` to be a bool; got from_logits=1\."
+    ):
         soft_f1(p, t, from_logits=1)
 
 
@@ -481,3 +495,134 @@ def test_topk_accuracy_rejects_the_unclipped_softkmax_and_untracked_epsilon_grad
         r"method='perturbed'",
     ):
         soft_topk_accuracy(scores, target, 2, epsilon=eps, method="perturbed")
+
+
+# ------------------------------------------------------------- soft_confusion: update/compute
+
+
+def _batches(n: int, sizes: list[int]) -> list[slice]:
+    edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    assert edges[-1] == n
+    return [slice(a, b) for a, b in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize(
+    ("c", "average"), [(1, "binary"), (2, "binary"), (5, "micro"), (5, "macro")]
+)
+def test_counts_summed_over_batches_equal_counts_of_the_concatenation(c, average, from_logits):
+    g = seeded(20)
+    n = 41
+    z = torch.randn(n, c, generator=g, dtype=F64).squeeze(-1)
+    x = z if from_logits else (torch.sigmoid(z) if c == 1 else torch.softmax(z, -1))
+    t = _labels(g, n, [0.5, 0.3, 0.1, 0.1, 0.0][: max(c, 2)])
+    kw = {"average": average, "from_logits": from_logits}
+    if from_logits:
+        kw["epsilon"] = 0.7
+    whole = soft_confusion(x, t, **kw)
+    parts = [soft_confusion(x[b], t[b], **kw) for b in _batches(n, [1, 13, 20, 7])]
+    total = sum(parts)
+    assert isinstance(total, SoftConfusion)
+    for got, want in zip(total, whole, strict=True):
+        assert got.shape == want.shape == ((5,) if average == "macro" else ())
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    # a + b adds field by field (a plain tuple would concatenate)
+    pairwise = parts[0] + parts[1] + parts[2] + parts[3]
+    assert isinstance(pairwise, SoftConfusion) and len(pairwise) == 3
+    for kind, fn in FROM_COUNTS.items():
+        torch.testing.assert_close(fn(total), METRICS[kind](x, t, **kw), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("average", ["binary", "micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_scores_of_accumulated_one_hot_counts_equal_sklearn(seed, average, kind):
+    g = seeded(seed)
+    c = 2 if average == "binary" else len(TARGET_WEIGHTS)
+    n = 97
+    target = _labels(g, n, TARGET_WEIGHTS[:c] if c > 2 else [0.8, 0.2])
+    pred = _labels(g, n, PRED_WEIGHTS[:c] if c > 2 else [0.6, 0.4])
+    onehot = torch.nn.functional.one_hot(pred, c).to(F64)
+    counts = sum(
+        soft_confusion(onehot[b], target[b], average=average) for b in _batches(n, [10, 30, 25, 32])
+    )
+    expected = _sk_score(kind, target, pred, c, average)
+    got = FROM_COUNTS[kind](counts)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=F64), rtol=1e-15, atol=1e-15)
+    # the mean of the per-batch scores is the biased estimate the counts avoid
+    if kind == "f1" and average == "macro":
+        per_batch = [float(soft_f1(onehot[b], target[b])) for b in _batches(n, [10, 30, 25, 32])]
+        assert abs(sum(per_batch) / len(per_batch) - expected) > 1e-3
+
+
+def test_metrics_are_compute_of_update_exactly():
+    g = seeded(21)
+    p = torch.softmax(torch.randn(30, 4, generator=g), -1)
+    t = torch.randint(0, 4, (30,), generator=g)
+    for average in ("micro", "macro"):
+        counts = soft_confusion(p, t, average=average)
+        for kind, fn in FROM_COUNTS.items():
+            assert torch.equal(METRICS[kind](p, t, average=average), fn(counts))
+    pb = p[:, 0].contiguous()
+    tb = (t == 0).long()
+    assert torch.equal(soft_f1(pb, tb), f1_from_counts(soft_confusion(pb, tb)))
+
+
+def test_counts_plain_values_dtype_and_gradient():
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]], dtype=F64)
+    t = torch.tensor([0, 1, 0])
+    tp, predicted, true = soft_confusion(p, t)
+    torch.testing.assert_close(tp, torch.tensor([1.0, 0.8, 0.0], dtype=F64))
+    torch.testing.assert_close(predicted, torch.tensor([1.1, 1.3, 0.6], dtype=F64))
+    assert torch.equal(true, torch.tensor([2.0, 1.0, 0.0], dtype=F64))
+    micro = soft_confusion(p, t, average="micro")
+    torch.testing.assert_close(micro.tp, tp.sum())
+    torch.testing.assert_close(micro.tp / micro.true, soft_accuracy(p, t))
+    binary = soft_confusion(torch.tensor([0.9, 0.2, 0.6]), torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(binary.tp, torch.tensor(1.5))
+    torch.testing.assert_close(binary.predicted, torch.tensor(1.7))
+    assert binary.true.item() == 2.0
+    # low precision is counted in float32, so that sums over a dataset keep their precision
+    for dtype in (torch.float16, torch.bfloat16):
+        counts = soft_confusion(p.to(dtype), t)
+        assert all(c.dtype == torch.float32 for c in counts)
+        assert soft_f1(p.to(dtype), t).dtype == dtype
+    # differentiable in the input
+    z = torch.randn(6, 3, dtype=F64, requires_grad=True)
+    t6 = torch.tensor([0, 1, 2, 2, 1, 0])
+    assert gradcheck(
+        lambda z: f1_from_counts(soft_confusion(z, t6, from_logits=True, epsilon=0.5)), (z,)
+    )
+
+
+def test_soft_confusion_and_from_counts_errors():
+    p = torch.softmax(torch.randn(4, 3), -1)
+    t = torch.tensor([0, 1, 2, 1])
+    with pytest.raises(ValueError, match=r"^soft_confusion: expected `average` to be one of"):
+        soft_confusion(p, t, average="weighted")
+    with pytest.raises(ValueError, match=r"^soft_confusion: .*average='binary'.*\(4, 3\)"):
+        soft_confusion(p, t, average="binary")
+    with pytest.raises(ValueError, match=r"^soft_confusion: expected `target` values .*got 3"):
+        soft_confusion(p, torch.tensor([0, 1, 3, 1]))
+    with pytest.raises(TypeError, match=r"^soft_confusion: expected `input` to have a real"):
+        soft_confusion(t, t)
+    with pytest.raises(ValueError, match=r"^soft_confusion: .*got epsilon=0\.5"):
+        soft_confusion(p, t, epsilon=0.5)
+    with pytest.raises(TypeError, match=r"^soft_confusion: expected `from_logits` .*got"):
+        soft_confusion(p, t, from_logits="yes")
+    with pytest.raises(TypeError, match=r"^f1_from_counts: expected `counts` to be a "):
+        f1_from_counts(p)
+    with pytest.raises(TypeError, match=r"^precision_from_counts: .*got tuple"):
+        precision_from_counts((1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match=r"^recall_from_counts: .*got shapes \[\(3,\), \(\)"):
+        recall_from_counts((torch.ones(3), torch.tensor(1.0), torch.ones(3)))
+    with pytest.raises(ValueError, match=r"^f1_from_counts: .*got shapes \[\(2, 2\)"):
+        f1_from_counts(SoftConfusion(torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2)))
+    macro = soft_confusion(p, t)
+    micro = soft_confusion(p, t, average="micro")
+    with pytest.raises(ValueError, match=r"^SoftConfusion: .*got shapes \(3,\) and \(\)\."):
+        macro + micro
+    with pytest.raises(TypeError):
+        1 + macro
+    # a plain tuple of tensors is accepted by the compute functions
+    assert torch.equal(f1_from_counts(tuple(macro)), f1_from_counts(macro))
