@@ -188,8 +188,8 @@ def f1_loss(
 
     **Batch bias.** The loss is a ratio of sums over the batch, so its value and gradient on a
     minibatch are biased estimates of those of the dataset's F1 (the bias shrinks like 1/N and
-    is worst for rare classes). The recipe that works: train with cross-entropy first, then
-    fine-tune with ``f1_loss`` on large batches. With ``"macro"``, a class absent from the
+    is worst for rare classes). The recipe that works (Su 2019): train with cross-entropy first,
+    then fine-tune with ``f1_loss`` on large batches. With ``"macro"``, a class absent from the
     batch's ``target`` scores 0 whatever the predictions (its TP is 0), so it adds a constant
     1/C to the loss and no gradient: one more reason for large batches.
 
@@ -213,6 +213,11 @@ def f1_loss(
         tensor(0.2800)
         >>> f1_loss(torch.tensor([[0.9, 0.1], [0.4, 0.6]]), torch.tensor([0, 1]), average="micro")
         tensor(0.2500)
+
+    References:
+        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable
+        approximations of non-differentiable functions), section "正确率" (accuracy). Blog
+        post, kexue.fm, 2019.
     """
     op = "f1_loss"
     # Checked here so that the errors name this loss; soft_confusion then cannot fail.

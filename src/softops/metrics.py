@@ -656,8 +656,8 @@ def soft_f1(
 
     The hard metric is ``sklearn.metrics.f1_score(target, pred, labels=range(C),
     average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
-    ``input > 0.5`` for a 1-D binary input). The soft one (the smooth F1 of seed 002) uses the soft
-    counts of the module docstring:
+    ``input > 0.5`` for a 1-D binary input). The soft one (the smooth F1 of Su (2019), section
+    "正确率") uses the soft counts of :func:`soft_confusion`:
 
     .. math::
 
@@ -671,8 +671,11 @@ def soft_f1(
     a minibatch is a biased estimate of the F1 of the whole dataset, and the mean of the
     minibatch values is not the dataset's value (the bias shrinks like 1/N, and is worst for rare
     classes, whose counts a small batch barely sees). To train for F1, first train with
-    cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large batches; to
-    evaluate, accumulate the counts over the whole dataset (or use the hard metric).
+    cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large batches (Su
+    2019). To evaluate, sum the counts of :func:`soft_confusion` over the batches of the dataset
+    and take :func:`f1_from_counts` of the sum once (the second example), or use the hard metric.
+    ``soft_f1(input, target)`` is ``f1_from_counts(soft_confusion(input, target))`` in the dtype
+    of ``input``.
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -681,6 +684,24 @@ def soft_f1(
         tensor(0.4469)
         >>> soft_f1(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1, 0, 0, 1]))
         tensor(0.8000)
+
+        Over a dataset, accumulate the counts and compute once; the mean of the per-batch
+        values is biased:
+
+        >>> batches = [(p[:2], t[:2]), (p[2:], t[2:])]
+        >>> with torch.no_grad():
+        ...     counts = sum(soft_confusion(x, y) for x, y in batches)
+        >>> f1_from_counts(counts).round(decimals=4)  # equals soft_f1(p, t)
+        tensor(0.4469)
+        >>> sum(soft_f1(x, y) for x, y in batches).div(2).round(decimals=4)
+        tensor(0.3399)
+
+    References:
+        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable
+        approximations of non-differentiable functions), section "正确率" (accuracy). Blog
+        post, kexue.fm, 2019.
+        Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP
+        2005.
     """
     counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
     return f1_from_counts(counts).to(input.dtype)
