@@ -1,8 +1,10 @@
 r"""The sort family: soft_sort, soft_rank, soft_argsort and soft_quantile.
 
-Each public function validates its arguments once, moves ``dim`` last, flattens the batch to
-(B, n) in the compute dtype (float16/bfloat16 are computed in float32) and hands the rows to one
-backend:
+Each public function checks its arguments once (the method and its options with
+``softops.sort._dispatch.check_options``, then ``softops._core.dims.prepare_rows``: ``dim``
+moved last, the batch flattened to (B, n) in the compute dtype, where float16/bfloat16 are
+computed in float32) and hands the rows to one backend of the static table
+``softops.sort._dispatch.METHODS``:
 
 - ``"pav"`` (``_pav.py``): Blondel et al. 2020, projection onto the permutahedron, exact, O(n log n)
   per row. Sort, rank and quantile.
@@ -11,15 +13,12 @@ backend:
 - ``"ot"`` (``_ot.py``): Cuturi, Teboul and Vert 2019, entropic optimal transport. Sort, rank,
   argsort and quantile.
 
-Backends are imported when first used, so a method whose module is missing fails on use, with a
-``ValueError`` naming it, and never on ``import softops``.
-
 **Unused arguments.** An argument that the chosen method does not use raises ``ValueError`` when
 it differs from its default in the signature: ``soft_sort(x, method="softsort",
 regularization="kl")`` raises, ``soft_sort(x, method="softsort", regularization="l2")`` does not.
 
-**Non-finite inputs** (DESIGN.md §2: infinities behave as their limits; a NaN gives NaN in its own
-row only). The limit is that of the entries at ``±inf`` replaced by ``±M``, ``M -> inf`` (equal
+**Non-finite inputs.** Infinities behave as their limits, and a NaN gives NaN in its own row
+only. The limit is that of the entries at ``±inf`` replaced by ``±M``, ``M -> inf`` (equal
 infinities staying tied):
 
 - ``"softsort"``, ``"neuralsort"``, ``"ot"``: the infinite entries decouple. The finite entries of
@@ -32,7 +31,8 @@ infinities staying tied):
   number of infinities before them; ``soft_argsort`` has, at the infinite positions, rows that are
   uniform over the columns of that infinity, and elsewhere :math:`P'` on the finite columns and 0
   on the infinite ones. Infinite entries get a zero gradient. This takes one host sync per call
-  and, for rows with infinities, one backend call per distinct number of finite entries.
+  and, for rows with infinities, one backend call per distinct number of finite entries
+  (``softops.sort._limits``).
 - ``"pav"``: the projection's own limits. ``soft_rank`` is exact as for the other methods (an
   infinite entry gets the mean of the positions of its equal infinities). The l2 ``soft_sort``
   keeps the row's mean, so any infinity pulls the whole row to it (``[1, inf] -> [inf, inf]``);
@@ -45,230 +45,24 @@ infinities staying tied):
 
 from __future__ import annotations
 
-import importlib
-import math
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any
-
 import torch
 
-from softops._core.dims import flatten_to_2d, row_param
+from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
-from softops._core.validation import (
-    check_bool,
-    check_choice,
-    check_dim,
-    check_epsilon,
-    check_floating,
-    check_nonempty,
-    check_tol,
-    compute_dtype,
+from softops._core.validation import check_bool, check_dim, check_floating, check_q, compute_dtype
+from softops.sort._dispatch import (  # the method tuples stay importable from softops.sort
+    ARGSORT_METHODS,  # noqa: F401
+    DISTANCES,  # noqa: F401
+    METHODS,
+    QUANTILE_METHODS,  # noqa: F401
+    REGULARIZATIONS,  # noqa: F401
+    SORT_METHODS,  # noqa: F401
+    check_options,
+    interpolate,
 )
+from softops.sort._limits import with_limits
 
 __all__ = ["soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
-
-SORT_METHODS = ("pav", "softsort", "neuralsort", "ot")
-ARGSORT_METHODS = ("softsort", "neuralsort", "ot")
-QUANTILE_METHODS = ("pav", "ot")
-REGULARIZATIONS = ("l2", "kl")
-DISTANCES = ("l1", "l2")
-
-# The optional arguments each method uses, and their defaults in the public signatures.
-_USES = {
-    "pav": {"regularization"},
-    "softsort": {"distance"},
-    "neuralsort": set(),
-    "ot": {"max_iter", "tol"},
-}
-_DEFAULTS = {"regularization": "l2", "distance": "l1", "max_iter": None, "tol": None}
-
-
-def _backend(method: str, op: str) -> ModuleType:
-    try:
-        return importlib.import_module(f"._{method}", __name__)
-    except ModuleNotFoundError as err:  # pragma: no cover - only in a partial installation
-        raise ValueError(
-            f"{op}: expected an installed backend for method={method!r}; got {err}."
-        ) from err
-
-
-def _check_method_args(op: str, method: str, **kwargs: Any) -> dict[str, Any]:
-    """Reject arguments ``method`` does not use (when not at their default); check the rest."""
-    for name, value in kwargs.items():
-        default = _DEFAULTS[name]
-        at_default = value is default or (isinstance(value, str) and value == default)
-        if name not in _USES[method] and not at_default:
-            raise ValueError(
-                f"{op}: expected `{name}` to be left at its default {default!r} "
-                f"(method={method!r} does not use it); got {name}={value!r}."
-            )
-    used = {name: value for name, value in kwargs.items() if name in _USES[method]}
-    if "regularization" in used:
-        check_choice(used["regularization"], REGULARIZATIONS, op, "regularization")
-    if "distance" in used:
-        check_choice(used["distance"], DISTANCES, op, "distance")
-    max_iter = used.get("max_iter")
-    if max_iter is not None:
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int):
-            raise TypeError(f"{op}: expected `max_iter` to be an int or None; got {max_iter=!r}.")
-        if max_iter < 1:
-            raise ValueError(f"{op}: expected `max_iter` >= 1 or None; got {max_iter=!r}.")
-    if used.get("tol") is not None:
-        check_tol(used["tol"], 0.0, op)
-    return used
-
-
-def _prepare(x: torch.Tensor, dim: int, epsilon: Any, op: str):
-    """Validate x, dim and epsilon; return (x2, restore, eps_row, n)."""
-    check_floating(x, op)
-    d = check_dim(x, dim, op)
-    n = check_nonempty(x, d, op)
-    epsilon = check_epsilon(epsilon, op)
-    cd = compute_dtype(x.dtype)
-    x2, restore = flatten_to_2d(x, d)
-    x2 = x2.to(cd)
-    batch_shape = x.movedim(d, -1).shape[:-1]
-    eps_row = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
-    return x2, restore, eps_row, n
-
-
-def _limit_group(
-    xg: torch.Tensor,
-    eg: torch.Tensor,
-    descending: bool,
-    kind: str,
-    call: Callable[..., torch.Tensor],
-    m: int,
-) -> torch.Tensor:
-    """The limit for rows (Bg, n) that hold infinities and exactly ``m`` finite entries each.
-
-    In the limit, entries at ``±inf`` decouple from the finite ones: the finite entries are
-    relaxed among themselves (``call`` on the (Bg, m) compacted rows), ``-inf`` entries take the
-    first output positions (the last if ``descending``) and ``+inf`` ones the others, tied among
-    themselves. See :func:`soft_sort` for the outcome per output.
-    """
-    bsz, n = xg.shape
-    xd = xg.detach()
-    n_neg = (xd == -math.inf).sum(-1)
-    n_pos = (xd == math.inf).sum(-1)
-    off = n_pos if descending else n_neg  # output positions before the finite block
-    # the column indices of the finite entries, in their original order
-    fin_idx = torch.argsort((~torch.isfinite(xd)).to(torch.int8), dim=-1, stable=True)[:, :m]
-    slots = off.unsqueeze(-1) + torch.arange(m, device=xg.device)  # their output positions
-    xs = xg.gather(1, fin_idx)
-    if kind == "sort":
-        out = torch.sort(xd, dim=-1, descending=descending).values  # ±inf in place
-        return out if m == 0 else out.scatter(1, slots, call(xs, eg, None))
-    if kind == "rank":
-        dt = xg.dtype
-        first_neg, first_pos = (n - n_neg, 0 * n_pos) if descending else (0 * n_neg, n - n_pos)
-        r_neg = (first_neg + (n_neg + 1) / 2).to(dt)  # tied: the mean of their positions
-        r_pos = (first_pos + (n_pos + 1) / 2).to(dt)
-        out = torch.where(xd == -math.inf, r_neg.unsqueeze(-1), r_pos.unsqueeze(-1))
-        return out if m == 0 else out.scatter(1, fin_idx, call(xs, eg, off.to(dt)))
-    # argsort: rows at infinite positions are uniform over the equal infinite columns
-    s = torch.sort(xd, dim=-1, descending=descending).values
-    same = (s.unsqueeze(-1) == xd.unsqueeze(-2)) & torch.isinf(s).unsqueeze(-1)
-    out = same.to(xg.dtype)
-    out = out / out.sum(-1, keepdim=True).clamp_min(1)
-    if m == 0:
-        return out
-    p_fin = call(xs, eg, None)  # (Bg, m, m)
-    cols = torch.zeros(bsz, m, n, dtype=p_fin.dtype, device=xg.device)
-    cols = cols.scatter(2, fin_idx.unsqueeze(1).expand(bsz, m, m), p_fin)
-    return out.scatter(1, slots.unsqueeze(-1).expand(bsz, m, n), cols)
-
-
-def _with_limits(
-    x2: torch.Tensor,
-    eps_row: torch.Tensor,
-    descending: bool,
-    kind: str,
-    call: Callable[..., torch.Tensor],
-) -> torch.Tensor:
-    """``call(x2, eps_row, None)``, with rows holding ``±inf`` (and no NaN) taken to their limit.
-
-    One host sync per call (whether any entry is infinite); rows with infinities are grouped by
-    their number of finite entries and each group is one batched call.
-    """
-    with torch.no_grad():
-        inf = torch.isinf(x2)
-        special = inf.any(-1) & ~torch.isnan(x2).any(-1)
-    try:
-        any_special = bool(special.any())
-    except RuntimeError:  # under torch.func transforms: no data-dependent branch
-        any_special = False
-    if not any_special:
-        return call(x2, eps_row, None)
-    parts, index = [], []
-    plain = (~special).nonzero().squeeze(-1)
-    if plain.numel():
-        parts.append(call(x2[plain], eps_row[plain], None))
-        index.append(plain)
-    rows = special.nonzero().squeeze(-1)
-    n_fin = (~inf[rows]).sum(-1)
-    for m in torch.unique(n_fin).tolist():
-        r = rows[n_fin == m]
-        parts.append(_limit_group(x2[r], eps_row[r], descending, kind, call, m))
-        index.append(r)
-    idx = torch.cat(index)
-    inv = torch.empty_like(idx)
-    inv[idx] = torch.arange(idx.numel(), device=idx.device)
-    return torch.cat(parts)[inv]
-
-
-def _interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``torch.quantile``'s linear interpolation of ascending rows ``values`` (B, n) at q (m,).
-
-    Infinite neighbours are taken as limits: the infinite one wins unless its weight is 0, and
-    ``-inf`` against ``+inf`` is NaN. Gradients stay finite.
-    """
-    n = values.shape[-1]
-    h = q.to(values.dtype) * (n - 1)
-    lo = h.detach().floor().clamp(0, n - 1).long()
-    hi = (lo + 1).clamp(max=n - 1)
-    frac = h - lo.to(h.dtype)
-    v_lo, v_hi = values[:, lo], values[:, hi]
-    finite = torch.isfinite(v_lo) & torch.isfinite(v_hi)
-    a = torch.where(finite, v_lo, 0.0)
-    b = torch.where(finite, v_hi, 0.0)
-    lin = a + frac * (b - a)
-    return torch.where(finite, lin, torch.where(frac == 0, v_lo, v_lo + v_hi))
-
-
-def _sort_or_rank(
-    op: str,
-    kind: str,
-    x: torch.Tensor,
-    dim: int,
-    descending: bool,
-    epsilon: Any,
-    method: str,
-    **kwargs: Any,
-) -> torch.Tensor:
-    check_choice(method, SORT_METHODS, op, "method")
-    used = _check_method_args(op, method, **kwargs)
-    check_bool(descending, op, "descending")
-    x2, restore, eps_row, _ = _prepare(x, dim, epsilon, op)
-    if x2.shape[0] == 0:
-        return torch.zeros_like(x)
-    fn = getattr(_backend(method, op), kind)
-    if method == "pav":  # PAV's own limits (its Function handles infinities)
-        y = fn(x2, eps_row, descending, used["regularization"])
-        return restore(y).to(x.dtype)
-    rank_kw = kind == "rank"
-
-    def call(xs: torch.Tensor, es: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-        kw = {"offset": offset} if rank_kw else {}
-        if method == "softsort":
-            return fn(xs, es, descending, used["distance"], **kw)
-        if method == "neuralsort":
-            return fn(xs, es, descending, **kw)
-        return fn(xs, es, descending, used["max_iter"], used["tol"], **kw)
-
-    y = _with_limits(x2, eps_row, descending, kind, call)
-    return restore(y).to(x.dtype)
 
 
 def soft_sort(
@@ -364,19 +158,26 @@ def soft_sort(
         Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
         NeurIPS 2019. arXiv:1905.11885.
     """
-    return _sort_or_rank(
-        "soft_sort",
-        "sort",
-        x,
-        dim,
-        descending,
-        epsilon,
+    op = "soft_sort"
+    opts = check_options(
+        op,
         method,
+        "sort",
         regularization=regularization,
         distance=distance,
         max_iter=max_iter,
         tol=tol,
     )
+    check_bool(descending, op, "descending")
+    rows = prepare_rows(op, x, dim, epsilon)
+    x2, eps = rows.x2, rows.eps
+    if x2.shape[0] == 0:
+        return torch.zeros_like(x)
+    if method == "pav":  # the projection's own limits (module docstring)
+        y = METHODS["pav"].sort(x2, eps, descending, opts)
+    else:
+        y = with_limits(METHODS[method].sort, "sort", x2, eps, descending, opts)
+    return rows.restore(y).to(x.dtype)
 
 
 def soft_rank(
@@ -463,19 +264,26 @@ def soft_rank(
         Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
         NeurIPS 2019. arXiv:1905.11885.
     """
-    return _sort_or_rank(
-        "soft_rank",
-        "rank",
-        x,
-        dim,
-        descending,
-        epsilon,
+    op = "soft_rank"
+    opts = check_options(
+        op,
         method,
+        "rank",
         regularization=regularization,
         distance=distance,
         max_iter=max_iter,
         tol=tol,
     )
+    check_bool(descending, op, "descending")
+    rows = prepare_rows(op, x, dim, epsilon)
+    x2, eps = rows.x2, rows.eps
+    if x2.shape[0] == 0:
+        return torch.zeros_like(x)
+    if method == "pav":  # the projection's own limits (module docstring)
+        y = METHODS["pav"].rank(x2, eps, descending, opts)
+    else:
+        y = with_limits(METHODS[method].rank, "rank", x2, eps, descending, opts)
+    return rows.restore(y).to(x.dtype)
 
 
 def soft_argsort(
@@ -554,54 +362,18 @@ def soft_argsort(
         NeurIPS 2019. arXiv:1905.11885.
     """
     op = "soft_argsort"
-    if method == "pav":
-        raise ValueError(
-            f"{op}: expected `method` to be one of {ARGSORT_METHODS} (method='pav' has no "
-            f"permutation matrix: it projects onto the permutahedron); got method={method!r}."
-        )
-    check_choice(method, ARGSORT_METHODS, op, "method")
-    used = _check_method_args(op, method, distance=distance, max_iter=max_iter, tol=tol)
+    opts = check_options(op, method, "argsort", distance=distance, max_iter=max_iter, tol=tol)
     check_bool(descending, op, "descending")
     check_bool(hard, op, "hard")
-    x2, restore, eps_row, n = _prepare(x, dim, epsilon, op)
+    rows = prepare_rows(op, x, dim, epsilon)
+    x2, eps, n = rows.x2, rows.eps, rows.n
     if x2.shape[0] == 0:
         return x.new_zeros(*x.shape, n)
-    fn = _backend(method, op).argsort
-
-    def call(xs: torch.Tensor, es: torch.Tensor, _: Any) -> torch.Tensor:
-        if method == "softsort":
-            return fn(xs, es, descending, used["distance"])
-        if method == "neuralsort":
-            return fn(xs, es, descending)
-        return fn(xs, es, descending, used["max_iter"], used["tol"])
-
-    P = _with_limits(x2, eps_row, descending, "argsort", call)
+    P = with_limits(METHODS[method].argsort, "argsort", x2, eps, descending, opts)
     if hard:
         order = torch.argsort(x2.detach(), dim=-1, descending=descending, stable=True)
         P = straight_through(torch.nn.functional.one_hot(order, n), P)
-    return restore(P).to(x.dtype)
-
-
-def _check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """q as a 0-dim or 1-D tensor of the compute dtype, with every entry in [0, 1]."""
-    if isinstance(q, torch.Tensor):
-        if not q.dtype.is_floating_point:
-            raise TypeError(f"{op}: expected `q` to be a float or a floating tensor; got {q!r}.")
-        if q.dim() > 1:
-            raise ValueError(
-                f"{op}: expected `q` to be a float or a 0-dim or 1-D tensor; got q of shape "
-                f"{tuple(q.shape)}."
-            )
-        qd = q.detach()
-        bad = ~((qd >= 0) & (qd <= 1))
-        if bool(bad.any()):
-            raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={qd[bad].flatten()[0].item()}.")
-        return q.to(dtype=dtype, device=device)
-    if isinstance(q, bool) or not isinstance(q, (int, float)):
-        raise TypeError(f"{op}: expected `q` to be a float or a tensor; got {q!r}.")
-    if not 0 <= q <= 1:
-        raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={q!r}.")
-    return torch.tensor(float(q), dtype=dtype, device=device)
+    return rows.restore(P).to(x.dtype)
 
 
 def soft_quantile(
@@ -629,7 +401,7 @@ def soft_quantile(
 
     with :math:`s` the ascending soft sort (0-based). It tends to ``torch.quantile`` as
     ``epsilon -> 0`` and to the mean as ``epsilon -> inf``; a tensor ``q`` receives a gradient.
-    "ot" is the quantile of Cuturi et al. 2019 (see ``softops.sort._ot``).
+    "ot" reads it off the OT soft sort (Cuturi et al. 2019) the same way.
 
     Args:
         x: input of any shape, floating dtype.
@@ -669,25 +441,21 @@ def soft_quantile(
         NeurIPS 2019. arXiv:1905.11885.
     """
     op = "soft_quantile"
-    check_choice(method, QUANTILE_METHODS, op, "method")
+    opts = check_options(op, method, "quantile")
     check_bool(keepdim, op, "keepdim")
     check_floating(x, op)
     d = check_dim(x, dim, op)
-    qt = _check_q(q, op, compute_dtype(x.dtype), x.device)
-    x2, restore, eps_row, _ = _prepare(x, dim, epsilon, op)
+    qt = check_q(q, op, compute_dtype(x.dtype), x.device)
+    rows = prepare_rows(op, x, dim, epsilon)
+    x2, eps = rows.x2, rows.eps
     q1 = qt.reshape(-1)
     if x2.shape[0] == 0:
         y = x2.new_zeros(0, q1.shape[0])
-    elif method == "pav":
-        y = _interpolate(_backend("pav", op).sort(x2, eps_row, False, "l2"), q1)
+    elif method == "pav":  # the l2 soft sort, with the projection's own limits
+        y = interpolate(METHODS["pav"].sort(x2, eps, False, opts), q1)
     else:
-        ot = _backend("ot", op)
-
-        def call(xs: torch.Tensor, es: torch.Tensor, _: Any) -> torch.Tensor:
-            return ot.sort(xs, es, False, None, None)
-
-        y = _interpolate(_with_limits(x2, eps_row, False, "sort", call), q1)
-    out = restore(y).movedim(d, 0)  # (m, *batch)
+        y = interpolate(with_limits(METHODS[method].sort, "sort", x2, eps, False, opts), q1)
+    out = rows.restore(y).movedim(d, 0)  # (m, *batch)
     if keepdim:
         out = out.unsqueeze(d + 1)
     if qt.dim() == 0:

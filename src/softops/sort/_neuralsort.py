@@ -3,11 +3,13 @@ r"""NeuralSort backend: the unimodal row-stochastic relaxation of Grover et al.
 Reference: A. Grover, E. Wang, A. Zweig and S. Ermon, *Stochastic Optimization of Sorting
 Networks via Continuous Relaxations*, ICLR 2019 (arXiv 1903.08850).
 
-Private backend of :mod:`softops.sort`. Every function takes canonical tensors: ``x2`` (B, n) of
-dtype float32 or float64, ``epsilon`` (B,) positive (it may require grad), and does no
-validation.
+Private backend of :mod:`softops.sort`, with the one backend signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` (``softops.sort._dispatch``):
+canonical tensors ``x2`` (B, n) of dtype float32 or float64 and ``eps`` (B,) positive (it may
+require grad); NeuralSort has no options, so ``opts`` is unused; no validation.
 
-Deviations from the paper's notation (DESIGN.md §2, MATH.md §3):
+Deviations from the paper's notation (Grover et al. 2019, §3, where the relaxation is
+:math:`\hat P_{\max}`):
 
 * The paper's temperature :math:`\tau` is ``epsilon``, in units of x (the logits are linear in
   x). Scaling law: ``sort(c x, c e) = c sort(x, e)`` for c > 0; ranks and P are unchanged. The
@@ -24,7 +26,7 @@ Algorithm: :math:`(A_x 1)_j = \sum_l |x_j - x_l|` is computed exactly in O(n log
 and prefix sums in float64: at the k-th smallest value :math:`u_k` (1-based),
 :math:`(A 1)_k = (2k - n) u_k - 2 S_k + S_n` with :math:`S_k = \sum_{l \le k} u_l`. Only the final
 softmax is O(n²); it is row-chunked with checkpointing (see
-:func:`softops.sort._softsort.chunked_rows` and its ``BLOCK_ELEMENTS``), so autograd keeps O(n)
+:func:`softops.sort._chunked.chunked_rows` and its ``BLOCK_ELEMENTS``), so autograd keeps O(n)
 per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)`` (an O(n³) matmul) is
 not used. At exact ties :math:`|x_j - x_l|` is at its kink; the prefix-sum formula and the dense
 ``abs().sum(-1)`` pick different subgradients there and agree everywhere else.
@@ -35,12 +37,15 @@ public layer (:mod:`softops.sort`) takes them to their limits before calling thi
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 
-from softops.sort._softsort import chunked_rows
+from softops.sort._chunked import chunked_rows
+
+if TYPE_CHECKING:
+    from softops.sort._dispatch import MethodOptions
 
 __all__ = ["argsort", "rank", "sort"]
 
@@ -92,7 +97,13 @@ def _run(
     )
 
 
-def sort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+def sort(
+    x2: Tensor,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
+) -> Tensor:
     r"""NeuralSort values ``P @ x``: a relaxation of ``torch.sort(x, -1, descending).values``.
 
     .. math::
@@ -104,8 +115,10 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        eps: (B,) temperature :math:`\tau` > 0, in units of x.
         descending: sort in descending order (the paper's orientation).
+        opts: unused (NeuralSort has no options).
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n) soft-sorted values, in x2's dtype; the hard sorted values as epsilon -> 0.
@@ -114,11 +127,15 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
         A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
         Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
     """
-    return cast(Tensor, _run(x2, epsilon, descending, values=True)[0])
+    return cast(Tensor, _run(x2, eps, descending, values=True)[0])
 
 
 def rank(
-    x2: Tensor, epsilon: Tensor, descending: bool = False, offset: Tensor | None = None
+    x2: Tensor,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
 ) -> Tensor:
     r"""NeuralSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
 
@@ -131,8 +148,9 @@ def rank(
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        eps: (B,) temperature :math:`\tau` > 0, in units of x.
         descending: rank 1 for the largest instead of the smallest.
+        opts: unused (NeuralSort has no options).
         offset: optional (B,) shift of the positions i (used by the public layer for infinities).
 
     Returns:
@@ -142,10 +160,16 @@ def rank(
         A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
         Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
     """
-    return cast(Tensor, _run(x2, epsilon, descending, ranks=True, offset=offset)[1])
+    return cast(Tensor, _run(x2, eps, descending, ranks=True, offset=offset)[1])
 
 
-def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
+def argsort(
+    x2: Tensor,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
+) -> Tensor:
     r"""The NeuralSort matrix P: row i relaxes ``one_hot(argsort(x, -1, descending)[i])``.
 
     .. math::
@@ -157,8 +181,10 @@ def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x.
+        eps: (B,) temperature :math:`\tau` > 0, in units of x.
         descending: rows in descending order of x (the paper's :math:`\hat P_{\max}`).
+        opts: unused (NeuralSort has no options).
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n, n) row-stochastic P, in x2's dtype.
@@ -167,4 +193,4 @@ def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False) -> Tensor:
         A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
         Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
     """
-    return cast(Tensor, _run(x2, epsilon, descending, matrix=True)[2])
+    return cast(Tensor, _run(x2, eps, descending, matrix=True)[2])

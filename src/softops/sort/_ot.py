@@ -1,14 +1,18 @@
-r"""Optimal-transport backend: soft sort, rank, argsort and quantile by entropic OT.
+r"""Optimal-transport backend: soft sort, rank and argsort by entropic OT.
 
 Reference: M. Cuturi, O. Teboul and J.-P. Vert, *Differentiable Ranks and Sorting using Optimal
 Transport*, NeurIPS 2019 (arXiv 1905.11885).
 
-Private backend of :mod:`softops.sort`. Every function takes canonical tensors: ``x2`` (B, n) of
-dtype float32 or float64, ``epsilon`` (B,) positive (it may require grad), and does no
-validation; ``max_iter=None`` / ``tol=None`` select the defaults below.
+Private backend of :mod:`softops.sort`, with the one backend signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` (``softops.sort._dispatch``):
+canonical tensors ``x2`` (B, n) of dtype float32 or float64 and ``eps`` (B,) positive (it may
+require grad); no validation. ``opts.max_iter=None`` means
+``softops._core.convergence.SINKHORN_MAX_ITER`` and ``opts.tol=None`` means ``default_tol`` of
+x2's dtype; ``opts.op`` names the public op in the non-convergence warning.
 
-Formulation. Each row's n inputs :math:`x_i` (mass 1/n each) are transported onto n targets
-:math:`y_j` (mass 1/n each) with the squared cost and entropic weight :math:`\varepsilon`:
+Formulation (Cuturi et al. 2019, §2 and §3). Each row's n inputs :math:`x_i` (mass 1/n each) are
+transported onto n targets :math:`y_j` (mass 1/n each) with the squared cost and entropic weight
+:math:`\varepsilon`:
 
 .. math::
 
@@ -17,7 +21,7 @@ Formulation. Each row's n inputs :math:`x_i` (mass 1/n each) are transported ont
         + \varepsilon \sum_{ij} \Gamma_{ij} (\log \Gamma_{ij} - 1),\qquad
     P = n \Gamma^\top .
 
-Deviations from the paper (DESIGN.md §2: never squash the input implicitly):
+Deviations from the paper (the input is never squashed implicitly):
 
 * **Targets.** The paper squashes x (a sigmoid after per-row standardisation) into [0, 1] and
   uses a fixed grid of targets there. Here the targets are the row's own hard-sorted values
@@ -34,16 +38,18 @@ Deviations from the paper (DESIGN.md §2: never squash the input implicitly):
 * **Outputs** (the paper's :math:`\tilde S` and :math:`\tilde R`): ``P`` is row-stochastic
   **exactly** (the solver's columns are exact), ``sort = P @ x``, and the 1-based ranks are
   :math:`r_i = n \sum_j \Gamma_{ij}\, j = \sum_j P_{ji}\, j`, which lie in [1, n] and sum to
-  n(n+1)/2 up to the solver tolerance (the row marginals are met to ``tol``). ``quantile``
-  interpolates the soft-sorted values linearly, as :func:`torch.quantile` does the hard ones.
+  n(n+1)/2 up to the solver tolerance (the row marginals are met to ``tol``). The public
+  ``soft_quantile`` interpolates the soft-sorted values linearly, as :func:`torch.quantile`
+  does the hard ones (``softops.sort._dispatch.interpolate``).
 
 Solver (always in float64; outputs are cast back to x2's dtype): the shared log-domain
 Sinkhorn of :mod:`softops._core.sinkhorn`, with convergence checked in batches and a semi-dual
 Newton polish once the marginal error is below 1e-3 (without it, m = n targets at small epsilon
 take many thousands of iterations), and its implicit backward (a Schur-complement Cholesky solve
 of size n - 1 in float64), so memory does not grow with the iteration count. A row that does not
-reach ``tol`` within ``max_iter`` iterations raises a ``UserWarning``: gradients are only as
-accurate as the forward. Epsilon gets its gradient through the scaled cost ``C / epsilon``.
+reach ``tol`` within ``max_iter`` iterations raises a ``softops.ConvergenceWarning``
+(a ``UserWarning``) naming the public op: gradients are only as accurate as the forward.
+Epsilon gets its gradient through the scaled cost ``C / epsilon``.
 
 Cost and limits: each Sinkhorn iteration is O(B n²) time, the plan is (B, n, n) float64, and
 each Newton step or backward solve is O(B n³) (a float64 Cholesky of size n - 1). This backend
@@ -59,56 +65,46 @@ Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only here; th
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan, warn_not_converged
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
+from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+from softops.sort._chunked import positions
 
-__all__ = ["DEFAULT_MAX_ITER", "argsort", "default_tol", "quantile", "rank", "sort"]
+if TYPE_CHECKING:
+    from softops.sort._dispatch import MethodOptions
 
-_OP = "softops.sort (method='ot')"
-DEFAULT_MAX_ITER = 2000
-"""Default cap on Sinkhorn iterations (a Newton polish of at most 30 steps may follow)."""
-
-
-def default_tol(dtype: torch.dtype) -> float:
-    """Default relative L1 marginal tolerance: 1e-9 in float64, 1e-6 otherwise."""
-    return 1e-9 if dtype == torch.float64 else 1e-6
+__all__ = ["argsort", "rank", "sort"]
 
 
-def _plan(
-    x2: Tensor, epsilon: Tensor, max_iter: int | None, tol: float | None
-) -> tuple[Tensor, SinkhornResult]:
+def _plan(x2: Tensor, eps: Tensor, opts: MethodOptions) -> tuple[Tensor, SinkhornResult]:
     """The (B, n, n) float64 plan P = n Gamma^T (rows = targets in ascending order), diagnostics.
 
     The solve runs in float64 whatever x2's dtype (in float32 the cost ``(x - y)^2 / epsilon``
     loses the digits that small epsilon needs, and the hybrid solver then stalls).
     """
     bsz, n = x2.shape
-    max_iter = DEFAULT_MAX_ITER if max_iter is None else max_iter
-    tol = default_tol(x2.dtype) if tol is None else tol
+    max_iter = SINKHORN_MAX_ITER if opts.max_iter is None else opts.max_iter
+    tol = default_tol(x2.dtype) if opts.tol is None else opts.tol
     x64 = x2.double()
     y = torch.sort(x64, dim=-1).values
-    cost = (x64.unsqueeze(-1) - y.unsqueeze(1)).square() / epsilon.double().view(-1, 1, 1)
+    cost = (x64.unsqueeze(-1) - y.unsqueeze(1)).square() / eps.double().view(-1, 1, 1)
     log_m = torch.full((bsz, n), -math.log(n), dtype=torch.float64, device=x2.device)
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
     gamma, res = sinkhorn_plan(cost, log_m, log_m, ones, max_iter, tol, newton=True)
-    warn_not_converged(_OP, res, max_iter, tol, stacklevel=4)
+    warn_not_converged(opts.op, res.converged, max_iter, residual=res.residual, tol=tol)
     return gamma.transpose(1, 2) * n, res
-
-
-def _positions(n: int, descending: bool, x2: Tensor) -> Tensor:
-    pos = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
-    return pos.flip(0) if descending else pos
 
 
 def sort(
     x2: Tensor,
-    epsilon: Tensor,
-    descending: bool = False,
-    max_iter: int | None = None,
-    tol: float | None = None,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
 ) -> Tensor:
     r"""OT soft sort: a relaxation of ``torch.sort(x, -1, descending).values``.
 
@@ -123,11 +119,12 @@ def sort(
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        eps: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
         descending: sort in descending order.
-        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
-        tol: relative L1 marginal tolerance; None means :func:`default_tol`; 0 runs exactly
-            ``max_iter`` iterations.
+        opts: ``opts.max_iter``, the Sinkhorn iteration cap (None: ``SINKHORN_MAX_ITER``);
+            ``opts.tol``, the relative L1 marginal tolerance (None: ``default_tol``; 0 runs
+            exactly ``max_iter`` iterations); ``opts.op``, the op named by the warning.
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n) soft-sorted values, in x2's dtype (each a convex combination of the row).
@@ -136,17 +133,16 @@ def sort(
         M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
         Transport. NeurIPS 2019. arXiv:1905.11885.
     """
-    p, _ = _plan(x2, epsilon, max_iter, tol)
+    p, _ = _plan(x2, eps, opts)
     v = torch.linalg.vecdot(p, x2.double().unsqueeze(1)).to(x2.dtype)
     return v.flip(-1) if descending else v
 
 
 def rank(
     x2: Tensor,
-    epsilon: Tensor,
-    descending: bool = False,
-    max_iter: int | None = None,
-    tol: float | None = None,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
     r"""OT soft ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
@@ -161,10 +157,9 @@ def rank(
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        eps: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
         descending: rank 1 for the largest instead of the smallest.
-        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
-        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+        opts: the solver options, as for :func:`sort`.
         offset: optional (B,) shift of the positions (used by the public layer for infinities).
 
     Returns:
@@ -175,8 +170,8 @@ def rank(
         Transport. NeurIPS 2019. arXiv:1905.11885.
     """
     n = x2.shape[-1]
-    p, _ = _plan(x2, epsilon, max_iter, tol)
-    pos = _positions(n, descending, p)
+    p, _ = _plan(x2, eps, opts)
+    pos = positions(n, descending, p.dtype, p.device)
     if offset is None:
         return torch.matmul(pos, p).to(x2.dtype)
     pos = pos + offset.to(p.dtype).unsqueeze(-1)
@@ -185,10 +180,10 @@ def rank(
 
 def argsort(
     x2: Tensor,
-    epsilon: Tensor,
-    descending: bool = False,
-    max_iter: int | None = None,
-    tol: float | None = None,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
 ) -> Tensor:
     r"""The OT sorting matrix: row j relaxes ``one_hot(argsort(x, -1, descending)[j])``.
 
@@ -201,10 +196,10 @@ def argsort(
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
+        eps: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
         descending: rows in descending order of x.
-        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
-        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
+        opts: the solver options, as for :func:`sort`.
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n, n) P, in x2's dtype.
@@ -213,49 +208,6 @@ def argsort(
         M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
         Transport. NeurIPS 2019. arXiv:1905.11885.
     """
-    p, _ = _plan(x2, epsilon, max_iter, tol)
+    p, _ = _plan(x2, eps, opts)
     p = p.to(x2.dtype)
     return p.flip(1) if descending else p
-
-
-def quantile(
-    x2: Tensor,
-    q: Tensor,
-    epsilon: Tensor,
-    max_iter: int | None = None,
-    tol: float | None = None,
-) -> Tensor:
-    r"""OT soft quantiles: a relaxation of ``torch.quantile(x, q, dim=-1)`` (linear).
-
-    .. math::
-
-        h = q (n - 1),\quad k = \lfloor h \rfloor,\qquad
-        Q(q) = v_k + (h - k)\,(v_{k+1} - v_k),
-
-    with :math:`v` (0-based) the ascending OT soft-sorted values of :func:`sort`; the hard
-    values give exactly :func:`torch.quantile` with ``interpolation="linear"``. One soft sort
-    serves all q.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        q: (Q,) quantile levels in [0, 1] (a gradient flows to q through the interpolation).
-        epsilon: (B,) entropic weight :math:`\varepsilon` > 0, in units of x².
-        max_iter: Sinkhorn iteration cap; None means ``DEFAULT_MAX_ITER``.
-        tol: relative L1 marginal tolerance; None means :func:`default_tol`.
-
-    Returns:
-        (B, Q) soft quantiles, in x2's dtype.
-
-    References:
-        M. Cuturi, O. Teboul, J.-P. Vert. Differentiable Ranks and Sorting using Optimal
-        Transport. NeurIPS 2019. arXiv:1905.11885.
-    """
-    n = x2.shape[-1]
-    v = sort(x2, epsilon, False, max_iter, tol)
-    h = q.to(x2.dtype).reshape(-1) * (n - 1)
-    lo = h.detach().floor().clamp(0, n - 1).long()
-    hi = (lo + 1).clamp(max=n - 1)
-    frac = h - lo.to(h.dtype)
-    v_lo = v[:, lo]
-    v_hi = v[:, hi]
-    return v_lo + frac * (v_hi - v_lo)

@@ -1,7 +1,8 @@
 r"""Fast soft sort and rank by projection onto the permutahedron (Blondel et al. 2020).
 
 With :math:`\rho = (n, \dots, 1)`, :math:`P_Q(z, w)` the Euclidean projection of z onto the
-permutahedron of w and :math:`P_E` its KL analogue (MATH.md §4.1):
+permutahedron of w (the convex hull of the permutations of w) and :math:`P_E` its KL analogue
+(Blondel et al. 2020, §4):
 
 .. math::
 
@@ -10,8 +11,9 @@ permutahedron of w and :math:`P_E` its KL analogue (MATH.md §4.1):
     \mathrm{rank}_{KL}(\theta) = \exp P_E(\theta/\varepsilon, \log\rho), \qquad
     \mathrm{sort}_{\downarrow, KL}(\theta) = P_E(\rho/\varepsilon, \theta).
 
-Each projection reduces to isotonic regression on sorted coordinates,
-:math:`P(z, w) = z - v(z_\sigma, w)_{\sigma^{-1}}`, solved by PAV (``softops._core.isotonic``).
+Each projection reduces to isotonic regression on sorted coordinates (Blondel et al. 2020, §5):
+:math:`P(z, w) = z - v(z_\sigma, w)_{\sigma^{-1}}`, with :math:`\sigma` the permutation that
+sorts z in descending order and v solved by PAV (``softops._core.isotonic``).
 
 Conventions (deviations from the paper's notation): ranks are ascending, so rank 1 is the
 smallest and rank n the largest, and ``soft_sort`` is ascending; ``descending=True`` applies the
@@ -31,13 +33,16 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from softops._core.isotonic import block_mean, block_softmax, block_sum, isotonic_kl, isotonic_l2
 
-__all__ = ["quantile", "rank", "sort"]
+if TYPE_CHECKING:
+    from softops.sort._dispatch import MethodOptions
+
+__all__ = ["rank", "sort"]
 
 
 class _IsotonicL2(torch.autograd.Function):
@@ -113,10 +118,21 @@ def _rho(x2: torch.Tensor) -> torch.Tensor:
 
 
 def rank(
-    x2: torch.Tensor, epsilon: torch.Tensor, descending: bool, regularization: str
+    x2: torch.Tensor,
+    eps: torch.Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Soft ranks (1-based; ascending unless ``descending``) of each row of x2 (B, n)."""
-    z = x2 / epsilon[:, None]
+    """Soft ranks (1-based; ascending unless ``descending``) of each row of x2 (B, n).
+
+    ``opts.regularization`` is "l2" or "kl". ``offset`` must be None: PAV takes infinities to the
+    projection's own limits, so no position shift is ever asked of it.
+    """
+    if offset is not None:
+        raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
+    regularization = opts.regularization
+    z = x2 / eps[:, None]
     if descending:
         z = -z
     s, perm = torch.sort(z, dim=-1, descending=True)
@@ -140,11 +156,19 @@ def rank(
 
 
 def sort(
-    x2: torch.Tensor, epsilon: torch.Tensor, descending: bool, regularization: str
+    x2: torch.Tensor,
+    eps: torch.Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Soft sorted values (ascending unless ``descending``) of each row of x2 (B, n)."""
+    """Soft sorted values (ascending unless ``descending``) of each row of x2 (B, n).
+
+    ``opts.regularization`` is "l2" or "kl"; ``offset`` is unused (the one backend signature).
+    """
+    regularization = opts.regularization
     theta = torch.sort(x2 if descending else -x2, dim=-1, descending=True).values
-    a = _rho(x2) / epsilon[:, None]
+    a = _rho(x2) / eps[:, None]
     if regularization == "l2":
         v, _ = _IsotonicL2.apply(a - theta)
     else:
@@ -156,20 +180,6 @@ def sort(
         mixed = (x2 == torch.inf).any(-1, keepdim=True) & (x2 == -torch.inf).any(-1, keepdim=True)
         out = torch.where(mixed, torch.full_like(out, torch.nan), out)
     return out
-
-
-def quantile(x2: torch.Tensor, q: torch.Tensor, epsilon: torch.Tensor) -> torch.Tensor:
-    """Soft quantiles (B, m): the L2 soft sort, linearly interpolated at positions q (n - 1)."""
-    values = sort(x2, epsilon, False, "l2")
-    n = x2.shape[-1]
-    pos = q.to(x2.dtype) * (n - 1)
-    lo = pos.floor().clamp(0, n - 1)
-    frac = pos - lo
-    lo_i = lo.long()
-    hi_i = (lo_i + 1).clamp(max=n - 1)
-    v_lo = values[:, lo_i]
-    v_hi = values[:, hi_i]
-    return v_lo + frac * (v_hi - v_lo)
 
 
 def _nan_rows(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,14 @@ r"""SoftSort backend: ``P = softmax(-d(sort(x), x) / epsilon)`` row-wise.
 Reference: S. Prillo and J. Eisenschlos, *SoftSort: A Continuous Relaxation for the argsort
 Operator*, ICML 2020 (arXiv 2006.16038).
 
-Private backend of :mod:`softops.sort`. Every function takes canonical tensors: ``x2`` (B, n) of
-dtype float32 or float64, ``epsilon`` (B,) positive (it may require grad), and does no
-validation.
+Private backend of :mod:`softops.sort`, with the one backend signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` (``softops.sort._dispatch``):
+canonical tensors ``x2`` (B, n) of dtype float32 or float64 and ``eps`` (B,) positive (it may
+require grad), ``opts.distance`` "l1" or "l2"; no validation.
 
-Deviations from the paper's notation (DESIGN.md §2, MATH.md §3):
+Deviations from the paper's notation (Prillo & Eisenschlos 2020, §3, where
+:math:`\mathrm{SoftSort}^d_\tau(s) = \mathrm{softmax}(-d(\mathrm{sort}(s)\,1^\top,
+1\,s^\top)/\tau)`):
 
 * The paper's temperature :math:`\tau` is ``epsilon``, in the units of x for ``distance="l1"``
   and of x² for ``distance="l2"``. Scaling laws: ``sort(c x, c e) = c sort(x, e)`` (l1) and
@@ -21,9 +24,9 @@ Deviations from the paper's notation (DESIGN.md §2, MATH.md §3):
 
 Algorithms:
 
-* **l1, values and ranks: exact O(n log n) time, O(n) memory** (MATH.md §3.3). The Laplace
-  kernel :math:`k(a, b) = e^{-|a-b|/\varepsilon}` is semiseparable: with u = sort(x) ascending
-  and weights :math:`w \ge 0`,
+* **l1, values and ranks: exact O(n log n) time, O(n) memory** (not in the paper, which forms
+  the n x n matrix). The Laplace kernel :math:`k(a, b) = e^{-|a-b|/\varepsilon}` is
+  semiseparable: with u = sort(x) ascending and weights :math:`w \ge 0`,
 
   .. math::
 
@@ -41,11 +44,9 @@ Algorithms:
   differentiable (|.| at its kink); this path and the dense formula pick different subgradients
   there, and agree everywhere else.
 * **l2 values and ranks, and the full P** (``argsort``, any distance): rows of P are processed
-  in blocks of at most ``BLOCK_ELEMENTS`` entries (B x rows x n), each block wrapped in
-  non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so autograd keeps O(n) per block and
-  recomputes the block in the backward: peak extra memory O(B n block) instead of O(B n²)
-  (besides the (B, n, n) output of ``argsort`` itself). The first checkpointed call in a process
-  pays torch's one-time import of ``torch._dynamo`` (about 2 s on a small CPU).
+  in checkpointed blocks by :func:`softops.sort._chunked.chunked_rows` (at most
+  ``BLOCK_ELEMENTS`` entries at once), so the peak extra memory is O(B n block) instead of
+  O(B n²) (besides the (B, n, n) output of ``argsort`` itself).
 
 Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`` give NaN here
 (an infinite sorted value has no finite distance to itself); the public layer
@@ -55,30 +56,19 @@ Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BLOCK_ELEMENTS", "argsort", "chunked_rows", "rank", "sort"]
+from softops.sort._chunked import chunked_rows, positions
 
-BLOCK_ELEMENTS = 1 << 20
-"""Entries (B x rows x n) of P materialised at once by the row-chunked path: about one million,
-i.e. 4 MiB per float32 temporary. The number of rows per block is
-``clamp(BLOCK_ELEMENTS // (B n), 1, n)``; the live extra memory is a few blocks (measured: B=1,
-n=8000, l2 values+ranks forward+backward peaks at 28 MiB above the input, against 1.4 GiB for the
-dense n x n autograd graph)."""
+if TYPE_CHECKING:
+    from softops.sort._dispatch import MethodOptions
+
+__all__ = ["argsort", "rank", "sort"]
 
 _PAD = -1e300  # exclusive-scan padding: exp(_PAD - anything finite) == 0, and finite gradients
-
-_DISTANCES = ("l1", "l2")
-
-
-def _positions(n: int, descending: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """1-based output positions of the rows of the ascending P, in the requested orientation."""
-    pos = torch.arange(1, n + 1, dtype=dtype, device=device)
-    return pos.flip(0) if descending else pos
 
 
 def _laplace_lse(a: Tensor, logw: Tensor) -> Tensor:
@@ -113,94 +103,13 @@ def _l1_scan(
         v = (_laplace_lse(a, shifted.log()) - log_z).exp() + (lo - 1.0)
         out_v = (v.flip(-1) if descending else v).to(x2.dtype)
     if ranks:
-        pos = _positions(n, descending, torch.float64, x2.device)
+        pos = positions(n, descending, torch.float64, x2.device)
         if offset is not None:
             pos = pos + offset.double().unsqueeze(-1)
         r_sorted = _laplace_lse(a, pos.log() - log_z).exp()
         r = torch.zeros_like(r_sorted).scatter(-1, perm, r_sorted)
         out_r = r.to(x2.dtype)
     return out_v, out_r
-
-
-def _rows_per_block(bsz: int, n: int) -> int:
-    return max(1, min(n, BLOCK_ELEMENTS // max(1, bsz * n)))
-
-
-def _needs_graph(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def chunked_rows(
-    block_logits: Callable[..., Tensor],
-    row_param: Tensor,
-    x2: Tensor,
-    extra: tuple[Tensor, ...],
-    descending: bool,
-    *,
-    values: bool = False,
-    ranks: bool = False,
-    matrix: bool = False,
-    offset: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Row-chunked, checkpointed ``P = softmax(logits)`` reductions.
-
-    ``block_logits(row_param_block, *extra)`` returns the (B, b, n) logits of the rows whose
-    per-row parameter (a (B, b) or (b,) slice of ``row_param`` along its last dim) is given, in
-    the ascending orientation (row i is the i-th smallest). Returns ``(values, ranks, P)`` in the
-    requested orientation, each None unless asked for: ``values = P @ x``, ``ranks_j = sum_i
-    pos_i P_ij`` (``pos`` the 1-based output positions, plus ``offset`` (B,) when given) and ``P``
-    itself (B, n, n). Extra memory is O(block) per block kept by autograd.
-    """
-    bsz, n = x2.shape
-    rows = _rows_per_block(bsz, n)
-    pos = _positions(n, descending, x2.dtype, x2.device)
-    if offset is not None:
-        pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
-    use_ckpt = _needs_graph(x2, row_param, *extra)
-    v_blocks: list[Tensor] = []
-    r_sum: Tensor | None = None
-    p_out: Tensor | None = None
-    if matrix:
-        p_out = torch.empty((bsz, n, n), dtype=x2.dtype, device=x2.device)
-
-    def run(rp: Tensor, xx: Tensor, pp: Tensor, *ex: Tensor) -> tuple[Tensor, ...]:
-        p = torch.softmax(block_logits(rp, *ex), dim=-1)  # (B, b, n)
-        outs: list[Tensor] = []
-        if values:
-            outs.append(torch.linalg.vecdot(p, xx.unsqueeze(1)))  # (B, b)
-        if ranks:
-            if pp.dim() == 1:
-                outs.append(torch.matmul(pp, p))  # (B, n)
-            else:
-                outs.append(torch.matmul(pp.unsqueeze(1), p).squeeze(1))
-        if matrix:
-            outs.append(p)
-        return tuple(outs)
-
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        rp = row_param[..., start:stop]
-        pp = pos[..., start:stop]
-        if use_ckpt:
-            outs = checkpoint(run, rp, x2, pp, *extra, use_reentrant=False)
-        else:
-            outs = run(rp, x2, pp, *extra)
-        k = 0
-        if values:
-            v_blocks.append(outs[k])
-            k += 1
-        if ranks:
-            r_sum = outs[k] if r_sum is None else r_sum + outs[k]
-            k += 1
-        if matrix and p_out is not None:
-            if descending:  # output row n-1-i is ascending row i
-                p_out[:, n - stop : n - start] = outs[k].flip(1)
-            else:
-                p_out[:, start:stop] = outs[k]
-    out_v = torch.cat(v_blocks, dim=-1) if values else None
-    if out_v is not None and descending:
-        out_v = out_v.flip(-1)
-    return out_v, r_sum, p_out
 
 
 def _distance_logits(distance: str) -> Callable[..., Tensor]:
@@ -212,7 +121,7 @@ def _distance_logits(distance: str) -> Callable[..., Tensor]:
     return logits
 
 
-def _chunked(
+def _blocked(
     x2: Tensor,
     epsilon: Tensor,
     descending: bool,
@@ -223,11 +132,9 @@ def _chunked(
     matrix: bool = False,
     offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    if distance not in _DISTANCES:
-        raise ValueError(f"softsort: expected `distance` in {_DISTANCES}; got {distance!r}.")
     # The sorted values by a gather, not ``torch.sort(x2).values``: the same gradient, but
     # torch.compile (torch 2.13, inductor) gets the gradient of the latter wrong when x2 also
-    # enters the graph directly, as it does here (tests/test_sort_contract.py, slow).
+    # enters the graph directly, as it does here (the slow torch.compile test of the contract).
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     eps = epsilon.to(x2.dtype)
     return chunked_rows(
@@ -243,7 +150,13 @@ def _chunked(
     )
 
 
-def sort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = "l1") -> Tensor:
+def sort(
+    x2: Tensor,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
+) -> Tensor:
     r"""SoftSort values ``P @ x``: a relaxation of ``torch.sort(x, -1, descending).values``.
 
     .. math::
@@ -258,9 +171,10 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = 
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
+        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
         descending: sort in descending order.
-        distance: "l1" (default) or "l2".
+        opts: ``opts.distance`` is "l1" or "l2".
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n) soft-sorted values, in x2's dtype. They tend to the hard sorted values as
@@ -270,18 +184,18 @@ def sort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = 
         S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
         ICML 2020. arXiv:2006.16038.
     """
-    if distance == "l1":
-        v, _ = _l1_scan(x2, epsilon, descending, values=True, ranks=False)
+    if opts.distance == "l1":
+        v, _ = _l1_scan(x2, eps, descending, values=True, ranks=False)
     else:
-        v, _, _ = _chunked(x2, epsilon, descending, distance, values=True)
+        v, _, _ = _blocked(x2, eps, descending, opts.distance, values=True)
     return cast(Tensor, v)
 
 
 def rank(
     x2: Tensor,
-    epsilon: Tensor,
-    descending: bool = False,
-    distance: str = "l1",
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
     r"""SoftSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
@@ -297,9 +211,9 @@ def rank(
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
+        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
         descending: rank 1 for the largest instead of the smallest.
-        distance: "l1" (default, exact O(n log n)) or "l2" (row-chunked, O(n²) time).
+        opts: ``opts.distance`` is "l1" (exact O(n log n)) or "l2" (row-chunked, O(n²) time).
         offset: optional (B,) shift of the positions i (the public layer uses it for the entries
             that precede a row's finite ones when it takes infinities to their limits).
 
@@ -310,14 +224,20 @@ def rank(
         S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
         ICML 2020. arXiv:2006.16038.
     """
-    if distance == "l1":
-        _, r = _l1_scan(x2, epsilon, descending, values=False, ranks=True, offset=offset)
+    if opts.distance == "l1":
+        _, r = _l1_scan(x2, eps, descending, values=False, ranks=True, offset=offset)
     else:
-        _, r, _ = _chunked(x2, epsilon, descending, distance, ranks=True, offset=offset)
+        _, r, _ = _blocked(x2, eps, descending, opts.distance, ranks=True, offset=offset)
     return cast(Tensor, r)
 
 
-def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str = "l1") -> Tensor:
+def argsort(
+    x2: Tensor,
+    eps: Tensor,
+    descending: bool,
+    opts: MethodOptions,
+    offset: Tensor | None = None,
+) -> Tensor:
     r"""The SoftSort matrix P: row i relaxes ``one_hot(argsort(x, -1, descending)[i])``.
 
     .. math::
@@ -330,9 +250,10 @@ def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str
 
     Args:
         x2: (B, n) float32 or float64 input.
-        epsilon: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
+        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
         descending: rows in descending order of x.
-        distance: "l1" (default) or "l2".
+        opts: ``opts.distance`` is "l1" or "l2".
+        offset: unused (the one backend signature).
 
     Returns:
         (B, n, n) row-stochastic P, in x2's dtype.
@@ -341,5 +262,5 @@ def argsort(x2: Tensor, epsilon: Tensor, descending: bool = False, distance: str
         S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
         ICML 2020. arXiv:2006.16038.
     """
-    _, _, p = _chunked(x2, epsilon, descending, distance, matrix=True)
+    _, _, p = _blocked(x2, eps, descending, opts.distance, matrix=True)
     return cast(Tensor, p)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 
 import pytest
@@ -27,81 +26,6 @@ def _distinct(B: int, n: int, scale: float = 4.0, dtype=F64) -> torch.Tensor:
 
 def _hard_rank(x: torch.Tensor, dim: int = -1, descending: bool = False) -> torch.Tensor:
     return (x.argsort(dim, descending=descending).argsort(dim) + 1).to(x.dtype)
-
-
-# ------------------------------------------------------------------------------- the PAV core
-
-
-def _pav_reference(y: list[float]) -> list[float]:
-    """Decreasing isotonic regression by brute force: v_k = min_{i<=k} max_{j>=k} mean(y[i:j+1])."""
-    n = len(y)
-    return [
-        min(max(sum(y[i : j + 1]) / (j + 1 - i) for j in range(k, n)) for i in range(k + 1))
-        for k in range(n)
-    ]
-
-
-@pytest.mark.parametrize("backend", ["numba", "torch"])
-def test_isotonic_l2_matches_min_max_formula(backend):
-    y = torch.randint(-3, 4, (6, 9)).to(F64) + 0.1 * torch.randn(6, 9, dtype=F64)
-    y[0] = 1.0  # all tied: one block
-    res = isotonic.isotonic_l2(y, backend=backend)
-    for row, v in zip(y.tolist(), res.v, strict=True):
-        torch.testing.assert_close(v, torch.tensor(_pav_reference(row), dtype=F64))
-    assert (res.v.diff(dim=-1) <= 0).all()
-    assert (res.block[0] == 0).all()
-    # blocks are contiguous, numbered from 0, and v is constant on each
-    assert (res.block.diff(dim=-1) >= 0).all() and (res.block.diff(dim=-1) <= 1).all()
-
-
-def test_isotonic_l2_matches_sklearn():
-    sk = pytest.importorskip("sklearn.isotonic")
-    y = torch.randn(4, 40, dtype=F64).cumsum(-1) * 0.2 + torch.randn(4, 40, dtype=F64)
-    v = isotonic.isotonic_l2(y, backend="numba").v
-    for row, vr in zip(y, v, strict=True):
-        ref = sk.IsotonicRegression(increasing=False).fit_transform(range(40), row.numpy())
-        torch.testing.assert_close(vr, torch.from_numpy(ref), atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_numba_kernel_equals_torch_fallback(dtype):
-    y = torch.randn(7, 60, dtype=dtype)
-    y[1] = torch.randint(0, 3, (60,)).to(dtype)  # many ties
-    y[2, 5] = math.inf
-    y[3, 7] = -math.inf
-    y[4, 9] = math.nan
-    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
-    torch.testing.assert_close(a.v, b.v, equal_nan=True)
-    assert torch.equal(a.block, b.block)
-    s = torch.randn(7, 60, dtype=dtype)
-    w = torch.randn(7, 60, dtype=dtype).sort(-1, descending=True).values
-    s[1] = torch.randint(0, 3, (60,)).to(dtype)
-    s[2, 3] = -math.inf
-    a, b = isotonic.isotonic_kl(s, w, backend="numba"), isotonic.isotonic_kl(s, w, backend="torch")
-    torch.testing.assert_close(a.v, b.v, equal_nan=True)
-    assert torch.equal(a.block, b.block)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    st.lists(st.integers(-3, 3), min_size=1, max_size=12),
-    st.sampled_from([1e-3, 1.0, 1e6]),
-)
-def test_numba_equals_torch_with_ties_and_magnitudes(values, scale):
-    y = torch.tensor([values], dtype=F64) * scale
-    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
-    torch.testing.assert_close(a.v, b.v)
-    assert torch.equal(a.block, b.block)
-
-
-def test_default_backend_follows_set_compile(monkeypatch):
-    calls = []
-    monkeypatch.setattr(isotonic, "_torch_pav", lambda s, w: calls.append("torch") or (s, s.long()))
-    isotonic.isotonic_l2(torch.randn(2, 3))
-    assert calls == ["torch"]  # the test run has set_compile(False)
-    softops.set_compile(True)
-    isotonic.isotonic_l2(torch.randn(2, 3))
-    assert calls == ["torch"] or not isotonic.HAVE_NUMBA
 
 
 # ------------------------------------------------------------------------------- hard limits

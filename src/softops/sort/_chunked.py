@@ -1,0 +1,114 @@
+r"""Row-chunked, checkpointed reductions of a row-softmax matrix ``P = softmax(logits)``.
+
+Shared by the SoftSort (l2 values and ranks, and the full P) and NeuralSort backends. The rows of
+the (B, n, n) matrix P are processed in blocks of at most ``BLOCK_ELEMENTS`` entries (B x rows x
+n), each block wrapped in non-reentrant :func:`torch.utils.checkpoint.checkpoint`: autograd keeps
+O(B n) per block and recomputes the block in the backward, so the peak extra memory is
+O(B n block) instead of O(B n²) (besides a requested (B, n, n) ``P`` itself). The first
+checkpointed call in a process pays torch's one-time import of ``torch._dynamo`` (about 2 s on a
+small CPU). No checkpoint (and no graph) is used when nothing requires a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["BLOCK_ELEMENTS", "chunked_rows", "positions"]
+
+BLOCK_ELEMENTS = 1 << 20
+"""Entries (B x rows x n) of P materialised at once by the row-chunked path: about one million,
+i.e. 4 MiB per float32 temporary. The number of rows per block is
+``clamp(BLOCK_ELEMENTS // (B n), 1, n)``; the live extra memory is a few blocks (measured: B=1,
+n=8000, l2 values+ranks forward+backward peaks at 28 MiB above the input, against 1.4 GiB for the
+dense n x n autograd graph)."""
+
+
+def positions(n: int, descending: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """1-based output positions of the rows of the ascending P, in the requested orientation."""
+    pos = torch.arange(1, n + 1, dtype=dtype, device=device)
+    return pos.flip(0) if descending else pos
+
+
+def _rows_per_block(bsz: int, n: int) -> int:
+    return max(1, min(n, BLOCK_ELEMENTS // max(1, bsz * n)))
+
+
+def _needs_graph(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def chunked_rows(
+    block_logits: Callable[..., Tensor],
+    row_param: Tensor,
+    x2: Tensor,
+    extra: tuple[Tensor, ...],
+    descending: bool,
+    *,
+    values: bool = False,
+    ranks: bool = False,
+    matrix: bool = False,
+    offset: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Row-chunked, checkpointed ``P = softmax(logits)`` reductions.
+
+    ``block_logits(row_param_block, *extra)`` returns the (B, b, n) logits of the rows whose
+    per-row parameter (a (B, b) or (b,) slice of ``row_param`` along its last dim) is given, in
+    the ascending orientation (row i is the i-th smallest). Returns ``(values, ranks, P)`` in the
+    requested orientation, each None unless asked for: ``values = P @ x``, ``ranks_j = sum_i
+    pos_i P_ij`` (``pos`` the 1-based output positions, plus ``offset`` (B,) when given) and ``P``
+    itself (B, n, n). Extra memory is O(block) per block kept by autograd.
+    """
+    bsz, n = x2.shape
+    rows = _rows_per_block(bsz, n)
+    pos = positions(n, descending, x2.dtype, x2.device)
+    if offset is not None:
+        pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
+    use_ckpt = _needs_graph(x2, row_param, *extra)
+    v_blocks: list[Tensor] = []
+    r_sum: Tensor | None = None
+    p_out: Tensor | None = None
+    if matrix:
+        p_out = torch.empty((bsz, n, n), dtype=x2.dtype, device=x2.device)
+
+    def run(rp: Tensor, xx: Tensor, pp: Tensor, *ex: Tensor) -> tuple[Tensor, ...]:
+        p = torch.softmax(block_logits(rp, *ex), dim=-1)  # (B, b, n)
+        outs: list[Tensor] = []
+        if values:
+            outs.append(torch.linalg.vecdot(p, xx.unsqueeze(1)))  # (B, b)
+        if ranks:
+            if pp.dim() == 1:
+                outs.append(torch.matmul(pp, p))  # (B, n)
+            else:
+                outs.append(torch.matmul(pp.unsqueeze(1), p).squeeze(1))
+        if matrix:
+            outs.append(p)
+        return tuple(outs)
+
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        rp = row_param[..., start:stop]
+        pp = pos[..., start:stop]
+        if use_ckpt:
+            outs = checkpoint(run, rp, x2, pp, *extra, use_reentrant=False)
+        else:
+            outs = run(rp, x2, pp, *extra)
+        k = 0
+        if values:
+            v_blocks.append(outs[k])
+            k += 1
+        if ranks:
+            r_sum = outs[k] if r_sum is None else r_sum + outs[k]
+            k += 1
+        if matrix and p_out is not None:
+            if descending:  # output row n-1-i is ascending row i
+                p_out[:, n - stop : n - start] = outs[k].flip(1)
+            else:
+                p_out[:, start:stop] = outs[k]
+    out_v = torch.cat(v_blocks, dim=-1) if values else None
+    if out_v is not None and descending:
+        out_v = out_v.flip(-1)
+    return out_v, r_sum, p_out

@@ -1,0 +1,166 @@
+r"""The sort family's wiring: which method serves which op, its options, and quantile interpolation.
+
+``METHODS`` maps a method name to its backend module. Every backend offers the kinds it has, each
+with the one signature::
+
+    sort(x2, eps, descending, opts, offset=None)     # (B, n) values
+    rank(x2, eps, descending, opts, offset=None)     # (B, n) 1-based ranks
+    argsort(x2, eps, descending, opts, offset=None)  # (B, n, n) row-stochastic P
+
+on canonical rows: ``x2`` (B, n) float32 or float64, ``eps`` (B,) positive, ``opts`` a
+:class:`MethodOptions`, ``offset`` an optional (B,) shift of the rank positions (used when
+infinities are taken to their limits, see ``softops.sort._limits``). "pav" has no ``argsort``;
+no backend has a quantile of its own: :func:`interpolate` reads it off the soft sort.
+
+**Unused arguments.** An argument that the chosen method does not use must be left at its default
+in the public signature (``regularization="l2"``, ``distance="l1"``, ``max_iter=None``,
+``tol=None``); anything else raises ``ValueError``. So ``soft_sort(x, method="softsort",
+regularization="kl")`` raises and ``soft_sort(x, method="softsort", regularization="l2")`` does
+not. This is the rule of :func:`softops._core.validation.check_unused`, shared by every family.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from softops._core.convergence import SINKHORN_MAX_ITER
+from softops._core.validation import check_choice, check_max_iter, check_tol, check_unused
+from softops.sort import _neuralsort, _ot, _pav, _softsort
+
+__all__ = [
+    "ARGSORT_METHODS",
+    "DISTANCES",
+    "METHODS",
+    "QUANTILE_METHODS",
+    "REGULARIZATIONS",
+    "SORT_METHODS",
+    "MethodOptions",
+    "check_options",
+    "interpolate",
+]
+
+METHODS: dict[str, ModuleType] = {
+    "pav": _pav,
+    "softsort": _softsort,
+    "neuralsort": _neuralsort,
+    "ot": _ot,
+}
+"""Method name -> backend module (``sort``/``rank``/``argsort`` with the one signature)."""
+
+SORT_METHODS = ("pav", "softsort", "neuralsort", "ot")
+"""The methods of ``soft_sort`` and ``soft_rank``."""
+ARGSORT_METHODS = ("softsort", "neuralsort", "ot")
+"""The methods of ``soft_argsort`` ("pav" has no permutation matrix)."""
+QUANTILE_METHODS = ("pav", "ot")
+"""The methods of ``soft_quantile``."""
+REGULARIZATIONS = ("l2", "kl")
+"""``regularization`` of "pav"."""
+DISTANCES = ("l1", "l2")
+"""``distance`` of "softsort"."""
+
+_KIND_METHODS = {
+    "sort": SORT_METHODS,
+    "rank": SORT_METHODS,
+    "argsort": ARGSORT_METHODS,
+    "quantile": QUANTILE_METHODS,
+}
+# The optional arguments each method uses, and their defaults in the public signatures.
+_USES = {
+    "pav": ("regularization",),
+    "softsort": ("distance",),
+    "neuralsort": (),
+    "ot": ("max_iter", "tol"),
+}
+_DEFAULTS: dict[str, Any] = {
+    "regularization": "l2",
+    "distance": "l1",
+    "max_iter": None,
+    "tol": None,
+}
+
+
+class MethodOptions(NamedTuple):
+    """The options of a sort method, checked once by :func:`check_options`.
+
+    Attributes:
+        regularization: "pav": "l2" or "kl".
+        distance: "softsort": "l1" or "l2".
+        max_iter: "ot": the Sinkhorn iteration cap; None means ``SINKHORN_MAX_ITER``.
+        tol: "ot": the relative L1 marginal tolerance; None means ``default_tol`` of the compute
+            dtype; 0 runs exactly ``max_iter`` iterations.
+        op: the public op, which names itself in warnings (the OT backend's convergence warning).
+    """
+
+    regularization: str = "l2"
+    distance: str = "l1"
+    max_iter: int | None = None
+    tol: float | None = None
+    op: str = "softops.sort"
+
+
+def check_options(
+    op: str,
+    method: str,
+    kind: str,
+    *,
+    regularization: str = "l2",
+    distance: str = "l1",
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> MethodOptions:
+    """Check ``method`` for ``kind`` ("sort", "rank", "argsort" or "quantile") and its options.
+
+    Arguments the method does not use must be left at their defaults (``ValueError`` otherwise);
+    the used ones are validated: ``regularization`` in :data:`REGULARIZATIONS`, ``distance`` in
+    :data:`DISTANCES`, ``max_iter`` a positive int or None (``TypeError`` for a non-int,
+    ``ValueError`` below 1), ``tol`` a float >= 0 or None. ``op`` opens every message (the public
+    function, or the ``softops.nn`` Module checking at construction).
+    """
+    check_choice(kind, _KIND_METHODS, op, "kind")
+    if kind == "argsort" and method == "pav":
+        raise ValueError(
+            f"{op}: expected `method` to be one of {ARGSORT_METHODS} (method='pav' has no "
+            f"permutation matrix: it projects onto the permutahedron); got method={method!r}."
+        )
+    check_choice(method, _KIND_METHODS[kind], op, "method")
+    given = {
+        "regularization": regularization,
+        "distance": distance,
+        "max_iter": max_iter,
+        "tol": tol,
+    }
+    uses = _USES[method]
+    check_unused(op, method, _DEFAULTS, **{k: v for k, v in given.items() if k not in uses})
+    if "regularization" in uses:
+        check_choice(regularization, REGULARIZATIONS, op, "regularization")
+    if "distance" in uses:
+        check_choice(distance, DISTANCES, op, "distance")
+    if "max_iter" in uses and max_iter is not None:
+        check_max_iter(max_iter, SINKHORN_MAX_ITER, op)
+    if "tol" in uses and tol is not None:
+        tol = check_tol(tol, 0.0, op)
+    return MethodOptions(regularization, distance, max_iter, tol, op)
+
+
+def interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    r"""``torch.quantile``'s linear interpolation of ascending rows ``values`` (B, n) at q (m,).
+
+    At position :math:`h = q\,(n - 1)`, with :math:`k = \lfloor h \rfloor` (0-based),
+    :math:`Q_q = v_k + (h - k)(v_{k+1} - v_k)`; a gradient flows to q through :math:`h`.
+    Infinite neighbours are taken as limits: the infinite one wins unless its weight is 0, and
+    ``-inf`` against ``+inf`` is NaN. Gradients stay finite. Returns (B, m).
+    """
+    n = values.shape[-1]
+    h = q.to(values.dtype) * (n - 1)
+    lo = h.detach().floor().clamp(0, n - 1).long()
+    hi = (lo + 1).clamp(max=n - 1)
+    frac = h - lo.to(h.dtype)
+    v_lo, v_hi = values[:, lo], values[:, hi]
+    finite = torch.isfinite(v_lo) & torch.isfinite(v_hi)
+    a = torch.where(finite, v_lo, 0.0)
+    b = torch.where(finite, v_hi, 0.0)
+    lin = a + frac * (b - a)
+    return torch.where(finite, lin, torch.where(frac == 0, v_lo, v_lo + v_hi))

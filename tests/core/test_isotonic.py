@@ -1,0 +1,353 @@
+"""softops._core.isotonic: the PAV solvers (numba kernels and the torch fallback) and the blockwise
+VJP helpers, against brute-force min-max formulas and scikit-learn."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import softops
+from softops._core import isotonic
+from tests._helpers import seeded
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _pav_l2_reference(y: list[float]) -> list[float]:
+    """Decreasing L2 isotonic regression by the min-max formula (brute force)."""
+    n = len(y)
+    return [
+        min(max(sum(y[i : j + 1]) / (j + 1 - i) for j in range(k, n)) for i in range(k + 1))
+        for k in range(n)
+    ]
+
+
+def _lse(values: list[float]) -> float:
+    m = max(values)
+    if m == -math.inf:
+        return -math.inf
+    return m + math.log(sum(math.exp(v - m) for v in values))
+
+
+def _pav_kl_reference(s: list[float], w: list[float]) -> list[float]:
+    """Decreasing KL isotonic regression by the min-max formula over block values
+    ``logsumexp(s[i:j]) - logsumexp(w[i:j])`` (a log of weighted means, so the formula holds)."""
+    n = len(s)
+    return [
+        min(max(_lse(s[i : j + 1]) - _lse(w[i : j + 1]) for j in range(k, n)) for i in range(k + 1))
+        for k in range(n)
+    ]
+
+
+def _check_blocks(v: np.ndarray, block: np.ndarray, value_of) -> None:
+    """Blocks are contiguous, numbered 0, 1, ...; v is the block's value on each block, and the
+    values of adjacent blocks strictly decrease (ties are pooled)."""
+    for row_v, row_b, b in zip(v, block, range(len(v)), strict=True):
+        assert row_b[0] == 0
+        steps = np.diff(row_b)
+        assert ((steps == 0) | (steps == 1)).all()
+        values = []
+        for k in range(int(row_b[-1]) + 1):
+            idx = np.flatnonzero(row_b == k)
+            assert len(idx) > 0 and (np.diff(idx) == 1).all()
+            expected = value_of(b, idx)
+            np.testing.assert_allclose(row_v[idx], expected, rtol=1e-6, atol=1e-9)
+            values.append(float(row_v[idx[0]]))
+        assert all(p > q for p, q in itertools.pairwise(values)), values
+
+
+def _numba_l2(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel on C-contiguous y; outputs and work arrays start full of garbage."""
+    from softops._core import _isotonic_numba as kernels
+
+    B, n = y.shape
+    v = np.full_like(y, np.nan)
+    block = np.full((B, n), -7, dtype=np.int64)
+    acc = np.full((B, n), 1e30)
+    cnt = np.full((B, n), 123, dtype=np.int64)
+    kernels.pav_l2(y, v, block, acc, cnt)
+    return v, block
+
+
+def _numba_kl(s: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    from softops._core import _isotonic_numba as kernels
+
+    B, n = s.shape
+    v = np.full_like(s, np.nan)
+    block = np.full((B, n), -7, dtype=np.int64)
+    work = (np.full((B, n), 1e30), np.full((B, n), -1e30), np.full((B, n), 99, dtype=np.int64))
+    kernels.pav_kl(s, w, v, block, *work)
+    return v, block
+
+
+# ------------------------------------------------------------------- numba PAV kernels
+
+
+@pytest.fixture(scope="module")
+def numba_mod():
+    return pytest.importorskip("numba")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_pav_l2_kernel_matches_references(numba_mod, dtype):
+    g = seeded(3)
+    y = torch.randint(-3, 4, (6, 11), generator=g).to(F64)
+    y[1:3] += 0.1 * torch.randn(2, 11, generator=g, dtype=F64)
+    y[3] = 2.0  # all tied: one block
+    y[4] = torch.arange(11, dtype=F64)  # increasing: one block, the mean
+    y[5] = -torch.arange(11, dtype=F64)  # strictly decreasing: n singleton blocks
+    yn = np.ascontiguousarray(y.numpy().astype(dtype))
+    v, block = _numba_l2(yn)  # work arrays full of garbage: the kernel must not read them
+    assert v.dtype == dtype and block.dtype == np.int64
+    y64 = yn.astype(np.float64)
+    for row, vr in zip(y64.tolist(), v, strict=True):
+        np.testing.assert_allclose(vr, _pav_l2_reference(row), rtol=1e-6, atol=1e-6)
+    assert (np.diff(v, axis=-1) <= 0).all()
+    assert (block[3] == 0).all() and (block[4] == 0).all()
+    np.testing.assert_allclose(v[4], 5.0)
+    assert (block[5] == np.arange(11)).all() and (v[5] == yn[5]).all()
+    _check_blocks(v, block, lambda b, idx: y64[b, idx].mean())
+    # the torch fallback gives the same solution and the same blocks
+    ref_v, ref_block = isotonic._torch_pav(torch.from_numpy(yn), None)
+    np.testing.assert_allclose(v, ref_v.numpy(), rtol=1e-6, atol=1e-6)
+    assert (block == ref_block.numpy()).all()
+
+
+def test_pav_l2_kernel_matches_sklearn_and_pools_ties(numba_mod):
+    sk = pytest.importorskip("sklearn.isotonic")
+    g = seeded(4)
+    y = torch.randn(5, 50, generator=g, dtype=F64).cumsum(-1) * 0.3
+    y += torch.randn(5, 50, generator=g, dtype=F64)
+    v, block = _numba_l2(np.ascontiguousarray(y.numpy()))
+    for row, vr in zip(y.numpy(), v, strict=True):
+        ref = sk.IsotonicRegression(increasing=False).fit_transform(np.arange(50), row)
+        np.testing.assert_allclose(vr, ref, rtol=0, atol=1e-12)
+    _check_blocks(v, block, lambda b, idx: y.numpy()[b, idx].mean())
+    # equal neighbours are pooled (the test is `<=`), exact block ids
+    ties = np.array([[3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0, 5.0, 5.0, 5.0]])
+    v, block = _numba_l2(ties)
+    assert block.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
+    np.testing.assert_allclose(v[0], ties[0])
+    np.testing.assert_allclose(v[1], np.full(7, 19.0 / 7))
+    # one column: the identity
+    col = np.array([[2.5], [-1.0]])
+    v, block = _numba_l2(col)
+    assert (v == col).all() and (block == 0).all()
+
+
+def test_pav_l2_kernel_rows_are_independent(numba_mod):
+    """prange over rows: each row's answer is the same alone as in a batch."""
+    y = torch.randn(9, 30, generator=seeded(5), dtype=F64).numpy()
+    v, block = _numba_l2(y)
+    for b in range(9):
+        vb, bb = _numba_l2(np.ascontiguousarray(y[b : b + 1]))
+        assert (vb[0] == v[b]).all() and (bb[0] == block[b]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_pav_kl_kernel_matches_references(numba_mod, dtype):
+    g = seeded(6)
+    s = torch.randn(6, 10, generator=g, dtype=F64)
+    w = torch.randn(6, 10, generator=g, dtype=F64).sort(-1, descending=True).values
+    s[1] = torch.randint(0, 3, (10,), generator=g).to(F64)  # ties in s
+    w[1] = 0.0  # and s - w tied too
+    s[2, 4] = -math.inf  # exp(s) = 0 at one position
+    s[3] = 1.0  # s - w increasing: one block
+    w[3] = -torch.arange(10, dtype=F64)
+    s[4] = -torch.arange(10, dtype=F64) * 2  # s - w strictly decreasing: singletons
+    w[4] = 0.0
+    sn = np.ascontiguousarray(s.numpy().astype(dtype))
+    wn = np.ascontiguousarray(w.numpy().astype(dtype))
+    v, block = _numba_kl(sn, wn)
+    assert v.dtype == dtype
+    s64, w64 = sn.astype(np.float64), wn.astype(np.float64)
+    for sr, wr, vr in zip(s64.tolist(), w64.tolist(), v, strict=True):
+        np.testing.assert_allclose(vr, _pav_kl_reference(sr, wr), rtol=1e-5, atol=1e-5)
+    assert (np.diff(v, axis=-1) <= 0).all()
+    assert (block[3] == 0).all() and (block[4] == np.arange(10)).all()
+    np.testing.assert_allclose(v[4], sn[4] - wn[4])
+
+    def kl_value(b, idx):
+        return _lse(s64[b, idx].tolist()) - _lse(w64[b, idx].tolist())
+
+    _check_blocks(v, block, kl_value)
+    ref_v, ref_block = isotonic._torch_pav(torch.from_numpy(sn), torch.from_numpy(wn))
+    np.testing.assert_allclose(v, ref_v.numpy(), rtol=1e-5, atol=1e-5)
+    assert (block == ref_block.numpy()).all()
+
+
+def test_pav_kl_kernel_weighted_isotonic_and_ties(numba_mod):
+    """v_KL(s, w) = log of the weighted decreasing isotonic regression of e^(s-w), weights e^w."""
+    sk = pytest.importorskip("sklearn.isotonic")
+    g = seeded(7)
+    s = torch.randn(4, 40, generator=g, dtype=F64).numpy()
+    w = (torch.randn(4, 40, generator=g, dtype=F64) * 0.5).numpy()
+    v, _ = _numba_kl(s, w)
+    for sr, wr, vr in zip(s, w, v, strict=True):
+        iso = sk.IsotonicRegression(increasing=False)
+        ref = iso.fit_transform(np.arange(40), np.exp(sr - wr), sample_weight=np.exp(wr))
+        np.testing.assert_allclose(vr, np.log(ref), rtol=0, atol=1e-10)
+    # equal values s - w are pooled: one block, value log(sum e^s) - log(sum e^w)
+    s = np.array([[0.0, 1.0, 2.0], [-math.inf, -math.inf, 0.0]])
+    w = np.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
+    v, block = _numba_kl(s, w)
+    assert block.tolist() == [[0, 0, 0], [0, 0, 0]]
+    np.testing.assert_allclose(v[0], 0.0, atol=1e-12)
+    np.testing.assert_allclose(v[1], -math.log(3.0))
+
+
+# --------------------------------------------------------------- blockwise VJP helpers
+
+
+def _random_blocks(n: int, B: int, g: torch.Generator) -> torch.Tensor:
+    """Contiguous block ids for B rows: random cuts; row 0 one block, row 1 all singletons."""
+    rows = [torch.zeros(n, dtype=torch.int64), torch.arange(n)]
+    for _ in range(B - 2):
+        cuts = torch.rand(n - 1, generator=g) < 0.35
+        rows.append(torch.cat([torch.zeros(1, dtype=torch.int64), cuts.long().cumsum(0)]))
+    return torch.stack(rows)
+
+
+def _loop_block(fn, x: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Apply ``fn`` to each block of each row by explicit loops (any block labelling)."""
+    out = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        for k in block[b].unique().tolist():
+            idx = (block[b] == k).nonzero().squeeze(-1)
+            out[b, idx] = fn(x[b, idx])
+    return out
+
+
+@pytest.fixture(params=["contiguous", "scattered"])
+def blocks(request) -> torch.Tensor:
+    g = seeded(11)
+    block = _random_blocks(13, 6, g)
+    if request.param == "scattered":  # any labels in [0, n): relabel and permute positions
+        relabel = torch.randperm(13, generator=g)
+        block = relabel[block][:, torch.randperm(13, generator=g)]
+    return block
+
+
+def test_block_sum_and_mean_match_loops(blocks):
+    g = torch.randn(blocks.shape, generator=seeded(12), dtype=F64, requires_grad=True)
+    s = isotonic.block_sum(g, blocks)
+    m = isotonic.block_mean(g, blocks)
+    torch.testing.assert_close(s, _loop_block(lambda t: t.sum().expand_as(t), g.detach(), blocks))
+    torch.testing.assert_close(m, _loop_block(lambda t: t.mean().expand_as(t), g.detach(), blocks))
+    torch.testing.assert_close(s[0], g[0].sum().expand(13).detach())  # one block: the row sum
+    torch.testing.assert_close(m[1], g[1].detach())  # singletons: the identity
+    # both are linear, self-adjoint maps: <c, A g> = <A c, g>, and the gradients agree
+    c = torch.randn(blocks.shape, generator=seeded(13), dtype=F64)
+    (gs,) = torch.autograd.grad((c * s).sum(), g)
+    (gm,) = torch.autograd.grad((c * m).sum(), g)
+    torch.testing.assert_close(gs, isotonic.block_sum(c, blocks))
+    torch.testing.assert_close(gm, isotonic.block_mean(c, blocks))
+
+
+def test_block_softmax_matches_loops(blocks):
+    s = torch.randn(blocks.shape, generator=seeded(14), dtype=F64) * 3
+    s[2, 0] += 800.0  # large logits: no overflow
+    shared = [i for i in range(13) if (blocks[3] == blocks[3, i]).sum() > 1]
+    s[3, shared[0]] = -math.inf  # a -inf inside a block of several gets weight 0
+    out = isotonic.block_softmax(s, blocks)
+    ref = _loop_block(lambda t: torch.softmax(t, 0), s, blocks)
+    torch.testing.assert_close(out, ref)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(isotonic.block_sum(out, blocks), torch.ones_like(out))
+    torch.testing.assert_close(out[0], torch.softmax(s[0], 0))  # one block: plain softmax
+    assert (out[1] == 1).all()  # singletons
+    # differentiable in s: the gradient equals the loop's
+    sg = s.clone().requires_grad_(True)
+    c = torch.randn(blocks.shape, generator=seeded(15), dtype=F64)
+    (ga,) = torch.autograd.grad((c * isotonic.block_softmax(sg, blocks)).sum(), sg)
+    sr = s.clone().requires_grad_(True)
+    (gr,) = torch.autograd.grad(
+        (c * _loop_block(lambda t: torch.softmax(t, 0), sr, blocks)).sum(), sr
+    )
+    torch.testing.assert_close(ga, gr)
+    assert torch.isfinite(ga).all()
+
+
+def test_block_helpers_float32_and_gradcheck():
+    block = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    g = torch.randn(2, 6, generator=seeded(16))
+    for fn in (isotonic.block_sum, isotonic.block_mean, isotonic.block_softmax):
+        assert fn(g, block).dtype == torch.float32
+    x = torch.randn(2, 6, generator=seeded(17), dtype=F64, requires_grad=True)
+    for fn in (isotonic.block_sum, isotonic.block_mean, isotonic.block_softmax):
+        assert torch.autograd.gradcheck(lambda t, fn=fn: fn(t, block), (x,))
+
+
+# ------------------------------------------------------------- isotonic_l2 / isotonic_kl (public)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_isotonic_l2_matches_min_max_formula(backend):
+    y = torch.randint(-3, 4, (6, 9)).to(F64) + 0.1 * torch.randn(6, 9, dtype=F64)
+    y[0] = 1.0  # all tied: one block
+    res = isotonic.isotonic_l2(y, backend=backend)
+    for row, v in zip(y.tolist(), res.v, strict=True):
+        torch.testing.assert_close(v, torch.tensor(_pav_l2_reference(row), dtype=F64))
+    assert (res.v.diff(dim=-1) <= 0).all()
+    assert (res.block[0] == 0).all()
+    # blocks are contiguous, numbered from 0, and v is constant on each
+    assert (res.block.diff(dim=-1) >= 0).all() and (res.block.diff(dim=-1) <= 1).all()
+
+
+def test_isotonic_l2_matches_sklearn():
+    sk = pytest.importorskip("sklearn.isotonic")
+    y = torch.randn(4, 40, dtype=F64).cumsum(-1) * 0.2 + torch.randn(4, 40, dtype=F64)
+    v = isotonic.isotonic_l2(y, backend="numba").v
+    for row, vr in zip(y, v, strict=True):
+        ref = sk.IsotonicRegression(increasing=False).fit_transform(range(40), row.numpy())
+        torch.testing.assert_close(vr, torch.from_numpy(ref), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_numba_kernel_equals_torch_fallback(dtype):
+    y = torch.randn(7, 60, dtype=dtype)
+    y[1] = torch.randint(0, 3, (60,)).to(dtype)  # many ties
+    y[2, 5] = math.inf
+    y[3, 7] = -math.inf
+    y[4, 9] = math.nan
+    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    torch.testing.assert_close(a.v, b.v, equal_nan=True)
+    assert torch.equal(a.block, b.block)
+    s = torch.randn(7, 60, dtype=dtype)
+    w = torch.randn(7, 60, dtype=dtype).sort(-1, descending=True).values
+    s[1] = torch.randint(0, 3, (60,)).to(dtype)
+    s[2, 3] = -math.inf
+    a, b = isotonic.isotonic_kl(s, w, backend="numba"), isotonic.isotonic_kl(s, w, backend="torch")
+    torch.testing.assert_close(a.v, b.v, equal_nan=True)
+    assert torch.equal(a.block, b.block)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(-3, 3), min_size=1, max_size=12),
+    st.sampled_from([1e-3, 1.0, 1e6]),
+)
+def test_numba_equals_torch_with_ties_and_magnitudes(values, scale):
+    y = torch.tensor([values], dtype=F64) * scale
+    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    torch.testing.assert_close(a.v, b.v)
+    assert torch.equal(a.block, b.block)
+
+
+def test_default_backend_follows_set_compile(monkeypatch):
+    calls = []
+    monkeypatch.setattr(isotonic, "_torch_pav", lambda s, w: calls.append("torch") or (s, s.long()))
+    isotonic.isotonic_l2(torch.randn(2, 3))
+    assert calls == ["torch"]  # the test run has set_compile(False)
+    softops.set_compile(True)
+    isotonic.isotonic_l2(torch.randn(2, 3))
+    assert calls == ["torch"] or not isotonic.HAVE_NUMBA

@@ -1,0 +1,131 @@
+"""softops.sort._chunked: the row-chunked, checkpointed softmax reductions shared by SoftSort and
+NeuralSort, against the dense formula (values, ranks with an offset, P, gradients, block bounds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softops.sort import _chunked
+from softops.sort._chunked import chunked_rows, positions
+from tests._helpers import seeded
+
+F64 = torch.float64
+
+
+def _l1_logits(rp: torch.Tensor, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """(B, b) row parameter: SoftSort-like logits -|u_i - x_j| / eps."""
+    return -(rp.unsqueeze(-1) - x.unsqueeze(1)).abs() / eps.view(-1, 1, 1)
+
+
+def _coef_logits(rp: torch.Tensor, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """(b,) row parameter shared by the batch: NeuralSort-like logits c_i x_j / eps."""
+    return rp.view(1, -1, 1) * x.unsqueeze(1) / eps.view(-1, 1, 1)
+
+
+def _dense(logits, rp, x, eps, descending, offset=None):
+    """values, ranks and P by the unchunked formula, written out."""
+    n = x.shape[-1]
+    p = torch.softmax(logits(rp, x, eps), dim=-1)  # ascending rows
+    if descending:
+        p = p.flip(1)
+    pos = torch.arange(1, n + 1, dtype=x.dtype).expand(x.shape[0], n)
+    if offset is not None:
+        pos = pos + offset.unsqueeze(-1)
+    values = torch.einsum("bij,bj->bi", p, x)
+    ranks = torch.einsum("bi,bij->bj", pos, p)
+    return values, ranks, p
+
+
+def _problem(kind: str, B: int = 3, n: int = 10):
+    x = torch.randn(B, n, generator=seeded(21), dtype=F64)
+    eps = torch.rand(B, generator=seeded(22), dtype=F64) + 0.3
+    if kind == "l1":
+        return _l1_logits, x.sort(-1).values, x, eps
+    return _coef_logits, 2 * torch.arange(1, n + 1, dtype=F64) - n - 1, x, eps
+
+
+@pytest.mark.parametrize("kind", ["l1", "coef"])
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 10])
+def test_chunked_rows_equals_dense(monkeypatch, kind, descending, rows):
+    logits, rp, x, eps = _problem(kind)
+    B, n = x.shape
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", rows * B * n)
+    offset = torch.tensor([0.0, 2.5, -1.0], dtype=F64)
+    for off in (None, offset):
+        v, r, p = chunked_rows(
+            logits, rp, x, (x, eps), descending, values=True, ranks=True, matrix=True, offset=off
+        )
+        rv, rr, rpm = _dense(logits, rp, x, eps, descending, off)
+        torch.testing.assert_close(v, rv)
+        torch.testing.assert_close(r, rr)
+        torch.testing.assert_close(p, rpm)
+    # only what is asked for
+    v, r, p = chunked_rows(logits, rp, x, (x, eps), descending, ranks=True)
+    assert v is None and p is None
+    torch.testing.assert_close(r, _dense(logits, rp, x, eps, descending)[1])
+
+
+@pytest.mark.parametrize(
+    ("block_elements", "sizes"),
+    [(1, [1] * 10), (3 * 10 * 3, [3, 3, 3, 1]), (3 * 10 * 4 + 5, [4, 4, 2]), (10**9, [10])],
+)
+def test_chunked_rows_chunk_bounds(monkeypatch, block_elements, sizes):
+    """Rows go in order, in chunks of clamp(BLOCK_ELEMENTS // (B n), 1, n), the last shorter."""
+    _, rp, x, eps = _problem("l1")
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", block_elements)
+    seen: list[torch.Tensor] = []
+
+    def logits(rp_blk, xx, ee):
+        seen.append(rp_blk)
+        assert rp_blk.shape[:-1] == rp.shape[:-1]
+        return _l1_logits(rp_blk, xx, ee)
+
+    chunked_rows(logits, rp, x, (x, eps), False, values=True)
+    assert [t.shape[-1] for t in seen] == sizes
+    torch.testing.assert_close(torch.cat(seen, dim=-1), rp)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_chunked_rows_gradients_equal_dense(monkeypatch, descending):
+    """Checkpointed chunks (recomputed in the backward) give the gradients of the dense graph."""
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", 3 * 10 * 3)
+    logits, rp0, x0, eps0 = _problem("l1")
+    offset = torch.tensor([1.0, 0.0, -2.0], dtype=F64)
+    cv, cr, cp = (torch.randn(3, 10, generator=seeded(s), dtype=F64) for s in (31, 32, 33))
+    cp = torch.randn(3, 10, 10, generator=seeded(34), dtype=F64)
+
+    def grads(fn):
+        rp, x, eps = (t.clone().requires_grad_(True) for t in (rp0, x0, eps0))
+        v, r, p = fn(rp, x, eps)
+        loss = (cv * v).sum() + (cr * r).sum() + (cp * p).sum()
+        return torch.autograd.grad(loss, (rp, x, eps))
+
+    chunked = grads(
+        lambda rp, x, eps: chunked_rows(
+            logits, rp, x, (x, eps), descending, values=True, ranks=True, matrix=True, offset=offset
+        )
+    )
+    dense = grads(lambda rp, x, eps: _dense(logits, rp, x, eps, descending, offset))
+    for a, b in zip(chunked, dense, strict=True):
+        torch.testing.assert_close(a, b)
+    # no graph is built under no_grad
+    rp, x, eps = (t.clone().requires_grad_(True) for t in (rp0, x0, eps0))
+    with torch.no_grad():
+        v, _, _ = chunked_rows(logits, rp, x, (x, eps), descending, values=True)
+    assert not v.requires_grad
+
+
+def test_positions():
+    assert positions(4, False, F64, torch.device("cpu")).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert positions(4, True, torch.float32, torch.device("cpu")).tolist() == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_rows_per_block_and_graph():
+    assert _chunked._rows_per_block(1, 10) == 10  # everything fits: one block
+    assert _chunked._rows_per_block(10**4, 10**4) == 1  # never below one row
+    x = torch.randn(2, 3, requires_grad=True)
+    assert _chunked._needs_graph(torch.randn(2, 3), x)
+    with torch.no_grad():
+        assert not _chunked._needs_graph(x)

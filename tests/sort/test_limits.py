@@ -1,0 +1,91 @@
+"""softops.sort._limits: rows with ±inf taken to their limits around any backend with the one
+signature (grouping by the number of finite entries, the rank offset, m = 0, NaN rows)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from softops.sort import _neuralsort, _ot, _softsort
+from softops.sort._dispatch import MethodOptions
+from softops.sort._limits import with_limits
+
+F64 = torch.float64
+INF = math.inf
+OPTS = MethodOptions(tol=1e-12)
+BACKENDS = {"softsort": _softsort, "neuralsort": _neuralsort, "ot": _ot}
+
+
+def _rows() -> torch.Tensor:
+    x = torch.randn(5, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    x[1, 2] = INF  # m = 5
+    x[2, 0], x[2, 4] = -INF, INF  # m = 4
+    x[3, 5] = -INF  # m = 5
+    x[4] = INF  # m = 0
+    return x
+
+
+def test_groups_rows_by_their_number_of_finite_entries():
+    calls = []
+
+    def fake(x2, eps, descending, opts, offset=None):
+        calls.append((tuple(x2.shape), None if offset is None else offset.tolist()))
+        return x2 * 0 + 7.0
+
+    x = _rows()
+    eps = torch.ones(5, dtype=F64)
+    out = with_limits(fake, "rank", x, eps, False, OPTS)
+    # one call for the plain row, one per distinct m > 0 (the m = 0 row needs none); the offset
+    # is the number of -inf entries before the finite block
+    assert calls == [((1, 6), None), ((1, 4), [1.0]), ((2, 5), [0.0, 1.0])]
+    assert (out[0] == 7).all()
+    assert out[1, 2] == 6 and out[3, 5] == 1  # a single +inf is last, a single -inf first
+    assert (out[4] == 3.5).all()  # all tied at +inf: the mean position
+
+
+def test_no_infinity_is_one_plain_call():
+    calls = []
+
+    def fake(x2, eps, descending, opts, offset=None):
+        calls.append(x2.shape)
+        return x2
+
+    x = torch.randn(3, 4, dtype=F64)
+    x[1, 1] = math.nan  # NaN rows are not taken to a limit: NaN by contract
+    x[1, 2] = INF
+    assert with_limits(fake, "sort", x, torch.ones(3, dtype=F64), False, OPTS) is x
+    assert calls == [(3, 4)]
+
+
+@pytest.mark.parametrize("method", sorted(BACKENDS))
+@pytest.mark.parametrize("descending", [False, True])
+def test_limit_is_the_method_on_the_finite_entries(method, descending):
+    backend = BACKENDS[method]
+    x = torch.tensor([[0.3, INF, -1.2, 2.0, -INF, 0.7]], dtype=F64)
+    fin = torch.tensor([[0.3, -1.2, 2.0, 0.7]], dtype=F64)
+    eps = torch.full((1,), 0.4, dtype=F64)
+    sort = with_limits(backend.sort, "sort", x, eps, descending, OPTS)
+    s_fin = backend.sort(fin, eps, descending, OPTS)
+    ends = [INF, -INF] if descending else [-INF, INF]
+    torch.testing.assert_close(sort[0, [0, -1]], torch.tensor(ends, dtype=F64))
+    torch.testing.assert_close(sort[:, 1:-1], s_fin)
+    rank = with_limits(backend.rank, "rank", x, eps, descending, OPTS)
+    r_fin = backend.rank(fin, eps, descending, OPTS, torch.ones(1, dtype=F64))
+    torch.testing.assert_close(rank[:, [0, 2, 3, 5]], r_fin)
+    assert rank[0, 1].item() == (1.0 if descending else 6.0)
+    p = with_limits(backend.argsort, "argsort", x, eps, descending, OPTS)
+    assert p.shape == (1, 6, 6)
+    p_fin = backend.argsort(fin, eps, descending, OPTS)
+    torch.testing.assert_close(p[:, 1:-1][:, :, [0, 2, 3, 5]], p_fin)
+    assert (p[:, 1:-1][:, :, [1, 4]] == 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(1, 6, dtype=F64))
+
+
+def test_infinite_entries_get_a_zero_gradient():
+    x = torch.tensor([[0.3, INF, -1.2, 2.0]], dtype=F64, requires_grad=True)
+    eps = torch.full((1,), 0.5, dtype=F64, requires_grad=True)
+    r = with_limits(_softsort.rank, "rank", x, eps, False, MethodOptions())
+    gx, ge = torch.autograd.grad(r.sum() + (r * torch.arange(4.0)).sum(), (x, eps))
+    assert gx[0, 1] == 0 and torch.isfinite(gx).all() and torch.isfinite(ge).all()

@@ -1,0 +1,79 @@
+"""The "neuralsort" backend (Grover et al. 2019): against the naive n x n formula, hard limits and
+memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softops.sort import _chunked, _neuralsort
+from softops.sort._dispatch import MethodOptions
+from tests.sort._helpers import (
+    hard_ranks,
+    reductions,
+    row_eps,
+    saved_storage_bytes,
+    spaced,
+    tie_free,
+)
+
+F64 = torch.float64
+OPTS = MethodOptions()  # NeuralSort has no options
+
+
+def naive_neuralsort(x, eps, descending):
+    n = x.shape[-1]
+    a1 = (x.unsqueeze(-1) - x.unsqueeze(1)).abs().sum(-1)
+    i = torch.arange(1, n + 1, dtype=x.dtype)
+    c = n + 1 - 2 * i if descending else 2 * i - n - 1
+    logits = (c.view(1, -1, 1) * x.unsqueeze(1) - a1.unsqueeze(1)) / eps.view(-1, 1, 1)
+    return torch.softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("eps", [0.3, 1.0, 5.0])
+def test_equals_naive_forward_and_gradients(descending, eps, monkeypatch):
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", 7 * 3 * 40)  # several blocks, a remainder
+    x = tie_free(3, 40).requires_grad_()
+    e = torch.tensor([eps, 0.5 * eps, 2 * eps], dtype=F64, requires_grad=True)
+    p_ref = naive_neuralsort(x, e, descending)
+    v_ref, r_ref = reductions(p_ref, x)
+    v = _neuralsort.sort(x, e, descending, OPTS)
+    r = _neuralsort.rank(x, e, descending, OPTS)
+    p = _neuralsort.argsort(x, e, descending, OPTS)
+    torch.testing.assert_close(v, v_ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(r, r_ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(p, p_ref, atol=1e-10, rtol=0)
+    gv, gr, gp = torch.randn_like(v), torch.randn_like(r), torch.randn_like(p)
+    for out, ref, g in ((v, v_ref, gv), (r, r_ref, gr), (p, p_ref, gp)):
+        got = torch.autograd.grad(out, (x, e), g, retain_graph=True)
+        want = torch.autograd.grad(ref, (x, e), g, retain_graph=True)
+        for a, b in zip(got, want, strict=True):
+            scale = max(1.0, b.abs().max().item())
+            torch.testing.assert_close(a / scale, b / scale, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_hard_limit(descending):
+    x = spaced(3, 30)
+    e = row_eps(3, 1e-2)
+    p = _neuralsort.argsort(x, e, descending, OPTS)
+    hard = torch.sort(x, -1, descending=descending)
+    one_hot = torch.nn.functional.one_hot(hard.indices, 30).to(F64)
+    torch.testing.assert_close(p, one_hot, atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        _neuralsort.sort(x, e, descending, OPTS), hard.values, atol=1e-10, rtol=0
+    )
+    torch.testing.assert_close(
+        _neuralsort.rank(x, e, descending, OPTS), hard_ranks(x, descending), atol=1e-10, rtol=0
+    )
+
+
+def test_saved_memory_is_linear(monkeypatch):
+    n = 3000
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", 64 * n)  # 64 rows per block
+    x = torch.randn(1, n, requires_grad=True)
+    e = row_eps(1, 0.5, dtype=torch.float32)
+    saved = saved_storage_bytes(lambda x, e: _neuralsort.sort(x, e, False, OPTS), x, e)
+    assert saved < 64 * n * 8, saved  # far below one n x n float32 matrix (36 MB)
+    assert x.grad is not None and torch.isfinite(x.grad).all()

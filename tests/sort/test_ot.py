@@ -1,0 +1,116 @@
+"""The "ot" backend (Cuturi et al. 2019): invariants, hard limits, the quantile read off its soft
+sort, and the non-convergence warning (it names the public op and uses the solver defaults)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import softops
+from softops import soft_quantile, soft_rank, soft_sort
+from softops._core import sinkhorn
+from softops._core.convergence import ConvergenceWarning
+from softops.sort import _ot
+from softops.sort._dispatch import MethodOptions, interpolate
+from tests.sort._helpers import hard_ranks, row_eps, spaced, tie_free
+
+F64 = torch.float64
+TIGHT = MethodOptions(tol=1e-12)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_hard_limit(descending):
+    x = spaced(3, 30)
+    e = row_eps(3, 1e-2)
+    p = _ot.argsort(x, e, descending, TIGHT)
+    hard = torch.sort(x, -1, descending=descending)
+    one_hot = torch.nn.functional.one_hot(hard.indices, 30).to(F64)
+    torch.testing.assert_close(p, one_hot, atol=1e-12, rtol=0)
+    torch.testing.assert_close(_ot.sort(x, e, descending, TIGHT), hard.values, atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        _ot.rank(x, e, descending, TIGHT), hard_ranks(x, descending), atol=1e-10, rtol=0
+    )
+
+
+def test_doubly_stochastic_and_rank_sum():
+    n = 20
+    x = tie_free(3, n)
+    e = row_eps(3, 0.5)
+    p = _ot.argsort(x, e, False, TIGHT)
+    torch.testing.assert_close(p.sum(-2), torch.ones(3, n, dtype=F64), atol=1e-9, rtol=0)
+    r = _ot.rank(x, e, False, TIGHT)
+    torch.testing.assert_close(r.sum(-1), torch.full((3,), n * (n + 1) / 2, dtype=F64))
+    assert ((r >= 1 - 1e-9) & (r <= n + 1e-9)).all()
+    torch.testing.assert_close(p @ x.unsqueeze(-1), _ot.sort(x, e, False, TIGHT).unsqueeze(-1))
+
+
+def test_rank_offset_shifts_the_positions():
+    x = tie_free(2, 8)
+    e = row_eps(2, 0.5)
+    off = torch.tensor([3.0, 1.0], dtype=F64)
+    p = _ot.argsort(x, e, False, TIGHT)
+    want = _ot.rank(x, e, False, TIGHT) + off.unsqueeze(-1) * p.sum(-2)
+    torch.testing.assert_close(_ot.rank(x, e, False, TIGHT, off), want)
+
+
+def test_scaling_law_and_shift():
+    x = tie_free(2, 20)
+    e = row_eps(2, 0.4)
+    v = _ot.sort(x, e, False, TIGHT)
+    torch.testing.assert_close(_ot.sort(2 * x, 4 * e, False, TIGHT), 2 * v)
+    torch.testing.assert_close(_ot.sort(x + 5.0, e, False, TIGHT), v + 5.0)
+
+
+# ------------------------------------------------------------------ quantile (interpolated)
+
+
+def test_gradcheck_quantile():
+    x = tie_free(2, 6, scale=1.0).requires_grad_()
+    e = torch.tensor([0.5, 0.3], dtype=F64, requires_grad=True)
+    q = torch.tensor([0.1, 0.5, 0.77], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda x, q, e: interpolate(_ot.sort(x, e, False, TIGHT), q), (x, q, e))
+
+
+def test_quantile_hard_limit_is_torch_quantile():
+    x = spaced(2, 25)
+    q = torch.tensor([0.0, 0.13, 0.5, 0.9, 1.0], dtype=F64)
+    got = soft_quantile(x, q, epsilon=1e-2, method="ot")
+    torch.testing.assert_close(got, torch.quantile(x, q, dim=-1), atol=1e-10, rtol=0)
+
+
+# ------------------------------------------------------------------ convergence
+
+
+def test_warns_when_not_converged_naming_the_public_op(monkeypatch):
+    monkeypatch.setattr(sinkhorn, "NEWTON_MAX_STEPS", 0)  # plain Sinkhorn, too few iterations
+    x = tie_free(2, 30, scale=1.0)
+    for fn, op in ((soft_sort, "soft_sort"), (soft_rank, "soft_rank")):
+        with pytest.warns(ConvergenceWarning, match=rf"^{op}: 2 of 2 rows did not converge") as rec:
+            fn(x, epsilon=0.1, method="ot", max_iter=3)
+        assert "max_iter=3 (tol=1e-09," in str(rec[0].message)
+        assert rec[0].filename == __file__  # attributed to the caller's line
+    with pytest.warns(ConvergenceWarning, match=r"^soft_quantile: "):
+        soft_quantile(x, 0.5, epsilon=1e-3, method="ot")
+    assert issubclass(softops.ConvergenceWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        soft_sort(x, epsilon=0.1, method="ot", max_iter=3, tol=0)  # exactly max_iter: no warning
+
+
+def test_default_tol_follows_the_compute_dtype(monkeypatch):
+    """tol=None is softops._core.convergence.default_tol: 1e-9 in float64, 1e-6 below."""
+    monkeypatch.setattr(sinkhorn, "NEWTON_MAX_STEPS", 0)
+    x = tie_free(1, 30, scale=1.0)
+    for dtype, tol in ((F64, "1e-09"), (torch.float32, "1e-06"), (torch.float16, "1e-06")):
+        with pytest.warns(ConvergenceWarning, match=rf"max_iter=3 \(tol={tol},"):
+            soft_sort(x.to(dtype), epsilon=0.1, method="ot", max_iter=3)
+
+
+def test_default_max_iter_is_the_sinkhorn_cap(monkeypatch):
+    monkeypatch.setattr(sinkhorn, "NEWTON_MAX_STEPS", 0)
+    x = tie_free(1, 30, scale=1.0)
+    with pytest.warns(ConvergenceWarning, match=r"max_iter=2000 "):
+        _ot.sort(x, row_eps(1, 1e-3), False, MethodOptions(tol=1e-14, op="soft_sort"))
