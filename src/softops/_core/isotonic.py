@@ -12,7 +12,7 @@ The solution is constant on contiguous blocks B, with the value ``mean(y_B)`` (L
 ``logsumexp(s_B) - logsumexp(w_B)`` (KL). The stack algorithm pushes one block per entry and pools
 the top two blocks while they violate the order (``value(prev) <= value(top)``), so it costs O(n)
 per row. The block id of every position is returned too: the Jacobian is block diagonal, which is
-all a backward pass needs (MATH.md §4.1).
+all a backward pass needs (docs/math.md §5).
 
 Backends:
 

@@ -44,7 +44,7 @@ Conventions and choices:
   did not finish go back to Sinkhorn for the rest of the ``max_iter`` budget. The polish, that
   fallback and the final plan run in float64 (the bulk of the iterations stays in the input
   dtype): in float32 the residual of a plan with many targets has a floor near 1e-6.
-* **Backward** (MATH.md §2.3): with W = Gbar * Gamma, w = W 1, wc = W^T 1 and
+* **Backward** (docs/math.md §2.3): with W = Gbar * Gamma, w = W 1, wc = W^T 1 and
   ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (mu, nu the marginals of the saved plan, "<"
   dropping the last column), solve ``K beta = wc_< - Gamma_<^T (w/mu)`` by Cholesky in float64
   (jitter 1e-12 max diag K), ``alpha = (w - Gamma_< beta)/mu`` and
@@ -493,7 +493,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
 
 
 def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
-    """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (MATH.md §2.3).
+    """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (docs/math.md §2.3).
 
     Args:
         plan: (B, n, m) converged plan.

@@ -1,6 +1,6 @@
 r"""Method "ot" of ``soft_topk_mask``: the exact SOFT top-k, one threshold per row.
 
-With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020, §3) is a sigmoid with one
+With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020, §2) is a sigmoid with one
 threshold (the derivation is in the documentation, docs/math.md §1), so the forward pass solves
 :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row of a (B, n) tensor, largest-first,
 by bracketed Newton (:mod:`softops._core.rootfind`), and the backward is the closed-form implicit

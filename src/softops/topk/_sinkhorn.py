@@ -1,10 +1,10 @@
-r"""Method "sinkhorn" of ``soft_topk_mask``: the paper's algorithm (Xie et al. 2020, Alg. 1).
+r"""Method "sinkhorn" of ``soft_topk_mask``: the paper's algorithm (Xie et al. 2020, §2).
 
 The same n x 2 entropic OT problem as method "ot", with the same epsilon (eps_p = 2 epsilon on the
 unnormalised cost :math:`C_{ij} = (x_i - y_j)^2`, targets y = 0, 1 of masses (n - k)/n and k/n),
 solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual Newton polish and
-the implicit backward of the converged plan (Xie et al. 2020, §3.2 and Appendix). At convergence
-it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0`` runs the
+the implicit backward of the converged plan, as in the paper (derived in docs/math.md §2.3). At
+convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0`` runs the
 paper's fixed 200 iterations.
 
 Infinities are their limits: the problem is solved with finite stand-ins far beyond the finite
