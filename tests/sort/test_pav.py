@@ -1,4 +1,7 @@
-"""soft_sort, soft_rank and soft_quantile with method="pav" (Blondel et al. 2020); the PAV core."""
+"""soft_sort, soft_rank and soft_quantile with method="pav" (Blondel et al. 2020).
+
+The PAV solvers themselves are tested in tests/core/test_isotonic.py.
+"""
 
 from __future__ import annotations
 
