@@ -4,11 +4,12 @@ The same n x 2 entropic OT problem as method "ot", with the same epsilon (eps_p 
 unnormalised cost :math:`C_{ij} = (x_i - y_j)^2`, targets y = 0, 1 of masses (n - k)/n and k/n),
 solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual Newton polish and
 the implicit backward of the converged plan, as in the paper (derived in docs/math.md §2.3). At
-convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0`` runs the
-paper's fixed 200 iterations.
+convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0``
+runs the paper's fixed 200 iterations.
 
 Infinities are their limits: the problem is solved with finite stand-ins far beyond the finite
-range, and those entries are then set to exactly 0 or 1.
+range (``_options.finite_stand_ins``, shared with the sorted top-k), and those entries are then set
+to exactly 0 or 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from softops._core.convergence import warn_not_converged
 from softops._core.sinkhorn import sinkhorn_plan
-from softops.topk._options import unreachable_rows
+from softops.topk._options import finite_stand_ins, unreachable_rows
 
 __all__ = ["sinkhorn_mask"]
 
@@ -41,14 +42,8 @@ def sinkhorn_mask(
     all_finite = bool(finite.all())
     xs = x2
     if not all_finite:
-        fin_min = torch.where(finite, x2, math.inf).amin(-1, keepdim=True)
-        fin_max = torch.where(finite, x2, -math.inf).amax(-1, keepdim=True)
-        fin_min = torch.where(torch.isfinite(fin_min), fin_min, 0)
-        fin_max = torch.where(torch.isfinite(fin_max), fin_max, 0)
-        reach = (fin_max - fin_min) + 100 * eps_row[:, None]
-        xs = torch.where(x2 == math.inf, fin_max + reach, x2)
-        xs = torch.where(x2 == -math.inf, fin_min - reach, xs)
-        xs = torch.where(torch.isnan(x2), 0, xs)
+        xs = finite_stand_ins(x2, eps_row)
+        xs = torch.where(torch.isnan(x2), 0, xs)  # the row is NaN by contract: keep it finite
     targets = torch.tensor([0.0, 1.0], dtype=dtype, device=x2.device)
     # Squared cost with the x_i^2 term dropped (absorbed by the row potential): same plan.
     cost = -2 * xs[:, :, None] * targets + targets**2

@@ -28,11 +28,11 @@ from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_c
 from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import sinkhorn_plan
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
+from softops.topk._options import finite_stand_ins
 
 __all__ = ["TopK", "soft_topk"]
 
 _OP = "soft_topk"
-_INF_MARGIN = 2000.0  # stand-ins for infinite scores sit this many epsilons beyond the finite ones
 
 
 class TopK(NamedTuple):
@@ -155,7 +155,7 @@ def soft_topk(
     if has_inf:
         # rows with fewer than k selectable entries give NaN (infinities are their limits)
         selectable = (s.detach() != math.inf).sum(-1) >= k
-        s = _substitute_infinities(s, eps)
+        s = finite_stand_ins(s, eps)
     m = k + 1 if k < n else k
 
     # Cost / eps_p with eps_p = 2 epsilon, in the form -(j s_i - sum_{l<j} beta_l)/epsilon, where
@@ -189,26 +189,6 @@ def soft_topk(
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))
     return TopK(values, weights, indices)
-
-
-def _substitute_infinities(s: Tensor, eps: Tensor) -> Tensor:
-    """Replace +inf (never selected) and -inf (always selected) by finite stand-ins.
-
-    The stand-ins lie ``span + 2000 epsilon`` beyond the finite range, so their plan rows are exact
-    to underflow (the soft boundary between two targets sits about half-way); no gradient.
-    """
-    with torch.no_grad():
-        sd = s.detach()
-        fin = torch.isfinite(sd)
-        fmax = torch.where(fin, sd, -math.inf).amax(-1)
-        fmin = torch.where(fin, sd, math.inf).amin(-1)
-        none = ~fin.any(-1)
-        fmax = torch.where(none, 0.0, fmax)
-        fmin = torch.where(none, 0.0, fmin)
-        margin = (fmax - fmin) + _INF_MARGIN * eps
-        hi = (fmax + margin).unsqueeze(-1).expand_as(sd)
-        lo = (fmin - margin).unsqueeze(-1).expand_as(sd)
-    return torch.where(sd == math.inf, hi, torch.where(sd == -math.inf, lo, s))
 
 
 def _values_with_infinities(weights: Tensor, x2: Tensor, largest: bool) -> Tensor:
