@@ -14,6 +14,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,lint]"
 # Peers for the benchmarks, installed without dependencies so they reuse the pinned torch.
 .venv/bin/python -m pip install -q --no-deps "entmax==1.3"
