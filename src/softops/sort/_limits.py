@@ -3,11 +3,13 @@ r"""Infinities as limits for the "softsort", "neuralsort" and "ot" sort methods.
 The contract of the sort family is that an input at ``±inf`` behaves as the limit of a large
 finite value: the entries at ``±inf`` are replaced by ``±M`` and ``M -> inf`` (equal infinities
 staying tied). For these three methods the limit decouples the infinite entries from the finite
-ones. The reason is the same for each. The weight that a soft sort puts on an entry decays with
-its distance to a target value (``exp(-|u - x|/eps)`` for SoftSort, ``exp(-(x - y)²/eps)`` for the
-transport plan, and the linear logits of NeuralSort), so as ``M -> inf`` an entry at ``±M`` gets
-weight 0 at every finite target, and each target at ``±M`` puts all its weight on the entries at
-``±M``. What remains is:
+ones. For SoftSort and OT, the kernel between a target value u and an entry x decays with their
+distance (``exp(-|u - x|/eps)``, ``exp(-(u - x)²/eps)``), so as ``M -> inf`` an entry at ``±M``
+gets weight 0 in the row of every finite target, and the rows of the targets at ``±M`` put all
+their weight on the entries there. NeuralSort's logits ``(c_i x_j - sum_l |x_j - x_l|)/eps``
+separate in the same way, by O(M): an entry at ``+M`` wins only the last rows; and the ``M``
+terms shift the finite entries' coefficients to exactly those of the compacted row (one ``+M``
+turns ``c_i = 2i - n - 1`` into ``c_i + 1 = 2i - (n - 1) - 1``). What remains is:
 
 - the finite entries of a row, relaxed among themselves: the method applied to that row's finite
   entries alone, the (Bg, m) compacted rows;
