@@ -1,27 +1,40 @@
-"""Smoke tests of the runnable examples under examples/ (tiny runs, a few seconds each)."""
+"""Smoke tests of the scripts under benchmarks/: the F1 fine-tuning experiment (a tiny run) and
+the thin suite wrappers (their ``--help``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sklearn")
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.mark.parametrize("suite", ["topk", "sort"])
+def test_suite_scripts_wrap_the_console_script(
+    suite: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{suite}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(BENCHMARKS / f"{suite}.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert f"usage: softops bench {suite} [-h] [--quick]" in capsys.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def f1_example():
+    pytest.importorskip("sklearn")
     return _load("f1_finetune")
 
 
@@ -29,6 +42,11 @@ def f1_example():
 def quick_run(f1_example, tmp_path_factory):
     out = tmp_path_factory.mktemp("f1") / "f1_finetune.md"
     return f1_example.main(["--quick", "--out", str(out)]), out
+
+
+def test_f1_finetune_default_output_is_the_committed_table(f1_example):
+    assert f1_example.DEFAULT_OUT == BENCHMARKS / "results" / "f1_finetune.md"
+    assert f1_example.DEFAULT_OUT.exists()
 
 
 def test_f1_finetune_quick_reports_every_arm(f1_example, quick_run):
@@ -56,9 +74,10 @@ def test_f1_finetune_writes_the_table(f1_example, quick_run):
     assert result["out"] == out
     text = out.read_text()
     assert text == text.split("### ")[0] + result["markdown"] + "\n"
+    assert "Written by `benchmarks/f1_finetune.py`" in text
     for label in f1_example.ARM_LABELS.values():
         assert f"| {label} |" in text
-    assert "python examples/f1_finetune.py --quick --out" in text
+    assert "python benchmarks/f1_finetune.py --quick --out" in text
     assert "torch " in text
 
 

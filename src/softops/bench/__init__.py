@@ -1,9 +1,30 @@
 """Benchmark harness behind ``softops bench``; never imported by ``import softops``.
 
-:mod:`softops.bench.harness` is generic: interleaved median timings of forward and
-forward+backward, saved-for-backward bytes, peak memory in fresh subprocesses, and JSONL, Markdown
-and PNG reports (matplotlib, for the plot, is imported lazily and is optional).
-:mod:`softops.bench.topk` is the top-k suite.
+The harness is generic, in five modules:
+
+* :mod:`softops.bench.model`: what a suite is (:class:`Case`, :class:`Config`, :class:`Suite`),
+  how to run it (:class:`RunOptions`), and the measurement primitives (:func:`count_saved_bytes`);
+* :mod:`softops.bench.harness`: the timing loop, interleaved median timings of forward and
+  forward+backward (:func:`run_suite`), and one command-line run of a suite;
+* :mod:`softops.bench.probes`: peak memory and first calls, in fresh subprocesses;
+* :mod:`softops.bench.report`: JSONL, Markdown and PNG reports (:func:`write_results`;
+  matplotlib, for the plot, is imported lazily and is optional) and the console output;
+* :mod:`softops.bench.references`: the reference implementations the implicit backwards are
+  checked against (log-domain Sinkhorn unrolled under plain autograd), used by the tests too.
+
+The suites, one module each, own their configurations and their run: :mod:`softops.bench.topk`
+(``softops bench topk``), :mod:`softops.bench.sort` (``softops bench sort``) and
+:mod:`softops.bench.topk_l1` (``softops bench topk-l1``).
+
+The suites measure the public API, plus a few internals that are what they measure. This is the
+whole internal surface the harness reads; a change there must update the harness:
+
+* ``softops._core.fused.FUSED_MIN_NUMEL`` and ``softops._core.fused.compile_enabled``: the fused
+  path's size threshold and switch (the "ot (fused)" row of the top-k suite);
+* ``softops._core.sinkhorn.implicit_cost_vjp``: the implicit backward of the paper-layout
+  Sinkhorn reference (:func:`softops.bench.references.paper_sinkhorn_topk_mask`);
+* ``softops.sort._chunked.BLOCK_ELEMENTS``: the block size of the row-chunked SoftSort path,
+  reported by the sort suite's memory target.
 
 Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted``)::
 
@@ -15,17 +36,9 @@ Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted`
     write_results(records, SUITE, "benchmarks/results", "topk-1000")
 """
 
-from softops.bench.harness import (
-    Case,
-    Config,
-    RunOptions,
-    Suite,
-    count_saved_bytes,
-    markdown_report,
-    plot_results,
-    run_suite,
-    write_results,
-)
+from softops.bench.harness import run_suite
+from softops.bench.model import Case, Config, RunOptions, Suite, count_saved_bytes
+from softops.bench.report import markdown_report, plot_results, write_results
 
 __all__ = [
     "Case",

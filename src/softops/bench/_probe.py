@@ -1,4 +1,4 @@
-"""Measurements that need a fresh process, run by the harness as subprocesses.
+"""Measurements that need a fresh process: the entry point of the probe subprocesses.
 
 ``python -m softops.bench._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
     Peak extra memory of one forward+backward of one case, after a warm-up call (so a compiled
@@ -8,13 +8,14 @@
     else ``resource.getrusage(...).ru_maxrss``; without the reset the baseline is the
     high-water mark before the call, which can only under-estimate. On CUDA:
     ``torch.cuda.max_memory_allocated`` minus ``memory_allocated``, after resetting the peak.
-    Also reports the bytes saved for backward (see :func:`softops.bench.harness.count_saved_bytes`).
+    Also reports the bytes saved for backward (see :func:`softops.bench.model.count_saved_bytes`).
 
 ``python -m softops.bench._probe first-call ...``
     Seconds of the first forward+backward of one case in this fresh process (which includes any
     ``torch.compile`` compilation), and of the second.
 
-The result is printed as one JSON line prefixed with ``SOFTOPS_PROBE_RESULT``.
+The result is printed as one JSON line prefixed with ``SOFTOPS_PROBE_RESULT``. The harness side
+(the command line, the subprocess, reading the result) is :mod:`softops.bench.probes`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from softops.bench.harness import (
+from softops.bench.model import (
     PROBE_MARKER,
     Case,
     Config,

@@ -1,10 +1,10 @@
-"""A small, generic benchmark harness: interleaved timings, subprocess memory probes, reports.
+r"""The timing loop of the benchmark harness: :func:`run_suite`, and :func:`run_and_write`.
 
-A *suite* (see :class:`Suite`) describes what to measure: a list of :class:`Config` (one input
-shape and its parameters) and, for each, a list of :class:`Case` (one method: a function of the
-input tensor). One case per configuration is the *floor*, the hard operator; every time is also
-reported as a ratio to the floor's forward time, which is the headline number because absolute
-times on a shared machine drift from run to run while ratios taken in one run do not.
+A suite (:class:`~softops.bench.model.Suite`) gives configurations and, for each, cases; one case
+is the *floor*, the hard operator. For a case :math:`c` with median forward time :math:`t_c` and
+median forward+backward time :math:`T_c`, the report gives :math:`t_c / t_{\mathrm{floor}}` and
+:math:`T_c / t_{\mathrm{floor}}`: the headline numbers, because absolute times on a shared
+machine drift from run to run while ratios taken in one run do not.
 
 How a configuration is measured (:func:`run_suite`):
 
@@ -25,202 +25,105 @@ How a configuration is measured (:func:`run_suite`):
   ``torch.autograd.graph.saved_tensors_hooks``: the bytes of the distinct storages the forward
   saves for backward, leaving out the input's own storage. It is exact and deterministic.
 * **Peak memory** is measured in a fresh subprocess per configuration and case
-  (:mod:`softops.bench._probe`): after a warm-up call, the peak extra memory of one
-  forward+backward over the post-set-up baseline. On CPU that is the ``ru_maxrss`` high-water
-  mark (reset through ``/proc/self/clear_refs`` where Linux allows it) minus the resident set
-  before the call, with glibc's dynamic mmap threshold pinned so that freed buffers go back to the
-  OS; on CUDA it is ``torch.cuda.max_memory_allocated`` minus ``memory_allocated``.
+  (:mod:`softops.bench.probes`, which runs :mod:`softops.bench._probe`): after a warm-up call,
+  the peak extra memory of one forward+backward over the post-set-up baseline. On CPU that is
+  the ``ru_maxrss`` high-water mark (reset through ``/proc/self/clear_refs`` where Linux allows
+  it) minus the resident set before the call, with glibc's dynamic mmap threshold pinned so that
+  freed buffers go back to the OS; on CUDA it is ``torch.cuda.max_memory_allocated`` minus
+  ``memory_allocated``.
 * Cases flagged ``first_call`` also get their **first call** timed in fresh subprocesses: once with
   an empty ``torch.compile`` cache directory (cold) and once reusing it (warm on-disk cache).
 
 Results are plain dicts (one per configuration and case), written as JSONL, a Markdown table and a
-PNG plot by :func:`write_results`.
+PNG plot by :func:`~softops.bench.report.write_results`.
+
+:func:`run_and_write` is one command-line run of a suite: :func:`make_options` turns the
+command's arguments into :class:`~softops.bench.model.RunOptions` (``quick`` takes the suite's
+small defaults, a :class:`QuickDefaults`, and turns the subprocess probes off; arguments left at
+``None`` take the defaults of the mode), then the suite runs and its files are written under
+``out`` (:data:`DEFAULT_OUT` by default).
 """
 
 from __future__ import annotations
 
 import gc
-import json
-import math
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypedDict
 
 import torch
 
+import softops
+from softops.bench.model import (
+    PROBE_MARKER,
+    Case,
+    Config,
+    RunOptions,
+    Suite,
+    count_saved_bytes,
+    functional_weights,
+    make_generator,
+    sync,
+)
+from softops.bench.probes import _run_probes, probe_command, run_probe
+from softops.bench.report import markdown_report, plot_results, write_results
+
 __all__ = [
+    "DEFAULT_OUT",
+    "FULL_REPEATS",
+    "FULL_TIME_BUDGET_S",
+    "PROBE_MARKER",
     "Case",
     "Config",
+    "QuickDefaults",
     "RunOptions",
     "Suite",
     "count_saved_bytes",
+    "environment",
+    "functional_weights",
+    "make_generator",
+    "make_options",
     "markdown_report",
     "plot_results",
+    "probe_command",
+    "run_and_write",
+    "run_probe",
     "run_suite",
+    "sync",
     "write_results",
 ]
+# Case, Config, RunOptions, Suite, PROBE_MARKER and the primitives live in softops.bench.model,
+# the probes in softops.bench.probes and the reports in softops.bench.report; they are
+# re-exported here, where they were first defined.
 
-PROBE_MARKER = "SOFTOPS_PROBE_RESULT "
 _MB = 2.0**20
 
-
-@dataclass(frozen=True)
-class Case:
-    """One method to measure in one configuration.
-
-    Attributes:
-        name: the row label, unique within the configuration.
-        fn: a function of the (B, n) input tensor returning one tensor (the output whose
-            random linear functional is back-propagated).
-        floor: ``True`` for the hard operator that every ratio is taken against.
-        skip: a reason not to run the case (for example a peer that is not installed); the case
-            is still reported, with this reason.
-        first_call: time the first call in fresh subprocesses (for compiled paths).
-        compiled: the first call of each mode compiles, so a warm-up call over the time budget
-            is repeated once before the case is judged too slow.
-        mode: a context-manager factory entered around every call, forward *and* backward
-            (for example a global switch that the backward also reads).
-    """
-
-    name: str
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    floor: bool = False
-    skip: str | None = None
-    first_call: bool = False
-    compiled: bool = False
-    mode: Callable[[], AbstractContextManager[Any]] | None = None
-
-    def context(self) -> AbstractContextManager[Any]:
-        """The context to run a call of this case in (``mode()``, or a no-op)."""
-        return self.mode() if self.mode is not None else nullcontext()
+DEFAULT_OUT = "benchmarks/results"
+"""Where ``softops bench`` writes its files unless ``--out`` says otherwise."""
+FULL_REPEATS = 10
+"""Timed repeats per case of a full run."""
+FULL_TIME_BUDGET_S = 30.0
+"""Seconds of timed repeats per case and configuration of a full run."""
 
 
-@dataclass(frozen=True)
-class Config:
-    """One configuration: a group label plus JSON-serialisable parameters (``B``, ``n``, ...).
+class QuickDefaults(TypedDict):
+    """The defaults a suite's ``--quick`` run takes (a plain dict at run time)."""
 
-    Configurations of one group are expected in increasing size: a case too slow for one is
-    skipped for the following ones of the same group. ``first_call`` marks the configurations
-    where the cases flagged ``first_call`` get their first call timed in fresh processes.
-    """
-
-    group: str
-    params: Mapping[str, Any]
-    first_call: bool = False
-
-    @property
-    def label(self) -> str:
-        """A short human-readable label, e.g. ``"grid B=64 n=1000 k=10"``."""
-        return " ".join([self.group, *(f"{key}={value}" for key, value in self.params.items())])
-
-    def to_json(self) -> str:
-        """Serialise for the probe subprocess."""
-        return json.dumps(
-            {"group": self.group, "params": dict(self.params), "first_call": self.first_call}
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Config:
-        """Inverse of :meth:`to_json`."""
-        data = json.loads(text)
-        return cls(data["group"], data["params"], bool(data.get("first_call", False)))
-
-
-class Suite(Protocol):
-    """What a benchmark suite provides to the harness.
-
-    ``ref`` is the ``"module:attribute"`` path of the suite object, so that a probe subprocess can
-    rebuild the same cases. ``make_cases`` must depend only on the configuration and the
-    environment, never on run options.
-    """
-
-    ref: str
-    name: str
-    floor_label: str
-    plot_group: str
-    plot_x: str
-
-    def make_input(
-        self,
-        config: Config,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        generator: torch.Generator,
-    ) -> torch.Tensor:
-        """Return the (B, n) input of a configuration (without ``requires_grad``)."""
-        ...
-
-    def make_cases(self, config: Config) -> list[Case]:
-        """Return the cases of a configuration, floor included."""
-        ...
-
-    def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Return configuration-level facts from the cases' forward outputs (e.g. agreement)."""
-        ...
-
-    def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        """Return Markdown lines appended to the report (e.g. the targets and whether they hold)."""
-        ...
-
-
-@dataclass
-class RunOptions:
-    """How to run a suite.
-
-    Attributes:
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
-        dtype: the input dtype, by name (``"float32"``, ``"float64"``, ...).
-        threads: ``torch.set_num_threads`` for the run (and the probes).
-        repeats: timed repeats per case and mode (the median is reported).
-        min_repeats: the fewest repeats a case gets when its time budget is short.
-        time_budget_s: seconds of timed repeats allowed per case and configuration; a case whose
-            single warm-up call exceeds it is skipped there and at larger sizes of its group.
-        memory: run the peak-memory probes (one subprocess per configuration and case).
-        first_call: run the first-call probes of the cases flagged ``first_call``.
-        seed: seed of the inputs and of the linear functionals.
-        probe_timeout_s: a probe subprocess is abandoned after this long.
-        extra: JSON-serialisable fields stored in every record (for example the command line).
-    """
-
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 1
-    repeats: int = 10
-    min_repeats: int = 3
-    time_budget_s: float = 30.0
-    memory: bool = True
-    first_call: bool = True
-    seed: int = 0
-    probe_timeout_s: float = 900.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype as a ``torch.dtype``; raises ``ValueError`` for an unknown name."""
-        value = getattr(torch, self.dtype, None)
-        if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise ValueError(f"bench: expected a floating dtype name; got dtype={self.dtype!r}.")
-        return value
+    sizes: tuple[int, ...]
+    batch: int
+    repeats: int
+    time_budget: float
 
 
 # ----------------------------------------------------------------------------------------------
-# Timing and counting primitives
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued device work (CUDA); a no-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# Timing primitives
 
 
 def _timed(call: Callable[[], Any], device: torch.device) -> float:
@@ -242,50 +145,6 @@ def _forward_backward(case: Case, x: torch.Tensor, g: torch.Tensor) -> None:
     with case.context():
         out = case.fn(x)
         (out * g).sum().backward()
-
-
-def count_saved_bytes(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Run ``fn(x)`` and count the bytes it saves for backward.
-
-    Counts each distinct storage once (a tensor saved by several nodes, or views of one buffer,
-    are counted once, at the size of the whole storage, since that is what stays alive) and
-    leaves out the storage of ``x`` itself, which exists anyway.
-
-    Args:
-        fn: the function to run.
-        x: its input (usually with ``requires_grad=True``).
-
-    Returns:
-        The output of ``fn(x)`` and the number of bytes saved for its backward.
-    """
-    excluded = {_storage_key(x)}
-    seen: dict[Any, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in excluded:
-            try:
-                nbytes = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                nbytes = t.numel() * t.element_size()
-            seen[key] = nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    return out, sum(seen.values())
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return ("id", id(t))
-    if ptr == 0:  # empty storages all have address 0
-        return ("id", id(t))
-    return (str(t.device), ptr)
 
 
 @contextmanager
@@ -319,24 +178,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def make_generator(device: torch.device, seed: int) -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed``."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
-def functional_weights(shape: torch.Size, like: torch.Tensor, seed: int, name: str) -> torch.Tensor:
-    """The fixed random ``g`` of the linear functional ``(out * g).sum()`` of one case.
-
-    Derived from ``seed`` and the case name (not from Python's randomised ``hash``), so the
-    harness and the probe subprocesses use the same ``g``.
-    """
-    offset = sum((i + 1) * ord(c) for i, c in enumerate(name)) % 100_003
-    gen = make_generator(like.device, seed * 100_019 + offset + 1)
-    return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -368,12 +209,7 @@ def environment(options: RunOptions) -> dict[str, Any]:
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
-    try:
-        import softops
-
-        info["softops"] = softops.__version__
-    except ImportError:  # pragma: no cover - the harness lives inside softops
-        pass
+    info["softops"] = softops.__version__
     return info
 
 
@@ -583,303 +419,80 @@ def _timed_repeats(
 
 
 # ----------------------------------------------------------------------------------------------
-# Probes (subprocesses)
+# One command-line run of a suite
 
 
-def probe_command(
-    kind: str, suite: Suite, config: Config, case: str, options: RunOptions
-) -> list[str]:
-    """The command line of one probe subprocess."""
-    return [
-        sys.executable,
-        "-m",
-        "softops.bench._probe",
-        kind,
-        "--suite",
-        suite.ref,
-        "--config",
-        config.to_json(),
-        "--case",
-        case,
-        "--device",
-        options.device,
-        "--dtype",
-        options.dtype,
-        "--threads",
-        str(options.threads),
-        "--seed",
-        str(options.seed),
-    ]
-
-
-def run_probe(
-    kind: str,
-    suite: Suite,
-    config: Config,
-    case: str,
-    options: RunOptions,
+def make_options(
+    quick_defaults: QuickDefaults,
     *,
-    env: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Run one probe in a fresh subprocess and return its JSON result (or ``{"error": ...}``)."""
-    full_env = dict(os.environ)
-    if kind == "memory":
-        # A fixed mmap threshold turns off glibc's dynamic one, so large freed buffers go back to
-        # the OS at once and the resident set tracks live memory. Not for timing probes: mapping
-        # every large buffer afresh slows allocation-heavy code down.
-        full_env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    full_env.update(env or {})
-    try:
-        proc = subprocess.run(
-            probe_command(kind, suite, config, case, options),
-            capture_output=True,
-            text=True,
-            env=full_env,
-            timeout=options.probe_timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {options.probe_timeout_s:g} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(PROBE_MARKER):
-            return json.loads(line[len(PROBE_MARKER) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    quick: bool,
+    device: str,
+    dtype: str,
+    threads: int,
+    repeats: int | None,
+    time_budget: float | None,
+    memory: bool,
+    first_call: bool,
+    seed: int,
+    command: str | None,
+) -> RunOptions:
+    """The harness options of a bench run; ``quick`` takes ``quick_defaults`` and no probes.
 
-
-def _run_probes(
-    suite: Suite,
-    config: Config,
-    options: RunOptions,
-    records: list[dict[str, Any]],
-    log: Callable[[str], None],
-) -> None:
-    by_name = {record["case"]: record for record in records}
-    for case in suite.make_cases(config):
-        name = case.name
-        record = by_name.get(name)
-        if record is None or record["fwd_ms"] is None:
-            continue
-        if options.memory and record["fwdbwd_ms"] is not None:
-            log(f"  memory probe: {config.label} / {name}")
-            result = run_probe("memory", suite, config, name, options)
-            if "error" in result:
-                record["peak_error"] = result["error"]
-                log(f"    failed: {result['error']}")
-            else:
-                record["peak_mb"] = result["peak_mb"]
-                record["peak_kind"] = result["peak_kind"]
-                record["probe_saved_mb"] = result["saved_mb"]
-        if options.first_call and config.first_call and case.first_call:
-            log(f"  first-call probe: {config.label} / {name} (cold, then warm cache)")
-            with tempfile.TemporaryDirectory(prefix="softops-inductor-") as cache:
-                cache_env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-                cold = run_probe("first-call", suite, config, name, options, env=cache_env)
-                warm = run_probe("first-call", suite, config, name, options, env=cache_env)
-            for tag, result in (("cold", cold), ("warm_cache", warm)):
-                if "error" in result:
-                    record[f"first_call_{tag}_error"] = result["error"]
-                    log(f"    {tag} failed: {result['error']}")
-                else:
-                    record[f"first_call_{tag}_s"] = result["first_s"]
-                    record[f"second_call_{tag}_s"] = result["second_s"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Reports
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:{spec}}{suffix}"
-
-
-def _group_configs(records: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for record in records:
-        groups.setdefault(record["config"], []).append(record)
-    return list(groups.values())
-
-
-def markdown_report(
-    records: Sequence[Mapping[str, Any]],
-    suite: Suite,
-    *,
-    command: str | None = None,
-) -> str:
-    """Render the records as Markdown: one table per configuration, then the suite's summary.
-
-    The ratio columns (time over the floor's forward time) come first: they are the headline.
+    Example:
+        >>> from softops.bench.harness import make_options
+        >>> quick = {"sizes": (1000,), "batch": 4, "repeats": 3, "time_budget": 2.0}
+        >>> options = make_options(
+        ...     quick, quick=True, device="cpu", dtype="float32", threads=1, repeats=None,
+        ...     time_budget=None, memory=True, first_call=True, seed=0, command=None,
+        ... )
+        >>> options.repeats, options.time_budget_s, options.memory, options.first_call
+        (3, 2.0, False, False)
     """
-    if not records:
-        return f"# {suite.name} benchmark\n\nNo records.\n"
-    first = records[0]
-    lines = [
-        f"# {suite.name} benchmark",
-        "",
-        f"torch {first['torch']} · {first['device']} · {first['threads']} thread(s) · "
-        f"{first['dtype']} · {first['time']}",
-    ]
-    if command:
-        lines += ["", f"Reproduce with `{command}`."]
-    peak = any(r.get("peak_mb") is not None for r in records)
-    kinds = sorted({r["peak_kind"] for r in records if r.get("peak_kind")})
-    lines += [
-        "",
-        f"Ratios are times over the floor's forward time ({suite.floor_label}); "
-        "medians over interleaved repeats. fwd+bwd is the forward plus `.backward()` of "
-        "`(out * g).sum()` for a fixed random g. *saved* is the memory the forward keeps for "
-        "backward (saved-tensor hooks, the input excluded)"
-        + (
-            "; *peak Δ* is the peak extra memory of one forward+backward in a fresh process "
-            f"({', '.join(kinds)}), x.grad included."
-            if peak
-            else "; peak memory was not measured in this run."
-        ),
-    ]
-    head = ["method", "fwd × floor", "fwd+bwd × floor", "fwd ms", "fwd+bwd ms", "saved MB"]
-    head += ["peak Δ MB"] * peak + ["repeats"]
-    for rows in _group_configs(records):
-        lines += ["", f"### {rows[0]['config']}", ""]
-        lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-        notes = []
-        for r in rows:
-            if r["skip"]:
-                lines.append(f"| {r['case']} | skipped" + " |" * (len(head) - 1))
-                notes.append(f"- {r['case']}: {r['skip']}")
-                continue
-            if r.get("fwdbwd_skip"):
-                notes.append(f"- {r['case']} (fwd+bwd): {r['fwdbwd_skip']}")
-            cells = [
-                r["case"],
-                _fmt(r["fwd_ratio"], ".2f", "×"),
-                _fmt(r["fwdbwd_ratio"], ".2f", "×"),
-                _fmt(r["fwd_ms"], ".2f"),
-                _fmt(r["fwdbwd_ms"], ".2f"),
-                _fmt(r["saved_mb"], ".3g"),
-            ]
-            cells += [_fmt(r["peak_mb"], ".3g")] * peak + [str(r["repeats"])]
-            lines.append("| " + " | ".join(cells) + " |")
-            if r.get("peak_error"):
-                notes.append(f"- {r['case']}: memory probe failed: {r['peak_error']}")
-        if notes:
-            lines += ["", *notes]
-    first_calls = [r for r in records if "first_call_cold_s" in r or "first_call_cold_error" in r]
-    if first_calls:
-        lines += [
-            "",
-            "### First call in a fresh process (forward+backward, includes any compilation)",
-            "",
-            "| configuration | method | first call, empty compile cache | first call, warm "
-            "on-disk cache | second call |",
-            "|---|---|---:|---:|---:|",
-        ]
-        for r in first_calls:
-            lines.append(
-                f"| {r['config']} | {r['case']} | {_fmt(r.get('first_call_cold_s'), '.2f', ' s')} "
-                f"| {_fmt(r.get('first_call_warm_cache_s'), '.2f', ' s')} "
-                f"| {_fmt(_ms(r.get('second_call_warm_cache_s')), '.1f', ' ms')} |"
-            )
-    summary = suite.summary(records)
-    if summary:
-        lines += ["", *summary]
-    return "\n".join(lines) + "\n"
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
-
-
-def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite) -> bool:
-    """Plot median time against ``suite.plot_x`` per method (forward and forward+backward).
-
-    Needs matplotlib (the ``bench`` extra); returns ``False`` without it or without data. Draws
-    on a bare ``Figure`` (saved through the Agg canvas), so pyplot's global backend is untouched.
-    """
-    try:
-        import matplotlib
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    rows = [r for r in records if r["group"] == suite.plot_group and r["fwd_ms"] is not None]
-    if not rows:
-        return False
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
-    colors = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
-    fig = Figure(figsize=(11, 4.2))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, key, title in (
-        (axes[0], "fwd_ms", "forward"),
-        (axes[1], "fwdbwd_ms", "forward + backward"),
-    ):
-        for case in cases:
-            pts = sorted(
-                (r[suite.plot_x], r[key]) for r in rows if r["case"] == case and r[key] is not None
-            )
-            if not pts:
-                continue
-            floor = any(r["floor"] for r in rows if r["case"] == case)
-            ax.plot(
-                *zip(*pts, strict=True),
-                marker="o",
-                label=case,
-                color=colors[case],
-                linestyle="--" if floor else "-",
-            )
-        floor_pts = sorted(
-            (r[suite.plot_x], r["floor_fwd_ms"]) for r in rows if r["floor"] and r["floor_fwd_ms"]
-        )
-        if floor_pts and key == "fwdbwd_ms":
-            ax.plot(
-                *zip(*floor_pts, strict=True),
-                color="grey",
-                linestyle=":",
-                label=f"{suite.floor_label} (floor)",
-            )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(suite.plot_x)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("median time (ms)")
-    axes[1].legend(fontsize=8)
-    head = rows[0]
-    fig.suptitle(
-        f"{suite.name}: B={head.get('B')}, {head['threads']} thread(s), {head['device']}, "
-        f"torch {head['torch']}",
-        fontsize=10,
+    full = not quick
+    options = RunOptions(
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats or (FULL_REPEATS if full else quick_defaults["repeats"]),
+        time_budget_s=time_budget
+        or (FULL_TIME_BUDGET_S if full else quick_defaults["time_budget"]),
+        memory=memory and full,
+        first_call=first_call and full,
+        seed=seed,
+        extra={"command": command} if command else {},
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return True
+    options.min_repeats = min(options.min_repeats, options.repeats)
+    return options
 
 
-def write_results(
-    records: Sequence[Mapping[str, Any]],
+def run_and_write(
     suite: Suite,
-    out_dir: str | os.PathLike[str],
-    stem: str,
-    *,
-    command: str | None = None,
-) -> dict[str, Path]:
-    """Write ``<stem>.jsonl``, ``<stem>.md`` and (with matplotlib) ``<stem>.png`` to ``out_dir``.
+    configs: Sequence[Config],
+    options: RunOptions,
+    out: str | os.PathLike[str],
+    name: str,
+    command: str | None,
+    log: Callable[[str], None],
+) -> tuple[str, dict[str, Path]]:
+    """Run ``configs`` of ``suite``, write the JSONL/Markdown/PNG files, return the report.
+
+    Args:
+        suite: the suite.
+        configs: its configurations.
+        options: how to run them.
+        out: the output folder.
+        name: the file stem (``"topk"``, ``"topk-quick"``, ...).
+        command: the command line stored in the records and the report.
+        log: where progress lines go.
 
     Returns:
-        The paths written, keyed by ``"jsonl"``, ``"md"`` and ``"png"``.
+        The Markdown report and the paths written (keyed by ``"jsonl"``, ``"md"``, ``"png"``).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"jsonl": out / f"{stem}.jsonl", "md": out / f"{stem}.md"}
-    with paths["jsonl"].open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(dict(record), sort_keys=False) + "\n")
-    paths["md"].write_text(markdown_report(records, suite, command=command), encoding="utf-8")
-    png = out / f"{stem}.png"
-    if plot_results(records, png, suite):
-        paths["png"] = png
-    return paths
+    start = time.perf_counter()
+    records = run_suite(suite, configs, options, log=log)
+    paths = write_results(records, suite, out, name, command=command)
+    log(
+        f"done in {time.perf_counter() - start:.0f} s; wrote "
+        + ", ".join(str(p) for p in paths.values())
+    )
+    return paths["md"].read_text(encoding="utf-8"), paths

@@ -27,34 +27,47 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
     B=8, n=1e5: softsort values+ranks, forward+backward; its peak extra memory is the target.
     The measured path is **l1** (the default distance): exact semiseparable scans, O(B n)
     memory, no blocks and nothing recomputed. The l2 path is row-chunked with checkpointing
-    (blocks recomputed in the backward) at ``softops.sort._softsort.BLOCK_ELEMENTS`` = 2**20
+    (blocks recomputed in the backward) at ``softops.sort._chunked.BLOCK_ELEMENTS`` = 2**20
     entries per block, i.e. ``max(1, 2**20 // (B n))`` = 1 row per block here; its O(B n²) time
     (about 8e10 kernel entries per call) keeps it out of this run, so its row is skipped unless
     B·n² <= ``L2_MAX_ENTRIES``.
 
-The targets of the issue, checked in the report's summary: pav within 1.5× of torchsort at
+The targets of the suite, checked in the report's summary: pav within 1.5× of torchsort at
 n=1e5 (forward+backward); softsort values+ranks at least 3× faster than NeuralSort at n=4000
 (forward+backward); softsort values+ranks at B=8, n=1e5, forward+backward, under 256 MB of peak
 extra memory. The numba kernels (pav's isotonic step, torchpsort) run on as many threads as
 torch (:func:`numba_threads`), so a 1-thread run is 1 thread for every method. SoftTorch is not
 run (it needs Python >= 3.12 and a CUDA torch build).
+
+:func:`run_sort_bench` is ``softops bench sort``: it builds the configurations from the command's
+arguments (:data:`SORT_QUICK` for ``--quick``), runs them and writes the files.
+
+The suite reads one internal of the library, on purpose: the l2 path's block size
+(``BLOCK_ELEMENTS``), which the memory target's summary reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import softops
-from softops.bench.harness import Case, Config
+from softops.bench.harness import DEFAULT_OUT, QuickDefaults, make_options, run_and_write
+from softops.bench.model import Case, Config
+from softops.bench.report import make_logger
+from softops.sort._chunked import BLOCK_ELEMENTS
 
-__all__ = ["SUITE", "SortSuite", "build_configs", "numba_threads"]
+__all__ = ["SORT_QUICK", "SUITE", "SortSuite", "build_configs", "numba_threads", "run_sort_bench"]
 
 GRID_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (1_000, 10_000)
+GRID_BATCH = 64
+SORT_QUICK: QuickDefaults = {"sizes": QUICK_SIZES, "batch": 4, "repeats": 3, "time_budget": 2.0}
+"""The defaults of ``softops bench sort --quick`` (and the probes are off)."""
 EPSILON = 1.0
 NEURALSORT_MAX_ENTRIES = 100_000_000
 """Largest B·n² at which NeuralSort (O(n²) softmax) is run in the grid: B=64, n=1e3."""
@@ -67,7 +80,7 @@ SOFTSORT_VS_NEURALSORT = 3.0
 MEMORY_LIMIT_MB = 256.0
 SOFTTORCH_SKIP = (
     "SoftTorch 0.1.1 is not installed: it needs Python >= 3.12 and a torch build for it (a "
-    "~4 GB CUDA download); PEERS.md measured its softsort at B=8, n=1e4: 89 s and 15 GB"
+    "~4 GB CUDA download); measured apart, its softsort took 89 s and 15 GB at B=8, n=1e4"
 )
 
 _FLOOR = "torch.sort"
@@ -89,7 +102,7 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 def build_configs(
     *,
     sizes: Sequence[int] = GRID_SIZES,
-    batch: int = 64,
+    batch: int = GRID_BATCH,
     vs: bool = True,
     dense: bool = True,
     memory: bool = True,
@@ -315,7 +328,7 @@ class SortSuite:
         return facts
 
     def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        """The issue's targets, with the measured numbers and whether each holds."""
+        """The suite's targets, with the measured numbers and whether each holds."""
         lines = ["### Targets", ""]
         lines += _pav_lines(records)
         lines += _vs_lines(records)
@@ -423,18 +436,12 @@ def _memory_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
             text += f"; saved for backward {ss['saved_mb']:.3g} MB"
         return [text + where]
     ok = ss["peak_mb"] < MEMORY_LIMIT_MB
-    block = "no blocks: the l1 scans are O(B n); the l2 path's block is BLOCK_ELEMENTS = 2**20"
-    try:
-        from softops.sort._softsort import BLOCK_ELEMENTS
-    except ImportError:  # pragma: no cover - the backend ships with softops
-        pass
-    else:
-        rows_per_block = max(1, min(ss["n"], BLOCK_ELEMENTS // (ss["B"] * ss["n"])))
-        block = (
-            "no blocks: the l1 path is exact O(B n) scans, nothing recomputed; the l2/P path's "
-            f"block is BLOCK_ELEMENTS = {BLOCK_ELEMENTS} entries = {rows_per_block} row(s) at "
-            "this shape"
-        )
+    rows_per_block = max(1, min(ss["n"], BLOCK_ELEMENTS // (ss["B"] * ss["n"])))
+    block = (
+        "no blocks: the l1 path is exact O(B n) scans, nothing recomputed; the l2/P path's "
+        f"block is BLOCK_ELEMENTS = {BLOCK_ELEMENTS} entries = {rows_per_block} row(s) at "
+        "this shape"
+    )
     return [
         f"{head}: peak Δ {ss['peak_mb']:.1f} MB (x.grad included; saved for backward "
         f"{ss['saved_mb']:.3g} MB); target < {MEMORY_LIMIT_MB:g} MB {_met(ok)}{where}. "
@@ -443,3 +450,55 @@ def _memory_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 SUITE = SortSuite()
+
+
+def run_sort_bench(
+    *,
+    quick: bool = False,
+    threads: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    out: str = DEFAULT_OUT,
+    repeats: int | None = None,
+    sizes: Sequence[int] | None = None,
+    batch: int | None = None,
+    time_budget: float | None = None,
+    memory: bool = True,
+    vs: bool = True,
+    dense: bool = True,
+    memory_config: bool = True,
+    seed: int = 0,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, Path]]:
+    """Run the sort suite and write its files; return the Markdown report and the paths.
+
+    ``quick`` sets the defaults of the size arguments to small values (:data:`SORT_QUICK`) and
+    turns the subprocess probes off. Arguments left at ``None`` take the defaults of the mode.
+    The files are ``sort.{jsonl,md,png}`` (``sort-quick.*`` with ``quick``) under ``out``. The
+    suite has no first-call probe (nothing in it compiles).
+    """
+    log = log or make_logger()
+    options = make_options(
+        SORT_QUICK,
+        quick=quick,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats,
+        time_budget=time_budget,
+        memory=memory,
+        first_call=False,
+        seed=seed,
+        command=command,
+    )
+    configs = build_configs(
+        sizes=sizes or (SORT_QUICK["sizes"] if quick else GRID_SIZES),
+        batch=batch or (SORT_QUICK["batch"] if quick else GRID_BATCH),
+        vs=vs,
+        dense=dense,
+        memory=memory_config,
+        quick=quick,
+    )
+    name = "sort-quick" if quick else "sort"
+    return run_and_write(SUITE, configs, options, out, name, command, log)

@@ -1,6 +1,6 @@
 r"""The top-k benchmark suite: ``softops bench topk``.
 
-Three groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default:
+Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default:
 
 ``grid``
     B=64, n in {1e3, 1e4, 1e5}, k = n/100, epsilon = 0.1. Cases: the floor ``torch.topk(x,
@@ -15,37 +15,58 @@ Three groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 
     backward is implicit (memory independent of the iteration count), against
     :func:`unrolled_sorted_topk`, plain autograd through 200 log-domain Sinkhorn iterations on
     the same problem: the memory comparison.
+``max``
+    B=64, n=1e4 (1e3 with ``quick``), k=1: the smooth max/argmax family against the top-1 masks.
 
-The targets of the issue, checked in the report's summary: "ot" forward+backward at most 4x the
+The targets of the suite, checked in the report's summary: "ot" forward+backward at most 4x the
 ``torch.topk`` forward at n=1e5; "ot" at least 100x faster than the 200-iteration Sinkhorn,
 forward+backward, at B=8, n=1e4.
+
+:func:`run_topk_bench` is ``softops bench topk``: it builds the configurations from the command's
+arguments (:data:`QUICK` for ``--quick``), runs them and writes the files.
+
+The suite measures two internals of the library, on purpose: the fused path's size threshold
+(``softops._core.fused.FUSED_MIN_NUMEL``) and switch (``compile_enabled``), so that the "ot
+(fused)" row is skipped where it would run the eager code.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import softops
-from softops.bench.harness import Case, Config
+from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled
+from softops.bench.harness import DEFAULT_OUT, QuickDefaults, make_options, run_and_write
+from softops.bench.model import Case, Config
+from softops.bench.references import (
+    SINKHORN_ITERS,
+    paper_sinkhorn_topk_mask,
+    unrolled_sorted_topk,
+)
+from softops.bench.report import make_logger
 
 __all__ = [
+    "QUICK",
     "SUITE",
     "TopKSuite",
     "build_configs",
     "paper_sinkhorn_topk_mask",
+    "run_topk_bench",
     "unrolled_sorted_topk",
 ]
 
 GRID_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (1_000, 10_000)
-SINKHORN_ITERS = 200
+GRID_BATCH = 64
+QUICK: QuickDefaults = {"sizes": QUICK_SIZES, "batch": 16, "repeats": 3, "time_budget": 3.0}
+"""The defaults of ``softops bench topk --quick`` (and the probes are off)."""
 _FUSED_LABEL = "ot (fused)"
 _EAGER_LABEL = "ot (eager)"
 _SINKHORN_LABEL = f"sinkhorn-{SINKHORN_ITERS}"
@@ -57,105 +78,10 @@ _PERTURBED_LABEL = f"perturbed-{PERTURBED_SAMPLES}"
 SOFTKMAX_MAX_KBN = 100_000_000
 
 
-def unrolled_sorted_topk(
-    x: torch.Tensor, k: int, *, epsilon: float, n_iter: int = SINKHORN_ITERS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Sorted SOFT top-k by plain autograd through ``n_iter`` log-domain Sinkhorn iterations.
-
-    The reference the implicit backward of :func:`softops.soft_topk` is measured against (Xie et
-    al. 2020, the sorted variant; MATH.md §2): scores ``x`` (B, n), each of mass 1/n, are
-    transported onto the k+1 targets :math:`y_j = j`, the first k with mass 1/n and the last
-    ("the rest") with mass (n-k)/n, for the cost :math:`C_{ij} = (-x_i - y_j)^2` (negated, so the
-    largest score goes to target 0) and entropy weight :math:`\varepsilon_p = 2\varepsilon`:
-
-    .. math::
-
-        f_i = e \log\mu_i - e\,\mathrm{LSE}_j\big((g_j - C_{ij})/e\big), \quad
-        g_j = e \log\nu_j - e\,\mathrm{LSE}_i\big((f_i - C_{ij})/e\big), \quad e = \varepsilon_p.
-
-    Every iteration is recorded by autograd, so memory grows as O(B n k n_iter). With k = n the
-    rest target is dropped.
-
-    Args:
-        x: scores of shape (B, n).
-        k: number of selected entries, 1 <= k <= n.
-        epsilon: the temperature in units of x (the library's; the paper's is twice it).
-        n_iter: the number of Sinkhorn iterations (no convergence test).
-
-    Returns:
-        ``(values, weights)``: values (B, k), in decreasing order, and weights (B, k, n), where row
-        j is the relaxed one-hot of the (j+1)-th largest entry, ``n * Gamma[:, j]``.
-    """
-    batch, n = x.shape
-    eps_p = 2.0 * epsilon
-    m = k + 1 if k < n else k
-    y = torch.arange(m, dtype=x.dtype, device=x.device)
-    cost = (-x.unsqueeze(-1) - y) ** 2  # (B, n, m)
-    log_mu = -math.log(n)
-    log_nu = torch.full((m,), -math.log(n), dtype=x.dtype, device=x.device)
-    if k < n:
-        log_nu[-1] = math.log((n - k) / n)
-    f = x.new_zeros(batch, n)
-    g = x.new_zeros(batch, m)
-    for _ in range(n_iter):
-        f = eps_p * log_mu - eps_p * torch.logsumexp((g.unsqueeze(1) - cost) / eps_p, dim=2)
-        g = eps_p * log_nu - eps_p * torch.logsumexp((f.unsqueeze(2) - cost) / eps_p, dim=1)
-    log_plan = (f.unsqueeze(2) + g.unsqueeze(1) - cost) / eps_p
-    weights = (n * log_plan[..., :k].exp()).transpose(1, 2)  # (B, k, n)
-    values = (weights @ x.unsqueeze(-1)).squeeze(-1)
-    return values, weights
-
-
-class _PaperSinkhorn(torch.autograd.Function):
-    """The official SOFT top-k algorithm as written: the (B, n, 2) cost layout, log-domain
-    updates with ``logsumexp`` over the size-2 target axis, a fixed number of iterations, and the
-    implicit (KKT) backward. It solves the same problem as ``method="sinkhorn"``; only the layout
-    of the iterations differs (the library's runs the m=2 row update as one sigmoid)."""
-
-    @staticmethod
-    def forward(ctx: Any, cost: torch.Tensor, eps_p: float, k: float, n_iter: int) -> torch.Tensor:
-        batch, n, _ = cost.shape
-        log_mu = -math.log(n)
-        log_nu = torch.tensor(
-            [math.log((n - k) / n), math.log(k / n)], dtype=cost.dtype, device=cost.device
-        )
-        f = cost.new_zeros(batch, n)
-        g = cost.new_zeros(batch, 2)
-        for _ in range(n_iter):
-            f = eps_p * log_mu - eps_p * torch.logsumexp((g.unsqueeze(1) - cost) / eps_p, dim=2)
-            g = eps_p * log_nu - eps_p * torch.logsumexp((f.unsqueeze(2) - cost) / eps_p, dim=1)
-        plan = ((f.unsqueeze(2) + g.unsqueeze(1) - cost) / eps_p).exp()
-        ctx.save_for_backward(plan)
-        ctx.eps_p = eps_p
-        return plan
-
-    @staticmethod
-    def backward(ctx: Any, grad_plan: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from softops._core.sinkhorn import implicit_cost_vjp
-
-        (plan,) = ctx.saved_tensors
-        eps = torch.full((plan.shape[0],), ctx.eps_p, dtype=plan.dtype, device=plan.device)
-        return implicit_cost_vjp(plan, grad_plan, eps), None, None, None
-
-
-def paper_sinkhorn_topk_mask(
-    x: torch.Tensor, k: float, *, epsilon: float, n_iter: int = SINKHORN_ITERS
-) -> torch.Tensor:
-    """SOFT top-k mask by the paper's algorithm as the official code lays it out (a reference).
-
-    Same problem and epsilon as ``soft_topk_mask``: targets (0, 1) with masses ((n-k)/n, k/n),
-    cost ``(x_i - y_j)^2``, entropy weight ``2 * epsilon``; ``n_iter`` fixed iterations.
-    """
-    y = torch.tensor([0.0, 1.0], dtype=x.dtype, device=x.device)
-    cost = (x.unsqueeze(-1) - y) ** 2
-    plan = _PaperSinkhorn.apply(cost, 2.0 * epsilon, float(k), n_iter)
-    return x.shape[-1] * plan[..., 1]
-
-
 def build_configs(
     *,
     sizes: Sequence[int] = GRID_SIZES,
-    batch: int = 64,
+    batch: int = GRID_BATCH,
     k_fraction: float = 0.01,
     epsilon: float = 0.1,
     speedup: bool = True,
@@ -209,12 +135,7 @@ def _compile_default() -> bool:
 @contextmanager
 def _compile_mode(fused: bool) -> Iterator[None]:
     """Hold ``softops.set_compile(fused)`` for a forward and its backward, then restore."""
-    try:
-        from softops._core.fused import compile_enabled
-    except ImportError:
-        previous = _compile_default()
-    else:
-        previous = compile_enabled()
+    previous = compile_enabled()
     softops.set_compile(fused)
     try:
         yield
@@ -289,7 +210,7 @@ class TopKSuite:
 
     @staticmethod
     def _max_cases(eps: float) -> list[Case]:
-        """k = 1: the smooth max/argmax family of seed 002 against the top-1 masks."""
+        """k = 1: the smooth max/argmax family (Su 2019) against the top-1 masks."""
         return [
             Case("torch.amax", lambda x: torch.amax(x, dim=-1), floor=True),
             Case("smooth_max", lambda x: softops.smooth_max(x, epsilon=eps)),
@@ -328,7 +249,7 @@ class TopKSuite:
         return facts
 
     def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        """The issue's targets, with the measured numbers and whether each holds."""
+        """The suite's targets, with the measured numbers and whether each holds."""
         lines = ["### Targets", ""]
         ot_names = (_FUSED_LABEL, _EAGER_LABEL)  # the default path first
 
@@ -410,7 +331,8 @@ def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _relaxation_cases(k: int, eps: float, numel: int) -> list[Case]:
-    """The seed-002 recursion ("softkmax") and the perturbed optimizer, at the same epsilon."""
+    """The softmax recursion ("softkmax", Su 2019) and the perturbed optimizer (Berthet et al.
+    2020), at the same epsilon."""
 
     def softkmax(x: torch.Tensor) -> torch.Tensor:
         return softops.soft_topk_mask(x, k, epsilon=eps, method="softkmax")
@@ -439,10 +361,6 @@ def _fused_skip(numel: int) -> str | None:
     """Why the fused row would not measure the fused path, or None when it does."""
     if not _compile_default():
         return "SOFTOPS_COMPILE=0 turns the fused path off"
-    try:
-        from softops._core.fused import FUSED_MIN_NUMEL
-    except ImportError:
-        return None
     if numel < FUSED_MIN_NUMEL:
         return (
             f"B·n = {numel} is below the fused path's threshold ({FUSED_MIN_NUMEL}), where "
@@ -467,3 +385,56 @@ def _entmax_case(k: int) -> Case:
 
 
 SUITE = TopKSuite()
+
+
+def run_topk_bench(
+    *,
+    quick: bool = False,
+    threads: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    out: str = DEFAULT_OUT,
+    repeats: int | None = None,
+    sizes: Sequence[int] | None = None,
+    batch: int | None = None,
+    time_budget: float | None = None,
+    memory: bool = True,
+    first_call: bool = True,
+    speedup: bool = True,
+    sorted_memory: bool = True,
+    smooth: bool = True,
+    seed: int = 0,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, Path]]:
+    """Run the top-k suite and write its files; return the Markdown report and the paths.
+
+    ``quick`` sets the defaults of the size arguments to small values (:data:`QUICK`) and turns
+    the subprocess probes off. Arguments left at ``None`` take the defaults of the mode. The
+    files are ``topk.{jsonl,md,png}`` (``topk-quick.*`` with ``quick``) under ``out``.
+    """
+    log = log or make_logger()
+    options = make_options(
+        QUICK,
+        quick=quick,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        repeats=repeats,
+        time_budget=time_budget,
+        memory=memory,
+        first_call=first_call,
+        seed=seed,
+        command=command,
+    )
+    configs = build_configs(
+        sizes=sizes or (QUICK["sizes"] if quick else GRID_SIZES),
+        batch=batch or (QUICK["batch"] if quick else GRID_BATCH),
+        speedup=speedup,
+        sorted_memory=sorted_memory,
+        smooth=smooth,
+        first_call=options.first_call,
+        quick=quick,
+    )
+    name = "topk-quick" if quick else "topk"
+    return run_and_write(SUITE, configs, options, out, name, command, log)

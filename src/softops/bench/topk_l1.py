@@ -17,11 +17,13 @@ the temperature of ``soft_argmax_onehot``. The largest entry of each mask is rep
 "softkmax" exceeds 1 where its recursion double-counts an entry.
 
 This is an accuracy sweep, not a timing: it runs no backward and one call per point.
+:func:`run_l1_bench` is ``softops bench topk-l1``: the sweep on a given number of threads, then
+the files ``topk-l1.{jsonl,md,png}``.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,11 +32,28 @@ from typing import Any
 import torch
 
 import softops
+from softops.bench.harness import DEFAULT_OUT
+from softops.bench.references import SINKHORN_ITERS
+from softops.bench.report import (
+    log_log_axes,
+    make_logger,
+    new_figure,
+    reproduce_lines,
+    save_figure,
+    write_report,
+)
 
-__all__ = ["L1_EPSILONS", "l1_markdown", "l1_methods", "l1_to_hard", "plot_l1", "write_l1"]
+__all__ = [
+    "L1_EPSILONS",
+    "l1_markdown",
+    "l1_methods",
+    "l1_to_hard",
+    "plot_l1",
+    "run_l1_bench",
+    "write_l1",
+]
 
 L1_EPSILONS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
-SINKHORN_ITERS = 200
 
 
 def l1_methods(k: int, n_samples: int = 100) -> dict[str, Callable[[torch.Tensor, float], Any]]:
@@ -138,9 +157,8 @@ def l1_markdown(records: Sequence[Mapping[str, Any]], *, command: str | None = N
         f"x ~ N(0, 1), B={head['B']}, n={head['n']}, {head['dtype']}, {head['device']}, "
         f"torch {head['torch']}. Cells: mean over rows of ‖A − hard‖₁ (out of 2k); "
         "a mask entry above 1 is flagged as (max …).",
+        *reproduce_lines(command),
     ]
-    if command:
-        lines += ["", f"Reproduce with `{command}`."]
     for k in dict.fromkeys(r["k"] for r in records):
         rows = [r for r in records if r["k"] == k]
         epsilons = list(dict.fromkeys(r["epsilon"] for r in rows))
@@ -163,50 +181,72 @@ def l1_markdown(records: Sequence[Mapping[str, Any]], *, command: str | None = N
 
 def plot_l1(records: Sequence[Mapping[str, Any]], path: Path) -> bool:
     """L1 against epsilon, log-log, one panel per k. Needs matplotlib; False without it."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
     ks = list(dict.fromkeys(r["k"] for r in records))
-    if not ks:
+    fig = new_figure((5.5 * len(ks), 4.2)) if ks else None
+    if fig is None:
         return False
-    fig = Figure(figsize=(5.5 * len(ks), 4.2))
-    FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(ks), squeeze=False)[0]
     for ax, k in zip(axes, ks, strict=True):
         rows = [r for r in records if r["k"] == k]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["epsilon"], max(r["l1"], 1e-12)) for r in rows if r["method"] == method)
             ax.plot(*zip(*pts, strict=True), marker="o", label=method)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("epsilon (units of x)")
+        log_log_axes(ax, "epsilon (units of x)", f"k = {k}, n = {rows[0]['n']}")
         ax.set_ylabel("mean ‖A − hard‖₁")
-        ax.set_title(f"k = {k}, n = {rows[0]['n']}")
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     return True
 
 
 def write_l1(
     records: Sequence[Mapping[str, Any]],
-    out_dir: str | Path,
+    out_dir: str | os.PathLike[str],
     stem: str = "topk-l1",
     *,
     command: str | None = None,
 ) -> dict[str, Path]:
     """Write ``<stem>.jsonl``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"jsonl": out / f"{stem}.jsonl", "md": out / f"{stem}.md"}
-    with paths["jsonl"].open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(dict(r)) + "\n")
-    paths["md"].write_text(l1_markdown(records, command=command), encoding="utf-8")
-    if plot_l1(records, out / f"{stem}.png"):
-        paths["png"] = out / f"{stem}.png"
-    return paths
+    markdown = l1_markdown(records, command=command)
+    return write_report(records, out_dir, stem, markdown, lambda png: plot_l1(records, png))
+
+
+def run_l1_bench(
+    *,
+    batch: int = 64,
+    n: int = 1_000,
+    ks: Sequence[int] = (1, 10),
+    epsilons: Sequence[float] = L1_EPSILONS,
+    n_samples: int = 100,
+    threads: int = 1,
+    device: str = "cpu",
+    out: str | os.PathLike[str] = DEFAULT_OUT,
+    seed: int = 0,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, Path]]:
+    """Run :func:`l1_to_hard` on ``threads`` torch threads and write its files.
+
+    The arguments are those of :func:`l1_to_hard`, plus ``threads`` (restored afterwards),
+    ``out`` (the folder of ``topk-l1.{jsonl,md,png}``), ``command`` (stored in the report) and
+    ``log`` (where the progress line goes; stderr by default).
+
+    Returns:
+        The Markdown report and the paths written.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        records = l1_to_hard(
+            batch=batch,
+            n=n,
+            ks=ks,
+            epsilons=epsilons,
+            n_samples=n_samples,
+            seed=seed,
+            device=device,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    paths = write_l1(records, out, command=command)
+    (log or make_logger())("wrote " + ", ".join(str(p) for p in paths.values()))
+    return paths["md"].read_text(encoding="utf-8"), paths

@@ -38,9 +38,9 @@ regression, 4 seeds: train CE 0.059 after 300 epochs, 0.056 after 2000); at lr 0
 
 Run::
 
-    python examples/f1_finetune.py                       # 20 seeds, ~30 s on a 2-core CPU
-    python examples/f1_finetune.py --model mlp --append  # another section in the results file
-    python examples/f1_finetune.py --quick               # the smoke test's tiny run; no file
+    python benchmarks/f1_finetune.py                       # 20 seeds, ~30 s on a 2-core CPU
+    python benchmarks/f1_finetune.py --model mlp --append  # another section in the results file
+    python benchmarks/f1_finetune.py --quick               # the smoke test's tiny run; no file
 
 It prints a Markdown table and writes it, with the command and the machine, to ``--out``
 (default ``benchmarks/results/f1_finetune.md``; ``--append`` adds a section instead).
@@ -75,7 +75,7 @@ ARM_LABELS = {
     "f1": "(c) f1_loss from scratch",
     "ce+thr": "(d) cross-entropy + threshold tuned on val",
 }
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "f1_finetune.md"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "f1_finetune.md"
 QUICK = {"seeds": 2, "epochs": 40}
 
 
@@ -307,7 +307,7 @@ def write(path: Path, section: str, append: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         "# Soft-F1 fine-tuning on real imbalanced data\n\n"
-        "Written by `examples/f1_finetune.py` (see its docstring for the protocol). Test F1 is "
+        "Written by `benchmarks/f1_finetune.py` (see its docstring for the protocol). Test F1 is "
         "scikit-learn's `f1_score` of the hard predictions `p > 0.5` (arm (d): `p >= thr`, "
         "thr tuned for F1 on the validation split); std is over seeds (ddof=1); precision and "
         "recall are means over seeds.\n\n"
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 flush=True,
             )
         seconds = time.perf_counter() - start
-        command = shlex.join(["python", "examples/f1_finetune.py", *argv])
+        command = shlex.join(["python", "benchmarks/f1_finetune.py", *argv])
         table, summary = report(per_seed, args, task, seconds, command)
         section = table + "\n" + machine_line() + "\n"
     finally:

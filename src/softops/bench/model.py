@@ -1,0 +1,271 @@
+r"""The data model of the benchmark harness, and the primitives every measurement shares.
+
+A *suite* (see :class:`Suite`) describes what to measure: a list of :class:`Config` (one input
+shape and its parameters) and, for each, a list of :class:`Case` (one method: a function of the
+input tensor). One case per configuration is the *floor*, the hard operator that every time is
+divided by. :class:`RunOptions` says how to run a suite.
+
+The primitives are shared by the in-process timing loop (:mod:`softops.bench.harness`) and the
+probe subprocesses (:mod:`softops.bench._probe`), so that both measure the same thing:
+
+* :func:`sync` waits for queued device work, so that a clock reading covers it;
+* :func:`count_saved_bytes` counts the bytes a forward saves for backward: the sum over the
+  distinct storages :math:`S` reached by ``saved_tensors_hooks``, leaving out the input's own,
+  :math:`\sum_{s \in S \setminus \{s_x\}} \mathrm{nbytes}(s)`;
+* :func:`make_generator` and :func:`functional_weights` make the seeded input and the fixed
+  random ``g`` of the linear functional ``(out * g).sum()`` whose backward is timed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "PROBE_MARKER",
+    "Case",
+    "Config",
+    "RunOptions",
+    "Suite",
+    "count_saved_bytes",
+    "functional_weights",
+    "make_generator",
+    "sync",
+]
+
+PROBE_MARKER = "SOFTOPS_PROBE_RESULT "
+"""The prefix of the JSON result line a probe subprocess prints."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One method to measure in one configuration.
+
+    Attributes:
+        name: the row label, unique within the configuration.
+        fn: a function of the (B, n) input tensor returning one tensor (the output whose
+            random linear functional is back-propagated).
+        floor: ``True`` for the hard operator that every ratio is taken against.
+        skip: a reason not to run the case (for example a peer that is not installed); the case
+            is still reported, with this reason.
+        first_call: time the first call in fresh subprocesses (for compiled paths).
+        compiled: the first call of each mode compiles, so a warm-up call over the time budget
+            is repeated once before the case is judged too slow.
+        mode: a context-manager factory entered around every call, forward *and* backward
+            (for example a global switch that the backward also reads).
+    """
+
+    name: str
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    floor: bool = False
+    skip: str | None = None
+    first_call: bool = False
+    compiled: bool = False
+    mode: Callable[[], AbstractContextManager[Any]] | None = None
+
+    def context(self) -> AbstractContextManager[Any]:
+        """The context to run a call of this case in (``mode()``, or a no-op)."""
+        return self.mode() if self.mode is not None else nullcontext()
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: a group label plus JSON-serialisable parameters (``B``, ``n``, ...).
+
+    Configurations of one group are expected in increasing size: a case too slow for one is
+    skipped for the following ones of the same group. ``first_call`` marks the configurations
+    where the cases flagged ``first_call`` get their first call timed in fresh processes.
+
+    Example:
+        >>> from softops.bench.model import Config
+        >>> config = Config("grid", {"B": 64, "n": 1000, "k": 10})
+        >>> config.label
+        'grid B=64 n=1000 k=10'
+        >>> Config.from_json(config.to_json()) == config
+        True
+    """
+
+    group: str
+    params: Mapping[str, Any]
+    first_call: bool = False
+
+    @property
+    def label(self) -> str:
+        """A short human-readable label, e.g. ``"grid B=64 n=1000 k=10"``."""
+        return " ".join([self.group, *(f"{key}={value}" for key, value in self.params.items())])
+
+    def to_json(self) -> str:
+        """Serialise for the probe subprocess."""
+        return json.dumps(
+            {"group": self.group, "params": dict(self.params), "first_call": self.first_call}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        return cls(data["group"], data["params"], bool(data.get("first_call", False)))
+
+
+class Suite(Protocol):
+    """What a benchmark suite provides to the harness.
+
+    ``ref`` is the ``"module:attribute"`` path of the suite object, so that a probe subprocess can
+    rebuild the same cases. ``make_cases`` must depend only on the configuration and the
+    environment, never on run options.
+    """
+
+    ref: str
+    name: str
+    floor_label: str
+    plot_group: str
+    plot_x: str
+
+    def make_input(
+        self,
+        config: Config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Return the (B, n) input of a configuration (without ``requires_grad``)."""
+        ...
+
+    def make_cases(self, config: Config) -> list[Case]:
+        """Return the cases of a configuration, floor included."""
+        ...
+
+    def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Return configuration-level facts from the cases' forward outputs (e.g. agreement)."""
+        ...
+
+    def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Return Markdown lines appended to the report (e.g. the targets and whether they hold)."""
+        ...
+
+
+@dataclass
+class RunOptions:
+    """How to run a suite.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+        dtype: the input dtype, by name (``"float32"``, ``"float64"``, ...).
+        threads: ``torch.set_num_threads`` for the run (and the probes).
+        repeats: timed repeats per case and mode (the median is reported).
+        min_repeats: the fewest repeats a case gets when its time budget is short.
+        time_budget_s: seconds of timed repeats allowed per case and configuration; a case whose
+            single warm-up call exceeds it is skipped there and at larger sizes of its group.
+        memory: run the peak-memory probes (one subprocess per configuration and case).
+        first_call: run the first-call probes of the cases flagged ``first_call``.
+        seed: seed of the inputs and of the linear functionals.
+        probe_timeout_s: a probe subprocess is abandoned after this long.
+        extra: JSON-serialisable fields stored in every record (for example the command line).
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    repeats: int = 10
+    min_repeats: int = 3
+    time_budget_s: float = 30.0
+    memory: bool = True
+    first_call: bool = True
+    seed: int = 0
+    probe_timeout_s: float = 900.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``; raises ``ValueError`` for an unknown name."""
+        value = getattr(torch, self.dtype, None)
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(f"bench: expected a floating dtype name; got dtype={self.dtype!r}.")
+        return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives shared by the timing loop and the probe subprocesses
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (CUDA); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_saved_bytes(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Run ``fn(x)`` and count the bytes it saves for backward.
+
+    Counts each distinct storage once (a tensor saved by several nodes, or views of one buffer,
+    are counted once, at the size of the whole storage, since that is what stays alive) and
+    leaves out the storage of ``x`` itself, which exists anyway.
+
+    Args:
+        fn: the function to run.
+        x: its input (usually with ``requires_grad=True``).
+
+    Returns:
+        The output of ``fn(x)`` and the number of bytes saved for its backward.
+
+    Example:
+        >>> import torch
+        >>> from softops.bench.model import count_saved_bytes
+        >>> x = torch.randn(3, 5, requires_grad=True)
+        >>> count_saved_bytes(torch.sin, x)[1]  # sin saves only its input
+        0
+        >>> count_saved_bytes(lambda t: (3 * t).exp(), x)[1]  # exp saves its output
+        60
+    """
+    excluded = {_storage_key(x)}
+    seen: dict[Any, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in excluded:
+            try:
+                nbytes = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                nbytes = t.numel() * t.element_size()
+            seen[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    return out, sum(seen.values())
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """What identifies the storage of ``t``: its device and address (its ``id`` when empty)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return ("id", id(t))
+    if ptr == 0:  # empty storages all have address 0
+        return ("id", id(t))
+    return (str(t.device), ptr)
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def functional_weights(shape: torch.Size, like: torch.Tensor, seed: int, name: str) -> torch.Tensor:
+    """The fixed random ``g`` of the linear functional ``(out * g).sum()`` of one case.
+
+    Derived from ``seed`` and the case name (not from Python's randomised ``hash``), so the
+    harness and the probe subprocesses use the same ``g``.
+    """
+    offset = sum((i + 1) * ord(c) for i, c in enumerate(name)) % 100_003
+    gen = make_generator(like.device, seed * 100_019 + offset + 1)
+    return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)

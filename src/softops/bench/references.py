@@ -1,0 +1,265 @@
+r"""Reference implementations: log-domain Sinkhorn unrolled, differentiated by plain autograd.
+
+Every reference solves an entropic optimal transport problem between sources with masses
+:math:`a` (n of them) and targets with masses :math:`b` (m of them), one problem per batch row,
+
+.. math::
+
+    \Gamma^\star = \arg\min_{\Gamma \ge 0,\ \Gamma 1 = a,\ \Gamma^\top 1 = b}
+    \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
+
+by a fixed number of log-domain Sinkhorn iterations (one iteration is a row update of f, then a
+column update of g, as in the SOFT top-k paper's code, Xie et al. 2020, arXiv 2002.06504):
+
+.. math::
+
+    f_i \leftarrow \varepsilon \log a_i
+        - \varepsilon \operatorname{LSE}_j\big((g_j - C_{ij})/\varepsilon\big), \qquad
+    g_j \leftarrow \varepsilon \log b_j
+        - \varepsilon \operatorname{LSE}_i\big((f_i - C_{ij})/\varepsilon\big), \qquad
+    \Gamma_{ij} = \exp\big((f_i + g_j - C_{ij})/\varepsilon\big).
+
+:func:`unrolled_sinkhorn` is that loop, and nothing else: autograd records every iteration, so
+its gradient is exact for the iterate it returns and its memory grows as O(B n m n_iter). It is
+the reference the implicit backwards of the library (which save only the converged plan) are
+checked against, in the tests and in the memory rows of the benchmarks. The wrappers set up the
+two top-k problems of Xie et al. (2020):
+
+* :func:`unrolled_sinkhorn_topk_mask`: the top-k mask, targets (0, 1) with masses
+  ((n-k)/n, k/n) and :math:`C_{ij} = (x_i - y_j)^2`; it returns :math:`n \Gamma_{:, 1}`, the
+  problem of ``soft_topk_mask(method="sinkhorn")`` (the library's epsilon is half the paper's);
+* :func:`unrolled_sorted_topk`: the sorted top-k, k+1 targets :math:`y_j = j`, the problem of
+  :func:`softops.soft_topk`;
+* :func:`paper_sinkhorn_topk_mask`: the top-k mask by the same loop run without autograd, with
+  the implicit (KKT) backward of the paper: the official algorithm as it lays out its
+  iterations, for timing against the library's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from softops._core.sinkhorn import implicit_cost_vjp
+
+__all__ = [
+    "SINKHORN_ITERS",
+    "UnrolledSinkhorn",
+    "paper_sinkhorn_topk_mask",
+    "unrolled_sinkhorn",
+    "unrolled_sinkhorn_topk_mask",
+    "unrolled_sorted_topk",
+]
+
+SINKHORN_ITERS = 200
+"""The paper's fixed number of Sinkhorn iterations."""
+
+
+class UnrolledSinkhorn(NamedTuple):
+    """The state after the last iteration of :func:`unrolled_sinkhorn`.
+
+    Attributes:
+        plan: (..., n, m) transport plan; its columns are exact (the last update is g's).
+        f: (..., n) source potentials.
+        g: (..., m) target potentials.
+    """
+
+    plan: Tensor
+    f: Tensor
+    g: Tensor
+
+
+def unrolled_sinkhorn(
+    cost: Tensor,
+    log_a: Tensor | float,
+    log_b: Tensor | float,
+    epsilon: Tensor | float,
+    n_iter: int,
+) -> UnrolledSinkhorn:
+    r"""``n_iter`` log-domain Sinkhorn iterations from zero potentials, recorded by autograd.
+
+    .. math::
+
+        f \leftarrow \varepsilon \log a - \varepsilon \operatorname{LSE}_j((g - C)/\varepsilon),
+        \quad
+        g \leftarrow \varepsilon \log b - \varepsilon \operatorname{LSE}_i((f - C)/\varepsilon),
+        \quad \Gamma = \exp((f + g - C)/\varepsilon).
+
+    No convergence test, no stabilisation beyond the log domain: the plain reference. Gradients
+    flow to every tensor argument through every iteration.
+
+    Args:
+        cost: (..., n, m) cost matrices.
+        log_a: log source masses, broadcastable to (..., n) (a float for uniform masses).
+        log_b: log target masses, broadcastable to (..., m).
+        epsilon: the entropy weight, in units of the cost: a float, or a tensor of the batch
+            shape (...,), one value per problem.
+        n_iter: the number of iterations (0 returns the plan of zero potentials).
+
+    Returns:
+        ``UnrolledSinkhorn(plan, f, g)``, which unpacks as a tuple.
+
+    Example:
+        >>> import math, torch
+        >>> from softops.bench.references import unrolled_sinkhorn
+        >>> cost = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [4.0, 1.0]]], dtype=torch.float64)
+        >>> log_b = torch.tensor([math.log(2 / 3), math.log(1 / 3)], dtype=torch.float64)
+        >>> plan, f, g = unrolled_sinkhorn(cost, -math.log(3), log_b, 0.5, 300)
+        >>> [round(v, 6) for v in plan.sum(-1)[0].tolist()]  # rows: a = 1/3 each
+        [0.333333, 0.333333, 0.333333]
+        >>> [round(v, 6) for v in plan.sum(-2)[0].tolist()]  # columns: b, exact
+        [0.666667, 0.333333]
+    """
+    log_a = torch.as_tensor(log_a, dtype=cost.dtype, device=cost.device)
+    log_b = torch.as_tensor(log_b, dtype=cost.dtype, device=cost.device)
+    eps = torch.as_tensor(epsilon, dtype=cost.dtype, device=cost.device)
+    e = eps.unsqueeze(-1) if eps.dim() else eps  # broadcasts against a potential
+    e_cost = e.unsqueeze(-1) if eps.dim() else eps  # broadcasts against the cost
+    f = cost.new_zeros(cost.shape[:-1])
+    g = cost.new_zeros(cost.shape[:-2] + cost.shape[-1:])
+    for _ in range(n_iter):
+        f = e * log_a - e * torch.logsumexp((g.unsqueeze(-2) - cost) / e_cost, dim=-1)
+        g = e * log_b - e * torch.logsumexp((f.unsqueeze(-1) - cost) / e_cost, dim=-2)
+    plan = torch.exp((f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / e_cost)
+    return UnrolledSinkhorn(plan, f, g)
+
+
+def _topk_mask_problem(x: Tensor, k: float) -> tuple[Tensor, float, Tensor]:
+    """Cost (..., n, 2) and log masses of the top-k mask problem: targets (0, 1)."""
+    n = x.shape[-1]
+    y = torch.tensor([0.0, 1.0], dtype=x.dtype, device=x.device)
+    log_b = torch.tensor([math.log((n - k) / n), math.log(k / n)], dtype=x.dtype, device=x.device)
+    return (x.unsqueeze(-1) - y) ** 2, -math.log(n), log_b
+
+
+def unrolled_sinkhorn_topk_mask(x: Tensor, k: float, epsilon: float, n_iter: int) -> Tensor:
+    r"""SOFT top-k mask by :func:`unrolled_sinkhorn` on the n x 2 problem (plain autograd).
+
+    Sources :math:`x_i` of mass 1/n, targets :math:`y = (0, 1)` of masses ((n-k)/n, k/n), cost
+    :math:`C_{ij} = (x_i - y_j)^2`, entropy weight :math:`\varepsilon_p = 2\varepsilon`
+    (Xie et al. 2020, with the library's epsilon, half the paper's): the mask is
+    :math:`A = n\,\Gamma_{:, 1}`, the k largest entries near 1.
+
+    Args:
+        x: scores of shape (..., n).
+        k: the number of selected entries, 0 < k < n.
+        epsilon: the library's temperature, in units of x.
+        n_iter: the number of Sinkhorn iterations.
+
+    Returns:
+        The mask, of the shape of ``x``; it sums to k along the last dim.
+
+    Example:
+        >>> import torch, softops
+        >>> from softops.bench.references import unrolled_sinkhorn_topk_mask
+        >>> x = torch.tensor([[3.0, 1.0, 2.0, 0.0]], dtype=torch.float64)
+        >>> mask = unrolled_sinkhorn_topk_mask(x, 2, 0.2, 1000)
+        >>> mask.round(decimals=3)
+        tensor([[0.9990, 0.0760, 0.9240, 0.0010]], dtype=torch.float64)
+        >>> torch.allclose(mask, softops.soft_topk_mask(x, 2, epsilon=0.2))  # converged
+        True
+    """
+    cost, log_a, log_b = _topk_mask_problem(x, k)
+    plan = unrolled_sinkhorn(cost, log_a, log_b, 2.0 * epsilon, n_iter).plan
+    return x.shape[-1] * plan[..., 1]
+
+
+def unrolled_sorted_topk(
+    x: Tensor,
+    k: int,
+    *,
+    epsilon: float,
+    n_iter: int = SINKHORN_ITERS,
+    largest: bool = True,
+) -> tuple[Tensor, Tensor]:
+    r"""Sorted SOFT top-k by :func:`unrolled_sinkhorn` (plain autograd through every iteration).
+
+    The reference the implicit backward of :func:`softops.soft_topk` is measured against (Xie et
+    al. 2020, the sorted variant, Sec. 3): scores ``x`` (B, n), each of mass 1/n, are
+    transported onto the k+1 targets :math:`y_j = j`, the first k with mass 1/n and the last
+    ("the rest") with mass (n-k)/n, for the cost :math:`C_{ij} = (s_i - y_j)^2` with
+    :math:`s = -x` for the largest (so the largest score goes to target 0) and :math:`s = x` for
+    the smallest, and entropy weight :math:`\varepsilon_p = 2\varepsilon`. With k = n the rest
+    target is dropped. Memory grows as O(B n k n_iter).
+
+    Args:
+        x: scores of shape (B, n).
+        k: number of selected entries, 1 <= k <= n.
+        epsilon: the temperature in units of x (the library's; the paper's is twice it).
+        n_iter: the number of Sinkhorn iterations (no convergence test).
+        largest: select the largest entries (``True``) or the smallest.
+
+    Returns:
+        ``(values, weights)``: values (B, k), in the order of ``torch.topk`` (decreasing for the
+        largest), and weights (B, k, n), where row j is the relaxed one-hot of the (j+1)-th
+        selected entry, ``n * Gamma[:, j]``.
+
+    Example:
+        >>> import torch, softops
+        >>> from softops.bench.references import unrolled_sorted_topk
+        >>> x = torch.tensor([[0.0, 3.0, 1.0, 2.0]], dtype=torch.float64)
+        >>> values, weights = unrolled_sorted_topk(x, 2, epsilon=0.2, n_iter=1000)
+        >>> values.round(decimals=3), weights.shape
+        (tensor([[2.9270, 1.9990]], dtype=torch.float64), torch.Size([1, 2, 4]))
+        >>> torch.allclose(weights, softops.soft_topk(x, 2, epsilon=0.2).weights)  # converged
+        True
+    """
+    n = x.shape[-1]
+    m = k + 1 if k < n else k
+    s = -x if largest else x
+    y = torch.arange(m, dtype=x.dtype, device=x.device)
+    log_b = torch.full((m,), -math.log(n), dtype=x.dtype, device=x.device)
+    if k < n:
+        log_b[-1] = math.log((n - k) / n)
+    cost = (s.unsqueeze(-1) - y) ** 2  # (B, n, m)
+    plan = unrolled_sinkhorn(cost, -math.log(n), log_b, 2.0 * epsilon, n_iter).plan
+    weights = (n * plan[..., :k]).transpose(-2, -1)  # (B, k, n)
+    values = (weights @ x.unsqueeze(-1)).squeeze(-1)
+    return values, weights
+
+
+class _PaperSinkhorn(torch.autograd.Function):
+    """The official SOFT top-k algorithm as written: the (B, n, 2) cost layout, log-domain
+    updates with ``logsumexp`` over the size-2 target axis, a fixed number of iterations, and the
+    implicit (KKT) backward. It solves the same problem as ``method="sinkhorn"``; only the layout
+    of the iterations differs (the library's runs the m=2 row update as one sigmoid)."""
+
+    @staticmethod
+    def forward(ctx: Any, cost: Tensor, log_b: Tensor, eps_p: float, n_iter: int) -> Tensor:
+        plan = unrolled_sinkhorn(cost, -math.log(cost.shape[-2]), log_b, eps_p, n_iter).plan
+        ctx.save_for_backward(plan)
+        ctx.eps_p = eps_p
+        return plan
+
+    @staticmethod
+    def backward(ctx: Any, grad_plan: Tensor) -> tuple[Tensor | None, ...]:
+        (plan,) = ctx.saved_tensors
+        eps = torch.full((plan.shape[0],), ctx.eps_p, dtype=plan.dtype, device=plan.device)
+        return implicit_cost_vjp(plan, grad_plan, eps), None, None, None
+
+
+def paper_sinkhorn_topk_mask(
+    x: Tensor, k: float, *, epsilon: float, n_iter: int = SINKHORN_ITERS
+) -> Tensor:
+    """SOFT top-k mask by the paper's algorithm as the official code lays it out (a reference).
+
+    The problem of :func:`unrolled_sinkhorn_topk_mask` (and of ``soft_topk_mask``): targets
+    (0, 1) with masses ((n-k)/n, k/n), cost ``(x_i - y_j)^2``, entropy weight ``2 * epsilon``;
+    ``n_iter`` fixed iterations, run without autograd, and the implicit backward of the converged
+    plan (exact only at convergence; it saves the plan alone).
+
+    Args:
+        x: scores of shape (B, n).
+        k: the number of selected entries, 0 < k < n.
+        epsilon: the library's temperature, in units of x.
+        n_iter: the number of Sinkhorn iterations.
+
+    Returns:
+        The mask (B, n).
+    """
+    cost, _, log_b = _topk_mask_problem(x, k)
+    plan = _PaperSinkhorn.apply(cost, log_b, 2.0 * epsilon, n_iter)
+    return x.shape[-1] * plan[..., 1]

@@ -1,0 +1,143 @@
+"""The ``softops`` console script: parsing, dispatch to the suites, and the demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import softops.cli
+from softops.bench import harness
+from softops.bench import sort as sort_suite
+from softops.bench import topk as topk_suite
+from softops.cli import build_parser, main
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The ``--help`` text of a sub-command, with its line breaks undone."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_bench_topk_l1(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "topk-l1", "--batch", "2", "--n", "20", "--k", "2", "--epsilons", "0.5"]
+    assert main([*argv, "--samples", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| ot |" in out and "| perturbed-4 |" in out and "ε=0.5" in out
+    assert "Reproduce with `softops bench topk-l1 --batch 2" in out
+    assert main([*argv[:-4], "--k", "30", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "topk-l1", "--epsilons", "0"])
+
+
+def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
+    argv += ["--threads", str(torch.get_num_threads()), "--no-speedup", "--no-sorted"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| torch.topk | 1.00× |" in out
+    assert (tmp_path / "topk-quick.jsonl").exists() and (tmp_path / "topk-quick.md").exists()
+
+
+def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "sort", "--quick", "--sizes", "200", "--batch", "2", "--repeats", "1"]
+    argv += ["--threads", str(torch.get_num_threads()), "--no-vs", "--no-dense"]
+    argv += ["--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| torch.sort | 1.00× |" in out and "### Targets" in out
+    assert "softsort values+ranks fwd+bwd at B=2, n=10000" in out  # the quick memory config
+    lines = (tmp_path / "sort-quick.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert {r["group"] for r in records} == {"grid", "memory"}
+    assert {r["command"] for r in records} == {"softops " + " ".join(argv)}
+    assert (tmp_path / "sort-quick.md").exists()
+
+
+@pytest.mark.parametrize("suite", ["topk", "sort", "topk-l1"])
+def test_cli_rejects_an_unavailable_device(
+    suite: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", suite, "--device", "nonsense", "--out", str(tmp_path)]) == 2
+    assert "expected a torch device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", suite, "--device", "cuda", "--out", str(tmp_path)]) == 2
+        assert "but CUDA is not" in capsys.readouterr().err
+
+
+def test_cli_dispatches_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, dict[str, Any]] = {}
+
+    def fake(name: str) -> Any:
+        def run(**kwargs: Any) -> tuple[str, dict[str, Any]]:
+            seen[name] = kwargs
+            return "report", {}
+
+        return run
+
+    monkeypatch.setattr(softops.cli, "run_topk_bench", fake("topk"))
+    monkeypatch.setattr(softops.cli, "run_sort_bench", fake("sort"))
+    assert main(["bench", "topk", "--no-first-call", "--no-smooth", "--sizes", "1e3"]) == 0
+    assert main(["bench", "sort", "--quick", "--no-memory", "--no-memory-config"]) == 0
+    topk, sort = seen["topk"], seen["sort"]
+    assert topk["sizes"] == [1000] and not topk["first_call"] and not topk["smooth"]
+    assert topk["speedup"] and topk["sorted_memory"] and topk["memory"] and not topk["quick"]
+    assert topk["command"] == "softops bench topk --no-first-call --no-smooth --sizes 1e3"
+    assert sort["quick"] and not sort["memory"] and not sort["memory_config"]
+    assert sort["vs"] and sort["dense"] and sort["out"] == harness.DEFAULT_OUT
+    shared = {"threads", "device", "dtype", "repeats", "batch", "time_budget", "seed"}
+    assert shared <= set(topk) and shared <= set(sort)
+
+
+def test_shared_options_take_each_suite_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    topk, sort = _help(capsys, "bench", "topk"), _help(capsys, "bench", "sort")
+    for text in (topk, sort):
+        assert "the grid's n values (default: 1e3 1e4 1e5, or 1e3 1e4 with --quick)" in text
+        assert "timed repeats per case (default: 10, or 3 with --quick)" in text
+        assert "--seed SEED seed of the inputs (default: 0)" in text  # last, after the switches
+        assert text.index("--no-memory ") < text.index("--seed SEED seed")
+    assert "the grid's B (default: 64, or 16 with --quick)" in topk
+    assert "the grid's B (default: 64, or 4 with --quick)" in sort
+    assert "(default: 30, or 3 with --quick)" in topk and "(well under a minute)" in topk
+    assert "(default: 30, or 2 with --quick)" in sort and "(under a minute)" in sort
+    for flag in ("--no-first-call", "--no-speedup", "--no-sorted", "--no-smooth"):
+        assert flag in topk and flag not in sort
+    for flag in ("--no-vs", "--no-dense", "--no-memory-config"):
+        assert flag in sort and flag not in topk
+
+
+def test_names_stay_importable_from_the_cli() -> None:
+    assert softops.cli.run_topk_bench is topk_suite.run_topk_bench
+    assert softops.cli.run_sort_bench is sort_suite.run_sort_bench
+    assert softops.cli.QUICK is topk_suite.QUICK and softops.cli.SORT_QUICK is sort_suite.SORT_QUICK
+    assert softops.cli.DEFAULT_OUT == "benchmarks/results"
+
+
+def test_cli_demo_without_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "epsilon=0.01" in out and "Gradient" in out
+
+
+def test_cli_demo_without_rich(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without rich the demo prints a plain table.
+    for name in ("rich", "rich.console", "rich.table"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["demo", "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "hard (torch.topk)" in out and "┃" not in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "topk", "--sizes", "0"], ["bench", "topk", "--threads", "0"], ["bench"], []],
+)
+def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
