@@ -53,8 +53,8 @@ ROUTES = {
         x, 5, method="sinkhorn", epsilon=1e-4, max_iter=3, tol=1e-14
     ),
     "soft_topk": lambda x: softops.soft_topk(x, 5, epsilon=0.05, max_iter=5, tol=1e-30),
-    "sort-ot": lambda x: softops.soft_sort(x, method="ot", epsilon=1e-3, max_iter=3, tol=1e-14),
-    "rank-ot": lambda x: softops.soft_rank(x, method="ot", epsilon=1e-3, max_iter=3, tol=1e-14),
+    "sort-ot": lambda x: softops.soft_sort(x, method="ot", epsilon=0.1, max_iter=3, tol=1e-30),
+    "rank-ot": lambda x: softops.soft_rank(x, method="ot", epsilon=0.1, max_iter=3, tol=1e-30),
 }
 
 

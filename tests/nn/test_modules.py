@@ -270,12 +270,12 @@ def test_output_follows_the_input_dtype_and_device(case, device):
 ERRORS = [
     # the example of the layout issue: a bad method (checked before k)
     (lambda: nn.SoftTopKMask(-3, method="bogus"), ValueError, "SoftTopKMask: expected `method`"),
-    (lambda: nn.SoftTopKMask(-3), ValueError, r"SoftTopKMask: expected `k` >= 0 .*got k=-3\."),
+    (lambda: nn.SoftTopKMask(-3), ValueError, r"SoftTopKMask: expected `k` >= 0; got k=-3\."),
     (lambda: nn.SoftTopKMask("2"), TypeError, r"SoftTopKMask: expected `k` to be a number"),
     (
         lambda: nn.SoftTopKMask(torch.tensor([1.0, -2.0])),
         ValueError,
-        r"SoftTopKMask: expected `k` >= 0 .*got k=-2\.",
+        r"SoftTopKMask: expected `k` >= 0; got k=-2\.",
     ),
     (lambda: nn.SoftTopKMask(2, epsilon=0.0), ValueError, r"SoftTopKMask: .*got epsilon=0\.0"),
     (
@@ -298,13 +298,30 @@ ERRORS = [
         r"SoftTopKMask: expected `generator` .*got 3",
     ),
     (lambda: nn.SoftTopKMask(2, dim=1.0), TypeError, r"SoftTopKMask: expected `dim` .*got 1\.0"),
-    (lambda: nn.SoftTopK(0), ValueError, r"SoftTopK: expected `k` >= 1 .*got k=0\."),
+    # the rules that tie k to the method are checked at construction too
+    (
+        lambda: nn.SoftTopKMask(2.5, method="softkmax"),
+        ValueError,
+        r"SoftTopKMask: expected an integer `k` with method='softkmax'; got k=2\.5",
+    ),
+    (lambda: nn.SoftTopKMask(1.5, hard=True), ValueError, r"SoftTopKMask: hard=True needs an"),
+    (
+        lambda: nn.SoftTopKMask(torch.tensor([1.0, 2.0]), method="sinkhorn"),
+        ValueError,
+        r"SoftTopKMask: expected a scalar `k` with method='sinkhorn'",
+    ),
+    (
+        lambda: nn.SoftTopKMask(torch.tensor(2.0, requires_grad=True), method="perturbed"),
+        ValueError,
+        r"SoftTopKMask: expected a `k` that does not require grad with method='perturbed'",
+    ),
+    (lambda: nn.SoftTopK(0), ValueError, r"SoftTopK: expected `k` >= 1; got k=0\."),
     (lambda: nn.SoftTopK(2.5), TypeError, r"SoftTopK: expected `k` to be an int; got k=2\.5"),
     (lambda: nn.SoftTopK(2, max_iter=0), ValueError, r"SoftTopK: .*max_iter=0"),
     (lambda: nn.SoftTopK(2, tol="x"), TypeError, r"SoftTopK: .*tol='x'"),
     (lambda: nn.SoftTopK(2, largest="yes"), TypeError, r"SoftTopK: .*`largest`.*'yes'"),
     (lambda: nn.SoftTopK(2, epsilon=-1.0), ValueError, r"SoftTopK: .*got epsilon=-1\.0"),
-    (lambda: nn.SoftKMax(-1), ValueError, r"SoftKMax: expected `k` >= 0 .*got k=-1\."),
+    (lambda: nn.SoftKMax(-1), ValueError, r"SoftKMax: expected `k` >= 0; got k=-1\."),
     (lambda: nn.SoftKMax(1.5), TypeError, r"SoftKMax: expected `k` to be an int; got k=1\.5"),
     (lambda: nn.SoftKMax(2, epsilon="a"), TypeError, r"SoftKMax: .*`epsilon`.*'a'"),
     (

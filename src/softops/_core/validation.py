@@ -48,10 +48,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def check_dim(x: torch.Tensor, dim: Any, op: str) -> int:
-    """Normalise ``dim`` to a non-negative int for ``x``, or raise."""
+def check_dim(x: torch.Tensor | None, dim: Any, op: str) -> int:
+    """Normalise ``dim`` to a non-negative int for ``x``, or raise.
+
+    With ``x=None`` (a layer, before it sees its input) only the type of ``dim`` is checked and
+    ``dim`` is returned as given.
+    """
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{op}: expected `dim` to be an int; got {dim!r}.")
+    if x is None:
+        return dim
     ndim = x.dim()
     if ndim == 0:
         raise ValueError(f"{op}: expected `x` with at least 1 dimension; got a 0-dim tensor.")
@@ -100,7 +106,7 @@ def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch
 
 def check_k(
     k: Any,
-    n: int,
+    n: int | None,
     op: str,
     *,
     low: float = 0,
@@ -109,9 +115,18 @@ def check_k(
 ) -> float | torch.Tensor:
     """Check ``low <= k <= n``. ``k`` is an int, a float (unless ``integer``) or a tensor.
 
-    Tensor entries are checked once, here (one host sync at validation, none in the solver).
+    ``n=None`` (a layer, before it sees its input) checks the type and ``k >= low`` only; the
+    op checks ``k <= x.shape[dim]`` on the forward call. Tensor entries are checked once, here
+    (one host sync at validation, none in the solver).
     """
     what = "an int" if integer else "a number"
+    high = math.inf if n is None else n
+
+    def out_of_range(value: str) -> ValueError:
+        if n is None:
+            return ValueError(f"{op}: expected `k` >= {low:g}; got k={value}.")
+        return ValueError(f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={value}.")
+
     if isinstance(k, torch.Tensor):
         if not allow_tensor or integer:
             if k.numel() == 1 and not k.requires_grad and not k.dtype.is_floating_point:
@@ -122,19 +137,16 @@ def check_k(
             kd = k.detach()
             if k.dtype == torch.bool or k.is_complex():
                 raise TypeError(f"{op}: expected `k` to be a real number; got dtype={k.dtype}.")
-            bad = ~((kd >= low) & (kd <= n))
+            bad = ~((kd >= low) & (kd <= high))
             if kd.numel() and bool(bad.any()):
-                value = kd[bad].flatten()[0].item()
-                raise ValueError(
-                    f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={value:g}."
-                )
+                raise out_of_range(f"{kd[bad].flatten()[0].item():g}")
             return k
     if isinstance(k, bool) or not isinstance(k, (int, float)):
         raise TypeError(f"{op}: expected `k` to be {what}; got {k!r}.")
     if integer and not float(k).is_integer():
         raise TypeError(f"{op}: expected `k` to be an int; got k={k!r}.")
-    if not (low <= k <= n):
-        raise ValueError(f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={k!r}.")
+    if not (low <= k <= high):
+        raise out_of_range(repr(k))
     return int(k) if integer else k
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from softops._core.validation import check_bool, check_epsilon
-from softops.nn._checks import check_dim_type, check_k_sign
+from softops._core.validation import check_bool, check_dim, check_epsilon, check_k
 from softops.smooth import (
     smooth_max,
     smooth_min,
@@ -32,7 +31,7 @@ class _Reduction(torch.nn.Module):
         self, *, dim: int = -1, keepdim: bool = False, epsilon: float | torch.Tensor = 1.0
     ) -> None:
         op = type(self).__name__
-        check_dim_type(dim, op)
+        check_dim(None, dim, op)
         check_bool(keepdim, op, "keepdim")
         check_epsilon(epsilon, op)
         super().__init__()
@@ -177,7 +176,7 @@ class SoftArgmaxOneHot(torch.nn.Module):
         self, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0, hard: bool = False
     ) -> None:
         op = type(self).__name__
-        check_dim_type(dim, op)
+        check_dim(None, dim, op)
         check_epsilon(epsilon, op)
         check_bool(hard, op, "hard")
         super().__init__()
@@ -215,8 +214,8 @@ class SoftKMax(torch.nn.Module):
 
     def __init__(self, k: int, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0) -> None:
         op = type(self).__name__
-        check_k_sign(k, op, integer=True)
-        check_dim_type(dim, op)
+        check_k(k, None, op, integer=True)
+        check_dim(None, dim, op)
         check_epsilon(epsilon, op)
         super().__init__()
         self.k, self.dim, self.epsilon = k, dim, epsilon

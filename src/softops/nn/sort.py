@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from softops._core.validation import check_bool, check_epsilon, check_q
-from softops.nn._checks import check_dim_type
+from softops._core.validation import check_bool, check_dim, check_epsilon, check_q
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from softops.sort._dispatch import check_options
 
@@ -46,7 +45,7 @@ class _SortLike(torch.nn.Module):
             max_iter=max_iter,
             tol=tol,
         )
-        check_dim_type(dim, op)
+        check_dim(None, dim, op)
         check_bool(descending, op, "descending")
         check_epsilon(epsilon, op)
         super().__init__()
@@ -193,7 +192,7 @@ class SoftArgsort(torch.nn.Module):
     ) -> None:
         op = type(self).__name__
         check_options(op, method, "argsort", distance=distance, max_iter=max_iter, tol=tol)
-        check_dim_type(dim, op)
+        check_dim(None, dim, op)
         check_bool(descending, op, "descending")
         check_bool(hard, op, "hard")
         check_epsilon(epsilon, op)
@@ -264,7 +263,7 @@ class SoftQuantile(torch.nn.Module):
             (q.dtype, q.device) if isinstance(q, torch.Tensor) else (torch.float64, None)
         )
         check_q(q, op, dtype, device)  # q is stored as given, not converted
-        check_dim_type(dim, op)
+        check_dim(None, dim, op)
         check_epsilon(epsilon, op)
         check_bool(keepdim, op, "keepdim")
         super().__init__()

@@ -6,10 +6,16 @@ from typing import Any
 
 import torch
 
-from softops._core.validation import check_bool, check_epsilon, check_max_iter, check_tol
-from softops.nn._checks import check_dim_type, check_k_sign
+from softops._core.validation import (
+    check_bool,
+    check_dim,
+    check_epsilon,
+    check_k,
+    check_max_iter,
+    check_tol,
+)
 from softops.topk import TopK, soft_topk, soft_topk_mask
-from softops.topk._options import check_mask_options
+from softops.topk._options import check_mask_k, check_mask_options
 
 __all__ = ["SoftTopK", "SoftTopKMask"]
 
@@ -73,8 +79,8 @@ class SoftTopKMask(torch.nn.Module):
             n_samples=n_samples,
             generator=generator,
         )
-        check_k_sign(k, op)
-        check_dim_type(dim, op)
+        check_mask_k(op, k, None, method, hard=hard, epsilon=epsilon)
+        check_dim(None, dim, op)
         super().__init__()
         self.k, self.dim, self.largest, self.epsilon = k, dim, largest, epsilon
         self.method, self.max_iter, self.tol, self.hard = method, max_iter, tol, hard
@@ -162,8 +168,8 @@ class SoftTopK(torch.nn.Module):
         tol: float | None = None,
     ) -> None:
         op = type(self).__name__
-        check_k_sign(k, op, low=1, integer=True)
-        check_dim_type(dim, op)
+        check_k(k, None, op, low=1, integer=True)
+        check_dim(None, dim, op)
         check_bool(largest, op, "largest")
         check_epsilon(epsilon, op)
         check_max_iter(max_iter, 1, op)  # None stays None: the default depends on x's dtype

@@ -30,10 +30,11 @@ import torch
 
 from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
-from softops._core.validation import check_k, describe, is_integral
+from softops._core.validation import check_k
 from softops.topk._options import (
     MASK_METHODS,
     check_generator,
+    check_mask_k,
     check_mask_options,
     solver_defaults,
 )
@@ -162,29 +163,7 @@ def soft_topk_mask(
         generator=generator,
     )
     rows = prepare_rows(op, x, dim, epsilon)
-    k = check_k(k, rows.n, op)
-    k_scalar: float | None = None
-    if not isinstance(k, torch.Tensor):
-        k_scalar = k
-    elif k.dim() != 0 and method != "ot":
-        raise ValueError(
-            f"{op}: expected a scalar `k` with method={method!r} (a per-row k needs "
-            f"method='ot'); got k of shape {tuple(k.shape)}."
-        )
-    if hard and not is_integral(k):
-        raise ValueError(f"{op}: hard=True needs an integer k; got k={describe(k)}.")
-    if method in ("softkmax", "perturbed") and not is_integral(k):
-        raise ValueError(
-            f"{op}: expected an integer `k` with method={method!r}; got k={describe(k)}."
-        )
-    no_grad = {"sinkhorn": ("k", "epsilon"), "softkmax": ("k",), "perturbed": ("k", "epsilon")}
-    for name in no_grad.get(method, ()):
-        value = k if name == "k" else epsilon
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise ValueError(
-                f"{op}: expected a `{name}` that does not require grad with method={method!r} "
-                "(use method='ot' for gradients in k and epsilon); got one that does."
-            )
+    k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon)
     if method == "perturbed":
         check_generator(generator, x.device, op)
 

@@ -16,16 +16,20 @@ from softops._core.validation import (
     check_bool,
     check_choice,
     check_epsilon,
+    check_k,
     check_max_iter,
     check_positive_int,
     check_tol,
     check_unused,
+    describe,
+    is_integral,
 )
 
 __all__ = [
     "MASK_METHODS",
     "PERTURBED_DEFAULT_SAMPLES",
     "check_generator",
+    "check_mask_k",
     "check_mask_options",
     "finite_stand_ins",
     "solver_defaults",
@@ -78,6 +82,48 @@ def check_mask_options(
                 f"{op}: expected `generator` to be a torch.Generator or None; got {generator!r}."
             )
     return max_iter, tol, n_samples
+
+
+def check_mask_k(
+    op: str,
+    k: Any,
+    n: int | None,
+    method: str,
+    *,
+    hard: bool = False,
+    epsilon: Any = None,
+) -> tuple[float | torch.Tensor, float | None]:
+    """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number.
+
+    ``0 <= k <= n`` (``n=None``: a layer before it sees x checks ``k >= 0`` only); a per-row k
+    needs "ot"; ``hard=True``, "softkmax" and "perturbed" need an integer k; "sinkhorn",
+    "softkmax" and "perturbed" give no gradient in k (nor, but for "softkmax", in epsilon), so a
+    k or epsilon that requires grad is refused rather than silently ignored.
+    """
+    k = check_k(k, n, op)
+    k_scalar: float | None = None
+    if not isinstance(k, torch.Tensor):
+        k_scalar = k
+    elif k.dim() != 0 and method != "ot":
+        raise ValueError(
+            f"{op}: expected a scalar `k` with method={method!r} (a per-row k needs "
+            f"method='ot'); got k of shape {tuple(k.shape)}."
+        )
+    if hard and not is_integral(k):
+        raise ValueError(f"{op}: hard=True needs an integer k; got k={describe(k)}.")
+    if method in ("softkmax", "perturbed") and not is_integral(k):
+        raise ValueError(
+            f"{op}: expected an integer `k` with method={method!r}; got k={describe(k)}."
+        )
+    no_grad = {"sinkhorn": ("k", "epsilon"), "softkmax": ("k",), "perturbed": ("k", "epsilon")}
+    for name in no_grad.get(method, ()):
+        value = k if name == "k" else epsilon
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(
+                f"{op}: expected a `{name}` that does not require grad with method={method!r} "
+                "(use method='ot' for gradients in k and epsilon); got one that does."
+            )
+    return k, k_scalar
 
 
 def solver_defaults(
