@@ -35,3 +35,8 @@ def unique_saved_bytes(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(seen.values())
+
+
+def hard_topk_mask(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> torch.Tensor:
+    """The hard operator that soft_topk_mask relaxes, written as in its docstring."""
+    return torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)

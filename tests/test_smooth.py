@@ -11,14 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
-from softops.nn.smooth import (
-    SmoothMax,
-    SmoothMin,
-    SoftArgmax,
-    SoftArgmaxOneHot,
-    SoftArgmin,
-    SoftKMax,
-)
 from softops.smooth import (
     smooth_max,
     smooth_min,
@@ -344,28 +336,3 @@ def test_flag_errors():
 
 
 # -------------------------------------------------------------------------------------- modules
-
-
-def test_modules_equal_functions_and_repr():
-    x = torch.randn(3, 4, 5, generator=seeded(13))
-    e = 0.3
-    pairs = [
-        (SmoothMax(dim=1, keepdim=True, epsilon=e), smooth_max(x, dim=1, keepdim=True, epsilon=e)),
-        (SmoothMin(dim=0, epsilon=e), smooth_min(x, dim=0, epsilon=e)),
-        (SoftArgmax(epsilon=e), soft_argmax(x, epsilon=e)),
-        (SoftArgmin(dim=-2, keepdim=True), soft_argmin(x, dim=-2, keepdim=True)),
-        (
-            SoftArgmaxOneHot(dim=1, epsilon=e, hard=True),
-            soft_argmax_onehot(x, dim=1, epsilon=e, hard=True),
-        ),
-        (SoftKMax(2, dim=0, epsilon=e), soft_kmax(x, 2, dim=0, epsilon=e)),
-    ]
-    for module, expected in pairs:
-        assert torch.equal(module(x), expected), type(module).__name__
-        assert list(module.parameters()) == []
-    assert repr(pairs[0][0]) == "SmoothMax(dim=1, keepdim=True, epsilon=0.3)"
-    assert repr(pairs[3][0]) == "SoftArgmin(dim=-2, keepdim=True, epsilon=1.0)"
-    assert repr(pairs[4][0]) == "SoftArgmaxOneHot(dim=1, epsilon=0.3, hard=True)"
-    assert repr(pairs[5][0]) == "SoftKMax(k=2, dim=0, epsilon=0.3)"
-    with pytest.raises(ValueError, match=r"soft_kmax: expected 0 <= `k`"):
-        SoftKMax(9)(x)

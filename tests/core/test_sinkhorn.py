@@ -1,4 +1,4 @@
-"""Tests for the log-domain Sinkhorn core (softops._core.sinkhorn) and softops.solvers.sinkhorn."""
+"""The log-domain Sinkhorn core (softops._core.sinkhorn): forward, Newton polish, implicit VJP."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
-from softops.solvers import sinkhorn
+from softops.bench.references import unrolled_sinkhorn
 from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
@@ -25,17 +25,6 @@ def _problem(bsz: int, n: int, m: int, seed: int = 0, dtype: torch.dtype = F64):
     log_b = torch.log_softmax(torch.randn(bsz, m, generator=g, dtype=dtype), -1)
     eps = 0.3 + torch.rand(bsz, generator=g, dtype=dtype)
     return cost, log_a, log_b, eps
-
-
-def unrolled_sinkhorn(cost, log_a, log_b, eps, iters):
-    """Reference: the paper's log-domain Sinkhorn (f then g updates), plain autograd."""
-    e = eps[:, None]
-    f = torch.zeros_like(log_a)
-    g = torch.zeros_like(log_b)
-    for _ in range(iters):
-        f = e * log_a - e * torch.logsumexp((g[:, None, :] - cost) / e[..., None], dim=-1)
-        g = e * log_b - e * torch.logsumexp((f[:, :, None] - cost) / e[..., None], dim=1)
-    return torch.exp((f[:, :, None] + g[:, None, :] - cost) / e[..., None]), f, g
 
 
 # --------------------------------------------------------------------------- forward
@@ -231,81 +220,3 @@ def test_saved_memory_does_not_grow_with_iterations() -> None:
     assert b50 <= cost.numel() * 8 + 1024  # the plan and epsilon only
     unrolled = saved_bytes(lambda: unrolled_sinkhorn(cost, log_a, log_b, eps, 50))
     assert unrolled > 50 * b50
-
-
-# --------------------------------------------------------------------------- public wrapper
-
-
-def test_public_sinkhorn_batch_dims_and_dtype() -> None:
-    g = seeded(50)
-    cost = torch.rand(2, 3, 8, 4, generator=g, dtype=F64)
-    a = torch.full((8,), 1 / 8, dtype=F64)
-    b = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
-    res = sinkhorn(cost, a, b, 0.1)
-    assert res.plan.shape == (2, 3, 8, 4) and res.f.shape == (2, 3, 8) and res.g.shape == (2, 3, 4)
-    assert res.converged.shape == (2, 3) and bool(res.converged.all())
-    flat = sinkhorn(cost.reshape(6, 8, 4)[4], a, b, 0.1)
-    torch.testing.assert_close(res.plan[1, 1], flat.plan, atol=1e-14, rtol=0)
-    torch.testing.assert_close(res.plan.sum(-2), b.expand(2, 3, 4), atol=1e-14, rtol=0)
-    half = sinkhorn(cost.half(), a.half(), b.half(), 0.1)
-    assert half.plan.dtype == torch.float16 and half.f.dtype == torch.float16
-
-
-def test_public_sinkhorn_gradients_in_cost_and_epsilon() -> None:
-    g = seeded(51)
-    cost = torch.rand(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
-    eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
-    a = torch.full((6,), 1 / 6, dtype=F64)
-    b = torch.tensor([0.2, 0.3, 0.5], dtype=F64)
-
-    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return sinkhorn(c, a, b, e, max_iter=100_000, tol=1e-14, newton=True).plan
-
-    assert torch.autograd.gradcheck(fn, (cost, eps), atol=1e-7, rtol=1e-5)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "err", "match"),
-    [
-        ({"cost": torch.zeros(4)}, ValueError, r"shape \(4,\)"),
-        ({"cost": torch.zeros(3, 2, dtype=torch.int64)}, TypeError, "dtype=torch.int64"),
-        ({"a": torch.tensor([0.5, 0.5, 0.0])}, ValueError, r"got a containing 0\.0"),
-        ({"a": torch.full((4,), 0.25)}, ValueError, r"got shape \(4,\)"),
-        ({"b": torch.tensor([0.3, 0.3])}, ValueError, "b.sum"),
-        ({"epsilon": -1.0}, ValueError, "epsilon=-1.0"),
-        ({"max_iter": 0}, ValueError, "max_iter"),
-        ({"tol": -1.0}, ValueError, "tol=-1.0"),
-        ({"b": torch.tensor([0.5, 0.5], requires_grad=True)}, ValueError, "requires_grad"),
-    ],
-)
-def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
-    args = {
-        "cost": torch.zeros(3, 2),
-        "a": torch.full((3,), 1 / 3),
-        "b": torch.tensor([0.5, 0.5]),
-        "epsilon": 0.1,
-    }
-    opts = {}
-    for key in ("max_iter", "tol"):
-        if key in kwargs:
-            opts[key] = kwargs.pop(key)
-    args.update(kwargs)
-    with pytest.raises(err, match=match):
-        sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
-
-
-def test_warn_not_converged_only_for_finite_unconverged_rows():
-    import warnings as _w
-
-    from softops._core.sinkhorn import SinkhornResult, warn_not_converged
-
-    def result(conv, res):
-        z = torch.zeros(len(conv), 1)
-        return SinkhornResult(z, z, z, torch.tensor(conv), 3, torch.tensor(res))
-
-    with pytest.warns(UserWarning, match=r"op: Sinkhorn did not reach tol=0.1 .* for 1 of 3 rows"):
-        warn_not_converged("op", result([True, False, False], [0.0, 0.5, math.nan]), 3, 0.1, 1)
-    with _w.catch_warnings():
-        _w.simplefilter("error")
-        warn_not_converged("op", result([False], [math.nan]), 3, 0.1, 1)  # NaN row: by contract
-        warn_not_converged("op", result([False], [0.5]), 3, 0.0, 1)  # tol=0: fixed iterations

@@ -262,19 +262,6 @@ def test_quantile_gradcheck_and_smoothing():
     torch.testing.assert_close(soft_quantile(xd, 0.25, epsilon=0.8), 0.5 * (s[:, 1] + s[:, 2]))
 
 
-def test_nn_modules():
-    x = torch.randn(2, 5, dtype=F64)
-    torch.testing.assert_close(softops.nn.SoftSort(epsilon=0.3)(x), soft_sort(x, epsilon=0.3))
-    torch.testing.assert_close(
-        softops.nn.SoftRank(epsilon=0.3, regularization="kl")(x),
-        soft_rank(x, epsilon=0.3, regularization="kl"),
-    )
-    torch.testing.assert_close(
-        softops.nn.SoftQuantile(0.4, keepdim=True)(x), soft_quantile(x, 0.4, keepdim=True)
-    )
-    assert "epsilon=0.3" in repr(softops.nn.SoftSort(epsilon=0.3))
-
-
 def test_fallback_warns_once_when_numba_is_missing(monkeypatch):
     monkeypatch.setattr(isotonic, "HAVE_NUMBA", False)
     monkeypatch.setitem(isotonic._state, "warned", False)

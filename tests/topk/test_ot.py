@@ -1,4 +1,4 @@
-"""soft_topk_mask (method="ot" and "hard") and topk_selection_matrix."""
+"""soft_topk_mask with method="ot" (the default) and hard=True; the threshold solver."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
 import softops
-from softops import soft_topk_mask, topk_selection_matrix
-from softops.solvers import topk_threshold
+from softops import soft_topk_mask
+from softops.bench.references import unrolled_sinkhorn_topk_mask
 from softops.topk._ot import hard_topk_mask as hard_mask_kernel
 from softops.topk._ot import mask_from_threshold, solve
-from tests.reference import hard_topk_mask, unrolled_sinkhorn_topk_mask
+from tests._helpers import hard_topk_mask
 
 F64 = torch.float64
 
@@ -48,7 +48,7 @@ def test_reproduces_official_demo():
 )
 def test_equals_converged_sinkhorn_and_its_autograd(n, k, eps):
     x = torch.randn(3, n, dtype=F64, requires_grad=True)
-    ref = unrolled_sinkhorn_topk_mask(x, k, eps, iters=3000)
+    ref = unrolled_sinkhorn_topk_mask(x, k, eps, n_iter=3000)
     A = soft_topk_mask(x, k, epsilon=eps)
     torch.testing.assert_close(A, ref, atol=1e-10, rtol=0)
     g = torch.randn_like(A)
@@ -338,50 +338,6 @@ def test_not_converged_warns():
     x = torch.randn(4, 100, dtype=F64)
     with pytest.warns(softops.ConvergenceWarning, match=r"did not converge within max_iter=2"):
         soft_topk_mask(x, 10, epsilon=0.5, max_iter=2)
-
-
-# ------------------------------------------------------------------------------ diagnostics
-
-
-def test_topk_threshold_diagnostics():
-    x = torch.randn(3, 50, 4, dtype=F64)
-    res = topk_threshold(x, 10, 0.2, dim=1)
-    assert res.threshold.shape == (3, 4)
-    assert bool(res.converged.all()) and 1 <= res.iterations <= 10
-    assert float(res.residual.abs().max()) < 1e-10
-    A = torch.sigmoid((x - res.threshold[:, None]) / 0.2)
-    torch.testing.assert_close(A, soft_topk_mask(x, 10, dim=1, epsilon=0.2))
-    small = topk_threshold(x, 10, 0.2, dim=1, largest=False)
-    B = torch.sigmoid((small.threshold[:, None] - x) / 0.2)
-    torch.testing.assert_close(B, soft_topk_mask(x, 10, dim=1, epsilon=0.2, largest=False))
-
-
-# --------------------------------------------------------------------- selection matrix (seed 003)
-
-
-def test_selection_matrix_reproduces_torch_topk_gradients():
-    W = torch.randn(8, 6, dtype=F64)
-    x1 = torch.randn(6, dtype=F64, requires_grad=True)
-    W1 = W.clone().requires_grad_()
-    torch.topk(W1 @ x1, 3).values.pow(2).sum().backward()
-    x2 = x1.detach().clone().requires_grad_()
-    W2 = W.clone().requires_grad_()
-    y = W2 @ x2
-    Wk = topk_selection_matrix(torch.topk(y.detach(), 3).indices, 8).to(F64)
-    (Wk @ y).pow(2).sum().backward()
-    torch.testing.assert_close(x1.grad, x2.grad)
-    torch.testing.assert_close(W1.grad, W2.grad)
-    assert Wk.shape == (3, 8) and torch.equal(Wk.sum(-1), torch.ones(3, dtype=F64))
-
-
-def test_selection_matrix_errors_and_batch():
-    idx = torch.tensor([[0, 2], [1, 1]])
-    W = topk_selection_matrix(idx, 3)
-    assert W.shape == (2, 2, 3) and W[1, 0, 1] == 1 and W[0, 1, 2] == 1
-    with pytest.raises(ValueError, match=r"indices in \[0, n\) = \[0, 2\); got values in \[0, 2\]"):
-        topk_selection_matrix(idx, 2)
-    with pytest.raises(TypeError, match=r"integer tensor of indices"):
-        topk_selection_matrix(idx.float(), 3)
 
 
 # ---------------------------------------------------------------------------- compiled path

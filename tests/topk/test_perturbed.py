@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from softops import soft_topk_mask
 from softops.topk import _perturbed as perturbed_mod
-from tests._helpers import saved_bytes, seeded
-from tests.reference import hard_topk_mask
+from tests._helpers import hard_topk_mask, saved_bytes, seeded
 
 F64 = torch.float64
 
@@ -462,22 +461,6 @@ def test_kernel_on_canonical_rows() -> None:
     assert torch.equal(A.sum(-1), torch.full((3,), 3.0, dtype=F64))
     assert torch.equal(A * 16, (A * 16).round())
     assert not torch.equal(gen.get_state(), state)
-
-
-def test_module_passes_n_samples_and_generator() -> None:
-    from softops.nn import SoftTopKMask
-
-    x = torch.randn(2, 9, dtype=F64)
-    layer = SoftTopKMask(3, epsilon=0.4, method="perturbed", n_samples=32, generator=seeded(4))
-    want = soft_topk_mask(x, 3, epsilon=0.4, method="perturbed", n_samples=32, generator=seeded(4))
-    assert torch.equal(layer(x), want)
-    assert "method='perturbed'" in repr(layer) and "n_samples=32" in repr(layer)
-    assert "n_samples" not in repr(SoftTopKMask(3))
-    with pytest.raises(
-        ValueError,
-        match=r"`n_samples` to be left at its default None \(method='ot' does not use it\)",
-    ):
-        SoftTopKMask(3, n_samples=32)(x)
 
 
 def test_generator_on_another_device_is_refused() -> None:

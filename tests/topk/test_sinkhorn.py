@@ -9,7 +9,7 @@ import torch
 from torch.autograd import gradcheck
 
 from softops import soft_topk_mask
-from tests.reference import unrolled_sinkhorn_topk_mask
+from softops.bench.references import unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
 
@@ -37,7 +37,7 @@ def test_paper_fixed_iterations_equal_unrolled_sinkhorn():
     # max_iter=200, tol=0 runs exactly the paper's 200 iterations (not necessarily converged).
     x = torch.randn(2, 30, dtype=F64)
     A = soft_topk_mask(x, 5, epsilon=0.05, method="sinkhorn", max_iter=200, tol=0)
-    ref = unrolled_sinkhorn_topk_mask(x, 5, 0.05, iters=200)
+    ref = unrolled_sinkhorn_topk_mask(x, 5, 0.05, n_iter=200)
     torch.testing.assert_close(A, ref, atol=1e-9, rtol=0)
 
 

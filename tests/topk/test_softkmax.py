@@ -18,8 +18,7 @@ from softops.smooth import (
 )
 from softops.topk import _softkmax as softkmax_mod
 from softops.topk._softkmax import soft_kmax_rows
-from tests._helpers import saved_bytes, seeded, unique_saved_bytes
-from tests.reference import hard_topk_mask
+from tests._helpers import hard_topk_mask, saved_bytes, seeded, unique_saved_bytes
 
 F64 = torch.float64
 inf, nan = math.inf, math.nan

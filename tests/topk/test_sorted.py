@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import softops
+from softops.bench.references import unrolled_sorted_topk
 from softops.topk._sorted import TopK, soft_topk
 from tests._helpers import saved_bytes, seeded
 
@@ -19,32 +20,6 @@ F64 = torch.float64
 
 # Tiny problems: one intra-op thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def unrolled_soft_topk(x: torch.Tensor, k: int, epsilon: float, iters: int, largest: bool = True):
-    """Reference from the paper's formulation: (B, n) -> values (B, k), weights (B, k, n).
-
-    Sources s_i (mass 1/n), targets j = 0..k (masses 1/n, ..., (n-k)/n), cost (s_i - j)^2,
-    entropic weight 2 * epsilon, plain autograd through log-domain Sinkhorn.
-    """
-    bsz, n = x.shape
-    s = -x if largest else x
-    y = torch.arange(k + 1, dtype=x.dtype)
-    cost = (s[:, :, None] - y) ** 2
-    nu = torch.tensor([1 / n] * k + [(n - k) / n], dtype=x.dtype)
-    if k == n:
-        cost, nu = cost[..., :k], nu[:k]
-    eps = 2 * epsilon
-    log_mu = torch.full((bsz, n), -math.log(n), dtype=x.dtype)
-    log_nu = nu.log().expand(bsz, -1)
-    f = torch.zeros_like(log_mu)
-    g = torch.zeros_like(log_nu)
-    for _ in range(iters):
-        f = eps * log_mu - eps * torch.logsumexp((g[:, None, :] - cost) / eps, dim=-1)
-        g = eps * log_nu - eps * torch.logsumexp((f[:, :, None] - cost) / eps, dim=1)
-    plan = torch.exp((f[:, :, None] + g[:, None, :] - cost) / eps)
-    weights = n * plan[..., :k].transpose(1, 2)
-    return torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1), weights
 
 
 # --------------------------------------------------------------------------- forward
@@ -56,7 +31,7 @@ def test_matches_unrolled_reference_forward_and_backward(n, k, eps, largest) -> 
     g = seeded(n + k)
     x = torch.randn(3, n, generator=g, dtype=F64, requires_grad=True)
     out = soft_topk(x, k, epsilon=eps, largest=largest, tol=1e-14, max_iter=100_000)
-    ref_v, ref_w = unrolled_soft_topk(x, k, eps, 500, largest)
+    ref_v, ref_w = unrolled_sorted_topk(x, k, epsilon=eps, n_iter=500, largest=largest)
     torch.testing.assert_close(out.weights, ref_w, atol=1e-11, rtol=0)
     torch.testing.assert_close(out.values, ref_v, atol=1e-11, rtol=0)
     gv = torch.randn(3, k, generator=g, dtype=F64)
@@ -271,7 +246,7 @@ def test_saved_memory_independent_of_iterations() -> None:
     assert b50 == b500
     # the plan (B, n, k+1), the weights (B, k, n) and x, plus small state
     assert b50 <= 8 * (4 * 200 * (2 * k + 2)) + 4096
-    unrolled = saved_bytes(lambda: unrolled_soft_topk(x, k, 0.3, 200))
+    unrolled = saved_bytes(lambda: unrolled_sorted_topk(x, k, epsilon=0.3, n_iter=200))
     assert unrolled > 100 * b50
 
 

@@ -56,7 +56,6 @@ Conventions and choices:
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -70,7 +69,6 @@ __all__ = [
     "SinkhornResult",
     "log_sinkhorn",
     "sinkhorn_plan",
-    "warn_not_converged",
 ]
 
 CHECK_EVERY = 10
@@ -552,25 +550,3 @@ def sinkhorn_plan(
         cost, log_a, log_b, epsilon, max_iter, tol, newton
     )
     return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual)
-
-
-def warn_not_converged(
-    op: str, result: SinkhornResult, max_iter: int, tol: float, stacklevel: int
-) -> None:
-    """Warn (``UserWarning``, once per call) when a row with a finite residual missed ``tol``.
-
-    Rows with a NaN residual are NaN by contract (a NaN input), not a failure; ``tol=0`` asks for
-    exactly ``max_iter`` iterations and never warns.
-    """
-    if tol <= 0:
-        return
-    bad = ~result.converged & torch.isfinite(result.residual)
-    if bool(bad.any()):
-        worst = result.residual[bad].max().item()
-        warnings.warn(
-            f"{op}: Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations for "
-            f"{int(bad.sum())} of {bad.numel()} rows (worst relative marginal error {worst:.3g}); "
-            "gradients are only as accurate as the forward. Increase `max_iter` or `epsilon`.",
-            UserWarning,
-            stacklevel=stacklevel + 1,
-        )

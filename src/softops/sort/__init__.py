@@ -172,7 +172,7 @@ def soft_sort(
     rows = prepare_rows(op, x, dim, epsilon)
     x2, eps = rows.x2, rows.eps
     if x2.shape[0] == 0:
-        return torch.zeros_like(x)
+        return x * 0  # empty, but on the graph like every other output
     if method == "pav":  # the projection's own limits (module docstring)
         y = METHODS["pav"].sort(x2, eps, descending, opts)
     else:
@@ -278,7 +278,7 @@ def soft_rank(
     rows = prepare_rows(op, x, dim, epsilon)
     x2, eps = rows.x2, rows.eps
     if x2.shape[0] == 0:
-        return torch.zeros_like(x)
+        return x * 0  # empty, but on the graph like every other output
     if method == "pav":  # the projection's own limits (module docstring)
         y = METHODS["pav"].rank(x2, eps, descending, opts)
     else:
@@ -368,7 +368,7 @@ def soft_argsort(
     rows = prepare_rows(op, x, dim, epsilon)
     x2, eps, n = rows.x2, rows.eps, rows.n
     if x2.shape[0] == 0:
-        return x.new_zeros(*x.shape, n)
+        return (x * 0).unsqueeze(-1).expand(*x.shape, n)  # empty, on the graph
     P = with_limits(METHODS[method].argsort, "argsort", x2, eps, descending, opts)
     if hard:
         order = torch.argsort(x2.detach(), dim=-1, descending=descending, stable=True)
@@ -450,7 +450,7 @@ def soft_quantile(
     x2, eps = rows.x2, rows.eps
     q1 = qt.reshape(-1)
     if x2.shape[0] == 0:
-        y = x2.new_zeros(0, q1.shape[0])
+        y = x2[:, :1] * 0 + q1 * 0  # (0, len(q)): empty, on the graph of x and q
     elif method == "pav":  # the l2 soft sort, with the projection's own limits
         y = interpolate(METHODS["pav"].sort(x2, eps, False, opts), q1)
     else:

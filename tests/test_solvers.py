@@ -1,0 +1,83 @@
+"""softops.solvers: the public solvers with their diagnostics (topk_threshold, sinkhorn)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softops import soft_topk_mask
+from softops.solvers import sinkhorn, topk_threshold
+from tests._helpers import seeded
+
+F64 = torch.float64
+
+
+def test_topk_threshold_diagnostics():
+    x = torch.randn(3, 50, 4, dtype=F64)
+    res = topk_threshold(x, 10, 0.2, dim=1)
+    assert res.threshold.shape == (3, 4)
+    assert bool(res.converged.all()) and 1 <= res.iterations <= 10
+    assert float(res.residual.abs().max()) < 1e-10
+    A = torch.sigmoid((x - res.threshold[:, None]) / 0.2)
+    torch.testing.assert_close(A, soft_topk_mask(x, 10, dim=1, epsilon=0.2))
+    small = topk_threshold(x, 10, 0.2, dim=1, largest=False)
+    B = torch.sigmoid((small.threshold[:, None] - x) / 0.2)
+    torch.testing.assert_close(B, soft_topk_mask(x, 10, dim=1, epsilon=0.2, largest=False))
+
+
+def test_public_sinkhorn_batch_dims_and_dtype() -> None:
+    g = seeded(50)
+    cost = torch.rand(2, 3, 8, 4, generator=g, dtype=F64)
+    a = torch.full((8,), 1 / 8, dtype=F64)
+    b = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
+    res = sinkhorn(cost, a, b, 0.1)
+    assert res.plan.shape == (2, 3, 8, 4) and res.f.shape == (2, 3, 8) and res.g.shape == (2, 3, 4)
+    assert res.converged.shape == (2, 3) and bool(res.converged.all())
+    flat = sinkhorn(cost.reshape(6, 8, 4)[4], a, b, 0.1)
+    torch.testing.assert_close(res.plan[1, 1], flat.plan, atol=1e-14, rtol=0)
+    torch.testing.assert_close(res.plan.sum(-2), b.expand(2, 3, 4), atol=1e-14, rtol=0)
+    half = sinkhorn(cost.half(), a.half(), b.half(), 0.1)
+    assert half.plan.dtype == torch.float16 and half.f.dtype == torch.float16
+
+
+def test_public_sinkhorn_gradients_in_cost_and_epsilon() -> None:
+    g = seeded(51)
+    cost = torch.rand(2, 6, 3, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
+    a = torch.full((6,), 1 / 6, dtype=F64)
+    b = torch.tensor([0.2, 0.3, 0.5], dtype=F64)
+
+    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(c, a, b, e, max_iter=100_000, tol=1e-14, newton=True).plan
+
+    assert torch.autograd.gradcheck(fn, (cost, eps), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"cost": torch.zeros(4)}, ValueError, r"shape \(4,\)"),
+        ({"cost": torch.zeros(3, 2, dtype=torch.int64)}, TypeError, "dtype=torch.int64"),
+        ({"a": torch.tensor([0.5, 0.5, 0.0])}, ValueError, r"got a containing 0\.0"),
+        ({"a": torch.full((4,), 0.25)}, ValueError, r"got shape \(4,\)"),
+        ({"b": torch.tensor([0.3, 0.3])}, ValueError, "b.sum"),
+        ({"epsilon": -1.0}, ValueError, "epsilon=-1.0"),
+        ({"max_iter": 0}, ValueError, "max_iter"),
+        ({"tol": -1.0}, ValueError, "tol=-1.0"),
+        ({"b": torch.tensor([0.5, 0.5], requires_grad=True)}, ValueError, "requires_grad"),
+    ],
+)
+def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
+    args = {
+        "cost": torch.zeros(3, 2),
+        "a": torch.full((3,), 1 / 3),
+        "b": torch.tensor([0.5, 0.5]),
+        "epsilon": 0.1,
+    }
+    opts = {}
+    for key in ("max_iter", "tol"):
+        if key in kwargs:
+            opts[key] = kwargs.pop(key)
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
