@@ -435,7 +435,11 @@ def test_mask_sums_to_k_in_unit_interval(case):
     x[0, :4] = 0.5  # ties
     for eps in (1e-3, 0.3, 30.0):
         for k in (0, 1, 5, 12):
-            A = case(x, k=k, epsilon=eps)
+            with warnings.catch_warnings():
+                # the paper's Sinkhorn crawls at epsilon far below the gaps (and says so); its
+                # columns, hence the sum, are exact at every iteration
+                warnings.simplefilter("ignore", softops.ConvergenceWarning)
+                A = case(x, k=k, epsilon=eps)
             total = A.sum(-1)
             tol = 1e-6 if case.stochastic else 1e-9  # perturbed: counts / n_samples
             torch.testing.assert_close(total, torch.full_like(total, k), atol=tol, rtol=0)
@@ -633,7 +637,9 @@ def test_rows_that_cannot_hold_k_are_nan_alone(case):
         [[inf, inf, inf, 0.0, 1.0], [0.5, -inf, -inf, -inf, -inf], [0.3, 1.0, -1.0, 2.0, 0.0]],
         dtype=F64,
     )
-    out = case(x, k=2, epsilon=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", softops.ConvergenceWarning)  # NaN by contract: no failure
+        out = case(x, k=2, epsilon=0.3)
     assert torch.isnan(out[0]).all() == (case.op != "soft_topk")  # soft_topk: +inf are the top
     assert torch.isnan(out[1]).all()
     if case.stochastic:  # other draws in a batch of one

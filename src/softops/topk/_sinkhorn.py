@@ -42,8 +42,11 @@ def sinkhorn_mask(
     all_finite = bool(finite.all())
     xs = x2
     if not all_finite:
-        xs = finite_stand_ins(x2, eps_row)
-        xs = torch.where(torch.isnan(x2), 0, xs)  # the row is NaN by contract: keep it finite
+        # Rows that cannot hold k (or hold a NaN) are NaN by contract: solve a trivial stand-in
+        # (all zeros) for them instead, which converges at once, rather than asking Sinkhorn to
+        # move mass against a cost 2000 epsilon wide (it would crawl, and warn for nothing).
+        bad = unreachable_rows(x2, k_row)
+        xs = torch.where(bad[:, None], 0, finite_stand_ins(x2, eps_row))
     targets = torch.tensor([0.0, 1.0], dtype=dtype, device=x2.device)
     # Squared cost with the x_i^2 term dropped (absorbed by the row potential): same plan.
     cost = -2 * xs[:, :, None] * targets + targets**2
@@ -61,5 +64,5 @@ def sinkhorn_mask(
     if not all_finite:
         A = torch.where(x2 == math.inf, 1.0, A)
         A = torch.where(x2 == -math.inf, 0.0, A)
-        A = A.masked_fill(unreachable_rows(x2, k_row)[:, None], math.nan)
+        A = A.masked_fill(bad[:, None], math.nan)
     return A
