@@ -1,0 +1,88 @@
+"""Smoke tests of the scripts under benchmarks/: the F1 fine-tuning experiment (a tiny run) and
+the thin suite wrappers (their ``--help``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("suite", ["topk", "sort"])
+def test_suite_scripts_wrap_the_console_script(
+    suite: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{suite}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(BENCHMARKS / f"{suite}.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert f"usage: softops bench {suite} [-h] [--quick]" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def f1_example():
+    pytest.importorskip("sklearn")
+    return _load("f1_finetune")
+
+
+@pytest.fixture(scope="module")
+def quick_run(f1_example, tmp_path_factory):
+    out = tmp_path_factory.mktemp("f1") / "f1_finetune.md"
+    return f1_example.main(["--quick", "--out", str(out)]), out
+
+
+def test_f1_finetune_default_output_is_the_committed_table(f1_example):
+    assert f1_example.DEFAULT_OUT == BENCHMARKS / "results" / "f1_finetune.md"
+    assert f1_example.DEFAULT_OUT.exists()
+
+
+def test_f1_finetune_quick_reports_every_arm(f1_example, quick_run):
+    result, _ = quick_run
+    seeds = f1_example.QUICK["seeds"]
+    assert set(result["f1"]) == {*f1_example.ARMS, "constant"}
+    for arm, values in result["f1"].items():
+        assert len(values) == seeds, arm
+        assert all(0.0 <= v <= 1.0 and math.isfinite(v) for v in values), arm
+    # Digit 8 is 9.7 % of the data: always predicting "positive" scores F1 = 2p / (1 + p) ~ 0.18.
+    assert result["mean_f1"]["constant"] == pytest.approx(0.177, abs=0.01)
+    # Even the tiny run learns something: cross-entropy beats the constant predictor on every seed.
+    assert all(
+        ce > const for ce, const in zip(result["f1"]["ce"], result["f1"]["constant"], strict=True)
+    )
+    for d in result["paired"].values():
+        assert d["better"] + d["equal"] + d["worse"] == seeds
+    f1 = result["f1"]
+    diffs = [b - a for a, b in zip(f1["ce"], f1["ce+f1"], strict=True)]
+    assert result["paired"]["(b) - (a)"]["per_seed"] == pytest.approx(diffs)
+
+
+def test_f1_finetune_writes_the_table(f1_example, quick_run):
+    result, out = quick_run
+    assert result["out"] == out
+    text = out.read_text()
+    assert text == text.split("### ")[0] + result["markdown"] + "\n"
+    assert "Written by `benchmarks/f1_finetune.py`" in text
+    for label in f1_example.ARM_LABELS.values():
+        assert f"| {label} |" in text
+    assert "python benchmarks/f1_finetune.py --quick --out" in text
+    assert "torch " in text
+
+
+def test_f1_finetune_without_finetuning_is_the_ce_arm(f1_example):
+    # The arms share init, data order and epoch budget: with no fine-tune epochs, (b) is (a).
+    result = f1_example.main(["--quick", "--seeds", "1", "--finetune-frac", "0"])
+    assert result["out"] is None
+    assert result["f1"]["ce+f1"] == result["f1"]["ce"]
