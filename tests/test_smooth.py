@@ -1,4 +1,4 @@
-"""smooth_max/min, soft_argmax/argmin, soft_argmax_onehot and soft_kmax (seed 002)."""
+"""smooth_max/min, soft_argmax/argmin and soft_argmax_onehot (Su 2019)."""
 
 from __future__ import annotations
 

@@ -136,7 +136,7 @@ def test_zero_mass_columns(masses: tuple[float, ...]) -> None:
 
 
 def test_two_targets_plan_is_the_sigmoid_mask() -> None:
-    """m=2 with targets (0, 1): n*Gamma[:, 1] = sigmoid((x - t)/epsilon), sum = k (DESIGN §3.1)."""
+    """m=2, targets (0, 1): n*Gamma[:, 1] = sigmoid((x - t)/eps), sum = k (docs/math.md §1.2)."""
     g = seeded(6)
     bsz, n = 3, 50
     x = torch.randn(bsz, n, generator=g, dtype=F64)

@@ -9,7 +9,8 @@ import softops
 import softops.sort
 from softops import soft_argsort, soft_quantile, soft_rank, soft_sort
 from softops.sort import _dispatch, _ot
-from softops.sort._dispatch import MethodOptions, interpolate
+from softops.sort._dispatch import interpolate
+from softops.sort._options import MethodOptions
 
 F64 = torch.float64
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from softops.sort import _neuralsort, _ot, _softsort
-from softops.sort._dispatch import MethodOptions
 from softops.sort._limits import with_limits
+from softops.sort._options import MethodOptions
 
 F64 = torch.float64
 INF = math.inf

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from softops.sort import _chunked, _neuralsort
-from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 from tests.sort._helpers import (
     hard_ranks,
     reductions,

@@ -14,7 +14,8 @@ from softops import soft_quantile, soft_rank, soft_sort
 from softops._core import sinkhorn
 from softops._core.convergence import ConvergenceWarning
 from softops.sort import _ot
-from softops.sort._dispatch import MethodOptions, interpolate
+from softops.sort._dispatch import interpolate
+from softops.sort._options import MethodOptions
 from tests.sort._helpers import hard_ranks, row_eps, spaced, tie_free
 
 F64 = torch.float64

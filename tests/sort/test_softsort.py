@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import softops
 from softops.sort import _chunked, _softsort
-from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 from tests.sort._helpers import (
     hard_ranks,
     reductions,
@@ -160,3 +161,16 @@ def test_saved_memory_is_linear(name, fn, monkeypatch):
     # far below one n x n float32 matrix (36 MB): a few dozen length-n float64 vectors at most
     assert saved < 64 * n * 8, (name, saved)
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (precision at large span/epsilon, the hardening issue): the l1 scans "
+    "work in one global log frame, so their values err by ~1e-16 (span/eps) span absolute; "
+    "tied entries 1e6 away from an outlier come out 3e-5 apart and out of order",
+)
+def test_l1_values_of_ties_beside_a_far_outlier_are_equal():
+    x = torch.tensor([[-1e6, -2.0, -2.0, -2.0, 0.0]], dtype=torch.float64)
+    v = softops.soft_sort(x, epsilon=1.0, method="softsort")
+    assert (v.diff(dim=-1) >= 0).all()
+    torch.testing.assert_close(v[0, 1:4], v[0, 1:2].expand(3), atol=1e-9, rtol=0)

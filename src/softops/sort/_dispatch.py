@@ -22,13 +22,14 @@ not. This is the rule of :func:`softops._core.validation.check_unused`, shared b
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from softops._core.convergence import SINKHORN_MAX_ITER
 from softops._core.validation import check_choice, check_max_iter, check_tol, check_unused
 from softops.sort import _neuralsort, _ot, _pav, _softsort
+from softops.sort._options import MethodOptions
 
 __all__ = [
     "ARGSORT_METHODS",
@@ -80,25 +81,6 @@ _DEFAULTS: dict[str, Any] = {
     "max_iter": None,
     "tol": None,
 }
-
-
-class MethodOptions(NamedTuple):
-    """The options of a sort method, checked once by :func:`check_options`.
-
-    Attributes:
-        regularization: "pav": "l2" or "kl".
-        distance: "softsort": "l1" or "l2".
-        max_iter: "ot": the Sinkhorn iteration cap; None means ``SINKHORN_MAX_ITER``.
-        tol: "ot": the relative L1 marginal tolerance; None means ``default_tol`` of the compute
-            dtype; 0 runs exactly ``max_iter`` iterations.
-        op: the public op, which names itself in warnings (the OT backend's convergence warning).
-    """
-
-    regularization: str = "l2"
-    distance: str = "l1"
-    max_iter: int | None = None
-    tol: float | None = None
-    op: str = "softops.sort"
 
 
 def check_options(

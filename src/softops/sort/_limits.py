@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 
 __all__ = ["limit_group", "with_limits"]
 

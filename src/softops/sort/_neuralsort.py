@@ -37,15 +37,13 @@ public layer (:mod:`softops.sort`) takes them to their limits before calling thi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from softops.sort._chunked import chunked_rows
-
-if TYPE_CHECKING:
-    from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "rank", "sort"]
 

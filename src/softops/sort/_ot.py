@@ -65,7 +65,6 @@ Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only here; th
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -73,9 +72,7 @@ from torch import Tensor
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
 from softops.sort._chunked import positions
-
-if TYPE_CHECKING:
-    from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "rank", "sort"]
 

@@ -33,14 +33,12 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from softops._core.isotonic import block_mean, block_softmax, block_sum, isotonic_kl, isotonic_l2
-
-if TYPE_CHECKING:
-    from softops.sort._dispatch import MethodOptions
+from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
 
