@@ -41,8 +41,9 @@ Algorithms:
   inputs (their relative cancellation error is about machine-eps x max|u|/epsilon; in float32
   rank errors reach 0.6). The values carry that error times the row's span, about
   1e-16 (span/epsilon) span in absolute terms: tied entries beside an outlier 1e6 away (epsilon
-  1) come out 3e-5 apart, a known limit of the single global frame. The exclusive scan is padded with a huge negative *finite* number (``-inf`` would
-  give NaN gradients), and the backward is plain autograd. At exact ties SoftSort is not
+  1) come out 3e-5 apart, a known limit of the single global frame. The exclusive scan is
+  padded with a huge negative *finite* number (``-inf`` would give NaN gradients), and the
+  backward is plain autograd. At exact ties SoftSort is not
   differentiable (|.| at its kink); this path and the dense formula pick different subgradients
   there, and agree everywhere else.
 * **l2 values and ranks, and the full P** (``argsort``, any distance): rows of P are processed
