@@ -117,7 +117,7 @@ class SoftConfusion(NamedTuple):
     predicted: torch.Tensor
     true: torch.Tensor
 
-    def __add__(self, other: object) -> SoftConfusion:  # type: ignore[override]
+    def __add__(self, other: object) -> SoftConfusion:
         if not isinstance(other, SoftConfusion):
             return NotImplemented
         if self.tp.shape != other.tp.shape:

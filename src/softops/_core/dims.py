@@ -74,7 +74,7 @@ class Rows(NamedTuple):
 
     Attributes:
         x2: (B, n) with ``dim`` last, in the compute dtype (float16/bfloat16 promoted to float32).
-        eps: (B,) epsilon per row in the compute dtype, or None when the op has no epsilon.
+        eps: (B,) epsilon per row, in the compute dtype.
         restore: maps a (B, n') or (B, n', m) result back to the batch shape, n' at ``dim``.
         dim: ``dim`` normalised to a non-negative int.
         n: ``x.shape[dim]``.
@@ -82,7 +82,7 @@ class Rows(NamedTuple):
     """
 
     x2: torch.Tensor
-    eps: torch.Tensor | None
+    eps: torch.Tensor
     restore: Callable[[torch.Tensor], torch.Tensor]
     dim: int
     n: int
@@ -93,19 +93,15 @@ class Rows(NamedTuple):
         return row_param(value, self.batch_shape, op, name, self.x2.dtype, self.x2.device)
 
 
-def prepare_rows(
-    op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor | None = None
-) -> Rows:
+def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
-    (positive and finite; skipped when None), and return the :class:`Rows` form of ``x``."""
+    (positive and finite), and return the :class:`Rows` form of ``x``."""
     check_floating(x, op)
     d = check_dim(x, dim, op)
     n = check_nonempty(x, d, op)
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)
     batch_shape = x.movedim(d, -1).shape[:-1]
-    eps = None
-    if epsilon is not None:
-        epsilon = check_epsilon(epsilon, op)
-        eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
+    epsilon = check_epsilon(epsilon, op)
+    eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
     return Rows(x2.to(cd), eps, restore, d, n, batch_shape)

@@ -74,17 +74,26 @@ class IsotonicResult(NamedTuple):
 def _kernels() -> ModuleType | None:
     """The compiled kernels (``_isotonic_numba``), or None when numba cannot be imported."""
     if "kernels" not in _state:
+        kernels: ModuleType | None
         try:
-            from softops._core import _isotonic_numba
+            from softops._core import _isotonic_numba as kernels
         except ImportError as err:  # installed but broken (e.g. an incompatible numpy)
             warnings.warn(
                 f"softops: numba could not be imported ({err}); PAV uses its torch fallback.",
                 RuntimeWarning,
                 stacklevel=4,
             )
-            _isotonic_numba = None
-        _state["kernels"] = _isotonic_numba
+            kernels = None
+        _state["kernels"] = kernels
     return _state["kernels"]
+
+
+def _compiled() -> ModuleType:
+    """The kernels, for the numba backend (chosen only when they import)."""
+    kernels = _kernels()
+    if kernels is None:  # pragma: no cover - the backend choice rules this out
+        raise RuntimeError("softops: the numba PAV kernels are not available.")
+    return kernels
 
 
 def _numba_l2(y: torch.Tensor) -> IsotonicResult:
@@ -94,7 +103,7 @@ def _numba_l2(y: torch.Tensor) -> IsotonicResult:
     B, n = yc.shape
     v = np.empty_like(yc)
     block = np.empty((B, n), dtype=np.int64)
-    _kernels().pav_l2(yc, v, block, np.empty((B, n)), np.empty((B, n), dtype=np.int64))
+    _compiled().pav_l2(yc, v, block, np.empty((B, n)), np.empty((B, n), dtype=np.int64))
     return IsotonicResult(torch.from_numpy(v).to(y.device), torch.from_numpy(block).to(y.device))
 
 
@@ -107,7 +116,7 @@ def _numba_kl(s: torch.Tensor, w: torch.Tensor) -> IsotonicResult:
     v = np.empty_like(sc)
     block = np.empty((B, n), dtype=np.int64)
     work = (np.empty((B, n)), np.empty((B, n)), np.empty((B, n), dtype=np.int64))
-    _kernels().pav_kl(sc, wc, v, block, *work)
+    _compiled().pav_kl(sc, wc, v, block, *work)
     return IsotonicResult(torch.from_numpy(v).to(s.device), torch.from_numpy(block).to(s.device))
 
 
@@ -138,7 +147,7 @@ def _torch_pav(s: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, t
     top = torch.full((B,), -1, dtype=torch.int64, device=dev)
     rows = torch.arange(B, device=dev)
     s_acc = s.detach().to(acc)
-    w_acc = w.detach().to(acc) if kl else torch.ones_like(s_acc)
+    w_acc = w.detach().to(acc) if w is not None else torch.ones_like(s_acc)
     ones = torch.ones(B, dtype=torch.int64, device=dev)
 
     def violated(t: torch.Tensor) -> torch.Tensor:

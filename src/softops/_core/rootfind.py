@@ -91,7 +91,7 @@ def bracketed_newton(
     done = skip.clone()
     residual = nan
     side = torch.zeros_like(t)
-    state = (t, lo, hi, f_lo, f_hi, side, done, residual)
+    state: tuple[torch.Tensor, ...] = (t, lo, hi, f_lo, f_hi, side, done, residual)
     if first is not None:
         state = _update(t, *first, lo, hi, f_lo, f_hi, side, done, skip, residual)
     iterations = 0

@@ -117,7 +117,9 @@ class _Problem(NamedTuple):
     def to(self, dtype: torch.dtype) -> _Problem:
         if self.s.dtype == dtype:
             return self
-        return _Problem(*(t if t is None or t.dtype == torch.bool else t.to(dtype) for t in self))
+        return _Problem._make(
+            t if t is None or t.dtype == torch.bool else t.to(dtype) for t in self
+        )
 
     def select(self, keep: Tensor) -> _Problem:
         return _Problem(

@@ -215,7 +215,7 @@ def check_unused(
             )
 
 
-def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
     """q as a 0-dim or 1-D tensor of ``dtype``, with every entry in [0, 1]."""
     if isinstance(q, torch.Tensor):
         if not q.dtype.is_floating_point:

@@ -46,6 +46,7 @@ small defaults, a :class:`QuickDefaults`, and turns the subprocess probes off; a
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import platform
@@ -405,11 +406,10 @@ def _timed_repeats(
                 if rep >= st.repeats:
                     continue
                 case = st.case
-                st.fwd.append(_timed(lambda case=case: _forward(case, x_fwd), device))
+                st.fwd.append(_timed(functools.partial(_forward, case, x_fwd), device))
                 if st.fwdbwd_skip is None and st.g is not None:
-                    g = st.g
                     st.fwdbwd.append(
-                        _timed(lambda case=case, g=g: _forward_backward(case, x, g), device)
+                        _timed(functools.partial(_forward_backward, case, x, st.g), device)
                     )
             if rep == 0:
                 for st in runnable:

@@ -149,7 +149,7 @@ def numba_threads() -> Iterator[None]:
         yield
         return
     previous = numba.get_num_threads()
-    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     numba.set_num_threads(wanted)
     try:
         yield

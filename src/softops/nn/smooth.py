@@ -96,7 +96,7 @@ class SmoothMin(_Reduction):
 
 
 class SoftArgmax(_Reduction):
-    """A Module that applies :func:`softops.soft_argmax` : the expected index of the max.
+    """A Module that applies :func:`softops.soft_argmax`: the expected index of the max.
 
     See :func:`softops.soft_argmax` for the math and the units of ``epsilon``. The arguments are
     checked at construction, under this Module's name, and stored, not learned.
@@ -123,7 +123,7 @@ class SoftArgmax(_Reduction):
 
 
 class SoftArgmin(_Reduction):
-    """A Module that applies :func:`softops.soft_argmin` : the expected index of the min.
+    """A Module that applies :func:`softops.soft_argmin`: the expected index of the min.
 
     See :func:`softops.soft_argmin` for the math and the units of ``epsilon``. The arguments are
     checked at construction, under this Module's name, and stored, not learned.

@@ -48,7 +48,8 @@ class _IsotonicL2(torch.autograd.Function):
 
     @staticmethod
     def forward(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(isotonic_l2(y))
+        res = isotonic_l2(y)
+        return res.v, res.block
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -74,7 +75,8 @@ class _IsotonicKL(torch.autograd.Function):
 
     @staticmethod
     def forward(s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(isotonic_kl(s, w))
+        res = isotonic_kl(s, w)
+        return res.v, res.block
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -33,6 +33,7 @@ from softops._core.straight_through import straight_through
 from softops._core.validation import check_k
 from softops.topk._options import (
     MASK_METHODS,
+    PERTURBED_DEFAULT_SAMPLES,
     check_generator,
     check_mask_k,
     check_mask_options,
@@ -173,15 +174,16 @@ def soft_topk_mask(
     if x2.shape[0] == 0:
         return x * 0  # empty, but on the graph like every other output
     if method in ("ot", "sinkhorn"):
-        max_iter, tol = solver_defaults(method, max_iter, tol, x2.dtype)
-    if method == "ot":
-        A = ot_mask(op, x2, k_row, eps_row, max_iter, tol, k_scalar)
-    elif method == "sinkhorn":
-        A = sinkhorn_mask(op, x2, k_row.detach(), eps_row.detach(), max_iter, tol)
+        cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)
+        if method == "ot":
+            A = ot_mask(op, x2, k_row, eps_row, cap, tolerance, k_scalar)
+        else:
+            A = sinkhorn_mask(op, x2, k_row.detach(), eps_row.detach(), cap, tolerance)
     elif method == "softkmax":
         A = soft_kmax_rows(x2, int(k), eps_row)  # k is a scalar here (checked above)
     else:
-        A = perturbed_topk_mask(x2, int(k), eps_row.detach(), n_samples, generator)
+        draws = PERTURBED_DEFAULT_SAMPLES if n_samples is None else n_samples
+        A = perturbed_topk_mask(x2, int(k), eps_row.detach(), draws, generator)
 
     if hard:
         k_hard = None if k_scalar is None else int(k_scalar)

@@ -148,13 +148,14 @@ def solve(
     em = torch.finfo(dtype).eps
     xmin, xmax, xsum = maybe_fused(_row_stats, x)(x)
     all_finite = bool((torch.isfinite(xmin) & torch.isfinite(xmax)).all())
-    sel_none = sel_all = invalid = None
+    sel_none: torch.Tensor | None = None
+    sel_all: torch.Tensor | None = None
+    invalid: torch.Tensor | None = None
+    solve_rows: torch.Tensor | None = None  # None: every row is solved (the masks are None too)
     if all_finite:
         k_eff = k
         n_fin = torch.full_like(k, n)
-        if k_scalar is not None and 0 < k_scalar < n:
-            solve_rows = None
-        else:
+        if not (k_scalar is not None and 0 < k_scalar < n):
             sel_none, sel_all = k <= 0, k >= n
             invalid = torch.zeros_like(sel_none)
             solve_rows = ~(sel_none | sel_all)
@@ -170,7 +171,7 @@ def solve(
         xs = torch.where(finite, x, -math.inf)
 
     zeros = torch.zeros(B, dtype=dtype, device=x.device)
-    if solve_rows is not None and not bool(solve_rows.any()):
+    if solve_rows is not None and invalid is not None and not bool(solve_rows.any()):
         return ThresholdState(
             zeros,
             zeros,
@@ -278,7 +279,7 @@ def solve(
         wrap=lambda fn: maybe_fused(fn, x),
     )
     converged, residual = res.converged, res.residual
-    if solve_rows is not None:
+    if solve_rows is not None and invalid is not None:
         converged = converged | ~(solve_rows | invalid)
         residual = torch.where(solve_rows, residual, zeros).masked_fill(invalid, math.nan)
     return ThresholdState(
@@ -289,7 +290,7 @@ def solve(
 def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tensor) -> torch.Tensor:
     """``sigmoid(((x - m) - t) / eps)`` with the special rows of ``state`` filled in exactly."""
     A = maybe_fused(_mask, x)(x, state.m[:, None], state.t[:, None], eps[:, None])
-    if state.invalid is not None:
+    if state.invalid is not None and state.sel_none is not None and state.sel_all is not None:
         A = torch.where(state.sel_none[:, None], (x == math.inf).to(x.dtype), A)
         A = torch.where(state.sel_all[:, None], (x > -math.inf).to(x.dtype), A)
         A = A.masked_fill(state.invalid[:, None], math.nan)

@@ -104,7 +104,7 @@ def _chunk_size(B: int, n: int, n_samples: int) -> int:
     return max(1, min(n_samples, _CHUNK_ELEMENTS // max(1, B * n)))
 
 
-def _fill_normal(buf: torch.Tensor, generator: torch.Generator) -> None:
+def _fill_normal(buf: torch.Tensor, generator: torch.Generator | None) -> None:
     """Fill ``buf`` (c, B, n) sample by sample, so that the draws do not depend on c."""
     for j in range(buf.shape[0]):
         buf[j].normal_(generator=generator)
