@@ -140,14 +140,14 @@ def sinkhorn(
         )
     check_bool(newton, op, "newton")
     epsilon = check_epsilon(epsilon, op)
-    wdtype = compute_dtype(cost.dtype)
+    cd = compute_dtype(cost.dtype)
     max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, op)
-    tol = check_tol(tol, default_tol(wdtype), op)
+    tol = check_tol(tol, default_tol(cd), op)
 
     batch_shape = cost.shape[:-2]
     n, m = cost.shape[-2], cost.shape[-1]
-    a_t = _check_marginal(a, "a", (*batch_shape, n), op, wdtype)
-    b_t = _check_marginal(b, "b", (*batch_shape, m), op, wdtype)
+    a_t = _check_marginal(a, "a", (*batch_shape, n), op, cd)
+    b_t = _check_marginal(b, "b", (*batch_shape, m), op, cd)
     sa, sb = a_t.sum(-1), b_t.sum(-1)
     rtol = max(torch.finfo(a.dtype).eps, torch.finfo(b.dtype).eps) ** 0.5
     mismatch = (sa - sb).abs() > rtol * torch.maximum(sa, sb)
@@ -160,9 +160,9 @@ def sinkhorn(
 
     b_t = b_t * (sa / sb).unsqueeze(-1)  # equal totals in the working precision
 
-    c2 = cost.to(wdtype).reshape(-1, n, m)
+    c2 = cost.to(cd).reshape(-1, n, m)
     bsz = c2.shape[0]
-    eps = row_param(epsilon, batch_shape, op, "epsilon", wdtype, cost.device)  # (B,)
+    eps = row_param(epsilon, batch_shape, op, "epsilon", cd, cost.device)  # (B,)
     ones = torch.ones_like(eps)
     # Solve the scaled problem (cost/epsilon, 1): autograd then carries the gradient to epsilon.
     plan, res = sinkhorn_plan(

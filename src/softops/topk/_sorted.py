@@ -142,9 +142,9 @@ def soft_topk(
     rows = prepare_rows(_OP, x, dim, epsilon)
     n, x2, eps, restore = rows.n, rows.x2, rows.eps, rows.restore  # x2 (B, n), eps (B,)
     k = int(check_k(k, n, _OP, low=1, integer=True))
-    wdtype = x2.dtype
+    cd = x2.dtype
     max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, _OP)
-    tol = check_tol(tol, default_tol(wdtype), _OP)
+    tol = check_tol(tol, default_tol(cd), _OP)
 
     indices = torch.topk(x.detach(), k, dim=rows.dim, largest=largest, sorted=True).indices
     bsz = x2.shape[0]
@@ -168,10 +168,10 @@ def soft_topk(
     zero = torch.zeros_like(s).unsqueeze(1)
     scaled = -torch.cat((zero, diffs), dim=1).cumsum(dim=1) / eps[:, None, None]  # (B, m, n)
 
-    log_a = torch.full((bsz, n), -math.log(n), dtype=wdtype, device=x.device)
+    log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
-    log_b = torch.tensor(log_nu, dtype=wdtype, device=x.device).expand(bsz, m)
-    ones = torch.ones((bsz,), dtype=wdtype, device=x.device)
+    log_b = torch.tensor(log_nu, dtype=cd, device=x.device).expand(bsz, m)
+    ones = torch.ones((bsz,), dtype=cd, device=x.device)
     plan, res = sinkhorn_plan(
         scaled.transpose(1, 2), log_a, log_b, ones, max_iter, tol, newton=True
     )
