@@ -11,7 +11,12 @@ def seeded(seed: int = 0) -> torch.Generator:
 
 
 def saved_bytes(fn) -> int:
-    """Bytes of every tensor that ``fn()`` saves for backward (each save counted)."""
+    """Bytes of every tensor that ``fn()`` saves for backward, each save counted.
+
+    A tensor saved by several nodes counts each time, which is what tests of "saves the same
+    buffer once per round" need; :func:`softops.bench.model.count_saved_bytes` counts each storage
+    once, which is what stays alive.
+    """
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -22,19 +27,6 @@ def saved_bytes(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total
-
-
-def unique_saved_bytes(fn) -> int:
-    """Bytes of the distinct storages that ``fn()`` saves for backward."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def hard_topk_mask(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> torch.Tensor:
