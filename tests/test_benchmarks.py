@@ -86,3 +86,11 @@ def test_f1_finetune_without_finetuning_is_the_ce_arm(f1_example):
     result = f1_example.main(["--quick", "--seeds", "1", "--finetune-frac", "0"])
     assert result["out"] is None
     assert result["f1"]["ce+f1"] == result["f1"]["ce"]
+
+
+def test_spearman_epsilon_experiment_runs(tmp_path):
+    experiment = _load("spearman_epsilon")
+    out = tmp_path / "spearman_epsilon.md"
+    text = experiment.main(["--seeds", "1", "--steps", "3", "--sizes", "10", "--out", str(out)])
+    assert out.read_text() == text
+    assert "| 10 |" in text and text.count("±") == len(experiment.MODES)

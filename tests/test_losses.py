@@ -540,3 +540,50 @@ def test_losses_use_no_private_name_of_another_module():
         if alias.name.startswith("_")
     ]
     assert private == []
+
+
+# ----------------------------------------------------------- the default (relative) epsilon
+
+
+@pytest.mark.parametrize("c", [1e-3, 10.0, 1e6])
+def test_ranking_losses_default_is_scale_free(c):
+    x = torch.randn(4, 30, dtype=F64, generator=seeded(71))
+    t = torch.randn(4, 30, dtype=F64, generator=seeded(72))
+    y = t.abs()
+    torch.testing.assert_close(spearman_loss(c * x, t), spearman_loss(x, t))
+    torch.testing.assert_close(ndcg_loss(c * x, y, k=5), ndcg_loss(x, y, k=5))
+
+
+@pytest.mark.parametrize("n", [10, 100, 1000])
+def test_spearman_default_stays_a_rank_loss_at_every_n(n):
+    """With epsilon=1.0 on standardised scores the pav ranks are affine from n = 10 on, so the
+    loss is exactly 1 - Pearson(x, rank(t)); the default keeps it between that and the hard
+    (gradient-free) 1 - Spearman."""
+    x = torch.randn(64, n, dtype=F64, generator=seeded(n))
+    x = (x - x.mean(-1, keepdim=True)) / x.std(-1, correction=0, keepdim=True)
+    t = x + torch.randn(64, n, dtype=F64, generator=seeded(n + 1))
+    h = t.argsort(-1).argsort(-1).to(F64)
+    hc = h - h.mean(-1, keepdim=True)
+    pearson = (x * hc).sum(-1) / (x.norm(dim=-1) * hc.norm(dim=-1))
+    fixed = spearman_loss(x, t, epsilon=1.0, reduction="none")
+    torch.testing.assert_close(fixed, 1 - pearson)  # the defect of the old default
+    default = spearman_loss(x, t, reduction="none")
+    hard = spearman_loss(x, t, epsilon=1e-9, reduction="none")
+    assert ((default - (1 - pearson)).abs() > 1e-6).all()
+    assert ((default - hard).abs() > 1e-9).any()
+    # the default c = 3 of the window: most entries receive a gradient, no row is affine
+    eps = 3 * x.std(-1, correction=0) / n
+    r = soft_rank(x, epsilon=eps)
+    hard_ranks = x.argsort(-1).argsort(-1).to(F64) + 1
+    assert 0.02 < float(((r - hard_ranks).abs() < 1e-9).to(F64).mean()) < 0.35
+
+
+def test_ranking_losses_default_gradients():
+    x = torch.randn(3, 8, dtype=F64, generator=seeded(75), requires_grad=True)
+    t = torch.randn(3, 8, dtype=F64, generator=seeded(76))
+    assert gradcheck(lambda x: spearman_loss(x, t, reduction="none"), (x,))
+    assert gradcheck(lambda x: ndcg_loss(x, t.abs(), k=3, reduction="none"), (x,))
+    # scale-free: the gradient is orthogonal to x (within each row, after centring)
+    (g,) = torch.autograd.grad(spearman_loss(x, t, reduction="sum"), x)
+    xc = x.detach() - x.detach().mean(-1, keepdim=True)
+    torch.testing.assert_close((g * xc).sum(-1), torch.zeros(3, dtype=F64), atol=1e-10, rtol=0)

@@ -239,7 +239,7 @@ def _check_ranking(
     epsilon: Any,
     reduction: Any,
     op: str,
-) -> tuple[int, int, float | torch.Tensor]:
+) -> tuple[int, int, float | torch.Tensor | None]:
     """Common checks of spearman_loss and ndcg_loss; returns (dim, n, epsilon)."""
     check_floating(input, op, "input")
     if not isinstance(target, torch.Tensor):
@@ -262,12 +262,27 @@ def _check_ranking(
         raise ValueError(
             f"{op}: expected a non-empty batch; got `input` of shape {tuple(input.shape)}."
         )
+    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    if epsilon is None:  # relative to each row: computed by the loss, with x
+        return d, n, None
     epsilon = check_epsilon(epsilon, op)
     if isinstance(epsilon, torch.Tensor):  # checked here so that errors name this op
         batch_shape = input.movedim(d, -1).shape[:-1]
         row_param(epsilon, batch_shape, op, "epsilon", epsilon.dtype, epsilon.device)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
     return d, n, epsilon
+
+
+_RELATIVE_EPSILON = 3.0
+"""The default epsilon of the ranking losses, in units of std(row) / n (see spearman_loss)."""
+
+
+def _row_epsilon(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    """``3 * std / n`` of each row of x along d (population std, in the graph), shape of x
+    without d. Rows where it is not a positive finite number (a constant row, a NaN, an
+    infinity) get 1: their loss is decided by the degenerate-row rules, not by epsilon."""
+    eps = _RELATIVE_EPSILON * x.std(dim=d, correction=0) / n
+    good = torch.isfinite(eps) & (eps > 0)
+    return torch.where(good, eps, torch.ones_like(eps))
 
 
 def _average_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +303,7 @@ def spearman_loss(
     target: torch.Tensor,
     *,
     dim: int = -1,
-    epsilon: float | torch.Tensor = 1.0,
+    epsilon: float | torch.Tensor | None = None,
     method: str = "pav",
     reduction: str = "mean",
 ) -> torch.Tensor:
@@ -314,13 +329,23 @@ def spearman_loss(
         target: the values to agree with, the shape of ``input``, floating or integer dtype.
             Only their ranks matter.
         dim: the dimension to rank along; every other dim is a batch dim.
-        epsilon: the smoothing strength of :func:`softops.soft_rank`, passed on unchanged; larger
-            is smoother. A float, or a tensor broadcastable to the batch shape (it receives a
-            gradient). With "pav" (default) it is in the units of ``input``
-            (``spearman_loss(c*x, t, epsilon=c*e) == spearman_loss(x, t, epsilon=e)``), and the
-            soft ranks are the hard ones, so the loss is ``1 - spearmanr`` exactly, once every
-            gap between sorted neighbours of the row exceeds ``epsilon``. See
-            :func:`softops.soft_rank` for the other methods' units.
+        epsilon: the smoothing strength of :func:`softops.soft_rank`; larger is smoother. None
+            (default): relative to each row, ``3 * std(row) / n`` (population std, kept in the
+            graph), so the loss is scale-free like Spearman's rho itself
+            (``spearman_loss(c*x, t) == spearman_loss(x, t)`` for c > 0) and stays a rank loss
+            at every n (see the window below). A float, or a tensor broadcastable to the batch
+            shape (it receives a gradient), is passed on unchanged: with "pav" it is in the
+            units of ``input`` (``spearman_loss(c*x, t, epsilon=c*e) == spearman_loss(x, t,
+            epsilon=e)``). See :func:`softops.soft_rank` for the other methods' units.
+
+            **The window.** With "pav" the soft ranks are exactly the hard ones (zero
+            gradient) where every gap between sorted neighbours exceeds ``epsilon``, and exactly
+            affine in ``input`` where every gap is below it: then the loss is
+            ``1 - Pearson(input, rank(target))``, no longer a rank loss. For a row of n
+            standardised normal scores the fractions depend on ``c = epsilon * n / std`` only:
+            c = 1 leaves 57 % of the entries exactly hard, c = 3 13 %, and from c = 10 on every
+            row is affine. A fixed ``epsilon=1.0`` on standardised scores is c = n: Pearson
+            from n = 10 on. The default is c = 3.
         method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
             ``"ot"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
@@ -342,11 +367,12 @@ def spearman_loss(
         ICML 2020. arXiv:2002.08871.
     """
     op = "spearman_loss"
-    d, _, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
+    d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
     check_choice(method, SORT_METHODS, op, "method")
     cd = compute_dtype(input.dtype)
     x = input.to(cd)
-    r = soft_rank(x, dim=d, epsilon=epsilon, method=method)
+    eps = _row_epsilon(x, d, n) if epsilon is None else epsilon
+    r = soft_rank(x, dim=d, epsilon=eps, method=method)
     r2, restore = flatten_to_2d(r, d)
     x2, _ = flatten_to_2d(x, d)
     t2, _ = flatten_to_2d(target.to(cd), d)
@@ -373,7 +399,7 @@ def ndcg_loss(
     *,
     dim: int = -1,
     k: int | None = None,
-    epsilon: float | torch.Tensor = 1.0,
+    epsilon: float | torch.Tensor | None = None,
     gain: str = "linear",
     reduction: str = "mean",
 ) -> torch.Tensor:
@@ -404,11 +430,14 @@ def ndcg_loss(
         dim: the dimension to rank along; every other dim is a batch dim.
         k: None (default; all n positions count) or an int in [1, n]: NDCG@k.
         epsilon: one smoothing strength for both the soft ranks (:func:`softops.soft_rank`,
-            method "pav") and the top-k mask, both in the units of ``input``; larger is
-            smoother. A float, or a tensor broadcastable to the batch shape (it receives a
-            gradient). Scaling law: ``ndcg_loss(c*x, y, epsilon=c*e) == ndcg_loss(x, y,
-            epsilon=e)``. The soft ranks are the hard ones once every gap between sorted
-            neighbours of a row exceeds ``epsilon``; the mask is within
+            method "pav") and the top-k mask; larger is smoother. None (default): relative to
+            each row, ``3 * std(row) / n`` kept in the graph, as in :func:`spearman_loss`
+            (whose docstring explains the window), so the loss is scale-free
+            (``ndcg_loss(c*x, y) == ndcg_loss(x, y)``). A float, or a tensor broadcastable to
+            the batch shape (it receives a gradient), is in the units of ``input``. Scaling
+            law: ``ndcg_loss(c*x, y, epsilon=c*e) == ndcg_loss(x, y, epsilon=e)``. The soft
+            ranks are the hard ones once every gap between sorted neighbours of a row exceeds
+            ``epsilon``; the mask is within
             :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one, where gap is the distance
             of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
             ``1 - ndcg_score(target, input, k=k)`` on scores without ties (tied scores share
@@ -449,10 +478,11 @@ def ndcg_loss(
         raise ValueError(f"{op}: expected non-negative `target` (relevance); got {value}.")
     cd = compute_dtype(input.dtype)
     x = input.to(cd)
-    r = soft_rank(x, dim=d, descending=True, epsilon=epsilon)
+    eps = _row_epsilon(x, d, n) if epsilon is None else epsilon
+    r = soft_rank(x, dim=d, descending=True, epsilon=eps)
     discount = 1 / torch.log2(1 + r)
     if k is not None and k < n:
-        discount = discount * soft_topk_mask(x, k, dim=d, epsilon=epsilon)
+        discount = discount * soft_topk_mask(x, k, dim=d, epsilon=eps)
     g = _gain(target.to(cd), gain)
     dcg = (g * discount).sum(d)
     g2, _ = flatten_to_2d(g, d)
