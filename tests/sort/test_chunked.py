@@ -129,3 +129,43 @@ def test_rows_per_block_and_graph():
     assert _chunked._needs_graph(torch.randn(2, 3), x)
     with torch.no_grad():
         assert not _chunked._needs_graph(x)
+
+
+# ------------------------------------------------------------------ torch.func transforms
+
+_FUNC_OPS = {
+    "argsort": lambda x: __import__("softops").soft_argsort(x, epsilon=0.5),
+    "softsort-l2": lambda x: __import__("softops").soft_sort(
+        x, epsilon=0.5, method="softsort", distance="l2"
+    ),
+    "softsort-l1-rank": lambda x: __import__("softops").soft_rank(
+        x, epsilon=0.5, method="softsort"
+    ),
+    "neuralsort": lambda x: __import__("softops").soft_sort(x, epsilon=0.5, method="neuralsort"),
+    "neuralsort-rank": lambda x: __import__("softops").soft_rank(
+        x, epsilon=0.5, method="neuralsort"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FUNC_OPS))
+def test_torch_func_grad_vjp_jacrev_equal_autograd(name, monkeypatch):
+    # several blocks, so that the eager path really checkpoints
+    monkeypatch.setattr(_chunked, "BLOCK_ELEMENTS", 2 * 7 * 3)
+    fn = _FUNC_OPS[name]
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, dtype=F64)
+    xx = x.clone().requires_grad_(True)
+    y = fn(xx)
+    w = torch.randn_like(y)
+    (g_ref,) = torch.autograd.grad((y * w).sum(), xx)
+    jac_ref = torch.stack(  # a fresh (checkpointed) graph per output entry
+        [torch.autograd.grad(fn(xx).flatten()[k], xx)[0] for k in range(y.numel())]
+    ).reshape(*y.shape, *x.shape)
+    g = torch.func.grad(lambda t: (fn(t) * w).sum())(x)
+    _, pullback = torch.func.vjp(fn, x)
+    (g_vjp,) = pullback(w)
+    jac = torch.func.jacrev(fn)(x)
+    torch.testing.assert_close(g, g_ref, atol=1e-13, rtol=1e-12)
+    torch.testing.assert_close(g_vjp, g_ref, atol=1e-13, rtol=1e-12)
+    torch.testing.assert_close(jac, jac_ref, atol=1e-13, rtol=1e-12)

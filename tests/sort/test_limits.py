@@ -89,3 +89,17 @@ def test_infinite_entries_get_a_zero_gradient():
     r = with_limits(_softsort.rank, "rank", x, eps, False, MethodOptions())
     gx, ge = torch.autograd.grad(r.sum() + (r * torch.arange(4.0)).sum(), (x, eps))
     assert gx[0, 1] == 0 and torch.isfinite(gx).all() and torch.isfinite(ge).all()
+
+
+@pytest.mark.parametrize("method", ["softsort", "neuralsort", "ot"])
+@pytest.mark.parametrize("op", ["soft_sort", "soft_rank", "soft_argsort"])
+def test_all_infinite_rows_stay_on_the_graph(method, op):
+    import softops
+
+    x = torch.tensor([[math.inf, -math.inf, math.inf], [-math.inf] * 3], dtype=F64)
+    x.requires_grad_(True)
+    y = getattr(softops, op)(x, epsilon=0.5, method=method)
+    assert y.requires_grad
+    torch.where(torch.isfinite(y), y, 0.0).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=0, rtol=0)

@@ -7,6 +7,11 @@ O(B n) per block and recomputes the block in the backward, so the peak extra mem
 O(B n block) instead of O(B n²) (besides a requested (B, n, n) ``P`` itself). The first
 checkpointed call in a process pays torch's one-time import of ``torch._dynamo`` (about 2 s on a
 small CPU). No checkpoint (and no graph) is used when nothing requires a gradient.
+
+Under ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ...) the blocks are not
+checkpointed either: those transforms do not support the saved-tensor hooks that non-reentrant
+checkpointing is made of, so the blocks are kept by autograd as plain ops, O(B n²) memory for the
+graph (the same values and derivatives, by the same ops).
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ def _needs_graph(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _under_functorch() -> bool:
+    """Whether a ``torch.func`` transform is active (they refuse saved-tensor hooks)."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def chunked_rows(
     block_logits: Callable[..., Tensor],
     row_param: Tensor,
@@ -67,7 +77,7 @@ def chunked_rows(
     pos = positions(n, descending, x2.dtype, x2.device)
     if offset is not None:
         pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
-    use_ckpt = _needs_graph(x2, row_param, *extra)
+    use_ckpt = _needs_graph(x2, row_param, *extra) and not _under_functorch()
     v_blocks: list[Tensor] = []
     r_sum: Tensor | None = None
     p_out: Tensor | None = None

@@ -47,6 +47,15 @@ Backend = Callable[..., torch.Tensor]
 """A backend kind with the one signature ``fn(x2, eps, descending, opts, offset=None)``."""
 
 
+def _on_graph(out: torch.Tensor, xg: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
+    """``out`` plus an exact zero that depends on ``xg`` and ``eg``: rows without finite entries
+    have a constant limit, but their output must stay on the graph (zero gradients, like
+    ``x * 0`` for an empty batch). The infinite entries are masked out first (``inf * 0`` is
+    NaN)."""
+    zero = torch.where(torch.isfinite(xg), xg, 0.0).sum(-1) * 0 + eg * 0  # (Bg,)
+    return out + zero.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+
+
 def limit_group(
     fn: Backend,
     kind: str,
@@ -74,7 +83,9 @@ def limit_group(
     xs = xg.gather(1, fin_idx)
     if kind == "sort":
         out = torch.sort(xd, dim=-1, descending=descending).values  # ±inf in place
-        return out if m == 0 else out.scatter(1, slots, fn(xs, eg, descending, opts))
+        if m == 0:
+            return _on_graph(out, xg, eg)
+        return out.scatter(1, slots, fn(xs, eg, descending, opts))
     if kind == "rank":
         dt = xg.dtype
         first_neg, first_pos = (n - n_neg, 0 * n_pos) if descending else (0 * n_neg, n - n_pos)
@@ -82,7 +93,7 @@ def limit_group(
         r_pos = (first_pos + (n_pos + 1) / 2).to(dt)
         out = torch.where(xd == -math.inf, r_neg.unsqueeze(-1), r_pos.unsqueeze(-1))
         if m == 0:
-            return out
+            return _on_graph(out, xg, eg)
         return out.scatter(1, fin_idx, fn(xs, eg, descending, opts, offset=off.to(dt)))
     # argsort: rows at infinite positions are uniform over the equal infinite columns
     s = torch.sort(xd, dim=-1, descending=descending).values
@@ -90,7 +101,7 @@ def limit_group(
     out = same.to(xg.dtype)
     out = out / out.sum(-1, keepdim=True).clamp_min(1)
     if m == 0:
-        return out
+        return _on_graph(out, xg, eg)
     p_fin = fn(xs, eg, descending, opts)  # (Bg, m, m)
     cols = torch.zeros(bsz, m, n, dtype=p_fin.dtype, device=xg.device)
     cols = cols.scatter(2, fin_idx.unsqueeze(1).expand(bsz, m, m), p_fin)

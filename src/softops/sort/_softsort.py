@@ -25,27 +25,24 @@ Deviations from the paper's notation (Prillo & Eisenschlos 2020, §3, where
 Algorithms:
 
 * **l1, values and ranks: exact O(n log n) time, O(n) memory** (not in the paper, which forms
-  the n x n matrix). The Laplace kernel :math:`k(a, b) = e^{-|a-b|/\varepsilon}` is
-  semiseparable: with u = sort(x) ascending and weights :math:`w \ge 0`,
-
-  .. math::
-
-      \sum_j w_j e^{-|u_i-u_j|/\varepsilon}
-        = e^{-u_i/\varepsilon} \sum_{j \le i} w_j e^{u_j/\varepsilon}
-        + e^{u_i/\varepsilon} \sum_{j > i} w_j e^{-u_j/\varepsilon},
-
-  i.e. one forward and one (exclusive) reverse ``logcumsumexp``. The rows of P sit exactly at the
-  points u, so the normalisers :math:`Z_i`, the values (weights ``u - min u + 1 > 0``, then
-  ``P u = (min u - 1) + P(u - min u + 1)``) and the ranks (weights ``pos_i / Z_i`` evaluated at
-  the points u, then un-sorted) are a handful of scans. The scans run in float64 on centred
-  inputs (their relative cancellation error is about machine-eps x max|u|/epsilon; in float32
-  rank errors reach 0.6). The values carry that error times the row's span, about
-  1e-16 (span/epsilon) span in absolute terms: tied entries beside an outlier 1e6 away (epsilon
-  1) come out 3e-5 apart, a known limit of the single global frame. The exclusive scan is
-  padded with a huge negative *finite* number (``-inf`` would give NaN gradients), and the
-  backward is plain autograd. At exact ties SoftSort is not
-  differentiable (|.| at its kink); this path and the dense formula pick different subgradients
-  there, and agree everywhere else.
+  the n x n matrix). The Laplace kernel :math:`k_{ij} = e^{-|u_i-u_j|/\varepsilon}` on the sorted
+  points u is semiseparable: with the decays :math:`d_i = e^{-(u_i - u_{i-1})/\varepsilon} \in
+  [0, 1]` (:math:`d_0 = 0`), the left sums :math:`L_i = \sum_{j \le i} w_j k_{ij}` obey the linear
+  recurrence :math:`L_i = w_i + d_i L_{i-1}`, and the right sums its mirror. Each sum is kept
+  in the local frame of its own point, so every operation adds or multiplies non-negative
+  numbers: nothing cancels and nothing overflows, at any span / epsilon. The normalisers are
+  :math:`Z_i = L_i + R_i` (``w = 1``, R exclusive); the values are
+  :math:`v_i = u_i + (M^R_i - M^L_i)/Z_i` with the first moments
+  :math:`M^L_i = \sum_{j<i} k_{ij}(u_i - u_j) = d_i(\delta_i L_{i-1} + M^L_{i-1})`,
+  :math:`\delta_i = u_i - u_{i-1}`, and the mirror :math:`M^R`; the ranks are the same kernel
+  sums with weights ``pos_i / Z_i`` at the points u, un-sorted. Values are a mean, so they are
+  clamped to [min x, max x] against rounding; tied entries get equal values and ranks to a few
+  ulps; every gap above 800 epsilon decouples exactly (``exp(-800) == 0`` in float64, where the
+  scans run). The recurrences are a log-depth two-level parallel scan (:func:`linear_recurrence`)
+  with an adjoint-recurrence backward written in the same scan, so autograd keeps O(n), and
+  second derivatives and forward mode work. At exact ties SoftSort is not differentiable (|.| at
+  its kink); this path and the dense formula pick different subgradients there, and agree
+  everywhere else.
 * **l2 values and ranks, and the full P** (``argsort``, any distance): rows of P are processed
   in checkpointed blocks by :func:`softops.sort._chunked.chunked_rows` (at most
   ``BLOCK_ELEMENTS`` entries at once), so the peak extra memory is O(B n block) instead of
@@ -59,7 +56,7 @@ Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -69,16 +66,101 @@ from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "rank", "sort"]
 
-_PAD = -1e300  # exclusive-scan padding: exp(_PAD - anything finite) == 0, and finite gradients
+_SCAN_BLOCK = 16
+"""Steps per block of the two-level scan (:func:`_scan_forward`)."""
+
+_GAP_CAP = 800.0
+"""exp(-800) == 0 in float64: gaps beyond 800 epsilon decouple exactly."""
 
 
-def _laplace_lse(a: Tensor, logw: Tensor) -> Tensor:
-    """``log sum_j w_j exp(-|a_i - a_j|)`` for sorted ``a`` (B, n), exactly, by two scans."""
-    left = torch.logcumsumexp(a + logw, dim=-1) - a
-    rev = torch.logcumsumexp((logw - a).flip(-1), dim=-1).flip(-1)  # j >= i
-    pad = torch.full_like(rev[:, :1], _PAD)
-    right = torch.cat((rev[:, 1:], pad), dim=-1) + a  # j > i
-    return torch.logaddexp(left, right)
+def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
+    """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph.
+
+    Two-level: a log-depth Hillis-Steele scan over the affine maps ``h -> a h + b`` inside
+    blocks of ``_SCAN_BLOCK`` steps (composing step i with step i - k: ``(a_i a_{i-k}, b_i +
+    a_i b_{i-k})``), then the same scan over the block ends (recursively), then one fix-up
+    ``h_i = b_i + a_i H`` with H the value before the block. About ``log2(_SCAN_BLOCK) + 2``
+    passes over the data instead of ``log2 n``; every step adds and multiplies non-negative
+    numbers when ``a`` in [0, 1] and ``b >= 0``.
+    """
+    n = a.shape[-1]
+    blk = _SCAN_BLOCK
+    nb = -(-n // blk)
+    if nb > 1:  # pad to whole blocks (a = b = 0 after the end changes nothing before it)
+        pad = nb * blk - n
+        a = torch.nn.functional.pad(a, (0, pad)).unflatten(-1, (nb, blk))
+        b = torch.nn.functional.pad(b, (0, pad)).unflatten(-1, (nb, blk))
+    else:
+        a, b = a.clone(), b.clone()
+    m = a.shape[-1]
+    k = 1
+    while k < m:
+        b[..., k:] += a[..., k:] * b[..., :-k]
+        a[..., k:] *= a[..., :-k].clone()
+        k *= 2
+    if nb == 1:
+        return b
+    ends = _scan_forward(a[..., -1], b[..., -1])  # h at the end of every block
+    b += a * _shift_right(ends).unsqueeze(-1)
+    return b.flatten(-2)[..., :n]
+
+
+def _shift_right(t: Tensor) -> Tensor:
+    """``t_{i-1}`` at i (0 at i = 0)."""
+    return torch.nn.functional.pad(t[..., :-1], (1, 0))
+
+
+def _shift_left(t: Tensor) -> Tensor:
+    """``t_{i+1}`` at i (0 at i = n - 1)."""
+    return torch.nn.functional.pad(t[..., 1:], (0, 1))
+
+
+class _LinearRecurrence(torch.autograd.Function):
+    """``h_i = a_i h_{i-1} + b_i`` (``h_{-1} = 0``) with the adjoint recurrence as backward.
+
+    Backward: ``lam_i = g_i + a_{i+1} lam_{i+1}`` (the same recurrence, reversed), then
+    ``db = lam`` and ``da_i = lam_i h_{i-1}``. It is written with this Function itself, so it is
+    differentiable again (double backward); forward mode propagates
+    ``h'_i = a_i h'_{i-1} + (a'_i h_{i-1} + b'_i)``. Autograd keeps ``a`` and ``h``: O(n).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> Tensor:
+        return _scan_forward(a, b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        a, _ = inputs
+        ctx.save_for_backward(a, output)
+        ctx.save_for_forward(a, output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        a, h = ctx.saved_tensors
+        lam = linear_recurrence(_shift_left(a).flip(-1), grad.flip(-1)).flip(-1)
+        return lam * _shift_right(h), lam
+
+    @staticmethod
+    def jvp(ctx: Any, a_t: Tensor | None, b_t: Tensor | None) -> Tensor:
+        a, h = ctx.saved_tensors
+        src = torch.zeros_like(h)
+        if a_t is not None:
+            src = src + a_t * _shift_right(h)
+        if b_t is not None:
+            src = src + b_t
+        return linear_recurrence(a, src)
+
+
+def linear_recurrence(a: Tensor, b: Tensor) -> Tensor:
+    """``h_i = a_i h_{i-1} + b_i`` along the last dim, ``h_{-1} = 0`` (``a_0`` is unused).
+
+    Stable for ``a`` in [0, 1] and ``b >= 0``: every operation adds or multiplies non-negative
+    numbers, so the relative error is a few ulps per step and nothing cancels. Log depth
+    (``ceil(log2 n)`` vectorised steps), O(n) autograd memory, differentiable any number of times.
+    """
+    return cast(Tensor, _LinearRecurrence.apply(a, b))
 
 
 def _l1_scan(
@@ -89,25 +171,45 @@ def _l1_scan(
     ranks: bool,
     offset: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Values and/or ranks of l1 SoftSort by the semiseparable scans (float64)."""
+    """Values and/or ranks of l1 SoftSort by local-frame recurrences (float64; module doc)."""
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
-    with torch.no_grad():
-        lo, hi = u[:, :1], u[:, -1:]
-        centre = 0.5 * (lo + hi)
     eps = epsilon.double().unsqueeze(-1)
-    a = (u - centre) / eps
-    log_z = _laplace_lse(a, torch.zeros_like(a))
+    # gaps >= 0, capped where exp(-gap/eps) is 0 in float64 anyway (finite gradients there)
+    gap = torch.minimum(u[:, 1:] - u[:, :-1], _GAP_CAP * eps)
+    dec = torch.exp(-gap / eps)  # in [0, 1]: the kernel's decay from one point to the next
+    a_fwd = torch.nn.functional.pad(dec, (1, 0))  # d_i, i = 0..n-1 (d_0 = 0)
+    a_rev = torch.nn.functional.pad(dec.flip(-1), (1, 0))  # the same, right to left
+    a2 = torch.stack((a_fwd, a_rev))
+
+    def both(b_left: Tensor, b_right: Tensor) -> tuple[Tensor, Tensor]:
+        """Inclusive left and right sums: h_i = b_i + d_i h_{i-1}, and its mirror."""
+        h = linear_recurrence(a2, torch.stack((b_left, b_right.flip(-1))))
+        return h[0], h[1].flip(-1)
+
+    ones = torch.ones_like(u)
+    left, right_inc = both(ones, ones)  # sum_{j<=i} k_ij, sum_{j>=i} k_ij
+    right = _shift_left(right_inc) * torch.nn.functional.pad(dec, (0, 1))  # sum_{j>i} k_ij
+    z = left + right  # >= 1
     out_v = out_r = None
     if values:
-        shifted = u - lo + 1.0  # >= 1: strictly positive weights, no log 0
-        v = (_laplace_lse(a, shifted.log()) - log_z).exp() + (lo - 1.0)
+        # first moments sum_{j<i} k_ij (u_i - u_j) and sum_{j>i} k_ij (u_j - u_i), by
+        # M^L_i = d_i (gap_i L_{i-1} + M^L_{i-1}) and its mirror
+        w = dec * gap
+        m_left, m_right = both(
+            torch.nn.functional.pad(w * left[:, :-1], (1, 0)),
+            torch.nn.functional.pad(w * right_inc[:, 1:], (0, 1)),
+        )
+        v = u + (m_right - m_left) / z
+        v = torch.minimum(torch.maximum(v, u[:, :1]), u[:, -1:])  # a mean: rounding only
         out_v = (v.flip(-1) if descending else v).to(x2.dtype)
     if ranks:
         pos = positions(n, descending, torch.float64, x2.device)
         if offset is not None:
             pos = pos + offset.double().unsqueeze(-1)
-        r_sorted = _laplace_lse(a, pos.log() - log_z).exp()
+        wts = pos / z  # column sums sum_i (pos_i / Z_i) k_ij, evaluated at the points u_j
+        c_left, c_right_inc = both(wts, wts)
+        r_sorted = c_left + _shift_left(c_right_inc) * torch.nn.functional.pad(dec, (0, 1))
         r = torch.zeros_like(r_sorted).scatter(-1, perm, r_sorted)
         out_r = r.to(x2.dtype)
     return out_v, out_r
@@ -168,7 +270,7 @@ def sort(
 
     with :math:`\hat x = \mathrm{sort}(x)` (ascending unless ``descending``) and
     :math:`d(a, b) = |a - b|` ("l1") or :math:`(a - b)^2` ("l2"). l1 is exact in O(n log n) time
-    and O(n) memory (semiseparable scans in float64); l2 is row-chunked with checkpointing.
+    and O(n) memory (local-frame recurrences in float64); l2 is row-chunked with checkpointing.
 
     Args:
         x2: (B, n) float32 or float64 input.
