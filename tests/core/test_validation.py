@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -91,3 +92,60 @@ def test_check_q_is_integral_describe():
     assert is_integral(3) and is_integral(torch.tensor([1.0, 2.0])) and not is_integral(2.5)
     assert describe(2.5) == "2.5" and describe(torch.tensor(3.0)) == "3"
     assert describe(torch.ones(2, 3)) == "tensor of shape (2, 3)"
+
+
+# ----------------------------------------------------------------- numpy scalars, bool, complex
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    from softops._core.validation import as_number
+
+    assert check_k(np.int64(2), 5, "op", integer=True) == 2
+    assert check_k(np.float64(2.5), 5, "op") == 2.5
+    assert check_k(np.array(3), 5, "op", integer=True) == 3  # a 0-dim array
+    assert check_epsilon(np.float32(0.5), "op") == 0.5
+    assert check_epsilon(np.array(0.25), "op") == 0.25
+    assert check_positive_int(np.int32(4), "op", "n") == 4
+    assert check_tol(np.float64(1e-6), 0.0, "op") == 1e-6
+    assert type(as_number(np.float64(1.5))) is float and type(as_number(np.int8(3))) is int
+    for bad in (np.True_, np.array(True), np.complex128(1 + 0j), np.array([1.0])):
+        assert as_number(bad) is bad
+        with pytest.raises(TypeError, match=r"^op: expected `k` to be a number; got "):
+            check_k(bad, 5, "op")
+        with pytest.raises(TypeError, match=r"^op: expected `epsilon` to be a float or a tensor"):
+            check_epsilon(bad, "op")
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_bool_and_complex_k_are_refused(integer):
+    what = "an int" if integer else "a number"
+    for k in (True, 2 + 0j):
+        with pytest.raises(
+            TypeError, match=rf"^op: expected `k` to be {what}; got {re.escape(repr(k))}\.$"
+        ):
+            check_k(k, 5, "op", integer=integer)
+    for k in (torch.tensor(True), torch.tensor(2 + 0j)):
+        with pytest.raises(
+            TypeError, match=rf"^op: expected `k` to be {what}; got a tensor of dtype={k.dtype}\.$"
+        ):
+            check_k(k, 5, "op", integer=integer)
+
+
+@pytest.mark.parametrize("op", ["soft_kmax", "soft_topk", "soft_topk_mask"])
+def test_public_ops_refuse_bool_and_complex_k_and_take_numpy(op):
+    import softops
+
+    np = pytest.importorskip("numpy")
+    fn = getattr(softops, op)
+    x = torch.tensor([0.3, -1.2, 0.8, 2.0], dtype=F64)
+    for k in (torch.tensor(True), True, 2 + 0j, torch.tensor(2 + 0j)):
+        with pytest.raises(TypeError, match=rf"^{op}: expected `k` to be"):
+            fn(x, k)
+    ref = fn(x, 2, epsilon=0.5)
+    for k, e in ((np.int64(2), np.float64(0.5)), (np.array(2), np.float32(0.5))):
+        out = fn(x, k, epsilon=e)
+        outs = out if isinstance(out, tuple) else (out,)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        for a, b in zip(outs, refs, strict=True):
+            torch.testing.assert_close(a, b)

@@ -398,3 +398,89 @@ def test_solve_reports_unsolvable_rows():
     assert state.invalid.tolist() == [True, True, False]
     assert state.converged.tolist() == [False, False, True]
     assert math.isnan(state.residual[0]) and math.isnan(state.residual[1])
+
+
+# ----------------------------------------------------------------------------- k at 0 and n
+
+
+def _edge_fd(x, k, e, n_out, which, h):
+    """Central (or, at an end of [0, n], one-sided) FD of <A, w> in x, k or epsilon, float64."""
+    w = torch.arange(1, n_out + 1, dtype=F64)
+
+    def f(xv, kv, ev):
+        return float((soft_topk_mask(xv, kv, epsilon=ev) * w).sum().detach())
+
+    if which == "x":
+        out = torch.zeros_like(x)
+        for j in range(x.numel()):
+            d = torch.zeros_like(x)
+            d[j] = h
+            out[j] = (f(x + d, k, e) - f(x - d, k, e)) / (2 * h)
+        return out
+    if which == "k":
+        n = x.numel()
+        lo, hi = max(k - h, 0.0), min(k + h, float(n))
+        return torch.tensor((f(x, hi, e) - f(x, lo, e)) / (hi - lo), dtype=F64)
+    return torch.tensor((f(x, k, e + h) - f(x, k, e - h)) / (2 * h), dtype=F64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("delta", [1e-300, 1e-100, 1e-30, 1e-12, 1e-8, 1e-5, 1e-3])
+@pytest.mark.parametrize("near_n", [False, True])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_k_within_rounding_of_0_or_n(dtype, delta, near_n, as_tensor):
+    # A real k in (0, n) that rounds to 0 or n in the compute dtype takes the limit (no NaN, no
+    # warning), and its gradients in x, k and epsilon are finite and match finite differences
+    # (in k, one-sided at the ends of [0, n]: the limits of dA/dk there are softmax(+-x/eps)).
+    x64 = torch.tensor([0.3, -1.2, 0.8], dtype=F64)
+    n = 3
+    k = n - delta if near_n else delta
+    e = 0.5
+    x = x64.to(dtype).requires_grad_()
+    kt = torch.tensor(k, dtype=dtype, requires_grad=True)
+    et = torch.tensor(e, dtype=dtype, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A = soft_topk_mask(x, kt if as_tensor else k, epsilon=et)
+    assert torch.isfinite(A).all()
+    limit = torch.ones(n) if near_n else torch.zeros(n)
+    torch.testing.assert_close(A.detach().double(), limit.double(), atol=2 * delta, rtol=0)
+    w = torch.arange(1, n + 1, dtype=dtype)
+    inputs = (x, kt, et) if as_tensor else (x, et)
+    grads = torch.autograd.grad((A * w).sum(), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+    # The reference: float64 finite differences at the k the compute dtype holds.
+    k_held = float(torch.tensor(k, dtype=dtype).double())
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == F64 else dict(atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(grads[0].double(), _edge_fd(x64, k_held, e, n, "x", 1e-6), **tol)
+    torch.testing.assert_close(grads[-1].double(), _edge_fd(x64, k_held, e, n, "eps", 1e-6), **tol)
+    if as_tensor:
+        h = min(1e-7, k_held / 4) if 0 < k_held < n / 2 else 1e-7
+        torch.testing.assert_close(grads[1].double(), _edge_fd(x64, k_held, e, n, "k", h), **tol)
+
+
+@pytest.mark.parametrize("k", [0.0, 3.0])
+def test_k_gradient_at_the_ends_is_the_one_sided_limit(k):
+    # At k = 0 the mask is ~ k softmax(x/eps), at k = n it is ~ 1 - (n - k) softmax(-x/eps):
+    # the derivative in k is that softmax (it was 0: s underflows), also with infinities.
+    x = torch.tensor([0.3, -1.2, 0.8], dtype=F64)
+    kt = torch.tensor(k, dtype=F64, requires_grad=True)
+    g = torch.randn(3, dtype=F64)
+    (gk,) = torch.autograd.grad((soft_topk_mask(x, kt, epsilon=0.5) * g).sum(), kt)
+    sign = 1 if k == 0 else -1
+    torch.testing.assert_close(gk, (torch.softmax(sign * x / 0.5, -1) * g).sum())
+    xi = torch.tensor([0.3, -1.2, 0.8, math.inf, -math.inf], dtype=F64)
+    kt = torch.tensor(k + 1, dtype=F64, requires_grad=True)
+    g = torch.cat((g, torch.tensor([5.0, 7.0], dtype=F64)))
+    (gk,) = torch.autograd.grad((soft_topk_mask(xi, kt, epsilon=0.5) * g).sum(), kt)
+    torch.testing.assert_close(gk, (torch.softmax(sign * x / 0.5, -1) * g[:3]).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_k_gradient_survives_underflow_of_s(dtype):
+    # Gaps of 1 at epsilon 1e-3: every s_i underflows, but dA/dk = s / sum(s) is the limit
+    # (shared between the two entries at the threshold), not 0.
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=dtype)
+    kt = torch.tensor(2.0, dtype=dtype, requires_grad=True)
+    (gk,) = torch.autograd.grad(soft_topk_mask(x, kt, epsilon=1e-3)[1], kt)
+    assert abs(float(gk) - 0.5) < 1e-3

@@ -3,6 +3,14 @@
 ``prepare_rows`` is the one preamble of every public op: validate ``x``, ``dim`` and ``epsilon``,
 move ``dim`` last, flatten to (B, n) in the compute dtype, broadcast epsilon per row, and hand back
 the function that restores the shape.
+
+Epsilon is a positive finite number, but the compute dtype may not hold it: 1e-50 underflows to 0
+in float32, 1e-320 is a denormal in float64 (``x / eps`` overflows for every normal x) and 1e39
+overflows to inf in float32. Every op takes its limit there, in the one place below: epsilon is
+clamped to the normal range ``[finfo.tiny, finfo.max]`` of the compute dtype. Below ``finfo.tiny``
+every op is at its epsilon -> 0 limit to within rounding on any input whose gaps are normal
+numbers (gap / tiny overflows); above ``finfo.max`` at its large-epsilon limit (``x / eps``
+underflows). A clamped tensor epsilon gets a zero gradient, the derivative of either limit.
 """
 
 from __future__ import annotations
@@ -95,7 +103,8 @@ class Rows(NamedTuple):
 
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
-    (positive and finite), and return the :class:`Rows` form of ``x``."""
+    (positive and finite), and return the :class:`Rows` form of ``x``, with epsilon clamped to
+    the normal range of the compute dtype (the module docstring says why)."""
     check_floating(x, op)
     d = check_dim(x, dim, op)
     n = check_nonempty(x, d, op)
@@ -103,5 +112,11 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
     x2, restore = flatten_to_2d(x, d)
     batch_shape = x.movedim(d, -1).shape[:-1]
     epsilon = check_epsilon(epsilon, op)
-    eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
+    fi = torch.finfo(cd)
+    if isinstance(epsilon, torch.Tensor):
+        eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
+        eps = eps.clamp(fi.tiny, fi.max)
+    else:  # a Python float: clamp on the host (no kernel)
+        epsilon = min(max(epsilon, fi.tiny), fi.max)
+        eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
     return Rows(x2.to(cd), eps, restore, d, n, batch_shape)

@@ -7,12 +7,14 @@ and what they passed. Nothing here imports from the rest of softops.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 __all__ = [
+    "as_number",
     "check_bool",
     "check_choice",
     "check_dim",
@@ -29,6 +31,26 @@ __all__ = [
     "describe",
     "is_integral",
 ]
+
+
+def as_number(value: Any) -> Any:
+    """``value`` as a Python int or float when it is a real number, else ``value`` unchanged.
+
+    Python ints and floats, numpy's integer and floating scalars (numpy registers them with
+    :mod:`numbers`, so numpy need not be imported, nor even installed) and numpy 0-dim arrays of
+    those are numbers; bools (Python's or numpy's), complex numbers and everything else are
+    returned unchanged, for the caller to refuse.
+    """
+    if isinstance(value, (bool, torch.Tensor)):
+        return value
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        item = value.item()  # a 0-dim array, or a numpy scalar: its Python value
+        return item if isinstance(item, (int, float)) and not isinstance(item, bool) else value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def check_floating(x: Any, op: str, name: str = "x") -> torch.Tensor:
@@ -97,6 +119,7 @@ def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch
             value = epsilon.detach()[bad].flatten()[0].item()
             raise ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={value}.")
         return epsilon
+    epsilon = as_number(epsilon)
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
         raise TypeError(f"{op}: expected `{name}` to be a float or a tensor; got {epsilon!r}.")
     if not (epsilon > 0 and math.isfinite(epsilon)):
@@ -128,6 +151,8 @@ def check_k(
         return ValueError(f"{op}: expected {low:g} <= `k` <= x.shape[dim] (= {n}); got k={value}.")
 
     if isinstance(k, torch.Tensor):
+        if k.dtype == torch.bool or k.is_complex():
+            raise TypeError(f"{op}: expected `k` to be {what}; got a tensor of dtype={k.dtype}.")
         if not allow_tensor or integer:
             if k.numel() == 1 and not k.requires_grad and not k.dtype.is_floating_point:
                 k = int(k.item())
@@ -135,12 +160,11 @@ def check_k(
                 raise TypeError(f"{op}: expected `k` to be {what}; got a tensor {k!r}.")
         else:
             kd = k.detach()
-            if k.dtype == torch.bool or k.is_complex():
-                raise TypeError(f"{op}: expected `k` to be a real number; got dtype={k.dtype}.")
             bad = ~((kd >= low) & (kd <= high))
             if kd.numel() and bool(bad.any()):
                 raise out_of_range(f"{kd[bad].flatten()[0].item():g}")
             return k
+    k = as_number(k)
     if isinstance(k, bool) or not isinstance(k, (int, float)):
         raise TypeError(f"{op}: expected `k` to be {what}; got {k!r}.")
     if integer and not float(k).is_integer():
@@ -172,6 +196,7 @@ def check_positive_int(value: Any, op: str, name: str, default: int | None = Non
     """
     if value is None and default is not None:
         return default
+    value = as_number(value)
     if isinstance(value, bool) or not isinstance(value, int):
         what = "a positive int or None" if default is not None else "a positive int"
         raise TypeError(f"{op}: expected `{name}` to be {what}; got {name}={value!r}.")
@@ -192,6 +217,7 @@ def check_tol(tol: Any, default: float, op: str) -> float:
     """
     if tol is None:
         return default
+    tol = as_number(tol)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)):
         raise TypeError(f"{op}: expected `tol` to be a float >= 0 or None; got tol={tol!r}.")
     if not tol >= 0:
@@ -230,6 +256,7 @@ def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) ->
         if bool(bad.any()):
             raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={qd[bad].flatten()[0].item()}.")
         return q.to(dtype=dtype, device=device)
+    q = as_number(q)
     if isinstance(q, bool) or not isinstance(q, (int, float)):
         raise TypeError(f"{op}: expected `q` to be a float or a tensor; got {q!r}.")
     if not 0 <= q <= 1:

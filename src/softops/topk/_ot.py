@@ -91,7 +91,8 @@ def _evaluate(
 
     ``m``, ``t`` and ``eps`` have a trailing singleton dim; ``k`` has the reduced shape. With ``u =
     min(A, 1 - A)`` the residual is split by sign, so it has no cancellation; the tolerance is the
-    rounding of the sums plus the change of F over one ulp of t, plus the user's ``tol``.
+    rounding of the sums (at least that of min(k, n - k, 1)) plus the change of F over one ulp
+    of t, plus the user's ``tol``.
     """
     em = torch.finfo(x.dtype).eps
     z = ((x - m) - t) / eps
@@ -99,7 +100,10 @@ def _evaluate(
     pos = z > 0
     F = torch.where(pos, -u, u).sum(-1) + (pos.sum(-1, dtype=x.dtype) - k)  # count - k first
     slope = (u * (1 - u)).sum(-1) / eps.squeeze(-1)
-    bound = 32 * em * u.sum(-1).clamp(min=1) + 2 * em * slope * t.squeeze(-1).abs() + tol
+    # The sums are of size min(k, n - k) at the root: below 1 the rounding floor follows them, so
+    # that a k within rounding of 0 or n (1e-300, say) is still solved to relative precision.
+    floor = torch.minimum(k, x.shape[-1] - k).clamp(0, 1)
+    bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs() + tol
     return F, -slope, bound
 
 
@@ -146,6 +150,10 @@ def solve(
     B, n = x.shape
     dtype = x.dtype
     em = torch.finfo(dtype).eps
+    if k_scalar is not None and dtype != torch.float64:
+        # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
+        # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
+        k_scalar = torch.tensor(k_scalar, dtype=dtype).item()
     xmin, xmax, xsum = maybe_fused(_row_stats, x)(x)
     all_finite = bool((torch.isfinite(xmin) & torch.isfinite(xmax)).all())
     sel_none: torch.Tensor | None = None
@@ -310,6 +318,32 @@ def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
+def _k_weights(
+    z: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
+) -> torch.Tensor:
+    r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
+
+    ``log s_i = log sigma(z_i) + log sigma(-z_i) - log eps``: where every ``s_i`` underflows (a
+    tiny epsilon, or k within rounding of 0 or n) the weights are still those of the limit. Rows
+    whose k is 0 or n (``edge`` +1 or -1) have no finite threshold; there the weights are their
+    one-sided limits as ``t -> +inf`` and ``t -> -inf``: ``softmax(x / eps)`` and
+    ``softmax(-x / eps)`` over the finite entries. Rows without a finite entry get 0.
+    """
+    logw = torch.nn.functional.logsigmoid(z) + torch.nn.functional.logsigmoid(-z)
+    if edge is not None:
+        finite = torch.isfinite(x)
+        xf = torch.where(finite, x, 0)
+        top = torch.where(finite, x, -math.inf).amax(-1, keepdim=True)
+        bottom = torch.where(finite, x, math.inf).amin(-1, keepdim=True)
+        up = torch.where(finite, (xf - top.nan_to_num(0, 0, 0)) / e, -math.inf)
+        down = torch.where(finite, (bottom.nan_to_num(0, 0, 0) - xf) / e, -math.inf)
+        side = edge[:, None]
+        logw = torch.where(side > 0, up, torch.where(side < 0, down, logw))
+        w = torch.softmax(logw, -1)
+        return torch.where(finite.any(-1, keepdim=True) | (side == 0), w, 0)
+    return torch.softmax(logw, -1)
+
+
 class _SoftTopKMaskOT(torch.autograd.Function):
     """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward.
 
@@ -324,20 +358,24 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         max_iter: int,
         tol: float,
         k_scalar: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         state = solve(x, k, eps, max_iter=max_iter, tol=tol, k_scalar=k_scalar)
         A = mask_from_threshold(x, state, eps)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
         ok = state.converged if state.invalid is None else state.converged | state.invalid
-        return A, state.m, state.t, ok
+        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the backward's limits in k.
+        edge = None
+        if state.sel_none is not None and state.sel_all is not None:
+            edge = state.sel_none.to(torch.int8) - state.sel_all.to(torch.int8)
+        return A, state.m, state.t, ok, edge
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, _, eps = inputs[:3]
-        A, m, t, converged = output
+        A, m, t, converged, edge = output
         ctx.mark_non_differentiable(m, t, converged)
-        if ctx.needs_input_grad[2]:
-            ctx.save_for_backward(A, eps, x, m, t)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            ctx.save_for_backward(A, eps, x, m, t, edge)
         else:
             ctx.save_for_backward(A, eps)
         ctx.fused = compile_enabled()  # the backward follows the forward's choice
@@ -348,22 +386,22 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         e = eps[:, None]
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         gx = gk = geps = None
-        if need_x and not (need_k or need_eps) and not torch.is_grad_enabled():
-            # The common case: one fused pass for the sums, one for the gradient.
-            return maybe_fused(_vjp_x, A, ctx.fused)(A, gA, e), None, None, None, None, None
-        s, ss, sg = _vjp_terms(A, gA, e)
-        pos = ss > 0
-        inv = torch.where(pos, 1 / torch.where(pos, ss, 1), 0)
-        ratio = sg * inv
+        if not (need_k or need_eps):
+            if not torch.is_grad_enabled():
+                # The common case: one fused pass for the sums, one for the gradient.
+                return maybe_fused(_vjp_x, A, ctx.fused)(A, gA, e), None, None, None, None, None
+            return _vjp_x(A, gA, e), None, None, None, None, None
+        x, m, t, edge = ctx.saved_tensors[2:]
+        s = A * (1 - A) / e
+        z = ((x - m[:, None]) - t[:, None]) / e
+        w = _k_weights(z, x, e, edge)
+        ratio = (w * gA).sum(-1, keepdim=True)
         if need_x:
             gx = s * (gA - ratio)
         if need_k:
             gk = ratio.squeeze(-1)
         if need_eps:
-            x, m, t = ctx.saved_tensors[2:]
-            z = ((x - m[:, None]) - t[:, None]) / e
-            z = torch.where(s > 0, z, 0)
-            zc = z - (s * z).sum(-1, keepdim=True) * inv
+            zc = torch.where(s > 0, z, 0) - (w * torch.where(w > 0, z, 0)).sum(-1, keepdim=True)
             geps = -(gA * s * zc).sum(-1)
         return gx, gk, geps, None, None, None
 
@@ -379,7 +417,7 @@ def ot_mask(
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows, with the non-convergence warning (no host sync
     beyond the one of the warning's check)."""
-    A, _, _, converged = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
+    A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
     warn_not_converged(op, converged, max_iter)
     return A
 
