@@ -351,3 +351,97 @@ def test_default_backend_follows_set_compile(monkeypatch):
     softops.set_compile(True)
     isotonic.isotonic_l2(torch.randn(2, 3))
     assert calls == ["torch"] or not isotonic.HAVE_NUMBA
+
+
+# ------------------------------------------------------- projections P(s, w) = s - v, any scale
+
+
+def _proj_reference(s: list[float], w: list[float], kl: bool) -> list[float]:
+    """s - v by the brute-force min-max formulas (float64; accurate at moderate scales)."""
+    if kl:
+        v = _pav_kl_reference(s, w)
+    else:
+        v = _pav_l2_reference([a - b for a, b in zip(s, w, strict=True)])
+    return [a - b for a, b in zip(s, v, strict=True)]
+
+
+def _sorted_pair(B: int, n: int, scale: float, dtype, g: torch.Generator):
+    s = (torch.randn(B, n, generator=g, dtype=F64) * scale).sort(-1, descending=True).values
+    w = (torch.randn(B, n, generator=g, dtype=F64)).sort(-1, descending=True).values
+    s[1, 2:6] = s[1, 2]  # ties in s
+    w[2] = w[2, 0]  # w constant
+    s[3] = s[3] * 1e-3  # s - w increasing: pooled
+    return s.to(dtype), w.to(dtype)
+
+
+@pytest.mark.parametrize("kl", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_projection_matches_reference_and_backends_agree(kl, dtype, numba_mod):
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    g = seeded(21)
+    for scale in [0.3, 3.0, 30.0]:
+        s, w = _sorted_pair(5, 9, scale, dtype, g)
+        a = project(s, w, backend="numba")
+        b = project(s, w, backend="torch")
+        assert a.p.dtype == dtype and (a.block == b.block).all()
+        tol = 1e-5 if dtype == torch.float32 else 1e-10
+        torch.testing.assert_close(a.p, b.p, rtol=tol, atol=tol)
+        for sr, wr, pr in zip(s.double().tolist(), w.double().tolist(), a.p, strict=True):
+            ref = torch.tensor(_proj_reference(sr, wr, kl), dtype=F64)
+            torch.testing.assert_close(pr.double(), ref, rtol=10 * tol, atol=10 * tol)
+        # one row of w for every row gives the same as the expanded w
+        one = project(s, w[:1], backend="numba")
+        assert torch.equal(one.p, project(s, w[:1].expand_as(s), backend="numba").p)
+        torch.testing.assert_close(one.p, project(s, w[:1], backend="torch").p, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kl", [False, True])
+@pytest.mark.parametrize("scale", [1e-12, 1e12])
+def test_projection_singletons_are_exact_at_any_scale(scale, kl, backend, numba_mod):
+    """Singleton blocks give w itself, bit for bit, however far s is from w (no cancellation)."""
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    n = 7
+    w = torch.arange(n, 0, -1, dtype=F64)[None].log() if kl else torch.arange(n, 0, -1.0)[None]
+    w = w.to(F64)
+    s = (torch.arange(n, 0, -1, dtype=F64) * 10.0 * scale + 1e3 * scale)[None]
+    res = project(s.expand(2, n), w, backend=backend)
+    if scale > 1:  # s gaps far above w's: all singletons, p = w exactly
+        assert (res.block == torch.arange(n)).all()
+        assert torch.equal(res.p, w.expand(2, n))
+    else:  # s gaps far below w's: one block, p = s - mean(s) + mean(w)
+        assert (res.block == 0).all()
+        expected = torch.logsumexp(w, -1) - math.log(n) if kl else w.mean()
+        torch.testing.assert_close(res.p, torch.full((2, n), float(expected), dtype=F64))
+
+
+def test_projection_serial_and_parallel_kernels_agree(numba_mod):
+    from softops._core import _isotonic_numba as kernels
+
+    g = seeded(22)
+    s, w = _sorted_pair(16, 50, 2.0, torch.float64, g)
+    sn, wn = s.numpy(), w.numpy()
+    for kl in (False, True):
+        outs = []
+        for kernel in (
+            (kernels.proj_kl_serial, kernels.proj_kl_parallel)
+            if kl
+            else (kernels.proj_l2_serial, kernels.proj_l2_parallel)
+        ):
+            out = np.full_like(sn, np.nan)
+            block = np.full(sn.shape, -3, dtype=np.int64)
+            work = [np.full(sn.shape, 77, dtype=np.int64) for _ in range(2)]
+            work += [np.full(sn.shape, 1e30) for _ in range(2 if kl else 1)]
+            kernel(sn, wn, out, block, *work)
+            outs.append((out, block))
+        assert (outs[0][0] == outs[1][0]).all() and (outs[0][1] == outs[1][1]).all()
+
+
+def test_numba_threads_serial_below_the_threshold(numba_mod, monkeypatch):
+    assert isotonic._numba_threads(isotonic.PARALLEL_MIN_WORK - 1, 64) == 1
+    assert isotonic._numba_threads(10**9, 1) == 1  # one row: nothing to share
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert isotonic._numba_threads(10**9, 64) == 1  # bounded by torch's threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 10**6)
+    most = numba_mod.config.NUMBA_NUM_THREADS
+    assert isotonic._numba_threads(10**9, 64) == min(most, 64)

@@ -6,6 +6,7 @@ The PAV solvers themselves are tested in tests/core/test_isotonic.py.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
 import pytest
@@ -317,3 +318,139 @@ def test_torch_func_vmap_and_grad(reg):
         torch.testing.assert_close(torch.func.grad(loss)(x), xr.grad)
         jac = torch.func.vmap(torch.func.jacrev(lambda t, fn=fn: fn(t, regularization=reg)))(x[0])
         assert jac.shape == (3, 6, 6)
+
+
+# ------------------------------------------------- precision at every scale (the hardening issue)
+
+SCALES = [1e-8, 1e-4, 1.0, 1e4, 1e8]
+DTYPES = [torch.float32, F64]
+
+
+def _spread(n: int, scale: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A shuffled row with gaps between scale and 2 scale (an offset far larger than the gaps)."""
+    g = torch.Generator().manual_seed(seed)
+    steps = 1.0 + torch.rand(n, generator=g, dtype=F64)
+    values = (steps.cumsum(0) + 3.0 * n) * scale
+    return values[torch.randperm(n, generator=g)].to(dtype)
+
+
+def test_issue_examples_are_exact():
+    torch.testing.assert_close(
+        soft_rank(torch.tensor([1e8, 2e8, 3e8]), epsilon=1.0), torch.tensor([1.0, 2.0, 3.0])
+    )
+    torch.testing.assert_close(
+        soft_rank(torch.tensor([0.3, -1.2, 0.8]), epsilon=1e-8), torch.tensor([2.0, 1.0, 3.0])
+    )
+    x = torch.tensor([0.75, 0.32, 0.99, 0.27, 0.94])
+    assert torch.equal(soft_sort(x, epsilon=1e-6), x.sort().values)
+    from softops.losses import ndcg_loss
+
+    loss = ndcg_loss(torch.tensor([[1e8, 2e8, 3e8]]), torch.tensor([[0.0, 1.0, 2.0]]))
+    assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_hard_limits_exact_at_every_scale(scale, dtype, backend, monkeypatch):
+    if backend == "numba":
+        pytest.importorskip("numba")
+        monkeypatch.setattr(isotonic, "compile_enabled", lambda: True)
+    else:
+        monkeypatch.setattr(isotonic, "compile_enabled", lambda: False)
+    n = 12
+    x = torch.stack([_spread(n, scale, dtype, seed) for seed in range(3)])
+    x[2] = -x[2]
+    # every gap exceeds epsilon: exactly the hard ranks (l2), to float rounding (kl)
+    hard = _hard_rank(x)
+    assert torch.equal(soft_rank(x, epsilon=1e-3 * scale), hard)
+    assert torch.equal(soft_rank(x, epsilon=1e-3 * scale, descending=True), n + 1 - hard)
+    torch.testing.assert_close(soft_rank(x, epsilon=1e-3 * scale, regularization="kl"), hard)
+    # every gap below 1/epsilon: exactly sorted (l2 and kl)
+    eps = 1e-3 / (scale * n)
+    for reg in REGS:
+        assert torch.equal(soft_sort(x, epsilon=eps, regularization=reg), x.sort(-1).values)
+        s = soft_sort(x, epsilon=eps, regularization=reg, descending=True)
+        assert torch.equal(s, x.sort(-1, descending=True).values)
+    # epsilon far above the gaps: ranks (n + 1) / 2, l2 values the mean
+    r = soft_rank(x, epsilon=1e9 * scale * n)
+    torch.testing.assert_close(r, torch.full_like(x, (n + 1) / 2))
+    mean = x.to(F64).mean(-1, keepdim=True).expand_as(x).to(dtype)
+    torch.testing.assert_close(soft_sort(x, epsilon=1e9 / scale), mean)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 9),
+    log_scale=st.floats(-8, 8),
+    log_ratio=st.floats(-10, 10),
+    reg=st.sampled_from(REGS),
+    f32=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_ranks_stay_in_the_permutahedron(n, log_scale, log_ratio, reg, f32, seed):
+    dtype = torch.float32 if f32 else F64
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, n, generator=g, dtype=F64) * 10**log_scale).to(dtype)
+    x[1] = x[1].round(decimals=1) + 10**log_scale * 1e3  # ties, far from 0
+    r = soft_rank(x, epsilon=10 ** (log_scale + log_ratio), regularization=reg)
+    tol = 1e-5 if f32 else 1e-12
+    assert (r >= 1 - tol * n).all() and (r <= n + tol * n).all(), r
+    torch.testing.assert_close(
+        r.sum(-1).to(F64), torch.full((2,), n * (n + 1) / 2, dtype=F64), rtol=tol, atol=0
+    )
+    s = soft_sort(x, epsilon=10 ** (log_ratio - log_scale), regularization=reg)
+    assert (s.diff(dim=-1) >= 0).all(), s
+    lo, hi = x.min(-1, keepdim=True).values, x.max(-1, keepdim=True).values
+    assert ((s >= lo) & (s <= hi)).all()
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.7, 5.0])  # relative to the gaps (about 0.7)
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("scale", [1e-6, 1e6])
+def test_gradcheck_at_extreme_scales(reg, scale, eps):
+    base = _distinct(2, 6) + 0.01 * torch.randn(2, 6, dtype=F64)
+    x = (base * scale).requires_grad_()
+    h = 1e-6 * scale  # the finite-difference step, at the inputs' scale
+    rank = soft_rank(x, epsilon=eps * scale, regularization=reg)
+    assert gradcheck(
+        lambda x: soft_rank(x, epsilon=eps * scale, regularization=reg) * scale, (x,), eps=h
+    )
+    sort = soft_sort(x, epsilon=eps / scale, regularization=reg)
+    assert gradcheck(lambda x: soft_sort(x, epsilon=eps / scale, regularization=reg), (x,), eps=h)
+    assert torch.isfinite(rank).all() and torch.isfinite(sort).all()
+
+
+def test_agrees_with_the_plain_formula_where_it_was_accurate():
+    """At moderate scales the old formulation, s - v with v fitted to s - w, was accurate."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 40, generator=g, dtype=F64)
+    for eps in [0.03, 0.3, 3.0]:
+        z = x / eps
+        s = z.sort(-1, descending=True).values
+        rho = torch.arange(40, 0, -1, dtype=F64)
+        v, _ = isotonic._torch_pav(s - rho, None)
+        old = torch.empty_like(s).scatter(1, z.argsort(-1, descending=True), s - v)
+        torch.testing.assert_close(soft_rank(x, epsilon=eps), old, rtol=0, atol=1e-10)
+        a = rho / eps
+        theta = (-x).sort(-1, descending=True).values  # ascending sort = -P(rho/eps, sort(-x))
+        v, _ = isotonic._torch_pav(a - theta, None)
+        torch.testing.assert_close(soft_sort(x, epsilon=eps), v - a, rtol=0, atol=1e-10)
+
+
+def test_kl_sort_with_minus_inf_has_finite_gradients():
+    inf = math.inf
+    rows = [[1.0, 2.0, -inf, 0.5], [-inf, -inf, 3.0, 0.0], [1.0, -inf, -inf, -inf]]
+    for row in rows:
+        for descending in (False, True):
+            x = torch.tensor([row], dtype=F64, requires_grad=True)
+            y = soft_sort(x, epsilon=0.5, regularization="kl", descending=descending)
+            # a loss that stays finite on -inf outputs
+            loss = (torch.exp(y) * torch.arange(1.0, 5.0, dtype=F64)).sum()
+            (gx,) = torch.autograd.grad(loss, x)
+            assert torch.isfinite(gx).all(), (row, descending, gx)
+    # and a -inf entry leaves the finite entries' gradients as without it, in the descending sort
+    x = torch.tensor([[1.0, 2.0, 0.5, -inf]], dtype=F64, requires_grad=True)
+    y = soft_sort(x, epsilon=0.5, regularization="kl", descending=True)
+    (gx,) = torch.autograd.grad(y[:, :3].sum(), x)
+    assert torch.isfinite(gx).all()

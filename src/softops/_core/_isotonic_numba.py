@@ -11,7 +11,14 @@ import math
 
 import numba
 
-__all__ = ["pav_kl", "pav_l2"]
+__all__ = [
+    "pav_kl",
+    "pav_l2",
+    "proj_kl_parallel",
+    "proj_kl_serial",
+    "proj_l2_parallel",
+    "proj_l2_serial",
+]
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -69,3 +76,169 @@ def pav_kl(s, w, v, block, ls, lw, cnt):  # pragma: no cover - compiled
                 v[b, j] = value
                 block[b, j] = k
             pos += cnt[b, k]
+
+
+# ------------------------------------------------------------------ projections P(s, w) = s - v
+#
+# The kernels below return the projection P = s - v directly, never v: at |s| >> |w| (a rank at
+# small epsilon) or |w| >> |s| (a sort at large epsilon) v = s - w is far larger than P, and
+# s - (s - w) cancels. Each block k keeps a reference position ref[k] (its first, where s and w are
+# largest), and its statistics relative to that reference, so every sum is over small numbers:
+# L2: acc[k] = sum_j (y_j - y_ref) with y = s - w; KL: acc[k] = log sum_j e^(s_j - s_ref) and
+# aux[k] = log sum_j e^(w_j - w_ref). Adjacent blocks are compared through the gap
+# (s_p - s_t) - (w_p - w_t), differences of the sorted inputs themselves. A singleton's output is
+# (s_i - s_i) + w_i = w_i exactly. A row with a non-finite entry (an infinity, a NaN) takes the
+# plain formulas (v, then s - v), whose infinity arithmetic gives the projection's limits.
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _sub(p, q):  # pragma: no cover - compiled
+    """p - q in float64, 0 when p == q (also for equal infinities)."""
+    if p == q:
+        return 0.0
+    return float(p) - float(q)
+
+
+@numba.njit(cache=True, nogil=True)
+def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
+    n = s.shape[0]
+    finite = True
+    for i in range(n):
+        if not (math.isfinite(s[i]) and math.isfinite(w[i])):
+            finite = False
+            break
+    top = -1
+    if finite:
+        for i in range(n):
+            top += 1
+            ref[top] = i
+            cnt[top] = 1
+            acc[top] = 0.0
+            while top > 0:
+                p, t = ref[top - 1], ref[top]
+                cp, ct = cnt[top - 1], cnt[top]
+                gap = _sub(s[p], s[t]) - _sub(w[p], w[t])  # y_p - y_t
+                # pool while mean(prev) <= mean(top), i.e. gap + acc_P/cP - acc_T/cT <= 0
+                if gap * cp * ct + acc[top - 1] * ct - acc[top] * cp > 0.0:
+                    break
+                acc[top - 1] += acc[top] - ct * gap
+                cnt[top - 1] = cp + ct
+                top -= 1
+        pos = 0
+        for k in range(top + 1):
+            r = ref[k]
+            shift = w[r] - acc[k] / cnt[k]  # mean(w_B) - mean(s_B) + s_ref
+            for j in range(pos, pos + cnt[k]):
+                out[j] = _sub(s[j], s[r]) + shift
+                block[j] = k
+            pos += cnt[k]
+    else:  # the plain formulas: acc holds block sums of y = s - w
+        for i in range(n):
+            top += 1
+            acc[top] = float(s[i]) - float(w[i])
+            cnt[top] = 1
+            while top > 0 and acc[top - 1] * cnt[top] <= acc[top] * cnt[top - 1]:
+                acc[top - 1] += acc[top]
+                cnt[top - 1] += cnt[top]
+                top -= 1
+        pos = 0
+        for k in range(top + 1):
+            value = acc[k] / cnt[k]
+            for j in range(pos, pos + cnt[k]):
+                out[j] = s[j] - value
+                block[j] = k
+            pos += cnt[k]
+
+
+@numba.njit(cache=True, nogil=True)
+def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
+    n = s.shape[0]
+    finite = True
+    for i in range(n):
+        if not (math.isfinite(s[i]) and math.isfinite(w[i])):
+            finite = False
+            break
+    top = -1
+    if finite:
+        for i in range(n):
+            top += 1
+            ref[top] = i
+            cnt[top] = 1
+            acc[top] = 0.0
+            aux[top] = 0.0
+            while top > 0:
+                p, t = ref[top - 1], ref[top]
+                ds, dw = _sub(s[t], s[p]), _sub(w[t], w[p])  # <= 0: the inputs are sorted
+                # value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
+                if (aux[top] - aux[top - 1]) - (acc[top] - acc[top - 1]) + dw - ds > 0.0:
+                    break
+                acc[top - 1] = _logaddexp(acc[top - 1], acc[top] + ds)
+                aux[top - 1] = _logaddexp(aux[top - 1], aux[top] + dw)
+                cnt[top - 1] += cnt[top]
+                top -= 1
+        pos = 0
+        for k in range(top + 1):
+            r = ref[k]
+            shift = (aux[k] - acc[k]) + w[r]
+            for j in range(pos, pos + cnt[k]):
+                out[j] = _sub(s[j], s[r]) + shift
+                block[j] = k
+            pos += cnt[k]
+    else:  # the plain formulas: acc = logsumexp(s_B), aux = logsumexp(w_B)
+        for i in range(n):
+            top += 1
+            acc[top] = s[i]
+            aux[top] = w[i]
+            cnt[top] = 1
+            while top > 0 and (acc[top - 1] - aux[top - 1]) <= (acc[top] - aux[top]):
+                acc[top - 1] = _logaddexp(acc[top - 1], acc[top])
+                aux[top - 1] = _logaddexp(aux[top - 1], aux[top])
+                cnt[top - 1] += cnt[top]
+                top -= 1
+        pos = 0
+        for k in range(top + 1):
+            value = acc[k] - aux[k]
+            for j in range(pos, pos + cnt[k]):
+                out[j] = s[j] - value
+                block[j] = k
+            pos += cnt[k]
+
+
+@numba.njit(cache=True, nogil=True)
+def proj_l2_serial(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
+    """P(s, w) = s - v_Q(s, w) row by row (s, w sorted descending; one row of s or w broadcasts)."""
+    B = out.shape[0]
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    for b in range(B):
+        sb, wb = s[b * ds], w[b * dw]
+        _proj_l2_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b])
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def proj_l2_parallel(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
+    """``proj_l2_serial`` with ``prange`` over the rows."""
+    B = out.shape[0]
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    for b in numba.prange(B):
+        sb, wb = s[b * ds], w[b * dw]
+        _proj_l2_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b])
+
+
+@numba.njit(cache=True, nogil=True)
+def proj_kl_serial(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
+    """P_E(s, w) = s - v_E(s, w) row by row (inputs as for ``proj_l2_serial``)."""
+    B = out.shape[0]
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    for b in range(B):
+        sb, wb = s[b * ds], w[b * dw]
+        _proj_kl_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b], aux[b])
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def proj_kl_parallel(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
+    """``proj_kl_serial`` with ``prange`` over the rows."""
+    B = out.shape[0]
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    for b in numba.prange(B):
+        sb, wb = s[b * ds], w[b * dw]
+        _proj_kl_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b], aux[b])

@@ -22,10 +22,14 @@ same maps to ``-x``. Both equal torchsort's ``soft_rank`` / ``soft_sort`` with
 ``arange(n)[::-1] + 1/epsilon`` (an operator-precedence slip in the reference numpy code that
 makes its sort ignore epsilon).
 
-Only the isotonic step has a custom autograd ``Function`` (the compiled kernel cannot be traced);
-its VJP is explicit: the block mean of the incoming gradient for L2, the block softmax of the
-inputs times the block sum of the gradient for KL. Sorting, scaling and un-permuting are plain
-autograd, so gradients in ``epsilon`` and second derivatives come for free.
+Only the projection step has a custom autograd ``Function`` (the compiled kernel cannot be
+traced). It returns :math:`P(z, w) = z - v` itself, formed block by block relative to each block's
+first entry, never as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a
+sort at huge epsilon stays exact (``softops._core.isotonic.project_l2``). Its VJP is explicit: in
+z, the cotangent minus its block mean (L2) or minus the block softmax of z times the block sum
+(KL); in w, the block mean (L2) or the block softmax of w times the block sum (KL). Sorting,
+scaling and un-permuting are plain autograd, so gradients in ``epsilon`` and second derivatives
+come for free.
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
@@ -37,46 +41,77 @@ from typing import Any
 
 import torch
 
-from softops._core.isotonic import block_mean, block_softmax, block_sum, isotonic_kl, isotonic_l2
+from softops._core.isotonic import block_mean, block_softmax, block_sum, project_kl, project_l2
 from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
 
 
-class _IsotonicL2(torch.autograd.Function):
-    """v = argmin_{v decreasing} ||v - y||^2 / 2 per row of y (B, n); returns (v, block)."""
-
-    @staticmethod
-    def forward(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        res = isotonic_l2(y)
-        return res.v, res.block
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _, block = output
-        ctx.mark_non_differentiable(block)
-        ctx.save_for_backward(block)
-
-    @staticmethod
-    def backward(ctx: Any, gv: torch.Tensor, _: Any) -> torch.Tensor:
-        (block,) = ctx.saved_tensors
-        return block_mean(gv, block)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], y: torch.Tensor) -> tuple[Any, Any]:
-        # rows are independent: fold the vmapped dim into the batch of rows
-        y = y.movedim(in_dims[0], 0)
-        v, block = _IsotonicL2.apply(y.reshape(-1, y.shape[-1]))
-        return (v.reshape(y.shape), block.reshape(y.shape)), (0, 0)
+def _vmap_rows(
+    fn: Any, info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
+) -> tuple[Any, Any]:
+    """Rows are independent: broadcast the per-sample shapes, put the vmapped dim first and fold
+    it into the batch of rows."""
+    moved = [
+        t.movedim(d, 0) if d is not None else t.unsqueeze(0)
+        for t, d in zip((s, w), in_dims, strict=True)
+    ]
+    sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved))
+    shape = (info.batch_size, *sample)
+    s, w = (
+        t.reshape(t.shape[0], *[1] * (len(sample) + 1 - t.dim()), *t.shape[1:]).expand(shape)
+        for t in moved
+    )
+    p, block = fn.apply(s.reshape(-1, shape[-1]), w.reshape(-1, shape[-1]))
+    return (p.reshape(shape), block.reshape(shape)), (0, 0)
 
 
-class _IsotonicKL(torch.autograd.Function):
-    """v_B = logsumexp(s_B) - logsumexp(w_B) on PAV's blocks, per row; returns (v, block)."""
+def _like(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A (B, n) gradient summed down to w's rows ((B, n) or (1, n))."""
+    return g.sum(0, keepdim=True) if w.shape[0] != g.shape[0] else g
+
+
+class _ProjectL2(torch.autograd.Function):
+    """p = P_Q(s, w) = s - v_Q(s, w) per row of s (B, n), w (B or 1, n); returns (p, block)."""
 
     @staticmethod
     def forward(s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        res = isotonic_kl(s, w)
-        return res.v, res.block
+        res = project_l2(s, w)
+        return res.p, res.block
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, w = inputs
+        _, block = output
+        ctx.mark_non_differentiable(block)
+        ctx.save_for_backward(block)
+        ctx.w_rows = w.shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, gp: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        # dp/ds = I - J, dp/dw = J, with J the block mean (docs/math.md §5)
+        (block,) = ctx.saved_tensors
+        mean = block_mean(gp, block)
+        gs = gp - mean if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = mean.sum(0, keepdim=True) if ctx.w_rows != gp.shape[0] else mean
+        return gs, gw
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
+    ) -> tuple[Any, Any]:
+        return _vmap_rows(_ProjectL2, info, in_dims, s, w)
+
+
+class _ProjectKL(torch.autograd.Function):
+    """p = P_E(s, w) = s - v_E(s, w), v_B = logsumexp(s_B) - logsumexp(w_B); returns (p, block)."""
+
+    @staticmethod
+    def forward(s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        res = project_kl(s, w)
+        return res.p, res.block
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -86,30 +121,21 @@ class _IsotonicKL(torch.autograd.Function):
         ctx.save_for_backward(s, w, block)
 
     @staticmethod
-    def backward(ctx: Any, gv: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, gp: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
         s, w, block = ctx.saved_tensors
-        total = block_sum(gv, block)
-        gs = block_softmax(s, block) * total if ctx.needs_input_grad[0] else None
-        gw = -block_softmax(w.expand_as(s), block) * total if ctx.needs_input_grad[1] else None
+        total = block_sum(gp, block)
+        gs = gp - block_softmax(s, block) * total if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = _like(block_softmax(w.expand_as(gp), block) * total, w)
         return gs, gw
 
     @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
     ) -> tuple[Any, Any]:
-        # Broadcast the per-sample shapes, put the vmapped dim first, and fold it into the rows.
-        moved = [
-            t.movedim(d, 0) if d is not None else t.unsqueeze(0)
-            for t, d in zip((s, w), in_dims, strict=True)
-        ]
-        sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved))
-        shape = (info.batch_size, *sample)
-        s, w = (
-            t.reshape(t.shape[0], *[1] * (len(sample) + 1 - t.dim()), *t.shape[1:]).expand(shape)
-            for t in moved
-        )
-        v, block = _IsotonicKL.apply(s.reshape(-1, shape[-1]), w.reshape(-1, shape[-1]))
-        return (v.reshape(shape), block.reshape(shape)), (0, 0)
+        return _vmap_rows(_ProjectKL, info, in_dims, s, w)
 
 
 def _rho(x2: torch.Tensor) -> torch.Tensor:
@@ -138,11 +164,10 @@ def rank(
     s, perm = torch.sort(z, dim=-1, descending=True)
     rho = _rho(x2)
     if regularization == "l2":
-        v, block = _IsotonicL2.apply(s - rho)
-        r = s - v
+        r, block = _ProjectL2.apply(s, rho[None])
     else:
-        v, block = _IsotonicKL.apply(s, rho.log())
-        r = torch.exp(s - v)
+        p, block = _ProjectKL.apply(s, rho.log()[None])
+        r = torch.exp(p)
     # An infinite entry sits in a block of equal infinities; its limit is that block's mean of rho
     # (the formula gives inf - inf). Checked once per call, not in a loop.
     try:
@@ -169,11 +194,9 @@ def sort(
     regularization = opts.regularization
     theta = torch.sort(x2 if descending else -x2, dim=-1, descending=True).values
     a = _rho(x2) / eps[:, None]
-    if regularization == "l2":
-        v, _ = _IsotonicL2.apply(a - theta)
-    else:
-        v, _ = _IsotonicKL.apply(a, theta)
-    out = _nan_rows(x2, a - v if descending else v - a)
+    project = _ProjectL2 if regularization == "l2" else _ProjectKL
+    p, _ = project.apply(a, theta)  # a - v, formed without v
+    out = _nan_rows(x2, p if descending else -p)
     if regularization == "l2":
         # The l2 sort keeps the row's mean: with both +inf and -inf the limit depends on their
         # rates, so the whole row is NaN (not only the positions where inf - inf appeared).
