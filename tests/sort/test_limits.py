@@ -103,3 +103,48 @@ def test_all_infinite_rows_stay_on_the_graph(method, op):
     torch.where(torch.isfinite(y), y, 0.0).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, torch.zeros_like(x), atol=0, rtol=0)
+
+
+_VMAP_ROWS = [
+    [math.inf, 1.0, -math.inf, 0.5, 2.0, math.inf],
+    [0.3, -1.0, 2.0, 1.0, 1.5, 0.0],
+    [-math.inf] * 6,
+    [1.0, math.inf, 3.0, -math.inf, -math.inf, 2.0],
+    [1e6, math.inf, 1.0, 1.0, -3.0, 2.0],
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "kw"), [("softsort", {}), ("softsort", {"distance": "l2"}), ("neuralsort", {})]
+)
+@pytest.mark.parametrize("op", ["soft_sort", "soft_rank", "soft_argsort"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_vmap_takes_infinities_to_the_same_limit_as_the_loop(method, kw, op, descending):
+    import softops
+
+    def f(x):
+        return getattr(softops, op)(x, epsilon=0.7, method=method, descending=descending, **kw)
+
+    def loss(x):
+        y = f(x)
+        return torch.where(torch.isfinite(y), y, 0.0).square().sum()
+
+    x = torch.tensor(_VMAP_ROWS, dtype=F64)
+    loop = torch.stack([f(row) for row in x])
+    torch.testing.assert_close(torch.func.vmap(f)(x), loop, atol=1e-13, rtol=1e-12)
+    grads = []
+    for row in x:
+        r = row.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(loss(r), r)[0])
+    g = torch.func.vmap(torch.func.grad(loss))(x)
+    torch.testing.assert_close(g, torch.stack(grads), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["softsort", "neuralsort"])
+def test_vmap_keeps_nan_rows_nan(method):
+    import softops
+
+    x = torch.tensor([[1.0, math.nan, math.inf], [1.0, 2.0, math.inf]], dtype=F64)
+    out = torch.func.vmap(lambda r: softops.soft_rank(r, epsilon=0.5, method=method))(x)
+    assert torch.isnan(out[0]).all()
+    torch.testing.assert_close(out[1], softops.soft_rank(x[1], epsilon=0.5, method=method))

@@ -45,6 +45,8 @@ infinities staying tied):
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from softops._core.dims import prepare_rows
@@ -60,9 +62,14 @@ from softops.sort._dispatch import (  # the method tuples stay importable from s
     check_options,
     interpolate,
 )
-from softops.sort._limits import with_limits
+from softops.sort._limits import MaskedBackend, with_limits
 
 __all__ = ["soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
+
+
+def _masked(method: str) -> MaskedBackend | None:
+    """The backend's vmap-safe formulation of the limits of infinities, if it has one."""
+    return cast("MaskedBackend | None", getattr(METHODS[method], "masked", None))
 
 
 def soft_sort(
@@ -176,7 +183,7 @@ def soft_sort(
     if method == "pav":  # the projection's own limits (module docstring)
         y = METHODS["pav"].sort(x2, eps, descending, opts)
     else:
-        y = with_limits(METHODS[method].sort, "sort", x2, eps, descending, opts)
+        y = with_limits(METHODS[method].sort, "sort", x2, eps, descending, opts, _masked(method))
     return rows.restore(y).to(x.dtype)
 
 
@@ -282,7 +289,7 @@ def soft_rank(
     if method == "pav":  # the projection's own limits (module docstring)
         y = METHODS["pav"].rank(x2, eps, descending, opts)
     else:
-        y = with_limits(METHODS[method].rank, "rank", x2, eps, descending, opts)
+        y = with_limits(METHODS[method].rank, "rank", x2, eps, descending, opts, _masked(method))
     return rows.restore(y).to(x.dtype)
 
 
@@ -369,7 +376,7 @@ def soft_argsort(
     x2, eps, n = rows.x2, rows.eps, rows.n
     if x2.shape[0] == 0:
         return (x * 0).unsqueeze(-1).expand(*x.shape, n)  # empty, on the graph
-    P = with_limits(METHODS[method].argsort, "argsort", x2, eps, descending, opts)
+    P = with_limits(METHODS[method].argsort, "argsort", x2, eps, descending, opts, _masked(method))
     if hard:
         order = torch.argsort(x2.detach(), dim=-1, descending=descending, stable=True)
         P = straight_through(torch.nn.functional.one_hot(order, n), P)
@@ -454,7 +461,9 @@ def soft_quantile(
     elif method == "pav":  # the l2 soft sort, with the projection's own limits
         y = interpolate(METHODS["pav"].sort(x2, eps, False, opts), q1)
     else:
-        y = interpolate(with_limits(METHODS[method].sort, "sort", x2, eps, False, opts), q1)
+        y = interpolate(
+            with_limits(METHODS[method].sort, "sort", x2, eps, False, opts, _masked(method)), q1
+        )
     out = rows.restore(y).movedim(d, 0)  # (m, *batch)
     if keepdim:
         out = out.unsqueeze(d + 1)

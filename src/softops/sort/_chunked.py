@@ -77,11 +77,13 @@ def chunked_rows(
     pos = positions(n, descending, x2.dtype, x2.device)
     if offset is not None:
         pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
-    use_ckpt = _needs_graph(x2, row_param, *extra) and not _under_functorch()
+    functorch = _under_functorch()
+    use_ckpt = _needs_graph(x2, row_param, *extra) and not functorch
+    p_blocks: list[Tensor] = []  # under torch.func: no in-place writes into p_out
     v_blocks: list[Tensor] = []
     r_sum: Tensor | None = None
     p_out: Tensor | None = None
-    if matrix:
+    if matrix and not functorch:
         p_out = torch.empty((bsz, n, n), dtype=x2.dtype, device=x2.device)
 
     def run(rp: Tensor, xx: Tensor, pp: Tensor, *ex: Tensor) -> tuple[Tensor, ...]:
@@ -113,11 +115,16 @@ def chunked_rows(
         if ranks:
             r_sum = outs[k] if r_sum is None else r_sum + outs[k]
             k += 1
-        if matrix and p_out is not None:
+        if matrix and p_out is None:
+            p_blocks.append(outs[k])
+        elif matrix and p_out is not None:
             if descending:  # output row n-1-i is ascending row i
                 p_out[:, n - stop : n - start] = outs[k].flip(1)
             else:
                 p_out[:, start:stop] = outs[k]
+    if p_blocks:
+        p_out = torch.cat(p_blocks, dim=1)
+        p_out = p_out.flip(1) if descending else p_out
     out_v = torch.cat(v_blocks, dim=-1) if values else None
     if out_v is not None and descending:
         out_v = out_v.flip(-1)

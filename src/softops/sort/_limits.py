@@ -28,7 +28,12 @@ Per output kind this gives:
 
 Infinite entries get a zero gradient. The check costs one host sync per call. Rows with
 infinities cost one backend call per distinct number of finite entries. Under ``torch.func``
-transforms the data-dependent branch is skipped. "pav" does not come here: it takes the
+transforms (``vmap``, ``grad``, ...) that data-dependent branch is impossible; SoftSort and
+NeuralSort then run their ``masked`` formulation of the same limit on every row: rows and
+columns carry a kind (-inf, finite, +inf), finite rows see the finite columns only (with the
+compacted row's coefficients for NeuralSort) at their full-row positions, and an infinite row is
+uniform over its own infinity. "ot" has no such formulation: under transforms its rows with
+infinities give NaN. "pav" does not come here: it takes the
 projection's own limits (see ``softops.sort._pav``).
 """
 
@@ -45,6 +50,15 @@ __all__ = ["limit_group", "with_limits"]
 
 Backend = Callable[..., torch.Tensor]
 """A backend kind with the one signature ``fn(x2, eps, descending, opts, offset=None)``."""
+
+MaskedBackend = Callable[[str, torch.Tensor, torch.Tensor, bool, MethodOptions], torch.Tensor]
+"""A backend's ``masked(kind, x2, eps, descending, opts)``: the same limit on rows that may hold
+``±inf``, by masks alone (no data-dependent control flow; used under ``torch.func``)."""
+
+
+def _under_functorch() -> bool:
+    """Whether a ``torch.func`` transform is active (no data-dependent branching there)."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _on_graph(out: torch.Tensor, xg: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
@@ -115,21 +129,28 @@ def with_limits(
     eps: torch.Tensor,
     descending: bool,
     opts: MethodOptions,
+    masked: MaskedBackend | None = None,
 ) -> torch.Tensor:
     """``fn(x2, eps, descending, opts)``, with rows holding ``±inf`` (and no NaN) taken to their
     limit; ``kind`` ("sort", "rank" or "argsort") says which of ``fn``'s outputs it is.
 
-    One host sync per call (whether any entry is infinite); rows with infinities are grouped by
-    their number of finite entries and each group is one batched call.
+    Eagerly: one host sync per call (whether any entry is infinite); rows with infinities are
+    grouped by their number of finite entries and each group is one batched call. Under
+    ``torch.func`` transforms, where a data-dependent branch is impossible, the backend's
+    ``masked`` formulation of the same limit runs on every row (module docstring); a backend
+    without one gets NaN in rows with infinities there.
     """
     with torch.no_grad():
         inf = torch.isinf(x2)
         special = inf.any(-1) & ~torch.isnan(x2).any(-1)
-    try:
-        any_special = bool(special.any())
-    except RuntimeError:  # under torch.func transforms: no data-dependent branch
-        any_special = False
-    if not any_special:
+    if _under_functorch():
+        if masked is None:
+            return fn(x2, eps, descending, opts)
+        out = masked(kind, x2, eps, descending, opts)
+        nan_rows = torch.isnan(x2).any(-1)
+        nan_term = torch.where(nan_rows, math.nan, 0.0).to(out.dtype)  # NaN rows stay NaN
+        return out + nan_term.view(-1, *([1] * (out.dim() - 1)))
+    if not bool(special.any()):
         return fn(x2, eps, descending, opts)
     parts, index = [], []
     plain = (~special).nonzero().squeeze(-1)

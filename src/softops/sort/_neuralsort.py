@@ -37,6 +37,7 @@ public layer (:mod:`softops.sort`) takes them to their limits before calling thi
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import torch
@@ -93,6 +94,65 @@ def _run(
         matrix=matrix,
         offset=offset,
     )
+
+
+def _masked_logits(rp: Tensor, xcz: Tensor, a1: Tensor, eps: Tensor, kind_x: Tensor) -> Tensor:
+    """Logits of the limit with infinities (rows and columns carry a kind -1, 0, +1 for -inf,
+    finite, +inf): the compacted NeuralSort logits between finite rows and columns, an infinite
+    row uniform over its own infinity, -inf elsewhere."""
+    coef, kind_r = rp[0], rp[1]
+    k_row, k_col = kind_r.unsqueeze(-1), kind_x.unsqueeze(1)
+    inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xcz.dtype)
+    return torch.where((k_row == 0) & (k_col == 0), _logits(coef, xcz, a1, eps), inner)
+
+
+def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
+    """``kind`` ("sort", "rank", "argsort") of rows that may hold ``±inf``, at their limit
+    (``softops.sort._limits``), by masks alone (no data-dependent control flow, so it runs under
+    ``torch.func.vmap``). The finite entries of a row, m of them after ``n_neg`` at -inf, get the
+    compacted row's logits: ``(A 1)`` over the finite entries only and the row coefficient
+    ``2 i' - m - 1`` at the i'-th finite output position; positions stay those of the full row
+    (the limit's offset). Rows with a NaN are not special-cased here."""
+    n = x2.shape[-1]
+    dt = x2.dtype
+    xd = x2.detach()
+    kind_x = torch.where(torch.isinf(xd), torch.sign(xd), 0.0).to(dt)
+    fin = kind_x == 0
+    n_neg = (kind_x < 0).sum(-1, keepdim=True)
+    m = fin.sum(-1, keepdim=True)
+    with torch.no_grad():
+        lo = torch.where(fin, xd, math.inf).amin(-1, keepdim=True)
+        hi = torch.where(fin, xd, -math.inf).amax(-1, keepdim=True)
+        centre = torch.where(m > 0, 0.5 * (lo + hi), 0.0)
+    xcz = torch.where(fin, x2 - centre, 0.0)
+    # (A 1) over the finite entries: at the k'-th smallest finite u_k (1-based k' = k - n_neg),
+    # (2 k' - m) u_k - 2 S_k + S_n, where S sums the finite sorted entries (the -inf ones first)
+    u, perm = torch.sort(torch.where(fin, x2, xd).double(), dim=-1)
+    fin_u = torch.isfinite(u)
+    uc = torch.where(fin_u, u - centre.double(), 0.0)
+    csum = uc.cumsum(-1)
+    k = torch.arange(1, n + 1, dtype=torch.float64, device=x2.device)
+    kp = k - n_neg.double()
+    sorted_sums = torch.where(fin_u, (2 * kp - m.double()) * uc - 2 * csum + csum[:, -1:], 0.0)
+    a1 = torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums).to(dt)
+    i = torch.arange(1, n + 1, dtype=dt, device=x2.device)  # ascending output positions
+    coef = 2 * (i - n_neg.to(dt)) - m.to(dt) - 1
+    kind_r = torch.where(i <= n_neg.to(dt), -1.0, torch.where(i > (n_neg + m).to(dt), 1.0, 0.0))
+    coef = torch.where(kind_r == 0, coef, 0.0)
+    v, r, p = chunked_rows(
+        _masked_logits,
+        torch.stack((coef, kind_r.to(dt))),
+        torch.where(fin, x2, 0.0),
+        (xcz, a1, eps.to(dt), kind_x),
+        descending,
+        values=kind == "sort",
+        ranks=kind == "rank",
+        matrix=kind == "argsort",
+    )
+    if kind == "sort":
+        srt = torch.sort(xd, dim=-1, descending=descending).values
+        return torch.where(torch.isinf(srt), srt, cast(Tensor, v))
+    return cast(Tensor, r if kind == "rank" else p)
 
 
 def sort(

@@ -55,6 +55,7 @@ Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -170,13 +171,31 @@ def _l1_scan(
     values: bool,
     ranks: bool,
     offset: Tensor | None = None,
+    masked: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Values and/or ranks of l1 SoftSort by local-frame recurrences (float64; module doc)."""
+    """Values and/or ranks of l1 SoftSort by local-frame recurrences (float64; module doc).
+
+    ``masked``: rows may hold ``±inf``, taken to their limit without data-dependent control flow
+    (``softops.sort._limits``): the decay across the boundary of a block of equal infinities is
+    0 and inside it 1, so the finite entries are relaxed among themselves with their full-row
+    positions (the offset of the limit), and each infinite block is uniform over itself.
+    """
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
     eps = epsilon.double().unsqueeze(-1)
+    cap = _GAP_CAP * eps
+    if masked:
+        fin = torch.isfinite(u)
+        u_inf = u
+        u = torch.where(fin, u, 0.0)
+        raw = u[:, 1:] - u[:, :-1]
+        fin2 = fin[:, 1:] & fin[:, :-1]
+        same = u_inf[:, 1:] == u_inf[:, :-1]
+        raw = torch.where(fin2, raw, torch.where(same, 0.0, cap))
+    else:
+        raw = u[:, 1:] - u[:, :-1]
     # gaps >= 0, capped where exp(-gap/eps) is 0 in float64 anyway (finite gradients there)
-    gap = torch.minimum(u[:, 1:] - u[:, :-1], _GAP_CAP * eps)
+    gap = torch.minimum(raw, cap)
     dec = torch.exp(-gap / eps)  # in [0, 1]: the kernel's decay from one point to the next
     a_fwd = torch.nn.functional.pad(dec, (1, 0))  # d_i, i = 0..n-1 (d_0 = 0)
     a_rev = torch.nn.functional.pad(dec.flip(-1), (1, 0))  # the same, right to left
@@ -201,7 +220,12 @@ def _l1_scan(
             torch.nn.functional.pad(w * right_inc[:, 1:], (0, 1)),
         )
         v = u + (m_right - m_left) / z
-        v = torch.minimum(torch.maximum(v, u[:, :1]), u[:, -1:])  # a mean: rounding only
+        if masked:  # the finite ones are a mean of the finite entries; infinities stay
+            lo = torch.where(fin, u, math.inf).amin(-1, keepdim=True)
+            hi = torch.where(fin, u, -math.inf).amax(-1, keepdim=True)
+            v = torch.where(fin, torch.minimum(torch.maximum(v, lo), hi), u_inf)
+        else:
+            v = torch.minimum(torch.maximum(v, u[:, :1]), u[:, -1:])  # a mean: rounding only
         out_v = (v.flip(-1) if descending else v).to(x2.dtype)
     if ranks:
         pos = positions(n, descending, torch.float64, x2.device)
@@ -224,6 +248,21 @@ def _distance_logits(distance: str) -> Callable[..., Tensor]:
     return logits
 
 
+def _masked_logits(distance: str) -> Callable[..., Tensor]:
+    """Logits of the limit with infinities: rows and columns carry a kind (-1, 0, +1 for
+    -inf, finite, +inf); finite rows see the finite columns only, an infinite row its own
+    infinity only (uniform there)."""
+    base = _distance_logits(distance)
+
+    def logits(rp: Tensor, xz: Tensor, eps: Tensor, kind_x: Tensor) -> Tensor:
+        u_blk, kind_u = rp[0], rp[1]
+        k_row, k_col = kind_u.unsqueeze(-1), kind_x.unsqueeze(1)
+        inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xz.dtype)
+        return torch.where((k_row == 0) & (k_col == 0), base(u_blk, xz, eps), inner)
+
+    return logits
+
+
 def _blocked(
     x2: Tensor,
     epsilon: Tensor,
@@ -234,7 +273,12 @@ def _blocked(
     ranks: bool = False,
     matrix: bool = False,
     offset: Tensor | None = None,
+    masked: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    if masked:
+        return _blocked_masked(
+            x2, epsilon, descending, distance, values=values, ranks=ranks, matrix=matrix
+        )
     # The sorted values by a gather, not ``torch.sort(x2).values``: the same gradient, but
     # torch.compile (torch 2.13, inductor) gets the gradient of the latter wrong when x2 also
     # enters the graph directly, as it does here (the slow torch.compile test of the contract).
@@ -251,6 +295,63 @@ def _blocked(
         matrix=matrix,
         offset=offset,
     )
+
+
+def _kind(t: Tensor) -> Tensor:
+    """-1, 0, +1 for -inf, finite, +inf (in t's dtype)."""
+    return torch.where(torch.isinf(t), torch.sign(t), 0.0).to(t.dtype)
+
+
+def _blocked_masked(
+    x2: Tensor,
+    epsilon: Tensor,
+    descending: bool,
+    distance: str,
+    *,
+    values: bool,
+    ranks: bool,
+    matrix: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`_blocked` for rows that may hold ``±inf``, at their limit, by masks alone."""
+    u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
+    kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
+    uz = torch.where(kind_u == 0, u, 0.0)
+    xz = torch.where(kind_x == 0, x2, 0.0)
+    eps = epsilon.to(x2.dtype)
+    v, r, p = chunked_rows(
+        _masked_logits(distance),
+        torch.stack((uz, kind_u)),
+        xz,
+        (xz, eps, kind_x),
+        descending,
+        values=values,
+        ranks=ranks,
+        matrix=matrix,
+    )
+    if v is not None:
+        srt = torch.sort(x2.detach(), dim=-1, descending=descending).values
+        v = torch.where(torch.isinf(srt), srt, v)
+    return v, r, p
+
+
+def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
+    """``kind`` ("sort", "rank", "argsort") of rows that may hold ``±inf``, at their limit
+    (``softops.sort._limits``), by masks alone: no host sync and no data-dependent control flow,
+    so it runs under ``torch.func.vmap``. Rows with a NaN are not special-cased here."""
+    if kind != "argsort" and opts.distance == "l1":
+        v, r = _l1_scan(x2, eps, descending, kind == "sort", kind == "rank", masked=True)
+        return cast(Tensor, v if kind == "sort" else r)
+    v, r, p = _blocked(
+        x2,
+        eps,
+        descending,
+        opts.distance,
+        values=kind == "sort",
+        ranks=kind == "rank",
+        matrix=kind == "argsort",
+        masked=True,
+    )
+    return cast(Tensor, {"sort": v, "rank": r, "argsort": p}[kind])
 
 
 def sort(
