@@ -177,6 +177,8 @@ def test_sort_configs_and_cases() -> None:
     assert next(iter(names)) == "torch.sort" and names["torch.sort"].floor
     for name in ("pav sort", "pav rank", "torchsort sort", "torchpsort rank", "softsort rank"):
         assert name in names
+    for name in ("pav sort (out of the box)", "pav rank (out of the box)"):
+        assert names[name].mode is None  # numba's threads as the library sets them, unpinned
     assert names["neuralsort sort"].skip is None  # B=64, n=1e3 fits
     big = {case.name: case for case in sort_suite.SUITE.make_cases(grid[1])}
     assert big["neuralsort sort"].skip is not None  # O(n²) at n=1e5: skipped

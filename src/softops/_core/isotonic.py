@@ -16,26 +16,32 @@ all a backward pass needs (docs/math.md §5).
 
 Backends:
 
-- ``"numba"``: a compiled kernel, parallel over rows (``numba.njit(parallel=True, cache=True)``,
-  ``prange`` over the batch; ``_isotonic_numba.py``, imported on first use). It is used when numba
-  is installed (``pip install softops[pav]``) and the fused paths are enabled
-  (``softops.set_compile``, ``SOFTOPS_COMPILE``). The first call in a fresh environment compiles
-  the kernel for its dtype (a few seconds); numba caches it on disk. Tensors on another device
-  (CUDA) make a round trip through host memory, which synchronises the stream (a GPU kernel is
-  out of scope).
+- ``"numba"``: compiled kernels (``_isotonic_numba.py``, ``cache=True``, imported on first use),
+  serial below ``PARALLEL_MIN_WORK`` entries and ``prange`` over the rows above it, on at most
+  ``torch.get_num_threads()`` threads; before numba's first parallel launch the workqueue
+  threading layer is selected (unless the user chose one), since OpenMP workers spin after each
+  region and slow torch's own threads down. One parallel launch runs at a time; a concurrent
+  call runs serially. They are used when numba is installed (``pip install softops[pav]``) and
+  the fused paths are enabled (``softops.set_compile``, ``SOFTOPS_COMPILE``). The first call in a
+  fresh environment compiles the kernel for its dtype (a few seconds); numba caches it on disk.
+  Tensors on another device (CUDA) make a round trip through host memory, which synchronises
+  the stream (a GPU kernel is out of scope).
 - ``"torch"``: the reference, in plain torch on the tensor's own device, vectorised over the batch
   and looping over n in Python. It gives the same answers, far more slowly. It is used when numba
   is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
   turned off (``softops.set_compile(False)``, as the test suite does).
 
 Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
-cast back.
+cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
+formed relative to each block's first entry (what the soft sort and rank need, exact at any
+scale); :func:`isotonic_l2` and :func:`isotonic_kl` return ``v``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 import warnings
 from types import ModuleType
 from typing import NamedTuple
@@ -82,6 +88,7 @@ class Projection(NamedTuple):
 # it saves there, and numba's worker threads then compete with torch's (and other processes') for
 # the cores. At 64 x 1e3 the serial kernel takes about 0.4 ms against a 5 ms fwd+bwd soft_rank.
 PARALLEL_MIN_WORK = 1 << 18
+_PARALLEL_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------- numba kernels
@@ -179,20 +186,25 @@ def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
         work.append(np.empty((B, n)))
     kernels = _compiled()
     threads = _numba_threads(B * n, B)
-    if threads == 1:
+    # One parallel launch at a time (the workqueue layer must not be entered from two threads at
+    # once); a call that finds it busy runs serially rather than wait.
+    if threads > 1 and _PARALLEL_LOCK.acquire(blocking=False):
+        try:
+            import numba
+
+            _configure_threading()
+            kernel = kernels.proj_kl_parallel if kl else kernels.proj_l2_parallel
+            previous = numba.get_num_threads()
+            numba.set_num_threads(threads)
+            try:
+                kernel(sc, wc, out, block, *work)
+            finally:
+                numba.set_num_threads(previous)
+        finally:
+            _PARALLEL_LOCK.release()
+    else:
         kernel = kernels.proj_kl_serial if kl else kernels.proj_l2_serial
         kernel(sc, wc, out, block, *work)
-    else:
-        import numba
-
-        _configure_threading()
-        kernel = kernels.proj_kl_parallel if kl else kernels.proj_l2_parallel
-        previous = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        try:
-            kernel(sc, wc, out, block, *work)
-        finally:
-            numba.set_num_threads(previous)
     return Projection(torch.from_numpy(out).to(s.device), torch.from_numpy(block).to(s.device))
 
 
