@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from torch.autograd import gradcheck
 
 from softops import soft_topk_mask
-from softops.bench.references import unrolled_sinkhorn_topk_mask
+from softops.bench.references import unrolled_sinkhorn, unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
 
@@ -33,12 +34,21 @@ def test_gradient_agrees_with_ot_and_gradcheck():
     assert gradcheck(lambda x: soft_topk_mask(x, 4, epsilon=0.4, method="sinkhorn"), (x,))
 
 
-def test_paper_fixed_iterations_equal_unrolled_sinkhorn():
-    # max_iter=200, tol=0 runs exactly the paper's 200 iterations (not necessarily converged).
+@pytest.mark.parametrize("eps", [0.5, 0.05, 0.005])
+def test_paper_fixed_iterations_equal_unrolled_sinkhorn(eps):
+    # max_iter=200, tol=0 runs exactly 200 Sinkhorn iterations (not necessarily converged) on
+    # the cost in units of epsilon: C_i0 = 0, C_i1 = -(x_i - c)/epsilon, c the row's median.
     x = torch.randn(2, 30, dtype=F64)
-    A = soft_topk_mask(x, 5, epsilon=0.05, method="sinkhorn", max_iter=200, tol=0)
-    ref = unrolled_sinkhorn_topk_mask(x, 5, 0.05, n_iter=200)
+    A = soft_topk_mask(x, 5, epsilon=eps, method="sinkhorn", max_iter=200, tol=0)
+    z = (x - x.median(-1, keepdim=True).values) / eps
+    cost = torch.stack((torch.zeros_like(z), -z), -1)
+    log_a = torch.full_like(x, -math.log(30))
+    log_b = torch.tensor([math.log(25 / 30), math.log(5 / 30)], dtype=F64).expand(2, 2)
+    ref = 30 * unrolled_sinkhorn(cost, log_a, log_b, 1.0, 200).plan[..., 1]
     torch.testing.assert_close(A, ref, atol=1e-9, rtol=0)
+    if eps == 0.5:  # converged: the paper's gauge gives the same plan
+        paper = unrolled_sinkhorn_topk_mask(x, 5, eps, n_iter=200)
+        torch.testing.assert_close(A, paper, atol=1e-12, rtol=0)
 
 
 def test_rows_independent_nan_and_infinities():
@@ -67,3 +77,25 @@ def test_float32_and_errors():
         soft_topk_mask(x, k, method="sinkhorn")
     with pytest.raises(ValueError, match=r"expected a scalar `k` with method=.*method='ot'"):
         soft_topk_mask(x, torch.tensor([1.0, 2.0]), method="sinkhorn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("c", [1e-30, 1e-20, 1e-10, 1e-7, 1e-3, 1.0, 1e3, 1e10, 1e20, 1e30])
+def test_scaling_law_at_every_scale(dtype, c):
+    # soft_topk_mask(c x, k, c e) == soft_topk_mask(x, k, e): the solver sees x / epsilon only
+    # (it returned the uniform k/n mask at small scales, and drifted at |x| ~ 1e-7 in float32).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, generator=g, dtype=torch.float64)
+    ref = soft_topk_mask(x, 3, epsilon=0.3, method="ot")
+    xc = (c * x).to(dtype).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A = soft_topk_mask(xc, 3, epsilon=0.3 * c, method="sinkhorn")
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(A.double(), ref, atol=tol, rtol=0)
+    # the gradient scales as 1/c
+    w = torch.arange(7, dtype=dtype)
+    (gx,) = torch.autograd.grad((A * w).sum(), xc)
+    x64 = x.clone().requires_grad_()
+    (gref,) = torch.autograd.grad((soft_topk_mask(x64, 3, epsilon=0.3) * w.double()).sum(), x64)
+    torch.testing.assert_close(gx.double() * c, gref, atol=10 * tol, rtol=10 * tol)

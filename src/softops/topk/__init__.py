@@ -116,7 +116,9 @@ def soft_topk_mask(
             k, and differentiate with respect to x (softkmax also epsilon), not k.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
-            reproduces the paper's fixed 200 iterations.
+            runs the paper's fixed 200 iterations (on the cost in units of epsilon, so that the
+            scaling law holds; an iterate that has not converged depends on that choice of
+            gauge, and differs from one on the paper's unnormalised cost).
         tol: stopping tolerance. For "ot", an absolute tolerance on ``|sum(A) - k|`` added to the
             machine-precision one (None: machine precision). For "sinkhorn", the L1 error of the
             row marginals (None: 1e-6 in float32, 1e-9 in float64; 0 runs exactly ``max_iter``

@@ -5,7 +5,8 @@ unnormalised cost :math:`C_{ij} = (x_i - y_j)^2`, targets y = 0, 1 of masses (n 
 solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual Newton polish and
 the implicit backward of the converged plan, as in the paper (derived in docs/math.md §2.3). At
 convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0``
-runs the paper's fixed 200 iterations.
+runs the paper's fixed 200 iterations. The cost is passed in units of epsilon (the plan depends on
+x / epsilon only), so the solver sees the same numbers at every scale of x.
 
 Infinities are their limits: the problem is solved with finite stand-ins far beyond the finite
 range (``_options.finite_stand_ins``, shared with the sorted top-k), and those entries are then set
@@ -47,14 +48,23 @@ def sinkhorn_mask(
         # move mass against a cost 2000 epsilon wide (it would crawl, and warn for nothing).
         bad = unreachable_rows(x2, k_row)
         xs = torch.where(bad[:, None], 0, finite_stand_ins(x2, eps_row))
-    targets = torch.tensor([0.0, 1.0], dtype=dtype, device=x2.device)
-    # Squared cost with the x_i^2 term dropped (absorbed by the row potential): same plan.
-    cost = -2 * xs[:, :, None] * targets + targets**2
+    # The squared cost (x_i - y_j)^2 / eps_p, eps_p = 2 epsilon, in units of eps_p: the x_i^2 term
+    # is a row constant (absorbed by f), y_j^2 and a shift of x by a per-row centre c are column
+    # constants (absorbed by g), which leaves C_i0 = 0 and C_i1 = -(x_i - c)/epsilon. The plan
+    # depends on x/epsilon only (the documented scaling law), so the solver sees the same numbers
+    # at every scale of x: in x's own units the O(1) constant y^2 = 1 swamped an x of 1e-7 in
+    # float32. Beyond 1/16 of the dtype's range every entry is already decided (the hard limit),
+    # so the scaled scores saturate there instead of overflowing (epsilon can be finfo.tiny).
+    big = torch.finfo(dtype).max / 16
+    centre = xs.detach().median(-1, keepdim=True).values
+    z = ((xs - centre) / eps_row[:, None]).clamp(-big, big)
+    cost = torch.stack((torch.zeros_like(z), -z), -1)
     log_a = torch.full_like(xs, -math.log(n))
     kc = k_row.clamp(0, n)
     log_b = torch.stack([torch.log(n - kc), torch.log(kc)], -1) - math.log(n)
     newton = tol > 0
-    plan, result = sinkhorn_plan(cost, log_a, log_b, 2 * eps_row, max_iter, tol, newton=newton)
+    ones = torch.ones_like(eps_row)
+    plan, result = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton)
     warn_not_converged(op, result.converged, max_iter, residual=result.residual, tol=tol)
     A = n * plan[..., 1]
     edge_none, edge_all = k_row <= 0, k_row >= n
