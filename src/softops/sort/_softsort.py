@@ -67,7 +67,7 @@ from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "rank", "sort"]
 
-_SCAN_BLOCK = 16
+_SCAN_BLOCK = 32
 """Steps per block of the two-level scan (:func:`_scan_forward`)."""
 
 _GAP_CAP = 800.0
@@ -77,33 +77,33 @@ _GAP_CAP = 800.0
 def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
     """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph.
 
-    Two-level: a log-depth Hillis-Steele scan over the affine maps ``h -> a h + b`` inside
-    blocks of ``_SCAN_BLOCK`` steps (composing step i with step i - k: ``(a_i a_{i-k}, b_i +
-    a_i b_{i-k})``), then the same scan over the block ends (recursively), then one fix-up
-    ``h_i = b_i + a_i H`` with H the value before the block. About ``log2(_SCAN_BLOCK) + 2``
-    passes over the data instead of ``log2 n``; every step adds and multiplies non-negative
-    numbers when ``a`` in [0, 1] and ``b >= 0``.
+    Two-level: the row is cut into ``_SCAN_BLOCK`` interleaved strands (step j of every block
+    side by side, so each operation is one contiguous vector over the blocks); the recurrence and
+    the products of ``a`` run along the ``_SCAN_BLOCK`` steps of each block; the values at the
+    block ends are the same recurrence over the blocks (recursively: log depth in n); one fix-up
+    ``h_i = b_i + (prod a) H`` adds the value H from before the block. O(n) work; every
+    operation adds or multiplies non-negative numbers when ``a`` in [0, 1] and ``b >= 0``.
     """
     n = a.shape[-1]
     blk = _SCAN_BLOCK
+    if n <= blk:
+        h = b.clone()
+        for j in range(1, n):
+            h[..., j] += a[..., j] * h[..., j - 1]
+        return h
     nb = -(-n // blk)
-    if nb > 1:  # pad to whole blocks (a = b = 0 after the end changes nothing before it)
-        pad = nb * blk - n
-        a = torch.nn.functional.pad(a, (0, pad)).unflatten(-1, (nb, blk))
-        b = torch.nn.functional.pad(b, (0, pad)).unflatten(-1, (nb, blk))
-    else:
-        a, b = a.clone(), b.clone()
-    m = a.shape[-1]
-    k = 1
-    while k < m:
-        b[..., k:] += a[..., k:] * b[..., :-k]
-        a[..., k:] *= a[..., :-k].clone()
-        k *= 2
-    if nb == 1:
-        return b
-    ends = _scan_forward(a[..., -1], b[..., -1])  # h at the end of every block
-    b += a * _shift_right(ends).unsqueeze(-1)
-    return b.flatten(-2)[..., :n]
+    pad = nb * blk - n  # a = b = 0 after the end changes nothing before it
+    # (..., blk, nb): row j holds step j of every block, contiguous
+    a = torch.nn.functional.pad(a, (0, pad)).unflatten(-1, (nb, blk)).transpose(-1, -2)
+    h = torch.nn.functional.pad(b, (0, pad)).unflatten(-1, (nb, blk)).transpose(-1, -2)
+    h = h.contiguous()
+    prod = a.contiguous()
+    for j in range(1, blk):
+        h[..., j, :] += prod[..., j, :] * h[..., j - 1, :]
+        prod[..., j, :] *= prod[..., j - 1, :]
+    ends = _scan_forward(prod[..., -1, :], h[..., -1, :])  # h at the end of every block
+    h += prod * _shift_right(ends).unsqueeze(-2)
+    return h.transpose(-1, -2).flatten(-2)[..., :n]
 
 
 def _shift_right(t: Tensor) -> Tensor:
