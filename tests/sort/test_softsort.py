@@ -248,3 +248,19 @@ def test_l1_second_derivatives(op):
 
     assert torch.autograd.gradcheck(f, (x, e))
     assert torch.autograd.gradgradcheck(f, (x, e))
+
+
+def test_l1_forward_mode_and_hessian_under_torch_func():
+    torch.manual_seed(2)
+    x = torch.randn(6, dtype=F64)
+
+    def f(t):
+        return softops.soft_sort(t, epsilon=0.4, method="softsort")
+
+    torch.testing.assert_close(torch.func.jacfwd(f)(x), torch.func.jacrev(f)(x))
+
+    def loss(t):
+        return f(t).pow(3).sum()
+
+    h_ref = torch.autograd.functional.hessian(loss, x)
+    torch.testing.assert_close(torch.func.hessian(loss)(x), h_ref, atol=1e-12, rtol=1e-10)
