@@ -74,6 +74,19 @@ _GAP_CAP = 800.0
 """exp(-800) == 0 in float64: gaps beyond 800 epsilon decouple exactly."""
 
 
+def _strands(t: Tensor, nb: int, blk: int) -> Tensor:
+    """(..., n) -> (..., blk, nb) contiguous, row j holding step j of every block of ``blk``;
+    zero after the end (a = b = 0 there changes nothing before it). One copy."""
+    n = t.shape[-1]
+    full = n // blk
+    out = t.new_zeros(*t.shape[:-1], blk, nb)
+    view = out.transpose(-1, -2)  # (..., nb, blk)
+    view[..., :full, :] = t[..., : full * blk].unflatten(-1, (full, blk))
+    if n > full * blk:
+        view[..., full, : n - full * blk] = t[..., full * blk :]
+    return out
+
+
 def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
     """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph.
 
@@ -88,21 +101,16 @@ def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
     blk = _SCAN_BLOCK
     if n <= blk:
         h = b.clone()
-        for j in range(1, n):
-            h[..., j] += a[..., j] * h[..., j - 1]
+        for j in range(1, n):  # in place on views: no temporaries, no write-back copies
+            h[..., j].addcmul_(a[..., j], h[..., j - 1])
         return h
     nb = -(-n // blk)
-    pad = nb * blk - n  # a = b = 0 after the end changes nothing before it
-    # (..., blk, nb): row j holds step j of every block, contiguous
-    a = torch.nn.functional.pad(a, (0, pad)).unflatten(-1, (nb, blk)).transpose(-1, -2)
-    h = torch.nn.functional.pad(b, (0, pad)).unflatten(-1, (nb, blk)).transpose(-1, -2)
-    h = h.contiguous()
-    prod = a.contiguous()
-    for j in range(1, blk):
-        h[..., j, :] += prod[..., j, :] * h[..., j - 1, :]
-        prod[..., j, :] *= prod[..., j - 1, :]
+    h, prod = _strands(b, nb, blk), _strands(a, nb, blk)
+    for j in range(1, blk):  # in place on views: no temporaries, no write-back copies
+        h[..., j, :].addcmul_(prod[..., j, :], h[..., j - 1, :])
+        prod[..., j, :].mul_(prod[..., j - 1, :])
     ends = _scan_forward(prod[..., -1, :], h[..., -1, :])  # h at the end of every block
-    h += prod * _shift_right(ends).unsqueeze(-2)
+    h.addcmul_(prod, _shift_right(ends).unsqueeze(-2))
     return h.transpose(-1, -2).flatten(-2)[..., :n]
 
 
