@@ -430,9 +430,7 @@ def test_projection_serial_and_parallel_kernels_agree(numba_mod):
         ):
             out = np.full_like(sn, np.nan)
             block = np.full(sn.shape, -3, dtype=np.int64)
-            work = [np.full(sn.shape, 77, dtype=np.int64) for _ in range(2)]
-            work += [np.full(sn.shape, 1e30) for _ in range(2 if kl else 1)]
-            kernel(sn, wn, out, block, *work)
+            kernel(sn, wn, out, block)
             outs.append((out, block))
         assert (outs[0][0] == outs[1][0]).all() and (outs[0][1] == outs[1][1]).all()
 

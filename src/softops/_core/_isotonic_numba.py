@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numba
+import numpy as np
 
 __all__ = [
     "pav_kl",
@@ -87,16 +88,9 @@ def pav_kl(s, w, v, block, ls, lw, cnt):  # pragma: no cover - compiled
 # L2: acc[k] = sum_j (y_j - y_ref) with y = s - w; KL: acc[k] = log sum_j e^(s_j - s_ref) and
 # aux[k] = log sum_j e^(w_j - w_ref). Adjacent blocks are compared through the gap
 # (s_p - s_t) - (w_p - w_t), differences of the sorted inputs themselves. A singleton's output is
-# (s_i - s_i) + w_i = w_i exactly. A row with a non-finite entry (an infinity, a NaN) takes the
-# plain formulas (v, then s - v), whose infinity arithmetic gives the projection's limits.
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _sub(p, q):  # pragma: no cover - compiled
-    """p - q in float64, 0 when p == q (also for equal infinities)."""
-    if p == q:
-        return 0.0
-    return float(p) - float(q)
+# (s_i - s_i) + w_i = w_i exactly, and tied inputs give gaps of exactly 0. A row with a non-finite
+# entry (an infinity, a NaN) takes the plain formulas (v, then s - v), whose infinity arithmetic
+# gives the projection's limits.
 
 
 @numba.njit(cache=True, nogil=True)
@@ -117,7 +111,7 @@ def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compile
             while top > 0:
                 p, t = ref[top - 1], ref[top]
                 cp, ct = cnt[top - 1], cnt[top]
-                gap = _sub(s[p], s[t]) - _sub(w[p], w[t])  # y_p - y_t
+                gap = (float(s[p]) - float(s[t])) - (float(w[p]) - float(w[t]))  # y_p - y_t
                 # pool while mean(prev) <= mean(top), i.e. gap + acc_P/cP - acc_T/cT <= 0
                 if gap * cp * ct + acc[top - 1] * ct - acc[top] * cp > 0.0:
                     break
@@ -128,8 +122,9 @@ def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compile
         for k in range(top + 1):
             r = ref[k]
             shift = w[r] - acc[k] / cnt[k]  # mean(w_B) - mean(s_B) + s_ref
+            sr = float(s[r])
             for j in range(pos, pos + cnt[k]):
-                out[j] = _sub(s[j], s[r]) + shift
+                out[j] = (float(s[j]) - sr) + shift
                 block[j] = k
             pos += cnt[k]
     else:  # the plain formulas: acc holds block sums of y = s - w
@@ -168,7 +163,8 @@ def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - co
             aux[top] = 0.0
             while top > 0:
                 p, t = ref[top - 1], ref[top]
-                ds, dw = _sub(s[t], s[p]), _sub(w[t], w[p])  # <= 0: the inputs are sorted
+                ds = float(s[t]) - float(s[p])  # <= 0: the inputs are sorted
+                dw = float(w[t]) - float(w[p])
                 # value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
                 if (aux[top] - aux[top - 1]) - (acc[top] - acc[top - 1]) + dw - ds > 0.0:
                     break
@@ -180,8 +176,9 @@ def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - co
         for k in range(top + 1):
             r = ref[k]
             shift = (aux[k] - acc[k]) + w[r]
+            sr = float(s[r])
             for j in range(pos, pos + cnt[k]):
-                out[j] = _sub(s[j], s[r]) + shift
+                out[j] = (float(s[j]) - sr) + shift
                 block[j] = k
             pos += cnt[k]
     else:  # the plain formulas: acc = logsumexp(s_B), aux = logsumexp(w_B)
@@ -205,40 +202,43 @@ def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - co
 
 
 @numba.njit(cache=True, nogil=True)
-def proj_l2_serial(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
-    """P(s, w) = s - v_Q(s, w) row by row (s, w sorted descending; one row of s or w broadcasts)."""
-    B = out.shape[0]
+def proj_l2_serial(s, w, out, block):  # pragma: no cover - compiled
+    """P(s, w) = s - v_Q(s, w) row by row (s, w sorted descending; one row of s or w broadcasts).
+
+    The work arrays are one row long and reused, so they stay in cache."""
+    B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    ref, cnt, acc = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
     for b in range(B):
-        sb, wb = s[b * ds], w[b * dw]
-        _proj_l2_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b])
+        _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def proj_l2_parallel(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
-    """``proj_l2_serial`` with ``prange`` over the rows."""
-    B = out.shape[0]
-    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+def proj_l2_parallel(s, w, out, block):  # pragma: no cover - compiled
+    """``proj_l2_serial`` with ``prange`` over the rows (work arrays per row)."""
+    B, n = out.shape
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
     for b in numba.prange(B):
-        sb, wb = s[b * ds], w[b * dw]
-        _proj_l2_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b])
+        ref, cnt, acc = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
+        _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc)
 
 
 @numba.njit(cache=True, nogil=True)
-def proj_kl_serial(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
+def proj_kl_serial(s, w, out, block):  # pragma: no cover - compiled
     """P_E(s, w) = s - v_E(s, w) row by row (inputs as for ``proj_l2_serial``)."""
-    B = out.shape[0]
-    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+    B, n = out.shape
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
+    ref, cnt, acc, aux = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n), np.empty(n)
     for b in range(B):
-        sb, wb = s[b * ds], w[b * dw]
-        _proj_kl_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b], aux[b])
+        _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def proj_kl_parallel(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
-    """``proj_kl_serial`` with ``prange`` over the rows."""
-    B = out.shape[0]
-    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
+def proj_kl_parallel(s, w, out, block):  # pragma: no cover - compiled
+    """``proj_kl_serial`` with ``prange`` over the rows (work arrays per row)."""
+    B, n = out.shape
+    ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
     for b in numba.prange(B):
-        sb, wb = s[b * ds], w[b * dw]
-        _proj_kl_row(sb, wb, out[b], block[b], ref[b], cnt[b], acc[b], aux[b])
+        ref, cnt = np.empty(n, np.int64), np.empty(n, np.int64)
+        acc, aux = np.empty(n), np.empty(n)
+        _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux)

@@ -181,9 +181,6 @@ def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     B, n = max(sc.shape[0], wc.shape[0]), sc.shape[1]
     out = np.empty((B, n), dtype=sc.dtype)
     block = np.empty((B, n), dtype=np.int64)
-    work = [np.empty((B, n), dtype=np.int64), np.empty((B, n), dtype=np.int64), np.empty((B, n))]
-    if kl:
-        work.append(np.empty((B, n)))
     kernels = _compiled()
     threads = _numba_threads(B * n, B)
     # One parallel launch at a time (the workqueue layer must not be entered from two threads at
@@ -197,14 +194,14 @@ def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
             previous = numba.get_num_threads()
             numba.set_num_threads(threads)
             try:
-                kernel(sc, wc, out, block, *work)
+                kernel(sc, wc, out, block)
             finally:
                 numba.set_num_threads(previous)
         finally:
             _PARALLEL_LOCK.release()
     else:
         kernel = kernels.proj_kl_serial if kl else kernels.proj_l2_serial
-        kernel(sc, wc, out, block, *work)
+        kernel(sc, wc, out, block)
     return Projection(torch.from_numpy(out).to(s.device), torch.from_numpy(block).to(s.device))
 
 
