@@ -34,6 +34,7 @@ Numerics of the solver (docs/math.md §1.3):
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, NamedTuple
 
 import torch
@@ -150,10 +151,10 @@ def solve(
     B, n = x.shape
     dtype = x.dtype
     em = torch.finfo(dtype).eps
-    if k_scalar is not None and dtype != torch.float64:
+    if k_scalar is not None and dtype == torch.float32:
         # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
         # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
-        k_scalar = torch.tensor(k_scalar, dtype=dtype).item()
+        k_scalar = struct.unpack("f", struct.pack("f", k_scalar))[0]
     xmin, xmax, xsum = maybe_fused(_row_stats, x)(x)
     all_finite = bool((torch.isfinite(xmin) & torch.isfinite(xmax)).all())
     sel_none: torch.Tensor | None = None
