@@ -81,3 +81,56 @@ def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
     args.update(kwargs)
     with pytest.raises(err, match=match):
         sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
+
+
+def _fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
+    """Relative gap between autograd and a central difference of a random projection of fn."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    ct = torch.randn(out.shape, generator=g, dtype=F64)
+    (grad,) = torch.autograd.grad((out * ct).sum(), x)
+    v = torch.randn(x.shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
+    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
+    return abs(float((grad * v).sum() - fd)) / scale
+
+
+def _near_permutation_sweep(cases: int, seed: int, n_max: int) -> None:
+    """solvers.sinkhorn (squared cost onto m unit-spaced targets) and the "sinkhorn" mask, with
+    epsilon from 1e-3 to 10 times the smallest gap, on spread and tied rows: nearly one-hot plans.
+    """
+    g = seeded(seed)
+    for c in range(cases):
+        n = int(torch.randint(2, n_max + 1, (1,), generator=g))
+        k = int(torch.randint(1, n, (1,), generator=g)) if n > 1 else 1
+        x = (n - 1) * torch.rand(n, generator=g, dtype=F64)
+        if c % 2:
+            x = x[torch.randint(n, (n,), generator=g)]
+        srt = torch.sort(x).values.diff()
+        gap = float(srt[srt > 0].min()) if bool((srt > 0).any()) else 1.0
+        eps = gap * 10 ** float(4 * torch.rand(1, generator=g) - 3)
+        m = min(k + 1, n)
+        y = torch.arange(m, dtype=F64)
+        a = torch.full((n,), 1.0 / n, dtype=F64)
+        b = torch.full((m,), 1.0 / m, dtype=F64)
+
+        def plan(z, y=y, a=a, b=b, eps=eps):
+            cost = (z[:, None] - y) ** 2
+            return sinkhorn(cost, a, b, eps, tol=1e-12, max_iter=100_000, newton=True).plan
+
+        def mask(z, k=k, eps=eps):
+            return soft_topk_mask(z, k, epsilon=eps, method="sinkhorn", tol=1e-12, max_iter=100_000)
+
+        scale = min(gap, eps)
+        assert _fd_gap(plan, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), m, eps)
+        assert _fd_gap(mask, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), k, eps)
+
+
+def test_sinkhorn_near_permutation_gradients_sweep():
+    _near_permutation_sweep(8, 905, 6)
+
+
+@pytest.mark.slow
+def test_sinkhorn_near_permutation_gradients_sweep_large():
+    _near_permutation_sweep(1000, 906, 16)

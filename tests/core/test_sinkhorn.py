@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from softops._core import sinkhorn
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.bench.references import unrolled_sinkhorn
 from tests._helpers import saved_bytes, seeded
@@ -220,3 +221,45 @@ def test_saved_memory_does_not_grow_with_iterations() -> None:
     assert b50 <= cost.numel() * 8 + 1024  # the plan and epsilon only
     unrolled = saved_bytes(lambda: unrolled_sinkhorn(cost, log_a, log_b, eps, 50))
     assert unrolled > 50 * b50
+
+
+# ------------------------------------------------------------------- issue 9: near-permutation
+
+
+def _near_permutation_plan() -> torch.Tensor:
+    """P (1, m, n) of the first issue-9 repro: two rows one-hot to 2.7e-16, the third to 1e-34."""
+    off = [2.714318e-16, 4.992624e-116, 5.687081e-34]
+    p = torch.tensor(
+        [[1.0, off[0], off[1]], [off[0], 1.0, off[2]], [off[1], off[2], 1.0]], dtype=F64
+    )
+    return (p / p.sum(0)).unsqueeze(0)
+
+
+def test_reduced_schur_is_accurate_when_nearly_a_permutation():
+    """K's diagonal is the sum of its off-diagonal magnitudes plus the (tiny) coupling to the
+    last column, to full relative precision: the old ``diag + g - g`` form made K indefinite."""
+    p = _near_permutation_plan()
+    w = torch.full((1, 3), 1.0 / 3, dtype=F64)
+    kmat = sinkhorn._reduced_schur(p, w)[0]
+    ground = (w[0] * p[0, :2] * p[0, 2]).sum(-1)
+    off = kmat.abs().sum(-1) - kmat.diagonal()
+    torch.testing.assert_close(kmat.diagonal(), off + ground, rtol=1e-14, atol=0)
+    assert float(torch.linalg.eigvalsh(kmat).min()) >= 0.0
+
+
+def test_implicit_vjp_near_permutation_gradcheck():
+    """Costs that make the plan a permutation to ~1e-16: the implicit VJP passes gradcheck."""
+    g = seeded(907)
+    n = 4
+    x = 10 * torch.randn(2, n, generator=g, dtype=F64)
+    y = torch.sort(x, -1).values
+    cost = ((x.unsqueeze(-1) - y.unsqueeze(1)) ** 2).requires_grad_(True)
+    log_a = torch.full((2, n), -math.log(n), dtype=F64)
+    eps = torch.full((2,), 0.25, dtype=F64)
+
+    def fn(c: torch.Tensor) -> torch.Tensor:
+        return sinkhorn_plan(c, log_a, log_a, eps, 100_000, 1e-14, True)[0]
+
+    assert float(fn(cost).detach().amax(-1).min()) > 0.25 - 1e-4  # nearly a permutation
+
+    assert torch.autograd.gradcheck(fn, (cost,), atol=1e-7, rtol=1e-5)

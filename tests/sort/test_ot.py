@@ -115,3 +115,71 @@ def test_default_max_iter_is_the_sinkhorn_cap(monkeypatch):
     x = tie_free(1, 30, scale=1.0)
     with pytest.warns(ConvergenceWarning, match=r"max_iter=2000 "):
         _ot.sort(x, row_eps(1, 1e-3), False, MethodOptions(tol=1e-14, op="soft_sort"))
+
+
+# --------------------------------------------------------------------------- issue 9: near-hard
+
+
+def _fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
+    """Relative gap between autograd and a central difference of a random projection of fn."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    ct = torch.randn(out.shape, generator=g, dtype=F64)
+    (grad,) = torch.autograd.grad((out * ct).sum(), x)
+    v = torch.randn(x.shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
+    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
+    return abs(float((grad * v).sum() - fd)) / scale
+
+
+def test_rank_near_permutation_regression():
+    """Issue 9: autograd gave [-7.4e-2, 7.4e-2, 0] against central differences [-3.4e-6, ...]."""
+    x = torch.tensor([-4.154701970719735, -1.7626870419453091, 5.193348969088463], dtype=F64)
+    x.requires_grad_(True)
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    r = soft_rank(x, epsilon=0.3781265552997255, method="ot", tol=1e-13, max_iter=100_000)
+    (grad,) = torch.autograd.grad((r * w).sum(), x)
+    torch.testing.assert_close(
+        grad, torch.tensor([-3.3928e-6, 3.3928e-6, 0.0], dtype=F64), atol=1e-9, rtol=0
+    )
+
+
+_OT_OPS = {
+    "sort": lambda z, e: soft_sort(z, epsilon=e, method="ot", tol=1e-12, max_iter=100_000),
+    "rank": lambda z, e: soft_rank(z, epsilon=e, method="ot", tol=1e-12, max_iter=100_000),
+    "argsort": lambda z, e: softops.soft_argsort(
+        z, epsilon=e, method="ot", tol=1e-12, max_iter=100_000
+    ),
+    "quantile": lambda z, e: soft_quantile(
+        z, torch.tensor([0.2, 0.5, 0.9], dtype=F64), epsilon=e, method="ot"
+    ),
+}
+
+
+def _ot_sweep(cases: int, seed: int, n_max: int) -> None:
+    """Near-permutation plans: epsilon (units of x^2) in 1e-2..10 times the squared top gap,
+    on spread and nearly tied rows (exact ties are kinks of the sorted targets, not smooth)."""
+    g = torch.Generator().manual_seed(seed)
+    for c in range(cases):
+        n = int(torch.randint(2, n_max + 1, (1,), generator=g))
+        x = 5 * torch.randn(n, generator=g, dtype=F64)
+        if c % 2:
+            x = x[torch.randint(n, (n,), generator=g)]
+            x = x + 1e-2 * torch.randn(n, generator=g, dtype=F64)
+        gap = float(torch.sort(x).values.diff().min())
+        eps = gap**2 * 10 ** float(3 * torch.rand(1, generator=g) - 2)
+        name = list(_OT_OPS)[c % len(_OT_OPS)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            err = _fd_gap(lambda z, op=_OT_OPS[name], e=eps: op(z, e), x, 1e-4 * gap, g)
+        assert err < 1e-5, (name, x.tolist(), eps, err)
+
+
+def test_near_permutation_gradients_sweep():
+    _ot_sweep(32, 903, 6)
+
+
+@pytest.mark.slow
+def test_near_permutation_gradients_sweep_large():
+    _ot_sweep(600, 904, 12)

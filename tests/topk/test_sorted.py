@@ -309,3 +309,116 @@ def test_float32_grid_converges_and_matches_float64(n: int, k: int, eps: float) 
     tol = max(1e-4, 1e-6 * k / eps)
     torch.testing.assert_close(out.values.double(), ref.values, atol=tol, rtol=0)
     torch.testing.assert_close(out.weights.sum(-1), torch.ones(4, k), atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- issue 9: near-hard
+
+
+def _fd_check(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
+    """Relative gap between autograd and a central difference of a random projection of fn."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    ct = torch.randn(out.shape, generator=g, dtype=F64)
+    (grad,) = torch.autograd.grad((out * ct).sum(), x)
+    v = torch.randn(x.shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
+    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
+    return abs(float((grad * v).sum() - fd)) / scale
+
+
+def _topk_flat(k: int, eps: float):
+    def fn(z: torch.Tensor) -> torch.Tensor:
+        out = soft_topk(z, k, epsilon=eps, tol=1e-12, max_iter=100_000)
+        return torch.cat((out.values.flatten(), out.weights.flatten()))
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("x", "eps", "expected"),
+    [
+        ([8.484407704117139, 1.3158435545009128, -13.994095672036792], 0.1, [1.0, 0.0, 0.0]),
+        (
+            [-4.023659142230008, -4.204560644752284, 1.508048549624597, 2.969139099857415],
+            0.0501447,
+            [0.0, 0.0, -6.3889e-06, 1.0],
+        ),
+    ],
+)
+def test_one_hot_gradient_regressions(x, eps, expected) -> None:
+    """Issue 9: the Schur solve gave -102.9 and -56 here (an indefinite, cancelled K)."""
+    xt = torch.tensor(x, dtype=F64, requires_grad=True)
+    (grad,) = torch.autograd.grad(soft_topk(xt, 2, epsilon=eps).values[0], xt)
+    torch.testing.assert_close(grad, torch.tensor(expected, dtype=F64), atol=1e-8, rtol=1e-3)
+    assert torch.autograd.gradcheck(_topk_flat(2, eps), (xt,))
+
+
+def _near_hard_case(g: torch.Generator, n_max: int) -> tuple[torch.Tensor, int, float, float]:
+    """A one-hot-like, tied or multi-scale row, k, and epsilon in 1e-3..10 times the top gap."""
+    n = int(torch.randint(2, n_max + 1, (1,), generator=g))
+    k = int(torch.randint(1, n + 1, (1,), generator=g))
+    kind = int(torch.randint(3, (1,), generator=g))
+    x = 10 * torch.randn(n, generator=g, dtype=F64)
+    if kind == 1:  # exact ties
+        x = x[torch.randint(n, (n,), generator=g)]
+    elif kind == 2:
+        x = x * 10 ** float(2 * torch.rand(1, generator=g) - 1)
+    top = torch.sort(x, descending=True).values[: k + 1]
+    gaps = top[:-1] - top[1:]
+    gaps = gaps[gaps > 0]
+    gap = float(gaps.min()) if gaps.numel() else 1.0
+    eps = gap * 10 ** float(4 * torch.rand(1, generator=g) - 3)
+    return x, k, eps, min(gap, eps)
+
+
+def _sweep(cases: int, seed: int, n_max: int) -> None:
+    g = seeded(seed)
+    worst = 0.0
+    for _ in range(cases):
+        x, k, eps, scale = _near_hard_case(g, n_max)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            err = _fd_check(_topk_flat(k, eps), x, 1e-5 * scale, g)
+        assert err < 1e-6, (x.tolist(), k, eps, err)
+        worst = max(worst, err)
+
+
+def test_near_hard_gradients_sweep() -> None:
+    """Autograd equals central differences, values and weights, across epsilon/gap in 1e-3..10."""
+    _sweep(60, 901, 8)
+
+
+@pytest.mark.slow
+def test_near_hard_gradients_sweep_large() -> None:
+    _sweep(1500, 902, 16)
+
+
+def test_nan_row_wins_over_inf() -> None:
+    """Issue 9: a NaN makes its row NaN even when the row holds +inf; other rows unaffected."""
+    x = torch.tensor(
+        [[1.0, math.nan, math.inf, 0.5], [1.0, 2.0, 3.0, 0.5], [math.inf, 0.0, 1.0, -math.inf]],
+        dtype=F64,
+    )
+    for largest in (True, False):
+        xs = x if largest else -x
+        out = soft_topk(xs, 2, epsilon=0.1, largest=largest)
+        assert bool(out.values[0].isnan().all()) and bool(out.weights[0].isnan().all())
+        assert bool(torch.isfinite(out.weights[1:]).all())
+        assert bool(torch.isfinite(out.values[1]).all())
+        assert float(out.values[2, 0]) == (math.inf if largest else -math.inf)
+
+
+def test_float32_far_outlier_matches_float64() -> None:
+    """Issue 9: an entry 1e8 away from the rest gave O(0.1) errors in float32 (cost offsets)."""
+    x = torch.tensor([[0.0, 0.3, 1.0, 0.7, 1e8], [0.0, 0.3, 1.0, 0.7, -1e8]], dtype=F64)
+    for largest in (True, False):
+        ref = soft_topk(x, 3, epsilon=0.1, largest=largest)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = soft_topk(x.float(), 3, epsilon=0.1, largest=largest)
+        torch.testing.assert_close(out.weights.double(), ref.weights, atol=1e-5, rtol=0)
+        finite = ref.values.abs() < 1e3
+        torch.testing.assert_close(
+            out.values.double()[finite], ref.values[finite], atol=1e-5, rtol=0
+        )

@@ -44,12 +44,26 @@ Conventions and choices:
   did not finish go back to Sinkhorn for the rest of the ``max_iter`` budget. The polish, that
   fallback and the final plan run in float64 (the bulk of the iterations stays in the input
   dtype): in float32 the residual of a plan with many targets has a floor near 1e-6.
-* **Backward** (docs/math.md §2.3): with W = Gbar * Gamma, w = W 1, wc = W^T 1 and
-  ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (mu, nu the marginals of the saved plan, "<"
-  dropping the last column), solve ``K beta = wc_< - Gamma_<^T (w/mu)`` by Cholesky in float64
-  (jitter 1e-12 max diag K), ``alpha = (w - Gamma_< beta)/mu`` and
-  ``Cbar = (Gamma (alpha + beta) - W)/epsilon``. Only the plan (B, n, m) and epsilon (B,) are saved,
-  so memory does not grow with the number of iterations. The backward is written with
+* **Backward** (docs/math.md §2.3). With P = diag(1/mu) Gamma (mu the row sums of the saved
+  plan), u = Gbar - beta (beta_m = 0) and ``centred(u)_ij = u_ij - sum_l P_il u_il``, the cost
+  gradient is ``Cbar = -Gamma * centred(u) / epsilon`` where beta (m-1) makes the first m-1
+  column sums of Cbar vanish: ``K beta = sum_i Gamma_ij centred(Gbar)_ij`` with
+  ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (the same system as alpha/beta of §2.3,
+  rewritten). When the plan is nearly a permutation, K and that right-hand side are both of the
+  size of the off-dominant plan entries (1e-16 and below), and the textbook forms
+  ``nu_j - sum_i Gamma_ij^2/mu_i`` and ``wc - Gamma^T (w/mu)`` are differences of O(1) numbers:
+  they keep only rounding noise, and K even came out indefinite (its Cholesky then failed
+  silently), which gave O(10-100) gradient errors with a converged forward. So every quantity is
+  formed without cancellation: K's off-diagonals are products, its diagonal
+  ``sum_i Gamma_ij sum_{l != j} P_il``; ``centred`` shifts each nearly one-hot row by its value at
+  the dominant entry first, so its mean correction is a sum of small products. K (a grounded
+  graph Laplacian: diagonally dominant, its diagonal spanning many orders of magnitude) is then
+  Jacobi-equilibrated before the float64 Cholesky, with a relative jitter of a few ulps per column
+  (a jitter relative to max diag K wipes out the small columns); one step of iterative refinement
+  with the accurately formed residual removes the jitter's effect in the determined directions,
+  and the directions it leaves undetermined (columns with no coupling left) change Cbar only by
+  their tiny coupling (pseudo-inverse behaviour). Only the plan (B, n, m) and epsilon (B,) are
+  saved, so memory does not grow with the number of iterations. The backward is written with
   differentiable torch ops, so double backward works.
 """
 
@@ -79,7 +93,9 @@ NEWTON_MAX_STEPS = 30
 """Cap on Newton steps per polish phase."""
 _ARMIJO_MAX_HALVINGS = 30
 _ARMIJO_SIGMA = 1e-4
-_JITTER = 1e-12
+_JITTER_ULPS = 16.0
+_JITTER_RETRY = 1e-10
+_REFINE_STEPS = 1
 
 
 class SinkhornResult(NamedTuple):
@@ -326,10 +342,10 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
         a64 = cur.a.double()
         c64 = c.double()
         grad = cur.log_b.double().exp() - c64
-        chol, info = torch.linalg.cholesky_ex(_reduced_schur(pd, a64))
-        delta = torch.cholesky_solve(grad[:, : m - 1, None], chol).squeeze(-1)
+        factor = _factor(_reduced_schur(pd, a64))
+        delta = _solve(factor, grad[:, : m - 1])
         slope = (grad[:, : m - 1] * delta).sum(-1)
-        ok_sys = (info == 0) & torch.isfinite(slope) & (slope > 0)
+        ok_sys = (factor[2] == 0) & torch.isfinite(slope) & (slope > 0)
         delta = torch.cat((delta, torch.zeros_like(delta[:, :1])), dim=-1)
         b64 = grad + c64
         # Armijo on the exact dual increase, computed without cancellation:
@@ -355,12 +371,14 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
 
 
 def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
-    """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns, plus jitter.
+    """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns (no jitter).
 
     ``p`` (B, m, n) has rows ``P_i`` summing to 1 over m; ``w`` (B, n) > 0. This is
-    ``diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` for ``Gamma = diag(w) P``. The diagonal is formed
-    as ``sum_i w_i P_ij sum_{l != j} P_il`` (no cancellation when P is nearly one-hot, i.e. at small
-    epsilon), and ``_JITTER * max diag`` is added. Differentiable (almost everywhere); float64.
+    ``diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` for ``Gamma = diag(w) P``. Every entry is formed
+    with full relative precision, also when P is nearly one-hot (small epsilon): the off-diagonal
+    entries are sums of products ``-w_i P_ij P_il``, and the diagonal is formed directly as
+    ``sum_i w_i P_ij sum_{l != j} P_il`` (never as ``nu_j - sum_i w_i P_ij^2``, which cancels).
+    Differentiable (almost everywhere).
     """
     m = p.shape[1]
     ps = p[:, : m - 1]
@@ -371,10 +389,52 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
     others = torch.where(big, rest, 1.0 - ps)
     diag = torch.linalg.vecdot(ps * others, w.unsqueeze(1))  # (B, m-1)
     gram = (ps * w.unsqueeze(1)) @ ps.transpose(1, 2)
-    kmat = torch.diag_embed(gram.diagonal(dim1=-2, dim2=-1) + diag) - gram
-    scale = diag.detach().amax(-1).clamp_min(torch.finfo(p.dtype).tiny)
-    eye = torch.eye(m - 1, dtype=p.dtype, device=p.device)
-    return kmat + (_JITTER * scale)[:, None, None] * eye
+    eye = torch.eye(m - 1, dtype=torch.bool, device=p.device)
+    return torch.where(eye, torch.diag_embed(diag), -gram)
+
+
+def _factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``.
+
+    Returns ``(chol, scale, info)`` with ``scale = D^-1/2`` (1 where ``K_jj = 0``, an empty or
+    frozen column whose row of K is zero too). The relative jitter ``tau`` is ``_JITTER_ULPS`` units
+    of rounding per column (rows whose factorisation still fails are refactored with
+    ``_JITTER_RETRY``). Equilibration makes the jitter act on every column in proportion to its own
+    diagonal, whatever the spread of the diagonal (it spans many orders of magnitude when some
+    columns are nearly one-hot and others hold ties).
+    """
+    m1 = kmat.shape[-1]
+    d = kmat.detach().diagonal(dim1=-2, dim2=-1)
+    scale = torch.where(d > 0, d.rsqrt(), 1.0)
+    ks = kmat * scale.unsqueeze(-1) * scale.unsqueeze(-2)
+    eye = torch.eye(m1, dtype=kmat.dtype, device=kmat.device)
+    tau = _JITTER_ULPS * max(m1, 4) * torch.finfo(kmat.dtype).eps
+    chol, info = torch.linalg.cholesky_ex(ks + tau * eye)
+    if bool((info != 0).any()):
+        chol2, info2 = torch.linalg.cholesky_ex(ks + _JITTER_RETRY * eye)
+        bad = info != 0
+        chol = torch.where(bad[:, None, None], chol2, chol)
+        info = torch.where(bad, info2, info)
+    return chol, scale, info
+
+
+def _solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
+    """``K^-1 rhs`` (B, m-1) with a factor from :func:`_factor`."""
+    chol, scale, _ = factor
+    return scale * torch.cholesky_solve((scale * rhs).unsqueeze(-1), chol).squeeze(-1)
+
+
+def _centered(p: Tensor, u: Tensor, top: Tensor) -> Tensor:
+    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation.
+
+    ``top`` (B, m, n) is 1 at the entry of a row whose P exceeds 1/2 (at most one), else 0. Such a
+    row is first shifted by its value there, so that its weighted mean is a sum over the *other*,
+    small entries only: for a nearly one-hot row that correction keeps its full relative
+    precision, where ``u - P.u`` would cancel to rounding noise. Rows without such an entry have
+    no weight above 1/2 and are centred directly (``(1 - P_ij) u_ij`` dominates, no cancellation).
+    """
+    h = u - (top * u).sum(1, keepdim=True)
+    return h - (p * h).sum(1, keepdim=True)
 
 
 def _finalize(
@@ -505,23 +565,26 @@ def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tenso
     """
     dtype = plan.dtype
     bsz, _, m = plan.shape
-    gam = plan.transpose(1, 2).double()  # (B, m, n)
-    w_mat = gam * grad_plan.transpose(1, 2).double()
     if m == 1:
         return torch.zeros_like(plan)
-    w = w_mat.sum(1)  # (B, n)
-    wc = w_mat.sum(2)  # (B, m)
+    gam = plan.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+    gbar = grad_plan.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
     mu = gam.sum(1)  # (B, n) row sums of the plan
-    gs = gam[:, : m - 1]  # (B, m-1, n)
-    chol, _ = torch.linalg.cholesky_ex(_reduced_schur(gam / mu.unsqueeze(1), mu))
-    rhs = wc[:, : m - 1] - torch.linalg.vecdot(gs, (w / mu).unsqueeze(1))
-    beta = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)  # (B, m-1)
-    alpha = (w - torch.linalg.vecdot(gs, beta.unsqueeze(-1), dim=1)) / mu  # (B, n)
-    beta = torch.cat((beta, torch.zeros_like(beta[:, :1])), dim=-1)
-    gbar = (gam * (alpha.unsqueeze(1) + beta.unsqueeze(-1)) - w_mat) / epsilon.double().reshape(
-        bsz, 1, 1
-    )
-    return gbar.to(dtype).transpose(1, 2)
+    # Rows of zero mass (a_i = 0) carry no plan and no gradient: give them a harmless P.
+    p = gam / torch.where(mu > 0, mu, 1.0).unsqueeze(1)
+    top = (p.detach() > 0.5).to(p.dtype)
+    gs = gam[:, : m - 1]
+    factor = _factor(_reduced_schur(p, mu))
+    # Solve K beta = sum_i Gamma_ij centred(Gbar - beta)_ij ... = 0 for the first m-1 columns,
+    # i.e. the column sums of Cbar vanish; each pass refines beta with the exactly formed residual.
+    beta = torch.zeros((bsz, m), dtype=gam.dtype, device=gam.device)
+    for _ in range(_REFINE_STEPS + 1):
+        d = _centered(p, gbar - beta.unsqueeze(-1), top)
+        resid = (gs * d[:, : m - 1]).sum(-1)  # (B, m-1)
+        beta = beta + torch.nn.functional.pad(_solve(factor, resid), (0, 1))
+    d = _centered(p, gbar - beta.unsqueeze(-1), top)
+    cbar = -(gam * d) / epsilon.double().reshape(bsz, 1, 1)
+    return cbar.to(dtype).transpose(1, 2)
 
 
 def sinkhorn_plan(

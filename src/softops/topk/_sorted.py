@@ -154,19 +154,36 @@ def soft_topk(
     s = -x2 if largest else x2
     if has_inf:
         # rows with fewer than k selectable entries give NaN (infinities are their limits)
-        selectable = (s.detach() != math.inf).sum(-1) >= k
+        # and a NaN anywhere in a row makes the whole row NaN, whatever its infinities
+        sd = s.detach()
+        selectable = ((sd != math.inf).sum(-1) >= k) & ~torch.isnan(sd).any(-1)
         s = finite_stand_ins(s, eps)
     m = k + 1 if k < n else k
 
-    # Cost / eps_p with eps_p = 2 epsilon, in the form -(j s_i - sum_{l<j} beta_l)/epsilon, where
-    # beta_l is the midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants):
-    # column constants do not change the plan, and they keep the potentials O(1).
+    # Cost / eps_p with eps_p = 2 epsilon: -(j s_i - sum_{l<j} beta_l)/epsilon, where beta_l is the
+    # midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants): column constants
+    # do not change the plan, and they keep the potentials O(1). Each row is then shifted by its
+    # own cost at its "home" column j_i = #{l: beta_l < s_i} (a row constant, absorbed by f_i):
+    #   C_ij - C_ij_i = -sum_{j_i <= l < j} (s_i - beta_l)   (j > j_i),
+    #                 = +sum_{j <= l < j_i} (s_i - beta_l)   (j < j_i),
+    # two one-signed partial sums, so every cost keeps full relative precision and the smallest
+    # is 0. Formed as one cumsum over all l, the far-away midpoints (an entry 1e8 away from the
+    # rest) would add a common offset that float32 cannot carry next to the O(1) differences.
+    # The gradient in s (per row, -j/epsilon up to the row constant, which the implicit backward
+    # ignores: the rows of its cost gradient sum to 0) is carried by the plain cumulative form,
+    # whose value is replaced by the accurate one (nothing more is saved for backward).
     with torch.no_grad():
         low = torch.topk(s.detach(), min(k + 1, n), dim=-1, largest=False, sorted=True).values
         beta = 0.5 * (low[:, : m - 1] + low[:, 1:m])  # (B, m-1)
-    diffs = s.unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
-    zero = torch.zeros_like(s).unsqueeze(1)
-    scaled = -torch.cat((zero, diffs), dim=1).cumsum(dim=1) / eps[:, None, None]  # (B, m, n)
+        dd = s.detach().unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
+        below = dd > 0  # l < j_i
+        pad = torch.zeros_like(s.detach()).unsqueeze(1)
+        up = torch.cat((pad, torch.where(below, 0.0, dd)), dim=1).cumsum(dim=1)
+        down = torch.cat((torch.where(below, dd, 0.0), pad), dim=1).flip(1).cumsum(1).flip(1)
+        accurate = down - up  # (B, m, n)
+    diffs = s.unsqueeze(1) - beta.unsqueeze(-1)
+    plain = -torch.cat((torch.zeros_like(s).unsqueeze(1), diffs), dim=1).cumsum(dim=1)
+    scaled = (accurate + (plain - plain.detach())) / eps[:, None, None]  # (B, m, n)
 
     log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
