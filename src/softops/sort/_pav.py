@@ -196,7 +196,7 @@ def sort(
     a = _rho(x2) / eps[:, None]
     project = _ProjectL2 if regularization == "l2" else _ProjectKL
     p, _ = project.apply(a, theta)  # a - v, formed without v
-    out = _nan_rows(x2, p if descending else -p)
+    out = _nan_rows(x2, p if descending else 0.0 - p)  # 0 - p: a zero stays +0, not -0
     if regularization == "l2":
         # The l2 sort keeps the row's mean: with both +inf and -inf the limit depends on their
         # rates, so the whole row is NaN (not only the positions where inf - inf appeared).
