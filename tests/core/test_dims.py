@@ -109,9 +109,6 @@ def _epsilon_ops():
 
 
 _OPS = _epsilon_ops()
-# Kernels that break on their own once x / epsilon overflows (epsilon at finfo.tiny), outside
-# softops._core.dims: owned elsewhere, tracked in issue 9.
-_KERNEL_GAPS = {"soft_topk", "soft_sort", "soft_quantile"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
@@ -123,8 +120,6 @@ def test_epsilon_outside_the_dtype_takes_the_limit(name, epsilon, dtype):
     import warnings
 
     fn, hard = _OPS[name]
-    if epsilon < 1 and name in _KERNEL_GAPS:
-        pytest.xfail(f"{name}: its kernel gives NaN once x / epsilon overflows (issue 9)")
     x = torch.tensor(_X, dtype=dtype, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a convergence note at the limit is not the point here

@@ -193,7 +193,11 @@ def sort(
     """
     regularization = opts.regularization
     theta = torch.sort(x2 if descending else -x2, dim=-1, descending=True).values
-    a = _rho(x2) / eps[:, None]
+    # rho / eps, saturated so that the largest entry stays below a quarter of the dtype's range:
+    # at an epsilon that small the sort is already at its hard limit (every gap of the scores is
+    # far below 1/epsilon), and rho / eps would otherwise overflow to inf (inf - inf = NaN).
+    inv = (1 / eps).clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
+    a = _rho(x2) * inv[:, None]
     project = _ProjectL2 if regularization == "l2" else _ProjectKL
     p, _ = project.apply(a, theta)  # a - v, formed without v
     out = _nan_rows(x2, p if descending else 0.0 - p)  # 0 - p: a zero stays +0, not -0

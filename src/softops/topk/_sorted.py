@@ -183,7 +183,15 @@ def soft_topk(
         accurate = down - up  # (B, m, n)
     diffs = s.unsqueeze(1) - beta.unsqueeze(-1)
     plain = -torch.cat((torch.zeros_like(s).unsqueeze(1), diffs), dim=1).cumsum(dim=1)
-    scaled = (accurate + (plain - plain.detach())) / eps[:, None, None]  # (B, m, n)
+    # At an epsilon far below the gaps (cost / epsilon beyond the dtype's range) every entry is
+    # already decided: floor epsilon per row so that the scaled cost stays within 1/16 of the
+    # range instead of overflowing to inf (the solver's differences of two such numbers stay
+    # finite). A (B,) floor, so nothing more is saved for backward.
+    with torch.no_grad():
+        span = accurate.abs().amax(dim=(1, 2))
+        floor = span / (torch.finfo(cd).max / 16)
+    eps_eff = torch.maximum(eps, floor)
+    scaled = (accurate + (plain - plain.detach())) / eps_eff[:, None, None]  # (B, m, n)
 
     log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
