@@ -484,3 +484,18 @@ def test_k_gradient_survives_underflow_of_s(dtype):
     kt = torch.tensor(2.0, dtype=dtype, requires_grad=True)
     (gk,) = torch.autograd.grad(soft_topk_mask(x, kt, epsilon=1e-3)[1], kt)
     assert abs(float(gk) - 0.5) < 1e-3
+
+
+@pytest.mark.parametrize("row", [[0.0, 1e-20], [0.0, 0.0], [3.0, -1.0, 2.0]])
+@pytest.mark.parametrize("k", [5e-324, 1e-322])
+def test_subnormal_k_converges_without_warning(row, k):
+    # The bracket's logs are taken apart (log k - log(n - k)): as a ratio, k / n of the smallest
+    # subnormal rounds to 0 and the bracket became infinite (711 evaluations instead of 2).
+    x = torch.tensor([row], dtype=F64)
+    eps = 1e-6 * float(x.abs().max().clamp(min=1e-20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", softops.ConvergenceWarning)
+        A = soft_topk_mask(x, k, epsilon=eps)
+    res = topk_threshold(x, k, eps)
+    assert bool(res.converged.all()) and res.iterations <= 10
+    assert float(A.sum()) == pytest.approx(0.0, abs=1e-300) and bool((A >= 0).all())

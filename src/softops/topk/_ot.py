@@ -104,7 +104,15 @@ def _evaluate(
     # The sums are of size min(k, n - k) at the root: below 1 the rounding floor follows them, so
     # that a k within rounding of 0 or n (1e-300, say) is still solved to relative precision.
     floor = torch.minimum(k, x.shape[-1] - k).clamp(0, 1)
-    bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs() + tol
+    # ...down to the subnormal range, where each term is resolved only to the smallest subnormal
+    # (k = 5e-324 on a tied row cannot be met more closely than that: no spurious warning).
+    subnormal = x.shape[-1] * torch.finfo(x.dtype).smallest_normal * em
+    bound = (
+        32 * em * torch.maximum(u.sum(-1), floor)
+        + 2 * em * slope * t.squeeze(-1).abs()
+        + subnormal
+        + tol
+    )
     return F, -slope, bound
 
 
@@ -208,8 +216,10 @@ def solve(
         x_hi = topv.gather(-1, (j_hi - 1)[:, None]).squeeze(-1)
         x_lo = topv.gather(-1, (j_lo - 1)[:, None]).squeeze(-1)
         m = 0.5 * (x_hi + x_lo)
-        lo = (x_lo - m) - eps * torch.log(kk / (j_lo.to(dtype) - kk))
-        hi = (x_hi - m) - eps * torch.log((kk - (j_hi - 1).to(dtype)) / (nn_ - kk))
+        # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
+        # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
+        lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo.to(dtype) - kk))
+        hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1).to(dtype)) - torch.log(nn_ - kk))
     else:
         stride = max(n // SAMPLE_SIZE, 1)
         sample = x[:, ::stride]
