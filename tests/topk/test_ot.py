@@ -14,6 +14,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import softops
 from softops import soft_topk_mask
 from softops.bench.references import unrolled_sinkhorn_topk_mask
+from softops.solvers import topk_threshold
 from softops.topk._ot import hard_topk_mask as hard_mask_kernel
 from softops.topk._ot import mask_from_threshold, solve
 from tests._helpers import hard_topk_mask
