@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import softops
 from softops.sort import _neuralsort, _ot, _softsort
 from softops.sort._limits import with_limits
 from softops.sort._options import MethodOptions
@@ -148,3 +149,13 @@ def test_vmap_keeps_nan_rows_nan(method):
     out = torch.func.vmap(lambda r: softops.soft_rank(r, epsilon=0.5, method=method))(x)
     assert torch.isnan(out[0]).all()
     torch.testing.assert_close(out[1], softops.soft_rank(x[1], epsilon=0.5, method=method))
+
+
+@pytest.mark.parametrize("method", ["softsort", "neuralsort"])
+@pytest.mark.parametrize("op", ["soft_sort", "soft_rank", "soft_argsort"])
+def test_meta_tensors_give_the_shape(op, method):
+    # shape inference: no data to branch on, so the masked limit path runs
+    x = torch.empty(3, 7, device="meta")
+    out = getattr(softops, op)(x, method=method)
+    want = (3, 7, 7) if op == "soft_argsort" else (3, 7)
+    assert out.device.type == "meta" and out.shape == want
