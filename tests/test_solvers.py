@@ -134,7 +134,10 @@ def test_sinkhorn_near_permutation_gradients_sweep():
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="open (issue 9): at epsilon far below the gaps a few cases of this grid do not converge, or their gradient misses central FD by 1e-3; the default-run sweep passes",
+    reason=(
+        "open (issue 9): at epsilon far below the gaps a few cases of this grid do not "
+        "converge, or their gradient misses central FD by 1e-3; the default sweep passes"
+    ),
 )
 def test_sinkhorn_near_permutation_gradients_sweep_large():
     _near_permutation_sweep(1000, 906, 16)

@@ -392,7 +392,10 @@ def test_near_hard_gradients_sweep() -> None:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="open (issue 9): at epsilon far below the gaps a few cases of this grid do not converge, or their gradient misses central FD by 1e-3; the default-run sweep passes",
+    reason=(
+        "open (issue 9): at epsilon far below the gaps a few cases of this grid do not "
+        "converge, or their gradient misses central FD by 1e-3; the default sweep passes"
+    ),
 )
 def test_near_hard_gradients_sweep_large() -> None:
     _sweep(1500, 902, 16)
