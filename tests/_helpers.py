@@ -32,3 +32,16 @@ def saved_bytes(fn) -> int:
 def hard_topk_mask(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> torch.Tensor:
     """The hard operator that soft_topk_mask relaxes, written as in its docstring."""
     return torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
+
+
+def fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
+    """Relative gap between autograd and a central difference of a random projection of fn."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    ct = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((out * ct).sum(), x)
+    v = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
+    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
+    return abs(float((grad * v).sum() - fd)) / scale

@@ -7,7 +7,7 @@ import torch
 
 from softops import soft_topk_mask
 from softops.solvers import sinkhorn, topk_threshold
-from tests._helpers import seeded
+from tests._helpers import fd_gap, seeded
 
 F64 = torch.float64
 
@@ -83,19 +83,6 @@ def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
         sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
 
 
-def _fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
-    """Relative gap between autograd and a central difference of a random projection of fn."""
-    x = x.detach().clone().requires_grad_(True)
-    out = fn(x)
-    ct = torch.randn(out.shape, generator=g, dtype=F64)
-    (grad,) = torch.autograd.grad((out * ct).sum(), x)
-    v = torch.randn(x.shape, generator=g, dtype=F64)
-    with torch.no_grad():
-        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
-    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
-    return abs(float((grad * v).sum() - fd)) / scale
-
-
 def _near_permutation_sweep(cases: int, seed: int, n_max: int) -> None:
     """solvers.sinkhorn (squared cost onto m unit-spaced targets) and the "sinkhorn" mask, with
     epsilon from 1e-3 to 10 times the smallest gap, on spread and tied rows: nearly one-hot plans.
@@ -123,8 +110,8 @@ def _near_permutation_sweep(cases: int, seed: int, n_max: int) -> None:
             return soft_topk_mask(z, k, epsilon=eps, method="sinkhorn", tol=1e-12, max_iter=100_000)
 
         scale = min(gap, eps)
-        assert _fd_gap(plan, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), m, eps)
-        assert _fd_gap(mask, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), k, eps)
+        assert fd_gap(plan, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), m, eps)
+        assert fd_gap(mask, x, 1e-5 * scale, g) < 1e-5, (x.tolist(), k, eps)
 
 
 def test_sinkhorn_near_permutation_gradients_sweep():

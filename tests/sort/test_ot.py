@@ -16,6 +16,7 @@ from softops._core.convergence import ConvergenceWarning
 from softops.sort import _ot
 from softops.sort._dispatch import interpolate
 from softops.sort._options import MethodOptions
+from tests._helpers import fd_gap
 from tests.sort._helpers import hard_ranks, row_eps, spaced, tie_free
 
 F64 = torch.float64
@@ -120,19 +121,6 @@ def test_default_max_iter_is_the_sinkhorn_cap(monkeypatch):
 # --------------------------------------------------------------------------- issue 9: near-hard
 
 
-def _fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
-    """Relative gap between autograd and a central difference of a random projection of fn."""
-    x = x.detach().clone().requires_grad_(True)
-    out = fn(x)
-    ct = torch.randn(out.shape, generator=g, dtype=F64)
-    (grad,) = torch.autograd.grad((out * ct).sum(), x)
-    v = torch.randn(x.shape, generator=g, dtype=F64)
-    with torch.no_grad():
-        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
-    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
-    return abs(float((grad * v).sum() - fd)) / scale
-
-
 def test_rank_near_permutation_regression():
     """Issue 9: autograd gave [-7.4e-2, 7.4e-2, 0] against central differences [-3.4e-6, ...]."""
     x = torch.tensor([-4.154701970719735, -1.7626870419453091, 5.193348969088463], dtype=F64)
@@ -172,7 +160,7 @@ def _ot_sweep(cases: int, seed: int, n_max: int) -> None:
         name = list(_OT_OPS)[c % len(_OT_OPS)]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            err = _fd_gap(lambda z, op=_OT_OPS[name], e=eps: op(z, e), x, 1e-4 * gap, g)
+            err = fd_gap(lambda z, op=_OT_OPS[name], e=eps: op(z, e), x, 1e-4 * gap, g)
         assert err < 1e-5, (name, x.tolist(), eps, err)
 
 
