@@ -252,3 +252,19 @@ def test_soft_kmax_checkpointed_backward_equals_plain_autograd(monkeypatch) -> N
     assert gradcheck(
         lambda t: soft_kmax(t, 17, epsilon=0.5), (x.detach()[:1, :20].requires_grad_(),)
     )
+
+
+def test_torch_func_with_checkpointed_rounds() -> None:
+    # from k = 16 on the rounds are checkpointed eagerly; torch.func refuses checkpointing, so
+    # under a transform the kernel runs plain autograd (same numbers)
+    from torch import func
+
+    x = torch.randn(3, 30, dtype=F64, generator=seeded(41))
+    loss = lambda t: soft_kmax(t, 20, epsilon=0.5).pow(2).sum()  # noqa: E731
+    g = func.grad(loss)(x)
+    xx = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(loss(xx), xx)
+    torch.testing.assert_close(g, ref, atol=1e-12, rtol=0)
+    jac = func.jacrev(lambda t: soft_kmax(t, 20, epsilon=0.5))(x[0])
+    assert jac.shape == (30, 30)
+    torch.testing.assert_close(jac.sum(0), torch.zeros(30, dtype=F64), atol=1e-10, rtol=0)

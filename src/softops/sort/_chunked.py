@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from softops._core.transforms import under_functorch
+
 __all__ = ["BLOCK_ELEMENTS", "chunked_rows", "positions"]
 
 BLOCK_ELEMENTS = 1 << 20
@@ -44,11 +46,6 @@ def _rows_per_block(bsz: int, n: int) -> int:
 
 def _needs_graph(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _under_functorch() -> bool:
-    """Whether a ``torch.func`` transform is active (they refuse saved-tensor hooks)."""
-    return torch._C._functorch.maybe_current_level() is not None
 
 
 def chunked_rows(
@@ -77,7 +74,7 @@ def chunked_rows(
     pos = positions(n, descending, x2.dtype, x2.device)
     if offset is not None:
         pos = pos + offset.to(x2.dtype).unsqueeze(-1)  # (B, n)
-    functorch = _under_functorch()
+    functorch = under_functorch()
     use_ckpt = _needs_graph(x2, row_param, *extra) and not functorch
     p_blocks: list[Tensor] = []  # under torch.func: no in-place writes into p_out
     v_blocks: list[Tensor] = []

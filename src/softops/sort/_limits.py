@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import torch
 
+from softops._core.transforms import under_functorch
 from softops.sort._options import MethodOptions
 
 __all__ = ["limit_group", "with_limits"]
@@ -54,11 +55,6 @@ Backend = Callable[..., torch.Tensor]
 MaskedBackend = Callable[[str, torch.Tensor, torch.Tensor, bool, MethodOptions], torch.Tensor]
 """A backend's ``masked(kind, x2, eps, descending, opts)``: the same limit on rows that may hold
 ``±inf``, by masks alone (no data-dependent control flow; used under ``torch.func``)."""
-
-
-def _under_functorch() -> bool:
-    """Whether a ``torch.func`` transform is active (no data-dependent branching there)."""
-    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _on_graph(out: torch.Tensor, xg: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
@@ -143,7 +139,7 @@ def with_limits(
     with torch.no_grad():
         inf = torch.isinf(x2)
         special = inf.any(-1) & ~torch.isnan(x2).any(-1)
-    if _under_functorch() or x2.device.type == "meta":  # no data to branch on
+    if under_functorch() or x2.device.type == "meta":  # no data to branch on
         if masked is None:
             return fn(x2, eps, descending, opts)
         out = masked(kind, x2, eps, descending, opts)

@@ -22,6 +22,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from softops._core.transforms import under_functorch
 from softops.topk._options import unreachable_rows
 
 __all__ = ["soft_kmax_rows"]
@@ -61,7 +62,9 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros_like(xp).masked_fill_(excluded, -math.inf)  # additive: saves nothing
     steps = torch.where(bad, 0, k - n_pinf)  # recursion steps per row
     p = xp * 0  # zeros, on the graph (k = 0 still has a (zero) gradient)
-    if k < _KMAX_CHECKPOINT_MIN or not (torch.is_grad_enabled() and xp.requires_grad):
+    # torch.func transforms refuse checkpointing (its saved-tensor hooks): plain autograd there
+    plain = not (torch.is_grad_enabled() and xp.requires_grad) or under_functorch()
+    if k < _KMAX_CHECKPOINT_MIN or plain:
         p = _kmax_rounds(xp, mask, steps, p, 0, k)
     else:
         # Segments of about sqrt(k) rounds, recomputed in the backward: the backward keeps
