@@ -626,3 +626,39 @@ def test_soft_confusion_and_from_counts_errors():
         1 + macro
     # a plain tuple of tensors is accepted by the compute functions
     assert torch.equal(f1_from_counts(tuple(macro)), f1_from_counts(macro))
+
+
+# ------------------------------------------------------- the checks and hits shared with losses
+
+
+def test_shared_checks_and_hits_named_after_the_caller():
+    from softops import metrics
+
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+    t = torch.tensor([0, 1, 0])
+    assert metrics.check_classification(p, t, False, 1.0, "my_loss") == 1.0
+    with pytest.raises(ValueError, match=r"^my_loss: expected `target` .*got"):
+        metrics.check_classification(p, torch.tensor([0, 3, 0]), False, 1.0, "my_loss")
+    assert metrics.check_average(None, p, "op") == "macro"
+    assert metrics.check_average(None, p[:, 0], "op") == "binary"
+    with pytest.raises(ValueError, match=r"^op: expected `average` to be one of"):
+        metrics.check_average("weighted", p, "op")
+    torch.testing.assert_close(
+        metrics.true_class_probability(p, t, False, 1.0), torch.tensor([0.7, 0.8, 0.3])
+    )
+    logits = p.log()
+    torch.testing.assert_close(
+        metrics.true_class_probability(logits, t, True, 1.0), torch.tensor([0.7, 0.8, 0.3])
+    )
+    binary = torch.tensor([0.9, 0.2])
+    torch.testing.assert_close(
+        metrics.true_class_probability(binary, torch.tensor([1, 0]), False, 1.0),
+        torch.tensor([0.9, 0.8]),
+    )
+    assert metrics.check_topk_classification(p, t, 2, 0.1, "ot", "op") == (2, 0.1)
+    with pytest.raises(ValueError, match=r"^op: expected .*`k`.*got k=4"):
+        metrics.check_topk_classification(p, t, 4, 0.1, "ot", "op")
+    hit = metrics.true_class_topk_membership(p, t, 2, 1e-3, "ot", False)
+    torch.testing.assert_close(hit, torch.tensor([1.0, 1.0, 0.5]), atol=1e-4, rtol=0)
+    hard = metrics.true_class_topk_membership(p, t, 1, 0.1, "ot", True)
+    assert hard.tolist() == [1.0, 1.0, 0.0]

@@ -306,3 +306,43 @@ def test_plain_console_output_without_rich(
     out, err = capsys.readouterr()
     assert out == "squares\n x  x^2\n 2    4\n10  100\n"
     assert err == "a progress line\n"
+
+
+def test_report_helpers(tmp_path) -> None:
+    from softops.bench.report import (
+        log_log_axes,
+        new_figure,
+        reproduce_lines,
+        save_figure,
+        write_report,
+    )
+
+    assert reproduce_lines(None) == []
+    assert reproduce_lines("softops bench topk") == ["", "Reproduce with `softops bench topk`."]
+
+    def plot(path) -> bool:
+        fig = new_figure((3.0, 2.0))
+        if fig is None:  # without matplotlib
+            return False
+        ax = fig.add_subplot(1, 1, 1)
+        ax.plot([1, 10, 100], [1, 3, 9])
+        log_log_axes(ax, "n", "a title")
+        assert ax.get_xscale() == ax.get_yscale() == "log" and ax.get_title() == "a title"
+        save_figure(fig, path)
+        return True
+
+    records = [{"a": 1}, {"a": 2}]
+    paths = write_report(records, tmp_path / "out", "stem", "# report\n", plot)
+    assert paths["md"].read_text() == "# report\n"
+    assert [json.loads(line) for line in paths["jsonl"].read_text().splitlines()] == records
+    if "png" in paths:
+        assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_report([], tmp_path / "out2", "s", "", lambda p: False).keys() == {"jsonl", "md"}
+
+
+def test_run_demo_prints_the_mask_and_its_gradient(capsys) -> None:
+    from softops.bench.demo import run_demo
+
+    assert run_demo(bench=False) == 0
+    out = capsys.readouterr().out
+    assert "soft top-k mask of x = [5, 2, 3, 4, 1, 6] with k = 3" in out

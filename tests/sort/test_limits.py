@@ -159,3 +159,19 @@ def test_meta_tensors_give_the_shape(op, method):
     out = getattr(softops, op)(x, method=method)
     want = (3, 7, 7) if op == "soft_argsort" else (3, 7)
     assert out.device.type == "meta" and out.shape == want
+
+
+def test_limit_group_relaxes_the_finite_entries_among_themselves():
+    from softops.sort._limits import limit_group
+
+    opts = MethodOptions()
+    inf = math.inf
+    xg = torch.tensor([[inf, 0.3, -inf, 1.2, 0.7], [-inf, 2.0, inf, 0.1, 0.5]], dtype=torch.float64)
+    eg = torch.tensor([0.4, 0.4], dtype=torch.float64)
+    out = limit_group(_softsort.sort, "sort", xg, eg, False, opts, 3)
+    for row, fin in zip(out, xg, strict=True):
+        alone = _softsort.sort(fin[torch.isfinite(fin)][None], eg[:1], False, opts)[0]
+        assert row[0] == -inf and row[-1] == inf
+        torch.testing.assert_close(row[1:4], alone)
+    ranks = limit_group(_softsort.rank, "rank", xg, eg, False, opts, 3)
+    assert ranks[0, 0] == 5.0 and ranks[0, 2] == 1.0 and ranks[1, 0] == 1.0 and ranks[1, 2] == 5.0
