@@ -94,13 +94,18 @@ def pav_kl(s, w, v, block, ls, lw, cnt):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _all_finite(s, w):  # pragma: no cover - compiled
+    """Whether every entry of the rows s and w is finite (the finite path may run)."""
+    for i in range(s.shape[0]):
+        if not (math.isfinite(s[i]) and math.isfinite(w[i])):
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
     n = s.shape[0]
-    finite = True
-    for i in range(n):
-        if not (math.isfinite(s[i]) and math.isfinite(w[i])):
-            finite = False
-            break
+    finite = _all_finite(s, w)
     top = -1
     if finite:
         for i in range(n):
@@ -148,11 +153,7 @@ def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compile
 @numba.njit(cache=True, nogil=True)
 def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
     n = s.shape[0]
-    finite = True
-    for i in range(n):
-        if not (math.isfinite(s[i]) and math.isfinite(w[i])):
-            finite = False
-            break
+    finite = _all_finite(s, w)
     top = -1
     if finite:
         for i in range(n):
