@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from softops._core.transforms import plain
+
 __all__ = [
     "SINKHORN_MAX_ITER",
     "THRESHOLD_MAX_ITER",
@@ -81,6 +83,12 @@ def warn_not_converged(
             never warns.
     """
     if tol is not None and tol <= 0:
+        return
+    # Under torch.func the flags are wrapped; the count only needs their values.
+    converged = plain(converged)
+    if residual is not None:
+        residual = plain(residual)
+    if converged.device.type == "meta":  # shape inference: there is nothing to report
         return
     bad = ~converged
     if residual is not None:

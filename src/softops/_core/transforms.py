@@ -1,18 +1,95 @@
-"""Whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is active.
+"""``torch.func`` support shared by the ops.
 
-Under a transform, data-dependent Python branches are impossible (a batched tensor has no single
-value to branch on) and saved-tensor hooks, hence ``torch.utils.checkpoint``, are refused. The
-ops ask here and take their transform-safe path: a masked formulation instead of a branch, plain
-autograd instead of recomputed blocks.
+* :func:`under_functorch`: whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is
+  active. Under a transform, data-dependent Python branches are impossible (a batched tensor has
+  no single value to branch on) and saved-tensor hooks, hence ``torch.utils.checkpoint``, are
+  refused. The ops ask here and take their transform-safe path: a masked formulation instead of a
+  branch, plain autograd instead of recomputed blocks.
+* :func:`plain`: the values under every functorch wrapper of a tensor, for host-side diagnostics
+  only (a convergence warning counts rows; it never feeds a result).
+* :func:`vmap_rows`: the ``vmap`` rule of an ``autograd.Function`` whose tensor inputs and outputs
+  all lead with the row dimension (every solver of softops works on independent rows): the
+  vmapped dimension is folded into the rows, the Function runs once on the plain tensors, and the
+  outputs are unfolded again. The solvers' own loops and convergence checks then run on real
+  values, exactly as for a batch.
+* :func:`own_precision`: a context that turns ``torch.autocast`` off around an op's matrix
+  products, so the op keeps its own precision rules (float16 and bfloat16 computed in float32,
+  other dtypes in their own) instead of autocast's bfloat16 matmuls.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
-__all__ = ["under_functorch"]
+__all__ = ["own_precision", "plain", "under_functorch", "vmap_rows"]
+
+_functorch = torch._C._functorch
 
 
 def under_functorch() -> bool:
     """True inside a ``torch.func`` transform."""
-    return torch._C._functorch.maybe_current_level() is not None
+    return _functorch.maybe_current_level() is not None
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its functorch wrappers (batched, grad or dual levels).
+
+    The result holds every vmapped slice at once, in some layout: use it for reductions (any,
+    sum, max), never for a value that is returned.
+    """
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+def vmap_rows(
+    function: type[torch.autograd.Function], info: Any, in_dims: tuple[Any, ...], *args: Any
+) -> tuple[Any, Any]:
+    """The ``vmap`` staticmethod of a row-wise ``autograd.Function``.
+
+    Every tensor argument of ``function.apply`` must lead with the row dimension B; non-tensor
+    arguments (solver settings) pass through. Batched tensors have their vmapped dimension moved
+    in front of B and merged with it; tensors that are not batched are expanded to every slice.
+    Tensor outputs, which also lead with B, are split back into (batch_size, B, ...) with
+    ``out_dims`` 0; non-tensor outputs (iteration counts) are returned once, with ``out_dims``
+    None, and hold the value of the merged call.
+
+    Use it as ``vmap = staticmethod(functools.partial(vmap_rows, ThisFunction))``-like glue::
+
+        @staticmethod
+        def vmap(info, in_dims, *args):
+            return vmap_rows(ThisFunction, info, in_dims, *args)
+    """
+    size = info.batch_size
+    merged = []
+    for arg, dim in zip(args, in_dims, strict=True):
+        if isinstance(arg, torch.Tensor):
+            if dim is None:
+                arg = arg.expand(size, *arg.shape)
+            else:
+                arg = arg.movedim(dim, 0)
+            arg = arg.flatten(0, 1)
+        merged.append(arg)
+    out = function.apply(*merged)
+    single = not isinstance(out, tuple)
+    outs = (out,) if single else out
+    results = tuple(o.unflatten(0, (size, -1)) if isinstance(o, torch.Tensor) else o for o in outs)
+    dims = tuple(0 if isinstance(o, torch.Tensor) else None for o in outs)
+    if single:
+        return results[0], dims[0]
+    return results, dims
+
+
+def own_precision(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Autocast disabled on ``t``'s device when it is enabled there; otherwise a no-op."""
+    kind = t.device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except (RuntimeError, ValueError):  # a device type autocast does not know (meta, ...)
+        return contextlib.nullcontext()
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(kind, enabled=False)

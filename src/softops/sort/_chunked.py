@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from softops._core.transforms import under_functorch
+from softops._core.transforms import own_precision, under_functorch
 
 __all__ = ["BLOCK_ELEMENTS", "chunked_rows", "positions"]
 
@@ -85,6 +85,10 @@ def chunked_rows(
 
     def run(rp: Tensor, xx: Tensor, pp: Tensor, *ex: Tensor) -> tuple[Tensor, ...]:
         p = torch.softmax(block_logits(rp, *ex), dim=-1)  # (B, b, n)
+        with own_precision(p):  # autocast would run these products in bfloat16
+            return _reduce(p, xx, pp)
+
+    def _reduce(p: Tensor, xx: Tensor, pp: Tensor) -> tuple[Tensor, ...]:
         outs: list[Tensor] = []
         if values:
             outs.append(torch.linalg.vecdot(p, xx.unsqueeze(1)))  # (B, b)

@@ -27,6 +27,7 @@ from torch import Tensor
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.transforms import own_precision
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 from softops.topk._options import finite_stand_ins
 
@@ -207,7 +208,8 @@ def soft_topk(
         weights = torch.where(selectable[:, None, None], weights, math.nan)
         values = torch.where(selectable[:, None], values, math.nan)
     else:
-        values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
+        with own_precision(x2):
+            values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
     warn_not_converged(_OP, res.converged, max_iter, residual=res.residual, tol=tol)
 
@@ -224,7 +226,8 @@ def _values_with_infinities(weights: Tensor, x2: Tensor, largest: bool) -> Tenso
     """
     xd = x2.detach()
     finite_x = torch.where(torch.isinf(xd), 0.0, x2)
-    values = torch.bmm(weights, finite_x.unsqueeze(-1)).squeeze(-1)
+    with own_precision(x2):
+        values = torch.bmm(weights, finite_x.unsqueeze(-1)).squeeze(-1)
     sure = math.inf if largest else -math.inf
     count = (xd == sure).sum(-1, keepdim=True)  # (B, 1)
     j = torch.arange(values.shape[-1], device=values.device)

@@ -1,0 +1,144 @@
+"""What PyTorch users do with an op, for every case of the contract registry.
+
+``torch.func.vmap`` (equals the batched call), ``grad``/``vjp``/``jacrev`` (equal plain autograd),
+forward mode (``jvp`` and ``jacfwd`` equal the Jacobian times the tangent), meta tensors (shape
+inference), ``torch.autocast`` and, in the slow run, ``torch.compile``. The README's support
+table states the same facts; every "no" there is an entry of ``UNSUPPORTED`` here, with its
+reason, and the test checks that it raises a clear error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import func
+
+from tests.test_contract import CASES, Case, cases
+
+F64 = torch.float64
+
+# (case id, transform) -> the reason it is refused. Empty when everything is supported.
+UNSUPPORTED: dict[tuple[str, str], str] = {}
+
+
+def _refused(case: Case, what: str) -> bool:
+    return (case.id, what) in UNSUPPORTED
+
+
+@pytest.fixture(autouse=True)
+def _quiet(one_thread):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
+
+
+def _x(*shape: int) -> torch.Tensor:
+    """Distinct values with gaps of at least 0.1 and a spread of a few units."""
+    g = torch.Generator().manual_seed(sum(shape))
+    n = shape[-1]
+    rows = [
+        torch.randperm(n, generator=g).to(F64) * 0.4
+        for _ in range(int(torch.tensor(shape[:-1]).prod()))
+    ]
+    noise = 0.1 * torch.rand(*shape, generator=g, dtype=F64)
+    return torch.stack(rows).reshape(shape) + noise - 0.2 * n
+
+
+def _call(case: Case, eps: float = 0.7):
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return case(t, epsilon=eps, **case.precise)
+
+    return fn
+
+
+def _vmap(case: Case, fn, x: torch.Tensor) -> torch.Tensor:
+    # The quantile op puts the levels in front: vmap's batch dimension goes after them.
+    out_dims = 1 if case.layout == "quantile" else 0
+    randomness = "different" if case.stochastic else "error"
+    return func.vmap(fn, out_dims=out_dims, randomness=randomness)(x)
+
+
+@cases(CASES)
+def test_vmap_equals_the_batched_call(case):
+    x = _x(3, 2, 6)
+    fn = _call(case)
+    if _refused(case, "vmap"):
+        with pytest.raises(NotImplementedError, match=case.op):
+            _vmap(case, fn, x)
+        return
+    out = _vmap(case, fn, x)
+    ref = fn(x)
+    assert out.shape == ref.shape
+    if case.stochastic:  # other draws: the invariants only
+        torch.testing.assert_close(out.sum(-1), torch.full_like(out.sum(-1), 2.0))
+        assert ((out >= 0) & (out <= 1)).all()
+        return
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    # Nested: vmap of vmap over single rows folds both dimensions into the rows.
+    dims = 1 if case.layout == "quantile" else 0
+    nested = func.vmap(func.vmap(fn, out_dims=dims), out_dims=dims)(x)
+    torch.testing.assert_close(nested, ref, rtol=1e-9, atol=1e-9)
+
+
+def _jacobian(fn, x: torch.Tensor) -> torch.Tensor:
+    return torch.autograd.functional.jacobian(fn, x)
+
+
+@cases([c for c in CASES if not c.stochastic])
+def test_grad_vjp_jacrev_equal_autograd(case):
+    x = _x(6)
+    fn = _call(case)
+    jac = _jacobian(fn, x)
+    out = fn(x)
+    w = torch.linspace(-1.0, 2.0, out.numel(), dtype=F64).reshape(out.shape)
+    torch.testing.assert_close(func.jacrev(fn)(x), jac, rtol=1e-8, atol=1e-10)
+    grad = func.grad(lambda t: (fn(t) * w).sum())(x)
+    torch.testing.assert_close(
+        grad, (w.reshape(-1) @ jac.reshape(out.numel(), -1)).reshape(x.shape), rtol=1e-8, atol=1e-10
+    )
+    _, vjp = func.vjp(fn, x)
+    torch.testing.assert_close(vjp(w)[0], grad, rtol=1e-8, atol=1e-10)
+
+
+@cases(CASES)
+def test_forward_mode_equals_the_jacobian(case):
+    x = _x(6)
+    fn = _call(case)
+    v = torch.linspace(-1.0, 1.0, 6, dtype=F64) ** 3
+    if _refused(case, "jvp"):
+        with pytest.raises(NotImplementedError, match=case.op):
+            func.jvp(fn, (x,), (v,))
+        return
+    out, tangent = func.jvp(fn, (x,), (v,))
+    torch.testing.assert_close(out, fn(x))
+    jac = func.jacrev(fn)(x)  # the Monte-Carlo methods: the estimate of the same draws
+    want = (jac.reshape(out.numel(), -1) @ v).reshape(out.shape)
+    torch.testing.assert_close(tangent, want, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(func.jacfwd(fn, randomness="same")(x), jac, rtol=1e-7, atol=1e-9)
+
+
+@cases(CASES)
+def test_meta_tensors_give_the_shape(case):
+    x = _x(3, 6)
+    kw = {"generator": None} if case.stochastic else {}
+    want = case(x, epsilon=0.7, **kw)
+    out = case(x.to("meta"), epsilon=0.7, **kw)
+    assert out.device.type == "meta"
+    assert out.shape == want.shape and out.dtype == want.dtype
+
+
+@cases(CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autocast_bfloat16(case, dtype):
+    """Under CPU autocast the op computes as without it: its own precision rules apply."""
+    x = _x(3, 6).to(dtype)
+    kw = {"generator": torch.Generator().manual_seed(3)} if case.stochastic else {}
+    want = case(x, epsilon=0.7, **kw)
+    if case.stochastic:
+        kw = {"generator": torch.Generator().manual_seed(3)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = case(x, epsilon=0.7, **kw)
+    assert out.dtype == want.dtype
+    torch.testing.assert_close(out, want)
