@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import func
 
+import softops
 from tests.test_contract import CASES, Case, cases
 
 F64 = torch.float64
@@ -142,3 +143,50 @@ def test_autocast_bfloat16(case, dtype):
         out = case(x, epsilon=0.7, **kw)
     assert out.dtype == want.dtype
     torch.testing.assert_close(out, want)
+
+
+# ------------------------------------------------------------------------- torch.compile
+
+# The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
+# forward and backward). The others stop on convergence (Newton, Sinkhorn) or run a numba kernel
+# (pav): torch.compile breaks the graph around their solver and runs it eagerly
+# (tests/test_contract.py::test_torch_compile, slow, checks their values and gradients).
+FULLGRAPH = [
+    c
+    for c in CASES
+    if c.method in ("softsort", "neuralsort", "softkmax")
+    or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
+    or c.op == "soft_argmax_onehot"
+]
+
+
+@cases(FULLGRAPH)
+def test_one_graph_without_breaks(case):
+    torch._dynamo.reset()
+    x = _x(3, 6).float().requires_grad_()
+    fn = _call(case)
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")  # dynamo's tracing only
+    out = compiled(x)
+    want = fn(x)
+    torch.testing.assert_close(out, want)
+    w = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)
+    (g,) = torch.autograd.grad((out * w).sum(), x)
+    (ref,) = torch.autograd.grad((want * w).sum(), x)
+    torch.testing.assert_close(g, ref)
+
+
+def test_inductor_compiles_a_sort_and_a_smooth_op():
+    """One real (inductor) compilation in the default run; the registry's is in the slow run."""
+    torch._dynamo.reset()
+    x = _x(4, 7).float().requires_grad_()
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        ranks = softops.soft_rank(t, epsilon=0.5, method="softsort")
+        return ranks * softops.smooth_max(t, epsilon=0.3, keepdim=True)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, fn(x))
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (ref,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.testing.assert_close(g, ref)

@@ -5,6 +5,9 @@
   no single value to branch on) and saved-tensor hooks, hence ``torch.utils.checkpoint``, are
   refused. The ops ask here and take their transform-safe path: a masked formulation instead of a
   branch, plain autograd instead of recomputed blocks.
+* :func:`cannot_branch`: whether the values of ``t`` are unavailable to Python (a ``torch.func``
+  transform, meta tensors, or ``torch.compile``/``torch.export`` tracing): the ops then take their
+  branch-free formulation instead of one host sync per call.
 * :func:`plain`: the values under every functorch wrapper of a tensor, for host-side diagnostics
   only (a convergence warning counts rows; it never feeds a result).
 * :func:`vmap_rows`: the ``vmap`` rule of an ``autograd.Function`` whose tensor inputs and outputs
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["own_precision", "plain", "under_functorch", "vmap_rows"]
+__all__ = ["cannot_branch", "own_precision", "plain", "under_functorch", "vmap_rows"]
 
 _functorch = torch._C._functorch
 
@@ -32,6 +35,11 @@ _functorch = torch._C._functorch
 def under_functorch() -> bool:
     """True inside a ``torch.func`` transform."""
     return _functorch.maybe_current_level() is not None
+
+
+def cannot_branch(t: torch.Tensor) -> bool:
+    """True where a data-dependent Python branch on ``t`` is impossible or a graph break."""
+    return under_functorch() or t.device.type == "meta" or torch.compiler.is_compiling()
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

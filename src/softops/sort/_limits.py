@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from softops._core.transforms import under_functorch
+from softops._core.transforms import cannot_branch
 from softops.sort._options import MethodOptions
 
 __all__ = ["limit_group", "with_limits"]
@@ -132,14 +132,14 @@ def with_limits(
 
     Eagerly: one host sync per call (whether any entry is infinite); rows with infinities are
     grouped by their number of finite entries and each group is one batched call. Under
-    ``torch.func`` transforms and on meta tensors, where a data-dependent branch is impossible,
+    ``torch.func`` transforms, on meta tensors and under ``torch.compile``, where a data-dependent branch is impossible,
     the backend's ``masked`` formulation of the same limit runs on every row (module docstring);
     a backend without one gets NaN in rows with infinities there.
     """
     with torch.no_grad():
         inf = torch.isinf(x2)
         special = inf.any(-1) & ~torch.isnan(x2).any(-1)
-    if under_functorch() or x2.device.type == "meta":  # no data to branch on
+    if cannot_branch(x2):  # no data to branch on (torch.func, meta, compile)
         if masked is None:
             return fn(x2, eps, descending, opts)
         out = masked(kind, x2, eps, descending, opts)

@@ -124,13 +124,13 @@ def _shift_left(t: Tensor) -> Tensor:
     return torch.nn.functional.pad(t[..., 1:], (0, 1))
 
 
-class _LinearRecurrence(torch.autograd.Function):
+class _Recurrence(torch.autograd.Function):
     """``h_i = a_i h_{i-1} + b_i`` (``h_{-1} = 0``) with the adjoint recurrence as backward.
 
     Backward: ``lam_i = g_i + a_{i+1} lam_{i+1}`` (the same recurrence, reversed), then
     ``db = lam`` and ``da_i = lam_i h_{i-1}``. It is written with this Function itself, so it is
-    differentiable again (double backward); forward mode propagates
-    ``h'_i = a_i h'_{i-1} + (a'_i h_{i-1} + b'_i)``. Autograd keeps ``a`` and ``h``: O(n).
+    differentiable again (double backward). Autograd keeps ``a`` and ``h``: O(n). This class has
+    no forward mode, so ``torch.compile`` traces it; :class:`_LinearRecurrence` adds it.
     """
 
     generate_vmap_rule = True
@@ -151,6 +151,10 @@ class _LinearRecurrence(torch.autograd.Function):
         lam = linear_recurrence(_shift_left(a).flip(-1), grad.flip(-1)).flip(-1)
         return lam * _shift_right(h), lam
 
+
+class _LinearRecurrence(_Recurrence):
+    """:class:`_Recurrence` with forward mode: ``h'_i = a_i h'_{i-1} + (a'_i h_{i-1} + b'_i)``."""
+
     @staticmethod
     def jvp(ctx: Any, a_t: Tensor | None, b_t: Tensor | None) -> Tensor:
         a, h = ctx.saved_tensors
@@ -168,7 +172,11 @@ def linear_recurrence(a: Tensor, b: Tensor) -> Tensor:
     Stable for ``a`` in [0, 1] and ``b >= 0``: every operation adds or multiplies non-negative
     numbers, so the relative error is a few ulps per step and nothing cancels. Log depth
     (``ceil(log2 n)`` vectorised steps), O(n) autograd memory, differentiable any number of times.
+    Under ``torch.compile``, which cannot trace a Function with a custom forward mode, the
+    Function without one runs (forward mode is not available in compiled code anyway).
     """
+    if torch.compiler.is_compiling():
+        return cast(Tensor, _Recurrence.apply(a, b))
     return cast(Tensor, _LinearRecurrence.apply(a, b))
 
 
