@@ -190,3 +190,59 @@ def test_inductor_compiles_a_sort_and_a_smooth_op():
     (g,) = torch.autograd.grad(out.sum(), x)
     (ref,) = torch.autograd.grad(fn(x).sum(), x)
     torch.testing.assert_close(g, ref)
+
+
+# ------------------------------------------------------------------ metrics and losses
+
+_G = torch.Generator().manual_seed(11)
+_LOGITS = torch.randn(3, 8, 5, generator=_G, dtype=F64)
+_LABELS = torch.randint(0, 5, (3, 8), generator=_G)
+_SCORES = torch.randn(3, 10, generator=_G, dtype=F64)
+_RELEVANCE = torch.rand(3, 10, generator=_G, dtype=F64) * 3
+
+# name -> (fn(input, target), inputs (batched along dim 0), targets)
+_REDUCTIONS = {
+    "soft_accuracy": (lambda a, b: softops.metrics.soft_accuracy(a, b), _LOGITS, _LABELS),
+    "soft_f1": (lambda a, b: softops.metrics.soft_f1(a, b), _LOGITS, _LABELS),
+    "soft_precision": (lambda a, b: softops.metrics.soft_precision(a, b), _LOGITS, _LABELS),
+    "soft_recall": (lambda a, b: softops.metrics.soft_recall(a, b), _LOGITS, _LABELS),
+    "soft_confusion": (
+        lambda a, b: softops.metrics.soft_confusion(a, b).tp,
+        _LOGITS,
+        _LABELS,
+    ),
+    "soft_topk_accuracy": (
+        lambda a, b: softops.metrics.soft_topk_accuracy(a, b, 2),
+        _LOGITS,
+        _LABELS,
+    ),
+    "accuracy_loss": (lambda a, b: softops.losses.accuracy_loss(a, b), _LOGITS, _LABELS),
+    "f1_loss": (lambda a, b: softops.losses.f1_loss(a, b), _LOGITS, _LABELS),
+    "topk_accuracy_loss": (
+        lambda a, b: softops.losses.topk_accuracy_loss(a, b, 2),
+        _LOGITS,
+        _LABELS,
+    ),
+    "spearman_loss": (lambda a, b: softops.losses.spearman_loss(a, b), _SCORES, _RELEVANCE),
+    "ndcg_loss": (lambda a, b: softops.losses.ndcg_loss(a, b), _SCORES, _RELEVANCE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REDUCTIONS))
+def test_metrics_and_losses_compose(name):
+    """vmap equals the loop, grad and jvp equal the Jacobian, meta gives the shape."""
+    fn, inputs, targets = _REDUCTIONS[name]
+    out = func.vmap(fn)(inputs, targets)
+    torch.testing.assert_close(out, torch.stack([fn(a, b) for a, b in zip(inputs, targets)]))
+    a, b = inputs[0], targets[0]
+    jac = torch.autograd.functional.jacobian(lambda t: fn(t, b), a)
+    w = torch.linspace(-1.0, 1.0, fn(a, b).numel(), dtype=F64).reshape(fn(a, b).shape)
+    grad = func.grad(lambda t: (fn(t, b) * w).sum())(a)
+    torch.testing.assert_close(grad, (w.reshape(-1) @ jac.reshape(w.numel(), -1)).reshape(a.shape))
+    v = torch.linspace(-1.0, 1.0, a.numel(), dtype=F64).reshape(a.shape)
+    _, tangent = func.jvp(lambda t: fn(t, b), (a,), (v,))
+    torch.testing.assert_close(
+        tangent, (jac.reshape(w.numel(), -1) @ v.reshape(-1)).reshape(w.shape)
+    )
+    meta = fn(a.to("meta"), b.to("meta"))
+    assert meta.device.type == "meta" and meta.shape == fn(a, b).shape

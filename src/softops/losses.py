@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from softops._core.dims import flatten_to_2d, row_param
+from softops._core.transforms import cannot_branch
 from softops._core.validation import (
     check_choice,
     check_dim,
@@ -473,7 +474,7 @@ def ndcg_loss(
             raise ValueError(
                 f"{op}: expected 1 <= `k` <= input.shape[dim] (= {n}) or None; got k={k}."
             )
-    if bool((target < 0).any()):
+    if not cannot_branch(target) and bool((target < 0).any()):  # eagerly only
         value = target[target < 0].flatten()[0].item()
         raise ValueError(f"{op}: expected non-negative `target` (relevance); got {value}.")
     cd = compute_dtype(input.dtype)

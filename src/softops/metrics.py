@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from softops._core.transforms import cannot_branch
 from softops._core.validation import (
     check_bool,
     check_choice,
@@ -140,7 +141,12 @@ class SoftConfusion(NamedTuple):
 
 
 def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, op: str) -> None:
-    """Integer labels of shape (n,) with values in [0, n_classes); one host sync for the range."""
+    """Integer labels of shape (n,) with values in [0, n_classes); one host sync for the range.
+
+    The range is checked eagerly only: under ``torch.func`` transforms, ``torch.compile`` and on
+    meta tensors the values are not available to Python; an out-of-range label then meets
+    torch's own index check (gather, one_hot) instead.
+    """
     if not isinstance(target, torch.Tensor):
         raise TypeError(
             f"{op}: expected `target` to be a torch.Tensor; got {type(target).__name__}."
@@ -155,6 +161,8 @@ def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, 
             f"{op}: expected `target` of shape ({n},) to match input of shape "
             f"{tuple(input_shape)}; got shape {tuple(target.shape)}."
         )
+    if cannot_branch(target):
+        return
     bad = (target < 0) | (target >= n_classes)
     if bool(bad.any()):
         value = int(target[bad][0])
@@ -307,7 +315,7 @@ def _confusion(
         true = torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
         return SoftConfusion(tp, p.sum(), true)
     onehot = torch.nn.functional.one_hot(t, n_classes).to(p.dtype)
-    true = torch.bincount(t, minlength=n_classes).to(p.dtype)
+    true = onehot.sum(0)
     return SoftConfusion((p * onehot).sum(0), p.sum(0), true)
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from softops._core.transforms import cannot_branch
+
 __all__ = [
     "as_number",
     "check_bool",
@@ -104,7 +106,9 @@ def check_nonempty(x: torch.Tensor, dim: int, op: str) -> int:
 def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch.Tensor:
     """Check that ``epsilon`` is a positive finite float or a floating tensor with positive entries.
 
-    A tensor is checked once, here; the solvers never sync on it again.
+    A tensor is checked once, here; the solvers never sync on it again. Its values are checked
+    eagerly only: under ``torch.func`` transforms, ``torch.compile`` and on meta tensors Python
+    cannot see them (a non-positive entry then gives NaN in its row).
     """
     if isinstance(epsilon, torch.Tensor):
         if not epsilon.dtype.is_floating_point:
@@ -114,6 +118,8 @@ def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch
             )
         if epsilon.numel() == 0:
             raise ValueError(f"{op}: expected a non-empty `{name}`; got an empty tensor.")
+        if cannot_branch(epsilon):
+            return epsilon
         bad = ~(epsilon.detach() > 0) | ~torch.isfinite(epsilon.detach())
         if bool(bad.any()):
             value = epsilon.detach()[bad].flatten()[0].item()
@@ -140,7 +146,7 @@ def check_k(
 
     ``n=None`` (a layer, before it sees its input) checks the type and ``k >= low`` only; the
     op checks ``k <= x.shape[dim]`` on the forward call. Tensor entries are checked once, here
-    (one host sync at validation, none in the solver).
+    (one host sync at validation, none in the solver), and eagerly only, as for ``epsilon``.
     """
     what = "an int" if integer else "a number"
     high = math.inf if n is None else n
@@ -159,6 +165,8 @@ def check_k(
             else:
                 raise TypeError(f"{op}: expected `k` to be {what}; got a tensor {k!r}.")
         else:
+            if cannot_branch(k):
+                return k
             kd = k.detach()
             bad = ~((kd >= low) & (kd <= high))
             if kd.numel() and bool(bad.any()):
