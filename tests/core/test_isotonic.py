@@ -443,3 +443,28 @@ def test_numba_threads_serial_below_the_threshold(numba_mod, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 10**6)
     most = numba_mod.config.NUMBA_NUM_THREADS
     assert isotonic._numba_threads(10**9, 64) == min(most, 64)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch", None])
+def test_meta_tensors_give_shapes_only(backend, monkeypatch):
+    """Meta tensors have no data: every entry point returns meta outputs of the right shapes and
+    dtypes without reaching a kernel (which would need the values)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran on meta tensors")
+
+    for name in ("_numba_project", "_torch_project", "_numba_l2", "_numba_kl", "_torch_pav"):
+        monkeypatch.setattr(isotonic, name, no_kernel)
+    for dtype in (torch.float32, F64):
+        s = torch.empty(4, 6, dtype=dtype, device="meta")
+        for w in (torch.empty(1, 6, dtype=dtype, device="meta"), torch.empty(4, 6, device="cpu")):
+            for project in (isotonic.project_l2, isotonic.project_kl):
+                p, block = project(s, w, backend=backend)
+                assert p.is_meta and block.is_meta
+                assert p.shape == block.shape == (4, 6)
+                assert p.dtype == dtype and block.dtype == torch.int64
+        for v, block in (isotonic.isotonic_l2(s), isotonic.isotonic_kl(s, s[:1])):
+            assert v.is_meta and v.shape == (4, 6) and v.dtype == dtype
+            assert block.is_meta and block.dtype == torch.int64

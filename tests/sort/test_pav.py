@@ -454,3 +454,114 @@ def test_kl_sort_with_minus_inf_has_finite_gradients():
     y = soft_sort(x, epsilon=0.5, regularization="kl", descending=True)
     (gx,) = torch.autograd.grad(y[:, :3].sum(), x)
     assert torch.isfinite(gx).all()
+
+
+# ------------------------------------------------------- forward mode (jvp) and meta tensors
+
+
+def _pooled_rows(kl: bool, w_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted (descending) s (3, 7) and w (w_rows, 7) whose projection pools several blocks of
+    two and more entries, with a tie in s inside a block."""
+    g = torch.Generator().manual_seed(11)
+    s = (torch.randn(3, 7, generator=g, dtype=F64) * 2.0).sort(-1, descending=True).values
+    s[1, 3] = s[1, 2]  # a tie (inside a pooled block)
+    w = torch.arange(7, 0, -1, dtype=F64).expand(w_rows, 7).clone()
+    w = w + 0.1 * torch.rand(w_rows, 7, generator=g, dtype=F64).sort(-1, descending=True).values
+    return s, (w.log() if kl else w)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("w_rows", [1, 3])
+@pytest.mark.parametrize("kl", [False, True], ids=["l2", "kl"])
+def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(kl, w_rows, backend, monkeypatch):
+    from softops.sort._pav import _ProjectKL, _ProjectL2
+
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+    project = _ProjectKL if kl else _ProjectL2
+    s, w = _pooled_rows(kl, w_rows)
+    block = project.apply(s, w)[1]
+    sizes = torch.zeros_like(s).scatter_add(1, block, torch.ones_like(s))
+    assert (sizes >= 2).any() and (sizes == 1).any()  # pooled blocks and singletons
+
+    def p(s, w):
+        return project.apply(s, w)[0]
+
+    g = torch.Generator().manual_seed(3)
+    ds = torch.randn(s.shape, generator=g, dtype=F64)
+    ds[1, 3] = ds[1, 2]  # keep the tie (and the order) along the tangent
+    dw = torch.randn(w.shape, generator=g, dtype=F64)
+    out, tangent = torch.func.jvp(p, (s, w), (ds, dw))
+    torch.testing.assert_close(out, p(s, w), rtol=0, atol=0)
+    js, jw = torch.func.jacrev(p, argnums=(0, 1))(s, w)  # (3, 7, 3, 7), (3, 7, w_rows, 7)
+    want = torch.einsum("bicj,cj->bi", js, ds) + torch.einsum("bicj,cj->bi", jw, dw)
+    torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
+    h = 1e-6  # central differences: the blocks do not change within h
+    fd = (p(s + h * ds, w + h * dw) - p(s - h * ds, w - h * dw)) / (2 * h)
+    torch.testing.assert_close(tangent, fd, rtol=0, atol=1e-8)
+    # each tangent alone, and jacfwd equals jacrev
+    torch.testing.assert_close(
+        torch.func.jvp(lambda s: p(s, w), (s,), (ds,))[1], torch.einsum("bicj,cj->bi", js, ds)
+    )
+    torch.testing.assert_close(
+        torch.func.jvp(lambda w: p(s, w), (w,), (dw,))[1], torch.einsum("bicj,cj->bi", jw, dw)
+    )
+    jfs, jfw = torch.func.jacfwd(p, argnums=(0, 1))(s, w)
+    torch.testing.assert_close(jfs, js, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jfw, jw, rtol=1e-12, atol=1e-12)
+    # the l2 Jacobian in s (I - block mean) is symmetric; the KL one, I - 1 softmax(s_B)^T, is not
+    row = js[0, :, 0, :]
+    assert torch.allclose(row, row.T) != kl
+
+
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("fn", [soft_sort, soft_rank])
+def test_forward_ad_gradcheck_with_ties_and_blocks(fn, reg):
+    # Row 0 at epsilon 0.8 pools the tied pair (3.4, 3.4) inside a block of the sort (a rank
+    # always pools tied entries) next to singletons, so the map is differentiable at the tie.
+    x = torch.tensor([[0.0, 0.2, 0.4, 3.4, 3.4, 6.6, 6.8, 7.0]], dtype=F64)
+    x = torch.cat([x[:, torch.randperm(8)], _distinct(1, 8) + 0.01 * torch.randn(1, 8, dtype=F64)])
+    x.requires_grad_()
+    eps = torch.tensor([0.8, 1.3], dtype=F64, requires_grad=True)
+    for descending in (False, True):
+        assert gradcheck(
+            lambda x, e, d=descending: fn(x, epsilon=e, regularization=reg, descending=d),
+            (x, eps),
+            check_forward_ad=True,
+            check_batched_forward_grad=True,
+        )
+
+
+def test_quantile_forward_ad_gradcheck():
+    x = (_distinct(2, 7) + 0.01 * torch.randn(2, 7, dtype=F64)).requires_grad_()
+    q = torch.tensor([0.2, 0.55], dtype=F64, requires_grad=True)
+    assert gradcheck(lambda x, q: soft_quantile(x, q, epsilon=0.8), (x, q), check_forward_ad=True)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a PAV kernel ran on meta tensors")
+
+    monkeypatch.setattr(isotonic, "_numba_project", no_kernel)
+    monkeypatch.setattr(isotonic, "_torch_project", no_kernel)
+    for dtype in (torch.float16, torch.float32, F64):
+        x = torch.empty(3, 5, 4, dtype=dtype, device="meta")
+        for reg in REGS:
+            for fn in (soft_sort, soft_rank):
+                for dim, descending in ((1, False), (-1, True)):
+                    out = fn(x, dim=dim, epsilon=0.7, regularization=reg, descending=descending)
+                    assert out.device.type == "meta"
+                    assert out.shape == x.shape and out.dtype == dtype
+        q = torch.tensor([0.1, 0.5], dtype=dtype)  # the levels are checked on the host
+        out = soft_quantile(x, q, dim=1, epsilon=0.7)
+        assert out.device.type == "meta" and out.shape == (2, 3, 4) and out.dtype == dtype
+    # through autograd too: a meta forward records a graph, the backward gives meta gradients
+    x = torch.empty(2, 6, dtype=F64, device="meta", requires_grad=True)
+    (gx,) = torch.autograd.grad(soft_rank(x, epsilon=0.7, regularization="kl").sum(), x)
+    assert gx.device.type == "meta" and gx.shape == x.shape

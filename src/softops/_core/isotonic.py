@@ -31,6 +31,9 @@ Backends:
   is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
   turned off (``softops.set_compile(False)``, as the test suite does).
 
+Meta tensors (shape inference) get outputs of the right shapes and dtypes from every entry point,
+without a backend: there are no values to pool.
+
 Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
 cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
 formed relative to each block's first entry (what the soft sort and rank need, exact at any
@@ -378,7 +381,7 @@ def isotonic_l2(y: torch.Tensor, *, backend: str | None = None) -> IsotonicResul
     Returns:
         ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``y``.
     """
-    if y.shape[-1] == 0 or y.shape[0] == 0:
+    if y.shape[-1] == 0 or y.shape[0] == 0 or y.is_meta:
         return IsotonicResult(y.detach().clone(), torch.zeros_like(y, dtype=torch.int64))
     if _backend(backend) == "numba":
         return _numba_l2(y)
@@ -399,7 +402,7 @@ def isotonic_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None)
         ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``s``.
     """
     w = w.to(s.dtype).expand_as(s)
-    if s.shape[-1] == 0 or s.shape[0] == 0:
+    if s.shape[-1] == 0 or s.shape[0] == 0 or s.is_meta or w.is_meta:
         return IsotonicResult(s.detach().clone(), torch.zeros_like(s, dtype=torch.int64))
     if _backend(backend) == "numba":
         return _numba_kl(s, w)
@@ -411,6 +414,12 @@ def isotonic_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None)
 def _project(s: torch.Tensor, w: torch.Tensor, kl: bool, backend: str | None) -> Projection:
     B = max(s.shape[0], w.shape[0])
     n = s.shape[-1]
+    if s.is_meta or w.is_meta:  # shape inference (meta tensors): no data to pool, shapes only
+        meta = torch.device("meta")
+        return Projection(
+            torch.empty(B, n, dtype=s.dtype, device=meta),
+            torch.empty(B, n, dtype=torch.int64, device=meta),
+        )
     if n == 0 or B == 0:
         empty = s.detach().expand(B, n).clone()
         return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device))

@@ -27,9 +27,14 @@ traced). It returns :math:`P(z, w) = z - v` itself, formed block by block relati
 first entry, never as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a
 sort at huge epsilon stays exact (``softops._core.isotonic.project_l2``). Its VJP is explicit: in
 z, the cotangent minus its block mean (L2) or minus the block softmax of z times the block sum
-(KL); in w, the block mean (L2) or the block softmax of w times the block sum (KL). Sorting,
+(KL); in w, the block mean (L2) or the block softmax of w times the block sum (KL). Its JVP
+(forward mode: ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) applies the same
+Jacobian to the tangent: the L2 block mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw);
+the KL Jacobian, :math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and
+:math:`1\,\mathrm{softmax}(w_B)^\top` in w, is not, so
+dp = ds - <softmax(s_B), ds_B> + <softmax(w_B), dw_B>, broadcast over the block. Sorting,
 scaling and un-permuting are plain autograd, so gradients in ``epsilon`` and second derivatives
-come for free.
+come for free. On meta tensors the projection returns its shapes only (``project_l2``).
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 
 from softops._core.isotonic import block_mean, block_softmax, block_sum, project_kl, project_l2
+from softops._core.transforms import under_functorch
 from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
@@ -85,6 +91,7 @@ class _ProjectL2(torch.autograd.Function):
         _, block = output
         ctx.mark_non_differentiable(block)
         ctx.save_for_backward(block)
+        ctx.save_for_forward(block)
         ctx.w_rows = w.shape[0]
 
     @staticmethod
@@ -97,6 +104,17 @@ class _ProjectL2(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = mean.sum(0, keepdim=True) if ctx.w_rows != gp.shape[0] else mean
         return gs, gw
+
+    @staticmethod
+    def jvp(ctx: Any, ds: torch.Tensor | None, dw: torch.Tensor | None) -> tuple[Any, None]:
+        # J is symmetric, so the tangent map is the VJP's: dp = ds - J ds + J dw
+        (block,) = ctx.saved_tensors
+        dp = torch.zeros((), dtype=_tangent_dtype(ds, dw), device=block.device)
+        if ds is not None:
+            dp = ds - block_mean(ds, block)
+        if dw is not None:
+            dp = dp + block_mean(dw.expand(block.shape), block)
+        return dp.expand(block.shape), None
 
     @staticmethod
     def vmap(
@@ -119,6 +137,7 @@ class _ProjectKL(torch.autograd.Function):
         _, block = output
         ctx.mark_non_differentiable(block)
         ctx.save_for_backward(s, w, block)
+        ctx.save_for_forward(s, w, block)
 
     @staticmethod
     def backward(ctx: Any, gp: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
@@ -132,10 +151,27 @@ class _ProjectKL(torch.autograd.Function):
         return gs, gw
 
     @staticmethod
+    def jvp(ctx: Any, ds: torch.Tensor | None, dw: torch.Tensor | None) -> tuple[Any, None]:
+        # The same Jacobian from the other side (it is not symmetric): on each block,
+        # dp = ds - 1 <softmax(s_B), ds_B> + 1 <softmax(w_B), dw_B>
+        s, w, block = ctx.saved_tensors
+        dp = torch.zeros((), dtype=_tangent_dtype(ds, dw), device=block.device)
+        if ds is not None:
+            dp = ds - block_sum(block_softmax(s.expand(block.shape), block) * ds, block)
+        if dw is not None:
+            soft_w = block_softmax(w.expand(block.shape), block)
+            dp = dp + block_sum(soft_w * dw.expand(block.shape), block)
+        return dp.expand(block.shape), None
+
+    @staticmethod
     def vmap(
         info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
     ) -> tuple[Any, Any]:
         return _vmap_rows(_ProjectKL, info, in_dims, s, w)
+
+
+def _tangent_dtype(*tangents: torch.Tensor | None) -> torch.dtype:
+    return next(t.dtype for t in tangents if t is not None)
 
 
 def _rho(x2: torch.Tensor) -> torch.Tensor:
@@ -169,12 +205,9 @@ def rank(
         p, block = _ProjectKL.apply(s, rho.log()[None])
         r = torch.exp(p)
     # An infinite entry sits in a block of equal infinities; its limit is that block's mean of rho
-    # (the formula gives inf - inf). Checked once per call, not in a loop.
-    try:
-        finite = bool(torch.isfinite(s).all())
-    except RuntimeError:  # under torch.func.vmap: no data-dependent branch, take the safe one
-        finite = False
-    if not finite:
+    # (the formula gives inf - inf). Checked once per call, not in a loop; under torch.func
+    # (no data to branch on under vmap) and on meta tensors the masked form always runs.
+    if s.is_meta or under_functorch() or not bool(torch.isfinite(s).all()):
         r = torch.where(torch.isinf(s), block_mean(rho.expand_as(s), block), r)
     out = torch.empty_like(r).scatter(1, perm, r)
     return _nan_rows(x2, out)
