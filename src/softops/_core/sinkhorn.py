@@ -75,6 +75,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from softops._core.transforms import plain, vmap_rows
+
 __all__ = [
     "CHECK_EVERY",
     "NEWTON_MAX_STEPS",
@@ -410,12 +412,23 @@ def _factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     eye = torch.eye(m1, dtype=kmat.dtype, device=kmat.device)
     tau = _JITTER_ULPS * max(m1, 4) * torch.finfo(kmat.dtype).eps
     chol, info = torch.linalg.cholesky_ex(ks + tau * eye)
-    if bool((info != 0).any()):
+    if _any_set(info != 0):
         chol2, info2 = torch.linalg.cholesky_ex(ks + _JITTER_RETRY * eye)
         bad = info != 0
         chol = torch.where(bad[:, None, None], chol2, chol)
         info = torch.where(bad, info2, info)
     return chol, scale, info
+
+
+def _any_set(flags: Tensor) -> bool:
+    """Whether any flag is set, read through ``torch.func`` wrappers (all vmapped slices at once).
+
+    It only chooses whether a per-row fallback is computed at all; the rows then take it through
+    ``torch.where``, so every row's result is the same whichever the answer. True on meta tensors
+    (no values: compute the fallback too, which costs nothing there).
+    """
+    flags = plain(flags)
+    return flags.device.type == "meta" or bool(flags.any())
 
 
 def _solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
@@ -486,7 +499,8 @@ def log_sinkhorn(
         bsz, n, m = cost.shape
         prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
         v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
-        if bsz == 0 or n == 0:
+        if bsz == 0 or n == 0 or cost.device.type == "meta":
+            # Nothing to iterate (meta tensors: shape inference, no values to loop on).
             return _finalize(prob, v, epsilon, tol, 0)
         use_newton = newton and tol > 0 and m > 1
         tol1 = max(tol, NEWTON_SWITCH) if use_newton else tol
@@ -521,6 +535,10 @@ class SinkhornPlanFunction(torch.autograd.Function):
 
     Inputs after ``cost`` (log marginals, epsilon, solver settings) get no gradient. Outputs:
     ``(plan, f, g, converged, residual, iterations)``; only ``plan`` is differentiable.
+
+    ``torch.func``: ``vmap`` folds the vmapped dimension into the rows (every row is solved on its
+    own, so this is exact); forward mode (``jvp``, ``jacfwd``) applies the same linear map as the
+    backward, because the Jacobian of the plan in the cost is symmetric (docs/math.md §6).
     """
 
     @staticmethod
@@ -541,6 +559,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         epsilon = inputs[3]
         plan, f, g, converged, residual, _ = output
         ctx.save_for_backward(plan, epsilon.detach())
+        ctx.save_for_forward(plan, epsilon.detach())
         ctx.mark_non_differentiable(f, g, converged, residual)
 
     @staticmethod
@@ -550,6 +569,23 @@ class SinkhornPlanFunction(torch.autograd.Function):
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
         return (implicit_cost_vjp(plan, grad_plan, epsilon), *nones)
+
+    @staticmethod
+    def jvp(ctx: Any, cost_t: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
+        """Tangent of the plan for a cost tangent; the other inputs are constants (no tangent).
+
+        ``dGamma = J dC`` with ``J = dGamma/dC`` symmetric, so ``J dC = J^T dC`` is the VJP of
+        ``dC``: one Schur-complement solve, the same cost as the backward.
+        """
+        nones: tuple[None, ...] = (None,) * 5
+        if cost_t is None:
+            return (None, *nones)
+        plan, epsilon = ctx.saved_tensors
+        return (implicit_cost_vjp(plan, cost_t, epsilon), *nones)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(SinkhornPlanFunction, info, in_dims, *args)
 
 
 def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:

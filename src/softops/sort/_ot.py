@@ -74,26 +74,79 @@ from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
 from softops.sort._chunked import positions
 from softops.sort._options import MethodOptions
 
-__all__ = ["argsort", "rank", "sort"]
+__all__ = ["argsort", "masked", "rank", "sort"]
 
 
-def _plan(x2: Tensor, eps: Tensor, opts: MethodOptions) -> tuple[Tensor, SinkhornResult]:
+def _plan(
+    x2: Tensor, eps: Tensor, opts: MethodOptions, limits: bool = False
+) -> tuple[Tensor, SinkhornResult]:
     """The (B, n, n) float64 plan P = n Gamma^T (rows = targets in ascending order), diagnostics.
 
     The solve runs in float64 whatever x2's dtype (in float32 the cost ``(x - y)^2 / epsilon``
     loses the digits that small epsilon needs, and the hybrid solver then stalls).
+
+    With ``limits``, rows may hold ``±inf`` (or NaN): those entries get no mass, nor do the
+    targets at their sorted positions, so the finite entries are transported onto the sorted
+    finite values exactly as the row of its finite entries alone would be (the masses are those
+    of the compacted row times m/n, which leaves the plan unchanged), and every entry of P in an
+    infinite row or column is exactly 0. A row without finite entries solves a uniform stand-in.
     """
     bsz, n = x2.shape
     max_iter = SINKHORN_MAX_ITER if opts.max_iter is None else opts.max_iter
     tol = default_tol(x2.dtype) if opts.tol is None else opts.tol
     x64 = x2.double()
     y = torch.sort(x64, dim=-1).values
+    log_a = torch.full((bsz, n), -math.log(n), dtype=torch.float64, device=x2.device)
+    log_b = log_a
+    if limits:
+        src, dst = torch.isfinite(x64), torch.isfinite(y)
+        none = ~src.any(-1, keepdim=True)
+        x64 = torch.where(src, x64, 0.0)
+        y = torch.where(dst, y, 0.0)
+        log_a = torch.where(src | none, log_a, -math.inf)
+        log_b = torch.where(dst | none, log_b, -math.inf)
     cost = (x64.unsqueeze(-1) - y.unsqueeze(1)).square() / eps.double().view(-1, 1, 1)
-    log_m = torch.full((bsz, n), -math.log(n), dtype=torch.float64, device=x2.device)
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
-    gamma, res = sinkhorn_plan(cost, log_m, log_m, ones, max_iter, tol, newton=True)
+    gamma, res = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=True)
     warn_not_converged(opts.op, res.converged, max_iter, residual=res.residual, tol=tol)
     return gamma.transpose(1, 2) * n, res
+
+
+def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
+    """``kind`` ("sort", "rank" or "argsort") of rows that may hold ``±inf``, at their limit.
+
+    The limit of ``softops.sort._limits`` (the finite entries are sorted among themselves, the
+    infinities take the ends, tied among themselves) by masks alone: one solve on the full rows
+    whose infinite entries and targets carry no mass (:func:`_plan`), no host sync and no
+    data-dependent control flow, so it runs under ``torch.func`` transforms and on meta tensors.
+    On a row without infinities it is exactly the plain op. Rows with a NaN are not special-cased
+    here (their finite entries are solved; the caller makes the row NaN).
+    """
+    n = x2.shape[-1]
+    p, _ = _plan(x2, eps, opts, limits=True)  # (B, n, n), rows: ascending targets
+    xd = x2.detach().double()
+    y = torch.sort(xd, dim=-1).values  # the hard sort: ±inf at the ends, NaN last
+    if kind == "sort":
+        xf = torch.where(torch.isfinite(xd), x2.double(), 0.0)
+        v = torch.linalg.vecdot(p, xf.unsqueeze(1))
+        v = torch.where(torch.isfinite(y), v, y).to(x2.dtype)
+        return v.flip(-1) if descending else v
+    if kind == "rank":
+        pos = positions(n, descending, p.dtype, p.device)
+        r = torch.matmul(pos, p)  # finite entries: their full-row positions, o + 1 .. o + m
+        n_neg = (xd == -math.inf).sum(-1, keepdim=True).to(p.dtype)
+        n_pos = (xd == math.inf).sum(-1, keepdim=True).to(p.dtype)
+        r_neg, r_pos = (n_neg + 1) / 2, n - (n_pos - 1) / 2  # the mean of their tied positions
+        if descending:
+            r_neg, r_pos = n + 1 - r_neg, n + 1 - r_pos
+        r = torch.where(xd == -math.inf, r_neg, torch.where(xd == math.inf, r_pos, r))
+        return r.to(x2.dtype)
+    # argsort: a row at an infinite position is uniform over the entries of that infinity
+    same = (y.unsqueeze(-1) == xd.unsqueeze(-2)) & torch.isinf(y).unsqueeze(-1)
+    tied = same.to(p.dtype)
+    tied = tied / tied.sum(-1, keepdim=True).clamp_min(1)
+    p = torch.where(torch.isfinite(y).unsqueeze(-1), p, tied).to(x2.dtype)
+    return p.flip(1) if descending else p
 
 
 def sort(

@@ -21,6 +21,7 @@ import torch
 
 from softops._core.convergence import warn_not_converged
 from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.transforms import cannot_branch
 from softops.topk._options import finite_stand_ins, unreachable_rows
 
 __all__ = ["sinkhorn_mask"]
@@ -39,8 +40,11 @@ def sinkhorn_mask(
     n = x2.shape[1]
     # Infinities are their limits: solve with stand-ins far beyond the finite range, then set
     # those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
+    # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
+    # row then takes the masked path below, which leaves a finite row exactly as it is.
+    fixed = cannot_branch(x2)
     finite = torch.isfinite(x2)
-    all_finite = bool(finite.all())
+    all_finite = not fixed and bool(finite.all())
     xs = x2
     if not all_finite:
         # Rows that cannot hold k (or hold a NaN) are NaN by contract: solve a trivial stand-in
@@ -68,7 +72,7 @@ def sinkhorn_mask(
     warn_not_converged(op, result.converged, max_iter, residual=result.residual, tol=tol)
     A = n * plan[..., 1]
     edge_none, edge_all = k_row <= 0, k_row >= n
-    if bool((edge_none | edge_all).any()):
+    if fixed or bool((edge_none | edge_all).any()):
         A = torch.where(edge_none[:, None], torch.zeros_like(A), A)
         A = torch.where(edge_all[:, None], torch.ones_like(A), A)
     if not all_finite:

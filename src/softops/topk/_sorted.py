@@ -27,7 +27,7 @@ from torch import Tensor
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import sinkhorn_plan
-from softops._core.transforms import own_precision
+from softops._core.transforms import cannot_branch, own_precision
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 from softops.topk._options import finite_stand_ins
 
@@ -149,7 +149,9 @@ def soft_topk(
 
     indices = torch.topk(x.detach(), k, dim=rows.dim, largest=largest, sorted=True).indices
     bsz = x2.shape[0]
-    has_inf = bool(torch.isinf(x2.detach()).any())
+    # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
+    # row then takes the path of rows with infinities, which leaves a finite row as it is.
+    has_inf = cannot_branch(x2) or bool(torch.isinf(x2.detach()).any())
 
     # Paper orientation: the smallest s are selected, smallest first.
     s = -x2 if largest else x2
