@@ -14,6 +14,7 @@ from torch import Tensor
 from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
 from softops._core.dims import prepare_rows, row_param
 from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+from softops._core.transforms import plain, under_functorch
 from softops._core.validation import (
     check_bool,
     check_epsilon,
@@ -26,6 +27,15 @@ from softops._core.validation import (
 from softops.topk._ot import solve as solve_threshold
 
 __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
+
+
+def _values(t: Tensor) -> Tensor | None:
+    """``t``'s values for an input check, read through ``torch.func`` wrappers (every vmapped
+    slice at once, so an invalid slice raises as in a loop); None where Python cannot see them
+    (meta tensors, ``torch.compile`` tracing): the check is then skipped."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return None
+    return plain(t.detach())
 
 
 def _check_marginal(
@@ -49,12 +59,14 @@ def _check_marginal(
         raise ValueError(
             f"{op}: expected `{name}` broadcastable to {shape}; got shape {tuple(t.shape)}."
         ) from None
-    bad = ~(t > 0) | ~torch.isfinite(t)
-    if bool(bad.any()):
-        raise ValueError(
-            f"{op}: expected `{name}` > 0 and finite; got {name} containing "
-            f"{t[bad].flatten()[0].item()}."
-        )
+    values = _values(t)
+    if values is not None:
+        bad = ~(values > 0) | ~torch.isfinite(values)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{op}: expected `{name}` > 0 and finite; got {name} containing "
+                f"{values[bad].flatten()[0].item()}."
+            )
     return t.to(dtype)
 
 
@@ -87,6 +99,8 @@ def sinkhorn(
     differentiation (an (m-1) x (m-1) Schur complement solved in float64), with O(n m) memory
     whatever the number of iterations. The gradient is that of the *converged* plan, so it is
     only as accurate as the forward (check ``converged``). ``a`` and ``b`` get no gradient.
+    Forward mode (``torch.func.jvp``, ``jacfwd``) applies the same solve, ``torch.func.vmap``
+    solves the vmapped slices as more batch rows, and meta tensors give the output shapes.
 
     Args:
         cost: (*, n, m) cost matrix C (float16/bfloat16 are computed in float32).
@@ -150,12 +164,17 @@ def sinkhorn(
     b_t = _check_marginal(b, "b", (*batch_shape, m), op, cd)
     sa, sb = a_t.sum(-1), b_t.sum(-1)
     rtol = max(torch.finfo(a.dtype).eps, torch.finfo(b.dtype).eps) ** 0.5
-    mismatch = (sa - sb).abs() > rtol * torch.maximum(sa, sb)
-    if bool(mismatch.any()):
-        i = int(mismatch.flatten().nonzero()[0, 0])
+    gap = (sa - sb).abs() / torch.maximum(sa, sb)  # relative, per row
+    gaps = _values(gap)
+    if gaps is not None and bool((gaps > rtol).any()):
+        if not under_functorch():
+            i = int((gap > rtol).flatten().nonzero()[0, 0])
+            got = f"a.sum()={sa.flatten()[i].item():.10g} and b.sum()={sb.flatten()[i].item():.10g}"
+        else:  # under torch.func: the worst slice
+            got = f"a.sum() and b.sum() {gaps.max().item():.3g} apart (relative)"
         raise ValueError(
             f"{op}: expected `a` and `b` with the same total mass (relative tolerance {rtol:g}); "
-            f"got a.sum()={sa.flatten()[i].item():.10g} and b.sum()={sb.flatten()[i].item():.10g}."
+            f"got {got}."
         )
 
     b_t = b_t * (sa / sb).unsqueeze(-1)  # equal totals in the working precision
