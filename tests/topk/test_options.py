@@ -75,6 +75,7 @@ def test_solver_defaults():
 
 def test_check_generator_device():
     check_generator(None, torch.device("cpu"), "op")
+    check_generator(None, torch.device("meta"), "op")  # shape inference: no generator needed
     check_generator(torch.Generator(), torch.device("cpu"), "op")
     with pytest.raises(ValueError, match=r"^op: expected `generator` on the device of x \(meta\)"):
         check_generator(torch.Generator(), torch.device("meta"), "op")
@@ -86,6 +87,8 @@ def test_unreachable_rows():
     )
     assert unreachable_rows(x, 1).tolist() == [True, False, True, False]
     assert unreachable_rows(x, 2).tolist() == [False, True, True, False]
+    meta = unreachable_rows(torch.empty(4, 3, device="meta"), 1)  # no data read
+    assert meta.is_meta and meta.shape == (4,) and meta.dtype == torch.bool
     assert unreachable_rows(x, torch.tensor([2.0, 1.0, 1.0, 3.0], dtype=F64)).tolist() == [
         False,
         False,

@@ -470,3 +470,177 @@ def test_generator_on_another_device_is_refused() -> None:
         match=r"expected `generator` on the device of x \(meta\); got a generator on cpu",
     ):
         soft_topk_mask(x, 2, method="perturbed", generator=torch.Generator())
+
+
+# -------------------------------------------- forward mode, jacrev, vmap randomness, meta tensors
+
+
+def _estimated_jacobian(x, k, eps, N, seed):
+    """The matrix both jvp and vjp must apply, written out from the forward's draws:
+    J[b] = C_F (1 / (eps N)) sum_s y_s Z_s^T diag(f), f the finite entries of row b and
+    C_F = diag(f) - f f^T / |F| (the centring over F)."""
+    gen = seeded(seed)
+    B, n = x.shape
+    f = torch.isfinite(x).to(x.dtype)
+    C = torch.diag_embed(f) - f[:, :, None] * f[:, None, :] / f.sum(-1)[:, None, None]
+    J = torch.zeros(B, n, n, dtype=x.dtype)
+    for _ in range(N):
+        z = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        y = hard_topk_mask(x + eps[:, None] * z, k)
+        J += y[:, :, None] * (z * f)[:, None, :]
+    return C @ J / (eps[:, None, None] * N)
+
+
+def test_jacrev_and_jvp_apply_one_estimated_matrix():
+    B, n, k, N = 3, 7, 2, 23
+    x = torch.randn(B, n, dtype=F64)
+    x[1, 4] = math.inf  # always selected: no derivative in or out
+    x[2, 0] = -math.inf
+    eps = torch.tensor([0.4, 1.0, 2.5], dtype=F64)
+    fn = lambda v: _mask(v, k, seed=9, n_samples=N, epsilon=eps)  # noqa: E731
+    want = _estimated_jacobian(x, k, eps, N, 9)  # (B, n, n)
+    rev = torch.func.jacrev(fn)(x)  # (B, n, B, n): the forward's draws for every cotangent
+    fwd = torch.func.jacfwd(fn, randomness="same")(x)
+    rows = torch.arange(B)
+    for jac in (rev, fwd):
+        torch.testing.assert_close(jac[rows, :, rows], want, rtol=1e-12, atol=1e-12)
+        off = jac.clone()
+        off[rows, :, rows] = 0
+        assert torch.equal(off, torch.zeros_like(off))  # rows are independent
+    dx = torch.randn(B, n, dtype=F64)
+    out, tangent = torch.func.jvp(fn, (x,), (dx,))
+    assert torch.equal(out, fn(x))
+    torch.testing.assert_close(tangent, torch.einsum("bij,bj->bi", want, dx), rtol=1e-12, atol=0)
+    # the centring: every row of the tangent sums to 0 (to rounding; the uncentred estimate is
+    # k <Z_s, dx> / eps per draw), and infinite entries get none
+    assert float(tangent.sum(-1).abs().max()) < 1e-13 * float(tangent.abs().sum())
+    assert tangent[1, 4] == 0 and tangent[2, 0] == 0 and (tangent != 0).sum() > B * (n - 2)
+    # torch.autograd.forward_ad gives the same tangent
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, dx)
+        assert torch.equal(fwad.unpack_dual(fn(dual)).tangent, tangent)
+
+
+def test_jvp_estimates_the_exact_jacobian():
+    eps, k = 0.4, 1
+    J = torch.autograd.functional.jacobian(lambda v: _exact_mask(v, k, eps), X6)
+    dx = torch.tensor([0.5, -1.0, 2.0, 0.3, 0.0, -0.7], dtype=F64)
+    exact = J @ dx
+    M, N = 2000, 32  # M independent replications of the estimator (one per row)
+    x = X6.expand(M, 6)
+    _, est = torch.func.jvp(
+        lambda v: _mask(v, k, seed=17, n_samples=N, epsilon=eps), (x,), (dx.expand(M, 6),)
+    )
+    z = (est.mean(0) - exact) / (est.std(0) / math.sqrt(M))
+    assert float(exact.abs().max()) > 0.3
+    assert float(z.abs().max()) < 5, z
+
+
+def test_jvp_edges_and_bad_rows():
+    x = torch.tensor([[1.0, 2.0, 3.0], [math.nan, 1.0, 2.0]], dtype=F64)
+    dx = torch.ones_like(x)
+    for k in (0, 3):  # no draws: zero tangent (NaN in the NaN row)
+        _, t = torch.func.jvp(lambda v, k=k: _mask(v, k), (x,), (dx,))
+        assert torch.equal(t[0], torch.zeros(3, dtype=F64)) and bool(t[1].isnan().all())
+    _, t = torch.func.jvp(lambda v: _mask(v, 1), (x,), (dx,))
+    assert bool(t[0].isfinite().all()) and bool(t[1].isnan().all())
+
+
+def _folded(x: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """The mask of x (..., B, n) with every leading slice's rows stacked: one call, one seed."""
+    return _mask(x.reshape(-1, x.shape[-1]), k, seed=seed, n_samples=16).reshape(x.shape)
+
+
+def test_vmap_randomness_different_draws_per_slice():
+    x = torch.randn(4, 3, 8, dtype=F64)
+    f = lambda v: _mask(v, 3, seed=2, n_samples=16)  # noqa: E731
+    out = torch.func.vmap(f, randomness="different")(x)
+    # the vmapped dimension is folded into the rows, which draw independently
+    assert torch.equal(out, _folded(x, 3, 2))
+    same_x = torch.func.vmap(f, randomness="different")(x[:1].expand(4, 3, 8))
+    assert not torch.equal(same_x[0], same_x[1])
+    # a level that changes neither x nor epsilon still draws per slice
+    c = torch.arange(1.0, 5.0, dtype=F64)
+    scaled = torch.func.vmap(lambda c: f(x[0]) * c, randomness="different")(c)
+    assert not torch.equal(scaled[0], scaled[1] / 2)
+    # and gradients and tangents follow the same draws
+    w = torch.randn(3, 8, dtype=F64)
+    grads = torch.func.vmap(torch.func.grad(lambda v: (f(v) * w).sum()), randomness="different")(x)
+    xr = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad((_folded(xr, 3, 2) * w).sum(), xr)
+    torch.testing.assert_close(grads, ref, rtol=1e-12, atol=1e-12)
+    dx = torch.randn_like(x)
+    tangents = torch.func.vmap(
+        lambda v, d: torch.func.jvp(f, (v,), (d,))[1], randomness="different"
+    )(x, dx)
+    _, ref_t = torch.func.jvp(lambda v: _folded(v, 3, 2), (x,), (dx,))
+    torch.testing.assert_close(tangents, ref_t, rtol=1e-12, atol=1e-12)
+
+
+def test_vmap_randomness_same_shares_the_draws():
+    x = torch.randn(4, 3, 8, dtype=F64)
+    f = lambda v: _mask(v, 3, seed=2, n_samples=16)  # noqa: E731
+    out = torch.func.vmap(f, randomness="same")(x)
+    for i in range(4):  # every slice sees the draws of a plain call on its own rows
+        assert torch.equal(out[i], f(x[i]))
+    c = torch.arange(1.0, 5.0, dtype=F64)  # also along a level that changes neither x nor eps
+    scaled = torch.func.vmap(lambda c: f(x[0]) * c, randomness="same")(c)
+    assert torch.equal(scaled[1] / 2, f(x[0])) and torch.equal(scaled[3] / 4, f(x[0]))
+    w = torch.randn(3, 8, dtype=F64)
+    loss = lambda v: (f(v) * w).sum()  # noqa: E731
+    grads = torch.func.vmap(torch.func.grad(loss), randomness="same")(x)
+    for i in range(4):
+        torch.testing.assert_close(grads[i], torch.func.grad(loss)(x[i]), rtol=1e-12, atol=0)
+    jac = torch.func.vmap(torch.func.jacrev(f), randomness="same")(x)
+    torch.testing.assert_close(jac[2], torch.func.jacrev(f)(x[2]), rtol=1e-12, atol=0)
+    # nested: the inner level shares, the outer one differs
+    xx = torch.randn(2, 3, 4, 8, dtype=F64)
+    nested = torch.func.vmap(
+        torch.func.vmap(f, randomness="same"), in_dims=1, out_dims=1, randomness="different"
+    )(xx)
+    for j in range(2):  # along the inner (same) level: the outer slices stacked, one call
+        assert torch.equal(nested[j], _folded(xx[j], 3, 2))
+
+
+def test_vmap_randomness_error_raises_like_torch():
+    x = torch.randn(4, 3, 8, dtype=F64)
+    f = lambda v: _mask(v, 3, seed=2)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"perturbed.*randomness error mode"):
+        torch.func.vmap(f)(x)
+    with pytest.raises(RuntimeError, match=r"perturbed.*randomness error mode"):
+        torch.func.vmap(lambda c: f(x[0]) * c)(torch.ones(2, dtype=F64))
+    with pytest.raises(RuntimeError, match=r"perturbed.*randomness error mode"):
+        torch.func.jacfwd(f)(x[0])  # jacfwd's default randomness is "error", as for torch ops
+    with pytest.raises(RuntimeError, match=r"randomness error mode"):  # torch's, for reference
+        torch.func.vmap(lambda v: v + torch.randn(8, generator=seeded(2), dtype=F64))(x)
+    # the private Function's own rule says the same, if it is ever reached with batched x
+    from softops.topk._perturbed import _fold
+
+    info = type("Info", (), {"randomness": "error", "batch_size": 4})()
+    with pytest.raises(RuntimeError, match=r"perturbed.*randomness error mode"):
+        _fold(info, (), True)
+    assert _fold(info, ((2, False),), False) == ((4, True), (2, False))
+
+
+def test_generator_none_under_vmap_and_the_global_seed():
+    x = torch.randn(4, 3, 8, dtype=F64)
+    f = lambda v: soft_topk_mask(v, 3, method="perturbed", n_samples=16)  # noqa: E731
+    torch.manual_seed(5)
+    a = torch.func.vmap(f, randomness="different")(x)
+    torch.manual_seed(5)
+    b = torch.func.vmap(f, randomness="different")(x)
+    assert torch.equal(a, b) and not torch.equal(a[0], a[1])  # one seed, folded rows
+
+
+def test_meta_tensors_give_the_shape_and_draw_nothing():
+    state = torch.get_rng_state()
+    for dtype in (torch.float16, torch.float32, F64):
+        x = torch.empty(3, 4, 6, dtype=dtype, device="meta", requires_grad=dtype != torch.float16)
+        out = soft_topk_mask(x, 2, dim=1, epsilon=0.7, method="perturbed")
+        assert out.device.type == "meta" and out.shape == x.shape and out.dtype == dtype
+        if x.requires_grad:
+            (gx,) = torch.autograd.grad(out.sum(), x)
+            assert gx.device.type == "meta" and gx.shape == x.shape
+    assert torch.equal(torch.get_rng_state(), state)  # no seed was drawn

@@ -41,8 +41,9 @@ Memory. The N samples are processed in chunks of ``max(1, 2**22 // (B*n))`` samp
 work buffers hold at most about :math:`2^{22}` elements (or one (B, n) sample when B*n is
 larger): O(B n), never O(B n N). The noise is **not stored**: the backward pass rebuilds the
 generator from a snapshot of its state and regenerates the identical draws, in the same order.
-Backward keeps x, epsilon (through ``save_for_backward``) and the generator state (a few KiB,
-on the autograd context), whatever N.
+Backward keeps x, epsilon (through ``save_for_backward``; forward mode holds the same two
+through ``save_for_forward``) and the generator state (a few KiB, on the autograd context),
+whatever N.
 
 Draw order. Sample s draws one (B, n) standard normal tensor in the dtype of x, as
 ``torch.randn(B, n, generator=g, dtype=x.dtype, device=x.device)`` would, for s = 0, 1, ...,
@@ -58,10 +59,38 @@ Reproducibility.
   gradient uses the forward's draws even if the user's generator has moved on since.
 
 Special values. ``+inf`` entries stay infinite under the noise and are always selected, ``-inf``
-never; their gradient is 0, and their noise never reaches the gradient of finite entries. A row
-with a NaN, with more than k entries at ``+inf``, or with fewer than k entries above ``-inf``
-gives NaN values and a NaN gradient in that row only. k = 0 gives zeros and k = n ones, with no
-sampling (the generator is not advanced) and a zero gradient.
+never; they neither receive nor pass on a derivative: with F the finite entries of the row, the
+centring of g (and of the tangent) is over F only (the masks sum to k minus the count of
+``+inf`` there, for every draw, so it is still an exact control variate), and the noise of an
+infinite entry never enters. A row with a NaN, with more than k entries at ``+inf``, or with
+fewer than k entries above ``-inf`` gives NaN values and a NaN gradient in that row only. k = 0
+gives zeros and k = n ones, with no sampling (the generator is not advanced) and a zero
+gradient.
+
+Forward mode. The tangent is the same estimated Jacobian applied to dx, with the same centring:
+
+.. math::
+
+    \widehat{J\,dx} = C_F\, \frac{1}{\varepsilon N} \sum_s y_s\, \langle Z_s, dx \rangle,
+    \qquad C_F = \mathrm{diag}(f) - f f^\top / |F|,
+
+with f the indicator of the finite entries (and the noise of infinite entries left out, as in the
+backward), so ``jvp`` and ``vjp`` are the transposes of one matrix, every row of the tangent sums
+to 0 (to rounding), and ``jacfwd`` equals ``jacrev`` on the same draws.
+
+torch.func. The backward and the tangent regenerate the forward's noise inside an
+``autograd.Function`` of their own, whose forward runs below every functorch level (so that
+``jacrev``'s vmap over cotangents, whose randomness is "error", never sees a random op) and
+whose ``vmap`` rule folds the vmapped dimension into the rows exactly as the forward's did; the
+draws are the forward's for every cotangent or tangent. Under ``torch.func.vmap`` the
+``randomness`` flag holds: "error" raises torch's error, "different" gives every slice its own
+draws (the vmapped dimension is folded into the rows, which draw independently), and "same"
+gives every slice the same draws (one draw per sample, broadcast over the slices). A level whose
+slices do not change x or epsilon still follows its flag: x is made to vary along it by adding 0
+times a random scalar drawn under the transforms, so torch decides, level by level, whether the
+slices differ. The ``jacrev`` of a (B, n) output runs the estimator once per cotangent (B n top-k
+passes per draw): it is meant for small problems and checks; ``backward`` runs it once.
+Meta tensors give the shape, with no draws.
 
 Cost. The forward draws N (B, n) Gaussian samples and runs one batched ``torch.topk`` per
 chunk; the backward draws the same samples again (the price of not storing them). Drawing the
@@ -84,12 +113,19 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from softops._core.transforms import under_functorch, vmap_rows
 from softops.topk._options import unreachable_rows
 
 __all__ = ["perturbed_topk_mask"]
 
 # Work-buffer budget in elements: a chunk of c samples uses c*B*n <= this (c >= 1).
 _CHUNK_ELEMENTS = 2**22
+
+_OP = "soft_topk_mask(method='perturbed')"
+
+# The vmapped sizes folded into the rows, outermost first, each with whether its slices share
+# their draws (randomness="same", or x and epsilon constant along it). () outside vmap.
+Layout = tuple[tuple[int, bool], ...]
 
 
 @dataclass(frozen=True)
@@ -104,17 +140,70 @@ def _chunk_size(B: int, n: int, n_samples: int) -> int:
     return max(1, min(n_samples, _CHUNK_ELEMENTS // max(1, B * n)))
 
 
-def _fill_normal(buf: torch.Tensor, generator: torch.Generator | None) -> None:
-    """Fill ``buf`` (c, B, n) sample by sample, so that the draws do not depend on c."""
-    for j in range(buf.shape[0]):
-        buf[j].normal_(generator=generator)
+def _fold(info: Any, layout: Layout, varies: bool) -> Layout:
+    """The layout after folding one vmap level into the rows. ``varies``: x or epsilon is batched
+    at that level (otherwise the forward never saw it, and its slices share the draws)."""
+    if varies and info.randomness == "error":
+        raise RuntimeError(
+            f"{_OP}: vmap: called random operation while in randomness error mode. Please "
+            "either use the 'same' or 'different' randomness flags on vmap or perform the "
+            "randomness operation out of vmap."
+        )
+    return ((info.batch_size, not varies or info.randomness == "same"), *layout)
+
+
+def _draws(
+    x: torch.Tensor,
+    eps: torch.Tensor,
+    k: int,
+    n_samples: int,
+    generator: torch.Generator | None,
+    layout: Layout,
+    keep_noise: bool,
+):
+    """The draws of the forward, chunk by chunk: ``(z, idx)``, z (m, R, n) the standard normal
+    noise of each row (None unless ``keep_noise``) and idx (m, R, k) the top-k of x + eps z.
+
+    Sample s draws one (D, n) tensor, D the rows that do not share their draws, and spreads it
+    over the R rows of ``layout``; the chunking does not change the draws.
+    """
+    R, n = x.shape
+    sizes = [size for size, _ in layout]
+    base = R // math.prod(sizes)
+    draw_shape = [1 if same else size for size, same in layout]
+    spread = any(same for _, same in layout)
+    c = _chunk_size(R, n, n_samples)
+    z_buf = torch.empty((c, math.prod(draw_shape) * base, n), dtype=x.dtype, device=x.device)
+    p_buf = torch.empty((c, R, n), dtype=x.dtype, device=x.device) if keep_noise else None
+    e = eps[:, None]
+    for start in range(0, n_samples, c):
+        m = min(c, n_samples - start)
+        z = z_buf[:m]
+        for j in range(m):
+            z[j].normal_(generator=generator)
+        if spread:  # the same draw for every slice of the shared levels: a copy
+            z = z.view(m, *draw_shape, base, n).expand(m, *sizes, base, n).contiguous()
+            z = z.view(m, R, n)
+        # x + eps Z, rounded alike in the forward, the backward and the tangent
+        pert = z.mul_(e) if p_buf is None else torch.mul(z, e, out=p_buf[:m])
+        idx = pert.add_(x).topk(k, dim=-1, sorted=False).indices
+        yield (z if keep_noise else None), idx
+
+
+def _centre(t: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """C_F t: t minus its mean over the finite entries F of its row, and 0 off F."""
+    count = finite.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(finite, t, 0.0).sum(-1, keepdim=True) / count
+    return torch.where(finite, t - mean, 0.0)
 
 
 class _PerturbedTopKMask(torch.autograd.Function):
-    """Mean of hard top-k masks of x + eps Z over N draws; Berthet's estimator as the VJP.
+    """Mean of hard top-k masks of x + eps Z over N draws; Berthet's estimator as the VJP and
+    the JVP.
 
     Inputs are canonical: x (B, n) float32/float64, eps (B,), k in [0, n], n_samples >= 1,
-    ``generator`` (advanced by the forward) and ``snapshot``, its state before sampling.
+    ``generator`` (advanced by the forward), ``snapshot``, its state before sampling, and the
+    ``layout`` of the rows (``()`` but under vmap).
     """
 
     @staticmethod
@@ -125,69 +214,125 @@ class _PerturbedTopKMask(torch.autograd.Function):
         n_samples: int,
         generator: torch.Generator | None,
         snapshot: _Snapshot,
+        layout: Layout,
     ) -> torch.Tensor:
         B, n = x.shape
         bad = unreachable_rows(x, k)
         if k == 0 or k == n:
             A = torch.full_like(x, 0.0 if k == 0 else 1.0)
             return A.masked_fill_(bad[:, None], math.nan)
-        e = eps[:, None]
-        c = _chunk_size(B, n, n_samples)
-        buf = torch.empty((c, B, n), dtype=x.dtype, device=x.device)
+        if x.is_meta:  # shape inference: nothing to draw
+            return torch.empty_like(x)
         counts = torch.zeros_like(x)
         ones = torch.ones((), dtype=x.dtype, device=x.device)
-        for start in range(0, n_samples, c):
-            m = min(c, n_samples - start)
-            pert = buf[:m]
-            _fill_normal(pert, generator)
-            pert.mul_(e).add_(x)  # x + eps Z, rounded as in the backward
-            idx = pert.topk(k, dim=-1, sorted=False).indices  # (m, B, k)
-            idx = idx.permute(1, 0, 2).reshape(B, m * k)
+        for _, idx in _draws(x, eps, k, n_samples, generator, layout, keep_noise=False):
+            idx = idx.permute(1, 0, 2).reshape(B, -1)  # (B, m k)
             counts.scatter_add_(-1, idx, ones.expand(idx.shape))
         A = counts / n_samples
         return A.masked_fill_(bad[:, None], math.nan)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, eps, k, n_samples, _, snapshot = inputs
-        ctx.k, ctx.n_samples, ctx.snapshot = k, n_samples, snapshot
+        x, eps, k, n_samples, _, snapshot, layout = inputs
+        ctx.k, ctx.n_samples, ctx.snapshot, ctx.layout = k, n_samples, snapshot, layout
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(x, eps)
+        ctx.save_for_forward(x, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            x, eps = ctx.saved_tensors
+            gx = _Estimate.apply(x, eps, g, ctx.k, ctx.n_samples, ctx.snapshot, ctx.layout, True)
+        return gx, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, dx: torch.Tensor | None, *_: Any) -> torch.Tensor:
         x, eps = ctx.saved_tensors
-        k, n_samples = ctx.k, ctx.n_samples
+        if dx is None:  # epsilon carries no derivative
+            return torch.zeros_like(x)
+        return _Estimate.apply(x, eps, dx, ctx.k, ctx.n_samples, ctx.snapshot, ctx.layout, False)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        *head, layout = args
+        return vmap_rows(_PerturbedTopKMask, info, in_dims, *head, _fold(info, layout, True))
+
+
+class _Estimate(torch.autograd.Function):
+    """The estimated Jacobian of the forward's draws applied to t (B, n): ``transpose=True``
+    gives the VJP g -> g^T J, ``False`` the JVP dx -> J dx (module docstring).
+
+    A Function only so that its forward runs below every functorch level and its ``vmap`` rule
+    folds rows like the forward's; it has no derivative of its own (once differentiable).
+    """
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        eps: torch.Tensor,
+        t: torch.Tensor,
+        k: int,
+        n_samples: int,
+        snapshot: _Snapshot,
+        layout: Layout,
+        transpose: bool,
+    ) -> torch.Tensor:
         B, n = x.shape
-        bad = unreachable_rows(x, k)
-        gx = torch.zeros_like(x)
-        if 0 < k < n:
+        if x.is_meta:
+            return torch.empty_like(x)
+        out = torch.zeros_like(x)
+        if 0 < k < n and snapshot.state is not None:  # (the forward drew: it has a state)
             generator = torch.Generator(device=x.device)
-            generator.set_state(ctx.snapshot.state)
-            e = eps[:, None]
-            c = _chunk_size(B, n, n_samples)
-            z_buf = torch.empty((c, B, n), dtype=x.dtype, device=x.device)
-            p_buf = torch.empty_like(z_buf)
-            # Every y_s sums to k, so 1^T J = 0 and g^T J = (g - c 1)^T J for any c: centring g
-            # is an exact control variate. It keeps the estimate unbiased and removes the noise
-            # k c Z_s / eps that a common offset of g would otherwise add.
-            g = g.to(x.dtype)
-            g = g - g.mean(-1, keepdim=True)
-            for start in range(0, n_samples, c):
-                m = min(c, n_samples - start)
-                z, pert = z_buf[:m], p_buf[:m]
-                _fill_normal(z, generator)
-                torch.mul(z, e, out=pert).add_(x)  # the forward's x + eps Z, bit for bit
-                idx = pert.topk(k, dim=-1, sorted=False).indices  # (m, B, k)
-                w = g.expand(m, B, n).gather(-1, idx).sum(-1)  # <g, y_s>: (m, B)
-                gx.add_(z.mul_(w[..., None]).sum(0))
-            gx.div_(e * n_samples)
-            # Entries at +-inf have gradient 0; their noise never enters the finite entries.
-            gx = torch.where(torch.isfinite(x), gx, 0.0)
-        return gx.masked_fill_(bad[:, None], math.nan), None, None, None, None, None
+            generator.set_state(snapshot.state)
+            finite = torch.isfinite(x)
+            # transpose: the centred cotangent C_F g (an exact control variate: every y_s sums
+            # to the same count on F); forward: the tangent of the finite entries only
+            t = _centre(t.to(x.dtype), finite) if transpose else torch.where(finite, t, 0.0)
+            for z, idx in _draws(x, eps, k, n_samples, generator, layout, keep_noise=True):
+                if transpose:  # sum_s <C_F g, y_s> Z_s
+                    w = t.expand(z.shape).gather(-1, idx).sum(-1)  # (m, B)
+                    out.add_(z.mul_(w[..., None]).sum(0))
+                else:  # sum_s y_s <Z_s, dx>
+                    c = (z * t).sum(-1)  # (m, B)
+                    cols = idx.permute(1, 0, 2).reshape(B, -1)  # (B, m k)
+                    out.scatter_add_(-1, cols, c.T.repeat_interleave(k, dim=-1))
+            out.div_(eps[:, None] * n_samples)
+            out = torch.where(finite, out, 0.0) if transpose else _centre(out, finite)
+        return out.masked_fill_(unreachable_rows(x, k)[:, None], math.nan)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - once_differentiable
+        raise RuntimeError(f"{_OP}: the gradient estimator is not differentiable.")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        *head, layout, transpose = args
+        varies = in_dims[0] is not None or in_dims[1] is not None
+        layout = _fold(info, layout, varies)
+        return vmap_rows(_Estimate, info, in_dims, *head, layout, transpose)
+
+
+def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
+    """x, made to vary along every vmap level whose randomness is "different".
+
+    x + 0 * r, with r one normal draw taken under the active transforms: torch makes r batched at
+    the "different" levels, leaves it unbatched at the "same" ones and raises at the "error"
+    ones, and x (exactly unchanged in value) inherits that, so the rows fold accordingly.
+    """
+    try:
+        r = torch.randn(
+            (), generator=torch.Generator(device=x.device), dtype=x.dtype, device=x.device
+        )
+    except RuntimeError as err:
+        raise RuntimeError(f"{_OP}: {err}") from err
+    return x + 0.0 * r
 
 
 def perturbed_topk_mask(
@@ -215,13 +360,17 @@ def perturbed_topk_mask(
         >>> perturbed_topk_mask(x, 3, eps, 8, torch.Generator().manual_seed(0))
         tensor([[1., 0., 0., 1., 0., 1.]])
     """
-    if not 0 < k < x.shape[-1]:  # zeros or ones: no sampling, no generator advanced
+    if not 0 < k < x.shape[-1] or x.is_meta:  # no sampling: no generator made or advanced
         generator, snapshot = None, _Snapshot(None)
     else:
+        if under_functorch():
+            x = _follow_randomness(x)
         if generator is None:
-            # A seed from the global generator, so that torch.manual_seed makes it reproducible.
-            seed = int(torch.randint(2**62, ()))
+            # A seed from the global generator, so that torch.manual_seed makes it reproducible;
+            # drawn outside the transforms (one seed, whatever the vmap randomness).
+            with torch._C._DisableFuncTorch():
+                seed = int(torch.randint(2**62, ()))
             generator = torch.Generator(device=x.device)
             generator.manual_seed(seed)
         snapshot = _Snapshot(generator.get_state())
-    return _PerturbedTopKMask.apply(x, eps.detach(), k, n_samples, generator, snapshot)
+    return _PerturbedTopKMask.apply(x, eps.detach(), k, n_samples, generator, snapshot, ())
