@@ -263,3 +263,168 @@ def test_implicit_vjp_near_permutation_gradcheck():
     assert float(fn(cost).detach().amax(-1).min()) > 0.25 - 1e-4  # nearly a permutation
 
     assert torch.autograd.gradcheck(fn, (cost,), atol=1e-7, rtol=1e-5)
+
+
+# ------------------------------------------------------------- torch.func, forward mode, meta
+
+
+def _plan_fn(log_a: torch.Tensor, log_b: torch.Tensor, eps: torch.Tensor):
+    return lambda c: sinkhorn_plan(c, log_a, log_b, eps, 100_000, 1e-14, True)[0]
+
+
+def _near_permutation_problem(n: int = 4, seed: int = 907):
+    """Squared cost onto the sorted row at epsilon 0.25: the plan is a permutation to ~1e-16."""
+    x = 10 * torch.randn(2, n, generator=seeded(seed), dtype=F64)
+    y = torch.sort(x, -1).values
+    cost = (x.unsqueeze(-1) - y.unsqueeze(1)) ** 2
+    log_a = torch.full((2, n), -math.log(n), dtype=F64)
+    return cost, log_a, log_a, torch.full((2,), 0.25, dtype=F64)
+
+
+def test_plan_jacobian_is_symmetric() -> None:
+    """The plan is the gradient of the concave OT value in the cost, so dGamma/dC is a Hessian:
+    symmetric and negative semi-definite (docs/math.md §6). The jvp rests on this."""
+    cost, log_a, log_b, eps = _problem(1, 5, 3, seed=60)
+    jac = torch.func.jacrev(_plan_fn(log_a, log_b, eps))(cost).reshape(15, 15)
+    torch.testing.assert_close(jac, jac.T, atol=1e-12, rtol=0)
+    assert float(torch.linalg.eigvalsh(jac).max()) < 1e-12
+
+
+def _one_hot_like_problem(n: int = 5, seed: int = 63):
+    """Unit gaps at epsilon 0.05: every plan row is one-hot to ~1e-8, the Jacobian ~1e-7."""
+    x = torch.arange(n, dtype=F64) + 0.1 * torch.rand(2, n, generator=seeded(seed), dtype=F64)
+    x = x[:, torch.randperm(n, generator=seeded(seed))]
+    y = torch.sort(x, -1).values
+    cost = (x.unsqueeze(-1) - y.unsqueeze(1)) ** 2
+    log_a = torch.full((2, n), -math.log(n), dtype=F64)
+    return cost, log_a, log_a, torch.full((2,), 0.05, dtype=F64)
+
+
+@pytest.mark.parametrize("one_hot_like", [False, True])
+def test_jvp_equals_jacobian_and_central_differences(one_hot_like: bool) -> None:
+    if one_hot_like:
+        cost, log_a, log_b, eps = _one_hot_like_problem()
+        # h: the plan's rounding (1e-17) over h stays far below the Jacobian (3e-8); the
+        # truncation error (h^2 times derivatives that grow as 1/epsilon) is the 1e-5 left
+        h, fd_tol = 1e-4, 1e-4
+    else:
+        cost, log_a, log_b, eps = _problem(2, 6, 4, seed=61)
+        h, fd_tol = 1e-6, 1e-8
+    fn = _plan_fn(log_a, log_b, eps)
+    plan = fn(cost)
+    if one_hot_like:
+        n = cost.shape[1]
+        assert float(plan.amax(-1).min()) > (1 - 1e-6) / n
+    tangent = torch.randn(cost.shape, generator=seeded(62), dtype=F64)
+    out, jvp = torch.func.jvp(fn, (cost,), (tangent,))
+    torch.testing.assert_close(out, plan, atol=0, rtol=0)
+    scale = float(jvp.abs().max())
+    assert scale > (1e-9 if one_hot_like else 1e-2)  # a real tangent, not an all-zero one
+    jac = torch.func.jacrev(fn)(cost).reshape(out.numel(), -1)
+    want = jac @ tangent.reshape(-1)
+    torch.testing.assert_close(jvp.reshape(-1), want, atol=1e-10 * scale, rtol=0)
+    fd = (fn(cost + h * tangent) - fn(cost - h * tangent)) / (2 * h)
+    torch.testing.assert_close(jvp, fd, atol=fd_tol * scale, rtol=0)
+    torch.testing.assert_close(torch.func.jacfwd(fn)(cost).reshape_as(jac), jac)
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_gradcheck_forward_mode(m: int) -> None:
+    cost, log_a, log_b, eps = _problem(2, 6, m, seed=70 + m)
+    cost.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        _plan_fn(log_a, log_b, eps), (cost,), atol=1e-7, rtol=1e-5, check_forward_ad=True
+    )
+
+
+def test_gradcheck_forward_mode_near_permutation() -> None:
+    cost, log_a, log_b, eps = _near_permutation_problem()
+    cost.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        _plan_fn(log_a, log_b, eps), (cost,), atol=1e-7, rtol=1e-5, check_forward_ad=True
+    )
+
+
+def test_dual_tensor_forward_ad() -> None:
+    """Plain forward AD (dual tensors) goes through the same jvp."""
+    cost, log_a, log_b, eps = _problem(2, 5, 3, seed=80)
+    fn = _plan_fn(log_a, log_b, eps)
+    tangent = torch.randn(cost.shape, generator=seeded(81), dtype=F64)
+    with torch.autograd.forward_ad.dual_level():
+        out = fn(torch.autograd.forward_ad.make_dual(cost, tangent))
+        dual = torch.autograd.forward_ad.unpack_dual(out).tangent
+    torch.testing.assert_close(dual, torch.func.jvp(fn, (cost,), (tangent,))[1])
+
+
+def test_vmap_equals_the_batched_call_and_nests() -> None:
+    cost, log_a, log_b, eps = _problem(12, 7, 3, seed=90)
+    cost[5, 2, 1] = math.nan  # a NaN row stays NaN under vmap too, and alone
+    fn = _plan_fn(log_a, log_b, eps)
+    ref = fn(cost)
+
+    def one(c, la, lb, e):
+        return sinkhorn_plan(c, la, lb, e, 100_000, 1e-14, True)[0]
+
+    shape = (3, 4)
+    args = [t.reshape(*shape, *t.shape[1:]) for t in (cost, log_a, log_b, eps)]
+    out = torch.func.vmap(one)(*args)  # each slice is a (4, ...) batch
+    torch.testing.assert_close(out.reshape(ref.shape), ref, atol=0, rtol=0, equal_nan=True)
+    nested = torch.func.vmap(torch.func.vmap(lambda *a: one(*(t[None] for t in a))[0]))(*args)
+    torch.testing.assert_close(nested.reshape(ref.shape), ref, atol=0, rtol=0, equal_nan=True)
+    assert bool(torch.isnan(ref[5]).all()) and bool(torch.isfinite(ref[[4, 6]]).all())
+    # marginals without a vmapped dimension are shared by every slice
+    shared = torch.func.vmap(lambda c: one(c, log_a[:4], log_b[:4], eps[:4]))(args[0])
+    torch.testing.assert_close(shared[2], one(args[0][2], log_a[:4], log_b[:4], eps[:4]))
+
+
+def test_vmap_of_grad_and_of_jvp_equal_the_loop() -> None:
+    """The backward (and the jvp) then see batched plans: the Cholesky fallback check reads
+    through the wrappers instead of branching on a batched tensor."""
+    cost, log_a, log_b, eps = _problem(2, 6, 3, seed=95)
+    fn = _plan_fn(log_a, log_b, eps)
+    costs = cost + 0.3 * torch.randn((4, *cost.shape), generator=seeded(96), dtype=F64)
+    weight = torch.randn(cost.shape, generator=seeded(97), dtype=F64)
+
+    def loss(c):
+        return (fn(c) * weight).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss))(costs)
+    tangents = torch.func.vmap(lambda c: torch.func.jvp(fn, (c,), (weight,))[1])(costs)
+    for i in range(4):
+        torch.testing.assert_close(grads[i], torch.func.grad(loss)(costs[i]))
+        torch.testing.assert_close(tangents[i], torch.func.jvp(fn, (costs[i],), (weight,))[1])
+    # the same linear map: <weight, J dC> = <J weight, dC> with dC = weight
+    torch.testing.assert_close((tangents * weight).sum((1, 2, 3)), (grads * weight).sum((1, 2, 3)))
+
+
+def test_any_set_reads_through_vmap() -> None:
+    flags = torch.tensor([[False, False], [False, True]])
+    seen = []
+
+    def probe(row):
+        seen.append(sinkhorn._any_set(row))
+        return row
+
+    torch.func.vmap(probe)(flags)
+    assert seen == [True]  # one slice has a set flag: the fallback is computed for all
+    assert sinkhorn._any_set(torch.zeros(3, dtype=torch.bool, device="meta"))
+    assert not sinkhorn._any_set(torch.zeros(3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("newton", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_meta_tensors_give_shapes_without_solving(newton: bool, dtype: torch.dtype) -> None:
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    res = log_sinkhorn(
+        meta(3, 7, 4), meta(3, 7), meta(3, 4), meta(3), max_iter=50, tol=1e-9, newton=newton
+    )
+    assert res.iterations == 0
+    for t, shape in zip(res[:3], [(3, 7), (3, 4), (3, 7, 4)], strict=True):
+        assert t.device.type == "meta" and t.shape == shape and t.dtype == dtype
+    assert res.converged.shape == (3,) and res.converged.dtype == torch.bool
+    cost = meta(3, 7, 4).requires_grad_(True)
+    plan, _ = sinkhorn_plan(cost, meta(3, 7), meta(3, 4), meta(3), 50, 1e-9, newton)
+    (grad,) = torch.autograd.grad(plan.sum(), cost)
+    assert grad.device.type == "meta" and grad.shape == cost.shape
