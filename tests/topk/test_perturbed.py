@@ -644,3 +644,20 @@ def test_meta_tensors_give_the_shape_and_draw_nothing():
             (gx,) = torch.autograd.grad(out.sum(), x)
             assert gx.device.type == "meta" and gx.shape == x.shape
     assert torch.equal(torch.get_rng_state(), state)  # no seed was drawn
+
+
+def test_rows_with_infinities_centre_over_their_finite_entries():
+    # k finite entries and the rest -inf: the finite ones are always selected, so the mask is
+    # constant and its estimated derivative 0 to rounding (centring over the whole row would
+    # leave noise of order |g| / eps there: <g - mean(g), y_s> is a constant times Z_s).
+    inf = math.inf
+    x = torch.tensor([[-inf, -inf, -inf, 1.0, 2.0, 3.0], [inf, 0.5, -1.0, 2.0, -inf, 0.0]])
+    x = x.to(F64)
+    g = torch.randn_like(x)
+    _, gx = _value_and_grad(x, 3, g, seed=6, epsilon=0.5)
+    assert float(gx[0].abs().max()) < 1e-14 and torch.equal(gx[0, :3], torch.zeros(3, dtype=F64))
+    _, t = torch.func.jvp(lambda v: _mask(v, 3, seed=6, epsilon=0.5), (x,), (g,))
+    assert float(t[0].abs().max()) < 1e-14
+    # row 1: the +inf and -inf entries take and give nothing; the finite ones do
+    assert gx[1, 0] == 0 and gx[1, 4] == 0 and t[1, 0] == 0 and t[1, 4] == 0
+    assert bool((gx[1, [1, 2, 3, 5]] != 0).all()) and bool((t[1, [1, 2, 3, 5]] != 0).all())
