@@ -178,3 +178,107 @@ def test_near_permutation_gradients_sweep():
 )
 def test_near_permutation_gradients_sweep_large():
     _ot_sweep(600, 904, 12)
+
+
+# ------------------------------------------------------ torch.func, forward mode, meta tensors
+
+INF, NAN = float("inf"), float("nan")
+LIMIT_ROWS = torch.tensor(
+    [
+        [0.3, INF, -1.0, -INF, INF, 2.0, 0.7],  # both signs, tied +inf
+        [0.3, 1.0, -1.0, 0.5, 4.0, 2.0, 0.7],  # finite
+        [INF, INF, -INF, INF, -INF, INF, INF],  # no finite entry
+        [0.3, NAN, -1.0, 0.5, INF, 2.0, 0.7],  # NaN wins
+        [0.3, 1.0, -1.0, 0.5, INF, 2.0, 0.7],  # +inf last: the gauge column is empty
+        [-INF, 1.0, -INF, 0.5, 0.1, -INF, 0.7],  # tied -inf
+        [-INF, -INF, -INF, -INF, 0.1, -INF, INF],  # one finite entry
+    ],
+    dtype=F64,
+)
+
+
+def _same(out: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert torch.equal(out[~fin & ~torch.isnan(ref)], ref[~fin & ~torch.isnan(ref)])
+    torch.testing.assert_close(out[fin], ref[fin], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["sort", "rank", "argsort"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_masked_limit_equals_the_eager_limit(kind, descending):
+    """Under vmap the OT backend has no branch to take: its masked form (infinite entries and
+    their targets carry no mass) gives the eager limits, NaN rows included."""
+    fn = {"sort": soft_sort, "rank": soft_rank, "argsort": softops.soft_argsort}[kind]
+
+    def op(z):
+        return fn(z, epsilon=0.3, method="ot", descending=descending, tol=1e-12)
+
+    ref = op(LIMIT_ROWS)
+    assert bool(torch.isnan(ref[3]).all()) and not bool(torch.isnan(ref[[0, 1, 2, 4, 5, 6]]).any())
+    _same(torch.func.vmap(op)(LIMIT_ROWS), ref, atol=1e-10)
+    # the backend directly, on every row at once (the NaN row aside: the caller makes it NaN)
+    rows = LIMIT_ROWS[[0, 1, 2, 4, 5, 6]]
+    direct = _ot.masked(kind, rows, row_eps(6, 0.3), descending, TIGHT)
+    _same(direct, ref[[0, 1, 2, 4, 5, 6]], atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["sort", "rank", "argsort"])
+def test_masked_on_finite_rows_is_the_plain_op(kind):
+    x = tie_free(3, 9)
+    e = row_eps(3, 0.5)
+    plain = getattr(_ot, kind)(x, e, True, TIGHT)
+    assert torch.equal(_ot.masked(kind, x, e, True, TIGHT), plain)
+
+
+def test_masked_limit_gradients_under_vmap():
+    """vmap(grad) equals the eager gradient on rows with infinities; infinite entries get 0."""
+    rows = LIMIT_ROWS[[0, 1, 4, 5]]
+    w = torch.linspace(-1.0, 2.0, 7, dtype=F64)
+
+    def loss(z):
+        return (soft_rank(z, epsilon=0.3, method="ot", tol=1e-12) * w).sum() + (
+            soft_sort(z, epsilon=0.3, method="ot", tol=1e-12) * w.flip(0)
+        ).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss))(rows)
+    x = rows.clone().requires_grad_(True)
+    (eager,) = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(grads, eager, atol=1e-9, rtol=1e-7)
+    assert bool((grads[~torch.isfinite(rows)] == 0).all())
+    assert float(grads[torch.isfinite(rows)].abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["sort", "rank", "argsort"])
+def test_gradcheck_forward_mode(kind):
+    x = tie_free(2, 5, scale=1.0).requires_grad_(True)
+    e = torch.tensor([0.5, 0.3], dtype=F64, requires_grad=True)
+    fn = getattr(_ot, kind)
+    assert gradcheck(lambda x, e: fn(x, e, False, TIGHT), (x, e), check_forward_ad=True)
+
+
+def test_forward_mode_with_infinities():
+    """jvp through the masked limit (under torch.func) equals jacrev times the tangent."""
+    rows = LIMIT_ROWS[[0, 4]]
+    v = torch.linspace(-1.0, 1.0, 7, dtype=F64)
+
+    def op(z):
+        return soft_rank(z, epsilon=0.3, method="ot", tol=1e-12)
+
+    for row in rows:
+        _, tangent = torch.func.jvp(op, (row,), (v,))
+        jac = torch.func.jacrev(op)(row)
+        torch.testing.assert_close(tangent, jac @ v, atol=1e-10, rtol=1e-8)
+        assert bool((jac[:, ~torch.isfinite(row)] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_meta_tensors_give_the_shape(dtype):
+    x = torch.empty(2, 3, 7, dtype=dtype, device="meta")
+    for fn in (soft_sort, soft_rank, softops.soft_argsort):
+        out = fn(x, epsilon=0.3, method="ot", dim=1)
+        want = (2, 3, 7, 3) if fn is softops.soft_argsort else (2, 3, 7)
+        assert out.device.type == "meta" and out.shape == want and out.dtype == dtype
+    q = soft_quantile(x, torch.tensor([0.1, 0.9], dtype=dtype), epsilon=0.3, method="ot")
+    assert q.device.type == "meta" and q.shape == (2, 2, 3) and q.dtype == dtype

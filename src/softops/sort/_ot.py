@@ -58,8 +58,15 @@ tol): B=8, n=500: forward 0.9 s / 1.9 s and forward+backward 1.2 s / 2.3 s at ep
 B=1, epsilon 0.1: forward 1.5 s at n=1000 and 4.4 s at n=2000 (backward 0.2 s / 1.3 s). Small
 epsilon (relative to the squared gaps) needs more iterations.
 
-Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only here; the public layer
-(:mod:`softops.sort`) takes infinities to their limits before calling this backend.
+Non-finite inputs: a NaN, or an infinity, gives NaN in its own row only in ``sort``, ``rank``
+and ``argsort``; the public layer (:mod:`softops.sort`) takes infinities to their limits before
+calling them (eagerly on compacted rows). :func:`masked` is the same limit without branching, for
+``torch.func`` transforms and meta tensors: the infinite entries and their targets carry no mass
+(docs/math.md §6.2).
+
+``torch.func``: vmap solves the vmapped slices as more rows of one batch, forward mode (jvp,
+jacfwd) runs the implicit solve on the tangent (the plan's Jacobian in the cost is symmetric,
+docs/math.md §6.1), and meta tensors give the output shape without solving.
 """
 
 from __future__ import annotations
