@@ -429,3 +429,91 @@ def test_float32_far_outlier_matches_float64() -> None:
         torch.testing.assert_close(
             out.values.double()[finite], ref.values[finite], atol=1e-5, rtol=0
         )
+
+
+# ------------------------------------------------------ torch.func, forward mode, meta tensors
+
+_INF_ROWS = torch.tensor(
+    [
+        [0.3, math.inf, -1.0, -math.inf, math.inf, 2.0, 0.7],
+        [0.3, 1.0, -1.0, 0.5, 4.0, 2.0, 0.7],
+        [math.inf, math.inf, -math.inf, math.inf, -math.inf, math.inf, math.inf],  # all +inf
+        [0.3, math.nan, -1.0, 0.5, math.inf, 2.0, 0.7],
+        [-math.inf, -math.inf, -math.inf, -math.inf, 0.1, -math.inf, 0.7],  # too few for k = 3
+    ],
+    dtype=F64,
+)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("k", [1, 3])
+def test_vmap_equals_the_loop_with_infinities_and_nan(largest: bool, k: int) -> None:
+    """Under vmap every row takes the path of rows with infinities: the same outputs."""
+    x = _INF_ROWS if largest else -_INF_ROWS
+
+    def fn(z):
+        out = soft_topk(z, k, epsilon=0.3, largest=largest, tol=1e-12)
+        return out.values, out.weights, out.indices
+
+    got = torch.func.vmap(fn)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(x.shape[0]):
+            for a, b in zip(got, fn(x[i]), strict=True):
+                torch.testing.assert_close(a[i], b, atol=0, rtol=0, equal_nan=True)
+    sure = math.inf if largest else -math.inf
+    assert bool((got[0][2] == sure).all()) and bool(got[0][3].isnan().all())
+    assert bool(torch.isfinite(got[1][1]).all())
+    assert bool(got[0][4].isnan().all()) == (k == 3)
+
+
+def test_vmap_of_grad_equals_the_loop() -> None:
+    x = torch.randn(4, 9, generator=seeded(30), dtype=F64)
+    x[1, 3] = -math.inf
+    w = torch.linspace(-1.0, 1.0, 3, dtype=F64)
+
+    def loss(z):
+        return (soft_topk(z, 3, epsilon=0.3, tol=1e-12).values * w).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss))(x)
+    for i in range(4):
+        z = x[i].clone().requires_grad_(True)
+        (ref,) = torch.autograd.grad(loss(z), z)
+        torch.testing.assert_close(grads[i], ref, atol=1e-12, rtol=1e-10)
+    assert float(grads[1, 3]) == 0.0
+
+
+@pytest.mark.parametrize(("n", "k"), [(6, 2), (5, 5)])
+def test_gradcheck_forward_mode(n: int, k: int) -> None:
+    x = torch.randn(2, n, generator=seeded(31), dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.4, 0.7], dtype=F64, requires_grad=True)
+
+    def fn(z, e):
+        out = soft_topk(z, k, epsilon=e, tol=1e-12, max_iter=100_000)
+        return out.values, out.weights
+
+    assert torch.autograd.gradcheck(fn, (x, eps), check_forward_ad=True)
+
+
+def test_jvp_with_infinities_equals_the_jacobian() -> None:
+    x = _INF_ROWS[0]
+    v = torch.linspace(-1.0, 1.0, 7, dtype=F64)
+    v = torch.where(torch.isfinite(x), v, 0.0)
+
+    def fn(z):
+        return soft_topk(z, 3, epsilon=0.3, tol=1e-12).weights
+
+    _, tangent = torch.func.jvp(fn, (x,), (v,))
+    jac = torch.func.jacrev(fn)(x)
+    torch.testing.assert_close(tangent, jac @ v, atol=1e-12, rtol=1e-10)
+    assert float(tangent.abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16])
+def test_meta_tensors_give_the_shapes(dtype: torch.dtype) -> None:
+    x = torch.empty(2, 9, 4, dtype=dtype, device="meta")
+    out = soft_topk(x, 3, dim=1, epsilon=0.3)
+    assert out.values.shape == (2, 3, 4) and out.weights.shape == (2, 3, 4, 9)
+    assert out.indices.shape == (2, 3, 4) and out.indices.dtype == torch.int64
+    assert out.values.dtype == dtype and out.weights.dtype == dtype
+    assert all(t.device.type == "meta" for t in out)

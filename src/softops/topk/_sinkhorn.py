@@ -60,7 +60,11 @@ def sinkhorn_mask(
     # float32. Beyond 1/16 of the dtype's range every entry is already decided (the hard limit),
     # so the scaled scores saturate there instead of overflowing (epsilon can be finfo.tiny).
     big = torch.finfo(dtype).max / 16
-    centre = xs.detach().median(-1, keepdim=True).values
+    # The centre is the median of the finite entries: with the stand-ins counted, a row that is
+    # mostly infinite was centred 2000 epsilon away from its threshold, which Sinkhorn then had
+    # to cross in steps of O(1) (it did not converge within 2000 iterations).
+    centre = torch.where(finite, xs.detach(), math.nan).nanmedian(-1, keepdim=True).values
+    centre = torch.nan_to_num(centre, nan=0.0)
     z = ((xs - centre) / eps_row[:, None]).clamp(-big, big)
     cost = torch.stack((torch.zeros_like(z), -z), -1)
     log_a = torch.full_like(xs, -math.log(n))
