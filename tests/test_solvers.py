@@ -83,6 +83,46 @@ def test_public_sinkhorn_errors(kwargs: dict, err: type, match: str) -> None:
         sinkhorn(args["cost"], args["a"], args["b"], args["epsilon"], **opts)
 
 
+def test_public_sinkhorn_under_vmap_equals_the_loop() -> None:
+    g = seeded(52)
+    cost = torch.rand(4, 3, 6, 2, generator=g, dtype=F64)
+    a = torch.rand(4, 6, generator=g, dtype=F64) + 0.1
+    a = a / a.sum(-1, keepdim=True)
+    b = torch.tensor([0.3, 0.7], dtype=F64)
+
+    def plan(c, aa):
+        return sinkhorn(c, aa, b, 0.5, tol=1e-12).plan
+
+    got = torch.func.vmap(plan)(cost, a)
+    for i in range(4):
+        torch.testing.assert_close(got[i], plan(cost[i], a[i]), atol=0, rtol=0)
+    moved = torch.func.vmap(plan, in_dims=(1, 0))(cost.transpose(0, 1).contiguous(), a)
+    torch.testing.assert_close(moved, got, atol=0, rtol=0)
+    # an invalid slice raises as in a loop
+    bad = a.clone()
+    bad[2, 3] = 0.0
+    with pytest.raises(ValueError, match=r"got a containing 0\.0"):
+        torch.func.vmap(plan)(cost, bad)
+    with pytest.raises(ValueError, match=r"a\.sum\(\) and b\.sum\(\) 0\.0909 apart"):
+        torch.func.vmap(plan)(cost, a * 1.1)
+
+
+def test_public_sinkhorn_forward_mode_and_meta() -> None:
+    g = seeded(53)
+    cost = torch.rand(2, 5, 3, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.4, 0.9], dtype=F64, requires_grad=True)
+    a = torch.full((5,), 1 / 5, dtype=F64)
+    b = torch.tensor([0.2, 0.3, 0.5], dtype=F64)
+
+    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(c, a, b, e, max_iter=100_000, tol=1e-14, newton=True).plan
+
+    assert torch.autograd.gradcheck(fn, (cost, eps), check_forward_ad=True)
+    meta = sinkhorn(cost.detach().to("meta").float(), a.to("meta"), b.to("meta"), 0.4)
+    assert meta.plan.device.type == "meta" and meta.plan.shape == (2, 5, 3)
+    assert meta.plan.dtype == torch.float32 and meta.converged.shape == (2,)
+
+
 def _near_permutation_sweep(cases: int, seed: int, n_max: int) -> None:
     """solvers.sinkhorn (squared cost onto m unit-spaced targets) and the "sinkhorn" mask, with
     epsilon from 1e-3 to 10 times the smallest gap, on spread and tied rows: nearly one-hot plans.
