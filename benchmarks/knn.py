@@ -45,6 +45,7 @@ def timing(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = load_dataset("mnist")
+    load_before = os.getloadavg()[0]
     rows = []
     for method in args.methods:
         config = KNNConfig(dataset="mnist", method=method, device=args.device)
@@ -56,6 +57,7 @@ def timing(argv: list[str]) -> int:
             f"{measured['eval_seconds']:.1f} s",
             file=sys.stderr,
         )
+    load_after = os.getloadavg()[0]
     command = "python benchmarks/knn.py timing " + " ".join(argv)
     lines = [
         "## softops knn on MNIST: time per training step and per full evaluation",
@@ -64,7 +66,9 @@ def timing(argv: list[str]) -> int:
         f"{args.threads} torch thread(s), device {args.device}, torch {torch.__version__}. A step "
         "is the sampling, a random shift, the forward and backward passes and Adam (median of "
         f"{args.steps}, after 5 warm-up steps); the evaluation embeds the 50 000 training and "
-        "10 000 test images and classifies the test images by the hard 9-NN.",
+        "10 000 test images and classifies the test images by the hard 9-NN. The machine's "
+        f"1-minute load average was {load_before:.1f} before and {load_after:.1f} after (on a "
+        "shared machine, a load above the core count slows every row alike).",
         "",
         "| method | s/step (median) | s/step (min) | full evaluation (s) |",
         "|---|---|---|---|",
@@ -84,6 +88,8 @@ def timing(argv: list[str]) -> int:
         "device": args.device,
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": [load_before, load_after],
         "rows": rows,
     }
     (out / "knn-timing.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -377,13 +377,13 @@ def _demo(args: argparse.Namespace) -> int:
 _KNN_DEFAULT_OUT = "benchmarks/results/tmp/knn"
 
 
-def _minutes(text: str) -> float:
+def _budget(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of minutes; got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of minutes; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
     return value
 
 
@@ -433,14 +433,14 @@ def _add_knn(commands: Any) -> None:
     budget = knn.add_mutually_exclusive_group()
     budget.add_argument(
         "--minutes",
-        type=_minutes,
+        type=_budget,
         default=None,
         help="training wall-clock budget per method and seed, evaluation excluded (default: 3 "
         "for mnist, mnist-idx and cifar10)",
     )
     budget.add_argument(
         "--epochs",
-        type=_minutes,
+        type=_budget,
         default=None,
         help="or a budget in epochs, exactly reproducible (default: 20 for digits)",
     )

@@ -149,9 +149,11 @@ def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str
             ax.plot(xs, ys, marker="o", ms=3, color=colors(i % 10), alpha=0.9, label=label)
     ax.set_xlabel("training wall-clock time (min)")
     ax.set_ylabel("validation accuracy (%)")
+    vals = [p["val"] for r in results for p in r.curve]
     bests = [max(p["val"] for p in r.curve) for r in results if r.curve]
-    if bests:  # every run's best in view, the early points may fall below
-        ax.set_ylim(max(0.0, min(bests) - 3.0), min(100.0, max(bests) + 0.5))
+    if bests:  # every run's best in view; early points more than 5 points below may fall off
+        low = max(min(vals) - 0.3, min(bests) - 5.0, 0.0)
+        ax.set_ylim(low, min(100.0, max(bests) + 0.3))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
