@@ -1,10 +1,22 @@
-"""Batched, bracketed Newton/bisection for monotone scalar equations, one per row.
+"""Batched, bracketed Halley/Newton/bisection for monotone scalar equations, one per row.
 
 Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``. All rows
-advance in lock-step (no Python loop over rows). Each step is Newton's when it stays inside the
-current bracket (compared inclusively: after the bracket update ``t`` is itself an endpoint) and a
-bisection of the bracket otherwise, so the iteration always makes progress and always stops:
-it is capped at ``max_iter`` evaluations.
+advance in lock-step (no Python loop over rows). Each step is Halley's (Newton's when the
+evaluation gives no second derivative) when it stays inside the current bracket (compared
+inclusively: after the bracket update ``t`` is itself an endpoint), and regula falsi or a
+bisection of the bracket otherwise, so the iteration always makes progress and always stops: it
+is capped at ``max_iter`` evaluations.
+
+Two drivers share one update rule:
+
+* :func:`bracketed_newton` (and :func:`iterate`) runs blocks of steps with a host-side test of
+  ``all(done)`` between blocks: it stops as soon as every row has converged.
+* :func:`run_steps` runs a fixed number of steps with no host synchronisation at all, for code
+  that is traced (``torch.compile``, ``torch.export``). :func:`fixed_schedule` gives a number of
+  steps that provably suffices: after the Halley steps, each *bit bisection* step (the midpoint
+  of the bracket in the order of the representable numbers) halves the count of floats left in
+  the bracket, so at most 32 (float32) or 64 (float64) of them leave adjacent floats, where the
+  resolution test stops every row.
 """
 
 from __future__ import annotations
@@ -15,26 +27,158 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["RootResult", "bracketed_newton"]
+__all__ = [
+    "RootResult",
+    "SolverState",
+    "bit_midpoint",
+    "bracketed_newton",
+    "fixed_schedule",
+    "iterate",
+    "result",
+    "run_steps",
+    "start_state",
+]
+
+HALLEY_STEPS = 8
+"""Halley steps of :func:`fixed_schedule` before its bisection steps (3 to 6 are typical)."""
 
 
 class RootResult(NamedTuple):
     """Solution of a batch of scalar root-finding problems.
 
     Attributes:
-        root: (B,) the last iterate of each row.
+        root: (B,) the last evaluated iterate of each row (its residual is ``residual``).
         converged: (B,) bool: ``|F(root)| <= tol``, or the step fell below the resolution.
         iterations: number of evaluations of ``F`` (the same for all rows).
         residual: (B,) ``F(root)``.
+        extra: what the evaluation returned after its first four outputs, at ``root``.
     """
 
     root: torch.Tensor
     converged: torch.Tensor
     iterations: int
     residual: torch.Tensor
+    extra: tuple[torch.Tensor, ...] = ()
 
 
-Evaluate = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+class SolverState(NamedTuple):
+    """The iteration's state, per row: all (B,) tensors but ``extra``.
+
+    ``t`` is the next iterate; ``t_eval`` the last evaluated one, whose residual is
+    ``residual`` and whose extra outputs of the evaluation are ``extra`` (the two agree once a row
+    is done: a done row keeps its iterate). ``side`` records which end of the bracket moved last
+    (+1 lo, -1 hi: the Illinois rule), ``skip`` the rows left alone.
+    """
+
+    t: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    f_lo: torch.Tensor
+    f_hi: torch.Tensor
+    side: torch.Tensor
+    done: torch.Tensor
+    skip: torch.Tensor
+    t_eval: torch.Tensor
+    residual: torch.Tensor
+    extra: tuple[torch.Tensor, ...] = ()
+
+
+Evaluate = Callable[..., tuple[Any, ...]]
+"""``evaluate(t, *eval_args)`` returns ``(F, dF, tol)`` or ``(F, dF, tol, d2F, *extra)``: the
+residual, its derivative in t (<= 0), the tolerance on ``|F|`` below which the row counts as
+solved, optionally the second derivative (None: Newton steps) and anything else to keep from the
+last evaluation (the caller's by-products, e.g. the solution's mask)."""
+
+
+def start_state(
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    *,
+    f_lo: torch.Tensor | None = None,
+    f_hi: torch.Tensor | None = None,
+    done: torch.Tensor | None = None,
+) -> SolverState:
+    """The state before the first evaluation (see :func:`bracketed_newton` for the arguments)."""
+    nan = torch.full_like(t, float("nan"))
+    skip = torch.zeros_like(t, dtype=torch.bool) if done is None else done
+    return SolverState(
+        t,
+        lo,
+        hi,
+        nan if f_lo is None else f_lo,
+        nan if f_hi is None else f_hi,
+        torch.zeros_like(t),
+        skip,
+        skip,
+        t,
+        nan,
+    )
+
+
+def run_steps(
+    evaluate: Evaluate,
+    state: SolverState,
+    eval_args: tuple[Any, ...],
+    steps: int,
+    *,
+    bisect: bool = False,
+) -> SolverState:
+    """``steps`` evaluations and updates, no host synchronisation (traceable as one graph).
+
+    With ``bisect`` every step is a bit bisection of the bracket (:func:`bit_midpoint`) instead of
+    Halley's: slower, but each one halves the number of floats left in the bracket.
+    """
+    for _ in range(steps):
+        out = evaluate(state.t, *eval_args)
+        F, dF, tol = out[:3]
+        d2F = out[3] if len(out) > 3 else None
+        state = _update(state, F, dF, d2F, tol, tuple(out[4:]), bisect)
+    return state
+
+
+def iterate(
+    evaluate: Evaluate,
+    state: SolverState,
+    eval_args: tuple[Any, ...],
+    *,
+    max_iter: int,
+    evaluations: int = 0,
+    block: int = 1,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> tuple[SolverState, int]:
+    """Blocks of :func:`run_steps` until every row is done or ``max_iter`` evaluations are spent.
+
+    ``evaluations`` already spent count against ``max_iter``. ``all(done)`` is tested on the host
+    between blocks (never on meta tensors, which have no values: they return at once). Returns
+    the state and the number of evaluations.
+    """
+    if state.t.device.type == "meta":
+        return state, evaluations
+    while evaluations < max_iter and not bool(state.done.all()):
+        steps = min(block, max_iter - evaluations)
+        run = _block(evaluate, steps)
+        state = (run if wrap is None else wrap(run))(state, eval_args)
+        evaluations += steps
+    return state, evaluations
+
+
+def result(state: SolverState, evaluations: int) -> RootResult:
+    """The :class:`RootResult` of a state after ``evaluations`` evaluations."""
+    converged = state.done & ~state.skip & (state.residual == state.residual)
+    return RootResult(state.t_eval, converged, evaluations, state.residual, state.extra)
+
+
+def fixed_schedule(dtype: torch.dtype, max_iter: int) -> tuple[int, int]:
+    """``(halley, bisect)`` step counts of a sync-free solve that provably converges.
+
+    The bracket holds fewer than ``2**bits`` floats of ``dtype``; each bit bisection at least
+    halves that count, so ``bits`` of them leave two adjacent floats, which the resolution test
+    marks done. Both counts are cut to fit ``max_iter`` (the Halley steps first).
+    """
+    bits = torch.finfo(dtype).bits
+    halley = min(HALLEY_STEPS, max_iter)
+    return halley, min(bits, max_iter - halley)
 
 
 def bracketed_newton(
@@ -49,26 +193,29 @@ def bracketed_newton(
     f_hi: torch.Tensor | None = None,
     done: torch.Tensor | None = None,
     block: int = 1,
-    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    first: tuple[torch.Tensor, ...] | None = None,
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> RootResult:
-    """Solve ``F(t) = 0`` per row by safeguarded Newton.
+    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps.
 
-    A Newton step is taken when it lands inside the current bracket (inclusively). Otherwise the
-    step is regula falsi with the Illinois modification between the bracket's ends, when their
-    residuals (or bounds on them) are known, and bisection when they are not. For the counting
-    functions of top-k at a tiny temperature, where the derivative vanishes between entries, the
-    secant step is an interpolation search and needs far fewer steps than bisection.
+    A Halley step (Newton's when the evaluation gives no second derivative) is taken when it
+    lands inside the current bracket (inclusively). Otherwise the step is regula falsi with the
+    Illinois modification between the bracket's ends, when their residuals (or bounds on them)
+    are known, and bisection when they are not. For the counting functions of top-k at a tiny
+    temperature, where the derivative vanishes between entries, the secant step is an
+    interpolation search and needs far fewer steps than bisection.
 
     Steps run in blocks of ``block`` evaluations with no host synchronisation inside a block;
     ``all(done)`` is tested between blocks. Rows that are done keep their iterate, so a block that
     overshoots convergence changes nothing but the evaluation count.
 
     Args:
-        evaluate: a pure function mapping ``(t, *eval_args)``, t (B,), to ``(F, dF, tol)``, each
-            (B,): the residual, its derivative in t (<= 0) and the tolerance on ``|F|`` below
-            which the row counts as solved. Pass a module-level function: blocks are cached per
-            function, so that ``wrap`` (e.g. compilation) happens once.
+        evaluate: a pure function of ``(t, *eval_args)``, t (B,), returning ``(F, dF, tol)`` or
+            ``(F, dF, tol, d2F, *extra)``, each (B,) but the extras: the residual, its derivative
+            in t (<= 0), the tolerance on ``|F|`` below which the row counts as solved, its
+            second derivative (or None) and by-products kept from the last evaluation. Pass a
+            module-level function: blocks are cached per function, so that ``wrap`` (e.g.
+            compilation) happens once.
         t: (B,) initial iterate, inside ``[lo, hi]``.
         lo, hi: (B,) bracket with ``F(lo) >= 0 >= F(hi)``.
         max_iter: cap on evaluations.
@@ -84,58 +231,59 @@ def bracketed_newton(
     Returns:
         A :class:`RootResult`.
     """
-    nan = torch.full_like(t, float("nan"))
-    f_lo = nan if f_lo is None else f_lo
-    f_hi = nan if f_hi is None else f_hi
-    skip = torch.zeros_like(t, dtype=torch.bool) if done is None else done.clone()
-    done = skip.clone()
-    residual = nan
-    side = torch.zeros_like(t)
-    state: tuple[torch.Tensor, ...] = (t, lo, hi, f_lo, f_hi, side, done, residual)
+    state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
     if first is not None:
-        state = _update(t, *first, lo, hi, f_lo, f_hi, side, done, skip, residual)
-    iterations = 0
-    while iterations < max_iter and not bool(state[6].all()):
-        steps = min(block, max_iter - iterations)
-        run = _block(evaluate, steps)
-        state = (run if wrap is None else wrap(run))(skip, eval_args, *state)
-        iterations += steps
-    t, done, residual = state[0], state[6], state[7]
-    converged = done & ~skip & (residual == residual)
-    return RootResult(t, converged, iterations, residual)
+        d2F = first[3] if len(first) > 3 else None
+        state = _update(state, first[0], first[1], d2F, first[2], tuple(first[4:]), False)
+    state, evaluations = iterate(
+        evaluate, state, eval_args, max_iter=max_iter, block=block, wrap=wrap
+    )
+    return result(state, evaluations)
 
 
 @functools.cache
-def _block(evaluate: Evaluate, steps: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+def _block(evaluate: Evaluate, steps: int) -> Callable[..., SolverState]:
     """``steps`` evaluations and updates as one pure function (one stable object per key)."""
 
-    def run(skip: torch.Tensor, eval_args: tuple[Any, ...], *state: torch.Tensor):
-        t, lo, hi, f_lo, f_hi, side, done, residual = state
-        for _ in range(steps):
-            F, dF, tol = evaluate(t, *eval_args)
-            t, lo, hi, f_lo, f_hi, side, done, residual = _update(
-                t, F, dF, tol, lo, hi, f_lo, f_hi, side, done, skip, residual
-            )
-        return t, lo, hi, f_lo, f_hi, side, done, residual
+    def run(state: SolverState, eval_args: tuple[Any, ...]) -> SolverState:
+        return run_steps(evaluate, state, eval_args, steps)
 
     return run
 
 
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _flip(bits: torch.Tensor) -> torch.Tensor:
+    """Sign-magnitude bits to integers that sort as the floats do, and back (an involution)."""
+    info = torch.iinfo(bits.dtype)
+    return bits ^ ((bits >> (info.bits - 1)) & info.max)
+
+
+def bit_midpoint(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The float halfway between ``lo <= hi`` in the order of the representable floats.
+
+    Strictly inside the bracket unless ``lo`` and ``hi`` are equal or adjacent (then ``lo``), so
+    each bisection at this point at least halves the number of floats in the bracket. -0.0 and
+    +0.0 count as two adjacent floats.
+    """
+    itype = _INT[lo.dtype]
+    a, b = _flip(lo.view(itype)), _flip(hi.view(itype))
+    mid = (a >> 1) + (b >> 1) + (a & b & 1)  # floor((a + b) / 2) without overflow
+    return _flip(mid).view(lo.dtype)
+
+
 def _update(
-    t: torch.Tensor,
+    state: SolverState,
     F: torch.Tensor,
     dF: torch.Tensor,
+    d2F: torch.Tensor | None,
     tol: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    f_lo: torch.Tensor,
-    f_hi: torch.Tensor,
-    side: torch.Tensor,
-    done: torch.Tensor,
-    skip: torch.Tensor,
-    residual: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
+    extra: tuple[torch.Tensor, ...],
+    bisect: bool,
+) -> SolverState:
     """One safeguarded step, given ``F(t)``: tighten the bracket and pick the next iterate."""
+    t, lo, hi, f_lo, f_hi, side, done, skip, _, residual, _ = state
     residual = torch.where(skip, residual, F)
     done = done | (F.abs() <= tol)
     up, down = F > 0, F < 0
@@ -145,16 +293,29 @@ def _update(
     lo, f_lo = torch.where(up, t, lo), torch.where(up, F, f_lo)
     hi, f_hi = torch.where(down, t, hi), torch.where(down, F, f_hi)
     side = up.to(t.dtype) - down.to(t.dtype)
-    step = t - F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
-    inside = (step >= lo) & (step <= hi)
-    secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
-    secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
-    fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))
-    step = torch.where(inside, step, fallback)
-    # Resolution limit: the step rounds to t, or the bracket has shrunk to a few ulps of t.
+    if bisect:
+        step = bit_midpoint(lo, hi)
+    else:
+        newton = F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
+        if d2F is not None:
+            # Halley: the Newton step over 1 - F F''/(2 F'^2), the factor kept within [1/2, 2]
+            # (far from the root the correction is unreliable; near it the factor tends to 1).
+            factor = (1 - 0.5 * newton * (d2F / dF)).clamp(0.5, 2.0)
+            newton = newton / factor
+        step = t - newton
+        inside = (step >= lo) & (step <= hi)
+        secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
+        secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
+        fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))
+        step = torch.where(inside, step, fallback)
+    # Resolution limit: the step rounds to t, or the bracket has shrunk to a few ulps of t, or to
+    # two adjacent floats (near 0, where a few ulps of the ends are far below one of the scale).
     ulp = torch.finfo(t.dtype).eps
     width = hi - lo
     collapsed = (width <= 4 * ulp * torch.maximum(lo.abs(), hi.abs())) & width.isfinite()
+    collapsed = collapsed | (torch.nextafter(lo, hi) >= hi)
     done = done | (step == t) | collapsed
-    t = torch.where(done, t, step)
-    return t, lo, hi, f_lo, f_hi, side, done, residual
+    # A done row keeps its iterate, so its by-products of this evaluation are those of t_eval.
+    return SolverState(
+        torch.where(done, t, step), lo, hi, f_lo, f_hi, side, done, skip, t, residual, extra
+    )

@@ -3,17 +3,18 @@ r"""Method "ot" of ``soft_topk_mask``: the exact SOFT top-k, one threshold per r
 With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020, §2) is a sigmoid with one
 threshold (the derivation is in the documentation, docs/math.md §1), so the forward pass solves
 :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row of a (B, n) tensor, largest-first,
-by bracketed Newton (:mod:`softops._core.rootfind`), and the backward is the closed-form implicit
-gradient (``_SoftTopKMaskOT``), O(n) per row:
+by bracketed Halley steps (:mod:`softops._core.rootfind`), and the backward is the closed-form
+implicit gradient (``_SoftTopKMaskOT``), O(n) per row:
 
 .. math::
 
-    s_i = A_i (1 - A_i)/\varepsilon, \qquad
-    \bar x = s \odot \big(\bar A - \langle s, \bar A\rangle / \textstyle\sum_i s_i\big),
-    \qquad \bar k = \langle s, \bar A\rangle / \textstyle\sum_i s_i .
+    s_i = A_i (1 - A_i)/\varepsilon, \qquad w = s / \textstyle\sum_i s_i, \qquad
+    \bar x = s \odot \big(\bar A - \langle w, \bar A\rangle\big), \qquad
+    \bar k = \langle w, \bar A\rangle .
 
-The two row reductions of the backward, ``sum(s)`` and ``<s, g>``, are ``_vjp_terms``; those of
-the forward are in ``_evaluate``.
+Forward mode is the same linearisation: with :math:`z = (x - t)/\varepsilon` and
+:math:`u = \dot x - z\,\dot\varepsilon`,
+:math:`\dot A = s \odot (u - \langle w, u\rangle) + w\,\dot k`.
 
 Numerics of the solver (docs/math.md §1.3):
 
@@ -25,10 +26,18 @@ Numerics of the solver (docs/math.md §1.3):
 * the bracket is exact: ``[x_(j) - eps log(k / (j - k)), x_(j') - eps log((k - j' + 1) / (n - k))]``
   with ``j = floor(k) + 1`` and ``j' = ceil(k)`` (for integer k, the lemma of docs/math.md
   §1.3); the subsampled path uses the looser ``[min x, max x] - eps logit(k / n)``;
-* the initial iterate is the better of the centre and the large-epsilon guess
-  ``mean(x) - eps logit(k / n)``; both evaluations also tighten the bracket;
+* the initial iterate is the centre, or the large-epsilon guess ``mean(x) - eps logit(k / n)``
+  where epsilon is at least an eighth of the row's spread (on long rows, the better of the two on
+  the subsample); the steps are Halley's (the second derivative costs one more sum in the same
+  pass), which saves one to three evaluations over Newton's;
 * infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
   as not. Rows whose k cannot be met by their finite entries are flagged, not solved.
+
+The whole preparation (row counts, the bracket, the start) is one branch-free function of the
+rows, so that with the fused path it runs with the first Halley steps as one compiled call, and
+under ``torch.compile``/``torch.export`` the solve is traced as a fixed schedule without host
+synchronisation (:func:`softops._core.rootfind.fixed_schedule`: Halley steps, then bit
+bisections that provably reach adjacent floats).
 """
 
 from __future__ import annotations
@@ -41,7 +50,15 @@ import torch
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
 from softops._core.fused import compile_enabled, maybe_fused
-from softops._core.rootfind import bracketed_newton
+from softops._core.rootfind import (
+    SolverState,
+    fixed_schedule,
+    iterate,
+    result,
+    run_steps,
+    start_state,
+)
+from softops._core.transforms import vmap_rows
 
 __all__ = [
     "EXACT_MAX_N",
@@ -56,18 +73,25 @@ EXACT_MAX_N = 16384
 """Rows up to this length are bracketed and centred by an exact ``torch.topk`` of k + 1 entries;
 longer rows by a strided subsample of about ``SAMPLE_SIZE`` entries (the bracket stays exact)."""
 SAMPLE_SIZE = 2048
-BLOCK = 3
-"""Newton evaluations between two convergence tests (no host sync inside a block)."""
-# The cap on Newton evaluations is THRESHOLD_MAX_ITER (100). 3 to 6 are typical; plain bisection
-# within the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
+FIRST_BLOCK = {torch.float32: 3, torch.float64: 4}
+"""Evaluations run with the preparation, before the first convergence test (typical counts)."""
+BLOCK = 2
+"""Evaluations between two later convergence tests when fused or off the CPU (no host sync inside
+a block); on the CPU the eager path tests after every evaluation (a host test is free there)."""
+SMOOTH_START = 8.0
+"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
+# The cap on evaluations is THRESHOLD_MAX_ITER (100). 3 to 5 are typical; plain bisection within
+# the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
 
 
 class ThresholdState(NamedTuple):
     """The solved threshold of each row, ``A = sigmoid(((x - m) - t) / eps)``, with diagnostics.
 
+    ``t`` is the last evaluated iterate, whose residual ``sum A - k`` is ``residual``.
     ``sel_none``/``sel_all``/``invalid`` are None when no row needs them (all entries finite and
     0 < k < n); otherwise (B,) bool masks of rows that select only their ``+inf`` entries, all
     their non ``-inf`` entries, or that cannot be solved (NaN entries, or k not reachable).
+    Traced and meta solves always give the masks.
     """
 
     m: torch.Tensor
@@ -80,6 +104,18 @@ class ThresholdState(NamedTuple):
     invalid: torch.Tensor | None
 
 
+class _Prep(NamedTuple):
+    """What the iteration needs of the rows: (B,) tensors (``m2``, ``e2`` (B, 1))."""
+
+    m2: torch.Tensor
+    e2: torch.Tensor
+    k_total: torch.Tensor  # the residual's target: k, with the +inf entries counted
+    solve_rows: torch.Tensor
+    sel_none: torch.Tensor
+    sel_all: torch.Tensor
+    invalid: torch.Tensor
+
+
 def _evaluate(
     x: torch.Tensor,
     m: torch.Tensor,
@@ -87,33 +123,36 @@ def _evaluate(
     eps: torch.Tensor,
     k: torch.Tensor,
     tol: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F = sum A - k``, ``dF/dt`` and the tolerance on ``|F|``, reducing over the last dim.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'`` and ``A``.
 
-    ``m``, ``t`` and ``eps`` have a trailing singleton dim; ``k`` has the reduced shape. With ``u =
-    min(A, 1 - A)`` the residual is split by sign, so it has no cancellation; the tolerance is the
-    rounding of the sums (at least that of min(k, n - k, 1)) plus the change of F over one ulp
-    of t, plus the user's ``tol``.
+    The reductions are over the last dim; ``m``, ``t`` and ``eps`` have a trailing singleton dim,
+    ``k`` the reduced shape. With ``u = min(A, 1 - A)`` the residual is split by sign, so it has no
+    cancellation; the tolerance is the rounding of the sums (at least that of min(k, n - k, 1))
+    plus the change of F over one ulp of t, plus the user's ``tol``. ``F''/F' = -<1 - 2A, d> /
+    (eps sum d)`` with ``d = u(1 - u)`` is formed as a ratio, so it neither over- nor underflows.
     """
     em = torch.finfo(x.dtype).eps
     z = ((x - m) - t) / eps
     u = torch.sigmoid(-z.abs())
     pos = z > 0
     F = torch.where(pos, -u, u).sum(-1) + (pos.sum(-1, dtype=x.dtype) - k)  # count - k first
-    slope = (u * (1 - u)).sum(-1) / eps.squeeze(-1)
+    d = u * (1 - u)
+    c = (1 - 2 * u) * d  # (1 - 2A) d up to the sign of z
+    d_sum = d.sum(-1)
+    e = eps.squeeze(-1)
+    slope = d_sum / e
+    curv = -torch.where(pos, -c, c).sum(-1) / d_sum / e
     # The sums are of size min(k, n - k) at the root: below 1 the rounding floor follows them, so
     # that a k within rounding of 0 or n (1e-300, say) is still solved to relative precision.
     floor = torch.minimum(k, x.shape[-1] - k).clamp(0, 1)
-    # ...down to the subnormal range, where each term is resolved only to the smallest subnormal
-    # (k = 5e-324 on a tied row cannot be met more closely than that: no spurious warning).
-    subnormal = x.shape[-1] * torch.finfo(x.dtype).smallest_normal * em
-    bound = (
-        32 * em * torch.maximum(u.sum(-1), floor)
-        + 2 * em * slope * t.squeeze(-1).abs()
-        + subnormal
-        + tol
-    )
-    return F, -slope, bound
+    # ...down to where the sigmoid flushes to 0: 1 / (1 + exp(-z)) is 0 once exp(-z) overflows,
+    # so each term is resolved only to about 1 / finfo.max (k = 1e-322 on a tied row cannot be
+    # met more closely than that: no spurious warning, no bisection down to the ulps of t).
+    flush = x.shape[-1] / torch.finfo(x.dtype).max
+    bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs()
+    bound = bound + flush + tol
+    return F, -slope, bound, curv, torch.where(pos, 1 - u, u)
 
 
 def _evaluate_t(
@@ -123,7 +162,7 @@ def _evaluate_t(
     eps: torch.Tensor,
     k: torch.Tensor,
     tol: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_evaluate` for a (B,) iterate, the form the root finder calls."""
     return _evaluate(x, m, t[:, None], eps, k, tol)
 
@@ -135,6 +174,198 @@ def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _mask(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(((x - m) - t) / eps)
+
+
+def _pad(lo: torch.Tensor, hi: torch.Tensor, eps: torch.Tensor):
+    """Widen by a few ulps of the scale so that rounding cannot leave the root outside."""
+    pad = 4 * torch.finfo(lo.dtype).eps * (lo.abs() + hi.abs() + eps)
+    return lo - pad, hi + pad
+
+
+def _prepare_exact(
+    x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, top: int
+) -> tuple[_Prep, SolverState]:
+    """Row counts, the exact bracket from a ``topk`` of ``top`` entries, and the start; any row.
+
+    Branch-free: infinities, NaN and k at 0 or n are masks, not Python branches. ``top`` must be
+    at least ``floor(max k) + 1`` (clamped to n).
+    """
+    dtype = x.dtype
+    finite = torch.isfinite(x)
+    n_fin = finite.sum(-1, dtype=dtype)
+    k_eff = k - (x == math.inf).sum(-1, dtype=dtype)
+    invalid = torch.isnan(x).any(-1) | (k_eff < 0) | (k_eff > n_fin)
+    sel_none = ~invalid & (k_eff <= 0)
+    sel_all = ~invalid & (k_eff >= n_fin)
+    solve_rows = ~(invalid | sel_none | sel_all)
+    # Rows that are not solved get a harmless k so that the arithmetic below stays finite.
+    nn_ = n_fin.clamp(min=1)
+    kk = torch.where(solve_rows, k_eff, 0.5 * nn_)
+    xs = torch.where(finite, x, -math.inf)
+    topv = xs.topk(top, dim=-1).values
+    j_hi = torch.ceil(kk).clamp(1, top)
+    j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(1, top)
+    x_hi = topv.gather(-1, (j_hi.long() - 1)[:, None]).squeeze(-1)
+    x_lo = topv.gather(-1, (j_lo.long() - 1)[:, None]).squeeze(-1)
+    zeros = torch.zeros_like(kk)
+    m = torch.where(solve_rows, 0.5 * (x_hi + x_lo), zeros)
+    # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
+    # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
+    lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo - kk))
+    hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1)) - torch.log(nn_ - kk))
+    lo, hi = _pad(torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros), eps)
+    # The start: the centre, or the large-epsilon guess where epsilon is large for the row.
+    xmean = torch.where(finite, x, 0).sum(-1) / nn_
+    spread = topv[:, 0] - torch.where(finite, x, math.inf).amin(-1)
+    t_large = xmean - m - eps * (torch.log(kk) - torch.log(nn_ - kk))
+    t0 = torch.where(SMOOTH_START * eps >= spread, t_large, zeros)
+    t0 = torch.minimum(torch.maximum(t0, lo), hi)
+    # Bounds on the residual at the bracket's ends: every entry above lo, none above hi. The
+    # residual counts +inf entries as selected, so it is taken against the total k.
+    state = start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
+    prep = _Prep(m[:, None], eps[:, None], kk + (k - k_eff), solve_rows, sel_none, sel_all, invalid)
+    return prep, state
+
+
+def _prepare_sampled(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    stride: int,
+    top: int,
+    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[_Prep, SolverState]:
+    """Long rows with finite entries: centred on a strided subsample's quantile, with the coarse
+    bracket ``[min x, max x] - eps logit(k / n)``; the start is the better of the centre and the
+    large-epsilon guess on the subsample."""
+    n = x.shape[-1]
+    xmin, xmax, xsum = row_stats
+    sel_none, sel_all = k <= 0, k >= n
+    solve_rows = ~(sel_none | sel_all)
+    kk = torch.where(solve_rows, k, 0.5 * n)
+    logit_k = torch.log(kk) - torch.log(n - kk)
+    sample = x[:, ::stride]
+    ns = sample.shape[-1]
+    # the subsample's q-th and (q+1)-th largest, q ~ k ns / n; ``top`` >= max q + 1
+    q = (kk * (ns / n)).round().long().clamp(1, top - 1)
+    topv = sample.topk(top, dim=-1).values
+    zeros = torch.zeros_like(kk)
+    m = 0.5 * (topv.gather(-1, (q - 1)[:, None]) + topv.gather(-1, q[:, None])).squeeze(-1)
+    m = torch.where(solve_rows, m, zeros)
+    lo = torch.where(solve_rows, (xmin - m) - eps * logit_k, zeros)
+    hi = torch.where(solve_rows, (xmax - m) - eps * logit_k, zeros)
+    lo, hi = _pad(lo, hi, eps)
+    t_large = torch.minimum(torch.maximum(xsum / n - m - eps * logit_k, lo), hi)
+    t2 = torch.stack((torch.minimum(torch.maximum(zeros, lo), hi), t_large), -1)
+    F2 = _evaluate(
+        sample[:, None, :],
+        m[:, None, None],
+        t2[..., None],
+        eps[:, None, None],
+        kk[:, None] * (ns / n),
+        0.0,
+    )[0]
+    t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
+    state = start_state(t0, lo, hi, f_lo=n - kk, f_hi=-kk, done=~solve_rows)
+    invalid = torch.zeros_like(solve_rows)
+    return _Prep(m[:, None], eps[:, None], kk, solve_rows, sel_none, sel_all, invalid), state
+
+
+def _start(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    tol: float,
+    top: int,
+    steps: int,
+    bisect: int = 0,
+    stride: int = 0,
+    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[_Prep, SolverState]:
+    """The preparation and the first ``steps`` Halley steps (then ``bisect`` bit bisections):
+    pure tensor code, compiled as one function on the fused path and traced as is."""
+    if stride and row_stats is not None:
+        prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
+    else:
+        prep, state = _prepare_exact(x, k, eps, top)
+    args = (x, prep.m2, prep.e2, prep.k_total, tol)
+    state = run_steps(_evaluate_t, state, args, steps)
+    return prep, run_steps(_evaluate_t, state, args, bisect, bisect=True)
+
+
+def _solve(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+) -> tuple[ThresholdState, torch.Tensor]:
+    """:func:`solve`, and the mask at the solution (the last evaluation's, when there is one)."""
+    n = x.shape[-1]
+    dtype = x.dtype
+    traced = torch.compiler.is_compiling()
+    meta = x.device.type == "meta"
+    if k_scalar is not None and dtype == torch.float32:
+        # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
+        # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
+        k_scalar = struct.unpack("f", struct.pack("f", k_scalar))[0]
+    if k_scalar is not None:
+        top = min(math.floor(k_scalar) + 1, n)
+    elif traced or meta:
+        top = n  # no host read of k: the whole row (a sort)
+    else:
+        top = min(int(k.detach().max()) + 1, n) if k.numel() else 1
+    top = max(top, 1)
+    stride, stats = 0, None
+    if n > EXACT_MAX_N and not (traced or meta):
+        stats = maybe_fused(_row_stats, x)(x)
+        if bool((torch.isfinite(stats[0]) & torch.isfinite(stats[1])).all()):
+            stride = max(n // SAMPLE_SIZE, 1)
+            ns = -(-n // stride)
+            if k_scalar is not None:
+                q_max = min(max(round(k_scalar * ns / n), 1), ns - 1)
+            else:
+                q_max = int((k.detach().max() * (ns / n)).round().clamp(1, ns - 1))
+            top = q_max + 1
+    start = maybe_fused(_start, x)
+    fused = start is not _start
+    if traced:
+        steps, bisect = fixed_schedule(dtype, max_iter)
+    elif meta:
+        steps, bisect = 0, 0
+    else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
+        host = x.device.type == "cpu" and not fused
+        steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
+    prep, state = start(x, k, eps, tol, top, steps, bisect, stride, stats)
+    evaluations = steps + bisect
+    if not traced:
+        block = 1 if x.device.type == "cpu" and not fused else BLOCK
+        state, evaluations = iterate(
+            _evaluate_t,
+            state,
+            (x, prep.m2, prep.e2, prep.k_total, tol),
+            max_iter=max_iter,
+            evaluations=evaluations,
+            block=block,
+            wrap=lambda fn: maybe_fused(fn, x),
+        )
+    res = result(state, evaluations)
+    solve_rows, invalid = prep.solve_rows, prep.invalid
+    special = traced or meta or not bool(solve_rows.all())
+    m = prep.m2.squeeze(-1)
+    A = res.extra[-1] if res.extra else _mask(x, prep.m2, res.root[:, None], prep.e2)
+    if not special:
+        return ThresholdState(
+            m, res.root, res.converged, evaluations, res.residual, None, None, None
+        ), A
+    converged = res.converged | ~(solve_rows | invalid)
+    residual = torch.where(solve_rows, res.residual, 0).masked_fill(invalid, math.nan)
+    A = _fill_special(A, x, prep.sel_none, prep.sel_all, invalid)
+    state_out = ThresholdState(
+        m, res.root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid
+    )
+    return state_out, A
 
 
 def solve(
@@ -156,163 +387,27 @@ def solve(
         tol: extra absolute tolerance on ``|sum A - k|`` (0: machine precision only).
         k_scalar: the common value of k when it is a Python number (saves a host sync).
     """
-    B, n = x.shape
-    dtype = x.dtype
-    em = torch.finfo(dtype).eps
-    if k_scalar is not None and dtype == torch.float32:
-        # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
-        # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
-        k_scalar = struct.unpack("f", struct.pack("f", k_scalar))[0]
-    xmin, xmax, xsum = maybe_fused(_row_stats, x)(x)
-    all_finite = bool((torch.isfinite(xmin) & torch.isfinite(xmax)).all())
-    sel_none: torch.Tensor | None = None
-    sel_all: torch.Tensor | None = None
-    invalid: torch.Tensor | None = None
-    solve_rows: torch.Tensor | None = None  # None: every row is solved (the masks are None too)
-    if all_finite:
-        k_eff = k
-        n_fin = torch.full_like(k, n)
-        if not (k_scalar is not None and 0 < k_scalar < n):
-            sel_none, sel_all = k <= 0, k >= n
-            invalid = torch.zeros_like(sel_none)
-            solve_rows = ~(sel_none | sel_all)
-        xs = x
-    else:
-        finite = torch.isfinite(x)
-        n_fin = finite.sum(-1).to(dtype)
-        k_eff = k - (x == math.inf).sum(-1).to(dtype)
-        invalid = torch.isnan(x).any(-1) | (k_eff < 0) | (k_eff > n_fin)
-        sel_none = ~invalid & (k_eff == 0)
-        sel_all = ~invalid & (k_eff == n_fin)
-        solve_rows = ~(invalid | sel_none | sel_all)
-        xs = torch.where(finite, x, -math.inf)
+    return _solve(x, k, eps, max_iter, tol, k_scalar)[0]
 
-    zeros = torch.zeros(B, dtype=dtype, device=x.device)
-    if solve_rows is not None and invalid is not None and not bool(solve_rows.any()):
-        return ThresholdState(
-            zeros,
-            zeros,
-            ~invalid,
-            0,
-            zeros.masked_fill(invalid, math.nan),
-            sel_none,
-            sel_all,
-            invalid,
-        )
-    # Rows that are not solved get a harmless k so that the arithmetic below stays finite.
-    kk = k_eff if solve_rows is None else torch.where(solve_rows, k_eff, 0.5 * n_fin.clamp(min=1))
-    nn_ = n_fin if solve_rows is None else n_fin.clamp(min=1)
-    logit_k = torch.log(kk) - torch.log(nn_ - kk)
 
-    sample = None
-    if n <= EXACT_MAX_N or not all_finite:
-        j_hi = torch.ceil(kk).clamp(min=1).long()
-        j_lo = torch.minimum(torch.floor(kk).long() + 1, nn_.long())
-        if k_scalar is not None and all_finite:
-            top = min(math.floor(k_scalar) + 1, n)
-        else:
-            top = int(j_lo.max())
-        topv = xs.topk(top, dim=-1).values
-        x_hi = topv.gather(-1, (j_hi - 1)[:, None]).squeeze(-1)
-        x_lo = topv.gather(-1, (j_lo - 1)[:, None]).squeeze(-1)
-        m = 0.5 * (x_hi + x_lo)
-        # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
-        # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
-        lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo.to(dtype) - kk))
-        hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1).to(dtype)) - torch.log(nn_ - kk))
-    else:
-        stride = max(n // SAMPLE_SIZE, 1)
-        sample = x[:, ::stride]
-        ns = sample.shape[-1]
-        q = (kk * (ns / n)).round().long().clamp(1, ns - 1)
-        top = int(q.max()) + 1 if k_scalar is None else min(round(k_scalar * ns / n), ns - 1) + 1
-        top = max(top, 2)
-        topv = sample.topk(top, dim=-1).values
-        m = 0.5 * (topv.gather(-1, (q - 1)[:, None]) + topv.gather(-1, q[:, None])).squeeze(-1)
-        lo = (xmin - m) - eps * logit_k
-        hi = (xmax - m) - eps * logit_k
-    # Bounds on the residual at the bracket's ends: every entry above lo, none above hi.
-    f_lo, f_hi = nn_ - kk, -kk
-    if solve_rows is not None:
-        m = torch.where(solve_rows, m, zeros)
-        lo = torch.where(solve_rows, lo, zeros)
-        hi = torch.where(solve_rows, hi, zeros)
-    # Widen by one ulp of the scale so that rounding cannot leave the root outside the bracket.
-    pad = 4 * em * (lo.abs() + hi.abs() + eps)
-    lo, hi = lo - pad, hi + pad
-
-    xmean = xsum / n if all_finite else torch.where(finite, x, 0).sum(-1) / nn_
-    t_large = torch.minimum(torch.maximum(xmean - m - eps * logit_k, lo), hi)
-    t_mid = torch.minimum(torch.maximum(zeros, lo), hi)
-
-    # The residual counts +inf entries as selected, so it is taken against the total k.
-    k_total = kk if all_finite else kk + (k - k_eff)
-    evaluate_fn = maybe_fused(_evaluate, x)
-    fused = evaluate_fn is not _evaluate
-    m2, e2 = m[:, None], eps[:, None]
-
-    t2 = torch.stack((t_mid, t_large), -1)
-    if sample is not None:
-        # Long rows: pick the better starting point on the subsample (a negligible cost).
-        F2 = _evaluate(
-            sample[:, None, :],
-            m2[..., None],
-            t2[..., None],
-            e2[..., None],
-            (k_total * (sample.shape[-1] / n))[:, None],
-            0.0,
-        )[0]
-        t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
-        first, init_evals = None, 0
-    else:
-        # Best of two starting points, evaluated in one pass; both tighten the bracket.
-        F2, dF2, tol2 = evaluate_fn(
-            x[:, None, :], m2[..., None], t2[..., None], e2[..., None], k_total[:, None], tol
-        )
-        tighter_lo = (F2 > 0) & (t2 >= lo[:, None])
-        tighter_hi = (F2 < 0) & (t2 <= hi[:, None])
-        lo2 = torch.where(tighter_lo, t2, lo[:, None])
-        hi2 = torch.where(tighter_hi, t2, hi[:, None])
-        lo, hi = lo2.amax(-1), hi2.amin(-1)
-        f_lo = torch.where(tighter_lo, F2, f_lo[:, None]).gather(-1, lo2.argmax(-1, keepdim=True))
-        f_hi = torch.where(tighter_hi, F2, f_hi[:, None]).gather(-1, hi2.argmin(-1, keepdim=True))
-        f_lo, f_hi = f_lo.squeeze(-1), f_hi.squeeze(-1)
-        best = F2.abs().argmin(-1, keepdim=True)
-        t0 = t2.gather(-1, best).squeeze(-1)
-        first = tuple(v.gather(-1, best).squeeze(-1) for v in (F2, dF2, tol2))
-        init_evals = 2
-    done = None if solve_rows is None else ~solve_rows
-    res = bracketed_newton(
-        _evaluate_t,
-        t0,
-        lo,
-        hi,
-        max_iter=max(max_iter - init_evals, 1),
-        eval_args=(x, m2, e2, k_total, tol),
-        done=done,
-        f_lo=f_lo,
-        f_hi=f_hi,
-        first=first,
-        # a host test is free on a CPU; elsewhere, or when fused, run blocks without syncs
-        block=1 if x.device.type == "cpu" and not fused else BLOCK,
-        wrap=lambda fn: maybe_fused(fn, x),
-    )
-    converged, residual = res.converged, res.residual
-    if solve_rows is not None and invalid is not None:
-        converged = converged | ~(solve_rows | invalid)
-        residual = torch.where(solve_rows, residual, zeros).masked_fill(invalid, math.nan)
-    return ThresholdState(
-        m, res.root, converged, res.iterations + init_evals, residual, sel_none, sel_all, invalid
-    )
+def _fill_special(
+    A: torch.Tensor,
+    x: torch.Tensor,
+    sel_none: torch.Tensor,
+    sel_all: torch.Tensor,
+    invalid: torch.Tensor,
+) -> torch.Tensor:
+    """The rows that are not solved, exactly: their +inf entries, all but -inf, or NaN."""
+    A = torch.where(sel_none[:, None], (x == math.inf).to(x.dtype), A)
+    A = torch.where(sel_all[:, None], (x > -math.inf).to(x.dtype), A)
+    return A.masked_fill(invalid[:, None], math.nan)
 
 
 def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tensor) -> torch.Tensor:
     """``sigmoid(((x - m) - t) / eps)`` with the special rows of ``state`` filled in exactly."""
     A = maybe_fused(_mask, x)(x, state.m[:, None], state.t[:, None], eps[:, None])
     if state.invalid is not None and state.sel_none is not None and state.sel_all is not None:
-        A = torch.where(state.sel_none[:, None], (x == math.inf).to(x.dtype), A)
-        A = torch.where(state.sel_all[:, None], (x > -math.inf).to(x.dtype), A)
-        A = A.masked_fill(state.invalid[:, None], math.nan)
+        A = _fill_special(A, x, state.sel_none, state.sel_all, state.invalid)
     return A
 
 
@@ -356,7 +451,7 @@ def _k_weights(
 
 
 class _SoftTopKMaskOT(torch.autograd.Function):
-    """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward.
+    """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward and jvp.
 
     Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,).
     """
@@ -370,11 +465,10 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         tol: float,
         k_scalar: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        state = solve(x, k, eps, max_iter=max_iter, tol=tol, k_scalar=k_scalar)
-        A = mask_from_threshold(x, state, eps)
+        state, A = _solve(x, k, eps, max_iter, tol, k_scalar)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
         ok = state.converged if state.invalid is None else state.converged | state.invalid
-        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the backward's limits in k.
+        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the limits in k.
         edge = None
         if state.sel_none is not None and state.sel_all is not None:
             edge = state.sel_none.to(torch.int8) - state.sel_all.to(torch.int8)
@@ -389,6 +483,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             ctx.save_for_backward(A, eps, x, m, t, edge)
         else:
             ctx.save_for_backward(A, eps)
+        ctx.save_for_forward(A, eps, x, m, t, edge)
         ctx.fused = compile_enabled()  # the backward follows the forward's choice
 
     @staticmethod
@@ -416,6 +511,43 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             geps = -(gA * s * zc).sum(-1)
         return gx, gk, geps, None, None, None
 
+    @staticmethod
+    def jvp(
+        ctx: Any,
+        dx: torch.Tensor | None,
+        dk: torch.Tensor | None,
+        deps: torch.Tensor | None,
+        *_: Any,
+    ) -> tuple[torch.Tensor | None, ...]:
+        r"""``dA = s * (u - <w, u>) + w dk`` with ``u = dx - z deps`` (the backward's transpose).
+
+        Differentiating ``sum_i sigma((x_i - t)/eps) = k`` gives ``dt = (<s, u> - dk) / sum s``,
+        and ``dA_i = s_i (u_i - dt)``. ``z`` is masked where ``s`` (or ``w``) is 0, as in the
+        backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
+        """
+        A, eps, x, m, t, edge = ctx.saved_tensors
+        e = eps[:, None]
+        if dk is None and deps is None:
+            dA = torch.zeros_like(A) if dx is None else _vjp_x(A, dx, e)  # J is symmetric
+            return dA, None, None, None, None
+        s = A * (1 - A) / e
+        z = ((x - m[:, None]) - t[:, None]) / e
+        w = _k_weights(z, x, e, edge)
+        u_s = torch.zeros_like(A) if dx is None else dx
+        u_w = u_s
+        if deps is not None:
+            u_s = u_s - torch.where(s > 0, z, 0) * deps[:, None]
+            u_w = u_w - torch.where(w > 0, z, 0) * deps[:, None]
+        dA = s * (u_s - (w * u_w).sum(-1, keepdim=True))
+        if dk is not None:
+            dA = dA + w * dk[:, None]
+        return dA, None, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        """Every input and output leads with the rows: vmapped rows are more rows."""
+        return vmap_rows(_SoftTopKMaskOT, info, in_dims, *args)
+
 
 def ot_mask(
     op: str,
@@ -427,9 +559,10 @@ def ot_mask(
     k_scalar: float | None,
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows, with the non-convergence warning (no host sync
-    beyond the one of the warning's check)."""
+    beyond the one of the warning's check; none when traced, where the schedule is fixed)."""
     A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
-    warn_not_converged(op, converged, max_iter)
+    if not torch.compiler.is_compiling():
+        warn_not_converged(op, converged, max_iter)
     return A
 
 
