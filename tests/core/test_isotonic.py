@@ -430,7 +430,7 @@ def test_projection_serial_and_parallel_kernels_agree(numba_mod):
         ):
             out = np.full_like(sn, np.nan)
             block = np.full(sn.shape, -3, dtype=np.int64)
-            kernel(sn, wn, out, block)
+            assert kernel(sn, wn, out, block) == 0  # no row took the plain formulas
             outs.append((out, block))
         assert (outs[0][0] == outs[1][0]).all() and (outs[0][1] == outs[1][1]).all()
 
@@ -461,10 +461,70 @@ def test_meta_tensors_give_shapes_only(backend, monkeypatch):
         s = torch.empty(4, 6, dtype=dtype, device="meta")
         for w in (torch.empty(1, 6, dtype=dtype, device="meta"), torch.empty(4, 6, device="cpu")):
             for project in (isotonic.project_l2, isotonic.project_kl):
-                p, block = project(s, w, backend=backend)
-                assert p.is_meta and block.is_meta
+                p, block, finite = project(s, w, backend=backend)
+                assert p.is_meta and block.is_meta and finite is False  # unknown
                 assert p.shape == block.shape == (4, 6)
                 assert p.dtype == dtype and block.dtype == torch.int64
         for v, block in (isotonic.isotonic_l2(s), isotonic.isotonic_kl(s, s[:1])):
             assert v.is_meta and v.shape == (4, 6) and v.dtype == dtype
             assert block.is_meta and block.dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kl", [False, True])
+def test_projection_reports_whether_every_row_was_finite(kl, backend, numba_mod):
+    """The kernels count the rows that took the plain formulas (a non-finite entry in s or w),
+    so that the caller applies its limits only then, without a pass of its own."""
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    g = seeded(4)
+    s, w = _sorted_pair(5, 9, 1.0, torch.float64, g)
+    assert project(s, w, backend=backend).finite is True
+    for bad in (math.inf, -math.inf, math.nan):
+        s2 = s.clone()
+        s2[3, 0 if bad != -math.inf else -1] = bad
+        res = project(s2, w, backend=backend)
+        assert res.finite is False
+        fine = [0, 1, 2, 4]  # the other rows are unchanged
+        assert torch.equal(res.p[fine], project(s, w, backend=backend).p[fine])
+    w2 = w.clone()
+    w2[1, 0] = math.inf
+    assert project(s, w2, backend=backend).finite is False
+    if backend == "numba":
+        from softops._core import _isotonic_numba as kernels
+
+        s2 = s.clone()
+        s2[[0, 3], 0] = math.inf
+        for kernel in (
+            (kernels.proj_kl_serial, kernels.proj_kl_parallel)
+            if kl
+            else (kernels.proj_l2_serial, kernels.proj_l2_parallel)
+        ):
+            out, block = np.empty(s.shape), np.empty(s.shape, dtype=np.int64)
+            assert kernel(s2.numpy(), w.numpy(), out, block) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatch):
+    monkeypatch.setattr(isotonic, "compile_enabled", lambda: True)
+    g = seeded(9)
+    s, w = _sorted_pair(5, 12, 1.0, dtype, g)
+    block = isotonic.project_l2(s, w).block
+    cot = torch.randn(5, 12, generator=g, dtype=F64).to(dtype)
+    pz = torch.stack([torch.randperm(12, generator=g) for _ in range(5)])
+    pw = torch.stack([torch.randperm(12, generator=g) for _ in range(5)])
+    for perm_z, perm_w in ((pz, None), (None, pw), (pz, pw), (None, None)):
+        gs = cot if perm_z is None else cot.gather(1, perm_z)
+        mean = isotonic.block_mean(gs, block)
+        want_z = gs - mean
+        if perm_z is not None:
+            want_z = torch.empty_like(gs).scatter(1, perm_z, want_z)
+        want_w = mean if perm_w is None else torch.empty_like(mean).scatter(1, perm_w, mean)
+        gz, gw = isotonic.l2_vjp_host(cot, perm_z, perm_w, block, True, True)
+        tol = 1e-6 if dtype == torch.float32 else 1e-13
+        torch.testing.assert_close(gz, want_z, rtol=tol, atol=tol)
+        torch.testing.assert_close(gw, want_w, rtol=tol, atol=tol)
+        assert gz.dtype == dtype and gw.dtype == dtype
+    assert isotonic.l2_vjp_host(cot, pz, None, block, True, False)[1] is None
+    assert isotonic.l2_vjp_host(cot[:, ::2], None, None, block[:, :6], True, True) is not None
+    monkeypatch.setattr(isotonic, "compile_enabled", lambda: False)
+    assert isotonic.l2_vjp_host(cot, pz, None, block, True, False) is None  # torch form then

@@ -461,58 +461,97 @@ def test_kl_sort_with_minus_inf_has_finite_gradients():
 
 def _pooled_rows(kl: bool, w_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted (descending) s (3, 7) and w (w_rows, 7) whose projection pools several blocks of
-    two and more entries, with a tie in s inside a block."""
+    two and more entries, with a tie in s (inside a block: w strictly decreases)."""
     g = torch.Generator().manual_seed(11)
     s = (torch.randn(3, 7, generator=g, dtype=F64) * 2.0).sort(-1, descending=True).values
-    s[1, 3] = s[1, 2]  # a tie (inside a pooled block)
+    s[1, 3] = s[1, 2]
     w = torch.arange(7, 0, -1, dtype=F64).expand(w_rows, 7).clone()
     w = w + 0.1 * torch.rand(w_rows, 7, generator=g, dtype=F64).sort(-1, descending=True).values
     return s, (w.log() if kl else w)
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("layout", ["rank", "rank-exp", "sort"])  # what the node sorts
 @pytest.mark.parametrize("w_rows", [1, 3])
 @pytest.mark.parametrize("kl", [False, True], ids=["l2", "kl"])
-def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(kl, w_rows, backend, monkeypatch):
-    from softops.sort._pav import _ProjectKL, _ProjectL2
+def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
+    kl, w_rows, layout, backend, monkeypatch
+):
+    """The node's jvp against jacrev and central differences, in z and in w, for each use:
+    z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort)."""
+    from softops.sort._pav import _Permutahedron
 
     if backend == "numba":
         pytest.importorskip("numba")
+    if layout == "rank-exp" and not kl:
+        pytest.skip("exp space is the KL rank's")
     monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
-    project = _ProjectKL if kl else _ProjectL2
-    s, w = _pooled_rows(kl, w_rows)
-    block = project.apply(s, w)[1]
-    sizes = torch.zeros_like(s).scatter_add(1, block, torch.ones_like(s))
-    assert (sizes >= 2).any() and (sizes == 1).any()  # pooled blocks and singletons
-
-    def p(s, w):
-        return project.apply(s, w)[0]
-
+    exp_space = layout == "rank-exp"
+    s, w = _pooled_rows(kl and not exp_space, w_rows)
     g = torch.Generator().manual_seed(3)
     ds = torch.randn(s.shape, generator=g, dtype=F64)
-    ds[1, 3] = ds[1, 2]  # keep the tie (and the order) along the tangent
+    ds[1, 3] = ds[1, 2]  # keep the tie along the tangent
     dw = torch.randn(w.shape, generator=g, dtype=F64)
-    out, tangent = torch.func.jvp(p, (s, w), (ds, dw))
-    torch.testing.assert_close(out, p(s, w), rtol=0, atol=0)
-    js, jw = torch.func.jacrev(p, argnums=(0, 1))(s, w)  # (3, 7, 3, 7), (3, 7, w_rows, 7)
-    want = torch.einsum("bicj,cj->bi", js, ds) + torch.einsum("bicj,cj->bi", jw, dw)
+    if layout != "sort":  # z shuffled (sorted in the node), w sorted
+        perm = torch.stack([torch.randperm(7, generator=g) for _ in range(3)])
+        z, dz, flags = s.gather(1, perm), ds.gather(1, perm), (kl, True, False, exp_space)
+    else:  # z sorted, w shuffled (sorted in the node); no tie in w
+        perm = torch.randperm(7, generator=g).expand(w_rows, 7)
+        s, ds = s[[0, 2, 2]], ds[[0, 2, 2]]
+        z, dz, flags = s, ds, (kl, False, True, False)
+        w, dw = w.gather(1, perm), dw.gather(1, perm)
+
+    def p(z, w):
+        return _Permutahedron.apply(z, w, *flags)[0]
+
+    block = _Permutahedron.apply(z, w, *flags)[3]
+    sizes = torch.zeros_like(z).scatter_add(1, block, torch.ones_like(z))
+    assert (sizes >= 2).any() and (sizes == 1).any()  # pooled blocks and singletons
+    out, tangent = torch.func.jvp(p, (z, w), (dz, dw))
+    torch.testing.assert_close(out, p(z, w), rtol=0, atol=0)
+    jz, jw = torch.func.jacrev(p, argnums=(0, 1))(z, w)  # (3, 7, 3, 7), (3, 7, w_rows, 7)
+    want = torch.einsum("bicj,cj->bi", jz, dz) + torch.einsum("bicj,cj->bi", jw, dw)
     torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
-    h = 1e-6  # central differences: the blocks do not change within h
-    fd = (p(s + h * ds, w + h * dw) - p(s - h * ds, w - h * dw)) / (2 * h)
+    h = 1e-6  # central differences: the blocks and the orders do not change within h
+    fd = (p(z + h * dz, w + h * dw) - p(z - h * dz, w - h * dw)) / (2 * h)
     torch.testing.assert_close(tangent, fd, rtol=0, atol=1e-8)
     # each tangent alone, and jacfwd equals jacrev
     torch.testing.assert_close(
-        torch.func.jvp(lambda s: p(s, w), (s,), (ds,))[1], torch.einsum("bicj,cj->bi", js, ds)
+        torch.func.jvp(lambda z: p(z, w), (z,), (dz,))[1], torch.einsum("bicj,cj->bi", jz, dz)
     )
     torch.testing.assert_close(
-        torch.func.jvp(lambda w: p(s, w), (w,), (dw,))[1], torch.einsum("bicj,cj->bi", jw, dw)
+        torch.func.jvp(lambda w: p(z, w), (w,), (dw,))[1], torch.einsum("bicj,cj->bi", jw, dw)
     )
-    jfs, jfw = torch.func.jacfwd(p, argnums=(0, 1))(s, w)
-    torch.testing.assert_close(jfs, js, rtol=1e-12, atol=1e-12)
+    jfz, jfw = torch.func.jacfwd(p, argnums=(0, 1))(z, w)
+    torch.testing.assert_close(jfz, jz, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(jfw, jw, rtol=1e-12, atol=1e-12)
-    # the l2 Jacobian in s (I - block mean) is symmetric; the KL one, I - 1 softmax(s_B)^T, is not
-    row = js[0, :, 0, :]
-    assert torch.allclose(row, row.T) != kl
+    # in sorted coordinates, the l2 Jacobian in s (I - block mean) is symmetric; the KL one,
+    # I - 1 softmax(s_B)^T, is not
+    if layout == "sort":
+        row = jz[0, :, 0, :]
+        assert torch.allclose(row, row.T) != kl
+
+
+@pytest.mark.parametrize("reg", REGS)
+def test_derivatives_at_the_limits_are_zero_and_agree(reg):
+    """Infinite entries (set to their limit) and NaN rows get zero derivatives, in both modes;
+    the finite entries of such rows keep theirs."""
+    inf = math.inf
+    x = torch.tensor(
+        [[0.3, inf, -0.2, inf, 0.6], [-inf, 0.5, 1.5, 0.1, 0.2], [0.1, math.nan, 1.0, 2.0, 3.0]],
+        dtype=F64,
+    )
+    for fn in (soft_rank, soft_sort):
+        f = lambda t, fn=fn: fn(t, epsilon=0.9, regularization=reg)  # noqa: E731
+        rev = torch.func.jacrev(f)(x)
+        fwd = torch.func.jacfwd(f)(x)
+        assert bool(rev.isfinite().all()) and bool(fwd.isfinite().all())
+        torch.testing.assert_close(rev, fwd, rtol=1e-12, atol=1e-12)
+        assert bool((rev[2] == 0).all()) and bool((rev[:, :, 2] == 0).all())  # the NaN row
+        if fn is soft_rank:  # the infinite entries are their limits: no derivative in or out
+            for b, j in ((0, 1), (0, 3), (1, 0)):
+                assert bool((rev[b, j] == 0).all()) and bool((rev[b, :, b, j] == 0).all())
+            assert bool((rev[0, 0, 0, [0, 2, 4]] != 0).any())
 
 
 @pytest.mark.parametrize("reg", REGS)
@@ -565,3 +604,44 @@ def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
     x = torch.empty(2, 6, dtype=F64, device="meta", requires_grad=True)
     (gx,) = torch.autograd.grad(soft_rank(x, epsilon=0.7, regularization="kl").sum(), x)
     assert gx.device.type == "meta" and gx.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("fn", [soft_sort, soft_rank])
+def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
+    """With numba, the l2 backward is one compiled pass (isotonic.l2_vjp_host) unless the graph
+    of the gradient is wanted; it gives the torch form's gradients, in x and in epsilon."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 40, generator=g, dtype=F64) * 3).to(dtype)
+    x[2, 5] = x[2, 7]  # a tie
+    eps = torch.tensor([0.3, 1.0, 2.0, 0.05, 7.0, 1.5], dtype=dtype)
+    w = torch.randn(6, 40, generator=g, dtype=F64).to(dtype)
+    calls = []
+    real = isotonic.l2_vjp_host
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(softops.sort._pav, "l2_vjp_host", counted)
+
+    def grads(backend: str, create_graph: bool = False):
+        monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+        xr, er = x.clone().requires_grad_(), eps.clone().requires_grad_()
+        out = [fn(xr, epsilon=er, descending=d) for d in (False, True)]
+        loss = sum(((o * w) ** 2).sum() for o in out)  # a cotangent that is not constant
+        return torch.autograd.grad(loss, (xr, er), create_graph=create_graph)
+
+    fused = grads("numba")
+    assert calls == [True, True]  # the fused pass ran, once per call
+    plain = grads("torch")
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    calls.clear()
+    twice = grads("numba", create_graph=True)  # the gradient's graph: the torch form
+    assert not any(calls) and twice[0].requires_grad
+    for a, b in zip(twice, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

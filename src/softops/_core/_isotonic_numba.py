@@ -13,6 +13,7 @@ import numba
 import numpy as np
 
 __all__ = [
+    "l2_vjp",
     "pav_kl",
     "pav_l2",
     "proj_kl_parallel",
@@ -104,6 +105,7 @@ def _all_finite(s, w):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True)
 def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
+    """One row of P_Q(s, w) into out and block; returns whether the row was finite."""
     n = s.shape[0]
     finite = _all_finite(s, w)
     top = -1
@@ -148,10 +150,12 @@ def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compile
                 out[j] = s[j] - value
                 block[j] = k
             pos += cnt[k]
+    return finite
 
 
 @numba.njit(cache=True, nogil=True)
 def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
+    """One row of P_E(s, w) into out and block; returns whether the row was finite."""
     n = s.shape[0]
     finite = _all_finite(s, w)
     top = -1
@@ -200,18 +204,23 @@ def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - co
                 out[j] = s[j] - value
                 block[j] = k
             pos += cnt[k]
+    return finite
 
 
 @numba.njit(cache=True, nogil=True)
 def proj_l2_serial(s, w, out, block):  # pragma: no cover - compiled
     """P(s, w) = s - v_Q(s, w) row by row (s, w sorted descending; one row of s or w broadcasts).
 
-    The work arrays are one row long and reused, so they stay in cache."""
+    The work arrays are one row long and reused, so they stay in cache. Returns the number of
+    rows that held a non-finite entry (and took the plain formulas)."""
     B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
     ref, cnt, acc = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
+    bad = 0
     for b in range(B):
-        _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc)
+        if not _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc):
+            bad += 1
+    return bad
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -219,19 +228,25 @@ def proj_l2_parallel(s, w, out, block):  # pragma: no cover - compiled
     """``proj_l2_serial`` with ``prange`` over the rows (work arrays per row)."""
     B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
+    bad = 0
     for b in numba.prange(B):
         ref, cnt, acc = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
-        _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc)
+        if not _proj_l2_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc):
+            bad += 1
+    return bad
 
 
 @numba.njit(cache=True, nogil=True)
 def proj_kl_serial(s, w, out, block):  # pragma: no cover - compiled
-    """P_E(s, w) = s - v_E(s, w) row by row (inputs as for ``proj_l2_serial``)."""
+    """P_E(s, w) = s - v_E(s, w) row by row (inputs and result as for ``proj_l2_serial``)."""
     B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
     ref, cnt, acc, aux = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n), np.empty(n)
+    bad = 0
     for b in range(B):
-        _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux)
+        if not _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux):
+            bad += 1
+    return bad
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -239,7 +254,43 @@ def proj_kl_parallel(s, w, out, block):  # pragma: no cover - compiled
     """``proj_kl_serial`` with ``prange`` over the rows (work arrays per row)."""
     B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)
+    bad = 0
     for b in numba.prange(B):
         ref, cnt = np.empty(n, np.int64), np.empty(n, np.int64)
         acc, aux = np.empty(n), np.empty(n)
-        _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux)
+        if not _proj_kl_row(s[b * ds], w[b * dw], out[b], block[b], ref, cnt, acc, aux):
+            bad += 1
+    return bad
+
+
+# ------------------------------------------------------------------ the l2 VJP, fused on the host
+
+
+@numba.njit(cache=True, nogil=True)
+def l2_vjp(g, pz, pw, block, gz, gw):  # pragma: no cover - compiled
+    """The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g in z's order (B, n).
+
+    ``pz`` / ``pw`` (B, n) sort z / w descending; a (B, 0) array means "already sorted". With m
+    the block mean of the sorted cotangent gs = g[pz]: gz[pz] = gs - m and gw[pw] = m, each
+    written only when that output has n columns. One pass over each row, no temporaries.
+    """
+    B, n = g.shape
+    acc, cnt = np.empty(n), np.empty(n, np.int64)
+    sort_z, sort_w = pz.shape[1] == n, pw.shape[1] == n
+    want_z, want_w = gz.shape[1] == n, gw.shape[1] == n
+    for b in range(B):
+        for k in range(block[b, n - 1] + 1):
+            acc[k] = 0.0
+            cnt[k] = 0
+        for j in range(n):
+            k = block[b, j]
+            acc[k] += g[b, pz[b, j] if sort_z else j]
+            cnt[k] += 1
+        for j in range(n):
+            k = block[b, j]
+            mean = acc[k] / cnt[k]
+            if want_z:
+                i = pz[b, j] if sort_z else j
+                gz[b, i] = g[b, i] - mean
+            if want_w:
+                gw[b, pw[b, j] if sort_w else j] = mean

@@ -31,6 +31,12 @@ Backends:
   is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
   turned off (``softops.set_compile(False)``, as the test suite does).
 
+The projection kernels also report whether every row was finite (``Projection.finite``), so that a
+caller applies the limits of non-finite entries only when there are some, without a pass of its
+own; :func:`l2_vjp_host` is the L2 VJP in one compiled pass (gather, block mean, scatter), for a
+backward whose gradient is not differentiated again (the torch form, with the helpers at the end
+of this module, is the reference and serves every other case).
+
 Meta tensors (shape inference) get outputs of the right shapes and dtypes from every entry point,
 without a backend: there are no values to pool.
 
@@ -47,7 +53,7 @@ import math
 import threading
 import warnings
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +68,7 @@ __all__ = [
     "block_sum",
     "isotonic_kl",
     "isotonic_l2",
+    "l2_vjp_host",
     "project_kl",
     "project_l2",
 ]
@@ -81,10 +88,14 @@ class IsotonicResult(NamedTuple):
 
 
 class Projection(NamedTuple):
-    """The projection ``p = s - v`` (B, n) and the block id of each position (B, n), int64."""
+    """The projection ``p = s - v`` (B, n), the block id of each position (B, n), int64, and
+    whether every row of s and w was finite (False: some row took the plain formulas, whose
+    infinity arithmetic the caller may want to replace by a limit; also False on meta tensors,
+    where it is unknown)."""
 
     p: torch.Tensor
     block: torch.Tensor
+    finite: bool
 
 
 # Rows times columns below which the numba kernels run serially: a parallel launch costs more than
@@ -176,11 +187,19 @@ def _configure_threading() -> None:
         numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 
 
+def _host(t: torch.Tensor, dtype: torch.dtype) -> Any:
+    """t as a C-contiguous numpy array of ``dtype`` (no copy when it already is one on the CPU:
+    a small call is dominated by such per-op costs)."""
+    t = t.detach()
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        t = t.to("cpu", dtype).contiguous()
+    return t.numpy()
+
+
 def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     import numpy as np
 
-    sc = s.detach().cpu().contiguous().numpy()
-    wc = w.detach().cpu().to(s.dtype).contiguous().numpy()
+    sc, wc = _host(s, s.dtype), _host(w, s.dtype)
     B, n = max(sc.shape[0], wc.shape[0]), sc.shape[1]
     out = np.empty((B, n), dtype=sc.dtype)
     block = np.empty((B, n), dtype=np.int64)
@@ -197,15 +216,18 @@ def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
             previous = numba.get_num_threads()
             numba.set_num_threads(threads)
             try:
-                kernel(sc, wc, out, block)
+                bad = kernel(sc, wc, out, block)
             finally:
                 numba.set_num_threads(previous)
         finally:
             _PARALLEL_LOCK.release()
     else:
         kernel = kernels.proj_kl_serial if kl else kernels.proj_l2_serial
-        kernel(sc, wc, out, block)
-    return Projection(torch.from_numpy(out).to(s.device), torch.from_numpy(block).to(s.device))
+        bad = kernel(sc, wc, out, block)
+    p, blocks = torch.from_numpy(out), torch.from_numpy(block)
+    if s.device.type != "cpu":
+        p, blocks = p.to(s.device), blocks.to(s.device)
+    return Projection(p, blocks, bad == 0)
 
 
 # ------------------------------------------------------------------------- torch reference
@@ -276,7 +298,7 @@ def _sub(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(p == q, torch.zeros_like(p), p - q)
 
 
-def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     """``p = s - v(s, w)`` row by row, in the frame of the numba kernels (``_isotonic_numba``):
     blocks keep their statistics relative to their first position, and adjacent blocks are
     compared through gaps of the sorted inputs. Rows with a non-finite entry take the plain
@@ -292,7 +314,7 @@ def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> tuple[torch.Te
         v, block_bad = _torch_pav(sa[bad], wa[bad] if kl else None, wa[bad])
         out[bad], block[bad] = sa[bad] - v.to(acc_dt), block_bad
         if not bool(finite.any()):
-            return out.to(s.dtype), block
+            return Projection(out.to(s.dtype), block, False)
         sa, wa = sa[finite], wa[finite]
     Bf = sa.shape[0]
     rows = torch.arange(Bf, device=dev)
@@ -344,9 +366,9 @@ def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> tuple[torch.Te
         shift = w_ref - (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
     p_fin = _sub(sa, sa.gather(1, first)) + shift
     if Bf == B:
-        return p_fin.to(s.dtype), blk
+        return Projection(p_fin.to(s.dtype), blk, True)
     out[finite], block[finite] = p_fin, blk
-    return out.to(s.dtype), block
+    return Projection(out.to(s.dtype), block, False)
 
 
 def _warn_fallback(device: torch.device) -> None:
@@ -419,15 +441,16 @@ def _project(s: torch.Tensor, w: torch.Tensor, kl: bool, backend: str | None) ->
         return Projection(
             torch.empty(B, n, dtype=s.dtype, device=meta),
             torch.empty(B, n, dtype=torch.int64, device=meta),
+            False,
         )
     if n == 0 or B == 0:
         empty = s.detach().expand(B, n).clone()
-        return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device))
+        return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device), True)
     if _backend(backend) == "numba":
         return _numba_project(s, w, kl)
     if backend is None:
         _warn_fallback(s.device)
-    return Projection(*_torch_project(s.expand(B, n), w.to(s.dtype).expand(B, n), kl))
+    return _torch_project(s.expand(B, n), w.to(s.dtype).expand(B, n), kl)
 
 
 def project_l2(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> Projection:
@@ -443,7 +466,7 @@ def project_l2(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) 
         backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
 
     Returns:
-        ``Projection(p, block)``: ``p`` has the dtype and device of ``s``.
+        ``Projection(p, block, finite)``: ``p`` has the dtype and device of ``s``.
 
     Example:
         >>> s = torch.tensor([[3e8, 2e8, 1e8]])
@@ -460,6 +483,38 @@ def project_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) 
     ``logsumexp(s_B) - logsumexp(w_B)``, formed relative to each block's first position.
     """
     return _project(s, w, True, backend)
+
+
+def l2_vjp_host(
+    g: torch.Tensor,
+    pz: torch.Tensor | None,
+    pw: torch.Tensor | None,
+    block: torch.Tensor,
+    want_z: bool,
+    want_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """The VJP of the L2 projection ``P_Q(z, w)`` in one compiled pass (``_isotonic_numba.l2_vjp``).
+
+    ``g`` (B, n) is the cotangent in z's order; ``pz`` / ``pw`` (B, n) sort z / w descending (None:
+    already sorted); ``block`` the block ids in sorted coordinates. Returns ``(gz, gw)`` (None
+    where not wanted), with m the block mean of ``g[pz]``: ``gz[pz] = g[pz] - m`` and
+    ``gw[pw] = m``, or None when the numba kernels are not in use or ``g`` is not on the CPU
+    (the caller then uses the torch form, which is also the one to use when the gradient itself
+    is to be differentiated: this pass is not).
+    """
+    if g.device.type != "cpu" or _backend(None) != "numba":
+        return None
+    import numpy as np
+
+    B, n = g.shape
+    none = np.empty((B, 0), dtype=np.int64)
+    gc = _host(g, g.dtype)
+    gz = np.empty((B, n if want_z else 0), dtype=gc.dtype)
+    gw = np.empty((B, n if want_w else 0), dtype=gc.dtype)
+    perm_z = none if pz is None else _host(pz, torch.int64)
+    perm_w = none if pw is None else _host(pw, torch.int64)
+    _compiled().l2_vjp(gc, perm_z, perm_w, _host(block, torch.int64), gz, gw)
+    return (torch.from_numpy(gz) if want_z else None), (torch.from_numpy(gw) if want_w else None)
 
 
 # --------------------------------------------------------------------- blockwise helpers (VJP)

@@ -22,19 +22,31 @@ same maps to ``-x``. Both equal torchsort's ``soft_rank`` / ``soft_sort`` with
 ``arange(n)[::-1] + 1/epsilon`` (an operator-precedence slip in the reference numpy code that
 makes its sort ignore epsilon).
 
-Only the projection step has a custom autograd ``Function`` (the compiled kernel cannot be
-traced). It returns :math:`P(z, w) = z - v` itself, formed block by block relative to each block's
-first entry, never as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a
-sort at huge epsilon stays exact (``softops._core.isotonic.project_l2``). Its VJP is explicit: in
-z, the cotangent minus its block mean (L2) or minus the block softmax of z times the block sum
-(KL); in w, the block mean (L2) or the block softmax of w times the block sum (KL). Its JVP
-(forward mode: ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) applies the same
-Jacobian to the tangent: the L2 block mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw);
-the KL Jacobian, :math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and
-:math:`1\,\mathrm{softmax}(w_B)^\top` in w, is not, so
-dp = ds - <softmax(s_B), ds_B> + <softmax(w_B), dw_B>, broadcast over the block. Sorting,
-scaling and un-permuting are plain autograd, so gradients in ``epsilon`` and second derivatives
-come for free. On meta tensors the projection returns its shapes only (``project_l2``).
+One custom autograd ``Function``, ``_Permutahedron``, computes :math:`P(z, w)` for z in any
+order and w in any order (the permutahedron of w does not depend on its order): the sorts that
+the reduction needs, the isotonic step (a compiled kernel, which cannot be traced), the un-sort
+and the limits at non-finite entries, in one autograd node (a small call is dominated by the
+per-node and per-op overheads, not by the O(n log n) work). Only the scaling by epsilon is plain
+autograd around it, so gradients in ``epsilon`` come for free. It returns
+:math:`P(z, w) = z - v` itself, formed block by block relative to each block's first entry, never
+as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a sort at huge
+epsilon stays exact (``softops._core.isotonic.project_l2``).
+
+Its VJP is explicit, in sorted coordinates: in z, the cotangent minus its block mean (L2) or minus
+the block softmax of z times the block sum (KL); in w, the block mean (L2) or the block softmax of
+w times the block sum (KL); each is then un-sorted. Its JVP (forward mode: ``torch.func.jvp``,
+``jacfwd``, ``torch.autograd.forward_ad``) applies the same Jacobian to the tangent: the L2 block
+mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw); the KL Jacobian,
+:math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and :math:`1\,\mathrm{softmax}(w_B)^\top` in w,
+is not, so dp = ds - <softmax(s_B), ds_B> + <softmax(w_B), dw_B>, broadcast over the block. Both
+are written in differentiable torch ops of the cotangent and of the saved inputs (the block
+softmaxes are recomputed from z and w), so second derivatives are exact too (zero a.e. for L2).
+
+Limits (applied inside the node, where they cost a reduction, not a node): a NaN anywhere in a row
+of z or w makes the row NaN; for L2, a row of w holding both +inf and -inf is NaN (the projection
+keeps the sum of w, inf - inf); an infinite entry of z sits in a block of equal infinities, whose
+limit is the block's mean of w (L2) or its log-mean-exp (KL), where the formula gives inf - inf.
+These entries get a zero derivative. On meta tensors the node gives shapes only.
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
@@ -46,146 +58,206 @@ from typing import Any
 
 import torch
 
-from softops._core.isotonic import block_mean, block_softmax, block_sum, project_kl, project_l2
-from softops._core.transforms import under_functorch
+from softops._core.isotonic import (
+    block_mean,
+    block_softmax,
+    block_sum,
+    l2_vjp_host,
+    project_kl,
+    project_l2,
+)
 from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
 
-
-def _vmap_rows(
-    fn: Any, info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
-) -> tuple[Any, Any]:
-    """Rows are independent: broadcast the per-sample shapes, put the vmapped dim first and fold
-    it into the batch of rows."""
-    moved = [
-        t.movedim(d, 0) if d is not None else t.unsqueeze(0)
-        for t, d in zip((s, w), in_dims, strict=True)
-    ]
-    sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved))
-    shape = (info.batch_size, *sample)
-    s, w = (
-        t.reshape(t.shape[0], *[1] * (len(sample) + 1 - t.dim()), *t.shape[1:]).expand(shape)
-        for t in moved
-    )
-    p, block = fn.apply(s.reshape(-1, shape[-1]), w.reshape(-1, shape[-1]))
-    return (p.reshape(shape), block.reshape(shape)), (0, 0)
+Tensor = torch.Tensor
 
 
-def _like(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A (B, n) gradient summed down to w's rows ((B, n) or (1, n))."""
-    return g.sum(0, keepdim=True) if w.shape[0] != g.shape[0] else g
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, minus the signature binding that ``Function.apply`` runs on every call
+    (``inspect.signature``: about a fifth of a small soft_rank) to fill in defaults, which these
+    Functions do not have. Under torch.func transforms it is ``fn.apply`` itself."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*args)  # type: ignore[misc]
 
 
-class _ProjectL2(torch.autograd.Function):
-    """p = P_Q(s, w) = s - v_Q(s, w) per row of s (B, n), w (B or 1, n); returns (p, block)."""
-
-    @staticmethod
-    def forward(s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        res = project_l2(s, w)
-        return res.p, res.block
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _, w = inputs
-        _, block = output
-        ctx.mark_non_differentiable(block)
-        ctx.save_for_backward(block)
-        ctx.save_for_forward(block)
-        ctx.w_rows = w.shape[0]
-
-    @staticmethod
-    def backward(ctx: Any, gp: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        # dp/ds = I - J, dp/dw = J, with J the block mean (docs/math.md §5)
-        (block,) = ctx.saved_tensors
-        mean = block_mean(gp, block)
-        gs = gp - mean if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            gw = mean.sum(0, keepdim=True) if ctx.w_rows != gp.shape[0] else mean
-        return gs, gw
-
-    @staticmethod
-    def jvp(ctx: Any, ds: torch.Tensor | None, dw: torch.Tensor | None) -> tuple[Any, None]:
-        # J is symmetric, so the tangent map is the VJP's: dp = ds - J ds + J dw
-        (block,) = ctx.saved_tensors
-        dp = torch.zeros((), dtype=_tangent_dtype(ds, dw), device=block.device)
-        if ds is not None:
-            dp = ds - block_mean(ds, block)
-        if dw is not None:
-            dp = dp + block_mean(dw.expand(block.shape), block)
-        return dp.expand(block.shape), None
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
-    ) -> tuple[Any, Any]:
-        return _vmap_rows(_ProjectL2, info, in_dims, s, w)
+def _gather(t: Tensor, perm: Tensor | None) -> Tensor:
+    """t in sorted order (perm None: t is sorted already; perm may be one row for all)."""
+    if perm is None:
+        return t
+    return t.gather(1, perm if perm.shape[0] == t.shape[0] else perm.expand(t.shape[0], -1))
 
 
-class _ProjectKL(torch.autograd.Function):
-    """p = P_E(s, w) = s - v_E(s, w), v_B = logsumexp(s_B) - logsumexp(w_B); returns (p, block)."""
+def _scatter(t: Tensor, perm: Tensor | None) -> Tensor:
+    """t, sorted by perm, back in the original order."""
+    if perm is None:
+        return t
+    return torch.empty_like(t).scatter(1, perm if perm.shape == t.shape else perm.expand_as(t), t)
+
+
+def _rows_like(g: Tensor, rows: int) -> Tensor:
+    """A (B, n) gradient summed down to ``rows`` rows (B, or 1: one row of w for every row)."""
+    return g.sum(0, keepdim=True) if rows != g.shape[0] else g
+
+
+def _limits(
+    s: Tensor, t: Tensor, p: Tensor, block: Tensor, kl: bool, exp_space: bool
+) -> tuple[Tensor, Tensor | None]:
+    """p (sorted coordinates) with the projection's limits at non-finite entries (module
+    docstring), and the mask of the entries they replaced. Only called when some row of s or
+    t is not finite (the kernel says so), or on meta tensors."""
+    bad = torch.isnan(s).any(-1, keepdim=True) | torch.isnan(t).any(-1, keepdim=True)
+    if not kl:
+        mixed = (t == torch.inf).any(-1, keepdim=True) & (t == -torch.inf).any(-1, keepdim=True)
+        bad = bad | mixed
+    inf = torch.isinf(s)
+    tt = t.expand_as(s)
+    if kl and not exp_space:  # log mean exp of w over the block, shifted by its largest entry
+        top = torch.where(torch.isfinite(tt), tt, -torch.inf).amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        limit = torch.log(block_mean(torch.exp(tt - top), block)) + top
+    else:
+        limit = block_mean(tt, block)
+    p = torch.where(inf, limit, p).masked_fill_(bad, torch.nan)
+    return p, inf | bad
+
+
+class _Permutahedron(torch.autograd.Function):
+    """p = P(z, w) per row: the projection of z onto the permutahedron of w, Euclidean (P_Q) or
+    KL (P_E, ``kl=True``), in z's order. ``exp_space`` (with kl, the KL rank): w and p are
+    exponentiated, i.e. w holds positive weights and p = exp P_E(z, log w), whose limit at an
+    infinite z is the block mean of w itself (exact, as for L2).
+
+    z is (B, n), w (B or 1, n). ``sort_z`` / ``sort_w``: whether the row must still be sorted
+    here (False: the caller passes it sorted descending, as rho is). Returns (p, perm_z, perm_w,
+    block, frozen): the permutations (None where not sorted here), the block ids in sorted
+    coordinates and the entries set to a limit (None when none is), all non-differentiable.
+    """
 
     @staticmethod
-    def forward(s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        res = project_kl(s, w)
-        return res.p, res.block
+    def forward(
+        z: Tensor, w: Tensor, kl: bool, sort_z: bool, sort_w: bool, exp_space: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+        s, pz = torch.sort(z, dim=-1, descending=True) if sort_z else (z, None)
+        t, pw = torch.sort(w, dim=-1, descending=True) if sort_w else (w, None)
+        res = project_kl(s, t.log() if exp_space else t) if kl else project_l2(s, t)
+        p, frozen = res.p.exp_() if exp_space else res.p, None
+        if not res.finite:
+            p, frozen = _limits(s, t, p, res.block, kl, exp_space)
+        return _scatter(p, pz), pz, pw, res.block, frozen
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        s, w = inputs
-        _, block = output
-        ctx.mark_non_differentiable(block)
-        ctx.save_for_backward(s, w, block)
-        ctx.save_for_forward(s, w, block)
+        z, w, kl, _, _, exp_space = inputs
+        out, pz, pw, block, frozen = output
+        ctx.mark_non_differentiable(*(o for o in output[1:] if o is not None))
+        # z and w only where the Jacobian depends on them (KL: the block softmaxes), the output
+        # only in exp space (d exp(p) = exp(p) dp)
+        saved = (z, w) if kl else (None, None)
+        saved += (pz, pw, block, frozen, out if exp_space else None)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
+        ctx.kl, ctx.w_rows = kl, w.shape[0]
 
     @staticmethod
-    def backward(ctx: Any, gp: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
-        s, w, block = ctx.saved_tensors
-        total = block_sum(gp, block)
-        gs = gp - block_softmax(s, block) * total if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            gw = _like(block_softmax(w.expand_as(gp), block) * total, w)
-        return gs, gw
+    def backward(ctx: Any, gp: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        want_z, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (
+            not ctx.kl
+            and frozen is None
+            and not (want_w and ctx.w_rows != gp.shape[0])
+            and not torch.is_grad_enabled()  # (create_graph: the torch form below)
+            and not torch._C._are_functorch_transforms_active()
+        ):
+            fused = l2_vjp_host(gp, pz, pw, block, want_z, want_w)
+            if fused is not None:  # the same formulas in one compiled pass over each row
+                return (*fused, None, None, None, None)
+        gs = _gather(gp if out is None else gp * out, pz)
+        if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
+            gs = gs.masked_fill(frozen, 0.0)
+        if ctx.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
+            total = block_sum(gs, block)
+            gs_z = gs - block_softmax(_gather(z, pz), block) * total
+            t = _gather(w, pw).expand_as(gs)
+            if out is None:
+                gs_w = block_softmax(t, block) * total
+            else:  # in w = e^(log w): softmax(log w_B) / w = 1 / sum(w_B)
+                gs_w = total / block_sum(t, block)
+            if frozen is not None:  # the softmax of a NaN row is NaN even where gs is 0
+                gs_z, gs_w = gs_z.masked_fill(frozen, 0.0), gs_w.masked_fill(frozen, 0.0)
+        else:  # dp/ds = I - J, dp/dw = J, with J the block mean (docs/math.md §5)
+            gs_w = block_mean(gs, block)
+            gs_z = gs - gs_w
+        gz = _scatter(gs_z, pz) if want_z else None
+        gw = _scatter(_rows_like(gs_w, ctx.w_rows), pw) if want_w else None
+        return gz, gw, None, None, None, None
 
     @staticmethod
-    def jvp(ctx: Any, ds: torch.Tensor | None, dw: torch.Tensor | None) -> tuple[Any, None]:
-        # The same Jacobian from the other side (it is not symmetric): on each block,
-        # dp = ds - 1 <softmax(s_B), ds_B> + 1 <softmax(w_B), dw_B>
-        s, w, block = ctx.saved_tensors
-        dp = torch.zeros((), dtype=_tangent_dtype(ds, dw), device=block.device)
-        if ds is not None:
-            dp = ds - block_sum(block_softmax(s.expand(block.shape), block) * ds, block)
+    def jvp(ctx: Any, dz: Tensor | None, dw: Tensor | None, *_: Any) -> tuple[Any, ...]:
+        # The same Jacobian from the other side (for KL it is not symmetric).
+        z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        rows = block.shape
+        terms = []
+        if dz is not None:
+            ds = _gather(dz, pz)
+            if ctx.kl:
+                terms.append(ds - block_sum(block_softmax(_gather(z, pz), block) * ds, block))
+            else:
+                terms.append(ds - block_mean(ds, block))
         if dw is not None:
-            soft_w = block_softmax(w.expand(block.shape), block)
-            dp = dp + block_sum(soft_w * dw.expand(block.shape), block)
-        return dp.expand(block.shape), None
+            dt = _gather(dw, pw).expand(rows)
+            if not ctx.kl:
+                terms.append(block_mean(dt, block))
+            elif out is None:
+                t = _gather(w, pw).expand(rows)
+                terms.append(block_sum(block_softmax(t, block) * dt, block))
+            else:  # exp space: d log w = dw / w
+                terms.append(block_sum(dt, block) / block_sum(_gather(w, pw).expand(rows), block))
+        dp = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        if out is not None:
+            dp = dp * _gather(out, pz)
+        if frozen is not None:
+            dp = dp.masked_fill(frozen, 0.0)
+        return _scatter(dp, pz), None, None, None, None
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor
+        info: Any, in_dims: tuple[Any, ...], z: Tensor, w: Tensor, *flags: Any
     ) -> tuple[Any, Any]:
-        return _vmap_rows(_ProjectKL, info, in_dims, s, w)
+        # Rows are independent: broadcast the per-sample shapes, put the vmapped dim first and
+        # fold it into the rows (w's single row, if any, is repeated for every row).
+        moved = [
+            t.movedim(d, 0) if d is not None else t.unsqueeze(0)
+            for t, d in zip((z, w), in_dims[:2], strict=True)
+        ]
+        sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved))
+        shape = (info.batch_size, *sample)
+        z, w = (
+            t.reshape(t.shape[0], *[1] * (len(sample) + 1 - t.dim()), *t.shape[1:]).expand(shape)
+            for t in moved
+        )
+        n = shape[-1]
+        out = _Permutahedron.apply(z.reshape(-1, n), w.reshape(-1, n), *flags)
+        return (
+            tuple(None if o is None else o.reshape(shape) for o in out),
+            tuple(None if o is None else 0 for o in out),
+        )
 
 
-def _tangent_dtype(*tangents: torch.Tensor | None) -> torch.dtype:
-    return next(t.dtype for t in tangents if t is not None)
-
-
-def _rho(x2: torch.Tensor) -> torch.Tensor:
+def _rho(x2: Tensor) -> Tensor:
     n = x2.shape[-1]
     return torch.arange(n, 0, -1, dtype=x2.dtype, device=x2.device)
 
 
 def rank(
-    x2: torch.Tensor,
-    eps: torch.Tensor,
+    x2: Tensor,
+    eps: Tensor,
     descending: bool,
     opts: MethodOptions,
-    offset: torch.Tensor | None = None,
-) -> torch.Tensor:
+    offset: Tensor | None = None,
+) -> Tensor:
     """Soft ranks (1-based; ascending unless ``descending``) of each row of x2 (B, n).
 
     ``opts.regularization`` is "l2" or "kl". ``offset`` must be None: PAV takes infinities to the
@@ -193,56 +265,29 @@ def rank(
     """
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
-    regularization = opts.regularization
-    z = x2 / eps[:, None]
-    if descending:
-        z = -z
-    s, perm = torch.sort(z, dim=-1, descending=True)
-    rho = _rho(x2)
-    if regularization == "l2":
-        r, block = _ProjectL2.apply(s, rho[None])
-    else:
-        p, block = _ProjectKL.apply(s, rho.log()[None])
-        r = torch.exp(p)
-    # An infinite entry sits in a block of equal infinities; its limit is that block's mean of rho
-    # (the formula gives inf - inf). Checked once per call, not in a loop; under torch.func
-    # (no data to branch on under vmap) and on meta tensors the masked form always runs.
-    if s.is_meta or under_functorch() or not bool(torch.isfinite(s).all()):
-        r = torch.where(torch.isinf(s), block_mean(rho.expand_as(s), block), r)
-    out = torch.empty_like(r).scatter(1, perm, r)
-    return _nan_rows(x2, out)
+    kl = opts.regularization == "kl"
+    z = x2 / (-eps if descending else eps)[:, None]
+    rho = _rho(x2)[None]
+    return _apply(_Permutahedron, z, rho, kl, True, False, kl)[0]  # kl: exp P_E(z, log rho)
 
 
 def sort(
-    x2: torch.Tensor,
-    eps: torch.Tensor,
+    x2: Tensor,
+    eps: Tensor,
     descending: bool,
     opts: MethodOptions,
-    offset: torch.Tensor | None = None,
-) -> torch.Tensor:
+    offset: Tensor | None = None,
+) -> Tensor:
     """Soft sorted values (ascending unless ``descending``) of each row of x2 (B, n).
 
     ``opts.regularization`` is "l2" or "kl"; ``offset`` is unused (the one backend signature).
     """
-    regularization = opts.regularization
-    theta = torch.sort(x2 if descending else -x2, dim=-1, descending=True).values
     # rho / eps, saturated so that the largest entry stays below a quarter of the dtype's range:
     # at an epsilon that small the sort is already at its hard limit (every gap of the scores is
     # far below 1/epsilon), and rho / eps would otherwise overflow to inf (inf - inf = NaN).
     inv = (1 / eps).clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
     a = _rho(x2) * inv[:, None]
-    project = _ProjectL2 if regularization == "l2" else _ProjectKL
-    p, _ = project.apply(a, theta)  # a - v, formed without v
-    out = _nan_rows(x2, p if descending else 0.0 - p)  # 0 - p: a zero stays +0, not -0
-    if regularization == "l2":
-        # The l2 sort keeps the row's mean: with both +inf and -inf the limit depends on their
-        # rates, so the whole row is NaN (not only the positions where inf - inf appeared).
-        mixed = (x2 == torch.inf).any(-1, keepdim=True) & (x2 == -torch.inf).any(-1, keepdim=True)
-        out = torch.where(mixed, torch.full_like(out, torch.nan), out)
-    return out
-
-
-def _nan_rows(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A NaN anywhere in a row makes that whole row NaN (and leaves the other rows alone)."""
-    nan_row = torch.isnan(x2).any(-1, keepdim=True)
-    return torch.where(nan_row, torch.full_like(out, torch.nan), out)
+    kl = opts.regularization == "kl"
+    # descending: P(a, x) directly; ascending: the descending sort of -x, negated
+    p = _apply(_Permutahedron, a, x2 if descending else -x2, kl, False, True, False)[0]
+    return p if descending else 0.0 - p  # 0 - p: a zero stays +0, not -0
