@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -263,6 +264,35 @@ def test_implicit_vjp_near_permutation_gradcheck():
     assert float(fn(cost).detach().amax(-1).min()) > 0.25 - 1e-4  # nearly a permutation
 
     assert torch.autograd.gradcheck(fn, (cost,), atol=1e-7, rtol=1e-5)
+
+
+def test_newton_gradient_is_free_of_cancellation():
+    """b - c near a permutation, against exact rational arithmetic on the same float64 plan
+    (each row's home entry taken as 1 minus the others, as the identity assumes): the direct
+    difference keeps only rounding noise, the split form every digit."""
+    leak = [3e-16, 1e-20, 7e-30]  # source i keeps 1 - leak_i at home i, sends leak_i to i + 1
+    m = n = 3
+    p = torch.zeros(1, m, n, dtype=F64)
+    for i, d in enumerate(leak):
+        p[0, i, i], p[0, (i + 1) % m, i] = 1 - d, d
+    a = torch.full((1, n), 1.0 / n, dtype=F64)
+    b = a.clone()
+    top, home = sinkhorn._homes(p, a)
+    got = sinkhorn._mass_gap(p, a, b, top, home)[0]
+    exact = []
+    for j in range(m):
+        total = Fraction(0)
+        for i in range(n):
+            pij = Fraction(float(p[0, j, i]))
+            if j == i:  # the home entry: 1 minus the others
+                pij = 1 - sum(Fraction(float(p[0, r, i])) for r in range(m) if r != i)
+            total += Fraction(float(a[0, i])) * pij
+        exact.append(float(Fraction(float(b[0, j])) - total))
+    want = torch.tensor(exact, dtype=F64)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+    assert float(want.abs().min()) < 1e-20  # imbalances far below the rounding of the masses
+    direct = b[0] - torch.linalg.vecdot(p, a.unsqueeze(1))[0]
+    assert float(((direct - want) / want).abs().max()) >= 1.0  # lost: what the split avoids
 
 
 # ------------------------------------------------------------- torch.func, forward mode, meta

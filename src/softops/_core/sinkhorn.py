@@ -43,7 +43,11 @@ Conventions and choices:
   row keeps the state of smallest residual seen (Newton never makes it worse), and rows Newton
   did not finish go back to Sinkhorn for the rest of the ``max_iter`` budget. The polish, that
   fallback and the final plan run in float64 (the bulk of the iterations stays in the input
-  dtype): in float32 the residual of a plan with many targets has a floor near 1e-6.
+  dtype): in float32 the residual of a plan with many targets has a floor near 1e-6. The
+  gradient ``b - c`` and the Armijo gain are formed relative to each row's home column (its
+  largest entry), as sums of small products: near a permutation the direct difference keeps
+  only the rounding of the O(1) masses, and on nearly decoupled blocks of columns that noise
+  drove steps Armijo could never accept.
 * **Backward** (docs/math.md §2.3). With P = diag(1/mu) Gamma (mu the row sums of the saved
   plan), u = Gbar - beta (beta_m = 0) and ``centred(u)_ij = u_ij - sum_l P_il u_il``, the cost
   gradient is ``Cbar = -Gamma * centred(u) / epsilon`` where beta (m-1) makes the first m-1
@@ -342,22 +346,27 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
         # Reduced Newton system in float64: K delta = (b - c)_<.
         pd = p.double()
         a64 = cur.a.double()
-        c64 = c.double()
-        grad = cur.log_b.double().exp() - c64
+        b64 = cur.log_b.double().exp()
+        top, home = _homes(pd, a64)
+        grad = _mass_gap(pd, a64, b64, top, home)
         factor = _factor(_reduced_schur(pd, a64))
         delta = _solve(factor, grad[:, : m - 1])
         slope = (grad[:, : m - 1] * delta).sum(-1)
         ok_sys = (factor[2] == 0) & torch.isfinite(slope) & (slope > 0)
         delta = torch.cat((delta, torch.zeros_like(delta[:, :1])), dim=-1)
-        b64 = grad + c64
-        # Armijo on the exact dual increase, computed without cancellation:
-        # Psi(v + D) - Psi(v) = <D, b> - sum_i a_i log1p(sum_j P_ij expm1(D_j)).
+        # Armijo on the exact dual increase, computed without cancellation: with each row taken
+        # relative to its home column h(i) (its largest entry),
+        #   Psi(v + D) - Psi(v) = sum_j D_j (b_j - home_j)
+        #                         - sum_i a_i log1p(sum_j P_ij expm1(D_j - D_h(i))).
+        # (The plain form <D, b> - sum_i a_i log1p(sum_j P_ij expm1(D_j)) subtracts two numbers
+        # of the size of D: a large step along a weakly coupled direction drowned the gain.)
         t = torch.ones_like(slope)
         accepted = torch.zeros_like(ok_sys)
         for _ in range(_ARMIJO_MAX_HALVINGS):
             step_v = t[:, None] * delta
-            inner = torch.linalg.vecdot(pd, torch.expm1(step_v).unsqueeze(-1), dim=1)
-            gain = (step_v * b64).sum(-1) - torch.linalg.vecdot(torch.log1p(inner), a64)
+            step_home = (top * step_v.unsqueeze(-1)).sum(1, keepdim=True)  # (B, 1, n)
+            inner = (pd * torch.expm1(step_v.unsqueeze(-1) - step_home)).sum(1)
+            gain = (step_v * (b64 - home)).sum(-1) - torch.linalg.vecdot(torch.log1p(inner), a64)
             ok = ok_sys & ~accepted & torch.isfinite(gain) & (gain >= _ARMIJO_SIGMA * t * slope)
             accepted = accepted | ok
             if bool((accepted | ~ok_sys).all()):
@@ -370,6 +379,29 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
             break
         idx, cur, cv = idx[keep], cur.select(keep), new_v[keep]
     return out_v, out_err, steps
+
+
+def _homes(p: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """``(top, home)``: ``top`` (B, m, n) is 1 at each row's largest entry of P (its home column),
+    ``home`` (B, m) the mass ``sum_{i: h(i) = j} a_i`` of the rows at home in column j."""
+    top = torch.nn.functional.one_hot(p.argmax(1), p.shape[1]).transpose(1, 2).to(p.dtype)
+    return top, torch.linalg.vecdot(top, a.unsqueeze(1))
+
+
+def _mass_gap(p: Tensor, a: Tensor, b: Tensor, top: Tensor, home: Tensor) -> Tensor:
+    """``b - c`` (B, m) with ``c_j = sum_i a_i P_ij``, without cancellation (the Newton gradient).
+
+    Near a permutation, c and b are O(1) numbers that agree to far below their rounding, and
+    ``b - c`` formed directly keeps that rounding: on a nearly decoupled block of columns its
+    noise (1e-16) drove a Newton step of 30 units along the block's weak direction, which Armijo
+    then rejected at every length. Splitting each row at its home column h(i),
+    ``b_j - c_j = (b_j - home_j) + sum_{h(i) = j} a_i (1 - P_ij) - sum_{h(i) != j} a_i P_ij``,
+    with ``1 - P_ij`` formed as the sum of the other entries of the row: every term is a sum of
+    small products, and ``b_j - home_j`` is exactly 0 where the masses are equal (sort, top-k).
+    """
+    rest = ((1.0 - top) * p).sum(1, keepdim=True)  # (B, 1, n): mass of each row off its home
+    flow = torch.where(top > 0, -rest, p)  # (B, m, n): -(1 - P_ij) at home, P_ij elsewhere
+    return (b - home) - torch.linalg.vecdot(flow, a.unsqueeze(1))
 
 
 def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
