@@ -471,15 +471,16 @@ def _pooled_rows(kl: bool, w_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
-@pytest.mark.parametrize("layout", ["rank", "rank-exp", "sort"])  # what the node sorts
+@pytest.mark.parametrize("layout", ["rank", "rank-exp", "sort", "sort-negated"])
 @pytest.mark.parametrize("w_rows", [1, 3])
 @pytest.mark.parametrize("kl", [False, True], ids=["l2", "kl"])
 def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
     kl, w_rows, layout, backend, monkeypatch
 ):
     """The node's jvp against jacrev and central differences, in z and in w, for each use:
-    z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort)."""
-    from softops.sort._pav import _Permutahedron
+    z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort; negated,
+    -P(z, -w): the ascending sort)."""
+    from softops.sort._pav import _Mode, _Permutahedron
 
     if backend == "numba":
         pytest.importorskip("numba")
@@ -492,19 +493,21 @@ def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
     ds = torch.randn(s.shape, generator=g, dtype=F64)
     ds[1, 3] = ds[1, 2]  # keep the tie along the tangent
     dw = torch.randn(w.shape, generator=g, dtype=F64)
-    if layout != "sort":  # z shuffled (sorted in the node), w sorted
+    if layout.startswith("rank"):  # z shuffled (sorted in the node), w sorted
         perm = torch.stack([torch.randperm(7, generator=g) for _ in range(3)])
-        z, dz, flags = s.gather(1, perm), ds.gather(1, perm), (kl, True, False, exp_space)
+        z, dz = s.gather(1, perm), ds.gather(1, perm)
+        mode = _Mode(kl, sort_z=True, sort_w=False, exp_space=exp_space)
     else:  # z sorted, w shuffled (sorted in the node); no tie in w
         perm = torch.randperm(7, generator=g).expand(w_rows, 7)
         s, ds = s[[0, 2, 2]], ds[[0, 2, 2]]
-        z, dz, flags = s, ds, (kl, False, True, False)
+        z, dz = s, ds
+        mode = _Mode(kl, sort_z=False, sort_w=True, negate=layout == "sort-negated")
         w, dw = w.gather(1, perm), dw.gather(1, perm)
 
     def p(z, w):
-        return _Permutahedron.apply(z, w, *flags)[0]
+        return _Permutahedron.apply(z, w, mode)[0]
 
-    block = _Permutahedron.apply(z, w, *flags)[3]
+    block = _Permutahedron.apply(z, w, mode)[3]
     sizes = torch.zeros_like(z).scatter_add(1, block, torch.ones_like(z))
     assert (sizes >= 2).any() and (sizes == 1).any()  # pooled blocks and singletons
     out, tangent = torch.func.jvp(p, (z, w), (dz, dw))
@@ -527,9 +530,9 @@ def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
     torch.testing.assert_close(jfw, jw, rtol=1e-12, atol=1e-12)
     # in sorted coordinates, the l2 Jacobian in s (I - block mean) is symmetric; the KL one,
     # I - 1 softmax(s_B)^T, is not
-    if layout == "sort":
-        row = jz[0, :, 0, :]
-        assert torch.allclose(row, row.T) != kl
+    if layout.startswith("sort"):
+        symmetric = [torch.allclose(jz[b, :, b, :], jz[b, :, b, :].T) for b in range(3)]
+        assert all(symmetric) if not kl else not all(symmetric)
 
 
 @pytest.mark.parametrize("reg", REGS)

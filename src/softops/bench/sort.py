@@ -23,6 +23,13 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
 ``dense``
     B=8, n=1e3: difftopk's dense ``SoftSort`` (``(P @ x)`` flipped to ascending; ``pow=1``, the
     l1 distance) and ``NeuralSort`` (``P^T @ x``, ascending) against ours.
+``overhead``
+    B in {1, 8, 64} x n in {100, 300, 1000}: the per-call cost of small problems, where fixed
+    costs (argument checks, reshapes, dtype moves, the numba dispatch, the autograd nodes)
+    dominate the O(n log n) work. Cases: the floor; **pav sort** and **pav rank** out of the box
+    (no pinning of numba's threads); **torchsort sort/rank** when installed. The summary gives the
+    microseconds of one forward+backward side by side, with the ratios to torchsort. Run by the
+    full suite (not by ``--quick``, unless asked for).
 ``memory``
     B=8, n=1e5: softsort values+ranks, forward+backward; its peak extra memory is the target.
     The measured path is **l1** (the default distance): exact semiseparable scans, O(B n)
@@ -32,12 +39,14 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
     (about 8e10 kernel entries per call) keeps it out of this run, so its row is skipped unless
     B·n² <= ``L2_MAX_ENTRIES``.
 
-The targets of the suite, checked in the report's summary: pav within 1.5× of torchsort at
-n=1e5 (forward+backward); softsort values+ranks at least 3× faster than NeuralSort at n=4000
-(forward+backward); softsort values+ranks at B=8, n=1e5, forward+backward, under 256 MB of peak
-extra memory. The numba kernels (pav's isotonic step, torchpsort) run on as many threads as
-torch (:func:`numba_threads`), so a 1-thread run is 1 thread for every method; the rows
-"pav sort (out of the box)" and "pav rank (out of the box)" run without that pinning, with the
+The targets of the suite, checked in the report's summary: pav within 1.5× of torchsort at n=1e5
+(forward+backward), and at every size of the ``overhead`` group (forward+backward, out of the box:
+at the run's thread count, which for "default threads" is ``--threads`` equal to
+``torch.get_num_threads()`` of a fresh process); softsort values+ranks at least 3× faster than
+NeuralSort at n=4000 (forward+backward); softsort values+ranks at B=8, n=1e5, forward+backward,
+under 256 MB of peak extra memory. The numba kernels (pav's isotonic step, torchpsort) run on as
+many threads as torch (:func:`numba_threads`), so a 1-thread run is 1 thread for every method; the
+rows "pav sort (out of the box)" and "pav rank (out of the box)" run without that pinning, with the
 library's own choice (serial below ``softops._core.isotonic.PARALLEL_MIN_WORK`` entries, else at
 most torch's thread count, on numba's workqueue layer), which is what a user gets. SoftTorch is not
 run (it needs Python >= 3.12 and a CUDA torch build).
@@ -51,6 +60,7 @@ The suite reads one internal of the library, on purpose: the l2 path's block siz
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +74,15 @@ from softops.bench.model import Case, Config
 from softops.bench.report import make_logger
 from softops.sort._chunked import BLOCK_ELEMENTS
 
-__all__ = ["SORT_QUICK", "SUITE", "SortSuite", "build_configs", "numba_threads", "run_sort_bench"]
+__all__ = [
+    "OVERHEAD_SHAPES",
+    "SORT_QUICK",
+    "SUITE",
+    "SortSuite",
+    "build_configs",
+    "numba_threads",
+    "run_sort_bench",
+]
 
 GRID_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (1_000, 10_000)
@@ -78,6 +96,8 @@ L2_MAX_ENTRIES = 20_000_000
 """Largest B·n² at which the O(n²) l2 SoftSort path is run: B=1, n=4000 (1.6e7), not B=8."""
 DENSE_MAX_ENTRIES = 64_000_000
 """Largest B·n² at which the dense difftopk peers (B×n×n matrices) are run: B=64, n=1e3."""
+OVERHEAD_SHAPES = tuple((b, n) for b in (1, 8, 64) for n in (100, 300, 1000))
+"""The (B, n) of the ``overhead`` group, in increasing size within each B."""
 PAV_VS_TORCHSORT = 1.5
 SOFTSORT_VS_NEURALSORT = 3.0
 MEMORY_LIMIT_MB = 256.0
@@ -111,6 +131,7 @@ def build_configs(
     dense: bool = True,
     memory: bool = True,
     quick: bool = False,
+    overhead: bool = False,
 ) -> list[Config]:
     """The configurations of the sort suite.
 
@@ -122,9 +143,18 @@ def build_configs(
         memory: include the memory configuration (B=8, n=1e5).
         quick: shrink the extra configurations for ``--quick`` (vs: B=1, n=1000; dense: B=2,
             n=300; memory: B=2, n=1e4).
+        overhead: include the small per-call configurations (:data:`OVERHEAD_SHAPES`).
 
     Returns:
         The configurations, each group in increasing size.
+
+    Example:
+        >>> configs = build_configs(sizes=[1000], vs=False, dense=False, memory=False,
+        ...                         overhead=True)
+        >>> [c.label for c in configs][:2]
+        ['grid B=64 n=1000 epsilon=1.0', 'overhead B=1 n=100 epsilon=1.0']
+        >>> sorted({(c.params["B"], c.params["n"]) for c in configs[1:]}) == sorted(OVERHEAD_SHAPES)
+        True
     """
     ns = sorted({int(n) for n in sizes})
     configs = [Config("grid", {"B": batch, "n": n, "epsilon": EPSILON}) for n in ns]
@@ -137,6 +167,10 @@ def build_configs(
     if memory:
         b, n = (2, 10_000) if quick else (8, 100_000)
         configs.append(Config("memory", {"B": b, "n": n, "epsilon": EPSILON}))
+    if overhead:
+        configs += [
+            Config("overhead", {"B": b, "n": n, "epsilon": EPSILON}) for b, n in OVERHEAD_SHAPES
+        ]
     return configs
 
 
@@ -306,6 +340,12 @@ class SortSuite:
                 Case(_NS_SORT, lambda x: softops.soft_sort(x, epsilon=eps, method="neuralsort")),
                 *_difftopk_cases(eps, entries),
             ]
+        elif config.group == "overhead":
+            cases += [
+                Case(_PAV_SORT_OOB, lambda x: softops.soft_sort(x, epsilon=eps, method="pav")),
+                Case(_PAV_RANK_OOB, lambda x: softops.soft_rank(x, epsilon=eps, method="pav")),
+                *_peer_cases("torchsort", eps),
+            ]
         elif config.group == "memory":
             cases += [
                 Case(_SS_VR, _values_and_ranks("softsort", eps)),
@@ -320,7 +360,7 @@ class SortSuite:
     def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Max abs differences between methods that solve the same problem."""
         facts: dict[str, Any] = {}
-        pairs = (
+        pairs: tuple[tuple[str, str, str], ...] = (
             ("max_abs_diff_pav_vs_torchsort_sort", _PAV_SORT, _TS_SORT),
             ("max_abs_diff_pav_vs_torchsort_rank", _PAV_RANK, _TS_RANK),
             ("max_abs_diff_pav_vs_torchpsort_sort", _PAV_SORT, _TPS_SORT),
@@ -329,8 +369,12 @@ class SortSuite:
             ("max_abs_diff_neuralsort_vs_difftopk", _NS_SORT, _DT_NS),
             ("max_abs_diff_sort_l1_vs_floor", _SS_SORT, _FLOOR),
         )
+        pairs += (  # the overhead group has the out-of-the-box rows only
+            ("max_abs_diff_pav_vs_torchsort_sort", _PAV_SORT_OOB, _TS_SORT),
+            ("max_abs_diff_pav_vs_torchsort_rank", _PAV_RANK_OOB, _TS_RANK),
+        )
         for key, a, b in pairs:
-            if a in outputs and b in outputs:
+            if key not in facts and a in outputs and b in outputs:
                 facts[key] = (outputs[a].double() - outputs[b].double()).abs().max().item()
         return facts
 
@@ -338,6 +382,7 @@ class SortSuite:
         """The suite's targets, with the measured numbers and whether each holds."""
         lines = ["### Targets", ""]
         lines += _pav_lines(records)
+        lines += _overhead_target_lines(records)
         lines += _vs_lines(records)
         lines += _memory_lines(records)
         if len(lines) == 2:
@@ -347,7 +392,7 @@ class SortSuite:
             "",
             f"- SoftTorch: not run. {SOFTTORCH_SKIP}.",
         ]
-        return lines
+        return lines + _overhead_table(records)
 
 
 def _met(ok: bool) -> str:
@@ -379,6 +424,89 @@ def _pav_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
             f"({a['fwdbwd_ms']:.1f} vs {b['fwdbwd_ms']:.1f} ms), {fwd:.2f}× fwd; "
             f"target ≤ {PAV_VS_TORCHSORT:g}× {_met(ratio <= PAV_VS_TORCHSORT)}{where}. "
             "pav is torch plus a numba isotonic kernel, no compiled extension of our own."
+        )
+    return lines
+
+
+def _overhead_pairs(
+    records: Sequence[Mapping[str, Any]],
+) -> list[tuple[Mapping[str, Any], dict[str, Mapping[str, Any] | None]]]:
+    """Per ``overhead`` configuration: its floor row and the rows of pav (out of the box) and
+    torchsort, by name."""
+    out = []
+    for config in dict.fromkeys(r["config"] for r in records if r["group"] == "overhead"):
+        rows = [r for r in records if r["config"] == config]
+        floor = next((r for r in rows if r.get("floor")), rows[0])
+        names = (_PAV_SORT_OOB, _PAV_RANK_OOB, _TS_SORT, _TS_RANK)
+        out.append((floor, {name: _find(rows, name) for name in names}))
+    return out
+
+
+def _fb(row: Mapping[str, Any] | None) -> float | None:
+    return row.get("fwdbwd_ms") if row is not None and not row.get("skip") else None
+
+
+def _overhead_target_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    pairs = _overhead_pairs(records)
+    if not pairs:
+        return []
+    lines = []
+    for ours, theirs in ((_PAV_RANK_OOB, _TS_RANK), (_PAV_SORT_OOB, _TS_SORT)):
+        ratios = []
+        for floor, rows in pairs:
+            a, b = _fb(rows[ours]), _fb(rows[theirs])
+            if a and b:
+                ratios.append((a / b, floor["B"], floor["n"]))
+        if not ratios:
+            reason = next((row["skip"] for _, r in pairs if (row := r[theirs]) is not None), None)
+            lines.append(
+                f"- {ours} vs {theirs} per call at small sizes: not measured "
+                f"({reason or 'not measured'})"
+            )
+            continue
+        worst, b, n = max(ratios)
+        middle = statistics.median(r for r, _, _ in ratios)
+        lines.append(
+            f"- {ours} / {theirs} per call, fwd+bwd, over the {len(ratios)} small shapes "
+            f"(B ≤ 64, n ≤ 1000): worst {worst:.2f}× (B={b}, n={n}), median {middle:.2f}×; "
+            f"target ≤ {PAV_VS_TORCHSORT:g}× {_met(worst <= PAV_VS_TORCHSORT)} (the table below)."
+        )
+    return lines
+
+
+def _us(ms: float | None) -> str:
+    return "" if ms is None else f"{ms * 1e3:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a and b else ""
+
+
+def _overhead_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The per-call costs of the ``overhead`` group, microseconds side by side."""
+    pairs = _overhead_pairs(records)
+    if not pairs:
+        return []
+    threads = pairs[0][0].get("threads")
+    lines = [
+        "",
+        "### Per-call cost at small sizes (forward+backward, µs)",
+        "",
+        "Medians of single calls at "
+        f"{threads} thread(s), numba's threads left to the library (out of the box). At these "
+        "sizes the fixed costs of a call dominate: the argument checks and reshapes, the dtype "
+        "moves to numpy, the numba dispatch and the autograd nodes.",
+        "",
+        "| B | n | torch.sort | pav rank | torchsort rank | ratio | pav sort | torchsort sort "
+        "| ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for floor, rows in pairs:
+        rank, ts_rank = _fb(rows[_PAV_RANK_OOB]), _fb(rows[_TS_RANK])
+        sort, ts_sort = _fb(rows[_PAV_SORT_OOB]), _fb(rows[_TS_SORT])
+        lines.append(
+            f"| {floor['B']} | {floor['n']} | {_us(_fb(floor))} | {_us(rank)} | {_us(ts_rank)} "
+            f"| {_ratio(rank, ts_rank)} | {_us(sort)} | {_us(ts_sort)} | {_ratio(sort, ts_sort)} |"
         )
     return lines
 
@@ -474,6 +602,7 @@ def run_sort_bench(
     vs: bool = True,
     dense: bool = True,
     memory_config: bool = True,
+    overhead: bool | None = None,
     seed: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -483,7 +612,8 @@ def run_sort_bench(
     ``quick`` sets the defaults of the size arguments to small values (:data:`SORT_QUICK`) and
     turns the subprocess probes off. Arguments left at ``None`` take the defaults of the mode.
     The files are ``sort.{jsonl,md,png}`` (``sort-quick.*`` with ``quick``) under ``out``. The
-    suite has no first-call probe (nothing in it compiles).
+    suite has no first-call probe (nothing in it compiles). ``overhead`` (None: on unless
+    ``quick``) adds the small per-call configurations.
     """
     log = log or make_logger()
     options = make_options(
@@ -506,6 +636,7 @@ def run_sort_bench(
         dense=dense,
         memory=memory_config,
         quick=quick,
+        overhead=not quick if overhead is None else overhead,
     )
     name = "sort-quick" if quick else "sort"
     return run_and_write(SUITE, configs, options, out, name, command, log)

@@ -54,6 +54,7 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,49 +124,78 @@ def _limits(
     return p, inf | bad
 
 
-class _Permutahedron(torch.autograd.Function):
-    """p = P(z, w) per row: the projection of z onto the permutahedron of w, Euclidean (P_Q) or
-    KL (P_E, ``kl=True``), in z's order. ``exp_space`` (with kl, the KL rank): w and p are
-    exponentiated, i.e. w holds positive weights and p = exp P_E(z, log w), whose limit at an
-    infinite z is the block mean of w itself (exact, as for L2).
+@dataclass(frozen=True)
+class _Mode:
+    """What ``_Permutahedron`` computes (module docstring).
 
-    z is (B, n), w (B or 1, n). ``sort_z`` / ``sort_w``: whether the row must still be sorted
-    here (False: the caller passes it sorted descending, as rho is). Returns (p, perm_z, perm_w,
-    block, frozen): the permutations (None where not sorted here), the block ids in sorted
-    coordinates and the entries set to a limit (None when none is), all non-differentiable.
+    Attributes:
+        kl: the KL projection P_E (else the Euclidean P_Q).
+        sort_z: z must still be sorted here (False: the caller passes it sorted descending, as
+            rho / epsilon is).
+        sort_w: w must still be sorted here.
+        exp_space: with ``kl``, the KL rank: w holds positive weights and the result is
+            exp P_E(z, log w), whose limit at an infinite z is the block mean of w itself (exact,
+            as for L2).
+        negate: the result is -P(z, -w) (the ascending sort), formed as ``0 - p`` so that a zero
+            stays +0.
+    """
+
+    kl: bool
+    sort_z: bool
+    sort_w: bool
+    exp_space: bool = False
+    negate: bool = False
+
+
+class _Permutahedron(torch.autograd.Function):
+    """p = P(z, w) per row: the projection of z onto the permutahedron of w (``_Mode`` says which
+    projection and which of z and w to sort), in z's order. z is (B, n), w (B or 1, n).
+
+    Returns (p, perm_z, perm_w, block, frozen): the permutations (None where not sorted here),
+    the block ids in sorted coordinates and the entries set to a limit (None when none is), all
+    non-differentiable.
     """
 
     @staticmethod
     def forward(
-        z: Tensor, w: Tensor, kl: bool, sort_z: bool, sort_w: bool, exp_space: bool
+        z: Tensor, w: Tensor, mode: _Mode
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
-        s, pz = torch.sort(z, dim=-1, descending=True) if sort_z else (z, None)
-        t, pw = torch.sort(w, dim=-1, descending=True) if sort_w else (w, None)
-        res = project_kl(s, t.log() if exp_space else t) if kl else project_l2(s, t)
-        p, frozen = res.p.exp_() if exp_space else res.p, None
+        if mode.negate:
+            w = -w
+        s, pz = torch.sort(z, dim=-1, descending=True) if mode.sort_z else (z, None)
+        t, pw = torch.sort(w, dim=-1, descending=True) if mode.sort_w else (w, None)
+        if mode.kl:
+            res = project_kl(s, t.log() if mode.exp_space else t)
+        else:
+            res = project_l2(s, t)
+        p, frozen = res.p.exp_() if mode.exp_space else res.p, None
         if not res.finite:
-            p, frozen = _limits(s, t, p, res.block, kl, exp_space)
+            p, frozen = _limits(s, t, p, res.block, mode.kl, mode.exp_space)
+        if mode.negate:
+            p = torch.rsub(p, 0.0)
         return _scatter(p, pz), pz, pw, res.block, frozen
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        z, w, kl, _, _, exp_space = inputs
+        z, w, mode = inputs
         out, pz, pw, block, frozen = output
         ctx.mark_non_differentiable(*(o for o in output[1:] if o is not None))
         # z and w only where the Jacobian depends on them (KL: the block softmaxes), the output
         # only in exp space (d exp(p) = exp(p) dp)
-        saved = (z, w) if kl else (None, None)
-        saved += (pz, pw, block, frozen, out if exp_space else None)
+        saved = (z, w) if mode.kl else (None, None)
+        saved += (pz, pw, block, frozen, out if mode.exp_space else None)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
-        ctx.kl, ctx.w_rows = kl, w.shape[0]
+        ctx.mode, ctx.w_rows = mode, w.shape[0]
 
     @staticmethod
     def backward(ctx: Any, gp: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        mode: _Mode = ctx.mode
         want_z, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        sign = -1.0 if mode.negate else 1.0  # p = -P(z, -w): dp/dz = -P_z, dp/dw = P_w
         if (
-            not ctx.kl
+            not mode.kl
             and frozen is None
             and not (want_w and ctx.w_rows != gp.shape[0])
             and not torch.is_grad_enabled()  # (create_graph: the torch form below)
@@ -173,14 +203,19 @@ class _Permutahedron(torch.autograd.Function):
         ):
             fused = l2_vjp_host(gp, pz, pw, block, want_z, want_w)
             if fused is not None:  # the same formulas in one compiled pass over each row
-                return (*fused, None, None, None, None)
+                gz, gw = fused
+                if mode.negate and gz is not None:
+                    gz = gz.neg_()
+                return gz, gw, None
+        if mode.negate:
+            gp = -gp
         gs = _gather(gp if out is None else gp * out, pz)
         if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
             gs = gs.masked_fill(frozen, 0.0)
-        if ctx.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
+        if mode.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
             total = block_sum(gs, block)
             gs_z = gs - block_softmax(_gather(z, pz), block) * total
-            t = _gather(w, pw).expand_as(gs)
+            t = _gather(sign * w, pw).expand_as(gs)
             if out is None:
                 gs_w = block_softmax(t, block) * total
             else:  # in w = e^(log w): softmax(log w_B) / w = 1 / sum(w_B)
@@ -192,39 +227,44 @@ class _Permutahedron(torch.autograd.Function):
             gs_z = gs - gs_w
         gz = _scatter(gs_z, pz) if want_z else None
         gw = _scatter(_rows_like(gs_w, ctx.w_rows), pw) if want_w else None
-        return gz, gw, None, None, None, None
+        if mode.negate and gw is not None:  # through w -> -w
+            gw = -gw
+        return gz, gw, None
 
     @staticmethod
-    def jvp(ctx: Any, dz: Tensor | None, dw: Tensor | None, *_: Any) -> tuple[Any, ...]:
+    def jvp(ctx: Any, dz: Tensor | None, dw: Tensor | None, _: Any) -> tuple[Any, ...]:
         # The same Jacobian from the other side (for KL it is not symmetric).
         z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        mode: _Mode = ctx.mode
+        sign = -1.0 if mode.negate else 1.0
         rows = block.shape
         terms = []
         if dz is not None:
             ds = _gather(dz, pz)
-            if ctx.kl:
+            if mode.kl:
                 terms.append(ds - block_sum(block_softmax(_gather(z, pz), block) * ds, block))
             else:
                 terms.append(ds - block_mean(ds, block))
         if dw is not None:
-            dt = _gather(dw, pw).expand(rows)
-            if not ctx.kl:
+            dt = _gather(sign * dw, pw).expand(rows)
+            if not mode.kl:
                 terms.append(block_mean(dt, block))
-            elif out is None:
-                t = _gather(w, pw).expand(rows)
-                terms.append(block_sum(block_softmax(t, block) * dt, block))
-            else:  # exp space: d log w = dw / w
-                terms.append(block_sum(dt, block) / block_sum(_gather(w, pw).expand(rows), block))
+            else:
+                t = _gather(sign * w, pw).expand(rows)
+                if out is None:
+                    terms.append(block_sum(block_softmax(t, block) * dt, block))
+                else:  # exp space: d log w = dw / w
+                    terms.append(block_sum(dt, block) / block_sum(t, block))
         dp = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         if out is not None:
             dp = dp * _gather(out, pz)
         if frozen is not None:
             dp = dp.masked_fill(frozen, 0.0)
-        return _scatter(dp, pz), None, None, None, None
+        return _scatter(sign * dp, pz), None, None, None, None
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[Any, ...], z: Tensor, w: Tensor, *flags: Any
+        info: Any, in_dims: tuple[Any, ...], z: Tensor, w: Tensor, mode: _Mode
     ) -> tuple[Any, Any]:
         # Rows are independent: broadcast the per-sample shapes, put the vmapped dim first and
         # fold it into the rows (w's single row, if any, is repeated for every row).
@@ -239,11 +279,15 @@ class _Permutahedron(torch.autograd.Function):
             for t in moved
         )
         n = shape[-1]
-        out = _Permutahedron.apply(z.reshape(-1, n), w.reshape(-1, n), *flags)
+        out = _Permutahedron.apply(z.reshape(-1, n), w.reshape(-1, n), mode)
         return (
             tuple(None if o is None else o.reshape(shape) for o in out),
             tuple(None if o is None else 0 for o in out),
         )
+
+
+_RANK_L2 = _Mode(kl=False, sort_z=True, sort_w=False)
+_RANK_KL = _Mode(kl=True, sort_z=True, sort_w=False, exp_space=True)  # exp P_E(z, log rho)
 
 
 def _rho(x2: Tensor) -> Tensor:
@@ -268,7 +312,7 @@ def rank(
     kl = opts.regularization == "kl"
     z = x2 / (-eps if descending else eps)[:, None]
     rho = _rho(x2)[None]
-    return _apply(_Permutahedron, z, rho, kl, True, False, kl)[0]  # kl: exp P_E(z, log rho)
+    return _apply(_Permutahedron, z, rho, _RANK_KL if kl else _RANK_L2)[0]
 
 
 def sort(
@@ -287,7 +331,6 @@ def sort(
     # far below 1/epsilon), and rho / eps would otherwise overflow to inf (inf - inf = NaN).
     inv = (1 / eps).clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
     a = _rho(x2) * inv[:, None]
-    kl = opts.regularization == "kl"
-    # descending: P(a, x) directly; ascending: the descending sort of -x, negated
-    p = _apply(_Permutahedron, a, x2 if descending else -x2, kl, False, True, False)[0]
-    return p if descending else 0.0 - p  # 0 - p: a zero stays +0, not -0
+    # descending: P(a, x); ascending: -P(a, -x), the descending sort of -x, negated
+    mode = _Mode(opts.regularization == "kl", sort_z=False, sort_w=True, negate=not descending)
+    return _apply(_Permutahedron, a, x2, mode)[0]
