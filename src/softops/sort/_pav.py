@@ -288,6 +288,11 @@ class _Permutahedron(torch.autograd.Function):
 
 _RANK_L2 = _Mode(kl=False, sort_z=True, sort_w=False)
 _RANK_KL = _Mode(kl=True, sort_z=True, sort_w=False, exp_space=True)  # exp P_E(z, log rho)
+_SORT = {  # (kl, ascending)
+    (kl, up): _Mode(kl, sort_z=False, sort_w=True, negate=up)
+    for kl in (False, True)
+    for up in (False, True)
+}
 
 
 def _rho(x2: Tensor) -> Tensor:
@@ -329,8 +334,7 @@ def sort(
     # rho / eps, saturated so that the largest entry stays below a quarter of the dtype's range:
     # at an epsilon that small the sort is already at its hard limit (every gap of the scores is
     # far below 1/epsilon), and rho / eps would otherwise overflow to inf (inf - inf = NaN).
-    inv = (1 / eps).clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
+    inv = eps.reciprocal().clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
     a = _rho(x2) * inv[:, None]
     # descending: P(a, x); ascending: -P(a, -x), the descending sort of -x, negated
-    mode = _Mode(opts.regularization == "kl", sort_z=False, sort_w=True, negate=not descending)
-    return _apply(_Permutahedron, a, x2, mode)[0]
+    return _apply(_Permutahedron, a, x2, _SORT[opts.regularization == "kl", not descending])[0]
