@@ -336,3 +336,38 @@ def test_flag_errors():
 
 
 # -------------------------------------------------------------------------------------- modules
+
+
+# ------------------------------------------------ gradients at the extremes (adversarial suite)
+
+
+@pytest.mark.parametrize("op", ALL_OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    ("row", "eps", "dtype"),
+    [
+        ([0.0, 1.0, 2.0, 3.0], 1e-30, torch.float32),  # eps**2 underflows: was 0 * inf = NaN
+        ([0.0, 1.0, 2.0, 3.0], 1e-300, F64),
+        ([inf, 0.0, 1e30, 1e-30], 1e-30, torch.float32),  # a +inf row: its plain path overflows
+        ([1e300, 0.0, -1e300, 1.0], 1e-10, F64),
+        ([3e38, 0.0, -3e38, 1.0], 1.0, torch.float32),  # x - max x overflows the dtype
+    ],
+)
+def test_gradients_stay_finite_at_extreme_epsilon_and_spans(op, row, eps, dtype):
+    x = torch.tensor([row], dtype=F64).to(dtype).requires_grad_()
+    e = torch.tensor([eps], dtype=F64, requires_grad=True)
+    out = _call(op, x, epsilon=e)
+    g = torch.where(torch.isfinite(out), torch.ones_like(out), 0)
+    gx, ge = torch.autograd.grad(out, (x, e), g)
+    assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (gx, ge)
+    if row == [0.0, 1.0, 2.0, 3.0]:  # the hard limit: saturated, epsilon has no effect
+        assert (ge == 0).all()
+
+
+def test_span_beyond_the_dtype_is_exact():
+    # x - max x overflows float32 at -3e38 - 3e38; formed as (x/2 - m/2) * (2/eps) instead
+    x = torch.tensor([1.5e38, -3e38, 1.4e38], dtype=torch.float32)
+    e = 1e38
+    ref = torch.softmax(x.double() / e, -1)
+    torch.testing.assert_close(soft_argmax_onehot(x, epsilon=e).double(), ref, rtol=1e-4, atol=0)
+    want = e * torch.logsumexp(x.double() / e, -1)
+    torch.testing.assert_close(smooth_max(x, epsilon=e).double(), want, rtol=1e-4, atol=0)

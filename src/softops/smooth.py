@@ -56,6 +56,28 @@ __all__ = [
 # --------------------------------------------------------------------------------- row kernels
 
 
+def _inverse(eps: torch.Tensor) -> torch.Tensor:
+    """``1/eps`` as ``exp(-log eps)``: the same value, but a backward that never squares eps.
+
+    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
+    the gaps (``eps**2`` underflows) and turns the zero gradient of a saturated softmax into
+    ``0 * inf = NaN``. Here the chain is ``grad * inv`` then ``/ eps``: finite whenever the true
+    derivative is (eps is clamped to its dtype's normal range, so ``1/eps`` is finite).
+    """
+    return torch.exp(-torch.log(eps))
+
+
+def _scaled_difference(a: torch.Tensor, b: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``(a - b) * inv`` for finite a, b, with a NaN-free backward: where ``a - b`` overflows
+    the dtype (a span of more than its largest finite value) it is formed as
+    ``(a/2 - b/2) * (2 inv)``, which is finite or overflows in the product only."""
+    d = a - b
+    ok = torch.isfinite(d)
+    direct = torch.where(ok, d, 0) * inv
+    halved = (a * 0.5 - b * 0.5) * (inv * 2)
+    return torch.where(ok, direct, halved)
+
+
 def _scaled_rows(
     x2: torch.Tensor, eps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +98,7 @@ def _scaled_rows(
     m = torch.where(finite, x2, -math.inf).amax(-1).detach()
     m = torch.where(special, 0, m)
     xs = torch.where(finite, x2, 0)
-    y = (xs - m[:, None]) / eps[:, None]
+    y = _scaled_difference(xs, m[:, None], _inverse(eps)[:, None])
     y = torch.where(finite, y, -math.inf)
     y = torch.where(special[:, None], 0, y)
     return y, m, pinf, nan_row, dead_row

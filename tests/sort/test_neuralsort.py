@@ -77,3 +77,46 @@ def test_saved_memory_is_linear(monkeypatch):
     saved = saved_storage_bytes(lambda x, e: _neuralsort.sort(x, e, False, OPTS), x, e)
     assert saved < 64 * n * 8, saved  # far below one n x n float32 matrix (36 MB)
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_tied_entries_get_identical_sums_logits_and_ranks():
+    # found by tests/test_adversarial.py: the prefix-sum formula of (A 1) rounded tied entries
+    # differently (here by 1e-13), which a small epsilon turned into ranks 9 and 0 for a tie
+    x = torch.tensor(
+        [[-3398.638933730085, 0.019635717790193706, 0.019635717790193706, 0.009516044557229415,
+          -31684.72927424533, 1684.6055209838173]],
+        dtype=F64,
+    )  # fmt: skip
+    a1 = _neuralsort._abs_row_sums(x)
+    assert a1[0, 1] == a1[0, 2]
+    torch.testing.assert_close(a1, (x.unsqueeze(-1) - x.unsqueeze(1)).abs().sum(-1))
+    e = torch.tensor([1e-14], dtype=F64)
+    r = _neuralsort.rank(x, e, False, OPTS)
+    assert r[0, 1] == r[0, 2]
+    torch.testing.assert_close(r, torch.tensor([[2.0, 4.5, 4.5, 3.0, 1.0, 6.0]], dtype=F64))
+
+
+@pytest.mark.parametrize(
+    ("row", "eps", "dtype"),
+    [
+        ([1e300, 0.0, -1e300, 1.0], 1e-10, F64),  # the logits overflowed: NaN rows
+        ([3e37, 0.0, -3e37, 1.0], 1.0, torch.float32),
+        ([0.0, 1.0, 2.0, 3.0], 1e-300, F64),  # eps**2 underflows: NaN gradient in eps
+        ([0.0, 1.0, 2.0, 3.0], 1e-30, torch.float32),
+    ],
+)
+def test_extreme_spans_and_epsilon_stay_finite(row, eps, dtype):
+    import softops
+
+    x = torch.tensor([row], dtype=F64).to(dtype).requires_grad_()
+    e = torch.tensor([eps], dtype=F64, requires_grad=True)
+    for op in (softops.soft_sort, softops.soft_rank, softops.soft_argsort):
+        out = op(x, epsilon=e, method="neuralsort")
+        assert not torch.isnan(out).any(), (op.__name__, out)
+        gx, ge = torch.autograd.grad(out, (x, e), torch.ones_like(out))
+        assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (op.__name__, gx, ge)
+    v = softops.soft_sort(x.detach(), epsilon=e.detach(), method="neuralsort")
+    hard = torch.sort(x.detach()).values
+    torch.testing.assert_close(v[:, [0, -1]], hard[:, [0, -1]])  # the far ends are hard
+    # (gaps of 1 beside a span of 1e300 are below the logits' rounding: the middle is a mean)
+    assert ((v[:, 1:-1] >= hard[:, 1:2]) & (v[:, 1:-1] <= hard[:, 2:3])).all()

@@ -264,3 +264,33 @@ def test_l1_forward_mode_and_hessian_under_torch_func():
 
     h_ref = torch.autograd.functional.hessian(loss, x)
     torch.testing.assert_close(torch.func.hessian(loss)(x), h_ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("distance", ["l1", "l2"])
+@pytest.mark.parametrize(
+    ("row", "eps", "dtype"),
+    [
+        ([0.0, 1.0, 2.0, 3.0], 1e-300, F64),  # eps**2 underflows: was 0 * inf = NaN in eps
+        ([0.0, 1.0, 2.0, 3.0], 1e-30, torch.float32),
+        ([3e38, 0.0, -3e38, 1.0], 1.0, torch.float32),  # (u - x)**2 overflows the dtype
+        ([1e300, 0.0, -1e300, 1.0], 1e-10, F64),
+    ],
+)
+def test_gradients_stay_finite_at_extreme_epsilon_and_spans(distance, row, eps, dtype):
+    # found by tests/test_adversarial.py
+    x = torch.tensor([row], dtype=F64).to(dtype).requires_grad_()
+    e = torch.tensor([eps], dtype=F64, requires_grad=True)
+    for op in (softops.soft_sort, softops.soft_rank, softops.soft_argsort):
+        out = op(x, epsilon=e, method="softsort", distance=distance)
+        assert not torch.isnan(out).any(), (op.__name__, out)
+        gx, ge = torch.autograd.grad(out, (x, e), torch.ones_like(out))
+        assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (op.__name__, gx, ge)
+
+
+def test_l2_values_near_the_largest_float32():
+    # the scaled frame keeps the l2 distances exact: the middle pair still sees its own gap
+    x = torch.tensor([[3e38, 0.0, -3e38, 1.0]], dtype=torch.float32)
+    v = softops.soft_sort(x, epsilon=1.0, method="softsort", distance="l2")
+    p = torch.softmax(torch.tensor([0.0, -1.0], dtype=F64), -1)
+    want = torch.tensor([[-3e38, float(p[1]), float(p[0]), 3e38]], dtype=torch.float32)
+    torch.testing.assert_close(v, want)

@@ -268,3 +268,22 @@ def test_torch_func_with_checkpointed_rounds() -> None:
     jac = func.jacrev(lambda t: soft_kmax(t, 20, epsilon=0.5))(x[0])
     assert jac.shape == (30, 30)
     torch.testing.assert_close(jac.sum(0), torch.zeros(30, dtype=F64), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("row", "eps", "dtype"),
+    [
+        ([0.0, 1.0, 2.0, 3.0], 1e-30, torch.float32),  # eps**2 underflows: was 0 * inf = NaN
+        ([0.0, 1.0, 2.0, 3.0], 1e-300, F64),
+        ([1e300, 0.0, -1e300, 1.0], 1e-10, F64),
+        ([3e38, 0.0, -3e38, 1.0], 1.0, torch.float32),  # x - min x overflows the dtype
+    ],
+)
+def test_soft_kmax_gradients_stay_finite_at_extremes(row, eps, dtype) -> None:
+    # found by tests/test_adversarial.py: the backward of (x - min x)/eps formed (z/eps)/eps
+    x = torch.tensor([row], dtype=F64).to(dtype).requires_grad_()
+    e = torch.tensor([eps], dtype=F64, requires_grad=True)
+    out = soft_kmax(x, 2, epsilon=e)
+    torch.testing.assert_close(out.double().sum(-1), torch.full((1,), 2.0, dtype=F64))
+    gx, ge = torch.autograd.grad(out, (x, e), torch.randn_like(out))
+    assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (gx, ge)

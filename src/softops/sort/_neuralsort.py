@@ -45,6 +45,7 @@ from torch import Tensor
 
 from softops.sort._chunked import chunked_rows
 from softops.sort._options import MethodOptions
+from softops.sort._softsort import row_scale, scaled_inverse
 
 __all__ = ["argsort", "rank", "sort"]
 
@@ -53,15 +54,62 @@ def _abs_row_sums(x2: Tensor) -> Tensor:
     """``(A 1)_j = sum_l |x_j - x_l|`` in O(n log n), float64, plain autograd."""
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
-    s = u.cumsum(-1)
-    k = torch.arange(1, n + 1, dtype=u.dtype, device=u.device)
-    sorted_sums = (2 * k - n) * u - 2 * s + s[:, -1:]
+    zero = torch.zeros(x2.shape[0], 1, dtype=torch.long, device=x2.device)
+    sorted_sums = _sorted_abs_sums(u, zero, zero + n)
     return torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums)
 
 
-def _logits(coef: Tensor, xc: Tensor, a1: Tensor, eps: Tensor) -> Tensor:
-    """(B, b, n) NeuralSort logits ``(c_i x_j - (A 1)_j) / epsilon`` for the rows with coef c."""
-    return (coef.unsqueeze(-1) * xc.unsqueeze(1) - a1.unsqueeze(1)) / eps.view(-1, 1, 1)
+def _sorted_abs_sums(u: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """``sum_l |u_k - u_l|`` over ``l`` in ``[lo, hi)``, at each sorted position k in it, for
+    ascending rows u (B, n) whose entries outside ``[lo, hi)`` (B, 1) are 0.
+
+    At a position in a run of equal values at k0..k1 it is
+    ``(k0 - lo) u - S_{k0-1} + (S_{n-1} - S_{k1}) - (hi - 1 - k1) u``, with S the prefix sums:
+    the run's boundaries only, so tied entries get bit-identical sums (hence identical logits,
+    columns of P and ranks) whatever the rounding of the prefix sums. 0 outside ``[lo, hi)``.
+    """
+    n = u.shape[-1]
+    s = u.cumsum(-1)
+    idx = torch.arange(n, device=u.device).expand_as(u)
+    edge = torch.ones_like(u[:, :1], dtype=torch.bool)
+    differs = u[:, 1:] != u[:, :-1]
+    new_run = torch.cat((edge, differs), -1) | (idx == lo)  # runs never cross lo nor hi
+    end_run = torch.cat((differs, edge), -1) | (idx == hi - 1) | (idx == lo - 1)
+    k0 = torch.where(new_run, idx, 0).cummax(-1).values  # the first position of the run
+    k1 = torch.where(end_run, idx, n - 1).flip(-1).cummin(-1).values.flip(-1)  # its last
+    before = torch.where(k0 > 0, s.gather(-1, (k0 - 1).clamp(min=0)), 0.0)  # S_{k0-1}
+    after = s[:, -1:] - s.gather(-1, k1)  # S_{n-1} - S_{k1}
+    sums = (k0 - lo).to(u.dtype) * u - before + after - (hi - 1 - k1).to(u.dtype) * u
+    return torch.where((idx >= lo) & (idx < hi), sums, 0.0)
+
+
+def _frame(xc: Tensor, n: int) -> Tensor:
+    """A detached power-of-two scale s >= 1 (B, 1) per centred row xc (B, n), 1 unless the row
+    comes near the largest finite value: the logits ``c_i x_j - (A 1)_j`` of ``xc / s``, at most
+    3 n max|xc| / s, and their differences stay finite."""
+    return row_scale(xc, 6.0 * n)
+
+
+def _logits(coef: Tensor, xs: Tensor, a1: Tensor, ratio: Tensor) -> Tensor:
+    """(B, b, n) NeuralSort logits ``(c_i x_j - (A 1)_j) / epsilon`` for the rows with coef c,
+    from the row-scaled ``xs = xc/s`` and ``a1 = (A 1)(xs)`` and ``ratio = s/eps``."""
+    t = coef.unsqueeze(-1) * xs.unsqueeze(1) - a1.unsqueeze(1)
+    return _shifted(t, ratio, None)
+
+
+def _shifted(t: Tensor, ratio: Tensor, valid: Tensor | None) -> Tensor:
+    """``(t - max_j t) * ratio`` over the ``valid`` entries (all if None; 0 elsewhere).
+
+    Each row's maximum (detached; the softmax does not change) is taken off before the factor
+    s/eps: the logits are <= 0, so none overflows to ``+inf`` (which the softmax makes NaN), and
+    ``0 * inf`` never enters the backward.
+    """
+    with torch.no_grad():
+        top = (t if valid is None else torch.where(valid, t, -math.inf)).amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+    if valid is not None:
+        t = torch.where(valid, t, top)
+    return (t - top) * ratio.view(-1, 1, 1)
 
 
 def _run(
@@ -76,18 +124,21 @@ def _run(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     n = x2.shape[-1]
     with torch.no_grad():
-        centre = 0.5 * (x2.amax(-1, keepdim=True) + x2.amin(-1, keepdim=True))
+        centre = 0.5 * x2.amax(-1, keepdim=True) + 0.5 * x2.amin(-1, keepdim=True)
         centre = torch.where(torch.isfinite(centre), centre, 0.0)
     xc = x2 - centre  # shift-invariant: same P
-    a1 = _abs_row_sums(xc).to(x2.dtype)
+    # logits of xc / s (no overflow, hence no inf in the backward), s put back into s/eps
+    scale = _frame(xc, n)
+    xs = xc / scale  # exact (a power of two)
+    a1 = _abs_row_sums(xs).to(x2.dtype)
     i = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
     coef = 2 * i - n - 1  # ascending rows (row i = i-th smallest); chunked_rows flips if needed
-    eps = epsilon.to(x2.dtype)
+    ratio = scaled_inverse(epsilon.to(x2.dtype), scale, 1)
     return chunked_rows(
         _logits,
         coef,
         x2,
-        (xc, a1, eps),
+        (xs, a1, ratio),
         descending,
         values=values,
         ranks=ranks,
@@ -96,14 +147,16 @@ def _run(
     )
 
 
-def _masked_logits(rp: Tensor, xcz: Tensor, a1: Tensor, eps: Tensor, kind_x: Tensor) -> Tensor:
+def _masked_logits(rp: Tensor, xcz: Tensor, a1: Tensor, ratio: Tensor, kind_x: Tensor) -> Tensor:
     """Logits of the limit with infinities (rows and columns carry a kind -1, 0, +1 for -inf,
     finite, +inf): the compacted NeuralSort logits between finite rows and columns, an infinite
     row uniform over its own infinity, -inf elsewhere."""
     coef, kind_r = rp[0], rp[1]
     k_row, k_col = kind_r.unsqueeze(-1), kind_x.unsqueeze(1)
     inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xcz.dtype)
-    return torch.where((k_row == 0) & (k_col == 0), _logits(coef, xcz, a1, eps), inner)
+    both = (k_row == 0) & (k_col == 0)
+    t = coef.unsqueeze(-1) * xcz.unsqueeze(1) - a1.unsqueeze(1)
+    return torch.where(both, _shifted(t, ratio, both), inner)
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
@@ -123,17 +176,15 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
     with torch.no_grad():
         lo = torch.where(fin, xd, math.inf).amin(-1, keepdim=True)
         hi = torch.where(fin, xd, -math.inf).amax(-1, keepdim=True)
-        centre = torch.where(m > 0, 0.5 * (lo + hi), 0.0)
-    xcz = torch.where(fin, x2 - centre, 0.0)
-    # (A 1) over the finite entries: at the k'-th smallest finite u_k (1-based k' = k - n_neg),
-    # (2 k' - m) u_k - 2 S_k + S_n, where S sums the finite sorted entries (the -inf ones first)
+        centre = torch.where(m > 0, 0.5 * lo + 0.5 * hi, 0.0)
+    scale = _frame(torch.where(fin, xd - centre, 0.0), n)  # over the finite entries
+    xcz = torch.where(fin, (x2 - centre) / scale, 0.0)
+    # (A 1) over the finite entries: sorted, they sit at positions n_neg .. n_neg + m - 1 (the
+    # -inf ones first), with 0 at the infinite positions
     u, perm = torch.sort(torch.where(fin, x2, xd).double(), dim=-1)
     fin_u = torch.isfinite(u)
-    uc = torch.where(fin_u, u - centre.double(), 0.0)
-    csum = uc.cumsum(-1)
-    k = torch.arange(1, n + 1, dtype=torch.float64, device=x2.device)
-    kp = k - n_neg.double()
-    sorted_sums = torch.where(fin_u, (2 * kp - m.double()) * uc - 2 * csum + csum[:, -1:], 0.0)
+    uc = torch.where(fin_u, (u - centre.double()) / scale.double(), 0.0)
+    sorted_sums = _sorted_abs_sums(uc, n_neg, n_neg + m)
     a1 = torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums).to(dt)
     i = torch.arange(1, n + 1, dtype=dt, device=x2.device)  # ascending output positions
     coef = 2 * (i - n_neg.to(dt)) - m.to(dt) - 1
@@ -143,7 +194,7 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
         _masked_logits,
         torch.stack((coef, kind_r.to(dt))),
         torch.where(fin, x2, 0.0),
-        (xcz, a1, eps.to(dt), kind_x),
+        (xcz, a1, scaled_inverse(eps.to(dt), scale, 1), kind_x),
         descending,
         values=kind == "sort",
         ranks=kind == "rank",

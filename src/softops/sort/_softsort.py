@@ -65,7 +65,7 @@ from torch import Tensor
 from softops.sort._chunked import chunked_rows, positions
 from softops.sort._options import MethodOptions
 
-__all__ = ["argsort", "rank", "sort"]
+__all__ = ["argsort", "inverse", "rank", "row_scale", "scaled_inverse", "sort"]
 
 _SCAN_BLOCK = 32
 """Steps per block of the two-level scan (:func:`_scan_forward`)."""
@@ -212,7 +212,9 @@ def _l1_scan(
         raw = u[:, 1:] - u[:, :-1]
     # gaps >= 0, capped where exp(-gap/eps) is 0 in float64 anyway (finite gradients there)
     gap = torch.minimum(raw, cap)
-    dec = torch.exp(-gap / eps)  # in [0, 1]: the kernel's decay from one point to the next
+    # in [0, 1]: the kernel's decay from one point to the next (gap / eps <= 800, and a backward
+    # that never squares eps: inverse)
+    dec = torch.exp(-gap * inverse(eps))
     a_fwd = torch.nn.functional.pad(dec, (1, 0))  # d_i, i = 0..n-1 (d_0 = 0)
     a_rev = torch.nn.functional.pad(dec.flip(-1), (1, 0))  # the same, right to left
     a2 = torch.stack((a_fwd, a_rev))
@@ -255,13 +257,63 @@ def _l1_scan(
     return out_v, out_r
 
 
+def inverse(eps: Tensor) -> Tensor:
+    """``1/eps`` as ``exp(-log eps)``: the same value, but a backward that never squares eps.
+
+    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
+    the gaps and turns the zero gradient of a saturated softmax into ``0 * inf = NaN``; here the
+    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is
+    clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps`` is finite).
+    """
+    return torch.exp(-torch.log(eps))
+
+
+def row_scale(x2: Tensor, spread: float) -> Tensor:
+    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n), with
+    ``spread * max|x| / s <= finfo.max / 4`` over the finite entries.
+
+    Dividing by s is exact, and it keeps the kernels' differences (and sums of up to ``spread``
+    of them) of ``x / s`` finite: an overflow there would be an inf that the backward multiplies
+    by 0. s = 1, so ``x / s`` is x, unless the row comes within a factor ``4 * spread`` of the
+    dtype's largest finite value. NaN and infinite entries are left out.
+    """
+    with torch.no_grad():
+        xd = x2.detach()
+        mag = torch.where(torch.isfinite(xd), xd.abs(), 0.0).amax(-1, keepdim=True)
+        need = mag.double() * (4.0 * spread / torch.finfo(xd.dtype).max)
+        scale = torch.exp2(torch.ceil(torch.log2(need.clamp(min=1.0))))
+    return scale.to(xd.dtype)
+
+
+def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
+    """``scale / eps**power`` (B,) for eps (B,) and scale (B, 1), with a backward that never
+    squares eps (:func:`inverse`); saturated at the dtype's largest finite value (which only a
+    row near that value, with an epsilon near the smallest normal number, can reach)."""
+    fmax = torch.finfo(eps.dtype).max
+    inv = inverse(eps) if power == 1.0 else torch.exp(-power * torch.log(eps))
+    return torch.clamp(inv * scale.view(-1), max=fmax)
+
+
 def _distance_logits(distance: str) -> Callable[..., Tensor]:
-    def logits(u_blk: Tensor, x2: Tensor, eps: Tensor) -> Tensor:
-        diff = u_blk.unsqueeze(-1) - x2.unsqueeze(1)  # (B, b, n)
-        d = diff.abs() if distance == "l1" else diff.square()
-        return d / -eps.view(-1, 1, 1)
+    def logits(u_blk: Tensor, xs: Tensor, q: Tensor) -> Tensor:
+        """``-d(u, x)/eps`` from the row-scaled ``u/s, x/s`` (:func:`row_scale`) and
+        ``q = s/eps`` (l1) or ``s/sqrt(eps)`` (l2): ``-|u - x| q`` or ``-((u - x) q)^2``.
+        Nothing here overflows but the l1 logit (to -inf); ``(u - x) q`` is clipped at
+        ``sqrt(finfo.max)`` (beyond it the weight is ``exp(-finfo.max) = 0`` either way), so the
+        backward (``2 (u - x) q``) sees no inf."""
+        diff = u_blk.unsqueeze(-1) - xs.unsqueeze(1)  # (B, b, n)
+        qv = q.view(-1, 1, 1)
+        if distance == "l1":
+            return diff.abs() * -qv
+        root = math.sqrt(torch.finfo(diff.dtype).max)
+        return (diff * qv).clamp(-root, root).square().neg()
 
     return logits
+
+
+def _power(distance: str) -> float:
+    """The power of eps in q (:func:`_distance_logits`)."""
+    return 1.0 if distance == "l1" else 0.5
 
 
 def _masked_logits(distance: str) -> Callable[..., Tensor]:
@@ -270,11 +322,11 @@ def _masked_logits(distance: str) -> Callable[..., Tensor]:
     infinity only (uniform there)."""
     base = _distance_logits(distance)
 
-    def logits(rp: Tensor, xz: Tensor, eps: Tensor, kind_x: Tensor) -> Tensor:
+    def logits(rp: Tensor, xz: Tensor, q: Tensor, kind_x: Tensor) -> Tensor:
         u_blk, kind_u = rp[0], rp[1]
         k_row, k_col = kind_u.unsqueeze(-1), kind_x.unsqueeze(1)
         inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xz.dtype)
-        return torch.where((k_row == 0) & (k_col == 0), base(u_blk, xz, eps), inner)
+        return torch.where((k_row == 0) & (k_col == 0), base(u_blk, xz, q), inner)
 
     return logits
 
@@ -299,12 +351,14 @@ def _blocked(
     # torch.compile (torch 2.13, inductor) gets the gradient of the latter wrong when x2 also
     # enters the graph directly, as it does here (the slow torch.compile test of the contract).
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
-    eps = epsilon.to(x2.dtype)
+    # distances of x / s (no overflow, hence no inf in the backward), with s put back into q
+    scale = row_scale(x2, 2.0)
+    q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
     return chunked_rows(
         _distance_logits(distance),
-        u,
+        u / scale,
         x2,
-        (x2, eps),
+        (x2 / scale, q),
         descending,
         values=values,
         ranks=ranks,
@@ -331,14 +385,15 @@ def _blocked_masked(
     """:func:`_blocked` for rows that may hold ``±inf``, at their limit, by masks alone."""
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
-    uz = torch.where(kind_u == 0, u, 0.0)
+    scale = row_scale(x2, 2.0)  # over the finite entries
+    uz = torch.where(kind_u == 0, u / scale, 0.0)
     xz = torch.where(kind_x == 0, x2, 0.0)
-    eps = epsilon.to(x2.dtype)
+    q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
     v, r, p = chunked_rows(
         _masked_logits(distance),
         torch.stack((uz, kind_u)),
         xz,
-        (xz, eps, kind_x),
+        (torch.where(kind_x == 0, x2 / scale, 0.0), q, kind_x),
         descending,
         values=values,
         ranks=ranks,

@@ -52,7 +52,8 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     xs = torch.where(ok, x2, 0)
     mn = torch.where(ok, xs, math.inf).amin(-1, keepdim=True)
     mn = torch.where(torch.isfinite(mn), mn, 0)
-    xp = torch.where(ok, (xs - mn) / eps[:, None], 0)  # (x - min x)/eps >= 0 on `ok` entries
+    # (x - min x)/eps >= 0 on `ok` entries, formed so that the backward never meets an inf
+    xp = torch.where(ok, _scaled_difference(xs, mn, _inverse(eps)[:, None]), 0)
     # A range beyond the dtype's (x - min x overflows, or a tiny eps) would make inf * 0 = NaN
     # once an entry is taken (1 - p = 0): saturate at the largest finite value instead.
     xp = xp.clamp(max=torch.finfo(xp.dtype).max)
@@ -76,6 +77,28 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
             )
     p = torch.where(pinf, 1.0, p)
     return torch.where(bad[:, None], math.nan, p)
+
+
+def _inverse(eps: torch.Tensor) -> torch.Tensor:
+    """``1/eps`` as ``exp(-log eps)``: the same value, but a backward that never squares eps.
+
+    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
+    the gaps and turns the zero gradient of a saturated round into ``0 * inf = NaN``; here the
+    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is
+    clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps`` is finite).
+    """
+    return torch.exp(-torch.log(eps))
+
+
+def _scaled_difference(a: torch.Tensor, b: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``(a - b) * inv`` for finite a, b, with a NaN-free backward: where ``a - b`` overflows
+    the dtype it is formed as ``(a/2 - b/2) * (2 inv)`` (finite, or an inf in the product only,
+    which the caller saturates)."""
+    d = a - b
+    ok = torch.isfinite(d)
+    direct = torch.where(ok, d, 0) * inv
+    halved = (a * 0.5 - b * 0.5) * (inv * 2)
+    return torch.where(ok, direct, halved)
 
 
 def _kmax_rounds(

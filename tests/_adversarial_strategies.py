@@ -1,0 +1,192 @@
+"""Hypothesis strategies and oracles for the adversarial suite (``tests/test_adversarial.py``).
+
+Rows are drawn in float64 from pools of hostile values (ties, ±1e30, the dtype's extremes and
+denormals, ±inf, NaN) and then cast to the dtype under test, so what the op sees is what the dtype
+can hold (1e30 is ``inf`` in float16, a float32 denormal is 0 there). Everything an oracle needs is
+read off the cast tensor. Epsilon is drawn relative to the row's gaps, in the units the registry's
+scaling law gives it: ``epsilon = r * gap**law`` with ``r`` from 1e-8 to 1e8.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+F64 = torch.float64
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", F64: "f64"}
+
+# Per output dtype: the relative rounding of one cast (float16/bfloat16 are computed in float32
+# and cast back), with a margin for the few operations between the solver and the cast.
+ROUNDING = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5, F64: 1e-10}
+
+INF = math.inf
+# Integer-valued k (the methods and ops that take only an int k).
+INT_K = {"softkmax", "perturbed"}
+INT_K_OPS = {"soft_topk", "soft_kmax"}
+
+
+def hostile_values(dtype: torch.dtype) -> list[float]:
+    """The dtype's extremes, denormals and friends, as float64 numbers."""
+    fi = torch.finfo(dtype)
+    sub = fi.smallest_normal / 4  # a denormal of the dtype
+    return [
+        0.0,
+        -0.0,
+        1e30,
+        -1e30,
+        1e-30,
+        fi.max,
+        -fi.max,
+        fi.max / 4,
+        fi.smallest_normal,
+        -fi.smallest_normal,
+        sub,
+        -sub,
+        5e-324,  # float64's smallest denormal (0 in every other dtype)
+        1e-310,
+        1e-40,  # a float32/bfloat16 denormal
+        6e-8,  # a float16 denormal
+        1.0,
+        1.0 + fi.eps,  # a tie after a cast to a coarser dtype
+        -1.0,
+        3.0,
+    ]
+
+
+@st.composite
+def row_values(
+    draw: st.DrawFn, dtype: torch.dtype, n: int, *, nonfinite: bool = True
+) -> list[float]:
+    """One row of n float64 numbers: plain, tied, huge, tiny, or a mix, maybe with ±inf/NaN."""
+    style = draw(st.sampled_from(["plain", "ties", "hostile", "mixed", "spread"]))
+    scale = 10.0 ** draw(st.integers(-6, 6))
+    plain = st.floats(-1.0, 1.0, allow_nan=False).map(lambda v: v * scale)
+    hostile = st.sampled_from(hostile_values(dtype))
+    if style == "plain":
+        vals = draw(st.lists(plain, min_size=n, max_size=n))
+    elif style == "ties":
+        pool = draw(st.lists(plain, min_size=1, max_size=max(1, n // 2)))
+        vals = draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n))
+    elif style == "hostile":
+        vals = draw(st.lists(hostile, min_size=n, max_size=n))
+    elif style == "spread":  # gaps over many orders of magnitude
+        exps = draw(st.lists(st.integers(-300, 300), min_size=n, max_size=n))
+        signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=n, max_size=n))
+        vals = [s * 10.0**e for s, e in zip(signs, exps, strict=True)]
+    else:
+        vals = draw(st.lists(st.one_of(plain, hostile), min_size=n, max_size=n))
+    if nonfinite and draw(st.integers(0, 3)) == 0:  # a quarter of the rows hold ±inf or NaN
+        for _ in range(draw(st.integers(1, n))):
+            i = draw(st.integers(0, n - 1))
+            vals[i] = draw(st.sampled_from([INF, -INF, INF, -INF, math.nan]))
+    return vals
+
+
+@st.composite
+def batches(
+    draw: st.DrawFn, dtype: torch.dtype, *, n_min: int = 1, n_max: int = 8, nonfinite: bool = True
+) -> torch.Tensor:
+    """A (B, n) batch in ``dtype``: 1 to 3 rows drawn independently (a NaN row beside clean ones
+    checks that NaN stays in its row)."""
+    n = draw(st.integers(n_min, n_max))
+    b = draw(st.integers(1, 3))
+    rows = [draw(row_values(dtype, n, nonfinite=nonfinite)) for _ in range(b)]
+    return torch.tensor(rows, dtype=F64).to(dtype)
+
+
+def typical_gap(x: torch.Tensor) -> float:
+    """The median positive gap between the sorted distinct finite entries of x (any shape), in
+    float64; the largest |x| (or 1) when there is no such gap."""
+    v = x.detach().double().flatten()
+    v = torch.unique(v[torch.isfinite(v)])  # sorted
+    gaps = v.diff()
+    gaps = gaps[(gaps > 0) & torch.isfinite(gaps)]
+    if gaps.numel():
+        return float(gaps.median())
+    big = float(v.abs().max()) if v.numel() else 0.0
+    return big if 0 < big < INF else 1.0
+
+
+def law_of(case: Any) -> float:
+    """The exponent that gives a case's epsilon its units (1: units of x, 2: x², -1: 1/x)."""
+    if case.law is not None:
+        return float(case.law)
+    return -1.0 if case.op in ("soft_sort", "soft_quantile") else 1.0  # pav kl: as pav l2
+
+
+def epsilon_for(case: Any, gap: float, log10_r: float) -> float:
+    """``10**log10_r * gap**law``, kept inside float64's normal range (a valid epsilon)."""
+    law = law_of(case)
+    with_gap = math.log10(gap) * law if gap > 0 else 0.0
+    e = log10_r + with_gap
+    return 10.0 ** min(max(e, -300.0), 300.0)
+
+
+@st.composite
+def k_values(draw: st.DrawFn, case: Any, n: int) -> float | int:
+    """k in {0, 1, n-1, n} (those the op accepts), a random k, or a real k near them."""
+    low = 1 if case.op == "soft_topk" else 0
+    ints = sorted({v for v in (0, 1, n - 1, n, draw(st.integers(low, n))) if low <= v <= n})
+    k = draw(st.sampled_from(ints))
+    integer = case.op in INT_K_OPS or case.method in INT_K
+    if integer or not draw(st.booleans()):
+        return int(k)
+    delta = draw(st.sampled_from([1e-9, 1e-6, 0.25, 0.5]))
+    real = k + draw(st.sampled_from([-delta, delta]))
+    return float(min(max(real, 0.0), float(n)))
+
+
+# -------------------------------------------------------------------------------- oracles
+
+
+def pinned(x: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of x (B, n): (#entries always selected, #entries that can be selected)."""
+    sure = (x == (INF if largest else -INF)).sum(-1)
+    possible = (x != (-INF if largest else INF)).sum(-1)
+    return sure, possible
+
+
+def nan_rows(case: Any, x: torch.Tensor, k: float, orient: bool | None) -> torch.Tensor:
+    """(B,) bool: the rows the docstrings say are NaN (every entry of the row's output)."""
+    out = torch.isnan(x).any(-1)
+    fine = ~out
+    op = case.op
+    if op in ("soft_topk_mask", "soft_kmax", "soft_topk"):
+        largest = True if orient is None else orient
+        sure, possible = pinned(x, largest)
+        if op == "soft_topk":  # "a row with fewer than k selectable entries"
+            bad = possible < k
+        else:  # more than k entries pinned, or fewer than k above the never-selected side
+            bad = (sure > k) | (possible < k)
+        out = out | (fine & bad)
+    elif op in ("soft_argmax", "soft_argmax_onehot"):
+        out = out | (x == -INF).all(-1)
+    elif op == "soft_argmin":
+        out = out | (x == INF).all(-1)
+    elif case.method == "pav" and op in ("soft_sort", "soft_quantile"):
+        both = (x == INF).any(-1) & (x == -INF).any(-1)
+        if case.kw.get("regularization", "l2") == "l2":
+            out = out | both  # "the limit depends on their rates and the row is NaN"
+    return out
+
+
+def quantile_nan(sorted_rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(m, B) bool: where interpolating ``sorted_rows`` (B, n) ascending at q is undefined:
+    between ``-inf`` and ``+inf`` with a weight strictly inside (0, 1)."""
+    n = sorted_rows.shape[-1]
+    pos = q.double() * (n - 1)
+    lo = pos.floor().long().clamp(0, n - 1)
+    hi = (lo + 1).clamp(max=n - 1)
+    frac = pos - lo.double()
+    a = sorted_rows[:, lo].T  # (m, B)
+    b = sorted_rows[:, hi].T
+    inside = ((frac > 0) & (frac < 1))[:, None]
+    return inside & (a == -INF) & (b == INF)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return ROUNDING[dtype]
