@@ -68,5 +68,5 @@ def test_readme_block(index: int) -> None:
 
 def test_readme_has_the_two_commands() -> None:
     text = README.read_text(encoding="utf-8")
-    assert "bash scripts/setup.sh && .venv/bin/softops demo" in text
+    assert "bash scripts/setup.sh && .venv/bin/softops knn --dataset mnist --minutes 3" in text
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest" in text
