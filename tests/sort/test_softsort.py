@@ -294,3 +294,10 @@ def test_l2_values_near_the_largest_float32():
     p = torch.softmax(torch.tensor([0.0, -1.0], dtype=F64), -1)
     want = torch.tensor([[-3e38, float(p[1]), float(p[0]), 3e38]], dtype=torch.float32)
     torch.testing.assert_close(v, want)
+
+
+def test_l1_rank_of_a_single_nan_is_nan():
+    # found by tests/test_adversarial.py: with n = 1 the scans have no gap to carry the NaN
+    x = torch.tensor([[float("nan")], [2.0]], dtype=F64)
+    r = softops.soft_rank(x, method="softsort")
+    assert torch.isnan(r[0]).all() and r[1].tolist() == [1.0]

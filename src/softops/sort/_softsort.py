@@ -252,6 +252,8 @@ def _l1_scan(
         wts = pos / z  # column sums sum_i (pos_i / Z_i) k_ij, evaluated at the points u_j
         c_left, c_right_inc = both(wts, wts)
         r_sorted = c_left + _shift_left(c_right_inc) * torch.nn.functional.pad(dec, (0, 1))
+        if not masked:  # a row of one NaN has no gap to carry it: NaN rows stay NaN
+            r_sorted = r_sorted + u[:, :1] * 0
         r = torch.zeros_like(r_sorted).scatter(-1, perm, r_sorted)
         out_r = r.to(x2.dtype)
     return out_v, out_r

@@ -10,6 +10,11 @@ The recursive soft-k-max of Su (2019, section "softkmax"): with :math:`x' = x - 
 so each round takes a soft maximum and moves it to the row minimum. Plain autograd through the
 rounds; from k = 16 on, segments of about sqrt(k) rounds are checkpointed.
 
+Conditioning: each round's logits depend on the previous rounds through ``-x'/eps``, so near a
+tie the gradient grows like ``(max x' / (4 eps))**(k - 1)``. Where that exceeds the dtype's range
+(float32: ``x'/eps`` of 1e10 with k = 4) the backward overflows, and can be NaN: the recursion has
+no meaningful derivative there.
+
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
     of non-differentiable functions), section "softkmax". Blog post, kexue.fm, 2019.
