@@ -25,8 +25,7 @@ makes its sort ignore epsilon).
 One custom autograd ``Function``, ``_Permutahedron``, computes :math:`P(z, w)` for z in any
 order and w in any order (the permutahedron of w does not depend on its order): the sorts that
 the reduction needs, the isotonic step (a compiled kernel, which cannot be traced), the un-sort
-and the limits at non-finite entries, in one autograd node (a small call is dominated by the
-per-node and per-op overheads, not by the O(n log n) work). Only the scaling by epsilon is plain
+and the limits at non-finite entries, in one autograd node. Only the scaling by epsilon is plain
 autograd around it, so gradients in ``epsilon`` come for free. It returns
 :math:`P(z, w) = z - v` itself, formed block by block relative to each block's first entry, never
 as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a sort at huge
@@ -42,11 +41,17 @@ is not, so dp = ds - <softmax(s_B), ds_B> + <softmax(w_B), dw_B>, broadcast over
 are written in differentiable torch ops of the cotangent and of the saved inputs (the block
 softmaxes are recomputed from z and w), so second derivatives are exact too (zero a.e. for L2).
 
-Limits (applied inside the node, where they cost a reduction, not a node): a NaN anywhere in a row
-of z or w makes the row NaN; for L2, a row of w holding both +inf and -inf is NaN (the projection
-keeps the sum of w, inf - inf); an infinite entry of z sits in a block of equal infinities, whose
-limit is the block's mean of w (L2) or its log-mean-exp (KL), where the formula gives inf - inf.
-These entries get a zero derivative. On meta tensors the node gives shapes only.
+The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
+(``_Mode.negate``). Outside torch.func, ``_apply`` skips the per-call signature binding of
+``Function.apply``; with numba in use and a gradient that is not itself differentiated, the L2
+VJP is one compiled pass over each row (``softops._core.isotonic.l2_vjp_host``) instead of about
+ten small torch ops. These fixed costs, not the O(n log n) work, set the time of a small call.
+
+Limits (applied inside the node, and only when the kernel reports a non-finite row): a NaN anywhere
+in a row of z or w makes the row NaN; for L2, a row of w holding both +inf and -inf is NaN (the
+projection keeps the sum of w, inf - inf); an infinite entry of z sits in a block of equal
+infinities, whose limit is the block's mean of w (L2) or its log-mean-exp (KL), where the formula
+gives inf - inf. These entries get a zero derivative. On meta tensors the node gives shapes only.
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
