@@ -36,6 +36,7 @@ __all__ = [
     "iterate",
     "result",
     "run_steps",
+    "run_while",
     "start_state",
 ]
 
@@ -84,10 +85,11 @@ class SolverState(NamedTuple):
 
 
 Evaluate = Callable[..., tuple[Any, ...]]
-"""``evaluate(t, *eval_args)`` returns ``(F, dF, tol)`` or ``(F, dF, tol, d2F, *extra)``: the
+"""``evaluate(t, *eval_args)`` returns ``(F, dF, tol)`` or ``(F, dF, tol, curv, *extra)``: the
 residual, its derivative in t (<= 0), the tolerance on ``|F|`` below which the row counts as
-solved, optionally the second derivative (None: Newton steps) and anything else to keep from the
-last evaluation (the caller's by-products, e.g. the solution's mask)."""
+solved, optionally the curvature ratio ``F''/F'`` (None: Newton steps; a ratio, so that it can be
+formed without over- or underflow) and anything else to keep from the last evaluation (the
+caller's by-products, e.g. the solution's mask)."""
 
 
 def start_state(
@@ -132,9 +134,55 @@ def run_steps(
     for _ in range(steps):
         out = evaluate(state.t, *eval_args)
         F, dF, tol = out[:3]
-        d2F = out[3] if len(out) > 3 else None
-        state = _update(state, F, dF, d2F, tol, tuple(out[4:]), bisect)
+        curv = out[3] if len(out) > 3 else None
+        state = _update(state, F, dF, curv, tol, tuple(out[4:]), bisect)
     return state
+
+
+def run_while(
+    evaluate: Evaluate,
+    state: SolverState,
+    eval_args: tuple[Any, ...],
+    *,
+    halley: int,
+    bisect: int,
+) -> tuple[SolverState, torch.Tensor]:
+    """The capped schedule of :func:`fixed_schedule` as ``torch.while_loop`` s, no host sync.
+
+    Up to ``halley`` evaluations of Halley steps, then up to ``bisect`` bit bisections, each loop
+    leaving as soon as every row is done: the test is part of the traced graph (``torch.compile``,
+    ``torch.export``), which holds the step once whatever the count. At least one evaluation is
+    made (the loops carry its by-products). Returns the state and the evaluation count, a 0-dim
+    int64 tensor.
+    """
+    state = run_steps(evaluate, state, eval_args, 1)
+    skip = state.skip
+    count = torch.ones((), dtype=torch.int64, device=state.t.device)
+
+    def pack(st: SolverState) -> tuple[torch.Tensor, ...]:
+        return (st.t, st.lo, st.hi, st.f_lo, st.f_hi, st.side, st.done, st.t_eval, st.residual)
+
+    def unpack(carried: tuple[torch.Tensor, ...]) -> SolverState:
+        t, lo, hi, f_lo, f_hi, side, done, t_eval, residual = carried[:9]
+        return SolverState(t, lo, hi, f_lo, f_hi, side, done, skip, t_eval, residual, carried[9:])
+
+    for cap, bisecting in ((halley, False), (halley + bisect, True)):
+
+        def cond(i: torch.Tensor, *carried: torch.Tensor, cap: int = cap) -> torch.Tensor:
+            return (i < cap) & ~carried[6].all()
+
+        def body(
+            i: torch.Tensor, *carried: torch.Tensor, bisecting: bool = bisecting
+        ) -> tuple[torch.Tensor, ...]:
+            st = run_steps(evaluate, unpack(carried), eval_args, 1, bisect=bisecting)
+            # a loop's outputs may not alias its inputs (t_eval is the input t)
+            inputs = {id(c) for c in carried}
+            out = (*pack(st), *st.extra)
+            return (i + 1, *(o.clone() if id(o) in inputs else o for o in out))
+
+        count, *carried = torch.while_loop(cond, body, (count, *pack(state), *state.extra))
+        state = unpack(tuple(carried))
+    return state, count
 
 
 def iterate(
@@ -211,9 +259,10 @@ def bracketed_newton(
 
     Args:
         evaluate: a pure function of ``(t, *eval_args)``, t (B,), returning ``(F, dF, tol)`` or
-            ``(F, dF, tol, d2F, *extra)``, each (B,) but the extras: the residual, its derivative
-            in t (<= 0), the tolerance on ``|F|`` below which the row counts as solved, its
-            second derivative (or None) and by-products kept from the last evaluation. Pass a
+            ``(F, dF, tol, curv, *extra)``, each (B,) but the extras: the residual, its
+            derivative in t (<= 0), the tolerance on ``|F|`` below which the row counts as
+            solved, the ratio ``F''/F'`` (or None) and by-products kept from the last
+            evaluation. Pass a
             module-level function: blocks are cached per function, so that ``wrap`` (e.g.
             compilation) happens once.
         t: (B,) initial iterate, inside ``[lo, hi]``.
@@ -233,8 +282,8 @@ def bracketed_newton(
     """
     state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
     if first is not None:
-        d2F = first[3] if len(first) > 3 else None
-        state = _update(state, first[0], first[1], d2F, first[2], tuple(first[4:]), False)
+        curv = first[3] if len(first) > 3 else None
+        state = _update(state, first[0], first[1], curv, first[2], tuple(first[4:]), False)
     state, evaluations = iterate(
         evaluate, state, eval_args, max_iter=max_iter, block=block, wrap=wrap
     )
@@ -277,7 +326,7 @@ def _update(
     state: SolverState,
     F: torch.Tensor,
     dF: torch.Tensor,
-    d2F: torch.Tensor | None,
+    curv: torch.Tensor | None,
     tol: torch.Tensor,
     extra: tuple[torch.Tensor, ...],
     bisect: bool,
@@ -297,11 +346,12 @@ def _update(
         step = bit_midpoint(lo, hi)
     else:
         newton = F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
-        if d2F is not None:
-            # Halley: the Newton step over 1 - F F''/(2 F'^2), the factor kept within [1/2, 2]
-            # (far from the root the correction is unreliable; near it the factor tends to 1).
-            factor = (1 - 0.5 * newton * (d2F / dF)).clamp(0.5, 2.0)
-            newton = newton / factor
+        if curv is not None:
+            # Halley: the Newton step over 1 - L/2, L = F F''/F'^2, where |L| <= 1 (the factor
+            # within [1/2, 3/2]); beyond, far from the root or on a staircase of entries at a
+            # tiny epsilon, the correction is unreliable and the step stays Newton's.
+            L = newton * curv
+            newton = newton / torch.where(L.abs() <= 1, 1 - 0.5 * L, 1.0)
         step = t - newton
         inside = (step >= lo) & (step <= hi)
         secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))

@@ -30,6 +30,7 @@ import torch
 
 from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
+from softops._core.transforms import cannot_branch, plain, under_functorch
 from softops._core.validation import check_k
 from softops.topk._options import (
     MASK_METHODS,
@@ -166,7 +167,13 @@ def soft_topk_mask(
         generator=generator,
     )
     rows = prepare_rows(op, x, dim, epsilon)
-    k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon)
+    functorch = under_functorch()
+    if functorch and isinstance(k, torch.Tensor) and method == "ot":
+        # A batched k has no single value to test: its integrality (hard=True) is read from every
+        # vmapped slice at once; "ot" has no rule on the shape of k or on its grad.
+        k_scalar = check_mask_k(op, plain(k).detach(), rows.n, method, hard=hard)[1]
+    else:
+        k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon)
     if method == "perturbed":
         check_generator(generator, x.device, op)
 
@@ -189,8 +196,8 @@ def soft_topk_mask(
 
     if hard:
         k_hard = None if k_scalar is None else int(k_scalar)
-        if isinstance(k, torch.Tensor) and k.dim() == 0:
-            k_hard = int(k.detach())
+        if isinstance(k, torch.Tensor) and k.dim() == 0 and not cannot_branch(k):
+            k_hard = int(k.detach())  # (else no single value to read: the per-row path)
         A = straight_through(hard_topk_mask(x2.detach(), k_row.detach(), k_hard), A)
     return rows.restore(A).to(x.dtype)
 

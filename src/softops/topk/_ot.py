@@ -56,6 +56,7 @@ from softops._core.rootfind import (
     iterate,
     result,
     run_steps,
+    run_while,
     start_state,
 )
 from softops._core.transforms import vmap_rows
@@ -191,22 +192,29 @@ def _prepare_exact(
     at least ``floor(max k) + 1`` (clamped to n).
     """
     dtype = x.dtype
+    # Counts as float sums of comparisons: one vectorised pass (isnan().any() is not, on CPU).
     finite = torch.isfinite(x)
     n_fin = finite.sum(-1, dtype=dtype)
-    k_eff = k - (x == math.inf).sum(-1, dtype=dtype)
-    invalid = torch.isnan(x).any(-1) | (k_eff < 0) | (k_eff > n_fin)
+    n_pinf = (x == math.inf).sum(-1, dtype=dtype)
+    k_eff = k - n_pinf
+    invalid = ((x != x).sum(-1, dtype=dtype) > 0) | (k_eff < 0) | (k_eff > n_fin)
     sel_none = ~invalid & (k_eff <= 0)
     sel_all = ~invalid & (k_eff >= n_fin)
     solve_rows = ~(invalid | sel_none | sel_all)
     # Rows that are not solved get a harmless k so that the arithmetic below stays finite.
     nn_ = n_fin.clamp(min=1)
     kk = torch.where(solve_rows, k_eff, 0.5 * nn_)
-    xs = torch.where(finite, x, -math.inf)
-    topv = xs.topk(top, dim=-1).values
-    j_hi = torch.ceil(kk).clamp(1, top)
-    j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(1, top)
-    x_hi = topv.gather(-1, (j_hi.long() - 1)[:, None]).squeeze(-1)
-    x_lo = topv.gather(-1, (j_lo.long() - 1)[:, None]).squeeze(-1)
+    # In a row without NaN the +inf entries lead the topk and -inf entries trail it, so the j-th
+    # largest finite entry is at n_pinf + j - 1 <= floor(k) < top: no masked copy of x is needed.
+    topv = x.topk(top, dim=-1).values
+    j_hi = torch.ceil(kk).clamp(min=1)
+    j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(min=1)
+
+    def entry(j: torch.Tensor) -> torch.Tensor:
+        index = (n_pinf + j - 1).clamp(0, top - 1).long()
+        return topv.gather(-1, index[:, None]).squeeze(-1)
+
+    x_hi, x_lo = entry(j_hi), entry(j_lo)
     zeros = torch.zeros_like(kk)
     m = torch.where(solve_rows, 0.5 * (x_hi + x_lo), zeros)
     # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
@@ -216,7 +224,7 @@ def _prepare_exact(
     lo, hi = _pad(torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros), eps)
     # The start: the centre, or the large-epsilon guess where epsilon is large for the row.
     xmean = torch.where(finite, x, 0).sum(-1) / nn_
-    spread = topv[:, 0] - torch.where(finite, x, math.inf).amin(-1)
+    spread = entry(torch.ones_like(kk)) - torch.where(finite, x, math.inf).amin(-1)
     t_large = xmean - m - eps * (torch.log(kk) - torch.log(nn_ - kk))
     t0 = torch.where(SMOOTH_START * eps >= spread, t_large, zeros)
     t0 = torch.minimum(torch.maximum(t0, lo), hi)
@@ -281,16 +289,23 @@ def _start(
     bisect: int = 0,
     stride: int = 0,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[_Prep, SolverState]:
-    """The preparation and the first ``steps`` Halley steps (then ``bisect`` bit bisections):
-    pure tensor code, compiled as one function on the fused path and traced as is."""
+    loop: bool = False,
+) -> tuple[_Prep, SolverState, torch.Tensor | None]:
+    """The preparation and the first ``steps`` Halley steps: pure tensor code, compiled as one
+    function on the fused path. With ``loop`` (traced code) the steps are the capped schedule
+    of up to ``steps`` Halley steps and ``bisect`` bit bisections in ``torch.while_loop``, and
+    the evaluation count comes back as a tensor."""
     if stride and row_stats is not None:
         prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
     else:
         prep, state = _prepare_exact(x, k, eps, top)
     args = (x, prep.m2, prep.e2, prep.k_total, tol)
-    state = run_steps(_evaluate_t, state, args, steps)
-    return prep, run_steps(_evaluate_t, state, args, bisect, bisect=True)
+    if loop:
+        # a loop takes tensors, not (symbolic) floats, from its surroundings
+        args = (*args[:-1], torch.full((), tol, dtype=x.dtype, device=x.device))
+        state, count = run_while(_evaluate_t, state, args, halley=steps, bisect=bisect)
+        return prep, state, count
+    return prep, run_steps(_evaluate_t, state, args, steps), None
 
 
 def _solve(
@@ -337,7 +352,7 @@ def _solve(
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
         host = x.device.type == "cpu" and not fused
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
-    prep, state = start(x, k, eps, tol, top, steps, bisect, stride, stats)
+    prep, state, _ = start(x, k, eps, tol, top, steps, bisect, stride, stats, traced)
     evaluations = steps + bisect
     if not traced:
         block = 1 if x.device.type == "cpu" and not fused else BLOCK
@@ -549,6 +564,25 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         return vmap_rows(_SoftTopKMaskOT, info, in_dims, *args)
 
 
+def _apply_and_warn(
+    op: str,
+    x2: torch.Tensor,
+    k_row: torch.Tensor,
+    eps_row: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+) -> torch.Tensor:
+    A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
+    warn_not_converged(op, converged, max_iter)
+    return A
+
+
+# Under torch.compile with gradients the Function runs eagerly behind a graph break: its forward
+# tests convergence on the host, and the backward needs the Function.
+_apply_eagerly = torch.compiler.disable(_apply_and_warn)
+
+
 def ot_mask(
     op: str,
     x2: torch.Tensor,
@@ -559,11 +593,20 @@ def ot_mask(
     k_scalar: float | None,
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows, with the non-convergence warning (no host sync
-    beyond the one of the warning's check; none when traced, where the schedule is fixed)."""
-    A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
-    if not torch.compiler.is_compiling():
-        warn_not_converged(op, converged, max_iter)
-    return A
+    beyond the one of the warning's check).
+
+    Traced by ``torch.compile`` or ``torch.export`` without gradients, the solve is the capped,
+    sync-free schedule of :func:`softops._core.rootfind.run_while` (no warning: it provably
+    converges); with gradients, a graph break runs the Function eagerly.
+    """
+    if torch.compiler.is_compiling():
+        grads = torch.is_grad_enabled() and (
+            x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
+        )
+        if not grads:
+            return _solve(x2, k_row, eps_row, max_iter, tol, k_scalar)[1]
+        return _apply_eagerly(op, x2, k_row, eps_row, max_iter, tol, k_scalar)
+    return _apply_and_warn(op, x2, k_row, eps_row, max_iter, tol, k_scalar)
 
 
 def hard_topk_mask(x: torch.Tensor, k: torch.Tensor, k_scalar: int | None) -> torch.Tensor:
