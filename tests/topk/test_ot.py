@@ -9,12 +9,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import func
 from torch.autograd import gradcheck, gradgradcheck
 
 import softops
 from softops import soft_topk_mask
+from softops._core import rootfind
 from softops.bench.references import unrolled_sinkhorn_topk_mask
 from softops.solvers import topk_threshold
+from softops.topk import _ot
 from softops.topk._ot import hard_topk_mask as hard_mask_kernel
 from softops.topk._ot import mask_from_threshold, solve
 from tests._helpers import hard_topk_mask
@@ -500,3 +503,280 @@ def test_subnormal_k_converges_without_warning(row, k):
     res = topk_threshold(x, k, eps)
     assert bool(res.converged.all()) and res.iterations <= 10
     assert float(A.sum()) == pytest.approx(0.0, abs=1e-300) and bool((A >= 0).all())
+
+
+# ------------------------------------------------------------------ forward mode (the jvp rule)
+
+
+def _rows_with_edges() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows at k = 0, k = n, with +-inf entries (k counting them), and plain per-row k."""
+    inf = math.inf
+    x = torch.tensor(
+        [
+            [0.3, -1.2, 0.8, 2.0, -0.4],
+            [0.3, -1.2, 0.8, 2.0, -0.4],
+            [1.5, -0.2, 0.9, -2.1, 0.4],
+            [0.7, inf, -0.5, 1.1, -inf],
+            [0.2, 0.25, -0.9, 1.4, 0.6],
+            [inf, 0.1, -0.3, -inf, 2.2],
+        ],
+        dtype=F64,
+    )
+    k = torch.tensor([0.0, 5.0, 2.5, 2.0, 1.0, 1.0], dtype=F64)  # row 5: only its +inf
+    eps = torch.tensor([0.5, 0.7, 0.3, 0.4, 1.3, 0.6], dtype=F64)
+    return x, k, eps
+
+
+def test_jvp_equals_the_transposed_backward_with_edges_and_infinities():
+    # Forward mode (the jvp rule) against reverse mode (the backward), column by column, in x,
+    # k and epsilon: rows at k = 0 and k = n (the one-sided limits in k), +-inf entries, a row
+    # that selects only its +inf entry. The Jacobian in x is also symmetric.
+    x, k, eps = _rows_with_edges()
+
+    def fn(x, k, e):
+        return soft_topk_mask(x, k, epsilon=e)
+
+    fwd = torch.autograd.functional.jacobian(
+        fn, (x, k, eps), strategy="forward-mode", vectorize=True
+    )
+    rev = torch.autograd.functional.jacobian(fn, (x, k, eps))
+    for a, b in zip(fwd, rev, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    jx = fwd[0]
+    for i in range(x.shape[0]):
+        block = jx[i, :, i, :]
+        torch.testing.assert_close(block, block.T, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(block.sum(-1), torch.zeros(5, dtype=F64), atol=1e-12, rtol=0)
+    # the k-column of a row is dA/dk, which sums to 1 (sum A = k), also at k = 0 and k = n and
+    # on row 5 (k = 1 = its +inf entry: the limit in k is a softmax over its finite entries)
+    jk = torch.stack([fwd[1][i, :, i] for i in range(x.shape[0])])
+    torch.testing.assert_close(jk.sum(-1), torch.ones(x.shape[0], dtype=F64), atol=1e-12, rtol=0)
+    # the epsilon-column sums to 0 (sum A = k whatever epsilon)
+    je = torch.stack([fwd[2][i, :, i] for i in range(x.shape[0])])
+    torch.testing.assert_close(je.sum(-1), torch.zeros(x.shape[0], dtype=F64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "eps"), [(7, 3, 0.5), (30, 1, 0.1), (30, 29, 0.2), (20, 6.5, 3.0)]
+)
+def test_gradcheck_forward_mode_per_row_k_and_epsilon(n, k, eps):
+    # float64 central differences against the jvp (check_forward_ad) and the backward together,
+    # in x, a per-row k and a per-row epsilon.
+    x = torch.randn(3, n, dtype=F64, requires_grad=True)
+    kt = torch.tensor(
+        [k, max(k - 0.5, 0.5), min(k + 0.75, n - 0.25)], dtype=F64, requires_grad=True
+    )
+    et = torch.tensor([eps, 2 * eps, 0.5 * eps], dtype=F64, requires_grad=True)
+    assert gradcheck(
+        lambda x, k, e: soft_topk_mask(x, k, epsilon=e),
+        (x, kt, et),
+        check_forward_ad=True,
+        check_backward_ad=True,
+        check_undefined_grad=False,
+    )
+
+
+def test_func_jvp_in_each_input_and_jacfwd_with_a_tensor_k():
+    x, k, eps = _rows_with_edges()
+    v = torch.linspace(-1.0, 1.0, x.numel(), dtype=F64).reshape(x.shape)
+    v = torch.where(torch.isfinite(x), v, 0)
+
+    def fn(x, k, e):
+        return soft_topk_mask(x, k, epsilon=e)
+
+    out, tangent = func.jvp(fn, (x, k, eps), (v, torch.ones_like(k), 0.1 * torch.ones_like(eps)))
+    torch.testing.assert_close(out, fn(x, k, eps))
+    jac = torch.autograd.functional.jacobian(fn, (x, k, eps))
+    want = (
+        torch.einsum("bnij,ij->bn", jac[0], v)
+        + torch.einsum("bni,i->bn", jac[1], torch.ones_like(k))
+        + torch.einsum("bni,i->bn", jac[2], 0.1 * torch.ones_like(eps))
+    )
+    torch.testing.assert_close(tangent, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        func.jacfwd(fn, argnums=1)(x, k, eps), jac[1], rtol=1e-10, atol=1e-12
+    )
+
+
+# ------------------------------------------------------------------- torch.func: vmap, meta
+
+
+def test_vmap_over_x_k_and_epsilon_equals_the_loop():
+    x = torch.randn(4, 3, 9, dtype=F64)
+    k = torch.tensor(
+        [[1.0, 2.5, 8.0], [0.0, 9.0, 3.0], [4.0, 4.0, 4.0], [2.0, 1.5, 7.5]], dtype=F64
+    )
+    e = torch.tensor([0.2, 0.5, 1.0, 3.0], dtype=F64)
+
+    def fn(x, k, e):
+        return soft_topk_mask(x, k, epsilon=e)
+
+    out = func.vmap(fn)(x, k, e)
+    loop = torch.stack([fn(x[i], k[i], e[i]) for i in range(4)])
+    torch.testing.assert_close(out, loop, rtol=1e-12, atol=1e-12)
+    # k alone, x shared; and a straight-through mask with a batched integer k
+    ks = torch.tensor([1.0, 3.0, 5.0], dtype=F64)
+    out = func.vmap(lambda kk: soft_topk_mask(x[0], kk, epsilon=0.3, hard=True))(ks)
+    assert out.sum(-1).tolist() == [[1.0] * 3, [3.0] * 3, [5.0] * 3]
+    with pytest.raises(ValueError, match=r"hard=True needs an integer k"):
+        func.vmap(lambda kk: soft_topk_mask(x[0], kk, epsilon=0.3, hard=True))(ks + 0.5)
+
+
+def test_grad_in_k_and_epsilon_under_func_equals_autograd():
+    x, k, eps = _rows_with_edges()
+    w = torch.arange(30, dtype=F64).reshape(x.shape) / 7
+    w = torch.where(torch.isfinite(x), w, 0)
+
+    def loss(k, e):
+        return (soft_topk_mask(x, k, epsilon=e) * w).sum()
+
+    gk, ge = func.grad(loss, argnums=(0, 1))(k, eps)
+    kr, er = k.clone().requires_grad_(), eps.clone().requires_grad_()
+    rk, re = torch.autograd.grad(loss(kr, er), (kr, er))
+    torch.testing.assert_close(gk, rk, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ge, re, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, F64])
+def test_meta_tensors_give_the_shape_without_solving(dtype):
+    x = torch.empty(5, 7, 3, dtype=dtype, device="meta")
+    out = soft_topk_mask(x, 2, dim=1, epsilon=0.7)
+    assert out.device.type == "meta" and out.shape == x.shape and out.dtype == dtype
+    k = torch.empty(5, 3, dtype=F64, device="meta")
+    out = soft_topk_mask(x, k, dim=1, epsilon=torch.empty((), device="meta"))
+    assert out.device.type == "meta" and out.shape == x.shape
+    state = solve(
+        x.flatten(0, 1).to(F64),
+        torch.empty(35, dtype=F64, device="meta"),
+        torch.empty(35, dtype=F64, device="meta"),
+    )
+    assert state.t.device.type == "meta" and state.iterations == 0 and state.t.shape == (35,)
+
+
+# ------------------------------------------------------------ the solver's schedule and speed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_typical_solves_take_at_most_four_evaluations(dtype):
+    # Halley steps from one start (the centre, or the large-epsilon guess): 2 to 4 evaluations
+    # where best-of-two Newton took 4 to 8 (the per-call cost of the op is mostly these passes).
+    x = torch.randn(64, 1000, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    for k in (10.0, 500.0, 990.0):
+        for eps in (1.0, 0.1, 1e-2, 1e-3):
+            kt, et = torch.full((64,), k, dtype=dtype), torch.full((64,), eps, dtype=dtype)
+            state = solve(x, kt, et, k_scalar=k)
+            assert bool(state.converged.all())
+            assert state.iterations <= (4 if dtype == torch.float32 else 5), (k, eps)
+
+
+def test_bit_midpoint_halves_the_floats_in_the_bracket():
+    for dtype, itype in ((torch.float32, torch.int32), (F64, torch.int64)):
+        fi = torch.finfo(dtype)
+        lo = torch.tensor([-1.0, 1.0, -3.0, 0.0, -fi.tiny, 2.0, -fi.max, 1e-30], dtype=dtype)
+        hi = torch.tensor([1.0, 2.0, -2.0, 1.0, fi.tiny, 2.0, fi.max, 1e30], dtype=dtype)
+        mid = rootfind.bit_midpoint(lo, hi)
+        assert bool(((mid >= lo) & (mid <= hi)).all())
+
+        def key(v: torch.Tensor, itype: torch.dtype = itype) -> torch.Tensor:
+            """The order of the floats, as integers (-0.0 just below +0.0)."""
+            b = v.view(itype).to(torch.float64)
+            return torch.where(b < 0, -(b - torch.iinfo(itype).min) - 1, b)
+
+        a, b, m = key(lo), key(hi), key(mid)
+        slack = 1 + 1e-12 * (b - a)  # float64 keys are exact for float32, rounded for float64
+        assert bool(((m - a) <= (b - a) / 2 + slack).all())
+        assert bool(((b - m) <= (b - a) / 2 + slack).all())
+        assert mid[1] == 1.5 and mid[2] == -2.5 and mid[5] == 2.0
+        # adjacent floats: the midpoint is the lower one
+        nxt = torch.nextafter(lo, hi)
+        assert torch.equal(rootfind.bit_midpoint(lo, nxt)[:4], lo[:4])
+
+
+def _hard_rows(dtype):
+    """Rows that stress the root finder: ties at the threshold, a staircase at a tiny epsilon,
+    scales far apart, a subnormal k, a k within rounding of n, a fractional k."""
+    tiny = torch.finfo(dtype).tiny
+    rows = [
+        ([3.0, 2.0, 2.0, 2.0, 1.0, 0.0], 2.0, 1e-6),
+        ([0.1, 0.7, 1.3, 4.0, 9.0, -2.0], 2.5, 1e-9),
+        ([1e20, -1e20, 3.0, 2.0, 1.0, 0.0], 3.0, 1.0),
+        ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 5e-324 if dtype == F64 else 1e-40, 1e-20),
+        ([5.0, 4.0, 3.0, 2.0, 1.0, 0.0], 6.0 - 1e-7, 0.3),
+        ([1e-30, 2e-30, 3e-30, 4e-30, 5e-30, 6e-30], 1.5, 1e-31),
+        ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 3.0, 100 * tiny),
+    ]
+    x = torch.tensor([r[0] for r in rows], dtype=dtype)
+    k = torch.tensor([r[1] for r in rows], dtype=dtype)
+    e = torch.tensor([r[2] for r in rows], dtype=dtype).clamp(min=tiny)
+    return x, k, e
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_bit_bisection_alone_reaches_every_root_within_the_bits_of_the_dtype(dtype):
+    # The guarantee of the traced schedule: from the exact bracket, bit bisections alone (no
+    # Halley step at all) finish every row within finfo.bits evaluations, and agree with the
+    # adaptive solve.
+    x, k, e = _hard_rows(dtype)
+    prep, state = _ot._prepare_exact(x, k, e, x.shape[-1])
+    args = (x, prep.m2, prep.e2, prep.k_total, 0.0)
+    bits = torch.finfo(dtype).bits
+    done = rootfind.run_steps(_ot._evaluate_t, state, args, bits, bisect=True)
+    assert bool(done.done.all())
+    short = rootfind.run_steps(_ot._evaluate_t, state, args, 8, bisect=True)
+    assert not bool(short.done.all())  # the test is not vacuous: 8 bisections do not suffice
+    A = _ot._fill_special(done.extra[-1], x, prep.sel_none, prep.sel_all, prep.invalid)
+    ref = soft_topk_mask(x, k, epsilon=e)
+    atol = 1e-5 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(A, ref, atol=atol, rtol=0)
+    assert rootfind.fixed_schedule(dtype, 100) == (rootfind.HALLEY_STEPS, bits)
+    assert rootfind.fixed_schedule(dtype, 5) == (5, 0)
+
+
+# ------------------------------------------------------------------- torch.compile and export
+
+
+class _Scorer(torch.nn.Module):
+    """A tiny inference model: a linear score, its soft top-3 mask as gates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(12, 12, dtype=torch.float32)
+        self.mask = softops.nn.SoftTopKMask(3, epsilon=0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mask(self.score(x)) * x
+
+
+def test_export_of_a_model_using_the_mask_equals_eager():
+    # torch.export traces the sync-free schedule (torch.while_loop: Halley steps, then bit
+    # bisections, stopping in the graph when every row is done); about 5 s.
+    torch.manual_seed(3)
+    model = _Scorer().eval()
+    x = torch.randn(5, 12)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,))
+        for inputs in (x, 4 * torch.randn(5, 12), torch.randn(5, 12).round()):  # ties too
+            torch.testing.assert_close(exported.module()(inputs), model(inputs))
+    assert any("while_loop" in str(node.target) for node in exported.graph.nodes)
+
+
+@pytest.mark.slow
+def test_torch_compile_values_and_gradients_and_fullgraph_inference():
+    x = torch.randn(6, 40, dtype=F64, requires_grad=True)
+    k = torch.tensor([1.0, 4.0, 7.5, 20.0, 39.0, 0.0], dtype=F64, requires_grad=True)
+    g = torch.randn(6, 40, dtype=F64)
+
+    def fn(x, k):
+        return soft_topk_mask(x, k, epsilon=0.3)
+
+    compiled = torch.compile(fn)  # with gradients: the Function behind a graph break
+    out = compiled(x, k)
+    grads = torch.autograd.grad(out, (x, k), g)
+    want = torch.autograd.grad(fn(x, k), (x, k), g)
+    torch.testing.assert_close(out, fn(x, k))
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        full = torch.compile(fn, fullgraph=True)(x.detach(), k.detach())
+    torch.testing.assert_close(full, fn(x, k).detach(), atol=1e-12, rtol=0)
