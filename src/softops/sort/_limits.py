@@ -132,9 +132,10 @@ def with_limits(
 
     Eagerly: one host sync per call (whether any entry is infinite); rows with infinities are
     grouped by their number of finite entries and each group is one batched call. Under
-    ``torch.func`` transforms, on meta tensors and under ``torch.compile``, where a data-dependent branch is impossible,
-    the backend's ``masked`` formulation of the same limit runs on every row (module docstring);
-    a backend without one gets NaN in rows with infinities there.
+    ``torch.func`` transforms, on meta tensors and under ``torch.compile``, where a
+    data-dependent branch is impossible, the backend's ``masked`` formulation of the same limit
+    runs on every row (module docstring); a backend without one gets NaN in rows with
+    infinities there.
     """
     with torch.no_grad():
         inf = torch.isinf(x2)

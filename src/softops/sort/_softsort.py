@@ -270,36 +270,43 @@ def inverse(eps: Tensor) -> Tensor:
     return torch.exp(-torch.log(eps))
 
 
-def row_scale(x2: Tensor, spread: float) -> Tensor:
-    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n), with
-    ``spread * max|x| / s <= finfo.max / 4`` over the finite entries.
+def row_scale(x2: Tensor) -> Tensor:
+    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n), at least max|x| over the
+    finite entries (or half of it, at the top of the dtype's range): the kernels work on
+    ``x / s`` (exact), whose entries are at most 1 (2).
 
-    Dividing by s is exact, and it keeps the kernels' differences (and sums of up to ``spread``
-    of them) of ``x / s`` finite: an overflow there would be an inf that the backward multiplies
-    by 0. s = 1, so ``x / s`` is x, unless the row comes within a factor ``4 * spread`` of the
-    dtype's largest finite value. NaN and infinite entries are left out.
+    Nothing formed from ``x / s`` overflows, and the factor that takes the scale back,
+    ``s / eps**p`` (:func:`scaled_inverse`), is one number whose backward is multiplied by its
+    own value: the gradients pass no intermediate beyond the true derivative (with ``x`` and
+    ``1/eps`` kept apart, ``(x_j - x_i) * grad`` overflows at |x| = 1e20 in float32, and
+    ``(z/eps)/eps`` at a small epsilon). s >= 1: below it, dividing by s would put ``1/s``
+    into the backward. NaN and infinite entries are left out.
     """
     with torch.no_grad():
         xd = x2.detach()
         mag = torch.where(torch.isfinite(xd), xd.abs(), 0.0).amax(-1, keepdim=True)
-        need = mag.double() * (4.0 * spread / torch.finfo(xd.dtype).max)
-        scale = torch.exp2(torch.ceil(torch.log2(need.clamp(min=1.0))))
-    return scale.to(xd.dtype)
+        top = math.frexp(torch.finfo(xd.dtype).max)[1] - 1  # its largest power of two
+        power = torch.ceil(torch.log2(mag.double().clamp(min=1.0))).clamp(max=top)
+    return torch.exp2(power).to(xd.dtype)
 
 
 def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
-    """``scale / eps**power`` (B,) for eps (B,) and scale (B, 1), with a backward that never
-    squares eps (:func:`inverse`); saturated at the dtype's largest finite value (which only a
-    row near that value, with an epsilon near the smallest normal number, can reach)."""
-    fmax = torch.finfo(eps.dtype).max
-    inv = inverse(eps) if power == 1.0 else torch.exp(-power * torch.log(eps))
-    return torch.clamp(inv * scale.view(-1), max=fmax)
+    """``scale / eps**power`` (B,) for eps (B,) and scale (B, 1), as ``exp(log s - p log eps)``
+    (no ``eps**2`` in the backward), saturated just below the dtype's largest finite value.
+
+    It saturates only where ``max|x| / eps**p`` exceeds that value; the distances it then
+    scales wrongly are those below ``finfo.tiny * s`` in the frame of ``x / s``, where the
+    dtype has lost their digits anyway (denormals).
+    """
+    top = math.log(torch.finfo(eps.dtype).max) - 1e-3  # exp(top) < finfo.max, by 0.1%
+    log_ratio = torch.log(scale.view(-1).to(eps.dtype)) - power * torch.log(eps)
+    return torch.exp(log_ratio.clamp(max=top))
 
 
 def _distance_logits(distance: str) -> Callable[..., Tensor]:
     def logits(u_blk: Tensor, xs: Tensor, q: Tensor) -> Tensor:
-        """``-d(u, x)/eps`` from the row-scaled ``u/s, x/s`` (:func:`row_scale`) and
-        ``q = s/eps`` (l1) or ``s/sqrt(eps)`` (l2): ``-|u - x| q`` or ``-((u - x) q)^2``.
+        """``-d(u, x)/eps`` from the row-scaled ``u/s, x/s`` (:func:`row_scale`, at most 1)
+        and ``q = s/eps`` (l1) or ``s/sqrt(eps)`` (l2): ``-|u - x| q`` or ``-((u - x) q)^2``.
         Nothing here overflows but the l1 logit (to -inf); ``(u - x) q`` is clipped at
         ``sqrt(finfo.max)`` (beyond it the weight is ``exp(-finfo.max) = 0`` either way), so the
         backward (``2 (u - x) q``) sees no inf."""
@@ -354,7 +361,7 @@ def _blocked(
     # enters the graph directly, as it does here (the slow torch.compile test of the contract).
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     # distances of x / s (no overflow, hence no inf in the backward), with s put back into q
-    scale = row_scale(x2, 2.0)
+    scale = row_scale(x2)
     q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
     return chunked_rows(
         _distance_logits(distance),
@@ -387,7 +394,7 @@ def _blocked_masked(
     """:func:`_blocked` for rows that may hold ``±inf``, at their limit, by masks alone."""
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
-    scale = row_scale(x2, 2.0)  # over the finite entries
+    scale = row_scale(x2)  # over the finite entries
     uz = torch.where(kind_u == 0, u / scale, 0.0)
     xz = torch.where(kind_x == 0, x2, 0.0)
     q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
