@@ -82,8 +82,9 @@ Tensor = torch.Tensor
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``, minus the signature binding that ``Function.apply`` runs on every call
     (``inspect.signature``: about a fifth of a small soft_rank) to fill in defaults, which these
-    Functions do not have. Under torch.func transforms it is ``fn.apply`` itself."""
-    if torch._C._are_functorch_transforms_active():
+    Functions do not have. Under torch.func transforms and torch.compile (which trace
+    ``Function.apply`` itself) it is ``fn.apply``."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*args)  # type: ignore[misc]
 
