@@ -83,11 +83,11 @@ def _sorted_abs_sums(u: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     return torch.where((idx >= lo) & (idx < hi), sums, 0.0)
 
 
-def _frame(xc: Tensor) -> Tensor:
-    """The detached power-of-two scale s >= 1 (B, 1), at least max|xc|, of the centred rows
+def _frame(xc: Tensor, eps: Tensor) -> Tensor:
+    """The detached power-of-two scale s >= 1 (B, 1) of the centred rows
     (:func:`softops.sort._softsort.row_scale`): the logits ``c_i x_j - (A 1)_j`` of ``xc / s``
-    are at most 3 n, and ``s / eps`` takes the scale back."""
-    return row_scale(xc)
+    are at most ``3 n max|xc| / s``, and ``s / eps`` takes the scale back."""
+    return row_scale(xc, eps, 1.0, 3.0 * xc.shape[-1])
 
 
 def _logits(coef: Tensor, xs: Tensor, a1: Tensor, ratio: Tensor) -> Tensor:
@@ -128,12 +128,13 @@ def _run(
         centre = torch.where(torch.isfinite(centre), centre, 0.0)
     xc = x2 - centre  # shift-invariant: same P
     # logits of xc / s (no overflow, hence no inf in the backward), s put back into s/eps
-    scale = _frame(xc)
+    eps = epsilon.to(x2.dtype)
+    scale = _frame(xc, eps)
     xs = xc / scale  # exact (a power of two)
     a1 = _abs_row_sums(xs).to(x2.dtype)
     i = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
     coef = 2 * i - n - 1  # ascending rows (row i = i-th smallest); chunked_rows flips if needed
-    ratio = scaled_inverse(epsilon.to(x2.dtype), scale, 1)
+    ratio = scaled_inverse(eps, scale, 1)
     return chunked_rows(
         _logits,
         coef,
@@ -177,7 +178,7 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
         lo = torch.where(fin, xd, math.inf).amin(-1, keepdim=True)
         hi = torch.where(fin, xd, -math.inf).amax(-1, keepdim=True)
         centre = torch.where(m > 0, 0.5 * lo + 0.5 * hi, 0.0)
-    scale = _frame(torch.where(fin, xd - centre, 0.0))  # over the finite entries
+    scale = _frame(torch.where(fin, xd - centre, 0.0), eps.to(dt))  # over the finite entries
     xcz = torch.where(fin, (x2 - centre) / scale, 0.0)
     # (A 1) over the finite entries: sorted, they sit at positions n_neg .. n_neg + m - 1 (the
     # -inf ones first), with 0 at the infinite positions

@@ -270,24 +270,33 @@ def inverse(eps: Tensor) -> Tensor:
     return torch.exp(-torch.log(eps))
 
 
-def row_scale(x2: Tensor) -> Tensor:
-    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n), at least max|x| over the
-    finite entries (or half of it, at the top of the dtype's range): the kernels work on
-    ``x / s`` (exact), whose entries are at most 1 (2).
+def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
+    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n): the kernels work on
+    ``x / s`` (exact) and take the scale back in one factor ``s / eps**power``
+    (:func:`scaled_inverse`).
 
-    Nothing formed from ``x / s`` overflows, and the factor that takes the scale back,
-    ``s / eps**p`` (:func:`scaled_inverse`), is one number whose backward is multiplied by its
-    own value: the gradients pass no intermediate beyond the true derivative (with ``x`` and
-    ``1/eps`` kept apart, ``(x_j - x_i) * grad`` overflows at |x| = 1e20 in float32, and
-    ``(z/eps)/eps`` at a small epsilon). s >= 1: below it, dividing by s would put ``1/s``
-    into the backward. NaN and infinite entries are left out.
+    The backward of a softmax reduction forms ``g (x_j - v_i)``, of the size of x: with ``x``
+    and ``1/eps`` kept apart the gradients then pass ``|x|**2`` (the factor's gradient) and
+    ``|x| / eps`` (the distances'), each of which overflows long before the derivative does
+    (at |x| = 1e20 in float32). In the frame of ``x / s`` they are ``|x|**2 / s`` and
+    ``|x| s / eps**power``, so s is as large as ``max|x|`` (over the finite entries) where
+    that keeps the second below ``finfo.max / 2**10 / n``, and at least ``4 spread max|x| /
+    finfo.max`` (``spread`` bounds the kernel's sums of ``x / s``: nothing in the forward
+    overflows) and 1 (below it, dividing by s would put ``1/s`` into the backward). s = 1, so
+    ``x / s`` is x, for every row with ``max|x| <= 1``. NaN and infinite entries are left out.
     """
     with torch.no_grad():
         xd = x2.detach()
-        mag = torch.where(torch.isfinite(xd), xd.abs(), 0.0).amax(-1, keepdim=True)
-        top = math.frexp(torch.finfo(xd.dtype).max)[1] - 1  # its largest power of two
-        power = torch.ceil(torch.log2(mag.double().clamp(min=1.0))).clamp(max=top)
-    return torch.exp2(power).to(xd.dtype)
+        fmax = torch.finfo(xd.dtype).max
+        mag = torch.where(torch.isfinite(xd), xd.abs(), 0.0).amax(-1, keepdim=True).double()
+        e = eps.detach().double().view(-1, 1)
+        low = (mag * (4.0 * spread / fmax)).clamp(min=1.0)
+        high = fmax / (2.0**10 * xd.shape[-1]) * e**power / mag.clamp(min=1.0)
+        want = torch.minimum(mag, high).clamp(min=1.0)
+        want = torch.maximum(want, low)
+        top = math.frexp(fmax)[1] - 1  # the dtype's largest power of two
+        exponent = torch.ceil(torch.log2(want)).clamp(max=top)
+    return torch.exp2(exponent).to(xd.dtype)
 
 
 def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
@@ -361,8 +370,9 @@ def _blocked(
     # enters the graph directly, as it does here (the slow torch.compile test of the contract).
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     # distances of x / s (no overflow, hence no inf in the backward), with s put back into q
-    scale = row_scale(x2)
-    q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
+    eps = epsilon.to(x2.dtype)
+    scale = row_scale(x2, eps, _power(distance), 2.0)
+    q = scaled_inverse(eps, scale, _power(distance))
     return chunked_rows(
         _distance_logits(distance),
         u / scale,
@@ -394,10 +404,11 @@ def _blocked_masked(
     """:func:`_blocked` for rows that may hold ``±inf``, at their limit, by masks alone."""
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
-    scale = row_scale(x2)  # over the finite entries
+    eps = epsilon.to(x2.dtype)
+    scale = row_scale(x2, eps, _power(distance), 2.0)  # over the finite entries
     uz = torch.where(kind_u == 0, u / scale, 0.0)
     xz = torch.where(kind_x == 0, x2, 0.0)
-    q = scaled_inverse(epsilon.to(x2.dtype), scale, _power(distance))
+    q = scaled_inverse(eps, scale, _power(distance))
     v, r, p = chunked_rows(
         _masked_logits(distance),
         torch.stack((uz, kind_u)),
