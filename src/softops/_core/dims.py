@@ -39,6 +39,8 @@ def flatten_to_2d(
     The inverse takes a (B, n') tensor (n' may differ from n, e.g. k) or a (B, n', m) tensor and
     restores the batch shape, putting the n' axis back at ``dim`` (trailing axes stay last).
     """
+    if x.dim() == 2 and dim == 1:  # already canonical: nothing to undo
+        return x, _identity
     moved = x if dim == x.dim() - 1 else x.movedim(dim, -1)
     batch_shape = moved.shape[:-1]
     x2 = moved.reshape(-1, moved.shape[-1])
@@ -49,6 +51,10 @@ def flatten_to_2d(
         return y if len(batch_shape) == dim else y.movedim(len(batch_shape), dim)
 
     return x2, restore
+
+
+def _identity(y: torch.Tensor) -> torch.Tensor:
+    return y
 
 
 def row_param(
@@ -110,13 +116,13 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
     n = check_nonempty(x, d, op)
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)
-    batch_shape = x.movedim(d, -1).shape[:-1]
+    batch_shape = torch.Size(x.shape[:d] + x.shape[d + 1 :])
     epsilon = check_epsilon(epsilon, op)
     fi = torch.finfo(cd)
     if isinstance(epsilon, torch.Tensor):
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
         eps = eps.clamp(fi.tiny, fi.max)
-    else:  # a Python float: clamp on the host (no kernel)
+    else:  # a Python float: clamp on the host, one fill
         epsilon = min(max(epsilon, fi.tiny), fi.max)
-        eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
+        eps = torch.full((x2.shape[0],), epsilon, dtype=cd, device=x.device)
     return Rows(x2.to(cd), eps, restore, d, n, batch_shape)

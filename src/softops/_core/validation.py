@@ -261,7 +261,7 @@ def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) ->
             )
         qd = q.detach()
         bad = ~((qd >= 0) & (qd <= 1))
-        if bool(bad.any()):
+        if not cannot_branch(qd) and bool(bad.any()):  # eagerly only, as for epsilon
             raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={qd[bad].flatten()[0].item()}.")
         return q.to(dtype=dtype, device=device)
     q = as_number(q)
