@@ -233,7 +233,9 @@ def test_metrics_and_losses_compose(name):
     """vmap equals the loop, grad and jvp equal the Jacobian, meta gives the shape."""
     fn, inputs, targets = _REDUCTIONS[name]
     out = func.vmap(fn)(inputs, targets)
-    torch.testing.assert_close(out, torch.stack([fn(a, b) for a, b in zip(inputs, targets)]))
+    torch.testing.assert_close(
+        out, torch.stack([fn(a, b) for a, b in zip(inputs, targets, strict=True)])
+    )
     a, b = inputs[0], targets[0]
     jac = torch.autograd.functional.jacobian(lambda t: fn(t, b), a)
     w = torch.linspace(-1.0, 1.0, fn(a, b).numel(), dtype=F64).reshape(fn(a, b).shape)
@@ -246,3 +248,31 @@ def test_metrics_and_losses_compose(name):
     )
     meta = fn(a.to("meta"), b.to("meta"))
     assert meta.device.type == "meta" and meta.shape == fn(a, b).shape
+
+
+# ------------------------------------------------------------------- second derivatives
+
+
+@cases([c for c in CASES if not c.stochastic])
+def test_second_derivatives_equal_central_differences_of_the_gradient(case):
+    """Double backward: the Hessian-vector product of a weighted sum against central
+    differences of the gradient (the backward of every deterministic op is differentiable)."""
+    x0 = _x(6)
+    fn = _call(case)
+    w = torch.linspace(-1.0, 2.0, fn(x0).numel(), dtype=F64).reshape(fn(x0).shape) ** 3
+    v = torch.linspace(1.0, -1.0, 6, dtype=F64) ** 3
+
+    def gradient(t: torch.Tensor, create_graph: bool = False) -> torch.Tensor:
+        t = t if t.requires_grad else t.clone().requires_grad_()
+        out = (fn(t) * w).sum()
+        return torch.autograd.grad(out, t, create_graph=create_graph)[0]
+
+    x = x0.clone().requires_grad_()
+    g = gradient(x, create_graph=True)
+    h = 1e-5
+    fd = (gradient(x0 + h * v).detach() - gradient(x0 - h * v).detach()) / (2 * h)
+    if not g.requires_grad:  # piecewise linear in x (pav): the Hessian is 0 away from kinks
+        torch.testing.assert_close(fd, torch.zeros_like(fd), atol=1e-7, rtol=0)
+        return
+    (hv,) = torch.autograd.grad((g * v).sum(), x)
+    torch.testing.assert_close(hv, fd, rtol=1e-5, atol=1e-7 * (1 + fd.abs().max().item()))
