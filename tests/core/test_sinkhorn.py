@@ -295,6 +295,52 @@ def test_newton_gradient_is_free_of_cancellation():
     assert float(((direct - want) / want).abs().max()) >= 1.0  # lost: what the split avoids
 
 
+_CRAWL_X = [
+    7.264558092660464, 7.1713784757639365, 2.22717487813839, 7.320108758111252,
+    10.93251193557891, 8.377119212625107, 4.846612119832686, 12.889198960227551,
+    5.48773476946437, 9.995168816757406, 3.963679614748021, 2.0832359086521457,
+    5.494150851994496, 11.643005487670086, 11.977270360596469,
+]  # fmt: skip
+
+
+def _crawl_problem(bsz: int = 1):
+    """Large sweep case: 15 points onto 5 unit-spaced targets at epsilon 2.3e-5, 1e-3 of the
+    smallest gap: the solution's potentials lie ~1e6 (in units of epsilon) from the start."""
+    x = torch.tensor(_CRAWL_X, dtype=F64)
+    cost = ((x[:, None] - torch.arange(5, dtype=F64)) ** 2 / 2.349275238106227e-05).expand(
+        bsz, 15, 5
+    )
+    log_a = torch.full((bsz, 15), -math.log(15), dtype=F64)
+    log_b = torch.full((bsz, 5), -math.log(5), dtype=F64)
+    return cost, log_a, log_b, torch.ones(bsz, dtype=F64)
+
+
+def test_epsilon_scaling_ends_the_crawl(monkeypatch):
+    """Plain Sinkhorn moves the potentials by O(1) per iteration and does not converge in 1e5
+    iterations; the rows still above the Newton switch after ANNEAL_AFTER iterations are
+    annealed and converge within the default budget."""
+    cost, log_a, log_b, ones = _crawl_problem()
+    res = log_sinkhorn(cost, log_a, log_b, ones, max_iter=2000, tol=1e-12, newton=True)
+    assert bool(res.converged.all()) and res.iterations < 1000
+    torch.testing.assert_close(res.plan.sum(-1), log_a.exp(), atol=1e-12, rtol=0)
+    monkeypatch.setattr(sinkhorn, "ANNEAL_AFTER", 10**9)  # plain Sinkhorn, then Newton
+    plain = log_sinkhorn(cost, log_a, log_b, ones, max_iter=5000, tol=1e-12, newton=True)
+    assert not bool(plain.converged.any()) and float(plain.residual.min()) > 0.1
+
+
+def test_epsilon_scaling_keeps_rows_independent():
+    """A crawling row beside fast ones: every row equals its own solve (rows that converge
+    within ANNEAL_AFTER iterations are untouched, the annealed row's stages are its own)."""
+    crawl = _crawl_problem()
+    easy = _problem(2, 15, 5, seed=98)
+    batch = [torch.cat((e, c)) for e, c in zip(easy, crawl, strict=True)]
+    res = log_sinkhorn(*batch, max_iter=2000, tol=1e-12, newton=True)
+    assert bool(res.converged.all())
+    for i in range(3):
+        one = log_sinkhorn(*(t[i : i + 1] for t in batch), max_iter=2000, tol=1e-12, newton=True)
+        torch.testing.assert_close(res.plan[i : i + 1], one.plan, atol=0, rtol=0)
+
+
 # ------------------------------------------------------------- torch.func, forward mode, meta
 
 

@@ -178,3 +178,32 @@ def test_meta_tensors_give_the_shape(dtype):
     x = torch.empty(2, 6, 3, dtype=dtype, device="meta")
     A = soft_topk_mask(x, 2, dim=1, epsilon=0.3, method="sinkhorn")
     assert A.device.type == "meta" and A.shape == x.shape and A.dtype == dtype
+
+
+def test_threshold_across_a_wide_gap_converges():
+    """Large sweep case: epsilon 2e-5, the threshold 4e4 epsilon from the median it starts at.
+    Plain Sinkhorn crossed that gap by O(1) per iteration (residual 0.17 after 1e5 iterations);
+    epsilon scaling converges within the default budget and equals "ot"."""
+    x = torch.tensor(
+        [
+            4.703849789974669,
+            3.1001539197032346,
+            2.534350569680383,
+            2.9573248687293723,
+            3.9119581392961362,
+            7.453335151962489,
+            1.9707114931084202,
+            8.955132346674954,
+            9.043977368790996,
+            2.9483975893955225,
+            7.470352550557619,
+            9.381276947381352,
+        ],
+        dtype=F64,
+    )
+    eps = 1.975588561065755e-05
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A = soft_topk_mask(x, 8, epsilon=eps, method="sinkhorn", tol=1e-12)
+    torch.testing.assert_close(A, soft_topk_mask(x, 8, epsilon=eps), atol=1e-12, rtol=0)
+    assert float(A.sum()) == pytest.approx(8.0, abs=1e-12)

@@ -37,6 +37,13 @@ Conventions and choices:
 * **Convergence** is checked every ``CHECK_EVERY`` iterations, batched (one host sync per check).
   Converged rows are frozen and removed from the working set, so a row's result does not depend on
   the other rows. A row whose residual is NaN/inf stops at once; its outputs are NaN.
+* **Epsilon scaling** (``tol > 0``): Sinkhorn moves each potential by O(1) (in units of
+  epsilon) per iteration, so at an epsilon far below the gaps of the cost it crawls (1e5
+  iterations did not reach 1e-3). Rows still above the tolerance (or the Newton switch) after
+  ``ANNEAL_AFTER`` iterations are solved again from their epsilon times their scaled-cost span
+  over ``ANNEAL_SPAN`` down to their own, by factors of about ``ANNEAL_FACTOR``, each stage
+  warm-started from the last (Kosowsky and Yuille 1994; Schmitzer 2019), and kept where
+  that lowers their residual. Other rows are untouched.
 * **Newton polish** (``newton=True`` and ``tol > 0``): Sinkhorn runs until the residual is at most
   ``max(tol, NEWTON_SWITCH)``; then semi-dual Newton on the reduced (m-1) x (m-1) SPD system
   (gauge: the last v is fixed) with Armijo backtracking, at most ``NEWTON_MAX_STEPS`` steps. Each
@@ -97,6 +104,12 @@ NEWTON_SWITCH = 1e-3
 """Residual below which Sinkhorn hands over to Newton."""
 NEWTON_MAX_STEPS = 30
 """Cap on Newton steps per polish phase."""
+ANNEAL_AFTER = 10 * CHECK_EVERY
+"""Iterations after which a converging solve anneals the rows still above the Newton switch."""
+ANNEAL_SPAN = 16.0
+"""Scaled-cost span of a row at the first (largest) epsilon of its annealing."""
+ANNEAL_FACTOR = 4.0
+"""Ratio of the epsilons of two consecutive annealing stages."""
 _ARMIJO_MAX_HALVINGS = 30
 _ARMIJO_SIGMA = 1e-4
 _JITTER_ULPS = 16.0
@@ -314,6 +327,86 @@ def _sinkhorn_loop(
     if idx.numel():
         out_v[idx] = cv
     return out_v, out_err, it
+
+
+def _scaled(prob: _Problem, lam: Tensor) -> _Problem:
+    """The problem at ``lam`` (B,) times its epsilon: the scaled cost divided by ``lam``."""
+    return prob._replace(
+        s=prob.s / lam[:, None, None], d=None if prob.d is None else prob.d / lam[:, None]
+    )
+
+
+def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
+    """Warm start by epsilon scaling; return (v, iterations used).
+
+    Each row whose scaled cost spans more than ``ANNEAL_SPAN`` is solved, loosely, at epsilons
+    ``lam * epsilon`` that fall geometrically (by about ``ANNEAL_FACTOR``) from the one where its
+    span is ``ANNEAL_SPAN`` down to its own, each stage warm-started from the last (the
+    potential in cost units, ``lam * v``, carries over). Each stage runs Sinkhorn to the Newton
+    switch residual, within ``max_iter // 20`` iterations, and the stages together use at most
+    half of ``max_iter``. A row's stages depend on its own cost only (rows with fewer stages
+    join later). NaN rows do not anneal.
+    """
+    s = prob.s
+    big = torch.where(torch.isfinite(s), s, -math.inf).amax(dim=(1, 2))
+    small = torch.where(torch.isfinite(s), s, math.inf).amin(dim=(1, 2))
+    lam0 = ((big - small) / ANNEAL_SPAN).nan_to_num(nan=1.0, posinf=1.0, neginf=1.0)
+    lam0 = lam0.clamp_min(1.0).double()
+    stages = torch.ceil(lam0.log() / math.log(ANNEAL_FACTOR)).long()  # 0 where lam0 == 1
+    n_stages = int(stages.max())
+    cap = max(CHECK_EVERY, max_iter // 20)
+    used = 0
+    for t in range(n_stages):
+        left = max_iter // 2 - used
+        if left <= 1:
+            break
+        j = t - (n_stages - stages)  # the row's own stage index; < 0: not started
+        active = j >= 0
+        rows = active.nonzero().squeeze(-1)
+        # lam0 ** (1 - j / stages): from lam0 at j = 0 to lam0 ** (1 / stages) <= FACTOR
+        frac = 1.0 - j[rows].to(lam0.dtype) / stages[rows].to(lam0.dtype)
+        lam = lam0[rows].pow(frac).to(v.dtype)
+        sub = _scaled(prob.select(active), lam)
+        w, _, it = _sinkhorn_loop(sub, v[rows] / lam[:, None], min(cap, left), NEWTON_SWITCH)
+        v = v.index_copy(0, rows, w * lam[:, None])
+        used += it
+    return v, used
+
+
+def _sinkhorn_or_anneal(
+    prob: _Problem, v: Tensor, max_iter: int, tol: float
+) -> tuple[Tensor, Tensor, int]:
+    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``), with epsilon scaling for the
+    rows that crawl; the same returns.
+
+    Sinkhorn moves each potential by O(1) (in units of epsilon) per iteration, so a row whose
+    solution lies a scaled-cost span far beyond that from the start (epsilon far below the gaps
+    of the cost) crawls: 1e5 iterations did not reach the Newton switch. The rows still above
+    ``tol`` after ``ANNEAL_AFTER`` iterations are therefore solved again from a cold start by
+    :func:`_anneal` (kept only where that lowers their residual), then Sinkhorn resumes for the
+    rest of the budget. Rows that converge within ``ANNEAL_AFTER`` iterations are untouched:
+    annealing is no universal warm start (a cost far wider than the rest of its row, such as an
+    outlier 1e9 epsilon away, gives coarse stages whose potentials the fine ones cannot undo in
+    float32), so it only runs where plain Sinkhorn already failed.
+    """
+    first = min(max_iter, ANNEAL_AFTER)
+    v, err, iters = _sinkhorn_loop(prob, v, first, tol)
+    slow = err > tol  # NaN rows are not slow: they stop at once
+    if first == max_iter or not bool(slow.any()):
+        return v, err, iters
+    sub = prob.select(slow)
+    v_slow, err_slow = v[slow], err[slow]
+    w, used = _anneal(sub, torch.zeros_like(v_slow), max_iter - iters)
+    iters += used
+    _, err_w = _check(sub, w)
+    better = err_w < err_slow
+    v_slow = torch.where(better[:, None], w, v_slow)
+    err_slow = torch.where(better, err_w, err_slow)
+    if max_iter - iters > 1:
+        v_slow, err_slow, it = _sinkhorn_loop(sub, v_slow, max_iter - iters, tol)
+        iters += it
+    v[slow], err[slow] = v_slow, err_slow
+    return v, err, iters
 
 
 def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]:
@@ -536,7 +629,10 @@ def log_sinkhorn(
             return _finalize(prob, v, epsilon, tol, 0)
         use_newton = newton and tol > 0 and m > 1
         tol1 = max(tol, NEWTON_SWITCH) if use_newton else tol
-        v, err, iters = _sinkhorn_loop(prob, v, max_iter, tol1)
+        if tol > 0 and m > 1:  # a converging solve (tol = 0 runs the plain fixed iterations)
+            v, err, iters = _sinkhorn_or_anneal(prob, v, max_iter, tol1)
+        else:
+            v, err, iters = _sinkhorn_loop(prob, v, max_iter, tol1)
         if use_newton:
             # Polish, fallback and final plan in float64: in float32 the marginal error of a plan
             # with many targets has a floor near the default tolerance (m roundings per row).
