@@ -504,3 +504,22 @@ def test_meta_tensors_give_shapes_without_solving(newton: bool, dtype: torch.dty
     plan, _ = sinkhorn_plan(cost, meta(3, 7), meta(3, 4), meta(3), 50, 1e-9, newton)
     (grad,) = torch.autograd.grad(plan.sum(), cost)
     assert grad.device.type == "meta" and grad.shape == cost.shape
+
+
+def test_forward_over_reverse_hessian() -> None:
+    """jvp of grad (the backward run on dual tensors) equals the reverse-mode Hessian."""
+    cost, log_a, log_b, eps = _problem(2, 5, 3, seed=99)
+    weight = torch.randn(cost.shape, generator=seeded(100), dtype=F64)
+    fn = _plan_fn(log_a, log_b, eps)
+
+    def loss(c):
+        return (fn(c) * weight).sum()
+
+    tangent = torch.randn(cost.shape, generator=seeded(101), dtype=F64)
+    _, hvp = torch.func.jvp(torch.func.grad(loss), (cost,), (tangent,))
+    hess = torch.func.jacrev(torch.func.grad(loss))(cost).reshape(cost.numel(), -1)
+    assert float(hess.abs().max()) > 1e-2
+    torch.testing.assert_close(hvp.reshape(-1), hess @ tangent.reshape(-1), atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(
+        torch.func.jacfwd(torch.func.jacrev(loss))(cost).reshape_as(hess), hess
+    )
