@@ -399,8 +399,16 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
     out = {"row": none, "grad_x": none, "grad_eps": none, "grad_k": none, "invariants": none}
     sort_ot = case.method == "ot" and case.op != "soft_topk_mask"
     if case.method == "pav" or sort_ot or case.op == "soft_topk":
-        # KD1: d/d eps through z / eps squares eps: NaN once eps**2 underflows
-        out["grad_eps"] = out["grad_eps"] | (eps < 10 * math.sqrt(fi.tiny))
+        # KD1: the backward of z / eps forms (z / eps) / eps: a NaN gradient in epsilon once
+        # that overflows (z: n for the pav sort, the span for the pav rank, the span**2 of the
+        # costs for ot and the sorted top-k), e.g. once eps**2 underflows
+        span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
+        span = span.nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=1.0)
+        if case.method == "pav":
+            z = span if case.op == "soft_rank" else torch.full_like(span, float(n_of(xd)))
+        else:
+            z = span**2
+        out["grad_eps"] = out["grad_eps"] | (z / eps**2 > fi.max / 2**10) | (eps < 1e-150)
     if sort_ot or case.op == "soft_topk":
         # KD7: the cost (x_i - x_j)**2 overflows: NaN gradient in epsilon
         span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
@@ -689,8 +697,10 @@ def _finite_differences(case: Case, data: st.DataObject) -> None:
             steps[name] = v * step * call[name]  # relative
         else:
             steps[name] = v * step / max(1, call["x"].shape[-1])
-    if "k" in steps and float(call["k"]) in (0.0, call["x"].shape[-1]):
-        steps["k"] = steps["k"] * 0  # stay inside [0, n]
+    if "k" in steps:
+        k, n = float(call["k"]), call["x"].shape[-1]
+        if min(k, n - k) <= 2 * float(steps["k"].abs().max()):
+            steps["k"] = steps["k"] * 0  # stay inside [0, n]
 
     def value(t: float) -> torch.Tensor:
         kw = dict(call)
@@ -755,6 +765,13 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
 def _kd1_sort(method: str) -> None:
     fn = lambda x, e: softops.soft_sort(x, epsilon=e, method=method)  # noqa: E731
     _, _, ge = _grads(fn, [[0.0, 1.0, 2.0]], 1e-200)
+    assert not torch.isnan(ge).any(), ge  # the hard limit: 0
+
+
+def _kd1_wide() -> None:
+    fn = lambda x, e: softops.soft_sort(x, epsilon=e, method="ot")  # noqa: E731
+    out, _, ge = _grads(fn, [[0.0, 1e100]], 1e-60)
+    assert out.tolist() == [[0.0, 1e100]]
     assert not torch.isnan(ge).any(), ge  # the hard limit: 0
 
 
@@ -834,6 +851,11 @@ KNOWN_DEFECTS = {
     "KD1-ot-eps-grad-tiny-eps": (
         lambda: _kd1_sort("ot"),
         "sort/_ot.py: soft_sort(x, method='ot', epsilon=e): NaN gradient in e at e < 1e-154",
+    ),
+    "KD1-ot-eps-grad-wide-row": (
+        _kd1_wide,
+        "sort/_ot.py: soft_sort([[0, 1e100]], method='ot', epsilon=1e-60): NaN gradient in e "
+        "((cost / e) / e overflows)",
     ),
     "KD1-topk-eps-grad-tiny-eps": (
         _kd1_topk,
