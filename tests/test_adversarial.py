@@ -16,17 +16,29 @@ the row's gaps (in the units its scaling law gives it), and, for the ops that ta
 - ``test_invalid_arguments``: one argument at a time is made invalid, on hostile x: the op
   raises ``ValueError`` or ``TypeError`` with a message ``"<op>: expected ...; got ..."``.
 - ``test_gradient_matches_finite_differences``: float64, well-conditioned draws (gaps of at
-  least a fifth of the scale, epsilon within a decade of the gaps): the directional derivative
-  from autograd (in x, epsilon, k and q) equals a central difference of step 1e-5 of the
-  smoothing scale. PAV is piecewise smooth: where its one-sided differences disagree the draw is
-  within a step of a kink and the comparison is skipped. Monte-Carlo methods (``perturbed``) get
-  the first two properties only, with a fixed generator.
+  least 0.4 of the scale, epsilon within a decade of the gaps): the directional derivative from
+  autograd (in x, epsilon, k and q) equals a central difference of step 1e-5 of the smoothing
+  scale, to 1e-5 of the derivative's terms (``soft_quantile(method="ot")``, whose Sinkhorn
+  takes no ``tol``, with a step of 1e-3 and 1e-4). PAV is piecewise smooth: where its one-sided
+  differences disagree the draw is within a step of a kink and the comparison is skipped.
+  Monte-Carlo methods (``perturbed``) get the first two properties only, with a fixed
+  generator.
 
-Two profiles: the default (the CI run) keeps this file within about a minute on two cores; the
-``slow`` profile (``pytest -m slow tests/test_adversarial.py``) runs over 10^4 examples per
-registry entry across the three properties. Both are derandomized and use no example database,
-so a run is reproducible. ``SOFTOPS_ADVERSARIAL_COUNTS=<file>`` writes the number of examples
-each (property, case) ran to that JSON file.
+Where the library does not claim a property, it is not checked, and ``known_defects`` says why,
+row by row: rows within 2**16 of the largest finite value of the compute dtype get the NaN
+pattern only; a backward whose true derivative is beyond the dtype (about n * scale / epsilon)
+may overflow; so may the soft-k-max recursion's near ties (its module docstring). Defects found
+by this suite in code its author does not own are skipped there too, on exactly the rows they
+apply to, and each is pinned by a strict-xfail reproducer (``test_known_defect``), which fails
+once the defect is fixed, so that its entry is then removed.
+
+Two profiles: the default (the CI run: ``pytest tests/test_adversarial.py``) runs 80, 15 and 40
+examples per registry entry for the three properties, about 30 s on two busy cores; the
+``slow`` profile (``pytest -m slow tests/test_adversarial.py``) runs 6000, 1000 and 3000 (10**4
+per registry entry; ``perturbed`` runs its 3000 finite-difference examples as forward_backward
+ones). Both are derandomized and use no example database, so a run is reproducible and prints
+nothing but pytest's summary. ``SOFTOPS_ADVERSARIAL_COUNTS=<file>`` adds the number of examples
+each (property, case) completed to that JSON file.
 """
 
 from __future__ import annotations
@@ -437,9 +449,12 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         # the backward overflows and can be NaN (inf - inf)
         span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
         span = span.nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=1.0)
-        scale = {"soft_rank": float(n_of(xd)), "soft_argmax": float(n_of(xd))}.get(case.op, 1.0)
+        n = float(n_of(xd))
+        scale = {"soft_rank": n, "soft_argmax": n, "soft_argmin": n}.get(case.op, 1.0)
         if case.units_of_x:
             scale = span
+        if case.op in ("smooth_max", "smooth_min"):
+            scale = 0.0  # their derivative is a softmax: at most 1
         eps_x = eps ** (1.0 / adv.law_of(case))
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep

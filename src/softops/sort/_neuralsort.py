@@ -31,6 +31,12 @@ per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)`` (a
 not used. At exact ties :math:`|x_j - x_l|` is at its kink; the prefix-sum formula and the dense
 ``abs().sum(-1)`` pick different subgradients there and agree everywhere else.
 
+Extremes: the logits are formed from the centred row over a power of two s
+(``softops.sort._softsort.row_scale``), less their row maximum, times one factor ``s / eps``
+(``scaled_inverse``), so neither pass forms ``eps**2`` nor overflows before the derivative does.
+``(A 1)`` is read at the boundaries of each run of tied values, so tied entries get identical
+logits, columns of P and ranks.
+
 Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN here, and the
 public layer (:mod:`softops.sort`) takes them to their limits before calling this backend.
 """

@@ -48,6 +48,13 @@ Algorithms:
   ``BLOCK_ELEMENTS`` entries at once), so the peak extra memory is O(B n block) instead of
   O(B n²) (besides the (B, n, n) output of ``argsort`` itself).
 
+* **Extremes.** The dense kernels work on ``x / s`` (s a power of two, :func:`row_scale`) and
+  take the scale back in one factor ``s / eps**p = exp(log s - p log eps)``
+  (:func:`scaled_inverse`); the l1 scans use ``1/eps = exp(-log eps)`` (:func:`inverse`). So
+  neither the forward nor the backward forms ``eps**2`` or a distance beyond the dtype: the
+  gradients are finite at an epsilon far below the gaps (0 there, the hard limit) and at spans
+  up to the dtype's largest value, wherever the derivative itself is.
+
 Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`` give NaN here
 (an infinite sorted value has no finite distance to itself); the public layer
 (:mod:`softops.sort`) takes them to their limits before calling this backend.
