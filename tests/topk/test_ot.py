@@ -725,7 +725,7 @@ def test_bit_bisection_alone_reaches_every_root_within_the_bits_of_the_dtype(dty
     assert bool(done.done.all())
     short = rootfind.run_steps(_ot._evaluate_t, state, args, 8, bisect=True)
     assert not bool(short.done.all())  # the test is not vacuous: 8 bisections do not suffice
-    A = _ot._fill_special(done.extra[-1], x, prep.sel_none, prep.sel_all, prep.invalid)
+    A = _ot._fill_special(done.extra[0], x, prep.sel_none, prep.sel_all, prep.invalid)
     ref = soft_topk_mask(x, k, epsilon=e)
     atol = 1e-5 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(A, ref, atol=atol, rtol=0)

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import torch
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
-from softops._core.fused import compile_enabled, maybe_fused
+from softops._core.fused import maybe_fused
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -77,8 +77,8 @@ SAMPLE_SIZE = 2048
 FIRST_BLOCK = {torch.float32: 3, torch.float64: 4}
 """Evaluations run with the preparation, before the first convergence test (typical counts)."""
 BLOCK = 2
-"""Evaluations between two later convergence tests when fused or off the CPU (no host sync inside
-a block); on the CPU the eager path tests after every evaluation (a host test is free there)."""
+"""Evaluations between two later convergence tests off the CPU (no host sync inside a block); on
+the CPU every evaluation is followed by a test (a host test is free there)."""
 SMOOTH_START = 8.0
 """Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 # The cap on evaluations is THRESHOLD_MAX_ITER (100). 3 to 5 are typical; plain bisection within
@@ -123,9 +123,10 @@ def _evaluate(
     t: torch.Tensor,
     eps: torch.Tensor,
     k: torch.Tensor,
-    tol: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'`` and ``A``.
+    tol: float | torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s`` and
+    ``sum s`` (``s = A (1 - A) / eps``, the backward's weights, formed from ``u``: no cancellation).
 
     The reductions are over the last dim; ``m``, ``t`` and ``eps`` have a trailing singleton dim,
     ``k`` the reduced shape. With ``u = min(A, 1 - A)`` the residual is split by sign, so it has no
@@ -153,7 +154,7 @@ def _evaluate(
     flush = x.shape[-1] / torch.finfo(x.dtype).max
     bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs()
     bound = bound + flush + tol
-    return F, -slope, bound, curv, torch.where(pos, 1 - u, u)
+    return F, -slope, bound, curv, torch.where(pos, 1 - u, u), d / eps, slope
 
 
 def _evaluate_t(
@@ -162,8 +163,8 @@ def _evaluate_t(
     m: torch.Tensor,
     eps: torch.Tensor,
     k: torch.Tensor,
-    tol: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tol: float | torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """:func:`_evaluate` for a (B,) iterate, the form the root finder calls."""
     return _evaluate(x, m, t[:, None], eps, k, tol)
 
@@ -290,22 +291,27 @@ def _start(
     stride: int = 0,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     loop: bool = False,
-) -> tuple[_Prep, SolverState, torch.Tensor | None]:
+) -> tuple[_Prep, SolverState, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The preparation and the first ``steps`` Halley steps: pure tensor code, compiled as one
     function on the fused path. With ``loop`` (traced code) the steps are the capped schedule
     of up to ``steps`` Halley steps and ``bisect`` bit bisections in ``torch.while_loop``, and
-    the evaluation count comes back as a tensor."""
+    the evaluation count comes back as a tensor (else None). Last, the two flags the host
+    reads (all rows done, all rows regular: finite, 0 < k < n) and the rows' convergence."""
     if stride and row_stats is not None:
         prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
     else:
         prep, state = _prepare_exact(x, k, eps, top)
-    args = (x, prep.m2, prep.e2, prep.k_total, tol)
+    count = None
     if loop:
         # a loop takes tensors, not (symbolic) floats, from its surroundings
-        args = (*args[:-1], torch.full((), tol, dtype=x.dtype, device=x.device))
-        state, count = run_while(_evaluate_t, state, args, halley=steps, bisect=bisect)
-        return prep, state, count
-    return prep, run_steps(_evaluate_t, state, args, steps), None
+        tol_t = torch.full((), tol, dtype=x.dtype, device=x.device)
+        args_t = (x, prep.m2, prep.e2, prep.k_total, tol_t)
+        state, count = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)
+    else:
+        state = run_steps(_evaluate_t, state, (x, prep.m2, prep.e2, prep.k_total, tol), steps)
+    # What the host needs to know, in one read: are all rows done, are all rows regular.
+    flags = torch.stack((state.done.all(), prep.solve_rows.all()))
+    return prep, state, count, flags, result(state, 0).converged
 
 
 def _solve(
@@ -315,8 +321,10 @@ def _solve(
     max_iter: int,
     tol: float,
     k_scalar: float | None,
-) -> tuple[ThresholdState, torch.Tensor]:
-    """:func:`solve`, and the mask at the solution (the last evaluation's, when there is one)."""
+) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and ``sum s`` (the
+    last evaluation's by-products), and whether every row is known on the host to have
+    converged (then there is nothing to warn about)."""
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
@@ -344,18 +352,23 @@ def _solve(
                 q_max = int((k.detach().max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
     start = maybe_fused(_start, x)
-    fused = start is not _start
     if traced:
         steps, bisect = fixed_schedule(dtype, max_iter)
     elif meta:
         steps, bisect = 0, 0
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
-        host = x.device.type == "cpu" and not fused
+        host = x.device.type == "cpu" and start is _start
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
-    prep, state, _ = start(x, k, eps, tol, top, steps, bisect, stride, stats, traced)
+    prep, state, _, flags, converged = start(
+        x, k, eps, tol, top, steps, bisect, stride, stats, traced
+    )
     evaluations = steps + bisect
-    if not traced:
-        block = 1 if x.device.type == "cpu" and not fused else BLOCK
+    if traced or meta:
+        all_done, regular = False, False
+    else:
+        all_done, regular = flags.tolist()
+    if not (traced or all_done):  # (on meta tensors, iterate returns at once)
+        block = 1 if x.device.type == "cpu" else BLOCK
         state, evaluations = iterate(
             _evaluate_t,
             state,
@@ -365,22 +378,29 @@ def _solve(
             block=block,
             wrap=lambda fn: maybe_fused(fn, x),
         )
-    res = result(state, evaluations)
+        converged = result(state, evaluations).converged
+    m, root, residual = prep.m2.squeeze(-1), state.t_eval, state.residual
+    if state.extra:
+        A, w, w_sum = state.extra
+    else:  # meta tensors: nothing was evaluated
+        A = _mask(x, prep.m2, root[:, None], prep.e2)
+        w = A * (1 - A) / prep.e2
+        w_sum = w.sum(-1)
+    if regular:
+        # every row done and none skipped: converged (a residual is finite on finite rows)
+        out = ThresholdState(m, root, converged, evaluations, residual, None, None, None)
+        return out, A, w, w_sum, all_done
     solve_rows, invalid = prep.solve_rows, prep.invalid
-    special = traced or meta or not bool(solve_rows.all())
-    m = prep.m2.squeeze(-1)
-    A = res.extra[-1] if res.extra else _mask(x, prep.m2, res.root[:, None], prep.e2)
-    if not special:
-        return ThresholdState(
-            m, res.root, res.converged, evaluations, res.residual, None, None, None
-        ), A
-    converged = res.converged | ~(solve_rows | invalid)
-    residual = torch.where(solve_rows, res.residual, 0).masked_fill(invalid, math.nan)
+    converged = converged | ~(solve_rows | invalid)
+    residual = torch.where(solve_rows, residual, 0).masked_fill(invalid, math.nan)
     A = _fill_special(A, x, prep.sel_none, prep.sel_all, invalid)
-    state_out = ThresholdState(
-        m, res.root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid
+    # rows that are not solved are exactly 0 or 1 (s = 0), or NaN (NaN gradients)
+    w = torch.where(solve_rows[:, None], w, 0).masked_fill(invalid[:, None], math.nan)
+    w_sum = torch.where(solve_rows, w_sum, 0).masked_fill(invalid, math.nan)
+    out = ThresholdState(
+        m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid
     )
-    return state_out, A
+    return out, A, w, w_sum, False
 
 
 def solve(
@@ -439,6 +459,14 @@ def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
+def _vjp_saved(s: torch.Tensor, s_sum: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``sum s`` (B, 1): a row dot
+    product, a subtraction and a product in place, where the fused path costs a compiled call."""
+    sg = torch.linalg.vecdot(s, g).unsqueeze(-1)
+    positive = s_sum > 0
+    return (g - torch.where(positive, sg / torch.where(positive, s_sum, 1), 0)).mul_(s)
+
+
 def _k_weights(
     z: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
 ) -> torch.Tensor:
@@ -468,7 +496,9 @@ def _k_weights(
 class _SoftTopKMaskOT(torch.autograd.Function):
     """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward and jvp.
 
-    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,).
+    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: A; s and
+    ``aux`` (columns m, t, sum s), the weights of the backward; the convergence flags (None when
+    every row converged); the rows at k = 0 or n (None when there is none).
     """
 
     @staticmethod
@@ -479,42 +509,44 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         max_iter: int,
         tol: float,
         k_scalar: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        state, A = _solve(x, k, eps, max_iter, tol, k_scalar)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        state, A, s, s_sum, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
-        ok = state.converged if state.invalid is None else state.converged | state.invalid
+        ok: torch.Tensor | None = None  # None: every row converged (known on the host)
+        if not all_ok:
+            ok = state.converged if state.invalid is None else state.converged | state.invalid
         # Rows at k = 0 (+1) or k = n (-1), counting infinities: the limits in k.
         edge = None
         if state.sel_none is not None and state.sel_all is not None:
             edge = state.sel_none.to(torch.int8) - state.sel_all.to(torch.int8)
-        return A, state.m, state.t, ok, edge
+        return A, s, torch.stack((state.m, state.t, s_sum), -1), ok, edge
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, _, eps = inputs[:3]
-        A, m, t, converged, edge = output
-        ctx.mark_non_differentiable(m, t, converged)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ctx.save_for_backward(A, eps, x, m, t, edge)
-        else:
-            ctx.save_for_backward(A, eps)
-        ctx.save_for_forward(A, eps, x, m, t, edge)
-        ctx.fused = compile_enabled()  # the backward follows the forward's choice
+        A, s, aux, converged, edge = output
+        ctx.mark_non_differentiable(s, aux, *(() if converged is None else (converged,)))
+        ctx.set_materialize_grads(False)
+        # A is saved for the gradients in k and epsilon and for double backward (differentiable
+        # in A); s and sum s make the plain backward in x three passes with no compiled call.
+        ctx.save_for_backward(A, s, aux, eps, x, edge)
+        ctx.save_for_forward(A, s, aux, eps, x, edge)
 
     @staticmethod
-    def backward(ctx: Any, gA: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
-        A, eps = ctx.saved_tensors[:2]
-        e = eps[:, None]
+    def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
+        if gA is None:
+            return None, None, None, None, None, None
+        A, s, aux, eps, x, edge = ctx.saved_tensors
+        e = eps[:, None]
         gx = gk = geps = None
         if not (need_k or need_eps):
-            if not torch.is_grad_enabled():
-                # The common case: one fused pass for the sums, one for the gradient.
-                return maybe_fused(_vjp_x, A, ctx.fused)(A, gA, e), None, None, None, None, None
-            return _vjp_x(A, gA, e), None, None, None, None, None
-        x, m, t, edge = ctx.saved_tensors[2:]
-        s = A * (1 - A) / e
-        z = ((x - m[:, None]) - t[:, None]) / e
+            if torch.is_grad_enabled():  # double backward: differentiable in A
+                return _vjp_x(A, gA, e), None, None, None, None, None
+            return _vjp_saved(s, aux[:, 2:], gA), None, None, None, None, None
+        if torch.is_grad_enabled():  # double backward: s differentiable in A
+            s = A * (1 - A) / e
+        z = ((x - aux[:, :1]) - aux[:, 1:2]) / e
         w = _k_weights(z, x, e, edge)
         ratio = (w * gA).sum(-1, keepdim=True)
         if need_x:
@@ -540,13 +572,12 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         and ``dA_i = s_i (u_i - dt)``. ``z`` is masked where ``s`` (or ``w``) is 0, as in the
         backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
         """
-        A, eps, x, m, t, edge = ctx.saved_tensors
-        e = eps[:, None]
+        A, s, aux, eps, x, edge = ctx.saved_tensors
         if dk is None and deps is None:
-            dA = torch.zeros_like(A) if dx is None else _vjp_x(A, dx, e)  # J is symmetric
+            dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux[:, 2:], dx)  # J = J^T
             return dA, None, None, None, None
-        s = A * (1 - A) / e
-        z = ((x - m[:, None]) - t[:, None]) / e
+        e = eps[:, None]
+        z = ((x - aux[:, :1]) - aux[:, 1:2]) / e
         w = _k_weights(z, x, e, edge)
         u_s = torch.zeros_like(A) if dx is None else dx
         u_w = u_s
@@ -574,7 +605,8 @@ def _apply_and_warn(
     k_scalar: float | None,
 ) -> torch.Tensor:
     A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
-    warn_not_converged(op, converged, max_iter)
+    if converged is not None:
+        warn_not_converged(op, converged, max_iter)
     return A
 
 
