@@ -28,12 +28,13 @@ Per output kind this gives:
 
 Infinite entries get a zero gradient. The check costs one host sync per call. Rows with
 infinities cost one backend call per distinct number of finite entries. Under ``torch.func``
-transforms (``vmap``, ``grad``, ...) that data-dependent branch is impossible; SoftSort and
-NeuralSort then run their ``masked`` formulation of the same limit on every row: rows and
+transforms (``vmap``, ``grad``, ...), on meta tensors and under ``torch.compile`` that
+data-dependent branch is impossible; every backend then runs its ``masked`` formulation of the
+same limit on every row. For SoftSort and NeuralSort: rows and
 columns carry a kind (-inf, finite, +inf), finite rows see the finite columns only (with the
 compacted row's coefficients for NeuralSort) at their full-row positions, and an infinite row is
-uniform over its own infinity. "ot" has no such formulation: under transforms its rows with
-infinities give NaN. "pav" does not come here: it takes the
+uniform over its own infinity. For "ot": infinite entries and the targets at their positions get
+zero mass (``softops.sort._ot.masked``). "pav" does not come here: it takes the
 projection's own limits (see ``softops.sort._pav``).
 """
 
