@@ -297,12 +297,17 @@ def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
         fmax = torch.finfo(xd.dtype).max
         mag = torch.where(torch.isfinite(xd), xd.abs(), 0.0).amax(-1, keepdim=True).double()
         e = eps.detach().double().view(-1, 1)
-        low = (mag * (4.0 * spread / fmax)).clamp(min=1.0)
-        high = fmax / (2.0**10 * xd.shape[-1]) * e**power / mag.clamp(min=1.0)
-        want = torch.minimum(mag, high).clamp(min=1.0)
+        # in log2, where nothing overflows: low (the forward), high (the backward), mag
+        low = torch.log2(mag.clamp(min=1.0)) + math.log2(4.0 * spread / fmax)
+        high = (
+            math.log2(fmax / (2.0**10 * xd.shape[-1]))
+            + power * torch.log2(e)
+            - torch.log2(mag.clamp(min=1.0))
+        )
+        want = torch.minimum(torch.log2(mag.clamp(min=1.0)), high).clamp(min=0.0)
         want = torch.maximum(want, low)
         top = math.frexp(fmax)[1] - 1  # the dtype's largest power of two
-        exponent = torch.ceil(torch.log2(want)).clamp(max=top)
+        exponent = torch.ceil(want).clamp(max=top)
     return torch.exp2(exponent).to(xd.dtype)
 
 
