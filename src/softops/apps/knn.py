@@ -186,8 +186,8 @@ def knn_mask(
     on the scale-free ``D / max(D)``, but its gradient treats the maximum as a constant, so every
     step pushes the embeddings outwards (a larger scale sharpens the mask the optimiser sees, and
     the forward pass undoes it): in a prototype of this protocol on MNIST, embedding norms grew to
-    1e9 and accuracy fell from 95 % to 86 %. Raw squared distances (this function), L2-normalised embeddings, or a normalisation
-    kept in the graph all train well.
+    1e9 and accuracy fell from 95 % to 86 %. Raw squared distances (this function), L2-normalised
+    embeddings, or a normalisation kept in the graph all train well.
 
     Args:
         query_emb: (B, d) query embeddings.
