@@ -1,22 +1,24 @@
 """Batched, bracketed Halley/Newton/bisection for monotone scalar equations, one per row.
 
 Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``. All rows
-advance in lock-step (no Python loop over rows). Each step is Halley's (Newton's when the
-evaluation gives no second derivative) when it stays inside the current bracket (compared
-inclusively: after the bracket update ``t`` is itself an endpoint), and regula falsi or a
-bisection of the bracket otherwise, so the iteration always makes progress and always stops: it
-is capped at ``max_iter`` evaluations.
+advance in lock-step (no Python loop over rows). Each step is Halley's where
+``|F F''/F'^2| <= 1`` (Newton's elsewhere, or when the evaluation gives no curvature) when it
+stays inside the current bracket (compared inclusively: after the bracket update ``t`` is itself
+an endpoint), and regula falsi or a bisection of the bracket otherwise, so the iteration always
+makes progress and always stops: it is capped at ``max_iter`` evaluations.
 
 Two drivers share one update rule:
 
 * :func:`bracketed_newton` (and :func:`iterate`) runs blocks of steps with a host-side test of
   ``all(done)`` between blocks: it stops as soon as every row has converged.
-* :func:`run_steps` runs a fixed number of steps with no host synchronisation at all, for code
-  that is traced (``torch.compile``, ``torch.export``). :func:`fixed_schedule` gives a number of
-  steps that provably suffices: after the Halley steps, each *bit bisection* step (the midpoint
-  of the bracket in the order of the representable numbers) halves the count of floats left in
-  the bracket, so at most 32 (float32) or 64 (float64) of them leave adjacent floats, where the
-  resolution test stops every row.
+* :func:`run_steps` runs a fixed number of steps with no host synchronisation at all (the blocks
+  of the drivers, and compiled code).
+* :func:`run_while` is the driver of traced code (``torch.compile``, ``torch.export``): the
+  schedule of :func:`fixed_schedule` in ``torch.while_loop``, whose test of ``all(done)`` is part
+  of the graph. The schedule provably suffices: after the Halley steps, each *bit bisection*
+  step (the midpoint of the bracket in the order of the representable numbers) halves the count
+  of floats left in the bracket, so at most 32 (float32) or 64 (float64) of them leave adjacent
+  floats, where the resolution test stops every row.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 HALLEY_STEPS = 8
-"""Halley steps of :func:`fixed_schedule` before its bisection steps (3 to 6 are typical)."""
+"""Halley steps of :func:`fixed_schedule` before its bisection steps (2 to 5 are typical)."""
 
 
 class RootResult(NamedTuple):
@@ -246,8 +248,8 @@ def bracketed_newton(
 ) -> RootResult:
     """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps.
 
-    A Halley step (Newton's when the evaluation gives no second derivative) is taken when it
-    lands inside the current bracket (inclusively). Otherwise the step is regula falsi with the
+    A Halley step (Newton's where ``|F F''/F'^2| > 1`` or the evaluation gives no curvature) is
+    taken when it lands inside the current bracket (inclusively). Otherwise the step is regula falsi with the
     Illinois modification between the bracket's ends, when their residuals (or bounds on them)
     are known, and bisection when they are not. For the counting functions of top-k at a tiny
     temperature, where the derivative vanishes between entries, the secant step is an

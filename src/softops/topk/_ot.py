@@ -28,16 +28,27 @@ Numerics of the solver (docs/math.md §1.3):
   §1.3); the subsampled path uses the looser ``[min x, max x] - eps logit(k / n)``;
 * the initial iterate is the centre, or the large-epsilon guess ``mean(x) - eps logit(k / n)``
   where epsilon is at least an eighth of the row's spread (on long rows, the better of the two on
-  the subsample); the steps are Halley's (the second derivative costs one more sum in the same
-  pass), which saves one to three evaluations over Newton's;
+  the subsample); the steps are Halley's where ``|F F''/F'^2| <= 1`` (the second derivative costs
+  one more sum in the same pass) and Newton's elsewhere: 2 to 4 evaluations, against 4 to 8 for
+  Newton from the better of two starts;
+* the tolerance on the residual is the rounding of its sums, one ulp of t, and the flush of the
+  sigmoid (0 below about 1/finfo.max: n/finfo.max in all);
 * infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
   as not. Rows whose k cannot be met by their finite entries are flagged, not solved.
 
-The whole preparation (row counts, the bracket, the start) is one branch-free function of the
-rows, so that with the fused path it runs with the first Halley steps as one compiled call, and
-under ``torch.compile``/``torch.export`` the solve is traced as a fixed schedule without host
-synchronisation (:func:`softops._core.rootfind.fixed_schedule`: Halley steps, then bit
-bisections that provably reach adjacent floats).
+Per-call costs. The whole preparation (row counts, the bracket, the start) is one branch-free
+function of the rows: with the fused path it runs with the first Halley steps as one compiled
+call, whose last evaluation also gives the mask A and the backward's weights ``s`` and
+``sum s``; the host reads two flags (all rows done, all rows regular) once. The plain backward
+in x is then three eager passes over the saved ``s`` (A is saved too, for the gradients in k and
+epsilon and for double backward: two (B, n) buffers).
+
+Traced code. Under ``torch.compile`` or ``torch.export`` without gradients the solve makes no host
+synchronisation: :func:`softops._core.rootfind.run_while` runs up to 8 Halley steps and then bit
+bisections in ``torch.while_loop``, which stop in the graph once every row is done and provably
+reach adjacent floats within ``finfo.bits`` bisections (:func:`~softops._core.rootfind.
+fixed_schedule`); no convergence warning is raised there. With gradients the Function runs
+eagerly behind a graph break.
 """
 
 from __future__ import annotations
