@@ -249,11 +249,11 @@ def bracketed_newton(
     """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps.
 
     A Halley step (Newton's where ``|F F''/F'^2| > 1`` or the evaluation gives no curvature) is
-    taken when it lands inside the current bracket (inclusively). Otherwise the step is regula falsi with the
-    Illinois modification between the bracket's ends, when their residuals (or bounds on them)
-    are known, and bisection when they are not. For the counting functions of top-k at a tiny
-    temperature, where the derivative vanishes between entries, the secant step is an
-    interpolation search and needs far fewer steps than bisection.
+    taken when it lands inside the current bracket (inclusively). Otherwise the step is regula
+    falsi with the Illinois modification between the bracket's ends, when their residuals (or
+    bounds on them) are known, and bisection when they are not. For the counting functions of
+    top-k at a tiny temperature, where the derivative vanishes between entries, the secant step
+    is an interpolation search and needs far fewer steps than bisection.
 
     Steps run in blocks of ``block`` evaluations with no host synchronisation inside a block;
     ``all(done)`` is tested between blocks. Rows that are done keep their iterate, so a block that
