@@ -56,11 +56,13 @@ def _use_fused(x: torch.Tensor) -> bool:
 
 
 def _use_fused_shape(x: torch.Tensor) -> bool:
+    # Tracing first: a traced caller must not get a guard on the size of x (torch.export with a
+    # dynamic batch would turn it into a constraint it cannot express).
     return (
-        not _state["failed"]
+        not torch.compiler.is_compiling()
+        and not _state["failed"]
         and x.numel() >= FUSED_MIN_NUMEL
         and x.device.type in ("cpu", "cuda")
-        and not torch.compiler.is_compiling()
     )
 
 
