@@ -103,7 +103,8 @@ class ThresholdState(NamedTuple):
     ``sel_none``/``sel_all``/``invalid`` are None when no row needs them (all entries finite and
     0 < k < n); otherwise (B,) bool masks of rows that select only their ``+inf`` entries, all
     their non ``-inf`` entries, or that cannot be solved (NaN entries, or k not reachable).
-    Traced and meta solves always give the masks.
+    Traced and meta solves always give the masks; ``iterations`` is then the cap of the schedule
+    (a traced solve stops in the graph, where Python cannot count).
     """
 
     m: torch.Tensor
