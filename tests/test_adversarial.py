@@ -430,10 +430,12 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         out["grad_eps"] = out["grad_eps"] | (~fin & ~torch.isnan(xd)).any(-1)
     if case.method == "pav" and case.op == "soft_rank":
         # KD8 (l2) / KD9 (kl): beside a far entry (an infinity, or |x| far beyond the gaps) the
-        # ranks lose their accuracy as |x| / epsilon grows (l2: from about 1e15, kl: 1e6)
+        # ranks lose their accuracy as |x| / epsilon grows, by about |x| / epsilon ulps (l2:
+        # beyond this suite's tolerance from 1e6 in float64, a rank of 0 from 1e15; kl: 1e6)
         gap = torch.tensor([adv.typical_gap(r) for r in xd], dtype=F64)
         far = (~fin & ~torch.isnan(xd)).any(-1) | (mag > 1e3 * gap)
-        limit = 0.1 / fi.eps if case.kw["regularization"] == "l2" else 1e6
+        tol = adv.tolerance(call["x"].dtype)
+        limit = tol / fi.eps if case.kw["regularization"] == "l2" else 1e6
         out["invariants"] = out["invariants"] | (far & (mag.clamp(min=gap) / eps > limit))
     if case.method == "softkmax" or case.op == "soft_kmax":
         # not a defect: near a tie the recursion's gradient grows like (x'/eps)**k
@@ -459,6 +461,9 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
+    if case.method == "pav" and case.op in ("soft_sort", "soft_quantile"):
+        # KD11: NaN rows holding an infinity within 2**16 of the largest finite value
+        out["row"] = out["row"] | ((~fin & ~torch.isnan(xd)).any(-1) & (mag > fi.max / 2**16))
     if case.op == "soft_topk_mask" and case.method == "ot":
         # KD3: a row with no finite entry; KD4: (x - t)/eps overflows
         bad = ~fin.any(-1) | (mag / eps > fi.max / 2**10)
@@ -851,6 +856,12 @@ def _kd10() -> None:
     assert not torch.isnan(out).any(), out  # want about [0.1421] * 7 + [0.0055]
 
 
+def _kd11() -> None:
+    x = torch.tensor([[INF, 0.0, -1.7e308]], dtype=F64)
+    out = softops.soft_sort(x, epsilon=1e-308, descending=True)
+    assert out.tolist() == [[INF, INF, INF]], out  # an infinity pulls the l2 row to it
+
+
 def _kd7() -> None:
     fn = lambda x, e: softops.soft_sort(x, epsilon=e, method="ot")  # noqa: E731
     out, _, ge = _grads(fn, [[0.0, 1e155]], 1.0)
@@ -912,6 +923,10 @@ KNOWN_DEFECTS = {
     "KD10-mask-ot-near-max": (
         _kd10,
         "topk/_ot.py: soft_topk_mask on a row near the largest finite value: NaN",
+    ),
+    "KD11-pav-sort-inf-near-max": (
+        _kd11,
+        "sort/_pav.py: soft_sort of a row holding +inf and -1.7e308 at epsilon 1e-308: NaN",
     ),
     "KD7-ot-cost-overflow": (
         _kd7,
