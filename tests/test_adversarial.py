@@ -471,6 +471,13 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         out["grad_eps"] = out["grad_eps"] | bad
         # KD10: NaN rows within 2**16 of the largest finite value
         out["row"] = out["row"] | (mag > fi.max / 2**16)
+    if case.op == "soft_topk" or case.method == "sinkhorn":
+        # KD12: the stand-ins of the infinities (span + 2000 epsilon beyond the finite entries)
+        # round onto them when that margin is below an ulp of the row: wrong masks and weights
+        spanf = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
+        spanf = spanf.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        collapse = (spanf + 2000 * eps) <= 4 * mag * fi.eps
+        out["row"] = out["row"] | ((~fin & ~torch.isnan(xd)).any(-1) & collapse)
     if case.op == "soft_topk":
         # KD5: NaN rows when a row holds an infinity and 2000 epsilon overflows; KD6: NaN rows
         # within 2**16 of the largest finite value
@@ -862,6 +869,15 @@ def _kd11() -> None:
     assert out.tolist() == [[INF, INF, INF]], out  # an infinity pulls the l2 row to it
 
 
+def _kd12() -> None:
+    x = torch.tensor([[INF, 1.0, 1.0, 1.0]], dtype=F64)
+    mask = softops.soft_topk_mask(x, 1, epsilon=1e-20, largest=False, method="sinkhorn")
+    top = softops.soft_topk(x, 1, epsilon=1e-20, largest=False)
+    want = torch.tensor([[0.0, 1 / 3, 1 / 3, 1 / 3]], dtype=F64)  # what method="ot" gives
+    torch.testing.assert_close(mask, want)  # got [0, 0.25, 0.25, 0.25]: it sums to 0.75
+    torch.testing.assert_close(top.weights[:, 0], want)  # got 0.25 on the +inf entry too
+
+
 def _kd7() -> None:
     fn = lambda x, e: softops.soft_sort(x, epsilon=e, method="ot")  # noqa: E731
     out, _, ge = _grads(fn, [[0.0, 1e155]], 1.0)
@@ -927,6 +943,11 @@ KNOWN_DEFECTS = {
     "KD11-pav-sort-inf-near-max": (
         _kd11,
         "sort/_pav.py: soft_sort of a row holding +inf and -1.7e308 at epsilon 1e-308: NaN",
+    ),
+    "KD12-stand-ins-round-onto-the-row": (
+        _kd12,
+        "topk/_options.py finite_stand_ins (method='sinkhorn', soft_topk): at epsilon 1e-20 the "
+        "stand-in of +inf rounds onto a row of ones",
     ),
     "KD7-ot-cost-overflow": (
         _kd7,
