@@ -641,8 +641,9 @@ def ot_mask(
     beyond the one of the warning's check).
 
     Traced by ``torch.compile`` or ``torch.export`` without gradients, the solve is the capped,
-    sync-free schedule of :func:`softops._core.rootfind.run_while` (no warning: it provably
-    converges); with gradients, a graph break runs the Function eagerly.
+    sync-free schedule of :func:`softops._core.rootfind.run_while`, which raises no warning (under
+    the default cap it provably converges; a ``max_iter`` below 8 + finfo.bits cuts it short
+    silently); with gradients, a graph break runs the Function eagerly.
     """
     if torch.compiler.is_compiling():
         grads = torch.is_grad_enabled() and (
