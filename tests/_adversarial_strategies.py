@@ -174,14 +174,15 @@ def nan_rows(case: Any, x: torch.Tensor, k: float, orient: bool | None) -> torch
     return out
 
 
-def quantile_nan(sorted_rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def quantile_nan(sorted_rows: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(m, B) bool: where interpolating ``sorted_rows`` (B, n) ascending at q is undefined:
-    between ``-inf`` and ``+inf`` with a weight strictly inside (0, 1)."""
+    between ``-inf`` and ``+inf`` with a weight strictly inside (0, 1), the position
+    ``q (n - 1)`` computed in ``dtype`` as the op computes it."""
     n = sorted_rows.shape[-1]
-    pos = q.double() * (n - 1)
-    lo = pos.floor().long().clamp(0, n - 1)
+    pos = q.to(dtype) * (n - 1)
+    lo = pos.floor().clamp(0, n - 1).long()
     hi = (lo + 1).clamp(max=n - 1)
-    frac = pos - lo.double()
+    frac = pos - lo.to(dtype)
     a = sorted_rows[:, lo].T  # (m, B)
     b = sorted_rows[:, hi].T
     inside = ((frac > 0) & (frac < 1))[:, None]

@@ -301,3 +301,15 @@ def test_l1_rank_of_a_single_nan_is_nan():
     x = torch.tensor([[float("nan")], [2.0]], dtype=F64)
     r = softops.soft_rank(x, method="softsort")
     assert torch.isnan(r[0]).all() and r[1].tolist() == [1.0]
+
+
+def test_l1_scan_gradient_of_a_wide_row_at_a_wide_epsilon():
+    # found by tests/test_adversarial.py: gaps of 1e242 at epsilon 1e241 made the moments'
+    # backward pass gap**2 = 1e484 (NaN gradient in epsilon); the scans now run on x / s
+    x = torch.tensor([[-1.0, -1.0, -1e69, -1e241, -1e242]], dtype=F64, requires_grad=True)
+    e = torch.tensor([1e241], dtype=F64, requires_grad=True)
+    for op in (softops.soft_sort, softops.soft_rank):
+        out = op(x, epsilon=e, method="softsort")
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+        gx, ge = torch.autograd.grad(out, (x, e), g)
+        assert torch.isfinite(gx).all() and torch.isfinite(ge).all(), (op.__name__, gx, ge)

@@ -205,23 +205,28 @@ def _l1_scan(
     """
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
-    eps = epsilon.double().unsqueeze(-1)
-    cap = _GAP_CAP * eps
+    # The scans run on u / s (row_scale): gaps, moments and their gradients stay the size of
+    # x / s, and s / eps (one factor, exp-log) takes the scale back.
+    eps = epsilon.double()
+    scale = row_scale(u, eps, 1.0, 2.0)  # over the finite entries
+    q = scaled_inverse(eps, scale, 1.0).unsqueeze(-1)  # s / eps
+    cap = _GAP_CAP * torch.exp(torch.log(eps).unsqueeze(-1) - torch.log(scale))  # 800 eps / s
     if masked:
         fin = torch.isfinite(u)
         u_inf = u
         u = torch.where(fin, u, 0.0)
-        raw = u[:, 1:] - u[:, :-1]
+        us = u / scale
+        raw = us[:, 1:] - us[:, :-1]
         fin2 = fin[:, 1:] & fin[:, :-1]
         same = u_inf[:, 1:] == u_inf[:, :-1]
         raw = torch.where(fin2, raw, torch.where(same, 0.0, cap))
     else:
-        raw = u[:, 1:] - u[:, :-1]
+        us = u / scale
+        raw = us[:, 1:] - us[:, :-1]
     # gaps >= 0, capped where exp(-gap/eps) is 0 in float64 anyway (finite gradients there)
     gap = torch.minimum(raw, cap)
-    # in [0, 1]: the kernel's decay from one point to the next (gap / eps <= 800, and a backward
-    # that never squares eps: inverse)
-    dec = torch.exp(-gap * inverse(eps))
+    # in [0, 1]: the kernel's decay from one point to the next (gap / eps <= 800)
+    dec = torch.exp(-gap * q)
     a_fwd = torch.nn.functional.pad(dec, (1, 0))  # d_i, i = 0..n-1 (d_0 = 0)
     a_rev = torch.nn.functional.pad(dec.flip(-1), (1, 0))  # the same, right to left
     a2 = torch.stack((a_fwd, a_rev))
@@ -238,13 +243,13 @@ def _l1_scan(
     out_v = out_r = None
     if values:
         # first moments sum_{j<i} k_ij (u_i - u_j) and sum_{j>i} k_ij (u_j - u_i), by
-        # M^L_i = d_i (gap_i L_{i-1} + M^L_{i-1}) and its mirror
+        # M^L_i = d_i (gap_i L_{i-1} + M^L_{i-1}) and its mirror (in the units of u / s)
         w = dec * gap
         m_left, m_right = both(
             torch.nn.functional.pad(w * left[:, :-1], (1, 0)),
             torch.nn.functional.pad(w * right_inc[:, 1:], (0, 1)),
         )
-        v = u + (m_right - m_left) / z
+        v = (us + (m_right - m_left) / z) * scale
         if masked:  # the finite ones are a mean of the finite entries; infinities stay
             lo = torch.where(fin, u, math.inf).amin(-1, keepdim=True)
             hi = torch.where(fin, u, -math.inf).amax(-1, keepdim=True)
