@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 F64 = torch.float64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", F64: "f64"}
 
 # Per output dtype: the relative rounding of one cast (float16/bfloat16 are computed in float32
 # and cast back), with a margin for the few operations between the solver and the cast.
@@ -150,7 +149,9 @@ def pinned(x: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return sure, possible
 
 
-def nan_rows(case: Any, x: torch.Tensor, k: float, orient: bool | None) -> torch.Tensor:
+def nan_rows(
+    case: Any, x: torch.Tensor, k: torch.Tensor | None, orient: bool | None
+) -> torch.Tensor:
     """(B,) bool: the rows the docstrings say are NaN (every entry of the row's output)."""
     out = torch.isnan(x).any(-1)
     fine = ~out
