@@ -42,6 +42,9 @@ def fd_gap(fn, x: torch.Tensor, h: float, g: torch.Generator) -> float:
     (grad,) = torch.autograd.grad((out * ct).sum(), x)
     v = torch.randn(x.shape, generator=g, dtype=torch.float64)
     with torch.no_grad():
-        fd = ((fn(x + h * v) - fn(x - h * v)) * ct).sum() / (2 * h)
-    scale = float((grad.abs() * v.abs()).sum()) + float(ct.abs().sum())
-    return abs(float((grad * v).sum() - fd)) / scale
+        xp, xm = x + h * v, x - h * v
+        fd = ((fn(xp) - fn(xm)) * ct).sum() / (2 * h)
+    # the step actually taken: x +- h v rounds, most where |x| is far above h
+    step = (xp - xm) / (2 * h)
+    scale = float((grad.abs() * step.abs()).sum()) + float(ct.abs().sum())
+    return abs(float((grad * step).sum() - fd)) / scale
