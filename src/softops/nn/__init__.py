@@ -1,5 +1,7 @@
-"""Thin ``torch.nn.Module`` wrappers over the functional ops; they hold arguments, no math."""
+"""``torch.nn.Module`` wrappers over the functional ops (they hold arguments, no math), and the
+layers built on them: :class:`TopKAttention` with its functional form :func:`topk_attention`."""
 
+from softops.nn.attention import TopKAttention, topk_attention, topk_attention_weights
 from softops.nn.smooth import (
     SmoothMax,
     SmoothMin,
@@ -24,4 +26,7 @@ __all__ = [
     "SoftSort",
     "SoftTopK",
     "SoftTopKMask",
+    "TopKAttention",
+    "topk_attention",
+    "topk_attention_weights",
 ]

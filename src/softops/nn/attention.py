@@ -1,0 +1,580 @@
+r"""Top-k attention: each query attends to the soft top-k of its keys.
+
+With scores :math:`s_j = \langle q, k_j \rangle \cdot \text{scale}` and the SOFT top-k mask
+:math:`A = A_k(s)` of :func:`softops.soft_topk_mask` (values in [0, 1], summing to k), two modes
+weight the values:
+
+.. math::
+
+    \text{"softmax"}:\quad w_j = \frac{A_j\, e^{s_j}}{\sum_l A_l\, e^{s_l}}
+        = \mathrm{softmax}(s + \log A)_j, \qquad
+    \text{"mean"}:\quad w_j = \frac{A_j}{k}.
+
+"softmax" is the masked softmax of the paper's top-k attention (Xie et al. 2020, §4.3): at
+``k`` = the number of keys it is exactly ``scaled_dot_product_attention``. "mean" is the soft
+top-k mean of the values: as ``epsilon -> 0`` it is the plain mean of the values of the k best
+keys. Both reach hard top-k attention as ``epsilon -> 0``.
+
+Masks follow their function: :func:`topk_attention` uses the convention of
+:func:`torch.nn.functional.scaled_dot_product_attention` (a boolean mask is True where a query
+*may* attend; a float mask is added to the scores), :class:`TopKAttention` that of
+:class:`torch.nn.MultiheadAttention` (a boolean mask is True where a query may *not* attend).
+A masked key gets weight exactly 0. A query with fewer valid keys than ``k`` attends to all of
+them (k is clamped per query), and a query with no valid key gets weights 0 and an output of
+zeros (``scaled_dot_product_attention`` gives NaN there).
+
+References:
+    Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
+    NeurIPS 33, section 4.3 (top-k attention).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from softops._core.validation import check_bool, check_choice, check_epsilon
+from softops.topk import soft_topk_mask
+
+__all__ = [
+    "ATTENTION_METHODS",
+    "ATTENTION_MODES",
+    "TopKAttention",
+    "TopKAttentionWeights",
+    "topk_attention",
+    "topk_attention_weights",
+]
+
+#: the weightings of the values by the soft mask (the module docstring)
+ATTENTION_MODES = ("softmax", "mean")
+#: the top-k methods that take a per-query k (needed to clamp k to the valid keys)
+ATTENTION_METHODS = ("ot",)
+
+
+class TopKAttentionWeights(NamedTuple):
+    """What :func:`topk_attention_weights` returns."""
+
+    weights: torch.Tensor  # (..., L, S): the attention weights, rows sum to 1 (or 0)
+    mask: torch.Tensor  # (..., L, S): the soft top-k mask A, rows sum to the clamped k
+
+
+def _check_k(op: str, k: Any, hard: bool) -> float:
+    if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.requires_grad:
+        k = k.item()
+    if isinstance(k, bool) or not isinstance(k, numbers.Real):
+        raise TypeError(f"{op}: expected `k` to be a number >= 0; got k={k!r}.")
+    if not (float(k) >= 0 and math.isfinite(float(k))):
+        raise ValueError(f"{op}: expected `k` >= 0 and finite; got k={k!r}.")
+    if hard and not float(k).is_integer():
+        raise ValueError(f"{op}: expected an integer `k` with hard=True; got k={k!r}.")
+    return float(k)
+
+
+def _check_attention_options(
+    op: str, k: Any, epsilon: Any, mode: Any, method: Any, hard: Any
+) -> tuple[float, float | torch.Tensor]:
+    check_bool(hard, op, "hard")
+    kf = _check_k(op, k, hard)
+    eps = check_epsilon(epsilon, op)
+    check_choice(mode, ATTENTION_MODES, op, "mode")
+    check_choice(method, ATTENTION_METHODS, op, "method")
+    return kf, eps
+
+
+def _allowed(
+    op: str,
+    scores: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scores with float masks added, and the boolean "may attend" mask (None: all keys)."""
+    L, S = scores.shape[-2:]
+    allowed: torch.Tensor | None = None
+
+    def both(mask: torch.Tensor) -> None:
+        nonlocal allowed
+        allowed = mask if allowed is None else allowed & mask
+
+    if is_causal:
+        both(torch.ones(L, S, dtype=torch.bool, device=scores.device).tril())
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"{op}: expected `attn_mask` to be a tensor; got {attn_mask!r}.")
+        if attn_mask.dtype == torch.bool:
+            both(attn_mask)
+        elif attn_mask.dtype.is_floating_point:
+            scores = scores + attn_mask.to(scores.dtype)
+        else:
+            raise TypeError(
+                f"{op}: expected a bool or floating `attn_mask`; got dtype={attn_mask.dtype}."
+            )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"{op}: expected `key_padding_mask` to be a bool tensor (True: a key to attend "
+                f"to); got {key_padding_mask!r}."
+            )
+        if key_padding_mask.shape[-1] != S:
+            raise ValueError(
+                f"{op}: expected `key_padding_mask` of shape (N, S) with S = {S} keys; got "
+                f"shape {tuple(key_padding_mask.shape)}."
+            )
+        if key_padding_mask.dim() == 2:  # (N, S) against (N, *, L, S)
+            pad = key_padding_mask.reshape(
+                key_padding_mask.shape[0], *([1] * (scores.dim() - 2)), S
+            )
+        elif key_padding_mask.dim() == 1:  # unbatched
+            pad = key_padding_mask
+        else:
+            raise ValueError(
+                f"{op}: expected `key_padding_mask` of shape (N, S) or (S,); got shape "
+                f"{tuple(key_padding_mask.shape)}."
+            )
+        both(pad)
+    if attn_mask is not None and attn_mask.dtype.is_floating_point:
+        both(scores != -math.inf)  # a float mask's -inf entries (NaN scores stay: NaN rows)
+    return scores, allowed
+
+
+def topk_attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    k: int | float,
+    *,
+    epsilon: float | torch.Tensor = 0.1,
+    attn_mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    mode: str = "softmax",
+    hard: bool = False,
+    scale: float | None = None,
+    method: str = "ot",
+) -> TopKAttentionWeights:
+    r"""The weights of :func:`topk_attention` (and the soft top-k mask behind them).
+
+    Args: as :func:`topk_attention` (without ``value`` and ``dropout_p``).
+
+    Returns:
+        A :class:`TopKAttentionWeights` ``(weights, mask)``, each of shape ``(..., L, S)``: the
+        weights sum to 1 over the keys (0 for a query with no valid key); the mask A sums to
+        ``min(k, number of valid keys)``.
+    """
+    op = "topk_attention"
+    kf, eps = _check_attention_options(op, k, epsilon, mode, method, hard)
+    for name, t in (("query", query), ("key", key)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            what = f"dtype={t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+            raise TypeError(f"{op}: expected a floating tensor `{name}`; got {what}.")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{op}: expected `{name}` of shape (..., {'L' if name == 'query' else 'S'}, E); "
+                f"got shape {tuple(t.shape)}."
+            )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"{op}: expected query and key with the same last dim E; got {query.shape[-1]} and "
+            f"{key.shape[-1]}."
+        )
+    check_bool(is_causal, op, "is_causal")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    scores, allowed = _allowed(op, scores, attn_mask, key_padding_mask, is_causal)
+    S = scores.shape[-1]
+    k_top = min(kf, float(S))
+    if allowed is None:
+        k_row: float | torch.Tensor = k_top
+        masked = scores
+    else:
+        allowed = allowed.expand(scores.shape)
+        masked = scores.masked_fill(~allowed, -math.inf)
+        n_valid = allowed.sum(-1)
+        # the top-k of the valid keys, k clamped per query; a query with none selects nothing
+        # (its scores are replaced by zeros so that the solver sees a finite row)
+        k_row = n_valid.clamp(max=k_top).to(scores.dtype)
+        masked = masked.masked_fill((n_valid == 0)[..., None], 0.0)
+    A = soft_topk_mask(masked, k_row, epsilon=eps, method=method)
+    weights = _weights(masked, A, k_row, mode, allowed)
+    if hard:
+        A_hard = _hard_mask(masked.detach(), k_row, int(k_top))
+        w_hard = _weights(masked.detach(), A_hard, k_row, mode, allowed)
+        weights = w_hard + (weights - weights.detach())  # straight-through
+        A = A_hard + (A - A.detach())
+    return TopKAttentionWeights(weights, A)
+
+
+def _weights(
+    scores: torch.Tensor,
+    A: torch.Tensor,
+    k_row: float | torch.Tensor,
+    mode: str,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    if mode == "mean":
+        if isinstance(k_row, torch.Tensor):
+            w = A / k_row.clamp(min=1e-30)[..., None]  # k_row = 0: A = 0, so w = 0
+        else:
+            w = A / k_row if k_row > 0 else A * 0
+    else:
+        tiny = torch.finfo(A.dtype).tiny
+        # log A of an entry the mask gives 0 is -inf; the clamp keeps its (zero) gradient finite
+        logits = scores + torch.log(A.clamp(min=tiny))
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, -math.inf)
+            empty = ~allowed.any(-1, keepdim=True)
+            logits = logits.masked_fill(empty, 0.0)  # no valid key: weights 0 (below)
+            w = torch.softmax(logits, -1).masked_fill(empty, 0.0)
+        else:
+            w = torch.softmax(logits, -1)
+    if allowed is not None:
+        w = w.masked_fill(~allowed, 0.0)  # exactly 0 on masked keys
+    return w
+
+
+def _hard_mask(scores: torch.Tensor, k_row: float | torch.Tensor, k_max: int) -> torch.Tensor:
+    """The 0/1 mask of the k_row best keys of each query (k_row <= k_max, whole numbers)."""
+    out = torch.zeros_like(scores)
+    if k_max == 0:
+        return out
+    idx = scores.topk(k_max, -1).indices
+    take = torch.ones(idx.shape, dtype=scores.dtype, device=scores.device)
+    if isinstance(k_row, torch.Tensor):
+        rank = torch.arange(k_max, device=scores.device)
+        take = (rank < k_row[..., None]).to(scores.dtype).expand(idx.shape)
+    return out.scatter(-1, idx, take)
+
+
+def topk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k: int | float,
+    *,
+    epsilon: float | torch.Tensor = 0.1,
+    attn_mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    mode: str = "softmax",
+    hard: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    method: str = "ot",
+) -> torch.Tensor:
+    r"""Scaled dot-product attention restricted to the soft top-k keys of each query.
+
+    The hard operator, for ``mode="softmax"`` (for ``"mean"``, replace the softmax by the mean
+    over the k kept keys)::
+
+        s = query @ key.transpose(-2, -1) * scale
+        keep = torch.zeros_like(s).scatter(-1, s.topk(k, -1).indices, 1)
+        torch.softmax(s.masked_fill(keep == 0, -inf), -1) @ value
+
+    With :math:`A = A_k(s)`, the SOFT top-k mask of the scores (:func:`softops.soft_topk_mask`),
+
+    .. math::
+
+        \text{"softmax"}: \ \mathrm{softmax}(s + \log A)\, V, \qquad
+        \text{"mean"}: \ \tfrac{1}{k} A\, V .
+
+    At ``k`` >= the number of keys, "softmax" equals
+    :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks; as ``epsilon ->
+    0`` both modes equal the hard top-k attention above.
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``, its batch dims broadcastable with the query's.
+        value: ``(..., S, Ev)``.
+        k: the keys each query attends to: a number >= 0 (fractional allowed, but for
+            ``hard``). A query with fewer valid keys attends to all of them.
+        epsilon: the temperature of the top-k, in the units of the scaled scores. Larger is
+            smoother. A float or a tensor broadcastable to ``(..., L)``.
+        attn_mask: as in ``scaled_dot_product_attention``: a bool tensor broadcastable to
+            ``(..., L, S)``, True where a query may attend, or a float tensor added to the scores
+            (its -inf entries mask their keys).
+        key_padding_mask: a bool tensor of shape ``(N, S)`` (``(S,)`` unbatched), True for a real
+            key and False for padding; N is the first dim of the query.
+        is_causal: mask the keys after each query (the lower-triangular mask, aligned at the top
+            left as in ``scaled_dot_product_attention``), on top of any other mask.
+        mode: ``"softmax"`` (default) or ``"mean"`` (the module docstring).
+        hard: straight-through: the weights of the hard top-k attention forward (exactly
+            ``min(k, valid keys)`` keys), the gradient of the soft weights backward. Needs an
+            integer k.
+        scale: the factor on the scores (None: ``1 / sqrt(E)``).
+        dropout_p: dropout on the weights (applied whenever > 0, as in
+            ``scaled_dot_product_attention``; pass 0 in evaluation).
+        method: the top-k method: ``"ot"`` (the exact SOFT top-k, which takes a per-query k).
+
+    Returns:
+        ``(..., L, Ev)``. A query with no valid key gives zeros.
+
+    Example:
+        >>> q = torch.tensor([[1.0, 0.0]])
+        >>> keys = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+        >>> values = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+        >>> topk_attention(q, keys, values, 2, epsilon=0.01, mode="mean", scale=1.0)
+        tensor([[1.5000]])
+        >>> topk_attention(q, keys, values, 4, epsilon=0.01, scale=1.0)  # = softmax attention
+        tensor([[1.5073]])
+
+    References:
+        Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
+        NeurIPS 33, section 4.3.
+    """
+    op = "topk_attention"
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        what = f"dtype={value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+        raise TypeError(f"{op}: expected a floating tensor `value`; got {what}.")
+    if value.dim() < 2 or value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"{op}: expected `value` of shape (..., S, Ev) with the keys' S = {key.shape[-2]}; "
+            f"got shape {tuple(value.shape)}."
+        )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{op}: expected `dropout_p` to be a float in [0, 1); got {dropout_p!r}.")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"{op}: expected 0 <= `dropout_p` < 1; got dropout_p={dropout_p!r}.")
+    w = topk_attention_weights(
+        query,
+        key,
+        k,
+        epsilon=epsilon,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        mode=mode,
+        hard=hard,
+        scale=scale,
+        method=method,
+    ).weights
+    if dropout_p > 0:
+        w = F.dropout(w, dropout_p)
+    return torch.matmul(w, value)
+
+
+class TopKAttention(nn.Module):
+    r"""Multi-head attention over the soft top-k keys of each query.
+
+    The constructor and ``forward`` follow :class:`torch.nn.MultiheadAttention` (its shapes,
+    ``batch_first``, and its mask convention: a bool mask is True where a query may **not**
+    attend, a float mask is added), with the top-k arguments after ``num_heads``. Each head runs
+    :func:`topk_attention` on its projections. The projections are separate ``q_proj``,
+    ``k_proj``, ``v_proj`` and ``out_proj`` :class:`~torch.nn.Linear` layers, initialised as
+    ``MultiheadAttention``'s (Xavier-uniform weights, zero biases).
+
+    Args:
+        embed_dim: the model dim E (= num_heads * head dim).
+        num_heads: the number of heads.
+        k: the keys each query attends to, per head (see :func:`topk_attention`).
+        epsilon: the temperature of the top-k, in the units of the scaled scores.
+        mode: ``"softmax"`` (default) or ``"mean"``.
+        method: the top-k method (``"ot"``).
+        hard: straight-through top-k (needs an integer k).
+        dropout: dropout on the attention weights, in training.
+        bias: biases on the projections.
+        batch_first: inputs are ``(N, L, E)`` rather than ``(L, N, E)``.
+        kdim: the key features (None: embed_dim).
+        vdim: the value features (None: embed_dim).
+
+    Shape:
+        - query: ``(L, N, E)`` (``(N, L, E)`` with ``batch_first``, ``(L, E)`` unbatched);
+          key: ``(S, N, kdim)``; value: ``(S, N, vdim)``.
+        - key_padding_mask: ``(N, S)``, True (or -inf) for padding.
+        - attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)``, True (or -inf) where masked.
+        - output: like the query; weights ``(N, L, S)`` averaged over heads, or
+          ``(N, num_heads, L, S)`` with ``average_attn_weights=False``.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> layer = TopKAttention(8, 2, k=3, batch_first=True)
+        >>> layer.extra_repr()
+        "embed_dim=8, num_heads=2, k=3, epsilon=0.1, mode='softmax', method='ot', hard=False, batch_first=True"
+        >>> x = torch.randn(4, 10, 8)
+        >>> out, w = layer(x, x, x)
+        >>> out.shape, w.shape, w.sum(-1).allclose(torch.ones(4, 10))
+        (torch.Size([4, 10, 8]), torch.Size([4, 10, 10]), True)
+    """  # noqa: E501
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        k: int | float,
+        *,
+        epsilon: float = 0.1,
+        mode: str = "softmax",
+        method: str = "ot",
+        hard: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+        batch_first: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        op = type(self).__name__
+        for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{op}: expected `{name}` to be an int >= 1; got {name}={v!r}.")
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"{op}: expected `embed_dim` divisible by `num_heads`; got embed_dim={embed_dim}, "
+                f"num_heads={num_heads}."
+            )
+        kf, _ = _check_attention_options(op, k, epsilon, mode, method, hard)
+        if isinstance(epsilon, torch.Tensor):
+            raise TypeError(f"{op}: expected `epsilon` to be a float; got a tensor.")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+            raise TypeError(f"{op}: expected `dropout` to be a float in [0, 1); got {dropout!r}.")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"{op}: expected 0 <= `dropout` < 1; got dropout={dropout!r}.")
+        check_bool(bias, op, "bias")
+        check_bool(batch_first, op, "batch_first")
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.embed_dim: int = embed_dim
+        self.num_heads: int = num_heads
+        self.kdim: int = embed_dim if kdim is None else kdim
+        self.vdim: int = embed_dim if vdim is None else vdim
+        self.k: int | float = int(kf) if kf.is_integer() else kf
+        self.epsilon: float = float(epsilon)
+        self.mode: str = mode
+        self.method: str = method
+        self.hard: bool = hard
+        self.dropout: float = float(dropout)
+        self.batch_first: bool = batch_first
+        self.q_proj: nn.Linear = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self.k_proj: nn.Linear = nn.Linear(self.kdim, embed_dim, bias=bias, **kw)
+        self.v_proj: nn.Linear = nn.Linear(self.vdim, embed_dim, bias=bias, **kw)
+        self.out_proj: nn.Linear = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(lin.weight)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def extra_repr(self) -> str:
+        dims = ""
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            dims = f", kdim={self.kdim}, vdim={self.vdim}"
+        drop = f", dropout={self.dropout}" if self.dropout else ""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, k={self.k}, "
+            f"epsilon={self.epsilon}, mode={self.mode!r}, method={self.method!r}, "
+            f"hard={self.hard}{drop}, batch_first={self.batch_first}{dims}"
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend; returns ``(output, weights)`` (weights None unless ``need_weights``).
+
+        ``is_causal=True`` adds the causal mask (``MultiheadAttention`` takes it as a hint that
+        ``attn_mask`` already is one; here it is applied, so ``attn_mask`` may be omitted).
+        """
+        op = type(self).__name__
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query[:, None], key[:, None], value[:, None]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]
+        elif self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(
+                f"{op}: expected query, key and value of 3 dims (2 unbatched); got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+            )
+        L, N, _ = query.shape
+        S = key.shape[0]
+        H, hd = self.num_heads, self.embed_dim // self.num_heads
+
+        def heads(t: torch.Tensor, length: int) -> torch.Tensor:  # (len, N, E) -> (N, H, len, hd)
+            return t.reshape(length, N, H, hd).permute(1, 2, 0, 3)
+
+        q = heads(self.q_proj(query), L)
+        kk = heads(self.k_proj(key), S)
+        v = heads(self.v_proj(value), S)
+        mask = self._mask(op, attn_mask, key_padding_mask, N, L, S, q.dtype)
+        weights = topk_attention_weights(
+            q,
+            kk,
+            self.k,
+            epsilon=self.epsilon,
+            attn_mask=mask,
+            is_causal=is_causal,
+            mode=self.mode,
+            hard=self.hard,
+            method=self.method,
+        ).weights
+        dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
+        out = torch.matmul(dropped, v)  # (N, H, L, hd)
+        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, N, self.embed_dim))
+        if unbatched:
+            out = out[:, 0]
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        if not need_weights:
+            return out, None
+        w = weights.mean(1) if average_attn_weights else weights
+        return out, (w[0] if unbatched else w)
+
+    def _mask(
+        self,
+        op: str,
+        attn_mask: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        N: int,
+        L: int,
+        S: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """MultiheadAttention's masks as one mask of :func:`topk_attention`'s convention."""
+        parts: list[torch.Tensor] = []
+        for name, m, shape in (
+            ("attn_mask", attn_mask, None),
+            ("key_padding_mask", key_padding_mask, (N, S)),
+        ):
+            if m is None:
+                continue
+            if not isinstance(m, torch.Tensor) or not (
+                m.dtype == torch.bool or m.dtype.is_floating_point
+            ):
+                raise TypeError(f"{op}: expected `{name}` to be a bool or float tensor; got {m!r}.")
+            if shape is not None:
+                if tuple(m.shape) != shape:
+                    raise ValueError(
+                        f"{op}: expected `{name}` of shape {shape}; got {tuple(m.shape)}."
+                    )
+                m = m[:, None, None, :]
+            elif m.dim() == 2 and tuple(m.shape) == (L, S):
+                pass
+            elif m.dim() == 3 and tuple(m.shape) == (N * self.num_heads, L, S):
+                m = m.reshape(N, self.num_heads, L, S)
+            else:
+                raise ValueError(
+                    f"{op}: expected `attn_mask` of shape ({L}, {S}) or "
+                    f"({N * self.num_heads}, {L}, {S}); got {tuple(m.shape)}."
+                )
+            # to an additive float mask: True (masked) -> -inf
+            if m.dtype == torch.bool:
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, -math.inf)
+            parts.append(m.to(dtype))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]

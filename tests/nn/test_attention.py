@@ -1,0 +1,379 @@
+"""topk_attention and TopKAttention: SDPA / MultiheadAttention at k = S, the hard limit, masks
+honoured exactly, k clamped per query, gradients, and the Module's round trips and checks."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from softops.nn import TopKAttention, topk_attention, topk_attention_weights
+from tests._helpers import seeded
+
+F64 = torch.float64
+
+
+def _qkv(n=2, h=3, lq=5, s=7, e=4, ev=3, dtype=F64, seed=0, grad=False):
+    g = seeded(seed)
+    q = torch.randn(n, h, lq, e, generator=g, dtype=F64).to(dtype)
+    k = torch.randn(n, h, s, e, generator=g, dtype=F64).to(dtype)
+    v = torch.randn(n, h, s, ev, generator=g, dtype=F64).to(dtype)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _hard(q, k, v, kk, mode, allowed=None, scale=None):
+    """Hard top-k attention written out: keep the kk best valid keys (all if fewer)."""
+    s = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    order = s.argsort(-1, descending=True)
+    n_valid = (s > -math.inf).sum(-1, keepdim=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1]).expand_as(s))
+    keep = (rank < kk) & (rank < n_valid)
+    if mode == "mean":
+        w = keep.to(s.dtype) / keep.sum(-1, keepdim=True).clamp(min=1)
+    else:
+        w = torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0)
+    return w @ v
+
+
+# ------------------------------------------------------------------- SDPA at k = S, hard limit
+
+
+@pytest.mark.parametrize("k", [7, 9.5])
+def test_k_at_least_the_keys_is_sdpa(k):
+    q, kk, v = _qkv()
+    torch.testing.assert_close(
+        topk_attention(q, kk, v, k), F.scaled_dot_product_attention(q, kk, v)
+    )
+
+
+def test_sdpa_masks_at_k_equal_s():
+    q, kk, v = _qkv()
+    g = seeded(3)
+    bool_mask = torch.rand(5, 7, generator=g) > 0.3
+    bool_mask[:, 0] = True  # every query keeps a key (SDPA is NaN otherwise)
+    float_mask = torch.randn(2, 3, 5, 7, generator=g, dtype=F64)
+    float_mask[..., 1] = -math.inf
+    for kw in ({"attn_mask": bool_mask}, {"attn_mask": float_mask}, {"is_causal": True}):
+        got = topk_attention(q, kk, v, 7, **kw)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, kk, v, **kw))
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_small_epsilon_is_hard_topk_attention(mode):
+    q, kk, v = _qkv(seed=1)
+    got = topk_attention(q, kk, v, 3, epsilon=1e-6, mode=mode)
+    torch.testing.assert_close(got, _hard(q, kk, v, 3, mode), rtol=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_hard_is_straight_through(mode):
+    q, kk, v = _qkv(seed=2, grad=True)
+    out = topk_attention(q, kk, v, 3, epsilon=0.5, mode=mode, hard=True)
+    torch.testing.assert_close(out, _hard(q, kk, v, 3, mode), rtol=0, atol=1e-12)
+    ct = torch.randn(out.shape, generator=seeded(4), dtype=F64)
+    g_hard = torch.autograd.grad((out * ct).sum(), (q, kk))
+    soft = topk_attention(q, kk, v, 3, epsilon=0.5, mode=mode)
+    g_soft = torch.autograd.grad((soft * ct).sum(), (q, kk))
+    for a, b in zip(g_hard, g_soft, strict=True):  # through q and k: the soft weights' gradient
+        torch.testing.assert_close(a, b)
+
+
+def test_mean_mode_is_the_soft_mask_over_k():
+    q, kk, _ = _qkv(seed=5)
+    w = topk_attention_weights(q, kk, 2.5, epsilon=0.3, mode="mean")
+    torch.testing.assert_close(w.weights, w.mask / 2.5)
+    torch.testing.assert_close(w.mask.sum(-1), torch.full((2, 3, 5), 2.5, dtype=F64))
+
+
+def test_softmax_mode_formula():
+    q, kk, _ = _qkv(seed=6)
+    w = topk_attention_weights(q, kk, 3, epsilon=0.2)
+    s = q @ kk.transpose(-2, -1) / 2
+    want = w.mask * s.exp() / (w.mask * s.exp()).sum(-1, keepdim=True)
+    torch.testing.assert_close(w.weights, want)
+
+
+# ------------------------------------------------------------------ masks, clamped k, NaN rows
+
+
+def test_masked_keys_get_weight_and_gradient_exactly_zero():
+    q, kk, v = _qkv(seed=7, grad=True)
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[0, 2:5] = False
+    for mode in ("softmax", "mean"):
+        w = topk_attention_weights(q, kk, 3, epsilon=0.3, key_padding_mask=pad, mode=mode)
+        assert (w.weights[0][..., 2:5] == 0).all() and (w.mask[0][..., 2:5] == 0).all()
+        out = topk_attention(q, kk, v, 3, epsilon=0.3, key_padding_mask=pad, mode=mode)
+        gk, gv = torch.autograd.grad(out.sum(), (kk, v))
+        assert (gk[0, :, 2:5] == 0).all() and (gv[0, :, 2:5] == 0).all()
+        assert gk[0, :, :2].abs().sum() > 0
+
+
+def test_causal_mask_is_honoured_exactly():
+    q, kk, _ = _qkv(lq=7, seed=8)
+    w = topk_attention_weights(q, kk, 3, epsilon=0.3, is_causal=True).weights
+    assert (w.triu(1) == 0).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 7, dtype=F64))
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_fewer_valid_keys_than_k_uses_them_all_and_none_gives_zeros(mode):
+    q, kk, v = _qkv(lq=7, s=7, seed=9, grad=True)
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1] = False  # batch 1: no key at all
+    w = topk_attention_weights(
+        q, kk, 4, epsilon=0.2, is_causal=True, key_padding_mask=pad, mode=mode
+    )
+    n_valid = torch.arange(1, 8, dtype=F64).clamp(max=4)
+    torch.testing.assert_close(w.mask[0].sum(-1), n_valid.expand(3, 7))
+    torch.testing.assert_close(w.weights[0].sum(-1), torch.ones(3, 7, dtype=F64))
+    assert (w.weights[1] == 0).all() and (w.mask[1] == 0).all()
+    out = topk_attention(q, kk, v, 4, epsilon=0.2, is_causal=True, key_padding_mask=pad, mode=mode)
+    assert (out[1] == 0).all() and not out.isnan().any()
+    # the first query sees one key: its output is that key's value
+    torch.testing.assert_close(out[0, :, 0], v[0, :, 0].detach())
+    grads = torch.autograd.grad(out.sum(), (q, kk, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][1] == 0).all()
+    want = _hard(q, kk, v, 4, mode, allowed=torch.ones(7, 7).tril().bool() & pad[:, None, None])
+    hard = topk_attention(
+        q, kk, v, 4, epsilon=1e-7, is_causal=True, key_padding_mask=pad, mode=mode
+    )
+    torch.testing.assert_close(hard, want, rtol=1e-6, atol=1e-6)
+
+
+def test_nan_in_one_query_stays_in_its_row():
+    q, kk, v = _qkv(seed=10)
+    q[0, 1, 2, 0] = math.nan
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[0, 0] = False
+    out = topk_attention(q, kk, v, 3, epsilon=0.3, key_padding_mask=pad)
+    assert out[0, 1, 2].isnan().all()
+    bad = torch.zeros(out.shape, dtype=torch.bool)
+    bad[0, 1, 2] = True
+    assert not out[~bad].isnan().any()
+
+
+def test_batch_equals_a_loop_and_float32_matches_float64():
+    q, kk, v = _qkv(seed=11)
+    pad = torch.rand(2, 7, generator=seeded(12)) > 0.4
+    out = topk_attention(q, kk, v, 2, epsilon=0.2, key_padding_mask=pad, is_causal=True)
+    for b in range(2):
+        one = topk_attention(
+            q[b], kk[b], v[b], 2, epsilon=0.2, key_padding_mask=pad[b], is_causal=True
+        )
+        torch.testing.assert_close(out[b], one)
+    out32 = topk_attention(
+        q.float(), kk.float(), v.float(), 2, epsilon=0.2, key_padding_mask=pad, is_causal=True
+    )
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), out, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_gradcheck(mode):
+    q, kk, v = _qkv(n=1, h=2, lq=4, s=6, e=3, ev=2, seed=13, grad=True)
+    pad = torch.tensor([[True, True, False, True, True, True]])
+
+    def fn(q, kk, v):
+        return topk_attention(
+            q, kk, v, 2.5, epsilon=0.3, key_padding_mask=pad, is_causal=True, mode=mode
+        )
+
+    assert torch.autograd.gradcheck(fn, (q, kk, v))
+    assert torch.autograd.gradgradcheck(fn, (q, kk, v))
+
+
+def test_gradient_matches_central_differences_near_hard():
+    q, kk, v = _qkv(n=1, h=1, lq=3, s=6, e=3, seed=14)
+    ct = torch.randn(1, 1, 3, 3, generator=seeded(15), dtype=F64)
+    dq = torch.randn(q.shape, generator=seeded(16), dtype=F64)
+
+    def f(qq):
+        return (topk_attention(qq, kk, v, 2, epsilon=0.02) * ct).sum()
+
+    qg = q.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(qg), qg)
+    h = 1e-6
+    fd = (f(q + h * dq) - f(q - h * dq)) / (2 * h)
+    torch.testing.assert_close((g * dq).sum(), fd, rtol=1e-5, atol=1e-7)
+
+
+def test_module_gradients_reach_every_projection():
+    torch.manual_seed(0)
+    layer = TopKAttention(8, 2, 3, batch_first=True).double()
+    x = torch.randn(2, 6, 8, dtype=F64)
+    out, _ = layer(x, x, x)
+    out.square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+# ------------------------------------------------------------------------------------- Module
+
+
+def _copy_from_mha(layer: TopKAttention, mha: torch.nn.MultiheadAttention) -> None:
+    wq, wk, wv = mha.in_proj_weight.chunk(3)
+    bq, bk, bv = mha.in_proj_bias.chunk(3)
+    with torch.no_grad():
+        for lin, w, b in ((layer.q_proj, wq, bq), (layer.k_proj, wk, bk), (layer.v_proj, wv, bv)):
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+        layer.out_proj.weight.copy_(mha.out_proj.weight)
+        layer.out_proj.bias.copy_(mha.out_proj.bias)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_module_equals_multihead_attention_at_k_equal_s(batch_first):
+    torch.manual_seed(1)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+    layer = TopKAttention(8, 2, 6, batch_first=batch_first).double()
+    _copy_from_mha(layer, mha)
+    shape = (3, 6, 8) if batch_first else (6, 3, 8)
+    q = torch.randn(shape, dtype=F64)
+    kv = torch.randn(shape, dtype=F64)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True  # MultiheadAttention's convention: True is padding
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True: may not attend
+    for kw in (
+        {},
+        {"key_padding_mask": pad},
+        {"attn_mask": causal},
+        {"attn_mask": causal, "key_padding_mask": pad, "average_attn_weights": False},
+    ):
+        got, gw = layer(q, kv, kv, **kw)
+        want, ww = mha(q, kv, kv, **kw)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gw, ww)
+    # unbatched, and per-head masks of shape (N * num_heads, L, S)
+    got, _ = layer(
+        q[:, 0] if not batch_first else q[0],
+        kv[:, 0] if not batch_first else kv[0],
+        kv[:, 0] if not batch_first else kv[0],
+    )
+    want, _ = mha(
+        q[:, 0] if not batch_first else q[0],
+        kv[:, 0] if not batch_first else kv[0],
+        kv[:, 0] if not batch_first else kv[0],
+    )
+    torch.testing.assert_close(got, want)
+    heads_mask = torch.rand(6, 6, 6, generator=seeded(2)) > 0.7
+    heads_mask[..., 0] = False
+    torch.testing.assert_close(
+        layer(q, kv, kv, attn_mask=heads_mask)[0], mha(q, kv, kv, attn_mask=heads_mask)[0]
+    )
+
+
+def test_module_is_causal_applies_the_mask_and_need_weights():
+    torch.manual_seed(2)
+    layer = TopKAttention(4, 1, 2, batch_first=True)
+    x = torch.randn(2, 5, 4)
+    out, w = layer(x, x, x, is_causal=True)
+    assert (w.triu(1) == 0).all()
+    out2, none = layer(x, x, x, is_causal=True, need_weights=False)
+    assert none is None
+    torch.testing.assert_close(out, out2)
+
+
+def test_module_round_trips():
+    torch.manual_seed(3)
+    layer = TopKAttention(8, 2, 3, epsilon=0.2, mode="mean", dropout=0.1, batch_first=True)
+    layer.eval()
+    x = torch.randn(2, 5, 8)
+    want = layer(x, x, x)[0]
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        torch.testing.assert_close(other(x, x, x)[0], want)
+    fresh = TopKAttention(8, 2, 3, epsilon=0.2, mode="mean", dropout=0.1, batch_first=True).eval()
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    fresh.load_state_dict(torch.load(buf))
+    torch.testing.assert_close(fresh(x, x, x)[0], want)
+    assert repr(layer).startswith(
+        "TopKAttention(\n  embed_dim=8, num_heads=2, k=3, epsilon=0.2, mode='mean', method='ot', "
+        "hard=False, dropout=0.1, batch_first=True\n"
+    )
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(4)
+    layer = TopKAttention(4, 1, 2, dropout=0.5, batch_first=True)
+    x = torch.randn(1, 6, 4)
+    layer.eval()
+    a, b = layer(x, x, x)[0], layer(x, x, x)[0]
+    torch.testing.assert_close(a, b)
+    layer.train()
+    assert not torch.allclose(layer(x, x, x)[0], layer(x, x, x)[0])
+
+
+# ------------------------------------------------------------------------------------- errors
+
+ERRORS = [
+    (lambda: TopKAttention(6, 4, 2), ValueError, r"TopKAttention: expected `embed_dim` divisible"),
+    (
+        lambda: TopKAttention(0, 1, 2),
+        ValueError,
+        r"TopKAttention: expected `embed_dim` to be an int",
+    ),
+    (lambda: TopKAttention(4, 1, -1), ValueError, r"TopKAttention: expected `k` >= 0 .*k=-1"),
+    (lambda: TopKAttention(4, 1, "2"), TypeError, r"TopKAttention: expected `k` to be a number"),
+    (lambda: TopKAttention(4, 1, 2.5, hard=True), ValueError, r"an integer `k` with hard=True"),
+    (
+        lambda: TopKAttention(4, 1, 2, epsilon=0),
+        ValueError,
+        r"TopKAttention: expected `epsilon` > 0",
+    ),
+    (lambda: TopKAttention(4, 1, 2, mode="max"), ValueError, r"`mode` to be one of"),
+    (lambda: TopKAttention(4, 1, 2, method="softkmax"), ValueError, r"`method` to be one of"),
+    (lambda: TopKAttention(4, 1, 2, dropout=1.0), ValueError, r"expected 0 <= `dropout` < 1"),
+    (lambda: TopKAttention(4, 1, 2, batch_first=1), TypeError, r"`batch_first` to be a bool"),
+]
+
+
+@pytest.mark.parametrize(("build", "error", "match"), ERRORS)
+def test_module_checks_at_construction(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_function_errors():
+    q, kk, v = _qkv()
+    cases = [
+        ({"k": -1}, ValueError, r"topk_attention: expected `k` >= 0 and finite; got k=-1"),
+        ({"epsilon": -1.0}, ValueError, r"topk_attention: expected `epsilon` > 0"),
+        ({"mode": "x"}, ValueError, r"topk_attention: expected `mode` to be one of"),
+        ({"attn_mask": torch.ones(5, 7, dtype=torch.int64)}, TypeError, r"bool or floating"),
+        ({"key_padding_mask": torch.ones(2, 6, dtype=torch.bool)}, ValueError, r"S = 7 keys"),
+        ({"key_padding_mask": torch.ones(2, 7)}, TypeError, r"`key_padding_mask` to be a bool"),
+        ({"dropout_p": 1.5}, ValueError, r"expected 0 <= `dropout_p` < 1"),
+        ({"hard": True, "k": 1.5}, ValueError, r"an integer `k` with hard=True"),
+    ]
+    for kw, error, match in cases:
+        args = {"k": 2, **kw}
+        k = args.pop("k")
+        with pytest.raises(error, match=match):
+            topk_attention(q, kk, v, k, **args)
+    with pytest.raises(TypeError, match=r"topk_attention: expected a floating tensor `query`"):
+        topk_attention(q.long(), kk, v, 2)
+    with pytest.raises(ValueError, match=r"same last dim E; got 4 and 3"):
+        topk_attention(q, kk[..., :3], v, 2)
+    with pytest.raises(
+        ValueError, match=r"`value` of shape \(\.\.\., S, Ev\) with the keys' S = 7"
+    ):
+        topk_attention(q, kk, v[..., :6, :], 2)
+    layer = TopKAttention(4, 1, 2)
+    x = torch.randn(5, 2, 4)
+    with pytest.raises(ValueError, match=r"TopKAttention: expected `key_padding_mask` of shape"):
+        layer(x, x, x, key_padding_mask=torch.zeros(5, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"TopKAttention: expected `attn_mask` of shape \(5, 5\)"):
+        layer(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
