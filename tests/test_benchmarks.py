@@ -95,3 +95,47 @@ def test_spearman_epsilon_experiment_runs(tmp_path):
     assert out.read_text() == text
     row = next(line for line in text.splitlines() if line.startswith("| 10 |"))
     assert row.count("±") == len(experiment.MODES)
+
+
+# ----------------------------------------------------------------- benchmarks/attention.py
+
+
+@pytest.fixture(scope="module")
+def attention_bench():
+    return _load("attention")
+
+
+def test_attention_problems_target_is_the_mean_of_the_top4_values(attention_bench):
+    import torch
+
+    q, x, v, target = attention_bench.problems(3, 10, torch.Generator().manual_seed(0))
+    for b in range(3):
+        scores = x[b] @ q[b, 0]
+        best = sorted(range(10), key=lambda i: -float(scores[i]))[:4]
+        torch.testing.assert_close(target[b], v[b, best].mean(0))
+
+
+def test_attention_hard_topk_arm_gives_no_gradient_to_the_selection(attention_bench):
+    import torch
+
+    layer = attention_bench.Layer("hard-topk", 0.1)
+    q, x, v, target = attention_bench.problems(4, 12, torch.Generator().manual_seed(1))
+    (layer(q, x, v) - target).square().sum().backward()
+    assert layer.wq.weight.grad is None or not layer.wq.weight.grad.any()
+    assert layer.wv.weight.grad.abs().sum() > 0
+    soft = attention_bench.Layer("topk-mean", 0.1)
+    (soft(q, x, v) - target).square().sum().backward()
+    assert soft.wq.weight.grad.abs().sum() > 0
+
+
+def test_attention_quick_run_reports_every_arm_and_n(attention_bench, tmp_path):
+    arms = ["topk-mean", "softmax", "hard-topk"]
+    result = attention_bench.main(["--quick", "--arms", *arms, "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # --quick writes no files
+    rows = result["rows"]
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        (a, s) for a in arms for s in range(attention_bench.QUICK["seeds"])
+    ]
+    for r in rows:
+        assert set(r["relative_mse"]) == set(attention_bench.TEST_NS)
+        assert all(math.isfinite(m) and m > 0 for m in r["relative_mse"].values())
