@@ -377,3 +377,15 @@ def test_function_errors():
         layer(x, x, x, key_padding_mask=torch.zeros(5, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"TopKAttention: expected `attn_mask` of shape \(5, 5\)"):
         layer(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_hard_weights_have_exactly_k_nonzero_entries_and_k0_gives_zeros(mode):
+    q, kk, v = _qkv(seed=17)
+    w = topk_attention_weights(q, kk, 3, epsilon=0.3, mode=mode, hard=True).weights
+    assert ((w > 0).sum(-1) == 3).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5, dtype=F64))
+    out = topk_attention(q.requires_grad_(), kk, v, 0, epsilon=0.3, mode=mode)
+    assert (out == 0).all()
+    (g,) = torch.autograd.grad(out.sum(), q)
+    assert (g == 0).all()

@@ -1,5 +1,5 @@
 """softops.nn: every wrapper Module equals its function, reprs, pickles, has no state, checks
-early. The layers with parameters (TopKAttention) are tested in tests/nn/test_attention.py."""
+early. The layers with parameters are tested in tests/nn/test_attention.py and test_router.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,13 @@ from tests._helpers import seeded
 
 F64 = torch.float64
 #: the thin wrappers of the functional ops (the layers and their functional forms are not)
-WRAPPERS = set(nn.__all__) - {"TopKAttention", "topk_attention", "topk_attention_weights"}
+WRAPPERS = set(nn.__all__) - {
+    "TopKAttention",
+    "topk_attention",
+    "topk_attention_weights",
+    "TopKRouter",
+    "RouterOutput",
+}
 
 
 @dataclass(frozen=True)

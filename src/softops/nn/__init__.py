@@ -1,7 +1,9 @@
 """``torch.nn.Module`` wrappers over the functional ops (they hold arguments, no math), and the
-layers built on them: :class:`TopKAttention` with its functional form :func:`topk_attention`."""
+layers built on them: :class:`TopKAttention` with its functional form :func:`topk_attention`,
+and the mixture-of-experts router :class:`TopKRouter`."""
 
 from softops.nn.attention import TopKAttention, topk_attention, topk_attention_weights
+from softops.nn.router import RouterOutput, TopKRouter
 from softops.nn.smooth import (
     SmoothMax,
     SmoothMin,
@@ -14,6 +16,7 @@ from softops.nn.sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
 from softops.nn.topk import SoftTopK, SoftTopKMask
 
 __all__ = [
+    "RouterOutput",
     "SmoothMax",
     "SmoothMin",
     "SoftArgmax",
@@ -27,6 +30,7 @@ __all__ = [
     "SoftTopK",
     "SoftTopKMask",
     "TopKAttention",
+    "TopKRouter",
     "topk_attention",
     "topk_attention_weights",
 ]

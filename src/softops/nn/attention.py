@@ -222,19 +222,21 @@ def _weights(
         else:
             w = A / k_row if k_row > 0 else A * 0
     else:
-        tiny = torch.finfo(A.dtype).tiny
-        # log A of an entry the mask gives 0 is -inf; the clamp keeps its (zero) gradient finite
-        logits = scores + torch.log(A.clamp(min=tiny))
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, -math.inf)
-            empty = ~allowed.any(-1, keepdim=True)
-            logits = logits.masked_fill(empty, 0.0)  # no valid key: weights 0 (below)
-            w = torch.softmax(logits, -1).masked_fill(empty, 0.0)
-        else:
-            w = torch.softmax(logits, -1)
+        w = masked_softmax(scores if allowed is None else scores.masked_fill(~allowed, 0.0), A)
     if allowed is not None:
         w = w.masked_fill(~allowed, 0.0)  # exactly 0 on masked keys
     return w
+
+
+def masked_softmax(scores: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores + log A)`` along the last dim: exactly 0 where A is 0, and a row of zeros
+    where A is 0 everywhere (no NaN, and a zero gradient there)."""
+    tiny = torch.finfo(A.dtype).tiny
+    # log A is -inf where A = 0 (the where keeps that entry's gradient 0, not 0 * inf)
+    log_a = torch.where(A > 0, torch.log(A.clamp(min=tiny)), -math.inf)
+    logits = scores + log_a
+    none = (A <= 0).all(-1, keepdim=True)
+    return torch.softmax(logits.masked_fill(none, 0.0), -1).masked_fill(none, 0.0)
 
 
 def _hard_mask(scores: torch.Tensor, k_row: float | torch.Tensor, k_max: int) -> torch.Tensor:

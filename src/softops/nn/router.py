@@ -1,0 +1,186 @@
+r"""A mixture-of-experts router whose top-k selection has a gradient.
+
+A router scores E experts per token, :math:`s = W x + b`, and sends each token to k of them.
+With the hard ``torch.topk`` of the usual routers, the logits of the experts that were not
+selected get no gradient: an expert that starts badly placed is never tried again, and a
+load-balancing loss has to push tokens around instead. Here the selection is the SOFT top-k mask
+:math:`A = A_k(s)` of :func:`softops.soft_topk_mask` (values in [0, 1] summing to k), and the
+combine weights are the masked softmax of the paper's top-k attention:
+
+.. math::
+
+    g_e = \frac{A_e\, e^{s_e}}{\sum_j A_j\, e^{s_j}} \quad(\text{"softmax"}), \qquad
+    g_e = \frac{A_e}{k} \quad(\text{"mean"}).
+
+With ``hard=True`` (the default) the forward selects exactly k experts per token, with the
+renormalised softmax of their logits as weights (the usual router), and the backward is that of
+the soft weights (straight-through), so the logits of every expert receive a gradient.
+
+The load statistics are those of Switch Transformer (Fedus et al. 2022): the fraction
+:math:`f_e` of the tokens' k slots that go to expert e (hard), the mean router probability
+:math:`P_e = \mathrm{mean}_t\, \mathrm{softmax}(s_t)_e`, and the auxiliary load-balancing loss
+:math:`E \sum_e f_e P_e`, which is 1 for a uniform router and grows as the load concentrates.
+
+References:
+    Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
+    NeurIPS 33.
+    Fedus, W., Zoph, B., Shazeer, N. (2022). Switch Transformers. JMLR 23 (the load-balancing
+    loss).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from softops._core.validation import check_bool, check_choice, check_epsilon
+from softops.nn.attention import masked_softmax
+from softops.topk import soft_topk_mask
+
+__all__ = ["ROUTER_METHODS", "ROUTER_MODES", "RouterOutput", "TopKRouter"]
+
+ROUTER_MODES = ("softmax", "mean")
+ROUTER_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+
+
+class RouterOutput(NamedTuple):
+    """What :class:`TopKRouter` returns, for tokens of shape (*, d_model)."""
+
+    weights: torch.Tensor  # (*, E) combine weights: k non-zero entries with hard=True, sum 1
+    indices: torch.Tensor  # (*, k) int64: the k selected experts per token, best first
+    mask: torch.Tensor  # (*, E) the soft top-k mask A (hard 0/1 forward with hard=True)
+    load: torch.Tensor  # (E,) f_e: the fraction of the tokens' k slots given to each expert
+    importance: torch.Tensor  # (E,) P_e: the mean router probability of each expert
+    aux_loss: torch.Tensor  # () E * sum_e f_e P_e (1 for a uniform router)
+
+
+class TopKRouter(nn.Module):
+    r"""Route each token to k of ``num_experts`` experts through the SOFT top-k (module docstring).
+
+    Args:
+        d_model: the token features.
+        num_experts: E.
+        k: the experts per token, an int in [1, E].
+        epsilon: the temperature of the top-k, in the units of the logits. Larger is smoother.
+        mode: ``"softmax"`` (default: the renormalised softmax of the selected logits) or
+            ``"mean"`` (``A / k``).
+        method: the top-k method of :func:`softops.soft_topk_mask` ("ot" by default).
+        hard: exactly k experts per token in the forward, soft gradients (default True). With
+            ``hard=False`` every expert gets a (soft) weight: use it to train densely.
+        noise_std: in training, Gaussian noise of this standard deviation added to the logits
+            before the selection (the noisy top-k gating of Shazeer et al. 2017); 0 by default.
+        bias: a bias on the router's linear layer.
+
+    Shape:
+        - input: ``(*, d_model)``; weights and mask ``(*, E)``, indices ``(*, k)``; load,
+          importance ``(E,)``; aux_loss a scalar.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> router = TopKRouter(16, 8, k=2)
+        >>> out = router(torch.randn(5, 16))
+        >>> out.weights.shape, out.indices.shape, (out.weights > 0).sum(-1).tolist()
+        (torch.Size([5, 8]), torch.Size([5, 2]), [2, 2, 2, 2, 2])
+        >>> out.weights.sum(-1).allclose(torch.ones(5)), float(out.load.sum())
+        (True, 1.0)
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        k: int = 2,
+        *,
+        epsilon: float = 0.1,
+        mode: str = "softmax",
+        method: str = "ot",
+        hard: bool = True,
+        noise_std: float = 0.0,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        op = type(self).__name__
+        for name, v in (("d_model", d_model), ("num_experts", num_experts), ("k", k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{op}: expected `{name}` to be an int >= 1; got {name}={v!r}.")
+        if k > num_experts:
+            raise ValueError(
+                f"{op}: expected 1 <= `k` <= num_experts (= {num_experts}); got k={k}."
+            )
+        if isinstance(epsilon, torch.Tensor):
+            raise TypeError(f"{op}: expected `epsilon` to be a float; got a tensor.")
+        check_epsilon(epsilon, op)
+        check_choice(mode, ROUTER_MODES, op, "mode")
+        check_choice(method, ROUTER_METHODS, op, "method")
+        check_bool(hard, op, "hard")
+        check_bool(bias, op, "bias")
+        if isinstance(noise_std, bool) or not isinstance(noise_std, numbers.Real):
+            raise TypeError(f"{op}: expected `noise_std` to be a float >= 0; got {noise_std!r}.")
+        if not noise_std >= 0:
+            raise ValueError(f"{op}: expected `noise_std` >= 0; got noise_std={noise_std!r}.")
+        super().__init__()
+        self.d_model: int = d_model
+        self.num_experts: int = num_experts
+        self.k: int = k
+        self.epsilon: float = float(epsilon)
+        self.mode: str = mode
+        self.method: str = method
+        self.hard: bool = hard
+        self.noise_std: float = float(noise_std)
+        self.gate: nn.Linear = nn.Linear(
+            d_model, num_experts, bias=bias, device=device, dtype=dtype
+        )
+
+    def extra_repr(self) -> str:
+        noise = f", noise_std={self.noise_std}" if self.noise_std else ""
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
+            f"epsilon={self.epsilon}, mode={self.mode!r}, method={self.method!r}, "
+            f"hard={self.hard}{noise}"
+        )
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        op = type(self).__name__
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            what = f"dtype={x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
+            raise TypeError(f"{op}: expected a floating tensor of tokens; got {what}.")
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"{op}: expected tokens of shape (*, d_model = {self.d_model}); got shape "
+                f"{tuple(x.shape)}."
+            )
+        logits = self.gate(x)
+        if self.training and self.noise_std > 0:
+            logits = logits + self.noise_std * torch.randn_like(logits)
+        return route(logits, self.k, self.epsilon, self.mode, self.method, self.hard)
+
+
+def route(
+    logits: torch.Tensor, k: int, epsilon: float, mode: str, method: str, hard: bool
+) -> RouterOutput:
+    """The router's selection and statistics on ``logits`` (*, E) (the module docstring)."""
+    E = logits.shape[-1]
+    A = soft_topk_mask(logits, k, epsilon=epsilon, method=method)
+    weights = _combine(logits, A, k, mode)
+    indices = logits.detach().topk(k, -1).indices
+    hard_mask = torch.zeros_like(logits).scatter(-1, indices, 1.0)
+    if hard:
+        w_hard = _combine(logits.detach(), hard_mask, k, mode)
+        weights = w_hard + (weights - weights.detach())  # straight-through
+        A = hard_mask + (A - A.detach())
+    flat = hard_mask.reshape(-1, E)
+    tokens = max(flat.shape[0], 1)
+    load = flat.sum(0) / (tokens * k)
+    importance = torch.softmax(logits.reshape(-1, E), -1).sum(0) / tokens
+    aux = E * (load * importance).sum()
+    return RouterOutput(weights, indices, A, load, importance, aux)
+
+
+def _combine(logits: torch.Tensor, A: torch.Tensor, k: int, mode: str) -> torch.Tensor:
+    if mode == "mean":
+        return A / k
+    return masked_softmax(logits, A)
