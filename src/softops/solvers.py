@@ -277,6 +277,8 @@ def topk_threshold(
         k_scalar=None if isinstance(k, torch.Tensor) else k,
     )
     t = state.m + state.t
+    if state.scale is not None:  # rows with a huge epsilon were solved on (x c, eps c)
+        t = t / state.scale
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(batch_shape).to(x.dtype),

@@ -34,7 +34,15 @@ Numerics of the solver (docs/math.md §1.3):
 * the tolerance on the residual is the rounding of its sums, one ulp of t, and the flush of the
   sigmoid (0 below about 1/finfo.max: n/finfo.max in all);
 * infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
-  as not. Rows whose k cannot be met by their finite entries are flagged, not solved.
+  as not. Rows whose k cannot be met by their finite entries are flagged, not solved;
+* rows whose epsilon is within ``2**SCALE_BITS`` of ``finfo.max`` are solved on ``(x c, eps c)``,
+  c a power of two (exact: the mask is invariant), where their offsets ``x - t`` would overflow
+  although ``(x - t) / eps`` is moderate; elsewhere an overflowing offset is the exact limit
+  ``+-inf``, and the centre and the bracket are formed so as not to overflow;
+* in the backward, the weights in k are normalised in the log domain with the row's smallest
+  ``|x - t|`` taken off before dividing by epsilon, and ``<w, z>`` is formed on the offsets, so a
+  row whose every ``|z|`` overflows (the hard limit) gets the limit's weights and zero gradients
+  in x and epsilon, not NaN.
 
 Per-call costs. The whole preparation (row counts, the bracket, the start) is one branch-free
 function of the rows: with the fused path it runs with the first Halley steps as one compiled
@@ -92,6 +100,16 @@ BLOCK = 2
 the CPU every evaluation is followed by a test (a host test is free there)."""
 SMOOTH_START = 8.0
 """Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
+SCALE_BITS = 40
+"""Rows whose epsilon exceeds ``finfo.max / 2**SCALE_BITS`` are solved on ``(x c, eps c)`` for a
+power of two ``c < 1`` (the mask is invariant): their offsets ``x - t`` can exceed the dtype's
+range while ``(x - t) / eps`` is moderate. Every other row saturates wherever an offset
+overflows (``|x - t| / eps > 2**SCALE_BITS``), so there ``+-inf`` is the exact limit."""
+_RANGE = {
+    d: (torch.finfo(d).eps, torch.finfo(d).max, torch.finfo(d).max * 2.0**-SCALE_BITS)
+    for d in (torch.float32, torch.float64)
+}
+"""Per compute dtype: machine epsilon, the largest finite value, the scaling limit."""
 # The cap on evaluations is THRESHOLD_MAX_ITER (100). 3 to 5 are typical; plain bisection within
 # the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
 
@@ -104,7 +122,10 @@ class ThresholdState(NamedTuple):
     0 < k < n); otherwise (B,) bool masks of rows that select only their ``+inf`` entries, all
     their non ``-inf`` entries, or that cannot be solved (NaN entries, or k not reachable).
     Traced and meta solves always give the masks; ``iterations`` is then the cap of the schedule
-    (a traced solve stops in the graph, where Python cannot count).
+    (a traced solve stops in the graph, where Python cannot count). ``scale`` is None, or (B,)
+    powers of two ``c`` (1 on most rows) when rows with a huge epsilon were solved on
+    ``(x c, eps c)``: then ``m`` and ``t`` are in those units, ``A = sigmoid(((x c - m) - t) /
+    (eps c))``.
     """
 
     m: torch.Tensor
@@ -115,6 +136,7 @@ class ThresholdState(NamedTuple):
     sel_none: torch.Tensor | None
     sel_all: torch.Tensor | None
     invalid: torch.Tensor | None
+    scale: torch.Tensor | None = None
 
 
 class _Prep(NamedTuple):
@@ -192,9 +214,31 @@ def _mask(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) 
 
 
 def _pad(lo: torch.Tensor, hi: torch.Tensor, eps: torch.Tensor):
-    """Widen by a few ulps of the scale so that rounding cannot leave the root outside."""
-    pad = 4 * torch.finfo(lo.dtype).eps * (lo.abs() + hi.abs() + eps)
-    return lo - pad, hi + pad
+    """Widen by a few ulps of the scale so that rounding cannot leave the root outside, within
+    the finite range: on a row spanning more than it (``x_(k) - x_(k+1)`` near ``2 finfo.max``)
+    an end can round to infinity, and an infinite bracket has no midpoint. The root itself is
+    within ``eps log n`` of ``0`` there (|t| << finfo.max once epsilon is below the scaling limit,
+    ``SCALE_BITS``)."""
+    em, big = _RANGE[lo.dtype][:2]
+    pad = 4 * em * (lo.abs() + hi.abs() + eps)
+    return (lo - pad).clamp(min=-big), (hi + pad).clamp(max=big)
+
+
+def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Per row, the power of two ``c`` with which the solve runs on ``(x c, eps c)``: 1 where
+    epsilon is at most ``finfo.max / 2**SCALE_BITS``, else the largest ``c`` that brings both
+    epsilon and the half span of the finite entries below that limit (so every offset, bracket
+    end and step of the solve is far inside the range). Exact: powers of two scale without
+    rounding (but for subnormal entries, whose effect on ``(x - t) / eps`` is then nil)."""
+    limit = _RANGE[x.dtype][2]
+    finite = torch.isfinite(x)
+    top = torch.where(finite, x, -math.inf).amax(-1)
+    bottom = torch.where(finite, x, math.inf).amin(-1)
+    half = torch.where(top >= bottom, 0.5 * top - 0.5 * bottom, 0)  # (NaN rows: 0)
+    size = torch.maximum(torch.nan_to_num(half, nan=0.0), eps)
+    exponent = torch.frexp(size / limit).exponent
+    c = torch.ldexp(torch.ones_like(eps), -exponent.clamp(min=0))
+    return torch.where(eps > limit, c, 1)
 
 
 def _prepare_exact(
@@ -230,7 +274,7 @@ def _prepare_exact(
 
     x_hi, x_lo = entry(j_hi), entry(j_lo)
     zeros = torch.zeros_like(kk)
-    m = torch.where(solve_rows, 0.5 * (x_hi + x_lo), zeros)
+    m = torch.where(solve_rows, torch.add(0.5 * x_hi, x_lo, alpha=0.5), zeros)  # no overflow
     # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
     # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
     lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo - kk))
@@ -272,12 +316,15 @@ def _prepare_sampled(
     q = (kk * (ns / n)).round().long().clamp(1, top - 1)
     topv = sample.topk(top, dim=-1).values
     zeros = torch.zeros_like(kk)
-    m = 0.5 * (topv.gather(-1, (q - 1)[:, None]) + topv.gather(-1, q[:, None])).squeeze(-1)
+    m = torch.add(0.5 * topv.gather(-1, (q - 1)[:, None]), topv.gather(-1, q[:, None]), alpha=0.5)
+    m = m.squeeze(-1)
     m = torch.where(solve_rows, m, zeros)
     lo = torch.where(solve_rows, (xmin - m) - eps * logit_k, zeros)
     hi = torch.where(solve_rows, (xmax - m) - eps * logit_k, zeros)
     lo, hi = _pad(lo, hi, eps)
-    t_large = torch.minimum(torch.maximum(xsum / n - m - eps * logit_k, lo), hi)
+    # (the sum of a long row near the largest finite value can be inf - inf: then the centre)
+    t_large = torch.nan_to_num(xsum / n - m - eps * logit_k, nan=0.0)
+    t_large = torch.minimum(torch.maximum(t_large, lo), hi)
     t2 = torch.stack((torch.minimum(torch.maximum(zeros, lo), hi), t_large), -1)
     F2 = _evaluate(
         sample[:, None, :],
@@ -308,8 +355,9 @@ def _start(
     """The preparation and the first ``steps`` Halley steps: pure tensor code, compiled as one
     function on the fused path. With ``loop`` (traced code) the steps are the capped schedule
     of up to ``steps`` Halley steps and ``bisect`` bit bisections in ``torch.while_loop``, and
-    the evaluation count comes back as a tensor (else None). Last, the two flags the host
-    reads (all rows done, all rows regular: finite, 0 < k < n) and the rows' convergence."""
+    the evaluation count comes back as a tensor (else None). Last, the three flags the host
+    reads (all rows done, all rows regular: finite, 0 < k < n; every epsilon within the scaling
+    limit, ``SCALE_BITS``) and the rows' convergence."""
     if stride and row_stats is not None:
         prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
     else:
@@ -322,8 +370,10 @@ def _start(
         state, count = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)
     else:
         state = run_steps(_evaluate_t, state, (x, prep.m2, prep.e2, prep.k_total, tol), steps)
-    # What the host needs to know, in one read: are all rows done, are all rows regular.
-    flags = torch.stack((state.done.all(), prep.solve_rows.all()))
+    # What the host needs to know, in one read: are all rows done, are all rows regular, must
+    # some rows be solved scaled (then this solve is discarded).
+    ordinary = eps <= _RANGE[x.dtype][2]
+    flags = torch.stack((state.done, prep.solve_rows, ordinary)).all(-1)
     return prep, state, count, flags, result(state, 0).converged
 
 
@@ -365,6 +415,10 @@ def _solve(
                 q_max = int((k.detach().max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
     start = maybe_fused(_start, x)
+    scale = None
+    if traced or meta:  # no host read: every row is scaled (by 1 but where epsilon is huge)
+        scale = _scale(x, eps)
+        x, eps = x * scale[:, None], eps * scale
     if traced:
         steps, bisect = fixed_schedule(dtype, max_iter)
     elif meta:
@@ -379,7 +433,15 @@ def _solve(
     if traced or meta:
         all_done, regular = False, False
     else:
-        all_done, regular = flags.tolist()
+        all_done, regular, ordinary = flags.tolist()
+        if not ordinary:  # rare: solve again on (x c, eps c): the same mask, every offset in range
+            scale = _scale(x, eps)
+            x, eps = x * scale[:, None], eps * scale
+            stats = None if stats is None else _row_stats(x)
+            prep, state, _, flags, converged = start(
+                x, k, eps, tol, top, steps, bisect, stride, stats, traced
+            )
+            all_done, regular, _ = flags.tolist()
     if not (traced or all_done):  # (on meta tensors, iterate returns at once)
         block = 1 if x.device.type == "cpu" else BLOCK
         state, evaluations = iterate(
@@ -399,9 +461,11 @@ def _solve(
         A = _mask(x, prep.m2, root[:, None], prep.e2)
         w = A * (1 - A) / prep.e2
         w_sum = w.sum(-1)
+    if scale is not None:  # s = A (1 - A) / eps in the units of the caller's x
+        w, w_sum = w * scale[:, None], w_sum * scale
     if regular:
         # every row done and none skipped: converged (a residual is finite on finite rows)
-        out = ThresholdState(m, root, converged, evaluations, residual, None, None, None)
+        out = ThresholdState(m, root, converged, evaluations, residual, None, None, None, scale)
         return out, A, w, w_sum, all_done
     solve_rows, invalid = prep.solve_rows, prep.invalid
     converged = converged | ~(solve_rows | invalid)
@@ -411,7 +475,7 @@ def _solve(
     w = torch.where(solve_rows[:, None], w, 0).masked_fill(invalid[:, None], math.nan)
     w_sum = torch.where(solve_rows, w_sum, 0).masked_fill(invalid, math.nan)
     out = ThresholdState(
-        m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid
+        m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid, scale
     )
     return out, A, w, w_sum, False
 
@@ -452,7 +516,10 @@ def _fill_special(
 
 
 def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(((x - m) - t) / eps)`` with the special rows of ``state`` filled in exactly."""
+    """``sigmoid(((x - m) - t) / eps)`` with the special rows of ``state`` filled in exactly
+    (on ``(x c, eps c)`` where the solve was scaled by ``state.scale``)."""
+    if state.scale is not None:
+        x, eps = x * state.scale[:, None], eps * state.scale
     A = maybe_fused(_mask, x)(x, state.m[:, None], state.t[:, None], eps[:, None])
     if state.invalid is not None and state.sel_none is not None and state.sel_all is not None:
         A = _fill_special(A, x, state.sel_none, state.sel_all, state.invalid)
@@ -480,18 +547,33 @@ def _vjp_saved(s: torch.Tensor, s_sum: torch.Tensor, g: torch.Tensor) -> torch.T
     return (g - torch.where(positive, sg / torch.where(positive, s_sum, 1), 0)).mul_(s)
 
 
+def _offsets(
+    x: torch.Tensor, aux: torch.Tensor, eps: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The solve's offsets ``(x - m) - t`` and its epsilon, (B, n) and (B, 1), in the units the
+    threshold was solved in (``(x c, eps c)`` where it was scaled by ``scale``)."""
+    if scale is not None:
+        x, eps = x * scale[:, None], eps * scale[:, None]
+    return (x - aux[:, :1]) - aux[:, 1:2], eps
+
+
 def _k_weights(
-    z: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
+    off: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
 ) -> torch.Tensor:
     r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
 
-    ``log s_i = log sigma(z_i) + log sigma(-z_i) - log eps``: where every ``s_i`` underflows (a
-    tiny epsilon, or k within rounding of 0 or n) the weights are still those of the limit. Rows
-    whose k is 0 or n (``edge`` +1 or -1) have no finite threshold; there the weights are their
-    one-sided limits as ``t -> +inf`` and ``t -> -inf``: ``softmax(x / eps)`` and
+    ``log s_i = log sigma(z_i) + log sigma(-z_i) - log eps = -|z_i| - 2 log(1 + e^{-|z_i|}) - log
+    eps`` with ``z = off / eps``. The row's smallest ``|off|`` is taken off before dividing by
+    epsilon, so that where every ``|z_i|`` overflows (a tiny epsilon beside a large offset: every
+    ``s_i`` is 0) the weights are still those of the limit: on the entries nearest the threshold.
+    Rows whose k is 0 or n (``edge`` +1 or -1) have no finite threshold; there the weights are
+    their one-sided limits as ``t -> +inf`` and ``t -> -inf``: ``softmax(x / eps)`` and
     ``softmax(-x / eps)`` over the finite entries. Rows without a finite entry get 0.
     """
-    logw = torch.nn.functional.logsigmoid(z) + torch.nn.functional.logsigmoid(-z)
+    a = off.abs()
+    near = a.amin(-1, keepdim=True)
+    near = torch.where(torch.isfinite(near), near, 0)  # (rows without a finite offset)
+    logw = -((a - near) / e) - 2 * torch.nn.functional.softplus(-(a / e))
     if edge is not None:
         finite = torch.isfinite(x)
         xf = torch.where(finite, x, 0)
@@ -500,10 +582,23 @@ def _k_weights(
         up = torch.where(finite, (xf - top.nan_to_num(0, 0, 0)) / e, -math.inf)
         down = torch.where(finite, (bottom.nan_to_num(0, 0, 0) - xf) / e, -math.inf)
         side = edge[:, None]
+        some = finite.any(-1, keepdim=True)
         logw = torch.where(side > 0, up, torch.where(side < 0, down, logw))
-        w = torch.softmax(logw, -1)
-        return torch.where(finite.any(-1, keepdim=True) | (side == 0), w, 0)
+        w = torch.softmax(torch.where(some | (side == 0), logw, 0), -1)
+        return torch.where(some | (side == 0), w, 0)
     return torch.softmax(logw, -1)
+
+
+def _centred_z(
+    off: torch.Tensor, e: torch.Tensor, s: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    r"""``z - <w, z>`` (``z = off / eps``) where ``s > 0``, and 0 elsewhere: ``dA/deps = -s (z -
+    <w, z>)``. The mean is taken of the offsets, ``<w, off> / eps``, and the difference formed
+    before dividing by epsilon: where ``s`` vanishes everywhere (the hard limit) the entries
+    nearest the threshold can have ``|z| = inf`` on both sides, whose mean is ``inf - inf``."""
+    mean = (w * torch.where(w > 0, off, 0)).sum(-1, keepdim=True)
+    live = s > 0
+    return torch.where(live, (torch.where(live, off, 0) - mean) / e, 0)
 
 
 class _SoftTopKMaskOT(torch.autograd.Function):
@@ -511,7 +606,8 @@ class _SoftTopKMaskOT(torch.autograd.Function):
 
     Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: A; s and
     ``aux`` (columns m, t, sum s), the weights of the backward; the convergence flags (None when
-    every row converged); the rows at k = 0 or n (None when there is none).
+    every row converged); the rows at k = 0 or n (None when there is none); the rows' scale
+    (None when no row was scaled: see ``SCALE_BITS``; m and t are in its units).
     """
 
     @staticmethod
@@ -522,35 +618,37 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         max_iter: int,
         tol: float,
         k_scalar: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, ...]:
         state, A, s, s_sum, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
         ok: torch.Tensor | None = None  # None: every row converged (known on the host)
         if not all_ok:
             ok = state.converged if state.invalid is None else state.converged | state.invalid
-        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the limits in k.
+        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the limits in k. A row without
+        # a finite entry is at both (k is its count of +inf): it has no weights in k (+1).
         edge = None
         if state.sel_none is not None and state.sel_all is not None:
-            edge = state.sel_none.to(torch.int8) - state.sel_all.to(torch.int8)
-        return A, s, torch.stack((state.m, state.t, s_sum), -1), ok, edge
+            edge = state.sel_none.to(torch.int8) - (state.sel_all & ~state.sel_none).to(torch.int8)
+        aux = torch.stack((state.m, state.t, s_sum), -1)
+        return A, s, aux, ok, edge, state.scale
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, _, eps = inputs[:3]
-        A, s, aux, converged, edge = output
-        ctx.mark_non_differentiable(s, aux, *(() if converged is None else (converged,)))
+        A, s, aux, converged, edge, scale = output
+        ctx.mark_non_differentiable(s, aux, *(t for t in (converged, scale) if t is not None))
         ctx.set_materialize_grads(False)
         # A is saved for the gradients in k and epsilon and for double backward (differentiable
         # in A); s and sum s make the plain backward in x three passes with no compiled call.
-        ctx.save_for_backward(A, s, aux, eps, x, edge)
-        ctx.save_for_forward(A, s, aux, eps, x, edge)
+        ctx.save_for_backward(A, s, aux, eps, x, edge, scale)
+        ctx.save_for_forward(A, s, aux, eps, x, edge, scale)
 
     @staticmethod
     def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         if gA is None:
             return None, None, None, None, None, None
-        A, s, aux, eps, x, edge = ctx.saved_tensors
+        A, s, aux, eps, x, edge, scale = ctx.saved_tensors
         e = eps[:, None]
         gx = gk = geps = None
         if not (need_k or need_eps):
@@ -559,16 +657,15 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             return _vjp_saved(s, aux[:, 2:], gA), None, None, None, None, None
         if torch.is_grad_enabled():  # double backward: s differentiable in A
             s = A * (1 - A) / e
-        z = ((x - aux[:, :1]) - aux[:, 1:2]) / e
-        w = _k_weights(z, x, e, edge)
+        off, es = _offsets(x, aux, e, scale)
+        w = _k_weights(off, x, es, edge)
         ratio = (w * gA).sum(-1, keepdim=True)
         if need_x:
             gx = s * (gA - ratio)
         if need_k:
             gk = ratio.squeeze(-1)
         if need_eps:
-            zc = torch.where(s > 0, z, 0) - (w * torch.where(w > 0, z, 0)).sum(-1, keepdim=True)
-            geps = -(gA * s * zc).sum(-1)
+            geps = -(gA * s * _centred_z(off, es, s, w)).sum(-1)
         return gx, gk, geps, None, None, None
 
     @staticmethod
@@ -582,25 +679,23 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         r"""``dA = s * (u - <w, u>) + w dk`` with ``u = dx - z deps`` (the backward's transpose).
 
         Differentiating ``sum_i sigma((x_i - t)/eps) = k`` gives ``dt = (<s, u> - dk) / sum s``,
-        and ``dA_i = s_i (u_i - dt)``. ``z`` is masked where ``s`` (or ``w``) is 0, as in the
-        backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
+        and ``dA_i = s_i (u_i - dt)``. The part in epsilon is ``-s (z - <w, z>) deps``, formed
+        as in the backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
         """
-        A, s, aux, eps, x, edge = ctx.saved_tensors
+        A, s, aux, eps, x, edge, scale = ctx.saved_tensors
         if dk is None and deps is None:
             dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux[:, 2:], dx)  # J = J^T
-            return dA, None, None, None, None
-        e = eps[:, None]
-        z = ((x - aux[:, :1]) - aux[:, 1:2]) / e
-        w = _k_weights(z, x, e, edge)
-        u_s = torch.zeros_like(A) if dx is None else dx
-        u_w = u_s
+            return dA, None, None, None, None, None
+        off, es = _offsets(x, aux, eps[:, None], scale)
+        w = _k_weights(off, x, es, edge)
+        dA = torch.zeros_like(A)
+        if dx is not None:
+            dA = s * (dx - (w * dx).sum(-1, keepdim=True))
         if deps is not None:
-            u_s = u_s - torch.where(s > 0, z, 0) * deps[:, None]
-            u_w = u_w - torch.where(w > 0, z, 0) * deps[:, None]
-        dA = s * (u_s - (w * u_w).sum(-1, keepdim=True))
+            dA = dA - s * _centred_z(off, es, s, w) * deps[:, None]
         if dk is not None:
             dA = dA + w * dk[:, None]
-        return dA, None, None, None, None
+        return dA, None, None, None, None, None
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
@@ -617,7 +712,7 @@ def _apply_and_warn(
     tol: float,
     k_scalar: float | None,
 ) -> torch.Tensor:
-    A, _, _, converged, _ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
+    A, _, _, converged, *_ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
     if converged is not None:
         warn_not_converged(op, converged, max_iter)
     return A
