@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--epsilon", type=float, default=0.1, help="top-k temperature (0.1)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (3e-3)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS))
