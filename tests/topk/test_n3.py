@@ -84,11 +84,11 @@ def test_largest_false_is_the_mask_of_minus_x_and_dim_is_a_loop(dim):
 
 
 def test_rounds_are_probability_vectors_sum_k_float32_large():
-    x = torch.randn(16, 500, generator=seeded(5))
-    for k in (1, 37, 250, 500):
+    x = torch.randn(8, 300, generator=seeded(5))
+    for k in (1, 37, 150):
         for eps in (1e-3, 0.1, 10.0):
             A = n3(x, k, epsilon=eps)
-            torch.testing.assert_close(A.sum(-1), torch.full((16,), float(k)), rtol=1e-5, atol=0)
+            torch.testing.assert_close(A.sum(-1), torch.full((8,), float(k)), rtol=1e-5, atol=0)
             assert bool((A >= 0).all())
 
 

@@ -100,7 +100,6 @@ from softops.topk._softkmax import _inverse, _scaled_difference
 __all__ = ["n3_mask_rows"]
 
 _N3_CHECKPOINT_MIN = 16  # from this k on, the backward recomputes segments of rounds
-_LOG_HALF = math.log(0.5)
 
 
 def n3_mask_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
