@@ -223,6 +223,11 @@ _REDUCTIONS = {
         _LOGITS,
         _LABELS,
     ),
+    "topk_cross_entropy": (
+        lambda a, b: softops.losses.topk_cross_entropy(a, b, [0.5, 0.2, 0.3], m=4),
+        _LOGITS,
+        _LABELS,
+    ),
     "spearman_loss": (lambda a, b: softops.losses.spearman_loss(a, b), _SCORES, _RELEVANCE),
     "ndcg_loss": (lambda a, b: softops.losses.ndcg_loss(a, b), _SCORES, _RELEVANCE),
 }

@@ -1,6 +1,7 @@
 r"""Losses built on the soft metrics and the soft sort family: 1 - (soft metric).
 
 - :func:`accuracy_loss`, :func:`topk_accuracy_loss`: per sample, with ``reduction``.
+- :func:`topk_cross_entropy`: the top-k cross-entropy of Petersen et al. (2022), per sample.
 - :func:`f1_loss`: ``1 - soft_f1``, a statistic of the whole batch (no ``reduction``).
 - :func:`spearman_loss`: 1 - the Pearson correlation of the soft ranks of the predictions with
   the ranks of the target (Blondel et al. 2020, §6).
@@ -18,11 +19,14 @@ References:
     Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
     arXiv:2002.06504.
     Järvelin and Kekäläinen. Cumulated Gain-Based Evaluation of IR Techniques. ACM TOIS 2002.
+    Petersen, Kuehne, Borgelt and Deussen. Differentiable Top-k Classification Learning.
+    ICML 2022. arXiv:2206.07290.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,7 +53,14 @@ from softops.metrics import (
 from softops.sort import SORT_METHODS, soft_rank
 from softops.topk import soft_topk_mask
 
-__all__ = ["accuracy_loss", "f1_loss", "ndcg_loss", "spearman_loss", "topk_accuracy_loss"]
+__all__ = [
+    "accuracy_loss",
+    "f1_loss",
+    "ndcg_loss",
+    "spearman_loss",
+    "topk_accuracy_loss",
+    "topk_cross_entropy",
+]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _GAINS = ("linear", "exp")
@@ -167,6 +178,126 @@ def topk_accuracy_loss(
     check_choice(reduction, _REDUCTIONS, op, "reduction")
     loss = 1 - true_class_topk_membership(scores, target, k, epsilon, method, False)
     return _reduce(loss, reduction).to(scores.dtype)
+
+
+def topk_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    p_k: Sequence[float],
+    *,
+    epsilon: float | torch.Tensor = 1.0,
+    method: str = "ot",
+    m: int | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""Top-k cross-entropy (Petersen et al. 2022): ``-log`` of the probability, weighted over k
+    by ``p_k``, that the true class is among the k best.
+
+    With :math:`P_K = (p_1, \dots, p_K)` a distribution over k, the softmax for the top-1 term
+    and the soft top-k mask :math:`A^{(k)}` (:func:`softops.soft_topk_mask`) for the others:
+
+    .. math::
+
+        \ell_n = -\log\Big( p_1\, \mathrm{softmax}(s_n)_{t_n}
+            + \sum_{k \ge 2} p_k\, A^{(k)}_{n, t_n} \Big).
+
+    ``p_k = [1]`` is exactly ``F.cross_entropy(logits, target)``. As ``epsilon -> 0`` the
+    membership :math:`A^{(k)}_{n,t_n}` becomes the hard ``t_n in logits[n].topk(k).indices``. A
+    ``p_k`` such as ``[0.5, 0, 0, 0, 0.5]`` trains for top-1 and top-5 accuracy at once.
+
+    Args:
+        logits: raw scores, (N, C), floating dtype.
+        target: integer labels, (N,), in [0, C).
+        p_k: the weights of k = 1, 2, ..., len(p_k) <= C: non-negative, summing to 1.
+        epsilon: the temperature of the top-k masks, in the units of the logits (default 1,
+            the temperature of the softmax term). A positive float, or a tensor broadcastable
+            to (N,) (it receives a gradient with method "ot").
+        method: the mask's method: ``"ot"`` (default; one batched solve for every k),
+            ``"sinkhorn"`` or ``"perturbed"``.
+        m: for many classes: run the top-k masks on the ``m`` largest logits of each row only
+            (``len(p_k) <= m <= C``); the true class takes the place of the m-th when it is not
+            among them. None: all classes. The softmax term always uses all classes.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
+
+    Returns:
+        A 0-dim tensor, or shape (N,) for ``reduction="none"``, in the dtype of ``logits``.
+
+    Example:
+        >>> s = torch.tensor([[3.0, 2.0, 0.0], [0.0, 3.0, 1.0]])
+        >>> t = torch.tensor([1, 2])
+        >>> topk_cross_entropy(s, t, [1.0]), torch.nn.functional.cross_entropy(s, t)
+        (tensor(1.7594), tensor(1.7594))
+        >>> topk_cross_entropy(s, t, [0.0, 1.0], epsilon=0.01)  # both are in their top 2
+        tensor(0.)
+
+    References:
+        Petersen, Kuehne, Borgelt and Deussen. Differentiable Top-k Classification Learning.
+        ICML 2022. arXiv:2206.07290.
+    """
+    op = "topk_cross_entropy"
+    weights = _check_p_k(p_k, logits, op)
+    kmax = len(weights)
+    check_topk_classification(logits, target, kmax, epsilon, method, op)
+    epsilon = check_epsilon(epsilon, op)
+    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    n_classes = logits.shape[1]
+    if m is not None:
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise TypeError(f"{op}: expected `m` to be an int or None; got m={m!r}.")
+        if not kmax <= m <= n_classes:
+            raise ValueError(
+                f"{op}: expected len(p_k) (= {kmax}) <= `m` <= C (= {n_classes}); got m={m}."
+            )
+    x = logits.to(compute_dtype(logits.dtype))
+    t = target.long()
+    log_p = torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0]
+    total = log_p + math.log(weights[0]) if weights[0] > 0 else torch.full_like(log_p, -math.inf)
+    ks = [k for k in range(2, kmax + 1) if weights[k - 1] > 0]
+    if ks:
+        cols, pos = x, t
+        if m is not None and m < n_classes:
+            top = x.topk(m, -1).indices
+            hit = top == t[:, None]
+            found = hit.any(-1)
+            # the true class takes the m-th place when it is not among the m best
+            top = torch.where(found[:, None], top, torch.cat([top[:, :-1], t[:, None]], 1))
+            cols = x.gather(1, top)
+            pos = torch.where(found, hit.int().argmax(-1), m - 1)
+        rows = cols.shape[0]
+        eps_rows = epsilon
+        if isinstance(epsilon, torch.Tensor) and epsilon.dim() > 0:
+            eps_rows = epsilon.expand(rows).repeat(len(ks))
+        if method == "ot":  # one solve over every k: rows repeated, a per-row k
+            k_rows = torch.tensor(ks, dtype=cols.dtype, device=cols.device).repeat_interleave(rows)
+            masks = soft_topk_mask(cols.repeat(len(ks), 1), k_rows, epsilon=eps_rows)
+            masks = masks.reshape(len(ks), rows, -1)
+        else:
+            masks = torch.stack(
+                [soft_topk_mask(cols, k, epsilon=epsilon, method=method) for k in ks]
+            )
+        member = masks.gather(2, pos[None, :, None].expand(len(ks), rows, 1))[..., 0]
+        w = torch.tensor([weights[k - 1] for k in ks], dtype=cols.dtype, device=cols.device)
+        mix = (w[:, None] * member).sum(0)
+        tiny = torch.finfo(mix.dtype).tiny
+        log_mix = torch.where(mix > 0, torch.log(mix.clamp(min=tiny)), -math.inf)
+        total = torch.logaddexp(total, log_mix)
+    return _reduce(-total, reduction).to(logits.dtype)
+
+
+def _check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+    if isinstance(p_k, torch.Tensor):
+        p_k = p_k.detach().flatten().tolist()
+    if isinstance(p_k, (str, bytes)) or not isinstance(p_k, Sequence) or not p_k:
+        raise TypeError(f"{op}: expected `p_k` to be a non-empty sequence of floats; got {p_k!r}.")
+    try:
+        weights = [float(v) for v in p_k]
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: expected `p_k` to be a sequence of floats; got {p_k!r}.") from None
+    if any(not (v >= 0 and math.isfinite(v)) for v in weights) or abs(sum(weights) - 1) > 1e-6:
+        raise ValueError(
+            f"{op}: expected `p_k` of non-negative weights summing to 1; got p_k={p_k!r}."
+        )
+    return weights
 
 
 def f1_loss(
