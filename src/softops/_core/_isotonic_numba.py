@@ -89,14 +89,40 @@ def pav_kl(s, w, v, block, ls, lw, cnt):  # pragma: no cover - compiled
 # L2: acc[k] = sum_j (y_j - y_ref) with y = s - w; KL: acc[k] = log sum_j e^(s_j - s_ref) and
 # aux[k] = log sum_j e^(w_j - w_ref). Adjacent blocks are compared through the gap
 # (s_p - s_t) - (w_p - w_t), differences of the sorted inputs themselves. A singleton's output is
-# (s_i - s_i) + w_i = w_i exactly, and tied inputs give gaps of exactly 0. A row with a non-finite
-# entry (an infinity, a NaN) takes the plain formulas (v, then s - v), whose infinity arithmetic
-# gives the projection's limits.
+# (s_i - s_i) + w_i = w_i exactly, and tied inputs give gaps of exactly 0.
+#
+# The same frame takes the infinities, with differences formed by ``_diff`` (0 between equal
+# infinities): an infinite s_t is an infinite gap to every finite neighbour, so it never pools with
+# one; equal infinities pool among themselves, and their block's output (s_j - s_ref) + shift is
+# the projection's limit there, mean(w_B) (L2) or log mean exp(w_B) (KL), with no s - (s - w) to
+# cancel beside them (a rank of 0 or beyond n, at |s| ~ 1e16, before). For KL an infinite w is
+# taken too: a +inf w_ref puts +inf on its block, and a -inf w_t a zero weight in its block's
+# log sum. For L2 an infinite w pulls the whole row to it (the block holding it has the mean
+# +-inf, and every entry pools into it: y = s - w is -inf first or +inf last), +inf against -inf
+# is NaN, and so is any row holding a NaN: such rows are filled without a pass of PAV.
+#
+# L2 rows whose finite magnitudes exceed ``_l2_limit(n)`` (where a gap, or a cross-multiplied
+# comparison, could overflow: w spanning -1.7e308 .. 1.7e308 gave inf - inf) are solved for
+# c s, c w with c a power of two, and the output divided by c: the projection is positively
+# homogeneous, and the scaling is exact (down to the subnormals).
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _diff(a, b):  # pragma: no cover - compiled
+    """a - b, and 0 where a == b (equal infinities too)."""
+    return 0.0 if a == b else a - b
+
+
+@numba.njit(cache=True, nogil=True)
+def _l2_limit(n):  # pragma: no cover - compiled
+    """The largest magnitude that the L2 frame takes unscaled in a row of n: its gaps (at most 4
+    times it) times two counts (at most n**2 / 4) and its sums stay below float64's largest."""
+    return 1.7976931348623157e308 / (8.0 * max(n, 1) * max(n, 1))
 
 
 @numba.njit(cache=True, nogil=True)
 def _all_finite(s, w):  # pragma: no cover - compiled
-    """Whether every entry of the rows s and w is finite (the finite path may run)."""
+    """Whether every entry of the rows s and w is finite."""
     for i in range(s.shape[0]):
         if not (math.isfinite(s[i]) and math.isfinite(w[i])):
             return False
@@ -104,107 +130,143 @@ def _all_finite(s, w):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _scan(s, w, limit):  # pragma: no cover - compiled
+    """What the sorted rows s, w hold: returns (kind, c) with kind 0 (every entry finite), 1
+    (infinities only where the frame takes them: in s, and in w when ``limit`` is inf, as for
+    KL), 2 (a NaN, or +inf and -inf in w), 3 (+inf in w) or 4 (-inf in w); c is 1, or the power
+    of two that brings the largest finite magnitude below ``limit``. A finite row costs one plain
+    pass, its magnitude is read off its ends."""
+    n = s.shape[0]
+    if _all_finite(s, w):
+        big = max(abs(float(s[0])), abs(float(s[n - 1])), abs(float(w[0])), abs(float(w[n - 1])))
+        kind = 0
+    else:
+        big = 0.0
+        s_inf, w_pos, w_neg = False, False, False
+        for i in range(n):
+            a, b = float(s[i]), float(w[i])
+            if a != a or b != b:
+                return 2, 1.0
+            if math.isinf(a):
+                s_inf = True
+            elif abs(a) > big:
+                big = abs(a)
+            if b == math.inf:
+                w_pos = True
+            elif b == -math.inf:
+                w_neg = True
+            elif abs(b) > big:
+                big = abs(b)
+        if limit == math.inf:  # KL: the frame takes infinite w too
+            kind = 1
+        elif w_pos or w_neg:
+            kind = 2 if w_pos and w_neg else (3 if w_pos else 4)
+        else:
+            kind = 1 if s_inf else 0
+    c = 1.0
+    if big > limit:
+        c = math.ldexp(1.0, math.frexp(limit)[1] - math.frexp(big)[1] - 1)
+    return kind, c
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill(out, block, value):  # pragma: no cover - compiled
+    """A row that is ``value`` throughout, in one block."""
+    for j in range(out.shape[0]):
+        out[j] = value
+        block[j] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _l2_frame(s, w, out, block, ref, cnt, acc, inf):  # pragma: no cover - compiled
+    """PAV in the relative frame on one row of s and finite w; the differences of s are formed
+    by ``_diff`` where ``inf`` (s holds infinities; else a plain subtraction, which is cheaper)."""
+    n = s.shape[0]
+    top = -1
+    for i in range(n):
+        top += 1
+        ref[top] = i
+        cnt[top] = 1
+        acc[top] = 0.0
+        while top > 0:
+            p, t = ref[top - 1], ref[top]
+            cp, ct = cnt[top - 1], cnt[top]
+            sp, st = float(s[p]), float(s[t])
+            gap = (_diff(sp, st) if inf else sp - st) - (float(w[p]) - float(w[t]))  # y_p - y_t
+            # pool while mean(prev) <= mean(top), i.e. gap + acc_P/cP - acc_T/cT <= 0
+            if gap * cp * ct + acc[top - 1] * ct - acc[top] * cp > 0.0:
+                break
+            acc[top - 1] += acc[top] - ct * gap
+            cnt[top - 1] = cp + ct
+            top -= 1
+    pos = 0
+    for k in range(top + 1):
+        r = ref[k]
+        shift = float(w[r]) - acc[k] / cnt[k]  # mean(w_B) - mean(s_B) + s_ref
+        sr = float(s[r])
+        for j in range(pos, pos + cnt[k]):
+            sj = float(s[j])
+            out[j] = (_diff(sj, sr) if inf else sj - sr) + shift
+            block[j] = k
+        pos += cnt[k]
+
+
+@numba.njit(cache=True, nogil=True)
 def _proj_l2_row(s, w, out, block, ref, cnt, acc):  # pragma: no cover - compiled
     """One row of P_Q(s, w) into out and block; returns whether the row was finite."""
-    n = s.shape[0]
-    finite = _all_finite(s, w)
-    top = -1
-    if finite:
-        for i in range(n):
-            top += 1
-            ref[top] = i
-            cnt[top] = 1
-            acc[top] = 0.0
-            while top > 0:
-                p, t = ref[top - 1], ref[top]
-                cp, ct = cnt[top - 1], cnt[top]
-                gap = (float(s[p]) - float(s[t])) - (float(w[p]) - float(w[t]))  # y_p - y_t
-                # pool while mean(prev) <= mean(top), i.e. gap + acc_P/cP - acc_T/cT <= 0
-                if gap * cp * ct + acc[top - 1] * ct - acc[top] * cp > 0.0:
-                    break
-                acc[top - 1] += acc[top] - ct * gap
-                cnt[top - 1] = cp + ct
-                top -= 1
-        pos = 0
-        for k in range(top + 1):
-            r = ref[k]
-            shift = w[r] - acc[k] / cnt[k]  # mean(w_B) - mean(s_B) + s_ref
-            sr = float(s[r])
-            for j in range(pos, pos + cnt[k]):
-                out[j] = (float(s[j]) - sr) + shift
-                block[j] = k
-            pos += cnt[k]
-    else:  # the plain formulas: acc holds block sums of y = s - w
-        for i in range(n):
-            top += 1
-            acc[top] = float(s[i]) - float(w[i])
-            cnt[top] = 1
-            while top > 0 and acc[top - 1] * cnt[top] <= acc[top] * cnt[top - 1]:
-                acc[top - 1] += acc[top]
-                cnt[top - 1] += cnt[top]
-                top -= 1
-        pos = 0
-        for k in range(top + 1):
-            value = acc[k] / cnt[k]
-            for j in range(pos, pos + cnt[k]):
-                out[j] = s[j] - value
-                block[j] = k
-            pos += cnt[k]
-    return finite
+    kind, c = _scan(s, w, _l2_limit(s.shape[0]))
+    if kind >= 2:
+        _fill(out, block, math.nan if kind == 2 else (math.inf if kind == 3 else -math.inf))
+    elif c == 1.0:
+        _l2_frame(s, w, out, block, ref, cnt, acc, kind == 1)
+    else:  # P(s, w) = P(c s, c w) / c, exact for a power of two c
+        scaled = np.empty(s.shape[0])
+        _l2_frame(s * c, w * c, scaled, block, ref, cnt, acc, kind == 1)
+        for j in range(s.shape[0]):
+            out[j] = scaled[j] / c
+    return kind == 0
 
 
 @numba.njit(cache=True, nogil=True)
 def _proj_kl_row(s, w, out, block, ref, cnt, acc, aux):  # pragma: no cover - compiled
     """One row of P_E(s, w) into out and block; returns whether the row was finite."""
     n = s.shape[0]
-    finite = _all_finite(s, w)
+    kind, _ = _scan(s, w, math.inf)
+    if kind == 2:
+        _fill(out, block, math.nan)
+        return False
+    inf = kind == 1  # differences by _diff (equal infinities: 0), else plain
     top = -1
-    if finite:
-        for i in range(n):
-            top += 1
-            ref[top] = i
-            cnt[top] = 1
-            acc[top] = 0.0
-            aux[top] = 0.0
-            while top > 0:
-                p, t = ref[top - 1], ref[top]
-                ds = float(s[t]) - float(s[p])  # <= 0: the inputs are sorted
-                dw = float(w[t]) - float(w[p])
-                # value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
-                if (aux[top] - aux[top - 1]) - (acc[top] - acc[top - 1]) + dw - ds > 0.0:
-                    break
-                acc[top - 1] = _logaddexp(acc[top - 1], acc[top] + ds)
-                aux[top - 1] = _logaddexp(aux[top - 1], aux[top] + dw)
-                cnt[top - 1] += cnt[top]
-                top -= 1
-        pos = 0
-        for k in range(top + 1):
-            r = ref[k]
-            shift = (aux[k] - acc[k]) + w[r]
-            sr = float(s[r])
-            for j in range(pos, pos + cnt[k]):
-                out[j] = (float(s[j]) - sr) + shift
-                block[j] = k
-            pos += cnt[k]
-    else:  # the plain formulas: acc = logsumexp(s_B), aux = logsumexp(w_B)
-        for i in range(n):
-            top += 1
-            acc[top] = s[i]
-            aux[top] = w[i]
-            cnt[top] = 1
-            while top > 0 and (acc[top - 1] - aux[top - 1]) <= (acc[top] - aux[top]):
-                acc[top - 1] = _logaddexp(acc[top - 1], acc[top])
-                aux[top - 1] = _logaddexp(aux[top - 1], aux[top])
-                cnt[top - 1] += cnt[top]
-                top -= 1
-        pos = 0
-        for k in range(top + 1):
-            value = acc[k] - aux[k]
-            for j in range(pos, pos + cnt[k]):
-                out[j] = s[j] - value
-                block[j] = k
-            pos += cnt[k]
-    return finite
+    for i in range(n):
+        top += 1
+        ref[top] = i
+        cnt[top] = 1
+        acc[top] = 0.0
+        aux[top] = 0.0
+        while top > 0:
+            p, t = ref[top - 1], ref[top]
+            if inf:
+                ds, dw = _diff(float(s[t]), float(s[p])), _diff(float(w[t]), float(w[p]))
+            else:  # <= 0: the inputs are sorted
+                ds, dw = float(s[t]) - float(s[p]), float(w[t]) - float(w[p])
+            # value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
+            if (aux[top] - aux[top - 1]) - (acc[top] - acc[top - 1]) + dw - ds > 0.0:
+                break
+            acc[top - 1] = _logaddexp(acc[top - 1], acc[top] + ds)
+            aux[top - 1] = _logaddexp(aux[top - 1], aux[top] + dw)
+            cnt[top - 1] += cnt[top]
+            top -= 1
+    pos = 0
+    for k in range(top + 1):
+        r = ref[k]
+        shift = (aux[k] - acc[k]) + w[r]
+        sr = float(s[r])
+        for j in range(pos, pos + cnt[k]):
+            sj = float(s[j])
+            out[j] = (_diff(sj, sr) if inf else sj - sr) + shift
+            block[j] = k
+        pos += cnt[k]
+    return kind == 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -212,7 +274,7 @@ def proj_l2_serial(s, w, out, block):  # pragma: no cover - compiled
     """P(s, w) = s - v_Q(s, w) row by row (s, w sorted descending; one row of s or w broadcasts).
 
     The work arrays are one row long and reused, so they stay in cache. Returns the number of
-    rows that held a non-finite entry (and took the plain formulas)."""
+    rows that held a non-finite entry (whose limits the caller may want to mark)."""
     B, n = out.shape
     ds, dw = min(s.shape[0] - 1, 1), min(w.shape[0] - 1, 1)  # 0: one row for all
     ref, cnt, acc = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
@@ -267,17 +329,21 @@ def proj_kl_parallel(s, w, out, block):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def l2_vjp(g, pz, pw, block, gz, gw):  # pragma: no cover - compiled
+def l2_vjp(g, pz, pw, block, gz, gw, z, gr):  # pragma: no cover - compiled
     """The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g in z's order (B, n).
 
     ``pz`` / ``pw`` (B, n) sort z / w descending; a (B, 0) array means "already sorted". With m
     the block mean of the sorted cotangent gs = g[pz]: gz[pz] = gs - m and gw[pw] = m, each
-    written only when that output has n columns. One pass over each row, no temporaries.
+    written only when that output has n columns. When ``gr`` has B entries, also
+    gr[b] = sum_j (gs_j - m) (s_j - s_ref) with s = z[pz] (``z``: B or 1 rows) and s_ref the first
+    entry of j's block: <J_z^T g, z> on the block-relative z, the derivative along z -> c z.
+    One pass over each row, no temporaries.
     """
     B, n = g.shape
     acc, cnt = np.empty(n), np.empty(n, np.int64)
     sort_z, sort_w = pz.shape[1] == n, pw.shape[1] == n
-    want_z, want_w = gz.shape[1] == n, gw.shape[1] == n
+    want_z, want_w, want_r = gz.shape[1] == n, gw.shape[1] == n, gr.shape[0] == B
+    dz = min(z.shape[0] - 1, 1)  # 0: one row of z for all
     for b in range(B):
         for k in range(block[b, n - 1] + 1):
             acc[k] = 0.0
@@ -286,11 +352,19 @@ def l2_vjp(g, pz, pw, block, gz, gw):  # pragma: no cover - compiled
             k = block[b, j]
             acc[k] += g[b, pz[b, j] if sort_z else j]
             cnt[k] += 1
+        total, sr, last = 0.0, 0.0, -1
         for j in range(n):
             k = block[b, j]
             mean = acc[k] / cnt[k]
+            i = pz[b, j] if sort_z else j
             if want_z:
-                i = pz[b, j] if sort_z else j
                 gz[b, i] = g[b, i] - mean
             if want_w:
                 gw[b, pw[b, j] if sort_w else j] = mean
+            if want_r:
+                sj = float(z[b * dz, i])
+                if k != last:  # the block's first entry
+                    sr, last = sj, k
+                total += (g[b, i] - mean) * (sj - sr)
+        if want_r:
+            gr[b] = total

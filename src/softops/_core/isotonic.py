@@ -35,7 +35,8 @@ The projection kernels also report whether every row was finite (``Projection.fi
 caller applies the limits of non-finite entries only when there are some, without a pass of its
 own; :func:`l2_vjp_host` is the L2 VJP in one compiled pass (gather, block mean, scatter), for a
 backward whose gradient is not differentiated again (the torch form, with the helpers at the end
-of this module, is the reference and serves every other case).
+of this module, is the reference and serves every other case); :func:`l2_vjp_host_scaled` adds,
+in the same pass, the derivative along a scaling of z (the soft sort's and rank's epsilon).
 
 Meta tensors (shape inference) get outputs of the right shapes and dtypes from every entry point,
 without a backend: there are no values to pool.
@@ -43,7 +44,12 @@ without a backend: there are no values to pool.
 Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
 cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
 formed relative to each block's first entry (what the soft sort and rank need, exact at any
-scale); :func:`isotonic_l2` and :func:`isotonic_kl` return ``v``.
+scale), infinities included: an infinite entry of s is an infinite gap to its finite neighbours,
+so it pools only with its equal infinities, whose block gets the limit (the mean of w, or its
+log-mean-exp), and the finite entries beside it keep the exact frame (there is no s - (s - w) to
+cancel). L2 rows of huge magnitude (above ``max / (8 n**2)``, where a gap or a comparison could
+overflow) are solved scaled by a power of two, which is exact: the projection is homogeneous.
+:func:`isotonic_l2` and :func:`isotonic_kl` return ``v``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ __all__ = [
     "isotonic_kl",
     "isotonic_l2",
     "l2_vjp_host",
+    "l2_vjp_host_scaled",
     "project_kl",
     "project_l2",
 ]
@@ -89,9 +96,9 @@ class IsotonicResult(NamedTuple):
 
 class Projection(NamedTuple):
     """The projection ``p = s - v`` (B, n), the block id of each position (B, n), int64, and
-    whether every row of s and w was finite (False: some row took the plain formulas, whose
-    infinity arithmetic the caller may want to replace by a limit; also False on meta tensors,
-    where it is unknown)."""
+    whether every row of s and w was finite (False: some row held an infinity or a NaN, where p
+    is the projection's limit, and the caller may want to mark those entries; also False on meta
+    tensors, where it is unknown)."""
 
     p: torch.Tensor
     block: torch.Tensor
@@ -298,31 +305,49 @@ def _sub(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(p == q, torch.zeros_like(p), p - q)
 
 
+def _l2_scale(sa: torch.Tensor, wa: torch.Tensor) -> torch.Tensor:
+    """(B, 1): 1, or the power of two that brings a row's largest finite magnitude below
+    ``max / (8 n**2)``, where the L2 frame's gaps and cross-multiplied comparisons cannot overflow
+    (``_isotonic_numba._l2_limit``)."""
+    n = sa.shape[-1]
+    big = torch.maximum(
+        torch.where(torch.isfinite(sa), sa.abs(), 0).amax(-1, keepdim=True),
+        torch.where(torch.isfinite(wa), wa.abs(), 0).amax(-1, keepdim=True),
+    )
+    limit = torch.finfo(sa.dtype).max / (8.0 * n * n)
+    shift = int(math.frexp(limit)[1]) - torch.frexp(big).exponent - 1
+    return torch.where(big > limit, torch.ldexp(torch.ones_like(big), shift), 1.0)
+
+
 def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     """``p = s - v(s, w)`` row by row, in the frame of the numba kernels (``_isotonic_numba``):
     blocks keep their statistics relative to their first position, and adjacent blocks are
-    compared through gaps of the sorted inputs. Rows with a non-finite entry take the plain
-    formulas (``_torch_pav``)."""
+    compared through gaps of the sorted inputs, formed by ``_sub`` (0 between equal infinities),
+    so that infinities of s (and, for KL, of w) take the same formulas. Rows holding a NaN, and
+    L2 rows with an infinite w, are filled with their limits (NaN, or that infinity)."""
     B, n = s.shape
     dev, acc_dt = s.device, _acc_dtype(s)
     sa, wa = s.detach().to(acc_dt), w.detach().to(acc_dt)
-    out = torch.empty(B, n, dtype=acc_dt, device=dev)
-    block = torch.empty(B, n, dtype=torch.int64, device=dev)
-    finite = (torch.isfinite(sa) & torch.isfinite(wa)).all(-1)
-    if not bool(finite.all()):
-        bad = ~finite
-        v, block_bad = _torch_pav(sa[bad], wa[bad] if kl else None, wa[bad])
-        out[bad], block[bad] = sa[bad] - v.to(acc_dt), block_bad
-        if not bool(finite.any()):
-            return Projection(out.to(s.dtype), block, False)
-        sa, wa = sa[finite], wa[finite]
-    Bf = sa.shape[0]
-    rows = torch.arange(Bf, device=dev)
-    ref = torch.zeros(Bf, n, dtype=torch.int64, device=dev)
-    cnt = torch.zeros(Bf, n, dtype=torch.int64, device=dev)
-    acc = torch.zeros(Bf, n, dtype=acc_dt, device=dev)
-    aux = torch.zeros(Bf, n, dtype=acc_dt, device=dev)
-    top = torch.full((Bf,), -1, dtype=torch.int64, device=dev)
+    nan = (torch.isnan(sa) | torch.isnan(wa)).any(-1, keepdim=True)
+    finite = bool((torch.isfinite(sa) & torch.isfinite(wa)).all())
+    fill = torch.where(nan, math.nan, 0.0)
+    special = nan
+    if not kl:
+        pos, neg = (wa == math.inf).any(-1, keepdim=True), (wa == -math.inf).any(-1, keepdim=True)
+        fill = torch.where(pos & neg, math.nan, torch.where(pos, math.inf, -math.inf))
+        fill = torch.where(nan, math.nan, fill)
+        special = nan | pos | neg
+    if not finite:  # the filled rows run on zeros
+        sa, wa = sa.masked_fill(special, 0.0), wa.masked_fill(special, 0.0)
+    scale = _l2_scale(sa, wa) if not kl else None
+    if scale is not None:
+        sa, wa = sa * scale, wa * scale
+    rows = torch.arange(B, device=dev)
+    ref = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    cnt = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    acc = torch.zeros(B, n, dtype=acc_dt, device=dev)
+    aux = torch.zeros(B, n, dtype=acc_dt, device=dev)
+    top = torch.full((B,), -1, dtype=torch.int64, device=dev)
 
     def gaps(r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, q = ref[r, t - 1], ref[r, t]
@@ -364,11 +389,13 @@ def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
         shift = (aux - acc).gather(1, blk) + w_ref
     else:
         shift = w_ref - (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
-    p_fin = _sub(sa, sa.gather(1, first)) + shift
-    if Bf == B:
-        return Projection(p_fin.to(s.dtype), blk, True)
-    out[finite], block[finite] = p_fin, blk
-    return Projection(out.to(s.dtype), block, False)
+    p = _sub(sa, sa.gather(1, first)) + shift
+    if scale is not None:
+        p = p / scale
+    if not finite:
+        p = torch.where(special, fill, p)
+        blk = blk.masked_fill(special, 0)
+    return Projection(p.to(s.dtype), blk, finite)
 
 
 def _warn_fallback(device: torch.device) -> None:
@@ -502,6 +529,25 @@ def l2_vjp_host(
     (the caller then uses the torch form, which is also the one to use when the gradient itself
     is to be differentiated: this pass is not).
     """
+    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None)
+    return None if res is None else res[:2]
+
+
+def l2_vjp_host_scaled(
+    g: torch.Tensor,
+    pz: torch.Tensor | None,
+    pw: torch.Tensor | None,
+    block: torch.Tensor,
+    want_z: bool,
+    want_w: bool,
+    z: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
+    """:func:`l2_vjp_host`, and with ``z`` (B or 1, n; finite, in z's order) also, in the same pass,
+    ``r`` (B,) ``= sum_j (g[pz]_j - m_j) (s_j - s_ref(j))``, s = z[pz] and s_ref the first entry
+    of j's block: ``<J_z^T g, z>``, the derivative along a scaling of z, taken on the block-relative
+    z (no cancellation of |z| >> its gaps). Returns ``(gz, gw, r)`` (r None without z), or None
+    as :func:`l2_vjp_host` does.
+    """
     if g.device.type != "cpu" or _backend(None) != "numba":
         return None
     import numpy as np
@@ -513,8 +559,14 @@ def l2_vjp_host(
     gw = np.empty((B, n if want_w else 0), dtype=gc.dtype)
     perm_z = none if pz is None else _host(pz, torch.int64)
     perm_w = none if pw is None else _host(pw, torch.int64)
-    _compiled().l2_vjp(gc, perm_z, perm_w, _host(block, torch.int64), gz, gw)
-    return (torch.from_numpy(gz) if want_z else None), (torch.from_numpy(gw) if want_w else None)
+    zc = np.empty((1, 0), dtype=gc.dtype) if z is None else _host(z, g.dtype)
+    r = np.empty(B if z is not None else 0)
+    _compiled().l2_vjp(gc, perm_z, perm_w, _host(block, torch.int64), gz, gw, zc, r)
+    return (
+        torch.from_numpy(gz) if want_z else None,
+        torch.from_numpy(gw) if want_w else None,
+        torch.from_numpy(r).to(g.dtype) if z is not None else None,
+    )
 
 
 # --------------------------------------------------------------------- blockwise helpers (VJP)
