@@ -477,9 +477,9 @@ def _pooled_rows(kl: bool, w_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
     kl, w_rows, layout, backend, monkeypatch
 ):
-    """The node's jvp against jacrev and central differences, in z and in w, for each use:
-    z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort; negated,
-    -P(z, -w): the ascending sort)."""
+    """The node's jvp against jacrev and central differences, in z, in w and in epsilon, for each
+    use: z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort;
+    negated, -P(z, -w): the ascending sort); z = u / eps (the rank) or u * (1/eps) (the sort)."""
     from softops.sort._pav import _Mode, _Permutahedron
 
     if backend == "numba":
@@ -493,6 +493,8 @@ def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
     ds = torch.randn(s.shape, generator=g, dtype=F64)
     ds[1, 3] = ds[1, 2]  # keep the tie along the tangent
     dw = torch.randn(w.shape, generator=g, dtype=F64)
+    eps = torch.tensor([1.0, 0.5, 2.0], dtype=F64)
+    de = torch.randn(3, generator=g, dtype=F64)
     if layout.startswith("rank"):  # z shuffled (sorted in the node), w sorted
         perm = torch.stack([torch.randperm(7, generator=g) for _ in range(3)])
         z, dz = s.gather(1, perm), ds.gather(1, perm)
@@ -501,36 +503,46 @@ def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
         perm = torch.randperm(7, generator=g).expand(w_rows, 7)
         s, ds = s[[0, 2, 2]], ds[[0, 2, 2]]
         z, dz = s, ds
-        mode = _Mode(kl, sort_z=False, sort_w=True, negate=layout == "sort-negated")
+        mode = _Mode(kl, sort_z=False, sort_w=True, negate=layout == "sort-negated", inv=True)
         w, dw = w.gather(1, perm), dw.gather(1, perm)
+    u = z * eps[:, None] if not mode.inv else z / eps[:, None]  # the blocks of z at eps
 
-    def p(z, w):
-        return _Permutahedron.apply(z, w, mode)[0]
+    def p(u, w, e):
+        return _Permutahedron.apply(u, w, e, mode)[0]
 
-    block = _Permutahedron.apply(z, w, mode)[3]
+    block = _Permutahedron.apply(u, w, eps, mode)[3]
     sizes = torch.zeros_like(z).scatter_add(1, block, torch.ones_like(z))
     assert (sizes >= 2).any() and (sizes == 1).any()  # pooled blocks and singletons
-    out, tangent = torch.func.jvp(p, (z, w), (dz, dw))
-    torch.testing.assert_close(out, p(z, w), rtol=0, atol=0)
-    jz, jw = torch.func.jacrev(p, argnums=(0, 1))(z, w)  # (3, 7, 3, 7), (3, 7, w_rows, 7)
-    want = torch.einsum("bicj,cj->bi", jz, dz) + torch.einsum("bicj,cj->bi", jw, dw)
+    args, tangents = (u, w, eps), (dz, dw, de)
+    out, tangent = torch.func.jvp(p, args, tangents)
+    torch.testing.assert_close(out, p(*args), rtol=0, atol=0)
+    jac = torch.func.jacrev(p, argnums=(0, 1, 2))(*args)  # (3, 7, 3, 7), (3, 7, w_rows, 7), ...
+    want = sum(torch.einsum("bi...,...->bi", j, t) for j, t in zip(jac, tangents, strict=True))
     torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
     h = 1e-6  # central differences: the blocks and the orders do not change within h
-    fd = (p(z + h * dz, w + h * dw) - p(z - h * dz, w - h * dw)) / (2 * h)
+    plus = [a + h * t for a, t in zip(args, tangents, strict=True)]
+    minus = [a - h * t for a, t in zip(args, tangents, strict=True)]
+    fd = (p(*plus) - p(*minus)) / (2 * h)
     torch.testing.assert_close(tangent, fd, rtol=0, atol=1e-8)
     # each tangent alone, and jacfwd equals jacrev
-    torch.testing.assert_close(
-        torch.func.jvp(lambda z: p(z, w), (z,), (dz,))[1], torch.einsum("bicj,cj->bi", jz, dz)
-    )
-    torch.testing.assert_close(
-        torch.func.jvp(lambda w: p(z, w), (w,), (dw,))[1], torch.einsum("bicj,cj->bi", jw, dw)
-    )
-    jfz, jfw = torch.func.jacfwd(p, argnums=(0, 1))(z, w)
-    torch.testing.assert_close(jfz, jz, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(jfw, jw, rtol=1e-12, atol=1e-12)
+    for i in range(3):
+        alone = [None, None, None]
+        alone[i] = tangents[i]
+
+        def pi(a, i=i):
+            return p(*[a if k == i else args[k] for k in range(3)])
+
+        torch.testing.assert_close(
+            torch.func.jvp(pi, (args[i],), (tangents[i],))[1],
+            torch.einsum("bi...,...->bi", jac[i], tangents[i]),
+        )
+    jf = torch.func.jacfwd(p, argnums=(0, 1, 2))(*args)
+    for a, b in zip(jf, jac, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # in sorted coordinates, the l2 Jacobian in s (I - block mean) is symmetric; the KL one,
     # I - 1 softmax(s_B)^T, is not
     if layout.startswith("sort"):
+        jz = jac[0] * eps[:, None, None, None]  # d/du = d/dz * (1/eps): back to z
         symmetric = [torch.allclose(jz[b, :, b, :], jz[b, :, b, :].T) for b in range(3)]
         assert all(symmetric) if not kl else not all(symmetric)
 
@@ -612,8 +624,8 @@ def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("fn", [soft_sort, soft_rank])
 def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
-    """With numba, the l2 backward is one compiled pass (isotonic.l2_vjp_host) unless the graph
-    of the gradient is wanted; it gives the torch form's gradients, in x and in epsilon."""
+    """With numba, the l2 backward is one compiled pass (isotonic.l2_vjp_host_scaled) unless the
+    graph of the gradient is wanted; it gives the torch form's gradients, in x and in epsilon."""
     pytest.importorskip("numba")
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(6, 40, generator=g, dtype=F64) * 3).to(dtype)
@@ -621,14 +633,14 @@ def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
     eps = torch.tensor([0.3, 1.0, 2.0, 0.05, 7.0, 1.5], dtype=dtype)
     w = torch.randn(6, 40, generator=g, dtype=F64).to(dtype)
     calls = []
-    real = isotonic.l2_vjp_host
+    real = isotonic.l2_vjp_host_scaled
 
     def counted(*args):
         out = real(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(softops.sort._pav, "l2_vjp_host", counted)
+    monkeypatch.setattr(softops.sort._pav, "l2_vjp_host_scaled", counted)
 
     def grads(backend: str, create_graph: bool = False):
         monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")

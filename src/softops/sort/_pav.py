@@ -23,35 +23,56 @@ same maps to ``-x``. Both equal torchsort's ``soft_rank`` / ``soft_sort`` with
 makes its sort ignore epsilon).
 
 One custom autograd ``Function``, ``_Permutahedron``, computes :math:`P(z, w)` for z in any
-order and w in any order (the permutahedron of w does not depend on its order): the sorts that
-the reduction needs, the isotonic step (a compiled kernel, which cannot be traced), the un-sort
-and the limits at non-finite entries, in one autograd node. Only the scaling by epsilon is plain
-autograd around it, so gradients in ``epsilon`` come for free. It returns
-:math:`P(z, w) = z - v` itself, formed block by block relative to each block's first entry, never
-as the difference of two large numbers: a rank at tiny epsilon (|z| ~ 1e16) or a sort at huge
-epsilon stays exact (``softops._core.isotonic.project_l2``).
+order and w in any order (the permutahedron of w does not depend on its order): the scaling by
+epsilon (z = x / epsilon for the rank, z = rho * (1/epsilon) for the sort), the sorts that the
+reduction needs, the isotonic step (a compiled kernel, which cannot be traced), the un-sort and
+the limits at non-finite entries, in one autograd node. It returns :math:`P(z, w) = z - v`
+itself, formed block by block relative to each block's first entry, never as the difference of
+two large numbers: a rank at tiny epsilon (|z| ~ 1e16), beside an infinite or far entry, or a
+sort at huge epsilon stays exact, and ranks stay in [1, n] with the sum n(n+1)/2 at every scale
+(``softops._core.isotonic.project_l2``).
 
 Its VJP is explicit, in sorted coordinates: in z, the cotangent minus its block mean (L2) or minus
 the block softmax of z times the block sum (KL); in w, the block mean (L2) or the block softmax of
-w times the block sum (KL); each is then un-sorted. Its JVP (forward mode: ``torch.func.jvp``,
-``jacfwd``, ``torch.autograd.forward_ad``) applies the same Jacobian to the tangent: the L2 block
-mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw); the KL Jacobian,
-:math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and :math:`1\,\mathrm{softmax}(w_B)^\top` in w,
-is not, so dp = ds - <softmax(s_B), ds_B> + <softmax(w_B), dw_B>, broadcast over the block. Both
-are written in differentiable torch ops of the cotangent and of the saved inputs (the block
-softmaxes are recomputed from z and w), so second derivatives are exact too (zero a.e. for L2).
+w times the block sum (KL); each is then un-sorted, and taken through z = x / epsilon. Its JVP
+(forward mode: ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) applies the same
+Jacobian to the tangent: the L2 block mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw);
+the KL Jacobian, :math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and
+:math:`1\,\mathrm{softmax}(w_B)^\top` in w, is not, so dp = ds - <softmax(s_B), ds_B> +
+<softmax(w_B), dw_B>, broadcast over the block. Both are written in differentiable torch ops of
+the cotangent and of the saved inputs (z and the block softmaxes are recomputed from x, epsilon
+and w), so second derivatives are exact too (zero a.e. for L2).
+
+The derivative in epsilon uses the homogeneity of the scaling rather than the chain rule through
+z / epsilon, whose backward forms (z / epsilon) / epsilon (0 * inf = NaN once epsilon**2
+underflows, at a zero derivative) and x * cotangent (0 * inf at an infinite x): with
+:math:`dz/d\varepsilon = -z/\varepsilon` and :math:`J_z c 1_B = 0` for a shift constant on a
+block (the L2 block mean and the KL softmax both annihilate it),
+
+.. math::
+
+    \frac{\partial p}{\partial\varepsilon} = -\frac1\varepsilon J_z z
+        = -\frac1\varepsilon J_z (z - z_{\mathrm{ref}}),
+
+with :math:`z_{\mathrm{ref}}` the first entry of each block (sorted coordinates). The VJP is
+:math:`-\langle J_z^\top \bar p, z - z_{\mathrm{ref}}\rangle / \varepsilon`: small block-relative
+differences (0 in a singleton, 0 at the frozen infinite entries), one division by epsilon, and a
+finite result wherever the derivative is finite. For the sort, where 1/epsilon is capped (at
+max / (4n), where the sort is already hard) the derivative is 0.
 
 The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
-(``_Mode.negate``). Outside torch.func, ``_apply`` skips the per-call signature binding of
-``Function.apply``; with numba in use and a gradient that is not itself differentiated, the L2
-VJP is one compiled pass over each row (``softops._core.isotonic.l2_vjp_host``) instead of about
-ten small torch ops. These fixed costs, not the O(n log n) work, set the time of a small call.
+(``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func, ``_apply``
+skips the per-call signature binding of ``Function.apply``; with numba in use and a gradient that
+is not itself differentiated, the L2 VJP, the epsilon term included, is one compiled pass over
+each row (``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops.
+These fixed costs, not the O(n log n) work, set the time of a small call.
 
-Limits (applied inside the node, and only when the kernel reports a non-finite row): a NaN anywhere
-in a row of z or w makes the row NaN; for L2, a row of w holding both +inf and -inf is NaN (the
-projection keeps the sum of w, inf - inf); an infinite entry of z sits in a block of equal
-infinities, whose limit is the block's mean of w (L2) or its log-mean-exp (KL), where the formula
-gives inf - inf. These entries get a zero derivative. On meta tensors the node gives shapes only.
+Limits (given by the kernels, which report a non-finite row so that the node marks the entries
+whose derivatives are zero only then): a NaN anywhere in a row of z or w makes the row NaN; for
+L2, a row of w holding both +inf and -inf is NaN (the projection keeps the sum of w, inf - inf),
+and one infinity in w pulls the whole row to it; an infinite entry of z sits in a block of equal
+infinities, whose limit is the block's mean of w (L2) or its log-mean-exp (KL). These entries get
+a zero derivative. On meta tensors the node gives shapes only.
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
@@ -60,7 +81,7 @@ ICML 2020. arXiv:2002.08871.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +89,7 @@ from softops._core.isotonic import (
     block_mean,
     block_softmax,
     block_sum,
-    l2_vjp_host,
+    l2_vjp_host_scaled,
     project_kl,
     project_l2,
 )
@@ -108,26 +129,16 @@ def _rows_like(g: Tensor, rows: int) -> Tensor:
     return g.sum(0, keepdim=True) if rows != g.shape[0] else g
 
 
-def _limits(
-    s: Tensor, t: Tensor, p: Tensor, block: Tensor, kl: bool, exp_space: bool
-) -> tuple[Tensor, Tensor | None]:
-    """p (sorted coordinates) with the projection's limits at non-finite entries (module
-    docstring), and the mask of the entries they replaced. Only called when some row of s or
+def _frozen(s: Tensor, t: Tensor, kl: bool) -> Tensor:
+    """The entries whose derivatives are zero (module docstring): the infinite entries of s
+    (sorted coordinates), where the kernel gave the projection's limit, and every entry of a NaN
+    row (for L2 also of a row of t holding both +inf and -inf). Only called when some row of s or
     t is not finite (the kernel says so), or on meta tensors."""
     bad = torch.isnan(s).any(-1, keepdim=True) | torch.isnan(t).any(-1, keepdim=True)
     if not kl:
         mixed = (t == torch.inf).any(-1, keepdim=True) & (t == -torch.inf).any(-1, keepdim=True)
         bad = bad | mixed
-    inf = torch.isinf(s)
-    tt = t.expand_as(s)
-    if kl and not exp_space:  # log mean exp of w over the block, shifted by its largest entry
-        top = torch.where(torch.isfinite(tt), tt, -torch.inf).amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, 0.0)
-        limit = torch.log(block_mean(torch.exp(tt - top), block)) + top
-    else:
-        limit = block_mean(tt, block)
-    p = torch.where(inf, limit, p).masked_fill_(bad, torch.nan)
-    return p, inf | bad
+    return torch.isinf(s) | bad
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,9 @@ class _Mode:
             as for L2).
         negate: the result is -P(z, -w) (the ascending sort), formed as ``0 - p`` so that a zero
             stays +0.
+        inv: z is ``u * min(1/eps, cap)`` (the sort: u = rho, cap = max / (4 n), where the sort is
+            already hard, keeps rho / eps finite), else ``u / eps`` (the rank).
+        flip: z is ``u / -eps`` (the descending rank).
     """
 
     kl: bool
@@ -151,11 +165,49 @@ class _Mode:
     sort_w: bool
     exp_space: bool = False
     negate: bool = False
+    inv: bool = False
+    flip: bool = False
+
+
+def _factor(eps: Tensor, n: int, dtype: torch.dtype, mode: _Mode) -> Tensor:
+    """(B, 1): f with z = u * f (the sort, ``mode.inv``) or z = u / f (the rank)."""
+    if mode.inv:
+        return eps.reciprocal().clamp(max=torch.finfo(dtype).max / (4 * n))[:, None]
+    return (-eps if mode.flip else eps)[:, None]
+
+
+def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
+    """z (B, n) from u (B or 1, n) and the factor f (B, 1) of ``_factor``."""
+    return u * f if mode.inv else u / f
+
+
+def _relative(z: Tensor, pz: Tensor | None, block: Tensor, frozen: Tensor | None) -> Tensor:
+    """z in sorted coordinates, relative to the first entry of its block (0 where frozen).
+
+    J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
+    (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
+    J_z dz/deps = -J_z z / eps (z = u / eps, and z = u * (1/eps) below the cap), is taken
+    on these small differences: no (z / eps) / eps to overflow at a tiny epsilon, no infinite z
+    times a zero cotangent, no cancellation of |z| >> the gaps.
+    """
+    s = _gather(z, pz)
+    count = torch.zeros_like(block).scatter_add_(1, block, torch.ones_like(block))
+    first = (count.cumsum(-1) - count).gather(1, block)
+    rel = s - s.gather(1, first)
+    return rel if frozen is None else rel.masked_fill(frozen, 0.0)
+
+
+def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
+    """The gradient in eps (B,) from ``rel`` = <dL/dz, z - z_ref> per row: dz/deps = -z / eps
+    for z = u / eps and for z = u * (1/eps) below the sort's cap (0 where the cap holds)."""
+    ge = rel / -eps
+    return ge * (eps.reciprocal() == f[:, 0]) if mode.inv else ge
 
 
 class _Permutahedron(torch.autograd.Function):
     """p = P(z, w) per row: the projection of z onto the permutahedron of w (``_Mode`` says which
-    projection and which of z and w to sort), in z's order. z is (B, n), w (B or 1, n).
+    projection, which of z and w to sort, and how z comes from u and epsilon), in z's order. u is
+    (B or 1, n), w (B or 1, n), eps (B,).
 
     Returns (p, perm_z, perm_w, block, frozen): the permutations (None where not sorted here),
     the block ids in sorted coordinates and the entries set to a limit (None when none is), all
@@ -164,8 +216,9 @@ class _Permutahedron(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        z: Tensor, w: Tensor, mode: _Mode
+        u: Tensor, w: Tensor, eps: Tensor, mode: _Mode
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
+        z = _through(u, _factor(eps, u.shape[-1], u.dtype, mode), mode)
         if mode.negate:
             w = -w
         s, pz = torch.sort(z, dim=-1, descending=True) if mode.sort_z else (z, None)
@@ -175,31 +228,34 @@ class _Permutahedron(torch.autograd.Function):
         else:
             res = project_l2(s, t)
         p, frozen = res.p.exp_() if mode.exp_space else res.p, None
-        if not res.finite:
-            p, frozen = _limits(s, t, p, res.block, mode.kl, mode.exp_space)
+        if not res.finite:  # the kernel gave the limits; mark where the derivatives are zero
+            frozen = _frozen(s, t, mode.kl)
         if mode.negate:
             p = torch.rsub(p, 0.0)
         return _scatter(p, pz), pz, pw, res.block, frozen
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        z, w, mode = inputs
+        u, w, eps, mode = inputs
         out, pz, pw, block, frozen = output
         ctx.mark_non_differentiable(*(o for o in output[1:] if o is not None))
-        # z and w only where the Jacobian depends on them (KL: the block softmaxes), the output
-        # only in exp space (d exp(p) = exp(p) dp)
-        saved = (z, w) if mode.kl else (None, None)
-        saved += (pz, pw, block, frozen, out if mode.exp_space else None)
+        # u and eps (z is recomputed where needed: KL, epsilon), w only where the Jacobian
+        # depends on it (KL: the block softmaxes), the output only in exp space
+        # (d exp(p) = exp(p) dp)
+        saved: tuple[Tensor | None, ...] = (u, w if mode.kl else None, eps, pz, pw, block)
+        saved += (frozen, out if mode.exp_space else None)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
-        ctx.mode, ctx.w_rows = mode, w.shape[0]
+        ctx.mode, ctx.w_rows, ctx.u_rows = mode, w.shape[0], u.shape[0]
 
     @staticmethod
     def backward(ctx: Any, gp: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        u, w, eps, pz, pw, block, frozen, out = ctx.saved_tensors
         mode: _Mode = ctx.mode
-        want_z, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_u, want_w, want_e = ctx.needs_input_grad[:3]
         sign = -1.0 if mode.negate else 1.0  # p = -P(z, -w): dp/dz = -P_z, dp/dw = P_w
+        gz = gw = ge = None
+        f = _factor(eps, gp.shape[-1], u.dtype, mode)
         if (
             not mode.kl
             and frozen is None
@@ -207,20 +263,25 @@ class _Permutahedron(torch.autograd.Function):
             and not torch.is_grad_enabled()  # (create_graph: the torch form below)
             and not torch._C._are_functorch_transforms_active()
         ):
-            fused = l2_vjp_host(gp, pz, pw, block, want_z, want_w)
+            z = _through(u, f, mode) if want_e else None
+            fused = l2_vjp_host_scaled(gp, pz, pw, block, want_u, want_w, z)
             if fused is not None:  # the same formulas in one compiled pass over each row
-                gz, gw = fused
-                if mode.negate and gz is not None:
-                    gz = gz.neg_()
-                return gz, gw, None
+                gz, gw, rel = fused
+                if gz is not None:  # through z = u * f or u / f
+                    gz = gz.neg_() if mode.negate else gz
+                    gz = _rows_like(gz.mul_(f) if mode.inv else gz.div_(f), ctx.u_rows)
+                if rel is not None:  # <J_z^T g, z_rel>, as in the torch form below
+                    ge = _eps_grad(rel.neg_() if mode.negate else rel, eps, f, mode)
+                return gz, gw, ge, None
         if mode.negate:
             gp = -gp
         gs = _gather(gp if out is None else gp * out, pz)
         if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
             gs = gs.masked_fill(frozen, 0.0)
+        z = _through(u, f, mode) if (mode.kl or want_e) else None
         if mode.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
             total = block_sum(gs, block)
-            gs_z = gs - block_softmax(_gather(z, pz), block) * total
+            gs_z = gs - block_softmax(_gather(cast(Tensor, z), pz), block) * total
             t = _gather(sign * w, pw).expand_as(gs)
             if out is None:
                 gs_w = block_softmax(t, block) * total
@@ -231,22 +292,37 @@ class _Permutahedron(torch.autograd.Function):
         else:  # dp/ds = I - J, dp/dw = J, with J the block mean (docs/math.md §5)
             gs_w = block_mean(gs, block)
             gs_z = gs - gs_w
-        gz = _scatter(gs_z, pz) if want_z else None
-        gw = _scatter(_rows_like(gs_w, ctx.w_rows), pw) if want_w else None
-        if mode.negate and gw is not None:  # through w -> -w
-            gw = -gw
-        return gz, gw, None
+        if want_u:
+            gz = _scatter(gs_z, pz)
+            gz = _rows_like(gz * f if mode.inv else gz / f, ctx.u_rows)
+        if want_w:
+            gw = _scatter(_rows_like(gs_w, ctx.w_rows), pw)
+            if mode.negate:  # through w -> -w
+                gw = -gw
+        if want_e:
+            rel = _relative(cast(Tensor, z), pz, block, frozen)
+            ge = _eps_grad((gs_z * rel).sum(-1), eps, f, mode)
+        return gz, gw, ge, None
 
     @staticmethod
-    def jvp(ctx: Any, dz: Tensor | None, dw: Tensor | None, _: Any) -> tuple[Any, ...]:
+    def jvp(ctx: Any, du: Tensor | None, dw: Tensor | None, de: Tensor | None, _: Any) -> Any:
         # The same Jacobian from the other side (for KL it is not symmetric).
-        z, w, pz, pw, block, frozen, out = ctx.saved_tensors
+        u, w, eps, pz, pw, block, frozen, out = ctx.saved_tensors
         mode: _Mode = ctx.mode
         sign = -1.0 if mode.negate else 1.0
         rows = block.shape
+        f = _factor(eps, rows[-1], u.dtype, mode)
+        z = _through(u, f, mode)
+        ds = None
+        if du is not None:
+            ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
+        if de is not None:  # dz = -z deps / eps, on the block-relative z (``_relative``)
+            dse = _relative(z, pz, block, frozen) * _eps_grad(de, eps, f, mode)[:, None]
+            ds = dse if ds is None else ds + dse
         terms = []
-        if dz is not None:
-            ds = _gather(dz, pz)
+        if ds is not None:
+            if frozen is not None:
+                ds = ds.masked_fill(frozen, 0.0)
             if mode.kl:
                 terms.append(ds - block_sum(block_softmax(_gather(z, pz), block) * ds, block))
             else:
@@ -270,32 +346,36 @@ class _Permutahedron(torch.autograd.Function):
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[Any, ...], z: Tensor, w: Tensor, mode: _Mode
+        info: Any, in_dims: tuple[Any, ...], u: Tensor, w: Tensor, eps: Tensor, mode: _Mode
     ) -> tuple[Any, Any]:
         # Rows are independent: broadcast the per-sample shapes, put the vmapped dim first and
-        # fold it into the rows (w's single row, if any, is repeated for every row).
+        # fold it into the rows (a single row of u or w, if any, is repeated for every row).
         moved = [
             t.movedim(d, 0) if d is not None else t.unsqueeze(0)
-            for t, d in zip((z, w), in_dims[:2], strict=True)
+            for t, d in zip((u, w, eps), in_dims[:3], strict=True)
         ]
-        sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved))
+        sample = torch.broadcast_shapes(*(t.shape[1:] for t in moved[:2]), (*moved[2].shape[1:], 1))
         shape = (info.batch_size, *sample)
-        z, w = (
+        u, w = (
             t.reshape(t.shape[0], *[1] * (len(sample) + 1 - t.dim()), *t.shape[1:]).expand(shape)
-            for t in moved
+            for t in moved[:2]
         )
         n = shape[-1]
-        out = _Permutahedron.apply(z.reshape(-1, n), w.reshape(-1, n), mode)
+        e = moved[2].expand(shape[:-1]).reshape(-1)
+        out = _Permutahedron.apply(u.reshape(-1, n), w.reshape(-1, n), e, mode)
         return (
             tuple(None if o is None else o.reshape(shape) for o in out),
             tuple(None if o is None else 0 for o in out),
         )
 
 
-_RANK_L2 = _Mode(kl=False, sort_z=True, sort_w=False)
-_RANK_KL = _Mode(kl=True, sort_z=True, sort_w=False, exp_space=True)  # exp P_E(z, log rho)
+_RANK = {  # (kl, descending): L2 P_Q(z, rho); KL exp P_E(z, log rho)
+    (kl, down): _Mode(kl, sort_z=True, sort_w=False, exp_space=kl, flip=down)
+    for kl in (False, True)
+    for down in (False, True)
+}
 _SORT = {  # (kl, ascending)
-    (kl, up): _Mode(kl, sort_z=False, sort_w=True, negate=up)
+    (kl, up): _Mode(kl, sort_z=False, sort_w=True, negate=up, inv=True)
     for kl in (False, True)
     for up in (False, True)
 }
@@ -320,10 +400,8 @@ def rank(
     """
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
-    kl = opts.regularization == "kl"
-    z = x2 / (-eps if descending else eps)[:, None]
-    rho = _rho(x2)[None]
-    return _apply(_Permutahedron, z, rho, _RANK_KL if kl else _RANK_L2)[0]
+    mode = _RANK[opts.regularization == "kl", descending]
+    return _apply(_Permutahedron, x2, _rho(x2)[None], eps, mode)[0]
 
 
 def sort(
@@ -337,10 +415,9 @@ def sort(
 
     ``opts.regularization`` is "l2" or "kl"; ``offset`` is unused (the one backend signature).
     """
-    # rho / eps, saturated so that the largest entry stays below a quarter of the dtype's range:
-    # at an epsilon that small the sort is already at its hard limit (every gap of the scores is
-    # far below 1/epsilon), and rho / eps would otherwise overflow to inf (inf - inf = NaN).
-    inv = eps.reciprocal().clamp(max=torch.finfo(x2.dtype).max / (4 * x2.shape[-1]))
-    a = _rho(x2) * inv[:, None]
-    # descending: P(a, x); ascending: -P(a, -x), the descending sort of -x, negated
-    return _apply(_Permutahedron, a, x2, _SORT[opts.regularization == "kl", not descending])[0]
+    # descending: P(a, x); ascending: -P(a, -x), the descending sort of -x, negated; with
+    # a = rho / eps, saturated in the node so that the largest entry stays below a quarter of
+    # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
+    # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
+    mode = _SORT[opts.regularization == "kl", not descending]
+    return _apply(_Permutahedron, _rho(x2)[None], x2, eps, mode)[0]

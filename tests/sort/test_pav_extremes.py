@@ -1,0 +1,330 @@
+"""method="pav" at the extremes: infinities, far entries, tiny and huge epsilon (the defects KD1,
+KD2, KD8, KD9 and KD11 that tests/test_adversarial.py found, as regression tests).
+
+Each runs on both PAV backends (the numba kernels and the torch reference). Root causes, for the
+record:
+
+- KD1: the derivative in epsilon went through the chain rule of z = x / eps (and of rho * (1/eps)
+  for the sort), whose backward forms (z / eps) / eps: once eps**2 underflows, 0 * inf = NaN at a
+  derivative of 0. It is now -<J_z^T g, z - z_ref> / eps, on block-relative z.
+- KD2: the same chain multiplied the (zero) cotangent of an infinite z by x = inf.
+- KD8 / KD9: a row with an infinite z (an infinity in x, or x / eps overflowing) took the plain
+  formulas s - v, with v = s - w: at |s| >> |w| that cancels (a rank of 0 beside 1e300 at
+  epsilon 1e-18; KL ranks beyond n). The block-relative frame now takes the infinities too.
+- KD11: y = s - w overflowed (rho / eps near the cap minus -1.7e308 is +inf, beside -inf from the
+  +inf entry: NaN). An infinity in the L2 w is now taken to its limit (the row is that infinity)
+  without forming y, and rows of huge magnitude are solved scaled by a power of two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import softops
+from softops import soft_quantile, soft_rank, soft_sort
+from softops._core import isotonic
+
+F64 = torch.float64
+F32 = torch.float32
+INF = math.inf
+BACKENDS = ["numba", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Run the test on one PAV backend (set_compile decides; the test run turns it off)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setattr(isotonic, "compile_enabled", lambda: request.param == "numba")
+    return request.param
+
+
+def _grads(fn, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
+    """fn(x, epsilon) and the gradients of its finite outputs in x and epsilon (a tensor)."""
+    xt = torch.tensor(x, dtype=F64).to(dtype).requires_grad_()
+    et = torch.tensor([eps] * len(x), dtype=F64, requires_grad=True)
+    out = fn(xt, et)
+    g = torch.where(torch.isfinite(out), torch.ones_like(out), 0)
+    gx, ge = torch.autograd.grad(out, [xt, et], g, allow_unused=True)
+    return out.detach(), gx, ge
+
+
+# ------------------------------------------------------ the reproducers (tests/test_adversarial.py)
+
+
+def test_kd1_sort_eps_grad_at_tiny_eps(backend):
+    fn = lambda x, e: soft_sort(x, epsilon=e)  # noqa: E731
+    out, _, ge = _grads(fn, [[0.0, 1.0, 2.0]], 1e-200)
+    assert out.tolist() == [[0.0, 1.0, 2.0]]
+    assert ge.tolist() == [0.0]  # the hard limit: 0 (was NaN)
+
+
+def test_kd2_rank_with_an_infinity_eps_grad(backend):
+    fn = lambda x, e: soft_rank(x, epsilon=e)  # noqa: E731
+    out, gx, ge = _grads(fn, [[INF, 0.0, 1.0]], 1.0)
+    assert out.tolist() == [[3.0, 1.0, 2.0]]
+    assert bool(torch.isfinite(gx).all()) and bool(torch.isfinite(ge).all()), (gx, ge)
+
+
+def test_kd8_l2_rank_beside_a_far_entry(backend):
+    out = soft_rank(torch.tensor([[1e300, 0.0, 1.0]], dtype=F64), epsilon=1e-18)
+    assert out.tolist() == [[3.0, 1.0, 2.0]]  # was [[3, 1, 0]]
+
+
+def test_kd9_kl_rank_beside_a_far_entry(backend):
+    x = torch.tensor([[-INF, 0.0, 1.0]], dtype=F64)
+    out = soft_rank(x, epsilon=1e-16, regularization="kl")
+    ulp = 4e-16  # the KL rank is exp(log 3) = 3 + 1 ulp, on finite rows too
+    assert ((out >= 1) & (out <= 3 + ulp)).all() and abs(float(out.sum()) - 6) < 1e-6, out
+    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0, 3.0]], dtype=F64))  # was 7.39
+
+
+def test_kd11_sort_with_inf_near_the_largest_value(backend):
+    x = torch.tensor([[INF, 0.0, -1.7e308]], dtype=F64)
+    out = soft_sort(x, epsilon=1e-308, descending=True)
+    assert out.tolist() == [[INF, INF, INF]]  # an infinity pulls the l2 row to it (was NaN)
+    mirror = soft_sort(-x, epsilon=1e-308)
+    assert mirror.tolist() == [[-INF, -INF, -INF]]
+
+
+# ------------------------------------------ ranks in [1, n], summing to n(n+1)/2, at any scale
+
+
+def _far_rows(dtype: torch.dtype, ratio: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows beside a far entry where max |x| / eps = ratio, and their epsilon (B,): a finite far
+    entry beside entries soft at eps (gaps ~ eps; only where ratio * eps fits the dtype), and
+    +-inf beside entries hard at eps (gaps of ratio * eps, or the dtype's largest values)."""
+    fi = torch.finfo(dtype)
+    # eps such that both eps and ratio * eps are normal numbers of the dtype
+    log_eps = max(math.log10(fi.tiny) + 2, -math.log10(ratio) / 2)
+    if log_eps + math.log10(ratio) > math.log10(fi.max) - 1:
+        return None
+    eps = 10.0**log_eps
+    far = ratio * eps
+    soft = [0.0, 0.5, 1.0, 1.0, 2.5]  # a tie too
+    rows = [
+        [far] + [v * eps for v in soft],
+        [-far] + [v * eps for v in soft],
+        [INF] + [v * far for v in soft],
+        [-INF] + [v * far for v in soft],
+        [INF, -INF] + [v * far for v in soft[1:]],
+        [far, INF] + [v * eps for v in soft[1:]],
+    ]
+    return torch.tensor(rows, dtype=F64).to(dtype), torch.full((len(rows),), eps, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_ranks_in_the_permutahedron_beside_a_far_entry(dtype, reg, backend):
+    """At |x| / eps from 1e3 to 1e300 (where the dtype can hold it), beside an infinite or a
+    finite far entry, ascending and descending: ranks in [1, n] that sum to n(n+1)/2, the far
+    entries at their hard ranks."""
+    tol = 1e-4 if dtype == F32 else 1e-9
+    done = 0
+    for k in range(3, 301, 3):
+        ratio = 10.0**k
+        made = _far_rows(dtype, ratio)
+        if made is None:
+            continue
+        x, eps = made
+        n = x.shape[-1]
+        for descending in (False, True):
+            r = soft_rank(x, epsilon=eps, regularization=reg, descending=descending).double()
+            assert bool(torch.isfinite(r).all()), (ratio, r)
+            assert bool(((r >= 1 - tol) & (r <= n + tol)).all()), (ratio, descending, r)
+            sums = r.sum(-1)
+            torch.testing.assert_close(
+                sums, torch.full_like(sums, n * (n + 1) / 2), rtol=0, atol=tol * n
+            )
+            top = (r[:, 0] if not descending else n + 1 - r[:, 0]).tolist()
+            assert top[0] == pytest.approx(n) and top[1] == pytest.approx(1.0)  # +-far
+            if 2.5 * ratio < torch.finfo(dtype).max:  # (else x / eps overflows: ties at inf)
+                assert top[2] == n and top[3] == 1 and top[4] == n  # +-inf
+            done += 1
+    assert done >= (6 if dtype == F32 else 50)  # float32 holds |x| / eps up to about 1e70
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_ranks_beside_an_overflowing_entry(dtype, reg, backend):
+    """x / eps beyond the dtype (it becomes an infinity) beside entries at |x| / eps up to 1e300:
+    the overflowed entry gets its hard rank, the others their exact ranks (KD8)."""
+    fi = torch.finfo(dtype)
+    for eps in (10.0 ** (-k) for k in range(3, 40 if dtype == F32 else 300, 3)):
+        if eps < fi.tiny:
+            continue
+        x = torch.tensor([[fi.max / 4, 0.0, 1.0, 2.0, -fi.max / 2]], dtype=dtype)
+        r = soft_rank(x, epsilon=eps, regularization=reg)
+        want = torch.tensor([[5.0, 2.0, 3.0, 4.0, 1.0]], dtype=dtype)
+        torch.testing.assert_close(r, want, rtol=1e-6 if dtype == F32 else 1e-15, atol=0)
+
+
+# ------------------------------------------------- derivatives in epsilon: finite differences
+
+
+def _fd_eps(fn, x: torch.Tensor, eps: float, rel: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """d sum(w * fn(x, eps)) / d eps by autograd and by central differences (step rel * eps), with
+    w a fixed cotangent (zero where the output is not finite)."""
+    g = torch.Generator().manual_seed(5)
+    out = fn(x, torch.tensor([eps] * x.shape[0], dtype=x.dtype))
+    w = torch.randn(out.shape, generator=g, dtype=x.dtype)
+    w = torch.where(torch.isfinite(out), w, 0)
+    e = torch.tensor([eps] * x.shape[0], dtype=x.dtype, requires_grad=True)
+    ge = torch.autograd.grad((fn(x, e).nan_to_num(posinf=0, neginf=0) * w).sum(), e)[0]
+    h = rel * eps
+
+    def total(v: float) -> torch.Tensor:
+        o = fn(x, torch.tensor([v] * x.shape[0], dtype=x.dtype))
+        return (torch.where(w != 0, o, 0) * w).sum(-1)
+
+    return ge, (total(eps + h) - total(eps - h)) / (2 * h)
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("scale", [1e-300, 1e-200, 1e-160, 1.0, 1e150, 1e300])
+def test_rank_eps_gradient_matches_differences_at_any_scale(scale, reg, backend):
+    """soft_rank(c x, c eps) = soft_rank(x, eps): at c = 1e-200 eps**2 underflows (KD1) and the
+    derivative, about n / eps, is finite; pooled blocks and singletons, and an infinity (KD2)."""
+    base = torch.tensor(
+        [[0.0, 0.4, 1.5, 1.7, 3.0, 0.41], [INF, 0.1, -0.3, 1.2, -INF, 0.15]], dtype=F64
+    )
+    x = base * scale
+    fn = lambda x, e: soft_rank(x, epsilon=e, regularization=reg)  # noqa: E731
+    ge, fd = _fd_eps(fn, x, 0.9 * scale)
+    assert bool(torch.isfinite(ge).all()), ge
+    assert bool((ge != 0).all())  # pooled blocks: a derivative to check
+    torch.testing.assert_close(ge, fd, rtol=1e-6, atol=0)
+    ge1, _ = _fd_eps(fn, base, 0.9)
+    torch.testing.assert_close(ge * scale, ge1, rtol=1e-10, atol=0)  # the scaling law
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_eps_gradient_matches_differences(descending, reg, backend):
+    """The sort: at a tiny epsilon (1/eps**2 overflows) the hard limit's 0; at moderate ones the
+    central differences, beside an infinity too (finite for KL; the L2 row is infinite)."""
+    fn = lambda x, e: soft_sort(x, epsilon=e, regularization=reg, descending=descending)  # noqa: E731
+    x = torch.tensor([[0.0, 1.0, 2.0, 2.0, 5.0]], dtype=F64)
+    for eps in (1e-200, 1e-300):
+        ge, fd = _fd_eps(fn, x, eps)
+        assert ge.tolist() == [0.0] and fd.tolist() == [0.0]
+    x = torch.tensor([[0.0, 0.4, 1.5, 1.7, 3.0, 0.41], [0.3, -0.3, 1.2, 1.0, 0.2, 0.9]], dtype=F64)
+    if reg == "kl":
+        x[1, 0] = -INF if descending else INF  # the kl sort saturates: finite outputs
+    ge, fd = _fd_eps(fn, x, 3.0)  # gaps above 1/eps: pooled blocks
+    assert bool((ge != 0).all())
+    torch.testing.assert_close(ge, fd, rtol=1e-6, atol=1e-12)
+
+
+def test_eps_gradient_under_torch_func(backend):
+    """grad and vmap in epsilon (the node's jvp and vmap rules carry it) equal autograd."""
+    x = torch.tensor([[0.0, 0.4, 1.5, 1.7, 3.0], [INF, 0.1, -0.3, 1.2, 0.15]], dtype=F64)
+    w = torch.randn(2, 5, dtype=F64).masked_fill(torch.isinf(x), 0)
+
+    def loss(e: torch.Tensor) -> torch.Tensor:
+        return (soft_rank(x, epsilon=e) * w).sum()
+
+    e = torch.tensor([0.7, 1.3], dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(loss(e), e)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(e.detach()), want)
+    torch.testing.assert_close(torch.func.jacfwd(loss)(e.detach()), want)
+    batch = torch.stack([e.detach(), 2 * e.detach()])
+    per = torch.func.vmap(torch.func.grad(loss))(batch)
+    torch.testing.assert_close(per[0], want)
+
+
+# ------------------------------------------------------------------ sorts of huge magnitude
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("eps", [1e-308, 1.0, 1e300])
+def test_sort_of_a_row_spanning_the_dtype(eps, reg, backend):
+    """Rows spanning -1.7e308 .. 1.7e308 (their gaps overflow float64): finite, sorted, within
+    the row's range; for L2 the mean is kept (to the rounding of |x| ~ 1e308)."""
+    x = torch.tensor([[1.7e308, 0.0, -1.7e308], [1.7e308, -1.7e308, 1.0]], dtype=F64)
+    for descending in (False, True):
+        s = soft_sort(x, epsilon=eps, regularization=reg, descending=descending)
+        assert bool(torch.isfinite(s).all()), s
+        d = s.diff(dim=-1)
+        assert bool((d <= 0).all() if descending else (d >= 0).all()), s
+        assert bool((s <= 1.7e308).all() and (s >= -1.7e308).all())
+        if reg == "l2":
+            torch.testing.assert_close(s.mean(-1), x.mean(-1), rtol=0, atol=1e-15 * 1.7e308)
+    # at epsilon 1: every gap of x is far above 1/epsilon, the relaxed end: mean +- 1/2, +- 1
+    if reg == "l2" and eps == 1.0:
+        got = soft_sort(x[:1], epsilon=eps)
+        torch.testing.assert_close(
+            got, torch.tensor([[-1.0, 0.0, 1.0]], dtype=F64), atol=1e293, rtol=0
+        )
+
+
+def test_quantile_beside_infinities_and_huge_values(backend):
+    x = torch.tensor([[INF, 0.0, -1.7e308, 2.0]], dtype=F64)
+    assert soft_quantile(x, 0.5, epsilon=1e-308).tolist() == [INF]
+
+
+# ----------------------------------------------------------------- the kernels agree, and the VJP
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_backends_agree_on_infinite_and_huge_rows(kl):
+    pytest.importorskip("numba")
+    rows_s = [
+        [INF, INF, 0.5, 0.2, -INF, -INF],
+        [INF, 1e18, 0.0, -1.0, -2.0, -INF],
+        [3e300, 2e300, 1e300, 0.0, -1e300, -1.7e308],
+        [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        [6.0, 5.0, math.nan, 3.0, 2.0, 1.0],
+    ]
+    rows_w = [
+        [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        [1.7e308, 1e300, 0.0, -1.0, -1e300, -1.7e308],
+        [INF, 1.0, 0.0, -1.0, -2.0, -1.7e308],
+        [6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+    ]
+    s, w = torch.tensor(rows_s, dtype=F64), torch.tensor(rows_w, dtype=F64)
+    if kl:
+        w = torch.where(w > 0, w.log(), w)  # sorted still
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    a, b = project(s, w, backend="numba"), project(s, w, backend="torch")
+    assert a.finite is False and b.finite is False
+    torch.testing.assert_close(a.p, b.p, rtol=1e-14, atol=0, equal_nan=True)
+    assert torch.equal(a.block[:4], b.block[:4])
+    assert bool(torch.isnan(a.p[4]).all())
+    if not kl:
+        assert a.p[0].tolist() == [5.5, 5.5, 3.65, 3.35, 1.5, 1.5]  # limits: block means of w
+        assert a.p[1].tolist() == [6.0, 5.0, 4.0, 3.0, 2.0, 1.0]  # exact beside them
+        assert a.p[3].tolist() == [INF] * 6  # +inf in w pulls the row to it
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("fn", [soft_sort, soft_rank])
+def test_fused_eps_gradient_equals_the_torch_form_at_extreme_scales(fn, dtype, monkeypatch):
+    """The compiled VJP's epsilon term (``l2_vjp_host_scaled``) against the torch form, where
+    z / eps is far from 1 (pooled blocks at x ~ 1e-30 and eps ~ 1e-30; singletons at 1e30)."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 30, generator=g, dtype=F64)
+    cot = torch.randn(4, 30, generator=g, dtype=F64).to(dtype)
+    for c in (1e-30, 1.0, 1e30):
+        xs = (x * c).to(dtype)
+        eps = torch.tensor([0.3, 1.0, 3.0, 1e-3], dtype=F64).mul(c).to(dtype)
+        grads = []
+        for use in ("numba", "torch"):
+            monkeypatch.setattr(isotonic, "compile_enabled", lambda use=use: use == "numba")
+            e = eps.clone().requires_grad_()
+            grads.append(torch.autograd.grad((fn(xs, epsilon=e) * cot).sum(), e)[0])
+        tol = 1e-4 if dtype == F32 else 1e-10
+        torch.testing.assert_close(
+            grads[0], grads[1], rtol=tol, atol=tol * float(grads[1].abs().max())
+        )
+
+
+def test_set_compile_switches_the_backend_here_too():
+    """The fixture's switch is the one that ``softops.set_compile`` drives."""
+    softops.set_compile(False)
+    assert isotonic._backend(None) == "torch"
