@@ -410,33 +410,18 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
     none = torch.zeros(b, dtype=torch.bool)
     out = {"row": none, "grad_x": none, "grad_eps": none, "grad_k": none, "invariants": none}
     sort_ot = case.method == "ot" and case.op != "soft_topk_mask"
-    if case.method == "pav" or sort_ot or case.op == "soft_topk":
+    if sort_ot or case.op == "soft_topk":
         # KD1: the backward of z / eps forms (z / eps) / eps: a NaN gradient in epsilon once
-        # that overflows (z: n for the pav sort, the span for the pav rank, the span**2 of the
-        # costs for ot and the sorted top-k), e.g. once eps**2 underflows
+        # that overflows (z: the span**2 of the costs for ot and the sorted top-k), e.g. once
+        # eps**2 underflows
         span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
         span = span.nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(min=1.0)
-        if case.method == "pav":
-            z = span if case.op == "soft_rank" else torch.full_like(span, float(n_of(xd)))
-        else:
-            z = span**2
+        z = span**2
         out["grad_eps"] = out["grad_eps"] | (z / eps**2 > fi.max / 2**10) | (eps < 1e-150)
     if sort_ot or case.op == "soft_topk":
         # KD7: the cost (x_i - x_j)**2 overflows: NaN gradient in epsilon
         span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
         out["grad_eps"] = out["grad_eps"] | (span.nan_to_num(0.0) ** 2 > fi.max / 2**10)
-    if case.method == "pav" and case.op == "soft_rank":
-        # KD2: the pav ranks of a row holding an infinity: NaN gradient in epsilon
-        out["grad_eps"] = out["grad_eps"] | (~fin & ~torch.isnan(xd)).any(-1)
-    if case.method == "pav" and case.op == "soft_rank":
-        # KD8 (l2) / KD9 (kl): beside a far entry (an infinity, or |x| far beyond the gaps) the
-        # ranks lose their accuracy as |x| / epsilon grows, by about |x| / epsilon ulps (l2:
-        # beyond this suite's tolerance from 1e6 in float64, a rank of 0 from 1e15; kl: 1e6)
-        gap = torch.tensor([adv.typical_gap(r) for r in xd], dtype=F64)
-        far = (~fin & ~torch.isnan(xd)).any(-1) | (mag > 1e3 * gap)
-        tol = adv.tolerance(call["x"].dtype)
-        limit = tol / fi.eps if case.kw["regularization"] == "l2" else 1e6
-        out["invariants"] = out["invariants"] | (far & (mag.clamp(min=gap) / eps > limit))
     if case.method == "softkmax" or case.op == "soft_kmax":
         # not a defect: near a tie the recursion's gradient grows like (x'/eps)**k
         # (the module docstring of softops.topk._softkmax); beyond the dtype's range it overflows
@@ -461,9 +446,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
-    if case.method == "pav" and case.op in ("soft_sort", "soft_quantile"):
-        # KD11: NaN rows holding an infinity within 2**16 of the largest finite value
-        out["row"] = out["row"] | ((~fin & ~torch.isnan(xd)).any(-1) & (mag > fi.max / 2**16))
     if case.op == "soft_topk" or case.method == "sinkhorn":
         # KD12: the stand-ins of the infinities (span + 2000 epsilon beyond the finite entries)
         # round onto them when that margin is below an ulp of the row: wrong masks and weights
@@ -801,11 +783,6 @@ def _kd1_topk() -> None:
     assert not torch.isnan(ge).any(), ge
 
 
-def _kd2() -> None:
-    _, _, ge = _grads(lambda x, e: softops.soft_rank(x, epsilon=e), [[INF, 0.0, 1.0]], 1.0)
-    assert not torch.isnan(ge).any(), ge
-
-
 def _kd5() -> None:
     x = torch.tensor([[INF, 0.0, 1.0]], dtype=F64)
     out = softops.soft_topk(x, 1, epsilon=1e306, largest=False)
@@ -818,28 +795,11 @@ def _kd6() -> None:
     assert not torch.isnan(out.values).any(), out  # want values [[3e38]]
 
 
-def _kd8() -> None:
-    out = softops.soft_rank(torch.tensor([[1e300, 0.0, 1.0]], dtype=F64), epsilon=1e-18)
-    assert out.tolist() == [[3.0, 1.0, 2.0]], out  # got [[3, 1, 0]]
-
-
-def _kd9() -> None:
-    x = torch.tensor([[-INF, 0.0, 1.0]], dtype=F64)
-    out = softops.soft_rank(x, epsilon=1e-16, regularization="kl")
-    assert ((out >= 1) & (out <= 3)).all() and abs(float(out.sum()) - 6) < 1e-6, out  # 7.39
-
-
 def _kd7_topk() -> None:
     fn = lambda x, e: softops.soft_topk(x, 1, epsilon=e, largest=False)  # noqa: E731
     out, _, ge = _grads(fn, [[0.0, 1e30]], 1e-5, torch.float32)
     assert out.tolist() == [[0.0]]
     assert not torch.isnan(ge).any(), ge  # the hard limit: 0
-
-
-def _kd11() -> None:
-    x = torch.tensor([[INF, 0.0, -1.7e308]], dtype=F64)
-    out = softops.soft_sort(x, epsilon=1e-308, descending=True)
-    assert out.tolist() == [[INF, INF, INF]], out  # an infinity pulls the l2 row to it
 
 
 def _kd12() -> None:
@@ -859,10 +819,6 @@ def _kd7() -> None:
 
 
 KNOWN_DEFECTS = {
-    "KD1-pav-eps-grad-tiny-eps": (
-        lambda: _kd1_sort("pav"),
-        "sort/_pav.py: soft_sort(x, epsilon=e) has a NaN gradient in e once e**2 underflows",
-    ),
     "KD1-ot-eps-grad-tiny-eps": (
         lambda: _kd1_sort("ot"),
         "sort/_ot.py: soft_sort(x, method='ot', epsilon=e): NaN gradient in e at e < 1e-154",
@@ -876,10 +832,6 @@ KNOWN_DEFECTS = {
         _kd1_topk,
         "topk/_sorted.py: soft_topk(x, k, epsilon=e): NaN gradient in e at e < 1e-154",
     ),
-    "KD2-pav-rank-inf-eps-grad": (
-        _kd2,
-        "sort/_pav.py: soft_rank of a row holding an infinity: NaN gradient in epsilon",
-    ),
     "KD5-topk-huge-eps-inf": (
         _kd5,
         "topk/_sorted.py (stand-ins 2000 epsilon beyond the row): soft_topk NaN at huge epsilon",
@@ -888,22 +840,10 @@ KNOWN_DEFECTS = {
         _kd6,
         "topk/_sorted.py: soft_topk NaN on a float32 row near the largest finite value",
     ),
-    "KD8-pav-l2-rank-far-entry": (
-        _kd8,
-        "sort/_pav.py: soft_rank beside a far entry at a small epsilon: a rank of 0",
-    ),
-    "KD9-pav-kl-rank-far-entry": (
-        _kd9,
-        "sort/_pav.py: soft_rank(regularization='kl') beside a far entry: ranks beyond [1, n]",
-    ),
     "KD7-topk-cost-overflow": (
         _kd7_topk,
         "topk/_sorted.py: soft_topk where (x_i - j)**2 overflows (float32, 1e30): NaN gradient "
         "in epsilon",
-    ),
-    "KD11-pav-sort-inf-near-max": (
-        _kd11,
-        "sort/_pav.py: soft_sort of a row holding +inf and -1.7e308 at epsilon 1e-308: NaN",
     ),
     "KD12-stand-ins-round-onto-the-row": (
         _kd12,
