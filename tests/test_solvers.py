@@ -173,3 +173,14 @@ def test_sinkhorn_near_permutation_gradients_sweep_large():
     iterations) where its threshold crosses a gap of ~1e4 epsilon: cases 30, 90, 510, 514 and
     519 of this grid, among others."""
     _near_permutation_sweep(1000, 906, 16)
+
+
+def test_sinkhorn_gradient_in_a_tiny_epsilon_is_finite():
+    # the backward of cost / eps squared epsilon: NaN once eps**2 underflows (eps < 1e-154)
+    x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    cost = (x[:, None] - x[None, :]) ** 2
+    eps = torch.tensor(1e-200, dtype=torch.float64, requires_grad=True)
+    a = torch.full((3,), 1 / 3, dtype=torch.float64)
+    res = sinkhorn(cost, a, a, eps)
+    (g,) = torch.autograd.grad((res.plan * torch.arange(9.0).reshape(3, 3)).sum(), eps)
+    assert g == 0, g

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
 from softops._core.dims import prepare_rows, row_param
-from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
 from softops._core.transforms import plain, under_functorch
 from softops._core.validation import (
     check_bool,
@@ -183,9 +183,10 @@ def sinkhorn(
     bsz = c2.shape[0]
     eps = row_param(epsilon, batch_shape, op, "epsilon", cd, cost.device)  # (B,)
     ones = torch.ones_like(eps)
-    # Solve the scaled problem (cost/epsilon, 1): autograd then carries the gradient to epsilon.
+    # Solve the scaled problem (cost/epsilon, 1); its gradient in epsilon is -<grad, cost/eps>/eps
+    # (attach_epsilon: autograd through cost/eps squares epsilon, NaN below 1e-154).
     plan, res = sinkhorn_plan(
-        c2 / eps[:, None, None],
+        attach_epsilon(c2 / eps.detach()[:, None, None], eps[:, None, None]),
         a_t.reshape(bsz, n).log(),
         b_t.reshape(bsz, m).log(),
         ones.detach(),

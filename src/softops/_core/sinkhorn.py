@@ -94,6 +94,7 @@ __all__ = [
     "NEWTON_SWITCH",
     "SinkhornPlanFunction",
     "SinkhornResult",
+    "attach_epsilon",
     "log_sinkhorn",
     "sinkhorn_plan",
 ]
@@ -749,6 +750,23 @@ def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tenso
     d = _centered(p, gbar - beta.unsqueeze(-1), top)
     cbar = -(gam * d) / epsilon.double().reshape(bsz, 1, 1)
     return cbar.to(dtype).transpose(1, 2)
+
+
+def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
+    r"""A cost in units of epsilon, ``scaled = C / eps`` formed with ``eps`` detached, given its
+    gradient in epsilon, ``d scaled / d eps = -scaled / eps``: the same value, differentiable in
+    ``epsilon`` (broadcastable to ``scaled``).
+
+    Autograd through ``C / eps`` forms ``(C / eps) / eps`` (or ``C / eps**2``), which overflows
+    at an epsilon below 1e-154, or on a wide row, although ``<grad, scaled> / eps`` is finite: the
+    zero cost gradient of an entry the plan does not use then became ``0 * inf = NaN``, and where
+    ``C`` and epsilon are both tiny ``<grad, C>`` (the chain through ``1 / eps``) is subnormal.
+    Here the chain is ``u = -log(eps)``, ``d scaled / du = scaled``: ``<grad, scaled>`` (of the
+    size of the output) and then ``/ eps``. Infinite costs (no mass) are constants.
+    """
+    u = -torch.log(epsilon)
+    s = scaled.detach()
+    return scaled + torch.where(torch.isinf(s), 0, s) * (u - u.detach())
 
 
 def sinkhorn_plan(

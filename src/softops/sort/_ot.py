@@ -49,7 +49,9 @@ take many thousands of iterations), and its implicit backward (a Schur-complemen
 of size n - 1 in float64), so memory does not grow with the iteration count. A row that does not
 reach ``tol`` within ``max_iter`` iterations raises a ``softops.ConvergenceWarning``
 (a ``UserWarning``) naming the public op: gradients are only as accurate as the forward.
-Epsilon gets its gradient through the scaled cost ``C / epsilon``.
+Epsilon gets its gradient through the scaled cost ``C / epsilon``, formed as ``((x - y) r)^2``
+with ``r = eps^{-1/2}`` so that neither it nor its backward overflows where the true values do
+not (:func:`_cost`).
 
 Cost and limits: each Sinkhorn iteration is O(B n²) time, the plan is (B, n, n) float64, and
 each Newton step or backward solve is O(B n³) (a float64 Cholesky of size n - 1). This backend
@@ -77,7 +79,7 @@ import torch
 from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
-from softops._core.sinkhorn import SinkhornResult, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
 from softops.sort._chunked import positions
 from softops.sort._options import MethodOptions
 
@@ -112,11 +114,31 @@ def _plan(
         y = torch.where(dst, y, 0.0)
         log_a = torch.where(src | none, log_a, -math.inf)
         log_b = torch.where(dst | none, log_b, -math.inf)
-    cost = (x64.unsqueeze(-1) - y.unsqueeze(1)).square() / eps.double().view(-1, 1, 1)
+    cost = _cost(x64, y, eps.double())
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
     gamma, res = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=True)
     warn_not_converged(opts.op, res.converged, max_iter, residual=res.residual, tol=tol)
     return gamma.transpose(1, 2) * n, res
+
+
+def _cost(x: Tensor, y: Tensor, eps: Tensor) -> Tensor:
+    r"""The cost in units of epsilon, ``C_ij = (x_i - y_j)^2 / eps`` (B, n, n), as
+    ``((x_i - y_j) r)^2`` with ``r = eps^{-1/2}``, differentiable in x, y and eps.
+
+    ``(x - y)^2 / eps`` overflowed where ``(x - y)^2`` does (1e155 in float64) although C may
+    not, and autograd through it formed ``(C / eps) / eps`` in the backward (inf at epsilon
+    < 1e-154, or on a wide row), which turned the zero cost gradient of an entry the plan does
+    not use into ``0 * inf = NaN``. Here ``r`` is a constant in the backward and the gradient in
+    epsilon is ``-<grad, C> / eps`` (:func:`softops._core.sinkhorn.attach_epsilon`); an entry
+    whose ``(x - y) r`` overflows has the constant cost ``inf`` (no mass), so no gradient meets
+    its infinite factors.
+    """
+    r = torch.rsqrt(eps.detach()).view(-1, 1, 1)
+    diff = x.unsqueeze(-1) - y.unsqueeze(1)
+    with torch.no_grad():
+        ok = ~torch.isinf(diff * r)  # (a NaN stays NaN: its row is NaN)
+    d = torch.where(ok, diff, 0) * r
+    return attach_epsilon(torch.where(ok, d.square(), math.inf), eps.view(-1, 1, 1))
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.sinkhorn import attach_epsilon, sinkhorn_plan
 from softops._core.transforms import cannot_branch, own_precision
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 from softops.topk._options import finite_stand_ins
@@ -193,8 +193,12 @@ def soft_topk(
     with torch.no_grad():
         span = accurate.abs().amax(dim=(1, 2))
         floor = span / (torch.finfo(cd).max / 16)
-    eps_eff = torch.maximum(eps, floor)
-    scaled = (accurate + (plain - plain.detach())) / eps_eff[:, None, None]  # (B, m, n)
+    eps_eff = torch.maximum(eps, floor)[:, None, None]
+    # The gradient in epsilon is -<grad, scaled> / eps (attach_epsilon): through cost / eps it was
+    # (cost / eps) / eps, which overflows (epsilon < 1e-154, or a cost of 1e30 in float32 at
+    # epsilon 1e-5) and turned the zero cost gradient of the unused entries into 0 * inf = NaN.
+    scaled = (accurate + (plain - plain.detach())) / eps_eff.detach()  # (B, m, n)
+    scaled = attach_epsilon(scaled, eps_eff)
 
     log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
