@@ -32,7 +32,7 @@ from softops.apps.train import KNNConfig, measure_step
 from softops.cli import main as cli_main
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TIMED = ("soft", "sinkhorn", "perturbed", "softkmax", "n3", "neuralsort", "ce")
+TIMED = ("soft", "sinkhorn", "perturbed", "softkmax", "neuralsort", "ce")
 
 
 def timing(argv: list[str]) -> int:

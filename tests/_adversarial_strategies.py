@@ -24,7 +24,7 @@ ROUNDING = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5, F6
 
 INF = math.inf
 # Integer-valued k (the methods and ops that take only an int k).
-INT_K = {"softkmax", "n3", "perturbed"}
+INT_K = {"softkmax", "perturbed"}
 INT_K_OPS = {"soft_topk", "soft_kmax"}
 
 

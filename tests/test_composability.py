@@ -154,7 +154,7 @@ def test_autocast_bfloat16(case, dtype):
 FULLGRAPH = [
     c
     for c in CASES
-    if c.method in ("softsort", "neuralsort", "softkmax", "n3")
+    if c.method in ("softsort", "neuralsort", "softkmax")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
     or c.op == "soft_argmax_onehot"
 ]

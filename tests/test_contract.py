@@ -125,7 +125,6 @@ class Case:
     grad_eps: bool = True  # epsilon receives a gradient
     perm: str | None = "follow"  # "follow" (equivariant), "invariant", or None (index-valued)
     inf_limit: bool = True  # ±inf equal their large finite surrogates
-    hard_limit: bool = True  # tends to the hard op as epsilon -> 0 (else: its own limit test)
 
     @property
     def id(self) -> str:
@@ -227,9 +226,6 @@ TOPK_CASES = [
     Case("soft_topk_mask", "ot", law=1.0),
     Case("soft_topk_mask", "sinkhorn", law=1.0, grad_eps=False, precise={"tol": 1e-12}),
     Case("soft_topk_mask", "softkmax", law=1.0, inf_limit=False),
-    # its limit is (k + 1)/2 and (k - 1)/2 on the top two entries, not the hard mask:
-    # tests/topk/test_n3.py::test_small_epsilon_limit_is_not_the_hard_mask
-    Case("soft_topk_mask", "n3", law=1.0, inf_limit=False, hard_limit=False),
     Case(
         "soft_topk_mask",
         "perturbed",
@@ -372,7 +368,7 @@ def test_batch_equals_loop_over_rows(case):
 # ------------------------------------------------------------------------------ hard limit
 
 
-@cases([c for c in CASES if c.hard_limit])
+@cases(CASES)
 def test_hard_limit(case):
     x = _spaced(2, 7).T  # along dim 0, then along the last dim
     for orient in _orients(case):
@@ -448,7 +444,7 @@ def test_mask_sums_to_k_in_unit_interval(case):
             tol = 1e-6 if case.stochastic else 1e-9  # perturbed: counts / n_samples
             torch.testing.assert_close(total, torch.full_like(total, k), atol=tol, rtol=0)
             assert (A >= 0).all()
-            if case.method not in ("softkmax", "n3") and case.op != "soft_kmax":  # not clipped
+            if case.method != "softkmax" and case.op != "soft_kmax":  # not clipped (documented)
                 # Sinkhorn's row marginals are exact to its tolerance (1e-9 in float64)
                 assert (A <= 1 + (1e-8 if case.method == "sinkhorn" else 1e-12)).all()
 
@@ -666,7 +662,6 @@ MASK_USES = {
     "ot": {"max_iter", "tol"},
     "sinkhorn": {"max_iter", "tol"},
     "softkmax": set(),
-    "n3": set(),
     "perturbed": {"n_samples", "generator"},
 }
 

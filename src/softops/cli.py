@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "topk-l1",
         help="L1 distance of each top-k relaxation to the hard mask, against epsilon",
         description="The bias of soft_topk_mask's methods (ot, 200-iteration sinkhorn, "
-        "softkmax, n3, perturbed) and, at k=1, soft_argmax_onehot: the mean L1 distance to the "
+        "softkmax, perturbed) and, at k=1, soft_argmax_onehot: the mean L1 distance to the "
         "hard top-k mask on standard normal rows, for each epsilon.",
     )
     _add_l1_options(l1)
@@ -414,8 +414,7 @@ def _add_knn(commands: Any) -> None:
         choices=METHODS,
         default=None,
         help="soft: SOFT top-k (method 'ot'); sinkhorn: the same by Sinkhorn; perturbed; "
-        "softkmax: softmax k times (Su's recursion); n3: softmax k times in logit space (Plötz "
-        "and Roth); neuralsort; ce: a cross-entropy CNN; pretrained: kNN on "
+        "softkmax: softmax k times; neuralsort; ce: a cross-entropy CNN; pretrained: kNN on "
         "the CE CNN's features (default: soft)",
     )
     knn.add_argument(

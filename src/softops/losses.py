@@ -155,8 +155,7 @@ def topk_accuracy_loss(
         epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
             A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
         method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
-            ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"`` or ``"n3"``, whose masks are
-            not clipped).
+            ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
 
     Returns:

@@ -96,9 +96,8 @@ __all__ = [
 ]
 
 _AVERAGES = ("binary", "micro", "macro")
-# "softkmax" and "n3" are left out: their masks are not clipped, so the "probability" of a hit
-# could exceed 1.
-_TOPK_METHODS = tuple(m for m in MASK_METHODS if m not in ("softkmax", "n3"))
+# "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1.
+_TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 
 
 class SoftConfusion(NamedTuple):
@@ -812,8 +811,8 @@ def soft_topk_accuracy(
             hard top-k accuracy (on scores without ties at the k-th place).
         method: the mask's method, as for :func:`softops.soft_topk_mask`: ``"ot"`` (default,
             exact), ``"sinkhorn"`` or ``"perturbed"`` (with its default draws); only "ot"
-            differentiates with respect to a tensor ``epsilon``. ``"softkmax"`` and ``"n3"``
-            are not accepted: their masks are not clipped to [0, 1].
+            differentiates with respect to a tensor ``epsilon``. ``"softkmax"`` is not
+            accepted: its mask is not clipped to [0, 1].
         hard: straight-through: the forward is the hard top-k accuracy, the backward that of
             the soft one.
 

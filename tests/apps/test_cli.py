@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from softops.apps.data import load_dataset
-from softops.apps.report import PAPER_MNIST, PAPER_ROW, markdown_table, run_knn
+from softops.apps.report import PAPER_MNIST, markdown_table, run_knn
 from softops.apps.train import ALL_ROWS, KNNConfig, RunResult, measure_step, train_rows
 from softops.cli import main
 
@@ -52,8 +52,6 @@ def test_cli_knn_all_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     for label in ("kNN + pretrained CNN", "CE + CNN", "softmax k times", "NeuralSort", "SOFT"):
         assert label in out
-    assert "| kNN + softmax k times (softkmax) |" in out
-    assert "| kNN + softmax k times, logit space (n3) |" in out
     assert "paper (MNIST)" not in out  # the paper's numbers are MNIST's
     record = json.loads((tmp_path / "knn-digits-all-1ep.json").read_text())
     assert [r["method"] for r in record["runs"]] == list(ALL_ROWS)
@@ -118,16 +116,6 @@ def test_markdown_table_shows_the_paper_on_mnist() -> None:
     text = markdown_table(KNNConfig(dataset="mnist", minutes=3), runs, ["soft"])
     assert "| kNN + SOFT top-k (ot) | 99.4 | 99.10, 99.20 | 99.15 | 99.00, 99.10 |" in text
     assert PAPER_MNIST["soft"] == 99.4
-    assert "does not say which recursion" not in text
-
-
-def test_markdown_table_shows_softmax_k_times_beside_both_recursions() -> None:
-    runs = [RunResult(m, 0, 10, 1.0, 0.1, 92.0, 10, 1.0, 92.1, 2.0) for m in ("softkmax", "n3")]
-    text = markdown_table(KNNConfig(dataset="mnist", minutes=3), runs, ["softkmax", "n3"])
-    assert "| kNN + softmax k times (softkmax) | 99.3 | 92.10 |" in text
-    assert "| kNN + softmax k times, logit space (n3) | 99.3 | 92.10 |" in text
-    assert 'The paper\'s "kNN + softmax k times" (99.3) does not say which recursion it ran' in text
-    assert PAPER_ROW == {"n3": "softkmax"} and "n3" not in PAPER_MNIST
 
 
 def test_measure_step(digits) -> None:

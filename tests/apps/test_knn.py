@@ -20,7 +20,7 @@ from softops.apps.models import ConvNet
 from tests._helpers import seeded
 
 F64 = torch.float64
-SOFT = ("ot", "sinkhorn", "softkmax", "n3", "neuralsort")  # deterministic methods
+SOFT = ("ot", "sinkhorn", "softkmax", "neuralsort")  # deterministic methods
 
 
 @pytest.fixture(autouse=True)
@@ -137,23 +137,6 @@ def test_small_epsilon_gives_the_hard_knn_mask(method: str) -> None:
     kw = {"n_samples": 4, "generator": seeded(0)} if method == "perturbed" else {}
     A = knn_mask(q, c, k, epsilon=eps / 10 if method == "perturbed" else eps, method=method, **kw)
     torch.testing.assert_close(A, _hard_mask(q, c, k), atol=1e-4, rtol=0)
-
-
-def test_small_epsilon_n3_is_its_own_limit_not_the_hard_mask() -> None:
-    """n3 tends to (k + 1)/2 on the nearest candidate and (k - 1)/2 on the second."""
-    q, c = _emb(6, 15, seed=5)
-    k = 4
-    D = torch.cdist(q, c) ** 2
-    s = D.sort(1)
-    gap = float(s.values[:, :3].diff(dim=1).min())  # the nearest three are apart
-    A = knn_mask(q, c, k, epsilon=gap / 200, method="n3")
-    want = torch.zeros_like(D)
-    want.scatter_(1, s.indices[:, :1], (k + 1) / 2).scatter_(1, s.indices[:, 1:2], (k - 1) / 2)
-    torch.testing.assert_close(A, want, atol=1e-4, rtol=0)
-    # the loss stays in [-1, 0]: A >= 0 sums to k on every row
-    y_q, y_c = torch.arange(6) % 3, torch.arange(15) % 3
-    loss = knn_loss(q, c, y_q, y_c, k, epsilon=gap / 200, method="n3")
-    assert -1 <= float(loss) <= 0
 
 
 def test_sinkhorn_equals_ot() -> None:

@@ -29,7 +29,7 @@ def test_topk_configs() -> None:
     assert {c.group for c in configs} == {"grid", "speedup", "sorted", "max"}
     names = [case.name for case in SUITE.make_cases(grid[0])]
     assert names[0] == "torch.topk" and "sinkhorn-200" in names
-    assert "softkmax" in names and "n3" in names and "perturbed-100" in names
+    assert "softkmax" in names and "perturbed-100" in names
     (smooth,) = [c for c in configs if c.group == "max"]
     assert smooth.params["k"] == 1 and smooth.params["n"] == 10_000
     assert {c.group for c in build_configs(sizes=[1_000], smooth=False)} == {
@@ -42,8 +42,7 @@ def test_topk_configs() -> None:
 def test_softkmax_case_skipped_when_its_backward_would_not_fit() -> None:
     big = Config("grid", {"B": 64, "n": 100_000, "k": 1_000, "epsilon": 0.1})
     cases = {case.name: case for case in SUITE.make_cases(big)}
-    for name in ("softkmax", "n3"):
-        assert cases[name].skip is not None and "k·B·n = 6.4e+09" in cases[name].skip
+    assert cases["softkmax"].skip is not None and "k·B·n = 6.4e+09" in cases["softkmax"].skip
     assert cases["perturbed-100"].skip is None
 
 
@@ -61,7 +60,7 @@ def test_max_group_cases_agree_with_the_hard_ops() -> None:
     assert torch.allclose(cases["smooth_max"].fn(x), x.amax(-1), atol=1e-2)
     assert torch.equal(cases["soft_argmax"].fn(x).round(), x.argmax(-1).double())
     onehot = torch.nn.functional.one_hot(x.argmax(-1), 40).double()
-    for name in ("soft_argmax_onehot", "ot (eager)", "softkmax", "n3", "perturbed-100"):
+    for name in ("soft_argmax_onehot", "ot (eager)", "softkmax", "perturbed-100"):
         assert torch.allclose(cases[name].fn(x), onehot, atol=1e-3), name
 
 
@@ -104,18 +103,15 @@ def test_topk_quick_defaults() -> None:
 
 def test_topk_l1_sweep_records_and_files(tmp_path: Any) -> None:
     records = l1_to_hard(batch=4, n=30, ks=(1, 3), epsilons=(1.0, 1e-3), n_samples=10)
-    methods = {"ot", "sinkhorn-200", "softkmax", "n3", "perturbed-10"}
+    methods = {"ot", "sinkhorn-200", "softkmax", "perturbed-10"}
     assert {r["method"] for r in records if r["k"] == 3} == methods
     assert {r["method"] for r in records if r["k"] == 1} == methods | {"soft_argmax_onehot"}
-    assert len(records) == 2 * (5 + 6)
+    assert len(records) == 2 * (4 + 5)
     for r in records:
         assert 0 <= r["l1"] <= 2 * r["k"] + 1e-4 and r["nan_rows"] == 0
         assert r["l1_rel"] == pytest.approx(r["l1"] / (2 * r["k"]))
     ot = {r["epsilon"]: r["l1"] for r in records if r["method"] == "ot" and r["k"] == 3}
     assert ot[1e-3] < 1e-2 < ot[1.0]
-    # n3's small-epsilon limit at k = 3: 2 and 1 on the top two entries, an L1 of 2
-    n3 = {r["epsilon"]: r for r in records if r["method"] == "n3" and r["k"] == 3}
-    assert n3[1e-3]["l1"] == pytest.approx(2.0, abs=1e-3) and n3[1e-3]["max_entry"] > 1.99
 
 
 def test_run_l1_bench_writes_the_files_and_restores_threads(tmp_path: Any) -> None:
@@ -136,27 +132,19 @@ def test_run_l1_bench_writes_the_files_and_restores_threads(tmp_path: Any) -> No
     assert paths["md"] == tmp_path / "topk-l1.md" and paths["md"].read_text() == text
     assert "### k = 1" in text and "### k = 2" in text and "| soft_argmax_onehot |" in text
     assert "`softops bench topk-l1`" in text
-    assert len(paths["jsonl"].read_text(encoding="utf-8").splitlines()) == 2 * 5 + 1
+    assert len(paths["jsonl"].read_text(encoding="utf-8").splitlines()) == 2 * 4 + 1
     assert lines == ["wrote " + ", ".join(str(p) for p in paths.values())]
     pytest.importorskip("matplotlib")
     assert paths["png"].stat().st_size > 0
 
 
 def test_l1_methods_markdown_and_plot_directly(tmp_path: Any) -> None:
-    assert list(l1_methods(3, n_samples=7)) == [
-        "ot",
-        "sinkhorn-200",
-        "softkmax",
-        "n3",
-        "perturbed-7",
-    ]
+    assert list(l1_methods(3, n_samples=7)) == ["ot", "sinkhorn-200", "softkmax", "perturbed-7"]
     assert "soft_argmax_onehot" in l1_methods(1)
     x = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
     for name, fn in l1_methods(2).items():
         mask = fn(x, 0.05)  # gaps of 20 epsilon (sinkhorn-200 would stall far below)
-        # n3 tends to 3/2 and 1/2 on the top two entries, not to the hard mask
-        want = [[1.5, 0.0, 0.5, 0.0]] if name == "n3" else [[1.0, 0.0, 1.0, 0.0]]
-        assert torch.allclose(mask, torch.tensor(want), atol=1e-2), name
+        assert torch.allclose(mask, torch.tensor([[1.0, 0.0, 1.0, 0.0]]), atol=1e-2), name
     base = {"B": 1, "n": 4, "dtype": "float32", "device": "cpu", "torch": "2", "nan_rows": 0}
     records = [
         {**base, "k": 2, "method": "softkmax", "epsilon": 0.1, "l1": 0.5, "max_entry": 1.25},

@@ -426,7 +426,7 @@ def test_bad_input_raises_clear_errors(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("kwargs", [{"n_samples": 10}, {"generator": torch.Generator()}])
-@pytest.mark.parametrize("method", ["ot", "sinkhorn", "softkmax", "n3"])
+@pytest.mark.parametrize("method", ["ot", "sinkhorn", "softkmax"])
 def test_perturbed_arguments_rejected_by_other_methods(method, kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):

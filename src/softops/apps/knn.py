@@ -20,8 +20,8 @@ the one of :func:`softops.soft_topk_mask`, in units of the scores (squared dista
 :func:`knn_mask` for what it means and why the distances are not normalised.
 
 The relaxation is any top-k method of softops (``"ot"``, ``"sinkhorn"``, ``"perturbed"``,
-``"softkmax"``, ``"n3"``, through :func:`softops.soft_topk_mask` with ``largest=False``), or
-NeuralSort's first k rows (``"neuralsort"``, through :func:`softops.soft_argsort`).
+``"softkmax"``, through :func:`softops.soft_topk_mask` with ``largest=False``), or NeuralSort's
+first k rows (``"neuralsort"``, through :func:`softops.soft_argsort`).
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 #: The relaxations of the neighbour mask that :func:`knn_mask` accepts.
-KNN_METHODS = ("ot", "sinkhorn", "perturbed", "softkmax", "n3", "neuralsort")
+KNN_METHODS = ("ot", "sinkhorn", "perturbed", "softkmax", "neuralsort")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,9 +167,8 @@ def knn_mask(
         torch.zeros_like(D).scatter(1, D.topk(k, dim=1, largest=False).indices, 1)
 
     and the relaxation is :func:`softops.soft_topk_mask` of each row of D with
-    ``largest=False`` (methods ``"ot"``, ``"sinkhorn"``, ``"perturbed"``, ``"softkmax"``,
-    ``"n3"``), or the sum of the first k rows of NeuralSort's relaxed permutation matrix
-    (``"neuralsort"``):
+    ``largest=False`` (methods ``"ot"``, ``"sinkhorn"``, ``"perturbed"``, ``"softkmax"``), or the
+    sum of the first k rows of NeuralSort's relaxed permutation matrix (``"neuralsort"``):
 
     .. math::
 
@@ -199,10 +198,7 @@ def knn_mask(
             :func:`softops.soft_topk_mask` for its methods, and NeuralSort's tau for
             "neuralsort".
         method: "ot" (default: SOFT top-k, exact), "sinkhorn" (the same problem by the paper's
-            Sinkhorn iterations), "perturbed", "softkmax" (Su's softmax k times), "n3" (Plötz
-            and Roth's softmax k times in logit space, whose entries can exceed 1 and whose
-            small-epsilon limit puts (k + 1)/2 on the nearest candidate and (k - 1)/2 on the
-            second), or "neuralsort".
+            Sinkhorn iterations), "perturbed", "softkmax", or "neuralsort".
         exclude_self: the queries are the candidates (B = m, the same rows): a query is not its
             own neighbour. The diagonal of A is then 0 and the relaxation runs on the m - 1
             other candidates.
@@ -210,8 +206,8 @@ def knn_mask(
         generator: "perturbed" only: a ``torch.Generator`` for reproducible draws.
 
     Returns:
-        A, a (B, m) tensor with rows summing to k ("ot", "sinkhorn", "perturbed", "n3",
-        "neuralsort"; "softkmax" only approximately, see :func:`softops.soft_kmax`).
+        A, a (B, m) tensor with rows summing to k ("ot", "sinkhorn", "perturbed", "neuralsort";
+        "softkmax" only approximately, see :func:`softops.soft_kmax`).
 
     Example:
         >>> q = torch.tensor([[0.0], [10.0]])
@@ -304,7 +300,7 @@ def knn_loss(
         k: neighbours per query.
         epsilon: the temperature in squared-distance units; see :func:`knn_mask` for its
             meaning, its scaling law and why the distances are not normalised.
-        method: "ot" (default), "sinkhorn", "perturbed", "softkmax", "n3" or "neuralsort".
+        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
         exclude_self: the queries are the candidates; a query is not its own neighbour.
         n_samples: "perturbed" only: the number of noise draws.
         generator: "perturbed" only: a ``torch.Generator``.
@@ -437,7 +433,7 @@ class DifferentiableKNN(nn.Module):
         embedding: the network that maps a batch of inputs to (N, d) embeddings.
         k: neighbours per query (the same k is used by :meth:`predict`).
         epsilon: the temperature in squared-distance units; see :func:`knn_mask`.
-        method: "ot" (default), "sinkhorn", "perturbed", "softkmax", "n3" or "neuralsort".
+        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
         n_samples: "perturbed" only: the number of noise draws per step.
 
     Example:

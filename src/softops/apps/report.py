@@ -33,19 +33,15 @@ import torch
 from softops.apps.data import ImageDataset, load_dataset
 from softops.apps.train import ALL_ROWS, KNNConfig, Progress, RunResult, train_rows
 
-__all__ = ["LABELS", "PAPER_MNIST", "PAPER_ROW", "markdown_table", "run_knn"]
+__all__ = ["LABELS", "PAPER_MNIST", "markdown_table", "run_knn"]
 
 #: Xie et al. 2020, Table 1 (MNIST test accuracy, %); NeuralSort's own paper for "neuralsort".
 PAPER_MNIST = {"pretrained": 98.4, "ce": 99.0, "softkmax": 99.3, "neuralsort": 99.5, "soft": 99.4}
-#: Rows compared with another method's row of the paper: its "kNN + softmax k times" does not
-#: say which recursion it ran, so both softkmax (Su) and n3 (Plötz and Roth) show its 99.3.
-PAPER_ROW = {"n3": "softkmax"}
 #: How each method's row is named in the tables.
 LABELS = {
     "pretrained": "kNN + pretrained CNN (CE features)",
     "ce": "CE + CNN",
     "softkmax": "kNN + softmax k times (softkmax)",
-    "n3": "kNN + softmax k times, logit space (n3)",
     "neuralsort": "kNN + NeuralSort",
     "soft": "kNN + SOFT top-k (ot)",
     "sinkhorn": "kNN + SOFT top-k (sinkhorn)",
@@ -113,8 +109,7 @@ def markdown_table(
         tests = [r.test for r in runs]
         row = [LABELS.get(m, m)]
         if paper:
-            ref = PAPER_ROW.get(m, m)
-            row.append(f"{PAPER_MNIST[ref]:.1f}" if ref in PAPER_MNIST else "—")
+            row.append(f"{PAPER_MNIST[m]:.1f}" if m in PAPER_MNIST else "—")
         row += [
             ", ".join(_fmt(t) for t in tests),
             _fmt(sum(tests) / len(tests)),
@@ -131,13 +126,6 @@ def markdown_table(
             "come from longer GPU training; the rows here share one wall-clock budget on this "
             "machine.",
         ]
-        if any(m in methods for m in PAPER_ROW):
-            lines[-1] += (
-                f' The paper\'s "kNN + softmax k times" ({PAPER_MNIST["softkmax"]:.1f}) does not '
-                "say which recursion it ran; it is shown beside both softkmax (Su's, "
-                "`p += softmax((x - min x)(1 - p)/eps)`) and n3 (Plötz and Roth's, in logit space: "
-                "`z += log(1 - softmax(z))` from `z = x/eps`)."
-            )
     if command:
         lines += ["", f"Reproduce with `{command}`."]
     return "\n".join(lines) + "\n"

@@ -5,9 +5,9 @@ of training wall-clock time (``minutes``) or of epochs, validates it on the held
 times along the way, and tests the checkpoint with the best validation accuracy.
 
 - **kNN methods** ("soft", which is method "ot" of :func:`softops.apps.knn_loss`, "sinkhorn",
-  "perturbed", "softkmax", "n3", "neuralsort"): each step draws ``queries`` + ``candidates``
-  disjoint training images (consecutive blocks of a per-epoch permutation), shifts each by a
-  random offset of up to ``shift`` pixels, embeds them in one batch and minimises
+  "perturbed", "softkmax", "neuralsort"): each step draws ``queries`` + ``candidates`` disjoint
+  training images (consecutive blocks of a per-epoch permutation), shifts each by a random
+  offset of up to ``shift`` pixels, embeds them in one batch and minimises
   :func:`softops.apps.knn_loss`. Validation and test are the hard kNN
   (:func:`softops.apps.knn_predict`) against the embeddings of the whole training split.
 - **"ce"**: the same network with a linear head, trained by cross-entropy on the same number of
@@ -50,12 +50,11 @@ __all__ = [
 ]
 
 #: The methods of ``softops knn --method``; "soft" is SOFT top-k, method "ot" of knn_loss.
-METHODS = ("soft", "sinkhorn", "perturbed", "softkmax", "n3", "neuralsort", "ce", "pretrained")
-#: The rows of Xie et al.'s Table 1 that ``--all`` runs, in the paper's order; its "softmax k
-#: times" row runs twice, as Su's recursion ("softkmax") and as Plötz and Roth's ("n3").
-ALL_ROWS = ("pretrained", "ce", "softkmax", "n3", "neuralsort", "soft")
+METHODS = ("soft", "sinkhorn", "perturbed", "softkmax", "neuralsort", "ce", "pretrained")
+#: The rows of Xie et al.'s Table 1 that ``--all`` runs, in the paper's order.
+ALL_ROWS = ("pretrained", "ce", "softkmax", "neuralsort", "soft")
 _LOSS_METHOD = {"soft": "ot", "sinkhorn": "sinkhorn", "perturbed": "perturbed"}
-_LOSS_METHOD |= {"softkmax": "softkmax", "n3": "n3", "neuralsort": "neuralsort"}
+_LOSS_METHOD |= {"softkmax": "softkmax", "neuralsort": "neuralsort"}
 _DEFAULT_SHIFT = {"mnist": 2, "mnist-idx": 2, "digits": 0, "cifar10": 4}
 
 

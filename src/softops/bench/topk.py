@@ -350,14 +350,7 @@ class TopKSuite:
 def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """fwd+bwd of the other relaxations over "ot (eager)" in each grid and max configuration."""
     lines = []
-    others = (
-        "softkmax",
-        "n3",
-        _PERTURBED_LABEL,
-        "smooth_max",
-        "soft_argmax",
-        "soft_argmax_onehot",
-    )
+    others = ("softkmax", _PERTURBED_LABEL, "smooth_max", "soft_argmax", "soft_argmax_onehot")
     by_config: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         if r["group"] in ("grid", "max"):
@@ -377,27 +370,28 @@ def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _relaxation_cases(k: int, eps: float, numel: int) -> list[Case]:
-    """The softmax recursions ("softkmax", Su 2019; "n3", Plötz and Roth 2018) and the perturbed
-    optimizer (Berthet et al. 2020), at the same epsilon."""
+    """The softmax recursion ("softkmax", Su 2019) and the perturbed optimizer (Berthet et al.
+    2020), at the same epsilon."""
 
     def softkmax(x: torch.Tensor) -> torch.Tensor:
         return softops.soft_topk_mask(x, k, epsilon=eps, method="softkmax")
-
-    def n3(x: torch.Tensor) -> torch.Tensor:
-        return softops.soft_topk_mask(x, k, epsilon=eps, method="n3")
 
     def perturbed(x: torch.Tensor) -> torch.Tensor:
         return softops.soft_topk_mask(
             x, k, epsilon=eps, method="perturbed", n_samples=PERTURBED_SAMPLES
         )
 
-    # softkmax and n3 run k softmax passes over (B, n): k·B·n element-rounds, forward and again
-    # in the (checkpointed) backward; 6.4e9 at B=64, n=1e5, k=1000 (minutes per call).
+    # softkmax runs k softmax passes over (B, n): k·B·n element-rounds, forward and again in the
+    # (checkpointed) backward; 6.4e9 at B=64, n=1e5, k=1000 (minutes per call).
     heavy = k * numel > SOFTKMAX_MAX_KBN
-    skip = f"k·B·n = {k * numel:.1e} softmax element-rounds (minutes a call)" if heavy else None
     return [
-        Case("softkmax", softkmax, skip=skip),
-        Case("n3", n3, skip=skip),
+        Case(
+            "softkmax",
+            softkmax,
+            skip=f"k·B·n = {k * numel:.1e} softmax element-rounds (minutes a call)"
+            if heavy
+            else None,
+        ),
         Case(_PERTURBED_LABEL, perturbed),
     ]
 

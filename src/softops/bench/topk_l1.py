@@ -11,12 +11,10 @@ hard one,
 on rows ``x ~ N(0, 1)`` of shape (B, n). The methods share one epsilon in the units of x, but it
 plays a different part in each: the sigmoid temperature of "ot" (and of "sinkhorn", the same
 problem, here with the paper's fixed 200 iterations, which have not converged at small epsilon),
-the softmax temperature of each step of "softkmax" and "n3", the Gaussian noise scale of
-"perturbed"
+the softmax temperature of each step of "softkmax", the Gaussian noise scale of "perturbed"
 (whose L1 also holds Monte-Carlo noise, about ``sqrt(n p (1 - p) / n_samples)``), and, at k = 1,
 the temperature of ``soft_argmax_onehot``. The largest entry of each mask is reported too:
-"softkmax" exceeds 1 where its recursion double-counts an entry, and "n3" (whose limit as
-epsilon -> 0 puts (k + 1)/2 on the largest entry and (k - 1)/2 on the second) once k >= 2.
+"softkmax" exceeds 1 where its recursion double-counts an entry.
 
 This is an accuracy sweep, not a timing: it runs no backward and one call per point.
 :func:`run_l1_bench` is ``softops bench topk-l1``: the sweep on a given number of threads, then
@@ -72,9 +70,6 @@ def l1_methods(k: int, n_samples: int = 100) -> dict[str, Callable[[torch.Tensor
     def softkmax(x: torch.Tensor, eps: float) -> torch.Tensor:
         return softops.soft_topk_mask(x, k, epsilon=eps, method="softkmax")
 
-    def n3(x: torch.Tensor, eps: float) -> torch.Tensor:
-        return softops.soft_topk_mask(x, k, epsilon=eps, method="n3")
-
     def perturbed(x: torch.Tensor, eps: float) -> torch.Tensor:
         generator = torch.Generator(device=x.device).manual_seed(0)
         return softops.soft_topk_mask(
@@ -85,7 +80,6 @@ def l1_methods(k: int, n_samples: int = 100) -> dict[str, Callable[[torch.Tensor
         "ot": ot,
         f"sinkhorn-{SINKHORN_ITERS}": sinkhorn,
         "softkmax": softkmax,
-        "n3": n3,
         f"perturbed-{n_samples}": perturbed,
     }
     if k == 1:

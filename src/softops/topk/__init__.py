@@ -19,9 +19,9 @@ maximum), and every row is solved on its own (the official code divides by a bat
 so one row changes the others).
 
 Layout: one file per method of :func:`soft_topk_mask` (``_ot.py``, ``_sinkhorn.py``,
-``_softkmax.py``, ``_n3.py``, ``_perturbed.py``), the sorted top-k :func:`soft_topk` in
-``_sorted.py``, and the checks every method shares in ``_options.py``. This module validates,
-reshapes once to (B, n) and makes one call into the method's file.
+``_softkmax.py``, ``_perturbed.py``), the sorted top-k :func:`soft_topk` in ``_sorted.py``, and
+the checks every method shares in ``_options.py``. This module validates, reshapes once to (B, n)
+and makes one call into the method's file.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.transforms import cannot_branch, plain, under_functorch
 from softops._core.validation import check_k
-from softops.topk._n3 import n3_mask_rows
 from softops.topk._options import (
     MASK_METHODS,
     PERTURBED_DEFAULT_SAMPLES,
@@ -111,19 +110,11 @@ def soft_topk_mask(
             ``"softkmax"`` is the recursion of Su (2019) (see :func:`softops.soft_kmax`): k
             softmaxes, plain autograd, O(k n) time; it is biased, and it is not clipped, so an
             entry can exceed 1 where the k-th largest ties with the row minimum (k = n, say).
-            ``"n3"`` is the continuous deterministic relaxation of kNN selection of Plötz and
-            Roth (2018): k softmaxes in logit space, the sum of ``w = softmax(z)`` over the
-            rounds ``z <- z + log(1 - w)`` from ``z = x / epsilon``; plain autograd, O(k n)
-            time, and a Jacobian bounded at every epsilon (``|dA/dx|_inf <= k / (2 epsilon)``;
-            softkmax's grows like ``(x' / (4 epsilon))**(k - 1)``). It is biased and not clipped,
-            and its limit as ``epsilon -> 0`` is not the hard mask for k >= 2: (k + 1)/2 on the
-            largest entry and (k - 1)/2 on the second (distinct entries; k = 1 is the hard arg
-            max). ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean
-            of the hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, whose
-            backward is the Monte-Carlo Jacobian estimate ``E[mask(x + eps Z) Z^T] / eps`` on
-            the same draws (O(B n) memory; the noise is regenerated, never stored). These three
-            need an integer k, and differentiate with respect to x (softkmax and n3 also
-            epsilon), not k.
+            ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean of the
+            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, whose backward
+            is the Monte-Carlo Jacobian estimate ``E[mask(x + eps Z) Z^T] / eps`` on the same
+            draws (O(B n) memory; the noise is regenerated, never stored). Both need an integer
+            k, and differentiate with respect to x (softkmax also epsilon), not k.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
             runs the paper's fixed 200 iterations (on the cost in units of epsilon, so that the
@@ -199,8 +190,6 @@ def soft_topk_mask(
             A = sinkhorn_mask(op, x2, k_row.detach(), eps_row.detach(), cap, tolerance)
     elif method == "softkmax":
         A = soft_kmax_rows(x2, int(k), eps_row)  # k is a scalar here (checked above)
-    elif method == "n3":
-        A = n3_mask_rows(x2, int(k), eps_row)
     else:
         draws = PERTURBED_DEFAULT_SAMPLES if n_samples is None else n_samples
         A = perturbed_topk_mask(x2, int(k), eps_row.detach(), draws, generator)

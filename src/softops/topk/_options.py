@@ -36,7 +36,7 @@ __all__ = [
     "unreachable_rows",
 ]
 
-MASK_METHODS = ("ot", "sinkhorn", "softkmax", "n3", "perturbed")
+MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
 PERTURBED_DEFAULT_SAMPLES = 100
 """Noise draws of method="perturbed" when ``n_samples`` is None."""
 INF_MARGIN = 2000.0
@@ -70,7 +70,7 @@ def check_mask_options(
         check_epsilon(epsilon, op)
     if method != "perturbed":
         check_unused(op, method, n_samples=n_samples, generator=generator)
-    if method in ("softkmax", "n3", "perturbed"):
+    if method in ("softkmax", "perturbed"):
         check_unused(op, method, max_iter=max_iter, tol=tol)
     else:
         check_max_iter(max_iter, 1, op)
@@ -96,9 +96,9 @@ def check_mask_k(
     """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number.
 
     ``0 <= k <= n`` (``n=None``: a layer before it sees x checks ``k >= 0`` only); a per-row k
-    needs "ot"; ``hard=True``, "softkmax", "n3" and "perturbed" need an integer k; "sinkhorn",
-    "softkmax", "n3" and "perturbed" give no gradient in k (nor, but for "softkmax" and "n3", in
-    epsilon), so a k or epsilon that requires grad is refused rather than silently ignored.
+    needs "ot"; ``hard=True``, "softkmax" and "perturbed" need an integer k; "sinkhorn",
+    "softkmax" and "perturbed" give no gradient in k (nor, but for "softkmax", in epsilon), so a
+    k or epsilon that requires grad is refused rather than silently ignored.
     """
     k = check_k(k, n, op)
     k_scalar: float | None = None
@@ -111,16 +111,11 @@ def check_mask_k(
         )
     if hard and not is_integral(k):
         raise ValueError(f"{op}: hard=True needs an integer k; got k={describe(k)}.")
-    if method in ("softkmax", "n3", "perturbed") and not is_integral(k):
+    if method in ("softkmax", "perturbed") and not is_integral(k):
         raise ValueError(
             f"{op}: expected an integer `k` with method={method!r}; got k={describe(k)}."
         )
-    no_grad = {
-        "sinkhorn": ("k", "epsilon"),
-        "softkmax": ("k",),
-        "n3": ("k",),
-        "perturbed": ("k", "epsilon"),
-    }
+    no_grad = {"sinkhorn": ("k", "epsilon"), "softkmax": ("k",), "perturbed": ("k", "epsilon")}
     for name in no_grad.get(method, ()):
         value = k if name == "k" else epsilon
         if isinstance(value, torch.Tensor) and value.requires_grad:
