@@ -236,6 +236,31 @@ def test_eps_gradient_under_torch_func(backend):
     torch.testing.assert_close(per[0], want)
 
 
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("fn", [soft_rank, soft_sort])
+def test_second_derivatives_in_epsilon(fn, reg, backend):
+    """gradcheck and gradgradcheck in x and epsilon together, both orders (the derivative in
+    epsilon is written in differentiable ops of the cotangent and of x / eps); the rank beside an
+    infinity too."""
+    from torch.autograd import gradcheck, gradgradcheck
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randperm(8, generator=g).to(F64).reshape(2, 4) / 2
+    x = (x + 0.01 * torch.randn(2, 4, generator=g, dtype=F64)).requires_grad_()
+    e = torch.tensor([0.4, 1.3], dtype=F64, requires_grad=True)
+    for descending in (False, True):
+
+        def f(x, e, descending=descending):
+            return fn(x, epsilon=e, regularization=reg, descending=descending)
+
+        assert gradcheck(f, (x, e)) and gradgradcheck(f, (x, e))
+    if fn is soft_rank:
+        xi = x.detach().clone()
+        xi[0, 1] = INF
+        assert gradcheck(lambda e: fn(xi, epsilon=e, regularization=reg), (e,))
+        assert gradgradcheck(lambda e: fn(xi, epsilon=e, regularization=reg), (e,))
+
+
 # ------------------------------------------------------------------ sorts of huge magnitude
 
 

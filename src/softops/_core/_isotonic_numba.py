@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "l2_vjp",
+    "l2_vjp_scaled",
     "pav_kl",
     "pav_l2",
     "proj_kl_parallel",
@@ -329,21 +330,13 @@ def proj_kl_parallel(s, w, out, block):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def l2_vjp(g, pz, pw, block, gz, gw, z, gr):  # pragma: no cover - compiled
-    """The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g in z's order (B, n).
-
-    ``pz`` / ``pw`` (B, n) sort z / w descending; a (B, 0) array means "already sorted". With m
-    the block mean of the sorted cotangent gs = g[pz]: gz[pz] = gs - m and gw[pw] = m, each
-    written only when that output has n columns. When ``gr`` has B entries, also
-    gr[b] = sum_j (gs_j - m) (s_j - s_ref) with s = z[pz] (``z``: B or 1 rows) and s_ref the first
-    entry of j's block: <J_z^T g, z> on the block-relative z, the derivative along z -> c z.
-    One pass over each row, no temporaries.
-    """
+def _l2_vjp_rows(g, pz, pw, block, gz, gw, u, f, inv, gr):  # pragma: no cover - compiled
+    """``l2_vjp_scaled``'s loop (``l2_vjp``: with no u, f, and no gr)."""
     B, n = g.shape
     acc, cnt = np.empty(n), np.empty(n, np.int64)
     sort_z, sort_w = pz.shape[1] == n, pw.shape[1] == n
     want_z, want_w, want_r = gz.shape[1] == n, gw.shape[1] == n, gr.shape[0] == B
-    dz = min(z.shape[0] - 1, 1)  # 0: one row of z for all
+    du = min(u.shape[0] - 1, 1)  # 0: one row of u for all
     for b in range(B):
         for k in range(block[b, n - 1] + 1):
             acc[k] = 0.0
@@ -352,7 +345,7 @@ def l2_vjp(g, pz, pw, block, gz, gw, z, gr):  # pragma: no cover - compiled
             k = block[b, j]
             acc[k] += g[b, pz[b, j] if sort_z else j]
             cnt[k] += 1
-        total, sr, last = 0.0, 0.0, -1
+        total, ur, last = 0.0, 0.0, -1
         for j in range(n):
             k = block[b, j]
             mean = acc[k] / cnt[k]
@@ -362,9 +355,31 @@ def l2_vjp(g, pz, pw, block, gz, gw, z, gr):  # pragma: no cover - compiled
             if want_w:
                 gw[b, pw[b, j] if sort_w else j] = mean
             if want_r:
-                sj = float(z[b * dz, i])
+                uj = float(u[b * du, i])
                 if k != last:  # the block's first entry
-                    sr, last = sj, k
-                total += (g[b, i] - mean) * (sj - sr)
+                    ur, last = uj, k
+                total += (g[b, i] - mean) * (uj - ur)
         if want_r:
-            gr[b] = total
+            gr[b] = total * f[b] if inv else total / f[b]
+
+
+@numba.njit(cache=True, nogil=True)
+def l2_vjp(g, pz, pw, block, gz, gw):  # pragma: no cover - compiled
+    """The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g in z's order (B, n).
+
+    ``pz`` / ``pw`` (B, n) sort z / w descending; a (B, 0) array means "already sorted". With m
+    the block mean of the sorted cotangent gs = g[pz]: gz[pz] = gs - m and gw[pw] = m, each
+    written only when that output has n columns. One pass over each row, no temporaries.
+    """
+    none = np.empty(0)
+    _l2_vjp_rows(g, pz, pw, block, gz, gw, np.empty((1, 0), g.dtype), none, False, none)
+
+
+@numba.njit(cache=True, nogil=True)
+def l2_vjp_scaled(g, pz, pw, block, gz, gw, u, f, inv, gr):  # pragma: no cover - compiled
+    """``l2_vjp`` for z = u * f (``inv``) or u / f (f: B, one per row; u: B or 1 rows, finite),
+    and in the same pass gr[b] = sum_j (gs_j - m) (s_j - s_ref), s = z[pz] and s_ref the first
+    entry of j's block: <J_z^T g, z> on the block-relative z (the derivative along z -> c z),
+    formed as sum_j (gs_j - m) (u_j - u_ref), then scaled by f.
+    """
+    _l2_vjp_rows(g, pz, pw, block, gz, gw, u, f, inv, gr)

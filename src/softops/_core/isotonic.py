@@ -529,7 +529,7 @@ def l2_vjp_host(
     (the caller then uses the torch form, which is also the one to use when the gradient itself
     is to be differentiated: this pass is not).
     """
-    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None)
+    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, False)
     return None if res is None else res[:2]
 
 
@@ -540,13 +540,16 @@ def l2_vjp_host_scaled(
     block: torch.Tensor,
     want_z: bool,
     want_w: bool,
-    z: torch.Tensor | None,
+    u: torch.Tensor | None,
+    f: torch.Tensor | None,
+    inv: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
-    """:func:`l2_vjp_host`, and with ``z`` (B or 1, n; finite, in z's order) also, in the same pass,
-    ``r`` (B,) ``= sum_j (g[pz]_j - m_j) (s_j - s_ref(j))``, s = z[pz] and s_ref the first entry
-    of j's block: ``<J_z^T g, z>``, the derivative along a scaling of z, taken on the block-relative
-    z (no cancellation of |z| >> its gaps). Returns ``(gz, gw, r)`` (r None without z), or None
-    as :func:`l2_vjp_host` does.
+    """:func:`l2_vjp_host`, and with z = u * f (``inv``) or u / f (u: B or 1 rows, finite, in z's
+    order; f: B, one per row) also, in the same pass, ``r`` (B,)
+    ``= sum_j (g[pz]_j - m_j) (s_j - s_ref(j))``, s = z[pz] and s_ref the first entry of j's
+    block: ``<J_z^T g, z>``, the derivative along a scaling of z, taken on the block-relative
+    differences of u (no cancellation of |z| >> its gaps, no overflow of z). Returns
+    ``(gz, gw, r)`` (r None without u), or None as :func:`l2_vjp_host` does.
     """
     if g.device.type != "cpu" or _backend(None) != "numba":
         return None
@@ -559,13 +562,18 @@ def l2_vjp_host_scaled(
     gw = np.empty((B, n if want_w else 0), dtype=gc.dtype)
     perm_z = none if pz is None else _host(pz, torch.int64)
     perm_w = none if pw is None else _host(pw, torch.int64)
-    zc = np.empty((1, 0), dtype=gc.dtype) if z is None else _host(z, g.dtype)
-    r = np.empty(B if z is not None else 0)
-    _compiled().l2_vjp(gc, perm_z, perm_w, _host(block, torch.int64), gz, gw, zc, r)
+    blocks = _host(block, torch.int64)
+    r = None
+    if u is None or f is None:
+        _compiled().l2_vjp(gc, perm_z, perm_w, blocks, gz, gw)
+    else:
+        r = np.empty(B, dtype=gc.dtype)
+        uc, fc = _host(u, g.dtype), _host(f.reshape(-1), g.dtype)
+        _compiled().l2_vjp_scaled(gc, perm_z, perm_w, blocks, gz, gw, uc, fc, inv, r)
     return (
         torch.from_numpy(gz) if want_z else None,
         torch.from_numpy(gw) if want_w else None,
-        torch.from_numpy(r).to(g.dtype) if z is not None else None,
+        None if r is None else torch.from_numpy(r),
     )
 
 

@@ -80,6 +80,7 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -172,8 +173,8 @@ class _Mode:
 def _factor(eps: Tensor, n: int, dtype: torch.dtype, mode: _Mode) -> Tensor:
     """(B, 1): f with z = u * f (the sort, ``mode.inv``) or z = u / f (the rank)."""
     if mode.inv:
-        return eps.reciprocal().clamp(max=torch.finfo(dtype).max / (4 * n))[:, None]
-    return (-eps if mode.flip else eps)[:, None]
+        return eps.reciprocal().clamp(max=torch.finfo(dtype).max / (4 * n)).unsqueeze(1)
+    return (-eps if mode.flip else eps).unsqueeze(1)
 
 
 def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
@@ -181,20 +182,30 @@ def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
     return u * f if mode.inv else u / f
 
 
-def _relative(z: Tensor, pz: Tensor | None, block: Tensor, frozen: Tensor | None) -> Tensor:
-    """z in sorted coordinates, relative to the first entry of its block (0 where frozen).
+def _sorted_z(
+    u: Tensor, f: Tensor, pz: Tensor | None, frozen: Tensor | None, mode: _Mode
+) -> Tensor:
+    """z in sorted coordinates (B, n), for the backward and the jvp: 0 where frozen, masked in u
+    before the scaling, so that no infinity enters their graph (its 0 * inf would be a NaN second
+    derivative)."""
+    us = _gather(u.expand(f.shape[0], -1), pz)
+    return _through(us if frozen is None else us.masked_fill(frozen, 0.0), f, mode)
+
+
+def _relative(zs: Tensor, block: Tensor) -> Tensor:
+    """zs (sorted coordinates, from ``_sorted_z``) relative to the first entry of its block, its
+    largest.
 
     J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
     (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
     J_z dz/deps = -J_z z / eps (z = u / eps, and z = u * (1/eps) below the cap), is taken
     on these small differences: no (z / eps) / eps to overflow at a tiny epsilon, no infinite z
-    times a zero cotangent, no cancellation of |z| >> the gaps.
+    times a zero cotangent, no cancellation of |z| >> the gaps. The reference is detached: its
+    derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in zs, are
+    blocks of their own: equal infinities, or a whole NaN row.)
     """
-    s = _gather(z, pz)
-    count = torch.zeros_like(block).scatter_add_(1, block, torch.ones_like(block))
-    first = (count.cumsum(-1) - count).gather(1, block)
-    rel = s - s.gather(1, first)
-    return rel if frozen is None else rel.masked_fill(frozen, 0.0)
+    top = torch.full_like(zs, -math.inf).scatter_reduce_(1, block, zs.detach(), "amax")
+    return zs - top.gather(1, block)
 
 
 def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
@@ -263,25 +274,27 @@ class _Permutahedron(torch.autograd.Function):
             and not torch.is_grad_enabled()  # (create_graph: the torch form below)
             and not torch._C._are_functorch_transforms_active()
         ):
-            z = _through(u, f, mode) if want_e else None
-            fused = l2_vjp_host_scaled(gp, pz, pw, block, want_u, want_w, z)
+            ue, fe = (u, f) if want_e else (None, None)  # the epsilon term too
+            fused = l2_vjp_host_scaled(gp, pz, pw, block, want_u, want_w, ue, fe, mode.inv)
             if fused is not None:  # the same formulas in one compiled pass over each row
                 gz, gw, rel = fused
                 if gz is not None:  # through z = u * f or u / f
                     gz = gz.neg_() if mode.negate else gz
                     gz = _rows_like(gz.mul_(f) if mode.inv else gz.div_(f), ctx.u_rows)
                 if rel is not None:  # <J_z^T g, z_rel>, as in the torch form below
-                    ge = _eps_grad(rel.neg_() if mode.negate else rel, eps, f, mode)
+                    ge = rel.div_(eps if mode.negate else -eps)  # (a fresh tensor)
+                    ge = ge * (eps.reciprocal() == f[:, 0]) if mode.inv else ge
                 return gz, gw, ge, None
         if mode.negate:
             gp = -gp
         gs = _gather(gp if out is None else gp * out, pz)
         if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
             gs = gs.masked_fill(frozen, 0.0)
-        z = _through(u, f, mode) if (mode.kl or want_e) else None
+        # z in sorted coordinates, where the Jacobian depends on it (KL) or for epsilon
+        zs = _sorted_z(u, f, pz, frozen, mode) if (mode.kl or want_e) else None
         if mode.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
             total = block_sum(gs, block)
-            gs_z = gs - block_softmax(_gather(cast(Tensor, z), pz), block) * total
+            gs_z = gs - block_softmax(cast(Tensor, zs), block) * total
             t = _gather(sign * w, pw).expand_as(gs)
             if out is None:
                 gs_w = block_softmax(t, block) * total
@@ -300,7 +313,7 @@ class _Permutahedron(torch.autograd.Function):
             if mode.negate:  # through w -> -w
                 gw = -gw
         if want_e:
-            rel = _relative(cast(Tensor, z), pz, block, frozen)
+            rel = _relative(cast(Tensor, zs), block)
             ge = _eps_grad((gs_z * rel).sum(-1), eps, f, mode)
         return gz, gw, ge, None
 
@@ -312,19 +325,19 @@ class _Permutahedron(torch.autograd.Function):
         sign = -1.0 if mode.negate else 1.0
         rows = block.shape
         f = _factor(eps, rows[-1], u.dtype, mode)
-        z = _through(u, f, mode)
+        zs = _sorted_z(u, f, pz, frozen, mode)
         ds = None
         if du is not None:
             ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
         if de is not None:  # dz = -z deps / eps, on the block-relative z (``_relative``)
-            dse = _relative(z, pz, block, frozen) * _eps_grad(de, eps, f, mode)[:, None]
+            dse = _relative(zs, block) * _eps_grad(de, eps, f, mode)[:, None]
             ds = dse if ds is None else ds + dse
         terms = []
         if ds is not None:
             if frozen is not None:
                 ds = ds.masked_fill(frozen, 0.0)
             if mode.kl:
-                terms.append(ds - block_sum(block_softmax(_gather(z, pz), block) * ds, block))
+                terms.append(ds - block_sum(block_softmax(zs, block) * ds, block))
             else:
                 terms.append(ds - block_mean(ds, block))
         if dw is not None:
