@@ -557,6 +557,38 @@ def _offsets(
     return (x - aux[:, :1]) - aux[:, 1:2], eps
 
 
+def _offsets_differentiable(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    aux: torch.Tensor,
+    eps: torch.Tensor,
+    scale: torch.Tensor | None,
+    A: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r""":func:`_offsets` for double backward: the same values, with the threshold's first
+    derivative on the graph.
+
+    The solve's t is a constant of the forward; its derivative, from ``sum_i sigma((x_i -
+    t)/eps) = k``, is ``dt = (<s, dx> - dk - <s, z> deps) / sum s`` (in the solve's units, ``z =
+    off / eps``). ``t + dt(x - x0, k - k0, eps - eps0)`` at the saved point ``(x0, k0, eps0)``
+    has t's value and t's first derivative, which is what differentiating the backward's
+    ``(x - t)/eps`` once more needs. Infinite entries have no derivative (their ``x - x0`` is
+    taken as 0, not ``inf - inf``).
+    """
+    X, E = (x, eps) if scale is None else (x * scale[:, None], eps * scale[:, None])
+    Xc, Ec, Ac = X.detach(), E.detach(), A.detach()
+    off0 = (Xc - aux[:, :1]) - aux[:, 1:2]
+    s = Ac * (1 - Ac) / Ec
+    live = s > 0
+    z = torch.where(live, torch.where(live, off0, 0) / Ec, 0)
+    dx = torch.where(torch.isfinite(Xc), X - Xc, 0)
+    num = (s * dx).sum(-1, keepdim=True) - (s * z).sum(-1, keepdim=True) * (E - Ec)
+    num = num - (k - k.detach())[:, None].to(num.dtype)
+    ss = s.sum(-1, keepdim=True)
+    dt = torch.where(ss > 0, num / torch.where(ss > 0, ss, 1), 0)
+    return (X - aux[:, :1]) - (aux[:, 1:2] + dt), E
+
+
 def _k_weights(
     off: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
 ) -> torch.Tensor:
@@ -573,7 +605,12 @@ def _k_weights(
     a = off.abs()
     near = a.amin(-1, keepdim=True)
     near = torch.where(torch.isfinite(near), near, 0)  # (rows without a finite offset)
-    logw = -((a - near) / e) - 2 * torch.nn.functional.softplus(-(a / e))
+    # infinite offsets (infinite entries) weigh 0; the double where keeps them out of the
+    # arithmetic, whose derivative in epsilon (double backward) would be 0 * inf there
+    fin_a = torch.isfinite(a)
+    af = torch.where(fin_a, a, near)
+    logw = -((af - near) / e) - 2 * torch.nn.functional.softplus(-(af / e))
+    logw = torch.where(fin_a, logw, -math.inf)
     if edge is not None:
         finite = torch.isfinite(x)
         xf = torch.where(finite, x, 0)
@@ -634,13 +671,14 @@ class _SoftTopKMaskOT(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, _, eps = inputs[:3]
+        x, k, eps = inputs[:3]
         A, s, aux, converged, edge, scale = output
         ctx.mark_non_differentiable(s, aux, *(t for t in (converged, scale) if t is not None))
         ctx.set_materialize_grads(False)
         # A is saved for the gradients in k and epsilon and for double backward (differentiable
-        # in A); s and sum s make the plain backward in x three passes with no compiled call.
-        ctx.save_for_backward(A, s, aux, eps, x, edge, scale)
+        # in A); s and sum s make the plain backward in x three passes with no compiled call;
+        # k only for double backward (the threshold's dependence on it).
+        ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
         ctx.save_for_forward(A, s, aux, eps, x, edge, scale)
 
     @staticmethod
@@ -648,16 +686,18 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         if gA is None:
             return None, None, None, None, None, None
-        A, s, aux, eps, x, edge, scale = ctx.saved_tensors
+        A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
         e = eps[:, None]
         gx = gk = geps = None
         if not (need_k or need_eps):
             if torch.is_grad_enabled():  # double backward: differentiable in A
                 return _vjp_x(A, gA, e), None, None, None, None, None
             return _vjp_saved(s, aux[:, 2:], gA), None, None, None, None, None
-        if torch.is_grad_enabled():  # double backward: s differentiable in A
+        if torch.is_grad_enabled():  # double backward: s differentiable in A, t in (x, k, eps)
             s = A * (1 - A) / e
-        off, es = _offsets(x, aux, e, scale)
+            off, es = _offsets_differentiable(x, k, aux, e, scale, A)
+        else:
+            off, es = _offsets(x, aux, e, scale)
         w = _k_weights(off, x, es, edge)
         ratio = (w * gA).sum(-1, keepdim=True)
         if need_x:
