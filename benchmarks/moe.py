@@ -12,6 +12,7 @@ between clusters, and its error stays high.
   masked softmax of the soft top-2), tested with the hard top-2;
 - ``straight-through``: ``TopKRouter(hard=True)``: exactly 2 experts forward in training, the
   soft gradient backward;
+- ``straight-through+noise``: the same with the noise of ``hard-topk`` on the logits;
 - ``hard-topk``: the usual router: ``torch.topk`` of noisy logits (noise std 1 in training,
   Shazeer et al. 2017), the renormalised softmax of the 2 selected logits, and the Switch
   Transformer load-balancing loss (weight 0.01);
@@ -47,7 +48,7 @@ from torch import nn
 from softops.nn import TopKRouter
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("soft", "straight-through", "hard-topk", "hard-topk-plain")
+ARMS = ("soft", "straight-through", "straight-through+noise", "hard-topk", "hard-topk-plain")
 D, E, K = 8, 8, 2
 FULL = {"seeds": 5, "steps": 3000, "batch": 256, "test": 20000}
 QUICK = {"seeds": 2, "steps": 20, "batch": 32, "test": 500}
@@ -73,16 +74,18 @@ class Task:
 class MoE(nn.Module):
     """8 linear experts, computed densely (the weights say which ones count)."""
 
-    def __init__(self, arm: str) -> None:
+    def __init__(self, arm: str, epsilon: float) -> None:
         super().__init__()
         self.arm = arm
-        self.router = TopKRouter(D, E, K, epsilon=0.1, hard=arm == "straight-through")
+        hard = arm.startswith("straight-through")
+        noise = NOISE_STD if arm.endswith("+noise") else 0.0
+        self.router = TopKRouter(D, E, K, epsilon=epsilon, hard=hard, noise_std=noise)
         self.experts = nn.Linear(D, E)  # expert e's output is column e
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prediction, aux loss, the hard 0/1 choice of experts)."""
         outs = self.experts(x)  # (n, E)
-        if self.arm in ("soft", "straight-through") and self.training:
+        if not self.arm.startswith("hard") and self.training:
             r = self.router(x)
             return (r.weights * outs).sum(-1), r.aux_loss, r.mask.detach()
         logits = self.router.gate(x)
@@ -96,10 +99,10 @@ class MoE(nn.Module):
         return (w * outs).sum(-1), aux, chosen
 
 
-def run_arm(arm: str, seed: int, cfg: dict[str, int], lr: float) -> dict[str, Any]:
+def run_arm(arm: str, seed: int, cfg: dict[str, int], lr: float, epsilon: float) -> dict[str, Any]:
     task = Task(seed)
     torch.manual_seed(seed)
-    model = MoE(arm)
+    model = MoE(arm, epsilon)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg["steps"])
     g = torch.Generator().manual_seed(1000 + seed)
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (1e-2)")
+    parser.add_argument("--epsilon", type=float, default=0.1, help="top-k temperature (0.1)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS))
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for arm in args.arms:
         for seed in range(cfg["seeds"]):
-            rows.append(run_arm(arm, seed, cfg, args.lr))
+            rows.append(run_arm(arm, seed, cfg, args.lr, args.epsilon))
             r = rows[-1]
             print(
                 f"{arm} seed {seed}: mse {r['test_mse']:.3f}, entropy {r['load_entropy']:.2f}, "
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "## Mixture-of-experts routing: 8 linear experts, top-2",
         "",
         f"Mean ± std over {cfg['seeds']} seeds (a new mixture per seed); {cfg['steps']} Adam steps "
-        f"(lr {args.lr}, cosine decay) of {cfg['batch']} samples; tested on {cfg['test']} samples "
+        f"(lr {args.lr}, cosine decay) of {cfg['batch']} samples; epsilon {args.epsilon} for "
+        f"the soft top-k routers; tested on {cfg['test']} samples "
         f"with exactly 2 experts each; {args.threads} torch thread(s), torch {torch.__version__}. "
         "The noise floor of the MSE is 0.01; a balanced load has entropy log 8 = 2.08.",
         "",
@@ -190,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": command.strip(),
         "config": cfg,
         "lr": args.lr,
+        "epsilon": args.epsilon,
         "torch": torch.__version__,
         "machine": platform.machine(),
         "rows": rows,

@@ -139,3 +139,34 @@ def test_attention_quick_run_reports_every_arm_and_n(attention_bench, tmp_path):
     for r in rows:
         assert set(r["relative_mse"]) == set(attention_bench.TEST_NS)
         assert all(math.isfinite(m) and m > 0 for m in r["relative_mse"].values())
+
+
+# ----------------------------------------------------------------------- benchmarks/moe.py
+
+
+@pytest.fixture(scope="module")
+def moe_bench():
+    return _load("moe")
+
+
+def test_moe_task_is_each_clusters_linear_map(moe_bench):
+    import torch
+
+    task = moe_bench.Task(0)
+    x, y = task.sample(4000, torch.Generator().manual_seed(0))
+    nearest = torch.cdist(x, task.centres).argmin(-1)
+    clean = (task.w[nearest] * x).sum(-1) + task.b[nearest]
+    # most samples are nearest their own centre; there the residual is the 0.1 noise
+    assert (y - clean).abs().lt(0.5).float().mean() > 0.9
+
+
+def test_moe_quick_run_reports_every_arm(moe_bench, tmp_path):
+    result = moe_bench.main(["--quick", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+    rows = result["rows"]
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        (a, s) for a in moe_bench.ARMS for s in range(moe_bench.QUICK["seeds"])
+    ]
+    for r in rows:
+        assert math.isfinite(r["test_mse"]) and 0 <= r["load_entropy"] <= math.log(8) + 1e-6
+        assert abs(sum(r["load"]) - 1) < 1e-5
