@@ -170,3 +170,18 @@ def test_moe_quick_run_reports_every_arm(moe_bench, tmp_path):
     for r in rows:
         assert math.isfinite(r["test_mse"]) and 0 <= r["load_entropy"] <= math.log(8) + 1e-6
         assert abs(sum(r["load"]) - 1) < 1e-5
+
+
+def test_layers_suite_quick_run(tmp_path):
+    from softops.bench.layers import build_configs, run
+
+    assert [c.group for c in build_configs(quick=True)] == ["attention", "router"]
+    report, paths = run(quick=True, out=tmp_path, sizes=[16], log=lambda _: None)
+    assert set(paths) >= {"jsonl", "md"}
+    for row in (
+        "nn.MultiheadAttention",
+        "TopKAttention mean",
+        "torch.topk router",
+        "TopKRouter hard",
+    ):
+        assert f"| {row} |" in report

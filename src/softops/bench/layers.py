@@ -1,0 +1,173 @@
+"""The layers suite: TopKAttention and TopKRouter against their dense counterparts.
+
+Two groups of configurations, forward and forward+backward (through the layer's parameters and
+its input), float32:
+
+* ``attention``: self-attention over N = 4 sequences of S tokens (E = 64, 4 heads, k = 16), for
+  S in :data:`ATTENTION_SIZES`. The floor is ``torch.nn.MultiheadAttention`` with the same
+  shapes (its fused scaled-dot-product path). The cases are :class:`softops.nn.TopKAttention`
+  in its two modes and with ``hard=True``.
+* ``router``: T tokens of d = 64 routed to 2 of E = 64 experts, for T in :data:`ROUTER_SIZES`.
+  The floor is the usual hard router: a linear layer, ``torch.topk`` of the logits and the
+  softmax of the two selected logits, scattered to (T, E). The cases are
+  :class:`softops.nn.TopKRouter` with ``hard=True`` (the default) and ``hard=False``.
+
+The layers are built once per configuration from a fixed seed. The harness
+(:mod:`softops.bench.harness`) times them interleaved, with medians and the ratio to the floor.
+The softops cases are flagged ``compiled``: at these sizes the "ot" mask takes its fused
+(torch.compile) path, whose first call compiles (about 20 s on CPU) before the timed calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from softops.bench.harness import (
+    Case,
+    Config,
+    QuickDefaults,
+    make_options,
+    run_and_write,
+)
+from softops.nn import TopKAttention, TopKRouter
+
+__all__ = ["ATTENTION_SIZES", "QUICK", "ROUTER_SIZES", "SUITE", "LayersSuite", "build_configs"]
+
+ATTENTION_SIZES = (128, 512, 1024)
+ROUTER_SIZES = (1024, 8192, 65536)
+QUICK: QuickDefaults = {"sizes": (64,), "batch": 2, "repeats": 3, "time_budget": 2.0}
+N, E, HEADS, K_KEYS = 4, 64, 4, 16
+D_MODEL, EXPERTS, K_EXPERTS = 64, 64, 2
+_MHA = "nn.MultiheadAttention"
+_HARD_ROUTER = "torch.topk router"
+
+
+class _HardRouter(torch.nn.Module):
+    """The usual router: the softmax of the k best logits, as (T, E) weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(D_MODEL, EXPERTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.gate(x).topk(K_EXPERTS, -1)
+        w = torch.softmax(top.values, -1)
+        return torch.zeros(x.shape[0], EXPERTS, device=x.device, dtype=w.dtype).scatter(
+            -1, top.indices, w
+        )
+
+
+def _attention(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return layer(x, x, x, need_weights=False)[0]
+
+    return fn
+
+
+class LayersSuite:
+    """The layers suite (see the module docstring); ``SUITE`` is its instance."""
+
+    ref = "softops.bench.layers:SUITE"
+    name = "layers"
+    floor_label = "the dense counterpart"
+    plot_group = "attention"
+    plot_x = "S"
+
+    def make_input(
+        self,
+        config: Config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Tokens: (N, S, E) for attention, (T, d) for the router."""
+        p = config.params
+        shape = (p["N"], p["S"], E) if config.group == "attention" else (p["T"], D_MODEL)
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    def make_cases(self, config: Config) -> list[Case]:
+        """The floor and the softops layers of one configuration."""
+        torch.manual_seed(0)
+        if config.group == "attention":
+            mha = torch.nn.MultiheadAttention(E, HEADS, batch_first=True)
+            cases = [Case(_MHA, _attention(mha), floor=True)]
+            for label, kw in (
+                ("TopKAttention softmax", {}),
+                ("TopKAttention mean", {"mode": "mean"}),
+                ("TopKAttention softmax hard", {"hard": True}),
+            ):
+                layer = TopKAttention(E, HEADS, K_KEYS, batch_first=True, **kw)
+                cases.append(Case(label, _attention(layer), compiled=True))
+            return cases
+        hard = _HardRouter()
+        routers = {
+            "TopKRouter hard": TopKRouter(D_MODEL, EXPERTS, K_EXPERTS),
+            "TopKRouter soft": TopKRouter(D_MODEL, EXPERTS, K_EXPERTS, hard=False),
+        }
+        cases = [Case(_HARD_ROUTER, hard, floor=True)]
+        for label, router in routers.items():
+            cases.append(Case(label, lambda x, r=router: r(x).weights, compiled=True))
+        return cases
+
+    def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Nothing to compare: the layers have their own weights."""
+        return {}
+
+    def summary(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """How to read the table."""
+        return [
+            "The attention rows are self-attention with N = 4, E = 64, 4 heads and k = 16 keys "
+            "per query; the router rows route T tokens of d = 64 to 2 of 64 experts. Every "
+            "time is divided by the dense counterpart's forward (MultiheadAttention, or the "
+            "hard torch.topk router).",
+        ]
+
+
+SUITE = LayersSuite()
+
+
+def build_configs(*, sizes: Sequence[int] | None = None, quick: bool = False) -> list[Config]:
+    """The attention configurations over ``sizes`` (S), then the router's."""
+    s_values = tuple(sizes) if sizes else (QUICK["sizes"] if quick else ATTENTION_SIZES)
+    t_values = (256,) if quick else ROUTER_SIZES
+    n = QUICK["batch"] if quick else N
+    configs = [Config("attention", {"N": n, "S": int(s)}) for s in s_values]
+    configs += [Config("router", {"T": int(t)}) for t in t_values]
+    return configs
+
+
+def run(
+    *,
+    quick: bool = False,
+    out: str | Path = "benchmarks/results",
+    threads: int = 1,
+    device: str = "cpu",
+    repeats: int | None = None,
+    sizes: Sequence[int] | None = None,
+    memory: bool = True,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[str, dict[str, Path]]:
+    """Run the layers suite and write ``layers.{jsonl,md,png}`` (``layers-quick.*``) under out."""
+    options = make_options(
+        QUICK,
+        quick=quick,
+        device=device,
+        dtype="float32",
+        threads=threads,
+        repeats=repeats,
+        time_budget=None,
+        memory=memory,
+        first_call=False,
+        seed=0,
+        command=command,
+    )
+    configs = build_configs(sizes=sizes, quick=quick)
+    return run_and_write(
+        SUITE, configs, options, out, "layers-quick" if quick else "layers", command, log
+    )
