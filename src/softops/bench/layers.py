@@ -68,6 +68,13 @@ def _attention(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]
     return fn
 
 
+def _weights(router: TopKRouter) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return router(x).weights
+
+    return fn
+
+
 class LayersSuite:
     """The layers suite (see the module docstring); ``SUITE`` is its instance."""
 
@@ -111,7 +118,7 @@ class LayersSuite:
         }
         cases = [Case(_HARD_ROUTER, hard, floor=True)]
         for label, router in routers.items():
-            cases.append(Case(label, lambda x, r=router: r(x).weights, compiled=True))
+            cases.append(Case(label, _weights(router), compiled=True))
         return cases
 
     def compare(self, config: Config, outputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
