@@ -8,9 +8,11 @@ convergence it equals "ot"; it differentiates with respect to x only. ``max_iter
 runs the paper's fixed 200 iterations. The cost is passed in units of epsilon (the plan depends on
 x / epsilon only), so the solver sees the same numbers at every scale of x.
 
-Infinities are their limits: the problem is solved with finite stand-ins far beyond the finite
-range (``_options.finite_stand_ins``, shared with the sorted top-k), and those entries are then set
-to exactly 0 or 1.
+Infinities are their limits, by structure: ``+inf`` is always selected and ``-inf`` never, so
+the problem is solved on the finite entries alone, with k less the count of ``+inf`` (the
+infinite entries carry no mass, and their cost is a finite placeholder), and those entries are
+then set to exactly 1 or 0. (Finite stand-ins beyond the finite range rounded onto the row when
+that margin was below its ulp, and overflowed at a huge epsilon.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from softops._core.convergence import warn_not_converged
 from softops._core.sinkhorn import sinkhorn_plan
 from softops._core.transforms import cannot_branch
-from softops.topk._options import finite_stand_ins, unreachable_rows
+from softops.topk._options import unreachable_rows
 
 __all__ = ["sinkhorn_mask"]
 
@@ -38,20 +40,33 @@ def sinkhorn_mask(
     """The mask A (B, n) of canonical rows; ``k_row`` and ``eps_row`` are constants."""
     dtype = x2.dtype
     n = x2.shape[1]
-    # Infinities are their limits: solve with stand-ins far beyond the finite range, then set
-    # those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
+    # Infinities are their limits: solve on the finite entries (the infinite ones carry no mass),
+    # then set those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
     # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
     # row then takes the masked path below, which leaves a finite row exactly as it is.
     fixed = cannot_branch(x2)
     finite = torch.isfinite(x2)
     all_finite = not fixed and bool(finite.all())
-    xs = x2
-    if not all_finite:
-        # Rows that cannot hold k (or hold a NaN) are NaN by contract: solve a trivial stand-in
-        # (all zeros) for them instead, which converges at once, rather than asking Sinkhorn to
-        # move mass against a cost 2000 epsilon wide (it would crawl, and warn for nothing).
+    big = torch.finfo(dtype).max / 16
+    log_n = math.log(n)
+    if all_finite:
+        xs, log_a, k_fin = x2, torch.full_like(x2, -log_n), k_row
+        n_fin: torch.Tensor | float = float(n)
+        trivial = None
+    else:
+        # The finite problem: the finite entries (mass 1/n each) onto targets of masses
+        # (n_fin - k_fin)/n and k_fin/n, k_fin = k - #(+inf). Rows that cannot hold k (or hold
+        # a NaN) are NaN by contract, and rows at k_fin = 0 or n_fin are exact: they solve a
+        # trivial problem (zero cost, uniform masses) that converges at once.
         bad = unreachable_rows(x2, k_row)
-        xs = torch.where(bad[:, None], 0, finite_stand_ins(x2, eps_row))
+        n_fin = finite.sum(-1).to(dtype)
+        k_fin = k_row - (x2 == math.inf).sum(-1).to(dtype)
+        trivial = bad | (k_fin <= 0) | (k_fin >= n_fin)
+        live = finite & ~trivial[:, None]
+        xs = torch.where(live, x2, 0)
+        log_a = torch.full_like(x2, -log_n).masked_fill(~(live | trivial[:, None]), -math.inf)
+        k_fin = torch.where(trivial, 0.5 * n, k_fin)
+        n_fin = torch.where(trivial, float(n), n_fin)
     # The squared cost (x_i - y_j)^2 / eps_p, eps_p = 2 epsilon, in units of eps_p: the x_i^2 term
     # is a row constant (absorbed by f), y_j^2 and a shift of x by a per-row centre c are column
     # constants (absorbed by g), which leaves C_i0 = 0 and C_i1 = -(x_i - c)/epsilon. The plan
@@ -59,17 +74,17 @@ def sinkhorn_mask(
     # at every scale of x: in x's own units the O(1) constant y^2 = 1 swamped an x of 1e-7 in
     # float32. Beyond 1/16 of the dtype's range every entry is already decided (the hard limit),
     # so the scaled scores saturate there instead of overflowing (epsilon can be finfo.tiny).
-    big = torch.finfo(dtype).max / 16
-    # The centre is the median of the finite entries: with the stand-ins counted, a row that is
-    # mostly infinite was centred 2000 epsilon away from its threshold, which Sinkhorn then had
-    # to cross in steps of O(1) (it did not converge within 2000 iterations).
-    centre = torch.where(finite, xs.detach(), math.nan).nanmedian(-1, keepdim=True).values
+    # The centre is the median of the finite entries (the gauge of the paper's fixed-iteration
+    # runs), halved before the difference so that it cannot overflow (a row near finfo.max).
+    live_x = xs if trivial is None else torch.where(log_a > -math.inf, xs, math.nan)
+    centre = live_x.detach().nanmedian(-1, keepdim=True).values
     centre = torch.nan_to_num(centre, nan=0.0)
-    z = ((xs - centre) / eps_row[:, None]).clamp(-big, big)
+    z = ((0.5 * xs - 0.5 * centre) / (0.5 * eps_row[:, None])).clamp(-big, big)
+    if trivial is not None:
+        z = torch.where(log_a > -math.inf, z, 0)  # placeholders of the infinite entries
     cost = torch.stack((torch.zeros_like(z), -z), -1)
-    log_a = torch.full_like(xs, -math.log(n))
-    kc = k_row.clamp(0, n)
-    log_b = torch.stack([torch.log(n - kc), torch.log(kc)], -1) - math.log(n)
+    kc = k_fin.clamp(0, n)
+    log_b = torch.stack([torch.log(n_fin - kc), torch.log(kc)], -1) - log_n
     newton = tol > 0
     ones = torch.ones_like(eps_row)
     plan, result = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton)
@@ -80,7 +95,17 @@ def sinkhorn_mask(
         A = torch.where(edge_none[:, None], torch.zeros_like(A), A)
         A = torch.where(edge_all[:, None], torch.ones_like(A), A)
     if not all_finite:
+        none_fin, all_fin = k_fin_rows(x2, k_row)
+        A = torch.where(none_fin[:, None] & finite, 0.0, A)
+        A = torch.where(all_fin[:, None] & finite, 1.0, A)
         A = torch.where(x2 == math.inf, 1.0, A)
         A = torch.where(x2 == -math.inf, 0.0, A)
         A = A.masked_fill(bad[:, None], math.nan)
     return A
+
+
+def k_fin_rows(x2: torch.Tensor, k_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) bool: rows whose finite entries are all unselected (k = #(+inf)) or all selected
+    (k = #(+inf) + #finite)."""
+    k_fin = k_row - (x2 == math.inf).sum(-1).to(x2.dtype)
+    return k_fin <= 0, k_fin >= torch.isfinite(x2).sum(-1).to(x2.dtype)

@@ -14,6 +14,10 @@ Deviations from the paper's notation (the derivations are in docs/math.md §2):
   per-row constant (absorbed by f_i) and the per-column constants kappa_j (absorbed by g_j) are
   chosen from the sorted scores so that the potentials stay O(1). The plan is unchanged; the
   potentials are small, which lets float32 reach a 1e-6 marginal error.
+* Infinities are solved structurally (docs/math.md §2.2): the sure entries fill the first
+  ``c = min(#sure, k)`` targets (shared equally), the others none, and Sinkhorn runs on the finite
+  entries with those targets empty; rows near ``finfo.max`` are solved at a power-of-two scale
+  (the problem is invariant under ``(x, eps) -> (c x, c eps)``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import attach_epsilon, sinkhorn_plan
 from softops._core.transforms import cannot_branch, own_precision
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
-from softops.topk._options import finite_stand_ins
 
 __all__ = ["TopK", "soft_topk"]
 
@@ -155,13 +158,50 @@ def soft_topk(
 
     # Paper orientation: the smallest s are selected, smallest first.
     s = -x2 if largest else x2
-    if has_inf:
-        # rows with fewer than k selectable entries give NaN (infinities are their limits)
-        # and a NaN anywhere in a row makes the whole row NaN, whatever its infinities
-        sd = s.detach()
-        selectable = ((sd != math.inf).sum(-1) >= k) & ~torch.isnan(sd).any(-1)
-        s = finite_stand_ins(s, eps)
     m = k + 1 if k < n else k
+    log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
+    log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
+    log_b = torch.tensor(log_nu, dtype=cd, device=x.device).expand(bsz, m)
+    if has_inf:
+        # Infinities are their limits, by structure: -inf (in s) is always selected and fills
+        # the first targets, +inf never is; the problem is solved on the finite entries, the
+        # infinite ones carrying no mass (their costs are placeholders within the finite range)
+        # and the first c = min(#(-inf), k) targets none. (Finite stand-ins beyond the range
+        # rounded onto the row at a small epsilon, and overflowed at a huge one.) Rows with
+        # fewer than k selectable entries, or a NaN, are NaN; they, and rows without a finite
+        # entry, solve a uniform stand-in (zeros), whose plan is discarded.
+        sd = s.detach()
+        fin = torch.isfinite(sd)
+        sure, never = sd == -math.inf, sd == math.inf
+        selectable = ((~never).sum(-1) >= k) & ~torch.isnan(sd).any(-1)
+        n_sure = sure.sum(-1)
+        n_fin = fin.sum(-1)
+        trivial = ~selectable | (n_fin == 0)
+        c_eff = n_sure.clamp(max=k)
+        fmin = torch.where(fin, sd, math.inf).amin(-1, keepdim=True)
+        fmax = torch.where(fin, sd, -math.inf).amax(-1, keepdim=True)
+        s = torch.where(sure, fmin, torch.where(never, fmax, s))
+        s = torch.where(trivial[:, None], 0, s)
+        log_a = log_a.masked_fill(~(fin | trivial[:, None]), -math.inf)
+        j = torch.arange(m, device=x.device)
+        log_fin = torch.where(j < c_eff[:, None], -math.inf, log_b)
+        if k < n:  # the rest: the finite entries left out (exactly n - k on a finite row)
+            rest = n_fin - (k - c_eff)
+            log_rest = torch.log(rest.double() / n).to(cd)
+            log_rest = torch.where(rest == n - k, log_b[:, k], log_rest)
+            log_fin = torch.where(j == k, log_rest[:, None], log_fin)
+        log_b = torch.where(trivial[:, None], log_b, log_fin)
+    # Centred (by the column constants below) and scaled: the problem is invariant under (s, eps)
+    # -> (c s, c eps); rows whose finite entries come within 64 m of the largest finite value
+    # are solved at c a power of two that brings them below it (the partial sums of the costs
+    # are then finite; a row near finfo.max gave NaN), other rows at c = 1.
+    with torch.no_grad():
+        mag = s.detach().abs().amax(-1)
+        limit = torch.finfo(cd).max / (64 * m)
+        exponent = torch.frexp(torch.nan_to_num(mag, nan=0.0) / limit).exponent.clamp(min=0)
+        scale = torch.ldexp(torch.ones_like(mag), -exponent)
+    s = s * scale[:, None]
+    eps = eps * scale
 
     # Cost / eps_p with eps_p = 2 epsilon: -(j s_i - sum_{l<j} beta_l)/epsilon, where beta_l is the
     # midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants): column constants
@@ -177,7 +217,7 @@ def soft_topk(
     # whose value is replaced by the accurate one (nothing more is saved for backward).
     with torch.no_grad():
         low = torch.topk(s.detach(), min(k + 1, n), dim=-1, largest=False, sorted=True).values
-        beta = 0.5 * (low[:, : m - 1] + low[:, 1:m])  # (B, m-1)
+        beta = 0.5 * low[:, : m - 1] + 0.5 * low[:, 1:m]  # (B, m-1)
         dd = s.detach().unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
         below = dd > 0  # l < j_i
         pad = torch.zeros_like(s.detach()).unsqueeze(1)
@@ -200,9 +240,6 @@ def soft_topk(
     scaled = (accurate + (plain - plain.detach())) / eps_eff.detach()  # (B, m, n)
     scaled = attach_epsilon(scaled, eps_eff)
 
-    log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
-    log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
-    log_b = torch.tensor(log_nu, dtype=cd, device=x.device).expand(bsz, m)
     ones = torch.ones((bsz,), dtype=cd, device=x.device)
     plan, res = sinkhorn_plan(
         scaled.transpose(1, 2), log_a, log_b, ones, max_iter, tol, newton=True
@@ -210,6 +247,11 @@ def soft_topk(
 
     weights = plan[:, :, :k].transpose(1, 2) * n  # (B, k, n)
     if has_inf:
+        # the sure entries (tied) share the first c targets: 1/#(-inf) each
+        weights = torch.where(trivial[:, None, None], 0, weights)
+        first = torch.arange(k, device=x.device)[None, :, None] < c_eff[:, None, None]
+        share = (1 / n_sure.clamp(min=1).to(cd))[:, None, None]
+        weights = torch.where(first & sure[:, None, :], share, weights)
         values = _values_with_infinities(weights, x2, largest)
         weights = torch.where(selectable[:, None, None], weights, math.nan)
         values = torch.where(selectable[:, None], values, math.nan)
