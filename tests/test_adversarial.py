@@ -433,18 +433,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
-    if case.op == "soft_topk" or case.method == "sinkhorn":
-        # KD12: the stand-ins of the infinities (span + 2000 epsilon beyond the finite entries)
-        # round onto them when that margin is below an ulp of the row: wrong masks and weights
-        spanf = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
-        spanf = spanf.nan_to_num(0.0, posinf=0.0, neginf=0.0)
-        collapse = (spanf + 2000 * eps) <= 4 * mag * fi.eps
-        out["row"] = out["row"] | ((~fin & ~torch.isnan(xd)).any(-1) & collapse)
-    if case.op == "soft_topk":
-        # KD5: NaN rows when a row holds an infinity and 2000 epsilon overflows; KD6: NaN rows
-        # within 2**16 of the largest finite value
-        huge_eps = (~fin).any(-1) & (2000 * eps + 2 * mag > fi.max)
-        out["row"] = out["row"] | huge_eps | (mag > fi.max / 2**16)
     return out
 
 
@@ -752,41 +740,7 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-def _kd5() -> None:
-    x = torch.tensor([[INF, 0.0, 1.0]], dtype=F64)
-    out = softops.soft_topk(x, 1, epsilon=1e306, largest=False)
-    assert not torch.isnan(out.values).any(), out  # want values [[0.5]], weights [0, .5, .5]
-
-
-def _kd6() -> None:
-    x = torch.tensor([[3e38, 0.0, -3e38, 1.0]], dtype=torch.float32)
-    out = softops.soft_topk(x, 1, epsilon=1.0)
-    assert not torch.isnan(out.values).any(), out  # want values [[3e38]]
-
-
-def _kd12() -> None:
-    x = torch.tensor([[INF, 1.0, 1.0, 1.0]], dtype=F64)
-    mask = softops.soft_topk_mask(x, 1, epsilon=1e-20, largest=False, method="sinkhorn")
-    top = softops.soft_topk(x, 1, epsilon=1e-20, largest=False)
-    want = torch.tensor([[0.0, 1 / 3, 1 / 3, 1 / 3]], dtype=F64)  # what method="ot" gives
-    torch.testing.assert_close(mask, want)  # got [0, 0.25, 0.25, 0.25]: it sums to 0.75
-    torch.testing.assert_close(top.weights[:, 0], want)  # got 0.25 on the +inf entry too
-
-
 KNOWN_DEFECTS = {
-    "KD5-topk-huge-eps-inf": (
-        _kd5,
-        "topk/_sorted.py (stand-ins 2000 epsilon beyond the row): soft_topk NaN at huge epsilon",
-    ),
-    "KD6-topk-near-max": (
-        _kd6,
-        "topk/_sorted.py: soft_topk NaN on a float32 row near the largest finite value",
-    ),
-    "KD12-stand-ins-round-onto-the-row": (
-        _kd12,
-        "topk/_options.py finite_stand_ins (method='sinkhorn', soft_topk): at epsilon 1e-20 the "
-        "stand-in of +inf rounds onto a row of ones",
-    ),
 }
 
 
