@@ -406,7 +406,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
     fi = torch.finfo(cd)
     eps = _eps_rows(call, b, cd)
     fin = torch.isfinite(xd)
-    mag = torch.where(fin, xd.abs(), 0).amax(-1)
     none = torch.zeros(b, dtype=torch.bool)
     out = {"row": none, "grad_x": none, "grad_eps": none, "grad_k": none, "invariants": none}
     if case.method == "softkmax" or case.op == "soft_kmax":
@@ -740,8 +739,7 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-KNOWN_DEFECTS = {
-}
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
 
 
 @pytest.mark.parametrize(
