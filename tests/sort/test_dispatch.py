@@ -128,3 +128,15 @@ def test_interpolate_takes_infinite_neighbours_as_limits():
     assert out[0].tolist() == [-math.inf, 0.5, math.inf, -math.inf]
     assert out[1, 0] == -math.inf and out[1, 2] == math.inf
     assert math.isnan(out[1, 3])  # -inf against +inf with weight 0.6
+
+
+def test_interpolate_across_a_span_beyond_the_dtype():
+    # v_hi - v_lo overflows float32 (a bf16 row of +-3.39e38): the convex combination instead
+    values = torch.tensor([[-3.39e38, 3.39e38]], requires_grad=True)
+    q = torch.tensor([0.0, 0.3, 0.5, 1.0], requires_grad=True)
+    out = interpolate(values, q)
+    want = torch.tensor([[-3.39e38, -3.39e38 * 0.7 + 3.39e38 * 0.3, 0.0, 3.39e38]])
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e32)
+    gv, gq = torch.autograd.grad(out.sum(), (values, q))
+    torch.testing.assert_close(gv, torch.tensor([[2.2, 1.8]]))
+    assert not gq.isnan().any()  # the true derivative, 6.78e38, is beyond float32: inf

@@ -133,7 +133,8 @@ def interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     At position :math:`h = q\,(n - 1)`, with :math:`k = \lfloor h \rfloor` (0-based),
     :math:`Q_q = v_k + (h - k)(v_{k+1} - v_k)`; a gradient flows to q through :math:`h`.
     Infinite neighbours are taken as limits: the infinite one wins unless its weight is 0, and
-    ``-inf`` against ``+inf`` is NaN. Gradients stay finite. Returns (B, m).
+    ``-inf`` against ``+inf`` is NaN. Gradients stay finite. Where :math:`v_{k+1} - v_k`
+    overflows the dtype, :math:`(1 - (h - k)) v_k + (h - k) v_{k+1}` instead. Returns (B, m).
     """
     n = values.shape[-1]
     h = q.to(values.dtype) * (n - 1)
@@ -144,5 +145,10 @@ def interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(v_lo) & torch.isfinite(v_hi)
     a = torch.where(finite, v_lo, 0.0)
     b = torch.where(finite, v_hi, 0.0)
-    lin = a + frac * (b - a)
+    # b - a overflows on a row spanning more than the dtype's range (bf16 +-3.4e38 in float32):
+    # there the convex combination, whose terms stay in range (the double where keeps the
+    # overflowed difference out of the backward)
+    d = b - a
+    ok = torch.isfinite(d)
+    lin = torch.where(ok, a + frac * torch.where(ok, d, 0.0), a * (1 - frac) + b * frac)
     return torch.where(finite, lin, torch.where(frac == 0, v_lo, v_lo + v_hi))
