@@ -47,7 +47,7 @@ sum the counts of its batches first, and the score has no batch bias.
 
 All metrics return a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 are computed
 in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``
-(for ``soft_topk_accuracy``, with method "ot" only).
+(for ``soft_topk_accuracy``, with methods "ot" and "sparse" only).
 
 **Internal surface.** :func:`check_classification`, :func:`check_average`,
 :func:`check_topk_classification`, :func:`true_class_probability` and
@@ -96,7 +96,8 @@ __all__ = [
 ]
 
 _AVERAGES = ("binary", "micro", "macro")
-# "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1.
+# "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1
+# ("sparse" is clipped: it is in).
 _TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 
 
@@ -749,10 +750,15 @@ def check_topk_classification(
         )
     check_choice(method, _TOPK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op)
-    if method != "ot" and isinstance(epsilon, torch.Tensor) and epsilon.requires_grad:
+    if (
+        method not in ("ot", "sparse")
+        and isinstance(epsilon, torch.Tensor)
+        and epsilon.requires_grad
+    ):
         raise ValueError(
             f"{op}: expected an `epsilon` that does not require grad with method={method!r} "
-            "(only method='ot' differentiates with respect to epsilon); got one that does."
+            "(only methods 'ot' and 'sparse' differentiate with respect to epsilon); got one "
+            "that does."
         )
     return k, epsilon
 
@@ -810,8 +816,9 @@ def soft_topk_accuracy(
             soft_topk_accuracy(s, t, k, epsilon=e)``. As ``epsilon -> 0`` the value tends to the
             hard top-k accuracy (on scores without ties at the k-th place).
         method: the mask's method, as for :func:`softops.soft_topk_mask`: ``"ot"`` (default,
-            exact), ``"sinkhorn"`` or ``"perturbed"`` (with its default draws); only "ot"
-            differentiates with respect to a tensor ``epsilon``. ``"softkmax"`` is not
+            exact), ``"sinkhorn"``, ``"perturbed"`` (with its default draws) or ``"sparse"``
+            (the capped-simplex projection: exact zeros and ones); only "ot" and "sparse"
+            differentiate with respect to a tensor ``epsilon``. ``"softkmax"`` is not
             accepted: its mask is not clipped to [0, 1].
         hard: straight-through: the forward is the hard top-k accuracy, the backward that of
             the soft one.

@@ -21,7 +21,8 @@ Masks follow their function: :func:`topk_attention` uses the convention of
 :class:`torch.nn.MultiheadAttention` (a boolean mask is True where a query may *not* attend).
 A masked key gets weight exactly 0. A query with fewer valid keys than ``k`` attends to all of
 them (k is clamped per query), and a query with no valid key gets weights 0 and an output of
-zeros (``scaled_dot_product_attention`` gives NaN there).
+zeros (``scaled_dot_product_attention`` gives NaN there). With ``method="sparse"`` the mask has
+exact zeros, so keys beyond a query's soft top-k get weight exactly 0 in both modes.
 
 References:
     Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
@@ -53,7 +54,7 @@ __all__ = [
 #: the weightings of the values by the soft mask (the module docstring)
 ATTENTION_MODES = ("softmax", "mean")
 #: the top-k methods that take a per-query k (needed to clamp k to the valid keys)
-ATTENTION_METHODS = ("ot",)
+ATTENTION_METHODS = ("ot", "sparse")
 
 
 class TopKAttentionWeights(NamedTuple):
@@ -310,7 +311,9 @@ def topk_attention(
         scale: the factor on the scores (None: ``1 / sqrt(E)``).
         dropout_p: dropout on the weights (applied whenever > 0, as in
             ``scaled_dot_product_attention``; pass 0 in evaluation).
-        method: the top-k method: ``"ot"`` (the exact SOFT top-k, which takes a per-query k).
+        method: the top-k method, one that takes a per-query k: ``"ot"`` (the exact SOFT
+            top-k) or ``"sparse"`` (the capped-simplex projection, whose mask has exact zeros:
+            keys more than epsilon below a query's threshold get weight exactly 0).
 
     Returns:
         ``(..., L, Ev)``. A query with no valid key gives zeros.
@@ -375,7 +378,7 @@ class TopKAttention(nn.Module):
         k: the keys each query attends to, per head (see :func:`topk_attention`).
         epsilon: the temperature of the top-k, in the units of the scaled scores.
         mode: ``"softmax"`` (default) or ``"mean"``.
-        method: the top-k method (``"ot"``).
+        method: the top-k method (``"ot"`` or ``"sparse"``: see :func:`topk_attention`).
         hard: straight-through top-k (needs an integer k).
         dropout: dropout on the attention weights, in training.
         bias: biases on the projections.

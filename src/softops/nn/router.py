@@ -43,7 +43,7 @@ from softops.topk import soft_topk_mask
 __all__ = ["ROUTER_METHODS", "ROUTER_MODES", "RouterOutput", "TopKRouter"]
 
 ROUTER_MODES = ("softmax", "mean")
-ROUTER_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+ROUTER_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed", "sparse")
 
 
 class RouterOutput(NamedTuple):
@@ -68,6 +68,8 @@ class TopKRouter(nn.Module):
         mode: ``"softmax"`` (default: the renormalised softmax of the selected logits) or
             ``"mean"`` (``A / k``).
         method: the top-k method of :func:`softops.soft_topk_mask` ("ot" by default).
+            ``"sparse"`` gives exact zeros even with ``hard=False``: a token is sent only to
+            the experts whose logit is within epsilon of its threshold or above it.
         hard: exactly k experts per token in the forward, soft gradients (default True). With
             ``hard=False`` every expert gets a (soft) weight: use it to train densely.
         noise_std: in training, Gaussian noise of this standard deviation added to the logits

@@ -35,8 +35,10 @@ class SoftTopKMask(torch.nn.Module):
         dim: the dimension to select along.
         largest: select the largest (True) or the smallest entries.
         epsilon: the smoothing strength, in the units of x; larger is smoother.
-        method: "ot" (default), "sinkhorn", "softkmax" or "perturbed".
-        max_iter: "ot" and "sinkhorn": the iteration cap (None: the method's default).
+        method: "ot" (default), "sinkhorn", "softkmax", "perturbed" or "sparse" (the
+            capped-simplex projection: exact zeros and ones).
+        max_iter: "ot", "sinkhorn" and "sparse": the iteration cap (None: the method's
+            default).
         tol: "ot" and "sinkhorn": the stopping tolerance (None: the method's default).
         hard: straight-through: the hard mask forward, the soft gradient backward.
         n_samples: "perturbed": the number of noise draws (None: 100).

@@ -28,6 +28,7 @@ from softops._core.validation import (
 __all__ = [
     "MASK_METHODS",
     "PERTURBED_DEFAULT_SAMPLES",
+    "PER_ROW_K_METHODS",
     "check_generator",
     "check_mask_k",
     "check_mask_options",
@@ -36,7 +37,9 @@ __all__ = [
     "unreachable_rows",
 ]
 
-MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed")
+MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed", "sparse")
+PER_ROW_K_METHODS = ("ot", "sparse")
+"""The methods that take a per-row tensor k (and give gradients in k and epsilon)."""
 PERTURBED_DEFAULT_SAMPLES = 100
 """Noise draws of method="perturbed" when ``n_samples`` is None."""
 INF_MARGIN = 2000.0
@@ -72,6 +75,9 @@ def check_mask_options(
         check_unused(op, method, n_samples=n_samples, generator=generator)
     if method in ("softkmax", "perturbed"):
         check_unused(op, method, max_iter=max_iter, tol=tol)
+    elif method == "sparse":  # an exact finite solve: a cap, but no tolerance
+        check_unused(op, method, tol=tol)
+        check_max_iter(max_iter, 1, op)
     else:
         check_max_iter(max_iter, 1, op)
         check_tol(tol, 0.0, op)
@@ -96,7 +102,7 @@ def check_mask_k(
     """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number.
 
     ``0 <= k <= n`` (``n=None``: a layer before it sees x checks ``k >= 0`` only); a per-row k
-    needs "ot"; ``hard=True``, "softkmax" and "perturbed" need an integer k; "sinkhorn",
+    needs "ot" or "sparse"; ``hard=True``, "softkmax" and "perturbed" need an integer k; "sinkhorn",
     "softkmax" and "perturbed" give no gradient in k (nor, but for "softkmax", in epsilon), so a
     k or epsilon that requires grad is refused rather than silently ignored.
     """
@@ -104,10 +110,10 @@ def check_mask_k(
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
         k_scalar = k
-    elif k.dim() != 0 and method != "ot":
+    elif k.dim() != 0 and method not in PER_ROW_K_METHODS:
         raise ValueError(
             f"{op}: expected a scalar `k` with method={method!r} (a per-row k needs "
-            f"method='ot'); got k of shape {tuple(k.shape)}."
+            f"method='ot' or 'sparse'); got k of shape {tuple(k.shape)}."
         )
     if hard and not is_integral(k):
         raise ValueError(f"{op}: hard=True needs an integer k; got k={describe(k)}.")
@@ -121,7 +127,7 @@ def check_mask_k(
         if isinstance(value, torch.Tensor) and value.requires_grad:
             raise ValueError(
                 f"{op}: expected a `{name}` that does not require grad with method={method!r} "
-                "(use method='ot' for gradients in k and epsilon); got one that does."
+                "(use method='ot' or 'sparse' for gradients in k and epsilon); got one that does."
             )
     return k, k_scalar
 
@@ -129,9 +135,10 @@ def check_mask_k(
 def solver_defaults(
     method: str, max_iter: int | None, tol: float | None, dtype: torch.dtype
 ) -> tuple[int, float]:
-    """The documented defaults of "ot" (100 evaluations, machine precision: tol 0) and
-    "sinkhorn" (2000 iterations, :func:`softops._core.convergence.default_tol`)."""
-    if method == "ot":
+    """The documented defaults of "ot" (100 evaluations, machine precision: tol 0), "sparse"
+    (100 evaluations; it has no tolerance: 0) and "sinkhorn" (2000 iterations,
+    :func:`softops._core.convergence.default_tol`)."""
+    if method in ("ot", "sparse"):
         return (THRESHOLD_MAX_ITER if max_iter is None else max_iter), (0.0 if tol is None else tol)
     return (
         SINKHORN_MAX_ITER if max_iter is None else max_iter,

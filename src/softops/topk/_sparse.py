@@ -1,0 +1,268 @@
+r"""Method "sparse" of ``soft_topk_mask``: the Euclidean projection onto the capped simplex.
+
+The mask is the projection of :math:`x / \varepsilon` onto
+:math:`\{a : 0 \le a_i \le 1, \sum_i a_i = k\}` (the Euclidean counterpart of method "ot", whose
+regulariser is the binary entropy; Blondel et al. 2020, Amos et al. 2019 §3):
+
+.. math::
+
+    a_i = \mathrm{clip}\big((x_i - t)/\varepsilon,\ 0,\ 1\big), \qquad \textstyle\sum_i a_i = k .
+
+It has exact zeros and exact ones. With the free set :math:`S = \{i : 0 < a_i < 1\}` and the
+ones :math:`U = \{i : a_i = 1\}`, the threshold is :math:`t = (\sum_S x_i - \varepsilon (k - |U|))
+/ |S|`, and the Jacobian (symmetric, rows summing to 0) and the gradients in k and epsilon are
+
+.. math::
+
+    \frac{\partial a_i}{\partial x_j} = \frac{\delta_{ij} - 1/|S|}{\varepsilon}, \quad
+    \frac{\partial a_i}{\partial k} = \frac{1}{|S|}, \quad
+    \frac{\partial a_i}{\partial \varepsilon} = -\frac{a_i - \bar a_S}{\varepsilon}
+    \qquad (i, j \in S;\ 0 \text{ elsewhere}),
+
+with :math:`\bar a_S` the mean of a over S (from :math:`\partial t / \partial \varepsilon =
+-(k - |U|)/|S|`). When S is empty (every entry at 0 or 1: an integer k and gaps larger than
+epsilon) the mask is locally constant in x, k and epsilon, and all three gradients are 0; the
+gradient in k is then the derivative of neither one-sided limit, and is defined as 0 too.
+
+Forward: an exact finite Newton method on the residual :math:`r(t) = \sum_i a_i(t) - k`, which is
+piecewise linear and non-increasing with breakpoints :math:`x_i` and :math:`x_i - \varepsilon`.
+Each step solves the linear piece on the side it moves to (one-sided slope ``|S|/eps``, so a step
+from a breakpoint is right), and a row stops **exactly** when its new iterate lies on the piece
+the step was computed on (the counts of entries above ``t`` and above ``t + eps`` are those the
+step predicted): no tolerance is involved. Steps that leave the open bracket, or start on a flat
+piece (``|S| = 0``), fall back to an Illinois secant on the bracket ``[min x - eps, max x]``
+(bisection where it degenerates). Typical counts (float64, x ~ N(0, 1)): 2 to 15 evaluations for
+n = 1e3, 2 to 25 for n = 1e5; the cap is ``max_iter`` (default 100). Why not sort: a sort of the
+2n breakpoints with cumulative sums is also exact and O(n log n), but (i) ``torch.sort`` of a
+(64, 1e5) row costs about as much as eight of these evaluations on one CPU thread, (ii) cumulative
+sums lose the residual to cancellation in float32 (the difference of two prefix sums has an error
+of ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
+evaluation here sums the clipped entries themselves, and (iii) every evaluation is one
+element-wise pass and a few row reductions, which fuse (``softops._core.fused``) and run as well
+on a GPU. The host reads "all rows done" once per evaluation on the CPU and once per
+``GPU_BLOCK`` evaluations elsewhere.
+
+Infinities are exact with no special case in the residual: ``+inf`` entries are at 1 and
+``-inf`` at 0, and the bracket is taken over the finite entries. Rows whose k asks for no finite
+entry (``k`` = the count of ``+inf``) or for every one, are filled exactly; rows with a NaN, or
+whose k the finite entries cannot meet, are NaN (with NaN gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from softops._core.convergence import warn_not_converged
+from softops._core.fused import maybe_fused
+from softops._core.transforms import vmap_rows
+
+__all__ = ["GPU_BLOCK", "sparse_mask"]
+
+GPU_BLOCK = 4
+"""Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
+
+
+def _evaluate(
+    x: torch.Tensor, t: torch.Tensor, inv: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """At ``t`` (B, 1): ``a``, ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``,
+    ``z >= 1`` and ``z > 1`` (``z = (x - t) / eps``), as floats, (B,) each."""
+    z = (x - t) * inv
+    a = z.clamp(0, 1)
+    dt = x.dtype
+    r = a.sum(-1) - k
+    pos = (z > 0).sum(-1, dtype=dt)
+    pos0 = (z >= 0).sum(-1, dtype=dt)
+    one = (z >= 1).sum(-1, dtype=dt)
+    one1 = (z > 1).sum(-1, dtype=dt)
+    return a, r, pos, pos0, one, one1
+
+
+def _solve(
+    x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mask of every row of ``x`` (B, n), and the (B,) convergence flags (None: all rows)."""
+    dtype = x.dtype
+    finite = torch.isfinite(x)
+    n_fin = finite.sum(-1, dtype=dtype)
+    n_pinf = (x == math.inf).sum(-1, dtype=dtype)
+    k_eff = k - n_pinf
+    invalid = torch.isnan(x).any(-1) | (k_eff < 0) | (k_eff > n_fin)
+    sel_none = ~invalid & (k_eff <= 0)
+    sel_all = ~invalid & ~sel_none & (k_eff >= n_fin)
+    solve_rows = ~(invalid | sel_none | sel_all)
+    top = torch.where(finite, x, -math.inf).amax(-1)
+    bottom = torch.where(finite, x, math.inf).amin(-1)
+    zeros = torch.zeros_like(k)
+    # Bracket over the finite entries: r(lo) = n_fin - k_eff > 0 (all finite at 1), r(hi) = -k_eff.
+    hi = torch.where(solve_rows, top, zeros)
+    lo = torch.where(solve_rows, bottom - eps, zeros - 1)
+    r_lo = torch.where(solve_rows, n_fin - k_eff, 1)
+    r_hi = torch.where(solve_rows, -k_eff, -1)
+    # Start: the large-epsilon guess (every finite entry free): mean(x) - eps k_eff / n_fin.
+    mean = torch.where(finite, x, 0).sum(-1) / n_fin.clamp(min=1)
+    t = torch.where(solve_rows, mean - eps * (k_eff / n_fin.clamp(min=1)), zeros)
+    t = torch.minimum(torch.maximum(t, lo), hi)
+    inv = (1 / eps)[:, None]
+    done = ~solve_rows
+    newton = torch.zeros_like(done)
+    exact = torch.zeros_like(done)  # rows stopped on the root's piece (not by resolution)
+    side = torch.zeros_like(k)  # the side of the last bracket update (Illinois)
+    want_pos = want_one = zeros
+    evaluate = maybe_fused(_evaluate, x)
+    block = 1 if x.device.type == "cpu" else GPU_BLOCK
+    a = x
+    for i in range(max_iter):
+        a, r, pos, pos0, one, one1 = evaluate(x, t[:, None], inv, k)
+        # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
+        exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
+        done = done | exact
+        if i == max_iter - 1 or ((i + 1) % block == 0 and bool(done.all())):
+            break
+        up = r > 0
+        # The linear piece on the side of the step: entries at a breakpoint join it.
+        want_pos = torch.where(up, pos, pos0)
+        want_one = torch.where(up, one1, one)
+        free = want_pos - want_one
+        below, above = up & ~done, (r < 0) & ~done
+        # Illinois: the end that stays twice in a row has its residual halved.
+        r_lo = torch.where(below, r, torch.where(above & (side < 0), 0.5 * r_lo, r_lo))
+        r_hi = torch.where(above, r, torch.where(below & (side > 0), 0.5 * r_hi, r_hi))
+        lo = torch.where(below, t, lo)
+        hi = torch.where(above, t, hi)
+        side = torch.where(below, 1.0, torch.where(above, -1.0, side))
+        step = t + eps * r / free.clamp(min=1)
+        newton = (free > 0) & (step > lo) & (step < hi)
+        secant = lo + (hi - lo) * (r_lo / (r_lo - r_hi))
+        mid = 0.5 * lo + 0.5 * hi
+        secant = torch.where((secant > lo) & (secant < hi), secant, mid)
+        t_new = torch.where(newton, step, secant)
+        # No representable point left between the ends: t is as close as the dtype allows.
+        done = done | (t_new == t) | (t_new <= lo) | (t_new >= hi)
+        t = torch.where(done, t, t_new)
+    # Polish the rows stopped on the root's piece: t again, in closed form from that piece,
+    # t = (sum_S x - eps (k - |U|)) / |S|, which carries none of the rounding of the steps (an
+    # entry at a breakpoint comes out exactly 0 or 1).
+    free = (a > 0) & (a < 1)
+    size = free.sum(-1, dtype=dtype)
+    ones = (a >= 1).sum(-1, dtype=dtype)
+    polish = exact & (size > 0)
+    t_free = (torch.where(free, x, 0).sum(-1) - eps * (k - ones)) / size.clamp(min=1)
+    t = torch.where(polish, t_free, t)
+    a = ((x - t[:, None]) * inv).clamp_(0, 1)
+    converged: torch.Tensor | None = None
+    if not bool(done.all()):
+        converged = done
+    a = torch.where(sel_none[:, None], (x == math.inf).to(dtype), a)
+    a = torch.where(sel_all[:, None], (x > -math.inf).to(dtype), a)
+    return a.masked_fill(invalid[:, None], math.nan), converged
+
+
+def _free(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The free entries ``0 < a < 1`` as a float mask, and ``1 / |S|`` per row (B, 1), 0 where
+    S is empty; NaN rows keep their NaN (the mask is NaN there)."""
+    nan = a != a
+    free = ((a > 0) & (a < 1)).to(a.dtype)
+    size = free.sum(-1, keepdim=True)
+    inv = torch.where(size > 0, 1 / size.clamp(min=1), 0)
+    inv = inv.masked_fill(nan.any(-1, keepdim=True), math.nan)
+    return free, inv
+
+
+class _SparseTopKMask(torch.autograd.Function):
+    """``a = clip((x - t)/eps, 0, 1)`` with ``sum a = k`` per row; closed-form backward and jvp.
+
+    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: the mask and
+    the convergence flags (None when every row converged).
+    """
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _solve(x, k, eps, max_iter)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        a, converged = output
+        if converged is not None:
+            ctx.mark_non_differentiable(converged)
+        ctx.set_materialize_grads(False)
+        eps = inputs[2]
+        # a is saved as an output: double backward differentiates through it (in epsilon).
+        ctx.save_for_backward(a, eps)
+        ctx.save_for_forward(a, eps)
+
+    @staticmethod
+    def backward(ctx: Any, ga: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        if ga is None:
+            return None, None, None, None
+        need_x, need_k, need_eps = ctx.needs_input_grad[:3]
+        a, eps = ctx.saved_tensors
+        free, inv = _free(a.detach())
+        e = eps[:, None]
+        g = ga * free
+        mean_g = g.sum(-1, keepdim=True) * inv
+        gx = gk = geps = None
+        if need_x:
+            gx = free * (ga - mean_g) / e
+        if need_k:
+            gk = mean_g.squeeze(-1)
+        if need_eps:
+            af = torch.where(free > 0, a, 0)
+            geps = -((g - free * mean_g) * af).sum(-1) / eps
+        return gx, gk, geps, None
+
+    @staticmethod
+    def jvp(
+        ctx: Any,
+        dx: torch.Tensor | None,
+        dk: torch.Tensor | None,
+        deps: torch.Tensor | None,
+        *_: Any,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``da = [S] ((dx - mean_S dx) / eps - (a - mean_S a) deps / eps + dk / |S|)``: the
+        Jacobian in x is symmetric, so the part in x is the backward's map."""
+        a, eps = ctx.saved_tensors
+        free, inv = _free(a)
+        e = eps[:, None]
+        da = torch.zeros_like(a)
+        if dx is not None:
+            da = free * (dx - (free * dx).sum(-1, keepdim=True) * inv) / e
+        if deps is not None:
+            af = torch.where(free > 0, a, 0)
+            da = da - free * (af - af.sum(-1, keepdim=True) * inv) * (deps[:, None] / e)
+        if dk is not None:
+            da = da + free * inv * dk[:, None]
+        return da, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        """Every input and output leads with the rows: vmapped rows are more rows."""
+        return vmap_rows(_SparseTopKMask, info, in_dims, *args)
+
+
+def _apply_and_warn(
+    op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
+) -> torch.Tensor:
+    a, converged = _SparseTopKMask.apply(x2, k_row, eps_row, max_iter)
+    if converged is not None:
+        warn_not_converged(op, converged, max_iter)
+    return a
+
+
+def sparse_mask(
+    op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
+) -> torch.Tensor:
+    """The mask (B, n) of canonical rows, largest first, with the non-convergence warning.
+
+    The solve tests convergence on the host, so under ``torch.compile`` it runs eagerly behind a
+    graph break.
+    """
+    return _apply_eagerly(op, x2, k_row, eps_row, max_iter)
+
+
+_apply_eagerly = torch.compiler.disable(_apply_and_warn)
