@@ -69,6 +69,7 @@ __all__ = [
     "HAVE_NUMBA",
     "IsotonicResult",
     "Projection",
+    "block_max",
     "block_mean",
     "block_softmax",
     "block_sum",
@@ -591,10 +592,18 @@ def block_mean(g: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     return block_sum(g, block) / count
 
 
-def block_softmax(s: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """``softmax(s_B)`` within each block, at every position (differentiable in s)."""
+def block_max(s: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The largest entry of ``s`` over each position's block, at every position (detached)."""
     m = torch.full_like(s, -math.inf).scatter_reduce(1, block, s.detach(), "amax")
-    m = m.gather(1, block)
+    return m.gather(1, block)
+
+
+def block_softmax(
+    s: torch.Tensor, block: torch.Tensor, m: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``softmax(s_B)`` within each block, at every position (differentiable in s); ``m`` is
+    ``block_max(s, block)`` when the caller has it."""
+    m = block_max(s, block) if m is None else m
     finite = torch.isfinite(m)
     # A block whose largest entry is infinite: its mass sits on the entries equal to that
     # infinity (all of the block when it is all -inf); s - m would be inf - inf there.

@@ -80,13 +80,13 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from softops._core.isotonic import (
+    block_max,
     block_mean,
     block_softmax,
     block_sum,
@@ -192,9 +192,9 @@ def _sorted_z(
     return _through(us if frozen is None else us.masked_fill(frozen, 0.0), f, mode)
 
 
-def _relative(zs: Tensor, block: Tensor) -> Tensor:
+def _relative(zs: Tensor, top: Tensor) -> Tensor:
     """zs (sorted coordinates, from ``_sorted_z``) relative to the first entry of its block, its
-    largest.
+    largest (``top``: ``block_max(zs, block)``).
 
     J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
     (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
@@ -204,8 +204,7 @@ def _relative(zs: Tensor, block: Tensor) -> Tensor:
     derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in zs, are
     blocks of their own: equal infinities, or a whole NaN row.)
     """
-    top = torch.full_like(zs, -math.inf).scatter_reduce_(1, block, zs.detach(), "amax")
-    return zs - top.gather(1, block)
+    return zs - top
 
 
 def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
@@ -291,10 +290,13 @@ class _Permutahedron(torch.autograd.Function):
         if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
             gs = gs.masked_fill(frozen, 0.0)
         # z in sorted coordinates, where the Jacobian depends on it (KL) or for epsilon
-        zs = _sorted_z(u, f, pz, frozen, mode) if (mode.kl or want_e) else None
+        zs = top = None
+        if mode.kl or want_e:
+            zs = _sorted_z(u, f, pz, frozen, mode)
+            top = block_max(zs, block)
         if mode.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
             total = block_sum(gs, block)
-            gs_z = gs - block_softmax(cast(Tensor, zs), block) * total
+            gs_z = gs - block_softmax(cast(Tensor, zs), block, top) * total
             t = _gather(sign * w, pw).expand_as(gs)
             if out is None:
                 gs_w = block_softmax(t, block) * total
@@ -313,7 +315,7 @@ class _Permutahedron(torch.autograd.Function):
             if mode.negate:  # through w -> -w
                 gw = -gw
         if want_e:
-            rel = _relative(cast(Tensor, zs), block)
+            rel = _relative(cast(Tensor, zs), cast(Tensor, top))
             ge = _eps_grad((gs_z * rel).sum(-1), eps, f, mode)
         return gz, gw, ge, None
 
@@ -326,18 +328,19 @@ class _Permutahedron(torch.autograd.Function):
         rows = block.shape
         f = _factor(eps, rows[-1], u.dtype, mode)
         zs = _sorted_z(u, f, pz, frozen, mode)
+        top = block_max(zs, block) if (mode.kl or de is not None) else zs
         ds = None
         if du is not None:
             ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
         if de is not None:  # dz = -z deps / eps, on the block-relative z (``_relative``)
-            dse = _relative(zs, block) * _eps_grad(de, eps, f, mode)[:, None]
+            dse = _relative(zs, top) * _eps_grad(de, eps, f, mode)[:, None]
             ds = dse if ds is None else ds + dse
         terms = []
         if ds is not None:
             if frozen is not None:
                 ds = ds.masked_fill(frozen, 0.0)
             if mode.kl:
-                terms.append(ds - block_sum(block_softmax(zs, block) * ds, block))
+                terms.append(ds - block_sum(block_softmax(zs, block, top) * ds, block))
             else:
                 terms.append(ds - block_mean(ds, block))
         if dw is not None:
