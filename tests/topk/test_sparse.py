@@ -1,0 +1,302 @@
+"""soft_topk_mask(method="sparse"): the projection onto the capped simplex (topk/_sparse.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from softops import soft_topk_mask
+
+F64 = torch.float64
+
+
+def sparse(x, k, eps, **kw):
+    return soft_topk_mask(x, k, epsilon=eps, method="sparse", **kw)
+
+
+def reference(x: torch.Tensor, k: float, eps: float) -> torch.Tensor:
+    """Plain bisection on t (float64, 200 halvings), one row at a time."""
+    out = []
+    for row in x.to(F64).reshape(-1, x.shape[-1]):
+        lo, hi = float(row.min()) - eps, float(row.max())
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if float(((row - mid) / eps).clamp(0, 1).sum()) > k:
+                lo = mid
+            else:
+                hi = mid
+        out.append(((row - 0.5 * (lo + hi)) / eps).clamp(0, 1))
+    return torch.stack(out).reshape(x.shape)
+
+
+def test_doc_example_exact_zeros_and_ones():
+    x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])
+    a = sparse(x, 3, 2.0)
+    assert torch.equal(a, torch.tensor([1.0, 0.0, 0.25, 0.75, 0.0, 1.0]))
+
+
+@pytest.mark.parametrize("n", [7, 100, 3000])
+@pytest.mark.parametrize("eps", [1e-3, 0.1, 1.0, 30.0])
+def test_matches_bisection_reference(n, eps):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(4, n, generator=g, dtype=F64)
+    for k in (0.5, 1, n / 3, n - 1.5):
+        a = sparse(x, k, eps)
+        torch.testing.assert_close(a, reference(x, k, eps), atol=1e-9, rtol=0)
+        torch.testing.assert_close(a.sum(-1), torch.full((4,), float(k), dtype=F64))
+        assert ((a == 0) | (a == 1) | ((a > 0) & (a < 1))).all()
+
+
+def test_scipy_reference():
+    optimize = pytest.importorskip("scipy.optimize")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(30, generator=g, dtype=F64)
+    k, eps = 4.3, 0.4
+
+    def residual(t: float) -> float:
+        return float(((x - t) / eps).clamp(0, 1).sum()) - k
+
+    t = optimize.brentq(residual, float(x.min()) - eps, float(x.max()), xtol=1e-15)
+    torch.testing.assert_close(sparse(x, k, eps), ((x - t) / eps).clamp(0, 1), atol=1e-12, rtol=0)
+
+
+def test_float32_sum_and_sparsity():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 10_000, generator=g)
+    a = sparse(x, 100, 0.05)
+    torch.testing.assert_close(a.sum(-1), torch.full((8,), 100.0), atol=1e-3, rtol=0)
+    assert (a == 0).float().mean() > 0.9 and (a == 1).any()
+
+
+def test_hard_limit():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 50, generator=g, dtype=F64)
+    hard = torch.zeros_like(x).scatter(-1, x.topk(7, -1).indices, 1)
+    assert torch.equal(sparse(x, 7, 1e-9), hard)
+    small = torch.zeros_like(x).scatter(-1, x.topk(7, -1, largest=False).indices, 1)
+    assert torch.equal(sparse(x, 7, 1e-9, largest=False), small)
+
+
+def test_ties_share_the_mass():
+    x = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0], dtype=F64)
+    torch.testing.assert_close(
+        sparse(x, 2, 1e-6), torch.tensor([1, 1 / 3, 1 / 3, 1 / 3, 0, 0], dtype=F64)
+    )
+    const = torch.full((2, 5), 4.0)
+    torch.testing.assert_close(sparse(const, 2, 0.1), torch.full((2, 5), 0.4))
+
+
+def test_edges_of_k():
+    x = torch.randn(3, 6, dtype=F64)
+    assert torch.equal(sparse(x, 0, 0.5), torch.zeros_like(x))
+    assert torch.equal(sparse(x, 6, 0.5), torch.ones_like(x))
+
+
+def test_scaling_law_and_dims():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, 3, generator=g, dtype=F64)
+    a = sparse(x, 2.5, 0.3, dim=1)
+    torch.testing.assert_close(sparse(7.0 * x, 2.5, 2.1, dim=1), a)
+    loop = torch.stack([sparse(x[i, :, j], 2.5, 0.3) for i in range(2) for j in range(3)])
+    torch.testing.assert_close(a.movedim(1, -1).reshape(6, 9), loop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_in_float32(dtype):
+    x = torch.randn(4, 64)
+    a = sparse(x.to(dtype), 5, 0.2)
+    assert a.dtype == dtype
+    torch.testing.assert_close(a.float(), sparse(x.to(dtype).float(), 5, 0.2).to(dtype).float())
+
+
+def test_per_row_k():
+    x = torch.randn(3, 10, dtype=F64)
+    k = torch.tensor([1.0, 2.5, 9.0], dtype=F64)
+    a = sparse(x, k, 0.2)
+    torch.testing.assert_close(a.sum(-1), k)
+    for i in range(3):
+        torch.testing.assert_close(a[i], sparse(x[i], float(k[i]), 0.2))
+
+
+def test_infinities_and_nan():
+    inf = math.inf
+    x = torch.tensor(
+        [
+            [inf, 1.0, 2.0, -inf, 0.5],
+            [1.0, math.nan, 2.0, 3.0, 4.0],
+            [inf, inf, inf, 0.0, 1.0],  # more +inf than k
+            [-inf, -inf, -inf, -inf, 1.0],  # fewer than k above -inf
+            [inf, inf, 0.0, 1.0, 2.0],  # k = the +inf count
+        ]
+    )
+    x.requires_grad_(True)
+    a = sparse(x, 2, 0.5)
+    assert torch.equal(a[0], torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(a[4], torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert a[1:4].isnan().all()
+    (g,) = torch.autograd.grad(a[[0, 4]].sum(), x)
+    assert torch.equal(g[[0, 4]], torch.zeros(2, 5))  # (rows 1 to 3 are NaN, like "ot")
+    # the limit: -inf equals a very low score, +inf a very high one
+    finite = torch.tensor([1e6, 1.0, 2.0, -1e6, 0.5])
+    torch.testing.assert_close(
+        sparse(torch.tensor([inf, 1.0, 1.6, -inf, 0.5]), 2.2, 0.8),
+        sparse(finite.clone().index_fill_(0, torch.tensor([2]), 1.6), 2.2, 0.8),
+    )
+
+
+def test_nan_row_is_confined():
+    x = torch.randn(3, 6, dtype=F64, requires_grad=True)
+    y = x.detach().clone()
+    y[1, 2] = math.nan
+    y.requires_grad_(True)
+    a = sparse(y, 2, 0.3)
+    assert a[1].isnan().all() and not a[[0, 2]].isnan().any()
+    torch.testing.assert_close(a[[0, 2]], sparse(x.detach()[[0, 2]], 2, 0.3))
+    (g,) = torch.autograd.grad(a[0].sum() + a[2, 0], y)
+    assert not g[[0, 2]].isnan().any()
+
+
+# ------------------------------------------------------------------------------------ gradients
+def _away_from_breakpoints(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linspace(-2, 2, n, dtype=F64)[torch.randperm(n, generator=g)] + 0.01 * torch.randn(
+        n, generator=g, dtype=F64
+    )
+
+
+def test_gradcheck_x_k_eps():
+    x = torch.stack([_away_from_breakpoints(seed=s) for s in range(3)]).requires_grad_(True)
+    k = torch.tensor([2.3, 3.0, 5.6], dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.9, 1.3, 2.1], dtype=F64, requires_grad=True)
+
+    def f(x, k, eps):
+        return sparse(x, k, eps)
+
+    assert torch.autograd.gradcheck(f, (x, k, eps), check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(f, (x, k, eps))
+    k0 = torch.tensor(2.7, dtype=F64, requires_grad=True)
+    e0 = torch.tensor(1.1, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (x, k0, e0), check_forward_ad=True)
+
+
+def test_closed_form_jacobian():
+    x = _away_from_breakpoints(10, seed=4)
+    eps = 1.5
+    a = sparse(x, 3.4, eps)
+    S = (a > 0) & (a < 1)
+    J = torch.autograd.functional.jacobian(lambda v: sparse(v, 3.4, eps), x)
+    m = S.sum()
+    expected = (torch.eye(10, dtype=F64) - S[None, :].to(F64) / m) / eps * (S[:, None] & S[None, :])
+    torch.testing.assert_close(J, expected)
+    torch.testing.assert_close(J, J.T)
+
+
+def central(f, v: torch.Tensor, h: float) -> torch.Tensor:
+    cols = []
+    for j in range(v.numel()):
+        e = torch.zeros_like(v).view(-1)
+        e[j] = h
+        e = e.view_as(v)
+        cols.append((f(v + e) - f(v - e)) / (2 * h))
+    return torch.stack(cols, -1)
+
+
+@pytest.mark.parametrize(
+    "x, k, eps",
+    [
+        ([3.0, 2.0, 2.0, 2.0, 1.0, 0.0], 2.0, 1e-3),  # ties at the boundary
+        ([0.1, 0.5, 0.9, 1.3, 1.7], 2.0, 1e-4),  # epsilon far below the gaps: S empty
+        ([0.1, 0.5, 0.9, 1.3, 1.7], 2.3, 100.0),  # epsilon far above: everything free
+        ([1e8 + 3.0, 1e8 + 1.0, 1e8 - 0.5, 1e8 - 2.0], 1.5, 2.0),  # large |x| / eps
+    ],
+)
+def test_finite_differences_hard_regimes(x, k, eps):
+    xt = torch.tensor(x, dtype=F64)
+    J = torch.func.jacrev(lambda v: sparse(v, k, eps))(xt)
+    h = 1e-4 * min(eps, 1.0)  # piecewise linear: any step that keeps the pieces is exact
+    torch.testing.assert_close(J, central(lambda v: sparse(v, k, eps), xt, h), atol=1e-5, rtol=1e-5)
+    e = torch.tensor(eps, dtype=F64)
+    de = torch.func.jacrev(lambda s: sparse(xt, k, s))(e)
+    fd = (sparse(xt, k, eps * (1 + 1e-4)) - sparse(xt, k, eps * (1 - 1e-4))) / (2e-4 * eps)
+    torch.testing.assert_close(de, fd, atol=1e-5, rtol=1e-5)
+    kt = torch.tensor(k, dtype=F64)
+    dk = torch.func.jacrev(lambda s: sparse(xt, s, eps))(kt)
+    if ((sparse(xt, k, eps) > 0) & (sparse(xt, k, eps) < 1)).any():
+        fdk = (sparse(xt, k + 1e-4, eps) - sparse(xt, k - 1e-4, eps)) / 2e-4
+        torch.testing.assert_close(dk, fdk, atol=1e-5, rtol=1e-5)
+    else:  # S empty: the gradient is defined as 0
+        assert torch.equal(dk, torch.zeros_like(dk))
+
+
+def test_empty_support_gradient_is_zero():
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=F64, requires_grad=True)
+    eps = torch.tensor(0.1, dtype=F64, requires_grad=True)
+    k = torch.tensor(2.0, dtype=F64, requires_grad=True)
+    a = sparse(x, k, eps)
+    assert torch.equal(a.detach(), torch.tensor([[0.0, 0.0, 1.0, 1.0]], dtype=F64))
+    gx, gk, ge = torch.autograd.grad((a * torch.arange(4.0, dtype=F64)).sum(), (x, k, eps))
+    assert not gx.any() and gk == 0 and ge == 0
+
+
+def test_vmap_jvp_jacrev():
+    x = torch.randn(4, 7, dtype=F64)
+    f = lambda v: sparse(v, 2.5, 0.6)  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(f)(x), f(x))
+    torch.testing.assert_close(
+        torch.func.vmap(torch.func.jacrev(f))(x), torch.func.vmap(torch.func.jacfwd(f))(x)
+    )
+    t = torch.randn(7, dtype=F64)
+    _, dot = torch.func.jvp(f, (x[0],), (t,))
+    torch.testing.assert_close(dot, torch.func.jacrev(f)(x[0]) @ t)
+    k = torch.tensor([1.0, 2.0, 3.5, 6.0], dtype=F64)
+    per_row = torch.func.vmap(lambda v, kk: sparse(v, kk, 0.6))(x, k)
+    torch.testing.assert_close(per_row, sparse(x, k, 0.6))
+
+
+def test_hard_straight_through():
+    x = torch.randn(3, 8, dtype=F64, requires_grad=True)
+    a = sparse(x, 3, 0.5, hard=True)
+    hard = torch.zeros_like(x).scatter(-1, x.detach().topk(3, -1).indices, 1)
+    assert torch.equal(a.detach(), hard)
+    w = torch.randn(3, 8, dtype=F64)
+    (g,) = torch.autograd.grad((a * w).sum(), x)
+    (g_soft,) = torch.autograd.grad((sparse(x, 3, 0.5) * w).sum(), x)
+    torch.testing.assert_close(g, g_soft)
+
+
+def test_entmax_budget_bisect_agreement():
+    entmax = pytest.importorskip("entmax")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 40, generator=g, dtype=F64)
+    # budget_bisect is clip(X - tau, 0, 1) with sum = budget, by bisection: ours at epsilon = 1
+    ours = sparse(x, 5, 1.0)
+    theirs = entmax.budget_bisect(x, budget=5, n_iter=100, dim=-1)
+    torch.testing.assert_close(theirs.to(F64), ours, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- options
+def test_errors():
+    x = torch.randn(2, 5)
+    with pytest.raises(
+        ValueError,
+        match=r"^soft_topk_mask: expected `tol` to be left at its default None \(method='sparse' ",
+    ):
+        sparse(x, 2, 0.1, tol=1e-3)
+    with pytest.raises(ValueError, match=r"expected 0 <= `k` <= x.shape\[dim\] \(= 5\); got k=7"):
+        sparse(x, 7, 0.1)
+    with pytest.raises(
+        TypeError,
+        match=r"^soft_topk_mask: expected `x` to have a real floating dtype .*torch.int64",
+    ):
+        sparse(torch.ones(2, 5, dtype=torch.long), 2, 0.1)
+    with pytest.raises(ValueError, match=r"hard=True needs an integer k; got k=2.5"):
+        sparse(x, 2.5, 0.1, hard=True)
+
+
+def test_max_iter_cap_warns():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 1000, generator=g)
+    with pytest.warns(UserWarning, match="max_iter"):
+        sparse(x, 10, 0.01, max_iter=1)
