@@ -85,6 +85,8 @@ def _solve(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The mask of every row of ``x`` (B, n), and the (B,) convergence flags (None: all rows)."""
+    if x.device.type == "meta":  # shapes only: nothing to solve, no value to test
+        return torch.empty_like(x), None
     dtype = x.dtype
     finite = torch.isfinite(x)
     n_fin = finite.sum(-1, dtype=dtype)
@@ -99,7 +101,9 @@ def _solve(
     zeros = torch.zeros_like(k)
     # Bracket over the finite entries: r(lo) = n_fin - k_eff > 0 (all finite at 1), r(hi) = -k_eff.
     hi = torch.where(solve_rows, top, zeros)
-    lo = torch.where(solve_rows, bottom - eps, zeros - 1)
+    # (one float below: bottom - eps can round up to bottom itself beside a large |x|)
+    lo = torch.nextafter(bottom - eps, torch.full_like(bottom, -math.inf))
+    lo = torch.where(solve_rows, lo, zeros - 1)
     r_lo = torch.where(solve_rows, n_fin - k_eff, 1)
     r_hi = torch.where(solve_rows, -k_eff, -1)
     # Start: the large-epsilon guess (every finite entry free): mean(x) - eps k_eff / n_fin.
@@ -134,7 +138,7 @@ def _solve(
         lo = torch.where(below, t, lo)
         hi = torch.where(above, t, hi)
         side = torch.where(below, 1.0, torch.where(above, -1.0, side))
-        step = t + eps * r / free.clamp(min=1)
+        step = t + eps * (r / free.clamp(min=1))  # (eps r could overflow)
         newton = (free > 0) & (step > lo) & (step < hi)
         secant = lo + (hi - lo) * (r_lo / (r_lo - r_hi))
         mid = 0.5 * lo + 0.5 * hi
@@ -143,16 +147,30 @@ def _solve(
         # No representable point left between the ends: t is as close as the dtype allows.
         done = done | (t_new == t) | (t_new <= lo) | (t_new >= hi)
         t = torch.where(done, t, t_new)
-    # Polish the rows stopped on the root's piece: t again, in closed form from that piece,
-    # t = (sum_S x - eps (k - |U|)) / |S|, which carries none of the rounding of the steps (an
-    # entry at a breakpoint comes out exactly 0 or 1).
-    free = (a > 0) & (a < 1)
+    # Polish: t again, in closed form from the final piece, t = m + (sum_S (x - m) - eps (k -
+    # |U|)) / |S|, centred on m = the largest free entry (so x - m is exact near the threshold
+    # and t - m finely resolved, also in float32 beside a large |x|). It carries none of the
+    # rounding of the steps (an entry at a breakpoint comes out exactly 0 or 1). Rows stopped on
+    # the root's piece take it; rows stopped by the resolution of t, where it is closer to k.
+    # (On rows stopped by resolution the piece is read from the final bracket [lo, hi], whose
+    # ends are adjacent floats: S = {lo < x, x - hi < eps}, U = {x - hi >= eps}.)
+    e2 = eps[:, None]
+    exact2 = exact[:, None]
+    above_hi = x - hi[:, None]  # (hi + eps would round to hi beside a large |hi|)
+    free = torch.where(exact2, (a > 0) & (a < 1), (x > lo[:, None]) & (above_hi < e2))
+    ones_mask = torch.where(exact2, a >= 1, above_hi >= e2)
     size = free.sum(-1, dtype=dtype)
-    ones = (a >= 1).sum(-1, dtype=dtype)
-    polish = exact & (size > 0)
-    t_free = (torch.where(free, x, 0).sum(-1) - eps * (k - ones)) / size.clamp(min=1)
-    t = torch.where(polish, t_free, t)
-    a = ((x - t[:, None]) * inv).clamp_(0, 1)
+    ones = ones_mask.sum(-1, dtype=dtype)
+    size1 = size.clamp(min=1)
+    m = torch.where(free, x, -math.inf).amax(-1)
+    m = torch.where(size > 0, m, 0)[:, None]
+    xm = torch.where(free, x - m, 0)
+    t_c = xm.sum(-1) / size1 - eps * ((k - ones) / size1)
+    a_p = (((x - m) - t_c[:, None]) * inv).clamp_(0, 1)
+    r_p = a_p.sum(-1) - k
+    r = a.sum(-1) - k
+    take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
+    a = torch.where(take[:, None], a_p, a)
     converged: torch.Tensor | None = None
     if not bool(done.all()):
         converged = done
