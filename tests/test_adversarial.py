@@ -251,7 +251,7 @@ def _draw_call(case: Case, data: st.DataObject, dtype: torch.dtype) -> dict[str,
         call["orient"] = orient
     if case.op in TAKES_K:
         k: Any = data.draw(adv.k_values(case, n), label="k")
-        if case.method == "ot":
+        if case.method in ("ot", "sparse"):
             form = data.draw(st.sampled_from(["number", "0-dim", "per-row"]), label="k form")
             if form == "0-dim":
                 k = torch.tensor(float(k), dtype=F64, requires_grad=True)
@@ -531,7 +531,7 @@ def _invalid_call(case: Case, data: st.DataObject) -> dict[str, Any]:
         kinds += ["k", "k above n"]
         if case.op in adv.INT_K_OPS or case.method in adv.INT_K:
             kinds.append("fractional k")
-        if case.method != "ot":
+        if case.method not in ("ot", "sparse"):
             kinds.append("per-row k")
     if case.op == "soft_quantile":
         kinds += ["q", "q tensor"]
@@ -643,7 +643,7 @@ def _well_conditioned(case: Case, data: st.DataObject) -> dict[str, Any]:
         call["orient"] = orient
     if case.op in TAKES_K:
         k: Any = data.draw(adv.k_values(case, n), label="k")
-        if case.method == "ot" and data.draw(st.booleans(), label="k as a tensor"):
+        if case.method in ("ot", "sparse") and data.draw(st.booleans(), label="k as a tensor"):
             k = torch.tensor(float(k), dtype=F64)
         call["k"] = k
     if case.op == "soft_quantile":

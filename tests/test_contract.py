@@ -226,6 +226,7 @@ TOPK_CASES = [
     Case("soft_topk_mask", "ot", law=1.0),
     Case("soft_topk_mask", "sinkhorn", law=1.0, grad_eps=False, precise={"tol": 1e-12}),
     Case("soft_topk_mask", "softkmax", law=1.0, inf_limit=False),
+    Case("soft_topk_mask", "sparse", law=1.0),
     Case(
         "soft_topk_mask",
         "perturbed",
@@ -663,6 +664,7 @@ MASK_USES = {
     "sinkhorn": {"max_iter", "tol"},
     "softkmax": set(),
     "perturbed": {"n_samples", "generator"},
+    "sparse": {"max_iter"},
 }
 
 
@@ -758,9 +760,10 @@ def test_mask_unused_and_method_arguments(case):
             case(x, max_iter=0)
         with pytest.raises(TypeError, match=re.escape("got max_iter=2.5.")):
             case(x, max_iter=2.5)
+    if "tol" in MASK_USES[case.method]:
         with pytest.raises(ValueError, match=re.escape("got tol=-1.")):
             case(x, tol=-1)
-    if case.method != "ot":
+    if case.method not in ("ot", "sparse"):
         with pytest.raises(ValueError, match=rf"^{op}: expected a scalar `k` with method="):
             case(x, k=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match=rf"^{op}: hard=True needs an integer k; got k=1.5"):

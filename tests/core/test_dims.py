@@ -90,7 +90,7 @@ def _epsilon_ops():
         "soft_argsort": (lambda x, e: softops.soft_argsort(x, epsilon=e), None),
         "soft_quantile": (lambda x, e: softops.soft_quantile(x, 0.5, epsilon=e), None),
     }
-    for method in ("ot", "sinkhorn", "softkmax", "perturbed"):
+    for method in ("ot", "sinkhorn", "softkmax", "perturbed", "sparse"):
         ops[f"soft_topk_mask[{method}]"] = (
             lambda x, e, m=method: softops.soft_topk_mask(x, 2, epsilon=e, method=m),
             torch.tensor(_HARD_MASK),

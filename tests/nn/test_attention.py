@@ -389,3 +389,34 @@ def test_hard_weights_have_exactly_k_nonzero_entries_and_k0_gives_zeros(mode):
     assert (out == 0).all()
     (g,) = torch.autograd.grad(out.sum(), q)
     assert (g == 0).all()
+
+
+# ---------------------------------------------------------------------- method="sparse"
+
+
+@pytest.mark.parametrize("mode", ["softmax", "mean"])
+def test_sparse_method_gives_exact_zeros(mode):
+    q, kk, v = _qkv(seed=11, grad=True)
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1, 5:] = False
+    w = topk_attention_weights(
+        q, kk, 2, epsilon=0.05, key_padding_mask=pad, mode=mode, method="sparse"
+    )
+    torch.testing.assert_close(w.mask.sum(-1), torch.full(w.mask.shape[:-1], 2.0, dtype=q.dtype))
+    assert (w.weights == 0).sum(-1).min() >= 4  # of 7 keys, at least 4 are skipped exactly
+    assert (w.weights[1][..., 5:] == 0).all()
+    torch.testing.assert_close(w.weights.sum(-1), torch.ones(w.weights.shape[:-1], dtype=q.dtype))
+    out = topk_attention(
+        q, kk, v, 2, epsilon=0.05, key_padding_mask=pad, mode=mode, method="sparse"
+    )
+    (gv,) = torch.autograd.grad(out.sum(), (v,))
+    # a value whose key gets weight 0 in every query receives no gradient
+    unused = (w.weights == 0).all(-2)
+    assert (gv.abs().sum(-1)[unused] == 0).all()
+
+
+def test_sparse_method_module():
+    layer = TopKAttention(8, 2, 3, epsilon=0.1, method="sparse", batch_first=True).double()
+    x = torch.randn(2, 5, 8, generator=seeded(3), dtype=torch.float64)
+    out, _ = layer(x, x, x)
+    assert out.shape == (2, 5, 8) and torch.isfinite(out).all()

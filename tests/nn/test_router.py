@@ -184,3 +184,18 @@ def test_forward_errors():
         router(torch.randn(3, 5))
     with pytest.raises(TypeError, match=r"TopKRouter: expected a floating tensor of tokens"):
         router(torch.ones(3, 4, dtype=torch.int64))
+
+
+def test_sparse_method_routes_with_exact_zeros():
+    from softops.nn.router import route
+
+    logits = torch.randn(16, 8, generator=seeded(5), dtype=F64, requires_grad=True)
+    out = route(logits, 2, 0.05, "softmax", "sparse", False)
+    # soft routing, yet most experts get exactly nothing
+    assert ((out.weights == 0).sum(-1) >= 5).all()
+    torch.testing.assert_close(out.mask.sum(-1), torch.full((16,), 2.0, dtype=F64))
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(16, dtype=F64))
+    (g,) = torch.autograd.grad((out.weights * torch.randn(16, 8, dtype=F64)).sum(), logits)
+    assert torch.isfinite(g).all()
+    hard = _router(method="sparse")(_tokens(4))
+    assert ((hard.weights > 0).sum(-1) == 2).all()
