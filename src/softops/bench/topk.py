@@ -6,8 +6,11 @@ Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 b
     B=64, n in {1e3, 1e4, 1e5}, k = n/100, epsilon = 0.1. Cases: the floor ``torch.topk(x,
     k).values``; ``soft_topk_mask(method="ot")``, as "ot (eager)" and "ot (fused)"
     (``softops.set_compile(False)`` and ``True``, held through the backward); the paper's fixed
-    200-iteration Sinkhorn, ``soft_topk_mask(method="sinkhorn", max_iter=200, tol=0)``; and
-    ``entmax.budget_bisect(x, budget=k)`` when entmax is installed.
+    200-iteration Sinkhorn, ``soft_topk_mask(method="sinkhorn", max_iter=200, tol=0)``;
+    ``soft_topk_mask(method="sparse")`` (the capped-simplex projection, exact finite Newton);
+    and its peer ``entmax.budget_bisect(x / epsilon, budget=k)`` (the same projection by 50
+    bisections) when entmax is installed: its row label says that it gives NaN on a row with a
+    ``-inf`` score (softops masks them exactly).
 ``speedup``
     B=8, n=1e4, k=100: "ot" against the 200-iteration Sinkhorn, forward+backward.
 ``sorted``
@@ -80,6 +83,8 @@ _SORTED_LABEL = "soft_topk (implicit)"
 _UNROLLED_LABEL = f"unrolled sinkhorn-{SINKHORN_ITERS} (autograd)"
 PERTURBED_SAMPLES = 100
 _PERTURBED_LABEL = f"perturbed-{PERTURBED_SAMPLES}"
+_SPARSE_LABEL = "sparse"
+_ENTMAX_LABEL = "entmax.budget_bisect (NaN on -inf)"
 SOFTKMAX_MAX_KBN = 100_000_000
 
 
@@ -216,7 +221,11 @@ class TopKSuite:
         ]
         cases += _relaxation_cases(k, eps, int(p["B"]) * int(p["n"]))
         if config.group == "grid":
-            cases.append(_entmax_case(k))
+
+            def sparse(x: torch.Tensor) -> torch.Tensor:
+                return softops.soft_topk_mask(x, k, epsilon=eps, method="sparse")
+
+            cases += [Case(_SPARSE_LABEL, sparse), _entmax_case(k, eps)]
         return cases
 
     @staticmethod
@@ -262,6 +271,7 @@ class TopKSuite:
             ("max_abs_diff_paper_vs_sinkhorn", _PAPER_LABEL, _SINKHORN_LABEL),
             ("max_abs_diff_fused_vs_eager", _FUSED_LABEL, _EAGER_LABEL),
             ("max_abs_diff_implicit_vs_unrolled", _SORTED_LABEL, _UNROLLED_LABEL),
+            ("max_abs_diff_budget_bisect_vs_sparse", _ENTMAX_LABEL, _SPARSE_LABEL),
         )
         for key, a, b in pairs:
             if a in outputs and b in outputs and key not in facts:
@@ -408,9 +418,10 @@ def _fused_skip(numel: int) -> str | None:
     return None
 
 
-def _entmax_case(k: int) -> Case:
-    """``entmax.budget_bisect(x, budget=k)``, or a skipped row when entmax is not installed."""
-    name = "entmax.budget_bisect"
+def _entmax_case(k: int, eps: float) -> Case:
+    """``entmax.budget_bisect(x / eps, budget=k)``, the peer of method "sparse" (the same
+    projection, ``clip(x / eps - tau, 0, 1)``), or a skipped row when entmax is not installed."""
+    name = _ENTMAX_LABEL
     try:
         from entmax import budget_bisect
     except ImportError:
@@ -420,7 +431,7 @@ def _entmax_case(k: int) -> Case:
             raise RuntimeError(reason)
 
         return Case(name, unavailable, skip=reason)
-    return Case(name, lambda x: budget_bisect(x, budget=k))
+    return Case(name, lambda x: budget_bisect(x / eps, budget=k))
 
 
 SUITE = TopKSuite()
