@@ -81,6 +81,54 @@ def _evaluate(
     return a, r, pos, pos0, one, one1
 
 
+def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per row, in one pass: the counts of finite, ``+inf`` and NaN entries, the largest and
+    smallest finite entries, and the sum of the finite ones."""
+    dtype = x.dtype
+    finite = torch.isfinite(x)
+    return (
+        finite.sum(-1, dtype=dtype),
+        (x == math.inf).sum(-1, dtype=dtype),
+        (x != x).sum(-1, dtype=dtype),
+        torch.where(finite, x, -math.inf).amax(-1),
+        torch.where(finite, x, math.inf).amin(-1),
+        torch.where(finite, x, 0).sum(-1),
+    )
+
+
+def _polish(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    eps: torch.Tensor,
+    exact: torch.Tensor,
+    k: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """t again, in closed form from the final piece, ``t = m + (sum_S (x - m) - eps (k - |U|)) /
+    |S|``, centred on m = the largest free entry (so ``x - m`` is exact near the threshold and
+    ``t - m`` finely resolved, also in float32 beside a large ``|x|``); it carries none of the
+    rounding of the steps (an entry at a breakpoint comes out exactly 0 or 1). On rows stopped
+    on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by the resolution
+    of t it is read from the final bracket, whose ends are adjacent floats: ``S = {lo < x, x - hi
+    < eps}``, ``U = {x - hi >= eps}`` (``hi + eps`` would round to hi beside a large ``|hi|``).
+    Returns the polished mask, its residual and |S|."""
+    dtype = x.dtype
+    e2 = eps[:, None]
+    exact2 = exact[:, None]
+    above_hi = x - hi[:, None]
+    free = torch.where(exact2, (a > 0) & (a < 1), (x > lo[:, None]) & (above_hi < e2))
+    ones_mask = torch.where(exact2, a >= 1, above_hi >= e2)
+    size = free.sum(-1, dtype=dtype)
+    ones = ones_mask.sum(-1, dtype=dtype)
+    size1 = size.clamp(min=1)
+    m = torch.where(free, x, -math.inf).amax(-1)
+    m = torch.where(size > 0, m, 0)[:, None]
+    t_c = torch.where(free, x - m, 0).sum(-1) / size1 - eps * ((k - ones) / size1)
+    a_p = (((x - m) - t_c[:, None]) / e2).clamp(0, 1)
+    return a_p, a_p.sum(-1) - k, size
+
+
 def _solve(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,16 +136,12 @@ def _solve(
     if x.device.type == "meta":  # shapes only: nothing to solve, no value to test
         return torch.empty_like(x), None
     dtype = x.dtype
-    finite = torch.isfinite(x)
-    n_fin = finite.sum(-1, dtype=dtype)
-    n_pinf = (x == math.inf).sum(-1, dtype=dtype)
+    n_fin, n_pinf, n_nan, top, bottom, total = maybe_fused(_row_stats, x)(x)
     k_eff = k - n_pinf
-    invalid = torch.isnan(x).any(-1) | (k_eff < 0) | (k_eff > n_fin)
+    invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
     sel_none = ~invalid & (k_eff <= 0)
     sel_all = ~invalid & ~sel_none & (k_eff >= n_fin)
     solve_rows = ~(invalid | sel_none | sel_all)
-    top = torch.where(finite, x, -math.inf).amax(-1)
-    bottom = torch.where(finite, x, math.inf).amin(-1)
     zeros = torch.zeros_like(k)
     # Bracket over the finite entries: r(lo) = n_fin - k_eff > 0 (all finite at 1), r(hi) = -k_eff.
     hi = torch.where(solve_rows, top, zeros)
@@ -107,7 +151,7 @@ def _solve(
     r_lo = torch.where(solve_rows, n_fin - k_eff, 1)
     r_hi = torch.where(solve_rows, -k_eff, -1)
     # Start: the large-epsilon guess (every finite entry free): mean(x) - eps k_eff / n_fin.
-    mean = torch.where(finite, x, 0).sum(-1) / n_fin.clamp(min=1)
+    mean = total / n_fin.clamp(min=1)
     t = torch.where(solve_rows, mean - eps * (k_eff / n_fin.clamp(min=1)), zeros)
     t = torch.minimum(torch.maximum(t, lo), hi)
     inv = (1 / eps)[:, None]
@@ -152,22 +196,9 @@ def _solve(
     # and t - m finely resolved, also in float32 beside a large |x|). It carries none of the
     # rounding of the steps (an entry at a breakpoint comes out exactly 0 or 1). Rows stopped on
     # the root's piece take it; rows stopped by the resolution of t, where it is closer to k.
-    # (On rows stopped by resolution the piece is read from the final bracket [lo, hi], whose
-    # ends are adjacent floats: S = {lo < x, x - hi < eps}, U = {x - hi >= eps}.)
-    e2 = eps[:, None]
-    exact2 = exact[:, None]
-    above_hi = x - hi[:, None]  # (hi + eps would round to hi beside a large |hi|)
-    free = torch.where(exact2, (a > 0) & (a < 1), (x > lo[:, None]) & (above_hi < e2))
-    ones_mask = torch.where(exact2, a >= 1, above_hi >= e2)
-    size = free.sum(-1, dtype=dtype)
-    ones = ones_mask.sum(-1, dtype=dtype)
-    size1 = size.clamp(min=1)
-    m = torch.where(free, x, -math.inf).amax(-1)
-    m = torch.where(size > 0, m, 0)[:, None]
-    xm = torch.where(free, x - m, 0)
-    t_c = xm.sum(-1) / size1 - eps * ((k - ones) / size1)
-    a_p = (((x - m) - t_c[:, None]) * inv).clamp_(0, 1)
-    r_p = a_p.sum(-1) - k
+    # Polish (rows stopped on the root's piece take it; rows stopped by the resolution of t,
+    # where it is closer to k).
+    a_p, r_p, size = maybe_fused(_polish, x)(x, a, lo, hi, eps, exact, k)
     r = a.sum(-1) - k
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
     a = torch.where(take[:, None], a_p, a)
