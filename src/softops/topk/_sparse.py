@@ -68,8 +68,9 @@ GPU_BLOCK = 4
 def _evaluate(
     x: torch.Tensor, t: torch.Tensor, inv: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """At ``t`` (B, 1): ``a``, ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``,
-    ``z >= 1`` and ``z > 1`` (``z = (x - t) / eps``), as floats, (B,) each."""
+    """At ``t`` (B, 1): ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``, ``z >= 1``
+    and ``z > 1`` (``z = (x - t) / eps``), as floats, (B,) each (reductions only: the mask is
+    formed once, by :func:`_polish`)."""
     z = (x - t) * inv
     a = z.clamp(0, 1)
     dt = x.dtype
@@ -78,7 +79,7 @@ def _evaluate(
     pos0 = (z >= 0).sum(-1, dtype=dt)
     one = (z >= 1).sum(-1, dtype=dt)
     one1 = (z > 1).sum(-1, dtype=dt)
-    return a, r, pos, pos0, one, one1
+    return r, pos, pos0, one, one1
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -98,7 +99,7 @@ def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _polish(
     x: torch.Tensor,
-    a: torch.Tensor,
+    t: torch.Tensor,
     lo: torch.Tensor,
     hi: torch.Tensor,
     eps: torch.Tensor,
@@ -112,9 +113,10 @@ def _polish(
     on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by the resolution
     of t it is read from the final bracket, whose ends are adjacent floats: ``S = {lo < x, x - hi
     < eps}``, ``U = {x - hi >= eps}`` (``hi + eps`` would round to hi beside a large ``|hi|``).
-    Returns the polished mask, its residual and |S|."""
+    Returns the mask at t and the polished one, their residuals, and |S|."""
     dtype = x.dtype
     e2 = eps[:, None]
+    a = ((x - t[:, None]) / e2).clamp(0, 1)
     exact2 = exact[:, None]
     above_hi = x - hi[:, None]
     free = torch.where(exact2, (a > 0) & (a < 1), (x > lo[:, None]) & (above_hi < e2))
@@ -126,7 +128,7 @@ def _polish(
     m = torch.where(size > 0, m, 0)[:, None]
     t_c = torch.where(free, x - m, 0).sum(-1) / size1 - eps * ((k - ones) / size1)
     a_p = (((x - m) - t_c[:, None]) / e2).clamp(0, 1)
-    return a_p, a_p.sum(-1) - k, size
+    return a, a_p, a.sum(-1) - k, a_p.sum(-1) - k, size
 
 
 def _solve(
@@ -162,9 +164,8 @@ def _solve(
     want_pos = want_one = zeros
     evaluate = maybe_fused(_evaluate, x)
     block = 1 if x.device.type == "cpu" else GPU_BLOCK
-    a = x
     for i in range(max_iter):
-        a, r, pos, pos0, one, one1 = evaluate(x, t[:, None], inv, k)
+        r, pos, pos0, one, one1 = evaluate(x, t[:, None], inv, k)
         # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
         exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
         done = done | exact
@@ -198,16 +199,18 @@ def _solve(
     # the root's piece take it; rows stopped by the resolution of t, where it is closer to k.
     # Polish (rows stopped on the root's piece take it; rows stopped by the resolution of t,
     # where it is closer to k).
-    a_p, r_p, size = maybe_fused(_polish, x)(x, a, lo, hi, eps, exact, k)
-    r = a.sum(-1) - k
+    a, a_p, r, r_p, size = maybe_fused(_polish, x)(x, t, lo, hi, eps, exact, k)
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
-    a = torch.where(take[:, None], a_p, a)
-    converged: torch.Tensor | None = None
-    if not bool(done.all()):
-        converged = done
-    a = torch.where(sel_none[:, None], (x == math.inf).to(dtype), a)
-    a = torch.where(sel_all[:, None], (x > -math.inf).to(dtype), a)
-    return a.masked_fill(invalid[:, None], math.nan), converged
+    # One host read of three flags; the common case (every row polished, none special) then
+    # costs no further pass over the rows.
+    all_taken, all_done, regular = torch.stack((take.all(), done.all(), solve_rows.all())).tolist()
+    a = a_p if all_taken else torch.where(take[:, None], a_p, a)
+    converged: torch.Tensor | None = None if all_done else done
+    if not regular:
+        a = torch.where(sel_none[:, None], (x == math.inf).to(dtype), a)
+        a = torch.where(sel_all[:, None], (x > -math.inf).to(dtype), a)
+        a = a.masked_fill(invalid[:, None], math.nan)
+    return a, converged
 
 
 def _free(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
