@@ -416,6 +416,15 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         growth = k * torch.log(span.nan_to_num(0.0) / eps + 1)
         out["grad_x"] = out["grad_x"] | (growth > math.log(fi.max) - 10)
         out["grad_eps"] = out["grad_eps"] | (growth > math.log(fi.max) - 10)
+    if case.op == "soft_topk_mask" and case.method == "sinkhorn":
+        # KD13: the cost is centred on the row's median; where an ulp of the distance to it is
+        # not far below the row's smallest gap, (x - median)/eps cannot resolve the threshold
+        med = torch.where(fin, xd, math.nan).nanmedian(-1, keepdim=True).values
+        far = torch.where(fin, (xd - med).abs(), 0).amax(-1)
+        ranked = torch.where(fin, xd, math.nan).sort(-1).values
+        gaps = torch.cat([ranked.diff(dim=-1), torch.full_like(ranked[:, :1], INF)], -1)
+        gaps = torch.where(torch.isfinite(gaps) & (gaps > 0), gaps, INF).amin(-1)
+        out["row"] = out["row"] | (far.nan_to_num(0.0) * fi.eps > 1e-3 * gaps)
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
