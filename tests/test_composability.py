@@ -281,3 +281,18 @@ def test_second_derivatives_equal_central_differences_of_the_gradient(case):
         return
     (hv,) = torch.autograd.grad((g * v).sum(), x)
     torch.testing.assert_close(hv, fd, rtol=1e-5, atol=1e-7 * (1 + fd.abs().max().item()))
+
+
+@pytest.mark.parametrize("method", ["softkmax", "perturbed"])
+def test_a_vmapped_k_of_a_counting_method_is_refused_clearly(method):
+    """softkmax and perturbed read k (a number of rounds, of a top-k per draw): a k batched by
+    vmap has no value to read, which they say; a plain tensor k closed over still works."""
+    x = torch.randn(3, 5, 6, dtype=F64)
+    k = torch.tensor([1.0, 2.0, 3.0])
+    kw = {"method": method, "epsilon": 0.5}
+    with pytest.raises(ValueError, match=rf"expected `k` as a number.*method='{method}'"):
+        func.vmap(lambda xi, ki: softops.soft_topk_mask(xi, ki, **kw), randomness="different")(x, k)
+    out = func.vmap(
+        lambda xi: softops.soft_topk_mask(xi, torch.tensor(2), **kw), randomness="different"
+    )(x)
+    torch.testing.assert_close(out.sum(-1), torch.full((3, 5), 2.0, dtype=F64))

@@ -8,6 +8,8 @@
 * :func:`cannot_branch`: whether the values of ``t`` are unavailable to Python (a ``torch.func``
   transform, meta tensors, or ``torch.compile``/``torch.export`` tracing): the ops then take their
   branch-free formulation instead of one host sync per call.
+* :func:`unreadable`: whether Python cannot read one tensor's values (batched by vmap, meta, or
+  traced): a count such as softkmax's k must then be a number.
 * :func:`plain`: the values under every functorch wrapper of a tensor, for host-side diagnostics
   only (a convergence warning counts rows; it never feeds a result).
 * :func:`vmap_rows`: the ``vmap`` rule of an ``autograd.Function`` whose tensor inputs and outputs
@@ -27,7 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["cannot_branch", "own_precision", "plain", "under_functorch", "vmap_rows"]
+__all__ = [
+    "cannot_branch",
+    "own_precision",
+    "plain",
+    "under_functorch",
+    "unreadable",
+    "vmap_rows",
+]
 
 _functorch = torch._C._functorch
 
@@ -40,6 +49,19 @@ def under_functorch() -> bool:
 def cannot_branch(t: torch.Tensor) -> bool:
     """True where a data-dependent Python branch on ``t`` is impossible or a graph break."""
     return under_functorch() or t.device.type == "meta" or torch.compiler.is_compiling()
+
+
+def unreadable(t: torch.Tensor) -> bool:
+    """True where Python cannot read ``t``'s values: a tensor batched by ``vmap`` (at any level
+    of its functorch wrappers), a meta tensor, or any tensor while ``torch.compile`` traces.
+    A plain tensor used inside a transform (a k or epsilon closed over) stays readable."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return True
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

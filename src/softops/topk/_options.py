@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.transforms import unreadable
 from softops._core.validation import (
     check_bool,
     check_choice,
@@ -115,7 +116,16 @@ def check_mask_k(
             f"{op}: expected a scalar `k` with method={method!r} (a per-row k needs "
             f"method='ot' or 'sparse'); got k of shape {tuple(k.shape)}."
         )
-    if hard and not is_integral(k):
+    opaque = isinstance(k, torch.Tensor) and unreadable(k)
+    if method in ("softkmax", "perturbed") and opaque:
+        # their k is a count of rounds (draws of a top-k), read on the host: a batched (vmap),
+        # traced or meta tensor has no value to read
+        raise ValueError(
+            f"{op}: expected `k` as a number, or a plain tensor, with method={method!r} (it "
+            "reads k's value); got a tensor batched by vmap, traced by torch.compile or on the "
+            "meta device."
+        )
+    if hard and not opaque and not is_integral(k):
         raise ValueError(f"{op}: hard=True needs an integer k; got k={describe(k)}.")
     if method in ("softkmax", "perturbed") and not is_integral(k):
         raise ValueError(
