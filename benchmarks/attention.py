@@ -31,9 +31,7 @@ It prints a Markdown table and writes ``attention.{json,md,png}`` under ``--out`
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softops.bench.report import write_experiment
 from softops.nn import topk_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -222,16 +221,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": cfg,
         "epsilon": args.epsilon,
         "lr": args.lr,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
         "rows": rows,
     }
     if not args.quick:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "attention.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "attention.md").write_text("\n".join(lines))
-        plot(rows, arms, out / "attention.png")
+        paths = write_experiment(args.out, "attention", result, lines)
+        plot(rows, arms, paths["md"].with_suffix(".png"))
     return result
 
 

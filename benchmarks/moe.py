@@ -34,9 +34,7 @@ It prints a Markdown table and writes ``moe.{json,md}`` under ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from softops.bench.report import write_experiment
 from softops.nn import TopKRouter
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -196,15 +195,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": cfg,
         "lr": args.lr,
         "epsilon": args.epsilon,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
         "rows": rows,
     }
     if not args.quick:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "moe.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "moe.md").write_text("\n".join(lines))
+        write_experiment(args.out, "moe", result, lines)
     return result
 
 

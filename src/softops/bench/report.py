@@ -39,6 +39,7 @@ __all__ = [
     "print_table",
     "reproduce_lines",
     "save_figure",
+    "write_experiment",
     "write_report",
     "write_results",
 ]
@@ -336,3 +337,25 @@ def write_results(
     return write_report(
         records, out_dir, stem, markdown, lambda png: plot_results(records, png, suite)
     )
+
+
+def write_experiment(
+    out_dir: str | os.PathLike[str],
+    stem: str,
+    record: Mapping[str, Any],
+    lines: Sequence[str],
+) -> dict[str, Path]:
+    """Write ``<stem>.json`` (``record``, with the machine and the torch
+    version added) and ``<stem>.md`` (``lines``): the files of a training experiment under
+    ``benchmarks/``. Returns the paths, keyed by ``"json"`` and ``"md"``."""
+    import platform
+
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
+    full = {**record, "torch": torch.__version__, "machine": platform.machine()}
+    paths["json"].write_text(json.dumps(full, indent=1) + "\n", encoding="utf-8")
+    paths["md"].write_text("\n".join(lines), encoding="utf-8")
+    return paths
