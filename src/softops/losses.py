@@ -236,8 +236,7 @@ def topk_cross_entropy(
     op = "topk_cross_entropy"
     weights = _check_p_k(p_k, logits, op)
     kmax = len(weights)
-    check_topk_classification(logits, target, kmax, epsilon, method, op)
-    epsilon = check_epsilon(epsilon, op)
+    _, epsilon = check_topk_classification(logits, target, kmax, epsilon, method, op)
     check_choice(reduction, _REDUCTIONS, op, "reduction")
     n_classes = logits.shape[1]
     if m is not None:
