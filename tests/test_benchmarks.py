@@ -185,3 +185,17 @@ def test_layers_suite_quick_run(tmp_path):
         "TopKRouter hard",
     ):
         assert f"| {row} |" in report
+
+
+def test_write_experiment_writes_the_record_and_the_table(tmp_path):
+    import json
+
+    import torch
+
+    from softops.bench.report import write_experiment
+
+    paths = write_experiment(tmp_path / "out", "demo", {"rows": [1, 2]}, ["# t", "", "| a |"])
+    assert set(paths) == {"json", "md"}
+    record = json.loads(paths["json"].read_text())
+    assert record["rows"] == [1, 2] and record["torch"] == torch.__version__ and record["machine"]
+    assert paths["md"].read_text() == "# t\n\n| a |"

@@ -528,3 +528,48 @@ def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatc
     assert isotonic.l2_vjp_host(cot[:, ::2], None, None, block[:, :6], True, True) is not None
     monkeypatch.setattr(isotonic, "compile_enabled", lambda: False)
     assert isotonic.l2_vjp_host(cot, pz, None, block, True, False) is None  # torch form then
+
+
+# ------------------------------------------------- the fused l2 VJP kernels and block_max
+
+
+def test_l2_vjp_kernels_are_the_block_mean_written_out(numba_mod):
+    from softops._core import _isotonic_numba as kernels
+
+    rng = np.random.default_rng(0)
+    B, n = 3, 6
+    g = rng.standard_normal((B, n))
+    pz = np.stack([rng.permutation(n) for _ in range(B)]).astype(np.int64)
+    pw = np.stack([rng.permutation(n) for _ in range(B)]).astype(np.int64)
+    block = np.array([[0, 0, 1, 2, 2, 2], [0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0]], np.int64)
+    gs = np.take_along_axis(g, pz, 1)
+    mean = np.stack([[gs[b, block[b] == block[b, j]].mean() for j in range(n)] for b in range(B)])
+    want_z, want_w = np.empty((B, n)), np.empty((B, n))
+    np.put_along_axis(want_z, pz, gs - mean, 1)
+    np.put_along_axis(want_w, pw, mean, 1)
+    gz, gw = np.empty((B, n)), np.empty((B, n))
+    kernels.l2_vjp(g, pz, pw, block, gz, gw)
+    np.testing.assert_allclose(gz, want_z, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gw, want_w, rtol=1e-12, atol=1e-12)
+    # with z = u / f: also sum_j (gs_j - m_j)(u_j - u_ref(j)) / f, u in z's order
+    u = rng.standard_normal((B, n))
+    f = np.array([2.0, 0.5, 4.0])
+    gr, gz2, gw2 = np.empty(B), np.empty((B, n)), np.empty((B, n))
+    kernels.l2_vjp_scaled(g, pz, pw, block, gz2, gw2, u, f, False, gr)
+    us = np.take_along_axis(u, pz, 1)
+    first = np.stack(
+        [[us[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
+    )
+    np.testing.assert_allclose(gr, ((gs - mean) * (us - first)).sum(1) / f, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gz2, want_z, rtol=1e-12, atol=1e-12)
+    kernels.l2_vjp_scaled(g, pz, pw, block, gz2, gw2, u, f, True, gr)  # z = u * f
+    np.testing.assert_allclose(gr, ((gs - mean) * (us - first)).sum(1) * f, rtol=1e-12, atol=1e-12)
+
+
+def test_block_max_is_the_largest_entry_of_each_block_and_detached():
+    s = torch.tensor([[3.0, 1.0, 5.0, -math.inf, 2.0], [0.0, 0.0, 7.0, 1.0, math.inf]])
+    s.requires_grad_(True)
+    block = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, 2, 2]])
+    got = isotonic.block_max(s, block)
+    want = torch.tensor([[3.0, 3.0, 5.0, 5.0, 2.0], [0.0, 7.0, 7.0, math.inf, math.inf]])
+    assert torch.equal(got, want) and not got.requires_grad

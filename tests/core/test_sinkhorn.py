@@ -523,3 +523,19 @@ def test_forward_over_reverse_hessian() -> None:
     torch.testing.assert_close(
         torch.func.jacfwd(torch.func.jacrev(loss))(cost).reshape_as(hess), hess
     )
+
+
+def test_attach_epsilon_keeps_the_value_and_gives_the_epsilon_gradient():
+    base = torch.tensor([[0.0, 2.0, math.inf], [1e100, -3.0, 0.5]], dtype=torch.float64)
+    for eps0 in (0.7, 1e-200):  # at 1e-200, eps**2 underflows: C / eps**2 would be inf or NaN
+        eps = torch.tensor([[eps0], [2 * eps0]], dtype=torch.float64, requires_grad=True)
+        scaled = (base * eps0) / eps.detach()
+        out = sinkhorn.attach_epsilon(scaled, eps)
+        assert torch.equal(out, scaled)  # the same value, infinities included
+        g = torch.tensor([[1.0, -2.0, 5.0], [0.5, 1.0, 3.0]], dtype=torch.float64)
+        (ge,) = torch.autograd.grad(out, eps, g)
+        finite = torch.isfinite(scaled)
+        # d(C/eps)/deps = -(C/eps)/eps, infinite costs being constants
+        want = -(torch.where(finite, g * scaled, 0)).sum(-1, keepdim=True) / eps.detach()
+        torch.testing.assert_close(ge, want)
+        assert torch.isfinite(ge).all()

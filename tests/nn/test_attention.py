@@ -420,3 +420,19 @@ def test_sparse_method_module():
     x = torch.randn(2, 5, 8, generator=seeded(3), dtype=torch.float64)
     out, _ = layer(x, x, x)
     assert out.shape == (2, 5, 8) and torch.isfinite(out).all()
+
+
+def test_masked_softmax_exact_zeros_and_empty_rows():
+    from softops.nn.attention import masked_softmax
+
+    s = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 4.0], [1.0, 1.0, 1.0]], dtype=F64)
+    A = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.3, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+    A.requires_grad_(True)
+    s.requires_grad_(True)
+    w = masked_softmax(s, A)
+    want = A * s.exp() / (A * s.exp()).sum(-1, keepdim=True)
+    torch.testing.assert_close(w[:2], want[:2])
+    assert w[0, 1] == 0 and w[1, 2] == 0 and (w[2] == 0).all()  # exact zeros, an empty row
+    gs, ga = torch.autograd.grad((w * torch.arange(3.0, dtype=F64)).sum(), (s, A))
+    assert torch.isfinite(gs).all() and torch.isfinite(ga).all()
+    assert (gs[2] == 0).all() and (ga[2] == 0).all()

@@ -7,6 +7,8 @@ in test_api.py and tests/test_sort_contract.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -313,3 +315,21 @@ def test_l1_scan_gradient_of_a_wide_row_at_a_wide_epsilon():
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=F64)
         gx, ge = torch.autograd.grad(out, (x, e), g)
         assert torch.isfinite(gx).all() and torch.isfinite(ge).all(), (op.__name__, gx, ge)
+
+
+def test_row_scale_is_a_power_of_two_that_leaves_small_rows_alone():
+    eps = torch.ones(4, dtype=torch.float64)
+    x = torch.tensor(
+        [[0.5, -1.0], [3.0, 100.0], [1e200, -math.inf], [math.nan, 2.0]], dtype=torch.float64
+    )
+    s = _softsort.row_scale(x, eps, 1.0, 2.0)
+    assert s.shape == (4, 1) and not s.requires_grad
+    mantissa, _ = torch.frexp(s)
+    assert (mantissa == 0.5).all()  # powers of two: x / s is exact
+    assert s[0, 0] == 1.0  # max|x| <= 1: x / s is x
+    assert 100.0 <= s[1, 0] < 256.0  # as large as max|x| (the backward stays in range)
+    # far beyond the range the backward allows: capped so that |x| s / eps stays finite, and at
+    # least what keeps the forward's sums of x / s below the dtype's largest value
+    fmax = torch.finfo(torch.float64).max
+    assert s[2, 0] * 1e200 < fmax and 1e200 / s[2, 0] * 4 * 2.0 < fmax
+    assert s[3, 0] == 2.0  # NaN entries are left out: the scale of the finite 2

@@ -46,3 +46,16 @@ def test_gradients_with_infinities_match_central_differences():
 
     central = (f(1.0) - f(-1.0)) / 2
     assert abs(central - analytic) <= 1e-6 * abs(analytic), (central, analytic)
+
+
+def test_k_fin_rows_are_the_rows_whose_finite_entries_are_all_out_or_all_in():
+    from softops.topk._sinkhorn import k_fin_rows
+
+    inf = math.inf
+    x = torch.tensor(
+        [[inf, 1.0, 2.0], [inf, 1.0, 2.0], [inf, 1.0, 2.0], [-inf, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    )
+    k = torch.tensor([1.0, 3.0, 2.0, 2.0, 1.5])
+    none_fin, all_fin = k_fin_rows(x, k)
+    assert none_fin.tolist() == [True, False, False, False, False]  # k = #(+inf)
+    assert all_fin.tolist() == [False, True, False, True, False]  # k = #(+inf) + #finite
