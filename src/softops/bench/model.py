@@ -226,8 +226,13 @@ def count_saved_bytes(
     """
     excluded = {_storage_key(x)}
     seen: dict[Any, int] = {}
+    # Every packed tensor is held until the count ends: a temporary saved by a node the graph
+    # later drops would otherwise free its storage, and a later save could reuse the address
+    # and be taken for the same storage (a count that depends on the allocator's state).
+    held: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        held.append(t)
         key = _storage_key(t)
         if key not in excluded:
             try:
@@ -239,6 +244,7 @@ def count_saved_bytes(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(x)
+    del held
     return out, sum(seen.values())
 
 
