@@ -175,7 +175,7 @@ def test_moe_quick_run_reports_every_arm(moe_bench, tmp_path):
 def test_layers_suite_quick_run(tmp_path):
     from softops.bench.layers import build_configs, run
 
-    assert [c.group for c in build_configs(quick=True)] == ["attention", "router"]
+    assert [c.group for c in build_configs(quick=True)] == ["attention", "router", "beam"]
     report, paths = run(quick=True, out=tmp_path, sizes=[16], log=lambda _: None)
     assert set(paths) >= {"jsonl", "md"}
     for row in (
@@ -183,8 +183,34 @@ def test_layers_suite_quick_run(tmp_path):
         "TopKAttention mean",
         "torch.topk router",
         "TopKRouter hard",
+        "torch.topk beam step",
+        "beam_step soft_topk",
+        "beam_step softmax",
     ):
         assert f"| {row} |" in report
+
+
+def test_layers_beam_cases_select_what_the_hard_step_selects():
+    import torch
+
+    from softops.bench.layers import SUITE, _beam_scores, build_configs
+
+    (config,) = [c for c in build_configs(quick=True) if c.group == "beam"]
+    x = SUITE.make_input(
+        config, device=torch.device("cpu"), dtype=torch.float32, generator=torch.Generator()
+    )
+    assert x.shape == (64, 2, 9)
+    torch.testing.assert_close(x.exp().sum(-1), torch.ones(64, 2))  # log-probabilities
+    hard, soft, softmax = SUITE.make_cases(config)
+    assert hard.floor and not soft.floor and not softmax.floor
+    cand = (_beam_scores(config).unsqueeze(-1) + x).flatten(-2)
+    torch.testing.assert_close(hard.fn(x), cand.topk(2, -1).values, rtol=0, atol=0)
+    for case in (soft, softmax):
+        w = case.fn(x)
+        assert w.shape == (64, 2, 18)
+        torch.testing.assert_close(w.sum(-1), torch.ones(64, 2))
+    w = softmax.fn(x)
+    torch.testing.assert_close(w[:, 0], w[:, 1], rtol=0, atol=0)  # rank-blind
 
 
 def test_write_experiment_writes_the_record_and_the_table(tmp_path):

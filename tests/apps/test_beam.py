@@ -342,10 +342,11 @@ def test_beam_search_loss_is_its_formula():
     want = 0.0
     for t, i in itertools.product(range(3), range(2)):
         w = out.weights[t, i]
-        want += float((w @ costs[t, i]).mean() + 0.3 * (w[0] @ costs[t, i]))
-    got = beam_search_loss(out, target, first=0.3)
+        want += float(0.7 * (w @ costs[t, i]).mean() + 0.3 * (w[0] @ costs[t, i]))
+    got = beam_search_loss(out, target, first=0.3, whole=0.7)
     assert float(got) == pytest.approx(want / 6, rel=1e-12)
-    assert float(beam_search_loss(out, costs=costs, first=0.3)) == pytest.approx(float(got))
+    again = beam_search_loss(out, costs=costs, first=0.3, whole=0.7)
+    assert float(again) == pytest.approx(float(got), rel=1e-15)
 
 
 def test_beam_search_loss_is_zero_for_a_certain_right_search():
@@ -373,6 +374,8 @@ def test_loss_and_costs_reject_bad_input():
         beam_search_loss(out, target, costs=torch.zeros(3, 2, 8))
     with pytest.raises(ValueError, match="first"):
         beam_search_loss(out, target, first=-1.0)
+    with pytest.raises(ValueError, match="whole"):
+        beam_search_loss(out, target, whole=float("nan"))
     with pytest.raises(ValueError, match="costs of shape"):
         beam_search_loss(out, costs=torch.zeros(3, 2, 7))
     with pytest.raises(ValueError, match="pass pad"):

@@ -453,6 +453,7 @@ def beam_search_loss(
     *,
     costs: Tensor | None = None,
     first: float = 1.0,
+    whole: float = 1.0,
     pad: int | None = None,
 ) -> Tensor:
     r"""The expected cost of the beam under the ranking weights, plus a term for the first rank.
@@ -462,11 +463,11 @@ def beam_search_loss(
 
     .. math::
 
-        \mathcal{L} = \frac{1}{T B} \sum_{t, b} \Big( \frac1K \sum_{j<K} \sum_c
+        \mathcal{L} = \frac{1}{T B} \sum_{t, b} \Big( \frac{\mu}{K} \sum_{j<K} \sum_c
             W^{(t)}_{b j c}\, \delta^{(t)}_{b c}
             + \lambda \sum_c W^{(t)}_{b 0 c}\, \delta^{(t)}_{b c} \Big),
 
-    :math:`\lambda` = ``first``. The first term asks every place of the beam to hold a cheap
+    :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``. The first term asks every place of the beam to hold a cheap
     candidate (the right prefix must stay in the beam for the search to find it), the second
     asks the best place to hold the cheapest. Through the sorted SOFT top-k the gradient reaches
     the candidate scores, hence the log-probabilities and the model; the loss is 0 exactly when
@@ -477,6 +478,7 @@ def beam_search_loss(
         target: (B, L) target tokens, for the Hamming costs; or pass ``costs``.
         costs: (T, B, K*V) candidate costs, instead of ``target``.
         first: lambda >= 0, the weight of the first rank's term.
+        whole: mu >= 0, the weight of the whole beam's term.
         pad: the padding token of :func:`prefix_costs`.
 
     Returns:
@@ -485,8 +487,9 @@ def beam_search_loss(
     op = "beam_search_loss"
     if (target is None) == (costs is None):
         raise ValueError(f"{op}: pass exactly one of target and costs.")
-    if not isinstance(first, int | float) or isinstance(first, bool) or not first >= 0:
-        raise ValueError(f"{op}: expected `first` >= 0; got first={first!r}.")
+    for name, value in (("first", first), ("whole", whole)):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{op}: expected `{name}` >= 0; got {name}={value!r}.")
     if costs is None:
         assert target is not None
         costs = prefix_costs(result, target, pad=pad)
@@ -498,4 +501,4 @@ def beam_search_loss(
     w = result.weights  # (T, B, K, n)
     beam = w.shape[2]
     per_rank = torch.linalg.vecdot(w, costs.unsqueeze(2).to(w.dtype))  # (T, B, K)
-    return (per_rank.sum(-1) / beam + first * per_rank[..., 0]).mean()
+    return (whole * per_rank.sum(-1) / beam + first * per_rank[..., 0]).mean()

@@ -11,6 +11,11 @@ its input), float32:
   The floor is the usual hard router: a linear layer, ``torch.topk`` of the logits and the
   softmax of the two selected logits, scattered to (T, E). The cases are
   :class:`softops.nn.TopKRouter` with ``hard=True`` (the default) and ``hard=False``.
+* ``beam``: one step of beam search over B = 64 sequences, K beams and V tokens, for (K, V) in
+  :data:`BEAM_SIZES`; the input is the (B, K, V) log-probabilities. The floor is the hard step
+  (``torch.topk`` of the K V candidate scores and their values); the cases are
+  :func:`softops.apps.beam_step` with the sorted SOFT top-k weights (epsilon 0.5) and with the
+  softmax surrogate. A beam search calls it once per token.
 
 The layers are built once per configuration from a fixed seed. The harness
 (:mod:`softops.bench.harness`) times them interleaved, with medians and the ratio to the floor.
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 
+from softops.apps.beam import beam_step
 from softops.bench.harness import (
     Case,
     Config,
@@ -35,15 +41,26 @@ from softops.bench.harness import (
 )
 from softops.nn import TopKAttention, TopKRouter
 
-__all__ = ["ATTENTION_SIZES", "QUICK", "ROUTER_SIZES", "SUITE", "LayersSuite", "build_configs"]
+__all__ = [
+    "ATTENTION_SIZES",
+    "BEAM_SIZES",
+    "QUICK",
+    "ROUTER_SIZES",
+    "SUITE",
+    "LayersSuite",
+    "build_configs",
+]
 
 ATTENTION_SIZES = (128, 512, 1024)
 ROUTER_SIZES = (1024, 8192, 65536)
+BEAM_SIZES = ((2, 9), (4, 9), (4, 64))
+BEAM_BATCH, BEAM_EPSILON = 64, 0.5
 QUICK: QuickDefaults = {"sizes": (64,), "batch": 2, "repeats": 3, "time_budget": 2.0}
 N, E, HEADS, K_KEYS = 4, 64, 4, 16
 D_MODEL, EXPERTS, K_EXPERTS = 64, 64, 2
 _MHA = "nn.MultiheadAttention"
 _HARD_ROUTER = "torch.topk router"
+_HARD_STEP = "torch.topk beam step"
 
 
 class _HardRouter(torch.nn.Module):
@@ -64,6 +81,30 @@ class _HardRouter(torch.nn.Module):
 def _attention(layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return layer(x, x, x, need_weights=False)[0]
+
+    return fn
+
+
+def _beam_scores(config: Config) -> torch.Tensor:
+    """Fixed scores of the K beams (sorted, as after a step), from the configuration's seed."""
+    p = config.params
+    g = torch.Generator().manual_seed(p["K"] * 1000 + p["V"])
+    return -torch.rand(p["B"], p["K"], generator=g).cumsum(-1)
+
+
+def _hard_step(scores: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(log_probs: torch.Tensor) -> torch.Tensor:
+        cand = (scores.to(log_probs).unsqueeze(-1) + log_probs).flatten(-2)
+        return cand.topk(scores.shape[-1], -1).values
+
+    return fn
+
+
+def _soft_step(scores: torch.Tensor, method: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(log_probs: torch.Tensor) -> torch.Tensor:
+        return beam_step(
+            scores.to(log_probs), log_probs, epsilon=BEAM_EPSILON, method=method
+        ).weights
 
     return fn
 
@@ -92,8 +133,12 @@ class LayersSuite:
         dtype: torch.dtype,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        """Tokens: (N, S, E) for attention, (T, d) for the router."""
+        """Tokens: (N, S, E) for attention, (T, d) for the router; log-probabilities (B, K, V)
+        of a model with logits of standard deviation 2 for the beam step."""
         p = config.params
+        if config.group == "beam":
+            logits = 2 * torch.randn(p["B"], p["K"], p["V"], generator=generator, dtype=dtype)
+            return torch.log_softmax(logits, -1).to(device)
         shape = (p["N"], p["S"], E) if config.group == "attention" else (p["T"], D_MODEL)
         return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
 
@@ -111,6 +156,13 @@ class LayersSuite:
                 layer = TopKAttention(E, HEADS, K_KEYS, batch_first=True, **kw)
                 cases.append(Case(label, _attention(layer), compiled=True))
             return cases
+        if config.group == "beam":
+            scores = _beam_scores(config)
+            return [
+                Case(_HARD_STEP, _hard_step(scores), floor=True),
+                Case("beam_step soft_topk", _soft_step(scores, "soft_topk")),
+                Case("beam_step softmax", _soft_step(scores, "softmax")),
+            ]
         hard = _HardRouter()
         routers = {
             "TopKRouter hard": TopKRouter(D_MODEL, EXPERTS, K_EXPERTS),
@@ -129,9 +181,10 @@ class LayersSuite:
         """How to read the table."""
         return [
             "The attention rows are self-attention with N = 4, E = 64, 4 heads and k = 16 keys "
-            "per query; the router rows route T tokens of d = 64 to 2 of 64 experts. Every "
-            "time is divided by the dense counterpart's forward (MultiheadAttention, or the "
-            "hard torch.topk router).",
+            "per query; the router rows route T tokens of d = 64 to 2 of 64 experts; the beam "
+            f"rows are one beam-search step over B = {BEAM_BATCH} sequences, K beams and V "
+            f"tokens (epsilon {BEAM_EPSILON}). Every time is divided by the counterpart's "
+            "forward (MultiheadAttention, the hard torch.topk router, or the hard beam step).",
         ]
 
 
@@ -145,6 +198,8 @@ def build_configs(*, sizes: Sequence[int] | None = None, quick: bool = False) ->
     n = QUICK["batch"] if quick else N
     configs = [Config("attention", {"N": n, "S": int(s)}) for s in s_values]
     configs += [Config("router", {"T": int(t)}) for t in t_values]
+    beams = BEAM_SIZES[:1] if quick else BEAM_SIZES
+    configs += [Config("beam", {"B": BEAM_BATCH, "K": kk, "V": v}) for kk, v in beams]
     return configs
 
 
