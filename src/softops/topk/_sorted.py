@@ -242,7 +242,7 @@ def soft_topk(
 
     ones = torch.ones((bsz,), dtype=cd, device=x.device)
     plan, res = sinkhorn_plan(
-        scaled.transpose(1, 2), log_a, log_b, ones, max_iter, tol, newton=True
+        scaled.transpose(1, 2), log_a, log_b, ones, max_iter, tol, newton=True, newton_first=True
     )
 
     weights = plan[:, :, :k].transpose(1, 2) * n  # (B, k, n)
