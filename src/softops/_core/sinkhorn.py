@@ -631,15 +631,18 @@ def log_sinkhorn(
     with torch.no_grad():
         cost = cost.detach()
         bsz, n, m = cost.shape
-        prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
-        v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
-        if bsz == 0 or n == 0 or cost.device.type == "meta":
-            # Nothing to iterate (meta tensors: shape inference, no values to loop on).
-            return _finalize(prob, v, epsilon, tol, 0)
         use_newton = newton and tol > 0 and m > 1
-        if use_newton and newton_first:
-            res = _newton_first(prob, epsilon, max_iter, tol)
+        trivial = bsz == 0 or n == 0 or cost.device.type == "meta"
+        if use_newton and newton_first and not trivial:
+            res = _newton_first(
+                cost, log_a.detach(), log_b.detach(), epsilon.detach(), max_iter, tol
+            )
         else:
+            prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
+            v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
+            if trivial:
+                # Nothing to iterate (meta tensors: shape inference, no values to loop on).
+                return _finalize(prob, v, epsilon, tol, 0)
             prob, v, iters = _hybrid(prob, v, max_iter, tol, use_newton)
             res = _finalize(prob, v, epsilon, tol, iters)
         dt = cost.dtype
@@ -688,10 +691,9 @@ class _NewtonState(NamedTuple):
 
     p: Tensor  # (B, m, n) P_ij = softmax_j(v_j - s_ij)
     gap: Tensor  # (B, m) b - c with c_j = sum_i a_i P_ij: the gradient of the semi-dual
-    ratio: Tensor  # (B, m) (b - c) / c (0 in the columns of zero mass)
     mx: Tensor  # (B, 1, n) max_j (v_j - s_ij)
     zs: Tensor  # (B, 1, n) sum_j exp(v_j - s_ij - mx_i), at least 1
-    err: Tensor  # (B,) relative L1 row error of the column-exact plan diag(a) P diag(b / c)
+    bound: Tensor  # (B,) sum_j |b_j - c_j| / sum_i a_i, a bound on the residual
 
 
 def _newton_state(prob: _Problem, v: Tensor, b: Tensor) -> _NewtonState:
@@ -700,9 +702,9 @@ def _newton_state(prob: _Problem, v: Tensor, b: Tensor) -> _NewtonState:
     Each row is taken relative to its home column h(i) (its largest entry): ``e_ij = exp(v_j -
     s_ij - M_i)`` is exactly 1 there, and the mass off home ``o_i = sum_{j != h(i)} e_ij`` is
     summed without it, so that ``1 - P_ih(i) = o_i / (1 + o_i)`` keeps its relative precision
-    when the row is nearly one-hot. ``b - c`` is then :func:`_mass_gap`'s split at home (sums of
-    small products), and the row error of the column-exact plan is
-    ``sum_i a_i |sum_j P_ij (b_j - c_j) / c_j| / sum_i a_i`` (no difference of O(1) numbers).
+    when the row is nearly one-hot; ``b - c`` is then :func:`_mass_gap`'s split at home, sums of
+    small products. ``bound`` bounds the residual of the column-exact plan (see
+    :func:`_residual`).
     """
     z = v.unsqueeze(-1) - prob.s
     mx, h = z.max(1, keepdim=True)
@@ -717,10 +719,19 @@ def _newton_state(prob: _Problem, v: Tensor, b: Tensor) -> _NewtonState:
     flow = off.sub_(top * o)  # zs_i times: -(1 - P_ij) at home, P_ij elsewhere
     home = torch.bmm(top, a_col).squeeze(-1)
     gap = (b - home) - torch.bmm(flow, a_col / zs.transpose(1, 2)).squeeze(-1)
+    return _NewtonState(p, gap, mx, zs, gap.abs().sum(-1) / prob.a_sum)
+
+
+def _residual(prob: _Problem, state: _NewtonState, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ratio, err)``: ``ratio = (b - c) / c`` (B, m) (0 in the columns of zero mass) and the
+    relative L1 row error of the column-exact plan ``diag(a) P diag(b / c)``,
+    ``err = sum_i a_i |sum_j P_ij (b_j - c_j) / c_j| / sum_i a_i`` (no difference of O(1)
+    numbers). By the triangle inequality ``err <= sum_j |b_j - c_j| / sum_i a_i`` (the state's
+    ``bound``)."""
+    gap = state.gap
     ratio = gap / (b - gap).clamp_min(torch.finfo(gap.dtype).tiny)
-    dev = (p * ratio.unsqueeze(-1)).sum(1)  # (B, n): row sums of the plan over a, minus 1
-    err = torch.linalg.vecdot(dev.abs(), prob.a) / prob.a_sum
-    return _NewtonState(p, gap, ratio, mx, zs, err)
+    dev = torch.bmm(ratio.unsqueeze(1), state.p)  # (B, 1, n): row sums of the plan over a, - 1
+    return ratio, torch.bmm(dev.abs(), prob.a.unsqueeze(-1)).flatten() / prob.a_sum
 
 
 def _newton_direction(prob: _Problem, state: _NewtonState) -> Tensor:
@@ -732,41 +743,41 @@ def _newton_direction(prob: _Problem, state: _NewtonState) -> Tensor:
     sum of products (``K_jj`` is never ``nu_j - sum_i a_i P_ij^2``, which cancels when P is nearly
     one-hot). For m = 2 and m = 3 the system is solved in closed form, with the determinant
     ``w01 (w02 + w12) + w02 w12`` a sum of products too; larger systems go through the
-    equilibrated Cholesky of :func:`_factor`. A non-finite step marks a row that Newton cannot
-    move.
+    equilibrated Cholesky of :func:`_factor`. A step that fails is not finite.
     """
     p = state.p
     m = p.shape[1]
     w = torch.bmm(p * prob.a.unsqueeze(1), p.transpose(1, 2))  # (B, m, m)
     grad = state.gap[:, : m - 1]
     if m == 2:
-        delta = grad / w[:, 0, 1:]
-    elif m == 3:
+        return torch.nn.functional.pad(grad / w[:, 0, 1:], (0, 1))
+    if m == 3:
         w01, w02, w12 = w.flatten(1)[:, [1, 2, 5]].unbind(-1)
         g0, g1 = grad.unbind(-1)
         det = w01 * (w02 + w12) + w02 * w12
-        delta = torch.stack(((w01 + w12) * g0 + w01 * g1, w01 * g0 + (w01 + w02) * g1), -1)
-        delta = delta / det.unsqueeze(-1)
-    else:
-        eye = torch.eye(m, dtype=torch.bool, device=p.device)
-        w_off = w.masked_fill(eye, 0.0)
-        kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
-        factor = _factor(kmat)
-        delta = _solve(factor, grad)
-        delta = torch.where((factor[2] == 0)[:, None], delta, math.nan)
+        num = ((w01 + w12) * g0 + w01 * g1, w01 * g0 + (w01 + w02) * g1, torch.zeros_like(g0))
+        return torch.stack(num, -1) / det.unsqueeze(-1)
+    eye = torch.eye(m, dtype=torch.bool, device=p.device)
+    w_off = w.masked_fill(eye, 0.0)
+    kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
+    factor = _factor(kmat)
+    delta = torch.where((factor[2] == 0)[:, None], _solve(factor, grad), math.nan)
     return torch.nn.functional.pad(delta, (0, 1))
 
 
-def _newton_first(prob: _Problem, epsilon: Tensor, max_iter: int, tol: float) -> SinkhornResult:
+def _newton_first(
+    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor, max_iter: int, tol: float
+) -> SinkhornResult:
     """Semi-dual Newton from one Sinkhorn update of v = 0, in float64, all rows in lock-step,
     at most ``NEWTON_FIRST_STEPS`` steps (and ``max_iter``); the rows it leaves above ``tol``
     are solved from the start by :func:`_hybrid` within the rest of ``max_iter``.
 
-    A row takes full Newton steps while its residual is above ``tol`` and each step lowers it;
-    a row whose step does not (or is not finite) keeps its state and stops. Rows that stop above
-    ``tol`` are solved again from the start, so the result is always a plan certified by its
-    residual, whichever path found it. A stopped row's state is never touched again, so a row's
-    result depends on its own data only.
+    A row takes full Newton steps while the bound ``sum_j |b_j - c_j| / sum_i a_i`` on its
+    residual is above ``tol`` and each step lowers it; a row whose step does not (or is not
+    finite) keeps its state and stops. Rows whose residual ends above ``tol`` are solved again
+    from the start, so the result is always a plan certified by its residual, whichever path
+    found it. A stopped row's state is never touched again, so a row's result depends on its
+    own data only.
 
     The start: for the sorted top-k's centred cost (column constants at the midpoints of the
     sorted scores) v = 0 is the hard assignment, the solution as epsilon -> 0; one Sinkhorn
@@ -775,63 +786,68 @@ def _newton_first(prob: _Problem, epsilon: Tensor, max_iter: int, tol: float) ->
     1000, k = 1 to 32, epsilon 1e-3 to 10, ties included, full steps from there were accepted
     throughout and every row reached a residual of 1e-7 within 4 steps.
     """
-    p64 = prob.to(torch.float64)
+    f64 = torch.float64
+    s = cost.transpose(1, 2).to(f64) / epsilon.to(f64)[:, None, None]
     # both marginals from their logarithms in float64 (``a`` rounded in a narrower dtype and
     # ``b`` in float64 differ in total mass at the narrower rounding, a residual floor there)
-    a = p64.log_a.exp()
-    p64 = p64._replace(a=a, a_sum=a.sum(-1))
-    b = p64.log_b.exp()
-    a_col = p64.a.unsqueeze(-1)
-    z0 = p64.s.neg()
-    e0 = z0.sub_(z0.amax(1, keepdim=True)).exp_()
+    log_a64, log_b64 = log_a.to(f64), log_b.to(f64)
+    a, b = log_a64.exp(), log_b64.exp()
+    prob = _Problem(s, None, log_a64, a, a.sum(-1), log_b64, None, torch.isneginf(log_b64))
+    a_col = a.unsqueeze(-1)
+    e0 = s.neg()
+    e0 = e0.sub_(e0.amax(1, keepdim=True)).exp_()
     c0 = torch.bmm(e0.div_(e0.sum(1, keepdim=True)), a_col).squeeze(-1)
-    v = p64.log_b - c0.clamp_min(torch.finfo(c0.dtype).tiny).log()  # -inf at zero mass
-    state = _newton_state(p64, v, b)
-    stuck = torch.zeros_like(p64.empty[:, 0])
+    v = log_b64 - c0.clamp_min(torch.finfo(f64).tiny).log()  # -inf at zero mass
+    state = _newton_state(prob, v, b)
+    live = state.bound > tol
     steps = 0
-    go = bool((state.err > tol).any())
+    go = bool(live.any())
     while go and steps < min(NEWTON_FIRST_STEPS, max_iter):
-        active = (state.err > tol) & ~stuck
-        delta = _newton_direction(p64, state)
-        move = active & torch.isfinite(delta).all(-1)
-        v_new = torch.where(move[:, None], v + delta, v)
-        new = _newton_state(p64, v_new, b)
-        keep = move & (new.err < state.err)
-        stuck = stuck | (active & ~keep)
-        flags = torch.stack(((~move | keep).all(), ((new.err > tol) & ~stuck).any())).tolist()
+        v_new = torch.where(live[:, None], v + _newton_direction(prob, state), v)
+        new = _newton_state(prob, v_new, b)
+        keep = live & (new.bound < state.bound)  # False where the step is not finite
+        flags = torch.stack(((live ^ keep).any(), (keep & (new.bound > tol)).any())).tolist()
         steps += 1
-        go = flags[1]
-        if flags[0]:
-            v, state = v_new, new
-        else:  # rare: some step did not lower its row's residual; that row keeps its state
+        if flags[0]:  # rare: some step did not lower its row's bound; that row keeps its state
             v = torch.where(keep[:, None], v_new, v)
-            state = _newton_state(p64, v, b)
-    iters = steps
-    left = state.err > tol
+            state = _newton_state(prob, v, b)
+        else:
+            v, state = v_new, new
+        live = keep & (state.bound > tol)
+        go = flags[1]
+    ratio, err = _residual(prob, state, b)
+    left = err > tol
     if max_iter > steps and bool(left.any()):
-        m = prob.s.shape[1]
-        start = torch.zeros((int(left.sum()), m), dtype=prob.s.dtype, device=prob.s.device)
-        _, w, it = _hybrid(prob.select(left), start, max_iter - steps, tol, True)
-        v = v.masked_scatter(left[:, None], w.to(v.dtype))
-        iters += it
-        state = _newton_state(p64, v, b)
-    return _finalize_state(p64, v, state, epsilon, tol, iters)
+        sub = _make_problem(cost[left], log_a[left], log_b[left], epsilon[left])
+        start = torch.zeros_like(sub.log_b)
+        _, w, it = _hybrid(sub, start, max_iter - steps, tol, True)
+        v = v.masked_scatter(left[:, None], w.to(f64))
+        steps += it
+        state = _newton_state(prob, v, b)
+        ratio, err = _residual(prob, state, b)
+    return _finalize_state(prob, v, state, ratio, err, epsilon, tol, steps)
 
 
 def _finalize_state(
-    prob: _Problem, v: Tensor, state: _NewtonState, epsilon: Tensor, tol: float, iterations: int
+    prob: _Problem,
+    v: Tensor,
+    state: _NewtonState,
+    ratio: Tensor,
+    err: Tensor,
+    epsilon: Tensor,
+    tol: float,
+    iterations: int,
 ) -> SinkhornResult:
-    """:func:`_finalize` from a :class:`_NewtonState` at ``v``: the column-exact plan
-    ``diag(a) P diag(b / c)``, with ``b / c = 1 + (b - c) / c``."""
-    plan = state.p.mul_(prob.a.unsqueeze(1) * (1.0 + state.ratio).unsqueeze(-1))
+    """:func:`_finalize` from a :class:`_NewtonState` at ``v`` and its :func:`_residual`: the
+    column-exact plan ``diag(a) P diag(b / c)``, with ``b / c = 1 + (b - c) / c``."""
+    plan = state.p.mul_(prob.a.unsqueeze(1) * (1.0 + ratio).unsqueeze(-1))
     eps = epsilon.to(v.dtype)[:, None]
     f = (prob.log_a - (state.mx + state.zs.log()).squeeze(1)) * eps
-    g = (v + torch.log1p(state.ratio)) * eps  # -inf in the columns of zero mass (v = -inf)
-    err = state.err
-    bad = ~torch.isfinite(err)
-    plan = torch.where(bad[:, None, None], math.nan, plan)
-    f = torch.where(bad[:, None], math.nan, f)
-    g = torch.where(bad[:, None], math.nan, g)
+    g = (v + torch.log1p(ratio)) * eps  # -inf in the columns of zero mass (v = -inf)
+    fine = err < math.inf  # False for NaN
+    plan = torch.where(fine[:, None, None], plan, math.nan)
+    f = torch.where(fine[:, None], f, math.nan)
+    g = torch.where(fine[:, None], g, math.nan)
     return SinkhornResult(f, g, plan.transpose(1, 2), err <= tol, iterations, err)
 
 
