@@ -154,11 +154,16 @@ def soft_topk(
     bsz = x2.shape[0]
     # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
     # row then takes the path of rows with infinities, which leaves a finite row as it is.
-    has_inf = cannot_branch(x2) or bool(torch.isinf(x2.detach()).any())
+    m = k + 1 if k < n else k
+    # One host read in the common case: rows with an infinity, or an entry within 64 m of the
+    # largest finite value (scaled below), are the only ones with |x| above that limit.
+    no_values = cannot_branch(x2)
+    limit = torch.finfo(cd).max / (64 * m)
+    unusual = no_values or bool((x2.detach().abs().amax(-1) > limit).any())
+    has_inf = unusual and (no_values or bool(torch.isinf(x2.detach()).any()))
 
     # Paper orientation: the smallest s are selected, smallest first.
     s = -x2 if largest else x2
-    m = k + 1 if k < n else k
     log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
     log_b = torch.tensor(log_nu, dtype=cd, device=x.device).expand(bsz, m)
@@ -195,13 +200,13 @@ def soft_topk(
     # -> (c s, c eps); rows whose finite entries come within 64 m of the largest finite value
     # are solved at c a power of two that brings them below it (the partial sums of the costs
     # are then finite; a row near finfo.max gave NaN), other rows at c = 1.
-    with torch.no_grad():
-        mag = s.detach().abs().amax(-1)
-        limit = torch.finfo(cd).max / (64 * m)
-        exponent = torch.frexp(torch.nan_to_num(mag, nan=0.0) / limit).exponent.clamp(min=0)
-        scale = torch.ldexp(torch.ones_like(mag), -exponent)
-    s = s * scale[:, None]
-    eps = eps * scale
+    if unusual:
+        with torch.no_grad():
+            mag = s.detach().abs().amax(-1)
+            exponent = torch.frexp(torch.nan_to_num(mag, nan=0.0) / limit).exponent.clamp(min=0)
+            scale = torch.ldexp(torch.ones_like(mag), -exponent)
+        s = s * scale[:, None]
+        eps = eps * scale
 
     # Cost / eps_p with eps_p = 2 epsilon: -(j s_i - sum_{l<j} beta_l)/epsilon, where beta_l is the
     # midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants): column constants
@@ -238,7 +243,8 @@ def soft_topk(
     # (cost / eps) / eps, which overflows (epsilon < 1e-154, or a cost of 1e30 in float32 at
     # epsilon 1e-5) and turned the zero cost gradient of the unused entries into 0 * inf = NaN.
     scaled = (accurate + (plain - plain.detach())) / eps_eff.detach()  # (B, m, n)
-    scaled = attach_epsilon(scaled, eps_eff)
+    if no_values or isinstance(epsilon, Tensor):  # a float epsilon has no gradient
+        scaled = attach_epsilon(scaled, eps_eff)
 
     ones = torch.ones((bsz,), dtype=cd, device=x.device)
     plan, res = sinkhorn_plan(
