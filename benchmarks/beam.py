@@ -39,6 +39,9 @@ Run::
                                                # the second task (see below)
     python benchmarks/beam.py --quick          # the smoke test's tiny run; writes no files
 
+Seeds can run in separate processes (``--seeds 1 --seed-start S --out DIR_S``), then
+``--merge DIR_0/beam-k2-d1.json DIR_1/...`` writes the combined table and plot.
+
 It prints a Markdown table and writes ``beam-k<K>.{json,md}`` and a plot of the validation
 curves under ``--out`` (default ``benchmarks/results``).
 """
@@ -63,7 +66,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("tf", "soft_topk", "softmax", "soft_topk_first")
 T, LOW, EOS, BOS = 8, 4, 8, 9
 VOCAB = 9  # 8 tokens and EOS
-QUICK = {"seeds": 1, "budget": 3.0, "epsilons": (0.5,), "eval_every": 1.5, "n_test": 64}
+QUICK = {"seeds": 1, "budget": 1.5, "epsilons": (0.5,), "eval_every": 0.75, "n_test": 32}
 
 
 def make_batch(gen: torch.Generator, bsz: int, delay: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,13 +249,38 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def merge(paths: list[Path], out: Path) -> dict[str, Any]:
+    """Combine the records of runs split over processes (the same settings, other seeds)."""
+    import json
+
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    keys = ("beam", "delay", "budget_cpu_s", "batch", "lr", "first")
+    if any(tuple(p[k] for k in keys) != tuple(parts[0][k] for k in keys) for p in parts):
+        raise SystemExit("beam.py --merge: the records were run with different settings")
+    record = {k: parts[0][k] for k in keys}
+    record["runs"] = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["seed"])
+    order = {label: i for i, label in enumerate(dict.fromkeys(_label(r) for r in record["runs"]))}
+    record["runs"].sort(key=lambda r: (order[_label(r)], r["seed"]))
+    lines = table(record["runs"], record["beam"], record["delay"], record["budget_cpu_s"])
+    print("\n".join(lines))
+    stem = f"beam-k{record['beam']}-d{record['delay']}"
+    write_experiment(out, stem, record, lines)
+    plot(record["runs"], out / f"{stem}.png")
+    return record
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seed-start", type=int, default=0, help="the first seed")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=None,
+        help="JSON records of runs split over processes: write their combined table",
+    )  # fmt: skip
     parser.add_argument("--beam", type=int, default=2)
     parser.add_argument("--delay", type=int, default=1, choices=(1, 2))
     parser.add_argument("--budget", type=float, default=300.0, help="CPU seconds per run")
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[0.1, 0.5, 1.0])
+    parser.add_argument("--epsilons", type=float, nargs="+", default=[0.1, 0.2, 0.5])
     parser.add_argument("--arms", nargs="+", default=list(ARMS[:3]), choices=ARMS)
     parser.add_argument("--eval-every", type=float, default=10.0)
     parser.add_argument("--batch", type=int, default=64)
@@ -266,7 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.seeds, args.budget, args.epsilons = QUICK["seeds"], QUICK["budget"], QUICK["epsilons"]
         args.eval_every, args.n_test = QUICK["eval_every"], QUICK["n_test"]
-    jobs = [(arm, seed, eps) for seed in range(args.seeds) for arm in args.arms
+    if args.merge:
+        return merge(args.merge, args.out)
+    seeds = range(args.seed_start, args.seed_start + args.seeds)
+    jobs = [(arm, seed, eps) for seed in seeds for arm in args.arms
             for eps in ((math.nan,) if arm == "tf" else args.epsilons)]  # fmt: skip
     records = []
     try:

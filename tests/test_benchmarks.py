@@ -172,6 +172,52 @@ def test_moe_quick_run_reports_every_arm(moe_bench, tmp_path):
         assert abs(sum(r["load"]) - 1) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def beam_bench():
+    return _load("beam")
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_beam_task_reveals_each_high_bit_late(beam_bench, delay):
+    import torch
+
+    obs, target = beam_bench.make_batch(torch.Generator().manual_seed(0), 256, delay)
+    t_len = beam_bench.T
+    assert obs.shape == target.shape == (256, t_len + 1)
+    y = target[:, :t_len]
+    assert bool((target[:, t_len] == beam_bench.EOS).all()) and int(y.max()) < 8
+    low, h1, h2 = obs // 9, (obs // 3) % 3, obs % 3
+    assert torch.equal(low[:, :t_len], y % 4) and bool((low[:, t_len] == 4).all())
+    assert bool((h1[:, :delay] == 2).all())  # nothing revealed yet
+    assert torch.equal(h1[:, delay:], (y // 4)[:, : t_len + 1 - delay])
+    assert torch.equal(h2[:, t_len], y[:, -1] // 4 if delay == 2 else torch.full((256,), 2))
+    assert bool((h2[:, :t_len] == 2).all())
+
+
+def test_beam_quick_run_reports_every_arm_and_merges(beam_bench, tmp_path):
+    import json
+
+    result = beam_bench.main(["--quick", "--arms", "tf", "soft_topk", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # --quick writes nothing
+    assert [r["arm"] for r in result["runs"]] == ["tf", "soft_topk"]
+    for r in result["runs"]:
+        assert 0.0 <= r["test_exact_match"] <= 1.0 and r["steps"] > 0 and r["curve"]
+    parts = []
+    for seed in (0, 1):
+        part = dict(result, runs=[dict(r, seed=seed) for r in result["runs"]])
+        path = tmp_path / f"part{seed}.json"
+        path.write_text(json.dumps(part))
+        parts.append(str(path))
+    merged = beam_bench.main(["--merge", *parts, "--out", str(tmp_path / "merged")])
+    assert [(r["arm"], r["seed"]) for r in merged["runs"]] == [
+        ("tf", 0),
+        ("tf", 1),
+        ("soft_topk", 0),
+        ("soft_topk", 1),
+    ]
+    assert (tmp_path / "merged" / "beam-k2-d1.md").exists()
+
+
 def test_layers_suite_quick_run(tmp_path):
     from softops.bench.layers import build_configs, run
 
