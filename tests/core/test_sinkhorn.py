@@ -539,3 +539,78 @@ def test_attach_epsilon_keeps_the_value_and_gives_the_epsilon_gradient():
         want = -(torch.where(finite, g * scaled, 0)).sum(-1, keepdim=True) / eps.detach()
         torch.testing.assert_close(ge, want)
         assert torch.isfinite(ge).all()
+
+
+# --------------------------------------------------------------------------- newton_first
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_newton_first_equals_the_hybrid_solve(m: int, dtype: torch.dtype) -> None:
+    """Both paths solve the same problem to tol: the plans and f_i + g_j agree."""
+    cost, log_a, log_b, eps = _problem(5, 23, m, seed=10 + m, dtype=dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    ref = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=tol, newton=True)
+    res = log_sinkhorn(
+        cost, log_a, log_b, eps, max_iter=100_000, tol=tol, newton=True, newton_first=True
+    )
+    assert bool(res.converged.all())
+    assert res.plan.dtype == dtype and res.plan.shape == ref.plan.shape
+    atol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(res.plan, ref.plan, atol=atol, rtol=0)
+    torch.testing.assert_close(
+        res.f[:, :, None] + res.g[:, None, :],
+        ref.f[:, :, None] + ref.g[:, None, :],
+        atol=atol * 100,
+        rtol=atol * 100,
+    )
+
+
+def test_newton_first_falls_back_to_the_hybrid_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows Newton leaves above tol (here: no Newton steps at all) are solved from the start by
+    the hybrid path, within the rest of max_iter; NaN rows stay NaN and do not fall back."""
+    cost, log_a, log_b, eps = _problem(4, 15, 3, seed=3)
+    cost[1, 2, 0] = math.nan
+    monkeypatch.setattr(sinkhorn, "NEWTON_FIRST_STEPS", 0)
+    res = log_sinkhorn(
+        cost, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=True, newton_first=True
+    )
+    ref = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=True)
+    keep = [0, 2, 3]
+    assert bool(res.converged[keep].all()) and not bool(res.converged[1])
+    assert bool(res.plan[1].isnan().all())
+    torch.testing.assert_close(res.plan[keep], ref.plan[keep], atol=1e-11, rtol=0)
+
+
+def test_newton_first_rows_are_independent() -> None:
+    """A row's result does not depend on the other rows (bit for bit), also when another row
+    takes more steps or falls back."""
+    cost, log_a, log_b, eps = _problem(4, 12, 3, seed=4)
+    kw = {"max_iter": 100_000, "tol": 1e-12, "newton": True, "newton_first": True}
+    res = log_sinkhorn(cost, log_a, log_b, eps, **kw)
+    cost2, eps2 = cost.clone(), eps.clone()
+    cost2[1] *= 40.0  # a far harder row
+    eps2[3] = 1e-3
+    res2 = log_sinkhorn(cost2, log_a, log_b, eps2, **kw)
+    torch.testing.assert_close(res2.plan[[0, 2]], res.plan[[0, 2]], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["normal", "logprob"])
+@pytest.mark.parametrize("eps", [1e-3, 0.03, 0.1, 0.3, 1.0, 10.0])
+def test_sorted_topk_beam_point_needs_no_fallback(
+    kind: str, eps: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the beam-search point (B=64, n=18, k=2, float32) Newton from the centred start
+    finishes every row in a few steps: the slow hybrid path is never taken (the speed of
+    soft_topk there rests on it)."""
+    from softops import soft_topk
+
+    def no_fallback(*args: object, **kwargs: object) -> None:
+        raise AssertionError("newton_first fell back to the hybrid solve")
+
+    monkeypatch.setattr(sinkhorn, "_hybrid", no_fallback)
+    x = torch.randn(64, 18, generator=seeded(int(eps * 1000) + len(kind)))
+    if kind == "logprob":
+        x = torch.log_softmax(3.0 * x, -1)
+    out = soft_topk(x, 2, epsilon=eps)
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(64, 2), atol=1e-5, rtol=0)
