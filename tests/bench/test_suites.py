@@ -300,3 +300,13 @@ def test_numba_threads_without_numba(monkeypatch) -> None:
     with numba_threads():
         ran.append(True)
     assert ran == [True]
+
+
+def test_topk_beam_config_and_cases() -> None:
+    (beam,) = [c for c in build_configs(sizes=[1_000], beam=True) if c.group == "beam"]
+    assert dict(beam.params) == {"B": 64, "n": 18, "k": 2, "epsilon": 0.5}
+    names = [case.name for case in SUITE.make_cases(beam)]
+    assert names == ["torch.topk", "soft_topk (sorted)"]
+    x = torch.randn(64, 18)
+    cases = SUITE.make_cases(beam)
+    assert cases[1].fn(x).shape == (64, 2)

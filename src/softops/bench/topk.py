@@ -24,10 +24,10 @@ Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 b
     B=1, n=1e3, k=10 (not with ``quick``): "ot" on one short row against ``torch.topk``, where
     the per-call costs (Python, dispatch, the autograd Function) are all there is.
 ``beam``
-    B=64, n=18, k=2, epsilon=0.5: the sorted top-k ``softops.soft_topk(x, k).values`` at one
-    beam-search step (K=2 beams of V=9 tokens over 64 sequences), where the per-call costs
-    dominate. :func:`run_beam_bench` (``benchmarks/topk_beam.py``) runs this configuration
-    alone, with many repeats.
+    B=64, n=18, k=2, epsilon=0.5 (not with ``quick``): the sorted top-k
+    ``softops.soft_topk(x, k).values`` at one beam-search step (K=2 beams of V=9 tokens over 64
+    sequences), where the per-call costs dominate. :func:`run_beam_bench`
+    (``benchmarks/topk_beam.py``) runs this configuration alone, with many repeats.
 
 The targets of the suite, checked in the report's summary: "ot" forward+backward at most 4x the
 ``torch.topk`` forward at n=1e5; "ot" forward and forward+backward at most 6x the ``torch.topk``
@@ -111,7 +111,7 @@ def build_configs(
     first_call: bool = True,
     quick: bool = False,
     overhead: bool = False,
-    beam: bool = True,
+    beam: bool = False,
 ) -> list[Config]:
     """The configurations of the top-k suite.
 
@@ -516,6 +516,7 @@ def run_topk_bench(
         first_call=options.first_call,
         quick=quick,
         overhead=not quick,
+        beam=not quick,
     )
     name = "topk-quick" if quick else "topk"
     return run_and_write(SUITE, configs, options, out, name, command, log)
