@@ -24,31 +24,47 @@ with :math:`\bar a_S` the mean of a over S (from :math:`\partial t / \partial \v
 epsilon) the mask is locally constant in x, k and epsilon, and all three gradients are 0; the
 gradient in k is then the derivative of neither one-sided limit, and is defined as 0 too.
 
-Forward: an exact finite Newton method on the residual :math:`r(t) = \sum_i a_i(t) - k`, which is
-piecewise linear and non-increasing with breakpoints :math:`x_i` and :math:`x_i - \varepsilon`.
-Each step solves the linear piece on the side it moves to (one-sided slope ``|S|/eps``, so a step
+Forward: an exact finite Newton method on the residual :math:`r = \sum_i a_i - k`, which is
+piecewise linear and non-increasing in t with breakpoints :math:`x_i` and :math:`x_i - \varepsilon`.
+It is solved in units of epsilon from a centre on the row's threshold, :math:`u = (t - m) /
+\varepsilon` with :math:`m = x_{(\lceil k \rceil)}` (the k-th largest finite entry, k less the
+count of ``+inf``), so that the offsets :math:`x - m` are centred before they are divided by
+epsilon: the threshold is resolved relative to epsilon wherever the row lies (in the units of x,
+t beside an entry at 0 with epsilon near ``finfo.tiny`` is subnormal, resolved only to about
+1e-7 of epsilon in float32). The bracket is exact and local: with :math:`j = \lfloor k \rfloor +
+1`, every entry at or above :math:`x_{(j)}` is at 1 once :math:`t \le x_{(j)} - \varepsilon`,
+and at most :math:`\lceil k \rceil - 1` entries exceed :math:`x_{(\lceil k \rceil)}`, so
+:math:`t \in [x_{(j)} - \varepsilon, x_{(\lceil k \rceil)}]`, of width epsilon plus the gap
+between the two (none for a fractional k), whatever the rest of the row holds. (A bracket over
+the whole row, ``[min x - eps, max x]``, took about ``log2(span / eps)`` steps beside an entry
+far beyond the gaps, or at an epsilon far below the row's span, and missed the cap.) The two
+order statistics come from one ``torch.topk`` of the side of the row that needs fewer entries
+(unsorted where every row has the same k).
+
+Each step solves the linear piece on the side it moves to (one-sided slope ``-|S|``, so a step
 from a breakpoint is right), and a row stops **exactly** when its new iterate lies on the piece
-the step was computed on (the counts of entries above ``t`` and above ``t + eps`` are those the
+the step was computed on (the counts of entries above ``u`` and above ``u + 1`` are those the
 step predicted): no tolerance is involved. Steps that leave the open bracket, or start on a flat
-piece (``|S| = 0``), fall back to an Illinois secant on the bracket ``[min x - eps, max x]``
-(bisection where it degenerates). Typical counts (float64, x ~ N(0, 1)): 2 to 17 evaluations
-for n = 1e3, 2 to 28 for n = 1e5, most at tiny epsilon; the cap is ``max_iter`` (default 100). A
-last pass forms t in closed form on the final piece, centred on its largest free entry
-(:func:`_polish`), so that float32 rows beside a large ``|x|`` are resolved too.
+piece (``|S| = 0``), fall back to an Illinois secant on the bracket (bisection where it
+degenerates). The start is the large-epsilon guess (every entry free) where epsilon is at least
+an eighth of the row's spread, else the small-epsilon one (only :math:`x_{(\lceil k \rceil)}`
+free). Counts (float64, x ~ N(0, 1), k in {1, 2.5, n/10, n/3, n/2, n - 1}, epsilon from 1e-6
+to 1e3): 1 to 9 evaluations for n = 1e3, 1 to 13 for n = 1e5 (the whole-row bracket took 2 to
+32 and 2 to 37); the cap is ``max_iter`` (default 100). A last pass forms u in closed form on
+the final piece (:func:`_polish`), so that an entry at a breakpoint comes out exactly 0 or 1.
 
 Why not sort: a sort of the 2n breakpoints with cumulative sums is also exact and O(n log n), but
-(i) ``torch.sort`` of a (64, 1e5) float32 batch took about 0.8 s on one CPU thread, against about
-10 ms for one fused evaluation here (11 to 16 of them at k = n/10, epsilon = 0.1); (ii) prefix
-sums lose the residual to cancellation in float32 (the difference of two prefix sums has an error
-of about ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
+(i) ``torch.sort`` of a (64, 1e5) float32 batch took about 0.6 s on one CPU thread, against about
+10 ms for one fused evaluation here and about 70 ms for the topk of k = n/10; (ii) prefix sums
+lose the residual to cancellation in float32 (the difference of two prefix sums has an error of
+about ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
 evaluation here sums the clipped entries themselves; (iii) an evaluation is one element-wise pass
 with five row reductions, which fuses (``softops._core.fused``: the evaluation, the row
 statistics and the polish are each one compiled pass on large inputs) and runs as well on a GPU.
 The host reads "all rows done" once per evaluation on the CPU and once per ``GPU_BLOCK``
-evaluations elsewhere. Measured (B=64, k=n/10, epsilon=0.1, float32, one thread, fused path):
-n=1e3, forward 2.3 ms, forward+backward 2.9 ms ("ot" 1.1 and 1.4 ms, ``entmax.budget_bisect``
-1.5 and 2.1 ms); n=1e5, 133 and 226 ms ("ot" 30 and 54 ms, budget_bisect 573 and 644 ms,
-``torch.topk`` 74 ms).
+evaluations elsewhere. Measured (B=64, epsilon=0.1, float32, one thread, CPU time, fused path):
+k = n/10: n=1e3, forward 2.0 ms, forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2:
+n=1e3, 2.1 and 2.6 ms; n=1e5, 133 and 179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
 
 Infinities are exact with no special case in the residual: ``+inf`` entries are at 1 and
 ``-inf`` at 0, and the bracket is taken over the finite entries. Rows whose k asks for no finite
@@ -71,15 +87,18 @@ __all__ = ["GPU_BLOCK", "sparse_mask"]
 
 GPU_BLOCK = 4
 """Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
+SMOOTH_START = 8.0
+"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 
 
 def _evaluate(
-    x: torch.Tensor, t: torch.Tensor, inv: torch.Tensor, k: torch.Tensor
+    x: torch.Tensor, m: torch.Tensor, u: torch.Tensor, inv: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """At ``t`` (B, 1): ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``, ``z >= 1``
-    and ``z > 1`` (``z = (x - t) / eps``), as floats, (B,) each (reductions only: the mask is
-    formed once, by :func:`_polish`)."""
-    z = (x - t) * inv
+    """At ``u`` (B, 1), the threshold ``t = m + eps u`` in units of epsilon from the centre ``m``
+    (B, 1): ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``, ``z >= 1`` and ``z > 1``
+    (``z = (x - m) / eps - u``), as floats, (B,) each (reductions only: the mask is formed once,
+    by :func:`_polish`)."""
+    z = (x - m) * inv - u
     a = z.clamp(0, 1)
     dt = x.dtype
     r = a.sum(-1) - k
@@ -107,43 +126,75 @@ def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _polish(
     x: torch.Tensor,
-    t: torch.Tensor,
+    m: torch.Tensor,
+    u: torch.Tensor,
     lo: torch.Tensor,
     hi: torch.Tensor,
     eps: torch.Tensor,
     exact: torch.Tensor,
     k: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """t again, in closed form from the final piece, ``t = m + (sum_S (x - m) - eps (k - |U|)) /
-    |S|``, centred on m = the largest free entry (so ``x - m`` is exact near the threshold and
-    ``t - m`` finely resolved, also in float32 beside a large ``|x|``); it carries none of the
-    rounding of the steps (an entry at a breakpoint comes out exactly 0 or 1). On rows stopped
-    on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by the resolution
-    of t it is read from the final bracket, whose ends are adjacent floats: ``S = {lo < x, x - hi
-    < eps}``, ``U = {x - hi >= eps}`` (``hi + eps`` would round to hi beside a large ``|hi|``).
-    Returns the mask at t and the polished one, their residuals, and |S|."""
+    """u again, in closed form from the final piece, ``u = mean_S(y) - (k - |U|) / |S|`` with
+    ``y = (x - m) / eps`` (``m`` (B, 1): the centre of the solve), so that neither the threshold
+    nor the mask is ever formed in the units of x: it carries none of the rounding of the steps
+    (an entry at a breakpoint comes out exactly 0 or 1), and its resolution is that of ``u``,
+    relative to epsilon, where ``t = m + eps u`` itself may not be representable (subnormal). On
+    rows stopped on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by
+    the resolution of u it is read from the final bracket, whose ends are adjacent floats: ``S
+    = {lo < y, y - hi < 1}``, ``U = {y - hi >= 1}``. Returns the mask at u and the polished one,
+    their residuals, and |S|."""
     dtype = x.dtype
-    e2 = eps[:, None]
-    a = ((x - t[:, None]) / e2).clamp(0, 1)
+    y = (x - m) / eps[:, None]
+    a = (y - u[:, None]).clamp(0, 1)
     exact2 = exact[:, None]
-    above_hi = x - hi[:, None]
-    free = torch.where(exact2, (a > 0) & (a < 1), (x > lo[:, None]) & (above_hi < e2))
-    ones_mask = torch.where(exact2, a >= 1, above_hi >= e2)
+    above_hi = y - hi[:, None]
+    free = torch.where(exact2, (a > 0) & (a < 1), (y > lo[:, None]) & (above_hi < 1))
+    ones_mask = torch.where(exact2, a >= 1, above_hi >= 1)
     size = free.sum(-1, dtype=dtype)
     ones = ones_mask.sum(-1, dtype=dtype)
     size1 = size.clamp(min=1)
-    m = torch.where(free, x, -math.inf).amax(-1)
-    m = torch.where(size > 0, m, 0)[:, None]
-    t_c = torch.where(free, x - m, 0).sum(-1) / size1 - eps * ((k - ones) / size1)
-    a_p = (((x - m) - t_c[:, None]) / e2).clamp(0, 1)
+    u_p = torch.where(free, y, 0).sum(-1) / size1 - (k - ones) / size1
+    a_p = (y - u_p[:, None]).clamp(0, 1)
     return a, a_p, a.sum(-1) - k, a_p.sum(-1) - k, size
+
+
+def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ceil(k)``-th and the ``(floor(k) + 1)``-th largest entries of each row (B,), ranks
+    clamped to [1, n], infinities counted: on a row without NaN these are the ``ceil(k')``-th
+    and ``(floor(k') + 1)``-th largest finite entries, ``k' = k - #(+inf)``, where ``0 < k' <
+    #finite`` (``+inf`` entries lead the row and ``-inf`` entries trail it).
+
+    From a topk of the side of the row that needs fewer entries. Where every row has the same
+    k (one host read tells), the ranks are shared and the topk is unsorted: the deepest rank is
+    its extreme, the other one rank short of it (about 3 times cheaper than a sorted topk of
+    half a row); per-row k reads the ranks from a sorted topk.
+    """
+    n = x.shape[-1]
+    k_max, k_min = torch.stack((k.max(), k.min())).tolist()
+    deep, shallow = min(math.floor(k_max) + 1, n), min(n - math.ceil(k_min) + 1, n)
+    largest = deep <= shallow
+    depth = max(deep if largest else shallow, 1)
+    if k_max == k_min:
+        v = x.topk(depth, dim=-1, largest=largest, sorted=False).values
+        # largest: depth = floor(k) + 1, whose entry is the smallest of v; ceil(k) is one
+        # shallower for an integer k. Smallest: depth = n - ceil(k) + 1, the mirror image.
+        end = v.amin(-1) if largest else v.amax(-1)
+        if math.ceil(k_max) == math.floor(k_max) + 1 or depth < 2:
+            return end, end
+        nxt = v.topk(2, dim=-1, largest=not largest).values[:, 1]
+        return (nxt, end) if largest else (end, nxt)
+    ranked = x.topk(depth, dim=-1, largest=largest).values
+    ranks = torch.stack((torch.ceil(k), torch.floor(k) + 1), -1).clamp(1, n)
+    index = ranks - 1 if largest else n - ranks
+    pair = ranked.gather(-1, index.clamp(0, depth - 1).long())
+    return pair[:, 0], pair[:, 1]
 
 
 def _solve(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The mask of every row of ``x`` (B, n), and the (B,) convergence flags (None: all rows)."""
-    if x.device.type == "meta":  # shapes only: nothing to solve, no value to test
+    if x.device.type == "meta" or x.numel() == 0:  # nothing to solve, no value to test
         return torch.empty_like(x), None
     dtype = x.dtype
     n_fin, n_pinf, n_nan, top, bottom, total = maybe_fused(_row_stats, x)(x)
@@ -153,18 +204,39 @@ def _solve(
     sel_all = ~invalid & ~sel_none & (k_eff >= n_fin)
     solve_rows = ~(invalid | sel_none | sel_all)
     zeros = torch.zeros_like(k)
-    # Bracket over the finite entries: r(lo) = n_fin - k_eff > 0 (all finite at 1), r(hi) = -k_eff.
-    hi = torch.where(solve_rows, top, zeros)
-    # (one float below: bottom - eps can round up to bottom itself beside a large |x|)
-    lo = torch.nextafter(bottom - eps, torch.full_like(bottom, -math.inf))
-    lo = torch.where(solve_rows, lo, zeros - 1)
-    r_lo = torch.where(solve_rows, n_fin - k_eff, 1)
-    r_hi = torch.where(solve_rows, -k_eff, -1)
-    # Start: the large-epsilon guess (every finite entry free): mean(x) - eps k_eff / n_fin.
-    mean = total / n_fin.clamp(min=1)
-    t = torch.where(solve_rows, mean - eps * (k_eff / n_fin.clamp(min=1)), zeros)
-    t = torch.minimum(torch.maximum(t, lo), hi)
-    inv = (1 / eps)[:, None]
+    n_fin1 = n_fin.clamp(min=1)
+    kk = torch.where(solve_rows, k_eff, 0.5 * n_fin1)  # (a harmless k on rows not solved)
+    # The bracket, exact, from two order statistics of the finite entries: with j = floor(k') + 1
+    # and j' = ceil(k') (k' = k less the count of +inf), every entry at or above x_(j) is at 1
+    # once t <= x_(j) - eps (r >= j - k' > 0), and at most j' - 1 entries exceed x_(j') (r <=
+    # j' - 1 - k' < 0 at t = x_(j')). So the root lies within eps plus the gap x_(j') - x_(j)
+    # (no gap at all for a fractional k), whatever the rest of the row holds: an entry far beyond
+    # the gaps never enters the search, which over [min x - eps, max x] took about
+    # log2(span / eps) steps and missed the cap.
+    x_hi, x_lo = _order_statistics(x, k)
+    j_lo = torch.floor(kk) + 1
+    j_hi = torch.ceil(kk).clamp(min=1)
+    # The solve is on u = (t - m) / eps, centred on m = x_(j'), the top of the bracket: the
+    # offsets are centred before they are divided by epsilon, so the threshold is resolved
+    # relative to epsilon (its own scale) wherever the row lies. In the units of x, t beside a
+    # zero entry at an epsilon near finfo.tiny is subnormal, whose absolute resolution left an
+    # ulp of t at 1e-7 of epsilon (float32), and bisection walked down the subnormals.
+    big = torch.finfo(dtype).max
+    m = torch.where(solve_rows, x_hi, zeros)
+    inv = 1 / eps
+    # (one float below: y - 1 can round up; the far end of a gap beyond the range is -max)
+    y_lo = torch.where(solve_rows, (x_lo - m) * inv, zeros)
+    lo = torch.nextafter(y_lo - 1, torch.full_like(y_lo, -math.inf)).clamp(min=-big)
+    hi = zeros
+    r_lo = torch.where(solve_rows, j_lo - kk, 1)  # bounds on the residual at the ends
+    r_hi = torch.where(solve_rows, (j_hi - 1) - kk, -1)
+    # Start: where epsilon is large for the row, the large-epsilon guess (every finite entry
+    # free), mean(y) - k' / n_fin; else the small-epsilon one (x_(j') alone free), -(k' - j' + 1).
+    u_large = ((total / n_fin1 - m) * inv - kk / n_fin1).nan_to_num(0.0)  # (inf - inf: 0)
+    u_small = (j_hi - 1) - kk
+    u = torch.where(SMOOTH_START * eps >= top - bottom, u_large, u_small)
+    u = torch.where(solve_rows, torch.minimum(torch.maximum(u, lo), hi), zeros)
+    m2, inv2 = m[:, None], inv[:, None]
     done = ~solve_rows
     newton = torch.zeros_like(done)
     exact = torch.zeros_like(done)  # rows stopped on the root's piece (not by resolution)
@@ -173,7 +245,7 @@ def _solve(
     evaluate = maybe_fused(_evaluate, x)
     block = 1 if x.device.type == "cpu" else GPU_BLOCK
     for i in range(max_iter):
-        r, pos, pos0, one, one1 = evaluate(x, t[:, None], inv, k)
+        r, pos, pos0, one, one1 = evaluate(x, m2, u[:, None], inv2, k)
         # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
         exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
         done = done | exact
@@ -188,26 +260,21 @@ def _solve(
         # Illinois: the end that stays twice in a row has its residual halved.
         r_lo = torch.where(below, r, torch.where(above & (side < 0), 0.5 * r_lo, r_lo))
         r_hi = torch.where(above, r, torch.where(below & (side > 0), 0.5 * r_hi, r_hi))
-        lo = torch.where(below, t, lo)
-        hi = torch.where(above, t, hi)
+        lo = torch.where(below, u, lo)
+        hi = torch.where(above, u, hi)
         side = torch.where(below, 1.0, torch.where(above, -1.0, side))
-        step = t + eps * (r / free.clamp(min=1))  # (eps r could overflow)
+        step = u + r / free.clamp(min=1)  # the piece's root: its slope is -|S| (units of eps)
         newton = (free > 0) & (step > lo) & (step < hi)
         secant = lo + (hi - lo) * (r_lo / (r_lo - r_hi))
         mid = 0.5 * lo + 0.5 * hi
         secant = torch.where((secant > lo) & (secant < hi), secant, mid)
-        t_new = torch.where(newton, step, secant)
-        # No representable point left between the ends: t is as close as the dtype allows.
-        done = done | (t_new == t) | (t_new <= lo) | (t_new >= hi)
-        t = torch.where(done, t, t_new)
-    # Polish: t again, in closed form from the final piece, t = m + (sum_S (x - m) - eps (k -
-    # |U|)) / |S|, centred on m = the largest free entry (so x - m is exact near the threshold
-    # and t - m finely resolved, also in float32 beside a large |x|). It carries none of the
-    # rounding of the steps (an entry at a breakpoint comes out exactly 0 or 1). Rows stopped on
-    # the root's piece take it; rows stopped by the resolution of t, where it is closer to k.
-    # Polish (rows stopped on the root's piece take it; rows stopped by the resolution of t,
-    # where it is closer to k).
-    a, a_p, r, r_p, size = maybe_fused(_polish, x)(x, t, lo, hi, eps, exact, k)
+        u_new = torch.where(newton, step, secant)
+        # No representable point left between the ends: u is as close as the dtype allows.
+        done = done | (u_new == u) | (u_new <= lo) | (u_new >= hi)
+        u = torch.where(done, u, u_new)
+    # Polish: u again, in closed form from the final piece (rows stopped on the root's piece
+    # take it; rows stopped by the resolution of u, where it is closer to k).
+    a, a_p, r, r_p, size = maybe_fused(_polish, x)(x, m2, u, lo, hi, eps, exact, k)
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
     # One host read of three flags; the common case (every row polished, none special) then
     # costs no further pass over the rows.
