@@ -417,15 +417,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         growth = k * torch.log(span.nan_to_num(0.0) / eps + 1)
         out["grad_x"] = out["grad_x"] | (growth > math.log(fi.max) - 10)
         out["grad_eps"] = out["grad_eps"] | (growth > math.log(fi.max) - 10)
-    if case.op == "soft_topk_mask" and case.method == "sinkhorn":
-        # KD13: the cost is centred on the row's median; where an ulp of the distance to it is
-        # not far below the row's smallest gap, (x - median)/eps cannot resolve the threshold
-        med = torch.where(fin, xd, math.nan).nanmedian(-1, keepdim=True).values
-        far = torch.where(fin, (xd - med).abs(), 0).amax(-1)
-        ranked = torch.where(fin, xd, math.nan).sort(-1).values
-        gaps = torch.cat([ranked.diff(dim=-1), torch.full_like(ranked[:, :1], INF)], -1)
-        gaps = torch.where(torch.isfinite(gaps) & (gaps > 0), gaps, INF).amin(-1)
-        out["row"] = out["row"] | (far.nan_to_num(0.0) * fi.eps > 1e-3 * gaps)
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -751,24 +742,9 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-def _kd13() -> None:
-    # a row spanning far beyond its gaps: the Sinkhorn cost is centred on the row's median
-    # (5e29 here), and (x - median)/eps no longer resolves 0 from 1
-    x = torch.tensor([[0.0, 1e30, 1e30, 1.0]], dtype=F64)
-    got = softops.soft_topk_mask(x, 1, epsilon=0.3, largest=False, method="sinkhorn")
-    want = softops.soft_topk_mask(
-        x, 1, epsilon=0.3, largest=False, method="ot"
-    )  # [0.84, 0, 0, 0.16]
-    torch.testing.assert_close(got, want)  # got [0.5, 0, 0, 0.5]
-
-
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "KD13-sinkhorn-mask-far-row": (
-        _kd13,
-        "topk/_sinkhorn.py: the cost centred on the median loses the resolution of the threshold "
-        "on rows spanning far beyond their gaps (a wrong mask, no warning)",
-    ),
-}
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
+"""None open: KD13 (topk/_sinkhorn.py), KD14 and KD15 (topk/_sparse.py) were fixed; their
+reproducers are regression tests in tests/topk/test_sinkhorn_extremes.py and test_sparse.py."""
 
 
 @pytest.mark.parametrize(

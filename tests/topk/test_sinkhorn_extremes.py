@@ -59,3 +59,44 @@ def test_k_fin_rows_are_the_rows_whose_finite_entries_are_all_out_or_all_in():
     none_fin, all_fin = k_fin_rows(x, k)
     assert none_fin.tolist() == [True, False, False, False, False]  # k = #(+inf)
     assert all_fin.tolist() == [False, True, False, True, False]  # k = #(+inf) + #finite
+
+
+def test_kd13_a_row_spanning_far_beyond_its_gaps():
+    # the cost was centred on the row's median (-1e30 on the negated row), where 0 and -1 both
+    # came to (x - c)/eps = 3.3e30, one float: the mask was [.5, 0, 0, .5]
+    x = torch.tensor([[0.0, 1e30, 1e30, 1.0]], dtype=F64)
+    got = softops.soft_topk_mask(x, 1, epsilon=0.3, largest=False, method="sinkhorn")
+    want = softops.soft_topk_mask(x, 1, epsilon=0.3, largest=False, method="ot")
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+    assert got[0, 0] > 0.84 and got[0, 3] < 0.16 and got[0, 1] == got[0, 2] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("largest", [True, False])
+def test_entries_far_beyond_the_gaps_equal_method_ot(dtype, largest):
+    """Rows of entries with gaps of about 1 beside up to two entries far beyond them (up to
+    1e-3 of the dtype's range, either sign) and infinities, epsilon within a decade of the gaps
+    and k fractional or whole: the converged plan equals method "ot" (the median centre lost
+    the threshold once a far entry moved the median away from it)."""
+    g = torch.Generator().manual_seed(7 + largest)
+    top = math.log10(torch.finfo(dtype).max) - 3
+    tol = 1e-6 if dtype == F64 else 2e-4
+    for _ in range(12):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        x = torch.randn(4, n, generator=g, dtype=F64)
+        for b in range(4):
+            for _ in range(2):
+                if torch.rand(1, generator=g) < 0.8:
+                    far = float(torch.empty(1, dtype=F64).uniform_(4, top, generator=g))
+                    sign = 1.0 if torch.rand(1, generator=g) < 0.5 else -1.0
+                    x[b, int(torch.randint(0, n, (1,), generator=g))] = sign * 10.0**far
+            if torch.rand(1, generator=g) < 0.2:
+                x[b, int(torch.randint(0, n, (1,), generator=g))] = INF if b % 2 else -INF
+        x = x.to(dtype)
+        k = float(torch.randint(1, n, (1,), generator=g))
+        if torch.rand(1, generator=g) < 0.5:
+            k -= 0.5
+        eps = 10.0 ** float(torch.empty(1, dtype=F64).uniform_(-1, 1, generator=g))
+        got = softops.soft_topk_mask(x, k, epsilon=eps, largest=largest, method="sinkhorn")
+        want = softops.soft_topk_mask(x, k, epsilon=eps, largest=largest, method="ot")
+        torch.testing.assert_close(got, want, atol=tol, rtol=0, equal_nan=True)

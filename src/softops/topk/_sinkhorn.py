@@ -6,7 +6,11 @@ solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual N
 the implicit backward of the converged plan, as in the paper (derived in docs/math.md §2.3). At
 convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0``
 runs the paper's fixed 200 iterations. The cost is passed in units of epsilon (the plan depends on
-x / epsilon only), so the solver sees the same numbers at every scale of x.
+x / epsilon only), so the solver sees the same numbers at every scale of x, and it is centred on
+the threshold's region (``x_(k)/2 + x_(k+1)/2``; a shift of x is a gauge, which changes g but not
+the plan), so that the entries deciding the threshold keep full precision on rows that span far
+beyond their gaps. That centre is also the gauge of the fixed-iteration runs: their first
+threshold.
 
 Infinities are their limits, by structure: ``+inf`` is always selected and ``-inf`` never, so
 the problem is solved on the finite entries alone, with k less the count of ``+inf`` (the
@@ -74,11 +78,22 @@ def sinkhorn_mask(
     # at every scale of x: in x's own units the O(1) constant y^2 = 1 swamped an x of 1e-7 in
     # float32. Beyond 1/16 of the dtype's range every entry is already decided (the hard limit),
     # so the scaled scores saturate there instead of overflowing (epsilon can be finfo.tiny).
-    # The centre is the median of the finite entries (the gauge of the paper's fixed-iteration
-    # runs), halved before the difference so that it cannot overflow (a row near finfo.max).
-    live_x = xs if trivial is None else torch.where(log_a > -math.inf, xs, math.nan)
-    centre = live_x.detach().nanmedian(-1, keepdim=True).values
-    centre = torch.nan_to_num(centre, nan=0.0)
+    # The centre is the threshold's region, x_(ceil k)/2 + x_(floor k + 1)/2 over the live entries
+    # (k less the count of +inf; halved before the sum so that it cannot overflow), as for
+    # method "ot": the two entries that decide the threshold are then within half their gap of
+    # it, so (x - c)/eps resolves them at any span of the row. (The median, -1e30 on the row
+    # [0, -1e30, -1e30, -1], put both 0 and -1 at (x - c)/eps = 3.3e30, one float: the mask
+    # of k = 1 came out [.5, 0, 0, .5] for [.84, 0, 0, .16].) The centre is also the gauge of
+    # the fixed-iteration runs (from g = 0 it is their first threshold); it is detached, as the
+    # plan does not depend on it. A descending sort of the live entries (the others at -inf,
+    # last) gives both entries with no host read; its O(n log n) is below the solve's O(n) per
+    # iteration times the iterations.
+    live = torch.ones_like(x2, dtype=torch.bool) if trivial is None else log_a > -math.inf
+    ranked = torch.where(live, xs, -math.inf).detach().sort(-1, descending=True).values
+    ranks = torch.stack((torch.ceil(k_fin), torch.floor(k_fin) + 1), -1).clamp(1, n)
+    pair = ranked.gather(-1, ranks.long() - 1)
+    pair = torch.where(torch.isfinite(pair), pair, 0)  # (trivial rows: no live entry)
+    centre = torch.add(0.5 * pair[:, :1], pair[:, 1:], alpha=0.5)
     z = ((0.5 * xs - 0.5 * centre) / (0.5 * eps_row[:, None])).clamp(-big, big)
     if trivial is not None:
         z = torch.where(log_a > -math.inf, z, 0)  # placeholders of the infinite entries
