@@ -467,11 +467,12 @@ def beam_search_loss(
             W^{(t)}_{b j c}\, \delta^{(t)}_{b c}
             + \lambda \sum_c W^{(t)}_{b 0 c}\, \delta^{(t)}_{b c} \Big),
 
-    :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``. The first term asks every place of the beam to hold a cheap
-    candidate (the right prefix must stay in the beam for the search to find it), the second
-    asks the best place to hold the cheapest. Through the sorted SOFT top-k the gradient reaches
-    the candidate scores, hence the log-probabilities and the model; the loss is 0 exactly when
-    every step ranks a zero-cost candidate first with certainty and fills the beam with them.
+    :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``. The first term asks every place of
+    the beam to hold a cheap candidate (the right prefix must stay in the beam for the search to
+    find it), the second asks the best place to hold the cheapest. Through the sorted SOFT top-k
+    the gradient reaches the candidate scores, hence the log-probabilities and the model; the
+    loss is 0 exactly when every step ranks a zero-cost candidate first with certainty and fills
+    the beam with them.
 
     Args:
         result: a :class:`BeamSearchResult` (its weights carry the gradient).
