@@ -121,15 +121,16 @@ def soft_topk_mask(
             counterpart of "ot" with a quadratic regulariser instead of the entropy): it has
             exact zeros and ones (entries more than epsilon below or above the threshold), so
             attention and routing can skip work. t is solved exactly by a finite Newton method
-            on the piecewise-linear residual (2 to 28 evaluations, O(n) each); the backward is
-            closed form, on the free entries S = {0 < a < 1}: ``da_i/dx_j = (delta_ij -
-            1/|S|)/epsilon``, ``da_i/dk = 1/|S|``, ``da_i/depsilon = -(a_i - mean_S a)/epsilon``
+            on the piecewise-linear residual (1 to 13 evaluations, O(n) each, after one top-k for
+            the bracket); the backward is closed form, on the free entries S = {0 < a < 1}:
+            ``da_i/dx_j = (delta_ij - 1/|S|)/epsilon``, ``da_i/dk = 1/|S|``,
+            ``da_i/depsilon = -(a_i - mean_S a)/epsilon``
             (0 off S, and 0 everywhere when S is empty: an integer k whose k-th and (k+1)-th
             largest are more than epsilon apart). It takes a per-row k and differentiates
             in x, k and epsilon, like "ot"; its ``epsilon`` is in the units of x, with the
             same scaling law.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical)
-            and for "sparse" (2 to 28);
+            and for "sparse" (1 to 13);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
             runs the paper's fixed 200 iterations (on the cost in units of epsilon, so that the
             scaling law holds; an iterate that has not converged depends on that choice of
