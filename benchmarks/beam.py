@@ -26,11 +26,11 @@ whole beam's term of the loss is what keeps it in. ``soft_topk_first`` is the ab
 
 Each search arm runs over the same epsilon grid. The budget is CPU time of the training process
 on one torch thread (``time.process_time``), so it does not depend on the machine's other load;
-the learning rate follows a cosine over it; the validation exact match is checked every
-``--eval-every`` CPU seconds, a run stops early once it reaches 100 %, and the test exact match
-is that of the best validation check's model. Reported:
-beam-K exact match on 2000 test sequences, the CPU seconds to reach 90 % validation exact match,
-and the training steps.
+the learning rate follows a cosine over it; the validation exact match is checked before
+training and every ``--eval-every`` CPU seconds, a run stops early once it reaches 100 %, and
+the test exact match is that of the best validation check's model. Reported: beam-K exact match
+on 2000 test sequences, the CPU seconds to reach 90 % validation exact match (the first check at
+or after it), and the training steps.
 
 Run::
 
@@ -150,7 +150,7 @@ def run_arm(
     test = make_batch(torch.Generator().manual_seed(20_000 + seed), n_test, delay)
     model = Decoder()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    start, steps, next_eval = time.process_time(), 0, eval_every
+    start, steps, next_eval = time.process_time(), 0, 0.0  # the first check: untrained
     wall = time.perf_counter()
     curve: list[tuple[float, int, float]] = []
     to90 = None
@@ -237,7 +237,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         label = _label(rec)
         xs = [c[0] for c in rec["curve"]]
         ys = [100 * c[2] for c in rec["curve"]]
-        line = ax.plot(xs, ys, color=colours.get(label), alpha=0.8,
+        line = ax.plot(xs, ys, color=colours.get(label), alpha=0.8, marker="o", markersize=3,
                        label=None if label in colours else label)  # fmt: skip
         colours.setdefault(label, line[0].get_color())
     ax.set_xlabel("training CPU seconds (1 thread)")
