@@ -719,7 +719,7 @@ def test_bit_bisection_alone_reaches_every_root_within_the_bits_of_the_dtype(dty
     # adaptive solve.
     x, k, e = _hard_rows(dtype)
     prep, state = _ot._prepare_exact(x, k, e, x.shape[-1])
-    args = (x, prep.m2, prep.e2, prep.k_total, 0.0)
+    args = (x, prep.m2, e[:, None], prep.k_total, 0.0)
     bits = torch.finfo(dtype).bits
     done = rootfind.run_steps(_ot._evaluate_t, state, args, bits, bisect=True)
     assert bool(done.done.all())

@@ -17,6 +17,10 @@
   vmapped dimension is folded into the rows, the Function runs once on the plain tensors, and the
   outputs are unfolded again. The solvers' own loops and convergence checks then run on real
   values, exactly as for a batch.
+* :func:`apply_function`: ``Function.apply`` without the signature binding it runs on every call
+  (``inspect.signature``, tens of microseconds: a large part of a small op's time) to fill in
+  defaults, which the ops' Functions do not have; under a transform or while tracing, where torch
+  handles ``Function.apply`` itself, it is ``Function.apply``.
 * :func:`own_precision`: a context that turns ``torch.autocast`` off around an op's matrix
   products, so the op keeps its own precision rules (float16 and bfloat16 computed in float32,
   other dtypes in their own) instead of autocast's bfloat16 matmuls.
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "apply_function",
     "cannot_branch",
     "own_precision",
     "plain",
@@ -44,6 +49,18 @@ _functorch = torch._C._functorch
 def under_functorch() -> bool:
     """True inside a ``torch.func`` transform."""
     return _functorch.maybe_current_level() is not None
+
+
+def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)`` for a Function whose ``forward`` has no default arguments.
+
+    Outside ``torch.func`` transforms and ``torch.compile`` tracing it calls the C++ ``apply``
+    directly, skipping the per-call ``inspect.signature`` binding of ``Function.apply`` (which
+    only fills in defaults); there the results are the same.
+    """
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
 def cannot_branch(t: torch.Tensor) -> bool:

@@ -61,11 +61,12 @@ finite result wherever the derivative is finite. For the sort, where 1/epsilon i
 max / (4n), where the sort is already hard) the derivative is 0.
 
 The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
-(``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func, ``_apply``
-skips the per-call signature binding of ``Function.apply``; with numba in use and a gradient that
-is not itself differentiated, the L2 VJP, the epsilon term included, is one compiled pass over
-each row (``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops.
-These fixed costs, not the O(n log n) work, set the time of a small call.
+(``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func,
+``softops._core.transforms.apply_function`` skips the per-call signature binding of
+``Function.apply``; with numba in use and a gradient that is not itself differentiated, the L2
+VJP, the epsilon term included, is one compiled pass over each row
+(``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. These fixed
+costs, not the O(n log n) work, set the time of a small call.
 
 Limits (given by the kernels, which report a non-finite row so that the node marks the entries
 whose derivatives are zero only then): a NaN anywhere in a row of z or w makes the row NaN; for
@@ -94,21 +95,12 @@ from softops._core.isotonic import (
     project_kl,
     project_l2,
 )
+from softops._core.transforms import apply_function
 from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
 
 Tensor = torch.Tensor
-
-
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``, minus the signature binding that ``Function.apply`` runs on every call
-    (``inspect.signature``: about a fifth of a small soft_rank) to fill in defaults, which these
-    Functions do not have. Under torch.func transforms and torch.compile (which trace
-    ``Function.apply`` itself) it is ``fn.apply``."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return fn.apply(*args)
-    return super(torch.autograd.Function, fn).apply(*args)  # type: ignore[misc]
 
 
 def _gather(t: Tensor, perm: Tensor | None) -> Tensor:
@@ -417,7 +409,7 @@ def rank(
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
     mode = _RANK[opts.regularization == "kl", descending]
-    return _apply(_Permutahedron, x2, _rho(x2)[None], eps, mode)[0]
+    return apply_function(_Permutahedron, x2, _rho(x2)[None], eps, mode)[0]
 
 
 def sort(
@@ -436,4 +428,4 @@ def sort(
     # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
     # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
     mode = _SORT[opts.regularization == "kl", not descending]
-    return _apply(_Permutahedron, _rho(x2)[None], x2, eps, mode)[0]
+    return apply_function(_Permutahedron, _rho(x2)[None], x2, eps, mode)[0]

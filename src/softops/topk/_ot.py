@@ -46,9 +46,14 @@ Numerics of the solver (docs/math.md §1.3):
 
 Per-call costs. The whole preparation (row counts, the bracket, the start) is one branch-free
 function of the rows: with the fused path it runs with the first Halley steps as one compiled
-call, whose last evaluation also gives the mask A and the backward's weights ``s`` and
-``sum s``; the host reads two flags (all rows done, all rows regular) once. The plain backward
-in x is then three eager passes over the saved ``s`` (A is saved too, for the gradients in k and
+call, whose last evaluation also gives the mask A and the backward's weights ``s`` and their
+denominator ``sum s``; the host reads three flags (all rows done, all rows regular, no row to
+scale) once. What a compiled call costs beyond its kernels grows with its inputs and outputs,
+so it takes detached tensors (no graph per combination of inputs that require grad), no float
+(a zero ``tol`` is the int 0; the constants of the dtype come from ``torch.finfo``, which is
+folded) and returns no view of an input. The Function is applied without ``Function.apply``'s
+signature binding (:func:`softops._core.transforms.apply_function`). The plain backward in x
+is then three eager passes over the saved ``s`` (A is saved too, for the gradients in k and
 epsilon and for double backward: two (B, n) buffers).
 
 Traced code. Under ``torch.compile`` or ``torch.export`` without gradients the solve makes no host
@@ -78,7 +83,7 @@ from softops._core.rootfind import (
     run_while,
     start_state,
 )
-from softops._core.transforms import vmap_rows
+from softops._core.transforms import apply_function, vmap_rows
 
 __all__ = [
     "EXACT_MAX_N",
@@ -98,18 +103,23 @@ FIRST_BLOCK = {torch.float32: 3, torch.float64: 4}
 BLOCK = 2
 """Evaluations between two later convergence tests off the CPU (no host sync inside a block); on
 the CPU every evaluation is followed by a test (a host test is free there)."""
-SMOOTH_START = 8.0
-"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
+SMOOTH_START = 8
+"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``. (An int:
+torch.compile lifts a module-level float read by traced code to a graph input, a per-call cost,
+and specialises an int.)"""
 SCALE_BITS = 40
 """Rows whose epsilon exceeds ``finfo.max / 2**SCALE_BITS`` are solved on ``(x c, eps c)`` for a
 power of two ``c < 1`` (the mask is invariant): their offsets ``x - t`` can exceed the dtype's
 range while ``(x - t) / eps`` is moderate. Every other row saturates wherever an offset
 overflows (``|x - t| / eps > 2**SCALE_BITS``), so there ``+-inf`` is the exact limit."""
-_RANGE = {
-    d: (torch.finfo(d).eps, torch.finfo(d).max, torch.finfo(d).max * 2.0**-SCALE_BITS)
-    for d in (torch.float32, torch.float64)
-}
-"""Per compute dtype: machine epsilon, the largest finite value, the scaling limit."""
+
+
+def _scaling_limit(dtype: torch.dtype) -> float:
+    """The scaling limit of ``dtype``, ``finfo.max / 2**SCALE_BITS`` (a constant of the dtype:
+    torch.compile folds it, where a module-level table of floats would be a graph input)."""
+    return torch.finfo(dtype).max * 2.0**-SCALE_BITS
+
+
 # The cap on evaluations is THRESHOLD_MAX_ITER (100). 3 to 5 are typical; plain bisection within
 # the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
 
@@ -140,10 +150,10 @@ class ThresholdState(NamedTuple):
 
 
 class _Prep(NamedTuple):
-    """What the iteration needs of the rows: (B,) tensors (``m2``, ``e2`` (B, 1))."""
+    """What the iteration needs of the rows: (B,) tensors (``m2`` (B, 1)). Epsilon is not among
+    them: a compiled function returning a view of its input pays for regenerating it."""
 
     m2: torch.Tensor
-    e2: torch.Tensor
     k_total: torch.Tensor  # the residual's target: k, with the +inf entries counted
     solve_rows: torch.Tensor
     sel_none: torch.Tensor
@@ -159,8 +169,9 @@ def _evaluate(
     k: torch.Tensor,
     tol: float | torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s`` and
-    ``sum s`` (``s = A (1 - A) / eps``, the backward's weights, formed from ``u``: no cancellation).
+    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s`` and the
+    backward's denominator, ``sum s`` where it is positive and ``inf`` elsewhere (``s = A (1 - A)
+    / eps``, the backward's weights, formed from ``u``: no cancellation).
 
     The reductions are over the last dim; ``m``, ``t`` and ``eps`` have a trailing singleton dim,
     ``k`` the reduced shape. With ``u = min(A, 1 - A)`` the residual is split by sign, so it has no
@@ -189,7 +200,8 @@ def _evaluate(
     flush = x.shape[-1] / torch.finfo(x.dtype).max
     bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs()
     bound = bound + flush + tol
-    return F, -slope, bound, curv, torch.where(pos, 1 - u, u), d * inv, slope
+    den = torch.where(slope > 0, slope, math.inf)  # <s, g> / den: 0 where every s is 0
+    return F, -slope, bound, curv, torch.where(pos, 1 - u, u), d * inv, den
 
 
 def _evaluate_t(
@@ -219,7 +231,8 @@ def _pad(lo: torch.Tensor, hi: torch.Tensor, eps: torch.Tensor):
     an end can round to infinity, and an infinite bracket has no midpoint. The root itself is
     within ``eps log n`` of ``0`` there (|t| << finfo.max once epsilon is below the scaling limit,
     ``SCALE_BITS``)."""
-    em, big = _RANGE[lo.dtype][:2]
+    fi = torch.finfo(lo.dtype)
+    em, big = fi.eps, fi.max
     pad = 4 * em * (lo.abs() + hi.abs() + eps)
     return (lo - pad).clamp(min=-big), (hi + pad).clamp(max=big)
 
@@ -230,7 +243,7 @@ def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     epsilon and the half span of the finite entries below that limit (so every offset, bracket
     end and step of the solve is far inside the range). Exact: powers of two scale without
     rounding (but for subnormal entries, whose effect on ``(x - t) / eps`` is then nil)."""
-    limit = _RANGE[x.dtype][2]
+    limit = _scaling_limit(x.dtype)
     finite = torch.isfinite(x)
     top = torch.where(finite, x, -math.inf).amax(-1)
     bottom = torch.where(finite, x, math.inf).amin(-1)
@@ -289,7 +302,7 @@ def _prepare_exact(
     # Bounds on the residual at the bracket's ends: every entry above lo, none above hi. The
     # residual counts +inf entries as selected, so it is taken against the total k.
     state = start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
-    prep = _Prep(m[:, None], eps[:, None], kk + (k - k_eff), solve_rows, sel_none, sel_all, invalid)
+    prep = _Prep(m[:, None], kk + (k - k_eff), solve_rows, sel_none, sel_all, invalid)
     return prep, state
 
 
@@ -337,7 +350,7 @@ def _prepare_sampled(
     t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
     state = start_state(t0, lo, hi, f_lo=n - kk, f_hi=-kk, done=~solve_rows)
     invalid = torch.zeros_like(solve_rows)
-    return _Prep(m[:, None], eps[:, None], kk, solve_rows, sel_none, sel_all, invalid), state
+    return _Prep(m[:, None], kk, solve_rows, sel_none, sel_all, invalid), state
 
 
 def _start(
@@ -366,13 +379,14 @@ def _start(
     if loop:
         # a loop takes tensors, not (symbolic) floats, from its surroundings
         tol_t = torch.full((), tol, dtype=x.dtype, device=x.device)
-        args_t = (x, prep.m2, prep.e2, prep.k_total, tol_t)
+        args_t = (x, prep.m2, eps[:, None], prep.k_total, tol_t)
         state, count = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)
     else:
-        state = run_steps(_evaluate_t, state, (x, prep.m2, prep.e2, prep.k_total, tol), steps)
+        args = (x, prep.m2, eps[:, None], prep.k_total, tol)
+        state = run_steps(_evaluate_t, state, args, steps)
     # What the host needs to know, in one read: are all rows done, are all rows regular, must
     # some rows be solved scaled (then this solve is discarded).
-    ordinary = eps <= _RANGE[x.dtype][2]
+    ordinary = eps <= _scaling_limit(x.dtype)
     flags = torch.stack((state.done, prep.solve_rows, ordinary)).all(-1)
     return prep, state, count, flags, result(state, 0).converged
 
@@ -385,13 +399,19 @@ def _solve(
     tol: float,
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and ``sum s`` (the
-    last evaluation's by-products), and whether every row is known on the host to have
+    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and the denominator
+    of the backward's weights (``sum s``, or ``inf`` where it is 0; NaN on rows that cannot be
+    solved: the last evaluation's by-products), and whether every row is known on the host to have
     converged (then there is nothing to warn about)."""
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
     meta = x.device.type == "meta"
+    # The solve is not differentiated (its Function has the implicit backward). Detached inputs
+    # keep torch.compile's guards on requires_grad from compiling one graph per combination of
+    # x, k and epsilon requiring grad (its recompile limit would then turn the fused path off);
+    # a zero tolerance goes in as the int 0, which it specialises (a float is a graph input).
+    x, k, eps, tol = x.detach(), k.detach(), eps.detach(), tol or 0
     if k_scalar is not None and dtype == torch.float32:
         # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
         # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
@@ -401,7 +421,7 @@ def _solve(
     elif traced or meta:
         top = n  # no host read of k: the whole row (a sort)
     else:
-        top = min(int(k.detach().max()) + 1, n) if k.numel() else 1
+        top = min(int(k.max()) + 1, n) if k.numel() else 1
     top = max(top, 1)
     stride, stats = 0, None
     if n > EXACT_MAX_N and not (traced or meta):
@@ -412,7 +432,7 @@ def _solve(
             if k_scalar is not None:
                 q_max = min(max(round(k_scalar * ns / n), 1), ns - 1)
             else:
-                q_max = int((k.detach().max() * (ns / n)).round().clamp(1, ns - 1))
+                q_max = int((k.max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
     start = maybe_fused(_start, x)
     scale = None
@@ -447,7 +467,7 @@ def _solve(
         state, evaluations = iterate(
             _evaluate_t,
             state,
-            (x, prep.m2, prep.e2, prep.k_total, tol),
+            (x, prep.m2, eps[:, None], prep.k_total, tol),
             max_iter=max_iter,
             evaluations=evaluations,
             block=block,
@@ -458,9 +478,10 @@ def _solve(
     if state.extra:
         A, w, w_sum = state.extra
     else:  # meta tensors: nothing was evaluated
-        A = _mask(x, prep.m2, root[:, None], prep.e2)
-        w = A * (1 - A) / prep.e2
+        A = _mask(x, prep.m2, root[:, None], eps[:, None])
+        w = A * (1 - A) / eps[:, None]
         w_sum = w.sum(-1)
+        w_sum = torch.where(w_sum > 0, w_sum, math.inf)
     if scale is not None:  # s = A (1 - A) / eps in the units of the caller's x
         w, w_sum = w * scale[:, None], w_sum * scale
     if regular:
@@ -473,7 +494,7 @@ def _solve(
     A = _fill_special(A, x, prep.sel_none, prep.sel_all, invalid)
     # rows that are not solved are exactly 0 or 1 (s = 0), or NaN (NaN gradients)
     w = torch.where(solve_rows[:, None], w, 0).masked_fill(invalid[:, None], math.nan)
-    w_sum = torch.where(solve_rows, w_sum, 0).masked_fill(invalid, math.nan)
+    w_sum = torch.where(solve_rows, w_sum, math.inf).masked_fill(invalid, math.nan)
     out = ThresholdState(
         m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid, scale
     )
@@ -539,12 +560,12 @@ def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
-def _vjp_saved(s: torch.Tensor, s_sum: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``sum s`` (B, 1): a row dot
-    product, a subtraction and a product in place, where the fused path costs a compiled call."""
-    sg = torch.linalg.vecdot(s, g).unsqueeze(-1)
-    positive = s_sum > 0
-    return (g - torch.where(positive, sg / torch.where(positive, s_sum, 1), 0)).mul_(s)
+def _vjp_saved(s: torch.Tensor, den: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and denominator ``den`` (B, 1: ``sum
+    s``, or ``inf`` where every s is 0, so that the quotient is 0 there): a row dot product, a
+    division of (B, 1), a subtraction and a product in place, where the fused path costs a
+    compiled call."""
+    return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / den).mul_(s)
 
 
 def _offsets(
@@ -642,8 +663,9 @@ class _SoftTopKMaskOT(torch.autograd.Function):
     """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward and jvp.
 
     Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: A; s and
-    ``aux`` (columns m, t, sum s), the weights of the backward; the convergence flags (None when
-    every row converged); the rows at k = 0 or n (None when there is none); the rows' scale
+    ``aux`` (columns m, t and the denominator ``sum s``), the weights of the backward; the
+    convergence flags (None when every row converged); the rows at k = 0 or n (None when there
+    is none); the rows' scale
     (None when no row was scaled: see ``SCALE_BITS``; m and t are in its units).
     """
 
@@ -656,7 +678,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         tol: float,
         k_scalar: float | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        state, A, s, s_sum, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
+        state, A, s, den, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
         ok: torch.Tensor | None = None  # None: every row converged (known on the host)
         if not all_ok:
@@ -666,7 +688,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         edge = None
         if state.sel_none is not None and state.sel_all is not None:
             edge = state.sel_none.to(torch.int8) - (state.sel_all & ~state.sel_none).to(torch.int8)
-        aux = torch.stack((state.m, state.t, s_sum), -1)
+        aux = torch.stack((state.m, state.t, den), -1)
         return A, s, aux, ok, edge, state.scale
 
     @staticmethod
@@ -752,7 +774,8 @@ def _apply_and_warn(
     tol: float,
     k_scalar: float | None,
 ) -> torch.Tensor:
-    A, _, _, converged, *_ = _SoftTopKMaskOT.apply(x2, k_row, eps_row, max_iter, tol, k_scalar)
+    out = apply_function(_SoftTopKMaskOT, x2, k_row, eps_row, max_iter, tol, k_scalar)
+    A, converged = out[0], out[3]
     if converged is not None:
         warn_not_converged(op, converged, max_iter)
     return A
