@@ -119,6 +119,8 @@ _ARMIJO_SIGMA = 1e-4
 _JITTER_ULPS = 16.0
 _JITTER_RETRY = 1e-10
 _REFINE_STEPS = 1
+_DET_MIN = 2.0**-960
+"""Smallest det K (about 1e-289) that :func:`_closed_form_vjp` solves in closed form."""
 
 
 class SinkhornResult(NamedTuple):
@@ -686,6 +688,21 @@ def _hybrid(
     return prob, v, iters
 
 
+class _Semidual(NamedTuple):
+    """Data of a :func:`_newton_first` solve: float64, layout (B, m, n), each row on its own."""
+
+    s: Tensor  # (B, m, n) cost / epsilon
+    log_a: Tensor  # (B, n)
+    a_row: Tensor  # (B, 1, n) row masses a_i
+    a_col: Tensor  # (B, n, 1) the same, as a column
+    a_sum: Tensor  # (B,)
+    b: Tensor  # (B, m) column masses
+    ref: Tensor  # (B, m, n) 1 at each row's reference column r(i), else 0
+    off_ref: Tensor  # (B, m, n) 1 - ref
+    b_ref: Tensor  # (B, m) b_j - sum_{r(i) = j} a_i, exact (0 where the masses match)
+    tol_mass: Tensor  # (B,) tol * sum_i a_i: the stopping level of ``l1``
+
+
 class _NewtonState(NamedTuple):
     """The semi-dual at the states v (B, m) of :func:`_newton_first` (layout (B, m, n))."""
 
@@ -693,76 +710,117 @@ class _NewtonState(NamedTuple):
     gap: Tensor  # (B, m) b - c with c_j = sum_i a_i P_ij: the gradient of the semi-dual
     mx: Tensor  # (B, 1, n) max_j (v_j - s_ij)
     zs: Tensor  # (B, 1, n) sum_j exp(v_j - s_ij - mx_i), at least 1
-    bound: Tensor  # (B,) sum_j |b_j - c_j| / sum_i a_i, a bound on the residual
+    l1: Tensor  # (B,) sum_j |b_j - c_j|, which bounds sum_i a_i times the residual
 
 
-def _newton_state(prob: _Problem, v: Tensor, b: Tensor) -> _NewtonState:
-    """The :class:`_NewtonState` at ``v``; each row's values depend on that row only.
+def _semidual(
+    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor, tol: float
+) -> tuple[_Semidual, Tensor]:
+    """The :class:`_Semidual` of the problem and the start ``v = log b - log c(0)`` (B, m).
 
-    Each row is taken relative to its home column h(i) (its largest entry): ``e_ij = exp(v_j -
-    s_ij - M_i)`` is exactly 1 there, and the mass off home ``o_i = sum_{j != h(i)} e_ij`` is
-    summed without it, so that ``1 - P_ih(i) = o_i / (1 + o_i)`` keeps its relative precision
-    when the row is nearly one-hot; ``b - c`` is then :func:`_mass_gap`'s split at home, sums of
-    small products. ``bound`` bounds the residual of the column-exact plan (see
-    :func:`_residual`).
+    The start is one Sinkhorn column update of v = 0; the reference column of row i is its
+    largest entry at v = 0 (its cheapest column: for the sorted top-k's centred cost, its hard
+    assignment).
     """
-    z = v.unsqueeze(-1) - prob.s
-    mx, h = z.max(1, keepdim=True)
-    top = torch.zeros_like(z).scatter_(1, h, 1.0)
+    f64 = torch.float64
+    # (B, m, n) in that memory order, so that every reduction over m runs over contiguous rows
+    s = cost.transpose(1, 2).to(f64, memory_format=torch.contiguous_format)
+    s = s / epsilon.to(f64)[:, None, None]
+    # both marginals from their logarithms in float64 (``a`` rounded in a narrower dtype and
+    # ``b`` in float64 differ in total mass at the narrower rounding, a residual floor there)
+    log_a64, log_b64 = log_a.to(f64), log_b.to(f64)
+    a, b = log_a64.exp(), log_b64.exp()
+    a_col = a.unsqueeze(-1)
+    e0 = s.neg()
+    top, r = e0.max(1, keepdim=True)
+    e0 = e0.sub_(top).exp_()
+    c0 = torch.bmm(e0.div_(e0.sum(1, keepdim=True)), a_col).squeeze(-1)
+    v = log_b64 - c0.clamp_min_(torch.finfo(f64).tiny).log_()  # -inf at zero mass
+    ref = torch.zeros_like(s).scatter_(1, r, 1.0)
+    b_ref = torch.baddbmm(b.unsqueeze(-1), ref, a_col, alpha=-1.0).squeeze(-1)
+    a_sum = a.sum(-1)
+    sd = _Semidual(s, log_a64, a.unsqueeze(1), a_col, a_sum, b, ref, 1.0 - ref, b_ref, tol * a_sum)
+    return sd, v
+
+
+def _newton_state(sd: _Semidual, v: Tensor) -> _NewtonState:
+    """The :class:`_NewtonState` at ``v``.
+
+    ``b - c`` is formed relative to each row's reference column r(i), as sums of small
+    products: with ``e_ij = exp(v_j - s_ij - M_i)``, ``o_i = sum_{j != r(i)} e_ij`` and
+    ``Z_i = sum_j e_ij``, ``Z_i (P_ij - [j = r(i)])`` is ``e_ij`` off the reference column and
+    ``-o_i`` on it, so ``b_j - c_j = (b_j - sum_{r(i) = j} a_i) - sum_i a_i (P_ij - [j = r(i)])``
+    keeps its relative precision when the rows are nearly one-hot (at their reference column,
+    as at a small epsilon). Formed directly, ``b - c`` keeps only the rounding of the O(1)
+    masses there, and on nearly decoupled blocks of columns that noise drove steps that never
+    lowered the residual.
+    """
+    z = v.unsqueeze(-1) - sd.s
+    mx = z.amax(1, keepdim=True)
     e = z.sub_(mx).exp_()
-    off = e - top  # exactly 0 at home
-    o = off.sum(1, keepdim=True)
-    zs = o + 1.0
-    p = e.div_(zs)
-    a_col = prob.a.unsqueeze(-1)
-    # c_j = home_j - sum_{h(i) = j} a_i (1 - P_ij) + sum_{h(i) != j} a_i P_ij
-    flow = off.sub_(top * o)  # zs_i times: -(1 - P_ij) at home, P_ij elsewhere
-    home = torch.bmm(top, a_col).squeeze(-1)
-    gap = (b - home) - torch.bmm(flow, a_col / zs.transpose(1, 2)).squeeze(-1)
-    return _NewtonState(p, gap, mx, zs, gap.abs().sum(-1) / prob.a_sum)
+    off = e * sd.off_ref
+    zs = e.sum(1, keepdim=True)
+    flow = off.addcmul_(sd.ref, off.sum(1, keepdim=True), value=-1.0)
+    gap = torch.baddbmm(sd.b_ref.unsqueeze(-1), flow, sd.a_col / zs.transpose(1, 2), alpha=-1.0)
+    gap = gap.squeeze(-1)
+    return _NewtonState(e.div_(zs), gap, mx, zs, gap.abs().sum(-1))
 
 
-def _residual(prob: _Problem, state: _NewtonState, b: Tensor) -> tuple[Tensor, Tensor]:
+def _residual(sd: _Semidual, state: _NewtonState) -> tuple[Tensor, Tensor]:
     """``(ratio, err)``: ``ratio = (b - c) / c`` (B, m) (0 in the columns of zero mass) and the
     relative L1 row error of the column-exact plan ``diag(a) P diag(b / c)``,
     ``err = sum_i a_i |sum_j P_ij (b_j - c_j) / c_j| / sum_i a_i`` (no difference of O(1)
     numbers). By the triangle inequality ``err <= sum_j |b_j - c_j| / sum_i a_i`` (the state's
-    ``bound``)."""
+    ``l1`` over the total mass)."""
     gap = state.gap
-    ratio = gap / (b - gap).clamp_min(torch.finfo(gap.dtype).tiny)
+    ratio = gap / (sd.b - gap).clamp_min_(torch.finfo(gap.dtype).tiny)
     dev = torch.bmm(ratio.unsqueeze(1), state.p)  # (B, 1, n): row sums of the plan over a, - 1
-    return ratio, torch.bmm(dev.abs(), prob.a.unsqueeze(-1)).flatten() / prob.a_sum
+    return ratio, torch.bmm(dev.abs_(), sd.a_col).flatten() / sd.a_sum
 
 
-def _newton_direction(prob: _Problem, state: _NewtonState) -> Tensor:
+def _newton_direction(sd: _Semidual, state: _NewtonState) -> Tensor:
     """The reduced Newton step (B, m) (gauge: the last v fixed), ``K delta_< = (b - c)_<``.
 
     ``K = sum_i a_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns is the graph
     Laplacian of the couplings ``w_jl = sum_i a_i P_ij P_il`` (j != l), grounded at the last
     column: ``K_jl = -w_jl`` and ``K_jj = sum_{l != j} w_jl``. Formed that way every entry is a
     sum of products (``K_jj`` is never ``nu_j - sum_i a_i P_ij^2``, which cancels when P is nearly
-    one-hot). For m = 2 and m = 3 the system is solved in closed form, with the determinant
-    ``w01 (w02 + w12) + w02 w12`` a sum of products too; larger systems go through the
-    equilibrated Cholesky of :func:`_factor`. A step that fails is not finite.
+    one-hot). For m = 2 and m = 3 the system is solved in closed form (:func:`_laplacian_solve`);
+    larger systems go through the equilibrated Cholesky of :func:`_factor`. A step that fails is
+    not finite.
     """
     p = state.p
     m = p.shape[1]
-    w = torch.bmm(p * prob.a.unsqueeze(1), p.transpose(1, 2))  # (B, m, m)
+    w = torch.bmm(p * sd.a_row, p.transpose(1, 2))  # (B, m, m)
     grad = state.gap[:, : m - 1]
-    if m == 2:
-        return torch.nn.functional.pad(grad / w[:, 0, 1:], (0, 1))
-    if m == 3:
-        w01, w02, w12 = w.flatten(1)[:, [1, 2, 5]].unbind(-1)
-        g0, g1 = grad.unbind(-1)
-        det = w01 * (w02 + w12) + w02 * w12
-        num = ((w01 + w12) * g0 + w01 * g1, w01 * g0 + (w01 + w02) * g1, torch.zeros_like(g0))
-        return torch.stack(num, -1) / det.unsqueeze(-1)
-    eye = torch.eye(m, dtype=torch.bool, device=p.device)
-    w_off = w.masked_fill(eye, 0.0)
-    kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
-    factor = _factor(kmat)
-    delta = torch.where((factor[2] == 0)[:, None], _solve(factor, grad), math.nan)
+    if m <= 3:
+        delta = _laplacian_solve(w, grad)[0]
+    else:
+        eye = torch.eye(m, dtype=torch.bool, device=p.device)
+        w_off = w.masked_fill(eye, 0.0)
+        kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
+        factor = _factor(kmat)
+        delta = torch.where((factor[2] == 0)[:, None], _solve(factor, grad), math.nan)
     return torch.nn.functional.pad(delta, (0, 1))
+
+
+def _laplacian_solve(w: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
+    """``(K^-1 rhs, det K)`` ((B, m-1), (B, 1)) for the grounded Laplacian K of the couplings
+    ``w`` (B, m, m), m = 2 or 3, in closed form (Cramer's rule).
+
+    m = 2: ``K = w01``. m = 3: ``K = [[w01 + w02, -w01], [-w01, w01 + w12]]``, whose adjugate
+    and determinant ``w01 (w02 + w12) + w02 w12`` are sums of products of the couplings (no
+    cancellation, whatever the conditioning): ``K^-1 rhs = (w01 (r0 + r1) + (w12 r0, w02 r1))
+    / det``. Not finite where K is singular (a column with no coupling left).
+    """
+    w01 = w[:, 0, 1:2]
+    if w.shape[1] == 2:
+        return rhs / w01, w01
+    ground = w[:, :2, 2]  # (w02, w12)
+    total = ground.sum(-1, keepdim=True)
+    det = torch.addcmul(ground.prod(-1, keepdim=True), w01, total)
+    num = torch.addcmul(w01 * rhs.sum(-1, keepdim=True), total - ground, rhs)
+    return num / det, det
 
 
 def _newton_first(
@@ -777,7 +835,8 @@ def _newton_first(
     finite) keeps its state and stops. Rows whose residual ends above ``tol`` are solved again
     from the start, so the result is always a plan certified by its residual, whichever path
     found it. A stopped row's state is never touched again, so a row's result depends on its
-    own data only.
+    own data only. One host read per step (two flags: whether some step was rejected, whether
+    some row goes on) and one at the end.
 
     The start: for the sorted top-k's centred cost (column constants at the midpoints of the
     sorted scores) v = 0 is the hard assignment, the solution as epsilon -> 0; one Sinkhorn
@@ -786,69 +845,65 @@ def _newton_first(
     1000, k = 1 to 32, epsilon 1e-3 to 10, ties included, full steps from there were accepted
     throughout and every row reached a residual of 1e-7 within 4 steps.
     """
-    f64 = torch.float64
-    s = cost.transpose(1, 2).to(f64) / epsilon.to(f64)[:, None, None]
-    # both marginals from their logarithms in float64 (``a`` rounded in a narrower dtype and
-    # ``b`` in float64 differ in total mass at the narrower rounding, a residual floor there)
-    log_a64, log_b64 = log_a.to(f64), log_b.to(f64)
-    a, b = log_a64.exp(), log_b64.exp()
-    prob = _Problem(s, None, log_a64, a, a.sum(-1), log_b64, None, torch.isneginf(log_b64))
-    a_col = a.unsqueeze(-1)
-    e0 = s.neg()
-    e0 = e0.sub_(e0.amax(1, keepdim=True)).exp_()
-    c0 = torch.bmm(e0.div_(e0.sum(1, keepdim=True)), a_col).squeeze(-1)
-    v = log_b64 - c0.clamp_min(torch.finfo(f64).tiny).log()  # -inf at zero mass
-    state = _newton_state(prob, v, b)
-    live = state.bound > tol
+    sd, v = _semidual(cost, log_a, log_b, epsilon, tol)
+    state = _newton_state(sd, v)
+    live = state.l1 > sd.tol_mass
     steps = 0
     go = bool(live.any())
     while go and steps < min(NEWTON_FIRST_STEPS, max_iter):
-        v_new = torch.where(live[:, None], v + _newton_direction(prob, state), v)
-        new = _newton_state(prob, v_new, b)
-        keep = live & (new.bound < state.bound)  # False where the step is not finite
-        flags = torch.stack(((live ^ keep).any(), (keep & (new.bound > tol)).any())).tolist()
+        v_new = torch.where(live[:, None], v + _newton_direction(sd, state), v)
+        new = _newton_state(sd, v_new)
+        keep = live & (new.l1 < state.l1)  # False where the step is not finite
+        more = keep & (new.l1 > sd.tol_mass)
+        rejected, go = torch.stack((live ^ keep, more)).any(1).tolist()
         steps += 1
-        if flags[0]:  # rare: some step did not lower its row's bound; that row keeps its state
+        if rejected:  # rare: some step did not lower its row's bound; that row keeps its state
             v = torch.where(keep[:, None], v_new, v)
-            state = _newton_state(prob, v, b)
+            state = _newton_state(sd, v)
         else:
             v, state = v_new, new
-        live = keep & (state.bound > tol)
-        go = flags[1]
-    ratio, err = _residual(prob, state, b)
-    left = err > tol
-    if max_iter > steps and bool(left.any()):
-        sub = _make_problem(cost[left], log_a[left], log_b[left], epsilon[left])
-        start = torch.zeros_like(sub.log_b)
-        _, w, it = _hybrid(sub, start, max_iter - steps, tol, True)
-        v = v.masked_scatter(left[:, None], w.to(f64))
-        steps += it
-        state = _newton_state(prob, v, b)
-        ratio, err = _residual(prob, state, b)
-    return _finalize_state(prob, v, state, ratio, err, epsilon, tol, steps)
+        live = more
+    ratio, err = _residual(sd, state)
+    converged = err <= tol
+    clean = bool(converged.all())
+    if not clean:
+        left = err > tol  # not the NaN rows
+        if max_iter > steps and bool(left.any()):
+            sub = _make_problem(cost[left], log_a[left], log_b[left], epsilon[left])
+            start = torch.zeros_like(sub.log_b)
+            _, w, it = _hybrid(sub, start, max_iter - steps, tol, True)
+            v = v.masked_scatter(left[:, None], w.to(v.dtype))
+            steps += it
+            state = _newton_state(sd, v)
+            ratio, err = _residual(sd, state)
+            converged = err <= tol
+    return _finalize_state(sd, v, state, ratio, err, converged, clean, epsilon, steps)
 
 
 def _finalize_state(
-    prob: _Problem,
+    sd: _Semidual,
     v: Tensor,
     state: _NewtonState,
     ratio: Tensor,
     err: Tensor,
+    converged: Tensor,
+    clean: bool,
     epsilon: Tensor,
-    tol: float,
     iterations: int,
 ) -> SinkhornResult:
     """:func:`_finalize` from a :class:`_NewtonState` at ``v`` and its :func:`_residual`: the
-    column-exact plan ``diag(a) P diag(b / c)``, with ``b / c = 1 + (b - c) / c``."""
-    plan = state.p.mul_(prob.a.unsqueeze(1) * (1.0 + ratio).unsqueeze(-1))
+    column-exact plan ``diag(a) P diag(b / c)``, with ``b / c = 1 + (b - c) / c``. ``clean``:
+    every row converged (none is NaN or infinite, so none needs masking)."""
+    plan = state.p.mul_(sd.a_row * (1.0 + ratio).unsqueeze(-1))
     eps = epsilon.to(v.dtype)[:, None]
-    f = (prob.log_a - (state.mx + state.zs.log()).squeeze(1)) * eps
+    f = (sd.log_a - (state.mx + state.zs.log()).squeeze(1)) * eps
     g = (v + torch.log1p(ratio)) * eps  # -inf in the columns of zero mass (v = -inf)
-    fine = err < math.inf  # False for NaN
-    plan = torch.where(fine[:, None, None], plan, math.nan)
-    f = torch.where(fine[:, None], f, math.nan)
-    g = torch.where(fine[:, None], g, math.nan)
-    return SinkhornResult(f, g, plan.transpose(1, 2), err <= tol, iterations, err)
+    if not clean:
+        fine = err < math.inf  # False for NaN
+        plan = torch.where(fine[:, None, None], plan, math.nan)
+        f = torch.where(fine[:, None], f, math.nan)
+        g = torch.where(fine[:, None], g, math.nan)
+    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
 
 
 class SinkhornPlanFunction(torch.autograd.Function):
@@ -889,6 +944,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         epsilon = inputs[3]
         plan, f, g, converged, residual, _ = output
+        ctx.closed_form = bool(inputs[7]) if len(inputs) > 7 else False
         ctx.save_for_backward(plan, epsilon.detach())
         ctx.save_for_forward(plan, epsilon.detach())
         ctx.mark_non_differentiable(f, g, converged, residual)
@@ -899,7 +955,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0] or grad_plan is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
-        return (implicit_cost_vjp(plan, grad_plan, epsilon), *nones)
+        return (implicit_cost_vjp(plan, grad_plan, epsilon, ctx.closed_form), *nones)
 
     @staticmethod
     def jvp(ctx: Any, cost_t: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
@@ -912,28 +968,81 @@ class SinkhornPlanFunction(torch.autograd.Function):
         if cost_t is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
-        return (implicit_cost_vjp(plan, cost_t, epsilon), *nones)
+        return (implicit_cost_vjp(plan, cost_t, epsilon, ctx.closed_form), *nones)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         return vmap_rows(SinkhornPlanFunction, info, in_dims, *args)
 
 
-def implicit_cost_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
+def implicit_cost_vjp(
+    plan: Tensor, grad_plan: Tensor, epsilon: Tensor, closed_form: bool = False
+) -> Tensor:
     """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (docs/math.md §2.3).
 
     Args:
         plan: (B, n, m) converged plan.
         grad_plan: (B, n, m) incoming gradient.
         epsilon: (B,) regularisation in cost units.
+        closed_form: for m <= 3, solve the (m-1) x (m-1) system in closed form
+            (:func:`_closed_form_vjp`); rows where it is not safe (and larger m) take the
+            equilibrated Cholesky path.
 
     Returns:
         (B, n, m) gradient with respect to the cost, in ``plan``'s dtype.
     """
+    if plan.shape[2] == 1:
+        return torch.zeros_like(plan)
+    if closed_form and plan.shape[2] <= 3:
+        return _closed_form_vjp(plan, grad_plan, epsilon)
+    return _cholesky_vjp(plan, grad_plan, epsilon)
+
+
+def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
+    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`_laplacian_solve`.
+
+    K is the grounded Laplacian of the couplings ``w_jl = sum_i Gamma_ij P_il``, each a sum of
+    products, and its adjugate and determinant are sums of products of them: the solve is
+    exact up to rounding whatever K's conditioning, without jitter or refinement (the
+    Cholesky path needs both). It is used where ``det K`` is a normal number well above
+    underflow (``_DET_MIN``); other rows (a column with no coupling left, couplings near
+    underflow) take :func:`_cholesky_vjp`, row by row, so a row's gradient depends on its own
+    data only.
+    """
     dtype = plan.dtype
     bsz, _, m = plan.shape
-    if m == 1:
-        return torch.zeros_like(plan)
+    gam = plan.transpose(1, 2).to(torch.float64)  # (B, m, n)
+    gbar = grad_plan.transpose(1, 2).to(torch.float64)
+    mu = gam.sum(1, keepdim=True)  # (B, 1, n) row sums of the plan
+    # Rows of zero mass (a_i = 0) carry no plan and no gradient: give them a harmless P.
+    p = gam / torch.where(mu > 0, mu, 1.0)
+    home = p.detach().argmax(1, keepdim=True)  # (B, 1, n)
+    # K beta = sum_i Gamma_ij centred(Gbar)_ij (first m-1 columns), beta_m = 0
+    rhs = (gam * _centered_at(p, gbar, home)).sum(-1)[:, : m - 1]
+    beta, det = _laplacian_solve(torch.bmm(gam, p.transpose(1, 2)), rhs)
+    d = _centered_at(p, gbar - torch.nn.functional.pad(beta, (0, 1)).unsqueeze(-1), home)
+    cbar = (gam * d / (-epsilon.to(torch.float64)).reshape(bsz, 1, 1)).transpose(1, 2)
+    cbar = cbar.to(dtype)
+    unsafe = ~(det.detach() > _DET_MIN)  # (B, 1), also NaN
+    if _any_set(unsafe):
+        cbar = torch.where(unsafe[:, :, None], _cholesky_vjp(plan, grad_plan, epsilon), cbar)
+    return cbar
+
+
+def _centered_at(p: Tensor, u: Tensor, home: Tensor) -> Tensor:
+    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation:
+    each row is first shifted by its value at ``home`` (B, 1, n), the index of its largest P,
+    so that the weighted mean is a sum of small products when the row is nearly one-hot (see
+    :func:`_centered`)."""
+    h = u - u.gather(1, home)
+    return h - (p * h).sum(1, keepdim=True)
+
+
+def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
+    """:func:`implicit_cost_vjp` through the equilibrated, jittered Cholesky of K with one
+    step of iterative refinement (the module docstring's Backward)."""
+    dtype = plan.dtype
+    bsz, _, m = plan.shape
     gam = plan.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
     gbar = grad_plan.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
     mu = gam.sum(1)  # (B, n) row sums of the plan

@@ -159,14 +159,16 @@ def soft_topk(
     # largest finite value (scaled below), are the only ones with |x| above that limit.
     no_values = cannot_branch(x2)
     limit = torch.finfo(cd).max / (64 * m)
-    unusual = no_values or bool((x2.detach().abs().amax(-1) > limit).any())
+    unusual = no_values or bool((x2.detach().abs() > limit).any())
     has_inf = unusual and (no_values or bool(torch.isinf(x2.detach()).any()))
 
-    # Paper orientation: the smallest s are selected, smallest first.
+    # Paper orientation: the smallest s are selected, smallest first. The solve runs in float64
+    # (its cost, marginals and plan); the weights are cast back to the compute dtype.
+    f64 = torch.float64
     s = -x2 if largest else x2
-    log_a = torch.full((bsz, n), -math.log(n), dtype=cd, device=x.device)
+    log_a = torch.full((bsz, n), -math.log(n), dtype=f64, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
-    log_b = torch.tensor(log_nu, dtype=cd, device=x.device).expand(bsz, m)
+    log_b = torch.tensor(log_nu, dtype=f64, device=x.device).expand(bsz, m)
     if has_inf:
         # Infinities are their limits, by structure: -inf (in s) is always selected and fills
         # the first targets, +inf never is; the problem is solved on the finite entries, the
@@ -192,7 +194,7 @@ def soft_topk(
         log_fin = torch.where(j < c_eff[:, None], -math.inf, log_b)
         if k < n:  # the rest: the finite entries left out (exactly n - k on a finite row)
             rest = n_fin - (k - c_eff)
-            log_rest = torch.log(rest.double() / n).to(cd)
+            log_rest = torch.log(rest.double() / n)
             log_rest = torch.where(rest == n - k, log_b[:, k], log_rest)
             log_fin = torch.where(j == k, log_rest[:, None], log_fin)
         log_b = torch.where(trivial[:, None], log_b, log_fin)
@@ -216,42 +218,40 @@ def soft_topk(
     #                 = +sum_{j <= l < j_i} (s_i - beta_l)   (j < j_i),
     # two one-signed partial sums, so every cost keeps full relative precision and the smallest
     # is 0. Formed as one cumsum over all l, the far-away midpoints (an entry 1e8 away from the
-    # rest) would add a common offset that float32 cannot carry next to the O(1) differences.
-    # The gradient in s (per row, -j/epsilon up to the row constant, which the implicit backward
-    # ignores: the rows of its cost gradient sum to 0) is carried by the plain cumulative form,
-    # whose value is replaced by the accurate one (nothing more is saved for backward).
+    # rest) would add a common offset that the dtype cannot carry next to the O(1) differences.
+    # Layout (B, n, m), in float64 (the differences s_i - beta_l of float32 numbers are exact).
     with torch.no_grad():
-        low = torch.topk(s.detach(), min(k + 1, n), dim=-1, largest=False, sorted=True).values
-        beta = 0.5 * low[:, : m - 1] + 0.5 * low[:, 1:m]  # (B, m-1)
-        dd = s.detach().unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
-        below = dd > 0  # l < j_i
-        pad = torch.zeros_like(s.detach()).unsqueeze(1)
-        up = torch.cat((pad, torch.where(below, 0.0, dd)), dim=1).cumsum(dim=1)
-        down = torch.cat((torch.where(below, dd, 0.0), pad), dim=1).flip(1).cumsum(1).flip(1)
-        accurate = down - up  # (B, m, n)
-    diffs = s.unsqueeze(1) - beta.unsqueeze(-1)
-    plain = -torch.cat((torch.zeros_like(s).unsqueeze(1), diffs), dim=1).cumsum(dim=1)
-    # At an epsilon far below the gaps (cost / epsilon beyond the dtype's range) every entry is
-    # already decided: floor epsilon per row so that the scaled cost stays within 1/16 of the
-    # range instead of overflowing to inf (the solver's differences of two such numbers stay
-    # finite). A (B,) floor, so nothing more is saved for backward.
-    with torch.no_grad():
-        span = accurate.abs().amax(dim=(1, 2))
-        floor = span / (torch.finfo(cd).max / 16)
-    eps_eff = torch.maximum(eps, floor)[:, None, None]
-    # The gradient in epsilon is -<grad, scaled> / eps (attach_epsilon): through cost / eps it was
-    # (cost / eps) / eps, which overflows (epsilon < 1e-154, or a cost of 1e30 in float32 at
-    # epsilon 1e-5) and turned the zero cost gradient of the unused entries into 0 * inf = NaN.
-    scaled = (accurate + (plain - plain.detach())) / eps_eff.detach()  # (B, m, n)
+        sd = s.detach().to(f64)
+        low = torch.topk(sd, min(k + 1, n), dim=-1, largest=False, sorted=True).values
+        beta = (low[:, : m - 1] + low[:, 1:m]) * 0.5  # (B, m-1), exact in float64
+        dd = sd.unsqueeze(-1) - beta.unsqueeze(1)  # (B, n, m-1): s_i - beta_l
+        up = torch.nn.functional.pad(dd.clamp_max(0.0), (1, 0)).cumsum(-1)  # sum_{l<j} of < 0
+        down = torch.nn.functional.pad(dd.clamp_min(0.0), (0, 1)).flip(-1).cumsum(-1).flip(-1)
+        accurate = down - up  # (B, n, m), >= 0
+        # At an epsilon far below the gaps (cost / epsilon beyond the range of the compute
+        # dtype) every entry is already decided: floor epsilon per row so that the scaled cost
+        # stays within 1/16 of that range, as when the cost was formed in that dtype (a (B,)
+        # floor, so nothing more is saved for backward).
+        floor = accurate.amax(dim=(1, 2)) / (torch.finfo(cd).max / 16)
+    eps_eff = torch.maximum(eps.to(f64), floor)[:, None, None]
+    inv = 1.0 / eps_eff.detach()
+    # The gradient in s of the scaled cost is -j / epsilon per column (the row constants do not
+    # matter: the rows of the implicit backward's cost gradient sum to 0), carried by a term
+    # that is exactly 0 in value. The gradient in epsilon is -<grad, scaled> / eps
+    # (attach_epsilon): through cost / eps it was (cost / eps) / eps, which overflows (epsilon
+    # < 1e-154, or a cost of 1e30 in float32 at epsilon 1e-5) and turned the zero cost gradient
+    # of the unused entries into 0 * inf = NaN.
+    slope = s.unsqueeze(-1) * (torch.arange(0, -m, -1, dtype=f64, device=x.device) * inv)
+    scaled = accurate * inv + (slope - slope.detach())  # (B, n, m)
     if no_values or isinstance(epsilon, Tensor):  # a float epsilon has no gradient
         scaled = attach_epsilon(scaled, eps_eff)
 
-    ones = torch.ones((bsz,), dtype=cd, device=x.device)
+    ones = torch.ones((bsz,), dtype=f64, device=x.device)
     plan, res = sinkhorn_plan(
-        scaled.transpose(1, 2), log_a, log_b, ones, max_iter, tol, newton=True, newton_first=True
+        scaled, log_a, log_b, ones, max_iter, tol, newton=True, newton_first=True
     )
 
-    weights = plan[:, :, :k].transpose(1, 2) * n  # (B, k, n)
+    weights = (plan[:, :, :k] * n).to(cd).transpose(1, 2)  # (B, k, n)
     if has_inf:
         # the sure entries (tied) share the first c targets: 1/#(-inf) each
         weights = torch.where(trivial[:, None, None], 0, weights)
