@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -14,7 +15,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import softops
 from softops import soft_topk_mask
-from softops._core import rootfind
+from softops._core import fused, rootfind
 from softops.bench.references import unrolled_sinkhorn_topk_mask
 from softops.solvers import topk_threshold
 from softops.topk import _ot
@@ -782,3 +783,22 @@ def test_torch_compile_values_and_gradients_and_fullgraph_inference():
     with torch.no_grad():
         full = torch.compile(fn, fullgraph=True)(x.detach(), k.detach())
     torch.testing.assert_close(full, fn(x, k).detach(), atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+def test_fused_path_compiles_one_graph_whatever_requires_grad():
+    # The compiled start takes detached inputs: x, k and epsilon requiring grad or not, in
+    # every combination, reuse one graph per dtype, so dynamo's recompile limit (8) is never
+    # reached (it used to be, with both dtypes and a per-row k and epsilon with grad, and the
+    # fused path then turned itself off for the process with a RuntimeWarning).
+    softops.set_compile(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for dtype, grads in itertools.product((torch.float32, F64), range(8)):
+            xr = torch.randn(40, 1000, dtype=dtype).requires_grad_(bool(grads & 1))
+            k = torch.linspace(1.0, 999.0, 40, dtype=dtype).requires_grad_(bool(grads & 2))
+            e = torch.full((40,), 0.1, dtype=dtype).requires_grad_(bool(grads & 4))
+            A = soft_topk_mask(xr, k, epsilon=e)
+            if grads:
+                A.sum().backward()
+    assert fused.compile_enabled()
