@@ -326,7 +326,7 @@ def beam_search(
     pad_token = eos if pad is None else pad
     state = _map_state(state, lambda t: t.repeat_interleave(beam, dim=0))
     tokens: Tensor | None = None
-    history: list[Tensor] = []
+    seqs: Tensor | None = None
     ws: list[Tensor] = []
     cands: list[Tensor] = []
     parents_all: list[Tensor] = []
@@ -355,12 +355,12 @@ def beam_search(
             raise ValueError(f"{op}: expected V >= beam_size = {beam} tokens; got V = {vocab}.")
         if pad_token is not None and not 0 <= pad_token < vocab:
             raise ValueError(f"{op}: expected eos and pad in [0, V = {vocab}); got {pad_token}.")
-        if tokens is None:
-            feed_device = log_probs.device
-            scores = torch.full((bsz, beam), -torch.inf, dtype=log_probs.dtype, device=feed_device)
+        if tokens is None:  # at t = 0 only beam 0 is live
+            dev = log_probs.device
+            scores = torch.full((bsz, beam), -torch.inf, dtype=log_probs.dtype, device=dev)
             scores[:, 0] = 0.0
-            finished = torch.zeros((bsz, beam), dtype=torch.bool, device=feed_device)
-            lengths = torch.zeros((bsz, beam), dtype=torch.long, device=feed_device)
+            finished = torch.zeros((bsz, beam), dtype=torch.bool, device=dev)
+            lengths = torch.zeros((bsz, beam), dtype=torch.long, device=dev)
         assert scores is not None and finished is not None and lengths is not None
         lp = log_probs.reshape(bsz, beam, vocab)
         if eos is not None and bool(finished.any()):
@@ -372,8 +372,12 @@ def beam_search(
         was_done = finished.gather(1, parents)
         lengths = lengths.gather(1, parents) + (~was_done).long()
         finished = was_done | (out.tokens == eos) if eos is not None else was_done
-        tokens = out.tokens.to(log_probs.device)
-        history = [h.gather(1, parents) for h in history] + [tokens]
+        tokens = out.tokens
+        if seqs is None:
+            seqs = tokens.unsqueeze(-1)
+        else:  # the kept hypotheses' prefixes, then their new tokens
+            prefix = seqs.gather(1, parents.unsqueeze(-1).expand(-1, -1, seqs.shape[-1]))
+            seqs = torch.cat((prefix, tokens.unsqueeze(-1)), dim=-1)
         scores = out.scores
         flat = (parents + beam * torch.arange(bsz, device=parents.device).unsqueeze(1)).reshape(-1)
         state = _map_state(state, functools.partial(_take_rows, flat))
@@ -383,9 +387,10 @@ def beam_search(
         tokens_all.append(out.tokens)
         if eos is not None and bool(finished.all()):
             break
-    assert scores is not None and finished is not None and lengths is not None
+    assert seqs is not None and scores is not None and finished is not None
+    assert lengths is not None
     return BeamSearchResult(
-        torch.stack(history, dim=-1),
+        seqs,
         scores,
         lengths,
         finished,
