@@ -62,9 +62,10 @@ evaluation here sums the clipped entries themselves; (iii) an evaluation is one 
 with five row reductions, which fuses (``softops._core.fused``: the evaluation, the row
 statistics and the polish are each one compiled pass on large inputs) and runs as well on a GPU.
 The host reads the range of k once (the depth of the topk), and "all rows done" once per
-evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured (B=64, epsilon=0.1, float32, one thread, CPU time, fused path):
-k = n/10: n=1e3, forward 2.0 ms, forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2:
-n=1e3, 2.1 and 2.6 ms; n=1e5, 133 and 179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
+evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured (B=64,
+epsilon=0.1, float32, one thread, CPU time, fused path): k = n/10: n=1e3, forward 2.0 ms,
+forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2: n=1e3, 2.1 and 2.6 ms; n=1e5, 133 and
+179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
 
 Infinities are exact with no special case in the residual: ``+inf`` entries are at 1 and
 ``-inf`` at 0, and the bracket is taken over the finite entries. Rows whose k asks for no finite
