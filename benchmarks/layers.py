@@ -2,6 +2,7 @@
 
     python benchmarks/layers.py            # attention S = 128, 512, 1024; router T = 1e3..6.5e4
     python benchmarks/layers.py --quick    # tiny sizes, no memory probes, layers-quick.*
+    python benchmarks/layers.py --groups beam   # one beam-search step only: layers-beam.*
 
 Writes ``layers.{jsonl,md,png}`` under ``--out`` (default ``benchmarks/results``): forward and
 forward+backward medians, interleaved, as ratios to ``nn.MultiheadAttention`` and to the hard
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from softops.bench.layers import run
+from softops.bench.layers import GROUPS, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (default: cpu)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="attention S values")
+    parser.add_argument(
+        "--groups", nargs="+", default=list(GROUPS), choices=GROUPS, help="which layers"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--out", default="benchmarks/results", help="output folder")
     args = parser.parse_args(argv)
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         repeats=args.repeats,
         sizes=args.sizes,
+        groups=args.groups,
         memory=not args.no_memory,
         command=f"python benchmarks/layers.py {argv_text}".strip(),
         log=lambda line: print(line, file=sys.stderr),

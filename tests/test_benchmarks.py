@@ -222,6 +222,9 @@ def test_layers_suite_quick_run(tmp_path):
     from softops.bench.layers import build_configs, run
 
     assert [c.group for c in build_configs(quick=True)] == ["attention", "router", "beam"]
+    assert [c.group for c in build_configs(groups=["beam"])] == ["beam"] * 3
+    with pytest.raises(ValueError, match="unknown groups"):
+        build_configs(groups=["mlp"])
     report, paths = run(quick=True, out=tmp_path, sizes=[16], log=lambda _: None)
     assert set(paths) >= {"jsonl", "md"}
     for row in (

@@ -44,6 +44,7 @@ from softops.nn import TopKAttention, TopKRouter
 __all__ = [
     "ATTENTION_SIZES",
     "BEAM_SIZES",
+    "GROUPS",
     "QUICK",
     "ROUTER_SIZES",
     "SUITE",
@@ -191,8 +192,20 @@ class LayersSuite:
 SUITE = LayersSuite()
 
 
-def build_configs(*, sizes: Sequence[int] | None = None, quick: bool = False) -> list[Config]:
-    """The attention configurations over ``sizes`` (S), then the router's."""
+GROUPS = ("attention", "router", "beam")
+
+
+def build_configs(
+    *,
+    sizes: Sequence[int] | None = None,
+    quick: bool = False,
+    groups: Sequence[str] = GROUPS,
+) -> list[Config]:
+    """The attention configurations over ``sizes`` (S), then the router's and the beam step's;
+    only those of ``groups``."""
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"bench layers: unknown groups {sorted(unknown)}; expected {GROUPS}.")
     s_values = tuple(sizes) if sizes else (QUICK["sizes"] if quick else ATTENTION_SIZES)
     t_values = (256,) if quick else ROUTER_SIZES
     n = QUICK["batch"] if quick else N
@@ -200,7 +213,7 @@ def build_configs(*, sizes: Sequence[int] | None = None, quick: bool = False) ->
     configs += [Config("router", {"T": int(t)}) for t in t_values]
     beams = BEAM_SIZES[:1] if quick else BEAM_SIZES
     configs += [Config("beam", {"B": BEAM_BATCH, "K": kk, "V": v}) for kk, v in beams]
-    return configs
+    return [c for c in configs if c.group in groups]
 
 
 def run(
@@ -211,11 +224,13 @@ def run(
     device: str = "cpu",
     repeats: int | None = None,
     sizes: Sequence[int] | None = None,
+    groups: Sequence[str] = GROUPS,
     memory: bool = True,
     command: str | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[str, dict[str, Path]]:
-    """Run the layers suite and write ``layers.{jsonl,md,png}`` (``layers-quick.*``) under out."""
+    """Run the layers suite and write ``layers.{jsonl,md,png}`` (``layers-quick.*``) under out;
+    for a subset of the groups, ``layers-<groups>.*``."""
     options = make_options(
         QUICK,
         quick=quick,
@@ -229,7 +244,8 @@ def run(
         seed=0,
         command=command,
     )
-    configs = build_configs(sizes=sizes, quick=quick)
+    configs = build_configs(sizes=sizes, quick=quick, groups=groups)
+    stem = "layers" if tuple(groups) == GROUPS else "-".join(("layers", *groups))
     return run_and_write(
-        SUITE, configs, options, out, "layers-quick" if quick else "layers", command, log
+        SUITE, configs, options, out, f"{stem}-quick" if quick else stem, command, log
     )
