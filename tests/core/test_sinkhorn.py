@@ -614,3 +614,64 @@ def test_sorted_topk_beam_point_needs_no_fallback(
         x = torch.log_softmax(3.0 * x, -1)
     out = soft_topk(x, 2, epsilon=eps)
     torch.testing.assert_close(out.weights.sum(-1), torch.ones(64, 2), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("potentials", [True, False])
+def test_newton_first_without_potentials_gives_the_same_plan(potentials: bool) -> None:
+    """``potentials=False`` leaves f and g empty (B, 0) and changes nothing else."""
+    cost, log_a, log_b, eps = _problem(5, 13, 3, seed=21)
+    kw = {"max_iter": 1000, "tol": 1e-12, "newton": True, "newton_first": True}
+    ref = log_sinkhorn(cost, log_a, log_b, eps, **kw)
+    res = log_sinkhorn(cost, log_a, log_b, eps, potentials=potentials, **kw)
+    torch.testing.assert_close(res.plan, ref.plan, atol=0, rtol=0)
+    assert res.f.shape == ((5, 13) if potentials else (5, 0))
+    assert res.g.shape == ((5, 3) if potentials else (5, 0))
+
+
+# --------------------------------------------------------------------------- closed-form backward
+
+
+@pytest.mark.parametrize("m", [2, 3])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 20.0])
+def test_closed_form_vjp_equals_the_cholesky_path(m: int, scale: float) -> None:
+    """For m <= 3 the Cramer solve of the grounded Laplacian gives the Cholesky path's VJP
+    (nearly one-hot plans at a large cost scale included)."""
+    cost, log_a, log_b, eps = _problem(6, 15, m, seed=30 + m)
+    res = log_sinkhorn(cost * scale, log_a, log_b, eps, max_iter=100_000, tol=1e-13, newton=True)
+    grad = torch.randn(res.plan.shape, generator=seeded(5), dtype=F64)
+    ref = sinkhorn.implicit_cost_vjp(res.plan, grad, eps)
+    out = sinkhorn.implicit_cost_vjp(res.plan, grad, eps, closed_form=True)
+    torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-12 * ref.abs().max().item())
+
+
+def test_closed_form_vjp_rows_without_coupling_take_the_cholesky_path() -> None:
+    """A row whose K is singular (column 0 with no coupling left) gets the Cholesky path's
+    pseudo-inverse answer, finite; the other rows keep the closed form's, bit for bit."""
+    cost, log_a, log_b, eps = _problem(3, 8, 3, seed=7)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=1e-13, newton=True)
+    plan = res.plan.clone()
+    plan[1, :, 0] = 0.0
+    plan[1, 0] = torch.tensor([0.2, 0.0, 0.0], dtype=F64)  # column 0 alone on row 0
+    grad = torch.randn(plan.shape, generator=seeded(6), dtype=F64)
+    out = sinkhorn.implicit_cost_vjp(plan, grad, eps, closed_form=True)
+    ref = sinkhorn._cholesky_vjp(plan, grad, eps)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1], ref[1], atol=0, rtol=0)
+    alone = sinkhorn.implicit_cost_vjp(plan[[0, 2]], grad[[0, 2]], eps[[0, 2]], closed_form=True)
+    torch.testing.assert_close(out[[0, 2]], alone, atol=0, rtol=0)
+
+
+def test_closed_form_vjp_double_backward_equals_the_cholesky_path() -> None:
+    """The closed form is written with differentiable ops: its own gradient (in the plan and in
+    the incoming gradient) equals the Cholesky path's."""
+    cost, log_a, log_b, eps = _problem(2, 7, 3, seed=8)
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=1e-13, newton=True)
+    w = torch.randn(res.plan.shape, generator=seeded(9), dtype=F64)
+    grads = []
+    for closed in (False, True):
+        plan = res.plan.clone().requires_grad_()
+        grad = torch.randn(plan.shape, generator=seeded(10), dtype=F64).requires_grad_()
+        out = sinkhorn.implicit_cost_vjp(plan, grad, eps, closed_form=closed)
+        grads.append(torch.autograd.grad((out * w).sum(), (plan, grad)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

@@ -82,9 +82,11 @@ def soft_topk(
     with :math:`s = -x` for ``largest=True`` and :math:`s = x` otherwise; then
     :math:`W_{j,i} = n\Gamma_{ij}` (:math:`j < k`) and :math:`v_j = \sum_i W_{j,i} x_i`.
 
-    The forward pass is log-domain Sinkhorn (to a relative L1 marginal error of 1e-3) followed by
-    semi-dual Newton; the backward pass is implicit differentiation through a k x k SPD (Schur
-    complement) Cholesky solve in float64, so memory is O(n k) whatever the iteration count.
+    The forward pass is semi-dual Newton in float64 from one Sinkhorn update of the centred start
+    (rows it does not finish are solved by log-domain Sinkhorn to a relative L1 marginal error of
+    1e-3, then Newton); the backward pass is implicit differentiation through a k x k SPD (Schur
+    complement) solve in float64 (in closed form for k <= 2, else Cholesky), so memory is O(n k)
+    whatever the iteration count.
 
     **epsilon** (the paper's entropic weight is ``2 * epsilon``) is in the units of x: the soft
     boundary between two adjacent ranks has the width of a sigmoid of temperature epsilon, as in
@@ -219,36 +221,41 @@ def soft_topk(
     # two one-signed partial sums, so every cost keeps full relative precision and the smallest
     # is 0. Formed as one cumsum over all l, the far-away midpoints (an entry 1e8 away from the
     # rest) would add a common offset that the dtype cannot carry next to the O(1) differences.
-    # Layout (B, n, m), in float64 (the differences s_i - beta_l of float32 numbers are exact).
+    # Layout (B, m, n), in float64 (the differences s_i - beta_l of float32 numbers are exact).
     with torch.no_grad():
         sd = s.detach().to(f64)
         low = torch.topk(sd, min(k + 1, n), dim=-1, largest=False, sorted=True).values
         beta = (low[:, : m - 1] + low[:, 1:m]) * 0.5  # (B, m-1), exact in float64
-        dd = sd.unsqueeze(-1) - beta.unsqueeze(1)  # (B, n, m-1): s_i - beta_l
-        up = torch.nn.functional.pad(dd.clamp_max(0.0), (1, 0)).cumsum(-1)  # sum_{l<j} of < 0
-        down = torch.nn.functional.pad(dd.clamp_min(0.0), (0, 1)).flip(-1).cumsum(-1).flip(-1)
-        accurate = down - up  # (B, n, m), >= 0
+        dd = sd.unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
+        pad = torch.nn.functional.pad
+        up = pad(dd.clamp_max(0.0), (0, 0, 1, 0)).cumsum(1)  # sum_{l<j} of the negative ones
+        down = pad(dd.clamp_min(0.0), (0, 0, 0, 1)).flip(1).cumsum(1).flip(1)  # l >= j, > 0
+        accurate = down - up  # (B, m, n), >= 0
         # At an epsilon far below the gaps (cost / epsilon beyond the range of the compute
         # dtype) every entry is already decided: floor epsilon per row so that the scaled cost
         # stays within 1/16 of that range, as when the cost was formed in that dtype (a (B,)
         # floor, so nothing more is saved for backward).
         floor = accurate.amax(dim=(1, 2)) / (torch.finfo(cd).max / 16)
-    eps_eff = torch.maximum(eps.to(f64), floor)[:, None, None]
-    inv = 1.0 / eps_eff.detach()
-    # The gradient in s of the scaled cost is -j / epsilon per column (the row constants do not
-    # matter: the rows of the implicit backward's cost gradient sum to 0), carried by a term
-    # that is exactly 0 in value. The gradient in epsilon is -<grad, scaled> / eps
-    # (attach_epsilon): through cost / eps it was (cost / eps) / eps, which overflows (epsilon
-    # < 1e-154, or a cost of 1e30 in float32 at epsilon 1e-5) and turned the zero cost gradient
-    # of the unused entries into 0 * inf = NaN.
-    slope = s.unsqueeze(-1) * (torch.arange(0, -m, -1, dtype=f64, device=x.device) * inv)
-    scaled = accurate * inv + (slope - slope.detach())  # (B, n, m)
-    if no_values or isinstance(epsilon, Tensor):  # a float epsilon has no gradient
-        scaled = attach_epsilon(scaled, eps_eff)
-
-    ones = torch.ones((bsz,), dtype=f64, device=x.device)
+    eps_eff = torch.maximum(eps.to(f64), floor)
+    # The gradient in s of the cost is -j per column (the row constants do not matter: the
+    # rows of the implicit backward's cost gradient sum to 0), carried by a term that is
+    # exactly 0 in value.
+    slope_j = torch.arange(0, -m, -1, dtype=f64, device=x.device).unsqueeze(-1)
+    if no_values or isinstance(epsilon, Tensor):
+        # In units of epsilon, with its gradient -<grad, scaled> / eps (attach_epsilon):
+        # through cost / eps it was (cost / eps) / eps, which overflows (epsilon < 1e-154) and
+        # turned the zero cost gradient of the unused entries into 0 * inf = NaN.
+        inv = 1.0 / eps_eff.detach()[:, None, None]
+        slope = s.unsqueeze(1) * (slope_j * inv)
+        cost = attach_epsilon(accurate * inv + (slope - slope.detach()), eps_eff[:, None, None])
+        eps_solve = torch.ones_like(eps_eff)
+    else:  # a float epsilon has no gradient: the cost in units of x, solved at eps_eff
+        slope = s.unsqueeze(1) * slope_j
+        cost = accurate + (slope - slope.detach())
+        eps_solve = eps_eff
+    cost = cost.transpose(1, 2)  # (B, n, m), the solver's layout
     plan, res = sinkhorn_plan(
-        scaled, log_a, log_b, ones, max_iter, tol, newton=True, newton_first=True
+        cost, log_a, log_b, eps_solve, max_iter, tol, True, newton_first=True, potentials=False
     )
 
     weights = (plan[:, :, :k] * n).to(cd).transpose(1, 2)  # (B, k, n)
