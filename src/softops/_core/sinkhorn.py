@@ -119,6 +119,7 @@ __all__ = [
     "attach_epsilon",
     "log_sinkhorn",
     "sinkhorn_plan",
+    "sinkhorn_plan_checked",
 ]
 
 CHECK_EVERY = 10
@@ -654,13 +655,32 @@ def log_sinkhorn(
     Returns:
         A :class:`SinkhornResult`; ``plan`` is a (B, n, m) view of a (B, m, n) buffer.
     """
+    return _log_sinkhorn(
+        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
+    )[0]
+
+
+def _log_sinkhorn(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    newton: bool,
+    newton_first: bool,
+    potentials: bool,
+) -> tuple[SinkhornResult, bool]:
+    """:func:`log_sinkhorn` and whether every row is known to have converged (True only where
+    the solver already read that on the host; False says nothing)."""
+    clean = False
     with torch.no_grad():
         cost = cost.detach()
         bsz, n, m = cost.shape
         use_newton = newton and tol > 0 and m > 1
         trivial = bsz == 0 or n == 0 or cost.device.type == "meta"
         if use_newton and newton_first and not trivial:
-            res = _newton_first(
+            res, clean = _newton_first(
                 cost, log_a.detach(), log_b.detach(), epsilon.detach(), max_iter, tol, potentials
             )
         else:
@@ -668,17 +688,18 @@ def log_sinkhorn(
             v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
             if trivial:
                 # Nothing to iterate (meta tensors: shape inference, no values to loop on).
-                return _finalize(prob, v, epsilon, tol, 0)
+                return _finalize(prob, v, epsilon, tol, 0), clean
             prob, v, iters = _hybrid(prob, v, max_iter, tol, use_newton)
             res = _finalize(prob, v, epsilon, tol, iters)
             if not potentials:
                 res = res._replace(f=res.f[:, :0], g=res.g[:, :0])
         dt = cost.dtype
         if res.plan.dtype == dt:
-            return res
-        return res._replace(
+            return res, clean
+        res = res._replace(
             f=res.f.to(dt), g=res.g.to(dt), plan=res.plan.to(dt), residual=res.residual.to(dt)
         )
+        return res, clean
 
 
 def _hybrid(
@@ -861,7 +882,7 @@ def _newton_first(
     max_iter: int,
     tol: float,
     potentials: bool = True,
-) -> SinkhornResult:
+) -> tuple[SinkhornResult, bool]:
     """Semi-dual Newton from one Sinkhorn update of v = 0, in float64, all rows in lock-step,
     at most ``NEWTON_FIRST_STEPS`` steps (and ``max_iter``); the rows it leaves above ``tol``
     are solved from the start by :func:`_hybrid` within the rest of ``max_iter``.
@@ -871,8 +892,9 @@ def _newton_first(
     finite) keeps its state and stops. Rows whose residual ends above ``tol`` are solved again
     from the start, so the result is always a plan certified by its residual, whichever path
     found it. A stopped row's state is never touched again, so a row's result depends on its
-    own data only. One host read per step (two flags: whether some step was rejected, whether
-    some row goes on) and one at the end.
+    own data only. One host read per step (two counts: the rows kept, the rows that go on) and
+    one at the end. Also returns whether every row converged without the fallback (False does
+    not say that some row did not).
 
     The start: for the sorted top-k's centred cost (column constants at the midpoints of the
     sorted scores) v = 0 is the hard assignment, the solution as epsilon -> 0; one Sinkhorn
@@ -885,20 +907,23 @@ def _newton_first(
     state = _newton_state(sd, v)
     live = state.l1 > sd.tol_mass  # (B, 1, 1)
     steps = 0
-    go = bool(live.any())
-    while go and steps < min(NEWTON_FIRST_STEPS, max_iter):
+    n_live = int(live.sum())
+    while n_live and steps < min(NEWTON_FIRST_STEPS, max_iter):
         v_new = torch.where(live, v + _newton_direction(sd, state), v)
         new = _newton_state(sd, v_new)
-        keep = live & (new.l1 < state.l1)  # False where the step is not finite
+        # A stopped row's state is recomputed at the same v by the same ops (the same value),
+        # so its bound does not drop: ``keep`` (False where the step is not finite) holds live
+        # rows only, and some step was rejected exactly when fewer rows are kept than were live.
+        keep = new.l1 < state.l1
         more = keep & (new.l1 > sd.tol_mass)
-        rejected, go = torch.stack((live ^ keep, more)).flatten(1).any(1).tolist()
+        n_keep, n_more = torch.stack((keep, more)).sum((1, 2, 3)).tolist()
         steps += 1
-        if rejected:  # rare: some step did not lower its row's bound; that row keeps its state
+        if n_keep < n_live:  # rare: some step did not lower its row's bound; it keeps its state
             v = torch.where(keep, v_new, v)
             state = _newton_state(sd, v)
         else:
             v, state = v_new, new
-        live = more
+        live, n_live = more, n_more
     ratio, err = _residual(sd, state)
     converged = err <= tol
     clean = bool(converged.all())
@@ -913,7 +938,8 @@ def _newton_first(
             state = _newton_state(sd, v)
             ratio, err = _residual(sd, state)
             converged = err <= tol
-    return _finalize_state(sd, v, state, ratio, err, converged, clean, epsilon, steps, potentials)
+    res = _finalize_state(sd, v, state, ratio, err, converged, clean, epsilon, steps, potentials)
+    return res, clean
 
 
 def _finalize_state(
@@ -939,7 +965,7 @@ def _finalize_state(
         f = (sd.log_a - torch.logsumexp(v - sd.s, 1)) * eps
         g = (v + torch.log1p(ratio)).squeeze(-1) * eps  # -inf in the columns of zero mass
     else:
-        f, g = plan.new_empty((plan.shape[0], 0)), plan.new_empty((plan.shape[0], 0))
+        f = g = plan.new_empty((plan.shape[0], 0))
     if not clean:
         fine = err < math.inf  # False for NaN
         plan = torch.where(fine[:, None, None], plan, math.nan)
@@ -952,7 +978,9 @@ class SinkhornPlanFunction(torch.autograd.Function):
     """cost (B, n, m) -> plan (B, n, m) with the implicit (Schur complement) backward.
 
     Inputs after ``cost`` (log marginals, epsilon, solver settings) get no gradient. Outputs:
-    ``(plan, f, g, converged, residual, iterations)``; only ``plan`` is differentiable.
+    ``(plan, f, g, converged, residual, iterations, clean)``; only ``plan`` is differentiable;
+    ``clean`` (bool) is True where the solver already read on the host that every row
+    converged (False says nothing).
 
     ``torch.func``: ``vmap`` folds the vmapped dimension into the rows (every row is solved on its
     own, so this is exact); forward mode (``jvp``, ``jacfwd``) applies the same linear map as the
@@ -970,24 +998,16 @@ class SinkhornPlanFunction(torch.autograd.Function):
         newton: bool,
         newton_first: bool = False,
         potentials: bool = True,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-        res = log_sinkhorn(
-            cost,
-            log_a,
-            log_b,
-            epsilon,
-            max_iter=max_iter,
-            tol=tol,
-            newton=newton,
-            newton_first=newton_first,
-            potentials=potentials,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool]:
+        res, clean = _log_sinkhorn(
+            cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
         )
-        return res.plan, res.f, res.g, res.converged, res.residual, res.iterations
+        return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, clean
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         epsilon = inputs[3]
-        plan, f, g, converged, residual, _ = output
+        plan, f, g, converged, residual = output[:5]
         ctx.closed_form = bool(inputs[7])
         ctx.set_materialize_grads(False)  # only the plan's gradient is used
         ctx.save_for_backward(plan, epsilon.detach())
@@ -1009,7 +1029,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         ``dGamma = J dC`` with ``J = dGamma/dC`` symmetric, so ``J dC = J^T dC`` is the VJP of
         ``dC``: one Schur-complement solve, the same cost as the backward.
         """
-        nones: tuple[None, ...] = (None,) * 5
+        nones: tuple[None, ...] = (None,) * 6
         if cost_t is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
@@ -1163,8 +1183,27 @@ def sinkhorn_plan(
         ``(plan, result)`` with ``plan`` (B, n, m) differentiable in ``cost`` and ``result`` the
         diagnostics (``result.plan is plan``).
     """
-    plan, f, g, converged, residual, iterations = apply_function(
+    return sinkhorn_plan_checked(
+        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
+    )[:2]
+
+
+def sinkhorn_plan_checked(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    newton: bool = False,
+    newton_first: bool = False,
+    potentials: bool = True,
+) -> tuple[Tensor, SinkhornResult, bool]:
+    """:func:`sinkhorn_plan` and whether every row is known to have converged: True only where
+    the solver already read that on the host (then a convergence warning has nothing to
+    report); False says nothing (check ``result.converged``)."""
+    plan, f, g, converged, residual, iterations, clean = apply_function(
         SinkhornPlanFunction,
         *(cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials),
     )
-    return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual)
+    return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean)

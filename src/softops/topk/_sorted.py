@@ -30,7 +30,7 @@ from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import attach_epsilon, sinkhorn_plan
+from softops._core.sinkhorn import attach_epsilon, sinkhorn_plan_checked
 from softops._core.transforms import cannot_branch, own_precision
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 
@@ -167,7 +167,11 @@ def soft_topk(
     # Paper orientation: the smallest s are selected, smallest first. The solve runs in float64
     # (its cost, marginals and plan); the weights are cast back to the compute dtype.
     f64 = torch.float64
-    s = -x2 if largest else x2
+    # Rows without an unusual entry are solved in the units of x2: for ``largest`` the
+    # orientation is folded into the column constants and the cost's slope below (``neg``:
+    # s = -x2 is never formed); the other paths form s.
+    neg = largest and not unusual
+    s = -x2 if largest and unusual else x2
     log_a = torch.full((bsz, n), -math.log(n), dtype=f64, device=x.device)
     log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
     log_b = torch.tensor(log_nu, dtype=f64, device=x.device).expand(bsz, m)
@@ -223,10 +227,13 @@ def soft_topk(
     # rest) would add a common offset that the dtype cannot carry next to the O(1) differences.
     # Layout (B, m, n), in float64 (the differences s_i - beta_l of float32 numbers are exact).
     with torch.no_grad():
-        sd = s.detach().to(f64)
-        low = torch.topk(sd, min(k + 1, n), dim=-1, largest=False, sorted=True).values
-        beta = (low[:, : m - 1] + low[:, 1:m]) * 0.5  # (B, m-1), exact in float64
-        dd = sd.unsqueeze(1) - beta.unsqueeze(-1)  # (B, m-1, n): s_i - beta_l
+        sd = s.detach().to(f64)  # -s with ``neg``; detached: no_grad keeps forward-mode tangents
+        low = torch.topk(sd, min(k + 1, n), dim=-1, largest=neg, sorted=True).values
+        beta = (low[:, : m - 1] + low[:, 1:m]) * 0.5  # (B, m-1), exact in float64; -beta (neg)
+        if neg:
+            dd = beta.unsqueeze(-1) - sd.unsqueeze(1)  # (B, m-1, n): s_i - beta_l
+        else:
+            dd = sd.unsqueeze(1) - beta.unsqueeze(-1)
         pad = torch.nn.functional.pad
         up = pad(dd.clamp_max(0.0), (0, 0, 1, 0)).cumsum(1)  # sum_{l<j} of the negative ones
         down = pad(dd.clamp_min(0.0), (0, 0, 0, 1)).flip(1).cumsum(1).flip(1)  # l >= j, > 0
@@ -240,7 +247,11 @@ def soft_topk(
     # The gradient in s of the cost is -j per column (the row constants do not matter: the
     # rows of the implicit backward's cost gradient sum to 0), carried by a term that is
     # exactly 0 in value.
-    slope_j = torch.arange(0, -m, -1, dtype=f64, device=x.device).unsqueeze(-1)
+    # (+j per column in units of x2 with ``neg``.)
+    if neg:
+        slope_j = torch.arange(m, dtype=f64, device=x.device).unsqueeze(-1)
+    else:
+        slope_j = torch.arange(0, -m, -1, dtype=f64, device=x.device).unsqueeze(-1)
     if no_values or isinstance(epsilon, Tensor):
         # In units of epsilon, with its gradient -<grad, scaled> / eps (attach_epsilon):
         # through cost / eps it was (cost / eps) / eps, which overflows (epsilon < 1e-154) and
@@ -254,7 +265,7 @@ def soft_topk(
         cost = accurate + (slope - slope.detach())
         eps_solve = eps_eff
     cost = cost.transpose(1, 2)  # (B, n, m), the solver's layout
-    plan, res = sinkhorn_plan(
+    plan, res, clean = sinkhorn_plan_checked(
         cost, log_a, log_b, eps_solve, max_iter, tol, True, newton_first=True, potentials=False
     )
 
@@ -272,7 +283,8 @@ def soft_topk(
         with own_precision(x2):
             values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
-    warn_not_converged(_OP, res.converged, max_iter, residual=res.residual, tol=tol)
+    if not clean:  # the solver read on the host whether every row converged
+        warn_not_converged(_OP, res.converged, max_iter, residual=res.residual, tol=tol)
 
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))
