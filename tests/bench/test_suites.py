@@ -310,3 +310,13 @@ def test_topk_beam_config_and_cases() -> None:
     x = torch.randn(64, 18)
     cases = SUITE.make_cases(beam)
     assert cases[1].fn(x).shape == (64, 2)
+
+
+def test_run_beam_bench_writes_the_beam_point_alone(tmp_path: Any) -> None:
+    report, paths = topk_suite.run_beam_bench(out=str(tmp_path), repeats=3, log=lambda _: None)
+    assert set(paths) >= {"jsonl", "md"}
+    assert "### beam B=64 n=18 k=2" in report
+    assert "| torch.topk |" in report and "| soft_topk (sorted) |" in report
+    assert "target ≤ 1 ms" in report
+    rows = [json.loads(line) for line in paths["jsonl"].read_text().splitlines() if line]
+    assert rows and all(r.get("group", "beam") == "beam" for r in rows if "group" in r)

@@ -675,3 +675,31 @@ def test_closed_form_vjp_double_backward_equals_the_cholesky_path() -> None:
         grads.append(torch.autograd.grad((out * w).sum(), (plan, grad)))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_sinkhorn_plan_checked_is_sinkhorn_plan_and_says_when_every_row_converged():
+    g = seeded(41)
+    # the sorted top-k's centred cost (k = 2): -(j s_i - sum_{l<j} beta_l), beta the midpoints of
+    # the sorted scores, so that v = 0 is the hard assignment and Newton needs no fallback
+    x = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    low = x.sort(-1).values[:, :3]
+    beta = 0.5 * (low[:, :-1] + low[:, 1:])
+    j = torch.arange(3, dtype=torch.float64)
+    kappa = torch.nn.functional.pad(beta.cumsum(-1), (1, 0))  # (5, 3)
+    cost = (-(j * x.unsqueeze(-1)) + kappa.unsqueeze(1)).requires_grad_(True)  # (5, 7, 3)
+    log_a = torch.full((5, 7), -math.log(7), dtype=torch.float64)
+    log_b = torch.log(torch.tensor([[1 / 7, 1 / 7, 5 / 7]] * 5, dtype=torch.float64))
+    eps = torch.full((5,), 0.5, dtype=torch.float64)
+    args = (cost, log_a, log_b, eps, 2000, 1e-9, True)
+    plan, res, clean = sinkhorn.sinkhorn_plan_checked(*args, newton_first=True)
+    ref, _ = sinkhorn_plan(*args, newton_first=True)
+    torch.testing.assert_close(plan, ref, rtol=0, atol=0)
+    assert clean is True and bool(res.converged.all())
+    gp = torch.randn(plan.shape, generator=g, dtype=torch.float64)
+    (d1,) = torch.autograd.grad(plan, cost, gp)
+    (d2,) = torch.autograd.grad(ref, cost, gp)
+    torch.testing.assert_close(d1, d2, rtol=0, atol=0)
+    # a row that cannot converge within the cap: not clean, and converged says which
+    rough = torch.randn(5, 7, 3, generator=g, dtype=torch.float64)
+    _, res2, clean2 = sinkhorn.sinkhorn_plan_checked(rough, log_a, log_b, eps, 2, 1e-14)
+    assert clean2 is False and not bool(res2.converged.all())

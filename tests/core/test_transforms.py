@@ -41,3 +41,31 @@ def test_unreadable_marks_batched_meta_and_traced_tensors_only():
     assert seen == {"batched": False, "closed_over": False}  # grad wrappers stay readable
     func.vmap(lambda x: func.grad(lambda y: probe(y).sum())(x))(torch.ones(2, 3))
     assert seen["batched"] is True  # batched under a grad level
+
+
+def test_apply_function_equals_function_apply_eagerly_and_under_transforms():
+    from softops._core.transforms import apply_function
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(x, scale):
+            return x * x * scale
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+            ctx.scale = inputs[1]
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * x * ctx.scale * grad, None
+
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = apply_function(Square, x, 2.0)
+    torch.testing.assert_close(y, Square.apply(x, 2.0))
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, 4 * x.detach())
+    # under torch.func it goes through Function.apply (which torch.func needs)
+    gf = torch.func.grad(lambda t: apply_function(Square, t, 2.0).sum())(x.detach())
+    torch.testing.assert_close(gf, 4 * x.detach())
