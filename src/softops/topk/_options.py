@@ -33,7 +33,6 @@ __all__ = [
     "check_generator",
     "check_mask_k",
     "check_mask_options",
-    "finite_stand_ins",
     "solver_defaults",
     "unreachable_rows",
 ]
@@ -43,8 +42,6 @@ PER_ROW_K_METHODS = ("ot", "sparse")
 """The methods that take a per-row tensor k (and give gradients in k and epsilon)."""
 PERTURBED_DEFAULT_SAMPLES = 100
 """Noise draws of method="perturbed" when ``n_samples`` is None."""
-INF_MARGIN = 2000.0
-"""Stand-ins for infinite scores sit ``span + INF_MARGIN * epsilon`` beyond the finite ones."""
 
 
 def check_mask_options(
@@ -177,25 +174,3 @@ def unreachable_rows(x2: torch.Tensor, k: torch.Tensor | float) -> torch.Tensor:
     n_pinf = (x2 == math.inf).sum(-1)
     n_above = (x2 > -math.inf).sum(-1)
     return torch.isnan(x2).any(-1) | (n_pinf > k) | (n_above < k)
-
-
-def finite_stand_ins(x2: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """x2 (B, n) with ``+inf`` and ``-inf`` replaced by finite stand-ins, for the OT solvers.
-
-    The stand-ins lie ``span + INF_MARGIN * eps`` beyond the row's finite range (0 for a row with
-    no finite entry), so every coupling between them and the finite entries underflows: the plan
-    of a finite entry is that of the limit, and an infinite entry is exactly selected or not. The
-    stand-ins carry no gradient; finite entries keep theirs. NaN is left as it is.
-    """
-    with torch.no_grad():
-        xd = x2.detach()
-        finite = torch.isfinite(xd)
-        fmax = torch.where(finite, xd, -math.inf).amax(-1)
-        fmin = torch.where(finite, xd, math.inf).amin(-1)
-        none = ~finite.any(-1)
-        fmax = torch.where(none, 0.0, fmax)
-        fmin = torch.where(none, 0.0, fmin)
-        margin = (fmax - fmin) + INF_MARGIN * eps
-        hi = (fmax + margin).unsqueeze(-1).expand_as(xd)
-        lo = (fmin - margin).unsqueeze(-1).expand_as(xd)
-    return torch.where(xd == math.inf, hi, torch.where(xd == -math.inf, lo, x2))
