@@ -93,19 +93,35 @@ def _beam_scores(config: Config) -> torch.Tensor:
     return -torch.rand(p["B"], p["K"], generator=g).cumsum(-1)
 
 
+def _like(scores: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``scores`` on the device and in the dtype of a given tensor, copied once per pair (so the
+    timed calls do not include a host-to-device copy)."""
+    cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(t: torch.Tensor) -> torch.Tensor:
+        key = (t.device, t.dtype)
+        if key not in cache:
+            cache[key] = scores.to(t)
+        return cache[key]
+
+    return get
+
+
 def _hard_step(scores: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    like = _like(scores)
+
     def fn(log_probs: torch.Tensor) -> torch.Tensor:
-        cand = (scores.to(log_probs).unsqueeze(-1) + log_probs).flatten(-2)
+        cand = (like(log_probs).unsqueeze(-1) + log_probs).flatten(-2)
         return cand.topk(scores.shape[-1], -1).values
 
     return fn
 
 
 def _soft_step(scores: torch.Tensor, method: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    like = _like(scores)
+
     def fn(log_probs: torch.Tensor) -> torch.Tensor:
-        return beam_step(
-            scores.to(log_probs), log_probs, epsilon=BEAM_EPSILON, method=method
-        ).weights
+        return beam_step(like(log_probs), log_probs, epsilon=BEAM_EPSILON, method=method).weights
 
     return fn
 
@@ -138,8 +154,9 @@ class LayersSuite:
         of a model with logits of standard deviation 2 for the beam step."""
         p = config.params
         if config.group == "beam":
-            logits = 2 * torch.randn(p["B"], p["K"], p["V"], generator=generator, dtype=dtype)
-            return torch.log_softmax(logits, -1).to(device)
+            shape3 = (p["B"], p["K"], p["V"])
+            logits = 2 * torch.randn(*shape3, generator=generator, device=device, dtype=dtype)
+            return torch.log_softmax(logits, -1)
         shape = (p["N"], p["S"], E) if config.group == "attention" else (p["T"], D_MODEL)
         return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
 
