@@ -363,7 +363,7 @@ def beam_search(
             lengths = torch.zeros((bsz, beam), dtype=torch.long, device=dev)
         assert scores is not None and finished is not None and lengths is not None
         lp = log_probs.reshape(bsz, beam, vocab)
-        if eos is not None and bool(finished.any()):
+        if eos is not None and t > 0:  # no host read: finished rows take [0 at pad, -inf else]
             done = torch.full_like(lp[0, 0], -torch.inf)
             done[pad_token] = 0.0
             lp = torch.where(finished.unsqueeze(-1), done, lp)
