@@ -149,6 +149,23 @@ def test_step_gradient_matches_central_differences_near_one_hot(scale, eps):
     assert bool(torch.isfinite(grad).all()) and float(grad.abs().max()) > 0
 
 
+def test_step_under_torch_func_grad_and_vmap():
+    scores = torch.randn(3, 2, generator=seeded(13), dtype=F64)
+    lp = _log_probs(3, 2, 4, seed=14)
+    cost = torch.rand(3, 8, generator=seeded(15), dtype=F64)
+
+    def loss(p):
+        return _step_loss(p, scores, cost, 0.3)
+
+    x = lp.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(torch.func.grad(loss)(lp), want, rtol=1e-12, atol=1e-14)
+    batched = torch.func.vmap(lambda s, p: beam_step(s, p, epsilon=0.3).weights)(
+        scores.unsqueeze(1), lp.unsqueeze(1)
+    )
+    torch.testing.assert_close(batched.squeeze(1), beam_step(scores, lp, epsilon=0.3).weights)
+
+
 def test_step_gradcheck():
     scores = torch.randn(2, 2, generator=seeded(11), dtype=F64, requires_grad=True)
     lp = _log_probs(2, 2, 3, seed=12).requires_grad_(True)

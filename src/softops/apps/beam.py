@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 import softops
+from softops._core.transforms import unreadable
 from softops._core.validation import check_choice, check_epsilon, check_positive_int
 
 __all__ = [
@@ -189,7 +190,9 @@ def beam_step(
     cand = (beam_scores.unsqueeze(-1) + log_probs).flatten(-2)  # (B, K*V)
     cd = cand.detach()
     live = ((cd > -torch.inf) | torch.isnan(cd)).sum(-1)  # a NaN row is NaN, and only it
-    if bsz and bool((live < beam).any()):
+    # (Under vmap and on meta tensors the count cannot be read: such a row is then NaN, as in
+    # soft_topk.)
+    if bsz and not unreadable(live) and bool((live < beam).any()):
         row = int((live < beam).nonzero()[0, 0])
         raise ValueError(
             f"{op}: every row needs at least K = {beam} candidates with a score above -inf; "
