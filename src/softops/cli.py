@@ -8,6 +8,7 @@ Usage::
     softops bench sort [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
     softops demo [--out DIR] [--threads N] [--no-bench]
+    softops plot [--out DIR] [--figures NAME [NAME ...]] [--dpi DPI]
     softops knn [--dataset mnist|digits|mnist-idx|cifar10] [--data-dir PATH] [--method M]
                 [--k K] [--epsilon E] [--minutes M | --epochs N] [--seed S [S ...]]
                 [--threads T] [--device D] [--out DIR] [--all] ...
@@ -19,7 +20,10 @@ suite (:mod:`softops.bench.sort`) the same way, into ``sort.*`` (``sort-quick.*`
 ``softops bench topk-l1`` measures the L1 distance of each top-k relaxation to the hard mask
 against epsilon (:mod:`softops.bench.topk_l1`), into ``topk-l1.{jsonl,md,png}``. ``softops demo``
 shows the soft top-k mask on a small vector, its gradient, and runs the quick top-k benchmark
-(:mod:`softops.bench.demo`). ``softops knn`` trains the differentiable kNN classifier of Xie et al.
+(:mod:`softops.bench.demo`). ``softops plot`` draws the figures of the operators (the top-k
+indicator as one entry crosses another, every top-k method's mask, the sort and rank curves, the
+sorted top-k's weights) as PNGs under ``--out`` (:mod:`softops.bench.plots`; needs matplotlib).
+``softops knn`` trains the differentiable kNN classifier of Xie et al.
 (2020) and its baselines (:mod:`softops.apps.report`).
 
 Each of those modules owns its run; this one only turns the command line into the call. rich
@@ -274,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-bench", action="store_true", help="skip the quick benchmark")
     demo.set_defaults(func=_demo)
+    _add_plot(commands)
     _add_knn(commands)
     return parser
 
@@ -369,6 +374,51 @@ def _bench_l1(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     return run_demo(out=args.out, threads=args.threads, bench=not args.no_bench)
+
+
+# ----------------------------------------------------------------------------------------------
+# softops plot
+
+
+def _add_plot(commands: Any) -> None:
+    from softops.bench.plots import DEFAULT_OUT as PLOT_OUT
+    from softops.bench.plots import FIGURES
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw the figures of the operators as PNG (after Xie et al. 2020, Figures 1-2)",
+        description="Draw the figures of the operators, one PNG each: the top-k indicator of x1 "
+        "as x1 crosses x2, hard and soft for several epsilon (indicator); the soft mask of one "
+        "vector for several epsilon and every top-k method (methods); the sort and rank curves "
+        "of every sort method (sort); the sorted top-k's weights as heat maps (sorted-topk). "
+        "Needs matplotlib (the bench or apps extra).",
+    )
+    plot.add_argument("--out", default=PLOT_OUT, help=f"output folder (default: {PLOT_OUT})")
+    plot.add_argument(
+        "--figures",
+        nargs="+",
+        choices=FIGURES,
+        default=list(FIGURES),
+        metavar="NAME",
+        help=f"the figures to draw, among {', '.join(FIGURES)} (default: all)",
+    )
+    plot.add_argument(
+        "--dpi", type=_positive_int, default=120, help="resolution of the PNGs (default: 120)"
+    )
+    plot.set_defaults(func=_plot)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from softops.bench.plots import write_figures
+
+    try:
+        paths = write_figures(args.out, args.figures, dpi=args.dpi)
+    except ModuleNotFoundError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,378 @@
+r"""``softops plot``: figures of the operators, after Figures 1 and 2 of Xie et al. (2020).
+
+Four figures, each a function that returns a matplotlib ``Figure`` (drawn on the Agg canvas,
+never through ``pyplot``, so nothing global changes) and each written as a PNG by
+:func:`write_figures`:
+
+* ``"indicator"`` (:func:`indicator_figure`, the paper's Figure 1): the top-k indicator
+  :math:`A_1` of an entry :math:`x_1` as it crosses the k-th largest of the others,
+  :math:`x_2`, hard against ``soft_topk_mask`` for several epsilon, and its derivative
+  :math:`\partial A_1 / \partial x_1` (zero almost everywhere for the hard mask);
+* ``"methods"`` (:func:`methods_figure`, the paper's Figure 2): the soft mask of one fixed
+  vector for several epsilon, one panel per method of ``soft_topk_mask``;
+* ``"sort"`` (:func:`sort_figure`): the soft sorted values and soft ranks of a vector as one
+  entry moves across the others, one column per method of ``soft_sort`` / ``soft_rank``;
+* ``"sorted-topk"`` (:func:`sorted_topk_figure`): the weights of the sorted top-k
+  ``soft_topk(x, k).weights`` (row j: a soft one-hot of the j-th largest) as heat maps, next to
+  the hard selection matrix.
+
+matplotlib comes with the ``bench`` and ``apps`` extras; it is imported when a figure is drawn,
+and a missing install raises ``ModuleNotFoundError`` saying which extra to install. The inputs
+are small and fixed (or seeded), so a figure is the same on every run; all of them take about a
+second on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import softops
+from softops.topk import MASK_METHODS
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "DEFAULT_OUT",
+    "FIGURES",
+    "SORT_FIGURE_METHODS",
+    "indicator_figure",
+    "methods_figure",
+    "sort_figure",
+    "sorted_topk_figure",
+    "write_figures",
+]
+
+DEFAULT_OUT = "benchmarks/results/tmp/plots"
+FIGURES = ("indicator", "methods", "sort", "sorted-topk")
+# The methods of soft_sort and soft_rank (tests/bench/test_plots.py checks them against the
+# sort family's dispatch table, so a new method cannot be left out of the figure).
+SORT_FIGURE_METHODS = ("pav", "softsort", "neuralsort", "ot")
+# Per method, the epsilon of soft_sort and of soft_rank in the "sort" figure. Their units differ
+# (pav's soft_sort epsilon is in units of 1/x, ot's in x^2, the others' in x): each is chosen to
+# smooth a unit gap visibly without flattening the row.
+SORT_EPSILONS: dict[str, tuple[float, float]] = {
+    "pav": (1.2, 0.5),
+    "softsort": (0.3, 0.3),
+    "neuralsort": (0.3, 0.3),
+    "ot": (0.3, 0.3),
+}
+
+_HARD: dict[str, Any] = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+
+
+def _new_figure(figsize: tuple[float, float]) -> Figure:
+    """A bare ``Figure`` on the Agg canvas; a clear error without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            "softops plot: expected matplotlib (pip install 'softops[bench]'); got "
+            f"ImportError: {err}."
+        ) from err
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _colors(count: int) -> list[tuple[float, float, float, float]]:
+    """``count`` colours of the viridis map, dark to light (light ones kept readable)."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    return [cmap(0.85 * i / max(count - 1, 1)) for i in range(count)]
+
+
+def _np(tensor: torch.Tensor) -> Any:
+    """A tensor as a numpy array for matplotlib (which warns on tensors)."""
+    return tensor.detach().cpu().numpy()
+
+
+def _grid(fig: Figure, rows: int, cols: int) -> list[list[Axes]]:
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return [list(row) for row in axes]
+
+
+# ----------------------------------------------------------------------------------------------
+# Figure 1: the indicator of x1 as x1 crosses x2
+
+
+def indicator_figure(
+    *,
+    epsilons: Sequence[float] = (0.05, 0.1, 0.2, 0.5),
+    k: int = 2,
+    others: Sequence[float] = (0.0, 1.0, -1.0, -2.0),
+    method: str = "ot",
+    points: int = 401,
+) -> Figure:
+    r"""The top-k indicator of :math:`x_1` as :math:`x_1` crosses :math:`x_2` (left) and its
+    derivative in :math:`x_1` (right), hard and soft.
+
+    The row is ``(x1, *others)``; ``others[0]`` is :math:`x_2`, which must be the k-th largest
+    of ``others``, so that the hard indicator steps from 0 to 1 at :math:`x_1 = x_2`.
+
+    Args:
+        epsilons: one soft curve per epsilon (``soft_topk_mask``'s, in the units of x).
+        k: the k of the top-k.
+        others: the fixed entries :math:`x_2, \dots, x_n`.
+        method: a method of ``soft_topk_mask`` that differentiates in x.
+        points: the number of values of :math:`x_1`.
+
+    Returns:
+        A figure with two axes: ``1 + len(epsilons)`` lines each (the hard one first).
+    """
+    rest = torch.tensor(others, dtype=torch.float64)
+    x2 = float(rest[0])
+    if float(rest.sort(descending=True).values[k - 1]) != x2:
+        raise ValueError(
+            f"indicator_figure: expected others[0] to be the k-th largest of others (k={k}); "
+            f"got others={list(others)}."
+        )
+    span = 4.0 * max(max(epsilons), 0.25)
+    x1 = torch.linspace(x2 - span, x2 + span, points, dtype=torch.float64)
+    fig = _new_figure((9.0, 3.6))
+    value_ax, grad_ax = _grid(fig, 1, 2)[0]
+    value_ax.plot(_np(x1), _np((x1 > x2).double()), label="hard (torch.topk)", **_HARD)
+    grad_ax.plot(_np(x1), _np(torch.zeros_like(x1)), label="hard (torch.topk)", **_HARD)
+    for eps, color in zip(epsilons, _colors(len(epsilons)), strict=True):
+        row = torch.cat([x1[:, None], rest.expand(points, -1)], dim=1).requires_grad_(True)
+        mask = softops.soft_topk_mask(row, k, epsilon=eps, method=method)
+        (grad,) = torch.autograd.grad(mask[:, 0].sum(), row)
+        label = f"soft, ε = {eps:g}"
+        value_ax.plot(_np(x1), _np(mask[:, 0]), color=color, label=label)
+        grad_ax.plot(_np(x1), _np(grad[:, 0]), color=color, label=label)
+    others_text = ", ".join(f"{v:g}" for v in others)
+    value_ax.set_title(f"top-{k} indicator of $x_1$ in $(x_1, {others_text})$")
+    value_ax.set_xlabel("$x_1$")
+    value_ax.set_ylabel("$A_1$")
+    value_ax.axvline(x2, color="grey", linewidth=0.6)
+    grad_ax.set_title(r"its derivative $\partial A_1 / \partial x_1$")
+    grad_ax.set_xlabel("$x_1$")
+    grad_ax.axvline(x2, color="grey", linewidth=0.6)
+    value_ax.legend(loc="upper left", fontsize=8)
+    for ax in (value_ax, grad_ax):
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Figure 2: one vector, every top-k method, several epsilon
+
+
+def _default_vector() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(12, generator=generator, dtype=torch.float64).sort(descending=True).values
+
+
+def methods_figure(
+    *,
+    x: torch.Tensor | Sequence[float] | None = None,
+    k: int = 4,
+    epsilons: Sequence[float] = (0.05, 0.2, 0.5, 1.0),
+    methods: Sequence[str] = MASK_METHODS,
+    n_samples: int = 2000,
+    seed: int = 0,
+) -> Figure:
+    """The soft top-k mask of one vector for several epsilon, one panel per method.
+
+    Args:
+        x: the scores (default: 12 standard normal draws of seed 0, sorted descending, so the
+            hard mask is the first k entries).
+        k: the k of the top-k.
+        epsilons: one line per epsilon, the same in every panel (each method reads it in its own
+            way: the sigmoid temperature of "ot" and "sinkhorn", the width of the linear part
+            of "sparse", the softmax temperature of "softkmax", the noise scale of
+            "perturbed").
+        methods: methods of ``soft_topk_mask``.
+        n_samples: the draws of "perturbed".
+        seed: the seed of the draws of "perturbed".
+
+    Returns:
+        A figure whose first axis shows the scores (a bar per entry) and each further axis one
+        method, with ``1 + len(epsilons)`` lines (the hard mask first).
+    """
+    scores = _default_vector() if x is None else torch.as_tensor(x, dtype=torch.float64)
+    n = scores.numel()
+    index = torch.arange(n)
+    hard = torch.zeros(n, dtype=torch.float64).scatter(0, scores.topk(k).indices, 1.0)
+    cols = min(len(methods) + 1, 3)
+    rows = math.ceil((len(methods) + 1) / cols)
+    fig = _new_figure((3.6 * cols, 2.9 * rows))
+    grid = _grid(fig, rows, cols)
+    flat = [ax for row in grid for ax in row]
+    score_ax = flat[0]
+    score_ax.bar(_np(index), _np(scores), color=["black" if h else "0.7" for h in hard.tolist()])
+    score_ax.set_title(f"the scores x (the top {k} in black)")
+    score_ax.set_xlabel("entry (by decreasing score)")
+    score_ax.grid(True, alpha=0.3)
+    for ax, method in zip(flat[1:], methods, strict=False):
+        ax.plot(_np(index), _np(hard), marker="s", markersize=4, label="hard", **_HARD)
+        for eps, color in zip(epsilons, _colors(len(epsilons)), strict=True):
+            if method == "perturbed":
+                generator = torch.Generator().manual_seed(seed)
+                mask = softops.soft_topk_mask(
+                    scores, k, epsilon=eps, method=method, n_samples=n_samples, generator=generator
+                )
+            else:
+                mask = softops.soft_topk_mask(scores, k, epsilon=eps, method=method)
+            ax.plot(
+                _np(index), _np(mask), marker="o", markersize=3, color=color, label=f"ε = {eps:g}"
+            )
+        ax.set_title(f'method="{method}"')
+        ax.set_xlabel("entry (by decreasing score)")
+        ax.set_ylim(-0.05, 1.1)
+        ax.grid(True, alpha=0.3)
+    for ax in flat[len(methods) + 1 :]:
+        ax.set_axis_off()
+    flat[1].set_ylabel(f"soft top-{k} mask")
+    flat[1].legend(loc="upper right", fontsize=8)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Sort and rank curves
+
+
+def sort_figure(
+    *,
+    others: Sequence[float] = (-1.0, 0.0, 1.0),
+    methods: Sequence[str] = SORT_FIGURE_METHODS,
+    epsilons: dict[str, tuple[float, float]] | None = None,
+    points: int = 241,
+) -> Figure:
+    r"""Soft sorted values (top row) and soft ranks (bottom row) of ``(x1, *others)`` as
+    :math:`x_1` sweeps across the others, one column per method, hard curves dashed.
+
+    Args:
+        others: the fixed entries.
+        methods: methods of ``soft_sort`` and ``soft_rank``.
+        epsilons: per method, the epsilon of ``soft_sort`` and of ``soft_rank`` (default:
+            :data:`SORT_EPSILONS`).
+        points: the number of values of :math:`x_1`.
+
+    Returns:
+        A figure with ``2 * len(methods)`` axes, each with ``2 * n`` lines (n soft, n hard).
+    """
+    table = SORT_EPSILONS if epsilons is None else epsilons
+    rest = torch.tensor(others, dtype=torch.float64)
+    lo, hi = float(rest.min()) - 1.5, float(rest.max()) + 1.5
+    x1 = torch.linspace(lo, hi, points, dtype=torch.float64)
+    rows = torch.cat([x1[:, None], rest.expand(points, -1)], dim=1)
+    n = rows.shape[1]
+    hard_sorted = rows.sort(dim=-1).values
+    hard_ranks = rows.argsort(dim=-1).argsort(dim=-1).double() + 1
+    colors = _colors(n)
+    fig = _new_figure((3.3 * len(methods), 6.0))
+    grid = _grid(fig, 2, len(methods))
+    for col, method in enumerate(methods):
+        sort_eps, rank_eps = table[method]
+        values = softops.soft_sort(rows, epsilon=sort_eps, method=method)
+        ranks = softops.soft_rank(rows, epsilon=rank_eps, method=method)
+        sort_ax, rank_ax = grid[0][col], grid[1][col]
+        for i in range(n):
+            sort_ax.plot(_np(x1), _np(hard_sorted[:, i]), alpha=0.6, **_HARD)
+            sort_ax.plot(_np(x1), _np(values[:, i]), color=colors[i], label=f"sorted value {i + 1}")
+            rank_ax.plot(_np(x1), _np(hard_ranks[:, i]), alpha=0.6, **_HARD)
+            name = "$x_1$" if i == 0 else f"$x_{i + 1} = {others[i - 1]:g}$"
+            rank_ax.plot(_np(x1), _np(ranks[:, i]), color=colors[i], label=f"rank of {name}")
+        sort_ax.set_title(f'soft_sort, "{method}", ε = {sort_eps:g}')
+        rank_ax.set_title(f'soft_rank, "{method}", ε = {rank_eps:g}')
+        for ax in (sort_ax, rank_ax):
+            ax.set_xlabel("$x_1$")
+            ax.grid(True, alpha=0.3)
+    grid[0][0].set_ylabel("sorted values (ascending)")
+    grid[1][0].set_ylabel("ranks (1 = smallest)")
+    grid[1][0].legend(loc="upper left", fontsize=7)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# The sorted top-k's weights
+
+
+def sorted_topk_figure(
+    *,
+    x: torch.Tensor | Sequence[float] | None = None,
+    k: int = 4,
+    epsilons: Sequence[float] = (0.05, 0.2, 0.5),
+) -> Figure:
+    """The weights of ``soft_topk(x, k)`` (k x n) as heat maps, one per epsilon, beside the hard
+    selection matrix ``topk_selection_matrix``.
+
+    Args:
+        x: the scores (default: as :func:`methods_figure`, sorted descending, so the hard
+            weights are the identity on the first k columns).
+        k: the k of the top-k.
+        epsilons: one heat map per epsilon.
+
+    Returns:
+        A figure with ``1 + len(epsilons)`` heat maps and one colour bar.
+    """
+    scores = _default_vector() if x is None else torch.as_tensor(x, dtype=torch.float64)
+    n = scores.numel()
+    panels: list[tuple[str, float | None]] = [("hard: topk_selection_matrix", None)]
+    panels += [(f"soft_topk, ε = {eps:g}", eps) for eps in epsilons]
+    fig = _new_figure((3.1 * len(panels) + 0.8, 2.6))
+    axes = _grid(fig, 1, len(panels))[0]
+    images = []
+    for ax, (title, eps) in zip(axes, panels, strict=True):
+        if eps is None:
+            weights = softops.topk_selection_matrix(scores.topk(k).indices, n).double()
+        else:
+            weights = softops.soft_topk(scores, k, epsilon=eps).weights
+        images.append(ax.imshow(_np(weights), cmap="magma", vmin=0.0, vmax=1.0, aspect="auto"))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("entry (by decreasing score)")
+        ax.set_yticks(range(k), [str(j + 1) for j in range(k)])
+    axes[0].set_ylabel("rank j")
+    fig.colorbar(images[0], ax=axes, label="weight", shrink=0.9)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing them
+
+
+_MAKERS: dict[str, Callable[[], Figure]] = {
+    "indicator": indicator_figure,
+    "methods": methods_figure,
+    "sort": sort_figure,
+    "sorted-topk": sorted_topk_figure,
+}
+
+
+def write_figures(
+    out: str | os.PathLike[str] = DEFAULT_OUT,
+    names: Sequence[str] = FIGURES,
+    *,
+    dpi: int = 120,
+) -> list[Path]:
+    """Draw the figures ``names`` and write each as ``<out>/<name>.png``; return the paths.
+
+    Args:
+        out: the output folder (created if missing).
+        names: figures among :data:`FIGURES`.
+        dpi: the resolution of the PNGs.
+    """
+    unknown = [name for name in names if name not in _MAKERS]
+    if unknown:
+        raise ValueError(
+            f"write_figures: expected figures among {', '.join(FIGURES)}; got {unknown}."
+        )
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in names:
+        fig = _MAKERS[name]()
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=dpi)
+        paths.append(path)
+    return paths
