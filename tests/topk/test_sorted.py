@@ -519,6 +519,20 @@ def test_gradcheck_forward_mode(n: int, k: int) -> None:
     assert torch.autograd.gradcheck(fn, (x, eps), check_forward_ad=True)
 
 
+@pytest.mark.parametrize(("n", "k"), [(9, 2), (6, 1), (7, 4), (5, 5)])
+def test_double_backward_in_x_and_epsilon(n: int, k: int) -> None:
+    """Second derivatives, the mixed ones in x and epsilon included (the backward differentiates
+    the cost in units of epsilon as a function of both)."""
+    x = torch.randn(3, n, generator=seeded(32 + n), dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.05, 0.3, 2.0], dtype=F64, requires_grad=True)
+
+    def fn(z, e):
+        out = soft_topk(z, k, epsilon=e, tol=1e-13, max_iter=100_000)
+        return out.values, out.weights
+
+    assert torch.autograd.gradgradcheck(fn, (x, eps), atol=1e-6, rtol=1e-5)
+
+
 def test_jvp_with_infinities_equals_the_jacobian() -> None:
     x = _INF_ROWS[0]
     v = torch.linspace(-1.0, 1.0, 7, dtype=F64)

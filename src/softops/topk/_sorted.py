@@ -23,15 +23,15 @@ Deviations from the paper's notation (the derivations are in docs/math.md §2):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import attach_epsilon, sinkhorn_plan_checked
-from softops._core.transforms import cannot_branch, own_precision
+from softops._core.sinkhorn import implicit_cost_vjp, log_sinkhorn_checked
+from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 
 __all__ = ["TopK", "soft_topk"]
@@ -84,9 +84,10 @@ def soft_topk(
 
     The forward pass is semi-dual Newton in float64 from one Sinkhorn update of the centred start
     (rows it does not finish are solved by log-domain Sinkhorn to a relative L1 marginal error of
-    1e-3, then Newton); the backward pass is implicit differentiation through a k x k SPD (Schur
-    complement) solve in float64 (in closed form for k <= 2, else Cholesky), so memory is O(n k)
-    whatever the iteration count.
+    1e-3, then Newton); on the CPU, small problems (``n (k+1)^2`` up to about 1.3e5) run it as one
+    numba kernel where numba is installed (``pip install 'softops[pav]'``). The backward pass is
+    implicit differentiation through a k x k SPD (Schur complement) solve in float64 (in closed
+    form for k <= 2, else Cholesky), so memory is O(n k) whatever the iteration count.
 
     **epsilon** (the paper's entropic weight is ``2 * epsilon``) is in the units of x: the soft
     boundary between two adjacent ranks has the width of a sigmoid of temperature epsilon, as in
@@ -244,32 +245,13 @@ def soft_topk(
         # floor, so nothing more is saved for backward).
         floor = accurate.amax(dim=(1, 2)) / (torch.finfo(cd).max / 16)
     eps_eff = torch.maximum(eps.to(f64), floor)
-    # The gradient in s of the cost is -j per column (the row constants do not matter: the
-    # rows of the implicit backward's cost gradient sum to 0), carried by a term that is
-    # exactly 0 in value.
-    # (+j per column in units of x2 with ``neg``.)
-    if neg:
-        slope_j = torch.arange(m, dtype=f64, device=x.device).unsqueeze(-1)
-    else:
-        slope_j = torch.arange(0, -m, -1, dtype=f64, device=x.device).unsqueeze(-1)
-    if no_values or isinstance(epsilon, Tensor):
-        # In units of epsilon, with its gradient -<grad, scaled> / eps (attach_epsilon):
-        # through cost / eps it was (cost / eps) / eps, which overflows (epsilon < 1e-154) and
-        # turned the zero cost gradient of the unused entries into 0 * inf = NaN.
-        inv = 1.0 / eps_eff.detach()[:, None, None]
-        slope = s.unsqueeze(1) * (slope_j * inv)
-        cost = attach_epsilon(accurate * inv + (slope - slope.detach()), eps_eff[:, None, None])
-        eps_solve = torch.ones_like(eps_eff)
-    else:  # a float epsilon has no gradient: the cost in units of x, solved at eps_eff
-        slope = s.unsqueeze(1) * slope_j
-        cost = accurate + (slope - slope.detach())
-        eps_solve = eps_eff
-    cost = cost.transpose(1, 2)  # (B, n, m), the solver's layout
-    plan, res, clean = sinkhorn_plan_checked(
-        cost, log_a, log_b, eps_solve, max_iter, tol, True, newton_first=True, potentials=False
+    tensor_eps = isinstance(epsilon, Tensor)
+    with torch.no_grad():  # the cost in units of epsilon (its gradients are _SortedPlan's)
+        scaled = accurate / eps_eff.detach()[:, None, None]
+    # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
+    weights, _, converged, residual, clean = apply_function(
+        _SortedPlan, s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps
     )
-
-    weights = (plan[:, :, :k] * n).to(cd).transpose(1, 2)  # (B, k, n)
     if has_inf:
         # the sure entries (tied) share the first c targets: 1/#(-inf) each
         weights = torch.where(trivial[:, None, None], 0, weights)
@@ -284,11 +266,136 @@ def soft_topk(
             values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
     if not clean:  # the solver read on the host whether every row converged
-        warn_not_converged(_OP, res.converged, max_iter, residual=res.residual, tol=tol)
+        warn_not_converged(_OP, converged, max_iter, residual=residual, tol=tol)
 
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))
     return TopK(values, weights, indices)
+
+
+class _SortedPlan(torch.autograd.Function):
+    r"""``(s, eps) -> (weights, plan, converged, residual, clean)``: the sorted top-k's OT solve,
+    differentiable in the scores and epsilon in one node.
+
+    The cost is ``C_ij = slope_j s_i + c_ij`` (``slope_j = -j`` in the paper's orientation,
+    ``+j`` in units of x with ``neg``; the constants c_ij centre it), given by its values in
+    units of epsilon, ``scaled = C / eps`` (B, m, n), a constant: the plan depends on the scores
+    s (B, n) and on epsilon (B,) only through it, with :math:`\partial (C/\varepsilon)_{ij} /
+    \partial s_i = \mathrm{slope}_j/\varepsilon` and :math:`\partial (C/\varepsilon) /
+    \partial\varepsilon = -(C/\varepsilon)/\varepsilon`. So the backward is one implicit
+    VJP of the plan (:func:`~softops._core.sinkhorn.implicit_cost_vjp`, in units of epsilon)
+    and two contractions of it: ``sum_j slope_j G_ij / eps`` and ``-<G, C/eps> / eps`` (the
+    infinite costs of entries without mass are constants). Formed that way the chain through
+    ``1 / eps`` never squares epsilon (which overflowed below 1e-154).
+
+    ``tensor_eps`` False says that epsilon has neither a gradient nor a tangent (a float
+    epsilon), so ``scaled`` is not saved. ``weights = n plan[:, :, :k]`` (B, k, n), in the dtype
+    of s; ``plan`` (B, n, m) is the
+    float64 plan, an output too so that double backward reaches the plan through this node (the
+    backward is formed from the saved plan by differentiable operations). ``converged`` and
+    ``residual`` are not differentiable; ``clean`` is True where the solver read on the host
+    that every row converged. Forward mode applies the same (symmetric) implicit map to the
+    tangent of the scaled cost; ``vmap`` folds the vmapped dimension into the rows.
+    """
+
+    @staticmethod
+    def forward(
+        s: Tensor,
+        eps: Tensor,
+        scaled: Tensor,
+        log_a: Tensor,
+        log_b: Tensor,
+        neg: bool,
+        k: int,
+        max_iter: int,
+        tol: float,
+        tensor_eps: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        res, clean = log_sinkhorn_checked(
+            scaled.transpose(1, 2),
+            log_a,
+            log_b,
+            torch.ones_like(eps),
+            max_iter=max_iter,
+            tol=tol,
+            newton=True,
+            newton_first=True,
+            potentials=False,
+        )
+        plan = res.plan  # (B, n, m), float64
+        weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
+        return weights, plan, res.converged, res.residual, clean
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        eps, scaled = inputs[1], inputs[2]
+        ctx.neg, ctx.k, ctx.dtype = inputs[5], inputs[6], inputs[0].dtype
+        _, plan, converged, residual, _ = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(converged, residual)
+        s = inputs[0]
+        if not inputs[9]:  # epsilon has no gradient or tangent: C / eps is not needed
+            s, scaled = s.new_empty(0), scaled.new_empty(0)
+        ctx.save_for_backward(plan, eps, scaled, s)
+        ctx.save_for_forward(plan, eps, scaled)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_w: Tensor | None, grad_plan: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, ...]:
+        nones: tuple[None, ...] = (None,) * 8
+        if grad_w is None and grad_plan is None:
+            return (None, None, *nones)
+        plan, eps, scaled, s = ctx.saved_tensors
+        n, m = plan.shape[1], plan.shape[2]
+        grad = torch.zeros_like(plan) if grad_plan is None else grad_plan.to(plan.dtype)
+        if grad_w is not None:
+            g = grad_w.transpose(1, 2).to(plan.dtype) * n  # (B, n, k)
+            grad = grad + torch.nn.functional.pad(g, (0, m - ctx.k))
+        g_scaled = implicit_cost_vjp(plan, grad, torch.ones_like(eps), True)  # (B, n, m)
+        grad_s = grad_eps = None
+        if ctx.needs_input_grad[0]:
+            grad_s = (g_scaled @ _slopes(m, ctx.neg, plan)).squeeze(-1) / eps[:, None]
+            grad_s = grad_s.to(ctx.dtype)
+        if ctx.needs_input_grad[1]:
+            # C / eps as a function of s and eps (its value is ``scaled``), for double backward
+            costs = _finite_costs(scaled) * (eps.detach() / eps)[:, None, None]
+            ds = (s - s.detach()).to(plan.dtype) / eps[:, None]
+            costs = costs + ds[:, :, None] * _slopes(m, ctx.neg, plan).squeeze(-1)
+            grad_eps = -(g_scaled * costs).sum((1, 2)) / eps
+        return (grad_s, grad_eps, *nones)
+
+    @staticmethod
+    def jvp(
+        ctx: Any, s_t: Tensor | None, eps_t: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, ...]:
+        plan, eps, scaled = ctx.saved_tensors
+        n, m = plan.shape[1], plan.shape[2]
+        tangent = torch.zeros_like(plan)  # of the scaled cost, (B, n, m)
+        if s_t is not None:
+            slopes = _slopes(m, ctx.neg, plan).squeeze(-1)
+            tangent = tangent + (s_t.to(plan.dtype) / eps[:, None])[:, :, None] * slopes
+        if eps_t is not None:
+            tangent = tangent - _finite_costs(scaled) * (eps_t / eps)[:, None, None]
+        plan_t = implicit_cost_vjp(plan, tangent, torch.ones_like(eps), True)
+        weights_t = (plan_t[:, :, : ctx.k] * n).to(ctx.dtype).transpose(1, 2)
+        return weights_t, plan_t, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(_SortedPlan, info, in_dims, *args)
+
+
+def _slopes(m: int, neg: bool, like: Tensor) -> Tensor:
+    """The cost's slopes in the scores, ``+-j`` for j = 0..m-1, as an (m, 1) column of ``like``'s
+    dtype and device."""
+    j = torch.arange(m, dtype=like.dtype, device=like.device)
+    return (j if neg else -j).unsqueeze(-1)
+
+
+def _finite_costs(scaled: Tensor) -> Tensor:
+    """``scaled`` (B, m, n) as (B, n, m), its infinite entries (no mass: constants) set to 0."""
+    return torch.where(torch.isinf(scaled), 0, scaled).transpose(1, 2)
 
 
 def _values_with_infinities(weights: Tensor, x2: Tensor, largest: bool) -> Tensor:

@@ -1,0 +1,171 @@
+"""The numba kernel of the Newton-first Sinkhorn solve (softops._core._sinkhorn_numba) against the
+batched torch code it stands in for, and the rules that choose between them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import softops
+from softops._core import sinkhorn
+from tests._helpers import seeded
+
+pytest.importorskip("numba")
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def numba_on(monkeypatch):
+    """The numba path enabled (the test run turns compilation off, which also turns it off)."""
+    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: True)
+
+
+def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: bool = False):
+    """The sorted top-k's centred cost (B, n, k+1) in units of epsilon, as soft_topk forms it."""
+    g = seeded(seed)
+    x = torch.randn(bsz, n, generator=g, dtype=F64)
+    if ties:
+        x = (x * 2).round() / 2
+    m = k + 1 if k < n else k
+    low = x.sort(-1).values[:, :m]
+    beta = 0.5 * (low[:, :-1] + low[:, 1:])
+    j = torch.arange(m, dtype=F64)
+    kappa = torch.nn.functional.pad(beta.cumsum(-1), (1, 0))
+    cost = (-(j * x.unsqueeze(-1)) + kappa.unsqueeze(1)) / eps
+    log_a = torch.full((bsz, n), -math.log(n), dtype=F64)
+    nu = [1 / n] * k + ([(n - k) / n] if k < n else [])
+    log_b = torch.tensor(nu, dtype=F64).log().expand(bsz, m).contiguous()
+    return cost, log_a, log_b, torch.ones(bsz, dtype=F64)
+
+
+def _both(cost, log_a, log_b, eps, max_iter=2000, tol=1e-9, potentials=True):
+    kernels = sinkhorn._numba_kernels()
+    assert kernels is not None
+    fast = sinkhorn._newton_first_numba(kernels, cost, log_a, log_b, eps, max_iter, tol, potentials)
+    ref = sinkhorn._newton_first_torch(cost, log_a, log_b, eps, max_iter, tol, potentials)
+    return fast, ref
+
+
+def _assert_same(fast, ref, atol=1e-13, potentials=True):
+    (a, clean_a), (b, clean_b) = fast, ref
+    assert clean_a == clean_b
+    torch.testing.assert_close(a.plan, b.plan, rtol=0, atol=atol, equal_nan=True)
+    assert torch.equal(a.converged, b.converged)
+    torch.testing.assert_close(a.residual, b.residual, rtol=0, atol=1e-12, equal_nan=True)
+    if potentials:  # (on tied scores some potentials barely move the plan: not compared there)
+        torch.testing.assert_close(a.f, b.f, rtol=0, atol=1e-8, equal_nan=True)
+        torch.testing.assert_close(a.g, b.g, rtol=0, atol=1e-8, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("bsz", "n", "k", "eps"),
+    [
+        (16, 18, 2, 0.1),  # the beam step
+        (8, 18, 1, 0.05),  # m = 2: the closed form
+        (8, 30, 4, 0.3),  # m = 5: the Cholesky
+        (4, 100, 8, 0.02),
+        (4, 9, 9, 1.0),  # k = n: no rest target
+        (6, 12, 3, 5.0),  # epsilon above the spread
+        (6, 12, 3, 1e-3),  # far below the gaps: nearly a permutation
+    ],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_kernel_equals_the_torch_solve(bsz, n, k, eps, ties):
+    fast, ref = _both(*_sorted_problem(bsz, n, k, eps, seed=n + k, ties=ties))
+    _assert_same(fast, ref, potentials=not ties)
+    res, clean = fast
+    assert clean and bool(res.converged.all())
+    assert res.iterations == ref[0].iterations
+    # the plan's marginals
+    torch.testing.assert_close(res.plan.sum(-1), torch.full((bsz, n), 1 / n, dtype=F64))
+
+
+def test_rows_the_kernel_does_not_solve_take_the_torch_solve():
+    cost, log_a, log_b, eps = _sorted_problem(5, 10, 2, 0.2, seed=3)
+    cost[1, 4, 0] = math.nan  # a NaN row: NaN, in that row only
+    log_a[2, 0] = -math.inf  # a zero row mass: not a regular row for the kernel
+    log_a[2] = log_a[2] - torch.logsumexp(log_a[2], 0)
+    log_b[3, 0] = -math.inf  # a zero column mass
+    log_b[3] = log_b[3] - torch.logsumexp(log_b[3], 0)
+    fast, ref = _both(cost, log_a, log_b, eps)
+    _assert_same(fast, ref)
+    plan = fast[0].plan
+    assert torch.isnan(plan[1]).all() and not torch.isnan(plan[[0, 2, 3, 4]]).any()
+    assert bool(fast[0].converged[[0, 2, 3, 4]].all())
+    assert float(plan[2, 0].abs().max()) == 0.0 and float(plan[3, :, 0].abs().max()) == 0.0
+
+
+def test_rows_left_above_tol_are_finished_like_the_torch_solve():
+    # one Newton step allowed: the rows it leaves above tol are solved from the start (hybrid)
+    cost, log_a, log_b, eps = _sorted_problem(6, 20, 3, 0.05, seed=5)
+    fast, ref = _both(cost, log_a, log_b, eps, max_iter=1, tol=1e-12)
+    _assert_same(fast, ref)
+    assert not fast[1]
+    fast, ref = _both(cost, log_a, log_b, eps, max_iter=3000, tol=1e-15)
+    _assert_same(fast, ref, atol=1e-12)
+
+
+def test_a_step_that_does_not_lower_the_bound_stops_the_row():
+    # two columns with no coupling left (eps far below the gaps: P is a permutation up to
+    # underflow): det K = 0, the step is NaN and the row keeps its start, as in torch
+    cost, log_a, log_b, eps = _sorted_problem(3, 8, 2, 1e-300, seed=7)
+    fast, ref = _both(cost, log_a, log_b, eps)
+    _assert_same(fast, ref)
+
+
+def test_soft_topk_is_the_same_with_and_without_the_kernel(monkeypatch):
+    g = seeded(11)
+    x = torch.randn(2, 5, 13, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.1, 0.7], dtype=F64).reshape(2, 1).expand(2, 5).requires_grad_()
+    out = {}
+    for use in (False, True):
+        monkeypatch.setattr(sinkhorn, "compile_enabled", lambda use=use: use)
+        res = softops.soft_topk(x, 3, epsilon=eps)
+        loss = (res.values * torch.arange(3.0, dtype=F64)).sum() + (res.weights**2).sum()
+        out[use] = (res.values, res.weights, *torch.autograd.grad(loss, (x, eps)))
+    for a, b in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_soft_topk_gradcheck_through_the_kernel(numba_on):
+    g = seeded(12)
+    x = torch.randn(3, 9, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.05, 0.3, 2.0], dtype=F64, requires_grad=True)
+
+    def fn(t, e):
+        res = softops.soft_topk(t, 2, epsilon=e)
+        return res.values, res.weights
+
+    assert torch.autograd.gradcheck(fn, (x, eps))
+    assert torch.autograd.gradgradcheck(fn, (x, eps))
+
+
+def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
+    calls = []
+    real = sinkhorn._newton_first_numba
+
+    def spy(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+
+    monkeypatch.setattr(sinkhorn, "_newton_first_numba", spy)
+    x = torch.randn(4, 18, dtype=F64)
+    ref = softops.soft_topk(x, 2, epsilon=0.1).weights
+    assert calls == [(4, 18, 3)]
+    # vmap folds its dimension into the rows: the kernel solves the plain rows
+    out = torch.func.vmap(lambda t: softops.soft_topk(t, 2, epsilon=0.1).weights)(x)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    assert calls == [(4, 18, 3)] * 2
+    # a problem above the work limit: the torch solve
+    monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 18 * 9 - 1)
+    softops.soft_topk(x, 2, epsilon=0.1)
+    # compilation off: the torch solve
+    monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 1 << 17)
+    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: False)
+    softops.soft_topk(x, 2, epsilon=0.1)
+    assert calls == [(4, 18, 3)] * 2
