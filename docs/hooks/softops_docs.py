@@ -1,0 +1,158 @@
+"""MkDocs hooks of the softops site (``hooks:`` in ``mkdocs.yml``).
+
+* **MathJax, served by the site.** When the ``sphinx-mathjax-offline`` wheel is installed
+  (``scripts/setup.sh`` installs it, without its Sphinx dependency: only its copy of MathJax
+  3.2.2 is used), MathJax's SVG build (``tex-svg.js``, its fonts inside) and the TeX extensions
+  it loads on demand are added to the site under ``assets/mathjax/``, so the math renders with
+  no network (a headless browser in CI, a laptop on a train). Without the wheel, the pages load
+  the same build from the jsDelivr CDN.
+* **The figures of** ``softops plot``, drawn when the site builds (so they cannot go stale) and
+  added as ``figures/<name>.png``.
+* **The committed benchmark plots**, ``benchmarks/results/*.png``, added at the same paths.
+* **Markdown files of the repository included in a page** (the benchmark reports, the
+  benchmarks' README): a line ``<!-- include: benchmarks/results/topk.md -->`` is replaced by that
+  file, its headings moved down one level (``shift=0`` to ``3``: as many); a missing file fails
+  the build. ``<!-- include: the other results -->`` stands for every report of
+  ``benchmarks/results/`` that no page names, so a new report is on the site before it has a
+  place of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MATHJAX_CDN = "https://cdn.jsdelivr.net/npm/mathjax@3.2.2/es5/tex-svg.js"
+MATHJAX_LOCAL = "assets/mathjax/tex-svg.js"
+_INCLUDE = re.compile(
+    r"^<!-- include: (?P<path>[\w./-]+\.md)(?: shift=(?P<shift>[0-3]))? -->$", re.MULTILINE
+)
+_REST = "<!-- include: the other results -->"
+_state: dict[str, Any] = {}
+
+
+def _mathjax_dir() -> Path | None:
+    """The ``mathjax`` folder of the sphinx-mathjax-offline wheel, if it is installed."""
+    try:
+        files = importlib.metadata.files("sphinx-mathjax-offline") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == "tex-svg.js":
+            return Path(str(file.locate())).parent
+    return None
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    mathjax = _mathjax_dir()
+    _state["mathjax"] = mathjax
+    config.extra_javascript.append(MATHJAX_LOCAL if mathjax else MATHJAX_CDN)
+    return config
+
+
+def _add(files: Files, config: MkDocsConfig, uri: str, path: Path) -> None:
+    files.append(File.generated(config, uri, abs_src_path=str(path)))
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    mathjax: Path | None = _state.get("mathjax")
+    if mathjax is not None:
+        _add(files, config, MATHJAX_LOCAL, mathjax / "tex-svg.js")
+        # \require, \boldsymbol, ... load their extensions from here on first use.
+        for ext in sorted((mathjax / "input" / "tex" / "extensions").glob("*.js")):
+            _add(files, config, f"assets/mathjax/input/tex/extensions/{ext.name}", ext)
+    for png in sorted(RESULTS.glob("*.png")):
+        _add(files, config, f"benchmarks/results/{png.name}", png)
+    for png in _figures():
+        _add(files, config, f"figures/{png.name}", png)
+    docs = Path(config.docs_dir)
+    pages = [path.read_text(encoding="utf-8") for path in docs.rglob("*.md")]
+    _state["included"] = {m["path"] for text in pages for m in _INCLUDE.finditer(text)}
+    return files
+
+
+def _figures() -> list[Path]:
+    """Draw the figures of ``softops plot`` into a temporary folder (once per build)."""
+    from softops.bench.plots import write_figures
+
+    old = _state.pop("figures_dir", None)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix="softops-docs-figures-"))
+    _state["figures_dir"] = folder
+    return write_figures(folder, dpi=110)
+
+
+def on_shutdown() -> None:
+    old = _state.pop("figures_dir", None)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _demoted(text: str, shift: int) -> str:
+    """``text`` with every Markdown heading ``shift`` levels down (fenced code left alone)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,5} ", line):
+            line = "#" * shift + line
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _include(match: re.Match[str]) -> str:
+    relative = match["path"]
+    path = (ROOT / relative).resolve()
+    if ROOT not in path.parents or not path.is_file():
+        raise PluginError(f"docs: expected the file {relative} of the repository; it is missing.")
+    shift = match["shift"]
+    return _demoted(path.read_text(encoding="utf-8"), 1 if shift is None else int(shift))
+
+
+def _other_results() -> str:
+    """Every ``benchmarks/results/*.md`` that no page includes by name, each with its plot."""
+    named = _state.get("included", set())
+    parts = []
+    for report in sorted(RESULTS.glob("*.md")):
+        relative = f"benchmarks/results/{report.name}"
+        if relative in named:
+            continue
+        parts.append(_demoted(report.read_text(encoding="utf-8"), 1))
+        if report.with_suffix(".png").exists():
+            parts.append(f"![{report.stem}](results/{report.stem}.png){{ .figure }}\n")
+    return "\n".join(parts) or "(None: every committed report is on the pages above.)\n"
+
+
+_SECTION = re.compile(
+    r"^(?P<hashes>#{2,3}) (?P<number>\d+(?:\.\d+)?)(?P<dot>\.?) (?P<title>.+)$", re.M
+)
+
+
+def _anchor_sections(markdown: str) -> str:
+    """Give each numbered heading of the math page the id ``math-<number>`` (``math-1.3``).
+
+    The docstrings cite "docs/math.md §1.3"; the API reference links those citations to these
+    ids (docs/hooks/griffe_rst.py), so a citation of a section that does not exist fails the
+    build, and retitling a section breaks no link.
+    """
+    return _SECTION.sub(r"\g<hashes> \g<number>\g<dot> \g<title> { #math-\g<number> }", markdown)
+
+
+def on_page_markdown(markdown: str, page: Page, **kwargs: Any) -> str:
+    if page.file.src_uri == "math.md":
+        markdown = _anchor_sections(markdown)
+    if _REST in markdown:
+        markdown = markdown.replace(_REST, _other_results())
+    return _INCLUDE.sub(_include, markdown)
