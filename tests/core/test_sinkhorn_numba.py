@@ -10,6 +10,7 @@ import torch
 
 import softops
 from softops._core import sinkhorn
+from softops.topk import _sorted
 from tests._helpers import seeded
 
 pytest.importorskip("numba")
@@ -44,7 +45,7 @@ def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: b
 
 
 def _both(cost, log_a, log_b, eps, max_iter=2000, tol=1e-9, potentials=True):
-    kernels = sinkhorn._numba_kernels()
+    kernels = sinkhorn.numba_kernels()
     assert kernels is not None
     fast = sinkhorn._newton_first_numba(kernels, cost, log_a, log_b, eps, max_iter, tol, potentials)
     ref = sinkhorn._newton_first_torch(cost, log_a, log_b, eps, max_iter, tol, potentials)
@@ -118,18 +119,49 @@ def test_a_step_that_does_not_lower_the_bound_stops_the_row():
     _assert_same(fast, ref)
 
 
-def test_soft_topk_is_the_same_with_and_without_the_kernel(monkeypatch):
-    g = seeded(11)
-    x = torch.randn(2, 5, 13, generator=g, dtype=F64, requires_grad=True)
-    eps = torch.tensor([0.1, 0.7], dtype=F64).reshape(2, 1).expand(2, 5).requires_grad_()
+@pytest.mark.parametrize("k", [1, 2, 3, 6, 13])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_soft_topk_is_the_same_with_and_without_the_kernels(monkeypatch, k, dtype):
+    """Forward and backward (the kernel's VJP: closed form for k <= 2, the refined Cholesky
+    above), in x and epsilon, from near-hard to smooth rows."""
+    g = seeded(11 + k)
+    x = torch.randn(2, 5, 13, generator=g, dtype=F64).to(dtype).requires_grad_()
+    eps = torch.tensor([0.01, 0.1, 0.4, 1.0, 3.0], dtype=dtype).expand(2, 5).requires_grad_()
+    w = torch.linspace(-1.0, 2.0, k, dtype=dtype)
     out = {}
     for use in (False, True):
         monkeypatch.setattr(sinkhorn, "compile_enabled", lambda use=use: use)
-        res = softops.soft_topk(x, 3, epsilon=eps)
-        loss = (res.values * torch.arange(3.0, dtype=F64)).sum() + (res.weights**2).sum()
+        res = softops.soft_topk(x, k, epsilon=eps)
+        loss = (res.values * w).sum() + (res.weights**2 * torch.arange(13.0)).sum()
         out[use] = (res.values, res.weights, *torch.autograd.grad(loss, (x, eps)))
+    tol = 1e-10 if dtype == F64 else 1e-5
     for a, b in zip(out[True], out[False], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
+    # a NaN row and a row with a column that has no coupling left (a singular K: det below
+    # DET_MIN) are redone in torch; the other rows keep the kernel's gradient
+    x = torch.tensor(
+        [[3.0, 1.0, 0.2, -1.0], [0.0, math.nan, 1.0, 2.0], [40.0, 20.0, 0.0, -20.0]], dtype=F64
+    ).requires_grad_()
+    eps = torch.tensor([0.5, 0.5, 0.02], dtype=F64)
+    calls = []
+    real = _sorted._torch_vjp
+
+    def spy(plan, *args):
+        calls.append(plan.shape[0])
+        return real(plan, *args)
+
+    monkeypatch.setattr(_sorted, "_torch_vjp", spy)
+    res = softops.soft_topk(x, 2, epsilon=eps)
+    (grad,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
+    assert calls == [2]  # the NaN row and the decoupled one
+    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: False)
+    res = softops.soft_topk(x, 2, epsilon=eps)
+    (ref,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
+    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-14, equal_nan=True)
+    assert torch.isnan(grad[1]).all() and torch.isfinite(grad[[0, 2]]).all()
 
 
 def test_soft_topk_gradcheck_through_the_kernel(numba_on):

@@ -16,7 +16,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["newton_first_rows"]
+__all__ = ["newton_first_rows", "sorted_vjp_rows"]
 
 _TINY = np.finfo(np.float64).tiny
 
@@ -56,9 +56,11 @@ def _state(s, a, b_ref, ref, v, p, gap):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True)
 def _direction(a, p, gap, kmat, delta):  # pragma: no cover - compiled
-    """The reduced Newton step into delta (m,), its last entry 0 (``_newton_direction``): the
-    grounded Laplacian of the couplings ``w_jl = sum_i a_i P_ij P_il``, solved in closed form for
-    m <= 3 and by the equilibrated, jittered Cholesky otherwise; NaN where it is singular."""
+    """``K^-1 gap`` into delta (m,), its last entry 0, for the grounded Laplacian K of the
+    couplings ``w_jl = sum_i a_i P_ij P_il`` (the reduced Newton step of ``_newton_direction``;
+    with ``a = mu`` the system of the implicit backward): in closed form (Cramer) for m <= 3,
+    else by the equilibrated, jittered Cholesky. Returns det K for m <= 3 (delta NaN where it is
+    not positive); for m > 3, 1 where the factorisation succeeded, else 0 (delta NaN)."""
     m, n = p.shape
     m1 = m - 1
     for j in range(m):
@@ -68,7 +70,7 @@ def _direction(a, p, gap, kmat, delta):  # pragma: no cover - compiled
         for i in range(n):
             w01 += a[i] * p[0, i] * p[1, i]
         delta[0] = gap[0] / w01 if w01 > 0 else math.nan
-        return
+        return w01
     if m == 3:
         w01 = w12 = w20 = 0.0
         for i in range(n):
@@ -78,11 +80,11 @@ def _direction(a, p, gap, kmat, delta):  # pragma: no cover - compiled
         det = w01 * (w12 + w20) + w12 * w20
         if not det > 0:
             delta[0] = delta[1] = math.nan
-            return
+            return det
         r0, r1 = gap[0], gap[1]
         delta[0] = (w01 * (r0 + r1) + w12 * r0) / det
         delta[1] = (w01 * (r0 + r1) + w20 * r1) / det
-        return
+        return det
     for j in range(m1):
         for c in range(m1):
             kmat[j, c] = 0.0
@@ -135,9 +137,10 @@ def _direction(a, p, gap, kmat, delta):  # pragma: no cover - compiled
                 delta[j] = acc / chol[j, j]
             for j in range(m1):
                 delta[j] *= scale[j]
-            return
+            return 1.0
     for j in range(m1):
         delta[j] = math.nan
+    return 0.0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -233,3 +236,104 @@ def newton_first_rows(
             err += a[i] * abs(dev)
         err_out[row] = err / a_sum
         steps_out[row] = steps
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _centred_at(p, u, home, out):  # pragma: no cover - compiled
+    """``u_ji - sum_l P_li u_li`` into out (m, n), each entry first shifted by its value at the
+    row's home column (its largest P): ``_centered_at``, without cancellation."""
+    m, n = p.shape
+    for i in range(n):
+        ref = u[home[i], i]
+        mean = 0.0
+        for j in range(m):
+            out[j, i] = u[j, i] - ref
+            mean += p[j, i] * out[j, i]
+        for j in range(m):
+            out[j, i] -= mean
+
+
+@numba.njit(cache=True, nogil=True)
+def sorted_vjp_rows(
+    plan, grad, scaled, slopes, eps, det_min, grad_s, grad_eps, safe
+):  # pragma: no cover - compiled
+    """The implicit VJP of the converged plan (B, m, n) for the cotangent grad (B, m, n), in units
+    of epsilon (``implicit_cost_vjp`` with epsilon 1), contracted as the sorted top-k's backward
+    needs it: ``grad_s`` (B, n) gets ``sum_j slopes_j G_ji / eps``, and where ``scaled`` (B, m, n)
+    is given (not empty) ``grad_eps`` (B,) gets ``-<G, scaled> / eps`` over its finite entries.
+
+    K is the grounded Laplacian of ``w_jl = sum_i mu_i P_ij P_il`` (``P = Gamma / mu``), solved
+    as ``_closed_form_vjp`` does for m <= 3 (rows whose det K is not above ``det_min`` are not
+    safe) and by the jittered Cholesky with one step of refinement against the exactly formed
+    residual for larger m (rows where it fails are not safe). ``safe[b]`` False: the row is left
+    for the torch code.
+    """
+    B, m, n = plan.shape
+    mu = np.empty(n)
+    p = np.empty((m, n))
+    cen = np.empty((m, n))
+    u = np.empty((m, n))
+    home = np.empty(n, dtype=np.int64)
+    rhs = np.empty(m)
+    beta = np.empty(m)
+    step = np.empty(m)
+    kmat = np.empty((max(m - 1, 1), max(m - 1, 1)))
+    with_eps = scaled.shape[0] == B
+    for row in range(B):
+        gam = plan[row]
+        gb = grad[row]
+        for i in range(n):
+            total = 0.0
+            for j in range(m):
+                total += gam[j, i]
+            mu[i] = total
+            best = 0
+            for j in range(m):
+                p[j, i] = gam[j, i] / max(total, _TINY)
+                if p[j, i] > p[best, i]:
+                    best = j
+            home[i] = best
+        _centred_at(p, gb, home, cen)
+        for j in range(m):
+            acc = 0.0
+            for i in range(n):
+                acc += gam[j, i] * cen[j, i]
+            rhs[j] = acc
+        det = _direction(mu, p, rhs, kmat, beta)
+        if m > 3 and det > 0:  # one refinement: beta += K^-1 (rhs - K beta), formed exactly
+            for j in range(m):
+                for i in range(n):
+                    u[j, i] = gb[j, i] - beta[j]
+            _centred_at(p, u, home, cen)
+            for j in range(m):
+                acc = 0.0
+                for i in range(n):
+                    acc += gam[j, i] * cen[j, i]
+                rhs[j] = acc
+            _direction(mu, p, rhs, kmat, step)
+            for j in range(m):
+                beta[j] += step[j]
+        ok = det > det_min if m <= 3 else det > 0
+        for j in range(m):
+            ok = ok and math.isfinite(beta[j])
+        safe[row] = ok
+        if not ok:
+            continue
+        for j in range(m):
+            for i in range(n):
+                u[j, i] = beta[j] - gb[j, i]
+        _centred_at(p, u, home, cen)
+        e = eps[row]
+        g_e = 0.0
+        for i in range(n):
+            acc = 0.0
+            for j in range(m):
+                g = gam[j, i] * cen[j, i]
+                acc += slopes[j] * g
+                if with_eps:
+                    c = scaled[row, j, i]
+                    if math.isfinite(c):
+                        g_e += g * c
+            grad_s[row, i] = acc / e
+        if with_eps:
+            grad_eps[row] = -g_e / e

@@ -119,6 +119,7 @@ from softops._core.transforms import apply_function, plain, vmap_rows
 
 __all__ = [
     "CHECK_EVERY",
+    "DET_MIN",
     "NEWTON_FIRST_STEPS",
     "NEWTON_MAX_STEPS",
     "NEWTON_SWITCH",
@@ -127,8 +128,10 @@ __all__ = [
     "attach_epsilon",
     "log_sinkhorn",
     "log_sinkhorn_checked",
+    "numba_kernels",
     "sinkhorn_plan",
     "sinkhorn_plan_checked",
+    "use_numba",
 ]
 
 # numba is optional (the ``pav`` extra): the kernel module is imported on first use.
@@ -152,7 +155,7 @@ _ARMIJO_SIGMA = 1e-4
 _JITTER_ULPS = 16.0
 _JITTER_RETRY = 1e-10
 _REFINE_STEPS = 1
-_DET_MIN = 2.0**-960
+DET_MIN = 2.0**-960
 """Smallest det K (about 1e-289) that :func:`_closed_form_vjp` solves in closed form."""
 
 
@@ -916,8 +919,8 @@ def _newton_first(
 ) -> tuple[SinkhornResult, bool]:
     """:func:`_newton_first_torch`, or on small CPU problems the same solve compiled row by row
     (:func:`_newton_first_numba`) where numba is installed and compilation is enabled."""
-    if _numba_applies(cost):
-        kernels = _numba_kernels()
+    if use_numba(cost, cost.shape[1], cost.shape[2]):
+        kernels = numba_kernels()
         if kernels is not None:
             return _newton_first_numba(
                 kernels, cost, log_a, log_b, epsilon, max_iter, tol, potentials
@@ -931,19 +934,22 @@ the batched torch code (its couplings are one ``bmm``) is the faster."""
 _numba_state: dict[str, Any] = {}
 
 
-def _numba_applies(cost: Tensor) -> bool:
-    _, n, m = cost.shape
+def use_numba(t: Tensor, n: int, m: int) -> bool:
+    """Whether the numba kernels (``_sinkhorn_numba``) may take a problem of rows of n entries
+    and m targets held by ``t``: a plain CPU tensor (not traced, not batched or wrapped by
+    ``torch.func``), at most ``NUMBA_MAX_WORK`` entries ``n m^2``, numba installed and
+    compilation enabled (``softops.set_compile``)."""
     return (
-        cost.device.type == "cpu"
+        t.device.type == "cpu"
         and n * m * m <= NUMBA_MAX_WORK
         and compile_enabled()
         and HAVE_NUMBA
         and not torch.compiler.is_compiling()
-        and not _functorch.is_functorch_wrapped_tensor(cost)
+        and not _functorch.is_functorch_wrapped_tensor(t)
     )
 
 
-def _numba_kernels() -> Any:
+def numba_kernels() -> Any:
     """The compiled kernel module (``_sinkhorn_numba``), or None when numba cannot be imported."""
     if "kernels" not in _numba_state:
         kernels: Any
@@ -1211,7 +1217,7 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
     products, and its adjugate and determinant are sums of products of them: the solve is
     exact up to rounding whatever K's conditioning, without jitter or refinement (the
     Cholesky path needs both). It is used where ``det K`` is a normal number well above
-    underflow (``_DET_MIN``); other rows (a column with no coupling left, couplings near
+    underflow (``DET_MIN``); other rows (a column with no coupling left, couplings near
     underflow) take :func:`_cholesky_vjp`, row by row, so a row's gradient depends on its own
     data only.
     """
@@ -1229,8 +1235,8 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
     beta, det = _laplacian_solve(_cyclic_couplings(p, mu.transpose(1, 2)), rhs)
     d = _centered_at(p, torch.nn.functional.pad(beta, (0, 0, 0, 1)) - gbar, home)
     cbar = (gam * d / epsilon.to(torch.float64).reshape(-1, 1, 1)).transpose(1, 2).to(dtype)
-    if not _all_above(det, _DET_MIN):
-        unsafe = ~(det.detach() > _DET_MIN)  # (B, 1, 1), also NaN
+    if not _all_above(det, DET_MIN):
+        unsafe = ~(det.detach() > DET_MIN)  # (B, 1, 1), also NaN
         cbar = torch.where(unsafe, _cholesky_vjp(plan, grad_plan, epsilon), cbar)
     return cbar
 

@@ -30,7 +30,13 @@ from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import implicit_cost_vjp, log_sinkhorn_checked
+from softops._core.sinkhorn import (
+    DET_MIN,
+    implicit_cost_vjp,
+    log_sinkhorn_checked,
+    numba_kernels,
+    use_numba,
+)
 from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 
@@ -347,23 +353,33 @@ class _SortedPlan(torch.autograd.Function):
         if grad_w is None and grad_plan is None:
             return (None, None, *nones)
         plan, eps, scaled, s = ctx.saved_tensors
+        need_s, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, m = plan.shape[1], plan.shape[2]
-        grad = torch.zeros_like(plan) if grad_plan is None else grad_plan.to(plan.dtype)
-        if grad_w is not None:
-            g = grad_w.transpose(1, 2).to(plan.dtype) * n  # (B, n, k)
-            grad = grad + torch.nn.functional.pad(g, (0, m - ctx.k))
-        g_scaled = implicit_cost_vjp(plan, grad, torch.ones_like(eps), True)  # (B, n, m)
-        grad_s = grad_eps = None
-        if ctx.needs_input_grad[0]:
-            grad_s = (g_scaled @ _slopes(m, ctx.neg, plan)).squeeze(-1) / eps[:, None]
-            grad_s = grad_s.to(ctx.dtype)
-        if ctx.needs_input_grad[1]:
-            # C / eps as a function of s and eps (its value is ``scaled``), for double backward
-            costs = _finite_costs(scaled) * (eps.detach() / eps)[:, None, None]
-            ds = (s - s.detach()).to(plan.dtype) / eps[:, None]
-            costs = costs + ds[:, :, None] * _slopes(m, ctx.neg, plan).squeeze(-1)
-            grad_eps = -(g_scaled * costs).sum((1, 2)) / eps
-        return (grad_s, grad_eps, *nones)
+        # Without a graph of the backward (no double backward) small CPU problems take the
+        # numba kernel; the rows it leaves (a singular system) and all others the torch code.
+        if grad_plan is None and not torch.is_grad_enabled() and use_numba(plan, n, m):
+            assert grad_w is not None
+            grad_s, grad_eps, safe = _numba_vjp(plan, grad_w, eps, scaled, ctx.neg, need_eps)
+            if not bool(safe.all()):
+                rows = ~safe
+                sub = _torch_vjp(
+                    plan[rows],
+                    grad_w[rows],
+                    None,
+                    eps[rows],
+                    scaled[rows] if need_eps else scaled,
+                    s[rows] if need_eps else s,
+                    ctx.neg,
+                    need_eps,
+                )
+                grad_s[rows] = sub[0]
+                if grad_eps is not None and sub[1] is not None:
+                    grad_eps[rows] = sub[1]
+        else:
+            grad_s, grad_eps = _torch_vjp(
+                plan, grad_w, grad_plan, eps, scaled, s, ctx.neg, need_eps
+            )
+        return (grad_s.to(ctx.dtype) if need_s else None, grad_eps if need_eps else None, *nones)
 
     @staticmethod
     def jvp(
@@ -384,6 +400,66 @@ class _SortedPlan(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         return vmap_rows(_SortedPlan, info, in_dims, *args)
+
+
+def _torch_vjp(
+    plan: Tensor,
+    grad_w: Tensor | None,
+    grad_plan: Tensor | None,
+    eps: Tensor,
+    scaled: Tensor,
+    s: Tensor,
+    neg: bool,
+    need_eps: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The backward of :class:`_SortedPlan` in torch, differentiable (double backward): the
+    gradients in s (B, n), float64, and, with ``need_eps``, in epsilon (B,)."""
+    n, m = plan.shape[1], plan.shape[2]
+    grad = torch.zeros_like(plan) if grad_plan is None else grad_plan.to(plan.dtype)
+    if grad_w is not None:
+        g = grad_w.transpose(1, 2).to(plan.dtype) * n  # (B, n, k)
+        grad = grad + torch.nn.functional.pad(g, (0, m - g.shape[2]))
+    g_scaled = implicit_cost_vjp(plan, grad, torch.ones_like(eps), True)  # (B, n, m)
+    slopes = _slopes(m, neg, plan)
+    grad_s = (g_scaled @ slopes).squeeze(-1) / eps[:, None]
+    grad_eps = None
+    if need_eps:
+        # C / eps as a function of s and eps (its value is ``scaled``), for double backward
+        costs = _finite_costs(scaled) * (eps.detach() / eps)[:, None, None]
+        ds = (s - s.detach()).to(plan.dtype) / eps[:, None]
+        costs = costs + ds[:, :, None] * slopes.squeeze(-1)
+        grad_eps = -(g_scaled * costs).sum((1, 2)) / eps
+    return grad_s, grad_eps
+
+
+def _numba_vjp(
+    plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """:func:`_torch_vjp` (for a cotangent of the weights only) by the numba kernel
+    ``sorted_vjp_rows``: ``(grad_s, grad_eps, safe)``, where the rows not ``safe`` are to be
+    redone in torch."""
+    bsz, n, m = plan.shape
+    f64 = torch.float64
+    pm = plan.detach().transpose(1, 2).contiguous()  # (B, m, n): the solver's buffer, no copy
+    gm = pm.new_zeros((bsz, m, n))
+    gm[:, : grad_w.shape[1]] = grad_w.detach() * n
+    slopes = torch.arange(m, dtype=f64) * (1.0 if neg else -1.0)
+    costs = scaled.detach().contiguous() if need_eps else pm.new_empty((0, 1, 1))
+    grad_s = pm.new_empty((bsz, n))
+    grad_eps = pm.new_empty(bsz)
+    safe = torch.empty(bsz, dtype=torch.bool)
+    numba_kernels().sorted_vjp_rows(
+        pm.numpy(),
+        gm.numpy(),
+        costs.numpy(),
+        slopes.numpy(),
+        eps.detach().to(f64).contiguous().numpy(),
+        DET_MIN,
+        grad_s.numpy(),
+        grad_eps.numpy(),
+        safe.numpy(),
+    )
+    return grad_s, grad_eps if need_eps else None, safe
 
 
 def _slopes(m: int, neg: bool, like: Tensor) -> Tensor:
