@@ -10,7 +10,10 @@ parsed, each docstring is rewritten:
   become optional cross-references: a link where the site documents ``name`` (resolved relative
   to the docstring's module when it has no dot), inline code where it does not;
 * a paragraph ending in ``::`` loses one colon, and the indented literal block after it becomes
-  a fenced code block (a ``>>>`` block stays as it is: griffe formats it);
+  a fenced code block; a doctest (lines from ``>>>`` to the next blank line) becomes a fenced
+  ``pycon`` block, which Markdown would otherwise read as nested quotes;
+* the entries of a ``References:`` section become a list (an entry starts on a line that follows
+  a full stop and opens with a name: "Xie, Dai, ...", "Su Jianlin. ...");
 * other roles (``:ref:`...```) keep their text as inline code;
 * a citation "docs/math.md §1.3" links to that section of the math page (whose numbered headings
   get the ids ``math-<number>`` from docs/hooks/softops_docs.py): a citation of a section that
@@ -57,7 +60,19 @@ def _inline(line: str, module: str) -> str:
             return _reference(text, module)
         return f"`{text}`"
 
-    return _MATH_CITATION.sub(_math_link, _ROLE.sub(role, line))
+    return _escape_stars(_MATH_CITATION.sub(_math_link, _ROLE.sub(role, line)))
+
+
+# Inline code (``x`` or `x`) and math ($x$): left as they are by _escape_stars.
+_VERBATIM = re.compile(r"(``.+?``|`[^`]+`|\$[^$]+\$)")
+# An asterisk that cannot open or close emphasis in reST (shapes such as "(*, n)", "a * b").
+_LONE_STAR = re.compile(r"(?<![\w*\\])\*(?![\w*])")
+
+
+def _escape_stars(line: str) -> str:
+    """Escape the lone asterisks of prose, which Markdown would read as emphasis."""
+    parts = _VERBATIM.split(line)
+    return "".join(part if i % 2 else _LONE_STAR.sub(r"\\*", part) for i, part in enumerate(parts))
 
 
 def _math_link(match: re.Match[str]) -> str:
@@ -92,6 +107,21 @@ def rst_to_markdown(text: str, module: str) -> str:
         stripped = line.strip()
         base = _indent(line)
         pad = " " * base
+        if stripped.startswith(">>>"):
+            end = i
+            while end < len(lines) and lines[end].strip() and _indent(lines[end]) >= base:
+                end += 1
+            body = [row[base:] for row in lines[i:end]]
+            out += [*_gap(out), f"{pad}```pycon", *[f"{pad}{row}" for row in body], f"{pad}```"]
+            out.append("")
+            i = end
+            continue
+        if stripped == "References:":
+            end = _block(lines, i, base)
+            out.append(line)
+            out += [_inline(row, module) for row in _references(lines[i + 1 : end])]
+            i = end
+            continue
         if stripped.startswith(".. math::"):
             end = _block(lines, i, base)
             body = [row for row in _dedented(lines[i + 1 : end]) if row.strip()]
@@ -118,6 +148,33 @@ def rst_to_markdown(text: str, module: str) -> str:
         out.append(_inline(line, module))
         i += 1
     return "\n".join(out)
+
+
+_ENTRY_START = re.compile(r"^[A-Z][\w'-]*(?:,| and | et al\.| [A-Z][\w-]*\.|\.)")
+
+
+def _references(block: list[str]) -> list[str]:
+    """The lines of a References section as a Markdown list, one item per entry."""
+    rows = [row for row in block if row.strip()]
+    if not rows:
+        return block
+    depth = _indent(rows[0])
+    out: list[str] = []
+    previous = ""
+    for row in rows:
+        text = row.strip()
+        starts = not out or (previous.endswith((".", ")", ".)")) and _ENTRY_START.match(text))
+        out.append(f"{' ' * depth}- {text}" if starts else f"{' ' * (depth + 2)}{text}")
+        previous = text
+    return [*out, ""]
+
+
+def _gap(out: list[str]) -> list[str]:
+    """A blank line before a block, except right after a section title ("Example:"), where
+    griffe would end the section."""
+    if not out or not out[-1].strip() or out[-1].rstrip().endswith(":"):
+        return []
+    return [""]
 
 
 def _looks_like_python(body: list[str]) -> bool:
