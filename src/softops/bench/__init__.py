@@ -14,7 +14,8 @@ The harness is generic, in five modules:
 
 The suites, one module each, own their configurations and their run: :mod:`softops.bench.topk`
 (``softops bench topk``), :mod:`softops.bench.sort` (``softops bench sort``) and
-:mod:`softops.bench.topk_l1` (``softops bench topk-l1``).
+:mod:`softops.bench.topk_l1` (``softops bench topk-l1``). :mod:`softops.bench.plots` draws the
+figures of the operators (``softops plot``, and the documentation site).
 
 The suites measure the public API, plus a few internals that are what they measure. This is the
 whole internal surface the harness reads; a change there must update the harness:
