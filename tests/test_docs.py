@@ -101,3 +101,4 @@ def test_references_become_a_list_and_lone_stars_are_escaped(rst: ModuleType) ->
         "arXiv:2002.06504.\n    - Xie et al. Another. 2021.\n    - Su Jianlin. A post. 2019."
     ) in out
     assert rst.rst_to_markdown("**bold**, ``a * b``, $x^*$", "m") == "**bold**, ``a * b``, $x^*$"
+    assert rst.rst_to_markdown("* one (*, n)\n  * two", "m") == "* one (\\*, n)\n  * two"

@@ -70,7 +70,11 @@ _LONE_STAR = re.compile(r"(?<![\w*\\])\*(?![\w*])")
 
 
 def _escape_stars(line: str) -> str:
-    """Escape the lone asterisks of prose, which Markdown would read as emphasis."""
+    """Escape the lone asterisks of prose, which Markdown would read as emphasis (not the
+    asterisk of a bullet, ``* item``)."""
+    bullet = re.match(r"\s*\* ", line)
+    if bullet:
+        return bullet.group() + _escape_stars(line[bullet.end() :])
     parts = _VERBATIM.split(line)
     return "".join(part if i % 2 else _LONE_STAR.sub(r"\\*", part) for i, part in enumerate(parts))
 
