@@ -22,6 +22,21 @@ F64 = torch.float64
 INF = math.inf
 CASES: dict[str, Callable[[int, int], None]] = {}
 WORLDS: dict[str, tuple[int, ...]] = {}
+GROUP: dist.ProcessGroup | None = None
+"""The group the cases run in (set by the harness): None, the default group of all the spawned
+processes, or a subgroup of the first ones."""
+
+
+def mask(*args, **kwargs):
+    return sd.soft_topk_mask(*args, group=GROUP, **kwargs)
+
+
+def threshold(*args, **kwargs):
+    return sd.topk_threshold(*args, group=GROUP, **kwargs)
+
+
+def topk(*args, **kwargs):
+    return sd.topk(*args, group=GROUP, **kwargs)
 
 
 def case(*worlds: int) -> Callable:
@@ -118,7 +133,7 @@ class Run:
             if isinstance(et, torch.Tensor)
             else et
         )
-        out = sd.soft_topk_mask(xl, kl, epsilon=el, dim=dim, **kw)
+        out = mask(xl, kl, epsilon=el, dim=dim, **kw)
         mine = [
             (n, t)
             for n, t in (("x", xl), ("k", kl), ("e", el))
@@ -403,12 +418,12 @@ def hard_is_the_exact_topk_with_ties_by_global_position(rank: int, world: int) -
     ties[1] = 0.0  # every entry tied
     got = {}
     for k in (0, 1, 3, 6, 14):
-        got[k] = sd.soft_topk_mask(shard(ties, sizes, rank), k, hard=True)
+        got[k] = mask(shard(ties, sizes, rank), k, hard=True)
     k_row = torch.tensor([2.0, 9.0], dtype=F64)
-    got["rows"] = sd.soft_topk_mask(shard(ties, sizes, rank), k_row, hard=True)
+    got["rows"] = mask(shard(ties, sizes, rank), k_row, hard=True)
     long = rows(1, 3000, seed=14)  # sampled start: the hard candidates ride along
     long_sizes = sizes_for(3000, world, "uneven")
-    long_out = sd.soft_topk_mask(shard(long, long_sizes, rank), 1600, hard=True)
+    long_out = mask(shard(long, long_sizes, rank), 1600, hard=True)
     r1.check()
 
     def stable(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -433,10 +448,10 @@ def topk_helper_returns_the_global_topk_and_owners(rank: int, world: int) -> Non
     x[2, 3] = math.nan
     starts = [sum(sizes[:r]) for r in range(world)]
     xl = shard(x, sizes, rank).clone().requires_grad_()
-    res = sd.topk(xl, 4)
-    smallest = sd.topk(shard(x, sizes, rank), 3, largest=False)
+    res = topk(xl, 4)
+    smallest = topk(shard(x, sizes, rank), 3, largest=False)
     ties = torch.zeros(1, n, dtype=F64)
-    tied = sd.topk(shard(ties, sizes, rank), 5)
+    tied = topk(shard(ties, sizes, rank), 5)
     (gx,) = torch.autograd.grad(res.values.sum(), xl)
     want = x.topk(4)
     close(res.values, want.values, 0, "values")
@@ -492,23 +507,23 @@ def collectives_are_counted_and_bounded(rank: int, world: int) -> None:
     for label, k, eps in (("exact", 5, 0.1), ("tiny eps", 5, 1e-4), ("sampled", 30, 0.1)):
         x = rows(B, n, seed=16)
         xl = shard(x, sizes, rank).clone().requires_grad_()
-        res = sd.topk_threshold(xl.detach(), k, eps)
+        res = threshold(xl.detach(), k, eps)
         with Counter() as fwd:
-            A = sd.soft_topk_mask(xl, k, epsilon=eps)
+            A = mask(xl, k, epsilon=eps)
         with Counter() as bwd:
             A.backward(torch.ones_like(A))
         kt = torch.tensor(float(k), dtype=F64, requires_grad=True)
-        A2 = sd.soft_topk_mask(xl.detach(), kt, epsilon=eps)
+        A2 = mask(xl.detach(), kt, epsilon=eps)
         with Counter() as bwd_k:
             A2.sum().backward()
         with Counter() as hard:
-            sd.soft_topk_mask(xl.detach(), k, epsilon=eps, hard=True)
+            mask(xl.detach(), k, epsilon=eps, hard=True)
         with Counter() as capped:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                sd.soft_topk_mask(xl.detach(), k, epsilon=eps, max_iter=1)
+                mask(xl.detach(), k, epsilon=eps, max_iter=1)
         with Counter() as sparse:
-            a = sd.soft_topk_mask(xl, k, epsilon=eps, method="sparse")
+            a = mask(xl, k, epsilon=eps, method="sparse")
         with Counter() as sparse_bwd:
             a.sum().backward()
         counts[label] = (
@@ -522,7 +537,7 @@ def collectives_are_counted_and_bounded(rank: int, world: int) -> None:
             sparse_bwd.shapes,
         )
     with Counter() as top:
-        sd.topk(shard(rows(B, n), sizes, rank), 4)
+        topk(shard(rows(B, n), sizes, rank), 4)
     for label, (it, f, b, bk, h, c, s, sb) in counts.items():
         assert 1 <= it <= 8, (label, it)
         # the header, the start, one per evaluation, and (near-hard rows only) the polish
@@ -557,23 +572,23 @@ def errors_are_raised_on_every_rank_with_their_messages(rank: int, world: int) -
         except (TypeError, ValueError) as err:
             raised[name] = (type(err), str(err))
 
-    attempt("k > n", lambda: sd.soft_topk_mask(xl, n + 1))
-    attempt("k tensor > n", lambda: sd.soft_topk_mask(xl, torch.tensor([1.0, n + 2.0], dtype=F64)))
-    attempt("k differs", lambda: sd.soft_topk_mask(xl, 2 + rank))
-    attempt("eps differs", lambda: sd.soft_topk_mask(xl, 2, epsilon=0.1 * (rank + 1)))
-    attempt("rows differ", lambda: sd.soft_topk_mask(shard(rows(2 + rank, n), sizes, rank), 2))
-    attempt("options differ", lambda: sd.soft_topk_mask(xl, 2, largest=rank == 0))
-    attempt("bad on one rank", lambda: sd.soft_topk_mask(xl, 2, epsilon=-1.0 if rank == 1 else 0.1))
-    attempt("not a tensor on one rank", lambda: sd.soft_topk_mask(xl if rank else [1.0], 2))
-    attempt("empty everywhere", lambda: sd.soft_topk_mask(xl[:, :0], 0))
-    attempt("method", lambda: sd.soft_topk_mask(xl, 2, method="sinkhorn"))
-    attempt("hard real k", lambda: sd.soft_topk_mask(xl, 2.5, hard=True))
-    attempt("tol sparse", lambda: sd.soft_topk_mask(xl, 2, method="sparse", tol=1e-3))
-    attempt("k type", lambda: sd.soft_topk_mask(xl, "2"))
-    attempt("int x", lambda: sd.soft_topk_mask(xl.long(), 2))
+    attempt("k > n", lambda: mask(xl, n + 1))
+    attempt("k tensor > n", lambda: mask(xl, torch.tensor([1.0, n + 2.0], dtype=F64)))
+    attempt("k differs", lambda: mask(xl, 2 + rank))
+    attempt("eps differs", lambda: mask(xl, 2, epsilon=0.1 * (rank + 1)))
+    attempt("rows differ", lambda: mask(shard(rows(2 + rank, n), sizes, rank), 2))
+    attempt("options differ", lambda: mask(xl, 2, largest=rank == 0))
+    attempt("bad on one rank", lambda: mask(xl, 2, epsilon=-1.0 if rank == 1 else 0.1))
+    attempt("not a tensor on one rank", lambda: mask(xl if rank else [1.0], 2))
+    attempt("empty everywhere", lambda: mask(xl[:, :0], 0))
+    attempt("method", lambda: mask(xl, 2, method="sinkhorn"))
+    attempt("hard real k", lambda: mask(xl, 2.5, hard=True))
+    attempt("tol sparse", lambda: mask(xl, 2, method="sparse", tol=1e-3))
+    attempt("k type", lambda: mask(xl, "2"))
+    attempt("int x", lambda: mask(xl.long(), 2))
     attempt("group type", lambda: sd.soft_topk_mask(xl, 2, group="world"))
-    attempt("topk k", lambda: sd.topk(xl, n + 1))
-    after = sd.soft_topk_mask(xl, 2)  # the group is still in step
+    attempt("topk k", lambda: topk(xl, n + 1))
+    after = mask(xl, 2)  # the group is still in step
     span = f"the length of `dim` summed over the {world} ranks of the group"
     rng = f"{op}: expected 0 <= `k` <= n (= {n}, {span}); got k="
     same = "on every rank of the group (the shards of one batch of rows); got"
@@ -657,7 +672,7 @@ def non_convergence_warns_on_every_rank(rank: int, world: int) -> None:
     x = rows(2, n, seed=18)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sd.soft_topk_mask(shard(x, sizes, rank), 7.3, epsilon=0.5, max_iter=1)
+        mask(shard(x, sizes, rank), 7.3, epsilon=0.5, max_iter=1)
     messages = [str(w.message) for w in caught]
     assert any(
         "distributed.soft_topk_mask: 2 of 2 rows did not converge within max_iter=1" in m
@@ -681,7 +696,7 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx, g):
         full = g.new_zeros((*g.shape[:-1], ctx.n))
         full[..., ctx.lo : ctx.hi] = g
-        dist.all_reduce(full)
+        dist.all_reduce(full, group=GROUP)
         return full, None, None
 
 
@@ -694,7 +709,7 @@ class _Gather(torch.autograd.Function):
         ctx.lo, ctx.hi = lo, hi
         full = part.new_zeros((*part.shape[:-1], n))
         full[..., lo:hi] = part
-        dist.all_reduce(full)
+        dist.all_reduce(full, group=GROUP)
         return full
 
     @staticmethod
@@ -702,7 +717,7 @@ class _Gather(torch.autograd.Function):
         return g[..., ctx.lo : ctx.hi], None, None, None
 
 
-@case(2, 4)
+@case(2)
 def gradcheck_in_the_group(rank: int, world: int) -> None:
     """float64 gradcheck of the sharded op as a replicated function of the full row, k and
     epsilon: every rank perturbs the same entries, so the collectives stay in step."""
@@ -717,7 +732,7 @@ def gradcheck_in_the_group(rank: int, world: int) -> None:
     for method, kw in (("ot", {}), ("ot", {"hard": False}), ("sparse", {})):
 
         def f(x, k, eps, method=method, kw=kw):
-            part = sd.soft_topk_mask(_Scatter.apply(x, lo, hi), k, epsilon=eps, method=method, **kw)
+            part = mask(_Scatter.apply(x, lo, hi), k, epsilon=eps, method=method, **kw)
             return _Gather.apply(part, lo, hi, n)
 
         results.append(torch.autograd.gradcheck(f, (x, k, eps), raise_exception=False))
@@ -726,9 +741,7 @@ def gradcheck_in_the_group(rank: int, world: int) -> None:
     k1 = torch.tensor(3.0, dtype=F64, requires_grad=True)
 
     def g(k):
-        return _Gather.apply(
-            sd.soft_topk_mask(_Scatter.apply(xt, lo, hi), k, epsilon=1e-3), lo, hi, n
-        )
+        return _Gather.apply(mask(_Scatter.apply(xt, lo, hi), k, epsilon=1e-3), lo, hi, n)
 
     results.append(torch.autograd.gradcheck(g, (k1,), raise_exception=False))
     assert all(results), results
@@ -748,16 +761,16 @@ def ddp_gives_the_single_process_gradients(rank: int, world: int) -> None:
     single = torch.nn.Linear(d, 1).double()
     model = torch.nn.Linear(d, 1).double()
     model.load_state_dict(single.state_dict())
-    ddp = DDP(model)
+    ddp = DDP(model, process_group=GROUP)
     opt_s = torch.optim.SGD(single.parameters(), lr=0.1)
     opt_d = torch.optim.SGD(ddp.parameters(), lr=0.1)
     grads = []
     for _ in range(3):
-        mask = softops.soft_topk_mask(single(feats).squeeze(-1), k, epsilon=0.3)
-        loss = -(mask * value).sum() / B
+        full_mask = softops.soft_topk_mask(single(feats).squeeze(-1), k, epsilon=0.3)
+        loss = -(full_mask * value).sum() / B
         opt_s.zero_grad()
         loss.backward()
-        part = sd.soft_topk_mask(ddp(shard(feats, sizes, rank, 1)).squeeze(-1), k, epsilon=0.3)
+        part = mask(ddp(shard(feats, sizes, rank, 1)).squeeze(-1), k, epsilon=0.3)
         local = -(part * shard(value, sizes, rank)).sum() / B
         opt_d.zero_grad()
         (local * world).backward()

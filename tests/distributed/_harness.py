@@ -1,12 +1,15 @@
-"""Spawn a gloo group of P CPU processes once and run many cases inside it.
+"""Spawn one gloo group of CPU processes and run many cases inside it, in two world sizes.
 
-``run_group(world, names)`` starts ``world`` processes (``torch.multiprocessing``, spawn), each
-of which joins a gloo group on a free localhost port, runs the named cases of
-:mod:`tests.distributed._cases` in order, records per case whether it passed (with the
-traceback when it did not) and its wall time, and writes them to a JSON file per rank. A case
-makes every collective call before it asserts anything, so a failed assertion cannot leave the
-other ranks waiting in a collective; the group's timeout and a deadline on the whole run bound a
-hang all the same.
+``run_groups(plan)`` starts ``max(plan)`` processes (``torch.multiprocessing``, spawn) that join
+a gloo group on a free localhost port. For each world size in ``plan``, largest first, the
+first ``world`` processes run its cases: on the default group when it holds them all, else on
+a subgroup of them (``torch.distributed.new_group``, passed to every call as ``group=``), so
+that one start-up (most of the time on a small machine) serves both sizes, and both the
+default group and an explicit one are exercised. Each rank records per case whether it
+passed (with the traceback when it did not) and its wall time, in a JSON file. A case makes
+every collective call before it asserts anything, so a failed assertion cannot leave the
+other ranks waiting in a collective; the group's timeout and a deadline on the whole run bound
+a hang all the same.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-DEADLINE_S = 120.0
-"""The longest a whole group may run before its processes are killed (a hang)."""
+DEADLINE_S = 150.0
+"""The longest the processes may run before they are killed (a hang)."""
 
 
 def free_port() -> int:
@@ -34,11 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
+def _worker(rank: int, size: int, port: int, out: str, plan: dict[int, list[str]]) -> None:
     import torch.distributed as dist
 
     import softops
-    from tests.distributed._cases import CASES
+    from tests.distributed import _cases
 
     torch.set_num_threads(1)
     softops.set_compile(False)
@@ -47,31 +50,38 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=world,
+        world_size=size,
         timeout=timedelta(seconds=60),
     )
-    results = {}
-    for name in names:
-        torch.manual_seed(0)
-        start = time.perf_counter()
-        try:
-            CASES[name](rank, world)
-            ok, message = True, ""
-        except Exception:
-            ok, message = False, traceback.format_exc()
-        results[name] = {"ok": ok, "message": message, "seconds": time.perf_counter() - start}
+    results: dict[str, dict] = {}
+    for world in sorted(plan, reverse=True):
+        group = None if world == size else dist.new_group(list(range(world)))
+        if rank >= world:
+            continue
+        _cases.GROUP = group
+        for name in plan[world]:
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            try:
+                _cases.CASES[name](rank, world)
+                ok, message = True, ""
+            except Exception:
+                ok, message = False, traceback.format_exc()
+            seconds = time.perf_counter() - start
+            results[f"{world}-{name}"] = {"ok": ok, "message": message, "seconds": seconds}
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run_group(world: int, names: list[str]) -> dict[str, list[dict]]:
-    """Run the cases ``names`` in one spawned group of ``world`` processes: for each case, the
-    list of every rank's result (``ok``, ``message``, ``seconds``)."""
-    out = tempfile.mkdtemp(prefix=f"softops-dist{world}-")
+def run_groups(plan: dict[int, list[str]]) -> dict[str, list[dict]]:
+    """Run the cases ``plan[world]`` for each world size: for each ``"{world}-{name}"``, the
+    list of every participating rank's result (``ok``, ``message``, ``seconds``)."""
+    size = max(plan)
+    out = tempfile.mkdtemp(prefix="softops-dist-")
     context = mp.start_processes(
         _worker,
-        args=(world, free_port(), out, names),
-        nprocs=world,
+        args=(size, free_port(), out, plan),
+        nprocs=size,
         join=False,
         start_method="spawn",
     )
@@ -81,6 +91,10 @@ def run_group(world: int, names: list[str]) -> dict[str, list[dict]]:
             for p in context.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"the group of {world} processes ran past {DEADLINE_S} s (a hang)")
-    per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-    return {name: [res[name] for res in per_rank] for name in names}
+            raise TimeoutError(f"the group of {size} processes ran past {DEADLINE_S} s (a hang)")
+    per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(size)]
+    return {
+        f"{world}-{name}": [res[f"{world}-{name}"] for res in per_rank[:world]]
+        for world, names in plan.items()
+        for name in names
+    }
