@@ -317,8 +317,8 @@ def _validate(
     if isinstance(epsilon, torch.Tensor):
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device).clamp(fi.tiny, fi.max)
     else:
-        eps = torch.full((x2.shape[0],), min(max(epsilon, fi.tiny), fi.max), dtype=cd)
-        eps = eps.to(x.device)
+        value = min(max(epsilon, fi.tiny), fi.max)
+        eps = torch.full((x2.shape[0],), value, dtype=cd, device=x.device)
     k_row = row_param(k, batch_shape, op, "k", cd, x.device)
     if k_scalar is not None and cd == torch.float32:
         # the value the rows hold (2.99999999 of n = 3 rounds to 3 in float32)
@@ -937,6 +937,18 @@ def _hard(plan: _Plan, x: torch.Tensor, k: torch.Tensor, rows: _Rows) -> torch.T
     return _hard_mask(plan, x, k, rows.hard_cand)
 
 
+def _no_double_backward(op: str) -> None:
+    """Raise where the backward is itself differentiated (``create_graph=True``): its
+    collectives are not, and a silently constant gradient would drop a term of a gradient
+    penalty."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: double backward (create_graph=True) is not supported across ranks; "
+            "compute the gradient without create_graph, or use softops.soft_topk_mask on one "
+            "process."
+        )
+
+
 # ---------------------------------------------------------------------------- method "sparse"
 
 
@@ -1091,12 +1103,12 @@ class _ShardedMaskSparse(torch.autograd.Function):
         ctx.save_for_backward(a, eps)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, ga: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
         r"""``da_i/dx_j = (delta_ij - 1/|S|)/eps``, ``da_i/dk = 1/|S|``, ``da_i/deps = -(a_i -
         mean_S a)/eps`` on S (0 elsewhere, and everywhere when S is empty)."""
         if ga is None:
             return None, None, None, None
+        _no_double_backward(_MASK)
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         a, eps = ctx.saved_tensors
         comm: _Comm = ctx.comm
@@ -1176,10 +1188,10 @@ class _ShardedMaskOT(torch.autograd.Function):
         ctx.save_for_backward(s, aux, eps, x, edge, ext, scale)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
         if gA is None:
             return None, None, None, None
+        _no_double_backward(_MASK)
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         s, aux, eps, x, edge, ext, scale = ctx.saved_tensors
         comm: _Comm = ctx.comm
