@@ -1,5 +1,10 @@
 """Measurements that need a fresh process: the entry point of the probe subprocesses.
 
+``python -m softops.bench._probe config --suite MOD:ATTR --config JSON --options JSON [...]``
+    The timing loop of one configuration (:func:`softops.bench.harness.run_config`: every case,
+    warm-ups, interleaved repeats) in this fresh process; prints its records, the cases found
+    over the time budget, and sends its log lines to stderr.
+
 ``python -m softops.bench._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
     Peak extra memory of one forward+backward of one case, after a warm-up call (so a compiled
     path is compiled before measuring). On CPU: the peak resident set after the call minus the
@@ -13,6 +18,12 @@
 ``python -m softops.bench._probe first-call ...``
     Seconds of the first forward+backward of one case in this fresh process (which includes any
     ``torch.compile`` compilation), and of the second.
+
+Every kind takes ``--threads N`` (``torch.set_num_threads(N)`` first thing, before any case is
+built) or ``--threads default`` (nothing set: the out-of-the-box configuration, numba unpinned),
+and ``--memory-limit-mb M``: the address space is capped at its size after set-up plus M MiB
+(``RLIMIT_AS``), so that an allocation over it fails at once. An out-of-memory error in the
+measured calls is reported as ``{"status": "oom", ...}`` rather than a crash.
 
 The result is printed as one JSON line prefixed with ``SOFTOPS_PROBE_RESULT``. The harness side
 (the command line, the subprocess, reading the result) is :mod:`softops.bench.probes`.
@@ -37,10 +48,14 @@ from softops.bench.model import (
     PROBE_MARKER,
     Case,
     Config,
+    RunOptions,
     Suite,
     count_saved_bytes,
+    failure_status,
     functional_weights,
     make_generator,
+    parse_threads,
+    pinning,
     sync,
 )
 
@@ -141,36 +156,91 @@ def _first_call(case: Case, x: torch.Tensor, seed: int) -> dict[str, Any]:
     return result
 
 
+def _limit_memory(extra_mb: float | None) -> None:
+    """Cap the address space at its current size plus ``extra_mb`` MiB (Linux; else a no-op)."""
+    if extra_mb is None:
+        return
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            size = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    limit = size + int(extra_mb * _MB)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _config(
+    suite: Suite, config: Config, options: RunOptions, too_slow_json: str, stamp: str
+) -> dict[str, Any]:
+    from softops.bench.harness import run_config
+
+    too_slow = {(g, c): reason for g, c, reason in json.loads(too_slow_json)}
+    known = set(too_slow)
+
+    def log(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    records = run_config(suite, config, options, too_slow, log, stamp)
+    found = [[g, c, reason] for (g, c), reason in too_slow.items() if (g, c) not in known]
+    return {"records": records, "too_slow": found}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one probe and print its JSON result line; the exit status is 0 on success."""
     parser = argparse.ArgumentParser(prog="python -m softops.bench._probe")
-    parser.add_argument("kind", choices=["memory", "first-call"])
+    parser.add_argument("kind", choices=["memory", "first-call", "config"])
     parser.add_argument("--suite", required=True)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--case", required=True)
+    parser.add_argument("--case", default="")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-limit-mb", type=float, default=None)
+    parser.add_argument("--options", default=None, help="config: the RunOptions as JSON")
+    parser.add_argument("--too-slow", default="[]", help="config: [[group, case, reason], ...]")
+    parser.add_argument("--stamp", default="", help="config: the run's time stamp")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
+    threads = parse_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     suite = resolve_suite(args.suite)
     config = Config.from_json(args.config)
-    cases = {case.name: case for case in suite.make_cases(config)}
-    if args.case not in cases:
-        parser.error(f"expected a case of {config.label}: {sorted(cases)}; got {args.case!r}.")
-    case = cases[args.case]
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    gen = make_generator(device, args.seed)
-    x = suite.make_input(config, device=device, dtype=dtype, generator=gen)
-    x = x.detach().clone().requires_grad_(True)
-    with torch.enable_grad():
-        if args.kind == "memory":
-            result = _memory(case, x, args.seed)
-        else:
-            result = _first_call(case, x, args.seed)
+    with pinning(threads is not None):
+        if args.kind == "config":
+            options = RunOptions.from_json(args.options or "{}")
+            options.threads, options.isolate, options.progress = threads, False, False
+            _limit_memory(args.memory_limit_mb)
+            with torch.enable_grad():
+                result = _config(suite, config, options, args.too_slow, args.stamp)
+            print(PROBE_MARKER + json.dumps(result), flush=True)
+            return 0
+        cases = {case.name: case for case in suite.make_cases(config)}
+        if args.case not in cases:
+            parser.error(f"expected a case of {config.label}: {sorted(cases)}; got {args.case!r}.")
+        case = cases[args.case]
+        device = torch.device(args.device)
+        dtype = getattr(torch, args.dtype)
+        gen = make_generator(device, args.seed)
+        x = suite.make_input(config, device=device, dtype=dtype, generator=gen)
+        x = x.detach().clone().requires_grad_(True)
+        _limit_memory(args.memory_limit_mb)
+        try:
+            with torch.enable_grad():
+                if args.kind == "memory":
+                    result = _memory(case, x, args.seed)
+                else:
+                    result = _first_call(case, x, args.seed)
+        except Exception as err:
+            status = failure_status(err)
+            if status != "oom":
+                raise
+            result = {"status": "oom", "error": f"{type(err).__name__}: {err}"[:300]}
     print(PROBE_MARKER + json.dumps(result), flush=True)
     return 0
 

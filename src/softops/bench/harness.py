@@ -8,7 +8,17 @@ machine drift from run to run while ratios taken in one run do not.
 
 How a configuration is measured (:func:`run_suite`):
 
-* ``torch.set_num_threads(threads)`` is set explicitly (1 by default) and restored afterwards.
+* **Threads.** With ``threads=N`` (1 by default) ``torch.set_num_threads(N)`` is set explicitly,
+  and the cases that run numba kernels pin numba's pool to the same count (a fair comparison).
+  With ``threads=None``, the *out-of-the-box* configuration, nothing is set: no
+  ``torch.set_num_threads``, no numba pinning, no environment variable; the library and torch
+  choose, as in a user's process. The records say which (``threads_setting``) and what the
+  process actually ran with (``torch_threads``, ``numba_threads``).
+* **Isolation.** With ``isolate``, each configuration runs in a fresh subprocess
+  (:func:`softops.bench.probes.run_config_subprocess`), so it inherits no state from another
+  (a thread count set before, a warm allocator, a launched thread pool); a configuration whose
+  subprocess runs out of memory, is killed, or outlives ``probe_timeout_s`` gets records with the
+  status ``"oom"``, ``"error"`` or ``"timeout"`` instead of stopping the run.
 * The input ``x`` is created once per configuration, from a seeded generator; it is not timed.
 * **Forward** is one call of the case on ``x.detach()`` (no graph is built). **Forward+backward**
   is one call on ``x`` (``requires_grad=True``) followed by ``(out * g).sum().backward()`` for a
@@ -17,10 +27,11 @@ How a configuration is measured (:func:`run_suite`):
   runs each case once, round-robin (the order alternates between repeats), so slow drifts of the
   machine hit all cases alike. The reported time is the median over repeats.
 * Clocks are ``time.perf_counter``; on CUDA the device is synchronised before each reading.
-* A case whose single warm-up call exceeds the per-case time budget is skipped (and so are its
-  larger configurations in the same group; a case flagged ``compiled`` gets a second call first,
-  since its first call compiles); otherwise the number of repeats is cut to fit the budget, but
-  never below ``min_repeats``.
+* A case whose single warm-up call exceeds the per-case time budget gets the status
+  ``"timeout"`` (and so do its larger configurations in the same group; a case flagged
+  ``compiled`` gets a second call first, since its first call compiles); otherwise the number of
+  repeats is cut to fit the budget, but never below ``min_repeats``. A case that raises gets the
+  status ``"oom"`` for an out-of-memory failure and ``"error"`` otherwise; the others go on.
 * **Saved-for-backward memory** is counted in process, with
   ``torch.autograd.graph.saved_tensors_hooks``: the bytes of the distinct storages the forward
   saves for backward, leaving out the input's own storage. It is exact and deterministic.
@@ -29,10 +40,14 @@ How a configuration is measured (:func:`run_suite`):
   the peak extra memory of one forward+backward over the post-set-up baseline. On CPU that is
   the ``ru_maxrss`` high-water mark (reset through ``/proc/self/clear_refs`` where Linux allows
   it) minus the resident set before the call, with glibc's dynamic mmap threshold pinned so that
-  freed buffers go back to the OS; on CUDA it is ``torch.cuda.max_memory_allocated`` minus
+  freed buffers go back to the OS (a measuring instrument, set in the memory probe only: never
+  where anything is timed); on CUDA it is ``torch.cuda.max_memory_allocated`` minus
   ``memory_allocated``.
 * Cases flagged ``first_call`` also get their **first call** timed in fresh subprocesses: once with
   an empty ``torch.compile`` cache directory (cold) and once reusing it (warm on-disk cache).
+* Every record holds the machine's load average when its configuration started
+  (``os.getloadavg``), which the report's header gives: on a shared machine it says how much
+  the neighbours ran.
 
 Results are plain dicts (one per configuration and case), written as JSONL, a Markdown table and a
 PNG plot by :func:`~softops.bench.report.write_results`.
@@ -40,8 +55,8 @@ PNG plot by :func:`~softops.bench.report.write_results`.
 :func:`run_and_write` is one command-line run of a suite: :func:`make_options` turns the
 command's arguments into :class:`~softops.bench.model.RunOptions` (``quick`` takes the suite's
 small defaults, a :class:`QuickDefaults`, and turns the subprocess probes off; arguments left at
-``None`` take the defaults of the mode), then the suite runs and its files are written under
-``out`` (:data:`DEFAULT_OUT` by default).
+``None`` take the defaults of the mode), then the suite runs, once per thread setting, and its
+files are written under ``out`` (:data:`DEFAULT_OUT` by default).
 """
 
 from __future__ import annotations
@@ -52,9 +67,9 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypedDict
@@ -69,12 +84,16 @@ from softops.bench.model import (
     RunOptions,
     Suite,
     count_saved_bytes,
+    failure_status,
     functional_weights,
     make_generator,
+    pinning,
     sync,
+    thread_facts,
+    threads_label,
 )
-from softops.bench.probes import _run_probes, probe_command, run_probe
-from softops.bench.report import markdown_report, plot_results, write_results
+from softops.bench.probes import _run_probes, probe_command, run_config_subprocess, run_probe
+from softops.bench.report import markdown_report, plot_results, progress_bar, write_results
 
 __all__ = [
     "DEFAULT_OUT",
@@ -88,6 +107,7 @@ __all__ = [
     "Suite",
     "count_saved_bytes",
     "environment",
+    "failure_records",
     "functional_weights",
     "make_generator",
     "make_options",
@@ -95,6 +115,7 @@ __all__ = [
     "plot_results",
     "probe_command",
     "run_and_write",
+    "run_config",
     "run_probe",
     "run_suite",
     "sync",
@@ -149,15 +170,15 @@ def _forward_backward(case: Case, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 @contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run with ``n`` torch threads, then restore the previous count.
+def _threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` torch threads, then restore the previous count; ``None``: leave it alone.
 
     Nothing is called when the count is already ``n``: on a busy machine, any explicit
     ``torch.set_num_threads`` (even to the current count) can make tiny ops in the rest of the
     process much slower (observed with torch 2.13 on CPU), so the process state is left alone.
     """
     previous = torch.get_num_threads()
-    if previous == n:
+    if n is None or previous == n:
         yield
         return
     torch.set_num_threads(n)
@@ -192,21 +213,48 @@ class _CaseState:
     fwdbwd: list[float] = field(default_factory=list)
     fwd_skip: str | None = None
     fwdbwd_skip: str | None = None
+    fwd_status: str = "ok"
+    fwdbwd_status: str = "ok"
     saved_bytes: int | None = None
     output: torch.Tensor | None = None
 
+    def fail(self, status: str, reason: str, *, forward: bool) -> None:
+        """Record why a mode stops (a failed forward stops both)."""
+        if forward:
+            self.fwd_status, self.fwd_skip = status, reason
+        self.fwdbwd_status, self.fwdbwd_skip = status, reason
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
 
 def environment(options: RunOptions) -> dict[str, Any]:
-    """The facts about the machine and libraries stored with every record."""
+    """The facts about the machine, the libraries and the threads stored with every record.
+
+    ``threads`` is the run's torch thread count (the count set, or, out of the box, the count
+    the process has), ``threads_setting`` is ``"1"``, ``"2"``, ... or ``"default"``, and
+    ``threads_label`` names it for the reports; ``load_avg`` is the 1-, 5- and 15-minute load
+    average of the machine now.
+    """
     device = torch.device(options.device)
+    facts = thread_facts()
+    threads = options.threads if options.threads is not None else facts["torch_threads"]
     info: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),
-        "threads": options.threads,
+        "threads": threads,
+        "threads_setting": "default" if options.threads is None else str(options.threads),
+        "threads_label": threads_label(options.threads, facts["torch_threads"]),
+        **facts,
         "dtype": options.dtype,
         "cpu_count": os.cpu_count(),
+        "load_avg": _load_average(),
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
@@ -226,41 +274,114 @@ def run_suite(
     Args:
         suite: the suite that builds inputs and cases.
         configs: the configurations, each group in increasing size.
-        options: threads, repeats, budget, probes, ...
-        log: where progress lines go.
+        options: threads, repeats, budget, probes, isolation, ...
+        log: where progress lines go (through the progress bar when ``options.progress``).
 
     Returns:
         A list of JSON-serialisable dicts (see the module docstring for what each field means).
     """
-    device = torch.device(options.device)
-    dtype = options.torch_dtype()
-    env = environment(options)
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
     too_slow: dict[tuple[str, str], str] = {}
     per_config: list[list[dict[str, Any]]] = []
-    with _threads(options.threads), torch.enable_grad():
-        for index, config in enumerate(configs):
-            log(f"[{index + 1}/{len(configs)}] {config.label}")
-            per_config.append(
-                _run_config(suite, config, options, device, dtype, too_slow, env, stamp, log)
-            )
-    if options.memory or options.first_call:
-        for config, records in zip(configs, per_config, strict=True):
-            _run_probes(suite, config, options, records, log)
+    label = threads_label(options.threads, torch.get_num_threads())
+    with progress_bar(options.progress, log, total=len(configs)) as bar:
+        if options.isolate:
+            for index, config in enumerate(configs):
+                bar.describe(f"{suite.name} · {label} · {config.label}")
+                bar.log(f"[{index + 1}/{len(configs)}] {config.label} ({label}, fresh process)")
+                records, slow, lines = run_config_subprocess(
+                    suite, config, options, too_slow, stamp
+                )
+                for line in lines:
+                    bar.log(line)
+                too_slow.update(slow)
+                per_config.append(records)
+                bar.advance()
+        else:
+            with (
+                _threads(options.threads),
+                pinning(options.threads is not None),
+                torch.enable_grad(),
+            ):
+                for index, config in enumerate(configs):
+                    bar.describe(f"{suite.name} · {label} · {config.label}")
+                    bar.log(f"[{index + 1}/{len(configs)}] {config.label} ({label})")
+                    per_config.append(run_config(suite, config, options, too_slow, bar.log, stamp))
+                    bar.advance()
+        if options.memory or options.first_call:
+            for config, records in zip(configs, per_config, strict=True):
+                _run_probes(suite, config, options, records, bar)
     return [record for records in per_config for record in records]
 
 
-def _run_config(
+def _base_record(suite: Suite, config: Config, case: Case) -> dict[str, Any]:
+    return {
+        "suite": suite.name,
+        "group": config.group,
+        "config": config.label,
+        **dict(config.params),
+        "case": case.name,
+        "floor": case.floor,
+    }
+
+
+def failure_records(
     suite: Suite,
     config: Config,
     options: RunOptions,
-    device: torch.device,
-    dtype: torch.dtype,
-    too_slow: dict[tuple[str, str], str],
-    env: Mapping[str, Any],
+    status: str,
+    reason: str,
     stamp: str,
-    log: Callable[[str], None],
 ) -> list[dict[str, Any]]:
+    """The records of a configuration that could not be measured at all (its subprocess ran out
+    of memory, crashed or timed out): every case gets ``status`` and ``reason``; the cases the
+    suite skips anyway keep their own reason."""
+    env = environment(options)
+    records = []
+    for case in suite.make_cases(config):
+        own = case.skip
+        records.append(
+            {
+                **_base_record(suite, config, case),
+                "status": "skipped" if own else status,
+                "fwdbwd_status": None,
+                "fwd_ms": None,
+                "fwdbwd_ms": None,
+                "floor_fwd_ms": None,
+                "fwd_ratio": None,
+                "fwdbwd_ratio": None,
+                "repeats": 0,
+                "fwd_ms_samples": [],
+                "fwdbwd_ms_samples": [],
+                "saved_mb": None,
+                "peak_mb": None,
+                "peak_kind": None,
+                "skip": own or reason,
+                "fwdbwd_skip": None,
+                **env,
+                **options.extra,
+                "time": stamp,
+            }
+        )
+    return records
+
+
+def run_config(
+    suite: Suite,
+    config: Config,
+    options: RunOptions,
+    too_slow: dict[tuple[str, str], str],
+    log: Callable[[str], None],
+    stamp: str,
+) -> list[dict[str, Any]]:
+    """Time every case of one configuration in this process (threads as the caller set them).
+
+    ``too_slow`` maps (group, case) to the reason a case is no longer run in its group; the
+    cases found too slow here are added to it.
+    """
+    device = torch.device(options.device)
+    dtype = options.torch_dtype()
+    env = environment(options)
     gc.collect()
     gen = make_generator(device, options.seed)
     base = suite.make_input(config, device=device, dtype=dtype, generator=gen)
@@ -269,13 +390,14 @@ def _run_config(
 
     states = [_CaseState(case) for case in suite.make_cases(config)]
     for st in states:
-        reason = st.case.skip or too_slow.get((config.group, st.case.name))
-        if reason:
-            st.fwd_skip = st.fwdbwd_skip = reason
+        if st.case.skip:
+            st.fail("skipped", st.case.skip, forward=True)
+        elif (config.group, st.case.name) in too_slow:
+            st.fail("timeout", too_slow[(config.group, st.case.name)], forward=True)
         else:
             _warm_up(st, x_fwd, x, config, options, device, too_slow, log)
     runnable = [st for st in states if st.fwd_skip is None]
-    _timed_repeats(runnable, x_fwd, x, options, device)
+    _timed_repeats(runnable, x_fwd, x, options, device, log)
 
     outputs = {st.case.name: st.output for st in runnable if st.output is not None}
     facts = suite.compare(config, outputs) if outputs else {}
@@ -290,12 +412,9 @@ def _run_config(
         fb_ms = statistics.median(st.fwdbwd) * 1e3 if st.fwdbwd else None
         floor_ms = floor_fwd * 1e3 if floor_fwd else None
         record: dict[str, Any] = {
-            "suite": suite.name,
-            "group": config.group,
-            "config": config.label,
-            **dict(config.params),
-            "case": st.case.name,
-            "floor": st.case.floor,
+            **_base_record(suite, config, st.case),
+            "status": st.fwd_status,
+            "fwdbwd_status": st.fwdbwd_status if st.fwd_skip is None else None,
             "fwd_ms": fwd_ms,
             "fwdbwd_ms": fb_ms,
             "floor_fwd_ms": floor_ms,
@@ -323,6 +442,15 @@ def _run_config(
     return records
 
 
+def _failure(err: Exception, what: str) -> tuple[str, str]:
+    status = failure_status(err)
+    text = f"{type(err).__name__}: {err}".strip()
+    if len(text) > 300:
+        text = text[:297] + "..."
+    prefix = "out of memory" if status == "oom" else "error"
+    return status, f"{prefix}{what}: {text}"
+
+
 def _warm_up(
     st: _CaseState,
     x_fwd: torch.Tensor,
@@ -336,9 +464,10 @@ def _warm_up(
     """One untimed call per mode of one case.
 
     Keeps the forward output (for ``compare``), draws ``g``, counts the bytes saved for
-    backward, and skips the case (here and at larger sizes of its group) when one call exceeds
-    the time budget; for a ``compiled`` case, when a second call does too (the first compiles).
-    A case that raises is reported with its error instead of stopping the run.
+    backward, and gives the case the status ``"timeout"`` (here and at larger sizes of its
+    group) when one call exceeds the time budget; for a ``compiled`` case, when a second call
+    does too (the first compiles). A case that raises gets ``"oom"`` or ``"error"`` with the
+    error, and the run goes on.
     """
     budget = options.time_budget_s
     name = st.case.name
@@ -351,15 +480,16 @@ def _warm_up(
             if t_fwd <= budget:
                 break
     except Exception as err:
-        st.fwd_skip = st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
+        st.fail(*_failure(err, ""), forward=True)
         log(f"    {name}: {st.fwd_skip}")
         return
     if t_fwd > budget:
-        st.fwd_skip = st.fwdbwd_skip = too_slow[(config.group, name)] = (
+        reason = too_slow[(config.group, name)] = (
             f"too slow: one forward took {t_fwd:.1f} s at {config.label}, over the "
             f"{budget:g} s budget"
         )
-        log(f"    {name}: {st.fwd_skip}")
+        st.fail("timeout", reason, forward=True)
+        log(f"    {name}: {reason}")
         return
     st.output = out.detach()
     g = st.g = functional_weights(out.shape, out, options.seed, name)
@@ -375,15 +505,16 @@ def _warm_up(
             if t_fb <= budget:
                 break
     except Exception as err:
-        st.fwdbwd_skip = f"error: {type(err).__name__}: {err}"
+        st.fail(*_failure(err, " (fwd+bwd)"), forward=False)
         log(f"    {name}: {st.fwdbwd_skip}")
         return
     if t_fb > budget:
-        st.fwdbwd_skip = too_slow[(config.group, name)] = (
+        reason = too_slow[(config.group, name)] = (
             f"too slow: one forward+backward took {t_fb:.1f} s at {config.label}, over the "
             f"{budget:g} s budget"
         )
-        log(f"    {name}: {st.fwdbwd_skip}")
+        st.fail("timeout", reason, forward=False)
+        log(f"    {name}: {reason}")
 
 
 def _timed_repeats(
@@ -392,11 +523,13 @@ def _timed_repeats(
     x: torch.Tensor,
     options: RunOptions,
     device: torch.device,
+    log: Callable[[str], None],
 ) -> None:
     """The timed repeats, interleaved round-robin; the order alternates between repeats.
 
     After the first repeat each case's number of repeats is cut to fit the time budget, never
-    below ``min_repeats``.
+    below ``min_repeats``. A case that raises in a timed call (memory can run out on a later
+    call too) keeps the repeats it has and is not called again.
     """
     for st in runnable:
         st.repeats = options.repeats
@@ -405,17 +538,45 @@ def _timed_repeats(
             for st in runnable if rep % 2 == 0 else runnable[::-1]:
                 if rep >= st.repeats:
                     continue
-                case = st.case
-                st.fwd.append(_timed(functools.partial(_forward, case, x_fwd), device))
-                if st.fwdbwd_skip is None and st.g is not None:
-                    st.fwdbwd.append(
-                        _timed(functools.partial(_forward_backward, case, x, st.g), device)
-                    )
+                _timed_repeat(st, rep, x_fwd, x, device, log)
             if rep == 0:
                 for st in runnable:
+                    if st.repeats == 0:  # failed in its first timed call
+                        continue
                     per_repeat = st.fwd[0] + (st.fwdbwd[0] if st.fwdbwd else 0.0)
                     fit = int(options.time_budget_s // per_repeat) if per_repeat > 0 else 0
                     st.repeats = max(options.min_repeats, min(options.repeats, fit or 1))
+
+
+def _timed_repeat(
+    st: _CaseState,
+    rep: int,
+    x_fwd: torch.Tensor,
+    x: torch.Tensor,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> None:
+    """One timed forward, then one timed forward+backward, of one case.
+
+    A mode that raises (memory can run out on a later call too) is reported as failed, without
+    its samples, and the case is not called again.
+    """
+    case = st.case
+    try:
+        st.fwd.append(_timed(functools.partial(_forward, case, x_fwd), device))
+    except Exception as err:
+        st.fail(*_failure(err, f" in timed repeat {rep + 1}"), forward=True)
+        st.fwd, st.fwdbwd, st.repeats = [], [], 0
+        log(f"    {case.name}: {st.fwd_skip}")
+        return
+    if st.fwdbwd_skip is not None or st.g is None:
+        return
+    try:
+        st.fwdbwd.append(_timed(functools.partial(_forward_backward, case, x, st.g), device))
+    except Exception as err:
+        st.fail(*_failure(err, f" (fwd+bwd) in timed repeat {rep + 1}"), forward=False)
+        st.fwdbwd = []
+        log(f"    {case.name}: {st.fwdbwd_skip}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,13 +589,17 @@ def make_options(
     quick: bool,
     device: str,
     dtype: str,
-    threads: int,
+    threads: int | None,
     repeats: int | None,
     time_budget: float | None,
     memory: bool,
     first_call: bool,
     seed: int,
     command: str | None,
+    isolate: bool = False,
+    timeout: float | None = None,
+    memory_limit_mb: float | None = None,
+    progress: bool = False,
 ) -> RunOptions:
     """The harness options of a bench run; ``quick`` takes ``quick_defaults`` and no probes.
 
@@ -459,16 +624,35 @@ def make_options(
         memory=memory and full,
         first_call=first_call and full,
         seed=seed,
+        isolate=isolate,
+        memory_limit_mb=memory_limit_mb,
+        progress=progress,
         extra={"command": command} if command else {},
     )
+    if timeout is not None:
+        options.probe_timeout_s = timeout
     options.min_repeats = min(options.min_repeats, options.repeats)
     return options
+
+
+def thread_runs(
+    options: RunOptions, threads: Sequence[int | None] | int | None
+) -> list[RunOptions]:
+    """One copy of ``options`` per thread setting (``None``: out of the box), in order.
+
+    With more than one setting every copy runs its configurations in fresh subprocesses
+    (``isolate``): the out-of-the-box run must not inherit a thread count another one set.
+    """
+    settings = list(threads) if isinstance(threads, Sequence) else [threads]
+    settings = list(dict.fromkeys(settings)) or [options.threads]
+    isolate = options.isolate or len(settings) > 1
+    return [replace(options, threads=t, isolate=isolate) for t in settings]
 
 
 def run_and_write(
     suite: Suite,
     configs: Sequence[Config],
-    options: RunOptions,
+    options: RunOptions | Sequence[RunOptions],
     out: str | os.PathLike[str],
     name: str,
     command: str | None,
@@ -479,7 +663,8 @@ def run_and_write(
     Args:
         suite: the suite.
         configs: its configurations.
-        options: how to run them.
+        options: how to run them; a sequence runs them once per element (for example one per
+            thread setting, :func:`thread_runs`) into the same files.
         out: the output folder.
         name: the file stem (``"topk"``, ``"topk-quick"``, ...).
         command: the command line stored in the records and the report.
@@ -489,7 +674,8 @@ def run_and_write(
         The Markdown report and the paths written (keyed by ``"jsonl"``, ``"md"``, ``"png"``).
     """
     start = time.perf_counter()
-    records = run_suite(suite, configs, options, log=log)
+    runs = [options] if isinstance(options, RunOptions) else list(options)
+    records = [r for run in runs for r in run_suite(suite, configs, run, log=log)]
     paths = write_results(records, suite, out, name, command=command)
     log(
         f"done in {time.perf_counter() - start:.0f} s; wrote "

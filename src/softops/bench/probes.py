@@ -1,33 +1,58 @@
-"""Measurements in fresh subprocesses: the peak-memory and first-call probes.
+"""Measurements in fresh subprocesses: whole configurations, peak memory and first calls.
 
-A probe runs one case of one configuration in a new interpreter
-(``python -m softops.bench._probe KIND ...``, see :mod:`softops.bench._probe`), so that what it
-measures is not blurred by the state of the harness process: the peak extra memory of one
-forward+backward after a warm-up call, or the first call of a compiled path (once with an empty
-``torch.compile`` cache directory, once reusing it). The subprocess rebuilds the suite from its
-``ref`` and prints one JSON line prefixed with :data:`~softops.bench.model.PROBE_MARKER`.
+A subprocess runs one configuration (all its cases, timed and interleaved), or one case of one
+configuration, in a new interpreter (``python -m softops.bench._probe KIND ...``, see
+:mod:`softops.bench._probe`), so that what it measures is not blurred by the state of the
+harness process:
+
+* ``config`` (:func:`run_config_subprocess`): the timing loop of one configuration, with the
+  run's thread setting applied at the start of the process (or none, out of the box);
+* ``memory``: the peak extra memory of one forward+backward after a warm-up call;
+* ``first-call``: the first call of a compiled path (once with an empty ``torch.compile`` cache
+  directory, once reusing it).
+
+The subprocess rebuilds the suite from its ``ref`` and prints one JSON line prefixed with
+:data:`~softops.bench.model.PROBE_MARKER`. How a subprocess ends becomes a status
+(:data:`~softops.bench.model.STATUSES`): a result line is ``"ok"`` (or the status the child
+reports, ``"oom"`` when it caught an out-of-memory error); past ``probe_timeout_s`` it is killed
+and the status is ``"timeout"``; killed by SIGKILL (what the kernel's OOM killer sends) it is
+``"oom"``; any other exit without a result is ``"error"``, with the last lines of its stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from softops.bench.model import PROBE_MARKER, Config, RunOptions, Suite
 
-__all__ = ["probe_command", "run_probe"]
+__all__ = ["probe_command", "run_config_subprocess", "run_probe", "run_subprocess"]
+
+
+class _Bar(Protocol):
+    """The part of :func:`softops.bench.report.progress_bar` the probes use."""
+
+    def log(self, line: str) -> None: ...
+    def describe(self, text: str) -> None: ...
+    def add(self, steps: int) -> None: ...
+    def advance(self) -> None: ...
+
+
+def _threads_arg(options: RunOptions) -> str:
+    return "default" if options.threads is None else str(options.threads)
 
 
 def probe_command(
     kind: str, suite: Suite, config: Config, case: str, options: RunOptions
 ) -> list[str]:
-    """The command line of one probe subprocess."""
-    return [
+    """The command line of one probe subprocess (``case`` is ignored by ``kind="config"``)."""
+    command = [
         sys.executable,
         "-m",
         "softops.bench._probe",
@@ -43,10 +68,58 @@ def probe_command(
         "--dtype",
         options.dtype,
         "--threads",
-        str(options.threads),
+        _threads_arg(options),
         "--seed",
         str(options.seed),
     ]
+    if options.memory_limit_mb is not None:
+        command += ["--memory-limit-mb", f"{options.memory_limit_mb:g}"]
+    return command
+
+
+def run_subprocess(
+    command: list[str], timeout: float, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one subprocess; return its JSON result line with a ``status``, or a failure.
+
+    Returns:
+        The child's result (``status`` defaulting to ``"ok"``), or ``{"status": "timeout" |
+        "oom" | "error", "error": reason}``; ``"stderr"`` holds the child's stderr lines.
+    """
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else ""
+        return {
+            "status": "timeout",
+            "error": f"timed out after {timeout:g} s",
+            "stderr": (stderr or "").splitlines(),
+        }
+    lines = (proc.stderr or "").splitlines()
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(PROBE_MARKER):
+            result = json.loads(line[len(PROBE_MARKER) :])
+            result.setdefault("status", "ok")
+            result["stderr"] = lines
+            return result
+    tail = " | ".join((lines or proc.stdout.strip().splitlines())[-3:])
+    if proc.returncode == -signal.SIGKILL:
+        return {
+            "status": "oom",
+            "error": "killed by SIGKILL (the kernel's OOM killer sends it: out of memory?)"
+            + (f": {tail}" if tail else ""),
+            "stderr": lines,
+        }
+    return {"status": "error", "error": f"exit {proc.returncode}: {tail}", "stderr": lines}
 
 
 def run_probe(
@@ -58,30 +131,66 @@ def run_probe(
     *,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one probe in a fresh subprocess and return its JSON result (or ``{"error": ...}``)."""
-    full_env = dict(os.environ)
-    if kind == "memory":
+    """Run one probe in a fresh subprocess; return its JSON result with a ``status``.
+
+    A failure is ``{"status": ..., "error": reason}`` (see :func:`run_subprocess`).
+    """
+    full_env: dict[str, str] = {}
+    if kind == "memory" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # A fixed mmap threshold turns off glibc's dynamic one, so large freed buffers go back to
-        # the OS at once and the resident set tracks live memory. Not for timing probes: mapping
-        # every large buffer afresh slows allocation-heavy code down.
-        full_env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+        # the OS at once and the resident set tracks live memory: a measuring instrument of the
+        # memory probe alone. Not for timing: mapping every large buffer afresh slows
+        # allocation-heavy code down, and a user's process does not set it.
+        full_env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     full_env.update(env or {})
-    try:
-        proc = subprocess.run(
-            probe_command(kind, suite, config, case, options),
-            capture_output=True,
-            text=True,
-            env=full_env,
-            timeout=options.probe_timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {options.probe_timeout_s:g} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(PROBE_MARKER):
-            return json.loads(line[len(PROBE_MARKER) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    command = probe_command(kind, suite, config, case, options)
+    return run_subprocess(command, options.probe_timeout_s, full_env)
+
+
+def run_config_subprocess(
+    suite: Suite,
+    config: Config,
+    options: RunOptions,
+    too_slow: Mapping[tuple[str, str], str],
+    stamp: str,
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str], str], list[str]]:
+    """Time one configuration in a fresh subprocess.
+
+    Args:
+        suite: the suite (rebuilt in the child from ``suite.ref``).
+        config: the configuration.
+        options: the run's options (threads applied at the start of the child).
+        too_slow: the (group, case) pairs already over the time budget, with their reasons.
+        stamp: the run's time stamp, stored in the records.
+
+    Returns:
+        The records, the (group, case) pairs found too slow there, and the child's log lines.
+        A child that ran out of memory, crashed or timed out gives one record per case with
+        that status (:func:`softops.bench.harness.failure_records`).
+    """
+    from softops.bench.harness import failure_records
+
+    command = probe_command("config", suite, config, "", options)
+    command += [
+        "--options",
+        options.to_json(),
+        "--too-slow",
+        json.dumps([[g, c, reason] for (g, c), reason in too_slow.items()]),
+        "--stamp",
+        stamp,
+    ]
+    result = run_subprocess(command, options.probe_timeout_s)
+    lines = [line for line in result.get("stderr", []) if line.strip()]
+    if "records" not in result:
+        reason = f"the configuration's subprocess failed: {result.get('error')}"
+        if result["status"] == "timeout":
+            reason = (
+                f"timeout: the configuration's subprocess ran over {options.probe_timeout_s:g} s"
+            )
+        records = failure_records(suite, config, options, result["status"], reason, stamp)
+        return records, {}, [*lines[-5:], f"    {config.label}: {reason}"]
+    slow = {(g, c): reason for g, c, reason in result.get("too_slow", [])}
+    return result["records"], slow, lines
 
 
 def _run_probes(
@@ -89,35 +198,59 @@ def _run_probes(
     config: Config,
     options: RunOptions,
     records: list[dict[str, Any]],
-    log: Callable[[str], None],
+    bar: _Bar,
 ) -> None:
-    """Run the probes ``options`` asks for on one configuration; fill them into its records."""
+    """Run the probes ``options`` asks for on one configuration; fill them into its records.
+
+    ``peak_status`` says how the memory probe ended (``"ok"``, ``"oom"``, ``"timeout"``,
+    ``"error"``), with ``peak_error`` the reason when it failed.
+    """
     by_name = {record["case"]: record for record in records}
+    todo: list[tuple[str, dict[str, Any]]] = []
     for case in suite.make_cases(config):
-        name = case.name
-        record = by_name.get(name)
+        record = by_name.get(case.name)
         if record is None or record["fwd_ms"] is None:
             continue
         if options.memory and record["fwdbwd_ms"] is not None:
-            log(f"  memory probe: {config.label} / {name}")
-            result = run_probe("memory", suite, config, name, options)
-            if "error" in result:
-                record["peak_error"] = result["error"]
-                log(f"    failed: {result['error']}")
-            else:
-                record["peak_mb"] = result["peak_mb"]
-                record["peak_kind"] = result["peak_kind"]
-                record["probe_saved_mb"] = result["saved_mb"]
+            todo.append(("memory", record))
         if options.first_call and config.first_call and case.first_call:
-            log(f"  first-call probe: {config.label} / {name} (cold, then warm cache)")
-            with tempfile.TemporaryDirectory(prefix="softops-inductor-") as cache:
-                cache_env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-                cold = run_probe("first-call", suite, config, name, options, env=cache_env)
-                warm = run_probe("first-call", suite, config, name, options, env=cache_env)
-            for tag, result in (("cold", cold), ("warm_cache", warm)):
-                if "error" in result:
-                    record[f"first_call_{tag}_error"] = result["error"]
-                    log(f"    {tag} failed: {result['error']}")
-                else:
-                    record[f"first_call_{tag}_s"] = result["first_s"]
-                    record[f"second_call_{tag}_s"] = result["second_s"]
+            todo.append(("first-call", record))
+    bar.add(len(todo))
+    for kind, record in todo:
+        text = f"{kind} probe: {config.label} / {record['case']}"
+        bar.describe(f"{suite.name} · {text}")
+        bar.log(f"  {text}" + (" (cold, then warm cache)" if kind == "first-call" else ""))
+        if kind == "memory":
+            _memory_probe(suite, config, options, record)
+        else:
+            _first_call_probe(suite, config, options, record)
+        bar.advance()
+
+
+def _memory_probe(
+    suite: Suite, config: Config, options: RunOptions, record: dict[str, Any]
+) -> None:
+    result = run_probe("memory", suite, config, record["case"], options)
+    record["peak_status"] = result["status"]
+    if result["status"] != "ok":
+        record["peak_error"] = result.get("error")
+        return
+    record["peak_mb"] = result["peak_mb"]
+    record["peak_kind"] = result["peak_kind"]
+    record["probe_saved_mb"] = result["saved_mb"]
+
+
+def _first_call_probe(
+    suite: Suite, config: Config, options: RunOptions, record: dict[str, Any]
+) -> None:
+    name = record["case"]
+    with tempfile.TemporaryDirectory(prefix="softops-inductor-") as cache:
+        cache_env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+        cold = run_probe("first-call", suite, config, name, options, env=cache_env)
+        warm = run_probe("first-call", suite, config, name, options, env=cache_env)
+    for tag, result in (("cold", cold), ("warm_cache", warm)):
+        if result["status"] != "ok":
+            record[f"first_call_{tag}_error"] = f"{result['status']}: {result.get('error')}"
+        else:
+            record[f"first_call_{tag}_s"] = result["first_s"]
+            record[f"second_call_{tag}_s"] = result["second_s"]

@@ -20,7 +20,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,11 @@ __all__ = [
     "new_figure",
     "plot_results",
     "print_table",
+    "progress_bar",
     "reproduce_lines",
     "save_figure",
+    "thread_groups",
+    "threads_comparison",
     "write_experiment",
     "write_report",
     "write_results",
@@ -84,6 +88,71 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     Console().print(table)
 
 
+class _Bar:
+    """A progress bar on stderr (rich), or none: the log lines only."""
+
+    def __init__(self, log: Callable[[str], None], total: int, rich_bar: Any = None) -> None:
+        self._log, self._rich, self._task = log, rich_bar, None
+        if rich_bar is not None:
+            self._task = rich_bar.add_task("starting", total=total)
+
+    def log(self, line: str) -> None:
+        """Print one line (above the bar)."""
+        if self._rich is not None:
+            self._rich.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            self._log(line)
+
+    def describe(self, text: str) -> None:
+        """Say what runs now."""
+        if self._rich is not None:
+            self._rich.update(self._task, description=text)
+
+    def add(self, steps: int) -> None:
+        """Add ``steps`` steps to the total (probes are known once the timings are)."""
+        if self._rich is not None and steps:
+            total = self._rich.tasks[0].total or 0
+            self._rich.update(self._task, total=total + steps)
+
+    def advance(self) -> None:
+        """One step done."""
+        if self._rich is not None:
+            self._rich.advance(self._task)
+
+
+@contextmanager
+def progress_bar(enabled: bool, log: Callable[[str], None], *, total: int) -> Iterator[_Bar]:
+    """A progress bar of ``total`` steps on stderr when ``enabled`` and rich is installed.
+
+    The bar's ``log`` prints lines above it (through its console); without a bar it is ``log``.
+    """
+    if not enabled:
+        yield _Bar(log, total)
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError:
+        yield _Bar(log, total)
+        return
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True, highlight=False),
+        transient=False,
+    )
+    with bar:
+        yield _Bar(log, total, bar)
+
+
 # ----------------------------------------------------------------------------------------------
 # Markdown
 
@@ -112,6 +181,169 @@ def reproduce_lines(command: str | None) -> list[str]:
     return ["", f"Reproduce with `{command}`."] if command else []
 
 
+def thread_groups(
+    records: Sequence[Mapping[str, Any]],
+) -> list[tuple[str, list[Mapping[str, Any]]]]:
+    """The records grouped by thread setting, in order of first appearance.
+
+    The key is ``threads_setting`` (``"1"``, ``"default"``, ...); records written before it
+    existed are grouped by their ``threads``.
+    """
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        key = str(record.get("threads_setting", record.get("threads")))
+        groups.setdefault(key, []).append(record)
+    return list(groups.items())
+
+
+def _threads_name(rows: Sequence[Mapping[str, Any]]) -> str:
+    head = rows[0]
+    return str(head.get("threads_label") or f"{head.get('threads')} thread(s)")
+
+
+def _load_text(records: Sequence[Mapping[str, Any]]) -> str:
+    loads = [r["load_avg"][0] for r in records if r.get("load_avg")]
+    if not loads:
+        return ""
+    low, high = min(loads), max(loads)
+    span = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f}–{high:.1f}"
+    cores = records[0].get("cpu_count")
+    return f" · load average {span} at the start of the configurations" + (
+        f" ({cores} cores)" if cores else ""
+    )
+
+
+def _thread_facts_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    torch_threads = sorted({r["torch_threads"] for r in rows if r.get("torch_threads")})
+    numba_threads = sorted({r["numba_threads"] for r in rows if r.get("numba_threads")})
+    layers = sorted({r["numba_threading_layer"] for r in rows if r.get("numba_threading_layer")})
+    parts = []
+    if torch_threads:
+        parts.append("torch threads " + "/".join(map(str, torch_threads)))
+    if numba_threads:
+        parts.append(
+            "numba threads (last set, where its pool was launched) "
+            + "/".join(map(str, numba_threads))
+            + (f" on the {'/'.join(layers)} layer" if layers else "")
+        )
+    env = {k: v for r in rows for k, v in (r.get("thread_env") or {}).items()}
+    if env:
+        parts.append("environment " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
+    pinned = rows[0].get("threads_setting") != "default"
+    how = (
+        "set by the harness (torch.set_num_threads; numba pinned to the same count)"
+        if pinned
+        else "nothing set by the harness: no torch.set_num_threads, no numba pinning, no "
+        "environment variable (what a user's process gets)"
+    )
+    return f"Threads: {how}. Measured: " + "; ".join(parts) + "." if parts else how + "."
+
+
+def _status(record: Mapping[str, Any]) -> str:
+    status = record.get("status")
+    if status:
+        return str(status)
+    return "skipped" if record.get("skip") else "ok"
+
+
+def _config_tables(rows: Sequence[Mapping[str, Any]], peak: bool) -> list[str]:
+    head = ["method", "fwd × floor", "fwd+bwd × floor", "fwd ms", "fwd+bwd ms", "saved MB"]
+    head += ["peak Δ MB"] * peak + ["repeats"]
+    lines: list[str] = []
+    for config_rows in _group_configs(rows):
+        lines += ["", f"### {config_rows[0]['config']}", ""]
+        lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+        notes = []
+        for r in config_rows:
+            status = _status(r)
+            if r["skip"]:
+                lines.append(f"| {r['case']} | {status}" + " |" * (len(head) - 1))
+                notes.append(f"- {r['case']}: {r['skip']}")
+                continue
+            fb_status = r.get("fwdbwd_status") or ("error" if r.get("fwdbwd_skip") else "ok")
+            if r.get("fwdbwd_skip"):
+                notes.append(f"- {r['case']} (fwd+bwd): {r['fwdbwd_skip']}")
+            failed_fb = fb_status != "ok"
+            cells = [
+                r["case"],
+                _fmt(r["fwd_ratio"], ".2f", "×"),
+                fb_status if failed_fb else _fmt(r["fwdbwd_ratio"], ".2f", "×"),
+                _fmt(r["fwd_ms"], ".2f"),
+                fb_status if failed_fb else _fmt(r["fwdbwd_ms"], ".2f"),
+                _fmt(r["saved_mb"], ".3g"),
+            ]
+            if peak:
+                peak_status = r.get("peak_status", "ok")
+                cells.append(
+                    str(peak_status)
+                    if peak_status not in (None, "ok")
+                    else _fmt(r.get("peak_mb"), ".3g")
+                )
+            cells.append(str(r["repeats"]))
+            lines.append("| " + " | ".join(cells) + " |")
+            if r.get("peak_error"):
+                notes.append(
+                    f"- {r['case']}: memory probe {r.get('peak_status', 'failed')}: "
+                    f"{r['peak_error']}"
+                )
+        if notes:
+            lines += ["", *notes]
+    return lines
+
+
+def _first_call_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    first_calls = [r for r in rows if "first_call_cold_s" in r or "first_call_cold_error" in r]
+    if not first_calls:
+        return []
+    lines = [
+        "",
+        "### First call in a fresh process (forward+backward, includes any compilation)",
+        "",
+        "| configuration | method | first call, empty compile cache | first call, warm "
+        "on-disk cache | second call |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in first_calls:
+        lines.append(
+            f"| {r['config']} | {r['case']} | {_fmt(r.get('first_call_cold_s'), '.2f', ' s')} "
+            f"| {_fmt(r.get('first_call_warm_cache_s'), '.2f', ' s')} "
+            f"| {_fmt(_ms(r.get('second_call_warm_cache_s')), '.1f', ' ms')} |"
+        )
+    return lines
+
+
+def threads_comparison(groups: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[str]:
+    """A table of every case measured in the first two thread settings: forward+backward
+    milliseconds and ratio to the floor in each, and the time of the second over the first."""
+    if len(groups) < 2:
+        return []
+    (_, a_rows), (_, b_rows) = groups[0], groups[1]
+    a_name, b_name = _threads_name(a_rows), _threads_name(b_rows)
+    b_by = {(r["config"], r["case"]): r for r in b_rows}
+    lines = [
+        "",
+        f"## {a_name} against {b_name}",
+        "",
+        f"Forward+backward medians of the same cases in the two configurations; each ran in its "
+        f"own fresh processes. *ratio* is the {b_name} time over the {a_name} time (below 1: "
+        "faster out of the box).",
+        "",
+        f"| configuration | method | {a_name} ms | {b_name} ms | ratio | × floor, {a_name} "
+        f"| × floor, {b_name} |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for a in a_rows:
+        b = b_by.get((a["config"], a["case"]))
+        if b is None or not a.get("fwdbwd_ms") or not b.get("fwdbwd_ms"):
+            continue
+        lines.append(
+            f"| {a['config']} | {a['case']} | {a['fwdbwd_ms']:.3g} | {b['fwdbwd_ms']:.3g} "
+            f"| {b['fwdbwd_ms'] / a['fwdbwd_ms']:.2f} | {_fmt(a.get('fwdbwd_ratio'), '.2f', '×')} "
+            f"| {_fmt(b.get('fwdbwd_ratio'), '.2f', '×')} |"
+        )
+    return lines
+
+
 def markdown_report(
     records: Sequence[Mapping[str, Any]],
     suite: Suite,
@@ -121,18 +353,22 @@ def markdown_report(
     """Render the records as Markdown: one table per configuration, then the suite's summary.
 
     The ratio columns (time over the floor's forward time) come first: they are the headline.
+    With several thread settings (1 thread and out of the box), a comparison table comes
+    first, then one section per setting, each with its tables and its summary.
     """
     if not records:
         return f"# {suite.name} benchmark\n\nNo records.\n"
     first = records[0]
+    groups = thread_groups(records)
+    names = ", ".join(_threads_name(rows) for _, rows in groups)
     lines = [
         f"# {suite.name} benchmark",
         "",
-        f"torch {first['torch']} · {first['device']} · {first['threads']} thread(s) · "
-        f"{first['dtype']} · {first['time']}",
+        f"torch {first['torch']} · {first['device']} · {names} · {first['dtype']} · "
+        f"{first['time']}{_load_text(records)}",
         *reproduce_lines(command),
     ]
-    peak = any(r.get("peak_mb") is not None for r in records)
+    peak = any(r.get("peak_mb") is not None or r.get("peak_status") for r in records)
     kinds = sorted({r["peak_kind"] for r in records if r.get("peak_kind")})
     lines += [
         "",
@@ -142,57 +378,24 @@ def markdown_report(
         "backward (saved-tensor hooks, the input excluded)"
         + (
             "; *peak Δ* is the peak extra memory of one forward+backward in a fresh process "
-            f"({', '.join(kinds)}), x.grad included."
+            f"({', '.join(kinds) or 'rss'}), x.grad included."
             if peak
             else "; peak memory was not measured in this run."
-        ),
+        )
+        + " A method that did not run says why: *skipped* (not installed, or over the suite's "
+        "size limit), *timeout* (one call over the time budget, or its subprocess over the "
+        "time-out), *oom* (out of memory), *error*.",
     ]
-    head = ["method", "fwd × floor", "fwd+bwd × floor", "fwd ms", "fwd+bwd ms", "saved MB"]
-    head += ["peak Δ MB"] * peak + ["repeats"]
-    for rows in _group_configs(records):
-        lines += ["", f"### {rows[0]['config']}", ""]
-        lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-        notes = []
-        for r in rows:
-            if r["skip"]:
-                lines.append(f"| {r['case']} | skipped" + " |" * (len(head) - 1))
-                notes.append(f"- {r['case']}: {r['skip']}")
-                continue
-            if r.get("fwdbwd_skip"):
-                notes.append(f"- {r['case']} (fwd+bwd): {r['fwdbwd_skip']}")
-            cells = [
-                r["case"],
-                _fmt(r["fwd_ratio"], ".2f", "×"),
-                _fmt(r["fwdbwd_ratio"], ".2f", "×"),
-                _fmt(r["fwd_ms"], ".2f"),
-                _fmt(r["fwdbwd_ms"], ".2f"),
-                _fmt(r["saved_mb"], ".3g"),
-            ]
-            cells += [_fmt(r["peak_mb"], ".3g")] * peak + [str(r["repeats"])]
-            lines.append("| " + " | ".join(cells) + " |")
-            if r.get("peak_error"):
-                notes.append(f"- {r['case']}: memory probe failed: {r['peak_error']}")
-        if notes:
-            lines += ["", *notes]
-    first_calls = [r for r in records if "first_call_cold_s" in r or "first_call_cold_error" in r]
-    if first_calls:
-        lines += [
-            "",
-            "### First call in a fresh process (forward+backward, includes any compilation)",
-            "",
-            "| configuration | method | first call, empty compile cache | first call, warm "
-            "on-disk cache | second call |",
-            "|---|---|---:|---:|---:|",
-        ]
-        for r in first_calls:
-            lines.append(
-                f"| {r['config']} | {r['case']} | {_fmt(r.get('first_call_cold_s'), '.2f', ' s')} "
-                f"| {_fmt(r.get('first_call_warm_cache_s'), '.2f', ' s')} "
-                f"| {_fmt(_ms(r.get('second_call_warm_cache_s')), '.1f', ' ms')} |"
-            )
-    summary = suite.summary(records)
-    if summary:
-        lines += ["", *summary]
+    lines += threads_comparison(groups)
+    for _, rows in groups:
+        if len(groups) > 1:
+            lines += ["", f"## {_threads_name(rows)}"]
+        lines += ["", _thread_facts_text(rows)]
+        lines += _config_tables(rows, peak)
+        lines += _first_call_table(rows)
+        summary = suite.summary(rows)
+        if summary:
+            lines += ["", *summary]
     return "\n".join(lines) + "\n"
 
 
@@ -229,12 +432,17 @@ def save_figure(fig: Figure, path: Path) -> None:
 
 
 def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite) -> bool:
-    """Plot median time against ``suite.plot_x`` per method (forward and forward+backward).
+    """Plot median time and peak memory against ``suite.plot_x`` per method, log-log.
 
-    Needs matplotlib (the ``bench`` extra); returns ``False`` without it or without data.
+    One row of panels per thread setting: forward time, forward+backward time and, when the
+    memory probes ran, the peak extra memory of one forward+backward. Needs matplotlib (the
+    ``bench`` extra); returns ``False`` without it or without data.
     """
     rows = [r for r in records if r["group"] == suite.plot_group and r["fwd_ms"] is not None]
-    fig = new_figure((11, 4.2)) if rows else None
+    groups = thread_groups(rows)
+    memory = any(r.get("peak_mb") for r in rows)
+    panels = 3 if memory else 2
+    fig = new_figure((5.2 * panels, 4.2 * len(groups))) if rows else None
     if fig is None:
         return False
     import matplotlib  # present: new_figure returned a figure
@@ -242,42 +450,50 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
     colors = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, key, title in (
-        (axes[0], "fwd_ms", "forward"),
-        (axes[1], "fwdbwd_ms", "forward + backward"),
-    ):
-        for case in cases:
-            pts = sorted(
-                (r[suite.plot_x], r[key]) for r in rows if r["case"] == case and r[key] is not None
+    axes = fig.subplots(len(groups), panels, squeeze=False)
+    for row_axes, (_, group_rows) in zip(axes, groups, strict=True):
+        name = _threads_name(group_rows)
+        panels_spec = [
+            ("fwd_ms", f"forward, {name}", "median time (ms)"),
+            ("fwdbwd_ms", f"forward + backward, {name}", "median time (ms)"),
+        ]
+        if memory:
+            panels_spec.append(("peak_mb", f"peak extra memory, {name}", "peak Δ (MB)"))
+        for ax, (key, title, ylabel) in zip(row_axes, panels_spec, strict=True):
+            for case in cases:
+                pts = sorted(
+                    (r[suite.plot_x], r[key])
+                    for r in group_rows
+                    if r["case"] == case and r.get(key)
+                )
+                if not pts:
+                    continue
+                floor = any(r["floor"] for r in group_rows if r["case"] == case)
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    marker="o",
+                    label=case,
+                    color=colors[case],
+                    linestyle="--" if floor else "-",
+                )
+            floor_pts = sorted(
+                (r[suite.plot_x], r["floor_fwd_ms"])
+                for r in group_rows
+                if r["floor"] and r["floor_fwd_ms"]
             )
-            if not pts:
-                continue
-            floor = any(r["floor"] for r in rows if r["case"] == case)
-            ax.plot(
-                *zip(*pts, strict=True),
-                marker="o",
-                label=case,
-                color=colors[case],
-                linestyle="--" if floor else "-",
-            )
-        floor_pts = sorted(
-            (r[suite.plot_x], r["floor_fwd_ms"]) for r in rows if r["floor"] and r["floor_fwd_ms"]
-        )
-        if floor_pts and key == "fwdbwd_ms":
-            ax.plot(
-                *zip(*floor_pts, strict=True),
-                color="grey",
-                linestyle=":",
-                label=f"{suite.floor_label} (floor)",
-            )
-        log_log_axes(ax, suite.plot_x, title)
-    axes[0].set_ylabel("median time (ms)")
-    axes[1].legend(fontsize=8)
+            if floor_pts and key == "fwdbwd_ms":
+                ax.plot(
+                    *zip(*floor_pts, strict=True),
+                    color="grey",
+                    linestyle=":",
+                    label=f"{suite.floor_label} (floor)",
+                )
+            log_log_axes(ax, suite.plot_x, title)
+            ax.set_ylabel(ylabel)
+        row_axes[1].legend(fontsize=7)
     head = rows[0]
     fig.suptitle(
-        f"{suite.name}: B={head.get('B')}, {head['threads']} thread(s), {head['device']}, "
-        f"torch {head['torch']}",
+        f"{suite.name}: B={head.get('B', head.get('N'))}, {head['device']}, torch {head['torch']}",
         fontsize=10,
     )
     save_figure(fig, path)

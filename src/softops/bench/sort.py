@@ -41,15 +41,16 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
 
 The targets of the suite, checked in the report's summary: pav within 1.5× of torchsort at n=1e5
 (forward+backward), and at every size of the ``overhead`` group (forward+backward, out of the box:
-at the run's thread count, which for "default threads" is ``--threads`` equal to
-``torch.get_num_threads()`` of a fresh process); softsort values+ranks at least 3× faster than
-NeuralSort at n=4000 (forward+backward); softsort values+ranks at B=8, n=1e5, forward+backward,
-under 256 MB of peak extra memory. The numba kernels (pav's isotonic step, torchpsort) run on as
-many threads as torch (:func:`numba_threads`), so a 1-thread run is 1 thread for every method; the
-rows "pav sort (out of the box)" and "pav rank (out of the box)" run without that pinning, with the
-library's own choice (serial below ``softops._core.isotonic.PARALLEL_MIN_WORK`` entries, else at
-most torch's thread count, on numba's workqueue layer), which is what a user gets. SoftTorch is not
-run (it needs Python >= 3.12 and a CUDA torch build).
+numba unpinned, at the run's thread setting; ``--threads default`` sets nothing at all); softsort
+values+ranks at least 3× faster than NeuralSort at n=4000 (forward+backward); softsort values+ranks
+at B=8, n=1e5, forward+backward, under 256 MB of peak extra memory. The numba kernels (pav's
+isotonic step, torchpsort) run on as many threads as torch (:func:`numba_threads`), so a 1-thread
+run is 1 thread for every method; the rows "pav sort (out of the box)" and "pav rank (out of the
+box)" run without that pinning, with the library's own choice (serial below
+``softops._core.isotonic.PARALLEL_MIN_WORK`` entries, else at most torch's thread count, on numba's
+workqueue layer), which is what a user gets. With ``--threads default`` (the out-of-the-box
+configuration) nothing is pinned anywhere, so the pinned and "out of the box" rows run the same
+code. SoftTorch is not run (it needs Python >= 3.12 and a CUDA torch build).
 
 :func:`run_sort_bench` is ``softops bench sort``: it builds the configurations from the command's
 arguments (:data:`SORT_QUICK` for ``--quick``), runs them and writes the files.
@@ -69,8 +70,9 @@ from typing import Any
 import torch
 
 import softops
+from softops._core.isotonic import _configure_threading
 from softops.bench.harness import DEFAULT_OUT, QuickDefaults, make_options, run_and_write
-from softops.bench.model import Case, Config
+from softops.bench.model import Case, Config, threads_pinned
 from softops.bench.report import make_logger
 from softops.sort._chunked import BLOCK_ELEMENTS
 
@@ -179,13 +181,22 @@ def numba_threads() -> Iterator[None]:
     """Run numba's parallel kernels on as many threads as torch (restored afterwards).
 
     pav's isotonic kernel and torchpsort are numba ``prange`` loops, which otherwise use every
-    core whatever ``torch.set_num_threads`` says; held through the backward too.
+    core whatever ``torch.set_num_threads`` says; held through the backward too. A no-op in the
+    out-of-the-box configuration (:func:`softops.bench.model.threads_pinned` is ``False``),
+    where numba's threads are what the library and numba choose. Before numba's pool is first
+    launched (setting its count launches it) the library's own threading layer is chosen
+    (``softops._core.isotonic._configure_threading``), so the pinned rows run on the layer a
+    user's process gets.
     """
+    if not threads_pinned():
+        yield
+        return
     try:
         import numba
     except ImportError:
         yield
         return
+    _configure_threading()
     previous = numba.get_num_threads()
     wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     numba.set_num_threads(wanted)
@@ -487,13 +498,14 @@ def _overhead_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
     pairs = _overhead_pairs(records)
     if not pairs:
         return []
-    threads = pairs[0][0].get("threads")
+    head = pairs[0][0]
+    threads = head.get("threads_label") or f"{head.get('threads')} thread(s)"
     lines = [
         "",
         "### Per-call cost at small sizes (forward+backward, µs)",
         "",
         "Medians of single calls at "
-        f"{threads} thread(s), numba's threads left to the library (out of the box). At these "
+        f"{threads}, numba's threads left to the library (out of the box). At these "
         "sizes the fixed costs of a call dominate: the argument checks and reshapes, the dtype "
         "moves to numpy, the numba dispatch and the autograd nodes.",
         "",

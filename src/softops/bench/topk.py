@@ -332,7 +332,7 @@ class TopKSuite:
                 lines.append(
                     f'- "ot" per-call overhead at B={r["B"]}, n={n_min}, k={r["k"]}: fwd '
                     f"{r['fwd_ratio']:.2f}×, fwd+bwd {r['fwdbwd_ratio']:.2f}× the torch.topk "
-                    f"forward ({r['case']}, {r['threads']} thread(s)); target ≤ 6× "
+                    f"forward ({r['case']}, {_threads_text(r)}); target ≤ 6× "
                     f"{'(met)' if worst <= 6.0 else '(not met)'}"
                 )
         for r in (s for s in records if s["group"] == "overhead" and not s["floor"]):
@@ -366,7 +366,7 @@ class TopKSuite:
                     f"- Sorted top-k at one beam step, B={r['B']}, n={r['n']}, k={r['k']}, "
                     f"epsilon={r['epsilon']}: fwd {r['fwd_ms']:.2f} ms, fwd+bwd "
                     f"{r['fwdbwd_ms']:.2f} ms ({r['fwdbwd_ratio']:.0f}× the torch.topk forward, "
-                    f"{r['threads']} thread(s)); target ≤ {BEAM_TARGET_MS:g} ms "
+                    f"{_threads_text(r)}); target ≤ {BEAM_TARGET_MS:g} ms "
                     f"{'(met)' if ok else '(not met)'}"
                 )
         lines += _relaxation_summary(records)
@@ -385,6 +385,10 @@ class TopKSuite:
                 text += f"; max |values difference| {imp['max_abs_diff_implicit_vs_unrolled']:.1e}"
             lines.append(text)
         return lines if len(lines) > 2 else []
+
+
+def _threads_text(record: Mapping[str, Any]) -> str:
+    return str(record.get("threads_label") or f"{record.get('threads')} thread(s)")
 
 
 def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
