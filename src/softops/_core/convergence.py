@@ -4,7 +4,7 @@
   error of the row marginals, relative to the total mass): 1e-6 in float32 (and below, which is
   computed in float32), 1e-9 in float64.
 * ``SINKHORN_MAX_ITER`` (2000) caps every Sinkhorn loop; ``THRESHOLD_MAX_ITER`` (100) caps the
-  bracketed Newton of the top-k threshold, which needs 3 to 6 evaluations.
+  bracketed Halley/Newton solve of the top-k threshold, which needs 2 to 5 evaluations.
 * ``warn_not_converged`` issues :class:`ConvergenceWarning` (a ``UserWarning``), once per call,
   attributed to the first frame outside softops and torch: the user's line, whatever route the call
   took inside the library.

@@ -101,10 +101,11 @@ def soft_topk_mask(
             A float, or a tensor (scalar or broadcastable to the batch shape) that receives a
             gradient. Scaling law: ``soft_topk_mask(c*x, k, epsilon=c*e) == soft_topk_mask(x, k,
             epsilon=e)`` for c > 0.
-        method: ``"ot"`` (default) solves for t exactly by bracketed Newton, O(n) per evaluation,
-            3 to 6 evaluations, with the closed-form implicit backward. ``"sinkhorn"`` runs the
-            paper's algorithm, log-domain Sinkhorn on the same n x 2 problem with the same
-            epsilon, with an implicit backward; it equals "ot" at convergence and differentiates
+        method: ``"ot"`` (default) solves for t exactly by bracketed Halley steps (Newton's where
+            Halley's would overshoot), O(n) per evaluation, 2 to 5 evaluations, with the
+            closed-form implicit backward. ``"sinkhorn"`` runs the paper's algorithm,
+            log-domain Sinkhorn on the same n x 2 problem with the same epsilon, with an
+            implicit backward; it equals "ot" at convergence and differentiates
             with respect to x only. The paper normalises the cost by its maximum; its epsilon
             ``eps_paper`` corresponds to ``epsilon = eps_paper * max_i C_i / 2`` per row, where
             ``max_i C_i = max_i max(x_i^2, (x_i - 1)^2)`` for the paper's orientation.

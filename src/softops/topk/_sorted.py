@@ -296,12 +296,14 @@ class _SortedPlan(torch.autograd.Function):
 
     ``tensor_eps`` False says that epsilon has neither a gradient nor a tangent (a float
     epsilon), so ``scaled`` is not saved. ``weights = n plan[:, :, :k]`` (B, k, n), in the dtype
-    of s; ``plan`` (B, n, m) is the
-    float64 plan, an output too so that double backward reaches the plan through this node (the
-    backward is formed from the saved plan by differentiable operations). ``converged`` and
-    ``residual`` are not differentiable; ``clean`` is True where the solver read on the host
-    that every row converged. Forward mode applies the same (symmetric) implicit map to the
-    tangent of the scaled cost; ``vmap`` folds the vmapped dimension into the rows.
+    of s; ``plan`` (B, n, m) is the float64 plan, an output too so that double backward reaches
+    the plan through this node (the torch backward is formed from the saved plan by
+    differentiable operations). Without a graph of the backward, small CPU problems take the
+    numba kernel ``sorted_vjp_rows`` (the same solve and contractions; the rows it cannot solve
+    safely are redone in torch). ``converged`` and ``residual`` are not differentiable;
+    ``clean`` is True where the solver read on the host that every row converged. Forward mode
+    applies the same (symmetric) implicit map to the tangent of the scaled cost; ``vmap`` folds
+    the vmapped dimension into the rows.
     """
 
     @staticmethod
