@@ -21,7 +21,7 @@ def _run(name: str) -> str:
 
 def test_every_example_is_short_and_tested():
     scripts = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert scripts == ["learn_to_rank.py", "learn_to_select.py"]
+    assert scripts == ["learn_to_rank.py", "learn_to_select.py", "sharded_knn.py"]
     for name in scripts:
         assert len((EXAMPLES / name).read_text().splitlines()) <= 70, name
 
@@ -36,3 +36,9 @@ def test_learn_to_rank_trains_through_the_soft_rank():
     out = _run("learn_to_rank.py")
     before, after = (float(v) for v in re.findall(r"training:\s+(-?\d\.\d+)", out))
     assert before < 0.3 and after > 0.9
+
+
+def test_sharded_knn_trains_the_encoder_through_the_sharded_topk():
+    out = _run("sharded_knn.py")
+    before, after = (float(v) for v in re.findall(r"(\d+\.\d)% (?:before|after)", out))
+    assert before < 85 and after > 90, out
