@@ -73,25 +73,35 @@ def _worker(rank: int, size: int, port: int, out: str, plan: dict[int, list[str]
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run_groups(plan: dict[int, list[str]]) -> dict[str, list[dict]]:
+def run_groups(plan: dict[int, list[str]], attempts: int = 2) -> dict[str, list[dict]]:
     """Run the cases ``plan[world]`` for each world size: for each ``"{world}-{name}"``, the
-    list of every participating rank's result (``ok``, ``message``, ``seconds``)."""
+    list of every participating rank's result (``ok``, ``message``, ``seconds``).
+
+    A start that fails (the free port taken by another process before rank 0 binds it: a
+    process then raises in ``init_process_group``) is retried on a new port."""
     size = max(plan)
-    out = tempfile.mkdtemp(prefix="softops-dist-")
-    context = mp.start_processes(
-        _worker,
-        args=(size, free_port(), out, plan),
-        nprocs=size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
+    for attempt in range(attempts):
+        out = tempfile.mkdtemp(prefix="softops-dist-")
+        context = mp.start_processes(
+            _worker,
+            args=(size, free_port(), out, plan),
+            nprocs=size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {size} processes ran past {DEADLINE_S} s (a hang)")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException, TimeoutError):
             for p in context.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"the group of {size} processes ran past {DEADLINE_S} s (a hang)")
+            if attempt + 1 == attempts or any(Path(out).iterdir()):
+                raise
+            continue
+        break
     per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(size)]
     return {
         f"{world}-{name}": [res[f"{world}-{name}"] for res in per_rank[:world]]
