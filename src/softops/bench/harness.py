@@ -72,7 +72,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -103,6 +103,7 @@ __all__ = [
     "Case",
     "Config",
     "QuickDefaults",
+    "RunExtras",
     "RunOptions",
     "Suite",
     "count_saved_bytes",
@@ -119,6 +120,7 @@ __all__ = [
     "run_probe",
     "run_suite",
     "sync",
+    "thread_runs",
     "write_results",
 ]
 # Case, Config, RunOptions, Suite, PROBE_MARKER and the primitives live in softops.bench.model,
@@ -142,6 +144,15 @@ class QuickDefaults(TypedDict):
     batch: int
     repeats: int
     time_budget: float
+
+
+class RunExtras(TypedDict, total=False):
+    """The options every suite's run function passes on to :func:`make_options` unchanged."""
+
+    isolate: bool
+    timeout: float | None
+    memory_limit_mb: float | None
+    progress: bool
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,12 +607,13 @@ def make_options(
     first_call: bool,
     seed: int,
     command: str | None,
-    isolate: bool = False,
-    timeout: float | None = None,
-    memory_limit_mb: float | None = None,
-    progress: bool = False,
+    **extras: Unpack[RunExtras],
 ) -> RunOptions:
     """The harness options of a bench run; ``quick`` takes ``quick_defaults`` and no probes.
+
+    ``extras`` (:class:`RunExtras`): ``isolate`` (each configuration in a fresh subprocess),
+    ``timeout`` (seconds before a subprocess is killed), ``memory_limit_mb`` (the subprocesses'
+    address-space cap) and ``progress`` (a progress bar).
 
     Example:
         >>> from softops.bench.harness import make_options
@@ -624,11 +636,12 @@ def make_options(
         memory=memory and full,
         first_call=first_call and full,
         seed=seed,
-        isolate=isolate,
-        memory_limit_mb=memory_limit_mb,
-        progress=progress,
+        isolate=bool(extras.get("isolate", False)),
+        memory_limit_mb=extras.get("memory_limit_mb"),
+        progress=bool(extras.get("progress", False)),
         extra={"command": command} if command else {},
     )
+    timeout = extras.get("timeout")
     if timeout is not None:
         options.probe_timeout_s = timeout
     options.min_repeats = min(options.min_repeats, options.repeats)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
@@ -36,8 +36,10 @@ from softops.bench.harness import (
     Case,
     Config,
     QuickDefaults,
+    RunExtras,
     make_options,
     run_and_write,
+    thread_runs,
 )
 from softops.nn import TopKAttention, TopKRouter
 
@@ -237,7 +239,7 @@ def run(
     *,
     quick: bool = False,
     out: str | Path = "benchmarks/results",
-    threads: int = 1,
+    threads: int | Sequence[int | None] | None = 1,
     device: str = "cpu",
     repeats: int | None = None,
     sizes: Sequence[int] | None = None,
@@ -245,24 +247,34 @@ def run(
     memory: bool = True,
     command: str | None = None,
     log: Callable[[str], None] = print,
+    **extras: Unpack[RunExtras],
 ) -> tuple[str, dict[str, Path]]:
     """Run the layers suite and write ``layers.{jsonl,md,png}`` (``layers-quick.*``) under out;
-    for a subset of the groups, ``layers-<groups>.*``."""
+    for a subset of the groups, ``layers-<groups>.*``. ``threads`` is a count, ``None`` (out of
+    the box) or a sequence of them, one run each into the same files; ``extras`` go to
+    :func:`~softops.bench.harness.make_options`."""
     options = make_options(
         QUICK,
         quick=quick,
         device=device,
         dtype="float32",
-        threads=threads,
+        threads=1,
         repeats=repeats,
         time_budget=None,
         memory=memory,
         first_call=False,
         seed=0,
         command=command,
+        **extras,
     )
     configs = build_configs(sizes=sizes, quick=quick, groups=groups)
     stem = "layers" if tuple(groups) == GROUPS else "-".join(("layers", *groups))
     return run_and_write(
-        SUITE, configs, options, out, f"{stem}-quick" if quick else stem, command, log
+        SUITE,
+        configs,
+        thread_runs(options, threads),
+        out,
+        f"{stem}-quick" if quick else stem,
+        command,
+        log,
     )

@@ -30,6 +30,9 @@ two top-k problems of Xie et al. (2020):
   problem of ``soft_topk_mask(method="sinkhorn")`` (the library's epsilon is half the paper's);
 * :func:`unrolled_sorted_topk`: the sorted top-k, k+1 targets :math:`y_j = j`, the problem of
   :func:`softops.soft_topk`;
+* :func:`unrolled_ot_sort`: the soft sort and ranks of Cuturi et al. (2019) as the library
+  states them (n targets, the row's own hard-sorted values, masses 1/n), the problem of
+  ``soft_sort`` / ``soft_rank`` with ``method="ot"``;
 * :func:`paper_sinkhorn_topk_mask`: the top-k mask by the same loop run without autograd, with
   the implicit (KKT) backward of the paper: the official algorithm as it lays out its
   iterations, for timing against the library's layout.
@@ -49,6 +52,7 @@ __all__ = [
     "SINKHORN_ITERS",
     "UnrolledSinkhorn",
     "paper_sinkhorn_topk_mask",
+    "unrolled_ot_sort",
     "unrolled_sinkhorn",
     "unrolled_sinkhorn_topk_mask",
     "unrolled_sorted_topk",
@@ -219,6 +223,44 @@ def unrolled_sorted_topk(
     weights = (n * plan[..., :k]).transpose(-2, -1)  # (B, k, n)
     values = (weights @ x.unsqueeze(-1)).squeeze(-1)
     return values, weights
+
+
+def unrolled_ot_sort(x: Tensor, epsilon: float, n_iter: int) -> tuple[Tensor, Tensor]:
+    r"""Soft sort and soft ranks by optimal transport (Cuturi et al. 2019), unrolled.
+
+    The problem of ``soft_sort(x, method="ot")`` and ``soft_rank(x, method="ot")``: the n
+    entries of a row, mass 1/n each, are transported onto the row's own hard-sorted values
+    :math:`y = \mathrm{sort}(x)` (ascending, mass 1/n each; differentiated, as the library does),
+    for the cost :math:`C_{ij} = (x_i - y_j)^2` and entropy weight :math:`\varepsilon` (units of
+    x²). With :math:`P = n \Gamma^\top`, the values are :math:`P x` and the 1-based ranks
+    :math:`r_i = n \sum_j \Gamma_{ij}\, j`. Memory grows as O(B n² n_iter).
+
+    Args:
+        x: rows of shape (B, n).
+        epsilon: the entropy weight, in units of x².
+        n_iter: the number of Sinkhorn iterations.
+
+    Returns:
+        ``(values, ranks)``, each (B, n).
+
+    Example:
+        >>> import torch, softops
+        >>> from softops.bench.references import unrolled_ot_sort
+        >>> x = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
+        >>> values, ranks = unrolled_ot_sort(x, 0.5, 2000)
+        >>> torch.allclose(values, softops.soft_sort(x, epsilon=0.5, method="ot"))
+        True
+        >>> torch.allclose(ranks, softops.soft_rank(x, epsilon=0.5, method="ot"))
+        True
+    """
+    n = x.shape[-1]
+    y = torch.sort(x, dim=-1).values
+    cost = (x.unsqueeze(-1) - y.unsqueeze(-2)) ** 2  # (B, n sources, n targets)
+    plan = unrolled_sinkhorn(cost, -math.log(n), -math.log(n), epsilon, n_iter).plan
+    values = n * (plan.transpose(-2, -1) @ x.unsqueeze(-1)).squeeze(-1)
+    positions = torch.arange(1, n + 1, dtype=x.dtype, device=x.device)
+    ranks = n * (plan * positions).sum(-1)
+    return values, ranks
 
 
 class _PaperSinkhorn(torch.autograd.Function):

@@ -65,24 +65,43 @@ import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 import softops
 from softops._core.isotonic import _configure_threading
-from softops.bench.harness import DEFAULT_OUT, QuickDefaults, make_options, run_and_write
+from softops.bench.harness import (
+    DEFAULT_OUT,
+    QuickDefaults,
+    RunExtras,
+    make_options,
+    run_and_write,
+    thread_runs,
+)
 from softops.bench.model import Case, Config, threads_pinned
+from softops.bench.quality import (
+    RANK_MAE,
+    SORT_MAE,
+    QualityMethod,
+    QualitySpec,
+    finite_differences,
+    unrolled,
+)
+from softops.bench.references import unrolled_ot_sort
 from softops.bench.report import make_logger
 from softops.sort._chunked import BLOCK_ELEMENTS
 
 __all__ = [
     "OVERHEAD_SHAPES",
+    "QUALITY",
+    "QUICK_QUALITY",
     "SORT_QUICK",
     "SUITE",
     "SortSuite",
     "build_configs",
     "numba_threads",
+    "quality_methods",
     "run_sort_bench",
 ]
 
@@ -599,10 +618,115 @@ def _memory_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
 SUITE = SortSuite()
 
 
+# ----------------------------------------------------------------------------------------------
+# Quality
+
+
+def _hard_sort(x: torch.Tensor) -> torch.Tensor:
+    return torch.sort(x, dim=-1).values
+
+
+def _hard_rank(x: torch.Tensor) -> torch.Tensor:
+    return (x.argsort(-1).argsort(-1) + 1).to(x.dtype)
+
+
+_EPS_UNITS = {
+    "pav": "regularization strength (torchsort's)",
+    "softsort": "units of x",
+    "neuralsort": "units of x",
+    "ot": "units of x²",
+}
+
+
+def quality_methods(params: Mapping[str, Any]) -> list[QualityMethod]:
+    """The sort methods of the quality sweep: soft sort (sort MAE) and soft rank (rank MAE) of
+    pav, softsort (l1), neuralsort and ot, and torchsort's when it is installed.
+
+    References: unrolled Sinkhorn of the same OT problem for "ot"
+    (:func:`softops.bench.references.unrolled_ot_sort`, falling back to finite differences of the
+    solve run to 1e-12); central finite differences for the others.
+    """
+    methods = []
+    for method in ("pav", "softsort", "neuralsort", "ot"):
+        for op, hard, metric in (
+            (softops.soft_sort, _hard_sort, SORT_MAE),
+            (softops.soft_rank, _hard_rank, RANK_MAE),
+        ):
+
+            def fn(
+                x: torch.Tensor, eps: float, op: Callable[..., torch.Tensor] = op, m: str = method
+            ) -> torch.Tensor:
+                return op(x, epsilon=eps, method=m)
+
+            kind = "sort" if op is softops.soft_sort else "rank"
+            if method == "ot":
+
+                def exact(
+                    x: torch.Tensor, eps: float, op: Callable[..., torch.Tensor] = op
+                ) -> torch.Tensor:
+                    return op(x, epsilon=eps, method="ot", max_iter=20_000, tol=1e-12)
+
+                index = 0 if kind == "sort" else 1
+
+                def solve(x: torch.Tensor, eps: float, n_iter: int, index: int = index) -> Any:
+                    return unrolled_ot_sort(x, eps, n_iter)[index]
+
+                reference = unrolled(solve, exact, "unrolled Sinkhorn")
+            else:
+                reference = finite_differences(fn)
+            methods.append(
+                QualityMethod(
+                    f"{method} {kind}", fn, hard, metric, reference, eps_unit=_EPS_UNITS[method]
+                )
+            )
+    try:
+        import torchsort
+    except ImportError:
+        return methods
+
+    def ts_sort(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return torchsort.soft_sort(x, regularization_strength=eps)
+
+    def ts_rank(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return torchsort.soft_rank(x, regularization_strength=eps)
+
+    unit = _EPS_UNITS["pav"]
+    methods += [
+        QualityMethod(_TS_SORT, ts_sort, _hard_sort, SORT_MAE, finite_differences(ts_sort), unit),
+        QualityMethod(_TS_RANK, ts_rank, _hard_rank, RANK_MAE, finite_differences(ts_rank), unit),
+    ]
+    return methods
+
+
+QUALITY = QualitySpec(
+    suite="sort",
+    methods=quality_methods,
+    distance={"B": 16, "n": 200},
+    gradient={"B": 3, "n": 12},
+    epsilons=(10.0, 1.0, 0.1, 0.01, 0.001),
+    notes=(
+        "sort MAE is the mean over entries of |soft_sort − torch.sort| (units of x); rank MAE "
+        "that of |soft_rank − the hard 1-based rank|. The epsilons are each method's own: "
+        "pav's is torchsort's regularization strength (hard once the gaps exceed it, for the "
+        "ranks), softsort's and neuralsort's a temperature in units of x, ot's an entropy "
+        "weight in units of x².",
+    ),
+)
+"""The sort suite's quality sweep (``softops bench --suite sort``)."""
+QUICK_QUALITY = QualitySpec(
+    suite="sort",
+    methods=quality_methods,
+    distance={"B": 4, "n": 40},
+    gradient={"B": 2, "n": 8},
+    epsilons=(1.0, 0.1),
+)
+"""The same at tiny sizes (``--quick``)."""
+
+
 def run_sort_bench(
     *,
     quick: bool = False,
-    threads: int = 1,
+    threads: int | Sequence[int | None] | None = 1,
     device: str = "cpu",
     dtype: str = "float32",
     out: str = DEFAULT_OUT,
@@ -618,6 +742,7 @@ def run_sort_bench(
     seed: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
+    **extras: Unpack[RunExtras],
 ) -> tuple[str, dict[str, Path]]:
     """Run the sort suite and write its files; return the Markdown report and the paths.
 
@@ -625,7 +750,10 @@ def run_sort_bench(
     turns the subprocess probes off. Arguments left at ``None`` take the defaults of the mode.
     The files are ``sort.{jsonl,md,png}`` (``sort-quick.*`` with ``quick``) under ``out``. The
     suite has no first-call probe (nothing in it compiles). ``overhead`` (None: on unless
-    ``quick``) adds the small per-call configurations.
+    ``quick``) adds the small per-call configurations. ``threads`` is a count, ``None`` (out of
+    the box: nothing set, numba unpinned) or a sequence of them, one run each into the same
+    files (every configuration then runs in a fresh process); ``extras`` go to
+    :func:`~softops.bench.harness.make_options`.
     """
     log = log or make_logger()
     options = make_options(
@@ -633,13 +761,14 @@ def run_sort_bench(
         quick=quick,
         device=device,
         dtype=dtype,
-        threads=threads,
+        threads=1,
         repeats=repeats,
         time_budget=time_budget,
         memory=memory,
         first_call=False,
         seed=seed,
         command=command,
+        **extras,
     )
     configs = build_configs(
         sizes=sizes or (SORT_QUICK["sizes"] if quick else GRID_SIZES),
@@ -651,4 +780,4 @@ def run_sort_bench(
         overhead=not quick if overhead is None else overhead,
     )
     name = "sort-quick" if quick else "sort"
-    return run_and_write(SUITE, configs, options, out, name, command, log)
+    return run_and_write(SUITE, configs, thread_runs(options, threads), out, name, command, log)

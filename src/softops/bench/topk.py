@@ -51,27 +51,49 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 import softops
 from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled
-from softops.bench.harness import DEFAULT_OUT, QuickDefaults, make_options, run_and_write
+from softops.bench.harness import (
+    DEFAULT_OUT,
+    QuickDefaults,
+    RunExtras,
+    make_options,
+    run_and_write,
+    thread_runs,
+)
 from softops.bench.model import Case, Config
+from softops.bench.quality import (
+    MASK_L1,
+    MC_SAMPLES,
+    WEIGHTS_L1,
+    QualityMethod,
+    QualitySpec,
+    finite_differences,
+    monte_carlo,
+    unrolled,
+)
 from softops.bench.references import (
     SINKHORN_ITERS,
     paper_sinkhorn_topk_mask,
+    unrolled_sinkhorn_topk_mask,
     unrolled_sorted_topk,
 )
 from softops.bench.report import make_logger
+from softops.bench.topk_l1 import L1_EPSILONS, l1_methods
 
 __all__ = [
+    "QUALITY",
     "QUICK",
+    "QUICK_QUALITY",
     "SUITE",
     "TopKSuite",
     "build_configs",
     "paper_sinkhorn_topk_mask",
+    "quality_methods",
     "run_beam_bench",
     "run_topk_bench",
     "unrolled_sorted_topk",
@@ -471,10 +493,128 @@ def _entmax_case(k: int, eps: float) -> Case:
 SUITE = TopKSuite()
 
 
+# ----------------------------------------------------------------------------------------------
+# Quality
+
+
+def _hard_mask(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hard(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x).scatter(-1, x.topk(k, dim=-1).indices, 1.0)
+
+    return hard
+
+
+def _hard_onehots(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hard(x: torch.Tensor) -> torch.Tensor:
+        idx = x.topk(k, dim=-1).indices
+        return torch.nn.functional.one_hot(idx, x.shape[-1]).to(x.dtype)
+
+    return hard
+
+
+def quality_methods(params: Mapping[str, Any]) -> list[QualityMethod]:
+    """The top-k methods of the quality sweep at ``params`` (``B``, ``n``, ``k``).
+
+    References: unrolled Sinkhorn of the same OT problem for "ot", "sinkhorn-200" and the sorted
+    top-k (falling back to finite differences of the exact solve where it does not converge);
+    central finite differences for "softkmax", "sparse" and entmax; 20,000 draws of the same
+    estimator for "perturbed".
+    """
+    k = int(params["k"])
+    hard = _hard_mask(k)
+    l1 = l1_methods(k, PERTURBED_SAMPLES)  # the same functions as softops bench topk-l1
+    ot, sinkhorn, softkmax = l1["ot"], l1[_SINKHORN_LABEL], l1["softkmax"]
+
+    def ot_exact(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return softops.soft_topk_mask(x, k, epsilon=eps, method="ot", max_iter=100, tol=0)
+
+    def perturbed_many(x: torch.Tensor, eps: float) -> torch.Tensor:
+        gen = torch.Generator(device=x.device).manual_seed(1)
+        return softops.soft_topk_mask(
+            x, k, epsilon=eps, method="perturbed", n_samples=MC_SAMPLES, generator=gen
+        )
+
+    def sparse(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return softops.soft_topk_mask(x, k, epsilon=eps, method="sparse")
+
+    def sorted_weights(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return softops.soft_topk(x, k, epsilon=eps).weights
+
+    def sorted_exact(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return softops.soft_topk(x, k, epsilon=eps, max_iter=20_000, tol=1e-13).weights
+
+    mask_ref = unrolled(
+        lambda x, eps, n_iter: unrolled_sinkhorn_topk_mask(x, k, eps, n_iter),
+        ot_exact,
+        "unrolled Sinkhorn",
+    )
+    methods = [
+        QualityMethod("ot", ot, hard, MASK_L1, mask_ref),
+        QualityMethod(_SINKHORN_LABEL, sinkhorn, hard, MASK_L1, mask_ref),
+        QualityMethod("softkmax", softkmax, hard, MASK_L1, finite_differences(softkmax)),
+        QualityMethod(
+            _PERTURBED_LABEL,
+            l1[_PERTURBED_LABEL],
+            hard,
+            MASK_L1,
+            monte_carlo(perturbed_many, f"the same estimator, {MC_SAMPLES} draws, another seed"),
+            eps_unit="units of x (noise scale)",
+        ),
+        QualityMethod(_SPARSE_LABEL, sparse, hard, MASK_L1, finite_differences(sparse)),
+    ]
+    entmax = _entmax_case(k, 1.0)
+    if entmax.skip is None:
+        from entmax import budget_bisect
+
+        def bisect(x: torch.Tensor, eps: float) -> torch.Tensor:
+            return budget_bisect(x / eps, budget=k)
+
+        methods.append(
+            QualityMethod(_ENTMAX_LABEL, bisect, hard, MASK_L1, finite_differences(bisect))
+        )
+    methods.append(
+        QualityMethod(
+            "soft_topk (sorted) weights",
+            sorted_weights,
+            _hard_onehots(k),
+            WEIGHTS_L1,
+            unrolled(
+                lambda x, eps, n_iter: unrolled_sorted_topk(x, k, epsilon=eps, n_iter=n_iter)[1],
+                sorted_exact,
+                "unrolled Sinkhorn",
+            ),
+        )
+    )
+    return methods
+
+
+QUALITY = QualitySpec(
+    suite="top-k",
+    methods=quality_methods,
+    distance={"B": 64, "n": 1_000, "k": 10},
+    gradient={"B": 4, "n": 32, "k": 4},
+    epsilons=L1_EPSILONS,
+    notes=(
+        "The sorted top-k's row is its weights (B, k, n) against the one-hots of torch.topk's "
+        "indices, out of 2k like the masks. softops bench topk-l1 gives the mask L1 at k = 1 "
+        "too (and soft_argmax_onehot there).",
+    ),
+)
+"""The top-k suite's quality sweep (``softops bench --suite topk``)."""
+QUICK_QUALITY = QualitySpec(
+    suite="top-k",
+    methods=quality_methods,
+    distance={"B": 4, "n": 100, "k": 3},
+    gradient={"B": 2, "n": 12, "k": 2},
+    epsilons=(1.0, 0.1, 0.01),
+)
+"""The same at tiny sizes (``--quick``)."""
+
+
 def run_topk_bench(
     *,
     quick: bool = False,
-    threads: int = 1,
+    threads: int | Sequence[int | None] | None = 1,
     device: str = "cpu",
     dtype: str = "float32",
     out: str = DEFAULT_OUT,
@@ -490,12 +630,16 @@ def run_topk_bench(
     seed: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
+    **extras: Unpack[RunExtras],
 ) -> tuple[str, dict[str, Path]]:
     """Run the top-k suite and write its files; return the Markdown report and the paths.
 
     ``quick`` sets the defaults of the size arguments to small values (:data:`QUICK`) and turns
     the subprocess probes off. Arguments left at ``None`` take the defaults of the mode. The
     files are ``topk.{jsonl,md,png}`` (``topk-quick.*`` with ``quick``) under ``out``.
+    ``threads`` is a count, ``None`` (out of the box: nothing set) or a sequence of them, one
+    run each into the same files (every configuration then runs in a fresh process);
+    ``extras`` go to :func:`~softops.bench.harness.make_options`.
     """
     log = log or make_logger()
     options = make_options(
@@ -503,13 +647,14 @@ def run_topk_bench(
         quick=quick,
         device=device,
         dtype=dtype,
-        threads=threads,
+        threads=1,
         repeats=repeats,
         time_budget=time_budget,
         memory=memory,
         first_call=first_call,
         seed=seed,
         command=command,
+        **extras,
     )
     configs = build_configs(
         sizes=sizes or (QUICK["sizes"] if quick else GRID_SIZES),
@@ -523,7 +668,7 @@ def run_topk_bench(
         beam=not quick,
     )
     name = "topk-quick" if quick else "topk"
-    return run_and_write(SUITE, configs, options, out, name, command, log)
+    return run_and_write(SUITE, configs, thread_runs(options, threads), out, name, command, log)
 
 
 def run_beam_bench(

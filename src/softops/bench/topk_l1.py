@@ -16,7 +16,11 @@ the softmax temperature of each step of "softkmax", the Gaussian noise scale of 
 the temperature of ``soft_argmax_onehot``. The largest entry of each mask is reported too:
 "softkmax" exceeds 1 where its recursion double-counts an entry.
 
-This is an accuracy sweep, not a timing: it runs no backward and one call per point.
+This is an accuracy sweep, not a timing: it runs no backward and one call per point. It is the
+distance half of the top-k suite's quality sweep (:mod:`softops.bench.quality`, whose metric
+``MASK_L1`` and :func:`~softops.bench.quality.measure_distance` it uses), at k = 1 as well, in
+the layout the README and the documentation quote; ``softops bench --suite topk`` adds the
+gradient cosines.
 :func:`run_l1_bench` is ``softops bench topk-l1``: the sweep on a given number of threads, then
 the files ``topk-l1.{jsonl,md,png}``.
 """
@@ -24,7 +28,6 @@ the files ``topk-l1.{jsonl,md,png}``.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import torch
 
 import softops
 from softops.bench.harness import DEFAULT_OUT
+from softops.bench.quality import MASK_L1, measure_distance
 from softops.bench.references import SINKHORN_ITERS
 from softops.bench.report import (
     log_log_axes,
@@ -111,7 +115,8 @@ def l1_to_hard(
         dtype: the input dtype.
 
     Returns:
-        One record per (k, method, epsilon): ``l1`` (mean over rows), ``l1_rel`` (``l1 / 2k``,
+        One record per (k, method, epsilon): ``l1`` (mean over the rows where it is finite;
+        ``nan_rows`` counts the others), ``l1_rel`` (``l1 / 2k``,
         the fraction of the mask's mass misplaced), ``max_entry`` and the settings.
     """
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
@@ -121,12 +126,10 @@ def l1_to_hard(
         hard = torch.zeros_like(x).scatter_(-1, x.topk(k, dim=-1).indices, 1.0)
         for name, fn in l1_methods(k, n_samples).items():
             for eps in epsilons:
-                with warnings.catch_warnings():
-                    # sinkhorn-200 does not converge at small epsilon: that is what is measured.
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    with torch.no_grad():
-                        mask = fn(x, float(eps))
-                dist = (mask.double() - hard.double()).abs().sum(-1)
+                # sinkhorn-200 may not converge at small epsilon: that is what is measured.
+                d = measure_distance(fn, MASK_L1, x, hard, float(eps))
+                if "error" in d:
+                    raise RuntimeError(f"topk-l1: {name} at epsilon={eps:g}: {d['error']}")
                 records.append(
                     {
                         "B": batch,
@@ -134,10 +137,10 @@ def l1_to_hard(
                         "k": k,
                         "method": name,
                         "epsilon": float(eps),
-                        "l1": dist.mean().item(),
-                        "l1_rel": dist.mean().item() / (2 * k),
-                        "max_entry": mask.max().item(),
-                        "nan_rows": int(torch.isnan(dist).sum()),
+                        "l1": d["distance"],
+                        "l1_rel": d["distance"] / (2 * k),
+                        "max_entry": d["max_entry"],
+                        "nan_rows": d["nan_rows"],
                         "dtype": str(dtype).removeprefix("torch."),
                         "device": str(device),
                         "torch": torch.__version__,
