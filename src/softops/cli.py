@@ -2,6 +2,9 @@
 
 Usage::
 
+    softops bench --suite topk|sort|smooth|layers|all [--quick] [--threads 1 [default]]
+                  [--device cpu] [--out DIR] [--repeats N] [--sizes N [N ...]] [--no-quality]
+                  [--timeout S] [--memory-limit MB] [--isolate | --no-isolate] ...
     softops bench topk [--quick] [--threads 1] [--device cpu] [--out DIR] [--repeats N]
                        [--sizes N [N ...]] [--batch B] [--time-budget S] [--no-memory] ...
     softops bench topk-l1 [--batch 64] [--n 1000] [--k 1 10] [--epsilons EPS ...] [--samples 100]
@@ -13,10 +16,13 @@ Usage::
                 [--k K] [--epsilon E] [--minutes M | --epochs N] [--seed S [S ...]]
                 [--threads T] [--device D] [--out DIR] [--all] ...
 
-``softops bench topk`` runs the top-k benchmark suite (:mod:`softops.bench.topk`), prints its
-Markdown table and writes ``topk.jsonl``, ``topk.md`` and ``topk.png`` (``topk-quick.*`` with
-``--quick``) under ``--out`` (default ``benchmarks/results``). ``softops bench sort`` runs the sort
-suite (:mod:`softops.bench.sort`) the same way, into ``sort.*`` (``sort-quick.*``).
+``softops bench --suite NAME`` runs a benchmark suite (:mod:`softops.bench.suites`: topk, sort,
+smooth, layers, or all four), prints its Markdown tables and writes ``NAME.jsonl``, ``NAME.md`` and
+``NAME.png`` (``NAME-quick.*`` with ``--quick``) under ``--out`` (default ``benchmarks/results``),
+then its quality sweep (:mod:`softops.bench.quality`) into ``NAME-quality.*``. ``--threads`` takes
+one or more settings, a count or ``default`` (out of the box: the harness sets no thread count);
+``--suite all`` runs ``1 default``. ``softops bench topk`` and ``softops bench sort`` are the same
+as ``--suite topk`` and ``--suite sort``, with the suites' own switches.
 ``softops bench topk-l1`` measures the L1 distance of each top-k relaxation to the hard mask
 against epsilon (:mod:`softops.bench.topk_l1`), into ``topk-l1.{jsonl,md,png}``. ``softops demo``
 shows the soft top-k mask on a small vector, its gradient, and runs the quick top-k benchmark
@@ -46,7 +52,12 @@ from softops.bench import sort as sort_suite
 from softops.bench import topk as topk_suite
 from softops.bench.demo import run_demo
 from softops.bench.harness import DEFAULT_OUT, FULL_REPEATS, FULL_TIME_BUDGET_S, QuickDefaults
+from softops.bench.layers import run as run_layers_bench
+from softops.bench.model import parse_threads
+from softops.bench.report import make_logger
+from softops.bench.smooth import run_smooth_bench
 from softops.bench.sort import SORT_QUICK, run_sort_bench
+from softops.bench.suites import SUITES, expand, run_suite_quality
 from softops.bench.topk import QUICK, run_topk_bench
 from softops.bench.topk_l1 import L1_EPSILONS, run_l1_bench
 
@@ -136,20 +147,39 @@ def _short(n: int) -> str:
     return f"1e{len(text) - 1}" if text.strip("0") == "1" else text
 
 
-def _add_run_options(parser: argparse.ArgumentParser, defaults: _RunDefaults) -> None:
-    """The options of a timed suite: the shared ones, the suite's switches, then ``--seed``."""
-    quick = defaults.quick
+def _thread_setting(text: str) -> str:
+    """``--threads`` values: a count >= 1, or ``default`` (out of the box)."""
+    if text.strip().lower() == "default":
+        return "default"
+    return str(_positive_int(text))
+
+
+def _add_run_options(parser: argparse.ArgumentParser, defaults: _RunDefaults | None) -> None:
+    """The options of a timed suite: the shared ones, the suite's switches, then ``--seed``.
+
+    ``defaults=None`` is ``softops bench --suite``: each suite takes its own defaults.
+    """
+    quick = defaults.quick if defaults else None
     parser.add_argument(
         "--quick",
         action="store_true",
         help=f"small sizes, {quick['repeats']} repeats, no subprocess probes "
-        f"({defaults.quick_takes})",
+        f"({defaults.quick_takes})"
+        if defaults and quick
+        else "each suite's small sizes, a few repeats, no subprocess probes, a tiny quality sweep",
     )
     parser.add_argument(
         "--threads",
-        type=_positive_int,
-        default=1,
-        help=f"{defaults.threads_help} (default: 1)",
+        type=_thread_setting,
+        nargs="+",
+        default=None,
+        metavar="T",
+        help=f"{defaults.threads_help if defaults else 'torch (and numba) threads'}: a count, "
+        "or 'default' for the out-of-the-box configuration (no torch.set_num_threads, no numba "
+        "pinning: what a user gets); several settings run one after the other into the same "
+        "files, each configuration in a fresh process (default: 1"
+        + ("" if defaults else "; 1 default with --suite all")
+        + ")",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--dtype", default="float32", help="input dtype (default: float32)")
@@ -160,8 +190,9 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: _RunDefaults) ->
         "--repeats",
         type=_positive_int,
         default=None,
-        help=f"timed repeats per case (default: {FULL_REPEATS}, or {quick['repeats']} with "
-        "--quick)",
+        help=f"timed repeats per case (default: {FULL_REPEATS}, or "
+        + (f"{quick['repeats']}" if quick else "the suite's")
+        + " with --quick)",
     )
     parser.add_argument(
         "--sizes",
@@ -170,13 +201,17 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: _RunDefaults) ->
         default=None,
         metavar="N",
         help=f"the grid's n values (default: {' '.join(map(_short, defaults.grid_sizes))}, or "
-        f"{' '.join(map(_short, quick['sizes']))} with --quick)",
+        f"{' '.join(map(_short, quick['sizes']))} with --quick)"
+        if defaults and quick
+        else "the grid's n values (S for the layers' attention; default: each suite's)",
     )
     parser.add_argument(
         "--batch",
         type=_positive_int,
         default=None,
-        help=f"the grid's B (default: {defaults.grid_batch}, or {quick['batch']} with --quick)",
+        help=f"the grid's B (default: {defaults.grid_batch}, or {quick['batch']} with --quick)"
+        if defaults and quick
+        else "the grid's B (default: each suite's)",
     )
     parser.add_argument(
         "--time-budget",
@@ -184,15 +219,46 @@ def _add_run_options(parser: argparse.ArgumentParser, defaults: _RunDefaults) ->
         default=None,
         metavar="SECONDS",
         help="seconds of timed repeats per case and configuration; a case whose "
-        f"single call exceeds it is skipped (default: {FULL_TIME_BUDGET_S:g}, or "
-        f"{quick['time_budget']:g} with --quick)",
+        f"single call exceeds it is recorded as 'timeout' and not run at larger sizes of its "
+        f"group (default: {FULL_TIME_BUDGET_S:g}, or "
+        + (f"{quick['time_budget']:g}" if quick else "the suite's")
+        + " with --quick)",
     )
     parser.add_argument(
         "--no-memory",
         action="store_true",
         help="skip the peak-memory subprocesses (always off with --quick)",
     )
-    for flag, text in defaults.switches:
+    parser.add_argument(
+        "--no-quality",
+        action="store_true",
+        help="skip the quality sweep (distance to the hard op, gradient cosines)",
+    )
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time each configuration in a fresh subprocess (default: on, off with --quick; "
+        "always on with several --threads)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="kill a subprocess (a configuration or a probe) after this long and record "
+        "'timeout' (default: 900)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="cap each subprocess's address space at its size after set-up plus MB MiB, so "
+        "that a case over it is recorded as 'oom' (default: no cap)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for flag, text in defaults.switches if defaults else ():
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
 
@@ -231,8 +297,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = commands.add_parser("bench", help="run a benchmark suite")
-    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    bench = commands.add_parser(
+        "bench",
+        # No abbreviations: the sub-commands' options (topk-l1's --n) must not be read as
+        # prefixes of this parser's own (--no-memory, ...).
+        allow_abbrev=False,
+        help="run a benchmark suite",
+        description="Run benchmark suites: --suite topk|sort|smooth|layers|all (timings, "
+        "memory, and each suite's quality sweep), or one of the sub-commands below (topk and "
+        "sort are the same as --suite topk / sort, with the suites' own switches; options go "
+        "after the sub-command).",
+    )
+    bench.add_argument(
+        "--suite",
+        choices=(*SUITES, "all"),
+        default=None,
+        help="the suite to run, or all four (topk, sort, smooth, layers)",
+    )
+    _add_run_options(bench, None)
+    bench.set_defaults(func=_bench_suites)
+    suites = bench.add_subparsers(dest="suite_command", required=False, metavar="SUITE")
     topk = suites.add_parser(
         "topk",
         help="soft top-k mask vs torch.topk, 200-iteration Sinkhorn and entmax",
@@ -289,6 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     error = _check_device(args.device) if args.command == "bench" else None
+    if args.command == "bench" and args.suite and args.suite_command:
+        error = (
+            f"softops bench: expected --suite or a sub-command, not both; got --suite "
+            f"{args.suite} and {args.suite_command}."
+        )
     if error:
         print(error, file=sys.stderr)
         return 2
@@ -311,44 +400,106 @@ def _check_device(device: str) -> str | None:
     return None
 
 
-def _run_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments of ``run_topk_bench`` / ``run_sort_bench`` that the two commands share."""
+def _thread_settings(args: argparse.Namespace, suite: str | None) -> list[int | None]:
+    """The thread settings of a run: ``--threads`` or the default (1; 1 and default for all)."""
+    values = args.threads or (["1", "default"] if suite == "all" else ["1"])
+    return [parse_threads(value) for value in values]
+
+
+def _run_kwargs(args: argparse.Namespace, suite: str | None = None) -> dict[str, Any]:
+    """The arguments of the suites' run functions that every suite shares."""
     return {
         "quick": args.quick,
-        "threads": args.threads,
+        "threads": _thread_settings(args, suite),
         "device": args.device,
-        "dtype": args.dtype,
         "out": args.out,
         "repeats": args.repeats,
         "sizes": args.sizes,
-        "batch": args.batch,
-        "time_budget": args.time_budget,
         "memory": not args.no_memory,
-        "seed": args.seed,
         "command": "softops " + shlex.join(args.argv),
+        "isolate": (not args.quick) if args.isolate is None else args.isolate,
+        "timeout": args.timeout,
+        "memory_limit_mb": args.memory_limit,
+        "progress": not args.no_progress,
+        "log": make_logger(),
     }
 
 
+def _runner(name: str) -> Any:
+    """The run function of suite ``name``, looked up when called (so tests can replace it)."""
+    return {
+        "topk": run_topk_bench,
+        "sort": run_sort_bench,
+        "smooth": run_smooth_bench,
+        "layers": run_layers_bench,
+    }[name]
+
+
+def _run_named(args: argparse.Namespace, name: str, all_: bool, **switches: Any) -> str:
+    """Run one suite (its timings, then its quality sweep); return the reports."""
+    kwargs = _run_kwargs(args, "all" if all_ else name)
+    if name != "layers":
+        kwargs.update(dtype=args.dtype, batch=args.batch, time_budget=args.time_budget)
+        kwargs.update(seed=args.seed)
+    report, _ = _runner(name)(**kwargs, **switches)
+    reports = [report]
+    if not args.no_quality:
+        first = next((t for t in kwargs["threads"] if t is not None), 1)
+        quality = run_suite_quality(
+            name,
+            quick=args.quick,
+            out=args.out,
+            threads=first,
+            seed=args.seed,
+            device=args.device,
+            command=kwargs["command"],
+            log=make_logger(),
+        )
+        if quality is not None:
+            reports.append(quality[0])
+    return "\n".join(reports)
+
+
+def _bench_suites(args: argparse.Namespace) -> int:
+    if args.suite is None:
+        print(
+            "softops bench: expected --suite NAME (topk, sort, smooth, layers or all) or a "
+            "sub-command (topk, sort, topk-l1); see softops bench --help.",
+            file=sys.stderr,
+        )
+        return 2
+    names = expand(args.suite)
+    for name in names:
+        print(_run_named(args, name, args.suite == "all"))
+    return 0
+
+
 def _bench_topk(args: argparse.Namespace) -> int:
-    report, _ = run_topk_bench(
-        **_run_kwargs(args),
-        first_call=not args.no_first_call,
-        speedup=not args.no_speedup,
-        sorted_memory=not args.no_sorted,
-        smooth=not args.no_smooth,
+    print(
+        _run_named(
+            args,
+            "topk",
+            False,
+            first_call=not args.no_first_call,
+            speedup=not args.no_speedup,
+            sorted_memory=not args.no_sorted,
+            smooth=not args.no_smooth,
+        )
     )
-    print(report)
     return 0
 
 
 def _bench_sort(args: argparse.Namespace) -> int:
-    report, _ = run_sort_bench(
-        **_run_kwargs(args),
-        vs=not args.no_vs,
-        dense=not args.no_dense,
-        memory_config=not args.no_memory_config,
+    print(
+        _run_named(
+            args,
+            "sort",
+            False,
+            vs=not args.no_vs,
+            dense=not args.no_dense,
+            memory_config=not args.no_memory_config,
+        )
     )
-    print(report)
     return 0
 
 

@@ -37,6 +37,7 @@ def test_cli_bench_topk_l1(tmp_path: Any, capsys: pytest.CaptureFixture[str]) ->
 def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
     argv += ["--threads", str(torch.get_num_threads()), "--no-speedup", "--no-sorted"]
+    argv += ["--no-quality", "--no-progress"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| torch.topk | 1.00× |" in out
@@ -45,7 +46,7 @@ def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str])
 
 def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "sort", "--quick", "--sizes", "200", "--batch", "2", "--repeats", "1"]
-    argv += ["--threads", str(torch.get_num_threads()), "--no-vs", "--no-dense"]
+    argv += ["--threads", str(torch.get_num_threads()), "--no-vs", "--no-dense", "--no-quality"]
     argv += ["--out", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -69,28 +70,76 @@ def test_cli_rejects_an_unavailable_device(
         assert "but CUDA is not" in capsys.readouterr().err
 
 
-def test_cli_dispatches_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """Replace every suite's run function and the quality sweep; return what they were given."""
     seen: dict[str, dict[str, Any]] = {}
 
     def fake(name: str) -> Any:
         def run(**kwargs: Any) -> tuple[str, dict[str, Any]]:
             seen[name] = kwargs
-            return "report", {}
+            return f"report {name}", {}
 
         return run
 
-    monkeypatch.setattr(softops.cli, "run_topk_bench", fake("topk"))
-    monkeypatch.setattr(softops.cli, "run_sort_bench", fake("sort"))
+    for name in ("topk", "sort", "smooth", "layers"):
+        runner = "run_layers_bench" if name == "layers" else f"run_{name}_bench"
+        monkeypatch.setattr(softops.cli, runner, fake(name))
+
+    def quality(name: str, **kwargs: Any) -> tuple[str, dict[str, Any]] | None:
+        seen[f"quality {name}"] = kwargs
+        return None if name == "layers" else (f"quality {name}", {})
+
+    monkeypatch.setattr(softops.cli, "run_suite_quality", quality)
+    return seen
+
+
+def test_cli_dispatches_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _fake_runs(monkeypatch)
     assert main(["bench", "topk", "--no-first-call", "--no-smooth", "--sizes", "1e3"]) == 0
     assert main(["bench", "sort", "--quick", "--no-memory", "--no-memory-config"]) == 0
     topk, sort = seen["topk"], seen["sort"]
     assert topk["sizes"] == [1000] and not topk["first_call"] and not topk["smooth"]
     assert topk["speedup"] and topk["sorted_memory"] and topk["memory"] and not topk["quick"]
     assert topk["command"] == "softops bench topk --no-first-call --no-smooth --sizes 1e3"
+    assert topk["threads"] == [1] and topk["isolate"] and topk["progress"]
     assert sort["quick"] and not sort["memory"] and not sort["memory_config"]
     assert sort["vs"] and sort["dense"] and sort["out"] == harness.DEFAULT_OUT
+    assert not sort["isolate"]  # --quick runs in process unless asked
     shared = {"threads", "device", "dtype", "repeats", "batch", "time_budget", "seed"}
     assert shared <= set(topk) and shared <= set(sort)
+    assert seen["quality topk"]["threads"] == 1 and seen["quality sort"]["quick"]
+
+
+def test_cli_suite_option_runs_each_suite(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = _fake_runs(monkeypatch)
+    argv = ["bench", "--suite", "all", "--timeout", "60", "--memory-limit", "512"]
+    assert main([*argv, "--no-progress", "--no-isolate"]) == 0
+    out = capsys.readouterr().out
+    for name in ("topk", "sort", "smooth", "layers"):
+        assert seen[name]["threads"] == [1, None], name  # 1 thread, then out of the box
+        assert seen[name]["timeout"] == 60 and seen[name]["memory_limit_mb"] == 512
+        assert not seen[name]["progress"] and not seen[name]["isolate"]
+        assert f"report {name}" in out
+    assert "dtype" not in seen["layers"] and seen["smooth"]["dtype"] == "float32"
+    assert "quality topk" in out and "quality smooth" in out and "quality layers" not in out
+    seen.clear()
+    assert main(["bench", "--suite", "smooth", "--threads", "default", "--no-quality"]) == 0
+    assert seen["smooth"]["threads"] == [None] and "quality smooth" not in seen
+    assert main(["bench", "--suite", "sort", "--threads", "2", "1"]) == 0
+    assert seen["sort"]["threads"] == [2, 1] and seen["quality sort"]["threads"] == 2
+
+
+def test_cli_bench_needs_one_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    assert "expected --suite NAME" in capsys.readouterr().err
+    assert main(["bench", "--suite", "sort", "topk"]) == 2
+    assert "not both" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "--suite", "smooth", "--threads", "1", "default"])
+    assert args.suite == "smooth" and args.threads == ["1", "default"]
+    args = build_parser().parse_args(["bench", "topk", "--threads", "default"])
+    assert args.suite_command == "topk" and args.threads == ["default"]
 
 
 def test_shared_options_take_each_suite_defaults(capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,7 +185,13 @@ def test_cli_demo_without_rich(
 
 @pytest.mark.parametrize(
     "argv",
-    [["bench", "topk", "--sizes", "0"], ["bench", "topk", "--threads", "0"], ["bench"], []],
+    [
+        ["bench", "topk", "--sizes", "0"],
+        ["bench", "topk", "--threads", "0"],
+        ["bench", "--suite", "smooth", "--threads", "some"],
+        ["bench", "--suite", "nope"],
+        [],
+    ],
 )
 def test_cli_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -231,7 +231,8 @@ def _thread_facts_text(rows: Sequence[Mapping[str, Any]]) -> str:
         parts.append("environment " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
     pinned = rows[0].get("threads_setting") != "default"
     how = (
-        "set by the harness (torch.set_num_threads; numba pinned to the same count)"
+        "set by the harness (torch.set_num_threads; cases that run numba kernels pin numba's "
+        "pool to the same count)"
         if pinned
         else "nothing set by the harness: no torch.set_num_threads, no numba pinning, no "
         "environment variable (what a user's process gets)"
