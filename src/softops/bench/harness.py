@@ -655,11 +655,29 @@ def thread_runs(
 
     With more than one setting every copy runs its configurations in fresh subprocesses
     (``isolate``): the out-of-the-box run must not inherit a thread count another one set.
+    The subprocess probes (peak memory, first calls) run in the first setting only: what a
+    forward+backward allocates does not depend on the thread count (beyond per-thread
+    scratch), and each probe is a process start per configuration and case.
+
+    Example:
+        >>> from softops.bench.harness import RunOptions, thread_runs
+        >>> runs = thread_runs(RunOptions(), [1, None])
+        >>> [(r.threads, r.isolate, r.memory) for r in runs]
+        [(1, True, True), (None, True, False)]
     """
     settings = list(threads) if isinstance(threads, Sequence) else [threads]
     settings = list(dict.fromkeys(settings)) or [options.threads]
     isolate = options.isolate or len(settings) > 1
-    return [replace(options, threads=t, isolate=isolate) for t in settings]
+    return [
+        replace(
+            options,
+            threads=t,
+            isolate=isolate,
+            memory=options.memory and i == 0,
+            first_call=options.first_call and i == 0,
+        )
+        for i, t in enumerate(settings)
+    ]
 
 
 def run_and_write(

@@ -387,6 +387,12 @@ def markdown_report(
         "size limit), *timeout* (one call over the time budget, or its subprocess over the "
         "time-out), *oom* (out of memory), *error*.",
     ]
+    if len(groups) > 1 and peak:
+        lines += [
+            "",
+            "Peak memory and first calls are measured in the first thread setting only (what "
+            "a call allocates does not depend on the thread count, beyond per-thread scratch).",
+        ]
     lines += threads_comparison(groups)
     for _, rows in groups:
         if len(groups) > 1:
