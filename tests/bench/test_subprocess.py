@@ -110,3 +110,59 @@ def test_parse_threads_and_labels() -> None:
         with pytest.raises(ValueError, match="expected a thread count"):
             parse_threads(bad)
     assert threads_label(None, 4) == "default threads (4)" and threads_label(2) == "2 threads"
+
+
+def _record(**kwargs: Any) -> dict[str, Any]:
+    base = {
+        "suite": "faulty",
+        "group": "ok",
+        "config": "ok B=2 n=8",
+        "B": 2,
+        "n": 8,
+        "case": "faulty",
+        "floor": False,
+        "status": "ok",
+        "fwdbwd_status": "ok",
+        "fwd_ms": 1.0,
+        "fwdbwd_ms": 2.0,
+        "floor_fwd_ms": 0.5,
+        "fwd_ratio": 2.0,
+        "fwdbwd_ratio": 4.0,
+        "repeats": 3,
+        "saved_mb": 0.1,
+        "peak_mb": None,
+        "peak_kind": None,
+        "skip": None,
+        "fwdbwd_skip": None,
+        "torch": "2",
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 1,
+        "threads_setting": "1",
+        "threads_label": "1 thread",
+        "torch_threads": 1,
+        "load_avg": [1.5, 1.0, 0.5],
+        "cpu_count": 2,
+        "time": "now",
+    }
+    return {**base, **kwargs}
+
+
+def test_report_shows_probe_and_backward_statuses(tmp_path: Any) -> None:
+    records = [
+        _record(case="floor", floor=True, peak_mb=1.0, peak_status="ok", peak_kind="rss"),
+        _record(peak_status="oom", peak_error="killed by SIGKILL"),
+        _record(case="slow", fwdbwd_status="timeout", fwdbwd_ms=None, fwdbwd_skip="too slow"),
+    ]
+    md = markdown_report(records, FAULTY)
+    assert "| faulty | 2.00× | 4.00× | 1.00 | 2.00 | 0.1 | oom | 3 |" in md
+    assert "- faulty: memory probe oom: killed by SIGKILL" in md
+    assert (
+        "| slow | 2.00× | timeout | 1.00 | timeout |" in md and "- slow (fwd+bwd): too slow" in md
+    )
+    assert "load average 1.5 at the start of the configurations (2 cores)" in md
+    pytest.importorskip("matplotlib")
+    from softops.bench.report import plot_results
+
+    assert plot_results(records, tmp_path / "p.png", FAULTY)  # with a peak-memory panel
+    assert (tmp_path / "p.png").stat().st_size > 0

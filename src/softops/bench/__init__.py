@@ -1,21 +1,30 @@
 """Benchmark harness behind ``softops bench``; never imported by ``import softops``.
 
-The harness is generic, in five modules:
+The harness is generic, in six modules:
 
 * :mod:`softops.bench.model`: what a suite is (:class:`Case`, :class:`Config`, :class:`Suite`),
-  how to run it (:class:`RunOptions`), and the measurement primitives (:func:`count_saved_bytes`);
+  how to run it (:class:`RunOptions`: threads, or ``None`` for the out-of-the-box
+  configuration, isolation, time-outs, a memory cap), the statuses of a record (ok, skipped,
+  error, oom, timeout) and the measurement primitives (:func:`count_saved_bytes`);
 * :mod:`softops.bench.harness`: the timing loop, interleaved median timings of forward and
-  forward+backward (:func:`run_suite`), and one command-line run of a suite;
-* :mod:`softops.bench.probes`: peak memory and first calls, in fresh subprocesses;
+  forward+backward (:func:`run_suite`), each configuration in a fresh subprocess when asked, and
+  one command-line run of a suite (once per thread setting);
+* :mod:`softops.bench.probes`: whole configurations, peak memory and first calls, in fresh
+  subprocesses, with out-of-memory errors, kills and time-outs recorded as statuses;
+* :mod:`softops.bench.quality`: the quality sweep, each method's distance to the hard operator
+  against epsilon and the cosine of its gradient to a reference gradient;
 * :mod:`softops.bench.report`: JSONL, Markdown and PNG reports (:func:`write_results`;
   matplotlib, for the plot, is imported lazily and is optional) and the console output;
 * :mod:`softops.bench.references`: the reference implementations the implicit backwards are
   checked against (log-domain Sinkhorn unrolled under plain autograd), used by the tests too.
 
-The suites, one module each, own their configurations and their run: :mod:`softops.bench.topk`
-(``softops bench topk``), :mod:`softops.bench.sort` (``softops bench sort``) and
-:mod:`softops.bench.topk_l1` (``softops bench topk-l1``). :mod:`softops.bench.plots` draws the
-figures of the operators (``softops plot``, and the documentation site).
+The suites, one module each, own their configurations, their quality sweep and their run:
+:mod:`softops.bench.topk` (``softops bench --suite topk``, or ``softops bench topk``),
+:mod:`softops.bench.sort` (``--suite sort``), :mod:`softops.bench.smooth` (``--suite smooth``),
+:mod:`softops.bench.layers` (``--suite layers``) and :mod:`softops.bench.topk_l1` (``softops bench
+topk-l1``); :mod:`softops.bench.suites` is their registry (``--suite all``).
+:mod:`softops.bench.plots` draws the figures of the operators (``softops plot``, and the
+documentation site).
 
 The suites measure the public API, plus a few internals that are what they measure. This is the
 whole internal surface the harness reads; a change there must update the harness:
@@ -25,7 +34,10 @@ whole internal surface the harness reads; a change there must update the harness
 * ``softops._core.sinkhorn.implicit_cost_vjp``: the implicit backward of the paper-layout
   Sinkhorn reference (:func:`softops.bench.references.paper_sinkhorn_topk_mask`);
 * ``softops.sort._chunked.BLOCK_ELEMENTS``: the block size of the row-chunked SoftSort path,
-  reported by the sort suite's memory target.
+  reported by the sort suite's memory target;
+* ``softops._core.isotonic._configure_threading``: the threading layer the library picks for
+  numba before its pool is launched, which the sort suite's 1-thread pinning (setting numba's
+  thread count launches the pool) picks first, so the pinned rows run on the same layer.
 
 Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted``)::
 
