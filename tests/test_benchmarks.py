@@ -274,3 +274,40 @@ def test_write_experiment_writes_the_record_and_the_table(tmp_path):
     record = json.loads(paths["json"].read_text())
     assert record["rows"] == [1, 2] and record["torch"] == torch.__version__ and record["machine"]
     assert paths["md"].read_text() == "# t\n\n| a |"
+
+
+# ---------------------------------------------------------------- benchmarks/distributed.py
+
+
+def test_distributed_benchmark_tiny_run(tmp_path):
+    import json
+    import subprocess
+
+    command = [sys.executable, str(BENCHMARKS / "distributed.py"), "--B", "2", "--n", "64"]
+    command += ["--k", "3", "--worlds", "1", "2", "--repeats", "1", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "distributed.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [(r["world"], r["case"]) for r in records] == [
+        (1, "sharded"),
+        (1, "all-gather"),
+        (2, "sharded"),
+        (2, "all-gather"),
+    ]
+    for r in records:
+        assert r["max_abs_diff"] < 1e-5 and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+    one, _, two, gather = records
+    assert one["fwd_collectives"] == 0 and one["fwdbwd_collectives"] == 0  # a world of one
+    # the header, the start and one all-reduce per evaluation; one in the backward
+    assert two["fwd_collectives"] == 2 + two["iterations"]
+    assert two["fwdbwd_collectives"] - two["fwd_collectives"] == 1
+    assert gather["fwd_collectives"] == 1 and gather["fwd_bytes"] == 2 * 32 * 4
+    assert "| 2 | sharded |" in (tmp_path / "distributed.md").read_text()
+
+
+def test_distributed_benchmark_results_are_committed():
+    text = (BENCHMARKS / "results" / "distributed.md").read_text()
+    assert "python benchmarks/distributed.py" in text
+    for world in (1, 2, 4):
+        assert f"| {world} | sharded |" in text and f"| {world} | all-gather |" in text

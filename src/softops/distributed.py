@@ -25,19 +25,24 @@ with SUM, the one collective this module calls, so every backend runs it on ever
 * one all-gather, as an all-reduce of zero-padded per-rank slots, of the per-row shard
   statistics (counts of finite, ``+inf`` and NaN entries, finite min, max and sum) with
   candidates for the start: each rank's ``floor(k) + 1`` largest entries where the whole group
-  sends at most ``SAMPLE_SIZE`` of them per row and they are under half the row (the bracket is
-  then exact, as in the single-process op), and else each rank's part of a global strided
-  subsample of about ``SAMPLE_SIZE`` entries per row, whose quantile centres the row;
+  sends at most ``max(SAMPLE_SIZE, n // EXACT_SHARE)`` of them per row and they are under half
+  the row (the bracket is then exact, as in the single-process op: 2 to 4 evaluations), and
+  else each rank's part of a global strided subsample of about ``SAMPLE_SIZE`` entries per
+  row, whose quantile centres the row (3 to 7 evaluations, as the single-process op's long
+  rows);
 * one all-reduce of (5, B) per evaluation of F ("ot": 2 to 6 typical, ``max_iter`` at most);
-  "sparse": one of (5, B) per evaluation and one of (3, B) for its closed-form polish;
-* backward: one all-reduce of (2, B), ``[sum_i s_i, <s, g>]``; with gradients in k or epsilon
-  instead one all-gather of (6, B) per rank (log-domain partial sums, below).
+  "sparse": one of (6, B) per evaluation (its closed-form polish rides along);
+* "ot" only, and only where a row is near the hard limit (below): one or two all-gathers of
+  (6, B) per rank for the log-domain polish of its threshold;
+* backward: one all-reduce of (2, B), ``[sum_i s_i, <s, g>]`` ("sparse": (3, B), ``[|S|,
+  sum_S g, #NaN]``); with gradients in k or epsilon instead one all-gather of (3, B) or (6,
+  B) per rank (log-domain partial sums, below; "sparse": an all-reduce of (5, B)).
 
 So a forward costs ``2 + iterations`` collectives of O(B) (the second O(B SAMPLE_SIZE / P)
-per rank), whatever n is. Ranks take the same steps: the iterate, the bracket and the stop
-test are functions of all-reduced sums only, which every rank receives bit for bit, and the
-host test of "all rows done" is made on those (ranks of one kind of device compute them
-identically). The iteration is capped, so a call always returns.
+per rank), whatever n is, and a backward one. Ranks take the same steps: the iterate, the
+bracket and the stop test are functions of all-reduced sums only, which every rank receives
+bit for bit, and the host test of "all rows done" is made on those (ranks of one kind of device
+compute them identically). The iteration is capped, so a call always returns.
 
 Numerics (the pitfalls of ``softops.topk._ot``, in their sharded form):
 
@@ -60,6 +65,17 @@ Numerics (the pitfalls of ``softops.topk._ot``, in their sharded form):
   ``F''/F' = -<1 - 2A, d>/(eps sum d)``, ``d = u(1 - u)``, is one more shard sum in the same
   pass. The tolerance on ``|F|`` is the rounding of the sums, one ulp of t, and the flush of
   the sigmoid, as in the single-process op.
+* **Near the hard limit.** Where the count above t is k and every ``u`` is tiny, F's
+  tolerance (its floor, ``32 em``) holds over a stretch of the gap between the k-th and
+  (k+1)-th entries (all of it once ``|z|`` overflows), yet the gradients in k and epsilon
+  weigh the entries by ``s ~ exp(-|z|)``, which depends on where t is. Those rows (``sum
+  u(1 - u) < 32 sqrt(em)``) are polished: the root of ``G = log U_b - log U_a``, ``U_b`` and
+  ``U_a`` the sums of u below and above t, by Newton steps inside the gap; each rank sums its
+  side terms shifted by its own nearest distance (no underflow), and one all-gather combines
+  them. In the hard limit G is linear in t, so one step is exact. (The single-process op
+  stops where F first passes its tolerance: on such rows its gradients in k and epsilon are
+  only as exact as that leaves t, 1e-4 relative and worse; this op's are those of the exact
+  root.)
 * **Infinities.** ``+inf`` entries count as selected and ``-inf`` as not with no special case in
   the residual; rows whose k the finite entries cannot meet, or holding a NaN on any rank, are
   flagged from the all-gathered counts and come out NaN on every rank (their row only); rows
@@ -108,7 +124,8 @@ several (``WORLD_SIZE`` > 1, as torchrun sets it), which raises: a script that f
 
 Not supported: double backward (the backward's collectives are not differentiated; it raises),
 forward mode, ``torch.func`` transforms and ``torch.compile`` tracing of the call (the solve tests
-convergence on the host between collectives).
+convergence on the host between collectives). The shard's pass of each evaluation is the fused
+(``torch.compile``) kernel on large shards, as in the single-process op (``softops.set_compile``).
 """
 
 from __future__ import annotations
@@ -154,7 +171,12 @@ METHODS = ("ot", "sparse")
 """The methods of :func:`soft_topk_mask` (the single-process op's with a per-row k)."""
 SAMPLE_SIZE = 2048
 """Entries per row the whole group sends for the start: the exact candidates where they fit in
-this budget (and are under half the row), else a strided subsample of about this many."""
+``max(SAMPLE_SIZE, n // EXACT_SHARE)`` (and are under half the row), else a strided subsample
+of about ``SAMPLE_SIZE``."""
+EXACT_SHARE = 64
+"""The exact candidates may be up to ``1 / EXACT_SHARE`` of the row: a shard's top-k costs
+less than one evaluation, and the exact bracket saves two to four (measured: B=64, n=1e6,
+k=1000, 4 ranks: 7 evaluations from the subsample, 3 from the candidates)."""
 SCALE_BITS = 40
 """Rows whose epsilon exceeds ``finfo.max / 2**SCALE_BITS`` are solved on ``(x c, eps c)``."""
 SMOOTH_START = 8
@@ -433,12 +455,13 @@ def _exchange(
             f"every one of the {comm.size} ranks."
         )
     k_max, k_min = first[12], first[13]
-    if first[2] and not 0 <= k_min <= k_max <= n:
+    number = first[10] == 0  # (a tensor k of an empty batch has no values to check)
+    if (number or first[2]) and not 0 <= k_min <= k_max <= n:
         bad = k_max if k_max > n else k_min
         shown = repr(local.k) if not isinstance(local.k, torch.Tensor) else f"{bad:g}"
         raise ValueError(
             f"{op}: expected 0 <= `k` <= n (= {n}, the length of `dim` summed over the "
-            f"{comm.size} ranks of the group); got k={shown}."
+            f"{comm.size} rank{'s' if comm.size > 1 else ''} of the group); got k={shown}."
         )
     return _Plan(
         op,
@@ -551,7 +574,8 @@ def _gather_rows(plan: _Plan, x: torch.Tensor) -> _Rows:
     """The start's one collective: every rank's shard statistics and candidates, all-gathered.
 
     The candidates are each rank's ``floor(max k) + 1`` largest entries (which hold the row's)
-    where the group sends at most ``SAMPLE_SIZE`` of them per row and under half the row, else
+    where the group sends at most ``max(SAMPLE_SIZE, n // EXACT_SHARE)`` of them per row and
+    under half the row, else
     its part of the strided subsample ``x[:, ::stride]`` of the concatenated row; with
     ``hard=True`` also its ``max k`` largest (the same ones on the exact path).
     """
@@ -559,7 +583,8 @@ def _gather_rows(plan: _Plan, x: torch.Tensor) -> _Rows:
     B = x.shape[0]
     f64 = torch.float64
     depth = max(min(math.floor(plan.k_max) + 1, n), 1)
-    exact = comm.size * depth <= SAMPLE_SIZE and 2 * depth <= n
+    budget = max(SAMPLE_SIZE, n // EXACT_SHARE)
+    exact = comm.size * depth <= budget and 2 * depth <= n
     hard_w = int(plan.k_max) if plan.hard else 0
     parts = [_shard_stats(x)]
     ns = 0
@@ -1298,7 +1323,8 @@ def soft_topk_mask(
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
     and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row,
-    restricted to this rank's shard (to rounding: 1e-12 in float64):
+    restricted to this rank's shard (to rounding: 1e-12 in float64; near the hard limit the
+    gradients in k and epsilon are those of the exact threshold, see the module docstring):
 
     .. math::
 
