@@ -60,6 +60,7 @@ def main(rank, init):
         after = accuracy(enc, store, labels, test_x, test_y)
     if rank == 0:
         print(f"kNN accuracy (k={K}, {WORLD} shards): {before:.1%} before, {after:.1%} after")
+    del enc, opt  # DDP before its process group (its destructor can wait on it otherwise)
     dist.destroy_process_group()
 
 
