@@ -201,3 +201,74 @@ def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
     monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: False)
     softops.soft_topk(x, 2, epsilon=0.1)
     assert calls == [(4, 18, 3)] * 2
+
+
+def test_use_numba_and_log_sinkhorn_checked(numba_on):
+    t = torch.zeros(2, 18, 3, dtype=F64)
+    assert sinkhorn.use_numba(t, 18, 3)
+    assert not sinkhorn.use_numba(t, 18, 3 * 10**3)  # above NUMBA_MAX_WORK
+    assert not sinkhorn.use_numba(t.to("meta"), 18, 3)
+    assert not torch.func.vmap(lambda r: torch.tensor(sinkhorn.use_numba(r, 18, 3)))(t).any()
+    cost, log_a, log_b, eps = _sorted_problem(4, 18, 2, 0.1, seed=21)
+    res, clean = sinkhorn.log_sinkhorn_checked(
+        cost,
+        log_a,
+        log_b,
+        eps,
+        max_iter=2000,
+        tol=1e-9,
+        newton=True,
+        newton_first=True,
+        potentials=False,
+    )
+    assert clean is True and bool(res.converged.all())
+    torch.testing.assert_close(res.plan.sum(-1), torch.full((4, 18), 1 / 18, dtype=F64))
+
+
+def test_the_kernels_directly():
+    """newton_first_rows flags an irregular row (NaN error) and solves the others;
+    sorted_vjp_rows equals the torch implicit VJP contracted with the slopes."""
+    kernels = sinkhorn.numba_kernels()
+    cost, log_a, log_b, _ = _sorted_problem(3, 10, 2, 0.2, seed=22)
+    s = cost.transpose(1, 2).contiguous()  # (B, m, n), already in units of epsilon
+    log_a[2, 0] = -math.inf
+    plan = torch.empty(3, 3, 10, dtype=F64)
+    v, ratio = torch.empty(3, 3, dtype=F64), torch.empty(3, 3, dtype=F64)
+    err, steps = torch.empty(3, dtype=F64), torch.empty(3, dtype=torch.int64)
+    kernels.newton_first_rows(
+        s.numpy(),
+        log_a.numpy(),
+        log_b.numpy(),
+        1e-9,
+        12,
+        plan.numpy(),
+        v.numpy(),
+        ratio.numpy(),
+        err.numpy(),
+        steps.numpy(),
+    )
+    assert bool((err[:2] <= 1e-9).all()) and math.isnan(float(err[2])) and int(steps[2]) == 0
+    torch.testing.assert_close(plan[:2].sum(1), torch.full((2, 10), 0.1, dtype=F64))
+    p = plan[:2].transpose(1, 2)  # (B, n, m)
+    grad = torch.randn(p.shape, generator=seeded(23), dtype=F64)
+    ones = torch.ones(2, dtype=F64)
+    ref = sinkhorn.implicit_cost_vjp(p, grad, ones, True)
+    slopes = torch.arange(3, dtype=F64)
+    gs, ge = torch.empty(2, 10, dtype=F64), torch.empty(2, dtype=F64)
+    safe = torch.empty(2, dtype=torch.bool)
+    kernels.sorted_vjp_rows(
+        plan[:2].contiguous().numpy(),
+        grad.transpose(1, 2).contiguous().numpy(),
+        s[:2].numpy(),
+        slopes.numpy(),
+        ones.numpy(),
+        sinkhorn.DET_MIN,
+        gs.numpy(),
+        ge.numpy(),
+        safe.numpy(),
+    )
+    assert bool(safe.all())
+    torch.testing.assert_close(gs, ref @ slopes, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        ge, -(ref * s[:2].transpose(1, 2)).sum((1, 2)), rtol=1e-10, atol=1e-12
+    )
