@@ -445,7 +445,7 @@ def _numba_vjp(
     pm = plan.detach().transpose(1, 2).contiguous()  # (B, m, n): the solver's buffer, no copy
     gm = pm.new_zeros((bsz, m, n))
     gm[:, : grad_w.shape[1]] = grad_w.detach() * n
-    slopes = torch.arange(m, dtype=f64) * (1.0 if neg else -1.0)
+    slopes = _slopes(m, neg, pm).squeeze(-1)
     costs = scaled.detach().contiguous() if need_eps else pm.new_empty((0, 1, 1))
     grad_s = pm.new_empty((bsz, n))
     grad_eps = pm.new_empty(bsz)
