@@ -116,3 +116,51 @@ def exact_plan_derivative(
     down = plan([xs[i] - h * vs[i] for i in range(n)])
     total = ctx.fsum((up[i][j] - down[i][j]) * cs[i][j] for i in range(n) for j in range(m))
     return float(total / (2 * h))
+
+
+def exact_threshold_grads(
+    x: torch.Tensor, k: float, eps: float, g: torch.Tensor
+) -> tuple[list[float], float, float]:
+    """The gradients ``(d/dx, d/dk, d/deps)`` of ``<g, A>`` for one finite row of the "ot" mask
+    ``A = sigmoid((x - t)/eps)``, ``sum A = k``, at the exact threshold, in 60-digit arithmetic.
+
+    t is bisected (on the sign of the residual, formed without cancellation) to 1e-50; then ``s = A
+    (1 - A)/eps``, ``w = s / sum s``, ``d/dx = s (g - <w, g>)``, ``d/dk = <w, g>`` and ``d/deps =
+    -sum g s (z - <w, z>)``. The reference wherever float64 cannot resolve t as finely as the
+    weights ``~ exp(-|z|)`` need (a tiny epsilon beside the gaps: the hard limit).
+    """
+    import mpmath
+
+    ctx = mpmath.mp.clone()
+    ctx.dps = 60
+    xs = [ctx.mpf(v) for v in x.tolist()]
+    gs = [ctx.mpf(v) for v in g.tolist()]
+    e, kk = ctx.mpf(eps), ctx.mpf(k)
+
+    def residual(t: object) -> object:
+        # sum A - k as (count above t - k) + the sums of u = sigmoid(-|z|) below less above:
+        # the count is exact, so its sign is right even where every u is below the precision
+        above = [v > t for v in xs]
+        u = [1 / (1 + ctx.exp(abs(v - t) / e)) for v in xs]
+        signed = ctx.fsum(-q if up else q for q, up in zip(u, above, strict=True))
+        return (sum(above) - kk) + signed
+
+    lo, hi = min(xs) - 200 * e - 1, max(xs) + 200 * e + 1
+    for _ in range(400):
+        mid = (lo + hi) / 2
+        if residual(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < ctx.mpf(10) ** -50 * (1 + abs(hi)):
+            break
+    t = (lo + hi) / 2
+    z = [(v - t) / e for v in xs]
+    s = [1 / (e * (2 + ctx.exp(q) + ctx.exp(-q))) for q in z]  # A (1 - A) / eps, no cancellation
+    total = ctx.fsum(s)
+    w = [q / total for q in s]
+    wg = ctx.fsum(wi * gi for wi, gi in zip(w, gs, strict=True))
+    wz = ctx.fsum(wi * zi for wi, zi in zip(w, z, strict=True))
+    dx = [float(si * (gi - wg)) for si, gi in zip(s, gs, strict=True)]
+    de = -ctx.fsum(gi * si * (zi - wz) for gi, si, zi in zip(gs, s, z, strict=True))
+    return dx, float(wg), float(de)

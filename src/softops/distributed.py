@@ -35,8 +35,9 @@ with SUM, the one collective this module calls, so every backend runs it on ever
 * "ot" only, and only where a row is near the hard limit (below): one or two all-gathers of
   (6, B) per rank for the log-domain polish of its threshold;
 * backward: one all-reduce of (2, B), ``[sum_i s_i, <s, g>]`` ("sparse": (3, B), ``[|S|,
-  sum_S g, #NaN]``); with gradients in k or epsilon instead one all-gather of (3, B) or (6,
-  B) per rank (log-domain partial sums, below; "sparse": an all-reduce of (5, B)).
+  sum_S g, #NaN]``); with gradients in k or epsilon instead one all-gather of (9, B) or (13,
+  B) per rank (log-domain partial sums of each side of t, below; "sparse": an all-reduce of
+  (5, B)).
 
 So a forward costs ``2 + iterations`` collectives of O(B) (the second O(B SAMPLE_SIZE / P)
 per rank), whatever n is, and a backward one. Ranks take the same steps: the iterate, the
@@ -65,17 +66,15 @@ Numerics (the pitfalls of ``softops.topk._ot``, in their sharded form):
   ``F''/F' = -<1 - 2A, d>/(eps sum d)``, ``d = u(1 - u)``, is one more shard sum in the same
   pass. The tolerance on ``|F|`` is the rounding of the sums, one ulp of t, and the flush of
   the sigmoid, as in the single-process op.
-* **Near the hard limit.** Where the count above t is k and every ``u`` is tiny, F's
-  tolerance (its floor, ``32 em``) holds over a stretch of the gap between the k-th and
-  (k+1)-th entries (all of it once ``|z|`` overflows), yet the gradients in k and epsilon
-  weigh the entries by ``s ~ exp(-|z|)``, which depends on where t is. Those rows (``sum
-  u(1 - u) < 32 sqrt(em)``) are polished: the root of ``G = log U_b - log U_a``, ``U_b`` and
-  ``U_a`` the sums of u below and above t, by Newton steps inside the gap; each rank sums its
-  side terms shifted by its own nearest distance (no underflow), and one all-gather combines
-  them. In the hard limit G is linear in t, so one step is exact. (The single-process op
-  stops where F first passes its tolerance: on such rows its gradients in k and epsilon are
-  only as exact as that leaves t, 1e-4 relative and worse; this op's are those of the exact
-  root.)
+* **Near the hard limit.** Where every ``u`` is tiny, F's tolerance (its floor, ``32 em``)
+  holds over a stretch of the gap between the entries next to t (all of it once ``|z|``
+  overflows), yet the gradients in k and epsilon weigh the entries by ``s ~ exp(-|z|)``, which
+  depends on where t is. Those rows (``sum u(1 - u) < 32 sqrt(em)``) are polished as in the
+  single-process op (:func:`softops.topk._ot.polish`): Newton steps inside the gap on ``G =
+  log(U_b + c_b) - log(U_a + c_a)``, ``U_b`` and ``U_a`` the sums of u below and above t and
+  ``c`` the count's offset from k; each rank sums its side terms shifted by its own nearest
+  distance (no underflow), and one all-gather per step combines them. In the hard limit G is
+  linear in t, so one step is exact.
 * **Infinities.** ``+inf`` entries count as selected and ``-inf`` as not with no special case in
   the residual; rows whose k the finite entries cannot meet, or holding a NaN on any rank, are
   flagged from the all-gathered counts and come out NaN on every rank (their row only); rows
@@ -156,6 +155,7 @@ from softops._core.validation import (
 )
 from softops.solvers import ThresholdResult
 from softops.topk._options import check_mask_k
+from softops.topk._ot import balance_parts, near_hard, polish
 
 __all__ = [
     "METHODS",
@@ -183,8 +183,6 @@ SMOOTH_START = 8
 """Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 BLOCK = 2
 """Evaluations between two host tests of "all rows done" off the CPU (one on the CPU)."""
-POLISH_STEPS = 6
-"""Cap on the log-domain Newton steps of near-hard rows (:func:`_polish`; 1 or 2 typical)."""
 _HEADER = 18
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -799,58 +797,6 @@ def _evaluate(
     )
 
 
-def _balance(
-    comm: _Comm, off: torch.Tensor, e: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""At the offsets ``off = (x - m) - t`` (B, n_r), per row: ``G = log U_b - log U_a`` and
-    ``dG/dt``, with ``U_b = sum_{z <= 0} u`` and ``U_a = sum_{z > 0} u`` (``u = sigmoid(-|z|)``,
-    ``z = off / eps``), and the distances from t to the nearest finite entry below and above.
-
-    Each side is summed on every rank with the rank's own nearest distance ``a_r`` taken off
-    before dividing by epsilon, ``sum exp(log u_i + a_r / eps)`` (its largest term is in [1/2,
-    1]), and the ranks' sums are combined with the factors ``exp(-(a_r - a)/eps)``, ``a = min_r
-    a_r``, from one all-gather: no underflow, whatever epsilon. Then
-
-    .. math::
-
-        G = \lograc{	ilde U_b}{	ilde U_a} + rac{a_a - a_b}{arepsilon}, \qquad
-        rac{dG}{dt} = -rac{1}{arepsilon}\Big(rac{	ilde D_b}{	ilde U_b} +
-        rac{	ilde D_a}{	ilde U_a}\Big),
-
-    with :math:`	ilde D` the same sums of ``u (1 - u)``: in the hard limit G is linear in t,
-    of slope ``-2/eps``.
-    """
-    B, n_r = off.shape
-    a = off.abs()
-    below = (off <= 0) & torch.isfinite(off)
-    above = (off > 0) & torch.isfinite(off)
-    parts = []
-    for side in (below, above):
-        if n_r:
-            near = torch.where(side, a, math.inf).amin(-1, keepdim=True)
-        else:
-            near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
-        shift = torch.where(torch.isfinite(near), near, 0)
-        af = torch.where(side, a, shift)
-        # log u + near/eps = -(a - near)/eps - softplus(-a/eps); u (1 - u) has one more factor
-        lu = -((af - shift) / e) - torch.nn.functional.softplus(-(af / e))
-        term = torch.where(side, torch.exp(lu), 0)
-        u = torch.sigmoid(-(af / e))
-        parts += [near.squeeze(-1), term.sum(-1), (term * (1 - u)).sum(-1)]
-    allp = comm.gather(torch.stack(parts))  # (P, 6, B)
-    out = []
-    es = e.squeeze(-1)
-    for i in (0, 3):
-        nears = allp[:, i]
-        lowest = nears.amin(0)
-        factor = torch.where(torch.isfinite(nears), torch.exp(-(nears - lowest) / es), 0)
-        out += [lowest, (factor * allp[:, i + 1]).sum(0), (factor * allp[:, i + 2]).sum(0)]
-    a_b, ub, db, a_a, ua, da = out
-    G = torch.log(ub / ua) + (a_a - a_b) / es
-    dG = -(db / ub + da / ua) / es
-    return G, dG, a_b, a_a
-
-
 def _polish(
     comm: _Comm,
     x: torch.Tensor,
@@ -858,39 +804,21 @@ def _polish(
     e2: torch.Tensor,
     state: SolverState,
     rows: torch.Tensor,
+    gap: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Re-solve, in the log domain, the rows whose threshold F cannot place: where the count
-    above t is k and every ``u`` is small (``sum u < 1``: the tolerance on F is its floor,
-    ``32 em``), ``F = U_b - U_a`` is within it over a stretch of ``32 em eps / sum u(1 - u)``
-    of the gap between the k-th and (k+1)-th entries (all of it in the hard limit), but the
-    weights of the gradients in k and epsilon (``~ exp(-|z|)``) depend on where t is. The
-    root of F is the root of ``G = log U_b - log U_a`` inside the gap, found by Newton steps on
-    G (exact in one step in the hard limit, where G is linear), safeguarded by bisection of the
-    gap; each step is one all-gather. Returns the new iterate, or None when no row needs it
-    (then no collective)."""
+    """:func:`softops.topk._ot.polish` of the near-hard rows of the sharded ``x``: each step
+    all-gathers every rank's :func:`~softops.topk._ot.balance_parts` (P, 6, B); ``gap`` is the
+    row's count above t less k (global, constant while t stays in its gap). Returns the new
+    iterate, or None when no row needs it (then no collective)."""
     if not bool(rows.any()):
         return None
-    t = state.t_eval
-    lo, hi = state.lo, state.hi
-    ulp = torch.finfo(x.dtype).eps
-    active = rows
-    for _ in range(POLISH_STEPS):
-        G, dG, a_b, a_a = _balance(comm, (x - m2) - t[:, None], e2)
-        lo = torch.maximum(lo, t - a_b)
-        hi = torch.minimum(hi, t + a_a)
-        lo = torch.where(G > 0, t, lo)
-        hi = torch.where(G < 0, t, hi)
-        step = t - G / dG
-        inside = (step >= lo) & (step <= hi)  # inclusively: t itself is an end
-        new = torch.where(inside, step, 0.5 * lo + 0.5 * hi)
-        ok = active & torch.isfinite(new) & (G != 0)
-        new = torch.where(ok, new, t)
-        small = (new - t).abs() <= torch.maximum(2 * ulp * t.abs(), 2**-20 * e2.squeeze(-1))
-        t = new
-        active = ok & ~small
-        if not bool(active.any()):
-            break
-    return t
+    c_below, c_above = gap.clamp(min=0).to(x.dtype), (-gap).clamp(min=0).to(x.dtype)
+
+    def balance(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts = comm.gather(balance_parts((x - m2) - t[:, None], e2))
+        return parts, c_below, c_above
+
+    return polish(balance, state.t_eval, state.lo, state.hi, e2.squeeze(-1), rows)
 
 
 class _Solution(NamedTuple):
@@ -921,13 +849,12 @@ def _solve_ot(plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor) 
     converged = result(state, evaluations).converged | ~solve_rows
     t = state.t_eval
     if state.extra:
-        A, s, count, u_sum, d_sum = state.extra
+        A, s, count, _, d_sum = state.extra
         # the floor of the tolerance (1) leaves t uncertain by 32 em eps / sum u(1 - u): more
         # than sqrt(em) eps there (the weights in k and epsilon go as exp(-|z|))
-        em = torch.finfo(x.dtype).eps
-        near_hard = (count == cls.k_total) & (u_sum < 1) & (d_sum < 32 * math.sqrt(em))
-        near_hard = solve_rows & near_hard
-        polished = _polish(plan.comm, xs, m[:, None], es[:, None], state, near_hard)
+        near = solve_rows & state.done & near_hard(d_sum, x.dtype)
+        gap = count - cls.k_total
+        polished = _polish(plan.comm, xs, m[:, None], es[:, None], state, near, gap)
         if polished is not None:
             t = polished
             A, s = maybe_fused(_shard_pass, xs)(xs, m[:, None], t[:, None], es[:, None])[5:]
@@ -1204,13 +1131,13 @@ class _ShardedMaskOT(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, _, eps, plan = inputs
+        x, k, eps, plan = inputs
         _, converged, hard, s, aux, edge, ext, scale = output
         extras = (converged, hard, s, aux, edge, ext, scale)
         ctx.mark_non_differentiable(*(t for t in extras if t is not None))
         ctx.set_materialize_grads(False)
         ctx.comm = plan.comm
-        ctx.save_for_backward(s, aux, eps, x, edge, ext, scale)
+        ctx.save_for_backward(s, aux, eps, x, edge, ext, scale, k)
 
     @staticmethod
     def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
@@ -1218,7 +1145,7 @@ class _ShardedMaskOT(torch.autograd.Function):
             return None, None, None, None
         _no_double_backward(_MASK)
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
-        s, aux, eps, x, edge, ext, scale = ctx.saved_tensors
+        s, aux, eps, x, edge, ext, scale, k = ctx.saved_tensors
         comm: _Comm = ctx.comm
         if not (need_k or need_eps):
             local = torch.stack((s.sum(-1), torch.linalg.vecdot(s, gA)))
@@ -1228,7 +1155,7 @@ class _ShardedMaskOT(torch.autograd.Function):
         e = eps[:, None] if scale is None else (eps * scale)[:, None]
         xs = x if scale is None else x * scale[:, None]
         off = (xs - aux[:, :1]) - aux[:, 1:2]
-        ratio, mean, g1, g2 = _weighted_sums(comm, off, xs, e, s, gA, edge, ext, need_eps)
+        ratio, mean, g1, g2 = _weighted_sums(comm, off, xs, e, s, gA, edge, ext, k, need_eps)
         gx = s * (gA - ratio[:, None]) if need_x else None
         gk = ratio if need_k else None
         geps = -(g1 - mean * g2) / e.squeeze(-1) if need_eps else None
@@ -1244,59 +1171,81 @@ def _weighted_sums(
     g: torch.Tensor,
     edge: torch.Tensor,
     ext: torch.Tensor,
+    k: torch.Tensor,
     need_eps: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``<w, g>``, ``<w, off>``, ``sum_live g s off`` and ``sum_live g s`` over the row (live:
     ``s > 0``), with ``w = s / sum s`` normalised in the log domain, from one all-gather.
 
-    ``log w_i = -|z_i| - 2 log(1 + e^{-|z_i|})`` up to a constant, ``z = off / eps``. Each rank
-    takes off its own smallest finite ``|off|``, ``near_r``, before dividing by epsilon, and sends
-    ``near_r`` with its partial sums; the row's sums are ``sum_r exp(-(near_r - near)/eps)``
-    times the rank's (``near = min_r near_r``), so they hold where every ``s`` underflows. Rows at
-    k' = 0 (``edge`` +1) or k' = n_fin (-1) take the one-sided limits ``softmax(+-x/eps)`` over
-    the finite entries, shifted by the row's global max or min (no per-rank shift: ``near_r``
-    = 0); rows with no finite entry get 0.
+    As in the single-process op (``softops.topk._ot._k_weights``): ``log w_i = -|z_i| - 2 log(1
+    + e^{-|z_i|})`` up to a constant, ``z = off / eps``, each side of t (``off <= 0``, ``off >
+    0``) shifted by its nearest entry. Each rank takes off its own nearest ``|off|`` on each
+    side, ``near_r``, before dividing by epsilon, and sends it with its partial sums; a side's
+    sums are ``sum_r exp(-(near_r - near)/eps)`` times the rank's (``near = min_r near_r``), so
+    they hold where every ``s`` underflows. The sides weigh against each other by
+    ``e^{-(near_side - nearest)/eps}``, or, where the row's count above t is k, by ``1 / Us``
+    (``Us`` the side's shifted sum of u): the root's condition ``U_a = U_b`` makes that exact
+    whatever t. Rows at k' = 0 (``edge`` +1) or k' = n_fin (-1) take the one-sided limits
+    ``softmax(+-x/eps)`` over the finite entries, shifted by the row's global max or min (one
+    side, no per-rank shift); rows with no finite entry get 0.
     """
     B, n_r = off.shape
     a = off.abs()
     fin_a = torch.isfinite(a)
-    if n_r:
-        near = torch.where(fin_a, a, math.inf).amin(-1, keepdim=True)
-    else:
-        near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
     side = edge[:, None]
-    near = torch.where(side != 0, 0, near)
-    shift = torch.where(torch.isfinite(near), near, 0)
-    af = torch.where(fin_a, a, shift)
-    logw = -((af - shift) / e) - 2 * torch.nn.functional.softplus(-(af / e))
-    logw = torch.where(fin_a, logw, -math.inf)
+    below = fin_a & ((off <= 0) | (side != 0))  # (edge rows: one side)
     finite = torch.isfinite(xs)
     xf = torch.where(finite, xs, 0)
     top, bottom = ext[:, :1].nan_to_num(0, 0, 0), ext[:, 1:2].nan_to_num(0, 0, 0)
     up = torch.where(finite, (xf - top) / e, -math.inf)
     down = torch.where(finite, (bottom - xf) / e, -math.inf)
-    logw = torch.where(side > 0, up, torch.where(side < 0, down, logw))
-    w = torch.exp(logw)
     live = s > 0
-    offw = torch.where(w > 0, off, 0)
     gs = g * s  # (NaN where s is: a NaN row's gradient in epsilon is NaN)
-    parts = [near.squeeze(-1), w.sum(-1), torch.linalg.vecdot(w, g)]
+    parts = []
+    for here in (below, fin_a & ~below):
+        if n_r:
+            near = torch.where(here, a, math.inf).amin(-1, keepdim=True)
+        else:
+            near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
+        near = torch.where(side != 0, 0, near)
+        shift = torch.where(torch.isfinite(near), near, 0)
+        af = torch.where(here, a, shift)
+        inner = -((af - shift) / e)
+        sp = torch.nn.functional.softplus(-(af / e))
+        logw = torch.where(side > 0, up, torch.where(side < 0, down, inner - 2 * sp))
+        w = torch.where(here, torch.exp(logw), 0)
+        u = torch.where(here, torch.exp(inner - sp), 0)
+        parts += [near.squeeze(-1), w.sum(-1), torch.linalg.vecdot(w, g), u.sum(-1)]
+        if need_eps:
+            parts.append(torch.linalg.vecdot(w, torch.where(w > 0, off, 0)))
+    parts.append((off > 0).sum(-1, dtype=off.dtype))
     if need_eps:
-        parts += [torch.linalg.vecdot(w, offw), (gs * torch.where(live, off, 0)).sum(-1)]
-        parts.append((gs * live).sum(-1))
+        parts += [(gs * torch.where(live, off, 0)).sum(-1), (gs * live).sum(-1)]
     allp = comm.gather(torch.stack(parts))  # (P, c, B)
-    nears = allp[:, 0]
-    lowest = nears.amin(0)
-    factor = torch.where(
-        torch.isfinite(nears), torch.exp(-(nears - lowest) / e.squeeze(-1)), 0
-    )  # (P, B)
-    w0 = (factor * allp[:, 1]).sum(0)
+    es = e.squeeze(-1)
+    c = 5 if need_eps else 4
+    sides = []
+    for i in (0, c):
+        nears = allp[:, i]
+        lowest = nears.amin(0)
+        factor = torch.where(torch.isfinite(nears), torch.exp(-(nears - lowest) / es), 0)
+        sums = [(factor * allp[:, i + j]).sum(0) for j in range(1, c)]
+        sides.append((lowest, *sums))
+    (near_b, w_b, wg_b, u_b, *wo_b), (near_a, w_a, wg_a, u_a, *wo_a) = sides
+    count = allp[:, 2 * c].sum(0)
+    nearest = torch.minimum(near_b, near_a)
+    balanced = (count == k) & (u_b > 0) & (u_a > 0) & (edge == 0)
+    fac_b = torch.where(balanced, 1 / u_b, torch.exp(-(near_b - nearest) / es))
+    fac_a = torch.where(balanced, 1 / u_a, torch.exp(-(near_a - nearest) / es))
+    fac_b = torch.where(torch.isfinite(near_b) & (w_b > 0), fac_b, 0)
+    fac_a = torch.where(torch.isfinite(near_a) & (w_a > 0), fac_a, 0)
+    w0 = fac_b * w_b + fac_a * w_a
     some = (ext[:, 2] > 0) | (edge == 0)
-    ratio = torch.where(some, (factor * allp[:, 2]).sum(0) / w0, 0)
+    ratio = torch.where(some, (fac_b * wg_b + fac_a * wg_a) / w0, 0)
     if not need_eps:
         return ratio, ratio, ratio, ratio
-    mean = torch.where(some, (factor * allp[:, 3]).sum(0) / w0, 0)
-    return ratio, mean, allp[:, 4].sum(0), allp[:, 5].sum(0)
+    mean = torch.where(some, (fac_b * wo_b[0] + fac_a * wo_a[0]) / w0, 0)
+    return ratio, mean, allp[:, 2 * c + 1].sum(0), allp[:, 2 * c + 2].sum(0)
 
 
 # ------------------------------------------------------------------------------ public ops
@@ -1323,8 +1272,7 @@ def soft_topk_mask(
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
     and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row,
-    restricted to this rank's shard (to rounding: 1e-12 in float64; near the hard limit the
-    gradients in k and epsilon are those of the exact threshold, see the module docstring):
+    restricted to this rank's shard (to rounding: 1e-12 in float64, gradients included):
 
     .. math::
 

@@ -169,3 +169,109 @@ def test_jvp_in_the_saturated_and_scaled_regimes_matches_the_backward():
         gx, gk, ge = vjp(g)
         want = (gx * dx).sum() + (gk * dk).sum() + (ge * de).sum()
         torch.testing.assert_close((tangent * g).sum(), want, rtol=1e-9, atol=1e-12)
+
+
+# Near the hard limit F's tolerance cannot place t in the gap between the k-th and (k+1)-th
+# entries, but the weights of the gradients in k and epsilon (~ exp(-|x - t|/eps)) depend on
+# where it is: dk was off by 80 % at k = 20, eps = 1e-3 (float64). The log-domain polish places
+# t; where epsilon is below t's resolution the sides' balance gives the exact root's weights.
+NEAR_HARD = [
+    (k, eps, seed)
+    for seed, (k, eps) in enumerate(
+        [
+            *[(20, 1e-3), (1, 1e-2), (5, 3e-3), (20, 1e-5), (3, 1e-30), (5.5, 1e-3)],
+            *[(20.000000001, 1e-5), (1e-9, 1e-3), (59.999999999, 1e-3), (10, 1e-40), (2, 0.3)],
+        ]
+    )
+]
+
+
+@pytest.mark.parametrize(("k", "eps", "seed"), NEAR_HARD)
+def test_near_hard_gradients_are_those_of_the_exact_root(k, eps, seed):
+    from tests._helpers import exact_threshold_grads, seeded
+
+    gen = seeded(seed)
+    x = torch.randn(60, generator=gen, dtype=F64)
+    g = torch.randn(60, generator=gen, dtype=F64)
+    xt = x.clone().requires_grad_()
+    kt = torch.tensor(float(k), dtype=F64, requires_grad=True)
+    et = torch.tensor(eps, dtype=F64, requires_grad=True)
+    A = softops.soft_topk_mask(xt, kt, epsilon=et)
+    gx, gk, ge = torch.autograd.grad(A, [xt, kt, et], g)
+    rx, rk, re = exact_threshold_grads(x, k, eps, g)
+    rx = torch.tensor(rx, dtype=F64)
+    # each gradient to 1e-12 of the scale of its terms (|g| times its weights)
+    s = (A * (1 - A) / eps).detach()
+    s_scale = float((s * (g.abs() + g.abs().max())).max())
+    assert float((gx - rx).abs().max()) <= 1e-12 * s_scale, (gx - rx).abs().max()
+    assert abs(float(gk) - rk) <= 1e-12 * float(g.abs().max()), (float(gk), rk)
+    assert abs(float(ge) - re) <= 1e-10 * (abs(re) + float(g.abs().max()) / eps * 1e-3), (
+        float(ge),
+        re,
+    )
+
+
+def test_near_hard_k_gradient_splits_between_the_entries_next_to_the_threshold():
+    # at the exact root of an integer k in the hard limit, u at the k-th and (k+1)-th entries
+    # are equal: each weighs 1/2 in dA/dk, whichever float t rounds to (float32 too)
+    for dtype in (torch.float32, F64):
+        x = torch.tensor([3.0, -1.0, 0.5, 2.0, 1.25], dtype=dtype)
+        for eps in (1e-4, 1e-9, 1e-30, 1e-300 if dtype == F64 else 1e-38):
+            kt = torch.tensor(2.0, dtype=dtype, requires_grad=True)
+            (w,) = torch.autograd.grad(softops.soft_topk_mask(x, kt, epsilon=eps).sum(), kt)
+            assert float(w) == pytest.approx(1.0, abs=1e-6)
+            J = torch.autograd.functional.jacobian(
+                lambda k, x=x, eps=eps: softops.soft_topk_mask(x, k, epsilon=eps), kt.detach()
+            )
+            want = torch.tensor([0, 0, 0, 0.5, 0.5], dtype=dtype)
+            torch.testing.assert_close(J, want, atol=1e-6, rtol=0)
+
+
+def test_near_hard_polish_moves_the_threshold_to_the_balance():
+    # the solved t is where the sides' sums of u balance: to the last bits (float64), which F,
+    # whose tolerance holds across the gap there, does not resolve
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(5), dtype=F64)
+    k = torch.full((3,), 20.0, dtype=F64)
+    eps = torch.full((3,), 1e-3, dtype=F64)
+    st = solve(x, k, eps)
+    off = x - (st.m + st.t)[:, None]
+    z = off / 1e-3
+    log_u = -z.abs() - torch.nn.functional.softplus(-z.abs())
+    gap = (off > 0).sum(-1) - k  # the count above t less k (one row has a near tie at k)
+    below = torch.logaddexp(
+        torch.logsumexp(torch.where(off <= 0, log_u, -INF), -1), gap.clamp(min=0).log()
+    )
+    above = torch.logaddexp(
+        torch.logsumexp(torch.where(off > 0, log_u, -INF), -1), (-gap).clamp(min=0).log()
+    )
+    # log U_b - log U_a changes by 2/eps per unit of t: within a few ulps of t
+    assert ((below - above).abs() <= 2 / 1e-3 * 8 * 2.2e-16 * (st.m + st.t).abs() + 1e-9).all()
+
+
+def test_balance_step_is_exact_in_one_step_in_the_hard_limit_and_polish_stops():
+    from softops.topk._ot import balance_parts, balance_step, near_hard, polish
+
+    # two entries at +-1 around t = 0.3, far beyond epsilon: G is linear, the root the midpoint
+    x = torch.tensor([[1.0, -1.0, -3.0, 2.5]], dtype=F64)
+    e = torch.tensor([1e-6], dtype=F64)
+    t = torch.tensor([0.3], dtype=F64)
+    zero = torch.zeros(1, dtype=F64)
+    parts = balance_parts(x - t[:, None], e[:, None])
+    H, step, a_b, a_a = balance_step(parts[None], e, zero, zero)
+    assert float(H) < 0  # more u above t (the entry at 1 is nearer): F < 0, the root is below
+    torch.testing.assert_close(t + step, torch.zeros(1, dtype=F64), atol=1e-15, rtol=0)
+    assert a_b.tolist() == pytest.approx([1.3]) and a_a.tolist() == pytest.approx([0.7])
+    assert near_hard(torch.tensor([1e-12, 1e-3], dtype=F64), F64).tolist() == [True, False]
+    calls = []
+
+    def balance(t):
+        calls.append(t)
+        return balance_parts(x - t[:, None], e[:, None])[None], zero, zero
+
+    lo, hi = torch.tensor([-1.0], dtype=F64), torch.tensor([1.0], dtype=F64)
+    rows = torch.tensor([True])
+    out = polish(balance, t, lo, hi, e, rows)
+    assert abs(float(out)) <= 1e-15 and len(calls) == 2  # one step, then it does not move
+    # rows not asked for are left alone, and no step is taken
+    calls.clear()
+    assert polish(balance, t, lo, hi, e, ~rows).tolist() == t.tolist() and len(calls) == 1

@@ -33,16 +33,21 @@ Numerics of the solver (docs/math.md §1.3):
   Newton from the better of two starts;
 * the tolerance on the residual is the rounding of its sums, one ulp of t, and the flush of the
   sigmoid (0 below about 1/finfo.max: n/finfo.max in all);
+* near the hard limit (every ``u`` small) that tolerance holds across much of the gap between the
+  entries next to t, where the gradients in k and epsilon (weights ``~ exp(-|z|)``) still depend
+  on t: those rows are polished by Newton steps on the log-domain balance of the two sides
+  (:func:`polish`, shared with :mod:`softops.distributed`);
 * infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
   as not. Rows whose k cannot be met by their finite entries are flagged, not solved;
 * rows whose epsilon is within ``2**SCALE_BITS`` of ``finfo.max`` are solved on ``(x c, eps c)``,
   c a power of two (exact: the mask is invariant), where their offsets ``x - t`` would overflow
   although ``(x - t) / eps`` is moderate; elsewhere an overflowing offset is the exact limit
   ``+-inf``, and the centre and the bracket are formed so as not to overflow;
-* in the backward, the weights in k are normalised in the log domain with the row's smallest
-  ``|x - t|`` taken off before dividing by epsilon, and ``<w, z>`` is formed on the offsets, so a
-  row whose every ``|z|`` overflows (the hard limit) gets the limit's weights and zero gradients
-  in x and epsilon, not NaN.
+* in the backward, the weights in k are normalised in the log domain, each side of t with its
+  nearest ``|x - t|`` taken off before dividing by epsilon and the sides weighed by the root's
+  condition where the count above t is k (:func:`_k_weights`), and ``<w, z>`` is formed on the
+  offsets, so a row whose every ``|z|`` overflows (the hard limit) gets the exact root's weights
+  and zero gradients in x and epsilon, not NaN.
 
 Per-call costs. The whole preparation (row counts, the bracket, the start) is one branch-free
 function of the rows: with the fused path it runs with the first Halley steps as one compiled
@@ -88,9 +93,13 @@ from softops._core.transforms import apply_function, vmap_rows
 __all__ = [
     "EXACT_MAX_N",
     "ThresholdState",
+    "balance_parts",
+    "balance_step",
     "hard_topk_mask",
     "mask_from_threshold",
+    "near_hard",
     "ot_mask",
+    "polish",
     "solve",
 ]
 
@@ -254,6 +263,130 @@ def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return torch.where(eps > limit, c, 1)
 
 
+POLISH_STEPS = 6
+"""Cap on the log-domain Newton steps of a near-hard row (:func:`polish`; 1 or 2 typical)."""
+NEAR_HARD = 32
+"""Rows with ``sum u (1 - u) < NEAR_HARD * sqrt(finfo.eps)`` at the solution are near the hard
+limit: F's tolerance leaves their threshold uncertain by more than ``sqrt(finfo.eps) * eps``
+(see :func:`polish`)."""
+
+
+def near_hard(d_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows whose ``sum u (1 - u)`` (B,) is below the near-hard limit (``NEAR_HARD``)."""
+    return d_sum < NEAR_HARD * math.sqrt(torch.finfo(dtype).eps)
+
+
+def balance_parts(off: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    r"""The six (B,) sums behind :func:`balance_step`, stacked (6, B), of the offsets ``off =
+    (x - m) - t`` (B, n) of one shard of the rows (the whole row in one process), ``e`` (B, 1).
+
+    For each side of t (the finite entries with ``off <= 0``, then those with ``off > 0``): the
+    distance ``a`` from t to the side's nearest entry (``inf`` on an empty side), and the sums
+    ``sum exp(log u_i + a / eps)`` and ``sum exp(log u_i + a / eps) (1 - u_i)`` with ``u =
+    sigmoid(-|off| / eps)``. The shift by ``a`` (taken off before dividing by epsilon) puts the
+    largest term in [1/2, 1]: neither sum underflows, whatever epsilon.
+    """
+    B, n = off.shape
+    a = off.abs()
+    below = (off <= 0) & torch.isfinite(off)
+    parts = []
+    for side in (below, (off > 0) & torch.isfinite(off)):
+        if n:
+            near = torch.where(side, a, math.inf).amin(-1, keepdim=True)
+        else:
+            near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
+        shift = torch.where(torch.isfinite(near), near, 0)
+        af = torch.where(side, a, shift)
+        # log u + near/eps = -(a - near)/eps - softplus(-a/eps)
+        term = torch.where(
+            side, torch.exp(-((af - shift) / e) - torch.nn.functional.softplus(-(af / e))), 0
+        )
+        parts += [near.squeeze(-1), term.sum(-1), (term * torch.sigmoid(af / e)).sum(-1)]
+    return torch.stack(parts)
+
+
+def balance_step(
+    parts: torch.Tensor, eps: torch.Tensor, c_below: torch.Tensor, c_above: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The log-domain Newton step of :func:`polish`, from every shard's :func:`balance_parts`
+    (P, 6, B) (P = 1 in one process); ``eps`` (B,).
+
+    With the count of entries above t fixed (t stays in its gap), ``F = L - R`` where ``L = U_b +
+    c_b`` and ``R = U_a + c_a``: ``U_b`` and ``U_a`` are the sums of u below and above t, and ``c_b
+    = max(P - k, 0)``, ``c_a = max(k - P, 0)`` the count's offset from k (P entries above t,
+    infinities included; ``F = (P - k) + U_b - U_a``). The root of F is that of ``G = log L - log
+    R``, whose Newton step is formed in units of the offsets (no division by epsilon, which can
+    overflow):
+
+    .. math::
+
+        H = \varepsilon G = \varepsilon \log L - \varepsilon \log R, \qquad
+        t' = t + \frac{H}{D_b / L + D_a / R},
+
+    with ``D`` the sums of ``u (1 - u)``. In the hard limit (integer k, every ``|z|`` large) G is
+    linear in t and one step is exact. The shards' sums are combined with the factors
+    ``exp(-(a_r - a)/eps)``, ``a = min_r a_r``. Returns ``H`` (of the sign of F), the new
+    iterate's offset ``t' - t`` (NaN where a side is empty), and the distances ``a_b``, ``a_a``
+    from t to the nearest entries below and above.
+    """
+    out = []
+    for i in (0, 3):
+        nears = parts[:, i]
+        lowest = nears.amin(0)
+        factor = torch.where(torch.isfinite(nears), torch.exp(-(nears - lowest) / eps), 0)
+        out += [lowest, (factor * parts[:, i + 1]).sum(0), (factor * parts[:, i + 2]).sum(0)]
+    a_b, ub, db, a_a, ua, da = out
+    sides = []
+    for a, u, d, c in ((a_b, ub, db, c_below), (a_a, ua, da, c_above)):
+        # eps log(u e^{-a/eps} + c), and D / L = d / (u + c e^{a/eps}) (0 once e^{a/eps} overflows)
+        with_c = eps * torch.logaddexp(torch.log(u) - a / eps, torch.log(c))
+        log_side = torch.where(c > 0, with_c, eps * torch.log(u) - a)
+        grow = torch.where(c > 0, c * torch.exp(torch.where(c > 0, a, 0) / eps), 0)
+        sides.append((log_side, d / (u + grow)))
+    H = sides[0][0] - sides[1][0]
+    return H, H / (sides[0][1] + sides[1][1]), a_b, a_a
+
+
+def polish(
+    balance: Any,
+    t: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    eps: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """Re-solve, in the log domain, the thresholds ``t`` (B,) of the near-hard ``rows``.
+
+    Where every ``u = sigmoid(-|z|)`` is small (``sum u (1 - u) < NEAR_HARD sqrt(em)``), F's
+    tolerance, whose floor is ``32 em`` (the rounding of ``count - k`` and of sums up to 1),
+    holds over a stretch ``~ 32 em eps / sum u (1 - u)`` of the gap between the entries next to
+    t (all of it once ``|z|`` overflows), yet the gradients in k and epsilon weigh the entries
+    by ``s ~ exp(-|z|)``, which depends on where t is in the gap. The root of F is the root of
+    ``G = log L - log R`` (:func:`balance_step`), which resolves it to the last bits: Newton
+    steps on G inside the gap and the solver's bracket ``[lo, hi]``, bisection when a step
+    leaves them, at most ``POLISH_STEPS``. ``balance(t)`` returns every shard's
+    :func:`balance_parts` at ``t`` (P, 6, B) and the counts' offsets ``(c_below, c_above)``;
+    a host test after each step stops once no row moves. Returns the new ``t``.
+    """
+    ulp = torch.finfo(t.dtype).eps
+    active = rows
+    for _ in range(POLISH_STEPS):
+        parts, c_below, c_above = balance(t)
+        H, step, a_b, a_a = balance_step(parts, eps, c_below, c_above)
+        lo = torch.where(H > 0, t, torch.maximum(lo, t - a_b))
+        hi = torch.where(H < 0, t, torch.minimum(hi, t + a_a))
+        new = t + step
+        new = torch.where((new >= lo) & (new <= hi), new, 0.5 * lo + 0.5 * hi)
+        ok = active & torch.isfinite(new) & (H != 0)
+        new = torch.where(ok, new, t)
+        small = (new - t).abs() <= torch.maximum(2 * ulp * t.abs(), 2**-20 * eps)
+        t = new
+        active = ok & ~small
+        if not bool(active.any()):
+            break
+    return t
+
+
 def _prepare_exact(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, top: int
 ) -> tuple[_Prep, SolverState]:
@@ -387,8 +520,32 @@ def _start(
     # What the host needs to know, in one read: are all rows done, are all rows regular, must
     # some rows be solved scaled (then this solve is discarded).
     ordinary = eps <= _scaling_limit(x.dtype)
-    flags = torch.stack((state.done, prep.solve_rows, ordinary)).all(-1)
+    far = ~_near_rows(state, prep, eps) if state.extra else ordinary
+    flags = torch.stack((state.done, prep.solve_rows, ordinary, far)).all(-1)
     return prep, state, count, flags, result(state, 0).converged
+
+
+def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tensor:
+    """The converged rows near the hard limit at the last evaluation (:func:`near_hard`), from
+    the denominator ``sum s = sum u (1 - u) / eps`` it returned (``inf`` where it is 0)."""
+    den = state.extra[2]
+    d_sum = torch.where(den < math.inf, den * eps, 0)
+    return prep.solve_rows & state.done & near_hard(d_sum, den.dtype)
+
+
+def _polish_rows(
+    x: torch.Tensor, prep: _Prep, eps: torch.Tensor, state: SolverState, rows: torch.Tensor
+) -> torch.Tensor:
+    """:func:`polish` on the rows of one process: the new threshold of every row (B,)."""
+    e2 = eps[:, None]
+
+    def balance(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        off = (x - prep.m2) - t[:, None]
+        above = (off > 0).sum(-1, dtype=x.dtype)  # +inf entries count as selected
+        c = above - prep.k_total
+        return balance_parts(off, e2)[None], c.clamp(min=0), (-c).clamp(min=0)
+
+    return polish(balance, state.t_eval, state.lo, state.hi, eps, rows)
 
 
 def _solve(
@@ -450,10 +607,11 @@ def _solve(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
     )
     evaluations = steps + bisect
+    far = True  # no row near the hard limit (known on the host)
     if traced or meta:
         all_done, regular = False, False
     else:
-        all_done, regular, ordinary = flags.tolist()
+        all_done, regular, ordinary, far = flags.tolist()
         if not ordinary:  # rare: solve again on (x c, eps c): the same mask, every offset in range
             scale = _scale(x, eps)
             x, eps = x * scale[:, None], eps * scale
@@ -461,7 +619,7 @@ def _solve(
             prep, state, _, flags, converged = start(
                 x, k, eps, tol, top, steps, bisect, stride, stats, traced
             )
-            all_done, regular, _ = flags.tolist()
+            all_done, regular, _, far = flags.tolist()
     if not (traced or all_done):  # (on meta tensors, iterate returns at once)
         block = 1 if x.device.type == "cpu" else BLOCK
         state, evaluations = iterate(
@@ -474,8 +632,14 @@ def _solve(
             wrap=lambda fn: maybe_fused(fn, x),
         )
         converged = result(state, evaluations).converged
+        far = not state.extra or not bool(_near_rows(state, prep, eps).any())
     m, root, residual = prep.m2.squeeze(-1), state.t_eval, state.residual
-    if state.extra:
+    if not far:  # (eager only) F cannot place t in its gap there; the gradients need it placed
+        root = _polish_rows(x, prep, eps, state, _near_rows(state, prep, eps))
+        residual, *_, A, w, w_sum = _evaluate(
+            x, prep.m2, root[:, None], eps[:, None], prep.k_total, tol
+        )
+    elif state.extra:
         A, w, w_sum = state.extra
     else:  # meta tensors: nothing was evaluated
         A = _mask(x, prep.m2, root[:, None], eps[:, None])
@@ -611,27 +775,57 @@ def _offsets_differentiable(
 
 
 def _k_weights(
-    off: torch.Tensor, x: torch.Tensor, e: torch.Tensor, edge: torch.Tensor | None
+    off: torch.Tensor,
+    x: torch.Tensor,
+    e: torch.Tensor,
+    edge: torch.Tensor | None,
+    k: torch.Tensor,
 ) -> torch.Tensor:
     r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
 
     ``log s_i = log sigma(z_i) + log sigma(-z_i) - log eps = -|z_i| - 2 log(1 + e^{-|z_i|}) - log
-    eps`` with ``z = off / eps``. The row's smallest ``|off|`` is taken off before dividing by
-    epsilon, so that where every ``|z_i|`` overflows (a tiny epsilon beside a large offset: every
-    ``s_i`` is 0) the weights are still those of the limit: on the entries nearest the threshold.
-    Rows whose k is 0 or n (``edge`` +1 or -1) have no finite threshold; there the weights are
-    their one-sided limits as ``t -> +inf`` and ``t -> -inf``: ``softmax(x / eps)`` and
-    ``softmax(-x / eps)`` over the finite entries. Rows without a finite entry get 0.
+    eps`` with ``z = off / eps``. Each side of the threshold (the finite entries with ``off <= 0``,
+    and ``off > 0``) is weighed relative to its own entry nearest t, ``a_b`` or ``a_a`` (taken off
+    before dividing by epsilon), so that no term underflows; what remains is how the two sides weigh
+    against each other, ``W_b / W_a = e^{(a_a - a_b)/eps} S_b / S_a`` (``S`` the shifted sums).
+    Where the count P above t is k, the root's condition ``U_a = U_b + (P - k)`` on the sides' sums
+    of ``u = sigmoid(-|z|)`` gives ``U_a = U_b``, so ``e^{(a_a - a_b)/eps} = Us_b / Us_a`` (``Us``
+    the same shifted sums of u) exactly, whatever t: the weights are those of the exact root even
+    where epsilon is below the resolution of t (the hard limit, where each side weighs 1/2).
+    Elsewhere the factor is taken from t. Rows whose k is 0 or n (``edge`` +1 or -1) have no finite
+    threshold; there the weights are their one-sided limits as ``t -> +inf`` and ``t -> -inf``:
+    ``softmax(x / eps)`` and ``softmax(-x / eps)`` over the finite entries. Rows without a finite
+    entry get 0.
     """
     a = off.abs()
-    near = a.amin(-1, keepdim=True)
-    near = torch.where(torch.isfinite(near), near, 0)  # (rows without a finite offset)
     # infinite offsets (infinite entries) weigh 0; the double where keeps them out of the
     # arithmetic, whose derivative in epsilon (double backward) would be 0 * inf there
     fin_a = torch.isfinite(a)
-    af = torch.where(fin_a, a, near)
-    logw = -((af - near) / e) - 2 * torch.nn.functional.softplus(-(af / e))
-    logw = torch.where(fin_a, logw, -math.inf)
+    below = (off <= 0) & fin_a
+    near_b = torch.where(below, a, math.inf).amin(-1, keepdim=True)
+    near_a = torch.where(fin_a & ~below, a, math.inf).amin(-1, keepdim=True)
+    near_b = torch.where(torch.isfinite(near_b), near_b, 0)  # (an empty side)
+    near_a = torch.where(torch.isfinite(near_a), near_a, 0)
+    shift = torch.where(below, near_b, near_a)
+    af = torch.where(fin_a, a, shift)
+    inner = -((af - shift) / e)
+    sp = torch.nn.functional.softplus(-(af / e))
+    logw = torch.where(fin_a, inner - 2 * sp, -math.inf)
+    # log of each side's weight factor e^{-a_side / eps}, up to a common constant
+    log_u = torch.where(fin_a, inner - sp, -math.inf)
+    lu_b = torch.logsumexp(torch.where(below, log_u, -math.inf), -1, keepdim=True)
+    lu_a = torch.logsumexp(torch.where(below, -math.inf, log_u), -1, keepdim=True)
+    nearest = torch.minimum(near_b, near_a)
+    # the root's condition U_a = U_b + (P - k): the sides' ratio is 1 + (P - k) / U_b, exactly 1
+    # where the count P above t is k, and its derivatives (double backward) are those of that
+    # identity: 0 along x and epsilon, -1 / U_b along k
+    gap = (off > 0).sum(-1, keepdim=True, dtype=off.dtype) - k[:, None].to(off.dtype)
+    balanced = (gap == 0) & torch.isfinite(lu_b) & torch.isfinite(lu_a)
+    u_b = torch.exp(lu_b - torch.where(balanced, near_b, 0) / e)
+    ratio = torch.log1p(torch.where(balanced, gap, 0) / torch.where(u_b > 0, u_b, 1))
+    side_b = torch.where(balanced, -lu_b, -((near_b - nearest) / e))
+    side_a = torch.where(balanced, ratio - lu_a, -((near_a - nearest) / e))
+    logw = logw + torch.where(below, side_b, side_a)
     if edge is not None:
         finite = torch.isfinite(x)
         xf = torch.where(finite, x, 0)
@@ -701,7 +895,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         # in A); s and sum s make the plain backward in x three passes with no compiled call;
         # k only for double backward (the threshold's dependence on it).
         ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
-        ctx.save_for_forward(A, s, aux, eps, x, edge, scale)
+        ctx.save_for_forward(A, s, aux, eps, x, edge, scale, k)
 
     @staticmethod
     def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
@@ -720,7 +914,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             off, es = _offsets_differentiable(x, k, aux, e, scale, A)
         else:
             off, es = _offsets(x, aux, e, scale)
-        w = _k_weights(off, x, es, edge)
+        w = _k_weights(off, x, es, edge, k)
         ratio = (w * gA).sum(-1, keepdim=True)
         if need_x:
             gx = s * (gA - ratio)
@@ -744,12 +938,12 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         and ``dA_i = s_i (u_i - dt)``. The part in epsilon is ``-s (z - <w, z>) deps``, formed
         as in the backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
         """
-        A, s, aux, eps, x, edge, scale = ctx.saved_tensors
+        A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
         if dk is None and deps is None:
             dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux[:, 2:], dx)  # J = J^T
             return dA, None, None, None, None, None
         off, es = _offsets(x, aux, eps[:, None], scale)
-        w = _k_weights(off, x, es, edge)
+        w = _k_weights(off, x, es, edge, k)
         dA = torch.zeros_like(A)
         if dx is not None:
             dA = s * (dx - (w * dx).sum(-1, keepdim=True))
