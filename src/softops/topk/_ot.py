@@ -525,6 +525,33 @@ def _start(
     return prep, state, count, flags, result(state, 0).converged
 
 
+def _start_packed(
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_start` for the fused path, its (B,) results stacked into one float and one bool
+    tensor (``(floats, bools, A, s, flags)``; :func:`_unpack` splits them): what a compiled call
+    costs beyond its kernels grows with its outputs (a buffer, a wrapper step and a view each)."""
+    prep, state, _, flags, converged = _start(*args)
+    A, s, den = state.extra
+    bracket = (state.t, state.lo, state.hi, state.f_lo, state.f_hi, state.side)
+    floats = torch.stack(
+        (prep.m2.squeeze(-1), prep.k_total, *bracket, state.t_eval, state.residual, den)
+    )
+    bools = (prep.solve_rows, prep.sel_none, prep.sel_all, prep.invalid, state.done, state.skip)
+    return floats, torch.stack((*bools, converged)), A, s, flags
+
+
+def _unpack(
+    floats: torch.Tensor, bools: torch.Tensor, A: torch.Tensor, s: torch.Tensor, flags: torch.Tensor
+) -> tuple[_Prep, SolverState, None, torch.Tensor, torch.Tensor]:
+    """:func:`_start`'s results from :func:`_start_packed`'s (views of its two stacks)."""
+    m, k_total, t, lo, hi, f_lo, f_hi, side, t_eval, residual, den = floats.unbind(0)
+    solve_rows, sel_none, sel_all, invalid, done, skip, converged = bools.unbind(0)
+    prep = _Prep(m[:, None], k_total, solve_rows, sel_none, sel_all, invalid)
+    state = SolverState(t, lo, hi, f_lo, f_hi, side, done, skip, t_eval, residual, (A, s, den))
+    return prep, state, None, flags, converged
+
+
 def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tensor:
     """The converged rows near the hard limit at the last evaluation (:func:`near_hard`), from
     the denominator ``sum s = sum u (1 - u) / eps`` it returned (``inf`` where it is 0)."""
@@ -591,7 +618,13 @@ def _solve(
             else:
                 q_max = int((k.max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
-    start = maybe_fused(_start, x)
+    fused = maybe_fused(_start_packed, x)
+    start: Any = _start
+    if fused is not _start_packed:
+
+        def start(*args: Any) -> tuple[Any, ...]:
+            return _unpack(*fused(*args))
+
     scale = None
     if traced or meta:  # no host read: every row is scaled (by 1 but where epsilon is huge)
         scale = _scale(x, eps)
