@@ -71,14 +71,16 @@ eagerly behind a graph break.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import struct
 from typing import Any, NamedTuple
 
 import torch
+from torch._C import _functorch
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
-from softops._core.fused import maybe_fused
+from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled, maybe_fused
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -575,7 +577,41 @@ def _polish_rows(
     return polish(balance, state.t_eval, state.lo, state.hi, eps, rows)
 
 
-def _solve(
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+_numba_state: dict[str, Any] = {}
+
+
+def use_numba(x: torch.Tensor) -> bool:
+    """Whether the numba kernel (``_ot_numba``) solves the rows of ``x`` (B, n): a plain CPU
+    tensor (not traced, not batched or wrapped by ``torch.func``) below the fused path's size
+    (``FUSED_MIN_NUMEL``), rows of at most ``EXACT_MAX_N`` entries, numba installed and
+    compilation enabled (``softops.set_compile``)."""
+    # tracing first: a traced caller must not get a guard on the size of x
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and not _functorch.is_functorch_wrapped_tensor(x)
+        and x.numel() < FUSED_MIN_NUMEL
+        and x.shape[-1] <= EXACT_MAX_N
+        and compile_enabled()
+        and HAVE_NUMBA
+        and _numba_kernels() is not None
+    )
+
+
+def _numba_kernels() -> Any:
+    """The compiled kernel module (``_ot_numba``), or None when numba cannot be imported."""
+    if "kernels" not in _numba_state:
+        kernels: Any
+        try:
+            from softops.topk import _ot_numba as kernels
+        except ImportError:  # installed but broken (e.g. an incompatible numpy): the torch path
+            kernels = None
+        _numba_state["kernels"] = kernels
+    return _numba_state["kernels"]
+
+
+def _solve_numba(
     x: torch.Tensor,
     k: torch.Tensor,
     eps: torch.Tensor,
@@ -583,10 +619,80 @@ def _solve(
     tol: float,
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """:func:`_solve` by the numba kernel, in float64 (results in x's dtype); the rows it leaves
+    (not regular, capped or near the hard limit) are solved by the torch code and merged."""
+    import numpy as np  # (numba's own dependency: there whenever the kernel is)
+
+    dtype = x.dtype
+    f64 = torch.float64
+    xc = x.detach().contiguous()
+    B = xc.shape[0]
+    A = torch.empty_like(xc)
+    s = torch.empty_like(xc)
+    out = np.zeros((B, 6))
+    _numba_kernels().threshold_rows(
+        xc.numpy(),
+        k.detach().to(f64).expand(B).contiguous().numpy(),
+        eps.detach().to(f64).expand(B).contiguous().numpy(),
+        float(tol),
+        _scaling_limit(dtype),
+        max_iter,
+        A.numpy(),
+        s.numpy(),
+        out,
+    )
+    evaluations = int(out[:, 4].max()) if B else 0
+    left = out[:, 5] != 0
+    m, t, den, residual = torch.from_numpy(out[:, :4].T.copy()).to(dtype).unbind(0)
+    if not left.any():
+        converged = torch.ones(B, dtype=torch.bool)
+        state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
+        return state, A, s, den, True
+    rest = torch.from_numpy(left)
+    idx = rest.nonzero().squeeze(-1)
+    sub, A_r, s_r, den_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
+    A[idx], s[idx] = A_r, s_r
+    m[idx], t[idx], den[idx], residual[idx] = sub.m, sub.t, den_r, sub.residual
+    converged = torch.ones(B, dtype=torch.bool)
+    converged[idx] = sub.converged
+
+    def merged(part: torch.Tensor | None, fill: float | bool) -> torch.Tensor | None:
+        if part is None:
+            return None
+        whole = torch.full((B,), fill, dtype=part.dtype)
+        whole[idx] = part
+        return whole
+
+    state = ThresholdState(
+        m,
+        t,
+        converged,
+        max(evaluations, sub.iterations),
+        residual,
+        merged(sub.sel_none, False),
+        merged(sub.sel_all, False),
+        merged(sub.invalid, False),
+        merged(sub.scale, 1.0),
+    )
+    return state, A, s, den, all_ok
+
+
+def _solve(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+    numba: bool = True,
+) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and the denominator
     of the backward's weights (``sum s``, or ``inf`` where it is 0; NaN on rows that cannot be
     solved: the last evaluation's by-products), and whether every row is known on the host to have
-    converged (then there is nothing to warn about)."""
+    converged (then there is nothing to warn about). Small CPU problems go to the numba kernel
+    (:func:`use_numba`) unless ``numba`` is False."""
+    if numba and use_numba(x):
+        return _solve_numba(x, k, eps, max_iter, tol, k_scalar)
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
