@@ -311,3 +311,22 @@ def test_distributed_benchmark_results_are_committed():
     assert "python benchmarks/distributed.py" in text
     for world in (1, 2, 4):
         assert f"| {world} | sharded |" in text and f"| {world} | all-gather |" in text
+
+
+def test_overhead_measures_and_reports_each_case():
+    overhead = _load("overhead")
+    records = overhead.measure(1, 2, ot_shapes=[(2, 30)], sort_shapes=[(1, 20)])
+    ot = records[0]
+    assert ot["case"] == "ot" and (ot["B"], ot["n"]) == (2, 30)
+    assert all(ot[key] > 0 for key in ("floor", "forward", "forward+backward"))
+    report = overhead._report({"1": records}, "python benchmarks/overhead.py --rounds 1")
+    assert "| 1 | 2 | 30 |" in report
+    assert "`python benchmarks/overhead.py --rounds 1`" in report
+    sort_rows = [r for r in records if r["case"] in ("soft_rank", "soft_sort")]
+    try:
+        import torchsort  # noqa: F401
+    except ImportError:
+        assert sort_rows == [] and "torchsort" not in report
+    else:
+        assert [r["case"] for r in sort_rows] == ["soft_rank", "soft_sort"]
+        assert "| 1 | soft_rank | 1 | 20 |" in report
