@@ -15,6 +15,7 @@ compiler), softops warns once and stays on the eager path.
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FUSED_MIN_NUMEL", "compile_enabled", "maybe_fused", "set_compile"]
+__all__ = ["FUSED_MIN_NUMEL", "compile_enabled", "kernel_module", "maybe_fused", "set_compile"]
 
 FUSED_MIN_NUMEL = 1 << 15
 """Smallest ``numel`` for which the compiled path is used; below it the compile time never pays."""
@@ -31,6 +32,7 @@ _state: dict[str, Any] = {
     "enabled": os.environ.get("SOFTOPS_COMPILE", "1").strip().lower() not in {"0", "false", "no"},
     "compiled": {},
     "failed": False,
+    "modules": {},
 }
 
 
@@ -94,3 +96,16 @@ def maybe_fused(
             return fn(*args)
 
     return call
+
+
+def kernel_module(name: str) -> Any:
+    """The numba kernel module ``name`` (imported once, lazily: numba is optional and slow to
+    import), or None when it cannot be imported (numba missing, or installed but broken, e.g.
+    against an incompatible numpy): the caller then takes its torch path."""
+    modules = _state["modules"]
+    if name not in modules:
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError:
+            modules[name] = None
+    return modules[name]

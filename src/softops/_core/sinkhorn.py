@@ -114,7 +114,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from softops._core.fused import compile_enabled
+from softops._core.fused import compile_enabled, kernel_module
 from softops._core.transforms import apply_function, plain, vmap_rows
 
 __all__ = [
@@ -931,7 +931,6 @@ def _newton_first(
 NUMBA_MAX_WORK = 1 << 17
 """Largest ``n m^2`` per row that :func:`_newton_first` solves with the numba kernel: above it
 the batched torch code (its couplings are one ``bmm``) is the faster."""
-_numba_state: dict[str, Any] = {}
 
 
 def use_numba(t: Tensor, n: int, m: int) -> bool:
@@ -951,14 +950,7 @@ def use_numba(t: Tensor, n: int, m: int) -> bool:
 
 def numba_kernels() -> Any:
     """The compiled kernel module (``_sinkhorn_numba``), or None when numba cannot be imported."""
-    if "kernels" not in _numba_state:
-        kernels: Any
-        try:
-            from softops._core import _sinkhorn_numba as kernels
-        except ImportError:  # installed but broken (e.g. an incompatible numpy): the torch path
-            kernels = None
-        _numba_state["kernels"] = kernels
-    return _numba_state["kernels"]
+    return kernel_module("softops._core._sinkhorn_numba")
 
 
 def _newton_first_numba(

@@ -80,7 +80,7 @@ import torch
 from torch._C import _functorch
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
-from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled, maybe_fused
+from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled, kernel_module, maybe_fused
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -578,7 +578,6 @@ def _polish_rows(
 
 
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-_numba_state: dict[str, Any] = {}
 
 
 def use_numba(x: torch.Tensor) -> bool:
@@ -601,14 +600,7 @@ def use_numba(x: torch.Tensor) -> bool:
 
 def _numba_kernels() -> Any:
     """The compiled kernel module (``_ot_numba``), or None when numba cannot be imported."""
-    if "kernels" not in _numba_state:
-        kernels: Any
-        try:
-            from softops.topk import _ot_numba as kernels
-        except ImportError:  # installed but broken (e.g. an incompatible numpy): the torch path
-            kernels = None
-        _numba_state["kernels"] = kernels
-    return _numba_state["kernels"]
+    return kernel_module("softops.topk._ot_numba")
 
 
 def _solve_numba(
