@@ -616,7 +616,6 @@ def _solve_numba(
     import numpy as np  # (numba's own dependency: there whenever the kernel is)
 
     dtype = x.dtype
-    f64 = torch.float64
     xc = x.detach().contiguous()
     B = xc.shape[0]
     A = torch.empty_like(xc)
@@ -624,8 +623,8 @@ def _solve_numba(
     out = np.zeros((B, 6))
     _numba_kernels().threshold_rows(
         xc.numpy(),
-        k.detach().to(f64).expand(B).contiguous().numpy(),
-        eps.detach().to(f64).expand(B).contiguous().numpy(),
+        k.detach().expand(B).contiguous().numpy(),
+        eps.detach().expand(B).contiguous().numpy(),
         float(tol),
         _scaling_limit(dtype),
         max_iter,
@@ -1024,8 +1023,12 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # A is saved for the gradients in k and epsilon and for double backward (differentiable
         # in A); s and sum s make the plain backward in x three passes with no compiled call;
-        # k only for double backward (the threshold's dependence on it).
-        ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
+        # k only for double backward (the threshold's dependence on it). The gradient in x
+        # alone needs only the first four (each saved tensor costs its unpacking).
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
+        else:
+            ctx.save_for_backward(A, s, aux, eps)
         ctx.save_for_forward(A, s, aux, eps, x, edge, scale, k)
 
     @staticmethod
@@ -1033,13 +1036,15 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         if gA is None:
             return None, None, None, None, None, None
-        A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
-        e = eps[:, None]
-        gx = gk = geps = None
+        saved = ctx.saved_tensors
+        A, s, aux, eps = saved[:4]
         if not (need_k or need_eps):
             if torch.is_grad_enabled():  # double backward: differentiable in A
-                return _vjp_x(A, gA, e), None, None, None, None, None
+                return _vjp_x(A, gA, eps[:, None]), None, None, None, None, None
             return _vjp_saved(s, aux[:, 2:], gA), None, None, None, None, None
+        x, edge, scale, k = saved[4:]
+        e = eps[:, None]
+        gx = gk = geps = None
         if torch.is_grad_enabled():  # double backward: s differentiable in A, t in (x, k, eps)
             s = A * (1 - A) / e
             off, es = _offsets_differentiable(x, k, aux, e, scale, A)

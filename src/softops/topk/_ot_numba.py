@@ -29,7 +29,8 @@ _NEAR_HARD = 32 * math.sqrt(np.finfo(np.float64).eps)
 def threshold_rows(x, k, eps, tol, limit, max_iter, A, s, out):  # pragma: no cover - compiled
     """Solve ``sum_i sigmoid((x_i - m - t)/eps_b) = k_b`` for every row b of ``x`` (B, n).
 
-    ``k``, ``eps`` (B,), all float64; ``tol`` the caller's extra tolerance on ``|F|``,
+    ``k``, ``eps`` (B,) (any float dtype: the arithmetic is float64); ``tol`` the caller's extra
+    tolerance on ``|F|``,
     ``limit`` the scaling limit of the caller's dtype (rows with a larger epsilon are flagged),
     ``max_iter`` the cap on evaluations. Writes, on the rows it solves, the mask into ``A`` and
     ``s = A (1 - A)/eps`` into ``s`` (B, n), and into ``out`` (B, 6): the centre m, the
@@ -41,7 +42,7 @@ def threshold_rows(x, k, eps, tol, limit, max_iter, A, s, out):  # pragma: no co
     for b in range(B):
         out[b, :] = 0.0
         out[b, 5] = 1.0
-        kb, e = k[b], eps[b]
+        kb, e = np.float64(k[b]), np.float64(eps[b])
         if not (kb > 0.0 and kb < n and e > 0.0 and e <= limit):
             continue
         row = x[b]
