@@ -812,13 +812,11 @@ def _polish(
     iterate, or None when no row needs it (then no collective)."""
     if not bool(rows.any()):
         return None
-    c_below, c_above = gap.clamp(min=0).to(x.dtype), (-gap).clamp(min=0).to(x.dtype)
 
-    def balance(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts = comm.gather(balance_parts((x - m2) - t[:, None], e2))
-        return parts, c_below, c_above
+    def balance(t: torch.Tensor) -> torch.Tensor:
+        return comm.gather(balance_parts((x - m2) - t[:, None], e2))
 
-    return polish(balance, state.t_eval, state.lo, state.hi, e2.squeeze(-1), rows)
+    return polish(balance, state.t_eval, state.lo, state.hi, e2.squeeze(-1), rows, gap)
 
 
 class _Solution(NamedTuple):

@@ -266,12 +266,12 @@ def test_balance_step_is_exact_in_one_step_in_the_hard_limit_and_polish_stops():
 
     def balance(t):
         calls.append(t)
-        return balance_parts(x - t[:, None], e[:, None])[None], zero, zero
+        return balance_parts(x - t[:, None], e[:, None])[None]
 
     lo, hi = torch.tensor([-1.0], dtype=F64), torch.tensor([1.0], dtype=F64)
     rows = torch.tensor([True])
-    out = polish(balance, t, lo, hi, e, rows)
+    out = polish(balance, t, lo, hi, e, rows, zero)
     assert abs(float(out)) <= 1e-15 and len(calls) == 2  # one step, then it does not move
     # rows not asked for are left alone, and no step is taken
     calls.clear()
-    assert polish(balance, t, lo, hi, e, ~rows).tolist() == t.tolist() and len(calls) == 1
+    assert polish(balance, t, lo, hi, e, ~rows, zero).tolist() == t.tolist() and len(calls) == 1

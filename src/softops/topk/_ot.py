@@ -71,7 +71,6 @@ eagerly behind a graph break.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import struct
 from typing import Any, NamedTuple
@@ -356,6 +355,7 @@ def polish(
     hi: torch.Tensor,
     eps: torch.Tensor,
     rows: torch.Tensor,
+    gap: torch.Tensor,
 ) -> torch.Tensor:
     """Re-solve, in the log domain, the thresholds ``t`` (B,) of the near-hard ``rows``.
 
@@ -367,14 +367,15 @@ def polish(
     ``G = log L - log R`` (:func:`balance_step`), which resolves it to the last bits: Newton
     steps on G inside the gap and the solver's bracket ``[lo, hi]``, bisection when a step
     leaves them, at most ``POLISH_STEPS``. ``balance(t)`` returns every shard's
-    :func:`balance_parts` at ``t`` (P, 6, B) and the counts' offsets ``(c_below, c_above)``;
-    a host test after each step stops once no row moves. Returns the new ``t``.
+    :func:`balance_parts` at ``t`` (P, 6, B); ``gap`` (B,) is the count of entries above t less
+    k, which stays fixed while t stays in its gap. A host test after each step stops once no row
+    moves. Returns the new ``t``.
     """
     ulp = torch.finfo(t.dtype).eps
+    c_below, c_above = gap.clamp(min=0).to(t.dtype), (-gap).clamp(min=0).to(t.dtype)
     active = rows
     for _ in range(POLISH_STEPS):
-        parts, c_below, c_above = balance(t)
-        H, step, a_b, a_a = balance_step(parts, eps, c_below, c_above)
+        H, step, a_b, a_a = balance_step(balance(t), eps, c_below, c_above)
         lo = torch.where(H > 0, t, torch.maximum(lo, t - a_b))
         hi = torch.where(H < 0, t, torch.minimum(hi, t + a_a))
         new = t + step
@@ -567,17 +568,13 @@ def _polish_rows(
 ) -> torch.Tensor:
     """:func:`polish` on the rows of one process: the new threshold of every row (B,)."""
     e2 = eps[:, None]
+    t = state.t_eval
+    above = ((x - prep.m2) - t[:, None] > 0).sum(-1, dtype=x.dtype)  # +inf entries: selected
 
-    def balance(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        off = (x - prep.m2) - t[:, None]
-        above = (off > 0).sum(-1, dtype=x.dtype)  # +inf entries count as selected
-        c = above - prep.k_total
-        return balance_parts(off, e2)[None], c.clamp(min=0), (-c).clamp(min=0)
+    def balance(t: torch.Tensor) -> torch.Tensor:
+        return balance_parts((x - prep.m2) - t[:, None], e2)[None]
 
-    return polish(balance, state.t_eval, state.lo, state.hi, eps, rows)
-
-
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+    return polish(balance, t, state.lo, state.hi, eps, rows, above - prep.k_total)
 
 
 def use_numba(x: torch.Tensor) -> bool:
@@ -593,7 +590,6 @@ def use_numba(x: torch.Tensor) -> bool:
         and x.numel() < FUSED_MIN_NUMEL
         and x.shape[-1] <= EXACT_MAX_N
         and compile_enabled()
-        and HAVE_NUMBA
         and _numba_kernels() is not None
     )
 
@@ -737,7 +733,7 @@ def _solve(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
     )
     evaluations = steps + bisect
-    far = True  # no row near the hard limit (known on the host)
+    far, near = True, None  # no row near the hard limit (known on the host)
     if traced or meta:
         all_done, regular = False, False
     else:
@@ -762,10 +758,13 @@ def _solve(
             wrap=lambda fn: maybe_fused(fn, x),
         )
         converged = result(state, evaluations).converged
-        far = not state.extra or not bool(_near_rows(state, prep, eps).any())
+        near = _near_rows(state, prep, eps) if state.extra else None
+        far = near is None or not bool(near.any())
     m, root, residual = prep.m2.squeeze(-1), state.t_eval, state.residual
     if not far:  # (eager only) F cannot place t in its gap there; the gradients need it placed
-        root = _polish_rows(x, prep, eps, state, _near_rows(state, prep, eps))
+        if near is None:  # (known from the start's flags)
+            near = _near_rows(state, prep, eps)
+        root = _polish_rows(x, prep, eps, state, near)
         residual, *_, A, w, w_sum = _evaluate(
             x, prep.m2, root[:, None], eps[:, None], prep.k_total, tol
         )
