@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FUSED_MIN_NUMEL", "compile_enabled", "kernel_module", "maybe_fused", "set_compile"]
+__all__ = [
+    "FUSED_MIN_NUMEL",
+    "compile_enabled",
+    "cpp_ops",
+    "kernel_module",
+    "maybe_fused",
+    "set_compile",
+]
 
 FUSED_MIN_NUMEL = 1 << 15
 """Smallest ``numel`` for which the compiled path is used; below it the compile time never pays."""
@@ -33,6 +40,7 @@ _state: dict[str, Any] = {
     "compiled": {},
     "failed": False,
     "modules": {},
+    "cpp": {},
 }
 
 
@@ -109,3 +117,55 @@ def kernel_module(name: str) -> Any:
         except ImportError:
             modules[name] = None
     return modules[name]
+
+
+# Compiler flags per CPU capability (``torch.backends.cpu.get_cpu_capability()``): the vector
+# width at::vec is built for. The names of ATen's own dispatch (CPU_CAPABILITY) select its
+# implementation; DEFAULT is its portable scalar code.
+_CPP_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def cpp_ops(name: str, source: str) -> Any:
+    """The operators of the C++ source ``source`` (a file beside this package's modules,
+    registered with ``TORCH_LIBRARY(name, ...)``) as ``torch.ops.<name>``, built on first use by
+    ``torch.utils.cpp_extension`` for this CPU's vector capability (about 25 s on a 2-core CPU,
+    once: the build is cached in torch's extensions directory, ``TORCH_EXTENSIONS_DIR``), or None
+    when it cannot be built (no C++ compiler or no ninja: the caller then takes its torch path;
+    softops warns once). Not used while compilation is disabled (:func:`set_compile`)."""
+    built = _state["cpp"]
+    if name not in built:
+        built[name] = None
+        try:
+            from torch.utils import cpp_extension
+
+            capability = torch.backends.cpu.get_cpu_capability()
+            flags = _CPP_FLAGS.get(capability, [])
+            defines = [f"-DCPU_CAPABILITY_{capability}"] if flags else []
+            cpp_extension.load(
+                name=f"{name}_{capability.lower()}",
+                sources=[os.path.join(os.path.dirname(os.path.dirname(__file__)), source)],
+                # OpenMP: at::parallel_for runs on torch's intra-op threads (the build links
+                # libgomp.so.1, which resolves to the one torch has loaded)
+                extra_cflags=[
+                    "-O3",
+                    "-fopenmp",
+                    *flags,
+                    *defines,
+                    f"-DCPU_CAPABILITY={capability}",
+                ],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            built[name] = getattr(torch.ops, name)
+        except Exception as err:  # a toolchain problem must never fail the op
+            warnings.warn(
+                f"softops: building the C++ kernel {name} failed ({type(err).__name__}: "
+                f"{str(err)[:200]}); using the torch path. Set SOFTOPS_COMPILE=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return built[name]

@@ -79,7 +79,13 @@ import torch
 from torch._C import _functorch
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
-from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled, kernel_module, maybe_fused
+from softops._core.fused import (
+    FUSED_MIN_NUMEL,
+    compile_enabled,
+    cpp_ops,
+    kernel_module,
+    maybe_fused,
+)
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -579,18 +585,30 @@ def _polish_rows(
 
 def use_numba(x: torch.Tensor) -> bool:
     """Whether the numba kernel (``_ot_numba``) solves the rows of ``x`` (B, n): a plain CPU
-    tensor (not traced, not batched or wrapped by ``torch.func``) below the fused path's size
-    (``FUSED_MIN_NUMEL``), rows of at most ``EXACT_MAX_N`` entries, numba installed and
-    compilation enabled (``softops.set_compile``)."""
+    tensor (:func:`_plain_cpu`) below the fused path's size (``FUSED_MIN_NUMEL``), rows of at
+    most ``EXACT_MAX_N`` entries, numba installed and compilation enabled
+    (``softops.set_compile``)."""
+    return _plain_cpu(x) and x.numel() < FUSED_MIN_NUMEL and _numba_kernels() is not None
+
+
+def use_cpp(x: torch.Tensor) -> bool:
+    """Whether the C++ kernel (``_ot_cpu.cpp``) solves the rows of ``x`` (B, n): the fused path's
+    size on the CPU (at least ``FUSED_MIN_NUMEL`` entries, rows of at most ``EXACT_MAX_N``), a
+    plain tensor (:func:`_plain_cpu`), compilation enabled and the kernel built (the first call
+    builds it; a failed build leaves the torch.compile path)."""
+    return _plain_cpu(x) and x.numel() >= FUSED_MIN_NUMEL and _cpp_kernels() is not None
+
+
+def _plain_cpu(x: torch.Tensor) -> bool:
+    """A CPU tensor, not traced, batched or wrapped by ``torch.func``, with rows of at most
+    ``EXACT_MAX_N`` entries, while compilation is enabled: what the row kernels solve."""
     # tracing first: a traced caller must not get a guard on the size of x
     return (
         not torch.compiler.is_compiling()
         and x.device.type == "cpu"
         and not _functorch.is_functorch_wrapped_tensor(x)
-        and x.numel() < FUSED_MIN_NUMEL
         and x.shape[-1] <= EXACT_MAX_N
         and compile_enabled()
-        and _numba_kernels() is not None
     )
 
 
@@ -599,44 +617,58 @@ def _numba_kernels() -> Any:
     return kernel_module("softops.topk._ot_numba")
 
 
-def _solve_numba(
+def _cpp_kernels() -> Any:
+    """The C++ operators (``torch.ops.softops_ot``), or None when they cannot be built."""
+    return cpp_ops("softops_ot", "topk/_ot_cpu.cpp")
+
+
+def _solve_rows(
     x: torch.Tensor,
     k: torch.Tensor,
     eps: torch.Tensor,
     max_iter: int,
     tol: float,
     k_scalar: float | None,
+    cpp: bool,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by the numba kernel, in float64 (results in x's dtype); the rows it leaves
-    (not regular, capped or near the hard limit) are solved by the torch code and merged."""
-    import numpy as np  # (numba's own dependency: there whenever the kernel is)
-
+    """:func:`_solve` by a row kernel, the C++ one (``cpp``, in x's dtype with double sums) or
+    numba's (in float64); the rows it leaves (not regular, capped or near the hard limit) are
+    solved by the torch code and merged."""
     dtype = x.dtype
     xc = x.detach().contiguous()
     B = xc.shape[0]
-    A = torch.empty_like(xc)
-    s = torch.empty_like(xc)
-    out = np.zeros((B, 6))
-    _numba_kernels().threshold_rows(
-        xc.numpy(),
-        k.detach().expand(B).contiguous().numpy(),
-        eps.detach().expand(B).contiguous().numpy(),
-        float(tol),
-        _scaling_limit(dtype),
-        max_iter,
-        A.numpy(),
-        s.numpy(),
-        out,
-    )
-    evaluations = int(out[:, 4].max()) if B else 0
-    left = out[:, 5] != 0
-    m, t, den, residual = torch.from_numpy(out[:, :4].T.copy()).to(dtype).unbind(0)
-    if not left.any():
+    k_rows = k.detach().expand(B).contiguous()
+    eps_rows = eps.detach().expand(B).contiguous()
+    if cpp:
+        A, s, out = _cpp_kernels().threshold_rows(
+            xc, k_rows, eps_rows, float(tol), _scaling_limit(dtype), max_iter
+        )
+    else:
+        import numpy as np  # (numba's own dependency: there whenever the kernel is)
+
+        A, s = torch.empty_like(xc), torch.empty_like(xc)
+        out_np = np.zeros((B, 6))
+        _numba_kernels().threshold_rows(
+            xc.numpy(),
+            k_rows.numpy(),
+            eps_rows.numpy(),
+            float(tol),
+            _scaling_limit(dtype),
+            max_iter,
+            A.numpy(),
+            s.numpy(),
+            out_np,
+        )
+        out = torch.from_numpy(out_np).to(dtype)
+    # one host read: the most evaluations, and whether some row was left (status 1)
+    evaluations, some_left = (int(v) for v in out[:, 4:].amax(0).tolist()) if B else (0, 0)
+    m, t, den, residual = out[:, :4].unbind(1)
+    if not some_left:
         converged = torch.ones(B, dtype=torch.bool)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
         return state, A, s, den, True
-    rest = torch.from_numpy(left)
-    idx = rest.nonzero().squeeze(-1)
+    m, t, den, residual = m.clone(), t.clone(), den.clone(), residual.clone()
+    idx = (out[:, 5] != 0).nonzero().squeeze(-1)
     sub, A_r, s_r, den_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
     A[idx], s[idx] = A_r, s_r
     m[idx], t[idx], den[idx], residual[idx] = sub.m, sub.t, den_r, sub.residual
@@ -671,15 +703,18 @@ def _solve(
     max_iter: int,
     tol: float,
     k_scalar: float | None,
-    numba: bool = True,
+    kernels: bool = True,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and the denominator
     of the backward's weights (``sum s``, or ``inf`` where it is 0; NaN on rows that cannot be
     solved: the last evaluation's by-products), and whether every row is known on the host to have
-    converged (then there is nothing to warn about). Small CPU problems go to the numba kernel
-    (:func:`use_numba`) unless ``numba`` is False."""
-    if numba and use_numba(x):
-        return _solve_numba(x, k, eps, max_iter, tol, k_scalar)
+    converged (then there is nothing to warn about). CPU problems with rows of at most
+    ``EXACT_MAX_N`` go to a row kernel unless ``kernels`` is False: numba's below the fused
+    path's size (:func:`use_numba`), the C++ one above it (:func:`use_cpp`)."""
+    if kernels and use_numba(x):
+        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=False)
+    if kernels and use_cpp(x):
+        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=True)
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
@@ -857,7 +892,15 @@ def _vjp_saved(s: torch.Tensor, den: torch.Tensor, g: torch.Tensor) -> torch.Ten
     """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and denominator ``den`` (B, 1: ``sum
     s``, or ``inf`` where every s is 0, so that the quotient is 0 there): a row dot product, a
     division of (B, 1), a subtraction and a product in place, where the fused path costs a
-    compiled call."""
+    compiled call. On the CPU at the fused path's size it is one pass of the C++ kernel."""
+    if (
+        g.dtype == s.dtype
+        and s.is_contiguous()
+        and not (g.requires_grad and torch.is_grad_enabled())
+        and not _functorch.is_functorch_wrapped_tensor(g)
+        and use_cpp(s)
+    ):
+        return _cpp_kernels().vjp_rows(s, den.reshape(-1), g)
     return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / den).mul_(s)
 
 
