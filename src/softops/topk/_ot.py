@@ -584,32 +584,36 @@ def _polish_rows(
 
 
 def use_numba(x: torch.Tensor) -> bool:
-    """Whether the numba kernel (``_ot_numba``) solves the rows of ``x`` (B, n): a plain CPU
-    tensor (:func:`_plain_cpu`) below the fused path's size (``FUSED_MIN_NUMEL``), rows of at
-    most ``EXACT_MAX_N`` entries, numba installed and compilation enabled
-    (``softops.set_compile``)."""
-    return _plain_cpu(x) and x.numel() < FUSED_MIN_NUMEL and _numba_kernels() is not None
+    """Whether the numba kernel (``_ot_numba``) solves the rows of ``x`` (B, n) (see
+    :func:`_row_kernel`)."""
+    return _row_kernel(x) == "numba"
 
 
 def use_cpp(x: torch.Tensor) -> bool:
-    """Whether the C++ kernel (``_ot_cpu.cpp``) solves the rows of ``x`` (B, n): the fused path's
-    size on the CPU (at least ``FUSED_MIN_NUMEL`` entries, rows of at most ``EXACT_MAX_N``), a
-    plain tensor (:func:`_plain_cpu`), compilation enabled and the kernel built (the first call
-    builds it; a failed build leaves the torch.compile path)."""
-    return _plain_cpu(x) and x.numel() >= FUSED_MIN_NUMEL and _cpp_kernels() is not None
+    """Whether the C++ kernel (``_ot_cpu.cpp``) solves the rows of ``x`` (B, n) (see
+    :func:`_row_kernel`)."""
+    return _row_kernel(x) == "cpp"
 
 
-def _plain_cpu(x: torch.Tensor) -> bool:
-    """A CPU tensor, not traced, batched or wrapped by ``torch.func``, with rows of at most
-    ``EXACT_MAX_N`` entries, while compilation is enabled: what the row kernels solve."""
+def _row_kernel(x: torch.Tensor) -> str | None:
+    """The row kernel that solves ``x`` (B, n): a plain CPU tensor (not traced, batched or
+    wrapped by ``torch.func``) with rows of at most ``EXACT_MAX_N`` entries, while compilation is
+    enabled (``softops.set_compile``), goes to numba's below the fused path's size
+    (``FUSED_MIN_NUMEL``), where numba is installed, and to the C++ one from that size on, where
+    it builds (its first call builds it; a failed build leaves the torch.compile path); None:
+    the torch code."""
     # tracing first: a traced caller must not get a guard on the size of x
-    return (
-        not torch.compiler.is_compiling()
-        and x.device.type == "cpu"
-        and not _functorch.is_functorch_wrapped_tensor(x)
-        and x.shape[-1] <= EXACT_MAX_N
-        and compile_enabled()
-    )
+    if (
+        torch.compiler.is_compiling()
+        or x.device.type != "cpu"
+        or x.shape[-1] > EXACT_MAX_N
+        or not compile_enabled()
+        or _functorch.is_functorch_wrapped_tensor(x)
+    ):
+        return None
+    if x.numel() < FUSED_MIN_NUMEL:
+        return "numba" if _numba_kernels() is not None else None
+    return "cpp" if _cpp_kernels() is not None else None
 
 
 def _numba_kernels() -> Any:
@@ -635,23 +639,21 @@ def _solve_rows(
     numba's (in float64); the rows it leaves (not regular, capped or near the hard limit) are
     solved by the torch code and merged."""
     dtype = x.dtype
-    xc = x.detach().contiguous()
-    B = xc.shape[0]
-    k_rows = k.detach().expand(B).contiguous()
-    eps_rows = eps.detach().expand(B).contiguous()
+    B = x.shape[0]
     if cpp:
-        A, s, out = _cpp_kernels().threshold_rows(
-            xc, k_rows, eps_rows, float(tol), _scaling_limit(dtype), max_iter
+        A, s, out, evaluations, some_left = _cpp_kernels().threshold_rows(
+            x.detach(), k.detach(), eps.detach(), float(tol), _scaling_limit(dtype), max_iter
         )
     else:
         import numpy as np  # (numba's own dependency: there whenever the kernel is)
 
+        xc = x.detach().contiguous()
         A, s = torch.empty_like(xc), torch.empty_like(xc)
         out_np = np.zeros((B, 6))
         _numba_kernels().threshold_rows(
             xc.numpy(),
-            k_rows.numpy(),
-            eps_rows.numpy(),
+            k.detach().expand(B).contiguous().numpy(),
+            eps.detach().expand(B).contiguous().numpy(),
             float(tol),
             _scaling_limit(dtype),
             max_iter,
@@ -660,18 +662,17 @@ def _solve_rows(
             out_np,
         )
         out = torch.from_numpy(out_np).to(dtype)
-    # one host read: the most evaluations, and whether some row was left (status 1)
-    evaluations, some_left = (int(v) for v in out[:, 4:].amax(0).tolist()) if B else (0, 0)
-    m, t, den, residual = out[:, :4].unbind(1)
+        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(out_np[:, 5].any())
     if not some_left:
+        m, t, _, residual = out[:, :4].unbind(1)
         converged = torch.ones(B, dtype=torch.bool)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
-        return state, A, s, den, True
-    m, t, den, residual = m.clone(), t.clone(), den.clone(), residual.clone()
+        return state, A, s, out[:, :3], True
     idx = (out[:, 5] != 0).nonzero().squeeze(-1)
-    sub, A_r, s_r, den_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
+    sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
     A[idx], s[idx] = A_r, s_r
-    m[idx], t[idx], den[idx], residual[idx] = sub.m, sub.t, den_r, sub.residual
+    out[idx, :3], out[idx, 3] = aux_r, sub.residual  # (out is the kernel's own)
+    m, t, _, residual = out[:, :4].unbind(1)
     converged = torch.ones(B, dtype=torch.bool)
     converged[idx] = sub.converged
 
@@ -693,7 +694,7 @@ def _solve_rows(
         merged(sub.invalid, False),
         merged(sub.scale, 1.0),
     )
-    return state, A, s, den, all_ok
+    return state, A, s, out[:, :3], all_ok
 
 
 def _solve(
@@ -705,16 +706,16 @@ def _solve(
     k_scalar: float | None,
     kernels: bool = True,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps`` and the denominator
-    of the backward's weights (``sum s``, or ``inf`` where it is 0; NaN on rows that cannot be
-    solved: the last evaluation's by-products), and whether every row is known on the host to have
-    converged (then there is nothing to warn about). CPU problems with rows of at most
-    ``EXACT_MAX_N`` go to a row kernel unless ``kernels`` is False: numba's below the fused
-    path's size (:func:`use_numba`), the C++ one above it (:func:`use_cpp`)."""
-    if kernels and use_numba(x):
-        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=False)
-    if kernels and use_cpp(x):
-        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=True)
+    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps``, the backward's
+    ``aux`` (B, 3): the columns m, t and the denominator of the backward's weights (``sum s``, or
+    ``inf`` where it is 0; NaN on rows that cannot be solved: the last evaluation's
+    by-products), and whether every row is known on the host to have converged (then there is
+    nothing to warn about). CPU problems with rows of at most ``EXACT_MAX_N`` go to a row kernel
+    unless ``kernels`` is False: numba's below the fused path's size (:func:`use_numba`), the C++
+    one above it (:func:`use_cpp`)."""
+    kernel = _row_kernel(x) if kernels else None
+    if kernel is not None:
+        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=kernel == "cpp")
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
@@ -815,7 +816,7 @@ def _solve(
     if regular:
         # every row done and none skipped: converged (a residual is finite on finite rows)
         out = ThresholdState(m, root, converged, evaluations, residual, None, None, None, scale)
-        return out, A, w, w_sum, all_done
+        return out, A, w, torch.stack((m, root, w_sum), -1), all_done
     solve_rows, invalid = prep.solve_rows, prep.invalid
     converged = converged | ~(solve_rows | invalid)
     residual = torch.where(solve_rows, residual, 0).masked_fill(invalid, math.nan)
@@ -826,7 +827,7 @@ def _solve(
     out = ThresholdState(
         m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid, scale
     )
-    return out, A, w, w_sum, False
+    return out, A, w, torch.stack((m, root, w_sum), -1), False
 
 
 def solve(
@@ -900,7 +901,7 @@ def _vjp_saved(s: torch.Tensor, den: torch.Tensor, g: torch.Tensor) -> torch.Ten
         and not _functorch.is_functorch_wrapped_tensor(g)
         and use_cpp(s)
     ):
-        return _cpp_kernels().vjp_rows(s, den.reshape(-1), g)
+        return _cpp_kernels().vjp_rows(s, den, g)
     return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / den).mul_(s)
 
 
@@ -1044,7 +1045,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         tol: float,
         k_scalar: float | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        state, A, s, den, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
+        state, A, s, aux, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
         # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
         ok: torch.Tensor | None = None  # None: every row converged (known on the host)
         if not all_ok:
@@ -1054,7 +1055,6 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         edge = None
         if state.sel_none is not None and state.sel_all is not None:
             edge = state.sel_none.to(torch.int8) - (state.sel_all & ~state.sel_none).to(torch.int8)
-        aux = torch.stack((state.m, state.t, den), -1)
         return A, s, aux, ok, edge, state.scale
 
     @staticmethod

@@ -2,15 +2,16 @@
 //
 // Built on first use by softops._core.fused.cpp_ops (torch.utils.cpp_extension, the same C++
 // toolchain as torch.compile's CPU backend) and registered as the operators
-// softops_ot::threshold_rows and softops_ot::vjp_rows. The arithmetic is that of the torch code it
-// replaces (softops/topk/_ot.py: _prepare_exact, _evaluate and the update of
+// softops_ot::threshold_rows and softops_ot::vjp_rows. The arithmetic is that of the torch code
+// it replaces (softops/topk/_ot.py: _prepare_exact, _evaluate and the update of
 // softops/_core/rootfind.py), in the rows' dtype, with the sums accumulated in double; one row
-// per task, the rows spread over torch's intra-op threads (at::parallel_for). Each evaluation is
-// one vectorised pass (at::vec: the sigmoid, its derivative and curvature, five sums), and the
-// bracket's order statistics come from one pass with a buffer of the few largest (or smallest)
-// entries instead of a topk call. Only regular rows are solved: every entry finite, 0 < k < n,
-// epsilon within the scaling limit, converged within the cap and not near the hard limit. Every
-// other row is flagged and left to the torch code, which handles them all.
+// per task, the rows spread over torch's intra-op threads (at::parallel_for). An evaluation is
+// one vectorised pass (at::vec: the sigmoid, its derivative and curvature, five sums) that takes
+// its exponentials from the row's (one exp per entry per solve, see evaluate()), and the
+// bracket's order statistics come from a few candidates for the largest (or smallest) entries
+// instead of a topk call. Only regular rows are solved: every entry finite, 0 < k < n, epsilon
+// within the scaling limit, converged within the cap and not near the hard limit. Every other
+// row is flagged and left to the torch code, which handles them all.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,12 +21,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
 
-// Order statistics from a buffer of this many entries at most; beyond, nth_element on a copy.
+// Order statistics of rank at most this many from either end come from a few candidates
+// (extremes()), of at most kCandidates; beyond either, nth_element on a copy of the row.
 constexpr int64_t kBuffer = 64;
+constexpr int64_t kCandidates = 512;
 // Float lanes are flushed into the double sums every this many vectors (a float lane then holds
 // at most 16 terms: its rounding stays far below the residual's tolerance, 32 ulps).
 constexpr int64_t kFlush = 16;
@@ -33,40 +37,62 @@ constexpr int64_t kFlush = 16;
 // entry per solve instead of one per evaluation); beyond, each entry's exp is taken anew.
 constexpr double kFactorMax = 16;
 
-// The j-th and (j - 1)-th largest entries of row (1 <= j <= n) from a buffer of the `size`
-// largest (descending), or smallest (ascending) with `largest` false; `size` <= kBuffer.
+// The `size` largest entries of row (descending), or smallest (ascending) with `largest` false,
+// into buf (size <= n). The least of the maxima of `size` disjoint chunks is at most the
+// size-th largest entry, so the entries at or above it hold the `size` largest: one pass for
+// the bound, one to collect those candidates (usually a few dozen), and a partial sort of them.
+// Returns false, leaving buf, when there are more than kCandidates of them (a sorted row, say).
 template <typename scalar_t, bool largest>
-void extremes(const scalar_t* row, int64_t n, int64_t size, scalar_t* buf) {
+bool extremes(const scalar_t* row, int64_t n, int64_t size, scalar_t* buf) {
   using Vec = at::vec::Vectorized<scalar_t>;
+  constexpr int64_t L = Vec::size();
   auto before = [](scalar_t a, scalar_t b) { return largest ? a > b : a < b; };
-  for (int64_t i = 0; i < size; ++i) {  // the first `size` entries, by insertion
-    scalar_t v = row[i];
-    int64_t j = i;
-    while (j > 0 && before(v, buf[j - 1])) {
-      buf[j] = buf[j - 1];
-      --j;
-    }
-    buf[j] = v;
-  }
-  auto insert = [&](scalar_t v) {
-    if (!before(v, buf[size - 1])) return;
-    int64_t j = size - 1;
-    while (j > 0 && before(v, buf[j - 1])) {
-      buf[j] = buf[j - 1];
-      --j;
-    }
-    buf[j] = v;
+  auto extreme = [](const Vec& a, const Vec& b) {
+    return largest ? at::vec::maximum(a, b) : at::vec::minimum(a, b);
   };
-  const int all = (1 << Vec::size()) - 1;
-  int64_t i = size;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec v = Vec::loadu(row + i);
-    Vec edge(buf[size - 1]);
-    Vec hit = largest ? (v > edge) : (v < edge);
-    if (hit.zero_mask() == all) continue;  // (the usual case: nothing enters the buffer)
-    for (int64_t l = 0; l < Vec::size(); ++l) insert(row[i + l]);
+  scalar_t lanes[L];
+  const int64_t chunk = n / size;
+  scalar_t edge = largest ? std::numeric_limits<scalar_t>::infinity()
+                          : -std::numeric_limits<scalar_t>::infinity();
+  for (int64_t c = 0; c < size; ++c) {
+    const scalar_t* p = row + c * chunk;
+    scalar_t best = p[0];
+    int64_t i = 0;
+    if (chunk >= L) {
+      Vec acc = Vec::loadu(p);
+      for (i = L; i + L <= chunk; i += L) acc = extreme(acc, Vec::loadu(p + i));
+      acc.store(lanes);
+      for (int64_t l = 0; l < L; ++l) best = before(lanes[l], best) ? lanes[l] : best;
+    }
+    for (; i < chunk; ++i) best = before(p[i], best) ? p[i] : best;
+    edge = before(edge, best) ? best : edge;
   }
-  for (; i < n; ++i) insert(row[i]);
+  scalar_t candidates[kCandidates];
+  int64_t count = 0;
+  const Vec vedge(edge);
+  const int all = (1 << L) - 1;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    Vec v = Vec::loadu(row + i);
+    Vec hit = largest ? (v >= vedge) : (v <= vedge);
+    if (hit.zero_mask() == all) continue;  // (the usual case: no candidate here)
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t x = row[i + l];
+      if (!before(edge, x)) {
+        if (count == kCandidates) return false;
+        candidates[count++] = x;
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    if (!before(edge, row[i])) {
+      if (count == kCandidates) return false;
+      candidates[count++] = row[i];
+    }
+  }
+  std::partial_sort(candidates, candidates + size, candidates + count, before);
+  std::copy(candidates, candidates + size, buf);
+  return true;
 }
 
 struct Sums {
@@ -205,13 +231,11 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   const int64_t jl = int64_t(j_lo), jh = int64_t(j_hi);
   scalar_t x_hi, x_lo;
   scalar_t buf[kBuffer];
-  if (jl <= kBuffer) {
-    extremes<scalar_t, true>(row, n, jl, buf);
+  if (jl <= kBuffer && extremes<scalar_t, true>(row, n, jl, buf)) {
     x_lo = buf[jl - 1];
     x_hi = buf[jh - 1];
-  } else if (n - jh + 1 <= kBuffer) {  // the j-th largest is the (n - j + 1)-th smallest
-    const int64_t size = n - jh + 1;
-    extremes<scalar_t, false>(row, n, size, buf);
+  } else if (n - jh + 1 <= kBuffer && extremes<scalar_t, false>(row, n, n - jh + 1, buf)) {
+    // the j-th largest is the (n - j + 1)-th smallest
     x_lo = buf[n - jl];
     x_hi = buf[n - jh];
   } else {
@@ -293,21 +317,25 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
 }
 
 // out (B, 6) in x's dtype (its columns are exact there: m and t are of that dtype, the
-// evaluations and status small integers).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_rows(const at::Tensor& x,
-                                                              const at::Tensor& k,
-                                                              const at::Tensor& eps, double tol,
-                                                              double limit, int64_t max_iter) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "threshold_rows: x must be contiguous (B, n)");
+// evaluations and status small integers); then the most evaluations of a row and the number of
+// rows left to the torch code, so that the caller reads nothing back. k and eps are (B,), any
+// stride (an expanded scalar, say).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> threshold_rows(
+    const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& eps, double tol, double limit,
+    int64_t max_iter) {
+  TORCH_CHECK(x_in.dim() == 2, "threshold_rows: x must be (B, n)");
+  const at::Tensor x = x_in.contiguous();
   const int64_t B = x.size(0), n = x.size(1);
-  TORCH_CHECK(k.numel() == B && eps.numel() == B && k.is_contiguous() && eps.is_contiguous(),
-              "threshold_rows: k and eps must be contiguous (B,)");
+  TORCH_CHECK(k.dim() == 1 && eps.dim() == 1 && k.size(0) == B && eps.size(0) == B,
+              "threshold_rows: k and eps must be (B,)");
   TORCH_CHECK(k.scalar_type() == x.scalar_type() && eps.scalar_type() == x.scalar_type(),
               "threshold_rows: k and eps must have x's dtype");
   auto A = at::empty_like(x);
   auto s = at::empty_like(x);
   auto out = at::empty({B, 6}, x.options());
-  if (B == 0 || n == 0) return {A, s, out};
+  if (B == 0 || n == 0) return {A, s, out, 0, 0};
+  const int64_t k_stride = k.stride(0), eps_stride = eps.stride(0);
+  std::vector<int64_t> evaluations(B), left(B);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "threshold_rows", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     const scalar_t* pk = k.const_data_ptr<scalar_t>();
@@ -320,46 +348,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> threshold_rows(const at::Tensor& 
       std::vector<scalar_t> work;
       double row_out[6];
       for (int64_t b = b0; b < b1; ++b) {
-        solve_row<scalar_t>(px + b * n, n, pk[b], pe[b], tol, limit, max_iter, pA + b * n,
-                            ps + b * n, row_out, work);
+        solve_row<scalar_t>(px + b * n, n, pk[b * k_stride], pe[b * eps_stride], tol, limit,
+                            max_iter, pA + b * n, ps + b * n, row_out, work);
         for (int64_t c = 0; c < 6; ++c) po[b * 6 + c] = scalar_t(row_out[c]);
+        evaluations[b] = int64_t(row_out[4]);
+        left[b] = int64_t(row_out[5]);
       }
     });
   });
-  return {A, s, out};
+  return {A, s, out, *std::max_element(evaluations.begin(), evaluations.end()),
+          std::accumulate(left.begin(), left.end(), int64_t(0))};
 }
 
-// s (g - <s, g> / den) per row, one task per block of rows: the backward in x.
+// s (g - <s, g> / den) per row, one task per block of rows: the backward in x. den is (B,) or
+// (B, 1), any stride; g any (B, n) (the expanded gradient of a sum is read without a copy).
 at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor& g_in) {
-  TORCH_CHECK(s.dim() == 2 && s.is_contiguous() && den.numel() == s.size(0),
-              "vjp_rows: s must be contiguous (B, n) and den (B,)");
-  auto g = g_in.contiguous();
-  auto den_c = den.contiguous();
-  auto out = at::empty_like(s);
+  TORCH_CHECK(s.dim() == 2 && s.is_contiguous() && den.numel() == s.size(0) &&
+                  g_in.sizes() == s.sizes() && g_in.scalar_type() == s.scalar_type() &&
+                  den.scalar_type() == s.scalar_type(),
+              "vjp_rows: s must be contiguous (B, n), den (B,) and g (B, n), of one dtype");
   const int64_t B = s.size(0), n = s.size(1);
+  const bool broadcast = g_in.stride(1) == 0;  // each row of g one value
+  const at::Tensor g = broadcast || g_in.stride(1) == 1 ? g_in : g_in.contiguous();
+  auto out = at::empty_like(s);
   if (B == 0 || n == 0) return out;
+  const int64_t g_row = g.stride(0), den_stride = den.dim() ? den.stride(0) : 0;
   AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "vjp_rows", [&] {
     using Vec = at::vec::Vectorized<scalar_t>;
     constexpr int64_t L = Vec::size();
     const scalar_t* ps = s.const_data_ptr<scalar_t>();
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
-    const scalar_t* pd = den_c.const_data_ptr<scalar_t>();
+    const scalar_t* pd = den.const_data_ptr<scalar_t>();
     scalar_t* po = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+      scalar_t lanes[L];
       for (int64_t b = b0; b < b1; ++b) {
         const scalar_t* rs = ps + b * n;
-        const scalar_t* rg = pg + b * n;
+        const scalar_t* rg = pg + b * g_row;
         scalar_t* ro = po + b * n;
+        const scalar_t den_b = pd[b * den_stride];
+        if (broadcast) {  // s (g - g <s, 1> / den): 0 where den is sum s, as it is here
+          Vec acc(0);
+          int64_t i = 0;
+          for (; i + L <= n; i += L) acc = acc + Vec::loadu(rs + i);
+          acc.store(lanes);
+          double total = 0;
+          for (int64_t l = 0; l < L; ++l) total += lanes[l];
+          for (; i < n; ++i) total += rs[i];
+          const scalar_t gb = rg[0];
+          const scalar_t centred = gb - scalar_t(double(gb) * total / double(den_b));
+          const Vec vc(centred);
+          for (i = 0; i + L <= n; i += L) (Vec::loadu(rs + i) * vc).store(ro + i);
+          for (; i < n; ++i) ro[i] = rs[i] * centred;
+          continue;
+        }
         Vec acc(0);
         int64_t i = 0;
         for (; i + L <= n; i += L) acc = at::vec::fmadd(Vec::loadu(rs + i), Vec::loadu(rg + i), acc);
-        scalar_t lanes[L];
         acc.store(lanes);
         double dot = 0;
         for (int64_t l = 0; l < L; ++l) dot += lanes[l];
         for (; i < n; ++i) dot += double(rs[i]) * double(rg[i]);
-        const scalar_t mean = scalar_t(dot / double(pd[b]));  // 0 where den is inf
+        const scalar_t mean = scalar_t(dot / double(den_b));  // 0 where den is inf
         const Vec vmean(mean);
         for (i = 0; i + L <= n; i += L) {
           (Vec::loadu(rs + i) * (Vec::loadu(rg + i) - vmean)).store(ro + i);
@@ -376,7 +427,7 @@ at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor
 TORCH_LIBRARY(softops_ot, m) {
   m.def(
       "threshold_rows(Tensor x, Tensor k, Tensor eps, float tol, float limit, int max_iter) -> "
-      "(Tensor, Tensor, Tensor)");
+      "(Tensor, Tensor, Tensor, int, int)");
   m.def("vjp_rows(Tensor s, Tensor den, Tensor g) -> Tensor");
 }
 

@@ -1,0 +1,251 @@
+"""The C++ kernel of method "ot" (softops/topk/_ot_cpu.cpp) against the batched torch code it
+stands in for on the CPU at the fused path's size: the solve, the rows it leaves to that code,
+its one-pass backward, the rule that chooses it and the fallback when it cannot be built.
+
+The first test to need the kernel builds it (about 25 s on 2 cores; cached afterwards)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import softops
+from softops._core import fused
+from softops.topk import _ot
+from tests._helpers import seeded
+
+F64 = torch.float64
+
+
+@pytest.fixture
+def cpp_on(monkeypatch):
+    """The C++ path enabled (the test run turns compilation off, which also turns it off)."""
+    monkeypatch.setattr(_ot, "compile_enabled", lambda: True)
+    if _ot._cpp_kernels() is None:
+        pytest.skip("the C++ kernel cannot be built here (no C++ compiler or ninja)")
+
+
+def _rows(b: int, n: int, dtype: torch.dtype, seed: int, layout: str = "normal") -> torch.Tensor:
+    x = torch.randn(b, n, generator=seeded(seed), dtype=F64)
+    if layout == "ties":
+        x = (x * 2).round() / 2
+    elif layout == "ascending":
+        x = x.sort(-1).values
+    elif layout == "descending":
+        x = x.sort(-1, descending=True).values
+    return x.to(dtype)
+
+
+def _kernel_solve(x: torch.Tensor, k: float, eps: float) -> tuple:
+    b = x.shape[0]
+    kt = torch.full((b,), k, dtype=x.dtype)
+    et = torch.full((b,), eps, dtype=x.dtype)
+    got = _ot._solve_rows(x, kt, et, 100, 0.0, k, cpp=True)
+    want = _ot._solve(x, kt, et, 100, 0.0, k, False)
+    return got, want
+
+
+# n: one vector or less, a tail after the vectors, rows longer than the candidate buffer; k:
+# the order statistics from the largest (k <= 64), the smallest (n - k < 64) and nth_element
+CASES = [
+    (b, n, k)
+    for b, n in ((3, 7), (8, 100), (2, 1003))
+    for k in (1.0, 3.0, 3.5, 0.5 * n, n - 3.0, n - 0.25)
+    if k < n
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("layout", ["normal", "ties", "ascending", "descending"])
+@pytest.mark.parametrize("eps", [1e-2, 0.3, 10.0])
+@pytest.mark.parametrize(("b", "n", "k"), CASES)
+def test_the_kernel_solves_as_the_torch_code(cpp_on, dtype, layout, eps, b, n, k):
+    x = _rows(b, n, dtype, seed=n + b, layout=layout)
+    got, want = _kernel_solve(x, k, eps)
+    # the same arithmetic in the rows' dtype, the sums in double: roots within the tolerance
+    # of each other, so masks within a few ulps and the backward's weights within the change
+    # of s over that difference of t
+    tol = 1e-12 if dtype == F64 else 2e-6
+    torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=tol * 20 / eps, rtol=50 * tol)
+    torch.testing.assert_close(got[3][:, 2], want[3][:, 2], atol=0, rtol=50 * tol)
+    assert got[0].converged.all()
+    sums = got[1].double().sum(-1)
+    assert (sums - k).abs().max() <= (want[1].double().sum(-1) - k).abs().max() + n * tol
+    assert got[0].iterations <= 8
+
+
+def test_the_kernel_takes_its_exponentials_from_the_rows(cpp_on):
+    # A threshold far from the centre (|t| / eps beyond the factored range, the large-epsilon
+    # start) and entries far below it (E subnormal) take the direct exp: the masks still agree.
+    x = _rows(4, 300, torch.float32, seed=4)
+    x[0] *= 40  # |x - m| / eps up to ~1e3: E subnormal or 0 on most of the row
+    x[1, :150] += 30  # the centre m is far from the large-epsilon start
+    for eps in (0.05, 2.0, 40.0):
+        got, want = _kernel_solve(x, 150.0, eps)
+        torch.testing.assert_close(got[1], want[1], atol=2e-6, rtol=0)
+
+
+def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(cpp_on):
+    # one clean row among rows the kernel flags: an infinity, a NaN, k at n by infinities, a
+    # huge epsilon (the scaled solve), a near-hard row (the polish) and k = 0 (filled)
+    n = 40
+    x = _rows(7, n, F64, seed=9)
+    x[1, 3] = math.inf
+    x[2, 5] = math.nan
+    x[3, :5] = -math.inf
+    x[5] *= 50
+    k = torch.tensor([3.0, 3.0, 3.0, 35.0, 3.0, 20.0, 0.0], dtype=F64)
+    eps = torch.tensor([0.3, 0.3, 0.3, 0.3, 1e300, 1e-3, 0.3], dtype=F64)
+    limit = _ot._scaling_limit(F64)
+    *_, out, evaluations, left = _ot._cpp_kernels().threshold_rows(x, k, eps, 0.0, limit, 100)
+    assert out[:, 5].tolist() == [0, 1, 1, 1, 1, 1, 1] and left == 6
+    assert evaluations == int(out[:, 4].max()) >= 1
+    got = _ot._solve_rows(x, k, eps, 100, 0.0, None, cpp=True)
+    want = _ot._solve(x, k, eps, 100, 0.0, None, False)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-14, rtol=0)
+    torch.testing.assert_close(got[3], want[3], equal_nan=True, atol=1e-12, rtol=0)
+    for name in ("m", "t", "residual"):
+        torch.testing.assert_close(
+            getattr(got[0], name), getattr(want[0], name), equal_nan=True, atol=1e-12, rtol=0
+        )
+    for name in ("converged", "sel_none", "sel_all", "invalid", "scale"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
+    assert not got[4]
+
+
+def test_a_row_the_kernel_caps_warns_as_the_torch_code(cpp_on):
+    x = _rows(64, 1000, torch.float32, seed=2)
+    assert _ot.use_cpp(x)
+    with pytest.warns(softops.ConvergenceWarning, match="max_iter=1"):
+        softops.soft_topk_mask(x, 5, epsilon=0.3, max_iter=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        softops.soft_topk_mask(x, 5, epsilon=0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_gradients_are_the_same_with_and_without_the_kernel(monkeypatch, dtype):
+    x = _rows(40, 1000, dtype, seed=3)
+    x[7] *= 30  # near one-hot entries
+    x[9] = (x[9] * 2).round()  # ties
+    g = torch.randn(40, 1000, generator=seeded(4), dtype=dtype)
+    k = torch.linspace(1.0, 999.0, 40, dtype=dtype)
+    eps = torch.logspace(-2, 1, 40, dtype=dtype)
+    results = []
+    for use in (True, False):
+        monkeypatch.setattr(_ot, "compile_enabled", lambda use=use: use)
+        if use and _ot._cpp_kernels() is None:
+            pytest.skip("the C++ kernel cannot be built here")
+        assert _ot.use_cpp(x) == use
+        xt = x.clone().requires_grad_()
+        kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
+        A = softops.soft_topk_mask(xt, kt, epsilon=et)
+        (gx_only,) = torch.autograd.grad(softops.soft_topk_mask(xt, 10, epsilon=0.1), xt, g)
+        loss = softops.soft_topk_mask(xt, 10, epsilon=0.1).sum()  # the expanded gradient
+        (g_sum,) = torch.autograd.grad(loss, xt)
+        results.append((A.detach(), *torch.autograd.grad(A, [xt, kt, et], g), gx_only, g_sum))
+    tol = 1e-11 if dtype == F64 else 3e-5
+    for a, w in zip(*results, strict=True):
+        scale = max(float(w.abs().max()), 1.0)
+        torch.testing.assert_close(a, w, atol=tol * scale, rtol=tol)
+
+
+def test_double_backward_and_forward_mode_with_the_kernel(cpp_on):
+    x = _rows(33, 1000, F64, seed=6).requires_grad_()
+    v = torch.randn(33, 1000, generator=seeded(7), dtype=F64)
+    assert _ot.use_cpp(x)
+
+    def f(z):
+        return softops.soft_topk_mask(z, 12, epsilon=0.2)
+
+    (gx,) = torch.autograd.grad((f(x) ** 2).sum(), x, create_graph=True)
+    (hv,) = torch.autograd.grad(gx, x, v)
+    with torch.no_grad():  # the Hessian-vector product by central differences of the gradient
+        h = 1e-5
+
+        def grad_at(z):
+            zt = z.clone().requires_grad_()
+            with torch.enable_grad():
+                return torch.autograd.grad((f(zt) ** 2).sum(), zt)[0]
+
+        fd = (grad_at(x + h * v) - grad_at(x - h * v)) / (2 * h)
+    torch.testing.assert_close(hv, fd, atol=1e-6 * float(fd.abs().max()), rtol=1e-5)
+    _, jv = torch.func.jvp(f, (x.detach(),), (v,))
+    with torch.no_grad():
+        fd = (f(x + 1e-6 * v) - f(x - 1e-6 * v)) / 2e-6
+    torch.testing.assert_close(jv, fd, atol=1e-7, rtol=1e-6)
+
+
+def test_the_backward_in_x_is_one_pass_of_the_formula(cpp_on):
+    s = torch.rand(5, 300, generator=seeded(1), dtype=F64)
+    den = s.sum(-1, keepdim=True)
+    den[1] = math.inf  # every s of the row 0: the mean is 0
+    den[2] = math.nan  # a row that cannot be solved
+    g = torch.randn(5, 300, generator=seeded(2), dtype=F64)
+    ops = _ot._cpp_kernels()
+
+    def formula(gg):
+        return (gg - torch.linalg.vecdot(s, gg).unsqueeze(-1) / den) * s
+
+    for gg in (g, g.t().contiguous().t(), g[:, :1].expand(5, 300)):
+        torch.testing.assert_close(ops.vjp_rows(s, den, gg), formula(gg), equal_nan=True)
+    assert torch.isnan(ops.vjp_rows(s, den, g)[2]).all()
+    torch.testing.assert_close(ops.vjp_rows(s, den.squeeze(-1), g), formula(g), equal_nan=True)
+    with pytest.raises(RuntimeError, match="vjp_rows: s must be contiguous"):
+        ops.vjp_rows(s, den, g.float())
+
+
+def test_the_kernel_refuses_malformed_arguments(cpp_on):
+    ops = _ot._cpp_kernels()
+    x = torch.zeros(3, 10)
+    with pytest.raises(RuntimeError, match="k and eps must be"):
+        ops.threshold_rows(x, torch.zeros(2), torch.ones(3), 0.0, 1e30, 10)
+    with pytest.raises(RuntimeError, match="must have x's dtype"):
+        ops.threshold_rows(x, torch.zeros(3, dtype=F64), torch.ones(3), 0.0, 1e30, 10)
+    A, s, out, evaluations, left = ops.threshold_rows(
+        torch.zeros(0, 10), torch.zeros(0), torch.ones(0), 0.0, 1e30, 10
+    )
+    assert A.shape == (0, 10) and out.shape == (0, 6) and evaluations == left == 0
+
+
+def test_the_rule_that_chooses_the_kernel(cpp_on, monkeypatch):
+    big = torch.zeros(64, 1000)
+    assert _ot.use_cpp(big) and not _ot.use_numba(big)
+    assert _ot.use_cpp(torch.zeros(2, _ot.EXACT_MAX_N))
+    assert not _ot.use_cpp(torch.zeros(2, _ot.EXACT_MAX_N + 1))  # the subsampled bracket
+    assert not _ot.use_cpp(torch.zeros(1, 1000))  # below the fused path's size
+    assert not _ot.use_cpp(torch.zeros(64, 1000, device="meta"))
+    monkeypatch.setattr(_ot, "compile_enabled", lambda: False)
+    assert not _ot.use_cpp(big)
+
+
+def test_vmap_and_grad_transforms_take_the_torch_code_and_agree(cpp_on):
+    x = _rows(40, 1000, F64, seed=5)
+    batched = torch.func.vmap(lambda r: softops.soft_topk_mask(r, 4, epsilon=0.2))(x)
+    torch.testing.assert_close(
+        batched, softops.soft_topk_mask(x, 4, epsilon=0.2), atol=1e-14, rtol=0
+    )
+    g = torch.func.grad(lambda r: (softops.soft_topk_mask(r, 4, epsilon=0.2) ** 2).sum())(x)
+    xt = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad((softops.soft_topk_mask(xt, 4, epsilon=0.2) ** 2).sum(), xt)
+    torch.testing.assert_close(g, want, atol=1e-13, rtol=0)
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_leaves_none(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def fail(**_):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.delitem(fused._state["cpp"], "softops_broken", raising=False)
+    with pytest.warns(RuntimeWarning, match="building the C\\+\\+ kernel softops_broken failed"):
+        assert fused.cpp_ops("softops_broken", "topk/_ot_cpu.cpp") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fused.cpp_ops("softops_broken", "topk/_ot_cpu.cpp") is None
+    monkeypatch.delitem(fused._state["cpp"], "softops_broken")
