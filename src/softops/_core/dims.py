@@ -69,8 +69,10 @@ def row_param(
 
     A tensor must broadcast to ``batch_shape`` (the shape of x without ``dim``).
     """
-    if not isinstance(value, torch.Tensor):  # one fill (a small op's time is its op count)
-        return torch.full((batch_shape.numel(),), value, dtype=dtype, device=device)
+    if not isinstance(value, torch.Tensor):
+        if not torch.compiler.is_compiling():  # one fill (a small op's time is its op count)
+            return torch.full((batch_shape.numel(),), value, dtype=dtype, device=device)
+        value = torch.tensor(value, dtype=dtype, device=device)  # (no guard on the batch size)
     value = value.to(dtype=dtype, device=device)
     try:
         value = value.expand(batch_shape)
