@@ -11,10 +11,13 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import softops
 from softops._core import fused
 from softops.topk import _ot
+from tests._adversarial_strategies import batches, typical_gap
 from tests._helpers import seeded
 
 F64 = torch.float64
@@ -249,3 +252,33 @@ def test_a_kernel_that_cannot_be_built_warns_once_and_leaves_none(monkeypatch):
         warnings.simplefilter("error")
         assert fused.cpp_ops("softops_broken", "topk/_ot_cpu.cpp") is None
     monkeypatch.delitem(fused._state["cpp"], "softops_broken")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@settings(
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_adversarial_rows_solve_as_the_torch_code(cpp_on, dtype, data):
+    # ties, +-1e30, denormals, the dtype's extremes, +-inf and NaN, gaps over 600 decades, k
+    # anywhere in [0, n] and epsilon from 1e-8 to 1e8 of the typical gap: the kernel solves what
+    # it can as the torch code does and leaves it the rest (merged: the same masks, NaN in NaN
+    # rows only)
+    x = data.draw(batches(dtype, n_min=1, n_max=40))
+    b, n = x.shape
+    k = torch.tensor(
+        [data.draw(st.floats(0.0, float(n), allow_nan=False)) for _ in range(b)], dtype=dtype
+    )
+    gap = typical_gap(x)
+    eps = (
+        torch.tensor([10.0 ** data.draw(st.floats(-8.0, 8.0)) * gap for _ in range(b)], dtype=F64)
+        .clamp(torch.finfo(dtype).tiny, torch.finfo(dtype).max)
+        .to(dtype)
+    )
+    got = _ot._solve_rows(x, k, eps, 100, 0.0, None, cpp=True)
+    want = _ot._solve(x, k, eps, 100, 0.0, None, False)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
+    assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
+    assert torch.equal(got[0].converged, want[0].converged)
