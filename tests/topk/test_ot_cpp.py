@@ -104,9 +104,11 @@ def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(cpp_on):
     k = torch.tensor([3.0, 3.0, 3.0, 35.0, 3.0, 20.0, 0.0], dtype=F64)
     eps = torch.tensor([0.3, 0.3, 0.3, 0.3, 1e300, 1e-3, 0.3], dtype=F64)
     limit = _ot._scaling_limit(F64)
-    *_, out, evaluations, left = _ot._cpp_kernels().threshold_rows(x, k, eps, 0.0, limit, 100)
-    assert out[:, 5].tolist() == [0, 1, 1, 1, 1, 1, 1] and left == 6
-    assert evaluations == int(out[:, 4].max()) >= 1
+    *_, converged, rows, evaluations, left = _ot._cpp_kernels().threshold_rows(
+        x, k, eps, 0.0, limit, 100
+    )
+    assert rows.tolist() == [False, True, True, True, True, True, True] and left == 6
+    assert converged.all() and 1 <= evaluations <= 8
     got = _ot._solve_rows(x, k, eps, 100, 0.0, None, cpp=True)
     want = _ot._solve(x, k, eps, 100, 0.0, None, False)
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-14, rtol=0)
@@ -198,6 +200,8 @@ def test_the_backward_in_x_is_one_pass_of_the_formula(cpp_on):
         torch.testing.assert_close(ops.vjp_rows(s, den, gg), formula(gg), equal_nan=True)
     assert torch.isnan(ops.vjp_rows(s, den, g)[2]).all()
     torch.testing.assert_close(ops.vjp_rows(s, den.squeeze(-1), g), formula(g), equal_nan=True)
+    aux = torch.cat((torch.randn(5, 2, dtype=F64), den), -1)  # the forward's: den is its last
+    torch.testing.assert_close(ops.vjp_rows(s, aux, g), formula(g), equal_nan=True)
     with pytest.raises(RuntimeError, match="vjp_rows: s must be contiguous"):
         ops.vjp_rows(s, den, g.float())
 
@@ -209,10 +213,10 @@ def test_the_kernel_refuses_malformed_arguments(cpp_on):
         ops.threshold_rows(x, torch.zeros(2), torch.ones(3), 0.0, 1e30, 10)
     with pytest.raises(RuntimeError, match="must have x's dtype"):
         ops.threshold_rows(x, torch.zeros(3, dtype=F64), torch.ones(3), 0.0, 1e30, 10)
-    A, s, out, evaluations, left = ops.threshold_rows(
+    A, s, aux, residual, *_, evaluations, left = ops.threshold_rows(
         torch.zeros(0, 10), torch.zeros(0), torch.ones(0), 0.0, 1e30, 10
     )
-    assert A.shape == (0, 10) and out.shape == (0, 6) and evaluations == left == 0
+    assert A.shape == (0, 10) and aux.shape == (0, 3) and evaluations == left == 0
 
 
 def test_the_rule_that_chooses_the_kernel(cpp_on, monkeypatch):

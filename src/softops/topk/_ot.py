@@ -641,8 +641,10 @@ def _solve_rows(
     dtype = x.dtype
     B = x.shape[0]
     if cpp:
-        A, s, out, evaluations, some_left = _cpp_kernels().threshold_rows(
-            x.detach(), k.detach(), eps.detach(), float(tol), _scaling_limit(dtype), max_iter
+        A, s, aux, residual, converged, left, evaluations, some_left = (
+            _cpp_kernels().threshold_rows(
+                x.detach(), k.detach(), eps.detach(), float(tol), _scaling_limit(dtype), max_iter
+            )
         )
     else:
         import numpy as np  # (numba's own dependency: there whenever the kernel is)
@@ -662,18 +664,18 @@ def _solve_rows(
             out_np,
         )
         out = torch.from_numpy(out_np).to(dtype)
-        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(out_np[:, 5].any())
-    if not some_left:
-        m, t, _, residual = out[:, :4].unbind(1)
+        aux, residual, left = out[:, :3], out[:, 3], torch.from_numpy(out_np[:, 5] != 0)
         converged = torch.ones(B, dtype=torch.bool)
+        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(left.any())
+    if not some_left:
+        m, t, _ = aux.unbind(1)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
-        return state, A, s, out[:, :3], True
-    idx = (out[:, 5] != 0).nonzero().squeeze(-1)
+        return state, A, s, aux, True
+    idx = left.nonzero().squeeze(-1)
     sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
     A[idx], s[idx] = A_r, s_r
-    out[idx, :3], out[idx, 3] = aux_r, sub.residual  # (out is the kernel's own)
-    m, t, _, residual = out[:, :4].unbind(1)
-    converged = torch.ones(B, dtype=torch.bool)
+    aux[idx], residual[idx] = aux_r, sub.residual  # (the kernel's own tensors)
+    m, t, _ = aux.unbind(1)
     converged[idx] = sub.converged
 
     def merged(part: torch.Tensor | None, fill: float | bool) -> torch.Tensor | None:
@@ -694,7 +696,7 @@ def _solve_rows(
         merged(sub.invalid, False),
         merged(sub.scale, 1.0),
     )
-    return state, A, s, out[:, :3], all_ok
+    return state, A, s, aux, all_ok
 
 
 def _solve(
@@ -889,11 +891,12 @@ def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
-def _vjp_saved(s: torch.Tensor, den: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and denominator ``den`` (B, 1: ``sum
-    s``, or ``inf`` where every s is 0, so that the quotient is 0 there): a row dot product, a
-    division of (B, 1), a subtraction and a product in place, where the fused path costs a
-    compiled call. On the CPU at the fused path's size it is one pass of the C++ kernel."""
+def _vjp_saved(s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``aux`` (B, 3), whose last
+    column is the denominator ``sum s``, or ``inf`` where every s is 0, so that the quotient is 0
+    there: a row dot product, a division of (B, 1), a subtraction and a product in place, where
+    the fused path costs a compiled call. On the CPU at the fused path's size it is one pass of
+    the C++ kernel."""
     if (
         g.dtype == s.dtype
         and s.is_contiguous()
@@ -901,8 +904,8 @@ def _vjp_saved(s: torch.Tensor, den: torch.Tensor, g: torch.Tensor) -> torch.Ten
         and not _functorch.is_functorch_wrapped_tensor(g)
         and use_cpp(s)
     ):
-        return _cpp_kernels().vjp_rows(s, den, g)
-    return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / den).mul_(s)
+        return _cpp_kernels().vjp_rows(s, aux, g)
+    return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / aux[:, 2:]).mul_(s)
 
 
 def _offsets(
@@ -1083,7 +1086,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         if not (need_k or need_eps):
             if torch.is_grad_enabled():  # double backward: differentiable in A
                 return _vjp_x(A, gA, eps[:, None]), None, None, None, None, None
-            return _vjp_saved(s, aux[:, 2:], gA), None, None, None, None, None
+            return _vjp_saved(s, aux, gA), None, None, None, None, None
         x, edge, scale, k = saved[4:]
         e = eps[:, None]
         gx = gk = geps = None
@@ -1118,7 +1121,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         """
         A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
         if dk is None and deps is None:
-            dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux[:, 2:], dx)  # J = J^T
+            dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux, dx)  # J = J^T
             return dA, None, None, None, None, None
         off, es = _offsets(x, aux, eps[:, None], scale)
         w = _k_weights(off, x, es, edge, k)

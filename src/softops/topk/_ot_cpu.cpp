@@ -316,13 +316,15 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   out[5] = 0;
 }
 
-// out (B, 6) in x's dtype (its columns are exact there: m and t are of that dtype, the
-// evaluations and status small integers); then the most evaluations of a row and the number of
-// rows left to the torch code, so that the caller reads nothing back. k and eps are (B,), any
-// stride (an expanded scalar, say).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> threshold_rows(
-    const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& eps, double tol, double limit,
-    int64_t max_iter) {
+// Returns A and s (B, n); aux (B, 3), the columns m, t and sum s, the backward's (m and t exact
+// in x's dtype); the residual (B,); the rows' convergence (B,), all true (a row that would not
+// converge is left); the rows left to the torch code (B,); the most evaluations of a row and the
+// number of rows left, so that the caller reads nothing back. k and eps are (B,), any stride (an
+// expanded scalar, say). The outputs are apart so that the caller takes no views of them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+           int64_t>
+threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& eps, double tol,
+               double limit, int64_t max_iter) {
   TORCH_CHECK(x_in.dim() == 2, "threshold_rows: x must be (B, n)");
   const at::Tensor x = x_in.contiguous();
   const int64_t B = x.size(0), n = x.size(1);
@@ -332,17 +334,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> threshold_rows(
               "threshold_rows: k and eps must have x's dtype");
   auto A = at::empty_like(x);
   auto s = at::empty_like(x);
-  auto out = at::empty({B, 6}, x.options());
-  if (B == 0 || n == 0) return {A, s, out, 0, 0};
+  auto aux = at::empty({B, 3}, x.options());
+  auto residual = at::empty({B}, x.options());
+  auto converged = at::ones({B}, x.options().dtype(at::kBool));
+  auto left_rows = at::empty({B}, x.options().dtype(at::kBool));
+  if (B == 0 || n == 0) return {A, s, aux, residual, converged, left_rows, 0, 0};
   const int64_t k_stride = k.stride(0), eps_stride = eps.stride(0);
   std::vector<int64_t> evaluations(B), left(B);
+  bool* pl = left_rows.data_ptr<bool>();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "threshold_rows", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     const scalar_t* pk = k.const_data_ptr<scalar_t>();
     const scalar_t* pe = eps.const_data_ptr<scalar_t>();
     scalar_t* pA = A.data_ptr<scalar_t>();
     scalar_t* ps = s.data_ptr<scalar_t>();
-    scalar_t* po = out.data_ptr<scalar_t>();
+    scalar_t* paux = aux.data_ptr<scalar_t>();
+    scalar_t* pr = residual.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 8192 / n);
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
       std::vector<scalar_t> work;
@@ -350,35 +357,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> threshold_rows(
       for (int64_t b = b0; b < b1; ++b) {
         solve_row<scalar_t>(px + b * n, n, pk[b * k_stride], pe[b * eps_stride], tol, limit,
                             max_iter, pA + b * n, ps + b * n, row_out, work);
-        for (int64_t c = 0; c < 6; ++c) po[b * 6 + c] = scalar_t(row_out[c]);
+        for (int64_t c = 0; c < 3; ++c) paux[b * 3 + c] = scalar_t(row_out[c]);
+        pr[b] = scalar_t(row_out[3]);
         evaluations[b] = int64_t(row_out[4]);
         left[b] = int64_t(row_out[5]);
+        pl[b] = left[b] != 0;
       }
     });
   });
-  return {A, s, out, *std::max_element(evaluations.begin(), evaluations.end()),
+  return {A,
+          s,
+          aux,
+          residual,
+          converged,
+          left_rows,
+          *std::max_element(evaluations.begin(), evaluations.end()),
           std::accumulate(left.begin(), left.end(), int64_t(0))};
 }
 
-// s (g - <s, g> / den) per row, one task per block of rows: the backward in x. den is (B,) or
-// (B, 1), any stride; g any (B, n) (the expanded gradient of a sum is read without a copy).
+// s (g - <s, g> / den) per row, one task per block of rows: the backward in x. den is (B,), or
+// the last column of a (B, c) tensor (the forward's aux), any stride; g any (B, n) (the expanded
+// gradient of a sum is read without a copy).
 at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor& g_in) {
-  TORCH_CHECK(s.dim() == 2 && s.is_contiguous() && den.numel() == s.size(0) &&
+  TORCH_CHECK(s.dim() == 2 && s.is_contiguous() && den.dim() <= 2 && den.size(0) == s.size(0) &&
                   g_in.sizes() == s.sizes() && g_in.scalar_type() == s.scalar_type() &&
                   den.scalar_type() == s.scalar_type(),
-              "vjp_rows: s must be contiguous (B, n), den (B,) and g (B, n), of one dtype");
+              "vjp_rows: s must be contiguous (B, n), den (B,) or (B, c) and g (B, n), of one dtype");
   const int64_t B = s.size(0), n = s.size(1);
   const bool broadcast = g_in.stride(1) == 0;  // each row of g one value
   const at::Tensor g = broadcast || g_in.stride(1) == 1 ? g_in : g_in.contiguous();
   auto out = at::empty_like(s);
   if (B == 0 || n == 0) return out;
-  const int64_t g_row = g.stride(0), den_stride = den.dim() ? den.stride(0) : 0;
+  const int64_t g_row = g.stride(0), den_stride = den.stride(0);
+  const int64_t den_offset = den.dim() == 2 ? (den.size(1) - 1) * den.stride(1) : 0;
   AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "vjp_rows", [&] {
     using Vec = at::vec::Vectorized<scalar_t>;
     constexpr int64_t L = Vec::size();
     const scalar_t* ps = s.const_data_ptr<scalar_t>();
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
-    const scalar_t* pd = den.const_data_ptr<scalar_t>();
+    const scalar_t* pd = den.const_data_ptr<scalar_t>() + den_offset;
     scalar_t* po = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
@@ -427,7 +444,7 @@ at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor
 TORCH_LIBRARY(softops_ot, m) {
   m.def(
       "threshold_rows(Tensor x, Tensor k, Tensor eps, float tol, float limit, int max_iter) -> "
-      "(Tensor, Tensor, Tensor, int, int)");
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
   m.def("vjp_rows(Tensor s, Tensor den, Tensor g) -> Tensor");
 }
 
