@@ -216,7 +216,8 @@ def test_the_kernel_refuses_malformed_arguments(cpp_on):
     A, s, aux, residual, *_, evaluations, left = ops.threshold_rows(
         torch.zeros(0, 10), torch.zeros(0), torch.ones(0), 0.0, 1e30, 10
     )
-    assert A.shape == (0, 10) and aux.shape == (0, 3) and evaluations == left == 0
+    assert A.shape == s.shape == (0, 10) and aux.shape == (0, 3) and residual.shape == (0,)
+    assert evaluations == left == 0
 
 
 def test_the_rule_that_chooses_the_kernel(cpp_on, monkeypatch):

@@ -11,12 +11,17 @@ traced by ``torch.compile`` (the eager code is then traced into the caller's gra
 The first call in a process compiles each function: about 20 s on a 2-core CPU (inductor caches
 the result on disk, so later processes start faster). If compilation fails (for example, no C++
 compiler), softops warns once and stays on the eager path.
+
+:func:`cpp_ops` builds a C++ kernel beside the modules (the CPU threshold solve of method "ot",
+``softops/topk/_ot_cpu.cpp``) with ``torch.utils.cpp_extension`` on its first use, for this CPU's
+vector capability, and returns its operators; the same switch governs it.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sysconfig
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -128,19 +133,31 @@ _CPP_FLAGS = {
 }
 
 
+def _scripts_on_path() -> None:
+    """Put this interpreter's scripts directory on PATH, after what is there: cpp_extension
+    runs ``ninja`` from PATH, and ``pip install ninja`` puts it there, which is not on PATH when
+    a virtual environment's python is run without activating it."""
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    if scripts and scripts not in path.split(os.pathsep):
+        os.environ["PATH"] = path + os.pathsep + scripts if path else scripts
+
+
 def cpp_ops(name: str, source: str) -> Any:
     """The operators of the C++ source ``source`` (a file beside this package's modules,
     registered with ``TORCH_LIBRARY(name, ...)``) as ``torch.ops.<name>``, built on first use by
     ``torch.utils.cpp_extension`` for this CPU's vector capability (about 25 s on a 2-core CPU,
     once: the build is cached in torch's extensions directory, ``TORCH_EXTENSIONS_DIR``), or None
-    when it cannot be built (no C++ compiler or no ninja: the caller then takes its torch path;
-    softops warns once). Not used while compilation is disabled (:func:`set_compile`)."""
+    when it cannot be built (no C++ compiler, or no ninja: ``pip install ninja``; the caller then
+    takes its torch path, and softops warns once). The callers use it only while compilation is
+    enabled (:func:`set_compile`)."""
     built = _state["cpp"]
     if name not in built:
         built[name] = None
         try:
             from torch.utils import cpp_extension
 
+            _scripts_on_path()
             capability = torch.backends.cpu.get_cpu_capability()
             flags = _CPP_FLAGS.get(capability, [])
             defines = [f"-DCPU_CAPABILITY_{capability}"] if flags else []

@@ -49,14 +49,24 @@ Numerics of the solver (docs/math.md §1.3):
   offsets, so a row whose every ``|z|`` overflows (the hard limit) gets the exact root's weights
   and zero gradients in x and epsilon, not NaN.
 
-Per-call costs. The whole preparation (row counts, the bracket, the start) is one branch-free
-function of the rows: with the fused path it runs with the first Halley steps as one compiled
-call, whose last evaluation also gives the mask A and the backward's weights ``s`` and their
-denominator ``sum s``; the host reads three flags (all rows done, all rows regular, no row to
-scale) once. What a compiled call costs beyond its kernels grows with its inputs and outputs,
-so it takes detached tensors (no graph per combination of inputs that require grad), no float
-(a zero ``tol`` is the int 0; the constants of the dtype come from ``torch.finfo``, which is
-folded) and returns no view of an input. The Function is applied without ``Function.apply``'s
+Per-call costs. On the CPU, rows of at most ``EXACT_MAX_N`` entries are solved row by row by a
+compiled kernel that runs this arithmetic (:func:`_row_kernel`): numba's (``_ot_numba``) below
+the fused path's size, where a batched call would be a few hundred small tensor operations, and
+a C++ one (``_ot_cpu.cpp``, built on first use by ``torch.utils.cpp_extension``) from that size
+on, which takes the bracket's order statistics from a few candidates instead of a topk call,
+forms each entry's exponential once per solve (later evaluations scale it by ``exp(+-t /
+eps)``), spreads the rows over torch's threads and returns the mask, ``s`` and the backward's
+``aux`` in one call; its one-pass backward in x is the same kernel's. Either leaves the rows it
+does not solve (infinities, NaN, k at 0 or n, a huge epsilon, a capped solve, a row near the
+hard limit) to the torch code, whose results are merged. Elsewhere (CUDA, longer rows, compilation
+disabled) the whole preparation (row counts, the bracket, the start) is one branch-free function
+of the rows: with the fused path it runs with the first Halley steps as one compiled call, whose
+last evaluation also gives the mask A and the backward's weights ``s`` and their denominator
+``sum s``; the host reads three flags (all rows done, all rows regular, no row to scale) once.
+What a compiled call costs beyond its kernels grows with its inputs and outputs, so it takes
+detached tensors (no graph per combination of inputs that require grad), no float (a zero
+``tol`` is the int 0; the constants of the dtype come from ``torch.finfo``, which is folded)
+and returns no view of an input. The Function is applied without ``Function.apply``'s
 signature binding (:func:`softops._core.transforms.apply_function`). The plain backward in x
 is then three eager passes over the saved ``s`` (A is saved too, for the gradients in k and
 epsilon and for double backward: two (B, n) buffers).
