@@ -126,4 +126,4 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
     else:  # a Python float: clamp on the host, one fill
         epsilon = min(max(epsilon, fi.tiny), fi.max)
         eps = torch.full((x2.shape[0],), epsilon, dtype=cd, device=x.device)
-    return Rows(x2.to(cd), eps, restore, d, n, batch_shape)
+    return Rows(x2 if x2.dtype == cd else x2.to(cd), eps, restore, d, n, batch_shape)

@@ -143,7 +143,7 @@ def _scripts_on_path() -> None:
         os.environ["PATH"] = path + os.pathsep + scripts if path else scripts
 
 
-def cpp_ops(name: str, source: str) -> Any:
+def cpp_ops(name: str, source: str, build: bool = True) -> Any:
     """The operators of the C++ source ``source`` (a file beside this package's modules,
     registered with ``TORCH_LIBRARY(name, ...)``) as ``torch.ops.<name>``, built on first use by
     ``torch.utils.cpp_extension`` for this CPU's vector capability (about 25 s on a 2-core CPU,
@@ -152,6 +152,8 @@ def cpp_ops(name: str, source: str) -> Any:
     takes its torch path, and softops warns once). The callers use it only while compilation is
     enabled (:func:`set_compile`)."""
     built = _state["cpp"]
+    if name not in built and not build:  # (``build=False``: only what is built already)
+        return None
     if name not in built:
         built[name] = None
         try:

@@ -223,7 +223,8 @@ def soft_topk_mask(
         if isinstance(k, torch.Tensor) and k.dim() == 0 and not cannot_branch(k):
             k_hard = int(k.detach())  # (else no single value to read: the per-row path)
         A = straight_through(hard_topk_mask(x2.detach(), k_row.detach(), k_hard), A)
-    return rows.restore(A).to(x.dtype)
+    A = rows.restore(A)
+    return A if A.dtype == x.dtype else A.to(x.dtype)
 
 
 def soft_kmax(

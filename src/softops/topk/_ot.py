@@ -636,6 +636,11 @@ def _cpp_kernels() -> Any:
     return cpp_ops("softops_ot", "topk/_ot_cpu.cpp")
 
 
+def _cpp_built() -> Any:
+    """The C++ operators if they are built and compilation is enabled, else None (no build)."""
+    return cpp_ops("softops_ot", "topk/_ot_cpu.cpp", build=False) if compile_enabled() else None
+
+
 def _solve_rows(
     x: torch.Tensor,
     k: torch.Tensor,
@@ -905,16 +910,20 @@ def _vjp_saved(s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Ten
     """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``aux`` (B, 3), whose last
     column is the denominator ``sum s``, or ``inf`` where every s is 0, so that the quotient is 0
     there: a row dot product, a division of (B, 1), a subtraction and a product in place, where
-    the fused path costs a compiled call. On the CPU at the fused path's size it is one pass of
-    the C++ kernel."""
+    the fused path costs a compiled call. On the CPU, once the C++ kernel is built, it is one
+    pass of that kernel (at any size: its forward is used from the fused path's size on)."""
+    ops = _cpp_built()
     if (
-        g.dtype == s.dtype
+        ops is not None
+        and s.device.type == "cpu"
+        and g.dtype == s.dtype
         and s.is_contiguous()
         and not (g.requires_grad and torch.is_grad_enabled())
         and not _functorch.is_functorch_wrapped_tensor(g)
-        and use_cpp(s)
+        and not _functorch.is_functorch_wrapped_tensor(s)
+        and not torch.compiler.is_compiling()
     ):
-        return _cpp_kernels().vjp_rows(s, aux, g)
+        return ops.vjp_rows(s, aux, g)
     return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / aux[:, 2:]).mul_(s)
 
 
