@@ -679,9 +679,10 @@ def _solve_rows(
             out_np,
         )
         out = torch.from_numpy(out_np).to(dtype)
-        aux, residual, left = out[:, :3], out[:, 3], torch.from_numpy(out_np[:, 5] != 0)
+        aux, residual, rows_left = out[:, :3], out[:, 3], out_np[:, 5] != 0
         converged = torch.ones(B, dtype=torch.bool)
-        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(left.any())
+        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(rows_left.any())
+        left = torch.from_numpy(rows_left)  # (a wrapper: no copy)
     if not some_left:
         m, t, _ = aux.unbind(1)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
