@@ -19,6 +19,7 @@ from softops._core import fused
 from softops.topk import _ot
 from tests._adversarial_strategies import batches, typical_gap
 from tests._helpers import seeded
+from tests.topk._row_kernels import assert_merged_solve, assert_transforms_agree, flagged_rows
 
 F64 = torch.float64
 
@@ -93,16 +94,7 @@ def test_the_kernel_takes_its_exponentials_from_the_rows(cpp_on):
 
 
 def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(cpp_on):
-    # one clean row among rows the kernel flags: an infinity, a NaN, k at n by infinities, a
-    # huge epsilon (the scaled solve), a near-hard row (the polish) and k = 0 (filled)
-    n = 40
-    x = _rows(7, n, F64, seed=9)
-    x[1, 3] = math.inf
-    x[2, 5] = math.nan
-    x[3, :5] = -math.inf
-    x[5] *= 50
-    k = torch.tensor([3.0, 3.0, 3.0, 35.0, 3.0, 20.0, 0.0], dtype=F64)
-    eps = torch.tensor([0.3, 0.3, 0.3, 0.3, 1e300, 1e-3, 0.3], dtype=F64)
+    x, k, eps = flagged_rows()
     limit = _ot._scaling_limit(F64)
     *_, converged, rows, evaluations, left = _ot._cpp_kernels().threshold_rows(
         x, k, eps, 0.0, limit, 100
@@ -110,16 +102,7 @@ def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(cpp_on):
     assert rows.tolist() == [False, True, True, True, True, True, True] and left == 6
     assert converged.all() and 1 <= evaluations <= 8
     got = _ot._solve_rows(x, k, eps, 100, 0.0, None, cpp=True)
-    want = _ot._solve(x, k, eps, 100, 0.0, None, False)
-    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-14, rtol=0)
-    torch.testing.assert_close(got[3], want[3], equal_nan=True, atol=1e-12, rtol=0)
-    for name in ("m", "t", "residual"):
-        torch.testing.assert_close(
-            getattr(got[0], name), getattr(want[0], name), equal_nan=True, atol=1e-12, rtol=0
-        )
-    for name in ("converged", "sel_none", "sel_all", "invalid", "scale"):
-        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
-    assert not got[4]
+    assert_merged_solve(got, _ot._solve(x, k, eps, 100, 0.0, None, False))
 
 
 def test_a_row_the_kernel_caps_warns_as_the_torch_code(cpp_on):
@@ -233,14 +216,7 @@ def test_the_rule_that_chooses_the_kernel(cpp_on, monkeypatch):
 
 def test_vmap_and_grad_transforms_take_the_torch_code_and_agree(cpp_on):
     x = _rows(40, 1000, F64, seed=5)
-    batched = torch.func.vmap(lambda r: softops.soft_topk_mask(r, 4, epsilon=0.2))(x)
-    torch.testing.assert_close(
-        batched, softops.soft_topk_mask(x, 4, epsilon=0.2), atol=1e-14, rtol=0
-    )
-    g = torch.func.grad(lambda r: (softops.soft_topk_mask(r, 4, epsilon=0.2) ** 2).sum())(x)
-    xt = x.clone().requires_grad_()
-    (want,) = torch.autograd.grad((softops.soft_topk_mask(xt, 4, epsilon=0.2) ** 2).sum(), xt)
-    torch.testing.assert_close(g, want, atol=1e-13, rtol=0)
+    assert_transforms_agree(x)
 
 
 def test_a_kernel_that_cannot_be_built_warns_once_and_leaves_none(monkeypatch):

@@ -3,7 +3,6 @@ stands in for on small CPU problems, the rows it leaves to that code, and the ru
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 import softops
 from softops.topk import _ot
 from tests._helpers import seeded
+from tests.topk._row_kernels import assert_merged_solve, assert_transforms_agree, flagged_rows
 
 pytest.importorskip("numba")
 
@@ -81,32 +81,14 @@ def test_gradients_are_the_same_with_and_without_the_kernel(monkeypatch, dtype):
 
 
 def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(numba_on):
-    # one clean row among rows the kernel flags: an infinity, a NaN, k at n by infinities, a
-    # huge epsilon (the scaled solve), a near-hard row (the polish) and k = 0 (filled)
-    n = 40
-    x = _rows(7, n, F64, seed=9)
-    x[1, 3] = math.inf
-    x[2, 5] = math.nan
-    x[3, :5] = -math.inf
-    x[5] *= 50
-    k = torch.tensor([3.0, 3.0, 3.0, 35.0, 3.0, 20.0, 0.0], dtype=F64)
-    eps = torch.tensor([0.3, 0.3, 0.3, 0.3, 1e300, 1e-3, 0.3], dtype=F64)
-    xd = x.contiguous()
-    A, s, out = np.empty((7, n)), np.empty((7, n)), np.empty((7, 6))
+    x, k, eps = flagged_rows()
+    A, s, out = np.empty(x.shape), np.empty(x.shape), np.empty((7, 6))
     _ot._numba_kernels().threshold_rows(
-        xd.numpy(), k.numpy(), eps.numpy(), 0.0, _ot._scaling_limit(F64), 100, A, s, out
+        x.numpy(), k.numpy(), eps.numpy(), 0.0, _ot._scaling_limit(F64), 100, A, s, out
     )
     assert out[:, 5].tolist() == [0, 1, 1, 1, 1, 1, 1]
     got = _ot._solve(x, k, eps, 100, 0.0, None)
-    want = _ot._solve(x, k, eps, 100, 0.0, None, False)
-    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-14, rtol=0)
-    for name in ("m", "t", "residual"):
-        torch.testing.assert_close(
-            getattr(got[0], name), getattr(want[0], name), equal_nan=True, atol=1e-12, rtol=0
-        )
-    for name in ("converged", "sel_none", "sel_all", "invalid", "scale"):
-        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
-    assert not got[4]
+    assert_merged_solve(got, _ot._solve(x, k, eps, 100, 0.0, None, False))
 
 
 def test_a_row_the_kernel_caps_warns_as_the_torch_code(numba_on):
@@ -129,11 +111,4 @@ def test_the_rule_that_chooses_the_kernel(numba_on, monkeypatch):
 
 def test_vmap_and_grad_transforms_take_the_torch_code_and_agree(numba_on):
     x = _rows(3, 30, F64, seed=5)
-    batched = torch.func.vmap(lambda r: softops.soft_topk_mask(r, 4, epsilon=0.2))(x)
-    torch.testing.assert_close(
-        batched, softops.soft_topk_mask(x, 4, epsilon=0.2), atol=1e-14, rtol=0
-    )
-    g = torch.func.grad(lambda r: (softops.soft_topk_mask(r, 4, epsilon=0.2) ** 2).sum())(x)
-    xt = x.clone().requires_grad_()
-    (want,) = torch.autograd.grad((softops.soft_topk_mask(xt, 4, epsilon=0.2) ** 2).sum(), xt)
-    torch.testing.assert_close(g, want, atol=1e-13, rtol=0)
+    assert_transforms_agree(x)
