@@ -263,3 +263,30 @@ def test_adversarial_rows_solve_as_the_torch_code(cpp_on, dtype, data):
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
     assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
     assert torch.equal(got[0].converged, want[0].converged)
+
+
+@pytest.mark.parametrize(
+    ("capability", "name", "flag"),
+    [("AVX2", "softops_probe_avx2", "-mavx2"), ("Z VECTOR", "softops_probe_default", None)],
+)
+def test_the_build_targets_the_cpus_vector_width(monkeypatch, capability, name, flag):
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def load(**kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.delitem(fused._state["cpp"], "softops_probe", raising=False)
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        assert fused.cpp_ops("softops_probe", "topk/_ot_cpu.cpp") is None
+    assert seen["name"] == name and seen["sources"][0].endswith("topk/_ot_cpu.cpp")
+    cflags = seen["extra_cflags"]
+    if flag is None:  # an unknown capability: at::vec's portable code, nothing CPU-specific
+        assert "-DCPU_CAPABILITY=DEFAULT" in cflags and not any(f.startswith("-m") for f in cflags)
+    else:
+        assert flag in cflags and f"-DCPU_CAPABILITY={capability}" in cflags
+    monkeypatch.delitem(fused._state["cpp"], "softops_probe")

@@ -161,6 +161,8 @@ def cpp_ops(name: str, source: str, build: bool = True) -> Any:
 
             _scripts_on_path()
             capability = torch.backends.cpu.get_cpu_capability()
+            if capability not in _CPP_FLAGS:  # at::vec's portable code (e.g. on ARM)
+                capability = "DEFAULT"
             flags = _CPP_FLAGS.get(capability, [])
             defines = [f"-DCPU_CAPABILITY_{capability}"] if flags else []
             cpp_extension.load(
