@@ -161,10 +161,10 @@ def cpp_ops(name: str, source: str, build: bool = True) -> Any:
 
             _scripts_on_path()
             capability = torch.backends.cpu.get_cpu_capability()
-            if capability not in _CPP_FLAGS:  # at::vec's portable code (e.g. on ARM)
-                capability = "DEFAULT"
-            flags = _CPP_FLAGS.get(capability, [])
-            defines = [f"-DCPU_CAPABILITY_{capability}"] if flags else []
+            flags = _CPP_FLAGS.get(capability)
+            defines = [f"-DCPU_CAPABILITY_{capability}"]
+            if flags is None:  # at::vec's portable code (e.g. on ARM)
+                capability, flags, defines = "DEFAULT", [], []
             cpp_extension.load(
                 name=f"{name}_{capability.lower()}",
                 sources=[os.path.join(os.path.dirname(os.path.dirname(__file__)), source)],

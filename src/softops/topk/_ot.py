@@ -631,14 +631,17 @@ def _numba_kernels() -> Any:
     return kernel_module("softops.topk._ot_numba")
 
 
+_CPP = ("softops_ot", "topk/_ot_cpu.cpp")  # the operators' namespace and their source
+
+
 def _cpp_kernels() -> Any:
     """The C++ operators (``torch.ops.softops_ot``), or None when they cannot be built."""
-    return cpp_ops("softops_ot", "topk/_ot_cpu.cpp")
+    return cpp_ops(*_CPP)
 
 
 def _cpp_built() -> Any:
     """The C++ operators if they are built and compilation is enabled, else None (no build)."""
-    return cpp_ops("softops_ot", "topk/_ot_cpu.cpp", build=False) if compile_enabled() else None
+    return cpp_ops(*_CPP, build=False) if compile_enabled() else None
 
 
 def _solve_rows(

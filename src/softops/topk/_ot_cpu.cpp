@@ -15,13 +15,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 namespace {
@@ -36,6 +36,16 @@ constexpr int64_t kFlush = 16;
 // Evaluations at |t| / eps up to this take exp(-|z|) from the row's exponentials (one exp per
 // entry per solve instead of one per evaluation); beyond, each entry's exp is taken anew.
 constexpr double kFactorMax = 16;
+
+// The sum of a vector's lanes, in double.
+template <typename scalar_t>
+double lane_sum(const at::vec::Vectorized<scalar_t>& v) {
+  scalar_t lanes[at::vec::Vectorized<scalar_t>::size()];
+  v.store(lanes);
+  double total = 0;
+  for (int64_t l = 0; l < at::vec::Vectorized<scalar_t>::size(); ++l) total += lanes[l];
+  return total;
+}
 
 // The `size` largest entries of row (descending), or smallest (ascending) with `largest` false,
 // into buf (size <= n). The least of the maxima of `size` disjoint chunks is at most the
@@ -119,10 +129,8 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
   const int all = (1 << L) - 1;
   Sums out;
   Vec a_signed(0), a_u(0), a_d(0), a_c(0), a_count(0);
-  scalar_t lanes[L];
   auto flush = [&](Vec& acc, double& total) {
-    acc.store(lanes);
-    for (int64_t l = 0; l < L; ++l) total += lanes[l];
+    total += lane_sum(acc);
     acc = zero;
   };
   int64_t i = 0, block = 0;
@@ -207,17 +215,11 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
     v_min = at::vec::minimum(v_min, v);
     v_max = at::vec::maximum(v_max, v);
   }
-  scalar_t lanes[Vec::size()];
-  double fin = 0, total = 0;
-  scalar_t lo_x = fi::infinity(), hi_x = -fi::infinity();
-  v_fin.store(lanes);
-  for (int64_t l = 0; l < Vec::size(); ++l) fin += lanes[l];
-  v_sum.store(lanes);
-  for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
-  v_min.store(lanes);
-  for (int64_t l = 0; l < Vec::size(); ++l) lo_x = std::min(lo_x, lanes[l]);
-  v_max.store(lanes);
-  for (int64_t l = 0; l < Vec::size(); ++l) hi_x = std::max(hi_x, lanes[l]);
+  double fin = lane_sum(v_fin), total = lane_sum(v_sum);
+  scalar_t lo_x = at::vec::vec_reduce_all<scalar_t>(
+      [](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, v_min);
+  scalar_t hi_x = at::vec::vec_reduce_all<scalar_t>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v_max);
   for (; i < n; ++i) {
     fin += row[i] - row[i];
     total += row[i];
@@ -340,7 +342,7 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
   auto left_rows = at::empty({B}, x.options().dtype(at::kBool));
   if (B == 0 || n == 0) return {A, s, aux, residual, converged, left_rows, 0, 0};
   const int64_t k_stride = k.stride(0), eps_stride = eps.stride(0);
-  std::vector<int64_t> evaluations(B), left(B);
+  std::vector<int64_t> evaluations(B);
   bool* pl = left_rows.data_ptr<bool>();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "threshold_rows", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
@@ -360,8 +362,7 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
         for (int64_t c = 0; c < 3; ++c) paux[b * 3 + c] = scalar_t(row_out[c]);
         pr[b] = scalar_t(row_out[3]);
         evaluations[b] = int64_t(row_out[4]);
-        left[b] = int64_t(row_out[5]);
-        pl[b] = left[b] != 0;
+        pl[b] = row_out[5] != 0;
       }
     });
   });
@@ -372,7 +373,7 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
           converged,
           left_rows,
           *std::max_element(evaluations.begin(), evaluations.end()),
-          std::accumulate(left.begin(), left.end(), int64_t(0))};
+          int64_t(std::count(pl, pl + B, true))};
 }
 
 // s (g - <s, g> / den) per row, one task per block of rows: the backward in x. den is (B,), or
@@ -399,40 +400,22 @@ at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor
     scalar_t* po = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-      scalar_t lanes[L];
       for (int64_t b = b0; b < b1; ++b) {
         const scalar_t* rs = ps + b * n;
         const scalar_t* rg = pg + b * g_row;
         scalar_t* ro = po + b * n;
-        const scalar_t den_b = pd[b * den_stride];
-        if (broadcast) {  // s (g - g <s, 1> / den): 0 where den is sum s, as it is here
-          Vec acc(0);
-          int64_t i = 0;
-          for (; i + L <= n; i += L) acc = acc + Vec::loadu(rs + i);
-          acc.store(lanes);
-          double total = 0;
-          for (int64_t l = 0; l < L; ++l) total += lanes[l];
-          for (; i < n; ++i) total += rs[i];
-          const scalar_t gb = rg[0];
-          const scalar_t centred = gb - scalar_t(double(gb) * total / double(den_b));
-          const Vec vc(centred);
-          for (i = 0; i + L <= n; i += L) (Vec::loadu(rs + i) * vc).store(ro + i);
-          for (; i < n; ++i) ro[i] = rs[i] * centred;
-          continue;
-        }
+        // g's entries (one value per row where g is broadcast along it)
+        auto g_vec = [&](int64_t i) { return broadcast ? Vec(rg[0]) : Vec::loadu(rg + i); };
+        auto g_at = [&](int64_t i) { return broadcast ? rg[0] : rg[i]; };
         Vec acc(0);
         int64_t i = 0;
-        for (; i + L <= n; i += L) acc = at::vec::fmadd(Vec::loadu(rs + i), Vec::loadu(rg + i), acc);
-        acc.store(lanes);
-        double dot = 0;
-        for (int64_t l = 0; l < L; ++l) dot += lanes[l];
-        for (; i < n; ++i) dot += double(rs[i]) * double(rg[i]);
-        const scalar_t mean = scalar_t(dot / double(den_b));  // 0 where den is inf
+        for (; i + L <= n; i += L) acc = at::vec::fmadd(Vec::loadu(rs + i), g_vec(i), acc);
+        double dot = lane_sum(acc);
+        for (; i < n; ++i) dot += double(rs[i]) * double(g_at(i));
+        const scalar_t mean = scalar_t(dot / double(pd[b * den_stride]));  // 0 where den is inf
         const Vec vmean(mean);
-        for (i = 0; i + L <= n; i += L) {
-          (Vec::loadu(rs + i) * (Vec::loadu(rg + i) - vmean)).store(ro + i);
-        }
-        for (; i < n; ++i) ro[i] = rs[i] * (rg[i] - mean);
+        for (i = 0; i + L <= n; i += L) (Vec::loadu(rs + i) * (g_vec(i) - vmean)).store(ro + i);
+        for (; i < n; ++i) ro[i] = rs[i] * (g_at(i) - mean);
       }
     });
   });
