@@ -53,6 +53,45 @@ def test_public_sinkhorn_gradients_in_cost_and_epsilon() -> None:
     assert torch.autograd.gradcheck(fn, (cost, eps), atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("newton", [False, True])
+@pytest.mark.parametrize("shape", [(4, 1), (1, 3), (3, 2), (5, 3), (2, 4, 3), (6, 5), (2, 3, 7, 4)])
+def test_public_sinkhorn_double_backward_in_cost_and_epsilon(shape: tuple, newton: bool) -> None:
+    """Second derivatives in (cost, epsilon) against central differences of the gradient.
+
+    The gradient in epsilon was the implicit VJP contracted with a detached copy of C / eps, a
+    constant: its derivatives in the cost and in epsilon were missing (issue 23).
+    """
+    g = seeded(sum(shape) * 10 + newton)
+    *batch, n, m = shape
+    cost = (3 * torch.rand(*shape, generator=g, dtype=F64)).requires_grad_(True)
+    a = torch.rand(*batch, n, generator=g, dtype=F64) + 0.2
+    b = torch.rand(m, generator=g, dtype=F64) + 0.2
+    b = b / b.sum() * a.sum(-1, keepdim=True)
+    eps = (1.5 * torch.rand(batch, generator=g, dtype=F64) + 0.1).requires_grad_(True)
+
+    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(c, a, b, e, max_iter=100_000, tol=1e-13, newton=newton).plan
+
+    assert torch.autograd.gradgradcheck(fn, (cost, eps))
+
+
+@pytest.mark.parametrize("newton", [False, True])
+def test_public_sinkhorn_double_backward_issue_23_case(newton: bool) -> None:
+    cost = torch.tensor(
+        [[1.4667950133912273, 0.7288000026702046], [1.834107241671396, 1.752159480933092]],
+        dtype=F64,
+        requires_grad=True,
+    )
+    a = torch.tensor([0.5, 0.5], dtype=F64)
+    b = torch.tensor([0.5471983381081075, 0.45280166189189247], dtype=F64)
+    eps = torch.tensor(0.4481682516392757, dtype=F64, requires_grad=True)
+
+    def fn(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return sinkhorn(c, a, b, e, newton=newton).plan
+
+    assert torch.autograd.gradgradcheck(fn, (cost, eps))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "err", "match"),
     [

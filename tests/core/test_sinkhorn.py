@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from softops import soft_rank, soft_sort
 from softops._core import sinkhorn
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
 from softops.bench.references import unrolled_sinkhorn
@@ -539,6 +540,54 @@ def test_attach_epsilon_keeps_the_value_and_gives_the_epsilon_gradient():
         want = -(torch.where(finite, g * scaled, 0)).sum(-1, keepdim=True) / eps.detach()
         torch.testing.assert_close(ge, want)
         assert torch.isfinite(ge).all()
+
+
+@pytest.mark.parametrize("eps0", [0.7, 3e-3])
+def test_attach_epsilon_has_the_derivatives_of_cost_over_epsilon_to_second_order(eps0: float):
+    """Value, gradient and Hessian in (C, eps) equal those of the plain ``C / eps`` (where it
+    does not overflow), including the terms d/dC d/deps and d2/deps2 that a detached copy of
+    ``C / eps`` in the epsilon chain dropped (issue 23)."""
+    g = torch.Generator().manual_seed(23)
+    cost = torch.randn(2, 3, 4, generator=g, dtype=F64)
+    cost[1, 2, 0] = math.inf  # a constant: no gradient reaches epsilon through it
+    eps = eps0 * (1 + torch.rand(2, 1, 1, generator=g, dtype=F64))
+    w = torch.randn(2, 3, 4, generator=g, dtype=F64)
+    finite = torch.isfinite(cost)
+
+    def loss(attach: bool):
+        def f(c: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+            if attach:
+                out = sinkhorn.attach_epsilon(torch.where(finite, c, math.inf) / e.detach(), e)
+            else:  # the reference, its infinite entry a constant
+                out = torch.where(finite, c / e, math.inf)
+            return (w * torch.where(finite, torch.sin(out * eps0), 0)).sum()
+
+        return f
+
+    c0 = torch.where(finite, cost, 0.0)
+    assert torch.equal(loss(True)(c0, eps), loss(False)(c0, eps))
+    got = torch.autograd.functional.hessian(loss(True), (c0, eps))
+    want = torch.autograd.functional.hessian(loss(False), (c0, eps))
+    assert float(want[0][1].abs().max()) > 1e-3 and float(want[1][1].abs().max()) > 1e-3
+    for got_row, want_row in zip(got, want, strict=True):
+        for h, h_ref in zip(got_row, want_row, strict=True):
+            torch.testing.assert_close(h, h_ref, atol=1e-10, rtol=1e-10)
+            assert torch.isfinite(h).all()
+
+
+@pytest.mark.parametrize("op", ["soft_sort", "soft_rank"])
+def test_the_ot_sort_through_attach_epsilon_has_second_derivatives_in_x_and_epsilon(op: str):
+    """The OT sort's cost ``(x_i - y_j)^2 / eps`` goes through :func:`attach_epsilon` too: its
+    double backward in epsilon (and mixed in x, epsilon) was wrong for the same reason."""
+    g = torch.Generator().manual_seed(231)
+    x = torch.randn(2, 4, generator=g, dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.5, 0.8], dtype=F64, requires_grad=True)
+
+    def fn(z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        fn_op = soft_sort if op == "soft_sort" else soft_rank
+        return fn_op(z, epsilon=e, method="ot", tol=1e-13, max_iter=100_000)
+
+    assert torch.autograd.gradgradcheck(fn, (x, eps))
 
 
 # --------------------------------------------------------------------------- newton_first

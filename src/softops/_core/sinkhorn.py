@@ -1278,20 +1278,26 @@ def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
 
 
 def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
-    r"""A cost in units of epsilon, ``scaled = C / eps`` formed with ``eps`` detached, given its
-    gradient in epsilon, ``d scaled / d eps = -scaled / eps``: the same value, differentiable in
-    ``epsilon`` (broadcastable to ``scaled``).
+    r"""A cost in units of epsilon, ``scaled = C / eps`` formed with ``eps`` detached, made a
+    function of ``epsilon`` (broadcastable to ``scaled``) too: the same value, with derivatives
+    of every order those of ``C / eps`` in ``C`` (whatever ``scaled`` is differentiable in) and
+    ``epsilon``.
 
     Autograd through ``C / eps`` forms ``(C / eps) / eps`` (or ``C / eps**2``), which overflows
     at an epsilon below 1e-154, or on a wide row, although ``<grad, scaled> / eps`` is finite: the
     zero cost gradient of an entry the plan does not use then became ``0 * inf = NaN``, and where
     ``C`` and epsilon are both tiny ``<grad, C>`` (the chain through ``1 / eps``) is subnormal.
-    Here the chain is ``u = -log(eps)``, ``d scaled / du = scaled``: ``<grad, scaled>`` (of the
-    size of the output) and then ``/ eps``. Infinite costs (no mass) are constants.
+    Here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached value
+    (the factor is exactly 1): the gradient in epsilon is ``<grad, scaled>`` (of the size of the
+    output) and then ``/ eps``. The factor multiplies the differentiable ``scaled``, not a
+    detached copy of it, so the gradient in epsilon is itself differentiable in ``C`` and
+    ``epsilon`` (double backward: a constant copy dropped ``d/dC`` and ``d/deps`` of that
+    gradient). Infinite costs (no mass) are constants.
     """
     u = -torch.log(epsilon)
-    s = scaled.detach()
-    return scaled + torch.where(torch.isinf(s), 0, s) * (u - u.detach())
+    factor = torch.exp(u - u.detach())  # 1, with d factor / du = factor
+    inf = torch.isinf(scaled.detach())
+    return torch.where(inf, scaled, torch.where(inf, 0, scaled) * factor)
 
 
 def sinkhorn_plan(
