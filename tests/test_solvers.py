@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,104 @@ def test_topk_threshold_diagnostics():
     small = topk_threshold(x, 10, 0.2, dim=1, largest=False)
     B = torch.sigmoid((small.threshold[:, None] - x) / 0.2)
     torch.testing.assert_close(B, soft_topk_mask(x, 10, dim=1, epsilon=0.2, largest=False))
+
+
+def _contract_mask(x: torch.Tensor, t: torch.Tensor, eps: float, largest: bool) -> torch.Tensor:
+    """The contract ``sigmoid((x - t) / eps)`` (``(t - x)`` with ``largest=False``), the entries
+    of x at the first infinity above every threshold, those at the other below it (rows (B, n),
+    thresholds (B,)); NaN where t is NaN."""
+    z, tt = (x, t) if largest else (-x, -t)
+    mask = torch.sigmoid((torch.where(torch.isinf(z), 0, z) - tt[:, None]) / eps)
+    mask = torch.where(z == math.inf, 1.0, torch.where(z == -math.inf, 0.0, mask))
+    return mask.masked_fill(torch.isnan(t)[:, None], math.nan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_threshold_gives_the_mask_by_its_contract_at_the_limits(dtype, largest) -> None:
+    """Rows at k -> 0 and k -> n (k, less the entries at the first infinity, 0 or the count of
+    the others in the dtype: a tiny k rounds to 0 in float32), rows without a finite entry and
+    rows whose k cannot be met, next to ordinary rows: the contract formula at the returned
+    threshold is soft_topk_mask's mask, and the threshold says which limit the row is at."""
+    inf, nan = math.inf, math.nan
+    sign = 1.0 if largest else -1.0  # the first infinity (always selected) is sign * inf
+    n = 5
+    g = seeded(230)
+    base = torch.randn(10, n, generator=g, dtype=F64)
+    base[2, 1] = base[3, 0] = base[4, 3] = sign * inf
+    base[3, 4] = -sign * inf
+    base[5] = torch.tensor([inf, -inf, inf, -inf, -inf]) * sign
+    base[6, 2] = nan
+    base[7, :3] = sign * inf
+    base[9, 0] = -sign * inf
+    # 0 in float32 (k = 0 in float64, which has no such k: a Python float that rounds to 0
+    # there is 0 already)
+    tiny = 1.2960526166650304e-67 if dtype == torch.float32 else 0.0
+    below_n = n - 1e-9  # n in float32
+    k = torch.tensor([tiny, below_n, 1.0, 1.0, 4.0, 2.0, 2.0, 2.0, 2.5, 4.0], dtype=F64)
+    # rows: 0 tiny k, 1 k below n, 2 k = #first-infinity, 3 the same with the other infinity,
+    # 4 k = n - #other-infinity, 5 no finite entry, 6 NaN, 7 k below #first-infinity,
+    # 8 ordinary, 9 k = n - #other-infinity
+    kd = k.to(dtype).double()
+    first = (base == sign * inf).sum(-1).double()
+    other = (base == -sign * inf).sum(-1).double()
+    finite = n - first - other
+    invalid = torch.isnan(base).any(-1) | (kd < first) | (kd - first > finite)
+    at_none = ~invalid & (kd - first <= 0)
+    at_all = ~invalid & (kd - first >= finite)
+    x = base.to(dtype)
+    layouts = [  # (x, k, dim, back to (10, n) rows)
+        (x, k.to(dtype), 1, lambda v: v),
+        (x.T, k.to(dtype), 0, lambda v: v.T if v.dim() == 2 else v),
+        (
+            x.T.reshape(n, 2, 5),
+            k.to(dtype).reshape(2, 5),
+            -3,
+            lambda v: v.reshape(n, 10).T if v.dim() == 3 else v.reshape(10),
+        ),
+    ]
+    for xin, kin, d, rows in layouts:
+        res = topk_threshold(xin, kin, 0.3, dim=d, largest=largest)
+        mask = rows(soft_topk_mask(xin, kin, epsilon=0.3, dim=d, largest=largest))
+        t, conv, resid = (rows(v) for v in (res.threshold, res.converged, res.residual))
+        assert t.dtype == dtype
+        torch.testing.assert_close(_contract_mask(x, t, 0.3, largest), mask, equal_nan=True)
+        want = torch.where(at_none, sign * inf, torch.where(at_all, -sign * inf, 0.0))
+        want = torch.where(at_none & at_all, 0.0, want).masked_fill(invalid, nan)
+        limits = at_none | at_all | invalid
+        torch.testing.assert_close(t[limits], want[limits].to(dtype), equal_nan=True)
+        assert torch.isfinite(t[~limits]).all()
+        assert torch.equal(conv, ~invalid) and torch.isnan(resid[invalid]).all()
+        assert bool((resid[at_none | at_all] == 0).all())
+    assert bool(at_none[0]) and bool(at_all[1]) == (dtype == torch.float32)
+
+
+def test_topk_threshold_issue_23_tiny_k_float32() -> None:
+    x = torch.randn(3, 4, 5, generator=seeded(231))
+    k = 1.2960526166650304e-67
+    res = topk_threshold(x, k, 0.3, dim=-3, largest=False)
+    assert bool((res.threshold == -math.inf).all()) and bool(res.converged.all())
+    mask = soft_topk_mask(x, k, epsilon=0.3, dim=-3, largest=False)
+    assert torch.equal(mask, torch.sigmoid((res.threshold - x) / 0.3))
+
+
+@pytest.mark.parametrize(
+    ("x", "kwargs", "err", "match"),
+    [
+        ([1.0, 2.0, 3.0], {}, TypeError, "topk_threshold: expected `x` to be a torch.Tensor; got"),
+        (torch.tensor([1, 2, 3]), {}, TypeError, r"topk_threshold: .*dtype=torch\.int64"),
+        (torch.zeros(3), {"k": 4}, ValueError, "topk_threshold: .*k=4"),
+        (torch.zeros(3), {"epsilon": 0.0}, ValueError, "topk_threshold: .*epsilon"),
+        (torch.zeros(3), {"dim": 1}, (ValueError, IndexError), "topk_threshold: .*dim"),
+        (torch.zeros(3), {"largest": 1}, TypeError, "topk_threshold: .*largest"),
+    ],
+)
+def test_topk_threshold_errors_name_the_op(x, kwargs, err, match) -> None:
+    args = {"k": 1, "epsilon": 0.1}
+    args.update(kwargs)
+    k, eps = args.pop("k"), args.pop("epsilon")
+    with pytest.raises(err, match=match):
+        topk_threshold(x, k, eps, **args)
 
 
 def test_public_sinkhorn_batch_dims_and_dtype() -> None:

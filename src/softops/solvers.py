@@ -6,6 +6,7 @@ on them (``soft_topk``, ``soft_topk_mask``, ...) call the private cores directly
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -212,7 +213,8 @@ class ThresholdResult(NamedTuple):
     Attributes:
         threshold: x.shape without ``dim``, in the units of x. The mask is
             ``sigmoid((x - threshold) / epsilon)`` (``largest=True``) or
-            ``sigmoid((threshold - x) / epsilon)`` (``largest=False``).
+            ``sigmoid((threshold - x) / epsilon)`` (``largest=False``); ``±inf`` on rows at the
+            limit k -> 0 or k -> n, NaN where k cannot be met (:func:`topk_threshold`).
         converged: bool, same shape: ``|sum(A) - k|`` reached machine precision (or ``tol``).
         iterations: the number of Newton evaluations (the same for every row).
         residual: ``sum(A) - k`` at the returned threshold, same shape.
@@ -237,10 +239,22 @@ def topk_threshold(
     r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
 
     This is the solver behind ``soft_topk_mask(method="ot")``, exposed with its diagnostics.
-    It is not differentiable (use :func:`soft_topk_mask` for gradients). Rows whose k cannot be
-    met (NaN entries, too many ``+inf``) have a NaN residual and ``converged=False``; rows that
-    select exactly their ``+inf`` or all their non-``-inf`` entries have no finite threshold and
-    report 0 with ``converged=True``.
+    It is not differentiable (use :func:`soft_topk_mask` for gradients). The mask of that op is
+    ``sigmoid((x - threshold) / epsilon)`` (``sigmoid((threshold - x) / epsilon)`` with
+    ``largest=False``) on every row, the entries of x at ``+inf`` (``-inf`` with
+    ``largest=False``) being above every threshold and those at the other infinity below it:
+
+    * rows at the limit k -> 0 (k, less the entries at that first infinity, is 0 in the dtype of
+      the computation: a tiny k rounds to 0 in float32) select those entries only: their
+      threshold is ``+inf`` (``-inf`` with ``largest=False``), ``converged=True``, residual 0;
+    * rows at the limit k -> n (k is the number of entries not at the other infinity, or rounds
+      to it) select all those: threshold ``-inf`` (``+inf`` with ``largest=False``),
+      ``converged=True``, residual 0;
+    * rows without a finite entry (at both limits) have the threshold 0 (any finite threshold
+      gives their 0/1 mask), ``converged=True``, residual 0;
+    * rows whose k cannot be met (NaN entries, more entries at that first infinity than k, or
+      fewer entries not at the other infinity) have a NaN threshold (their mask is NaN), a NaN
+      residual and ``converged=False``.
 
     Args:
         x: scores, any shape, floating dtype.
@@ -252,7 +266,12 @@ def topk_threshold(
         tol: extra absolute tolerance on ``|sum(A) - k|`` (None: machine precision only).
 
     Returns:
-        A :class:`ThresholdResult`.
+        A :class:`ThresholdResult`; ``threshold`` is ``±inf`` at the limits k -> 0 and k -> n
+        and NaN where k cannot be met (above).
+
+    Raises:
+        TypeError: ``x`` is not a real floating tensor, or an argument has the wrong type.
+        ValueError: ``dim``, ``k``, ``epsilon``, ``max_iter`` or ``tol`` is out of range.
 
     Example:
         >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
@@ -260,6 +279,7 @@ def topk_threshold(
         (tensor(1.5000), True)
     """
     op = "topk_threshold"
+    check_floating(x, op)
     check_bool(largest, op, "largest")
     rows = prepare_rows(op, x.detach(), dim, epsilon)
     k = check_k(k, rows.n, op)
@@ -280,6 +300,13 @@ def topk_threshold(
     t = state.m + state.t
     if state.scale is not None:  # rows with a huge epsilon were solved on (x c, eps c)
         t = t / state.scale
+    if state.sel_none is not None and state.sel_all is not None and state.invalid is not None:
+        # Rows the solver did not solve (their t is no threshold): the limits' thresholds, for
+        # which the contract formula gives the mask ``soft_topk_mask`` returns there.
+        inf = torch.full_like(t, math.inf)
+        t = torch.where(state.sel_none, inf, torch.where(state.sel_all, -inf, t))
+        t = torch.where(state.sel_none & state.sel_all, 0.0, t)  # no finite entry: any finite t
+        t = t.masked_fill(state.invalid, math.nan)
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(batch_shape).to(x.dtype),
