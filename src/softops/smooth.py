@@ -62,7 +62,8 @@ def _inverse(eps: torch.Tensor) -> torch.Tensor:
     The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
     the gaps (``eps**2`` underflows) and turns the zero gradient of a saturated softmax into
     ``0 * inf = NaN``. Here the chain is ``grad * inv`` then ``/ eps``: finite whenever the true
-    derivative is (eps is clamped to its dtype's normal range, so ``1/eps`` is finite).
+    derivative is (eps is in its dtype's normal range: ``prepare_rows`` refuses it below
+    ``finfo.tiny`` and clamps it to ``finfo.max``, so ``1/eps`` is finite).
     """
     return torch.exp(-torch.log(eps))
 
@@ -194,6 +195,8 @@ def smooth_max(
             x; larger is smoother. A positive float, or a floating tensor broadcastable to the
             batch shape (``x.shape`` without ``dim``), which receives a gradient. Scaling law:
             ``smooth_max(c*x, epsilon=c*e) == c * smooth_max(x, epsilon=e)`` for c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
 
     Returns:
         The smooth maximum, with the dtype and device of ``x``.
@@ -247,6 +250,8 @@ def smooth_min(
         epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
             floating tensor broadcastable to the batch shape, which receives a gradient.
             Scaling law: ``smooth_min(c*x, epsilon=c*e) == c * smooth_min(x, epsilon=e)``, c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
 
     Returns:
         The smooth minimum, with the dtype and device of ``x``.
@@ -298,6 +303,8 @@ def soft_argmax(
         epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
             floating tensor broadcastable to the batch shape, which receives a gradient.
             Scaling law: ``soft_argmax(c*x, epsilon=c*e) == soft_argmax(x, epsilon=e)``, c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
 
     Returns:
         The soft index, with the dtype and device of ``x``.
@@ -350,6 +357,8 @@ def soft_argmin(
         epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
             floating tensor broadcastable to the batch shape, which receives a gradient.
             Scaling law: ``soft_argmin(c*x, epsilon=c*e) == soft_argmin(x, epsilon=e)``, c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
 
     Returns:
         The soft index, with the dtype and device of ``x``.
@@ -400,6 +409,8 @@ def soft_argmax_onehot(
             floating tensor broadcastable to the batch shape (``x.shape`` without ``dim``),
             which receives a gradient. Scaling law: ``soft_argmax_onehot(c*x, epsilon=c*e) ==
             soft_argmax_onehot(x, epsilon=e)`` for c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
         hard: straight-through: the forward returns the hard one-hot exactly (ties broken as
             ``torch.argmax`` breaks them), the backward the gradient of the softmax.
 

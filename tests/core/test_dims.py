@@ -115,12 +115,18 @@ _OPS = _epsilon_ops()
 @pytest.mark.parametrize("epsilon", [1e-50, 1e-320, 1e39, 1e300])
 @pytest.mark.parametrize("name", sorted(_OPS))
 def test_epsilon_outside_the_dtype_takes_the_limit(name, epsilon, dtype):
-    # epsilon is a valid positive float that the compute dtype cannot hold (it underflows to 0,
-    # is a denormal, or overflows to inf): every op takes its limit, never NaN.
+    # epsilon is a valid positive float that the compute dtype cannot hold: above its largest
+    # finite value every op takes its limit, never NaN; below its smallest normal number (it
+    # underflows to 0, or is a subnormal) every op refuses it (softops._core.validation).
     import warnings
 
     fn, hard = _OPS[name]
     x = torch.tensor(_X, dtype=dtype, requires_grad=True)
+    tiny = torch.finfo(torch.promote_types(dtype, torch.float32)).tiny
+    if epsilon < tiny:
+        with pytest.raises(ValueError, match=r": expected `epsilon` >= [0-9.e+-]+ \(the smal"):
+            fn(x, epsilon)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a convergence note at the limit is not the point here
         out = fn(x, epsilon)
@@ -144,14 +150,20 @@ def test_epsilon_outside_the_dtype_takes_the_limit(name, epsilon, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_epsilon_is_clamped_to_the_normal_range(dtype):
+def test_epsilon_is_clamped_to_the_largest_and_refused_below_the_smallest_normal(dtype):
     fi = torch.finfo(dtype)
     x = torch.zeros(2, 3, dtype=dtype)
-    assert prepare_rows("op", x, -1, 1e-320).eps.tolist() == [fi.tiny] * 2
+    assert prepare_rows("op", x, -1, fi.tiny).eps.tolist() == [fi.tiny] * 2
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` >= .*; got epsilon=1e-320\.$"):
+        prepare_rows("op", x, -1, 1e-320)
     assert prepare_rows("op", x, -1, 1e300 if dtype != F64 else 1e308).eps.min() <= fi.max
-    e = torch.tensor([1e-50, 1e39], dtype=F64, requires_grad=True)
+    e = torch.tensor([1e-30, 1e39], dtype=F64, requires_grad=True)
     rows = prepare_rows("op", x, -1, e)
     assert torch.isfinite(rows.eps).all() and (rows.eps > 0).all()
     (g,) = torch.autograd.grad(rows.eps.sum(), e)
-    # both are outside float32's range (a zero gradient: the limits'); float64 holds both
-    assert g.tolist() == ([0.0, 0.0] if dtype == torch.float32 else [1.0, 1.0])
+    # 1e39 is beyond float32 (a zero gradient: the limit's); float64 holds both
+    assert g.tolist() == ([1.0, 0.0] if dtype == torch.float32 else [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` >= "):
+        prepare_rows(
+            "op", x, -1, torch.tensor([1e-30, 1e-40 if dtype != F64 else 1e-310], dtype=F64)
+        )

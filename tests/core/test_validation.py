@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from softops._core.validation import (
+    SMALLEST_K,
     check_bool,
     check_choice,
     check_dim,
@@ -24,6 +25,7 @@ from softops._core.validation import (
     compute_dtype,
     describe,
     is_integral,
+    smallest_epsilon,
 )
 
 F64 = torch.float64
@@ -149,3 +151,64 @@ def test_public_ops_refuse_bool_and_complex_k_and_take_numpy(op):
         refs = ref if isinstance(ref, tuple) else (ref,)
         for a, b in zip(outs, refs, strict=True):
             torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------ epsilon and k at the bottom of the dtype's range
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_epsilon_below_the_smallest_normal_of_the_compute_dtype_is_refused(dtype):
+    cd = compute_dtype(dtype)
+    tiny = torch.finfo(cd).tiny
+    assert smallest_epsilon(dtype) == tiny
+    assert check_epsilon(tiny, "op", dtype=dtype) == tiny
+    assert check_epsilon(1e-320, "op") == 1e-320  # without a dtype (a layer): positive only
+    name = str(cd).removeprefix("torch.")
+    for bad in (tiny / 2, tiny * (1 - 2**-30), 5e-324):
+        with pytest.raises(ValueError) as info:
+            check_epsilon(bad, "op", dtype=dtype)
+        given = str(dtype).removeprefix("torch.")
+        via = "" if cd == dtype else f", the compute dtype of x of dtype {given}"
+        assert str(info.value).startswith(
+            f"op: expected `epsilon` >= {tiny:.8g} (the smallest normal {name}{via}"
+        ), str(info.value)
+        assert str(info.value).endswith(f"; got epsilon={bad!r}."), str(info.value)
+    # the printed bound is an allowed epsilon (rounded up)
+    assert check_epsilon(float(f"{tiny:.8g}"), "op", dtype=dtype) >= tiny
+    # 0, negative and non-finite values keep their own message
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` > 0 and finite; got "):
+        check_epsilon(0.0, "op", dtype=dtype)
+
+
+def test_tensor_epsilon_is_compared_in_its_own_dtype_against_the_compute_dtype_bound():
+    t32 = torch.finfo(torch.float32).tiny
+    # float64 entries below float32's smallest normal: refused for float32 x, fine for float64
+    e = torch.tensor([0.5, 1e-40], dtype=F64)
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` >= 1.1754944e-38 .*; got "):
+        check_epsilon(e, "op", dtype=torch.float32)
+    assert check_epsilon(e, "op", dtype=F64) is e
+    # a float32 tensor with a float32 subnormal: normal in float64 (the compute dtype of f64 x)
+    sub = torch.tensor([t32 / 4], dtype=torch.float32)
+    assert check_epsilon(sub, "op", dtype=F64) is sub
+    with pytest.raises(ValueError, match=r"got epsilon=2\.93873"):
+        check_epsilon(sub, "op", dtype=torch.bfloat16)
+    # the first offending entry is named, whatever its kind
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` > 0 and finite; got eps.*=-1"):
+        check_epsilon(torch.tensor([-1.0, 1e-40], dtype=F64), "op", dtype=torch.float32)
+
+
+def test_a_k_below_the_smallest_normal_float32_is_0():
+    assert SMALLEST_K == torch.finfo(torch.float32).tiny
+    for k in (SMALLEST_K / 2, 5e-324, 1e-50, SMALLEST_K * (1 - 2**-30)):
+        assert check_k(k, 3, "op") == 0.0
+    assert check_k(SMALLEST_K, 3, "op") == SMALLEST_K and check_k(0, 3, "op") == 0
+    assert check_k(1e-30, None, "op") == 1e-30
+    k = torch.tensor([1e-40, 0.0, 2.5, SMALLEST_K], dtype=F64, requires_grad=True)
+    out = check_k(k, 3, "op")
+    assert out.tolist() == [0.0, 0.0, 2.5, SMALLEST_K]
+    (g,) = torch.autograd.grad((out * torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64)).sum(), k)
+    assert g.tolist() == [1.0, 2.0, 3.0, 4.0]  # the gradient of k passes through unchanged
+    plain = torch.tensor([1.0, 2.0])
+    assert check_k(plain, 3, "op") is plain  # nothing to change: the same tensor
+    with pytest.raises(ValueError, match=r"^op: expected 0 <= `k` <= x.shape\[dim\] \(= 3\)"):
+        check_k(torch.tensor([1e-40, 4.0], dtype=F64), 3, "op")

@@ -4,13 +4,15 @@
 move ``dim`` last, flatten to (B, n) in the compute dtype, broadcast epsilon per row, and hand back
 the function that restores the shape.
 
-Epsilon is a positive finite number, but the compute dtype may not hold it: 1e-50 underflows to 0
-in float32, 1e-320 is a denormal in float64 (``x / eps`` overflows for every normal x) and 1e39
-overflows to inf in float32. Every op takes its limit there, in the one place below: epsilon is
-clamped to the normal range ``[finfo.tiny, finfo.max]`` of the compute dtype. Below ``finfo.tiny``
-every op is at its epsilon -> 0 limit to within rounding on any input whose gaps are normal
-numbers (gap / tiny overflows); above ``finfo.max`` at its large-epsilon limit (``x / eps``
-underflows). A clamped tensor epsilon gets a zero gradient, the derivative of either limit.
+Epsilon is a positive finite number, but the compute dtype may not hold it. Below the smallest
+normal number ``finfo.tiny`` of the compute dtype (1e-50 underflows to 0 in float32, 1e-320 is a
+subnormal in float64) it is refused (``ValueError``, by ``check_epsilon``): the subnormal
+intermediates' absolute rounding is then more than the dtype's relative rounding in units of
+epsilon, and no op could give its value or its limit. Above ``finfo.max`` (1e39 in float32) every
+op is at its large-epsilon limit (``x / eps`` underflows): epsilon is clamped to ``finfo.max``, and
+a clamped tensor epsilon gets a zero gradient, the derivative of that limit. (A tensor epsilon
+whose values Python cannot read, under ``torch.func`` or ``torch.compile``, is clamped to
+``[finfo.tiny, finfo.max]`` instead of checked.)
 """
 
 from __future__ import annotations
@@ -110,20 +112,21 @@ class Rows(NamedTuple):
 
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
-    (positive and finite), and return the :class:`Rows` form of ``x``, with epsilon clamped to
-    the normal range of the compute dtype (the module docstring says why)."""
+    (positive, finite and at least the compute dtype's smallest normal number), and return the
+    :class:`Rows` form of ``x``, with epsilon clamped to the compute dtype's largest finite value
+    (the module docstring says why)."""
     check_floating(x, op)
     d = check_dim(x, dim, op)
     n = check_nonempty(x, d, op)
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)
     batch_shape = torch.Size(x.shape[:d] + x.shape[d + 1 :])
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=x.dtype)
     fi = torch.finfo(cd)
     if isinstance(epsilon, torch.Tensor):
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
         eps = eps.clamp(fi.tiny, fi.max)
-    else:  # a Python float: clamp on the host, one fill
-        epsilon = min(max(epsilon, fi.tiny), fi.max)
+    else:  # a Python float (>= fi.tiny, checked): clamp on the host, one fill
+        epsilon = min(epsilon, fi.max)
         eps = torch.full((x2.shape[0],), epsilon, dtype=cd, device=x.device)
     return Rows(x2 if x2.dtype == cd else x2.to(cd), eps, restore, d, n, batch_shape)

@@ -16,6 +16,7 @@ import torch
 from softops._core.transforms import cannot_branch
 
 __all__ = [
+    "SMALLEST_K",
     "as_number",
     "check_bool",
     "check_choice",
@@ -32,6 +33,7 @@ __all__ = [
     "compute_dtype",
     "describe",
     "is_integral",
+    "smallest_epsilon",
 ]
 
 
@@ -103,13 +105,51 @@ def check_nonempty(x: torch.Tensor, dim: int, op: str) -> int:
     return n
 
 
-def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch.Tensor:
+def smallest_epsilon(dtype: torch.dtype) -> float:
+    """The smallest epsilon an op on an x of ``dtype`` accepts: the smallest normal number
+    (``finfo.tiny``) of x's compute dtype (:func:`compute_dtype`).
+
+    Below it epsilon is a subnormal number of the compute dtype, or 0: the absolute rounding of
+    the subnormal intermediates that every op then forms (``x / eps``, ``(x - t) / eps``, squared
+    gaps) is more than the dtype's relative rounding in units of epsilon, and the results were
+    wrong (masks off by 0.24, a smooth maximum beyond its bound) or NaN. Such an epsilon is
+    refused rather than rounded: no op takes a limit that the dtype cannot resolve.
+    """
+    return torch.finfo(compute_dtype(dtype)).tiny
+
+
+def _epsilon_error(op: str, name: str, value: float, dtype: torch.dtype | None) -> ValueError:
+    if dtype is not None and value > 0 and math.isfinite(value):
+        cd = compute_dtype(dtype)
+        where = "" if cd == dtype else f", the compute dtype of x of dtype {_name(dtype)}"
+        return ValueError(
+            f"{op}: expected `{name}` >= {smallest_epsilon(dtype):.8g} (the smallest normal "
+            f"{_name(cd)}{where}; a smaller epsilon is subnormal or 0 there); got {name}={value!r}."
+        )
+    return ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={value}.")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_epsilon(
+    epsilon: Any, op: str, name: str = "epsilon", *, dtype: torch.dtype | None = None
+) -> float | torch.Tensor:
     """Check that ``epsilon`` is a positive finite float or a floating tensor with positive entries.
 
-    A tensor is checked once, here; the solvers never sync on it again. Its values are checked
-    eagerly only: under ``torch.func`` transforms, ``torch.compile`` and on meta tensors Python
-    cannot see them (a non-positive entry then gives NaN in its row).
+    With ``dtype`` (the dtype of x, known to the op; a layer checks its epsilon at construction
+    without it) epsilon must also be at least :func:`smallest_epsilon` of ``dtype``: the smallest
+    normal number of x's compute dtype. A smaller value (a subnormal, or one that rounds to 0
+    there) raises ``ValueError`` naming that dtype and its smallest allowed epsilon. A tensor is
+    compared in its own dtype, where the bound is exact (a power of two) or rounds to 0.
+
+    A tensor is checked once, here, with the one host sync of the check (the bound adds none);
+    the solvers never sync on it again. Its values are checked eagerly only: under ``torch.func``
+    transforms, ``torch.compile`` and on meta tensors Python cannot see them (a non-positive entry
+    then gives NaN in its row, and one below the smallest normal number is clamped to it).
     """
+    tiny = 0.0 if dtype is None else smallest_epsilon(dtype)
     if isinstance(epsilon, torch.Tensor):
         if not epsilon.dtype.is_floating_point:
             raise TypeError(
@@ -120,17 +160,24 @@ def check_epsilon(epsilon: Any, op: str, name: str = "epsilon") -> float | torch
             raise ValueError(f"{op}: expected a non-empty `{name}`; got an empty tensor.")
         if cannot_branch(epsilon):
             return epsilon
-        bad = ~(epsilon.detach() > 0) | ~torch.isfinite(epsilon.detach())
+        e = epsilon.detach()
+        bad = ~(e > 0) | ~torch.isfinite(e)
+        if tiny:
+            bad |= e < tiny
         if bool(bad.any()):
-            value = epsilon.detach()[bad].flatten()[0].item()
-            raise ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={value}.")
+            raise _epsilon_error(op, name, e[bad].flatten()[0].item(), dtype)
         return epsilon
     epsilon = as_number(epsilon)
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
         raise TypeError(f"{op}: expected `{name}` to be a float or a tensor; got {epsilon!r}.")
-    if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"{op}: expected `{name}` > 0 and finite; got {name}={epsilon}.")
+    if not (epsilon > 0 and math.isfinite(epsilon)) or epsilon < tiny:
+        raise _epsilon_error(op, name, epsilon, dtype)
     return float(epsilon)
+
+
+SMALLEST_K = torch.finfo(torch.float32).tiny
+"""A real k below this (2**-126, the smallest normal float32: float32 is the narrowest compute
+dtype) is its limit k -> 0: :func:`check_k` returns 0 for it."""
 
 
 def check_k(
@@ -147,6 +194,14 @@ def check_k(
     ``n=None`` (a layer, before it sees its input) checks the type and ``k >= low`` only; the
     op checks ``k <= x.shape[dim]`` on the forward call. Tensor entries are checked once, here
     (one host sync at validation, none in the solver), and eagerly only, as for ``epsilon``.
+
+    A k in ``(0, SMALLEST_K)`` (a subnormal float32, or a value that rounds to 0 there) is its
+    limit k -> 0 and is returned as 0 (a tensor's entries are 0 with the gradient of k passing
+    through unchanged, the derivative at that limit): the mask it stands for differs from the
+    mask of k = 0 by at most k in every entry, below the smallest normal float32, while a
+    solver given such a k works with marginals the compute dtype holds only as subnormals
+    (method "sinkhorn" gave NaN). The other end needs no rule: ``n - k`` is 0 or at least the
+    spacing of n (``n >= 1``).
     """
     what = "an int" if integer else "a number"
     high = math.inf if n is None else n
@@ -165,12 +220,16 @@ def check_k(
             else:
                 raise TypeError(f"{op}: expected `k` to be {what}; got a tensor {k!r}.")
         else:
-            if cannot_branch(k):
+            if cannot_branch(k) or not k.numel():
                 return k
             kd = k.detach()
             bad = ~((kd >= low) & (kd <= high))
-            if kd.numel() and bool(bad.any()):
+            tiny = (kd > 0) & (kd < SMALLEST_K)
+            any_bad, any_tiny = torch.stack((bad.any(), tiny.any())).tolist()  # one sync
+            if any_bad:
                 raise out_of_range(f"{kd[bad].flatten()[0].item():g}")
+            if any_tiny:
+                k = torch.where(tiny, k - kd, k)  # 0, with the gradient of k
             return k
     k = as_number(k)
     if isinstance(k, bool) or not isinstance(k, (int, float)):
@@ -179,7 +238,9 @@ def check_k(
         raise TypeError(f"{op}: expected `k` to be an int; got k={k!r}.")
     if not (low <= k <= high):
         raise out_of_range(repr(k))
-    return int(k) if integer else k
+    if integer:
+        return int(k)
+    return 0.0 if 0 < k < SMALLEST_K else k
 
 
 def check_bool(value: Any, op: str, name: str) -> bool:

@@ -120,6 +120,8 @@ def soft_sort(
             "l2"). For "softsort" (l1) and "neuralsort" it is the temperature :math:`\tau` in
             the units of x (``soft_sort(c*x, epsilon=c*e) == c*soft_sort(x, epsilon=e)``); for
             "softsort" (l2) and "ot" it is in the units of x² (``epsilon=c**2*e``).
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "pav" (default; exact projection, O(n log n) per row), "softsort",
             "neuralsort" or "ot". With numba installed (``pip install softops[pav]``), PAV runs
             as a compiled kernel; its first call in a fresh environment compiles it (a few
@@ -232,6 +234,8 @@ def soft_rank(
             ``soft_rank(c*x, epsilon=c*e) == soft_rank(x, epsilon=e)`` for c > 0. "softsort"
             (l1) and "neuralsort": units of x, the same law; "softsort" (l2) and "ot": units
             of x² (``epsilon=c**2*e``).
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "pav" (default), "softsort", "neuralsort" or "ot". Only "pav" promises ranks
             in [1, n] that sum to n(n+1)/2. PAV's kernels are as for :func:`soft_sort`.
         regularization: "pav" only: "l2" (default) or "kl".
@@ -329,6 +333,8 @@ def soft_argsort(
             which receives a gradient. Units of x for "softsort" (l1) and "neuralsort", of x²
             for "softsort" (l2) and "ot"; P is unchanged under ``x -> c*x``,
             ``epsilon -> c*epsilon`` (respectively ``c**2*epsilon``), c > 0.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "softsort" (default), "neuralsort" or "ot". "pav" has no permutation matrix
             and raises ``ValueError``.
         distance: "softsort" only: "l1" (default) or "l2".
@@ -419,6 +425,8 @@ def soft_quantile(
             ``soft_quantile(c*x, q, epsilon=e/c) == c*soft_quantile(x, q, epsilon=e)``), for
             "ot" units of x² (``epsilon=c**2*e``). A float or a tensor broadcastable to the
             batch shape, which receives a gradient.
+            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
+            float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "pav" (default) or "ot".
         keepdim: keep the reduced dimension with size 1.
 

@@ -276,8 +276,9 @@ def inverse(eps: Tensor) -> Tensor:
 
     The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
     the gaps and turns the zero gradient of a saturated softmax into ``0 * inf = NaN``; here the
-    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is
-    clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps`` is finite).
+    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is in
+    its dtype's normal range: ``prepare_rows`` refuses it below ``finfo.tiny`` and clamps it to
+    ``finfo.max``, so ``1/eps`` is finite).
     """
     return torch.exp(-torch.log(eps))
 
