@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -310,6 +311,137 @@ def test_gradient_of_accuracy_is_the_true_class_indicator():
     t = torch.tensor([0, 2, 2, 1])
     (grad,) = torch.autograd.grad(soft_accuracy(p, t), p)
     assert torch.equal(grad, torch.nn.functional.one_hot(t, 3).to(F64) / 4)
+
+
+def _tiny_mass_logits(g: torch.Generator, n: int, c: int, dtype: torch.dtype) -> torch.Tensor:
+    """Logits whose columns span ordinary, subnormal (in float32) and underflowing predicted
+    masses at epsilon 13.1: each column is pushed down by 0, ~1200 or ~1500 (p ~ 1e-40, 1e-50)."""
+    z = 3 * torch.randn(n, c, generator=g, dtype=dtype)
+    shift = torch.tensor([0.0, 1200.0, 1500.0], dtype=dtype)
+    return z - shift[torch.randint(0, 3, (c,), generator=g)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("average", ["binary", "micro", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_gradient_is_finite_wherever_the_value_is(kind, average, dtype):
+    """Logits with classes absent from the batch (T = 0: TP is identically 0) and classes of
+    subnormal or zero predicted mass P: the gradient of TP / P in the counts, 1 / P, overflowed
+    and met 0 (inf * 0 = NaN) or its own negative (inf - inf), and the NaN spread to every logit
+    through the softmax (issue 23: an all-NaN gradient)."""
+    g = seeded(2300 + len(kind) + 10 * len(average))
+    fn = METRICS[kind]
+    seen_tiny = 0
+    n = 8
+    for case in range(12):
+        c = 2 if average == "binary" else 5
+        z = _tiny_mass_logits(g, n, c, dtype)
+        mass = torch.softmax(z / 13.1, -1).sum(0)
+        seen_tiny += int(((mass > 0) & (mass < torch.finfo(dtype).tiny)).sum())
+        if case % 3 == 2:  # a 1-D (binary) input
+            z = z[:, 1] - z[:, 0]
+        # labels from the first classes only: the last class is absent from the batch
+        t = torch.randint(0, 2 if z.dim() == 1 or average == "binary" else c - 1, (n,), generator=g)
+        z.requires_grad_(True)
+        e = torch.tensor(13.1, dtype=dtype, requires_grad=True)
+        value = fn(z, t, average=average, from_logits=True, epsilon=e)
+        assert bool(torch.isfinite(value)), case
+        for grad in torch.autograd.grad(value, (z, e)):
+            assert bool(torch.isfinite(grad).all()), (case, grad)
+    assert dtype == F64 or seen_tiny > 0  # the subnormal masses are in the sweep
+
+
+@pytest.mark.parametrize("average", ["binary", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_probabilities_of_a_class_absent_from_the_batch_give_a_finite_gradient(kind, average):
+    # The class without a true member has a subnormal predicted mass P: its score is 0 whatever
+    # the predictions, its gradient 0 (it was 1 / P = inf times the zero one-hot: NaN).
+    for dtype, tiny in ((torch.float32, 1e-40), (F64, 1e-310)):
+        p = torch.tensor([[0.7, 0.3 - tiny, tiny], [0.2, 0.8 - tiny, tiny], [0.5, 0.5, 0.0]])
+        p = p.to(dtype)
+        t = torch.tensor([0, 1, 0])
+        if average == "binary":
+            p = torch.stack([1 - p[:, 2], p[:, 2]], -1)  # class 1 predicted at a subnormal mass
+        p.requires_grad_(True)
+        value = METRICS[kind](p, t if average == "macro" else 0 * t, average=average)
+        (grad,) = torch.autograd.grad(value, p)
+        assert bool(torch.isfinite(grad).all()), (dtype, grad)
+        # the reference: the same score over the classes with a true member (or 0 for binary)
+        if average == "macro":
+            ref = METRICS[kind](p.detach()[:, :2].double(), t, average="macro") * 2 / 3
+            torch.testing.assert_close(value.double(), ref, rtol=1e-6, atol=1e-7)
+        else:
+            assert value.item() == 0.0 and bool((grad == 0).all())
+
+
+@pytest.mark.parametrize("average", ["binary", "macro"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_float32_gradient_at_subnormal_masses_equals_the_float64_one(kind, average):
+    """Where float32 holds a predicted mass only as a subnormal, float64 holds it as a normal
+    number: the float32 gradient agrees with the float64 gradient of the plain formula."""
+    g = seeded(2310)
+    c = 2 if average == "binary" else 5
+    z64 = 3 * torch.randn(8, c, generator=g, dtype=F64)
+    z64[:, 1] -= 1200.0  # P_1 ~ 1e-40: subnormal in float32
+    t = torch.tensor([0, 1, 0, 1, 0, 0, 1, 0]) if c == 2 else torch.tensor([0, 1, 2, 1, 0, 2, 1, 0])
+    fn = METRICS[kind]
+    grads = {}
+    for dtype in (torch.float32, F64):
+        z = z64.to(dtype).requires_grad_(True)
+        e = torch.tensor(13.1, dtype=dtype, requires_grad=True)
+        value = fn(z, t, average=average, from_logits=True, epsilon=e)
+        grads[dtype] = (value, *torch.autograd.grad(value, (z, e)))
+    mass32 = torch.softmax(z64.float() / 13.1, -1).sum(0)[1]
+    assert 0 < mass32 < torch.finfo(torch.float32).tiny
+    for got, want in zip(grads[torch.float32], grads[F64], strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["precision", "f1"])
+def test_from_counts_class_without_true_member_has_zero_gradient(kind):
+    # TP of a class without a true member is identically 0: it scores 0 with no gradient, also
+    # where its predicted mass P is subnormal (1 / P overflows: inf * 0 was NaN)
+    for dtype in (torch.float32, F64):
+        tp = torch.tensor([0.5, 0.0], dtype=dtype, requires_grad=True)
+        predicted = torch.tensor([1.0, 1e-320 if dtype == F64 else 1e-42], dtype=dtype)
+        predicted.requires_grad_(True)
+        true = torch.tensor([1.0, 0.0], dtype=dtype)
+        score = FROM_COUNTS[kind](SoftConfusion(tp, predicted, true))
+        assert score.item() == pytest.approx(0.25)  # (0.5 / 1 or 2 * 0.5 / 2, and 0) / 2
+        g_tp, g_p = torch.autograd.grad(score, (tp, predicted))
+        assert g_tp[1] == 0 and g_p[1] == 0 and bool(torch.isfinite(g_tp).all())
+
+
+@pytest.mark.parametrize("average", ["binary", "macro"])
+def test_precision_from_logits_equals_the_counts_ratio_and_gradchecks(average):
+    g = seeded(2311)
+    c = 2 if average == "binary" else 4
+    for dim in (1, 2):
+        z = torch.randn(9, c, generator=g, dtype=F64)
+        z = (z[:, 1] - z[:, 0] if dim == 1 else z).requires_grad_(True)
+        t = torch.randint(0, c if dim == 2 else 2, (9,), generator=g)
+        t[0] = 1 if average == "binary" else t[0]
+        e = torch.tensor(0.7, dtype=F64, requires_grad=True)
+        got = soft_precision(z, t, average=average, from_logits=True, epsilon=e)
+        counts = soft_confusion(z, t, average=average, from_logits=True, epsilon=e)
+        torch.testing.assert_close(got, precision_from_counts(counts), rtol=1e-14, atol=1e-15)
+        (g1,) = torch.autograd.grad(got, z)
+        (g2,) = torch.autograd.grad(precision_from_counts(counts), z)
+        torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-14)
+
+        def fn(z, e, t=t):
+            return soft_precision(z, t, average=average, from_logits=True, epsilon=e)
+
+        assert torch.autograd.gradgradcheck(fn, (z, e))
+    # a column with no mass at all (-inf logits) scores 0, as the counts' zero denominator
+    z = torch.zeros(4, 3, dtype=F64)
+    z[:, 2] = -math.inf
+    z.requires_grad_(True)
+    t = torch.tensor([0, 1, 2, 0])
+    got = soft_precision(z, t, from_logits=True)
+    torch.testing.assert_close(got, precision_from_counts(soft_confusion(z, t, from_logits=True)))
+    (grad,) = torch.autograd.grad(got, z)
+    assert bool(torch.isfinite(grad).all())
 
 
 # ------------------------------------------------------------------------------ dtypes

@@ -31,7 +31,11 @@ holds the integer labels, shape (N,), values in [0, C) ({0, 1} in the binary cas
 - ``"macro"``: the unweighted mean of the per-class scores over all C classes (two for a 1-D
   input), including classes absent from both ``target`` and the predictions.
 
-A zero denominator scores 0 and passes a zero gradient (scikit-learn's ``zero_division=0``).
+A zero denominator scores 0 and passes a zero gradient (scikit-learn's ``zero_division=0``);
+so does a class without a true member (T = 0) in precision and F1, whose TP is 0 whatever the
+predictions. Gradients are finite wherever the score is, also where a predicted mass P is
+subnormal: with ``from_logits=True`` soft precision forms :math:`TP_c / P_c` in log space
+(:func:`soft_precision`), equal to the ratio of the counts up to rounding.
 
 **Batch bias.** Precision, recall and F1 are ratios of sums over the batch, so the value on a
 minibatch is a biased estimate of the value on the whole dataset (the mean of ratios is not the
@@ -290,9 +294,16 @@ def true_class_probability(
     return p.gather(1, target.long().unsqueeze(1)).squeeze(1)
 
 
-def _safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den``, and 0 (with a zero gradient) where ``den == 0``."""
-    zero = den == 0
+def _safe_divide(
+    num: torch.Tensor, den: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``num / den``, and 0 (with a zero gradient) where ``den == 0`` or ``zero``.
+
+    The denominator is replaced by 1 there before dividing, so that neither branch of the
+    ``where`` makes a NaN or an infinity: the backward of ``num / den`` multiplies the gradient
+    of ``num`` by ``1 / den``, and ``inf * 0`` is NaN.
+    """
+    zero = den == 0 if zero is None else zero | (den == 0)
     return torch.where(zero, 0.0, num / torch.where(zero, 1.0, den))
 
 
@@ -436,8 +447,9 @@ def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
             per-class ratios.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
-        gradient).
+        A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
+        member (``true == 0``: its TP is 0 whatever the predictions), scores 0 with a zero
+        gradient.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -445,8 +457,10 @@ def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
         >>> precision_from_counts(soft_confusion(p, t)).round(decimals=4)
         tensor(0.5082)
     """
-    tp, predicted, _ = _check_counts(counts, "precision_from_counts")
-    return _class_mean(_safe_divide(tp, predicted))
+    tp, predicted, true = _check_counts(counts, "precision_from_counts")
+    # (true == 0: TP is identically 0; its gradient times 1 / P, infinite where P is
+    # subnormal, was inf * 0 = NaN)
+    return _class_mean(_safe_divide(tp, predicted, true == 0))
 
 
 def recall_from_counts(counts: SoftConfusion) -> torch.Tensor:
@@ -488,8 +502,9 @@ def f1_from_counts(counts: SoftConfusion) -> torch.Tensor:
             0-dim counts give their ratio, counts of shape (C,) the mean of the per-class ratios.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
-        gradient).
+        A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
+        member (``true == 0``: its TP is 0 whatever the predictions), scores 0 with a zero
+        gradient.
 
     Example:
         Counts summed over the batches of a dataset give the F1 of the dataset, which the mean
@@ -504,7 +519,7 @@ def f1_from_counts(counts: SoftConfusion) -> torch.Tensor:
         tensor(0.4469)
     """
     tp, predicted, true = _check_counts(counts, "f1_from_counts")
-    return _class_mean(_safe_divide(2 * tp, predicted + true))
+    return _class_mean(_safe_divide(2 * tp, predicted + true, true == 0))
 
 
 # --------------------------------------------------------------------------------- the metrics
@@ -609,6 +624,13 @@ def soft_precision(
 
         \mathrm{precision}_c = \frac{TP_c}{P_c}
         = \frac{\sum_n p_{nc} [t_n = c]}{\sum_n p_{nc}} .
+
+    With ``from_logits=True`` (averages "binary" and "macro") the ratio is formed in log space,
+    :math:`\sum_n [t_n = c]\,\mathrm{softmax}_n(\log p_{nc})`, which equals
+    ``precision_from_counts(soft_confusion(...))`` up to rounding and keeps a finite gradient
+    where :math:`P_c` is subnormal (the gradient of :math:`TP_c / P_c` in the counts is
+    :math:`1/P_c`, which overflows there, while that in the logits is bounded, of the order
+    of :math:`1/\varepsilon`). A class whose :math:`P_c` is 0 in the compute dtype scores 0.
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -618,8 +640,45 @@ def soft_precision(
         >>> soft_precision(p, t, average="micro")
         tensor(0.6000)
     """
-    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_precision")
-    return precision_from_counts(counts).to(input.dtype)
+    op = "soft_precision"
+    epsilon = check_classification(input, target, from_logits, epsilon, op)
+    average = check_average(average, input, op)
+    if from_logits and average != "micro":  # (micro: P = N)
+        return _class_mean(_precision_from_logits(input, target, average, epsilon)).to(input.dtype)
+    return precision_from_counts(_confusion(input, target, average, from_logits, epsilon)).to(
+        input.dtype
+    )
+
+
+def _precision_from_logits(
+    input: torch.Tensor, target: torch.Tensor, average: str, epsilon: float | torch.Tensor
+) -> torch.Tensor:
+    """Per-class precision (C,) ("macro") or (1,) ("binary") of logits, in log space.
+
+    ``TP_c / P_c = sum_n [t_n = c] w_nc`` with ``w_.c = softmax_n(log p_.c)``: the weights are
+    at most 1 and their gradient in the log-probabilities too, where the ratio of the counts
+    divides by ``P_c``, whose reciprocal overflows once ``P_c`` is subnormal. A column whose
+    ``P_c`` is 0 in the compute dtype scores 0 with a zero gradient, as the counts' zero
+    denominator does (its log-probabilities are replaced by 0 first, so that a column of
+    ``-inf`` makes no NaN).
+    """
+    z = _logits_scale(input.to(compute_dtype(input.dtype)), epsilon)
+    if average == "binary":
+        if z.dim() == 1:
+            log_p = torch.nn.functional.logsigmoid(z).unsqueeze(1)
+        else:
+            log_p = torch.log_softmax(z, dim=-1)[:, 1:2]
+        t = (target == 1).unsqueeze(1)
+    else:
+        if z.dim() == 1:
+            f = torch.nn.functional.logsigmoid
+            log_p = torch.stack([f(-z), f(z)], dim=-1)
+        else:
+            log_p = torch.log_softmax(z, dim=-1)
+        t = torch.nn.functional.one_hot(target.long(), log_p.shape[1]).bool()
+    empty = (log_p.detach().exp().sum(0) == 0).unsqueeze(0)  # P_c == 0
+    w = torch.softmax(torch.where(empty, 0.0, log_p), dim=0)
+    return torch.where(empty, 0.0, torch.where(t, w, 0.0)).sum(0)
 
 
 def soft_recall(
