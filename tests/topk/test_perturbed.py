@@ -624,6 +624,74 @@ def test_vmap_randomness_error_raises_like_torch():
     assert _fold(info, ((2, False),), False) == ((4, True), (2, False))
 
 
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize(("dim", "largest"), [(-1, True), (0, False), (1, True)])
+def test_vmap_equals_the_batched_call_on_the_draws_its_flag_names(randomness, dim, largest):
+    """Under vmap, "different" is the direct call on the batched tensor (the vmapped dimension
+    folded into the rows, one seed), "same" the direct call on each slice (one draw per sample
+    shared by the slices); for any dim, largest, and an epsilon per slice and row."""
+    g = seeded(4)
+    x = torch.randn(3, 5, 7, dtype=F64)  # slices (5, 7): rows along dim
+    rows = 7 if dim == 0 else 5
+    eps = 0.2 + torch.rand(3, rows, generator=g, dtype=F64)
+    n = 5 if dim == 0 else 7
+
+    def f(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return _mask(v, 2, seed=7, n_samples=16, epsilon=e, dim=dim, largest=largest)
+
+    out = torch.func.vmap(f, randomness=randomness)(x, eps)
+    assert out.shape == x.shape
+    assert torch.equal(out.sum(dim % 2 + 1), torch.full((3, rows), 2.0, dtype=F64))
+    if randomness == "same":
+        for i in range(3):
+            assert torch.equal(out[i], f(x[i], eps[i]))
+    else:  # the slices' rows stacked (3 * rows, n): one call, one seed
+        xr = (x.transpose(1, 2) if dim == 0 else x).reshape(3 * rows, n)
+        ref = _mask(xr, 2, seed=7, n_samples=16, epsilon=eps.reshape(-1), largest=largest)
+        ref = ref.reshape(3, rows, n)
+        assert torch.equal(out, ref.transpose(1, 2) if dim == 0 else ref)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmap_over_an_empty_dimension_draws_nothing(randomness):
+    """A vmapped dimension of size 0 (which the slices' own shape does not show) has nothing to
+    draw: the empty mask, gradient and tangent, no generator advanced. It raised before
+    (ZeroDivisionError under "same"; under "different" torch's own random op fails there)."""
+    gen = seeded(3)
+    state, global_state = gen.get_state(), torch.get_rng_state()
+    for generator in (gen, None):
+
+        def f(v: torch.Tensor, generator=generator) -> torch.Tensor:
+            return soft_topk_mask(
+                v, 2, method="perturbed", epsilon=0.5, n_samples=8, generator=generator
+            )
+
+        def loss(v: torch.Tensor, f=f) -> torch.Tensor:
+            return (f(v) * torch.arange(8.0, dtype=F64)).sum()
+
+        x = torch.randn(0, 3, 8, dtype=F64)
+        out = torch.func.vmap(f, randomness=randomness)(x)
+        assert out.shape == (0, 3, 8) and out.dtype == F64
+        grads = torch.func.vmap(torch.func.grad(loss), randomness=randomness)(x)
+        assert grads.shape == (0, 3, 8)
+        tangents = torch.func.vmap(
+            lambda v, d, f=f: torch.func.jvp(f, (v,), (d,))[1], randomness=randomness
+        )(x, x)
+        assert tangents.shape == (0, 3, 8)
+        xr = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(torch.func.vmap(f, randomness=randomness)(xr).sum(), xr)
+        assert gx.shape == (0, 3, 8)
+        # an empty level inside a non-empty one, and empty rows in non-empty slices
+        inner = torch.func.vmap(torch.func.vmap(f, randomness=randomness), randomness="different")
+        assert inner(torch.randn(2, 0, 3, 8, dtype=F64)).shape == (2, 0, 3, 8)
+        empty_rows = torch.func.vmap(f, randomness=randomness)(torch.randn(4, 0, 8, dtype=F64))
+        assert empty_rows.shape == (4, 0, 8)
+    assert torch.equal(gen.get_state(), state)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    # and a non-empty call still draws (the generator moves on)
+    torch.func.vmap(lambda v: _mask(v, 2), randomness=randomness)(torch.randn(2, 3, 8))
+
+
 def test_generator_none_under_vmap_and_the_global_seed():
     x = torch.randn(4, 3, 8, dtype=F64)
     f = lambda v: soft_topk_mask(v, 3, method="perturbed", n_samples=16)  # noqa: E731

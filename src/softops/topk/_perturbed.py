@@ -85,7 +85,8 @@ whose ``vmap`` rule folds the vmapped dimension into the rows exactly as the for
 draws are the forward's for every cotangent or tangent. Under ``torch.func.vmap`` the
 ``randomness`` flag holds: "error" raises torch's error, "different" gives every slice its own
 draws (the vmapped dimension is folded into the rows, which draw independently), and "same"
-gives every slice the same draws (one draw per sample, broadcast over the slices). A level whose
+gives every slice the same draws (one draw per sample, broadcast over the slices); a vmapped
+dimension of size 0 draws nothing, whatever the flag. A level whose
 slices do not change x or epsilon still follows its flag: x is made to vary along it by adding 0
 times a random scalar drawn under the transforms, so torch decides, level by level, whether the
 slices differ. The ``jacrev`` of a (B, n) output runs the estimator once per cotangent (B n top-k
@@ -113,7 +114,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from softops._core.transforms import under_functorch, vmap_rows
+from softops._core.transforms import plain, under_functorch, vmap_rows
 from softops.topk._options import unreachable_rows
 
 __all__ = ["perturbed_topk_mask"]
@@ -360,6 +361,11 @@ def perturbed_topk_mask(
         >>> perturbed_topk_mask(x, 3, eps, 8, torch.Generator().manual_seed(0))
         tensor([[1., 0., 0., 1., 0., 1.]])
     """
+    if plain(x).numel() == 0:
+        # No row at all (under vmap: a vmapped dimension of size 0, which x's own shape does not
+        # show): nothing to draw, no generator advanced. torch's random ops cannot run on such a
+        # level under randomness="different", and the rows would not unfold from 0 elements.
+        return x * 0.0
     if not 0 < k < x.shape[-1] or x.is_meta:  # no sampling: no generator made or advanced
         generator, snapshot = None, _Snapshot(None)
     else:
