@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out: str) -> None:
     import softops.distributed as sd
 
     torch.set_num_threads(1)
-    softops.set_compile(args["compile"])
+    softops._kernels.set_default_backend("kernel" if args["kernels"] else "reference")
     dist.init_process_group("gloo", init, rank=rank, world_size=world)
     B, n, k, eps = args["B"], args["n"], args["k"], args["epsilon"]
     dtype = getattr(torch, args["dtype"])
@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out: str) -> None:
                 "epsilon": eps,
                 "dtype": args["dtype"],
                 "threads": 1,
-                "compile": args["compile"],
+                "kernels": args["kernels"],
                 "iterations": iterations,
                 "max_abs_diff": diff,
                 "repeats": args["repeats"],
@@ -177,8 +177,8 @@ def markdown(records: list[dict], command: str) -> str:
         f"Reproduce with `{command}`.",
         "",
         f"B={r0['B']} rows of n={r0['n']} entries in total, split evenly over P processes; "
-        f"k={r0['k']}, epsilon={r0['epsilon']} (x ~ N(0, 1)); the fused torch.compile path "
-        f"{'on' if r0['compile'] else 'off'}. *sharded*: `softops.distributed.soft_topk_mask` "
+        f"k={r0['k']}, epsilon={r0['epsilon']} (x ~ N(0, 1)); the single-process op's kernels "
+        f"{'on' if r0['kernels'] else 'off'}. *sharded*: `softops.distributed.soft_topk_mask` "
         "on each rank's shard; *all-gather*: `all_gather` of the rows, the single-process "
         "`softops.soft_topk_mask` on every rank, and the rank's slice (its backward gathers "
         "the upstream gradient as well). Time: the slowest rank's, median of interleaved "
@@ -216,12 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--compile", action="store_true", help="allow the fused path")
+    parser.add_argument(
+        "--reference", action="store_true", help="the torch reference instead of the kernels"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     ns = parser.parse_args(argv)
     if any(ns.n % w for w in ns.worlds):
         parser.error(f"--n ({ns.n}) must be a multiple of every world size {ns.worlds}")
-    args = {k: getattr(ns, k) for k in ("B", "n", "k", "epsilon", "repeats", "dtype", "compile")}
+    args = {k: getattr(ns, k) for k in ("B", "n", "k", "epsilon", "repeats", "dtype")}
+    args["kernels"] = not ns.reference
     records = []
     for world in ns.worlds:
         load = os.getloadavg()[0]

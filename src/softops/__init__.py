@@ -8,7 +8,7 @@ stop at ``max_iter`` warn with :class:`ConvergenceWarning`.
 
 from softops import losses, metrics, nn, solvers
 from softops._core.convergence import ConvergenceWarning
-from softops._core.fused import set_compile
+from softops._kernels import set_compile
 from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_onehot, soft_argmin
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from softops.topk import TopK, soft_kmax, soft_topk, soft_topk_mask, topk_selection_matrix

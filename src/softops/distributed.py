@@ -123,8 +123,7 @@ several (``WORLD_SIZE`` > 1, as torchrun sets it), which raises: a script that f
 
 Not supported: double backward (the backward's collectives are not differentiated; it raises),
 forward mode, ``torch.func`` transforms and ``torch.compile`` tracing of the call (the solve tests
-convergence on the host between collectives). The shard's pass of each evaluation is the fused
-(``torch.compile``) kernel on large shards, as in the single-process op (``softops.set_compile``).
+convergence on the host between collectives).
 """
 
 from __future__ import annotations
@@ -139,7 +138,6 @@ import torch.distributed as dist
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
 from softops._core.dims import flatten_to_2d, row_param
-from softops._core.fused import maybe_fused
 from softops._core.rootfind import SolverState, iterate, result, start_state
 from softops._core.straight_through import straight_through
 from softops._core.validation import (
@@ -774,7 +772,7 @@ def _evaluate(
     dtype = x.dtype
     f64 = torch.float64
     em = torch.finfo(dtype).eps
-    out = maybe_fused(_shard_pass, x)(x, m2, t[:, None], e2)
+    out = _shard_pass(x, m2, t[:, None], e2)
     local = torch.stack([v.to(f64) for v in out[:5]])
     s1, count, d_sum, c_sum, u_sum = comm.sum(local).unbind(0)
     e = e2.squeeze(-1).to(f64)
@@ -855,7 +853,7 @@ def _solve_ot(plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor) 
         polished = _polish(plan.comm, xs, m[:, None], es[:, None], state, near, gap)
         if polished is not None:
             t = polished
-            A, s = maybe_fused(_shard_pass, xs)(xs, m[:, None], t[:, None], es[:, None])[5:]
+            A, s = _shard_pass(xs, m[:, None], t[:, None], es[:, None])[5:]
     else:  # every row is filled: nothing was evaluated
         A, s = torch.zeros_like(xs), torch.zeros_like(xs)
     A = _fill(A, xs, cls)
@@ -985,7 +983,7 @@ def _solve_sparse(
     side = torch.zeros_like(u)
     want_pos = want_one = torch.zeros_like(u)
     block = 1 if x.device.type == "cpu" else BLOCK
-    sums = maybe_fused(_sparse_pass, x)
+    sums = _sparse_pass
     size = ones = sum_y = torch.zeros_like(u)
     evaluations = 0
     while not bool(done.all()) or evaluations == 0:

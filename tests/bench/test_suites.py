@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from softops._kernels import backend
 from softops.bench import Config
 from softops.bench import sort as sort_suite
 from softops.bench import topk as topk_suite
@@ -46,10 +47,12 @@ def test_softkmax_case_skipped_when_its_backward_would_not_fit() -> None:
     assert cases["perturbed-100"].skip is None
 
 
-def test_fused_case_skipped_below_the_threshold() -> None:
+def test_kernel_case_runs_at_every_size_and_is_skipped_on_the_reference() -> None:
     small = Config("grid", {"B": 2, "n": 100, "k": 1, "epsilon": 0.1})
-    fused = {case.name: case for case in SUITE.make_cases(small)}["ot (fused)"]
-    assert fused.skip is not None and "below the fused path's threshold" in fused.skip
+    assert {case.name: case for case in SUITE.make_cases(small)}["ot (kernel)"].skip is None
+    with backend("reference"):
+        kernel = {case.name: case for case in SUITE.make_cases(small)}["ot (kernel)"]
+    assert kernel.skip is not None and "SOFTOPS_KERNELS=0" in kernel.skip
 
 
 def test_max_group_cases_agree_with_the_hard_ops() -> None:
@@ -60,7 +63,7 @@ def test_max_group_cases_agree_with_the_hard_ops() -> None:
     assert torch.allclose(cases["smooth_max"].fn(x), x.amax(-1), atol=1e-2)
     assert torch.equal(cases["soft_argmax"].fn(x).round(), x.argmax(-1).double())
     onehot = torch.nn.functional.one_hot(x.argmax(-1), 40).double()
-    for name in ("soft_argmax_onehot", "ot (eager)", "softkmax", "perturbed-100"):
+    for name in ("soft_argmax_onehot", "ot (reference)", "softkmax", "perturbed-100"):
         assert torch.allclose(cases[name].fn(x), onehot, atol=1e-3), name
 
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import softops
 from softops._core import isotonic
+from softops._kernels import backend, set_default_backend
 from tests._helpers import seeded
 
 F64 = torch.float64
@@ -343,13 +343,13 @@ def test_numba_equals_torch_with_ties_and_magnitudes(values, scale):
     assert torch.equal(a.block, b.block)
 
 
-def test_default_backend_follows_set_compile(monkeypatch):
+def test_default_backend_follows_the_kernel_layer_switch(monkeypatch):
     calls = []
     monkeypatch.setattr(isotonic, "_torch_pav", lambda s, w: calls.append("torch") or (s, s.long()))
-    isotonic.isotonic_l2(torch.randn(2, 3))
-    assert calls == ["torch"]  # the test run has set_compile(False)
-    softops.set_compile(True)
-    isotonic.isotonic_l2(torch.randn(2, 3))
+    with backend("reference"):
+        isotonic.isotonic_l2(torch.randn(2, 3))
+    assert calls == ["torch"]
+    isotonic.isotonic_l2(torch.randn(2, 3))  # out of the box: numba's where installed
     assert calls == ["torch"] or not isotonic.HAVE_NUMBA
 
 
@@ -505,7 +505,7 @@ def test_projection_reports_whether_every_row_was_finite(kl, backend, numba_mod)
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatch):
-    monkeypatch.setattr(isotonic, "compile_enabled", lambda: True)
+    set_default_backend("kernel")
     g = seeded(9)
     s, w = _sorted_pair(5, 12, 1.0, dtype, g)
     block = isotonic.project_l2(s, w).block
@@ -526,7 +526,7 @@ def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatc
         assert gz.dtype == dtype and gw.dtype == dtype
     assert isotonic.l2_vjp_host(cot, pz, None, block, True, False)[1] is None
     assert isotonic.l2_vjp_host(cot[:, ::2], None, None, block[:, :6], True, True) is not None
-    monkeypatch.setattr(isotonic, "compile_enabled", lambda: False)
+    set_default_backend("reference")
     assert isotonic.l2_vjp_host(cot, pz, None, block, True, False) is None  # torch form then
 
 

@@ -10,6 +10,7 @@ import torch
 
 import softops
 from softops._core import sinkhorn
+from softops._kernels import set_default_backend
 from softops.topk import _sorted
 from tests._helpers import seeded
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def numba_on(monkeypatch):
     """The numba path enabled (the test run turns compilation off, which also turns it off)."""
-    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: True)
+    set_default_backend("kernel")
 
 
 def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: bool = False):
@@ -130,7 +131,7 @@ def test_soft_topk_is_the_same_with_and_without_the_kernels(monkeypatch, k, dtyp
     w = torch.linspace(-1.0, 2.0, k, dtype=dtype)
     out = {}
     for use in (False, True):
-        monkeypatch.setattr(sinkhorn, "compile_enabled", lambda use=use: use)
+        set_default_backend("kernel" if use else "reference")
         res = softops.soft_topk(x, k, epsilon=eps)
         loss = (res.values * w).sum() + (res.weights**2 * torch.arange(13.0)).sum()
         out[use] = (res.values, res.weights, *torch.autograd.grad(loss, (x, eps)))
@@ -157,7 +158,7 @@ def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
     res = softops.soft_topk(x, 2, epsilon=eps)
     (grad,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
     assert calls == [2]  # the NaN row and the decoupled one
-    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: False)
+    set_default_backend("reference")
     res = softops.soft_topk(x, 2, epsilon=eps)
     (ref,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
     torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-14, equal_nan=True)
@@ -198,7 +199,7 @@ def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
     softops.soft_topk(x, 2, epsilon=0.1)
     # compilation off: the torch solve
     monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 1 << 17)
-    monkeypatch.setattr(sinkhorn, "compile_enabled", lambda: False)
+    set_default_backend("reference")
     softops.soft_topk(x, 2, epsilon=0.1)
     assert calls == [(4, 18, 3)] * 2
 

@@ -40,11 +40,9 @@ def free_port() -> int:
 def _worker(rank: int, size: int, port: int, out: str, plan: dict[int, list[str]]) -> None:
     import torch.distributed as dist
 
-    import softops
     from tests.distributed import _cases
 
     torch.set_num_threads(1)
-    softops.set_compile(False)
     os.environ.pop("WORLD_SIZE", None)
     dist.init_process_group(
         "gloo",

@@ -18,6 +18,7 @@ from torch.autograd import gradcheck, gradgradcheck
 import softops
 from softops import soft_quantile, soft_rank, soft_sort
 from softops._core import isotonic
+from softops._kernels import backend, set_default_backend
 
 F64 = torch.float64
 REGS = ["l2", "kl"]
@@ -266,18 +267,16 @@ def test_quantile_gradcheck_and_smoothing():
 def test_fallback_warns_once_when_numba_is_missing(monkeypatch):
     monkeypatch.setattr(isotonic, "HAVE_NUMBA", False)
     monkeypatch.setitem(isotonic._state, "warned", False)
-    softops.set_compile(True)
     x = torch.randn(2, 5, dtype=F64)
     with pytest.warns(RuntimeWarning, match="softops\\[pav\\]"):
         soft_rank(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         soft_rank(x)  # once per process
-    softops.set_compile(False)
     monkeypatch.setitem(isotonic._state, "warned", False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), backend("reference"):
         warnings.simplefilter("error")
-        soft_rank(x)  # the fallback chosen by set_compile(False) is silent
+        soft_rank(x)  # the reference chosen on purpose is silent
 
 
 @settings(max_examples=30, deadline=None)
@@ -355,9 +354,9 @@ def test_issue_examples_are_exact():
 def test_hard_limits_exact_at_every_scale(scale, dtype, backend, monkeypatch):
     if backend == "numba":
         pytest.importorskip("numba")
-        monkeypatch.setattr(isotonic, "compile_enabled", lambda: True)
+        set_default_backend("kernel")
     else:
-        monkeypatch.setattr(isotonic, "compile_enabled", lambda: False)
+        set_default_backend("reference")
     n = 12
     x = torch.stack([_spread(n, scale, dtype, seed) for seed in range(3)])
     x[2] = -x[2]
@@ -486,7 +485,7 @@ def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
         pytest.importorskip("numba")
     if layout == "rank-exp" and not kl:
         pytest.skip("exp space is the KL rank's")
-    monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+    set_default_backend("kernel" if backend == "numba" else "reference")
     exp_space = layout == "rank-exp"
     s, w = _pooled_rows(kl and not exp_space, w_rows)
     g = torch.Generator().manual_seed(3)
@@ -597,7 +596,7 @@ def test_quantile_forward_ad_gradcheck():
 def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
     if backend == "numba":
         pytest.importorskip("numba")
-    monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+    set_default_backend("kernel" if backend == "numba" else "reference")
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a PAV kernel ran on meta tensors")
@@ -643,7 +642,7 @@ def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
     monkeypatch.setattr(softops.sort._pav, "l2_vjp_host_scaled", counted)
 
     def grads(backend: str, create_graph: bool = False):
-        monkeypatch.setattr(isotonic, "compile_enabled", lambda: backend == "numba")
+        set_default_backend("kernel" if backend == "numba" else "reference")
         xr, er = x.clone().requires_grad_(), eps.clone().requires_grad_()
         out = [fn(xr, epsilon=er, descending=d) for d in (False, True)]
         loss = sum(((o * w) ** 2).sum() for o in out)  # a cotangent that is not constant

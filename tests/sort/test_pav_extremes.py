@@ -23,9 +23,10 @@ import math
 import pytest
 import torch
 
-import softops
 from softops import soft_quantile, soft_rank, soft_sort
 from softops._core import isotonic
+from softops._kernels import backend as kernel_backend
+from softops._kernels import set_default_backend
 
 F64 = torch.float64
 F32 = torch.float32
@@ -34,12 +35,12 @@ BACKENDS = ["numba", "torch"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Run the test on one PAV backend (set_compile decides; the test run turns it off)."""
+def backend(request):
+    """Run the test on one PAV backend (the kernel layer's switch chooses)."""
     if request.param == "numba":
         pytest.importorskip("numba")
-    monkeypatch.setattr(isotonic, "compile_enabled", lambda: request.param == "numba")
-    return request.param
+    with kernel_backend("kernel" if request.param == "numba" else "reference"):
+        yield request.param
 
 
 def _grads(fn, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
@@ -340,7 +341,7 @@ def test_fused_eps_gradient_equals_the_torch_form_at_extreme_scales(fn, dtype, m
         eps = torch.tensor([0.3, 1.0, 3.0, 1e-3], dtype=F64).mul(c).to(dtype)
         grads = []
         for use in ("numba", "torch"):
-            monkeypatch.setattr(isotonic, "compile_enabled", lambda use=use: use == "numba")
+            set_default_backend("kernel" if use == "numba" else "reference")
             e = eps.clone().requires_grad_()
             grads.append(torch.autograd.grad((fn(xs, epsilon=e) * cot).sum(), e)[0])
         tol = 1e-4 if dtype == F32 else 1e-10
@@ -349,7 +350,7 @@ def test_fused_eps_gradient_equals_the_torch_form_at_extreme_scales(fn, dtype, m
         )
 
 
-def test_set_compile_switches_the_backend_here_too():
-    """The fixture's switch is the one that ``softops.set_compile`` drives."""
-    softops.set_compile(False)
-    assert isotonic._backend(None) == "torch"
+def test_the_kernel_layer_switches_the_backend_here_too():
+    """The fixture's switch is the kernel layer's."""
+    with kernel_backend("reference"):
+        assert isotonic._backend(None) == "torch"

@@ -1,6 +1,6 @@
-"""What the tests of the "ot" row kernels (numba's and C++'s) share: a batch of rows each kernel
-must leave to the torch code, the check that a merged solve is the torch code's, and the one
-that ``torch.func`` transforms (which take the torch code) agree with the kernel's results."""
+"""What the tests of the "ot" row kernel share: a batch of rows the kernel must leave to the
+torch code, the check that a merged solve is the torch code's, and the one that ``torch.func``
+transforms agree with the plain call's results."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def assert_merged_solve(got: tuple, want: tuple) -> None:
 
 
 def assert_transforms_agree(x: torch.Tensor) -> None:
-    """vmap and ``torch.func.grad`` of the mask of ``x`` (which take the torch code) equal the
-    plain call and autograd (which take the kernel)."""
+    """vmap and ``torch.func.grad`` of the mask of ``x`` equal the plain call and autograd."""
     batched = torch.func.vmap(lambda r: softops.soft_topk_mask(r, 4, epsilon=0.2))(x)
     torch.testing.assert_close(
         batched, softops.soft_topk_mask(x, 4, epsilon=0.2), atol=1e-14, rtol=0

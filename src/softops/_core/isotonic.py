@@ -22,14 +22,14 @@ Backends:
   threading layer is selected (unless the user chose one), since OpenMP workers spin after each
   region and slow torch's own threads down. One parallel launch runs at a time; a concurrent
   call runs serially. They are used when numba is installed (``pip install softops[pav]``) and
-  the fused paths are enabled (``softops.set_compile``, ``SOFTOPS_COMPILE``). The first call in a
+  the kernel back end is on (the default; ``SOFTOPS_KERNELS=0`` turns it off). The first call in a
   fresh environment compiles the kernel for its dtype (a few seconds); numba caches it on disk.
   Tensors on another device (CUDA) make a round trip through host memory, which synchronises
   the stream (a GPU kernel is out of scope).
 - ``"torch"``: the reference, in plain torch on the tensor's own device, vectorised over the batch
   and looping over n in Python. It gives the same answers, far more slowly. It is used when numba
   is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
-  turned off (``softops.set_compile(False)``, as the test suite does).
+  turned off (the reference back end, :func:`softops._kernels.backend`).
 
 The projection kernels also report whether every row was finite (``Projection.finite``), so that a
 caller applies the limits of non-finite entries only when there are some, without a pass of its
@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from softops._core.fused import compile_enabled
+from softops._kernels import kernels_enabled
 
 __all__ = [
     "HAVE_NUMBA",
@@ -400,7 +400,7 @@ def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
 
 
 def _warn_fallback(device: torch.device) -> None:
-    if device.type == "cpu" and compile_enabled() and not _state["warned"]:
+    if device.type == "cpu" and kernels_enabled() and not _state["warned"]:
         _state["warned"] = True
         warnings.warn(
             "softops: numba is not installed, so PAV (the soft sort/rank method 'pav') runs on "
@@ -413,7 +413,7 @@ def _warn_fallback(device: torch.device) -> None:
 
 def _backend(backend: str | None) -> str:
     if backend is None:
-        return "numba" if compile_enabled() and HAVE_NUMBA and _kernels() is not None else "torch"
+        return "numba" if kernels_enabled() and HAVE_NUMBA and _kernels() is not None else "torch"
     if backend not in _BACKENDS:
         raise ValueError(f"isotonic: expected `backend` in {_BACKENDS} or None; got {backend!r}.")
     if backend == "numba" and not (HAVE_NUMBA and _kernels() is not None):

@@ -72,7 +72,7 @@ Conventions and choices:
   On the sorted top-k (standard normal scores or log-probabilities, epsilon 0.1 to 1) three
   steps reach 1e-6. On the CPU, for rows of at most ``NUMBA_MAX_WORK`` entries ``n m^2``, the
   same solve runs row by row in a numba kernel (``_sinkhorn_numba``, where numba is installed
-  and compilation is enabled: ``softops.set_compile``), with the same arithmetic and stopping
+  and the kernel back end is on: :mod:`softops._kernels`), with the same arithmetic and stopping
   rule: a small batch (a beam step's (64, 18, 3)) is a few hundred tensor operations of a few
   microseconds each in torch, and 2x faster in all as one compiled call. The rows it leaves
   (not converged, a zero mass, a NaN) go to the torch code.
@@ -114,8 +114,8 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from softops._core.fused import compile_enabled, kernel_module
 from softops._core.transforms import apply_function, plain, vmap_rows
+from softops._kernels import kernels_enabled, numba_module
 
 __all__ = [
     "CHECK_EVERY",
@@ -937,11 +937,11 @@ def use_numba(t: Tensor, n: int, m: int) -> bool:
     """Whether the numba kernels (``_sinkhorn_numba``) may take a problem of rows of n entries
     and m targets held by ``t``: a plain CPU tensor (not traced, not batched or wrapped by
     ``torch.func``), at most ``NUMBA_MAX_WORK`` entries ``n m^2``, numba installed and
-    compilation enabled (``softops.set_compile``)."""
+    the kernel back end on (:mod:`softops._kernels`)."""
     return (
         t.device.type == "cpu"
         and n * m * m <= NUMBA_MAX_WORK
-        and compile_enabled()
+        and kernels_enabled()
         and HAVE_NUMBA
         and not torch.compiler.is_compiling()
         and not _functorch.is_functorch_wrapped_tensor(t)
@@ -950,7 +950,7 @@ def use_numba(t: Tensor, n: int, m: int) -> bool:
 
 def numba_kernels() -> Any:
     """The compiled kernel module (``_sinkhorn_numba``), or None when numba cannot be imported."""
-    return kernel_module("softops._core._sinkhorn_numba")
+    return numba_module("softops._core._sinkhorn_numba")
 
 
 def _newton_first_numba(

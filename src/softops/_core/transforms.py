@@ -92,10 +92,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def vmap_rows(
-    function: type[torch.autograd.Function], info: Any, in_dims: tuple[Any, ...], *args: Any
-) -> tuple[Any, Any]:
-    """The ``vmap`` staticmethod of a row-wise ``autograd.Function``.
+def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    """The ``vmap`` staticmethod of a row-wise ``autograd.Function``, or the vmap rule of a
+    row-wise operator (``function`` is then the operator, called as is).
 
     Every tensor argument of ``function.apply`` must lead with the row dimension B; non-tensor
     arguments (solver settings) pass through. Batched tensors have their vmapped dimension moved
@@ -120,7 +119,7 @@ def vmap_rows(
                 arg = arg.movedim(dim, 0)
             arg = arg.flatten(0, 1)
         merged.append(arg)
-    out = function.apply(*merged)
+    out = function.apply(*merged) if hasattr(function, "apply") else function(*merged)
     single = not isinstance(out, tuple)
     outs = (out,) if single else out
     results = tuple(o.unflatten(0, (size, -1)) if isinstance(o, torch.Tensor) else o for o in outs)

@@ -29,8 +29,8 @@ documentation site).
 The suites measure the public API, plus a few internals that are what they measure. This is the
 whole internal surface the harness reads; a change there must update the harness:
 
-* ``softops._core.fused.FUSED_MIN_NUMEL`` and ``softops._core.fused.compile_enabled``: the fused
-  path's size threshold and switch (the "ot (fused)" row of the top-k suite);
+* ``softops._kernels.backend`` and ``kernels_enabled``: the kernel layer's switch (the "ot
+  (kernel)" and "ot (reference)" rows of the top-k suite);
 * ``softops._core.sinkhorn.implicit_cost_vjp``: the implicit backward of the paper-layout
   Sinkhorn reference (:func:`softops.bench.references.paper_sinkhorn_topk_mask`);
 * ``softops.sort._chunked.BLOCK_ELEMENTS``: the block size of the row-chunked SoftSort path,

@@ -4,9 +4,10 @@ Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 b
 
 ``grid``
     B=64, n in {1e3, 1e4, 1e5}, k = n/100, epsilon = 0.1. Cases: the floor ``torch.topk(x,
-    k).values``; ``soft_topk_mask(method="ot")``, as "ot (eager)" and "ot (fused)"
-    (``softops.set_compile(False)`` and ``True``, held through the backward); the paper's fixed
-    200-iteration Sinkhorn, ``soft_topk_mask(method="sinkhorn", max_iter=200, tol=0)``;
+    k).values``; ``soft_topk_mask(method="ot")``, as "ot (reference)" and "ot (kernel)"
+    (``softops._kernels.backend("reference")`` and ``"kernel"``, held through the backward);
+    the paper's fixed 200-iteration Sinkhorn,
+    ``soft_topk_mask(method="sinkhorn", max_iter=200, tol=0)``;
     ``soft_topk_mask(method="sparse")`` (the capped-simplex projection, exact finite Newton);
     and its peer ``entmax.budget_bisect(x / epsilon, budget=k)`` (the same projection by 50
     bisections) when entmax is installed: its row label says that it gives NaN on a row with a
@@ -39,15 +40,13 @@ forward+backward at most 1 ms at the ``beam`` point. The summary also gives the 
 :func:`run_topk_bench` is ``softops bench topk``: it builds the configurations from the command's
 arguments (:data:`QUICK` for ``--quick``), runs them and writes the files.
 
-The suite measures two internals of the library, on purpose: the fused path's size threshold
-(``softops._core.fused.FUSED_MIN_NUMEL``) and switch (``compile_enabled``), so that the "ot
-(fused)" row is skipped where it would run the eager code.
+The suite measures the kernel layer's back ends, on purpose (``softops._kernels.backend``), so
+that the kernel and the torch reference are compared in one run.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,7 +55,7 @@ from typing import Any, Unpack
 import torch
 
 import softops
-from softops._core.fused import FUSED_MIN_NUMEL, compile_enabled
+from softops._kernels import backend, kernels_enabled
 from softops.bench.harness import (
     DEFAULT_OUT,
     QuickDefaults,
@@ -104,8 +103,8 @@ QUICK_SIZES = (1_000, 10_000)
 GRID_BATCH = 64
 QUICK: QuickDefaults = {"sizes": QUICK_SIZES, "batch": 16, "repeats": 3, "time_budget": 3.0}
 """The defaults of ``softops bench topk --quick`` (and the probes are off)."""
-_FUSED_LABEL = "ot (fused)"
-_EAGER_LABEL = "ot (eager)"
+_FUSED_LABEL = "ot (kernel)"
+_EAGER_LABEL = "ot (reference)"
 _SINKHORN_LABEL = f"sinkhorn-{SINKHORN_ITERS}"
 _PAPER_LABEL = f"sinkhorn-{SINKHORN_ITERS} (paper layout)"
 _SORTED_LABEL = "soft_topk (implicit)"
@@ -178,20 +177,12 @@ def build_configs(
     return configs
 
 
-def _compile_default() -> bool:
-    """The process default of the fused path: on unless ``SOFTOPS_COMPILE`` says off."""
-    return os.environ.get("SOFTOPS_COMPILE", "1").strip().lower() not in {"0", "false", "no"}
-
-
 @contextmanager
 def _compile_mode(fused: bool) -> Iterator[None]:
-    """Hold ``softops.set_compile(fused)`` for a forward and its backward, then restore."""
-    previous = compile_enabled()
-    softops.set_compile(fused)
-    try:
+    """Hold the kernel back end (``fused``) or the torch reference for a forward and its
+    backward, then restore."""
+    with backend("kernel" if fused else "reference"):
         yield
-    finally:
-        softops.set_compile(previous)
 
 
 class TopKSuite:
@@ -414,7 +405,7 @@ def _threads_text(record: Mapping[str, Any]) -> str:
 
 
 def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """fwd+bwd of the other relaxations over "ot (eager)" in each grid and max configuration."""
+    """fwd+bwd of the other relaxations over "ot (reference)" in each grid and max configuration."""
     lines = []
     others = ("softkmax", _PERTURBED_LABEL, "smooth_max", "soft_argmax", "soft_argmax_onehot")
     by_config: dict[str, list[Mapping[str, Any]]] = {}
@@ -431,7 +422,7 @@ def _relaxation_summary(records: Sequence[Mapping[str, Any]]) -> list[str]:
             if r["case"] in others and r.get("fwdbwd_ms")
         ]
         if parts:
-            lines.append(f'- fwd+bwd over "ot (eager)" at {config}: ' + ", ".join(parts))
+            lines.append(f'- fwd+bwd over "ot (reference)" at {config}: ' + ", ".join(parts))
     return lines
 
 
@@ -463,14 +454,9 @@ def _relaxation_cases(k: int, eps: float, numel: int) -> list[Case]:
 
 
 def _fused_skip(numel: int) -> str | None:
-    """Why the fused row would not measure the fused path, or None when it does."""
-    if not _compile_default():
-        return "SOFTOPS_COMPILE=0 turns the fused path off"
-    if numel < FUSED_MIN_NUMEL:
-        return (
-            f"B·n = {numel} is below the fused path's threshold ({FUSED_MIN_NUMEL}), where "
-            "it runs the eager code"
-        )
+    """Why the kernel row would not measure the kernel, or None when it does."""
+    if not kernels_enabled():
+        return "SOFTOPS_KERNELS=0 turns the kernels off"
     return None
 
 

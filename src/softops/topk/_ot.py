@@ -49,53 +49,29 @@ Numerics of the solver (docs/math.md §1.3):
   offsets, so a row whose every ``|z|`` overflows (the hard limit) gets the exact root's weights
   and zero gradients in x and epsilon, not NaN.
 
-Per-call costs. On the CPU, rows of at most ``EXACT_MAX_N`` entries are solved row by row by a
-compiled kernel that runs this arithmetic (:func:`_row_kernel`): numba's (``_ot_numba``) below
-the fused path's size, where a batched call would be a few hundred small tensor operations, and
-a C++ one (``_ot_cpu.cpp``, built on first use by ``torch.utils.cpp_extension``) from that size
-on, which takes the bracket's order statistics from a few candidates instead of a topk call,
-forms each entry's exponential once per solve (later evaluations scale it by ``exp(+-t /
-eps)``), spreads the rows over torch's threads and returns the mask, ``s`` and the backward's
-``aux`` in one call; its one-pass backward in x is the same kernel's. Either leaves the rows it
-does not solve (infinities, NaN, k at 0 or n, a huge epsilon, a capped solve, a row near the
-hard limit) to the torch code, whose results are merged. Elsewhere (CUDA, longer rows, compilation
-disabled) the whole preparation (row counts, the bracket, the start) is one branch-free function
-of the rows: with the fused path it runs with the first Halley steps as one compiled call, whose
-last evaluation also gives the mask A and the backward's weights ``s`` and their denominator
-``sum s``; the host reads three flags (all rows done, all rows regular, no row to scale) once.
-What a compiled call costs beyond its kernels grows with its inputs and outputs, so it takes
-detached tensors (no graph per combination of inputs that require grad), no float (a zero
-``tol`` is the int 0; the constants of the dtype come from ``torch.finfo``, which is folded)
-and returns no view of an input. The Function is applied without ``Function.apply``'s
-signature binding (:func:`softops._core.transforms.apply_function`). The plain backward in x
-is then three eager passes over the saved ``s`` (A is saved too, for the gradients in k and
-epsilon and for double backward: two (B, n) buffers).
-
-Traced code. Under ``torch.compile`` or ``torch.export`` without gradients the solve makes no host
-synchronisation: :func:`softops._core.rootfind.run_while` runs up to 8 Halley steps and then bit
-bisections in ``torch.while_loop``, which stop in the graph once every row is done and provably
-reach adjacent floats within ``finfo.bits`` bisections (:func:`~softops._core.rootfind.
-fixed_schedule`); no convergence warning is raised there. With gradients the Function runs
-eagerly behind a graph break.
+The kernel layer. The solve is one operator of torch's registry, ``softops::ot_threshold``
+(:mod:`softops._kernels`): not differentiable, opaque to ``torch.compile`` and ``torch.export``,
+with this module's torch code as its reference on every device and, on the CPU, a C++ row kernel
+(``_ot_kernel.cpp``: the same arithmetic, one row per task over torch's threads, each entry's
+exponential formed once per solve) that leaves the rows it does not solve (infinities, NaN, k at
+0 or n, a huge epsilon, a capped solve, a row near the hard limit) to the reference. The
+autograd Function around it carries the implicit gradient; its backward in x is the operator
+``softops::ot_vjp_rows`` (one pass of the same kernel on the CPU). torch 2.13's dynamo rejects a
+Function with a custom ``jvp``, so traced code applies the same Function without it (forward mode
+inside a compiled region is not supported).
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch._C import _functorch
+from torch.autograd import forward_ad
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
-from softops._core.fused import (
-    FUSED_MIN_NUMEL,
-    compile_enabled,
-    cpp_ops,
-    kernel_module,
-    maybe_fused,
-)
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -105,7 +81,8 @@ from softops._core.rootfind import (
     run_while,
     start_state,
 )
-from softops._core.transforms import apply_function, vmap_rows
+from softops._core.transforms import apply_function, under_functorch, vmap_rows
+from softops._kernels import Kernel, define
 
 __all__ = [
     "EXACT_MAX_N",
@@ -544,33 +521,6 @@ def _start(
     return prep, state, count, flags, result(state, 0).converged
 
 
-def _start_packed(
-    *args: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_start` for the fused path, its (B,) results stacked into one float and one bool
-    tensor (``(floats, bools, A, s, flags)``; :func:`_unpack` splits them): what a compiled call
-    costs beyond its kernels grows with its outputs (a buffer, a wrapper step and a view each)."""
-    prep, state, _, flags, converged = _start(*args)
-    A, s, den = state.extra
-    bracket = (state.t, state.lo, state.hi, state.f_lo, state.f_hi, state.side)
-    floats = torch.stack(
-        (prep.m2.squeeze(-1), prep.k_total, *bracket, state.t_eval, state.residual, den)
-    )
-    bools = (prep.solve_rows, prep.sel_none, prep.sel_all, prep.invalid, state.done, state.skip)
-    return floats, torch.stack((*bools, converged)), A, s, flags
-
-
-def _unpack(
-    floats: torch.Tensor, bools: torch.Tensor, A: torch.Tensor, s: torch.Tensor, flags: torch.Tensor
-) -> tuple[_Prep, SolverState, None, torch.Tensor, torch.Tensor]:
-    """:func:`_start`'s results from :func:`_start_packed`'s (views of its two stacks)."""
-    m, k_total, t, lo, hi, f_lo, f_hi, side, t_eval, residual, den = floats.unbind(0)
-    solve_rows, sel_none, sel_all, invalid, done, skip, converged = bools.unbind(0)
-    prep = _Prep(m[:, None], k_total, solve_rows, sel_none, sel_all, invalid)
-    state = SolverState(t, lo, hi, f_lo, f_hi, side, done, skip, t_eval, residual, (A, s, den))
-    return prep, state, None, flags, converged
-
-
 def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tensor:
     """The converged rows near the hard limit at the last evaluation (:func:`near_hard`), from
     the denominator ``sum s = sum u (1 - u) / eps`` it returned (``inf`` where it is 0)."""
@@ -593,105 +543,32 @@ def _polish_rows(
     return polish(balance, t, state.lo, state.hi, eps, rows, above - prep.k_total)
 
 
-def use_numba(x: torch.Tensor) -> bool:
-    """Whether the numba kernel (``_ot_numba``) solves the rows of ``x`` (B, n) (see
-    :func:`_row_kernel`)."""
-    return _row_kernel(x) == "numba"
+KERNEL = Kernel("softops_ot", Path(__file__).with_name("_ot_kernel.cpp"))
+"""The CPU row kernel of the solve and of the backward in x (``torch.ops.softops_ot``)."""
 
 
-def use_cpp(x: torch.Tensor) -> bool:
-    """Whether the C++ kernel (``_ot_cpu.cpp``) solves the rows of ``x`` (B, n) (see
-    :func:`_row_kernel`)."""
-    return _row_kernel(x) == "cpp"
-
-
-def _row_kernel(x: torch.Tensor) -> str | None:
-    """The row kernel that solves ``x`` (B, n): a plain CPU tensor (not traced, batched or
-    wrapped by ``torch.func``) with rows of at most ``EXACT_MAX_N`` entries, while compilation is
-    enabled (``softops.set_compile``), goes to numba's below the fused path's size
-    (``FUSED_MIN_NUMEL``), where numba is installed, and to the C++ one from that size on, where
-    it builds (its first call builds it; a failed build leaves the torch.compile path); None:
-    the torch code."""
-    # tracing first: a traced caller must not get a guard on the size of x
-    if (
-        torch.compiler.is_compiling()
-        or x.device.type != "cpu"
-        or x.shape[-1] > EXACT_MAX_N
-        or not compile_enabled()
-        or _functorch.is_functorch_wrapped_tensor(x)
-    ):
-        return None
-    if x.numel() < FUSED_MIN_NUMEL:
-        return "numba" if _numba_kernels() is not None else None
-    return "cpp" if _cpp_kernels() is not None else None
-
-
-def _numba_kernels() -> Any:
-    """The compiled kernel module (``_ot_numba``), or None when numba cannot be imported."""
-    return kernel_module("softops.topk._ot_numba")
-
-
-_CPP = ("softops_ot", "topk/_ot_cpu.cpp")  # the operators' namespace and their source
-
-
-def _cpp_kernels() -> Any:
-    """The C++ operators (``torch.ops.softops_ot``), or None when they cannot be built."""
-    return cpp_ops(*_CPP)
-
-
-def _cpp_built() -> Any:
-    """The C++ operators if they are built and compilation is enabled, else None (no build)."""
-    return cpp_ops(*_CPP, build=False) if compile_enabled() else None
-
-
-def _solve_rows(
+def _solve_kernel(
+    ops: Any,
     x: torch.Tensor,
     k: torch.Tensor,
     eps: torch.Tensor,
     max_iter: int,
     tol: float,
     k_scalar: float | None,
-    cpp: bool,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by a row kernel, the C++ one (``cpp``, in x's dtype with double sums) or
-    numba's (in float64); the rows it leaves (not regular, capped or near the hard limit) are
-    solved by the torch code and merged."""
+    """:func:`_solve` by the CPU row kernel (in x's dtype with double sums); the rows it leaves
+    (not regular, capped or near the hard limit) are solved by the torch code and merged."""
     dtype = x.dtype
     B = x.shape[0]
-    if cpp:
-        A, s, aux, residual, converged, left, evaluations, some_left = (
-            _cpp_kernels().threshold_rows(
-                x.detach(), k.detach(), eps.detach(), float(tol), _scaling_limit(dtype), max_iter
-            )
-        )
-    else:
-        import numpy as np  # (numba's own dependency: there whenever the kernel is)
-
-        xc = x.detach().contiguous()
-        A, s = torch.empty_like(xc), torch.empty_like(xc)
-        out_np = np.zeros((B, 6))
-        _numba_kernels().threshold_rows(
-            xc.numpy(),
-            k.detach().expand(B).contiguous().numpy(),
-            eps.detach().expand(B).contiguous().numpy(),
-            float(tol),
-            _scaling_limit(dtype),
-            max_iter,
-            A.numpy(),
-            s.numpy(),
-            out_np,
-        )
-        out = torch.from_numpy(out_np).to(dtype)
-        aux, residual, rows_left = out[:, :3], out[:, 3], out_np[:, 5] != 0
-        converged = torch.ones(B, dtype=torch.bool)
-        evaluations, some_left = int(out_np[:, 4].max()) if B else 0, bool(rows_left.any())
-        left = torch.from_numpy(rows_left)  # (a wrapper: no copy)
+    A, s, aux, residual, converged, left, evaluations, some_left = ops.threshold_rows(
+        x, k, eps, float(tol), _scaling_limit(dtype), max_iter
+    )
     if not some_left:
         m, t, _ = aux.unbind(1)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
         return state, A, s, aux, True
     idx = left.nonzero().squeeze(-1)
-    sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar, False)
+    sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar)
     A[idx], s[idx] = A_r, s_r
     aux[idx], residual[idx] = aux_r, sub.residual  # (the kernel's own tensors)
     m, t, _ = aux.unbind(1)
@@ -725,18 +602,12 @@ def _solve(
     max_iter: int,
     tol: float,
     k_scalar: float | None,
-    kernels: bool = True,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps``, the backward's
     ``aux`` (B, 3): the columns m, t and the denominator of the backward's weights (``sum s``, or
     ``inf`` where it is 0; NaN on rows that cannot be solved: the last evaluation's
     by-products), and whether every row is known on the host to have converged (then there is
-    nothing to warn about). CPU problems with rows of at most ``EXACT_MAX_N`` go to a row kernel
-    unless ``kernels`` is False: numba's below the fused path's size (:func:`use_numba`), the C++
-    one above it (:func:`use_cpp`)."""
-    kernel = _row_kernel(x) if kernels else None
-    if kernel is not None:
-        return _solve_rows(x, k, eps, max_iter, tol, k_scalar, cpp=kernel == "cpp")
+    nothing to warn about). The torch code: the reference of the operator ``ot_threshold``."""
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
@@ -759,7 +630,7 @@ def _solve(
     top = max(top, 1)
     stride, stats = 0, None
     if n > EXACT_MAX_N and not (traced or meta):
-        stats = maybe_fused(_row_stats, x)(x)
+        stats = _row_stats(x)
         if bool((torch.isfinite(stats[0]) & torch.isfinite(stats[1])).all()):
             stride = max(n // SAMPLE_SIZE, 1)
             ns = -(-n // stride)
@@ -768,13 +639,7 @@ def _solve(
             else:
                 q_max = int((k.max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
-    fused = maybe_fused(_start_packed, x)
     start: Any = _start
-    if fused is not _start_packed:
-
-        def start(*args: Any) -> tuple[Any, ...]:
-            return _unpack(*fused(*args))
-
     scale = None
     if traced or meta:  # no host read: every row is scaled (by 1 but where epsilon is huge)
         scale = _scale(x, eps)
@@ -784,7 +649,7 @@ def _solve(
     elif meta:
         steps, bisect = 0, 0
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
-        host = x.device.type == "cpu" and start is _start
+        host = x.device.type == "cpu"
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
     prep, state, _, flags, converged = start(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
@@ -812,7 +677,6 @@ def _solve(
             max_iter=max_iter,
             evaluations=evaluations,
             block=block,
-            wrap=lambda fn: maybe_fused(fn, x),
         )
         converged = result(state, evaluations).converged
         near = _near_rows(state, prep, eps) if state.extra else None
@@ -873,6 +737,93 @@ def solve(
     return _solve(x, k, eps, max_iter, tol, k_scalar)[0]
 
 
+def _threshold_outputs(
+    caller: str,
+    max_iter: int,
+    solved: tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool],
+) -> tuple[torch.Tensor, ...]:
+    """The operator's outputs from a solve, after the non-convergence warning: A, s, aux, the
+    rows at k = 0 (+1) or k = n (-1) counting infinities (int8; a row without a finite entry is
+    at both: +1, it has no weights in k), and the rows' scale (1 where not scaled)."""
+    state, A, s, aux, all_ok = solved
+    if not all_ok:  # rows that cannot be solved (NaN, unreachable k) are NaN by contract
+        ok = state.converged if state.invalid is None else state.converged | state.invalid
+        warn_not_converged(caller, ok, max_iter)
+    B = A.shape[0]
+    if state.sel_none is not None and state.sel_all is not None:
+        edge = state.sel_none.to(torch.int8) - (state.sel_all & ~state.sel_none).to(torch.int8)
+    else:
+        edge = torch.zeros(B, dtype=torch.int8, device=A.device)
+    scale = state.scale
+    if scale is None:
+        scale = torch.ones(B, dtype=A.dtype, device=A.device)
+    return A, s, aux, edge, scale
+
+
+def _threshold_reference(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+    caller: str,
+) -> tuple[torch.Tensor, ...]:
+    return _threshold_outputs(caller, max_iter, _solve(x, k, eps, max_iter, tol, k_scalar))
+
+
+def _threshold_cpu(
+    ops: Any,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+    caller: str,
+) -> tuple[torch.Tensor, ...]:
+    solved = _solve_kernel(ops, x, k, eps, max_iter, tol, k_scalar)
+    return _threshold_outputs(caller, max_iter, solved)
+
+
+def _threshold_fake(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    k_scalar: float | None,
+    caller: str,
+) -> tuple[torch.Tensor, ...]:
+    B = x.shape[0]
+    return (
+        torch.empty_like(x),
+        torch.empty_like(x),
+        x.new_empty((B, 3)),
+        x.new_empty((B,), dtype=torch.int8),
+        x.new_empty((B,)),
+    )
+
+
+def _threshold_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(THRESHOLD_OP, info, in_dims, *args)
+
+
+THRESHOLD_OP = define(
+    "softops::ot_threshold",
+    "(Tensor x, Tensor k, Tensor eps, int max_iter, float tol, float? k_scalar, str caller)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_threshold_reference,
+    fake=_threshold_fake,
+    vmap=_threshold_vmap,
+    cpu=_threshold_cpu,
+    kernel=KERNEL,
+)
+"""The solve as an operator: (x (B, n), k (B,), eps (B,), max_iter, tol, k_scalar, the caller's
+name for the warning) -> (A, s, aux (B, 3): m, t, sum s; edge (B,) int8; scale (B,)). Not
+differentiable; its inputs are detached."""
+
+
 def _fill_special(
     A: torch.Tensor,
     x: torch.Tensor,
@@ -891,7 +842,7 @@ def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tenso
     (on ``(x c, eps c)`` where the solve was scaled by ``state.scale``)."""
     if state.scale is not None:
         x, eps = x * state.scale[:, None], eps * state.scale
-    A = maybe_fused(_mask, x)(x, state.m[:, None], state.t[:, None], eps[:, None])
+    A = _mask(x, state.m[:, None], state.t[:, None], eps[:, None])
     if state.invalid is not None and state.sel_none is not None and state.sel_all is not None:
         A = _fill_special(A, x, state.sel_none, state.sel_all, state.invalid)
     return A
@@ -910,25 +861,34 @@ def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
-def _vjp_saved(s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _vjp_formula(s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``aux`` (B, 3), whose last
     column is the denominator ``sum s``, or ``inf`` where every s is 0, so that the quotient is 0
-    there: a row dot product, a division of (B, 1), a subtraction and a product in place, where
-    the fused path costs a compiled call. On the CPU, once the C++ kernel is built, it is one
-    pass of that kernel (at any size: its forward is used from the fused path's size on)."""
-    ops = _cpp_built()
-    if (
-        ops is not None
-        and s.device.type == "cpu"
-        and g.dtype == s.dtype
-        and s.is_contiguous()
-        and not (g.requires_grad and torch.is_grad_enabled())
-        and not _functorch.is_functorch_wrapped_tensor(g)
-        and not _functorch.is_functorch_wrapped_tensor(s)
-        and not torch.compiler.is_compiling()
-    ):
-        return ops.vjp_rows(s, aux, g)
-    return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / aux[:, 2:]).mul_(s)
+    there: the reference of the operator ``ot_vjp_rows``."""
+    return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / aux[:, 2:]) * s
+
+
+def _vjp_cpu(ops: Any, s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    if g.dtype != s.dtype or aux.dtype != s.dtype or not s.is_contiguous():
+        return _vjp_formula(s, aux, g)
+    return ops.vjp_rows(s, aux, g)  # one pass; an expanded g (a sum's gradient) is not copied
+
+
+def _vjp_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(VJP_OP, info, in_dims, *args)
+
+
+VJP_OP = define(
+    "softops::ot_vjp_rows",
+    "(Tensor s, Tensor aux, Tensor g) -> Tensor",
+    reference=_vjp_formula,
+    fake=lambda s, aux, g: torch.empty_like(s),
+    vmap=_vjp_vmap,
+    cpu=_vjp_cpu,
+    kernel=KERNEL,
+)
+"""The plain backward in x, ``s * (g - <s, g> / sum s)``, as an operator (not differentiable:
+double backward uses the formula on the differentiable A)."""
 
 
 def _offsets(
@@ -1055,11 +1015,9 @@ def _centred_z(
 class _SoftTopKMaskOT(torch.autograd.Function):
     """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward and jvp.
 
-    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: A; s and
-    ``aux`` (columns m, t and the denominator ``sum s``), the weights of the backward; the
-    convergence flags (None when every row converged); the rows at k = 0 or n (None when there
-    is none); the rows' scale
-    (None when no row was scaled: see ``SCALE_BITS``; m and t are in its units).
+    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,); the settings of the
+    solve and the caller's name. Outputs: those of the operator ``ot_threshold`` (A; s and
+    ``aux``, the weights of the backward; the rows at k = 0 or n; the rows' scale).
     """
 
     @staticmethod
@@ -1070,29 +1028,19 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         max_iter: int,
         tol: float,
         k_scalar: float | None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        state, A, s, aux, all_ok = _solve(x, k, eps, max_iter, tol, k_scalar)
-        # Rows that cannot be solved (NaN, unreachable k) are NaN by contract, not a failure.
-        ok: torch.Tensor | None = None  # None: every row converged (known on the host)
-        if not all_ok:
-            ok = state.converged if state.invalid is None else state.converged | state.invalid
-        # Rows at k = 0 (+1) or k = n (-1), counting infinities: the limits in k. A row without
-        # a finite entry is at both (k is its count of +inf): it has no weights in k (+1).
-        edge = None
-        if state.sel_none is not None and state.sel_all is not None:
-            edge = state.sel_none.to(torch.int8) - (state.sel_all & ~state.sel_none).to(torch.int8)
-        return A, s, aux, ok, edge, state.scale
+        caller: str,
+    ) -> tuple[torch.Tensor, ...]:
+        return THRESHOLD_OP(x, k, eps, max_iter, tol, k_scalar, caller)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, k, eps = inputs[:3]
-        A, s, aux, converged, edge, scale = output
-        ctx.mark_non_differentiable(s, aux, *(t for t in (converged, scale) if t is not None))
+        A, s, aux, edge, scale = output
+        ctx.mark_non_differentiable(s, aux, edge, scale)
         ctx.set_materialize_grads(False)
         # A is saved for the gradients in k and epsilon and for double backward (differentiable
-        # in A); s and sum s make the plain backward in x three passes with no compiled call;
-        # k only for double backward (the threshold's dependence on it). The gradient in x
-        # alone needs only the first four (each saved tensor costs its unpacking).
+        # in A); s and sum s make the plain backward in x one pass; k only for double backward
+        # (the threshold's dependence on it).
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
         else:
@@ -1103,13 +1051,13 @@ class _SoftTopKMaskOT(torch.autograd.Function):
     def backward(ctx: Any, gA: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         if gA is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         saved = ctx.saved_tensors
         A, s, aux, eps = saved[:4]
         if not (need_k or need_eps):
             if torch.is_grad_enabled():  # double backward: differentiable in A
-                return _vjp_x(A, gA, eps[:, None]), None, None, None, None, None
-            return _vjp_saved(s, aux, gA), None, None, None, None, None
+                return _vjp_x(A, gA, eps[:, None]), None, None, None, None, None, None
+            return VJP_OP(s, aux, gA), None, None, None, None, None, None
         x, edge, scale, k = saved[4:]
         e = eps[:, None]
         gx = gk = geps = None
@@ -1126,7 +1074,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             gk = ratio.squeeze(-1)
         if need_eps:
             geps = -(gA * s * _centred_z(off, es, s, w)).sum(-1)
-        return gx, gk, geps, None, None, None
+        return gx, gk, geps, None, None, None, None
 
     @staticmethod
     def jvp(
@@ -1144,8 +1092,8 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         """
         A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
         if dk is None and deps is None:
-            dA = torch.zeros_like(A) if dx is None else _vjp_saved(s, aux, dx)  # J = J^T
-            return dA, None, None, None, None, None
+            dA = torch.zeros_like(A) if dx is None else _vjp_formula(s, aux, dx)  # J = J^T
+            return dA, None, None, None, None
         off, es = _offsets(x, aux, eps[:, None], scale)
         w = _k_weights(off, x, es, edge, k)
         dA = torch.zeros_like(A)
@@ -1155,7 +1103,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
             dA = dA - s * _centred_z(off, es, s, w) * deps[:, None]
         if dk is not None:
             dA = dA + w * dk[:, None]
-        return dA, None, None, None, None, None
+        return dA, None, None, None, None
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
@@ -1163,25 +1111,14 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         return vmap_rows(_SoftTopKMaskOT, info, in_dims, *args)
 
 
-def _apply_and_warn(
-    op: str,
-    x2: torch.Tensor,
-    k_row: torch.Tensor,
-    eps_row: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    k_scalar: float | None,
-) -> torch.Tensor:
-    out = apply_function(_SoftTopKMaskOT, x2, k_row, eps_row, max_iter, tol, k_scalar)
-    A, converged = out[0], out[3]
-    if converged is not None:
-        warn_not_converged(op, converged, max_iter)
-    return A
+class _SoftTopKMaskOTTraced(_SoftTopKMaskOT):
+    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
 
+    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
 
-# Under torch.compile with gradients the Function runs eagerly behind a graph break: its forward
-# tests convergence on the host, and the backward needs the Function.
-_apply_eagerly = torch.compiler.disable(_apply_and_warn)
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(_SoftTopKMaskOTTraced, info, in_dims, *args)
 
 
 def ot_mask(
@@ -1193,22 +1130,17 @@ def ot_mask(
     tol: float,
     k_scalar: float | None,
 ) -> torch.Tensor:
-    """The mask A (B, n) of canonical rows, with the non-convergence warning (no host sync
-    beyond the one of the warning's check).
-
-    Traced by ``torch.compile`` or ``torch.export`` without gradients, the solve is the capped,
-    sync-free schedule of :func:`softops._core.rootfind.run_while`, which raises no warning (under
-    the default cap it provably converges; a ``max_iter`` below 8 + finfo.bits cuts it short
-    silently); with gradients, a graph break runs the Function eagerly.
-    """
+    """The mask A (B, n) of canonical rows, with the non-convergence warning (raised by the
+    operator, once per call). Where nothing is differentiated the operator is called alone."""
+    args = (x2, k_row, eps_row, max_iter, tol, k_scalar, op)
+    grads = torch.is_grad_enabled() and (
+        x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
+    )
     if torch.compiler.is_compiling():
-        grads = torch.is_grad_enabled() and (
-            x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
-        )
-        if not grads:
-            return _solve(x2, k_row, eps_row, max_iter, tol, k_scalar)[1]
-        return _apply_eagerly(op, x2, k_row, eps_row, max_iter, tol, k_scalar)
-    return _apply_and_warn(op, x2, k_row, eps_row, max_iter, tol, k_scalar)
+        return _SoftTopKMaskOTTraced.apply(*args)[0] if grads else THRESHOLD_OP(*args)[0]
+    if grads or under_functorch() or forward_ad._current_level >= 0:
+        return apply_function(_SoftTopKMaskOT, *args)[0]
+    return THRESHOLD_OP(*args)[0]
 
 
 def hard_topk_mask(x: torch.Tensor, k: torch.Tensor, k_scalar: int | None) -> torch.Tensor:

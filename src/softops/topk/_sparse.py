@@ -59,13 +59,12 @@ Why not sort: a sort of the 2n breakpoints with cumulative sums is also exact an
 lose the residual to cancellation in float32 (the difference of two prefix sums has an error of
 about ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
 evaluation here sums the clipped entries themselves; (iii) an evaluation is one element-wise pass
-with five row reductions, which fuses (``softops._core.fused``: the evaluation, the row
-statistics and the polish are each one compiled pass on large inputs) and runs as well on a GPU.
+with five row reductions, and runs as well on a GPU.
 The host reads the range of k once (the depth of the topk), and "all rows done" once per
-evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured (B=64,
-epsilon=0.1, float32, one thread, CPU time, fused path): k = n/10: n=1e3, forward 2.0 ms,
-forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2: n=1e3, 2.1 and 2.6 ms; n=1e5, 133 and
-179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
+evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured with a former
+torch.compile path (B=64, epsilon=0.1, float32, one thread, CPU time): k = n/10: n=1e3, forward
+2.0 ms, forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2: n=1e3, 2.1 and 2.6 ms;
+n=1e5, 133 and 179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
 
 Infinities are exact with no special case in the residual: ``+inf`` entries are at 1 and
 ``-inf`` at 0, and the bracket is taken over the finite entries. Rows whose k asks for no finite
@@ -81,8 +80,8 @@ from typing import Any
 import torch
 
 from softops._core.convergence import warn_not_converged
-from softops._core.fused import maybe_fused
 from softops._core.transforms import vmap_rows
+from softops._kernels import define
 
 __all__ = ["GPU_BLOCK", "sparse_mask"]
 
@@ -198,7 +197,7 @@ def _solve(
     if x.device.type == "meta" or x.numel() == 0:  # nothing to solve, no value to test
         return torch.empty_like(x), None
     dtype = x.dtype
-    n_fin, n_pinf, n_nan, top, bottom, total = maybe_fused(_row_stats, x)(x)
+    n_fin, n_pinf, n_nan, top, bottom, total = _row_stats(x)
     k_eff = k - n_pinf
     invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
     sel_none = ~invalid & (k_eff <= 0)
@@ -243,7 +242,7 @@ def _solve(
     exact = torch.zeros_like(done)  # rows stopped on the root's piece (not by resolution)
     side = torch.zeros_like(k)  # the side of the last bracket update (Illinois)
     want_pos = want_one = zeros
-    evaluate = maybe_fused(_evaluate, x)
+    evaluate = _evaluate
     block = 1 if x.device.type == "cpu" else GPU_BLOCK
     for i in range(max_iter):
         r, pos, pos0, one, one1 = evaluate(x, m2, u[:, None], inv2, k)
@@ -275,7 +274,7 @@ def _solve(
         u = torch.where(done, u, u_new)
     # Polish: u again, in closed form from the final piece (rows stopped on the root's piece
     # take it; rows stopped by the resolution of u, where it is closer to k).
-    a, a_p, r, r_p, size = maybe_fused(_polish, x)(x, m2, u, lo, hi, eps, exact, k)
+    a, a_p, r, r_p, size = _polish(x, m2, u, lo, hi, eps, exact, k)
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
     # One host read of three flags; the common case (every row polished, none special) then
     # costs no further pass over the rows.
@@ -300,24 +299,47 @@ def _free(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return free, inv
 
 
+def _solve_and_warn(
+    x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int, caller: str
+) -> torch.Tensor:
+    """The reference of the operator ``sparse_threshold``: the mask, after the warning."""
+    a, converged = _solve(x, k, eps, max_iter)
+    if converged is not None:
+        warn_not_converged(caller, converged, max_iter)
+    return a
+
+
+def _solve_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(SOLVE_OP, info, in_dims, *args)
+
+
+SOLVE_OP = define(
+    "softops::sparse_threshold",
+    "(Tensor x, Tensor k, Tensor eps, int max_iter, str caller) -> Tensor",
+    reference=_solve_and_warn,
+    fake=lambda x, k, eps, max_iter, caller: torch.empty_like(x),
+    vmap=_solve_vmap,
+)
+"""The solve as an operator of torch's registry (not differentiable; no compiled kernel yet):
+(x (B, n), k (B,), eps (B,), max_iter, the caller's name for the warning) -> the mask."""
+
+
 class _SparseTopKMask(torch.autograd.Function):
     """``a = clip((x - t)/eps, 0, 1)`` with ``sum a = k`` per row; closed-form backward and jvp.
 
-    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,). Outputs: the mask and
-    the convergence flags (None when every row converged).
+    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,); the iteration cap and
+    the caller's name. Output: the mask (the operator ``sparse_threshold`` warns).
     """
 
     @staticmethod
     def forward(
-        x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _solve(x, k, eps, max_iter)
+        x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, max_iter: int, caller: str
+    ) -> torch.Tensor:
+        return SOLVE_OP(x, k, eps, max_iter, caller)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        a, converged = output
-        if converged is not None:
-            ctx.mark_non_differentiable(converged)
+        a = output
         ctx.set_materialize_grads(False)
         eps = inputs[2]
         # a is saved as an output: double backward differentiates through it (in epsilon).
@@ -325,9 +347,9 @@ class _SparseTopKMask(torch.autograd.Function):
         ctx.save_for_forward(a, eps)
 
     @staticmethod
-    def backward(ctx: Any, ga: torch.Tensor | None, *_: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, ga: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if ga is None:
-            return None, None, None, None
+            return None, None, None, None, None
         need_x, need_k, need_eps = ctx.needs_input_grad[:3]
         a, eps = ctx.saved_tensors
         free, inv = _free(a.detach())
@@ -342,7 +364,7 @@ class _SparseTopKMask(torch.autograd.Function):
         if need_eps:
             af = torch.where(free > 0, a, 0)
             geps = -((g - free * mean_g) * af).sum(-1) / eps
-        return gx, gk, geps, None
+        return gx, gk, geps, None, None
 
     @staticmethod
     def jvp(
@@ -365,7 +387,7 @@ class _SparseTopKMask(torch.autograd.Function):
             da = da - free * (af - af.sum(-1, keepdim=True) * inv) * (deps[:, None] / e)
         if dk is not None:
             da = da + free * inv * dk[:, None]
-        return da, None
+        return da
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
@@ -373,24 +395,20 @@ class _SparseTopKMask(torch.autograd.Function):
         return vmap_rows(_SparseTopKMask, info, in_dims, *args)
 
 
-def _apply_and_warn(
-    op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
-) -> torch.Tensor:
-    a, converged = _SparseTopKMask.apply(x2, k_row, eps_row, max_iter)
-    if converged is not None:
-        warn_not_converged(op, converged, max_iter)
-    return a
+class _SparseTopKMaskTraced(_SparseTopKMask):
+    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
+
+    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(_SparseTopKMaskTraced, info, in_dims, *args)
 
 
 def sparse_mask(
     op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
 ) -> torch.Tensor:
-    """The mask (B, n) of canonical rows, largest first, with the non-convergence warning.
-
-    The solve tests convergence on the host, so under ``torch.compile`` it runs eagerly behind a
-    graph break.
-    """
-    return _apply_eagerly(op, x2, k_row, eps_row, max_iter)
-
-
-_apply_eagerly = torch.compiler.disable(_apply_and_warn)
+    """The mask (B, n) of canonical rows, largest first, with the non-convergence warning."""
+    if torch.compiler.is_compiling():
+        return _SparseTopKMaskTraced.apply(x2, k_row, eps_row, max_iter, op)
+    return _SparseTopKMask.apply(x2, k_row, eps_row, max_iter, op)

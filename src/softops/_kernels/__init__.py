@@ -1,0 +1,293 @@
+"""The kernel layer: compiled kernels as operators of torch's own registry, with the torch
+reference beside them.
+
+A method that has a kernel declares its operator here once (:func:`define`): a schema, the torch
+reference (registered for every device), a fake (meta) implementation for ``torch.compile`` and
+``torch.export``, a vmap rule, and optionally a CPU implementation that runs a compiled kernel.
+torch's dispatcher then picks the implementation by device; traced code sees one opaque operator.
+No math file chooses a back end.
+
+Compiled kernels (C++ sources beside their methods, built with ``torch.utils.cpp_extension``) are
+built at most once per machine and torch version, ahead of time: ``python -m softops._kernels``
+(which ``scripts/setup.sh`` runs) writes each into a per-user cache (``SOFTOPS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/softops``, else ``~/.cache/softops``), under a name keyed by the source, the
+compiler flags, the CPU capability, torch's version and the Python ABI. An eager call never
+compiles: it loads a built kernel (milliseconds), or, where none is built (no compiler, no
+``ninja``, or the build not run), uses the torch reference, correct and slower, after one warning
+that says how to build.
+
+:func:`backend` picks the back end for a block of code (tests run every operator through both);
+``SOFTOPS_KERNELS=0`` in the environment makes the reference the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import subprocess
+import sys
+import sysconfig
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Kernel",
+    "backend",
+    "cache_dir",
+    "define",
+    "kernels_enabled",
+    "numba_module",
+    "set_compile",
+    "set_default_backend",
+]
+
+_BACKENDS = ("kernel", "reference")
+_state: dict[str, Any] = {
+    "backend": "reference"
+    if os.environ.get("SOFTOPS_KERNELS", "1").strip().lower() in {"0", "false", "no"}
+    else "kernel",
+    "numba": {},
+}
+
+
+def kernels_enabled() -> bool:
+    """Whether the compiled kernels may run (the back end is ``"kernel"``, the default)."""
+    return _state["backend"] == "kernel"
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Run the enclosed code on the back end ``name``: ``"kernel"`` (the compiled kernels where
+    they are built, the default) or ``"reference"`` (the torch code of every method)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}; got {name!r}.")
+    previous = _state["backend"]
+    _state["backend"] = name
+    try:
+        yield
+    finally:
+        _state["backend"] = previous
+
+
+def set_default_backend(name: str) -> None:
+    """Make ``name`` the back end of this process (see :func:`backend`)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"set_default_backend: expected one of {_BACKENDS}; got {name!r}.")
+    _state["backend"] = name
+
+
+def set_compile(enabled: bool) -> None:
+    """Deprecated: ``set_compile(False)`` makes the torch reference this process's back end,
+    ``set_compile(True)`` the kernels (softops no longer compiles anything at call time; the
+    kernels are built ahead of time, see :mod:`softops._kernels`).
+
+    Args:
+        enabled: ``True`` for the kernels (the default), ``False`` for the reference.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_compile: expected a bool; got {enabled!r}.")
+    warnings.warn(
+        "softops.set_compile is deprecated: softops compiles nothing at call time any more. "
+        "Set SOFTOPS_KERNELS=0 in the environment to run the torch reference instead of the "
+        "kernels.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    set_default_backend("kernel" if enabled else "reference")
+
+
+def cache_dir() -> Path:
+    """The per-user folder of built kernels."""
+    root = os.environ.get("SOFTOPS_CACHE_DIR")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "softops" / "kernels"
+
+
+# Compiler flags per CPU capability (``torch.backends.cpu.get_cpu_capability()``): the vector
+# width at::vec is built for. ATen's own names (CPU_CAPABILITY) select its implementation;
+# DEFAULT is its portable code.
+_CPU_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def _cpu_flags() -> tuple[str, list[str]]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _CPU_FLAGS.get(capability)
+    if flags is None:
+        return "DEFAULT", ["-O3", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT"]
+    # OpenMP: at::parallel_for runs on torch's intra-op threads (the library links libgomp.so.1,
+    # which resolves to the one torch has loaded)
+    return capability, [
+        "-O3",
+        "-fopenmp",
+        *flags,
+        f"-DCPU_CAPABILITY_{capability}",
+        f"-DCPU_CAPABILITY={capability}",
+    ]
+
+
+_KERNELS: dict[str, Kernel] = {}
+_HINT = (
+    "build the kernels once per machine with `python -m softops._kernels` (it needs a C++ "
+    "compiler and ninja: `pip install ninja`; scripts/setup.sh runs it)"
+)
+
+
+class Kernel:
+    """A C++ source (``TORCH_LIBRARY(<name>, ...)``) beside its method, and its built library."""
+
+    def __init__(self, name: str, source: Path) -> None:
+        self.name = name
+        self.source = source
+        self._ops: Any = None
+        self._tried = False
+        _KERNELS[name] = self
+
+    def path(self) -> Path:
+        """Where the built library lies: keyed by source, flags, capability, torch and ABI."""
+        capability, flags = _cpu_flags()
+        key = hashlib.sha256()
+        for part in (
+            self.source.read_bytes(),
+            " ".join(flags).encode(),
+            capability.encode(),
+            torch.__version__.encode(),
+            str(sysconfig.get_config_var("SOABI")).encode(),
+        ):
+            key.update(part)
+            key.update(b"\0")
+        return cache_dir() / f"{self.name}-{key.hexdigest()[:16]}.so"
+
+    def ops(self) -> Any:
+        """The kernel's operators (``torch.ops.<name>``) if its library is built, else None (once
+        per process, with a warning that says how to build it)."""
+        if not self._tried:
+            self._tried = True
+            path = self.path()
+            if path.exists():
+                try:
+                    torch.ops.load_library(str(path))
+                    self._ops = getattr(torch.ops, self.name)
+                except Exception as err:  # a stale or broken build: say so, take the reference
+                    warnings.warn(
+                        f"softops: loading the kernel {self.name} from {path} failed "
+                        f"({type(err).__name__}: {str(err)[:200]}); using the torch reference. "
+                        f"Remove the file and {_HINT}.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+            else:
+                warnings.warn(
+                    f"softops: the CPU kernel {self.name} is not built for torch "
+                    f"{torch.__version__}; using the torch reference (correct, slower). To get "
+                    f"the fast CPU path, {_HINT}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        return self._ops
+
+    def build(self, verbose: bool = False) -> Path:
+        """Build the library into the cache (no-op when it is there); returns its path.
+
+        The compilation runs in a child process, which leaves this one free to load the result.
+        """
+        path = self.path()
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _, flags = _cpu_flags()
+        code = (
+            "import os, shutil, sys, tempfile\n"
+            "from torch.utils import cpp_extension\n"
+            "name, source, target = sys.argv[1:4]\n"
+            "flags = sys.argv[4:]\n"
+            "with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:\n"
+            "    cpp_extension.load(name=name, sources=[source], build_directory=tmp,\n"
+            "        extra_cflags=flags, extra_ldflags=['-fopenmp'], is_python_module=False,\n"
+            f"        verbose={verbose!r})\n"
+            "    built = os.path.join(tmp, name + '.so')\n"
+            "    shutil.copy(built, target + '.part')\n"
+            "    os.replace(target + '.part', target)\n"
+        )
+        env = dict(os.environ)
+        # cpp_extension runs ninja from PATH; pip puts it in this interpreter's scripts folder,
+        # which is not on PATH when a virtual environment's python runs without activation
+        scripts = sysconfig.get_path("scripts")
+        env["PATH"] = os.pathsep.join(p for p in (env.get("PATH", ""), scripts) if p)
+        name = f"{self.name}_{path.stem.rsplit('-', 1)[1]}"
+        subprocess.run(
+            [sys.executable, "-c", code, name, str(self.source), str(path), *flags],
+            check=True,
+            env=env,
+            capture_output=not verbose,
+        )
+        return path
+
+
+def define(
+    qualname: str,
+    schema: str,
+    *,
+    reference: Callable[..., Any],
+    fake: Callable[..., Any],
+    vmap: Callable[..., Any] | None = None,
+    cpu: Callable[..., Any] | None = None,
+    kernel: Kernel | None = None,
+) -> Any:
+    """Register the operator ``qualname`` (``"softops::name"``) with ``schema`` and return it.
+
+    ``reference`` is the torch code, registered for every device; ``fake`` computes the outputs'
+    metadata; ``vmap`` is torch.library's vmap rule. ``cpu(ops, *args)`` runs on CPU tensors with
+    the operators of ``kernel`` while the back end is ``"kernel"`` and the kernel is built;
+    otherwise the reference runs there too. The operator is not differentiable: its callers carry
+    the gradient.
+    """
+    namespace, name = qualname.split("::")
+    library = torch.library.Library(namespace, "FRAGMENT")
+    _LIBRARIES.append(library)
+    library.define(f"{name}{schema}")
+    library.impl(name, reference, "CompositeExplicitAutograd")
+    if cpu is not None and kernel is not None:
+
+        def on_cpu(*args: Any) -> Any:
+            ops = kernel.ops() if kernels_enabled() else None
+            return reference(*args) if ops is None else cpu(ops, *args)
+
+        library.impl(name, on_cpu, "CPU")
+    torch.library.register_fake(qualname, fake, lib=library)
+    if vmap is not None:
+        torch.library.register_vmap(qualname, vmap, lib=library)
+    return getattr(getattr(torch.ops, namespace), name).default
+
+
+_LIBRARIES: list[Any] = []  # the registrations live as long as their Library objects
+
+
+def numba_module(name: str) -> Any:
+    """The numba kernel module ``name`` (imported once, lazily: numba is optional and slow to
+    import), or None when it cannot be imported or the back end is ``"reference"``."""
+    if not kernels_enabled():
+        return None
+    modules = _state["numba"]
+    if name not in modules:
+        try:
+            modules[name] = importlib.import_module(name)
+        except ImportError:
+            modules[name] = None
+    return modules[name]
+
+
+def build_all(verbose: bool = False) -> list[Path]:
+    """Build every kernel of the package (importing the methods that declare them)."""
+    importlib.import_module("softops.topk._ot")
+    return [kernel.build(verbose) for kernel in _KERNELS.values()]
