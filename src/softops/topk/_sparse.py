@@ -373,7 +373,7 @@ class _SparseTopKMask(torch.autograd.Function):
         dk: torch.Tensor | None,
         deps: torch.Tensor | None,
         *_: Any,
-    ) -> tuple[torch.Tensor | None, ...]:
+    ) -> torch.Tensor:
         """``da = [S] ((dx - mean_S dx) / eps - (a - mean_S a) deps / eps + dk / |S|)``: the
         Jacobian in x is symmetric, so the part in x is the backward's map."""
         a, eps = ctx.saved_tensors
