@@ -105,8 +105,8 @@ def test_softmax_mode_formula():
 
 def test_masked_keys_get_weight_and_gradient_exactly_zero():
     q, kk, v = _qkv(seed=7, grad=True)
-    pad = torch.ones(2, 7, dtype=torch.bool)
-    pad[0, 2:5] = False
+    pad = torch.zeros(2, 7, dtype=torch.bool)  # True: padding, as in nn.MultiheadAttention
+    pad[0, 2:5] = True
     for mode in ("softmax", "mean"):
         w = topk_attention_weights(q, kk, 3, epsilon=0.3, key_padding_mask=pad, mode=mode)
         assert (w.weights[0][..., 2:5] == 0).all() and (w.mask[0][..., 2:5] == 0).all()
@@ -126,8 +126,8 @@ def test_causal_mask_is_honoured_exactly():
 @pytest.mark.parametrize("mode", ["softmax", "mean"])
 def test_fewer_valid_keys_than_k_uses_them_all_and_none_gives_zeros(mode):
     q, kk, v = _qkv(lq=7, s=7, seed=9, grad=True)
-    pad = torch.ones(2, 7, dtype=torch.bool)
-    pad[1] = False  # batch 1: no key at all
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1] = True  # batch 1: no key at all
     w = topk_attention_weights(
         q, kk, 4, epsilon=0.2, is_causal=True, key_padding_mask=pad, mode=mode
     )
@@ -142,7 +142,7 @@ def test_fewer_valid_keys_than_k_uses_them_all_and_none_gives_zeros(mode):
     grads = torch.autograd.grad(out.sum(), (q, kk, v))
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][1] == 0).all()
-    want = _hard(q, kk, v, 4, mode, allowed=torch.ones(7, 7).tril().bool() & pad[:, None, None])
+    want = _hard(q, kk, v, 4, mode, allowed=torch.ones(7, 7).tril().bool() & ~pad[:, None, None])
     hard = topk_attention(
         q, kk, v, 4, epsilon=1e-7, is_causal=True, key_padding_mask=pad, mode=mode
     )
@@ -152,8 +152,8 @@ def test_fewer_valid_keys_than_k_uses_them_all_and_none_gives_zeros(mode):
 def test_nan_in_one_query_stays_in_its_row():
     q, kk, v = _qkv(seed=10)
     q[0, 1, 2, 0] = math.nan
-    pad = torch.ones(2, 7, dtype=torch.bool)
-    pad[0, 0] = False
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, 0] = True
     out = topk_attention(q, kk, v, 3, epsilon=0.3, key_padding_mask=pad)
     assert out[0, 1, 2].isnan().all()
     bad = torch.zeros(out.shape, dtype=torch.bool)
@@ -163,7 +163,7 @@ def test_nan_in_one_query_stays_in_its_row():
 
 def test_batch_equals_a_loop_and_float32_matches_float64():
     q, kk, v = _qkv(seed=11)
-    pad = torch.rand(2, 7, generator=seeded(12)) > 0.4
+    pad = torch.rand(2, 7, generator=seeded(12)) <= 0.4
     out = topk_attention(q, kk, v, 2, epsilon=0.2, key_padding_mask=pad, is_causal=True)
     for b in range(2):
         one = topk_attention(
@@ -183,7 +183,7 @@ def test_batch_equals_a_loop_and_float32_matches_float64():
 @pytest.mark.parametrize("mode", ["softmax", "mean"])
 def test_gradcheck(mode):
     q, kk, v = _qkv(n=1, h=2, lq=4, s=6, e=3, ev=2, seed=13, grad=True)
-    pad = torch.tensor([[True, True, False, True, True, True]])
+    pad = torch.tensor([[False, False, True, False, False, False]])
 
     def fn(q, kk, v):
         return topk_attention(
@@ -272,6 +272,91 @@ def test_module_equals_multihead_attention_at_k_equal_s(batch_first):
     torch.testing.assert_close(
         layer(q, kv, kv, attn_mask=heads_mask)[0], mha(q, kv, kv, attn_mask=heads_mask)[0]
     )
+
+
+def test_function_key_padding_mask_is_multihead_attentions_true_is_padding():
+    """topk_attention's key_padding_mask follows nn.MultiheadAttention (True = padding); its
+    attn_mask keeps SDPA's (bool True = may attend): at k = S both equal SDPA with the padding
+    as a "may attend" mask ``~pad``, and ``key_padding_mask=pad`` equals ``attn_mask=~pad``."""
+    q, kk, v = _qkv(seed=30)
+    pad = torch.rand(2, 7, generator=seeded(31)) > 0.6
+    pad[:, 0] = False  # every query keeps a key (SDPA is NaN otherwise)
+    may = ~pad[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, kk, v, attn_mask=may)
+    torch.testing.assert_close(topk_attention(q, kk, v, 7, key_padding_mask=pad), want)
+    for k in (2, 3.5):
+        torch.testing.assert_close(
+            topk_attention(q, kk, v, k, epsilon=0.2, key_padding_mask=pad),
+            topk_attention(q, kk, v, k, epsilon=0.2, attn_mask=may),
+        )
+    w = topk_attention_weights(q, kk, 3, epsilon=0.2, key_padding_mask=pad).weights
+    assert bool((w.masked_select(pad[:, None, None, :].expand(w.shape)) == 0).all())
+
+
+def _module_by_the_function(layer, x, kv, key_padding_mask, attn_mask, is_causal):
+    """TopKAttention's forward (batch_first) written with topk_attention on its projections,
+    the masks given to the function in its own conventions: key_padding_mask as is (both take
+    MultiheadAttention's), a bool attn_mask inverted (SDPA's), a float one as is."""
+    N, L, E = x.shape
+    S, H = kv.shape[1], layer.num_heads
+
+    def heads(t, length):
+        return t.reshape(N, length, H, E // H).transpose(1, 2)
+
+    q, kk, v = heads(layer.q_proj(x), L), heads(layer.k_proj(kv), S), heads(layer.v_proj(kv), S)
+    if attn_mask is not None:
+        if attn_mask.dim() == 3:
+            attn_mask = attn_mask.reshape(N, H, L, S)
+        attn_mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask
+    out = topk_attention(
+        q,
+        kk,
+        v,
+        layer.k,
+        epsilon=layer.epsilon,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        mode=layer.mode,
+        hard=layer.hard,
+        method=layer.method,
+    )
+    return layer.out_proj(out.transpose(1, 2).reshape(N, L, E))
+
+
+@pytest.mark.parametrize(
+    ("mode", "method", "hard"),
+    [("softmax", "ot", False), ("mean", "sparse", False), ("softmax", "ot", True)],
+)
+def test_function_and_module_agree_for_the_same_masks(mode, method, hard):
+    torch.manual_seed(32)
+    layer = TopKAttention(
+        8, 2, 3, epsilon=0.3, mode=mode, method=method, hard=hard, batch_first=True
+    ).double()
+    g = seeded(33)
+    x = torch.randn(3, 5, 8, generator=g, dtype=F64)
+    kv = torch.randn(3, 6, 8, generator=g, dtype=F64)
+    pad = torch.rand(3, 6, generator=g) > 0.6
+    pad[:, 1] = False
+    pad[2] = True  # a batch with no key: zeros
+    bool_mask = torch.rand(5, 6, generator=g) > 0.7  # MultiheadAttention's: True = masked
+    heads_mask = torch.rand(6, 5, 6, generator=g) > 0.7
+    float_mask = torch.randn(5, 6, generator=g, dtype=F64)
+    float_mask[bool_mask] = -math.inf
+    for key_padding_mask in (None, pad):
+        for attn_mask in (None, bool_mask, heads_mask, float_mask):
+            for is_causal in (False, True):
+                got, _ = layer(
+                    x,
+                    kv,
+                    kv,
+                    key_padding_mask=key_padding_mask,
+                    attn_mask=attn_mask,
+                    is_causal=is_causal,
+                )
+                want = _module_by_the_function(layer, x, kv, key_padding_mask, attn_mask, is_causal)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert bool((layer(x, kv, kv, key_padding_mask=pad)[1][2] == 0).all())
 
 
 def test_module_is_causal_applies_the_mask_and_need_weights():
@@ -397,8 +482,8 @@ def test_hard_weights_have_exactly_k_nonzero_entries_and_k0_gives_zeros(mode):
 @pytest.mark.parametrize("mode", ["softmax", "mean"])
 def test_sparse_method_gives_exact_zeros(mode):
     q, kk, v = _qkv(seed=11, grad=True)
-    pad = torch.ones(2, 7, dtype=torch.bool)
-    pad[1, 5:] = False
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
     w = topk_attention_weights(
         q, kk, 2, epsilon=0.05, key_padding_mask=pad, mode=mode, method="sparse"
     )

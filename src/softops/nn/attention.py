@@ -15,10 +15,12 @@ weight the values:
 top-k mean of the values: as ``epsilon -> 0`` it is the plain mean of the values of the k best
 keys. Both reach hard top-k attention as ``epsilon -> 0``.
 
-Masks follow their function: :func:`topk_attention` uses the convention of
-:func:`torch.nn.functional.scaled_dot_product_attention` (a boolean mask is True where a query
-*may* attend; a float mask is added to the scores), :class:`TopKAttention` that of
-:class:`torch.nn.MultiheadAttention` (a boolean mask is True where a query may *not* attend).
+Masks follow the torch functions their arguments come from. :func:`topk_attention`'s
+``attn_mask`` is that of :func:`torch.nn.functional.scaled_dot_product_attention` (a boolean
+mask is True where a query *may* attend; a float mask is added to the scores) and its
+``key_padding_mask`` that of :class:`torch.nn.MultiheadAttention` (True for a padding key, to
+ignore). :class:`TopKAttention` follows :class:`torch.nn.MultiheadAttention` for both (a boolean
+mask is True where a query may *not* attend; a float mask is added).
 A masked key gets weight exactly 0. A query with fewer valid keys than ``k`` attends to all of
 them (k is clamped per query), and a query with no valid key gets weights 0 and an output of
 zeros (``scaled_dot_product_attention`` gives NaN there). With ``method="sparse"`` the mask has
@@ -118,8 +120,8 @@ def _allowed(
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             raise TypeError(
-                f"{op}: expected `key_padding_mask` to be a bool tensor (True: a key to attend "
-                f"to); got {key_padding_mask!r}."
+                f"{op}: expected `key_padding_mask` to be a bool tensor (True: a padding key, to "
+                f"ignore); got {key_padding_mask!r}."
             )
         if key_padding_mask.shape[-1] != S:
             raise ValueError(
@@ -137,7 +139,7 @@ def _allowed(
                 f"{op}: expected `key_padding_mask` of shape (N, S) or (S,); got shape "
                 f"{tuple(key_padding_mask.shape)}."
             )
-        both(pad)
+        both(~pad)  # nn.MultiheadAttention's convention: True is padding
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
         both(scores != -math.inf)  # a float mask's -inf entries (NaN scores stay: NaN rows)
     return scores, allowed
@@ -289,6 +291,9 @@ def topk_attention(
     :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks; as ``epsilon ->
     0`` both modes equal the hard top-k attention above.
 
+    Masks: ``attn_mask`` as in ``scaled_dot_product_attention`` (bool True = may attend, float =
+    added to the scores); ``key_padding_mask`` as in ``nn.MultiheadAttention`` (True = padding).
+
     Args:
         query: ``(..., L, E)``.
         key: ``(..., S, E)``, its batch dims broadcastable with the query's.
@@ -300,8 +305,9 @@ def topk_attention(
         attn_mask: as in ``scaled_dot_product_attention``: a bool tensor broadcastable to
             ``(..., L, S)``, True where a query may attend, or a float tensor added to the scores
             (its -inf entries mask their keys).
-        key_padding_mask: a bool tensor of shape ``(N, S)`` (``(S,)`` unbatched), True for a real
-            key and False for padding; N is the first dim of the query.
+        key_padding_mask: as in :class:`torch.nn.MultiheadAttention`: a bool tensor of shape
+            ``(N, S)`` (``(S,)`` unbatched), True for a padding key (ignored) and False for a real
+            one; N is the first dim of the query.
         is_causal: mask the keys after each query (the lower-triangular mask, aligned at the top
             left as in ``scaled_dot_product_attention``), on top of any other mask.
         mode: ``"softmax"`` (default) or ``"mean"`` (the module docstring).
@@ -366,11 +372,13 @@ class TopKAttention(nn.Module):
     r"""Multi-head attention over the soft top-k keys of each query.
 
     The constructor and ``forward`` follow :class:`torch.nn.MultiheadAttention` (its shapes,
-    ``batch_first``, and its mask convention: a bool mask is True where a query may **not**
-    attend, a float mask is added), with the top-k arguments after ``num_heads``. Each head runs
-    :func:`topk_attention` on its projections. The projections are separate ``q_proj``,
-    ``k_proj``, ``v_proj`` and ``out_proj`` :class:`~torch.nn.Linear` layers, initialised as
-    ``MultiheadAttention``'s (Xavier-uniform weights, zero biases).
+    ``batch_first``, and its mask convention), with the top-k arguments after ``num_heads``.
+    Each head runs :func:`topk_attention` on its projections. The projections are separate
+    ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` :class:`~torch.nn.Linear` layers,
+    initialised as ``MultiheadAttention``'s (Xavier-uniform weights, zero biases).
+
+    Masks: ``attn_mask`` and ``key_padding_mask`` as in ``nn.MultiheadAttention`` (bool True =
+    may **not** attend, float = added to the scores).
 
     Args:
         embed_dim: the model dim E (= num_heads * head dim).
