@@ -5,6 +5,12 @@ denormals, ±inf, NaN) and then cast to the dtype under test, so what the op see
 can hold (1e30 is ``inf`` in float16, a float32 denormal is 0 there). Everything an oracle needs is
 read off the cast tensor. Epsilon is drawn relative to the row's gaps, in the units the registry's
 scaling law gives it: ``epsilon = r * gap**law`` with ``r`` from 1e-8 to 1e8.
+
+Rows of subnormal and tiny magnitude (``tiny_batches``) come with a proportionally tiny epsilon
+(``tiny_epsilon``): below the smallest normal number of the compute dtype the op must refuse it
+(``epsilon_refused``, ``refusal``), from it on give the value. k includes values that round to 0
+or n in the dtype (``TINY_K``, ``BELOW_N``). The suite's hypothesis profiles, default and slow,
+are registered here (``PROFILES``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import math
 from typing import Any
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+from softops._core.validation import SMALLEST_K, smallest_epsilon
 
 F64 = torch.float64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -26,6 +35,33 @@ INF = math.inf
 # Integer-valued k (the methods and ops that take only an int k).
 INT_K = {"softkmax", "perturbed"}
 INT_K_OPS = {"soft_topk", "soft_kmax"}
+
+# k that rounds to 0 (below the smallest normal float32, or 0 in float32: the limit k -> 0 by
+# contract) or is just above that bound; n minus these rounds to n in float32 (not in float64).
+TINY_K = (5e-324, 1e-45, 1e-40, SMALLEST_K / 2, SMALLEST_K * (1 - 2**-30), SMALLEST_K, 1e-30)
+BELOW_N = (1e-9, 1e-12, 2.0**-30)
+
+# -------------------------------------------------------------------------------- profiles
+
+PROFILES = {"default": "softops-adversarial", "slow": "softops-adversarial-slow"}
+"""The suite's hypothesis profiles: the same settings (derandomized, no database, no deadline:
+time is bounded per call), the slow one with 10**4 examples per property and registry entry
+unless a property asks for fewer (``tests.test_adversarial.EXAMPLES``)."""
+_SETTINGS: dict[str, Any] = {
+    "derandomize": True,
+    "database": None,
+    "deadline": None,
+    "print_blob": False,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+settings.register_profile(PROFILES["default"], max_examples=100, **_SETTINGS)
+settings.register_profile(PROFILES["slow"], max_examples=10**4, **_SETTINGS)
+
+
+def profile(slow: bool, max_examples: int | None = None) -> settings:
+    """The settings of the default or the slow profile (with ``max_examples`` when given)."""
+    base = settings.get_profile(PROFILES["slow" if slow else "default"])
+    return base if max_examples is None else settings(base, max_examples=max_examples)
 
 
 def hostile_values(dtype: torch.dtype) -> list[float]:
@@ -127,16 +163,108 @@ def epsilon_for(case: Any, gap: float, log10_r: float) -> float:
 
 @st.composite
 def k_values(draw: st.DrawFn, case: Any, n: int) -> float | int:
-    """k in {0, 1, n-1, n} (those the op accepts), a random k, or a real k near them."""
+    """k in {0, 1, n-1, n} (those the op accepts), a random k, a real k near them, or (where the
+    method takes a real k) one that rounds to 0 or to n in the dtype (``TINY_K``, ``BELOW_N``)."""
     low = 1 if case.op == "soft_topk" else 0
     ints = sorted({v for v in (0, 1, n - 1, n, draw(st.integers(low, n))) if low <= v <= n})
     k = draw(st.sampled_from(ints))
     integer = case.op in INT_K_OPS or case.method in INT_K
-    if integer or not draw(st.booleans()):
+    if integer:
         return int(k)
+    kind = draw(st.sampled_from(["int", "int", "near", "near", "tiny", "rounds to n"]))
+    if kind == "int":
+        return int(k)
+    if kind == "tiny":
+        return draw(st.sampled_from(TINY_K))
+    if kind == "rounds to n":
+        return float(n) - draw(st.sampled_from(BELOW_N))
     delta = draw(st.sampled_from([1e-9, 1e-6, 0.25, 0.5]))
     real = k + draw(st.sampled_from([-delta, delta]))
     return float(min(max(real, 0.0), float(n)))
+
+
+def flushed_k(k: torch.Tensor) -> torch.Tensor:
+    """k as the ops take it (``check_k``): below the smallest normal float32, its limit 0."""
+    return torch.where((k > 0) & (k < SMALLEST_K), 0.0, k)
+
+
+# ------------------------------------------------------------------- tiny rows, tiny epsilon
+
+F64_TINY = torch.finfo(F64).tiny
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def too_small_epsilons(dtype: torch.dtype) -> list[float]:
+    """Positive epsilons below the smallest normal number of the compute dtype of x: subnormal
+    there, or (float32) rounding to 0."""
+    tiny = smallest_epsilon(dtype)
+    small = [tiny / 2, tiny * (1 - 2**-30), 5e-324]
+    if compute_dtype(dtype) == torch.float32:
+        small += [1e-40, 1e-50]
+    return small
+
+
+def epsilon_refused(epsilon: float | torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether an op on x of ``dtype`` refuses ``epsilon`` (positive and finite) as too small:
+    a number, or any entry of a tensor (compared in its own dtype, as the op compares it)."""
+    tiny = smallest_epsilon(dtype)
+    if isinstance(epsilon, torch.Tensor):
+        return bool((epsilon.detach() < tiny).any())
+    return epsilon < tiny
+
+
+def refusal(op: str, dtype: torch.dtype) -> str:
+    """The start of the message of that refusal, as a regex: it names the op, the smallest
+    allowed epsilon and the compute dtype."""
+    name = str(compute_dtype(dtype)).removeprefix("torch.")
+    bound = f"{smallest_epsilon(dtype):.8g}"
+    return rf"^{op}: expected `epsilon` >= {bound} \(the smallest normal {name}"
+
+
+@st.composite
+def tiny_batches(draw: st.DrawFn, dtype: torch.dtype, n_max: int = 6) -> torch.Tensor:
+    """A (B, n) batch of subnormal and tiny-magnitude entries of ``dtype``: ``m * 2**e * tiny``
+    with |m| < 1 (a few bits or many) and e from below the subnormals to 30, one magnitude per
+    row or a mix, with ties and zeros."""
+    fi = torch.finfo(dtype)
+    low = -round(-math.log2(fi.eps)) - 1  # 2**low * tiny: below the smallest subnormal
+    n = draw(st.integers(1, n_max))
+    b = draw(st.integers(1, 3))
+    rows = []
+    for _ in range(b):
+        style = draw(st.sampled_from(["one scale", "mixed scales", "ties", "few bits"]))
+        e0 = draw(st.integers(low, 30))
+        vals = []
+        for _ in range(n):
+            e = e0 if style != "mixed scales" else draw(st.integers(low, 30))
+            m = draw(st.floats(-1.0, 1.0, allow_nan=False))
+            if style == "few bits":
+                m = round(m * 8) / 8
+            vals.append(m * 2.0**e * fi.tiny)
+        if style == "ties":
+            vals = [draw(st.sampled_from(vals[: max(1, n // 2)])) for _ in range(n)]
+        rows.append(vals)
+    return torch.tensor(rows, dtype=F64).to(dtype)
+
+
+@st.composite
+def tiny_epsilon(draw: st.DrawFn, case: Any, x: torch.Tensor) -> float | torch.Tensor:
+    """Epsilon proportional to the rows' gaps (``r * gap**law``, r within 1e3 of 1) or a few
+    binades either side of the smallest normal number of the compute dtype; a number or a
+    per-row float64 tensor (inside float64's normal range)."""
+    tiny = smallest_epsilon(x.dtype)
+
+    def one() -> float:
+        if draw(st.booleans()):
+            return epsilon_for(case, typical_gap(x), draw(st.floats(-3.0, 3.0)))
+        return max(tiny * 2.0 ** draw(st.integers(-8, 12)), F64_TINY)
+
+    if draw(st.booleans()):
+        return one()
+    return torch.tensor([one() for _ in range(x.shape[0])], dtype=F64)
 
 
 # -------------------------------------------------------------------------------- oracles
