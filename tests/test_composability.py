@@ -83,6 +83,24 @@ def test_vmap_equals_the_batched_call(case):
     torch.testing.assert_close(nested, ref, rtol=1e-9, atol=1e-9)
 
 
+# The ops whose Functions fold vmapped rows into their own (softops._core.transforms.vmap_rows):
+# a vmapped dimension of size 0 gives the empty batched result. (torch's own batching rule of
+# view(-1) fails on an empty vmapped dimension, so the ops written in plain torch ops are not
+# claimed here.)
+_ROW_FUNCTIONS = [c for c in CASES if c.op == "soft_topk_mask" or c.method == "pav"]
+
+
+@cases(_ROW_FUNCTIONS)
+def test_vmap_over_an_empty_dimension_gives_the_empty_batched_shape(case):
+    fn = _call(case)
+    if _refused(case, "vmap"):
+        return
+    full = _vmap(case, fn, _x(3, 2, 6))
+    out = _vmap(case, fn, _x(3, 2, 6)[:0])
+    dim = 1 if case.layout == "quantile" else 0
+    assert out.shape == (*full.shape[:dim], 0, *full.shape[dim + 1 :])
+
+
 def _jacobian(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.autograd.functional.jacobian(fn, x)
 

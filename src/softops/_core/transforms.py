@@ -111,18 +111,25 @@ def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) ->
     """
     size = info.batch_size
     merged = []
+    rows = None  # B, the rows of one slice (unflattening by -1 fails on an empty vmapped dim)
     for arg, dim in zip(args, in_dims, strict=True):
         if isinstance(arg, torch.Tensor):
             if dim is None:
                 arg = arg.expand(size, *arg.shape)
             else:
                 arg = arg.movedim(dim, 0)
+            rows = arg.shape[1] if rows is None else rows
             arg = arg.flatten(0, 1)
         merged.append(arg)
     out = function.apply(*merged) if hasattr(function, "apply") else function(*merged)
     single = not isinstance(out, tuple)
     outs = (out,) if single else out
-    results = tuple(o.unflatten(0, (size, -1)) if isinstance(o, torch.Tensor) else o for o in outs)
+    results = tuple(
+        o.unflatten(0, (size, rows if rows is not None else -1))
+        if isinstance(o, torch.Tensor)
+        else o
+        for o in outs
+    )
     dims = tuple(0 if isinstance(o, torch.Tensor) else None for o in outs)
     if single:
         return results[0], dims[0]
