@@ -448,6 +448,11 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
+    if case.method == "sinkhorn" and "k" in call and cd == torch.float32:
+        # KD17 (softops/_core/sinkhorn.py): a target mass k/n below the smallest normal float32
+        # (k itself normal: smaller k is the limit 0) can give NaN (test_known_defect)
+        k = k_per_row(call["k"], b, call["x"].dtype)
+        out["row"] = out["row"] | ((k > 0) & (k < n_of(xd) * adv.SMALLEST_K))
     return out
 
 
@@ -1056,14 +1061,36 @@ def _kd16_sparse_at_the_smallest_normal_k() -> None:
     assert float(out.double().sum()) == pytest.approx(k, rel=1e-6)
 
 
+def _kd17_sinkhorn_with_a_subnormal_target_mass() -> None:
+    """_core/sinkhorn.py, float32: a column mass below the smallest normal number (here tiny/4,
+    the mass k/n of soft_topk_mask(method="sinkhorn") at k = tiny, n = 4) on a row of tied costs
+    gives a NaN plan and converged=False; with distinct costs it converges (and float64 at its
+    own tiny/4 too)."""
+    from softops.solvers import sinkhorn
+
+    m = torch.finfo(torch.float32).tiny / 4
+    cost = torch.zeros(1, 4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", softops.ConvergenceWarning)
+        res = sinkhorn(cost, torch.full((1, 4), 0.25), torch.tensor([[1 - m, m]]), 1.0)
+    assert not res.plan.isnan().any(), res.plan
+    mask = softops.soft_topk_mask(torch.zeros(1, 4), 4 * m, epsilon=1.0, method="sinkhorn")
+    assert not mask.isnan().any(), mask
+
+
 KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
     "kd16_sparse_at_the_smallest_normal_k": (
         _kd16_sparse_at_the_smallest_normal_k,
         "topk/_sparse.py: no convergence at k = finfo(float32).tiny in float32",
     ),
+    "kd17_sinkhorn_with_a_subnormal_target_mass": (
+        _kd17_sinkhorn_with_a_subnormal_target_mass,
+        "_core/sinkhorn.py: NaN plan for a subnormal column mass on tied costs",
+    ),
 }
 """Open: KD16 (topk/_sparse.py; the suite allows a ConvergenceWarning, so no row is skipped for
-it). Fixed: KD13 (topk/_sinkhorn.py), KD14 and KD15 (topk/_sparse.py), whose reproducers are
+it), KD17 (_core/sinkhorn.py; rows of method "sinkhorn" with 0 < k < n * tiny are skipped).
+Fixed: KD13 (topk/_sinkhorn.py), KD14 and KD15 (topk/_sparse.py), whose reproducers are
 regression tests in tests/topk/test_sinkhorn_extremes.py and test_sparse.py."""
 
 

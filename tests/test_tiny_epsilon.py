@@ -30,6 +30,11 @@ DTYPES = [F16, BF16, F32, F64]
 DETERMINISTIC = [c for c in CASES if not c.stochastic]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny problems: keep off the busy intra-op pool."""
+
+
 def _ids(case: Case) -> str:
     return case.id
 
@@ -158,9 +163,9 @@ def test_subnormal_rows_at_the_smallest_normal_epsilon_are_exact(case, dtype):
     tiny = torch.finfo(dtype).tiny
     if dtype == F64 and (case.law is None or case.law < 0):
         pytest.skip("no exact scaling law, or one that makes epsilon smaller still")
-    for seed in range(3):
+    for seed in range(2):
         x = _subnormal_rows(dtype, seed)
-        for mult in (1.0, 3.0, 64.0):
+        for mult in (1.0, 64.0):
             eps = tiny * mult
             out = _quiet(case, x, epsilon=eps).double()
             if dtype == F32:
