@@ -11,10 +11,16 @@ row is their concatenation in rank order, :math:`x = (x_0, \dots, x_{P-1})`, of 
     F(t) = \sum_r \sum_{i \in r} \sigma\big((x_i - t)/\varepsilon\big) - k = 0,
 
 so the only thing the ranks must agree on is t, a scalar per row. Every quantity the solver
-needs is a sum over the row, hence a sum over ranks of a sum over each shard: each evaluation
-of F all-reduces the (5, B) stack of per-row shard sums it needs, and no rank ever sees another
-rank's entries. Method "sparse", :math:`a_i = \mathrm{clip}((x_i - t)/\varepsilon, 0, 1)`
-(the capped-simplex projection), is a sum of the same kind.
+needs is a sum over the row, hence a sum over ranks of a sum over each shard, and the sharded
+op *is* the single-process solver with another reduction: the evaluations of
+``softops.topk._ot`` (and of ``softops.topk._sparse``, method "sparse", :math:`a_i =
+\mathrm{clip}((x_i - t)/\varepsilon, 0, 1)`, the capped-simplex projection) take their row
+sums through a reduction (``softops.topk._ot.Reduce``), the identity in one process and here
+one all-reduce of the stack of per-row shard sums, and their preparation takes the rows'
+statistics and order statistics, which here come from one all-gather. No rank ever sees
+another rank's entries. This module keeps no copy of the evaluation, the fill rules or the
+constants; it holds the communication, the sharded candidates of the start, the sharded
+backward and the sharded hard top-k.
 
 Collectives per call (B rows, P ranks; "all-reduce" below is ``torch.distributed.all_reduce``
 with SUM, the one collective this module calls, so every backend runs it on every device):
@@ -26,62 +32,42 @@ with SUM, the one collective this module calls, so every backend runs it on ever
   statistics (counts of finite, ``+inf`` and NaN entries, finite min, max and sum) with
   candidates for the start: each rank's ``floor(k) + 1`` largest entries where the whole group
   sends at most ``max(SAMPLE_SIZE, n // EXACT_SHARE)`` of them per row and they are under half
-  the row (the bracket is then exact, as in the single-process op: 2 to 4 evaluations), and
+  the row (the bracket is then the single-process op's exact one: 2 to 4 evaluations), and
   else each rank's part of a global strided subsample of about ``SAMPLE_SIZE`` entries per
   row, whose quantile centres the row (3 to 7 evaluations, as the single-process op's long
-  rows);
-* one all-reduce of (5, B) per evaluation of F ("ot": 2 to 6 typical, ``max_iter`` at most);
-  "sparse": one of (6, B) per evaluation (its closed-form polish rides along);
-* "ot" only, and only where a row is near the hard limit (below): one or two all-gathers of
-  (6, B) per rank for the log-domain polish of its threshold;
+  rows, whose start it is);
+* one all-reduce of (5, B) per evaluation ("ot": 2 to 6 typical, ``max_iter`` at most; its
+  residual, slope, curvature and tolerance are formed from the all-reduced sums, in float64);
+  "sparse": one of (5, B) per evaluation, then two, of (4, B) and (1, B), for its closed-form
+  polish;
+* "ot" only, and only where a row is near the hard limit (``softops.topk._ot.polish``): one or
+  two all-gathers of (6, B) per rank for the log-domain polish of its threshold;
 * backward: one all-reduce of (2, B), ``[sum_i s_i, <s, g>]`` ("sparse": (3, B), ``[|S|,
   sum_S g, #NaN]``); with gradients in k or epsilon instead one all-gather of (9, B) or (13,
   B) per rank (log-domain partial sums of each side of t, below; "sparse": an all-reduce of
   (5, B)).
 
-So a forward costs ``2 + iterations`` collectives of O(B) (the second O(B SAMPLE_SIZE / P)
-per rank), whatever n is, and a backward one. Ranks take the same steps: the iterate, the
-bracket and the stop test are functions of all-reduced sums only, which every rank receives
-bit for bit, and the host test of "all rows done" is made on those (ranks of one kind of device
-compute them identically). The iteration is capped, so a call always returns.
+So a forward costs ``2 + iterations`` collectives of O(B) ("sparse": ``4 + iterations``; the
+second O(B SAMPLE_SIZE / P) per rank), whatever n is, and a backward one. Ranks take the same
+steps: the iterate, the bracket and the stop test are functions of all-reduced sums only,
+which every rank receives bit for bit, and the host test of "all rows done" is made on those
+(ranks of one kind of device compute them identically). The iteration is capped, so a call
+always returns. The result equals the single-process op's up to the order of the reductions
+(and the start, where the candidates are the subsample): to rounding. In a world of one the
+reduction is the identity.
 
-Numerics (the pitfalls of ``softops.topk._ot``, in their sharded form):
-
-* **Centring.** t is solved as an offset from a centre ``m`` near the threshold, ``z = ((x -
-  m) - t)/eps``, so that t is small and finely resolved even in float32 at a tiny epsilon.
-  ``m`` is the midpoint of the k-th and (k+1)-th largest entries of the row when the candidates
-  are exact (the largest ``floor(k) + 1`` of each shard hold the row's), and of the sample's
-  corresponding order statistics otherwise.
-* **Bracket.** Exact path: ``[x_(j) - eps log(k / (j - k)), x_(j') - eps log((k - j' + 1) /
-  (n - k))]``, ``j = floor(k) + 1``, ``j' = ceil(k)`` (the lemma of docs/math.md §1.3). Sampled
-  path: ``[min x, max x] - eps logit(k / n)`` over the finite entries, from the all-gathered
-  shard minima and maxima (always valid: at its lower end every entry is at least ``k / n``).
-* **Residual without cancellation.** Each shard sums ``u = min(A, 1 - A) = sigmoid(-|z|)`` with
-  the sign of z, and counts ``z > 0`` exactly (an integer, converted to float64); the count
-  less k is formed first, in float64, then the signed sum added: ``F = (#{z > 0} - k) +
-  sum_{z <= 0} u - sum_{z > 0} u``. All-reduced sums are float64, so a count over a row longer
-  than 2**24 stays exact in float32 too.
-* **Steps.** Halley where ``|F F''/F'^2| <= 1``, Newton elsewhere, regula falsi (Illinois) or
-  bisection when a step leaves the bracket (:mod:`softops._core.rootfind`); the curvature
-  ``F''/F' = -<1 - 2A, d>/(eps sum d)``, ``d = u(1 - u)``, is one more shard sum in the same
-  pass. The tolerance on ``|F|`` is the rounding of the sums, one ulp of t, and the flush of
-  the sigmoid, as in the single-process op.
-* **Near the hard limit.** Where every ``u`` is tiny, F's tolerance (its floor, ``32 em``)
-  holds over a stretch of the gap between the entries next to t (all of it once ``|z|``
-  overflows), yet the gradients in k and epsilon weigh the entries by ``s ~ exp(-|z|)``, which
-  depends on where t is. Those rows (``sum u(1 - u) < 32 sqrt(em)``) are polished as in the
-  single-process op (:func:`softops.topk._ot.polish`): Newton steps inside the gap on ``G =
-  log(U_b + c_b) - log(U_a + c_a)``, ``U_b`` and ``U_a`` the sums of u below and above t and
-  ``c`` the count's offset from k; each rank sums its side terms shifted by its own nearest
-  distance (no underflow), and one all-gather per step combines them. In the hard limit G is
-  linear in t, so one step is exact.
-* **Infinities.** ``+inf`` entries count as selected and ``-inf`` as not with no special case in
-  the residual; rows whose k the finite entries cannot meet, or holding a NaN on any rank, are
-  flagged from the all-gathered counts and come out NaN on every rank (their row only); rows
-  that select exactly their ``+inf`` entries, or all their non ``-inf`` ones, are filled.
-* **Overflowing offsets.** Rows whose epsilon is within ``2**SCALE_BITS`` of ``finfo.max`` are
-  solved on ``(x c, eps c)`` for a power of two c (exact; the mask is invariant), computed from
-  the all-gathered span; elsewhere an overflowing offset is the exact limit.
+The numerics are those of ``softops.topk._ot`` (docs/math.md §1.3): the row is centred on an
+estimate ``m`` of the threshold, the bracket is exact where the candidates are (``[min x, max
+x] - eps logit(k / n)`` over the finite entries on the sampled path), the residual is formed
+without cancellation (the count of ``z > 0`` less k first; all-reduced sums are float64), the
+steps are Halley's, Newton's, regula falsi or bisection (:mod:`softops._core.rootfind`), rows
+near the hard limit are polished in the log domain (each rank sums its side terms shifted by
+its own nearest distance, and one all-gather per step combines them), infinities need no
+special case (rows holding a NaN on any rank, or whose k the finite entries cannot meet, come
+out NaN on every rank, their row only; rows that select exactly their ``+inf`` entries, or all
+their non ``-inf`` ones, are filled), and rows whose epsilon is within ``2**SCALE_BITS`` of
+``finfo.max`` are solved on ``(x c, eps c)`` for a power of two c computed from the
+all-gathered span.
 
 Backward (implicit function theorem, as ``_SoftTopKMaskOT``; ``s = A (1 - A)/eps``):
 
@@ -138,7 +124,7 @@ import torch.distributed as dist
 
 from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
 from softops._core.dims import flatten_to_2d, row_param
-from softops._core.rootfind import SolverState, iterate, result, start_state
+from softops._core.rootfind import SolverState, iterate, result
 from softops._core.straight_through import straight_through
 from softops._core.validation import (
     check_bool,
@@ -153,7 +139,24 @@ from softops._core.validation import (
 )
 from softops.solvers import ThresholdResult
 from softops.topk._options import check_mask_k
-from softops.topk._ot import balance_parts, near_hard, polish
+from softops.topk._ot import (
+    BLOCK,
+    SAMPLE_SIZE,
+    _evaluate,
+    _evaluate_t,
+    _near_rows,
+    _polish_rows,
+    _Prep,
+    _row_counts,
+    _sample_centre,
+    _scale_of,
+    _scaling_limit,
+    _special_rows,
+    _start_exact,
+    _start_sampled,
+)
+from softops.topk._sparse import _ranked_pair
+from softops.topk._sparse import _solve_rows as _solve_sparse_rows
 
 __all__ = [
     "METHODS",
@@ -167,20 +170,12 @@ __all__ = [
 
 METHODS = ("ot", "sparse")
 """The methods of :func:`soft_topk_mask` (the single-process op's with a per-row k)."""
-SAMPLE_SIZE = 2048
-"""Entries per row the whole group sends for the start: the exact candidates where they fit in
-``max(SAMPLE_SIZE, n // EXACT_SHARE)`` (and are under half the row), else a strided subsample
-of about ``SAMPLE_SIZE``."""
 EXACT_SHARE = 64
 """The exact candidates may be up to ``1 / EXACT_SHARE`` of the row: a shard's top-k costs
 less than one evaluation, and the exact bracket saves two to four (measured: B=64, n=1e6,
-k=1000, 4 ranks: 7 evaluations from the subsample, 3 from the candidates)."""
-SCALE_BITS = 40
-"""Rows whose epsilon exceeds ``finfo.max / 2**SCALE_BITS`` are solved on ``(x c, eps c)``."""
-SMOOTH_START = 8
-"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
-BLOCK = 2
-"""Evaluations between two host tests of "all rows done" off the CPU (one on the CPU)."""
+k=1000, 4 ranks: 7 evaluations from the subsample, 3 from the candidates). Otherwise the whole
+group sends a strided subsample of about ``SAMPLE_SIZE`` entries per row (the single-process
+solver's, ``softops.topk._ot.SAMPLE_SIZE``)."""
 _HEADER = 18
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -210,6 +205,12 @@ class _Comm:
         if self.size > 1:
             dist.all_reduce(t, group=self.group)
         return t
+
+    def reduce(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The sums over the ranks of the (B,) partial sums ``parts``, in float64, by one
+        all-reduce: the reduction of the single-process solvers' evaluations
+        (``softops.topk._ot.Reduce``)."""
+        return self.sum(torch.stack([p.to(torch.float64) for p in parts])).unbind(0)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t``, stacked: shape ``(P, *t.shape)``."""
@@ -501,6 +502,11 @@ def _prepare(
 
 
 # ----------------------------------------------------------------------------- the row start
+#
+# The solvers are the single-process ones (softops.topk._ot and softops.topk._sparse): their
+# preparation takes the rows' statistics and order statistics, which here come from one
+# all-gather of every shard's (below), and their evaluations take their row sums through a
+# reduction, which here is one all-reduce (_Comm.reduce). Nothing else is sharded.
 
 
 def _local_top(x: torch.Tensor, depth: int) -> torch.Tensor:
@@ -514,28 +520,17 @@ def _local_top(x: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def _shard_stats(x: torch.Tensor) -> torch.Tensor:
-    """(B, 6) float64: counts of finite, ``+inf`` and NaN entries, finite max, finite min, sum
-    of the finite entries (an empty shard: 0, 0, 0, -inf, inf, 0)."""
+    """(B, 6) float64: the single-process solver's row statistics of the shard
+    (:func:`softops.topk._ot._row_counts`: counts of finite, ``+inf`` and NaN entries, finite
+    min, sum of the finite entries) and its finite max, in the order n_fin, n_pinf, n_nan, max,
+    min, sum (an empty shard: 0, 0, 0, -inf, inf, 0)."""
     B, n_r = x.shape
-    f64 = torch.float64
-    finite = torch.isfinite(x)
-    if n_r:
-        top = torch.where(finite, x, -math.inf).amax(-1).to(f64)
-        bottom = torch.where(finite, x, math.inf).amin(-1).to(f64)
-    else:
-        top = torch.full((B,), -math.inf, dtype=f64, device=x.device)
-        bottom = torch.full((B,), math.inf, dtype=f64, device=x.device)
-    return torch.stack(
-        (
-            finite.sum(-1).to(f64),
-            (x == math.inf).sum(-1).to(f64),
-            (x != x).sum(-1).to(f64),
-            top,
-            bottom,
-            torch.where(finite, x, 0).sum(-1, dtype=f64),
-        ),
-        -1,
-    )
+    if not n_r:
+        empty = torch.tensor([0.0, 0.0, 0.0, -math.inf, math.inf, 0.0], device=x.device)
+        return empty.to(torch.float64).expand(B, 6)
+    n_fin, n_pinf, n_nan, bottom, total = _row_counts(x)
+    top = torch.where(torch.isfinite(x), x, -math.inf).amax(-1)
+    return torch.stack((n_fin, n_pinf, n_nan, top, bottom, total), -1).to(torch.float64)
 
 
 def _sample_layout(plan: _Plan) -> tuple[int, list[int], list[int]]:
@@ -564,6 +559,18 @@ class _Rows(NamedTuple):
     depth: int
     ns: int  # the subsample's size (sampled path)
     hard_cand: torch.Tensor | None  # (P, B, max k): every rank's largest, for hard=True
+
+    def stats(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """n_fin, n_pinf, n_nan, max, min and sum in ``dtype``, the single-process solvers'."""
+        return tuple(
+            v.to(dtype)
+            for v in (self.n_fin, self.n_pinf, self.n_nan, self.top, self.bottom, self.total)
+        )
+
+    def sample_top(self, plan: _Plan) -> int:
+        """The depth of the subsample's order statistics (``softops.topk._ot._sample_centre``)."""
+        ns = self.ns
+        return min(max(round(plan.k_max * ns / plan.n), 1), ns - 1) + 1 if ns > 1 else 1
 
 
 def _gather_rows(plan: _Plan, x: torch.Tensor) -> _Rows:
@@ -619,202 +626,40 @@ def _gather_rows(plan: _Plan, x: torch.Tensor) -> _Rows:
     )
 
 
-class _Classes(NamedTuple):
-    """Which rows are solved, filled or NaN, and their effective k (float64, (B,) each)."""
-
-    kk: torch.Tensor  # k less the +inf count on solved rows; half the finite count elsewhere
-    k_total: torch.Tensor  # kk with the +inf entries counted: the residual's target
-    solve_rows: torch.Tensor
-    sel_none: torch.Tensor
-    sel_all: torch.Tensor
-    invalid: torch.Tensor
-
-
-def _classify(rows: _Rows, k: torch.Tensor) -> _Classes:
-    """Rows with a NaN on any rank, or whose k the finite entries cannot meet, are NaN; rows
-    that select exactly their ``+inf`` entries (k' = 0) or all but their ``-inf`` ones (k' =
-    n_fin) are filled; the rest are solved."""
-    k_eff = k.to(torch.float64) - rows.n_pinf
-    invalid = (rows.n_nan > 0) | (k_eff < 0) | (k_eff > rows.n_fin)
-    sel_none = ~invalid & (k_eff <= 0)
-    sel_all = ~invalid & (k_eff >= rows.n_fin)
-    solve_rows = ~(invalid | sel_none | sel_all)
-    kk = torch.where(solve_rows, k_eff, 0.5 * rows.n_fin.clamp(min=1))
-    return _Classes(kk, kk + rows.n_pinf, solve_rows, sel_none, sel_all, invalid)
-
-
-def _sample_centre(rows: _Rows, cls: _Classes, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
-    """The midpoint of the subsample's q-th and (q+1)-th largest, q ~ k ns / n: an estimate of
-    the threshold, clamped to the finite range (0 on rows that are not solved)."""
-    ns, n = rows.ns, plan.n
-    q_top = min(max(round(plan.k_max * ns / n), 1), ns - 1) + 1 if ns > 1 else 1
-    q = (cls.k_total * (ns / n)).round().long().clamp(1, max(q_top - 1, 1))
-    topv = rows.cand.topk(min(q_top, rows.cand.shape[-1]), dim=-1).values.to(dtype)
-    last = topv.shape[-1] - 1
-    at, nxt = (q - 1).clamp(max=last)[:, None], q.clamp(max=last)[:, None]
-    m = torch.add(0.5 * topv.gather(-1, at), topv.gather(-1, nxt), alpha=0.5).squeeze(-1)
-    m = torch.nan_to_num(m, nan=0.0, posinf=math.inf, neginf=-math.inf)
-    m = torch.minimum(torch.maximum(m, rows.bottom.to(dtype)), rows.top.to(dtype))
-    return torch.where(cls.solve_rows, m, 0)
-
-
 def _scaled(
     plan: _Plan, rows: _Rows, x: torch.Tensor, eps: torch.Tensor
 ) -> tuple[_Rows, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows whose epsilon is within ``2**SCALE_BITS`` of ``finfo.max`` on ``(x c, eps c)``, c
-    the largest power of two that brings epsilon and the half span below that limit (exact)."""
-    limit = torch.finfo(x.dtype).max * 2.0**-SCALE_BITS
-    if plan.eps_max <= limit:
+    the power of two of the single-process solver (``softops.topk._ot._scale``) from the rows'
+    finite span; their statistics with them (exact)."""
+    if plan.eps_max <= _scaling_limit(x.dtype):
         return rows, x, eps, None
-    top, bottom = rows.top, rows.bottom
-    half = torch.where(top >= bottom, 0.5 * top - 0.5 * bottom, 0).nan_to_num(0.0)
-    size = torch.maximum(half, eps.to(torch.float64))
-    exponent = torch.frexp(size / limit).exponent.clamp(min=0)
-    scale = torch.where(eps > limit, torch.ldexp(torch.ones_like(eps), -exponent), 1)
+    scale = _scale_of(rows.top.to(x.dtype), rows.bottom.to(x.dtype), eps)
     c = scale.to(torch.float64)
     rows = rows._replace(
-        top=top * c, bottom=bottom * c, total=rows.total * c, cand=rows.cand * c[:, None]
+        top=rows.top * c,
+        bottom=rows.bottom * c,
+        total=rows.total * c,
+        cand=rows.cand * c[:, None],
     )
     return rows, x * scale[:, None], eps * scale, scale
 
 
 def _start_ot(
-    plan: _Plan, rows: _Rows, cls: _Classes, eps: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, SolverState]:
-    """The centre m and the solver's start (bracket, iterate, residual bounds) of every row."""
-    kk, nn_ = cls.kk.to(dtype), rows.n_fin.clamp(min=1).to(dtype)
-    solve_rows = cls.solve_rows
-    bottom, top = rows.bottom.to(dtype), rows.top.to(dtype)
-    zeros = torch.zeros_like(kk)
-    logit = torch.log(kk) - torch.log(nn_ - kk)
+    plan: _Plan, rows: _Rows, k: torch.Tensor, eps: torch.Tensor, dtype: torch.dtype
+) -> tuple[_Prep, SolverState]:
+    """The single-process solver's preparation (centre, classes, bracket and start) of every
+    row, from the gathered statistics and candidates."""
+    n_fin, n_pinf, n_nan, top, bottom, total = rows.stats(dtype)
     if rows.exact:
-        depth = rows.depth
-        topv = rows.cand.topk(depth, dim=-1).values.to(dtype)  # the row's largest, sorted
-        n_pinf = rows.n_pinf.to(dtype)
-
-        def entry(j: torch.Tensor) -> torch.Tensor:
-            index = (n_pinf + j - 1).clamp(0, depth - 1).long()
-            return topv.gather(-1, index[:, None]).squeeze(-1)
-
-        j_hi = torch.ceil(kk).clamp(min=1)
-        j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(min=1)
-        x_hi, x_lo = entry(j_hi), entry(j_lo)
-        m = torch.where(solve_rows, torch.add(0.5 * x_hi, x_lo, alpha=0.5), zeros)
-        # logs of the numerator and denominator apart (a ratio with a subnormal k rounds to 0)
-        lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo - kk))
-        hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1)) - torch.log(nn_ - kk))
-        spread = entry(torch.ones_like(kk)) - bottom
-    else:
-        m = _sample_centre(rows, cls, plan, dtype)
-        lo, hi = (bottom - m) - eps * logit, (top - m) - eps * logit
-        spread = top - bottom
-    fi = torch.finfo(dtype)
-    lo, hi = torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros)
-    # a few ulps of the scale, within the finite range (an infinite end has no midpoint)
-    pad = 4 * fi.eps * (lo.abs() + hi.abs() + eps)
-    lo, hi = (lo - pad).clamp(min=-fi.max), (hi + pad).clamp(max=fi.max)
-    # The start: the centre, or the large-epsilon guess where epsilon is large for the row.
-    xmean = (rows.total / rows.n_fin.clamp(min=1)).to(dtype)
-    t_large = torch.nan_to_num(xmean - m - eps * logit, nan=0.0)
-    t_large = torch.minimum(torch.maximum(t_large, lo), hi)
-    t_mid = torch.minimum(torch.maximum(zeros, lo), hi)
-    if rows.exact:
-        t0 = torch.where(SMOOTH_START * eps >= spread, t_large, t_mid)
-    else:  # the better of the two on the subsample (the same on every rank)
-        share = rows.ns / plan.n
-        samp = rows.cand.to(dtype)[:, None, :]
-        t2 = torch.stack((t_mid, t_large), -1)
-        z = ((samp - m[:, None, None]) - t2[..., None]) / eps[:, None, None]
-        F2 = torch.sigmoid(z).sum(-1) - (cls.k_total * share).to(dtype)[:, None]
-        t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
-    t0 = torch.where(solve_rows, t0, zeros)
-    return m, start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
+        topv = rows.cand.topk(rows.depth, dim=-1).values.to(dtype)  # the row's largest, sorted
+        return _start_exact(k, eps, topv, n_fin, n_pinf, n_nan, bottom, total)
+    counts = (n_fin, n_pinf, n_nan)
+    sample, q_top = rows.cand.to(dtype), rows.sample_top(plan)
+    return _start_sampled(k, eps, plan.n, sample, rows.ns, q_top, bottom, top, total, counts)
 
 
 # ----------------------------------------------------------------------------- the iteration
-
-
-def _shard_pass(
-    x: torch.Tensor, m2: torch.Tensor, t2: torch.Tensor, e2: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """One pass over the shard at the iterate: its five row sums (signed ``u``, the count of
-    ``z > 0``, ``d = u(1 - u)``, the signed ``(1 - 2u) d``, ``u``), the mask and ``s = d/eps``."""
-    inv = 1 / e2
-    z = ((x - m2) - t2) * inv
-    u = torch.sigmoid(-z.abs())
-    pos = z > 0
-    d = u * (1 - u)
-    c = (1 - 2 * u) * d
-    sums = (
-        torch.where(pos, -u, u).sum(-1),
-        pos.sum(-1),
-        d.sum(-1),
-        torch.where(pos, -c, c).sum(-1),
-        u.sum(-1),
-    )
-    return (*sums, torch.where(pos, 1 - u, u), d * inv)
-
-
-def _evaluate(
-    t: torch.Tensor,
-    x: torch.Tensor,
-    m2: torch.Tensor,
-    e2: torch.Tensor,
-    k_total: torch.Tensor,
-    tol: float,
-    n: int,
-    comm: _Comm,
-) -> tuple[torch.Tensor, ...]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, and the by-products
-    ``A`` and ``s`` (this shard) and the row's count of ``z > 0``, ``sum u`` and ``sum u(1 -
-    u)`` (global, float64): the
-    shard's five sums, all-reduced once (float64), and the row's formulas on them."""
-    dtype = x.dtype
-    f64 = torch.float64
-    em = torch.finfo(dtype).eps
-    out = _shard_pass(x, m2, t[:, None], e2)
-    local = torch.stack([v.to(f64) for v in out[:5]])
-    s1, count, d_sum, c_sum, u_sum = comm.sum(local).unbind(0)
-    e = e2.squeeze(-1).to(f64)
-    F = (count - k_total) + s1  # the count less k first: no cancellation
-    slope = d_sum / e
-    curv = -(c_sum / d_sum) / e
-    floor = torch.minimum(k_total, n - k_total).clamp(0, 1)
-    bound = 32 * em * torch.maximum(u_sum, floor) + 2 * em * slope * t.to(f64).abs()
-    bound = bound + n / torch.finfo(dtype).max + tol
-    return (
-        F.to(dtype),
-        (-slope).to(dtype),
-        bound.to(dtype),
-        curv.to(dtype),
-        out[5],
-        out[6],
-        count,
-        u_sum,
-        d_sum,
-    )
-
-
-def _polish(
-    comm: _Comm,
-    x: torch.Tensor,
-    m2: torch.Tensor,
-    e2: torch.Tensor,
-    state: SolverState,
-    rows: torch.Tensor,
-    gap: torch.Tensor,
-) -> torch.Tensor | None:
-    """:func:`softops.topk._ot.polish` of the near-hard rows of the sharded ``x``: each step
-    all-gathers every rank's :func:`~softops.topk._ot.balance_parts` (P, 6, B); ``gap`` is the
-    row's count above t less k (global, constant while t stays in its gap). Returns the new
-    iterate, or None when no row needs it (then no collective)."""
-    if not bool(rows.any()):
-        return None
-
-    def balance(t: torch.Tensor) -> torch.Tensor:
-        return comm.gather(balance_parts((x - m2) - t[:, None], e2))
-
-    return polish(balance, state.t_eval, state.lo, state.hi, e2.squeeze(-1), rows, gap)
 
 
 class _Solution(NamedTuple):
@@ -826,54 +671,64 @@ class _Solution(NamedTuple):
     edge: torch.Tensor  # (B,) int8: +1 rows at k' = 0, -1 rows at k' = n_fin, 0 else
     ext: torch.Tensor  # (B, 3): finite max, finite min, finite count (solve units)
     scale: torch.Tensor | None
-    converged: torch.Tensor  # (B,) bool (NaN rows and filled rows count as converged)
+    converged: torch.Tensor  # (B,) bool: filled rows have, rows that cannot be solved have not
     residual: torch.Tensor
     iterations: int
     hard: torch.Tensor | None
+    sel_none: torch.Tensor  # (B,) bool: the rows at k' = 0 (as softops.topk._ot.ThresholdState)
+    sel_all: torch.Tensor  # ... at k' = n_fin (a row without a finite entry is at both)
+    invalid: torch.Tensor  # ... that cannot be solved (NaN)
 
 
 def _solve_ot(plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor) -> _Solution:
-    """Solve the threshold of every row of the sharded (B, n_r) ``x``, largest first."""
+    """Solve the threshold of every row of the sharded (B, n_r) ``x``, largest first: the
+    single-process solver of ``softops.topk._ot`` (:func:`~softops.topk._ot._evaluate` with its
+    row sums all-reduced, :func:`~softops.topk._ot._polish_rows` with its balance all-gathered)."""
+    comm = plan.comm
+    reduce = comm.reduce if comm.size > 1 else None
+    gather = comm.gather if comm.size > 1 else None
     rows = _gather_rows(plan, x)
     rows, xs, es, scale = _scaled(plan, rows, x, eps)
-    cls = _classify(rows, k)
-    m, state = _start_ot(plan, rows, cls, es, x.dtype)
-    solve_rows, sel_none, sel_all, invalid = cls[2:]
+    prep, state = _start_ot(plan, rows, k, es, x.dtype)
     block = 1 if x.device.type == "cpu" else BLOCK
-    args = (xs, m[:, None], es[:, None], cls.k_total, plan.tol, plan.n, plan.comm)
-    state, evaluations = iterate(_evaluate, state, args, max_iter=plan.max_iter, block=block)
-    converged = result(state, evaluations).converged | ~solve_rows
+    args = (xs, prep.m2, es[:, None], prep.k_total, plan.tol, reduce, plan.n)
+    state, evaluations = iterate(_evaluate_t, state, args, max_iter=plan.max_iter, block=block)
+    converged = result(state, evaluations).converged
     t = state.t_eval
     if state.extra:
-        A, s, count, _, d_sum = state.extra
-        # the floor of the tolerance (1) leaves t uncertain by 32 em eps / sum u(1 - u): more
-        # than sqrt(em) eps there (the weights in k and epsilon go as exp(-|z|))
-        near = solve_rows & state.done & near_hard(d_sum, x.dtype)
-        gap = count - cls.k_total
-        polished = _polish(plan.comm, xs, m[:, None], es[:, None], state, near, gap)
-        if polished is not None:
-            t = polished
-            A, s = _shard_pass(xs, m[:, None], t[:, None], es[:, None])[5:]
+        A, s, den = state.extra[:3]
+        near = _near_rows(state, prep, es)
+        if bool(near.any()):  # (the host test that every rank makes alike)
+            t = _polish_rows(xs, prep, es, state, near, gather)
+            # this shard's mask and weights at the new t (the sums of the pass are unused)
+            A, s = _evaluate(xs, prep.m2, t[:, None], es[:, None], prep.k_total, plan.tol)[4:6]
     else:  # every row is filled: nothing was evaluated
         A, s = torch.zeros_like(xs), torch.zeros_like(xs)
-    A = _fill(A, xs, cls)
-    s = torch.where(solve_rows[:, None], s, 0).masked_fill(invalid[:, None], math.nan)
+        den = torch.full_like(t, math.inf)
+    A, s, _, residual, converged = _special_rows(prep, xs, A, s, den, state.residual, converged)
     if scale is not None:  # s = A (1 - A) / eps in the caller's units
         s = s * scale[:, None]
-    residual = torch.where(solve_rows, state.residual, 0).masked_fill(invalid, math.nan)
+    sel_none, sel_all, invalid = prep.sel_none, prep.sel_all, prep.invalid
     edge = sel_none.to(torch.int8) - (sel_all & ~sel_none).to(torch.int8)
+    m = prep.m2.squeeze(-1)
     aux = torch.stack((m, t), -1)
     ext = torch.stack((rows.top, rows.bottom, rows.n_fin), -1).to(x.dtype)
+    hard = _hard(plan, x, k, rows)
     return _Solution(
-        A, s, aux, edge, ext, scale, converged, residual, evaluations, _hard(plan, x, k, rows)
+        A,
+        s,
+        aux,
+        edge,
+        ext,
+        scale,
+        converged,
+        residual,
+        evaluations,
+        hard,
+        sel_none,
+        sel_all,
+        invalid,
     )
-
-
-def _fill(A: torch.Tensor, x: torch.Tensor, cls: _Classes) -> torch.Tensor:
-    """The rows that are not solved, exactly: their +inf entries, all but -inf, or NaN."""
-    A = torch.where(cls.sel_none[:, None], (x == math.inf).to(x.dtype), A)
-    A = torch.where(cls.sel_all[:, None], (x > -math.inf).to(x.dtype), A)
-    return A.masked_fill(cls.invalid[:, None], math.nan)
 
 
 def _hard(plan: _Plan, x: torch.Tensor, k: torch.Tensor, rows: _Rows) -> torch.Tensor | None:
@@ -900,133 +755,29 @@ def _no_double_backward(op: str) -> None:
 # ---------------------------------------------------------------------------- method "sparse"
 
 
-def _sparse_pass(
-    x: torch.Tensor, m2: torch.Tensor, u2: torch.Tensor, inv2: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """The shard's sums at ``u`` (the threshold ``t = m + eps u`` in units of epsilon): ``sum
-    a``, the counts of ``z > 0``, ``z >= 0``, ``z >= 1``, ``z > 1`` (``z = y - u``, ``y = (x -
-    m)/eps``) and ``sum y`` over the free entries ``0 < z < 1`` (for the closed-form polish)."""
-    y = (x - m2) * inv2
-    z = y - u2
-    free = (z > 0) & (z < 1)
-    return (
-        z.clamp(0, 1).sum(-1),
-        (z > 0).sum(-1),
-        (z >= 0).sum(-1),
-        (z >= 1).sum(-1),
-        (z > 1).sum(-1),
-        torch.where(free, y, 0).sum(-1),
-    )
-
-
-def _start_sparse(
-    plan: _Plan, rows: _Rows, cls: _Classes, eps: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, ...]:
-    """Centre m, bracket ``[lo, hi]`` on u with residual bounds, and the start u, per row.
-
-    Exact candidates: m is the ``ceil(k)``-th largest entry and the bracket the exact local one
-    of the single-process "sparse" (``[(x_(j) - m)/eps - 1, 0]``, ``j = floor(k) + 1``);
-    sampled: m is the subsample's estimate and the bracket ``[(min x - m)/eps - 1, (max x -
-    m)/eps]`` over the finite entries (every one at 1 at its lower end, at 0 at its upper)."""
-    kk = cls.kk.to(dtype)
-    solve_rows = cls.solve_rows
-    n_fin = rows.n_fin.clamp(min=1).to(dtype)
-    zeros = torch.zeros_like(kk)
-    inv = 1 / eps
-    big = torch.finfo(dtype).max
-    j_hi = torch.ceil(kk).clamp(min=1)
-    j_lo = torch.floor(kk) + 1
-    bottom, top = rows.bottom.to(dtype), rows.top.to(dtype)
-    if rows.exact:
-        topv = rows.cand.topk(rows.depth, dim=-1).values.to(dtype)
-        kt = cls.k_total.to(dtype)
-        ranks = torch.stack((torch.ceil(kt), torch.floor(kt) + 1), -1).clamp(1, plan.n)
-        pair = topv.gather(-1, (ranks - 1).clamp(0, rows.depth - 1).long())
-        m = torch.where(solve_rows, pair[:, 0], zeros)
-        y_lo = torch.where(solve_rows, (pair[:, 1] - m) * inv, zeros)
-        hi = zeros
-        r_lo = torch.where(solve_rows, j_lo - kk, 1)
-        r_hi = torch.where(solve_rows, (j_hi - 1) - kk, -1)
-    else:
-        m = _sample_centre(rows, cls, plan, dtype)
-        y_lo = torch.where(solve_rows, (bottom - m) * inv, zeros)
-        hi = torch.where(solve_rows, ((top - m) * inv).clamp(max=big), zeros)
-        r_lo = torch.where(solve_rows, n_fin - kk, 1)
-        r_hi = torch.where(solve_rows, -kk, -1)
-    lo = torch.nextafter(y_lo - 1, torch.full_like(y_lo, -math.inf)).clamp(min=-big)
-    xmean = (rows.total / rows.n_fin.clamp(min=1)).to(dtype)
-    u_large = ((xmean - m) * inv - kk / n_fin).nan_to_num(0.0)
-    u_small = (j_hi - 1) - kk
-    u = torch.where(SMOOTH_START * eps >= top - bottom, u_large, u_small)
-    u = torch.where(solve_rows, torch.minimum(torch.maximum(u, lo), hi), zeros)
-    return m, lo, hi, r_lo, r_hi, u
-
-
 def _solve_sparse(
     plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """The sharded "sparse" mask: the finite Newton method of ``softops.topk._sparse`` with its
-    five row sums all-reduced per evaluation (and the sum of y over the free entries, for the
-    polish, in the same all-reduce). Returns the mask, the rows' convergence, the hard mask
-    (or None) and the number of evaluations."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sharded "sparse" mask: the single-process solver of ``softops.topk._sparse`` with
+    its row sums all-reduced, from the gathered statistics; its bracket is the exact one of the
+    single-process op where the candidates are exact, else the finite range around the
+    subsample's centre. Returns the mask, the rows' convergence and the hard mask (or None)."""
     comm = plan.comm
     dtype = x.dtype
     rows = _gather_rows(plan, x)
-    cls = _classify(rows, k)
-    m, lo, hi, r_lo, r_hi, u = _start_sparse(plan, rows, cls, eps, dtype)
-    solve_rows = cls.solve_rows
-    k_total = cls.k_total
-    m2, inv2 = m[:, None], (1 / eps)[:, None]
-    done = ~solve_rows
-    newton = torch.zeros_like(done)
-    exact = torch.zeros_like(done)
-    side = torch.zeros_like(u)
-    want_pos = want_one = torch.zeros_like(u)
-    block = 1 if x.device.type == "cpu" else BLOCK
-    sums = _sparse_pass
-    size = ones = sum_y = torch.zeros_like(u)
-    evaluations = 0
-    while not bool(done.all()) or evaluations == 0:
-        local = torch.stack([v.to(torch.float64) for v in sums(x, m2, u[:, None], inv2)])
-        a_sum, pos, pos0, one, one1, sy = comm.sum(local).unbind(0)
-        evaluations += 1
-        r = (a_sum - k_total).to(dtype)
-        pos, pos0, one, one1 = (v.to(dtype) for v in (pos, pos0, one, one1))
-        size, ones, sum_y = pos - one, one, sy.to(dtype)
-        # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
-        exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
-        done = done | exact
-        if evaluations >= plan.max_iter or (evaluations % block == 0 and bool(done.all())):
-            break
-        up = r > 0
-        # the linear piece on the side of the step: entries at a breakpoint join it
-        want_pos = torch.where(up, pos, pos0)
-        want_one = torch.where(up, one1, one)
-        free = want_pos - want_one
-        below, above = up & ~done, (r < 0) & ~done
-        # Illinois: the end that stays twice in a row has its residual halved
-        r_lo = torch.where(below, r, torch.where(above & (side < 0), 0.5 * r_lo, r_lo))
-        r_hi = torch.where(above, r, torch.where(below & (side > 0), 0.5 * r_hi, r_hi))
-        lo = torch.where(below, u, lo)
-        hi = torch.where(above, u, hi)
-        side = torch.where(below, 1.0, torch.where(above, -1.0, side))
-        step = u + r / free.clamp(min=1)  # the piece's root: its slope is -|S| (units of eps)
-        newton = (free > 0) & (step > lo) & (step < hi)
-        secant = lo + (hi - lo) * (r_lo / (r_lo - r_hi))
-        mid = 0.5 * lo + 0.5 * hi
-        secant = torch.where((secant > lo) & (secant < hi), secant, mid)
-        u_new = torch.where(newton, step, secant)
-        # no representable point left between the ends: u is as close as the dtype allows
-        done = done | (u_new == u) | (u_new <= lo) | (u_new >= hi)
-        u = torch.where(done, u, u_new)
-    # Polish the rows stopped on the root's piece: u in closed form on that piece, u = mean_S y
-    # - (k - |U|)/|S|, from the last evaluation's sums (so an entry at a breakpoint is exact).
-    take = solve_rows & exact & (size > 0)
-    u_p = sum_y / size.clamp(min=1) - (k_total.to(dtype) - ones) / size.clamp(min=1)
-    u = torch.where(take, u_p, u)
-    a = (((x - m2) * inv2) - u[:, None]).clamp(0, 1)
-    a = _fill(a, x, cls)
-    return a, done | ~solve_rows, _hard(plan, x, k, rows), evaluations
+    stats = rows.stats(dtype)
+    if rows.exact:
+        topv = rows.cand.topk(rows.depth, dim=-1).values.to(dtype)
+        centre, x_lo = _ranked_pair(topv, k, plan.n)
+    else:
+        bounds = (stats[4], stats[3])
+        sample, q_top = rows.cand.to(dtype), rows.sample_top(plan)
+        centre, x_lo = _sample_centre(sample, k, plan.n, rows.ns, q_top, bounds), None
+    reduce = comm.reduce if comm.size > 1 else None
+    a, converged = _solve_sparse_rows(x, k, eps, plan.max_iter, stats, centre, x_lo, reduce)
+    if converged is None:
+        converged = torch.ones_like(k, dtype=torch.bool)
+    return a, converged, _hard(plan, x, k, rows)
 
 
 class _ShardedMaskSparse(torch.autograd.Function):
@@ -1038,8 +789,7 @@ class _ShardedMaskSparse(torch.autograd.Function):
     def forward(
         x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, plan: _Plan
     ) -> tuple[Any, ...]:
-        a, converged, hard, _ = _solve_sparse(plan, x.detach(), k.detach(), eps.detach())
-        return a, converged, hard
+        return _solve_sparse(plan, x.detach(), k.detach(), eps.detach())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -1123,7 +873,8 @@ class _ShardedMaskOT(torch.autograd.Function):
         x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, plan: _Plan
     ) -> tuple[Any, ...]:
         sol = _solve_ot(plan, x.detach(), k.detach(), eps.detach())
-        return sol.A, sol.converged, sol.hard, sol.s, sol.aux, sol.edge, sol.ext, sol.scale
+        converged = sol.converged | sol.invalid  # (NaN rows are NaN by contract: no warning)
+        return sol.A, converged, sol.hard, sol.s, sol.aux, sol.edge, sol.ext, sol.scale
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -1367,9 +1118,14 @@ def topk_threshold(
         tol: extra absolute tolerance on ``|sum A - k|`` (None: machine precision only).
 
     Returns:
-        A :class:`softops.solvers.ThresholdResult` (threshold in the units of x; rows that
-        select exactly their ``+inf`` or all their non ``-inf`` entries report 0, rows that
-        cannot be solved a NaN residual and ``converged=False``).
+        A :class:`softops.solvers.ThresholdResult` (threshold in the units of x), with the
+        contract of :func:`softops.solvers.topk_threshold` at the limits: ``+inf`` on rows at
+        k -> 0 (k, less the entries at ``+inf``, is 0 in the compute dtype), ``-inf`` on rows
+        at k -> n (k is the count of entries not at ``-inf``), the two swapped with
+        ``largest=False``; 0 on rows without a finite entry; all of these with
+        ``converged=True`` and residual 0. Rows whose k cannot be met (a NaN on any rank, more
+        entries at the first infinity than k, fewer entries not at the other one) have a NaN
+        threshold, a NaN residual and ``converged=False``.
 
     Example:
         >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
@@ -1386,13 +1142,15 @@ def topk_threshold(
     t = sol.aux[:, 0] + sol.aux[:, 1]
     if sol.scale is not None:
         t = t / sol.scale
-    unsolved = sol.edge != 0
-    t = torch.where(unsolved, 0, t)
+    # the rows that are not solved: the limits' thresholds, as softops.solvers.topk_threshold
+    inf = torch.full_like(t, math.inf)
+    t = torch.where(sol.sel_none, inf, torch.where(sol.sel_all, -inf, t))
+    t = torch.where(sol.sel_none & sol.sel_all, 0.0, t)  # no finite entry: any finite t
+    t = t.masked_fill(sol.invalid, math.nan)
     t = t if largest else -t
-    nan_rows = sol.residual != sol.residual
     return ThresholdResult(
         t.reshape(shape).to(x_local.dtype),
-        (sol.converged & ~nan_rows).reshape(shape),
+        sol.converged.reshape(shape),
         sol.iterations,
         sol.residual.reshape(shape).to(x_local.dtype),
     )

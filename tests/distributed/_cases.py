@@ -355,6 +355,63 @@ def extreme_epsilons_and_magnitudes(rank: int, world: int) -> None:
 
 
 @case()
+def threshold_follows_the_single_process_contract(rank: int, world: int) -> None:
+    """softops.solvers.topk_threshold's contract at the limits, on rows whose infinities and NaN
+    lie on different ranks: +inf at k -> 0, -inf at k -> n (swapped with largest=False), 0 on
+    rows without a finite entry, NaN where k cannot be met; converged and residual as there;
+    the other rows' thresholds equal the single-process ones."""
+    inf, nan = math.inf, math.nan
+    n = 7
+    runs = []
+    for dtype in (torch.float32, F64):
+        for largest in (True, False):
+            sign = 1.0 if largest else -1.0  # the first infinity (always selected)
+            base = rows(10, n, seed=30)
+            base[2, 1] = base[3, 0] = base[4, 5] = sign * inf
+            base[3, 6] = -sign * inf
+            base[5] = torch.tensor([inf, -inf, inf, -inf, -inf, inf, inf]) * sign
+            base[6, 4] = nan
+            base[7, :3] = sign * inf
+            base[9, 6] = -sign * inf
+            # 0 tiny k (0 in float32), 1 k just below n (n in float32), 2 k = #first-infinity,
+            # 3 the same with the other infinity, 4 k = n - #other (none), 5 no finite entry, 6
+            # NaN, 7 k below #first-infinity, 8 ordinary, 9 k = n - #other-infinity
+            tiny = 1.2960526166650304e-67 if dtype == torch.float32 else 0.0
+            k = torch.tensor([tiny, n - 1e-9, 1, 1, 7, 4, 2, 2, 2.5, 6], dtype=F64).to(dtype)
+            x = base.to(dtype)
+            for kind in ("uneven", "empty"):
+                sizes = sizes_for(n, world, kind)
+                got = threshold(shard(x, sizes, rank), k, 0.3, largest=largest)
+                want = softops.solvers.topk_threshold(x, k, 0.3, largest=largest)
+                runs.append((f"{dtype} largest={largest} {kind}", got, want))
+    # the same on a batch of rows along dim 0 (the transposed layout) and a scalar k at n
+    x = rows(4, n, seed=31)
+    sizes = sizes_for(n, world, "even")  # (an empty shard along dim 0 fails in flatten_to_2d)
+    got_t = threshold(shard(x.T, sizes, rank, 0), n, 0.2, dim=0)
+    runs.append(("k = n", got_t, softops.solvers.topk_threshold(x.T, n, 0.2, dim=0)))
+    got_0 = threshold(shard(x, sizes, rank), 0, 0.2, largest=False)
+    runs.append(("k = 0", got_0, softops.solvers.topk_threshold(x, 0, 0.2, largest=False)))
+    for what, got, want in runs:
+        limits = ~torch.isfinite(want.threshold) | (want.threshold == 0)
+        assert got.threshold.dtype == want.threshold.dtype, what
+        assert torch.equal(got.threshold[limits].isnan(), want.threshold[limits].isnan()), what
+        keep = limits & ~want.threshold.isnan()
+        assert torch.equal(got.threshold[keep], want.threshold[keep]), (what, got, want)
+        tol = 1e-5 if got.threshold.dtype == torch.float32 else 1e-10
+        close(got.threshold[~limits], want.threshold[~limits], tol, what)
+        assert torch.equal(got.converged, want.converged), (what, got, want)
+        nan_rows = want.residual.isnan()
+        assert torch.equal(got.residual.isnan(), nan_rows), (what, got, want)
+        assert bool((got.residual[limits & ~nan_rows] == 0).all()), (what, got)
+    # the contract's rows, by name (largest=True, uneven shards; k = n - 1e-9 is n in float32)
+    for index, dtype in ((0, torch.float32), (4, F64)):
+        t = runs[index][1].threshold
+        assert t[0] == inf and t[2] == inf and t[3] == inf and t[4] == -inf, t
+        assert t[5] == 0 and t[6] != t[6] and t[7] != t[7] and t[9] == -inf, t
+        assert math.isfinite(t[8]) and (t[1] == -inf) == (dtype == torch.float32), t
+
+
+@case()
 def hard_is_the_exact_topk_with_ties_by_global_position(rank: int, world: int) -> None:
     n = 14
     sizes = sizes_for(n, world, "uneven")
@@ -499,7 +556,9 @@ def collectives_are_counted_and_bounded(rank: int, world: int) -> None:
         # no extra collective for hard=True (on the sampled path its candidates ride along)
         assert len(h) == len(f) and h[0] == f[0] and h[2:] == f[2:], (label, h, f)
         assert c[:3] == [*f[:2], (5, B)] and c[3:] == [(world, 6, B)] * (len(c) - 3), (label, c)
-        assert 3 <= len(s) <= 2 + 13 and s[2:] == [(6, B)] * (len(s) - 2), (label, s)
+        # "sparse": one per evaluation, then the two of its closed-form polish
+        polished = [(5, B)] * (len(s) - 4) + [(4, B), (1, B)]
+        assert 5 <= len(s) <= 4 + 13 and s[2:] == polished, (label, s)
         assert sb == [(3, B)], (label, sb)
     assert len(top.shapes) == 2
 

@@ -120,3 +120,26 @@ def test_group_of_one_matches_the_single_process_op(group_of_one):
     ref = softops.solvers.topk_threshold(x.detach(), 3, 0.2)
     torch.testing.assert_close(res.threshold, ref.threshold, rtol=1e-12, atol=1e-12)
     assert res.converged.all() and res.iterations <= 8
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_threshold_at_the_limits_without_a_group(largest, no_collectives, monkeypatch):
+    # softops.solvers.topk_threshold's contract: +inf at k -> 0, -inf at k -> n (swapped with
+    # largest=False), 0 without a finite entry, NaN where k cannot be met
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    inf, nan = math.inf, math.nan
+    sign = 1.0 if largest else -1.0
+    x = torch.randn(6, 5, dtype=F64, generator=torch.Generator().manual_seed(4))
+    x[1, 0] = sign * inf
+    x[3] = torch.tensor([inf, -inf, inf, -inf, -inf]) * sign
+    x[4, 2] = nan
+    x[5, 4] = -sign * inf
+    k = torch.tensor([0.0, 1.0, 5.0, 2.0, 2.0, 4.0], dtype=F64)
+    got = sd.topk_threshold(x, k, 0.3, largest=largest)
+    want = softops.solvers.topk_threshold(x, k, 0.3, largest=largest)
+    expected = torch.tensor([inf, inf, -inf, 0.0, nan, -inf], dtype=F64) * sign
+    torch.testing.assert_close(got.threshold, expected, equal_nan=True)
+    torch.testing.assert_close(want.threshold, expected, equal_nan=True)
+    assert got.converged.tolist() == [True, True, True, True, False, True]
+    assert got.residual[[0, 1, 2, 3, 5]].eq(0).all() and got.residual[4].isnan()
+    assert torch.equal(got.converged, want.converged)

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -164,6 +165,14 @@ class _Prep(NamedTuple):
     invalid: torch.Tensor
 
 
+Reduce = Callable[[tuple[torch.Tensor, ...]], Sequence[torch.Tensor]]
+"""How an evaluation combines its per-row partial sums over the pieces of a row: None (the
+identity: the row is in this process) or a function of the tuple of (B,) partial sums that
+returns their totals over the row, in the same order (``softops.distributed``: one all-reduce
+across the ranks that hold the row's shards). It may return them in a wider dtype (float64);
+the evaluation then forms the row's formulas in it and returns them in the dtype of ``x``."""
+
+
 def _evaluate(
     x: torch.Tensor,
     m: torch.Tensor,
@@ -171,40 +180,61 @@ def _evaluate(
     eps: torch.Tensor,
     k: torch.Tensor,
     tol: float | torch.Tensor,
+    reduce: Reduce | None = None,
+    n: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s`` and the
+    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s``, the
     backward's denominator, ``sum s`` where it is positive and ``inf`` elsewhere (``s = A (1 - A)
-    / eps``, the backward's weights, formed from ``u``: no cancellation).
+    / eps``, the backward's weights, formed from ``u``: no cancellation), and the count of
+    entries above t (the polish keeps it).
 
     The reductions are over the last dim; ``m``, ``t`` and ``eps`` have a trailing singleton dim,
     ``k`` the reduced shape. With ``u = min(A, 1 - A)`` the residual is split by sign, so it has no
     cancellation; the tolerance is the rounding of the sums (at least that of min(k, n - k, 1))
     plus the change of F over one ulp of t, plus the user's ``tol``. ``F''/F' = -<1 - 2A, d> /
     (eps sum d)`` with ``d = u(1 - u)`` is formed as a ratio, so it neither over- nor underflows.
+
+    The five row sums are partial sums where the row is split (``x`` one shard of it): ``reduce``
+    (:data:`Reduce`) totals them, and ``n`` is then the row's whole length (default: x's last
+    dim). ``A`` and ``s`` are always those of ``x``'s entries.
     """
     em = torch.finfo(x.dtype).eps
     inv = 1 / eps  # per row: one division a row instead of one an entry
     z = ((x - m) - t) * inv
     u = torch.sigmoid(-z.abs())
     pos = z > 0
-    F = torch.where(pos, -u, u).sum(-1) + (pos.sum(-1, dtype=x.dtype) - k)  # count - k first
     d = u * (1 - u)
     c = (1 - 2 * u) * d  # (1 - 2A) d up to the sign of z
-    d_sum = d.sum(-1)
+    sums: tuple[torch.Tensor, ...] = (
+        torch.where(pos, -u, u).sum(-1),
+        pos.sum(-1, dtype=x.dtype),
+        d.sum(-1),
+        torch.where(pos, -c, c).sum(-1),
+        u.sum(-1),
+    )
+    if reduce is not None:
+        sums = tuple(reduce(sums))
+    signed, count, d_sum, c_sum, u_sum = sums
+    F = signed + (count - k)  # count - k first
     e = eps.squeeze(-1)
     slope = d_sum / e
-    curv = -torch.where(pos, -c, c).sum(-1) / d_sum / e
+    curv = -c_sum / d_sum / e
+    n = x.shape[-1] if n is None else n
     # The sums are of size min(k, n - k) at the root: below 1 the rounding floor follows them, so
     # that a k within rounding of 0 or n (1e-300, say) is still solved to relative precision.
-    floor = torch.minimum(k, x.shape[-1] - k).clamp(0, 1)
+    floor = torch.minimum(k, n - k).clamp(0, 1)
     # ...down to where the sigmoid flushes to 0: 1 / (1 + exp(-z)) is 0 once exp(-z) overflows,
     # so each term is resolved only to about 1 / finfo.max (k = 1e-322 on a tied row cannot be
     # met more closely than that: no spurious warning, no bisection down to the ulps of t).
-    flush = x.shape[-1] / torch.finfo(x.dtype).max
-    bound = 32 * em * torch.maximum(u.sum(-1), floor) + 2 * em * slope * t.squeeze(-1).abs()
+    flush = n / torch.finfo(x.dtype).max
+    bound = 32 * em * torch.maximum(u_sum, floor) + 2 * em * slope * t.squeeze(-1).abs()
     bound = bound + flush + tol
     den = torch.where(slope > 0, slope, math.inf)  # <s, g> / den: 0 where every s is 0
-    return F, -slope, bound, curv, torch.where(pos, 1 - u, u), d * inv, den
+    rows: tuple[torch.Tensor, ...] = (F, -slope, bound, curv, den, count)
+    if F.dtype != x.dtype:  # (a reduction in a wider dtype)
+        rows = tuple(v.to(x.dtype) for v in rows)
+    F, dF, bound, curv, den, count = rows
+    return F, dF, bound, curv, torch.where(pos, 1 - u, u), d * inv, den, count
 
 
 def _evaluate_t(
@@ -214,9 +244,11 @@ def _evaluate_t(
     eps: torch.Tensor,
     k: torch.Tensor,
     tol: float | torch.Tensor,
+    reduce: Reduce | None = None,
+    n: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`_evaluate` for a (B,) iterate, the form the root finder calls."""
-    return _evaluate(x, m, t[:, None], eps, k, tol)
+    return _evaluate(x, m, t[:, None], eps, k, tol, reduce, n)
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,10 +278,16 @@ def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     epsilon and the half span of the finite entries below that limit (so every offset, bracket
     end and step of the solve is far inside the range). Exact: powers of two scale without
     rounding (but for subnormal entries, whose effect on ``(x - t) / eps`` is then nil)."""
-    limit = _scaling_limit(x.dtype)
     finite = torch.isfinite(x)
     top = torch.where(finite, x, -math.inf).amax(-1)
     bottom = torch.where(finite, x, math.inf).amin(-1)
+    return _scale_of(top, bottom, eps)
+
+
+def _scale_of(top: torch.Tensor, bottom: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """:func:`_scale` from the rows' largest and smallest finite entries (B,) (``-inf`` and
+    ``inf`` where a row has none)."""
+    limit = _scaling_limit(eps.dtype)
     half = torch.where(top >= bottom, 0.5 * top - 0.5 * bottom, 0)  # (NaN rows: 0)
     size = torch.maximum(torch.nan_to_num(half, nan=0.0), eps)
     exponent = torch.frexp(size / limit).exponent
@@ -383,6 +421,41 @@ def polish(
     return t
 
 
+def _row_counts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per row of ``x`` (B, n), n >= 1: the counts of finite, ``+inf`` and NaN entries (as
+    floats of x's dtype), the smallest finite entry (``inf``: none) and the sum of the finite
+    ones. Counts are float sums of comparisons: one vectorised pass each (``isnan().any()`` is
+    not, on the CPU)."""
+    dtype = x.dtype
+    finite = torch.isfinite(x)
+    n_fin = finite.sum(-1, dtype=dtype)
+    n_pinf = (x == math.inf).sum(-1, dtype=dtype)
+    n_nan = (x != x).sum(-1, dtype=dtype)
+    bottom = torch.where(finite, x, math.inf).amin(-1)
+    total = torch.where(finite, x, 0).sum(-1)
+    return n_fin, n_pinf, n_nan, bottom, total
+
+
+def _classify(
+    k: torch.Tensor, n_fin: torch.Tensor, n_pinf: torch.Tensor, n_nan: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Which rows are solved, and the k they are solved for (B,) each: ``kk``, k less the count of
+    ``+inf`` on the rows solved and half the finite count elsewhere (a harmless k that keeps the
+    arithmetic finite); ``k_eff``, k less the count of ``+inf`` (the residual's target, with the
+    ``+inf`` entries counted, is ``kk + (k - k_eff)``); the finite count clamped to at least 1;
+    ``solve_rows``; ``sel_none`` (k' = 0: only the ``+inf`` entries are selected); ``sel_all``
+    (k' = n_fin: all but the ``-inf`` ones; a row without a finite entry is at both); and
+    ``invalid`` (a NaN, or a k the finite entries cannot meet)."""
+    k_eff = k - n_pinf
+    invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
+    sel_none = ~invalid & (k_eff <= 0)
+    sel_all = ~invalid & (k_eff >= n_fin)
+    solve_rows = ~(invalid | sel_none | sel_all)
+    nn_ = n_fin.clamp(min=1)
+    kk = torch.where(solve_rows, k_eff, 0.5 * nn_)
+    return kk, k_eff, nn_, solve_rows, sel_none, sel_all, invalid
+
+
 def _prepare_exact(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, top: int
 ) -> tuple[_Prep, SolverState]:
@@ -391,22 +464,27 @@ def _prepare_exact(
     Branch-free: infinities, NaN and k at 0 or n are masks, not Python branches. ``top`` must be
     at least ``floor(max k) + 1`` (clamped to n).
     """
-    dtype = x.dtype
-    # Counts as float sums of comparisons: one vectorised pass (isnan().any() is not, on CPU).
-    finite = torch.isfinite(x)
-    n_fin = finite.sum(-1, dtype=dtype)
-    n_pinf = (x == math.inf).sum(-1, dtype=dtype)
-    k_eff = k - n_pinf
-    invalid = ((x != x).sum(-1, dtype=dtype) > 0) | (k_eff < 0) | (k_eff > n_fin)
-    sel_none = ~invalid & (k_eff <= 0)
-    sel_all = ~invalid & (k_eff >= n_fin)
-    solve_rows = ~(invalid | sel_none | sel_all)
-    # Rows that are not solved get a harmless k so that the arithmetic below stays finite.
-    nn_ = n_fin.clamp(min=1)
-    kk = torch.where(solve_rows, k_eff, 0.5 * nn_)
+    counts = _row_counts(x)
+    return _start_exact(k, eps, x.topk(top, dim=-1).values, *counts)
+
+
+def _start_exact(
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    topv: torch.Tensor,
+    n_fin: torch.Tensor,
+    n_pinf: torch.Tensor,
+    n_nan: torch.Tensor,
+    bottom: torch.Tensor,
+    total: torch.Tensor,
+) -> tuple[_Prep, SolverState]:
+    """:func:`_prepare_exact` from the rows' statistics (:func:`_row_counts`, of the whole row:
+    ``softops.distributed`` totals its shards') and ``topv`` (B, top), the row's ``top`` largest
+    entries in descending order, ``top >= floor(max k) + 1`` (clamped to n)."""
+    top = topv.shape[-1]
+    kk, k_eff, nn_, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
     # In a row without NaN the +inf entries lead the topk and -inf entries trail it, so the j-th
     # largest finite entry is at n_pinf + j - 1 <= floor(k) < top: no masked copy of x is needed.
-    topv = x.topk(top, dim=-1).values
     j_hi = torch.ceil(kk).clamp(min=1)
     j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(min=1)
 
@@ -423,8 +501,8 @@ def _prepare_exact(
     hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1)) - torch.log(nn_ - kk))
     lo, hi = _pad(torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros), eps)
     # The start: the centre, or the large-epsilon guess where epsilon is large for the row.
-    xmean = torch.where(finite, x, 0).sum(-1) / nn_
-    spread = entry(torch.ones_like(kk)) - torch.where(finite, x, math.inf).amin(-1)
+    xmean = total / nn_
+    spread = entry(torch.ones_like(kk)) - bottom
     t_large = xmean - m - eps * (torch.log(kk) - torch.log(nn_ - kk))
     t0 = torch.where(SMOOTH_START * eps >= spread, t_large, zeros)
     t0 = torch.minimum(torch.maximum(t0, lo), hi)
@@ -446,26 +524,70 @@ def _prepare_sampled(
     """Long rows with finite entries: centred on a strided subsample's quantile, with the coarse
     bracket ``[min x, max x] - eps logit(k / n)``; the start is the better of the centre and the
     large-epsilon guess on the subsample."""
-    n = x.shape[-1]
     xmin, xmax, xsum = row_stats
-    sel_none, sel_all = k <= 0, k >= n
-    solve_rows = ~(sel_none | sel_all)
-    kk = torch.where(solve_rows, k, 0.5 * n)
-    logit_k = torch.log(kk) - torch.log(n - kk)
     sample = x[:, ::stride]
-    ns = sample.shape[-1]
-    # the subsample's q-th and (q+1)-th largest, q ~ k ns / n; ``top`` >= max q + 1
-    q = (kk * (ns / n)).round().long().clamp(1, top - 1)
+    return _start_sampled(k, eps, x.shape[-1], sample, sample.shape[-1], top, xmin, xmax, xsum)
+
+
+def _sample_centre(
+    sample: torch.Tensor,
+    k: torch.Tensor,
+    n: int,
+    ns: int,
+    top: int,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The midpoint of the subsample's q-th and (q+1)-th largest, ``q ~ k ns / n`` clamped to [1,
+    top - 1]: an estimate of the threshold (B,). ``sample`` (B, >= top) holds ``ns`` entries of
+    the row (any further ones are ``-inf``); ``top >= max q + 1`` where it can be (``top <=
+    ns``). With ``bounds``, the smallest and largest finite entries (B,) of the row, the centre
+    is clamped to them (the sample can hold infinities, and the padding)."""
+    q = (k * (ns / n)).round().long().clamp(1, max(top - 1, 1))
     topv = sample.topk(top, dim=-1).values
-    zeros = torch.zeros_like(kk)
-    m = torch.add(0.5 * topv.gather(-1, (q - 1)[:, None]), topv.gather(-1, q[:, None]), alpha=0.5)
+    at, nxt = q - 1, q if top > 1 else q - 1
+    m = torch.add(0.5 * topv.gather(-1, at[:, None]), topv.gather(-1, nxt[:, None]), alpha=0.5)
     m = m.squeeze(-1)
+    if bounds is not None:
+        m = torch.minimum(torch.maximum(m.nan_to_num(0.0), bounds[0]), bounds[1])
+    return m
+
+
+def _start_sampled(
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    n: int,
+    sample: torch.Tensor,
+    ns: int,
+    top: int,
+    xmin: torch.Tensor,
+    xmax: torch.Tensor,
+    total: torch.Tensor,
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[_Prep, SolverState]:
+    """:func:`_prepare_sampled` from the rows' statistics: ``sample`` (B, >= top) holds ``ns``
+    entries of each row of length ``n`` (any further ones are ``-inf``), ``top`` as in
+    :func:`_sample_centre`; ``xmin``, ``xmax`` and ``total`` the smallest, largest and sum of the
+    finite entries; ``counts`` None where every entry is finite, else the counts of finite,
+    ``+inf`` and NaN entries (:func:`_row_counts`): then the centre is clamped to the finite
+    range, and the rows are classified as in :func:`_start_exact`."""
+    if counts is None:
+        sel_none, sel_all = k <= 0, k >= n
+        solve_rows = ~(sel_none | sel_all)
+        kk = k_total = torch.where(solve_rows, k, 0.5 * n)
+        invalid = torch.zeros_like(solve_rows)
+        nn_: float | torch.Tensor = n
+    else:
+        kk, k_eff, nn_, solve_rows, sel_none, sel_all, invalid = _classify(k, *counts)
+        k_total = kk + (k - k_eff)
+    logit_k = torch.log(kk) - torch.log(nn_ - kk)
+    zeros = torch.zeros_like(kk)
+    m = _sample_centre(sample, k_total, n, ns, top, None if counts is None else (xmin, xmax))
     m = torch.where(solve_rows, m, zeros)
     lo = torch.where(solve_rows, (xmin - m) - eps * logit_k, zeros)
     hi = torch.where(solve_rows, (xmax - m) - eps * logit_k, zeros)
     lo, hi = _pad(lo, hi, eps)
     # (the sum of a long row near the largest finite value can be inf - inf: then the centre)
-    t_large = torch.nan_to_num(xsum / n - m - eps * logit_k, nan=0.0)
+    t_large = torch.nan_to_num(total / nn_ - m - eps * logit_k, nan=0.0)
     t_large = torch.minimum(torch.maximum(t_large, lo), hi)
     t2 = torch.stack((torch.minimum(torch.maximum(zeros, lo), hi), t_large), -1)
     F2 = _evaluate(
@@ -473,13 +595,12 @@ def _prepare_sampled(
         m[:, None, None],
         t2[..., None],
         eps[:, None, None],
-        kk[:, None] * (ns / n),
+        k_total[:, None] * (ns / n),
         0.0,
     )[0]
     t0 = t2.gather(-1, F2.abs().argmin(-1, keepdim=True)).squeeze(-1)
-    state = start_state(t0, lo, hi, f_lo=n - kk, f_hi=-kk, done=~solve_rows)
-    invalid = torch.zeros_like(solve_rows)
-    return _Prep(m[:, None], kk, solve_rows, sel_none, sel_all, invalid), state
+    state = start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
+    return _Prep(m[:, None], k_total, solve_rows, sel_none, sel_all, invalid), state
 
 
 def _start(
@@ -530,17 +651,26 @@ def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tens
 
 
 def _polish_rows(
-    x: torch.Tensor, prep: _Prep, eps: torch.Tensor, state: SolverState, rows: torch.Tensor
+    x: torch.Tensor,
+    prep: _Prep,
+    eps: torch.Tensor,
+    state: SolverState,
+    rows: torch.Tensor,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """:func:`polish` on the rows of one process: the new threshold of every row (B,)."""
+    """:func:`polish` of the given ``rows``: the new threshold of every row (B,). The gap of the
+    count above t (``+inf`` entries: selected) from k is the last evaluation's (its count is the
+    row's). Where the row is split (``x`` one shard of it), ``gather`` stacks every shard's
+    :func:`balance_parts` (P, 6, B) (``softops.distributed``: one all-gather a step); None: the
+    row is in this process."""
     e2 = eps[:, None]
-    t = state.t_eval
-    above = ((x - prep.m2) - t[:, None] > 0).sum(-1, dtype=x.dtype)  # +inf entries: selected
+    gap = state.extra[3] - prep.k_total
 
     def balance(t: torch.Tensor) -> torch.Tensor:
-        return balance_parts((x - prep.m2) - t[:, None], e2)[None]
+        parts = balance_parts((x - prep.m2) - t[:, None], e2)
+        return parts[None] if gather is None else gather(parts)
 
-    return polish(balance, t, state.lo, state.hi, eps, rows, above - prep.k_total)
+    return polish(balance, state.t_eval, state.lo, state.hi, eps, rows, gap)
 
 
 KERNEL = Kernel("softops_ot", Path(__file__).with_name("_ot_kernel.cpp"))
@@ -686,11 +816,11 @@ def _solve(
         if near is None:  # (known from the start's flags)
             near = _near_rows(state, prep, eps)
         root = _polish_rows(x, prep, eps, state, near)
-        residual, *_, A, w, w_sum = _evaluate(
+        residual, *_, A, w, w_sum, _ = _evaluate(
             x, prep.m2, root[:, None], eps[:, None], prep.k_total, tol
         )
     elif state.extra:
-        A, w, w_sum = state.extra
+        A, w, w_sum = state.extra[:3]
     else:  # meta tensors: nothing was evaluated
         A = _mask(x, prep.m2, root[:, None], eps[:, None])
         w = A * (1 - A) / eps[:, None]
@@ -702,17 +832,33 @@ def _solve(
         # every row done and none skipped: converged (a residual is finite on finite rows)
         out = ThresholdState(m, root, converged, evaluations, residual, None, None, None, scale)
         return out, A, w, torch.stack((m, root, w_sum), -1), all_done
+    A, w, w_sum, residual, converged = _special_rows(prep, x, A, w, w_sum, residual, converged)
+    out = ThresholdState(
+        m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, prep.invalid, scale
+    )
+    return out, A, w, torch.stack((m, root, w_sum), -1), False
+
+
+def _special_rows(
+    prep: _Prep,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    w: torch.Tensor,
+    w_sum: torch.Tensor,
+    residual: torch.Tensor,
+    converged: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The rows that are not solved, in the solve's outputs: the mask filled exactly
+    (:func:`_fill_special`), ``s`` 0 and ``sum s`` inf (the mask is exactly 0 or 1 there), or
+    NaN (NaN gradients) on the rows that cannot be solved, whose residual is NaN and which have
+    not converged; the filled rows have residual 0 and have converged."""
     solve_rows, invalid = prep.solve_rows, prep.invalid
     converged = converged | ~(solve_rows | invalid)
     residual = torch.where(solve_rows, residual, 0).masked_fill(invalid, math.nan)
     A = _fill_special(A, x, prep.sel_none, prep.sel_all, invalid)
-    # rows that are not solved are exactly 0 or 1 (s = 0), or NaN (NaN gradients)
     w = torch.where(solve_rows[:, None], w, 0).masked_fill(invalid[:, None], math.nan)
     w_sum = torch.where(solve_rows, w_sum, math.inf).masked_fill(invalid, math.nan)
-    out = ThresholdState(
-        m, root, converged, evaluations, residual, prep.sel_none, prep.sel_all, invalid, scale
-    )
-    return out, A, w, torch.stack((m, root, w_sum), -1), False
+    return A, w, w_sum, residual, converged
 
 
 def solve(

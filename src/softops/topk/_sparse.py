@@ -82,6 +82,7 @@ import torch
 from softops._core.convergence import warn_not_converged
 from softops._core.transforms import vmap_rows
 from softops._kernels import define
+from softops.topk._ot import Reduce, _classify, _fill_special
 
 __all__ = ["GPU_BLOCK", "sparse_mask"]
 
@@ -92,21 +93,33 @@ SMOOTH_START = 8.0
 
 
 def _evaluate(
-    x: torch.Tensor, m: torch.Tensor, u: torch.Tensor, inv: torch.Tensor, k: torch.Tensor
+    x: torch.Tensor,
+    m: torch.Tensor,
+    u: torch.Tensor,
+    inv: torch.Tensor,
+    k: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """At ``u`` (B, 1), the threshold ``t = m + eps u`` in units of epsilon from the centre ``m``
     (B, 1): ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``, ``z >= 1`` and ``z > 1``
     (``z = (x - m) / eps - u``), as floats, (B,) each (reductions only: the mask is formed once,
-    by :func:`_polish`)."""
+    by :func:`_polish`). Where the row is split (``x`` one shard of it), ``reduce`` totals the
+    five partial sums (``softops.topk._ot.Reduce``); they come back in x's dtype."""
     z = (x - m) * inv - u
     a = z.clamp(0, 1)
     dt = x.dtype
-    r = a.sum(-1) - k
-    pos = (z > 0).sum(-1, dtype=dt)
-    pos0 = (z >= 0).sum(-1, dtype=dt)
-    one = (z >= 1).sum(-1, dtype=dt)
-    one1 = (z > 1).sum(-1, dtype=dt)
-    return r, pos, pos0, one, one1
+    sums = (
+        a.sum(-1),
+        (z > 0).sum(-1, dtype=dt),
+        (z >= 0).sum(-1, dtype=dt),
+        (z >= 1).sum(-1, dtype=dt),
+        (z > 1).sum(-1, dtype=dt),
+    )
+    if reduce is not None:  # (the residual formed in the reduction's dtype, then x's)
+        a_sum, *counts = reduce(sums)
+        return ((a_sum - k).to(dt), *(v.to(dt) for v in counts))
+    a_sum, pos, pos0, one, one1 = sums
+    return a_sum - k, pos, pos0, one, one1
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -133,6 +146,7 @@ def _polish(
     eps: torch.Tensor,
     exact: torch.Tensor,
     k: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """u again, in closed form from the final piece, ``u = mean_S(y) - (k - |U|) / |S|`` with
     ``y = (x - m) / eps`` (``m`` (B, 1): the centre of the solve), so that neither the threshold
@@ -142,7 +156,8 @@ def _polish(
     rows stopped on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by
     the resolution of u it is read from the final bracket, whose ends are adjacent floats: ``S
     = {lo < y, y - hi < 1}``, ``U = {y - hi >= 1}``. Returns the mask at u and the polished one,
-    their residuals, and |S|."""
+    their residuals, and |S|. Where the row is split, ``reduce`` totals the partial sums (two
+    reductions: |S|, |U|, the sums of y over S and of a; then the sum of the polished a)."""
     dtype = x.dtype
     y = (x - m) / eps[:, None]
     a = (y - u[:, None]).clamp(0, 1)
@@ -152,10 +167,17 @@ def _polish(
     ones_mask = torch.where(exact2, a >= 1, above_hi >= 1)
     size = free.sum(-1, dtype=dtype)
     ones = ones_mask.sum(-1, dtype=dtype)
+    sum_y = torch.where(free, y, 0).sum(-1)
+    a_sum = a.sum(-1)
+    if reduce is not None:
+        size, ones, sum_y, a_sum = (v.to(dtype) for v in reduce((size, ones, sum_y, a_sum)))
     size1 = size.clamp(min=1)
-    u_p = torch.where(free, y, 0).sum(-1) / size1 - (k - ones) / size1
+    u_p = sum_y / size1 - (k - ones) / size1
     a_p = (y - u_p[:, None]).clamp(0, 1)
-    return a, a_p, a.sum(-1) - k, a_p.sum(-1) - k, size
+    a_p_sum = a_p.sum(-1)
+    if reduce is not None:
+        a_p_sum = reduce((a_p_sum,))[0].to(dtype)
+    return a, a_p, a_sum - k, a_p_sum - k, size
 
 
 def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +205,16 @@ def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
             return end, end
         nxt = v.topk(2, dim=-1, largest=not largest).values[:, 1]
         return (nxt, end) if largest else (end, nxt)
-    ranked = x.topk(depth, dim=-1, largest=largest).values
+    return _ranked_pair(x.topk(depth, dim=-1, largest=largest).values, k, n, largest)
+
+
+def _ranked_pair(
+    ranked: torch.Tensor, k: torch.Tensor, n: int, largest: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_order_statistics` per row from ``ranked`` (B, depth), the ``depth`` largest
+    entries of each row of length ``n`` in descending order (``largest``; else its smallest in
+    ascending order), deep enough to hold both ranks."""
+    depth = ranked.shape[-1]
     ranks = torch.stack((torch.ceil(k), torch.floor(k) + 1), -1).clamp(1, n)
     index = ranks - 1 if largest else n - ranks
     pair = ranked.gather(-1, index.clamp(0, depth - 1).long())
@@ -196,16 +227,6 @@ def _solve(
     """The mask of every row of ``x`` (B, n), and the (B,) convergence flags (None: all rows)."""
     if x.device.type == "meta" or x.numel() == 0:  # nothing to solve, no value to test
         return torch.empty_like(x), None
-    dtype = x.dtype
-    n_fin, n_pinf, n_nan, top, bottom, total = _row_stats(x)
-    k_eff = k - n_pinf
-    invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
-    sel_none = ~invalid & (k_eff <= 0)
-    sel_all = ~invalid & ~sel_none & (k_eff >= n_fin)
-    solve_rows = ~(invalid | sel_none | sel_all)
-    zeros = torch.zeros_like(k)
-    n_fin1 = n_fin.clamp(min=1)
-    kk = torch.where(solve_rows, k_eff, 0.5 * n_fin1)  # (a harmless k on rows not solved)
     # The bracket, exact, from two order statistics of the finite entries: with j = floor(k') + 1
     # and j' = ceil(k') (k' = k less the count of +inf), every entry at or above x_(j) is at 1
     # once t <= x_(j) - eps (r >= j - k' > 0), and at most j' - 1 entries exceed x_(j') (r <=
@@ -213,7 +234,32 @@ def _solve(
     # (no gap at all for a fractional k), whatever the rest of the row holds: an entry far beyond
     # the gaps never enters the search, which over [min x - eps, max x] took about
     # log2(span / eps) steps and missed the cap.
+    stats = _row_stats(x)
     x_hi, x_lo = _order_statistics(x, k)
+    return _solve_rows(x, k, eps, max_iter, stats, x_hi, x_lo)
+
+
+def _solve_rows(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    stats: tuple[torch.Tensor, ...],
+    centre: torch.Tensor,
+    x_lo: torch.Tensor | None,
+    reduce: Reduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_solve` from the rows' statistics (:func:`_row_stats`, of the whole row), the
+    centre ``x_(ceil(k))`` and ``x_lo = x_(floor(k) + 1)`` (:func:`_order_statistics`): the exact
+    bracket; or, with ``x_lo`` None, any centre within the finite range and the bracket over it,
+    ``[(min x - m)/eps - 1, (max x - m)/eps]`` (every entry at 1 at its lower end, at 0 at its
+    upper). Where the row is split (``x`` one shard of it, the statistics the row's), ``reduce``
+    totals the partial sums of each evaluation (``softops.topk._ot.Reduce``): the mask returned
+    is then the shard's."""
+    dtype = x.dtype
+    n_fin, n_pinf, n_nan, top, bottom, total = stats
+    kk, _, n_fin1, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
+    zeros = torch.zeros_like(k)
     j_lo = torch.floor(kk) + 1
     j_hi = torch.ceil(kk).clamp(min=1)
     # The solve is on u = (t - m) / eps, centred on m = x_(j'), the top of the bracket: the
@@ -222,14 +268,20 @@ def _solve(
     # zero entry at an epsilon near finfo.tiny is subnormal, whose absolute resolution left an
     # ulp of t at 1e-7 of epsilon (float32), and bisection walked down the subnormals.
     big = torch.finfo(dtype).max
-    m = torch.where(solve_rows, x_hi, zeros)
+    m = torch.where(solve_rows, centre, zeros)
     inv = 1 / eps
+    if x_lo is not None:
+        y_lo = torch.where(solve_rows, (x_lo - m) * inv, zeros)
+        hi = zeros
+        r_lo = torch.where(solve_rows, j_lo - kk, 1)  # bounds on the residual at the ends
+        r_hi = torch.where(solve_rows, (j_hi - 1) - kk, -1)
+    else:
+        y_lo = torch.where(solve_rows, (bottom - m) * inv, zeros)
+        hi = torch.where(solve_rows, ((top - m) * inv).clamp(max=big), zeros)
+        r_lo = torch.where(solve_rows, n_fin1 - kk, 1)
+        r_hi = torch.where(solve_rows, -kk, -1)
     # (one float below: y - 1 can round up; the far end of a gap beyond the range is -max)
-    y_lo = torch.where(solve_rows, (x_lo - m) * inv, zeros)
     lo = torch.nextafter(y_lo - 1, torch.full_like(y_lo, -math.inf)).clamp(min=-big)
-    hi = zeros
-    r_lo = torch.where(solve_rows, j_lo - kk, 1)  # bounds on the residual at the ends
-    r_hi = torch.where(solve_rows, (j_hi - 1) - kk, -1)
     # Start: where epsilon is large for the row, the large-epsilon guess (every finite entry
     # free), mean(y) - k' / n_fin; else the small-epsilon one (x_(j') alone free), -(k' - j' + 1).
     u_large = ((total / n_fin1 - m) * inv - kk / n_fin1).nan_to_num(0.0)  # (inf - inf: 0)
@@ -245,7 +297,7 @@ def _solve(
     evaluate = _evaluate
     block = 1 if x.device.type == "cpu" else GPU_BLOCK
     for i in range(max_iter):
-        r, pos, pos0, one, one1 = evaluate(x, m2, u[:, None], inv2, k)
+        r, pos, pos0, one, one1 = evaluate(x, m2, u[:, None], inv2, k, reduce)
         # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
         exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
         done = done | exact
@@ -274,7 +326,7 @@ def _solve(
         u = torch.where(done, u, u_new)
     # Polish: u again, in closed form from the final piece (rows stopped on the root's piece
     # take it; rows stopped by the resolution of u, where it is closer to k).
-    a, a_p, r, r_p, size = _polish(x, m2, u, lo, hi, eps, exact, k)
+    a, a_p, r, r_p, size = _polish(x, m2, u, lo, hi, eps, exact, k, reduce)
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
     # One host read of three flags; the common case (every row polished, none special) then
     # costs no further pass over the rows.
@@ -282,9 +334,7 @@ def _solve(
     a = a_p if all_taken else torch.where(take[:, None], a_p, a)
     converged: torch.Tensor | None = None if all_done else done
     if not regular:
-        a = torch.where(sel_none[:, None], (x == math.inf).to(dtype), a)
-        a = torch.where(sel_all[:, None], (x > -math.inf).to(dtype), a)
-        a = a.masked_fill(invalid[:, None], math.nan)
+        a = _fill_special(a, x, sel_none, sel_all, invalid)
     return a, converged
 
 
