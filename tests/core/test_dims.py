@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,17 @@ def test_flatten_to_2d_round_trip_and_new_lengths(dim):
     assert y.shape[dim] == 1 and torch.equal(y, x.narrow(dim, 0, 1))
     w = restore(x2[:, :2, None].expand(-1, -1, 5))  # a trailing axis stays last
     assert w.shape == (*x.narrow(dim, 0, 2).shape, 5)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_flatten_to_2d_of_an_empty_dim(dim):
+    # an empty shard along dim (the sharded ops): B rows of 0 entries, not an ambiguous reshape
+    shape = [2, 3, 4]
+    shape[dim] = 0
+    x = torch.zeros(shape)
+    x2, restore = flatten_to_2d(x, dim)
+    assert x2.shape == (math.prod(shape[:dim] + shape[dim + 1 :]), 0)
+    assert restore(x2).shape == x.shape
 
 
 def test_row_param_broadcasts_and_rejects():

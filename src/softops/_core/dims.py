@@ -45,7 +45,7 @@ def flatten_to_2d(
         return x, _identity
     moved = x if dim == x.dim() - 1 else x.movedim(dim, -1)
     batch_shape = moved.shape[:-1]
-    x2 = moved.reshape(-1, moved.shape[-1])
+    x2 = moved.reshape(batch_shape.numel(), moved.shape[-1])  # (not -1: n may be 0)
 
     def restore(y: torch.Tensor) -> torch.Tensor:
         extra = y.shape[2:]
