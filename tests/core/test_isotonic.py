@@ -1,10 +1,16 @@
-"""softops._core.isotonic: the PAV solvers (numba kernels and the torch fallback) and the blockwise
-VJP helpers, against brute-force min-max formulas and scikit-learn."""
+"""softops._core.isotonic: the PAV solvers (the C++ kernels of ``_isotonic_kernel.cpp`` and their
+torch reference, chosen by the kernel layer's switch) and the blockwise VJP helpers, against
+brute-force min-max formulas and scikit-learn.
+
+The kernel is built ahead of time (``python -m softops._kernels``). Where it is not built the tests
+of the kernel skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +23,34 @@ from softops._kernels import backend, set_default_backend
 from tests._helpers import seeded
 
 F64 = torch.float64
+BACK_ENDS = ["kernel", "reference"]
+
+
+def require_kernel():
+    """The kernel's operators (``torch.ops.softops_isotonic``); skips (fails under
+    ``SOFTOPS_REQUIRE_KERNELS=1``) where the kernel is not built."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
+        built = isotonic.KERNEL.ops()
+    if built is None:
+        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
+            pytest.fail("the C++ kernel of PAV is not built (python -m softops._kernels)")
+        pytest.skip("the C++ kernel of PAV is not built here (python -m softops._kernels)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return require_kernel()
+
+
+def _both(fn, *args):
+    """fn(*args) on the kernel and on the reference back end."""
+    with backend("kernel"):
+        a = fn(*args)
+    with backend("reference"):
+        b = fn(*args)
+    return a, b
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -65,40 +99,22 @@ def _check_blocks(v: np.ndarray, block: np.ndarray, value_of) -> None:
         assert all(p > q for p, q in itertools.pairwise(values)), values
 
 
-def _numba_l2(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel on C-contiguous y; outputs and work arrays start full of garbage."""
-    from softops._core import _isotonic_numba as kernels
-
-    B, n = y.shape
-    v = np.full_like(y, np.nan)
-    block = np.full((B, n), -7, dtype=np.int64)
-    acc = np.full((B, n), 1e30)
-    cnt = np.full((B, n), 123, dtype=np.int64)
-    kernels.pav_l2(y, v, block, acc, cnt)
-    return v, block
+def _kernel_l2(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel (``softops_isotonic::pav_l2``) on y."""
+    v, block = require_kernel().pav_l2(torch.from_numpy(y))
+    return v.numpy(), block.numpy()
 
 
-def _numba_kl(s: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from softops._core import _isotonic_numba as kernels
-
-    B, n = s.shape
-    v = np.full_like(s, np.nan)
-    block = np.full((B, n), -7, dtype=np.int64)
-    work = (np.full((B, n), 1e30), np.full((B, n), -1e30), np.full((B, n), 99, dtype=np.int64))
-    kernels.pav_kl(s, w, v, block, *work)
-    return v, block
+def _kernel_kl(s: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    v, block = require_kernel().pav_kl(torch.from_numpy(s), torch.from_numpy(w))
+    return v.numpy(), block.numpy()
 
 
-# ------------------------------------------------------------------- numba PAV kernels
-
-
-@pytest.fixture(scope="module")
-def numba_mod():
-    return pytest.importorskip("numba")
+# --------------------------------------------------------------------- the PAV kernels
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pav_l2_kernel_matches_references(numba_mod, dtype):
+def test_pav_l2_kernel_matches_references(ops, dtype):
     g = seeded(3)
     y = torch.randint(-3, 4, (6, 11), generator=g).to(F64)
     y[1:3] += 0.1 * torch.randn(2, 11, generator=g, dtype=F64)
@@ -106,7 +122,7 @@ def test_pav_l2_kernel_matches_references(numba_mod, dtype):
     y[4] = torch.arange(11, dtype=F64)  # increasing: one block, the mean
     y[5] = -torch.arange(11, dtype=F64)  # strictly decreasing: n singleton blocks
     yn = np.ascontiguousarray(y.numpy().astype(dtype))
-    v, block = _numba_l2(yn)  # work arrays full of garbage: the kernel must not read them
+    v, block = _kernel_l2(yn)
     assert v.dtype == dtype and block.dtype == np.int64
     y64 = yn.astype(np.float64)
     for row, vr in zip(y64.tolist(), v, strict=True):
@@ -122,39 +138,39 @@ def test_pav_l2_kernel_matches_references(numba_mod, dtype):
     assert (block == ref_block.numpy()).all()
 
 
-def test_pav_l2_kernel_matches_sklearn_and_pools_ties(numba_mod):
+def test_pav_l2_kernel_matches_sklearn_and_pools_ties(ops):
     sk = pytest.importorskip("sklearn.isotonic")
     g = seeded(4)
     y = torch.randn(5, 50, generator=g, dtype=F64).cumsum(-1) * 0.3
     y += torch.randn(5, 50, generator=g, dtype=F64)
-    v, block = _numba_l2(np.ascontiguousarray(y.numpy()))
+    v, block = _kernel_l2(np.ascontiguousarray(y.numpy()))
     for row, vr in zip(y.numpy(), v, strict=True):
         ref = sk.IsotonicRegression(increasing=False).fit_transform(np.arange(50), row)
         np.testing.assert_allclose(vr, ref, rtol=0, atol=1e-12)
     _check_blocks(v, block, lambda b, idx: y.numpy()[b, idx].mean())
     # equal neighbours are pooled (the test is `<=`), exact block ids
     ties = np.array([[3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0, 5.0, 5.0, 5.0]])
-    v, block = _numba_l2(ties)
+    v, block = _kernel_l2(ties)
     assert block.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
     np.testing.assert_allclose(v[0], ties[0])
     np.testing.assert_allclose(v[1], np.full(7, 19.0 / 7))
     # one column: the identity
     col = np.array([[2.5], [-1.0]])
-    v, block = _numba_l2(col)
+    v, block = _kernel_l2(col)
     assert (v == col).all() and (block == 0).all()
 
 
-def test_pav_l2_kernel_rows_are_independent(numba_mod):
-    """prange over rows: each row's answer is the same alone as in a batch."""
+def test_pav_l2_kernel_rows_are_independent(ops):
+    """Rows over threads: each row's answer is the same alone as in a batch."""
     y = torch.randn(9, 30, generator=seeded(5), dtype=F64).numpy()
-    v, block = _numba_l2(y)
+    v, block = _kernel_l2(y)
     for b in range(9):
-        vb, bb = _numba_l2(np.ascontiguousarray(y[b : b + 1]))
+        vb, bb = _kernel_l2(np.ascontiguousarray(y[b : b + 1]))
         assert (vb[0] == v[b]).all() and (bb[0] == block[b]).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pav_kl_kernel_matches_references(numba_mod, dtype):
+def test_pav_kl_kernel_matches_references(ops, dtype):
     g = seeded(6)
     s = torch.randn(6, 10, generator=g, dtype=F64)
     w = torch.randn(6, 10, generator=g, dtype=F64).sort(-1, descending=True).values
@@ -167,7 +183,7 @@ def test_pav_kl_kernel_matches_references(numba_mod, dtype):
     w[4] = 0.0
     sn = np.ascontiguousarray(s.numpy().astype(dtype))
     wn = np.ascontiguousarray(w.numpy().astype(dtype))
-    v, block = _numba_kl(sn, wn)
+    v, block = _kernel_kl(sn, wn)
     assert v.dtype == dtype
     s64, w64 = sn.astype(np.float64), wn.astype(np.float64)
     for sr, wr, vr in zip(s64.tolist(), w64.tolist(), v, strict=True):
@@ -185,13 +201,13 @@ def test_pav_kl_kernel_matches_references(numba_mod, dtype):
     assert (block == ref_block.numpy()).all()
 
 
-def test_pav_kl_kernel_weighted_isotonic_and_ties(numba_mod):
+def test_pav_kl_kernel_weighted_isotonic_and_ties(ops):
     """v_KL(s, w) = log of the weighted decreasing isotonic regression of e^(s-w), weights e^w."""
     sk = pytest.importorskip("sklearn.isotonic")
     g = seeded(7)
     s = torch.randn(4, 40, generator=g, dtype=F64).numpy()
     w = (torch.randn(4, 40, generator=g, dtype=F64) * 0.5).numpy()
-    v, _ = _numba_kl(s, w)
+    v, _ = _kernel_kl(s, w)
     for sr, wr, vr in zip(s, w, v, strict=True):
         iso = sk.IsotonicRegression(increasing=False)
         ref = iso.fit_transform(np.arange(40), np.exp(sr - wr), sample_weight=np.exp(wr))
@@ -199,7 +215,7 @@ def test_pav_kl_kernel_weighted_isotonic_and_ties(numba_mod):
     # equal values s - w are pooled: one block, value log(sum e^s) - log(sum e^w)
     s = np.array([[0.0, 1.0, 2.0], [-math.inf, -math.inf, 0.0]])
     w = np.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
-    v, block = _numba_kl(s, w)
+    v, block = _kernel_kl(s, w)
     assert block.tolist() == [[0, 0, 0], [0, 0, 0]]
     np.testing.assert_allclose(v[0], 0.0, atol=1e-12)
     np.testing.assert_allclose(v[1], -math.log(3.0))
@@ -290,11 +306,14 @@ def test_block_helpers_float32_and_gradcheck():
 # ------------------------------------------------------------- isotonic_l2 / isotonic_kl (public)
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
-def test_isotonic_l2_matches_min_max_formula(backend):
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_isotonic_l2_matches_min_max_formula(back_end):
+    if back_end == "kernel":
+        require_kernel()
     y = torch.randint(-3, 4, (6, 9)).to(F64) + 0.1 * torch.randn(6, 9, dtype=F64)
     y[0] = 1.0  # all tied: one block
-    res = isotonic.isotonic_l2(y, backend=backend)
+    with backend(back_end):
+        res = isotonic.isotonic_l2(y)
     for row, v in zip(y.tolist(), res.v, strict=True):
         torch.testing.assert_close(v, torch.tensor(_pav_l2_reference(row), dtype=F64))
     assert (res.v.diff(dim=-1) <= 0).all()
@@ -303,30 +322,31 @@ def test_isotonic_l2_matches_min_max_formula(backend):
     assert (res.block.diff(dim=-1) >= 0).all() and (res.block.diff(dim=-1) <= 1).all()
 
 
-def test_isotonic_l2_matches_sklearn():
+def test_isotonic_l2_matches_sklearn(ops):
     sk = pytest.importorskip("sklearn.isotonic")
     y = torch.randn(4, 40, dtype=F64).cumsum(-1) * 0.2 + torch.randn(4, 40, dtype=F64)
-    v = isotonic.isotonic_l2(y, backend="numba").v
+    with backend("kernel"):
+        v = isotonic.isotonic_l2(y).v
     for row, vr in zip(y, v, strict=True):
         ref = sk.IsotonicRegression(increasing=False).fit_transform(range(40), row.numpy())
         torch.testing.assert_close(vr, torch.from_numpy(ref), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_numba_kernel_equals_torch_fallback(dtype):
+def test_kernel_equals_the_reference(dtype, ops):
     y = torch.randn(7, 60, dtype=dtype)
     y[1] = torch.randint(0, 3, (60,)).to(dtype)  # many ties
     y[2, 5] = math.inf
     y[3, 7] = -math.inf
     y[4, 9] = math.nan
-    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    a, b = _both(isotonic.isotonic_l2, y)
     torch.testing.assert_close(a.v, b.v, equal_nan=True)
     assert torch.equal(a.block, b.block)
     s = torch.randn(7, 60, dtype=dtype)
     w = torch.randn(7, 60, dtype=dtype).sort(-1, descending=True).values
     s[1] = torch.randint(0, 3, (60,)).to(dtype)
     s[2, 3] = -math.inf
-    a, b = isotonic.isotonic_kl(s, w, backend="numba"), isotonic.isotonic_kl(s, w, backend="torch")
+    a, b = _both(isotonic.isotonic_kl, s, w)
     torch.testing.assert_close(a.v, b.v, equal_nan=True)
     assert torch.equal(a.block, b.block)
 
@@ -336,9 +356,10 @@ def test_numba_kernel_equals_torch_fallback(dtype):
     st.lists(st.integers(-3, 3), min_size=1, max_size=12),
     st.sampled_from([1e-3, 1.0, 1e6]),
 )
-def test_numba_equals_torch_with_ties_and_magnitudes(values, scale):
+def test_kernel_equals_the_reference_with_ties_and_magnitudes(values, scale):
+    require_kernel()
     y = torch.tensor([values], dtype=F64) * scale
-    a, b = isotonic.isotonic_l2(y, backend="numba"), isotonic.isotonic_l2(y, backend="torch")
+    a, b = _both(isotonic.isotonic_l2, y)
     torch.testing.assert_close(a.v, b.v)
     assert torch.equal(a.block, b.block)
 
@@ -349,8 +370,11 @@ def test_default_backend_follows_the_kernel_layer_switch(monkeypatch):
     with backend("reference"):
         isotonic.isotonic_l2(torch.randn(2, 3))
     assert calls == ["torch"]
-    isotonic.isotonic_l2(torch.randn(2, 3))  # out of the box: numba's where installed
-    assert calls == ["torch"] or not isotonic.HAVE_NUMBA
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        built = isotonic.KERNEL.ops() is not None
+    isotonic.isotonic_l2(torch.randn(2, 3))  # out of the box: the kernel's where built
+    assert calls == (["torch"] if built else ["torch", "torch"])
 
 
 # ------------------------------------------------------- projections P(s, w) = s - v, any scale
@@ -376,13 +400,12 @@ def _sorted_pair(B: int, n: int, scale: float, dtype, g: torch.Generator):
 
 @pytest.mark.parametrize("kl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_projection_matches_reference_and_backends_agree(kl, dtype, numba_mod):
+def test_projection_matches_reference_and_backends_agree(kl, dtype, ops):
     project = isotonic.project_kl if kl else isotonic.project_l2
     g = seeded(21)
     for scale in [0.3, 3.0, 30.0]:
         s, w = _sorted_pair(5, 9, scale, dtype, g)
-        a = project(s, w, backend="numba")
-        b = project(s, w, backend="torch")
+        a, b = _both(project, s, w)
         assert a.p.dtype == dtype and (a.block == b.block).all()
         tol = 1e-5 if dtype == torch.float32 else 1e-10
         torch.testing.assert_close(a.p, b.p, rtol=tol, atol=tol)
@@ -390,22 +413,30 @@ def test_projection_matches_reference_and_backends_agree(kl, dtype, numba_mod):
             ref = torch.tensor(_proj_reference(sr, wr, kl), dtype=F64)
             torch.testing.assert_close(pr.double(), ref, rtol=10 * tol, atol=10 * tol)
         # one row of w for every row gives the same as the expanded w
-        one = project(s, w[:1], backend="numba")
-        assert torch.equal(one.p, project(s, w[:1].expand_as(s), backend="numba").p)
-        torch.testing.assert_close(one.p, project(s, w[:1], backend="torch").p, rtol=tol, atol=tol)
+        one, one_ref = _both(project, s, w[:1])
+        with backend("kernel"):
+            assert torch.equal(one.p, project(s, w[:1].expand_as(s)).p)
+        torch.testing.assert_close(one.p, one_ref.p, rtol=tol, atol=tol)
+        # and one row of s for every row (the sort's rho / epsilon)
+        row, row_ref = _both(project, s[:1], w)
+        assert row.p.shape == (5, 9)
+        torch.testing.assert_close(row.p, row_ref.p, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("kl", [False, True])
 @pytest.mark.parametrize("scale", [1e-12, 1e12])
-def test_projection_singletons_are_exact_at_any_scale(scale, kl, backend, numba_mod):
+def test_projection_singletons_are_exact_at_any_scale(scale, kl, back_end):
     """Singleton blocks give w itself, bit for bit, however far s is from w (no cancellation)."""
+    if back_end == "kernel":
+        require_kernel()
     project = isotonic.project_kl if kl else isotonic.project_l2
     n = 7
     w = torch.arange(n, 0, -1, dtype=F64)[None].log() if kl else torch.arange(n, 0, -1.0)[None]
     w = w.to(F64)
     s = (torch.arange(n, 0, -1, dtype=F64) * 10.0 * scale + 1e3 * scale)[None]
-    res = project(s.expand(2, n), w, backend=backend)
+    with backend(back_end):
+        res = project(s.expand(2, n), w)
     if scale > 1:  # s gaps far above w's: all singletons, p = w exactly
         assert (res.block == torch.arange(n)).all()
         assert torch.equal(res.p, w.expand(2, n))
@@ -415,53 +446,46 @@ def test_projection_singletons_are_exact_at_any_scale(scale, kl, backend, numba_
         torch.testing.assert_close(res.p, torch.full((2, n), float(expected), dtype=F64))
 
 
-def test_projection_serial_and_parallel_kernels_agree(numba_mod):
-    from softops._core import _isotonic_numba as kernels
-
+def test_projection_on_one_thread_and_on_several_agree(ops):
+    """The rows spread over torch's threads (at::parallel_for): the same bits on one thread, on
+    several, and row by row."""
     g = seeded(22)
-    s, w = _sorted_pair(16, 50, 2.0, torch.float64, g)
-    sn, wn = s.numpy(), w.numpy()
+    s, w = _sorted_pair(2000, 50, 2.0, torch.float64, g)  # several tasks of rows
+    s[[3, 1500], 0] = math.inf
+    threads = torch.get_num_threads()
     for kl in (False, True):
         outs = []
-        for kernel in (
-            (kernels.proj_kl_serial, kernels.proj_kl_parallel)
-            if kl
-            else (kernels.proj_l2_serial, kernels.proj_l2_parallel)
-        ):
-            out = np.full_like(sn, np.nan)
-            block = np.full(sn.shape, -3, dtype=np.int64)
-            assert kernel(sn, wn, out, block) == 0  # no row took the plain formulas
-            outs.append((out, block))
-        assert (outs[0][0] == outs[1][0]).all() and (outs[0][1] == outs[1][1]).all()
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            try:
+                outs.append(ops.project(s, w, kl))
+            finally:
+                torch.set_num_threads(threads)
+        (p1, b1, bad1), (p2, b2, bad2) = outs
+        assert torch.equal(p1, p2) and torch.equal(b1, b2) and int(bad1) == int(bad2) == 2
+        for b in (0, 3, 1999):
+            pb, bb, _ = ops.project(s[b : b + 1], w[b : b + 1], kl)
+            assert torch.equal(pb[0], p1[b]) and torch.equal(bb[0], b1[b])
 
 
-def test_numba_threads_serial_below_the_threshold(numba_mod, monkeypatch):
-    assert isotonic._numba_threads(isotonic.PARALLEL_MIN_WORK - 1, 64) == 1
-    assert isotonic._numba_threads(10**9, 1) == 1  # one row: nothing to share
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert isotonic._numba_threads(10**9, 64) == 1  # bounded by torch's threads
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 10**6)
-    most = numba_mod.config.NUMBA_NUM_THREADS
-    assert isotonic._numba_threads(10**9, 64) == min(most, 64)
-
-
-@pytest.mark.parametrize("backend", ["numba", "torch", None])
-def test_meta_tensors_give_shapes_only(backend, monkeypatch):
+@pytest.mark.parametrize("back_end", [*BACK_ENDS, None])
+def test_meta_tensors_give_shapes_only(back_end, monkeypatch):
     """Meta tensors have no data: every entry point returns meta outputs of the right shapes and
     dtypes without reaching a kernel (which would need the values)."""
-    if backend == "numba":
-        pytest.importorskip("numba")
+    if back_end is not None:
+        set_default_backend(back_end)
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran on meta tensors")
 
-    for name in ("_numba_project", "_torch_project", "_numba_l2", "_numba_kl", "_torch_pav"):
+    names = ("PROJECT_OP", "PAV_L2_OP", "PAV_KL_OP", "_torch_project", "_torch_pav")
+    for name in names:
         monkeypatch.setattr(isotonic, name, no_kernel)
     for dtype in (torch.float32, F64):
         s = torch.empty(4, 6, dtype=dtype, device="meta")
         for w in (torch.empty(1, 6, dtype=dtype, device="meta"), torch.empty(4, 6, device="cpu")):
             for project in (isotonic.project_l2, isotonic.project_kl):
-                p, block, finite = project(s, w, backend=backend)
+                p, block, finite = project(s, w)
                 assert p.is_meta and block.is_meta and finite is False  # unknown
                 assert p.shape == block.shape == (4, 6)
                 assert p.dtype == dtype and block.dtype == torch.int64
@@ -470,41 +494,37 @@ def test_meta_tensors_give_shapes_only(backend, monkeypatch):
             assert block.is_meta and block.dtype == torch.int64
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("kl", [False, True])
-def test_projection_reports_whether_every_row_was_finite(kl, backend, numba_mod):
+def test_projection_reports_whether_every_row_was_finite(kl, back_end):
     """The kernels count the rows that took the plain formulas (a non-finite entry in s or w),
     so that the caller applies its limits only then, without a pass of its own."""
+    if back_end == "kernel":
+        require_kernel()
+    set_default_backend(back_end)
     project = isotonic.project_kl if kl else isotonic.project_l2
     g = seeded(4)
     s, w = _sorted_pair(5, 9, 1.0, torch.float64, g)
-    assert project(s, w, backend=backend).finite is True
+    assert project(s, w).finite is True
     for bad in (math.inf, -math.inf, math.nan):
         s2 = s.clone()
         s2[3, 0 if bad != -math.inf else -1] = bad
-        res = project(s2, w, backend=backend)
+        res = project(s2, w)
         assert res.finite is False
         fine = [0, 1, 2, 4]  # the other rows are unchanged
-        assert torch.equal(res.p[fine], project(s, w, backend=backend).p[fine])
+        assert torch.equal(res.p[fine], project(s, w).p[fine])
     w2 = w.clone()
     w2[1, 0] = math.inf
-    assert project(s, w2, backend=backend).finite is False
-    if backend == "numba":
-        from softops._core import _isotonic_numba as kernels
-
-        s2 = s.clone()
-        s2[[0, 3], 0] = math.inf
-        for kernel in (
-            (kernels.proj_kl_serial, kernels.proj_kl_parallel)
-            if kl
-            else (kernels.proj_l2_serial, kernels.proj_l2_parallel)
-        ):
-            out, block = np.empty(s.shape), np.empty(s.shape, dtype=np.int64)
-            assert kernel(s2.numpy(), w.numpy(), out, block) == 2
+    assert project(s, w2).finite is False
+    # the operator counts the rows
+    s2 = s.clone()
+    s2[[0, 3], 0] = math.inf
+    _, _, count = isotonic.PROJECT_OP(s2, w, kl)
+    assert count.shape == () and count.dtype == torch.int64 and int(count) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatch):
+def test_l2_vjp_host_matches_the_block_mean_formula(dtype, ops, monkeypatch):
     set_default_backend("kernel")
     g = seeded(9)
     s, w = _sorted_pair(5, 12, 1.0, dtype, g)
@@ -530,12 +550,13 @@ def test_l2_vjp_host_matches_the_block_mean_formula(dtype, numba_mod, monkeypatc
     assert isotonic.l2_vjp_host(cot, pz, None, block, True, False) is None  # torch form then
 
 
-# ------------------------------------------------- the fused l2 VJP kernels and block_max
+# ------------------------------------------------- the fused l2 VJP operator and block_max
 
 
-def test_l2_vjp_kernels_are_the_block_mean_written_out(numba_mod):
-    from softops._core import _isotonic_numba as kernels
-
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_l2_vjp_operator_is_the_block_mean_written_out(back_end):
+    if back_end == "kernel":
+        require_kernel()
     rng = np.random.default_rng(0)
     B, n = 3, 6
     g = rng.standard_normal((B, n))
@@ -547,23 +568,110 @@ def test_l2_vjp_kernels_are_the_block_mean_written_out(numba_mod):
     want_z, want_w = np.empty((B, n)), np.empty((B, n))
     np.put_along_axis(want_z, pz, gs - mean, 1)
     np.put_along_axis(want_w, pw, mean, 1)
-    gz, gw = np.empty((B, n)), np.empty((B, n))
-    kernels.l2_vjp(g, pz, pw, block, gz, gw)
-    np.testing.assert_allclose(gz, want_z, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(gw, want_w, rtol=1e-12, atol=1e-12)
-    # with z = u / f: also sum_j (gs_j - m_j)(u_j - u_ref(j)) / f, u in z's order
-    u = rng.standard_normal((B, n))
-    f = np.array([2.0, 0.5, 4.0])
-    gr, gz2, gw2 = np.empty(B), np.empty((B, n)), np.empty((B, n))
-    kernels.l2_vjp_scaled(g, pz, pw, block, gz2, gw2, u, f, False, gr)
-    us = np.take_along_axis(u, pz, 1)
-    first = np.stack(
-        [[us[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
-    )
-    np.testing.assert_allclose(gr, ((gs - mean) * (us - first)).sum(1) / f, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(gz2, want_z, rtol=1e-12, atol=1e-12)
-    kernels.l2_vjp_scaled(g, pz, pw, block, gz2, gw2, u, f, True, gr)  # z = u * f
-    np.testing.assert_allclose(gr, ((gs - mean) * (us - first)).sum(1) * f, rtol=1e-12, atol=1e-12)
+    t = torch.from_numpy
+    with backend(back_end):
+        gz, gw, r = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, None, None, False)
+        assert r.shape == (0,)
+        np.testing.assert_allclose(gz.numpy(), want_z, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gw.numpy(), want_w, rtol=1e-12, atol=1e-12)
+        gz0, gw0, _ = isotonic.L2_VJP_OP(
+            t(g), t(pz), None, t(block), True, False, None, None, False
+        )
+        assert gz0.shape == (B, n) and gw0.shape == (B, 0)
+        # with z = u / f: also sum_j (gs_j - m_j)(u_j - u_ref(j)) / f, u in z's order
+        u = rng.standard_normal((B, n))
+        f = np.array([2.0, 0.5, 4.0])
+        gz2, _, gr = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, t(u), t(f), False)
+        us = np.take_along_axis(u, pz, 1)
+        first = np.stack(
+            [[us[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
+        )
+        rel = ((gs - mean) * (us - first)).sum(1)
+        np.testing.assert_allclose(gr.numpy(), rel / f, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gz2.numpy(), want_z, rtol=1e-12, atol=1e-12)
+        _, _, gr = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, t(u), t(f), True)
+        np.testing.assert_allclose(gr.numpy(), rel * f, rtol=1e-12, atol=1e-12)  # z = u * f
+        # one row of u for every row
+        _, _, gr1 = isotonic.L2_VJP_OP(
+            t(g), t(pz), None, t(block), True, False, t(u[:1]), t(f), False
+        )
+        us1 = np.take_along_axis(np.repeat(u[:1], B, 0), pz, 1)
+        first1 = np.stack(
+            [[us1[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
+        )
+        np.testing.assert_allclose(
+            gr1.numpy(), ((gs - mean) * (us1 - first1)).sum(1) / f, rtol=1e-12, atol=1e-12
+        )
+
+
+def _op_args(dtype):
+    g = seeded(31)
+    s, w = _sorted_pair(5, 9, 2.0, dtype, g)
+    s[2, 0] = math.inf
+    block = isotonic.project_l2(s, w).block
+    cot = torch.randn(5, 9, generator=g, dtype=dtype)
+    pz = torch.stack([torch.randperm(9, generator=g) for _ in range(5)])
+    u, f = torch.randn(5, 9, generator=g, dtype=dtype), torch.rand(5, generator=g, dtype=dtype)
+    return [
+        (isotonic.PAV_L2_OP, (s,)),
+        (isotonic.PAV_KL_OP, (s, w)),
+        (isotonic.PROJECT_OP, (s, w, False)),
+        (isotonic.PROJECT_OP, (s, w[:1], True)),
+        (isotonic.L2_VJP_OP, (cot, pz, None, block, True, False, None, None, False)),
+        (isotonic.L2_VJP_OP, (cot, None, pz, block, True, True, u, f, True)),
+    ]
+
+
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
+    """Schema, fake (meta) implementation and dispatch of the four operators."""
+    if back_end == "kernel":
+        require_kernel()
+    with backend(back_end):
+        for op, args in _op_args(dtype):
+            torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_the_operators_under_vmap_are_the_merged_call(back_end):
+    if back_end == "kernel":
+        require_kernel()
+    g = seeded(32)
+    s = torch.randn(3, 4, 9, generator=g, dtype=F64).sort(-1, descending=True).values
+    w = torch.randn(1, 9, generator=g, dtype=F64).sort(-1, descending=True).values
+    with backend(back_end):
+        for kl in (False, True):
+            p, block, _ = torch.func.vmap(lambda t, kl=kl: isotonic.PROJECT_OP(t, w, kl))(s)
+            ref = isotonic.PROJECT_OP(s.reshape(12, 9), w, kl)
+            assert torch.equal(p.reshape(12, 9), ref[0]) and torch.equal(
+                block.reshape(12, 9), ref[1]
+            )
+        v, block = torch.func.vmap(isotonic.PAV_L2_OP)(s)
+        assert torch.equal(v.reshape(12, 9), isotonic.PAV_L2_OP(s.reshape(12, 9))[0])
+        v, block = torch.func.vmap(isotonic.PAV_KL_OP, in_dims=(0, None))(s, s[0])
+        ref = isotonic.PAV_KL_OP(s.reshape(12, 9), s[0].repeat(3, 1))
+        assert torch.equal(v.reshape(12, 9), ref[0])
+
+
+def test_the_kernel_refuses_malformed_arguments(ops):
+    s = torch.zeros(3, 10)
+    with pytest.raises(RuntimeError, match="must be \\(B, n\\) or \\(1, n\\)"):
+        ops.project(s, torch.zeros(2, 10), False)
+    with pytest.raises(RuntimeError, match="w must have s's dtype"):
+        ops.project(s, torch.zeros(3, 10, dtype=F64), False)
+    with pytest.raises(RuntimeError, match="expected \\(B, n\\) tensors"):
+        ops.pav_l2(torch.zeros(10))
+    g, block = torch.zeros(2, 4), torch.tensor([[0, 1, 1, 2], [0, 0, 5, 5]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.l2_vjp(g, None, None, block, True, True, None, None, False)
+    bad_perm = torch.tensor([[0, 1, 2, 9], [0, 1, 2, 3]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.l2_vjp(
+            g, bad_perm, None, torch.zeros(2, 4, dtype=torch.int64), True, True, None, None, False
+        )
+    p, block, bad = ops.project(torch.zeros(0, 10), torch.zeros(1, 10), True)
+    assert p.shape == block.shape == (0, 10) and int(bad) == 0
 
 
 def test_block_max_is_the_largest_entry_of_each_block_and_detached():

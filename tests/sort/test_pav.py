@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import warnings
 
 import pytest
@@ -22,6 +23,21 @@ from softops._kernels import backend, set_default_backend
 
 F64 = torch.float64
 REGS = ["l2", "kl"]
+BACK_ENDS = ["kernel", "reference"]
+
+
+def _use(back_end: str) -> None:
+    """Make ``back_end`` the test's back end; the kernel's tests skip where it is not built (and
+    fail under ``SOFTOPS_REQUIRE_KERNELS=1``)."""
+    if back_end == "kernel":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            built = isotonic.KERNEL.ops() is not None
+        if not built:
+            if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
+                pytest.fail("the C++ kernel of PAV is not built (python -m softops._kernels)")
+            pytest.skip("the C++ kernel of PAV is not built here (python -m softops._kernels)")
+    set_default_backend(back_end)
 
 
 def _distinct(B: int, n: int, scale: float = 4.0, dtype=F64) -> torch.Tensor:
@@ -264,16 +280,20 @@ def test_quantile_gradcheck_and_smoothing():
     torch.testing.assert_close(soft_quantile(xd, 0.25, epsilon=0.8), 0.5 * (s[:, 1] + s[:, 2]))
 
 
-def test_fallback_warns_once_when_numba_is_missing(monkeypatch):
-    monkeypatch.setattr(isotonic, "HAVE_NUMBA", False)
-    monkeypatch.setitem(isotonic._state, "warned", False)
+def test_the_reference_runs_after_one_warning_where_the_kernel_is_not_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(isotonic.KERNEL, "path", lambda: tmp_path / "not-built.so")
+    monkeypatch.setattr(isotonic.KERNEL, "_tried", False)
+    monkeypatch.setattr(isotonic.KERNEL, "_ops", None)
     x = torch.randn(2, 5, dtype=F64)
-    with pytest.warns(RuntimeWarning, match="softops\\[pav\\]"):
-        soft_rank(x)
+    with backend("reference"):
+        want = soft_rank(x)
+    with pytest.warns(RuntimeWarning, match="softops_isotonic is not built"):
+        got = soft_rank(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         soft_rank(x)  # once per process
-    monkeypatch.setitem(isotonic._state, "warned", False)
+    monkeypatch.setattr(isotonic.KERNEL, "_tried", False)
     with warnings.catch_warnings(), backend("reference"):
         warnings.simplefilter("error")
         soft_rank(x)  # the reference chosen on purpose is silent
@@ -348,15 +368,11 @@ def test_issue_examples_are_exact():
     assert torch.isfinite(loss).all()
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale", SCALES)
-def test_hard_limits_exact_at_every_scale(scale, dtype, backend, monkeypatch):
-    if backend == "numba":
-        pytest.importorskip("numba")
-        set_default_backend("kernel")
-    else:
-        set_default_backend("reference")
+def test_hard_limits_exact_at_every_scale(scale, dtype, back_end, monkeypatch):
+    _use(back_end)
     n = 12
     x = torch.stack([_spread(n, scale, dtype, seed) for seed in range(3)])
     x[2] = -x[2]
@@ -469,23 +485,21 @@ def _pooled_rows(kl: bool, w_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return s, (w.log() if kl else w)
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("layout", ["rank", "rank-exp", "sort", "sort-negated"])
 @pytest.mark.parametrize("w_rows", [1, 3])
 @pytest.mark.parametrize("kl", [False, True], ids=["l2", "kl"])
 def test_projection_jvp_is_the_jacobian_applied_to_the_tangent(
-    kl, w_rows, layout, backend, monkeypatch
+    kl, w_rows, layout, back_end, monkeypatch
 ):
     """The node's jvp against jacrev and central differences, in z, in w and in epsilon, for each
     use: z sorted in the node (rank; in exp space, the KL rank exp P_E(z, log w)) or w (sort;
     negated, -P(z, -w): the ascending sort); z = u / eps (the rank) or u * (1/eps) (the sort)."""
     from softops.sort._pav import _Mode, _Permutahedron
 
-    if backend == "numba":
-        pytest.importorskip("numba")
     if layout == "rank-exp" and not kl:
         pytest.skip("exp space is the KL rank's")
-    set_default_backend("kernel" if backend == "numba" else "reference")
+    _use(back_end)
     exp_space = layout == "rank-exp"
     s, w = _pooled_rows(kl and not exp_space, w_rows)
     g = torch.Generator().manual_seed(3)
@@ -592,16 +606,14 @@ def test_quantile_forward_ad_gradcheck():
     assert gradcheck(lambda x, q: soft_quantile(x, q, epsilon=0.8), (x, q), check_forward_ad=True)
 
 
-@pytest.mark.parametrize("backend", ["numba", "torch"])
-def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
-    if backend == "numba":
-        pytest.importorskip("numba")
-    set_default_backend("kernel" if backend == "numba" else "reference")
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_meta_tensors_give_the_shape_without_data(back_end, monkeypatch):
+    _use(back_end)
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a PAV kernel ran on meta tensors")
 
-    monkeypatch.setattr(isotonic, "_numba_project", no_kernel)
+    monkeypatch.setattr(isotonic, "PROJECT_OP", no_kernel)
     monkeypatch.setattr(isotonic, "_torch_project", no_kernel)
     for dtype in (torch.float16, torch.float32, F64):
         x = torch.empty(3, 5, 4, dtype=dtype, device="meta")
@@ -623,9 +635,10 @@ def test_meta_tensors_give_the_shape_without_data(backend, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("fn", [soft_sort, soft_rank])
 def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
-    """With numba, the l2 backward is one compiled pass (isotonic.l2_vjp_host_scaled) unless the
-    graph of the gradient is wanted; it gives the torch form's gradients, in x and in epsilon."""
-    pytest.importorskip("numba")
+    """With the kernel, the l2 backward is one compiled pass (isotonic.l2_vjp_host_scaled) unless
+    the graph of the gradient is wanted; it gives the torch form's gradients, in x and in
+    epsilon."""
+    _use("kernel")
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(6, 40, generator=g, dtype=F64) * 3).to(dtype)
     x[2, 5] = x[2, 7]  # a tie
@@ -641,21 +654,21 @@ def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
 
     monkeypatch.setattr(softops.sort._pav, "l2_vjp_host_scaled", counted)
 
-    def grads(backend: str, create_graph: bool = False):
-        set_default_backend("kernel" if backend == "numba" else "reference")
+    def grads(back_end: str, create_graph: bool = False):
+        set_default_backend(back_end)
         xr, er = x.clone().requires_grad_(), eps.clone().requires_grad_()
         out = [fn(xr, epsilon=er, descending=d) for d in (False, True)]
         loss = sum(((o * w) ** 2).sum() for o in out)  # a cotangent that is not constant
         return torch.autograd.grad(loss, (xr, er), create_graph=create_graph)
 
-    fused = grads("numba")
+    fused = grads("kernel")
     assert calls == [True, True]  # the fused pass ran, once per call
-    plain = grads("torch")
+    plain = grads("reference")
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     calls.clear()
-    twice = grads("numba", create_graph=True)  # the gradient's graph: the torch form
+    twice = grads("kernel", create_graph=True)  # the gradient's graph: the torch form
     assert not any(calls) and twice[0].requires_grad
     for a, b in zip(twice, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)

@@ -14,32 +14,28 @@ the top two blocks while they violate the order (``value(prev) <= value(top)``),
 per row. The block id of every position is returned too: the Jacobian is block diagonal, which is
 all a backward pass needs (docs/math.md §5).
 
-Backends:
-
-- ``"numba"``: compiled kernels (``_isotonic_numba.py``, ``cache=True``, imported on first use),
-  serial below ``PARALLEL_MIN_WORK`` entries and ``prange`` over the rows above it, on at most
-  ``torch.get_num_threads()`` threads; before numba's first parallel launch the workqueue
-  threading layer is selected (unless the user chose one), since OpenMP workers spin after each
-  region and slow torch's own threads down. One parallel launch runs at a time; a concurrent
-  call runs serially. They are used when numba is installed (``pip install softops[pav]``) and
-  the kernel back end is on (the default; ``SOFTOPS_KERNELS=0`` turns it off). The first call in a
-  fresh environment compiles the kernel for its dtype (a few seconds); numba caches it on disk.
-  Tensors on another device (CUDA) make a round trip through host memory, which synchronises
-  the stream (a GPU kernel is out of scope).
-- ``"torch"``: the reference, in plain torch on the tensor's own device, vectorised over the batch
-  and looping over n in Python. It gives the same answers, far more slowly. It is used when numba
-  is missing (a ``RuntimeWarning`` is raised once per process, on a CPU) or the fused paths are
-  turned off (the reference back end, :func:`softops._kernels.backend`).
+Back ends: each entry point is an operator of torch's registry (:mod:`softops._kernels`):
+``softops::isotonic_l2``, ``softops::isotonic_kl``, ``softops::isotonic_project`` and
+``softops::isotonic_l2_vjp``. On CPU tensors of float32 and float64 they run the C++ kernels of
+``_isotonic_kernel.cpp`` (``torch.ops.softops_isotonic``: the same algorithms, the rows spread over
+torch's intra-op threads by ``at::parallel_for``), built ahead of time by ``python -m
+softops._kernels``; their reference,
+registered for every device, is the torch code of this module, vectorised over the batch and
+looping over n in Python: the same answers, far more slowly. The reference runs where the kernels
+are not built (after one ``RuntimeWarning`` that says how to build them) and on the reference back
+end (:func:`softops._kernels.backend`, ``SOFTOPS_KERNELS=0``). Tensors on another device (CUDA)
+make a round trip through host memory to the CPU kernel while it is available, which synchronises
+the stream (a GPU kernel is out of scope); the torch reference runs on their device otherwise.
 
 The projection kernels also report whether every row was finite (``Projection.finite``), so that a
 caller applies the limits of non-finite entries only when there are some, without a pass of its
-own; :func:`l2_vjp_host` is the L2 VJP in one compiled pass (gather, block mean, scatter), for a
-backward whose gradient is not differentiated again (the torch form, with the helpers at the end
-of this module, is the reference and serves every other case); :func:`l2_vjp_host_scaled` adds,
+own; :func:`l2_vjp_host` is the L2 VJP in one pass of the kernel (gather, block mean, scatter),
+for a backward whose gradient is not differentiated again (the torch form, with the helpers at the
+end of this module, serves every other case); :func:`l2_vjp_host_scaled` adds,
 in the same pass, the derivative along a scaling of z (the soft sort's and rank's epsilon).
 
 Meta tensors (shape inference) get outputs of the right shapes and dtypes from every entry point,
-without a backend: there are no values to pool.
+without a kernel: there are no values to pool.
 
 Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
 cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
@@ -54,19 +50,17 @@ overflow) are solved scaled by a power of two, which is exact: the projection is
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import threading
-import warnings
-from types import ModuleType
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from softops._kernels import kernels_enabled
+from softops._core.transforms import vmap_rows
+from softops._kernels import Kernel, define, kernels_enabled
 
 __all__ = [
-    "HAVE_NUMBA",
+    "KERNEL",
     "IsotonicResult",
     "Projection",
     "block_max",
@@ -80,12 +74,6 @@ __all__ = [
     "project_kl",
     "project_l2",
 ]
-
-# numba is an optional dependency (the `pav` extra); it is imported on first use, not here.
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-
-_BACKENDS = ("numba", "torch")
-_state: dict = {"warned": False}
 
 
 class IsotonicResult(NamedTuple):
@@ -104,138 +92,6 @@ class Projection(NamedTuple):
     p: torch.Tensor
     block: torch.Tensor
     finite: bool
-
-
-# Rows times columns below which the numba kernels run serially: a parallel launch costs more than
-# it saves there, and numba's worker threads then compete with torch's (and other processes') for
-# the cores. At 64 x 1e3 the serial kernel takes about 0.4 ms against a 5 ms fwd+bwd soft_rank.
-PARALLEL_MIN_WORK = 1 << 18
-_PARALLEL_LOCK = threading.Lock()
-
-
-# ----------------------------------------------------------------------------- numba kernels
-
-
-def _kernels() -> ModuleType | None:
-    """The compiled kernels (``_isotonic_numba``), or None when numba cannot be imported."""
-    if "kernels" not in _state:
-        kernels: ModuleType | None
-        try:
-            from softops._core import _isotonic_numba as kernels
-        except ImportError as err:  # installed but broken (e.g. an incompatible numpy)
-            warnings.warn(
-                f"softops: numba could not be imported ({err}); PAV uses its torch fallback.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            kernels = None
-        _state["kernels"] = kernels
-    return _state["kernels"]
-
-
-def _compiled() -> ModuleType:
-    """The kernels, for the numba backend (chosen only when they import)."""
-    kernels = _kernels()
-    if kernels is None:  # pragma: no cover - the backend choice rules this out
-        raise RuntimeError("softops: the numba PAV kernels are not available.")
-    return kernels
-
-
-def _numba_l2(y: torch.Tensor) -> IsotonicResult:
-    import numpy as np
-
-    yc = y.detach().cpu().contiguous().numpy()
-    B, n = yc.shape
-    v = np.empty_like(yc)
-    block = np.empty((B, n), dtype=np.int64)
-    _compiled().pav_l2(yc, v, block, np.empty((B, n)), np.empty((B, n), dtype=np.int64))
-    return IsotonicResult(torch.from_numpy(v).to(y.device), torch.from_numpy(block).to(y.device))
-
-
-def _numba_kl(s: torch.Tensor, w: torch.Tensor) -> IsotonicResult:
-    import numpy as np
-
-    sc = s.detach().cpu().contiguous().numpy()
-    wc = w.detach().cpu().to(s.dtype).contiguous().numpy()
-    B, n = sc.shape
-    v = np.empty_like(sc)
-    block = np.empty((B, n), dtype=np.int64)
-    work = (np.empty((B, n)), np.empty((B, n)), np.empty((B, n), dtype=np.int64))
-    _compiled().pav_kl(sc, wc, v, block, *work)
-    return IsotonicResult(torch.from_numpy(v).to(s.device), torch.from_numpy(block).to(s.device))
-
-
-def _numba_threads(work: int, rows: int) -> int:
-    """How many numba threads a kernel over ``rows`` rows and ``work`` entries gets: 1 (serial)
-    below ``PARALLEL_MIN_WORK``, else at most torch's own thread count (and numba's maximum)."""
-    if work < PARALLEL_MIN_WORK or rows < 2:
-        return 1
-    import numba
-
-    most = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    return max(1, min(torch.get_num_threads(), most, rows))
-
-
-def _configure_threading() -> None:
-    """Before numba's first parallel launch: pick a threading layer whose idle workers sleep.
-
-    numba's default order tries TBB, then OpenMP, whose workers spin after each parallel region
-    (GNU OpenMP's default wait policy) and slow torch's own threads down. The workqueue layer
-    ships with numba and parks its workers. A layer the user chose (``NUMBA_THREADING_LAYER``,
-    or ``numba.config.THREADING_LAYER`` set before the first call) is left alone.
-    """
-    if _state.get("threading"):
-        return
-    _state["threading"] = True
-    import os
-
-    import numba
-
-    if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":  # type: ignore[attr-defined]
-        numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
-
-
-def _host(t: torch.Tensor, dtype: torch.dtype) -> Any:
-    """t as a C-contiguous numpy array of ``dtype`` (no copy when it already is one on the CPU:
-    a small call is dominated by such per-op costs)."""
-    t = t.detach()
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-        t = t.to("cpu", dtype).contiguous()
-    return t.numpy()
-
-
-def _numba_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
-    import numpy as np
-
-    sc, wc = _host(s, s.dtype), _host(w, s.dtype)
-    B, n = max(sc.shape[0], wc.shape[0]), sc.shape[1]
-    out = np.empty((B, n), dtype=sc.dtype)
-    block = np.empty((B, n), dtype=np.int64)
-    kernels = _compiled()
-    threads = _numba_threads(B * n, B)
-    # One parallel launch at a time (the workqueue layer must not be entered from two threads at
-    # once); a call that finds it busy runs serially rather than wait.
-    if threads > 1 and _PARALLEL_LOCK.acquire(blocking=False):
-        try:
-            import numba
-
-            _configure_threading()
-            kernel = kernels.proj_kl_parallel if kl else kernels.proj_l2_parallel
-            previous = numba.get_num_threads()
-            numba.set_num_threads(threads)
-            try:
-                bad = kernel(sc, wc, out, block)
-            finally:
-                numba.set_num_threads(previous)
-        finally:
-            _PARALLEL_LOCK.release()
-    else:
-        kernel = kernels.proj_kl_serial if kl else kernels.proj_l2_serial
-        bad = kernel(sc, wc, out, block)
-    p, blocks = torch.from_numpy(out), torch.from_numpy(block)
-    if s.device.type != "cpu":
-        p, blocks = p.to(s.device), blocks.to(s.device)
-    return Projection(p, blocks, bad == 0)
 
 
 # ------------------------------------------------------------------------- torch reference
@@ -309,7 +165,7 @@ def _sub(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _l2_scale(sa: torch.Tensor, wa: torch.Tensor) -> torch.Tensor:
     """(B, 1): 1, or the power of two that brings a row's largest finite magnitude below
     ``max / (8 n**2)``, where the L2 frame's gaps and cross-multiplied comparisons cannot overflow
-    (``_isotonic_numba._l2_limit``)."""
+    (``l2_limit`` in ``_isotonic_kernel.cpp``)."""
     n = sa.shape[-1]
     big = torch.maximum(
         torch.where(torch.isfinite(sa), sa.abs(), 0).amax(-1, keepdim=True),
@@ -320,17 +176,22 @@ def _l2_scale(sa: torch.Tensor, wa: torch.Tensor) -> torch.Tensor:
     return torch.where(big > limit, torch.ldexp(torch.ones_like(big), shift), 1.0)
 
 
-def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
-    """``p = s - v(s, w)`` row by row, in the frame of the numba kernels (``_isotonic_numba``):
-    blocks keep their statistics relative to their first position, and adjacent blocks are
-    compared through gaps of the sorted inputs, formed by ``_sub`` (0 between equal infinities),
-    so that infinities of s (and, for KL, of w) take the same formulas. Rows holding a NaN, and
-    L2 rows with an infinite w, are filled with their limits (NaN, or that infinity)."""
+def _torch_project(
+    s: torch.Tensor, w: torch.Tensor, kl: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``p = s - v(s, w)`` row by row (s, w: (B, n)), in the frame of the C++ kernel
+    (``_isotonic_kernel.cpp``): blocks keep their statistics relative to their first position,
+    and adjacent blocks are compared through gaps of the sorted inputs, formed by ``_sub`` (0
+    between equal infinities), so that infinities of s (and, for KL, of w) take the same formulas.
+    Rows holding a NaN, and L2 rows with an infinite w, are filled with their limits (NaN, or that
+    infinity). Returns ``(p, block, bad)``, bad the number of rows that held a non-finite entry:
+    the reference of ``softops::isotonic_project``."""
     B, n = s.shape
     dev, acc_dt = s.device, _acc_dtype(s)
     sa, wa = s.detach().to(acc_dt), w.detach().to(acc_dt)
     nan = (torch.isnan(sa) | torch.isnan(wa)).any(-1, keepdim=True)
-    finite = bool((torch.isfinite(sa) & torch.isfinite(wa)).all())
+    bad = int((~(torch.isfinite(sa) & torch.isfinite(wa)).all(-1)).sum())
+    finite = bad == 0
     fill = torch.where(nan, math.nan, 0.0)
     special = nan
     if not kl:
@@ -396,57 +257,219 @@ def _torch_project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     if not finite:
         p = torch.where(special, fill, p)
         blk = blk.masked_fill(special, 0)
-    return Projection(p.to(s.dtype), blk, finite)
+    return p.to(s.dtype), blk, bad
 
 
-def _warn_fallback(device: torch.device) -> None:
-    if device.type == "cpu" and kernels_enabled() and not _state["warned"]:
-        _state["warned"] = True
-        warnings.warn(
-            "softops: numba is not installed, so PAV (the soft sort/rank method 'pav') runs on "
-            "its pure-torch fallback, which loops over n in Python and is much slower. Install "
-            "the extra: pip install 'softops[pav]'.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+# --------------------------------------------------------------------------- the operators
+
+KERNEL = Kernel("softops_isotonic", Path(__file__).with_name("_isotonic_kernel.cpp"))
+"""The CPU kernels of PAV (``torch.ops.softops_isotonic``)."""
 
 
-def _backend(backend: str | None) -> str:
-    if backend is None:
-        return "numba" if kernels_enabled() and HAVE_NUMBA and _kernels() is not None else "torch"
-    if backend not in _BACKENDS:
-        raise ValueError(f"isotonic: expected `backend` in {_BACKENDS} or None; got {backend!r}.")
-    if backend == "numba" and not (HAVE_NUMBA and _kernels() is not None):
-        raise ValueError("isotonic: backend='numba' needs numba; pip install 'softops[pav]'.")
-    return backend
+def _host_ops() -> Any:
+    """The kernel's operators while the kernel back end is on and the kernel is built, else None:
+    for the calls on another device (a round trip through host memory) and the fused VJP."""
+    return KERNEL.ops() if kernels_enabled() else None
 
 
-def isotonic_l2(y: torch.Tensor, *, backend: str | None = None) -> IsotonicResult:
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+"""The dtypes the kernels are built for; the others (float16, bfloat16) take the reference."""
+
+
+def _pav_fake(s: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(s), torch.empty_like(s, dtype=torch.int64)
+
+
+def _pav_l2_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(PAV_L2_OP, info, in_dims, *args)
+
+
+def _pav_kl_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(PAV_KL_OP, info, in_dims, *args)
+
+
+PAV_L2_OP = define(
+    "softops::isotonic_l2",
+    "(Tensor y) -> (Tensor, Tensor)",
+    reference=lambda y: _torch_pav(y, None),
+    fake=_pav_fake,
+    vmap=_pav_l2_vmap,
+    cpu=lambda ops, y: ops.pav_l2(y) if y.dtype in _KERNEL_DTYPES else _torch_pav(y, None),
+    kernel=KERNEL,
+)
+"""Decreasing L2 isotonic regression of the rows of y (B, n): ``(v, block)``."""
+
+PAV_KL_OP = define(
+    "softops::isotonic_kl",
+    "(Tensor s, Tensor w) -> (Tensor, Tensor)",
+    reference=lambda s, w: _torch_pav(s, w),
+    fake=_pav_fake,
+    vmap=_pav_kl_vmap,
+    cpu=lambda ops, s, w: ops.pav_kl(s, w) if s.dtype in _KERNEL_DTYPES else _torch_pav(s, w),
+    kernel=KERNEL,
+)
+"""Decreasing KL isotonic regression of the rows of s, w (B, n), one dtype: ``(v, block)``."""
+
+
+def _rows(s: torch.Tensor, w: torch.Tensor) -> int:
+    """The rows of P(s, w): s's, or w's where s is one row for every row."""
+    return w.shape[0] if s.shape[0] == 1 else s.shape[0]
+
+
+def _project_reference(
+    s: torch.Tensor, w: torch.Tensor, kl: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, n = _rows(s, w), s.shape[-1]
+    p, block, bad = _torch_project(s.expand(B, n), w.expand(B, n), kl)
+    return p, block, torch.tensor(bad, device=s.device)
+
+
+def _project_fake(
+    s: torch.Tensor, w: torch.Tensor, kl: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, n = _rows(s, w), s.shape[-1]
+    return (
+        s.new_empty((B, n)),
+        s.new_empty((B, n), dtype=torch.int64),
+        s.new_empty((), dtype=torch.int64),
+    )
+
+
+def _project_vmap(
+    info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor, kl: bool
+) -> tuple[Any, Any]:
+    size = info.batch_size
+    s, w = (
+        t.expand(size, *t.shape) if d is None else t.movedim(d, 0)
+        for t, d in zip((s, w), in_dims[:2], strict=True)
+    )
+    B, n = w.shape[1] if s.shape[1] == 1 else s.shape[1], s.shape[-1]
+    p, block, bad = PROJECT_OP(
+        s.expand(size, B, n).reshape(-1, n), w.expand(size, B, n).reshape(-1, n), kl
+    )
+    return (p.unflatten(0, (size, B)), block.unflatten(0, (size, B)), bad), (0, 0, None)
+
+
+PROJECT_OP = define(
+    "softops::isotonic_project",
+    "(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)",
+    reference=_project_reference,
+    fake=_project_fake,
+    vmap=_project_vmap,
+    cpu=lambda ops, s, w, kl: (
+        ops.project(s, w, kl) if s.dtype in _KERNEL_DTYPES else _project_reference(s, w, kl)
+    ),
+    kernel=KERNEL,
+)
+"""The projection ``P(s, w) = s - v(s, w)`` (``kl``: P_E, else P_Q) of the rows of s and w,
+sorted descending, each (B, n) or (1, n), one dtype: ``(p, block, bad)``, bad the number of
+rows that held a non-finite entry (a 0-dim int64 tensor)."""
+
+
+def _l2_vjp_reference(
+    g: torch.Tensor,
+    pz: torch.Tensor | None,
+    pw: torch.Tensor | None,
+    block: torch.Tensor,
+    want_z: bool,
+    want_w: bool,
+    u: torch.Tensor | None,
+    f: torch.Tensor | None,
+    inv: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, n = g.shape
+    acc = _acc_dtype(g)
+    gs = (g if pz is None else g.gather(1, pz)).to(acc)
+    mean = block_mean(gs, block)
+    gz = g.new_empty((B, 0))
+    if want_z:
+        gz = (gs - mean).to(g.dtype)
+        gz = gz if pz is None else torch.empty_like(gz).scatter(1, pz, gz)
+    gw = g.new_empty((B, 0))
+    if want_w:
+        gw = mean.to(g.dtype)
+        gw = gw if pw is None else torch.empty_like(gw).scatter(1, pw, gw)
+    r = g.new_empty((0,))
+    if u is not None and f is not None:
+        us = u.expand(B, n).to(acc)
+        us = us if pz is None else us.gather(1, pz)
+        positions = torch.arange(n, device=g.device).expand(B, n)
+        first = torch.full_like(block, n).scatter_reduce(1, block, positions, "amin")
+        total = ((gs - mean) * (us - us.gather(1, first.gather(1, block)))).sum(-1)
+        r = (total * f.to(acc) if inv else total / f.to(acc)).to(g.dtype)
+    return gz, gw, r
+
+
+def _l2_vjp_fake(
+    g: torch.Tensor,
+    pz: Any,
+    pw: Any,
+    block: torch.Tensor,
+    want_z: bool,
+    want_w: bool,
+    u: Any,
+    f: Any,
+    inv: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, n = g.shape
+    return (
+        g.new_empty((B, n if want_z else 0)),
+        g.new_empty((B, n if want_w else 0)),
+        g.new_empty((B if u is not None and f is not None else 0,)),
+    )
+
+
+L2_VJP_OP = define(
+    "softops::isotonic_l2_vjp",
+    "(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, Tensor? u, "
+    "Tensor? f, bool inv) -> (Tensor, Tensor, Tensor)",
+    reference=_l2_vjp_reference,
+    fake=_l2_vjp_fake,
+    cpu=lambda ops, g, *args: (
+        ops.l2_vjp(g, *args) if g.dtype in _KERNEL_DTYPES else _l2_vjp_reference(g, *args)
+    ),
+    kernel=KERNEL,
+)
+"""The L2 VJP in one pass (:func:`l2_vjp_host_scaled`): ``(gz, gw, r)``, each empty where not
+wanted (gz, gw: (B, 0); r: (0,))."""
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` (not on the CPU) goes through host memory to the CPU kernel."""
+    return not t.is_cpu and _host_ops() is not None
+
+
+def isotonic_l2(y: torch.Tensor) -> IsotonicResult:
     """Decreasing L2 isotonic regression of each row of ``y`` (B, n). No autograd.
 
     Args:
         y: a (B, n) floating tensor.
-        backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
 
     Returns:
         ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``y``.
     """
     if y.shape[-1] == 0 or y.shape[0] == 0 or y.is_meta:
         return IsotonicResult(y.detach().clone(), torch.zeros_like(y, dtype=torch.int64))
-    if _backend(backend) == "numba":
-        return _numba_l2(y)
-    if backend is None:
-        _warn_fallback(y.device)
-    return IsotonicResult(*_torch_pav(y, None))
+    y = _detached(y)
+    if _on_host(y):
+        v, block = PAV_L2_OP(y.cpu())
+        return IsotonicResult(v.to(y.device), block.to(y.device))
+    return IsotonicResult(*PAV_L2_OP(y))
 
 
-def isotonic_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> IsotonicResult:
+def isotonic_kl(s: torch.Tensor, w: torch.Tensor) -> IsotonicResult:
     """Decreasing KL isotonic regression ``v_KL(s, w)`` of each row (B, n). No autograd.
 
     Args:
         s: a (B, n) floating tensor.
         w: a tensor broadcastable to ``s``.
-        backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
 
     Returns:
         ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``s``.
@@ -454,15 +477,15 @@ def isotonic_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None)
     w = w.to(s.dtype).expand_as(s)
     if s.shape[-1] == 0 or s.shape[0] == 0 or s.is_meta or w.is_meta:
         return IsotonicResult(s.detach().clone(), torch.zeros_like(s, dtype=torch.int64))
-    if _backend(backend) == "numba":
-        return _numba_kl(s, w)
-    if backend is None:
-        _warn_fallback(s.device)
-    return IsotonicResult(*_torch_pav(s, w))
+    s, w = _detached(s), _detached(w)
+    if _on_host(s):
+        v, block = PAV_KL_OP(s.cpu(), w.cpu())
+        return IsotonicResult(v.to(s.device), block.to(s.device))
+    return IsotonicResult(*PAV_KL_OP(s, w))
 
 
-def _project(s: torch.Tensor, w: torch.Tensor, kl: bool, backend: str | None) -> Projection:
-    B = max(s.shape[0], w.shape[0])
+def _project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
+    B = _rows(s, w)
     n = s.shape[-1]
     if s.is_meta or w.is_meta:  # shape inference (meta tensors): no data to pool, shapes only
         meta = torch.device("meta")
@@ -474,14 +497,16 @@ def _project(s: torch.Tensor, w: torch.Tensor, kl: bool, backend: str | None) ->
     if n == 0 or B == 0:
         empty = s.detach().expand(B, n).clone()
         return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device), True)
-    if _backend(backend) == "numba":
-        return _numba_project(s, w, kl)
-    if backend is None:
-        _warn_fallback(s.device)
-    return _torch_project(s.expand(B, n), w.to(s.dtype).expand(B, n), kl)
+    s = _detached(s)
+    w = _detached(w if w.dtype == s.dtype else w.to(s.dtype))
+    if _on_host(s):
+        p, block, bad = PROJECT_OP(s.cpu(), w.cpu(), kl)
+        return Projection(p.to(s.device), block.to(s.device), not bad)
+    p, block, bad = PROJECT_OP(s, w, kl)
+    return Projection(p, block, not bad)
 
 
-def project_l2(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> Projection:
+def project_l2(s: torch.Tensor, w: torch.Tensor) -> Projection:
     r"""The Euclidean projection ``P_Q(s, w) = s - v_Q(s, w)`` of each row (B, n). No autograd.
 
     ``s`` and ``w`` are (B, n) or (1, n) (one row for every row), each sorted descending; ``v_Q``
@@ -491,26 +516,25 @@ def project_l2(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) 
     Args:
         s: a floating tensor, rows sorted descending.
         w: a tensor with rows sorted descending, cast to ``s``'s dtype.
-        backend: ``"numba"``, ``"torch"`` or None (numba when available and enabled).
 
     Returns:
         ``Projection(p, block, finite)``: ``p`` has the dtype and device of ``s``.
 
     Example:
         >>> s = torch.tensor([[3e8, 2e8, 1e8]])
-        >>> project_l2(s, torch.tensor([[3.0, 2.0, 1.0]]), backend="torch").p
+        >>> project_l2(s, torch.tensor([[3.0, 2.0, 1.0]])).p
         tensor([[3., 2., 1.]])
     """
-    return _project(s, w, False, backend)
+    return _project(s, w, False)
 
 
-def project_kl(s: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> Projection:
+def project_kl(s: torch.Tensor, w: torch.Tensor) -> Projection:
     r"""The KL projection ``P_E(s, w) = s - v_E(s, w)`` of each row (B, n). No autograd.
 
     Shapes and order as for :func:`project_l2`; ``v_E`` has the block values
     ``logsumexp(s_B) - logsumexp(w_B)``, formed relative to each block's first position.
     """
-    return _project(s, w, True, backend)
+    return _project(s, w, True)
 
 
 def l2_vjp_host(
@@ -521,14 +545,15 @@ def l2_vjp_host(
     want_z: bool,
     want_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """The VJP of the L2 projection ``P_Q(z, w)`` in one compiled pass (``_isotonic_numba.l2_vjp``).
+    """The VJP of the L2 projection ``P_Q(z, w)`` in one pass of the kernel (``l2_vjp`` of
+    ``_isotonic_kernel.cpp``, through the operator ``softops::isotonic_l2_vjp``).
 
     ``g`` (B, n) is the cotangent in z's order; ``pz`` / ``pw`` (B, n) sort z / w descending (None:
     already sorted); ``block`` the block ids in sorted coordinates. Returns ``(gz, gw)`` (None
     where not wanted), with m the block mean of ``g[pz]``: ``gz[pz] = g[pz] - m`` and
-    ``gw[pw] = m``, or None when the numba kernels are not in use or ``g`` is not on the CPU
-    (the caller then uses the torch form, which is also the one to use when the gradient itself
-    is to be differentiated: this pass is not).
+    ``gw[pw] = m``, or None when the kernel is not in use (the reference back end, or not built)
+    or ``g`` is not on the CPU (the caller then uses the torch form, which is also the one to use
+    when the gradient itself is to be differentiated: this pass is not).
     """
     res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, False)
     return None if res is None else res[:2]
@@ -552,30 +577,25 @@ def l2_vjp_host_scaled(
     differences of u (no cancellation of |z| >> its gaps, no overflow of z). Returns
     ``(gz, gw, r)`` (r None without u), or None as :func:`l2_vjp_host` does.
     """
-    if g.device.type != "cpu" or _backend(None) != "numba":
+    if not g.is_cpu or _host_ops() is None:
         return None
-    import numpy as np
-
-    B, n = g.shape
-    none = np.empty((B, 0), dtype=np.int64)
-    gc = _host(g, g.dtype)
-    gz = np.empty((B, n if want_z else 0), dtype=gc.dtype)
-    gw = np.empty((B, n if want_w else 0), dtype=gc.dtype)
-    perm_z = none if pz is None else _host(pz, torch.int64)
-    perm_w = none if pw is None else _host(pw, torch.int64)
-    blocks = _host(block, torch.int64)
-    r = None
-    if u is None or f is None:
-        _compiled().l2_vjp(gc, perm_z, perm_w, blocks, gz, gw)
+    if u is not None and f is not None:
+        u = _detached(u if u.dtype == g.dtype else u.to(g.dtype))
+        f = _detached(f.reshape(-1) if f.dtype == g.dtype else f.reshape(-1).to(g.dtype))
     else:
-        r = np.empty(B, dtype=gc.dtype)
-        uc, fc = _host(u, g.dtype), _host(f.reshape(-1), g.dtype)
-        _compiled().l2_vjp_scaled(gc, perm_z, perm_w, blocks, gz, gw, uc, fc, inv, r)
-    return (
-        torch.from_numpy(gz) if want_z else None,
-        torch.from_numpy(gw) if want_w else None,
-        None if r is None else torch.from_numpy(r),
+        u = f = None
+    gz, gw, r = L2_VJP_OP(
+        _detached(g),
+        pz,
+        pw if want_w else None,  # (only gw needs it)
+        block,
+        want_z,
+        want_w,
+        u,
+        f,
+        inv,
     )
+    return gz if want_z else None, gw if want_w else None, None if u is None else r
 
 
 # --------------------------------------------------------------------- blockwise helpers (VJP)

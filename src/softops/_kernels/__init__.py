@@ -290,4 +290,5 @@ def numba_module(name: str) -> Any:
 def build_all(verbose: bool = False) -> list[Path]:
     """Build every kernel of the package (importing the methods that declare them)."""
     importlib.import_module("softops.topk._ot")
+    importlib.import_module("softops._core.isotonic")
     return [kernel.build(verbose) for kernel in _KERNELS.values()]

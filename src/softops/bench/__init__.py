@@ -34,10 +34,7 @@ whole internal surface the harness reads; a change there must update the harness
 * ``softops._core.sinkhorn.implicit_cost_vjp``: the implicit backward of the paper-layout
   Sinkhorn reference (:func:`softops.bench.references.paper_sinkhorn_topk_mask`);
 * ``softops.sort._chunked.BLOCK_ELEMENTS``: the block size of the row-chunked SoftSort path,
-  reported by the sort suite's memory target;
-* ``softops._core.isotonic._configure_threading``: the threading layer the library picks for
-  numba before its pool is launched, which the sort suite's 1-thread pinning (setting numba's
-  thread count launches the pool) picks first, so the pinned rows run on the same layer.
+  reported by the sort suite's memory target.
 
 Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted``)::
 

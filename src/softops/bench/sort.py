@@ -25,9 +25,9 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
     l1 distance) and ``NeuralSort`` (``P^T @ x``, ascending) against ours.
 ``overhead``
     B in {1, 8, 64} x n in {100, 300, 1000}: the per-call cost of small problems, where fixed
-    costs (argument checks, reshapes, dtype moves, the numba dispatch, the autograd nodes)
-    dominate the O(n log n) work. Cases: the floor; **pav sort** and **pav rank** out of the box
-    (no pinning of numba's threads); **torchsort sort/rank** when installed. The summary gives the
+    costs (argument checks, reshapes, the operator dispatch, the autograd nodes) dominate the
+    O(n log n) work. Cases: the floor; **pav sort** and **pav rank** out of the box; **torchsort
+    sort/rank** when installed. The summary gives the
     microseconds of one forward+backward side by side, with the ratios to torchsort. Run by the
     full suite (not by ``--quick``, unless asked for).
 ``memory``
@@ -40,17 +40,15 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
     B·n² <= ``L2_MAX_ENTRIES``.
 
 The targets of the suite, checked in the report's summary: pav within 1.5× of torchsort at n=1e5
-(forward+backward), and at every size of the ``overhead`` group (forward+backward, out of the box:
-numba unpinned, at the run's thread setting; ``--threads default`` sets nothing at all); softsort
-values+ranks at least 3× faster than NeuralSort at n=4000 (forward+backward); softsort values+ranks
-at B=8, n=1e5, forward+backward, under 256 MB of peak extra memory. The numba kernels (pav's
-isotonic step, torchpsort) run on as many threads as torch (:func:`numba_threads`), so a 1-thread
-run is 1 thread for every method; the rows "pav sort (out of the box)" and "pav rank (out of the
-box)" run without that pinning, with the library's own choice (serial below
-``softops._core.isotonic.PARALLEL_MIN_WORK`` entries, else at most torch's thread count, on numba's
-workqueue layer), which is what a user gets. With ``--threads default`` (the out-of-the-box
-configuration) nothing is pinned anywhere, so the pinned and "out of the box" rows run the same
-code. SoftTorch is not run (it needs Python >= 3.12 and a CUDA torch build).
+(forward+backward), and at every size of the ``overhead`` group (forward+backward, out of the box,
+at the run's thread setting; ``--threads default`` sets nothing at all); softsort values+ranks at
+least 3× faster than NeuralSort at n=4000 (forward+backward); softsort values+ranks at B=8, n=1e5,
+forward+backward, under 256 MB of peak extra memory. pav's isotonic step is a C++ kernel on
+torch's own threads (``at::parallel_for``), so its rows "pav sort"/"pav rank" and "pav sort (out of
+the box)"/"pav rank (out of the box)" run the same code (the latter kept for the ``overhead``
+group's table). torchpsort's numba kernels run on as many threads as torch
+(:func:`numba_threads`), so a 1-thread run is 1 thread for every method. SoftTorch is not run
+(it needs Python >= 3.12 and a CUDA torch build).
 
 :func:`run_sort_bench` is ``softops bench sort``: it builds the configurations from the command's
 arguments (:data:`SORT_QUICK` for ``--quick``), runs them and writes the files.
@@ -70,7 +68,6 @@ from typing import Any, Unpack
 import torch
 
 import softops
-from softops._core.isotonic import _configure_threading
 from softops.bench.harness import (
     DEFAULT_OUT,
     QuickDefaults,
@@ -199,13 +196,10 @@ def build_configs(
 def numba_threads() -> Iterator[None]:
     """Run numba's parallel kernels on as many threads as torch (restored afterwards).
 
-    pav's isotonic kernel and torchpsort are numba ``prange`` loops, which otherwise use every
-    core whatever ``torch.set_num_threads`` says; held through the backward too. A no-op in the
-    out-of-the-box configuration (:func:`softops.bench.model.threads_pinned` is ``False``),
-    where numba's threads are what the library and numba choose. Before numba's pool is first
-    launched (setting its count launches it) the library's own threading layer is chosen
-    (``softops._core.isotonic._configure_threading``), so the pinned rows run on the layer a
-    user's process gets.
+    torchpsort's kernels are numba ``prange`` loops, which otherwise use every core whatever
+    ``torch.set_num_threads`` says; held through the backward too. A no-op in the out-of-the-box
+    configuration (:func:`softops.bench.model.threads_pinned` is ``False``), where numba's
+    threads are what numba chooses.
     """
     if not threads_pinned():
         yield
@@ -215,7 +209,6 @@ def numba_threads() -> Iterator[None]:
     except ImportError:
         yield
         return
-    _configure_threading()
     previous = numba.get_num_threads()
     wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     numba.set_num_threads(wanted)
@@ -329,17 +322,9 @@ class SortSuite:
         cases = [Case(_FLOOR, lambda x: torch.sort(x, dim=-1).values, floor=True)]
         if config.group == "grid":
             cases += [
-                Case(
-                    _PAV_SORT,
-                    lambda x: softops.soft_sort(x, epsilon=eps, method="pav"),
-                    mode=numba_threads,
-                ),
-                Case(
-                    _PAV_RANK,
-                    lambda x: softops.soft_rank(x, epsilon=eps, method="pav"),
-                    mode=numba_threads,
-                ),
-                # no pinning: numba's threads as the library itself sets them, as a user runs it
+                Case(_PAV_SORT, lambda x: softops.soft_sort(x, epsilon=eps, method="pav")),
+                Case(_PAV_RANK, lambda x: softops.soft_rank(x, epsilon=eps, method="pav")),
+                # (the same code since pav's kernel runs on torch's threads; kept for the table)
                 Case(_PAV_SORT_OOB, lambda x: softops.soft_sort(x, epsilon=eps, method="pav")),
                 Case(_PAV_RANK_OOB, lambda x: softops.soft_rank(x, epsilon=eps, method="pav")),
                 *_peer_cases("torchsort", eps),
@@ -453,7 +438,7 @@ def _pav_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
             f"- {ours} / {theirs} at B={a['B']}, n={n_max}: {ratio:.2f}× fwd+bwd "
             f"({a['fwdbwd_ms']:.1f} vs {b['fwdbwd_ms']:.1f} ms), {fwd:.2f}× fwd; "
             f"target ≤ {PAV_VS_TORCHSORT:g}× {_met(ratio <= PAV_VS_TORCHSORT)}{where}. "
-            "pav is torch plus a numba isotonic kernel, no compiled extension of our own."
+            "pav is torch plus a C++ isotonic kernel (softops._kernels)."
         )
     return lines
 
@@ -524,9 +509,8 @@ def _overhead_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
         "### Per-call cost at small sizes (forward+backward, µs)",
         "",
         "Medians of single calls at "
-        f"{threads}, numba's threads left to the library (out of the box). At these "
-        "sizes the fixed costs of a call dominate: the argument checks and reshapes, the dtype "
-        "moves to numpy, the numba dispatch and the autograd nodes.",
+        f"{threads}, out of the box. At these sizes the fixed costs of a call dominate: the "
+        "argument checks and reshapes, the operator dispatch and the autograd nodes.",
         "",
         "| B | n | torch.sort | pav rank | torchsort rank | ratio | pav sort | torchsort sort "
         "| ratio |",

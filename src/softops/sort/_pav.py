@@ -63,8 +63,8 @@ max / (4n), where the sort is already hard) the derivative is 0.
 The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
 (``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func,
 ``softops._core.transforms.apply_function`` skips the per-call signature binding of
-``Function.apply``; with numba in use and a gradient that is not itself differentiated, the L2
-VJP, the epsilon term included, is one compiled pass over each row
+``Function.apply``; with the C++ kernel in use and a gradient that is not itself differentiated,
+the L2 VJP, the epsilon term included, is one compiled pass over each row
 (``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. These fixed
 costs, not the O(n log n) work, set the time of a small call.
 

@@ -1,0 +1,590 @@
+// The PAV kernels of softops._core.isotonic on the CPU, row by row: stack PAV for the decreasing
+// L2 and KL isotonic regressions, the projections P(s, w) = s - v(s, w) onto the permutahedron
+// with the scans that take their non-finite rows, and the L2 VJP in one pass.
+//
+// Built ahead of time by `python -m softops._kernels` (softops._kernels) and registered as the
+// operators softops_isotonic::{pav_l2, pav_kl, project, l2_vjp}, which the operators of
+// softops._core.isotonic run on CPU tensors; the torch code there is their reference, and the
+// arithmetic here is its arithmetic: the inputs' dtype in and out, every block statistic and
+// comparison in double. The rows spread over torch's intra-op threads (at::parallel_for); a row is
+// one sequential stack pass, O(n).
+//
+// No product below is fused with a following sum (the compiler would form a fused multiply-add
+// under -mfma, rounding once where the reference rounds twice, and a pooling decision at an exact
+// tie could then differ from the reference's): such products go through rounded().
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kLn2 = 0.6931471805599453;  // math.log(2.0)
+
+// x as a double that the compiler must have rounded: a product passed through it is not fused
+// with the sum that follows (an empty asm: no instruction).
+inline double rounded(double x) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  asm("" : "+x"(x));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm("" : "+w"(x));
+#endif
+  return x;
+}
+
+// log(e^p + e^q), exact where p == q (also for equal infinities, where p - q is NaN).
+inline double logaddexp(double p, double q) {
+  if (p == q) return p + kLn2;
+  const double m = std::max(p, q);
+  return m + std::log1p(std::exp(-std::abs(p - q)));
+}
+
+// a - b, and 0 where a == b (equal infinities too).
+inline double diff(double a, double b) { return a == b ? 0.0 : a - b; }
+
+// A work row of n entries, uninitialised (a zeroed std::vector would cost a pass over it: 16 MB
+// per call at n = 1e6).
+template <typename T>
+std::unique_ptr<T[]> work(int64_t n) {
+  return std::unique_ptr<T[]>(new T[std::max<int64_t>(n, 1)]);
+}
+
+// Rows per task: about `entries` entries of work, a row's own costs counted as 16 entries'.
+inline int64_t grain_for(int64_t n, int64_t entries = 32768) {
+  return std::max<int64_t>(1, entries / (n + 16));
+}
+
+// ------------------------------------------------------------------ isotonic regressions v(y)
+
+// Decreasing L2 isotonic regression of one row: block sums and counts, pooled while
+// mean(prev) <= mean(top) (cross-multiplied: the counts are positive).
+template <typename scalar_t>
+void pav_l2_row(const scalar_t* y, int64_t n, scalar_t* v, int64_t* block, double* acc,
+                int64_t* cnt) {
+  int64_t top = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    ++top;
+    acc[top] = double(y[i]);
+    cnt[top] = 1;
+    while (top > 0 && acc[top - 1] * double(cnt[top]) <= acc[top] * double(cnt[top - 1])) {
+      acc[top - 1] += acc[top];
+      cnt[top - 1] += cnt[top];
+      --top;
+    }
+  }
+  int64_t pos = 0;
+  for (int64_t k = 0; k <= top; ++k) {
+    const scalar_t value = scalar_t(acc[k] / double(cnt[k]));
+    for (int64_t j = pos; j < pos + cnt[k]; ++j) v[j] = value, block[j] = k;
+    pos += cnt[k];
+  }
+}
+
+// Decreasing KL isotonic regression of one row: block values logsumexp(s_B) - logsumexp(w_B).
+template <typename scalar_t>
+void pav_kl_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* v, int64_t* block,
+                double* ls, double* lw, int64_t* cnt) {
+  int64_t top = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    ++top;
+    ls[top] = double(s[i]);
+    lw[top] = double(w[i]);
+    cnt[top] = 1;
+    while (top > 0 && (ls[top - 1] - lw[top - 1]) <= (ls[top] - lw[top])) {
+      ls[top - 1] = logaddexp(ls[top - 1], ls[top]);
+      lw[top - 1] = logaddexp(lw[top - 1], lw[top]);
+      cnt[top - 1] += cnt[top];
+      --top;
+    }
+  }
+  int64_t pos = 0;
+  for (int64_t k = 0; k <= top; ++k) {
+    const scalar_t value = scalar_t(ls[k] - lw[k]);
+    for (int64_t j = pos; j < pos + cnt[k]; ++j) v[j] = value, block[j] = k;
+    pos += cnt[k];
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2, what, ": expected (B, n) tensors");
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), what, ": expected a floating dtype");
+}
+
+// v (B, n), in y's dtype, and the block id of each position (B, n), int64, from 0.
+std::tuple<at::Tensor, at::Tensor> pav_l2(const at::Tensor& y_in) {
+  check_rows(y_in, "pav_l2");
+  const at::Tensor y = y_in.contiguous();
+  const int64_t B = y.size(0), n = y.size(1);
+  auto v = at::empty_like(y);
+  auto block = at::empty({B, n}, y.options().dtype(at::kLong));
+  if (B == 0 || n == 0) return {v, block};
+  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "pav_l2", [&] {
+    const scalar_t* py = y.const_data_ptr<scalar_t>();
+    scalar_t* pv = v.data_ptr<scalar_t>();
+    int64_t* pb = block.data_ptr<int64_t>();
+    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
+      auto acc = work<double>(n);
+      auto cnt = work<int64_t>(n);
+      for (int64_t b = b0; b < b1; ++b) {
+        pav_l2_row(py + b * n, n, pv + b * n, pb + b * n, acc.get(), cnt.get());
+      }
+    });
+  });
+  return {v, block};
+}
+
+// As pav_l2 for v_KL(s, w); w (B, n) in s's dtype.
+std::tuple<at::Tensor, at::Tensor> pav_kl(const at::Tensor& s_in, const at::Tensor& w_in) {
+  check_rows(s_in, "pav_kl");
+  TORCH_CHECK(w_in.sizes() == s_in.sizes() && w_in.scalar_type() == s_in.scalar_type(),
+              "pav_kl: w must have s's shape and dtype");
+  const at::Tensor s = s_in.contiguous(), w = w_in.contiguous();
+  const int64_t B = s.size(0), n = s.size(1);
+  auto v = at::empty_like(s);
+  auto block = at::empty({B, n}, s.options().dtype(at::kLong));
+  if (B == 0 || n == 0) return {v, block};
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "pav_kl", [&] {
+    const scalar_t* ps = s.const_data_ptr<scalar_t>();
+    const scalar_t* pw = w.const_data_ptr<scalar_t>();
+    scalar_t* pv = v.data_ptr<scalar_t>();
+    int64_t* pb = block.data_ptr<int64_t>();
+    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
+      auto ls = work<double>(n), lw = work<double>(n);
+      auto cnt = work<int64_t>(n);
+      for (int64_t b = b0; b < b1; ++b) {
+        pav_kl_row(ps + b * n, pw + b * n, n, pv + b * n, pb + b * n, ls.get(), lw.get(),
+                   cnt.get());
+      }
+    });
+  });
+  return {v, block};
+}
+
+// --------------------------------------------------------- projections P(s, w) = s - v(s, w)
+//
+// The projection itself, never v: at |s| >> |w| (a rank at small epsilon) or |w| >> |s| (a sort
+// at large epsilon) v = s - w is far larger than P, and s - (s - w) cancels. Each block k keeps a
+// reference position ref[k] (its first, where s and w are largest) and its statistics relative to
+// it, so that every sum is over small numbers: L2: acc[k] = sum_j (y_j - y_ref) with y = s - w;
+// KL: acc[k] = log sum_j e^(s_j - s_ref) and aux[k] = log sum_j e^(w_j - w_ref). Adjacent blocks
+// are compared through the gap (s_p - s_t) - (w_p - w_t), differences of the sorted inputs. A
+// singleton's output is (s_i - s_i) + w_i = w_i exactly, and tied inputs give gaps of exactly 0.
+// Blocks are contiguous, so a block's count is the distance to the next block's reference.
+//
+// The same frame takes the infinities, with differences formed by diff() (0 between equal
+// infinities): an infinite s_t is an infinite gap to every finite neighbour, so it never pools
+// with one; equal infinities pool among themselves, and their block's output (s_j - s_ref) + shift
+// is the projection's limit there, mean(w_B) (L2) or log mean exp(w_B) (KL). For KL an infinite w
+// is taken too. For L2 an infinite w pulls the whole row to it, +inf against -inf is NaN, and so
+// is any row holding a NaN: such rows are filled without a pass of PAV.
+//
+// L2 rows whose finite magnitudes exceed l2_limit(n) (where a gap, or a cross-multiplied
+// comparison, could overflow) are solved for c s, c w with c a power of two, and the output
+// divided by c: the projection is positively homogeneous, and the scaling is exact (down to the
+// subnormals).
+
+// The largest magnitude that the L2 frame takes unscaled in a row of n: its gaps (at most 4 times
+// it) times two counts (at most n**2 / 4) and its sums stay below double's largest.
+inline double l2_limit(int64_t n) {
+  const double m = double(std::max<int64_t>(n, 1));
+  return std::numeric_limits<double>::max() / (8.0 * m * m);
+}
+
+enum Kind { kFinite = 0, kInfInFrame = 1, kNaNRow = 2, kPosInfW = 3, kNegInfW = 4 };
+
+struct Scan {
+  int kind;
+  double c;
+};
+
+// What the sorted rows s, w hold: kFinite (every entry finite), kInfInFrame (infinities only where
+// the frame takes them: in s, and in w when `limit` is inf, as for KL), kNaNRow (a NaN, or +inf
+// and -inf in w), kPosInfW or kNegInfW; and c, 1 or the power of two that brings the largest
+// finite magnitude below `limit`. A finite row costs one plain pass; its magnitude is read off
+// its ends (the rows are sorted).
+template <typename scalar_t>
+Scan scan(const scalar_t* s, const scalar_t* w, int64_t n, double limit) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite &= std::isfinite(double(s[i])) & std::isfinite(double(w[i]));
+  }
+  double big = 0.0;
+  int kind = kFinite;
+  if (finite) {
+    big = std::max(std::max(std::abs(double(s[0])), std::abs(double(s[n - 1]))),
+                   std::max(std::abs(double(w[0])), std::abs(double(w[n - 1]))));
+  } else {
+    bool s_inf = false, w_pos = false, w_neg = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const double a = double(s[i]), b = double(w[i]);
+      if (a != a || b != b) return {kNaNRow, 1.0};
+      if (std::isinf(a)) {
+        s_inf = true;
+      } else if (std::abs(a) > big) {
+        big = std::abs(a);
+      }
+      if (b == kInf) {
+        w_pos = true;
+      } else if (b == -kInf) {
+        w_neg = true;
+      } else if (std::abs(b) > big) {
+        big = std::abs(b);
+      }
+    }
+    if (limit == kInf) {  // KL: the frame takes infinite w too
+      kind = kInfInFrame;
+    } else if (w_pos || w_neg) {
+      kind = w_pos && w_neg ? kNaNRow : (w_pos ? kPosInfW : kNegInfW);
+    } else {
+      kind = s_inf ? kInfInFrame : kFinite;
+    }
+  }
+  double c = 1.0;
+  if (big > limit) {
+    int e_limit = 0, e_big = 0;
+    std::frexp(limit, &e_limit);
+    std::frexp(big, &e_big);
+    c = std::ldexp(1.0, e_limit - e_big - 1);
+  }
+  return {kind, c};
+}
+
+template <typename scalar_t>
+void fill(scalar_t* out, int64_t* block, int64_t n, double value) {
+  for (int64_t j = 0; j < n; ++j) out[j] = scalar_t(value), block[j] = 0;
+}
+
+// PAV in the relative frame on one row of s and finite w (of type in_t: the row's dtype, or
+// double for a row scaled by c), into out (the row's dtype) divided by c. With `inf` (s holds
+// infinities) the differences of s are formed by diff(), else by a plain subtraction.
+template <bool inf, typename in_t, typename scalar_t>
+void l2_frame(const in_t* s, const in_t* w, int64_t n, double c, scalar_t* out, int64_t* block,
+              int64_t* ref, double* acc) {
+  // The stack holds `depth` blocks below the current one (cr, ca); its top (pr, pa) stays in
+  // registers, the others in ref[0 .. depth - 1), acc[0 .. depth - 1): a push that pools at once
+  // (the usual case) touches no memory.
+  int64_t depth = 0, cr = 0, pr = 0;
+  double ca = 0.0, pa = 0.0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
+    pr = cr, pa = ca, ++depth;
+    cr = i, ca = 0.0;
+    while (true) {
+      const double cp = double(cr - pr), ct = double(i + 1 - cr);
+      const double sp = double(s[pr]), st = double(s[cr]);
+      const double gap = (inf ? diff(sp, st) : sp - st) - (double(w[pr]) - double(w[cr]));
+      // pool while mean(prev) <= mean(top), i.e. gap + acc_P / cP - acc_T / cT <= 0
+      if (rounded(rounded(gap * cp) * ct) + rounded(pa * ct) - rounded(ca * cp) > 0.0) break;
+      ca = pa + (ca - rounded(ct * gap));
+      cr = pr;
+      if (--depth == 0) break;
+      pr = ref[depth - 1], pa = acc[depth - 1];
+    }
+  }
+  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
+  ref[depth] = cr, acc[depth] = ca;
+  for (int64_t k = 0; k <= depth; ++k) {
+    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
+    const double shift = double(w[r]) - acc[k] / double(end - r);  // mean(w_B) - mean(s_B) + s_r
+    const double sr = double(s[r]);
+    for (int64_t j = r; j < end; ++j) {
+      const double sj = double(s[j]);
+      out[j] = scalar_t(((inf ? diff(sj, sr) : sj - sr) + shift) / c);
+      block[j] = k;
+    }
+  }
+}
+
+// One row of P_Q(s, w) into out and block; returns whether the row was finite. `scaled` is a work
+// row of 2 n doubles, for a row solved scaled.
+template <typename scalar_t>
+bool project_l2_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out,
+                    int64_t* block, int64_t* ref, double* acc, std::vector<double>& scaled) {
+  const Scan sc = scan(s, w, n, l2_limit(n));
+  if (sc.kind >= kNaNRow) {
+    fill(out, block, n, sc.kind == kNaNRow ? kNaN : (sc.kind == kPosInfW ? kInf : -kInf));
+    return false;
+  }
+  const bool inf = sc.kind == kInfInFrame;
+  if (sc.c == 1.0) {
+    if (inf) {
+      l2_frame<true>(s, w, n, 1.0, out, block, ref, acc);
+    } else {
+      l2_frame<false>(s, w, n, 1.0, out, block, ref, acc);
+    }
+  } else {  // P(s, w) = P(c s, c w) / c, exact for a power of two c
+    scaled.resize(2 * n);
+    double* cs = scaled.data();
+    double* cw = cs + n;
+    for (int64_t j = 0; j < n; ++j) cs[j] = double(s[j]) * sc.c, cw[j] = double(w[j]) * sc.c;
+    if (inf) {
+      l2_frame<true>(cs, cw, n, sc.c, out, block, ref, acc);
+    } else {
+      l2_frame<false>(cs, cw, n, sc.c, out, block, ref, acc);
+    }
+  }
+  return sc.kind == kFinite;
+}
+
+template <bool inf, typename scalar_t>
+void kl_frame(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out, int64_t* block,
+              int64_t* ref, double* acc, double* aux) {
+  // The stack as in l2_frame: the current block (cr, ca, cx), the top below it (pr, pa, px) in
+  // registers, the others in memory.
+  int64_t depth = 0, cr = 0, pr = 0;
+  double ca = 0.0, cx = 0.0, pa = 0.0, px = 0.0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px;
+    pr = cr, pa = ca, px = cx, ++depth;
+    cr = i, ca = 0.0, cx = 0.0;
+    while (true) {
+      const double ds = inf ? diff(double(s[cr]), double(s[pr])) : double(s[cr]) - double(s[pr]);
+      const double dw = inf ? diff(double(w[cr]), double(w[pr])) : double(w[cr]) - double(w[pr]);
+      // value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
+      if ((cx - px) - (ca - pa) + dw - ds > 0.0) break;
+      ca = logaddexp(pa, ca + ds);
+      cx = logaddexp(px, cx + dw);
+      cr = pr;
+      if (--depth == 0) break;
+      pr = ref[depth - 1], pa = acc[depth - 1], px = aux[depth - 1];
+    }
+  }
+  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px;
+  ref[depth] = cr, acc[depth] = ca, aux[depth] = cx;
+  for (int64_t k = 0; k <= depth; ++k) {
+    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
+    const double shift = (aux[k] - acc[k]) + double(w[r]);
+    const double sr = double(s[r]);
+    for (int64_t j = r; j < end; ++j) {
+      const double sj = double(s[j]);
+      out[j] = scalar_t((inf ? diff(sj, sr) : sj - sr) + shift);
+      block[j] = k;
+    }
+  }
+}
+
+// One row of P_E(s, w) into out and block; returns whether the row was finite.
+template <typename scalar_t>
+bool project_kl_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out,
+                    int64_t* block, int64_t* ref, double* acc, double* aux) {
+  const Scan sc = scan(s, w, n, kInf);
+  if (sc.kind == kNaNRow) {
+    fill(out, block, n, kNaN);
+    return false;
+  }
+  if (sc.kind == kInfInFrame) {
+    kl_frame<true>(s, w, n, out, block, ref, acc, aux);
+  } else {
+    kl_frame<false>(s, w, n, out, block, ref, acc, aux);
+  }
+  return sc.kind == kFinite;
+}
+
+// P(s, w) row by row (s and w sorted descending, (B, n) or one row (1, n) for every row; w in s's
+// dtype): the projection (B, n) in s's dtype, the block ids (B, n) and the number of rows that
+// held a non-finite entry (where the caller may want to mark the projection's limits), a 0-dim
+// int64 tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& s_in,
+                                                     const at::Tensor& w_in, bool kl) {
+  check_rows(s_in, "project");
+  check_rows(w_in, "project");
+  TORCH_CHECK(w_in.scalar_type() == s_in.scalar_type(), "project: w must have s's dtype");
+  const int64_t Bs = s_in.size(0), Bw = w_in.size(0), n = s_in.size(1);
+  const int64_t B = Bs == 1 ? Bw : Bs;
+  TORCH_CHECK(w_in.size(1) == n && (Bs == B || Bs == 1) && (Bw == B || Bw == 1),
+              "project: s and w must be (B, n) or (1, n)");
+  const at::Tensor s = s_in.contiguous(), w = w_in.contiguous();
+  auto out = at::empty({B, n}, s.options());
+  auto block = at::empty({B, n}, s.options().dtype(at::kLong));
+  if (B == 0 || n == 0) return {out, block, at::zeros({}, s.options().dtype(at::kLong))};
+  const int64_t s_row = Bs == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
+  std::atomic<int64_t> bad{0};
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "project", [&] {
+    const scalar_t* ps = s.const_data_ptr<scalar_t>();
+    const scalar_t* pw = w.const_data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    int64_t* pb = block.data_ptr<int64_t>();
+    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
+      auto ref = work<int64_t>(n);
+      auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
+      std::vector<double> scaled;
+      int64_t rows_bad = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* rs = ps + b * s_row;
+        const scalar_t* rw = pw + b * w_row;
+        const bool finite =
+            kl ? project_kl_row(rs, rw, n, po + b * n, pb + b * n, ref.get(), acc.get(),
+                                aux.get())
+               : project_l2_row(rs, rw, n, po + b * n, pb + b * n, ref.get(), acc.get(),
+                                scaled);
+        rows_bad += !finite;
+      }
+      bad += rows_bad;
+    });
+  });
+  return {out, block, at::scalar_tensor(bad.load(), s.options().dtype(at::kLong))};
+}
+
+// ----------------------------------------------------------------- the L2 VJP, in one pass
+
+// The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g (B, n) in z's order, any
+// strides. pz / pw (B, n) sort z / w descending (absent: already sorted); block (B, n) the block
+// ids in sorted coordinates. With m the block mean of the sorted cotangent gs = g[pz]:
+// gz[pz] = gs - m and gw[pw] = m, each (B, n) where wanted, else (B, 0). With u and f (z = u * f
+// where `inv`, else u / f; u (B or 1, n) in z's order, finite, in g's dtype; f (B,)), also
+// r[b] = sum_j (gs_j - m_j) (u_j - u_ref(j)) times f (inv) or divided by it, u_ref(j) the first
+// entry of j's block (sorted coordinates): <J_z^T g, z - z_ref>, the derivative along z -> c z;
+// r is (B,), or (0,) without u.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
+    const at::Tensor& g, const std::optional<at::Tensor>& pz_in,
+    const std::optional<at::Tensor>& pw_in, const at::Tensor& block_in, bool want_z,
+    bool want_w, const std::optional<at::Tensor>& u_in, const std::optional<at::Tensor>& f_in,
+    bool inv) {
+  check_rows(g, "l2_vjp");
+  const int64_t B = g.size(0), n = g.size(1);
+  auto rows_of = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == B && t.size(1) == n &&
+                    t.scalar_type() == at::kLong,
+                "l2_vjp: ", what, " must be (B, n), int64");
+    return t.contiguous();
+  };
+  const at::Tensor block = rows_of(block_in, "block");
+  const std::optional<at::Tensor> pz =
+      pz_in.has_value() ? std::optional<at::Tensor>(rows_of(*pz_in, "pz")) : std::nullopt;
+  const std::optional<at::Tensor> pw =
+      pw_in.has_value() ? std::optional<at::Tensor>(rows_of(*pw_in, "pw")) : std::nullopt;
+  const bool want_r = u_in.has_value() && f_in.has_value();
+  at::Tensor u, f;
+  if (want_r) {
+    TORCH_CHECK(u_in->dim() == 2 && (u_in->size(0) == B || u_in->size(0) == 1) &&
+                    u_in->size(1) == n && u_in->scalar_type() == g.scalar_type(),
+                "l2_vjp: u must be (B, n) or (1, n), in g's dtype");
+    TORCH_CHECK(f_in->dim() == 1 && f_in->size(0) == B && f_in->scalar_type() == g.scalar_type(),
+                "l2_vjp: f must be (B,), in g's dtype");
+    u = *u_in;
+    f = *f_in;
+  }
+  auto gz = at::empty({B, want_z ? n : 0}, g.options());
+  auto gw = at::empty({B, want_w ? n : 0}, g.options());
+  auto r = at::empty({want_r ? B : 0}, g.options());
+  if (B == 0 || n == 0) {
+    if (want_r) r.zero_();
+    return {gz, gw, r};
+  }
+  const int64_t g0 = g.stride(0), g1 = g.stride(1);
+  const int64_t u0 = want_r ? (u.size(0) == 1 ? 0 : u.stride(0)) : 0;
+  const int64_t u1 = want_r ? u.stride(1) : 0;
+  const int64_t f0 = want_r ? f.stride(0) : 0;
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "l2_vjp", [&] {
+    const scalar_t* pg = g.const_data_ptr<scalar_t>();
+    const int64_t* pb = block.const_data_ptr<int64_t>();
+    const int64_t* ppz = pz ? pz->const_data_ptr<int64_t>() : nullptr;
+    const int64_t* ppw = pw ? pw->const_data_ptr<int64_t>() : nullptr;
+    const scalar_t* pu = want_r ? u.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pf = want_r ? f.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* pgz = want_z ? gz.data_ptr<scalar_t>() : nullptr;
+    scalar_t* pgw = want_w ? gw.data_ptr<scalar_t>() : nullptr;
+    scalar_t* pr = want_r ? r.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, grain_for(n, 65536), [&](int64_t b0, int64_t b1) {
+      auto acc = work<double>(n);
+      auto cnt = work<int64_t>(n);
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* rg = pg + b * g0;
+        const int64_t* rb = pb + b * n;
+        const int64_t* rz = ppz ? ppz + b * n : nullptr;
+        const int64_t* rw = ppw ? ppw + b * n : nullptr;
+        // (indices checked as they are read: a malformed one is an error, not a stray write)
+        const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
+        double total = 0.0;
+        // The blocks of a projection are runs numbered 0, 1, ... in sorted order: one pass per
+        // run, its sum and then its entries (the usual case, and the only one the projections
+        // give); any other labelling takes the general pass below, block statistics by label.
+        int64_t j0 = 0, expect = 0;
+        for (; j0 < n; ++expect) {
+          if (rb[j0] != expect) break;
+          double sum = 0.0;
+          int64_t j = j0;
+          do {
+            const int64_t i = rz ? rz[j] : j;
+            TORCH_CHECK(!outside(i) && (!rw || !outside(rw[j])),
+                        "l2_vjp: permutations out of range");
+            sum += double(rg[i * g1]);
+          } while (++j < n && rb[j] == expect);
+          const double mean = sum / double(j - j0);
+          const double ur = pr ? double(pu[b * u0 + (rz ? rz[j0] : j0) * u1]) : 0.0;
+          for (int64_t e = j0; e < j; ++e) {
+            const int64_t i = rz ? rz[e] : e;
+            const double gi = double(rg[i * g1]);
+            if (pgz) pgz[b * n + i] = scalar_t(gi - mean);
+            if (pgw) pgw[b * n + (rw ? rw[e] : e)] = scalar_t(mean);
+            if (pr) total += rounded((gi - mean) * (double(pu[b * u0 + i * u1]) - ur));
+          }
+          j0 = j;
+        }
+        if (j0 < n) {  // not runs numbered in order: by label
+          const int64_t blocks = rb[n - 1] + 1;
+          TORCH_CHECK(!outside(blocks - 1), "l2_vjp: block ids out of range");
+          for (int64_t k = 0; k < blocks; ++k) acc[k] = 0.0, cnt[k] = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t k = rb[j], i = rz ? rz[j] : j;
+            TORCH_CHECK(uint64_t(k) < uint64_t(blocks) && !outside(i) && (!rw || !outside(rw[j])),
+                        "l2_vjp: block ids or permutations out of range");
+            acc[k] += double(rg[i * g1]);
+            cnt[k] += 1;
+          }
+          for (int64_t k = 0; k < blocks; ++k) acc[k] /= double(cnt[k]);  // the block means
+          double ur = 0.0;
+          int64_t last = -1;
+          total = 0.0;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t k = rb[j];
+            const double mean = acc[k];
+            const int64_t i = rz ? rz[j] : j;
+            const double gi = double(rg[i * g1]);
+            if (pgz) pgz[b * n + i] = scalar_t(gi - mean);
+            if (pgw) pgw[b * n + (rw ? rw[j] : j)] = scalar_t(mean);
+            if (pr) {
+              const double uj = double(pu[b * u0 + i * u1]);
+              if (k != last) ur = uj, last = k;  // the first entry of its run
+              total += rounded((gi - mean) * (uj - ur));
+            }
+          }
+        }
+        if (pr) {
+          const double fb = double(pf[b * f0]);
+          pr[b] = scalar_t(inv ? total * fb : total / fb);
+        }
+      }
+    });
+  });
+  return {gz, gw, r};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(softops_isotonic, m) {
+  m.def("pav_l2(Tensor y) -> (Tensor, Tensor)");
+  m.def("pav_kl(Tensor s, Tensor w) -> (Tensor, Tensor)");
+  m.def("project(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "l2_vjp(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, "
+      "Tensor? u, Tensor? f, bool inv) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(softops_isotonic, CPU, m) {
+  m.impl("pav_l2", &pav_l2);
+  m.impl("pav_kl", &pav_kl);
+  m.impl("project", &project);
+  m.impl("l2_vjp", &l2_vjp);
+}
