@@ -424,6 +424,7 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
     fin = torch.isfinite(xd)
     none = torch.zeros(b, dtype=torch.bool)
     out = {"row": none, "grad_x": none, "grad_eps": none, "grad_k": none, "invariants": none}
+    out["value"] = none  # the value against a reference (tiny_rows)
     if case.method == "softkmax" or case.op == "soft_kmax":
         # not a defect: near a tie the recursion's gradient grows like (x'/eps)**k
         # (the module docstring of softops.topk._softkmax); beyond the dtype's range it overflows
@@ -448,6 +449,15 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
+    if case.method == "pav" and case.kw.get("regularization", "l2") == "l2" and cd == F64:
+        if case.op in ("soft_sort", "soft_quantile"):
+            # KD18 (PAV, l2, float64): where rho / epsilon is within 2**24 of the largest
+            # float64 a row of subnormal entries comes back tens of subnormal ulps off (the
+            # sort of [0, 0, 7.9e-322] at epsilon = finfo.tiny gives 6.3e-322)
+            top = torch.where(fin, xd.abs(), 0).amax(-1)
+            near_max = n_of(xd) / eps > fi.max / 2**24
+            out["invariants"] = out["invariants"] | (near_max & (top < fi.tiny))
+            out["value"] = out["value"] | (near_max & (top < fi.tiny))
     if case.method == "sinkhorn" and "k" in call and cd == torch.float32:
         # KD17 (softops/_core/sinkhorn.py): a target mass k/n below the smallest normal float32
         # (k itself normal: smaller k is the limit 0) can give NaN (test_known_defect)
@@ -800,6 +810,10 @@ def _reference(case: Case, call: dict[str, Any]) -> torch.Tensor | None:
     x = call["x"].detach()
     kw = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in call.items()}
     if x.dtype != F64:
+        # an epsilon beyond the compute dtype is clamped to its largest value (prepare_rows)
+        big = torch.finfo(adv.compute_dtype(x.dtype)).max
+        e = kw["epsilon"]
+        kw["epsilon"] = e.clamp(max=big) if isinstance(e, torch.Tensor) else min(e, big)
         kw["x"] = x.double()
         return values_of(case, run(case, **kw)).detach()
     if case.law is None or case.law <= 0:
@@ -839,7 +853,8 @@ def _tiny_rows(case: Case, data: st.DataObject) -> None:
     xd = call["x"].detach().double()
     b = xd.shape[0]
     rows, _ = _expected_nan(case, xd, call, out)
-    keep = ~rows & ~known_defects(case, call, xd)["row"]
+    known = known_defects(case, call, xd)
+    keep = ~rows & ~known["row"] & ~known["value"]
     if case.layout == "quantile":
         keep_out = keep.expand(out.shape)
     else:
@@ -1061,6 +1076,16 @@ def _kd16_sparse_at_the_smallest_normal_k() -> None:
     assert float(out.double().sum()) == pytest.approx(k, rel=1e-6)
 
 
+def _kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon() -> None:
+    """PAV (l2), float64: at epsilon = finfo.tiny, rho / epsilon = (3, 2, 1) / 2.2e-308 is near
+    the largest float64, and the sort of a row of subnormal entries is tens of subnormal ulps
+    off its hard limit (the row itself): 6.3e-322 for 7.9e-322. (Not in float32, nor with
+    regularization="kl".)"""
+    x = torch.tensor([[0.0, 0.0, 7.9e-322]], dtype=F64)
+    out = softops.soft_sort(x, epsilon=torch.finfo(F64).tiny)
+    assert torch.equal(out, x), out.tolist()
+
+
 def _kd17_sinkhorn_with_a_subnormal_target_mass() -> None:
     """_core/sinkhorn.py, float32: a column mass below the smallest normal number (here tiny/4,
     the mass k/n of soft_topk_mask(method="sinkhorn") at k = tiny, n = 4) on a row of tied costs
@@ -1087,9 +1112,15 @@ KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
         _kd17_sinkhorn_with_a_subnormal_target_mass,
         "_core/sinkhorn.py: NaN plan for a subnormal column mass on tied costs",
     ),
+    "kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon": (
+        _kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon,
+        "PAV l2 (sort/_pav.py, _core/isotonic.py): subnormal rows off by tens of ulps at rho/eps",
+    ),
 }
 """Open: KD16 (topk/_sparse.py; the suite allows a ConvergenceWarning, so no row is skipped for
-it), KD17 (_core/sinkhorn.py; rows of method "sinkhorn" with 0 < k < n * tiny are skipped).
+it), KD17 (_core/sinkhorn.py; rows of method "sinkhorn" with 0 < k < n * tiny are skipped),
+KD18 (PAV l2 sort and quantile of subnormal float64 rows where n / epsilon is near the largest
+float64: their invariants and value are not checked).
 Fixed: KD13 (topk/_sinkhorn.py), KD14 and KD15 (topk/_sparse.py), whose reproducers are
 regression tests in tests/topk/test_sinkhorn_extremes.py and test_sparse.py."""
 
