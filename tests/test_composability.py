@@ -168,7 +168,7 @@ def test_autocast_bfloat16(case, dtype):
 # The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
 # forward and backward), and so do the top-k masks whose solve is an operator of torch's registry
 # ("ot", "sparse": opaque to dynamo, the implicit gradient in the traced Function). The others
-# stop on convergence (Newton, Sinkhorn) or run a numba kernel (pav): torch.compile breaks the
+# stop on convergence (Newton, Sinkhorn) or have a custom jvp (pav): torch.compile breaks the
 # graph around their solver and runs it eagerly (tests/test_contract.py::test_torch_compile,
 # slow, checks their values and gradients).
 FULLGRAPH = [

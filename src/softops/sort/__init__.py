@@ -123,10 +123,9 @@ def soft_sort(
             At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
             float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "pav" (default; exact projection, O(n log n) per row), "softsort",
-            "neuralsort" or "ot". With numba installed (``pip install softops[pav]``), PAV runs
-            as a compiled kernel; its first call in a fresh environment compiles it (a few
-            seconds, then cached on disk). Without numba, or with ``softops.set_compile(False)``
-            / ``SOFTOPS_COMPILE=0``, PAV runs in pure torch, 15 to 60 times slower. CUDA tensors
+            "neuralsort" or "ot". PAV runs as a C++ kernel on the CPU once it is built
+            (``python -m softops._kernels``, once per machine and torch version); without it,
+            or with ``SOFTOPS_KERNELS=0``, in pure torch, 15 to 60 times slower. CUDA tensors
             make a round trip to the host for the PAV step only.
         regularization: "pav" only: "l2" (Euclidean projection, default) or "kl" (KL
             projection, :math:`P_E(\rho/\varepsilon, \theta)`).

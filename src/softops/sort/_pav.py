@@ -241,6 +241,7 @@ class _Permutahedron(torch.autograd.Function):
         u, w, eps, mode = inputs
         out, pz, pw, block, frozen = output
         ctx.mark_non_differentiable(*(o for o in output[1:] if o is not None))
+        ctx.set_materialize_grads(False)  # (no zero gradients filled in for the index outputs)
         # u and eps (z is recomputed where needed: KL, epsilon), w only where the Jacobian
         # depends on it (KL: the block softmaxes), the output only in exp space
         # (d exp(p) = exp(p) dp)
@@ -251,7 +252,9 @@ class _Permutahedron(torch.autograd.Function):
         ctx.mode, ctx.w_rows, ctx.u_rows = mode, w.shape[0], u.shape[0]
 
     @staticmethod
-    def backward(ctx: Any, gp: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, gp: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
+        if gp is None:
+            return None, None, None, None
         u, w, eps, pz, pw, block, frozen, out = ctx.saved_tensors
         mode: _Mode = ctx.mode
         want_u, want_w, want_e = ctx.needs_input_grad[:3]
