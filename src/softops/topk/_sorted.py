@@ -18,20 +18,32 @@ Deviations from the paper's notation (the derivations are in docs/math.md §2):
   ``c = min(#sure, k)`` targets (shared equally), the others none, and Sinkhorn runs on the finite
   entries with those targets empty; rows near ``finfo.max`` are solved at a power-of-two scale
   (the problem is invariant under ``(x, eps) -> (c x, c eps)``).
+* Long rows are solved on a candidate set (docs/math.md §2.4): the entries far below the
+  (k+1)-th score get weight 0, which moves no weight by more than a stated tolerance; the full
+  solve (``_soft_topk(..., reduce=False)``) is the reference it is tested against.
+
+Paths: :func:`_path` chooses the numba kernels (:class:`_KernelSolve`: the candidate set, the
+solve and the backward per row), the torch solve of the candidate set (:func:`_torch_solve`,
+other devices and forward mode) or the full solve (:func:`_full`, the solve this module had
+before the candidate set, with its :class:`_SortedPlan`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import (
     DET_MIN,
+    HAVE_NUMBA,
     implicit_cost_vjp,
     log_sinkhorn_checked,
     numba_kernels,
@@ -39,6 +51,7 @@ from softops._core.sinkhorn import (
 )
 from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
+from softops._kernels import kernels_enabled
 
 __all__ = ["TopK", "soft_topk"]
 
@@ -88,12 +101,27 @@ def soft_topk(
     with :math:`s = -x` for ``largest=True`` and :math:`s = x` otherwise; then
     :math:`W_{j,i} = n\Gamma_{ij}` (:math:`j < k`) and :math:`v_j = \sum_i W_{j,i} x_i`.
 
+    **Candidate set** (docs/math.md §2.4). An entry whose score lies g epsilons below the
+    (k+1)-th largest has at most ``k exp(-g)`` weight on the first k targets, so each row is
+    solved on its candidates only: the entries near enough to the top that dropping the others
+    moves no weight by more than ``tau`` (1e-7 where x is computed in float32, 1e-14 in float64),
+    the others having weight exactly 0 and their rows of the plan on the rest target. The
+    candidates' problem is that of the sub-row (the rest target's mass is the candidates' count
+    less k), each target's weights still sum to 1, and the gradient is that of the candidates'
+    problem: **0 at the entries outside the set** (up to the tolerance: their weights and
+    derivatives carry the factor ``exp(-g)``). Where epsilon is large against the spread of the
+    scores the set is the whole row. Rows with an infinity or a NaN, ``tol=0``, and every call
+    under ``torch.func`` transforms, on meta tensors or while tracing, solve the full row.
+
     The forward pass is semi-dual Newton in float64 from one Sinkhorn update of the centred start
-    (rows it does not finish are solved by log-domain Sinkhorn to a relative L1 marginal error of
-    1e-3, then Newton); on the CPU, small problems (``n (k+1)^2`` up to about 1.3e5) run it as one
-    numba kernel where numba is installed (``pip install 'softops[pav]'``). The backward pass is
-    implicit differentiation through a k x k SPD (Schur complement) solve in float64 (in closed
-    form for k <= 2, else Cholesky), so memory is O(n k) whatever the iteration count.
+    (the plain start far below the gaps). On the CPU, where numba is installed
+    (``pip install 'softops[pav]'``) and k <= 32, the candidate set and the solve run as numba
+    kernels, without an exponential per entry and target (compiled on the first call, then cached
+    on disk); rows the kernel does not finish, and other devices, are solved in torch (log-domain
+    Sinkhorn to a relative L1 marginal error of 1e-3, then Newton). The backward pass is implicit
+    differentiation through a k x k SPD (Schur complement) solve in float64 (in closed form for
+    k <= 2, else Cholesky), so memory is O(n k) whatever the iteration count; double backward
+    recomputes the forward in torch.
 
     **epsilon** (the paper's entropic weight is ``2 * epsilon``) is in the units of x: the soft
     boundary between two adjacent ranks has the width of a sigmoid of temperature epsilon, as in
@@ -151,6 +179,23 @@ def soft_topk(
         Y. Xie, H. Dai, M. Chen, B. Dai, T. Zhao, H. Zha, W. Wei, T. Pfister. Differentiable Top-k
         Operator with Optimal Transport. NeurIPS 2020. arXiv:2002.06504.
     """
+    return _soft_topk(x, k, dim, largest, epsilon, max_iter, tol)
+
+
+def _soft_topk(
+    x: Tensor,
+    k: int,
+    dim: int = -1,
+    largest: bool = True,
+    epsilon: float | Tensor = 0.1,
+    max_iter: int | None = None,
+    tol: float | None = None,
+    reduce: bool = True,
+    kernel: bool = True,
+) -> TopK:
+    """:func:`soft_topk`; ``reduce=False`` solves every row in full (no candidate set: the
+    reference the candidate-set path is tested against), ``kernel=False`` keeps off the numba
+    kernel (the candidate set is then chosen and solved in torch)."""
     check_bool(largest, _OP, "largest")
     rows = prepare_rows(_OP, x, dim, epsilon)
     n, x2, eps, restore = rows.n, rows.x2, rows.eps, rows.restore  # x2 (B, n), eps (B,)
@@ -160,6 +205,51 @@ def soft_topk(
     tol = check_tol(tol, default_tol(cd), _OP)
 
     indices = torch.topk(x.detach(), k, dim=rows.dim, largest=largest, sorted=True).indices
+    tensor_eps = isinstance(epsilon, Tensor)
+    path = _path(x2, k, n, tol, reduce, kernel)
+    if path == "kernel":
+        weights, values, converged, residual, clean = _kernel_solve(
+            x2, eps, k, largest, max_iter, tol, tensor_eps
+        )
+    elif path == "torch":
+        weights, values, converged, residual, clean = _torch_solve(
+            x2, eps, k, largest, max_iter, tol, tensor_eps
+        )
+    else:
+        weights, values, converged, residual, clean = _full(
+            x2, eps, k, largest, max_iter, tol, tensor_eps
+        )
+
+    if not clean:  # the solver read on the host whether every row converged
+        warn_not_converged(_OP, converged, max_iter, residual=residual, tol=tol)
+
+    values = restore(values.to(x.dtype))
+    weights = restore(weights.to(x.dtype))
+    return TopK(values, weights, indices)
+
+
+def _full(
+    x2: Tensor,
+    eps: Tensor,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    tensor_eps: bool,
+    log_a: Tensor | None = None,
+    log_b: Tensor | None = None,
+    finite: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The full solve of every row of x2 (B, n) (docs/math.md §2.2): ``(weights (B, k, n),
+    values (B, k), converged, residual, clean)``, weights and values in x2's dtype.
+
+    ``log_a`` (B, n) and ``log_b`` (B, k+1) replace the uniform masses (the candidate-set
+    problem of :func:`_reduced_reference`: entries of zero mass, a smaller rest); ``finite``
+    says that x2 is known to hold no infinity and no entry near the largest finite value (no
+    host read for it). ``tensor_eps``: epsilon is a tensor (its gradient and tangent are formed).
+    """
+    n = x2.shape[1]
+    cd = x2.dtype
     bsz = x2.shape[0]
     # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
     # row then takes the path of rows with infinities, which leaves a finite row as it is.
@@ -168,7 +258,7 @@ def soft_topk(
     # largest finite value (scaled below), are the only ones with |x| above that limit.
     no_values = cannot_branch(x2)
     limit = torch.finfo(cd).max / (64 * m)
-    unusual = no_values or bool((x2.detach().abs() > limit).any())
+    unusual = not finite and (no_values or bool((x2.detach().abs() > limit).any()))
     has_inf = unusual and (no_values or bool(torch.isinf(x2.detach()).any()))
 
     # Paper orientation: the smallest s are selected, smallest first. The solve runs in float64
@@ -179,9 +269,10 @@ def soft_topk(
     # s = -x2 is never formed); the other paths form s.
     neg = largest and not unusual
     s = -x2 if largest and unusual else x2
-    log_a = torch.full((bsz, n), -math.log(n), dtype=f64, device=x.device)
-    log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
-    log_b = torch.tensor(log_nu, dtype=f64, device=x.device).expand(bsz, m)
+    if log_a is None or log_b is None:
+        log_a = torch.full((bsz, n), -math.log(n), dtype=f64, device=x2.device)
+        log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
+        log_b = torch.tensor(log_nu, dtype=f64, device=x2.device).expand(bsz, m)
     if has_inf:
         # Infinities are their limits, by structure: -inf (in s) is always selected and fills
         # the first targets, +inf never is; the problem is solved on the finite entries, the
@@ -203,7 +294,7 @@ def soft_topk(
         s = torch.where(sure, fmin, torch.where(never, fmax, s))
         s = torch.where(trivial[:, None], 0, s)
         log_a = log_a.masked_fill(~(fin | trivial[:, None]), -math.inf)
-        j = torch.arange(m, device=x.device)
+        j = torch.arange(m, device=x2.device)
         log_fin = torch.where(j < c_eff[:, None], -math.inf, log_b)
         if k < n:  # the rest: the finite entries left out (exactly n - k on a finite row)
             rest = n_fin - (k - c_eff)
@@ -251,7 +342,6 @@ def soft_topk(
         # floor, so nothing more is saved for backward).
         floor = accurate.amax(dim=(1, 2)) / (torch.finfo(cd).max / 16)
     eps_eff = torch.maximum(eps.to(f64), floor)
-    tensor_eps = isinstance(epsilon, Tensor)
     with torch.no_grad():  # the cost in units of epsilon (its gradients are _SortedPlan's)
         scaled = accurate / eps_eff.detach()[:, None, None]
     # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
@@ -261,7 +351,7 @@ def soft_topk(
     if has_inf:
         # the sure entries (tied) share the first c targets: 1/#(-inf) each
         weights = torch.where(trivial[:, None, None], 0, weights)
-        first = torch.arange(k, device=x.device)[None, :, None] < c_eff[:, None, None]
+        first = torch.arange(k, device=x2.device)[None, :, None] < c_eff[:, None, None]
         share = (1 / n_sure.clamp(min=1).to(cd))[:, None, None]
         weights = torch.where(first & sure[:, None, :], share, weights)
         values = _values_with_infinities(weights, x2, largest)
@@ -271,12 +361,1193 @@ def soft_topk(
         with own_precision(x2):
             values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
 
-    if not clean:  # the solver read on the host whether every row converged
-        warn_not_converged(_OP, converged, max_iter, residual=residual, tol=tol)
+    return weights, values, converged, residual, clean
 
-    values = restore(values.to(x.dtype))
-    weights = restore(weights.to(x.dtype))
-    return TopK(values, weights, indices)
+
+# --------------------------------------------------------------------------- the candidate set
+
+_TAU_64 = 1e-14
+"""Tolerance of the candidate set on the weights in float64 (absolute; a weight is at most 1)."""
+_TAU_32 = 1e-7
+"""The same for float32 (and float16/bfloat16, which are computed in float32)."""
+_BINS_PER_UNIT = 4.0
+"""Resolution of the histogram of the gaps below the (k+1)-th score, in bins per epsilon."""
+_KERNEL_MAX_K = 32
+"""Largest k the numba kernel solves (larger k: the candidate set in torch, the torch solve)."""
+_KERNEL_STEPS = 24
+"""Newton steps of the kernel per row (rows it leaves above ``tol`` take the torch solve)."""
+_KERNEL_HALVINGS = 4
+"""Step halvings the kernel tries when a full Newton step does not lower the residual bound."""
+
+
+def _candidate_tolerance(dtype: torch.dtype) -> float:
+    """The tolerance ``tau`` of the candidate set for a compute dtype (docs/math.md §2.4): the
+    weights of the candidate-set solve are those of the full solve within ``tau``."""
+    return _TAU_64 if dtype == torch.float64 else _TAU_32
+
+
+def _bins(n: int, k: int, tau: float) -> tuple[int, list[float]]:
+    """``(nb, weight)``: the number of histogram bins of the gaps d (in units of epsilon below the
+    (k+1)-th score) and the bound ``weight[b]`` on exp(-d) in bin b: bin 0 holds d <= 0, bin b
+    in 1..nb-1 holds ``(b-1)/bpu < d <= b/bpu``, bin nb every larger gap (``weight[nb]`` is
+    below ``tau / (2 k n)``, so those entries are never needed)."""
+    far = math.log(2.0 * k * max(n, 2) / tau)
+    nb = math.ceil(far * _BINS_PER_UNIT) + 2
+    weight = [1.0] + [math.exp(-(b - 1) / _BINS_PER_UNIT) for b in range(1, nb + 1)]
+    return nb, weight
+
+
+def _path(x2: Tensor, k: int, n: int, tol: float, reduce: bool, kernel: bool) -> str:
+    """Which solve takes the rows: ``"kernel"`` (candidate set and solve in numba, CPU),
+    ``"torch"`` (candidate set chosen in torch, solved by :func:`_full`) or ``"full"`` (every
+    row in full: under ``torch.func`` transforms, on meta tensors, while tracing, with ``tol=0``
+    (the paper's fixed iterations) and where no candidate set can drop an entry)."""
+    if not reduce or tol <= 0 or n == 1 or x2.shape[0] == 0 or cannot_branch(x2):
+        return "full"
+    if forward_ad._current_level >= 0:  # forward mode: the Functions with a jvp
+        return "torch" if k < n else "full"
+    if kernel and k <= _KERNEL_MAX_K and x2.device.type == "cpu" and _kernels() is not None:
+        return "kernel"
+    return "torch" if k < n else "full"
+
+
+def _select_torch(
+    x2: Tensor, eps: Tensor, k: int, largest: bool, tau: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate set of every row (docs/math.md §2.4), in torch: ``(cand, count, bad)``,
+    ``cand`` (B, m) the indices of the candidates of each row in its first ``count`` places,
+    ``bad`` (B,) the rows with an entry that is not finite or near the largest finite value
+    (solved in full)."""
+    bsz, n = x2.shape
+    f64 = torch.float64
+    y = x2.detach().to(f64)
+    if not largest:
+        y = -y
+    limit = torch.finfo(x2.dtype).max / (64 * (k + 1))
+    bad = ~(y.abs() <= limit).all(-1)
+    y = torch.where(bad[:, None], 0.0, y)
+    yk = torch.topk(y, k + 1, dim=-1, sorted=True).values[:, k:]
+    inv = 1.0 / eps.detach().to(f64)
+    d = (yk - y) * inv[:, None]
+    nb, weight = _bins(n, k, tau)
+    b = torch.ceil(d * _BINS_PER_UNIT).clamp(0, nb).long()
+    hist = torch.zeros(bsz, nb + 1, dtype=f64, device=x2.device)
+    hist.scatter_add_(1, b, torch.ones_like(d))
+    bound = hist * torch.tensor(weight, dtype=f64, device=x2.device)
+    # tail[c] = k * (the bound of the bins >= c); the cut is the least c >= 1 with tail <= tau
+    tail = bound.flip(1).cumsum(1).flip(1) * k
+    ok = tail[:, 1:] <= tau  # cut c = 1..nb
+    cut = torch.where(ok.any(1), ok.long().argmax(1) + 1, nb + 1)
+    cut = torch.where(ok[:, -1], cut, nb + 1)
+    inside = b < cut[:, None]
+    count = inside.sum(-1)
+    m = int(count.max()) if bsz else 0
+    key = torch.where(inside, y, -math.inf)  # the candidates first, then padding
+    cand = torch.topk(key, max(m, 1), dim=-1, sorted=True).indices
+    return cand, count, bad
+
+
+def _reduced_reference(
+    x2: Tensor,
+    eps: Tensor,
+    cand: Tensor,
+    count: Tensor,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    tensor_eps: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The candidate-set problem of every row solved by :func:`_full` (differentiable): the
+    candidates ``cand[:, :count]`` of mass 1/n each, the first k targets of mass 1/n, the rest
+    of mass (count - k)/n; the weights scattered back to (B, k, n) (0 off the candidates).
+    Rows with fewer candidates than ``cand`` has columns are padded with entries of zero mass."""
+    bsz, n = x2.shape
+    mm = cand.shape[1]
+    f64 = torch.float64
+    valid = torch.arange(mm, device=x2.device) < count[:, None]
+    xr = x2.gather(1, cand)
+    if not bool(valid.all()):
+        # padding: zero mass, at the row's least selectable candidate (inside its range)
+        xd = xr.detach()
+        far = torch.where(valid, xd, math.inf if largest else -math.inf)
+        fill = far.amin(-1, keepdim=True) if largest else far.amax(-1, keepdim=True)
+        xr = torch.where(valid, xr, fill)
+    # masses 1/mm (the weights are mm times the plan: each candidate's row sums to 1)
+    log_a = torch.full((bsz, mm), -math.log(mm), dtype=f64, device=x2.device)
+    log_a = log_a.masked_fill(~valid, -math.inf)
+    rest = torch.log((count - k).to(f64) / mm)
+    first = torch.full((bsz, k), -math.log(mm), dtype=f64, device=x2.device)
+    log_b = torch.cat((first, rest[:, None]), 1)
+    wr, values, converged, residual, clean = _full(
+        xr, eps, k, largest, max_iter, tol, tensor_eps, log_a, log_b, finite=True
+    )
+    index = cand.unsqueeze(1).expand(bsz, k, mm)
+    weights = x2.new_zeros((bsz, k, n)).scatter_add(2, index, wr.to(x2.dtype))
+    return weights, values, converged, residual, clean
+
+
+def _torch_solve(
+    x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The candidate-set solve in torch (:func:`_select_torch`, :func:`_reduced_reference`);
+    rows with an infinity, a NaN or an entry near the largest finite value are solved in full."""
+    cand, count, bad = _select_torch(x2, eps, k, largest, _candidate_tolerance(x2.dtype))
+    if bool(bad.all()):
+        return _full(x2, eps, k, largest, max_iter, tol, tensor_eps)
+    good = (~bad).nonzero().squeeze(1)
+    weights, values, converged, residual, clean = _reduced_reference(
+        x2[good], eps[good], cand[good], count[good], k, largest, max_iter, tol, tensor_eps
+    )
+    if good.numel() == x2.shape[0]:
+        return weights, values, converged, residual, clean
+    return _merge_full_rows(
+        x2,
+        eps,
+        k,
+        largest,
+        max_iter,
+        tol,
+        tensor_eps,
+        good,
+        bad,
+        (weights, values, converged, residual, clean),
+    )
+
+
+def _merge_full_rows(
+    x2: Tensor,
+    eps: Tensor,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    tensor_eps: bool,
+    good: Tensor | None,
+    bad: Tensor,
+    part: tuple[Tensor, Tensor, Tensor, Tensor, bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The results of the rows ``good`` (``part``; None: ``part`` holds every row already) and
+    the full solve of the rows ``bad``, merged into (B, ...) (differentiable)."""
+    bsz, n = x2.shape
+    rows = bad.nonzero().squeeze(1)
+    wb, vb, cb, rb, clean_b = _full(x2[rows], eps[rows], k, largest, max_iter, tol, tensor_eps)
+    w, v, c, r, clean = part
+    if good is not None:
+        shape_w, shape_v = (bsz, k, n), (bsz, k)
+        w = w.new_zeros(shape_w).index_put((good,), w)
+        v = v.new_zeros(shape_v).index_put((good,), v)
+        c = c.new_zeros(bsz).index_put((good,), c)
+        r = r.new_zeros(bsz).index_put((good,), r.to(r.dtype))
+    weights = w.index_put((rows,), wb.to(w.dtype))
+    values = v.index_put((rows,), vb.to(v.dtype))
+    converged = c.index_put((rows,), cb.to(c.dtype))
+    residual = r.index_put((rows,), rb.to(r.dtype))
+    return weights, values, converged, residual, clean and clean_b
+
+
+def _kernel_solve(
+    x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The candidate set and its solve by the numba kernels (:class:`_KernelSolve`); rows with
+    an infinity, a NaN or an entry near the largest finite value are solved in full."""
+    kern = _kernels()
+    bsz, n = x2.shape
+    xd = x2.detach()
+    if not xd.is_contiguous():
+        xd = xd.contiguous()
+    e64 = eps.detach().to(torch.float64).contiguous()
+    tau = _candidate_tolerance(x2.dtype)
+    kk = k + 1 if k < n else k
+    _, weight = _bins(n, k, tau)
+    top = torch.empty((bsz, kk), dtype=torch.float64)
+    cut = torch.empty(bsz, dtype=torch.int64)
+    count = torch.empty(bsz, dtype=torch.int64)
+    flag = torch.empty(bsz, dtype=torch.int8)
+    limit = torch.finfo(x2.dtype).max / (64 * kk)
+    kern.select(
+        xd.numpy(),
+        e64.numpy(),
+        largest,
+        k,
+        tau,
+        _BINS_PER_UNIT,
+        limit,
+        torch.finfo(x2.dtype).max / 64,
+        torch.tensor(weight, dtype=torch.float64).numpy(),
+        top.numpy(),
+        cut.numpy(),
+        count.numpy(),
+        flag.numpy(),
+    )
+    sel = (xd, e64, top, cut, count, flag)
+    out = _KernelSolve.apply(x2, eps, k, largest, max_iter, tol, tensor_eps, sel)
+    weights, values, converged, residual = out[0], out[1], out[2], out[3]
+    clean = bool(converged.all())
+    bad = flag != 0
+    if bool(bad.any()):
+        return _merge_full_rows(
+            x2,
+            eps,
+            k,
+            largest,
+            max_iter,
+            tol,
+            tensor_eps,
+            None,
+            bad,
+            (weights, values, converged, residual, clean),
+        )
+    return weights, values, converged, residual, clean
+
+
+class _KernelSolve(torch.autograd.Function):
+    """``(x2, eps) -> (weights, values, converged, residual)`` by the numba kernels: each row's
+    candidate set (from ``sel``, the output of the selection kernel), its Newton solve, the
+    weights written at the candidates (B, k, n) and the values (B, k); the backward is the
+    kernel's implicit VJP, in x and epsilon.
+
+    Rows the kernel leaves above ``tol`` are solved by :func:`_reduced_reference` (the same
+    candidate set, the torch solver), and their gradients are formed by autograd through it; so
+    are the rows whose VJP the kernel finds singular, and every row when the backward itself is
+    differentiated (``create_graph``: double backward recomputes the forward in torch). Rows
+    flagged by the selection (an infinity, a NaN) are left at 0 (the caller solves them)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x2: Tensor,
+        eps: Tensor,
+        k: int,
+        largest: bool,
+        max_iter: int,
+        tol: float,
+        tensor_eps: bool,
+        sel: tuple[Tensor, ...],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        kern = _kernels()
+        xd, e64, top, cut, count, flag = sel
+        bsz, n = x2.shape
+        f64 = torch.float64
+        big = k + 1 if k < n else k
+        nb = len(_bins(n, k, _candidate_tolerance(x2.dtype))[1]) - 1
+        mm = max(int(count.max()), 1) if bsz else 1
+        cand = torch.zeros((bsz, mm), dtype=torch.int64)  # (padding: index 0, no mass)
+        weights = x2.new_zeros((bsz, k, n))
+        v64 = torch.zeros((bsz, k), dtype=f64)
+        vv = torch.empty((bsz, big), dtype=f64)
+        rr = torch.empty((bsz, big), dtype=f64)
+        cc = torch.empty(bsz, dtype=f64)
+        err = torch.zeros(bsz, dtype=f64)
+        status = torch.empty(bsz, dtype=torch.int8)
+        kern.solve(
+            xd.numpy(),
+            e64.numpy(),
+            largest,
+            k,
+            top.numpy(),
+            cut.numpy(),
+            count.numpy(),
+            flag.numpy(),
+            _BINS_PER_UNIT,
+            nb,
+            float(tol),
+            min(_KERNEL_STEPS, max_iter),
+            _KERNEL_HALVINGS,
+            cand.numpy(),
+            weights.numpy(),
+            v64.numpy(),
+            vv.numpy(),
+            rr.numpy(),
+            cc.numpy(),
+            err.numpy(),
+            status.numpy(),
+        )
+        values = v64.to(x2.dtype)
+        converged = status == 0
+        redo = status == 1
+        if bool(redo.any()):  # rows the kernel left above tol: the torch solve
+            rows = redo.nonzero().squeeze(1)
+            with torch.no_grad():
+                wr, vr, cr, res_r, _ = _reduced_reference(
+                    x2[rows], eps[rows], cand[rows], count[rows], k, largest, max_iter, tol, False
+                )
+            weights[rows] = wr
+            values[rows] = vr.to(values.dtype)
+            converged[rows] = cr
+            err[rows] = res_r.to(f64)
+        ctx.save_for_backward(x2, eps)
+        ctx.state = (e64, top, cand, count, vv, rr, cc, status)
+        ctx.settings = (k, largest, max_iter, tol, tensor_eps)
+        ctx.mark_non_differentiable(converged, err)
+        return weights, values, converged, err
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_w: Tensor | None, grad_v: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, ...]:
+        nones = (None,) * 6
+        x2, eps = ctx.saved_tensors
+        need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_w is None and grad_v is None) or not (need_x or need_eps):
+            return (None, None, *nones)
+        e64, top, cand, count, vv, rr, cc, status = ctx.state
+        k, largest = ctx.settings[0], ctx.settings[1]
+        bsz, n = x2.shape
+        if torch.is_grad_enabled():  # a differentiable backward: recompute in torch
+            rows = (status != 2).nonzero().squeeze(1)
+            gx, geps = _recompute_grads(ctx, x2, eps, rows, grad_w, grad_v, True)
+            return (gx if need_x else None, geps if need_eps else None, *nones)
+        kern = _kernels()
+        f64 = torch.float64
+        gx = x2.new_zeros((bsz, n))
+        geps = torch.zeros(bsz, dtype=f64)
+        safe = torch.ones(bsz, dtype=torch.bool)
+        gv = grad_v.to(f64).contiguous() if grad_v is not None else torch.zeros((bsz, k), dtype=f64)
+        gw = grad_w.contiguous() if grad_w is not None else x2.new_empty((0, 1, 1))
+        kern.vjp(
+            x2.detach().contiguous().numpy(),
+            e64.numpy(),
+            largest,
+            k,
+            top.numpy(),
+            cand.numpy(),
+            count.numpy(),
+            vv.numpy(),
+            rr.numpy(),
+            cc.numpy(),
+            status.numpy(),
+            gv.numpy(),
+            gw.detach().numpy(),
+            bool(need_eps),
+            DET_MIN,
+            gx.numpy(),
+            geps.numpy(),
+            safe.numpy(),
+        )
+        redo = (status == 1) | ~safe
+        if bool(redo.any()):
+            rows = redo.nonzero().squeeze(1)
+            sub_x, sub_e = _recompute_grads(ctx, x2, eps, rows, grad_w, grad_v, False)
+            if sub_x is not None:
+                gx[rows] = sub_x[rows]
+            if sub_e is not None:
+                geps[rows] = sub_e[rows].to(f64)
+        return (gx if need_x else None, geps.to(eps.dtype) if need_eps else None, *nones)
+
+
+def _recompute_grads(
+    ctx: Any,
+    x2: Tensor,
+    eps: Tensor,
+    rows: Tensor,
+    grad_w: Tensor | None,
+    grad_v: Tensor | None,
+    create_graph: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients (B, n) and (B,) of the rows ``rows`` of a :class:`_KernelSolve` (0 in the
+    other rows) by autograd through :func:`_reduced_reference` on the same candidate sets;
+    with ``create_graph`` the result is differentiable in x2 and eps (double backward)."""
+    _, _, cand, count, _, _, _, _ = ctx.state
+    k, largest, max_iter, tol, tensor_eps = ctx.settings
+    need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    with torch.enable_grad():
+        xs = x2 if create_graph else x2.detach().requires_grad_(need_x)
+        es = eps if create_graph else eps.detach().requires_grad_(need_eps)
+        w, v, _, _, _ = _reduced_reference(
+            xs[rows], es[rows], cand[rows], count[rows], k, largest, max_iter, tol, tensor_eps
+        )
+        outs, gouts = [], []
+        if grad_w is not None:
+            outs.append(w)
+            gouts.append(grad_w[rows])
+        if grad_v is not None:
+            outs.append(v)
+            gouts.append(grad_v[rows].to(v.dtype))
+        inputs = [t for t, need in ((xs, need_x), (es, need_eps)) if need]
+        grads = torch.autograd.grad(
+            outs, inputs, gouts, create_graph=create_graph, allow_unused=True
+        )
+    it = iter(grads)
+    gx = next(it) if need_x else None
+    geps = next(it) if need_eps else None
+    if gx is None and need_x:
+        gx = torch.zeros_like(x2)
+    if geps is None and need_eps:
+        geps = torch.zeros_like(eps)
+    return gx, geps
+
+
+# --------------------------------------------------------------------------- numba kernels
+#
+# Compiled on first use by :func:`_kernels` (numba is optional and slow to import); the
+# functions below are plain Python until then. ``np`` is bound to numpy at that point.
+
+np: Any = None
+_NUMBA: dict[str, Any] = {}
+_FAR = 600.0
+_F64_TINY = sys.float_info.min
+_F64_EPS = sys.float_info.epsilon
+
+
+def _kernels() -> Any:
+    """The compiled kernels (select, solve, vjp), or None where numba is not installed or the
+    kernel back end is off (:mod:`softops._kernels`)."""
+    if not (HAVE_NUMBA and kernels_enabled()) or torch.compiler.is_compiling():
+        return None
+    if "kernels" not in _NUMBA:
+        _NUMBA["kernels"] = _compile_kernels()
+    return _NUMBA["kernels"]
+
+
+def _compile_kernels() -> Any:
+    global np
+    try:
+        import numba
+        import numpy
+    except ImportError:  # pragma: no cover - numba is installed with numpy
+        return None
+    np = numpy
+    g = globals()
+    plain = numba.njit(cache=True, nogil=True)
+    inline = plain
+    fast = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+    for name in ("_nb_eval", "_nb_laplacian_solve", "_nb_prepare", "_nb_centred"):
+        g[name] = inline(g[name])
+    for name in ("_nb_eval_vec", "_nb_couplings"):
+        g[name] = fast(g[name])
+    g["_nb_state"] = inline(g["_nb_state"])
+    return SimpleNamespace(
+        select=plain(_nb_select_rows), solve=plain(_nb_solve_rows), vjp=plain(_nb_vjp_rows)
+    )
+
+
+def _nb_eval(
+    yc, e, ie, far, h, m, big, bmid, c, inv_eps, v, rho, irho, q, p, bref, gap
+):  # pragma: no cover - compiled
+    """The row-normalised plan P (big, m) at the column states v into p, entry by entry (any
+    order); ``gap = b - c`` formed relative to each entry's home column h (its hard rank) as
+    sums of small terms; returns ``sum_j |gap_j|``. Entries far from the centre (``far``), and
+    all entries where a column factor is out of range, take one exponential per target."""
+    rowexp = False
+    for j in range(big - 1):
+        a = v[j + 1] - v[j] + (bmid[j] - c) * inv_eps
+        if not abs(a) <= _FAR:
+            rowexp = True
+            rho[j] = 0.0
+            irho[j] = 0.0
+        else:
+            rho[j] = math.exp(a)
+            irho[j] = math.exp(-a)
+    for j in range(big):
+        gap[j] = bref[j]
+    for i in range(m):
+        hi = h[i]
+        q[hi] = 1.0
+        if rowexp or far[i]:
+            yi = yc[i]
+            t = 0.0
+            for j in range(hi, big - 1):
+                t += v[j + 1] - v[j] + (bmid[j] - yi) * inv_eps
+                q[j + 1] = math.exp(t)
+            t = 0.0
+            for j in range(hi - 1, -1, -1):
+                t -= v[j + 1] - v[j] + (bmid[j] - yi) * inv_eps
+                q[j] = math.exp(t)
+        else:
+            ei = e[i]
+            iei = ie[i]
+            for j in range(hi, big - 1):
+                q[j + 1] = q[j] * (ei * rho[j])
+            for j in range(hi - 1, -1, -1):
+                q[j] = q[j + 1] * (iei * irho[j])
+        tot = 0.0
+        for j in range(big):
+            tot += q[j]
+        inv = 1.0 / tot
+        off = 0.0
+        for j in range(big):
+            pj = q[j] * inv
+            p[j, i] = pj
+            if j != hi:
+                off += pj
+                gap[j] -= pj
+        gap[hi] += off
+    l1 = 0.0
+    for j in range(big):
+        l1 += abs(gap[j])
+    return l1
+
+
+def _nb_eval_vec(
+    e, ie, h, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
+):  # pragma: no cover - compiled
+    """:func:`_nb_eval` without exponentials and in loops over the entries (vectorised): from
+    the home, ``q_(j+1) = q_j e_i rho_j`` upward and ``q_(j-1) = q_j ie_i irho_(j-1)``
+    downward, each pass over all entries keeping the places on its side of each home. Returns
+    inf where a column factor is out of range (the caller then takes :func:`_nb_eval`)."""
+    for j in range(big - 1):
+        a = v[j + 1] - v[j] + (bmid[j] - c) * inv_eps
+        if not abs(a) <= _FAR:
+            return math.inf
+        rho[j] = math.exp(a)
+        irho[j] = math.exp(-a)
+    for j in range(big):
+        for i in range(m):
+            p[j, i] = 1.0
+    for j in range(big - 1):
+        f = rho[j]
+        for i in range(m):
+            val = p[j, i] * (e[i] * f)
+            p[j + 1, i] = val if j >= h[i] else p[j + 1, i]
+    for j in range(big - 2, -1, -1):
+        f = irho[j]
+        for i in range(m):
+            val = p[j + 1, i] * (ie[i] * f)
+            p[j, i] = val if j < h[i] else p[j, i]
+    for i in range(m):
+        tot[i] = p[0, i]
+    for j in range(1, big):
+        for i in range(m):
+            tot[i] += p[j, i]
+    for i in range(m):
+        tot[i] = 1.0 / tot[i]
+        off[i] = 0.0
+    for j in range(big):
+        acc = 0.0
+        for i in range(m):
+            pj = p[j, i] * tot[i]
+            p[j, i] = pj
+            o = pj if j != h[i] else 0.0
+            off[i] += o
+            acc += o
+        colsum[j] = acc
+    for j in range(big):
+        offsum[j] = 0.0
+    for i in range(m):
+        offsum[h[i]] += off[i]
+    l1 = 0.0
+    for j in range(big):
+        g = bref[j] - colsum[j] + offsum[j]
+        gap[j] = g
+        l1 += abs(g)
+    return l1
+
+
+def _nb_state(
+    fast,
+    yc,
+    e,
+    ie,
+    far,
+    h,
+    m,
+    big,
+    bmid,
+    c,
+    inv_eps,
+    v,
+    rho,
+    irho,
+    q,
+    p,
+    tot,
+    off,
+    colsum,
+    offsum,
+    bref,
+    gap,
+):  # pragma: no cover - compiled
+    """The plan and gap at v: :func:`_nb_eval_vec` where it applies, else :func:`_nb_eval`."""
+    if fast:
+        l1 = _nb_eval_vec(
+            e, ie, h, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
+        )
+        if l1 < math.inf:
+            return l1
+    return _nb_eval(yc, e, ie, far, h, m, big, bmid, c, inv_eps, v, rho, irho, q, p, bref, gap)
+
+
+def _nb_couplings(p, a, weighted, m, big, w):  # pragma: no cover - compiled
+    """``w[j, l] = sum_i a_i P_ji P_li`` (j != l; ``a = 1`` unless ``weighted``)."""
+    for j in range(big):
+        for o in range(j + 1, big):
+            acc = 0.0
+            if weighted:
+                for i in range(m):
+                    acc += a[i] * p[j, i] * p[o, i]
+            else:
+                for i in range(m):
+                    acc += p[j, i] * p[o, i]
+            w[j, o] = acc
+            w[o, j] = acc
+
+
+def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: no cover - compiled
+    """``out = K^-1 rhs`` for the Laplacian K of the couplings w grounded at one column (0
+    there; the last, for big = 3 the most coupled one), as ``_sinkhorn_numba._direction``: for
+    big <= 3 by Cramer's rule (returns det K; out NaN where it is not positive), else by the
+    Jacobi-equilibrated Cholesky with a relative jitter, retried once larger (returns 1, or 0
+    with out NaN). ``rhs`` holds every column (the ground's entry is not read)."""
+    m1 = big - 1
+    for j in range(big):
+        out[j] = 0.0
+    if big == 2:
+        w01 = w[0, 1]
+        out[0] = rhs[0] / w01 if w01 > 0 else math.nan
+        return w01
+    if big == 3:
+        # grounded at the column of the largest coupling (any ground gives the same solution up
+        # to a constant, which the callers' centring removes): grounded at a column coupled by
+        # 1e-100, the other two would come out as 1e90 values whose difference is all that
+        # matters, lost to the rounding of their right-hand side
+        tot0 = w[0, 1] + w[0, 2]
+        tot1 = w[0, 1] + w[1, 2]
+        tot2 = w[0, 2] + w[1, 2]
+        g = 2
+        if tot0 > tot1 and tot0 > tot2:
+            g = 0
+        elif tot1 > tot2:
+            g = 1
+        a = 0 if g != 0 else 1
+        b = 2 if g != 2 else 1
+        wab = w[a, b]
+        wag = w[a, g]
+        wbg = w[b, g]
+        det = wab * (wag + wbg) + wag * wbg
+        if not det > 0:
+            out[0] = math.nan
+            out[1] = math.nan
+            return det
+        ra = rhs[a]
+        rb = rhs[b]
+        out[a] = (wab * (ra + rb) + wbg * ra) / det
+        out[b] = (wab * (ra + rb) + wag * rb) / det
+        out[g] = 0.0
+        return det
+    for j in range(m1):
+        d = 0.0
+        for col in range(big):
+            if col != j:
+                d += w[j, col]
+        kmat[j, j] = d
+        for col in range(m1):
+            if col != j:
+                kmat[j, col] = -w[j, col]
+    for j in range(m1):
+        d = kmat[j, j]
+        scale[j] = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    for tau in (16.0 * max(m1, 4) * _F64_EPS, 1e-10):
+        ok = True
+        for j in range(m1):
+            for col in range(j + 1):
+                acc = kmat[j, col] * scale[j] * scale[col] + (tau if j == col else 0.0)
+                for s in range(col):
+                    acc -= chol[j, s] * chol[col, s]
+                if j == col:
+                    if not acc > 0:
+                        ok = False
+                        break
+                    chol[j, j] = math.sqrt(acc)
+                else:
+                    chol[j, col] = acc / chol[col, col]
+            if not ok:
+                break
+        if ok:
+            for j in range(m1):
+                acc = rhs[j] * scale[j]
+                for s in range(j):
+                    acc -= chol[j, s] * ybuf[s]
+                ybuf[j] = acc / chol[j, j]
+            for j in range(m1 - 1, -1, -1):
+                acc = ybuf[j]
+                for s in range(j + 1, m1):
+                    acc -= chol[s, j] * out[s]
+                out[j] = acc / chol[j, j]
+            for j in range(m1):
+                out[j] *= scale[j]
+            return 1.0
+    for j in range(m1):
+        out[j] = math.nan
+    return 0.0
+
+
+def _nb_prepare(
+    x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+):  # pragma: no cover - compiled
+    """The candidate problem of a row: the scores ``yc`` in the selection's orientation, the
+    midpoints ``bmid`` of the top k+1, each candidate's home h (its hard rank), the masses
+    (``bref``: b less the homes' count, for the gap), the centre c and the factors
+    ``e = exp((c - y)/eps)``, ``ie = 1/e``. Returns ``(c, fast)``: fast is False where some
+    candidate is far from the centre (its factors would overflow: the row takes
+    :func:`_nb_eval`)."""
+    for t in range(big - 1):
+        bmid[t] = 0.5 * top[row, t] + 0.5 * top[row, t + 1]
+    for t in range(big):
+        bcol[t] = 1.0
+    if big > k:
+        bcol[k] = m - k
+    for t in range(big):
+        bref[t] = bcol[t]
+    ymin = math.inf
+    for i in range(m):
+        yi = sign * float(x[row, cand[row, i]])
+        yc[i] = yi
+        if yi < ymin:
+            ymin = yi
+        hi = 0
+        while hi < big - 1 and bmid[hi] > yi:
+            hi += 1
+        h[i] = hi
+        bref[hi] -= 1.0
+    c = 0.5 * top[row, 0] + 0.5 * ymin
+    fast = True
+    for i in range(m):
+        z = (c - yc[i]) * inv_eps
+        if abs(z) <= _FAR:
+            ez = math.exp(z)
+            e[i] = ez
+            ie[i] = 1.0 / ez
+            far[i] = False
+        else:
+            e[i] = 0.0
+            ie[i] = 0.0
+            far[i] = True
+            fast = False
+    return c, fast
+
+
+def _nb_select_rows(
+    x, eps, largest, k, tau, bpu, limit, span_max, weight, top, cut, count, flag
+):  # pragma: no cover - compiled
+    """Per row of x (B, n): its k+1 largest scores (k if k = n) in the orientation of
+    ``largest`` into top (B, k+1), descending, and its candidate set (docs/math.md §2.4): the
+    entries whose gap d below the (k+1)-th, in units of epsilon, falls in a histogram bin below
+    ``cut`` (bins of 1/bpu, bin 0 for d <= 0; ``weight[b]`` bounds exp(-d) in bin b), the cut
+    the least that keeps k times the bound of the dropped bins within tau; their number into
+    count. flag 1: the row has an entry that is not finite or beyond ``limit``, or a span over
+    epsilon beyond ``span_max`` (solved in full; cut and count 0)."""
+    bsz, n = x.shape
+    kk = top.shape[1]
+    nb = weight.shape[0] - 1
+    hist = np.zeros((4, nb + 1), dtype=np.int64)
+    sign = 1.0 if largest else -1.0
+    for row in range(bsz):
+        for t in range(kk):
+            top[row, t] = -math.inf
+        low = -math.inf
+        ymin = math.inf
+        bad = False
+        for i in range(n):
+            yi = sign * float(x[row, i])
+            if not abs(yi) <= limit:
+                bad = True
+            if yi < ymin:
+                ymin = yi
+            if yi > low:
+                t = kk - 1
+                while t > 0 and top[row, t - 1] < yi:
+                    top[row, t] = top[row, t - 1]
+                    t -= 1
+                top[row, t] = yi
+                low = top[row, kk - 1]
+        inv_eps = 1.0 / eps[row]
+        if not bad and not (top[row, 0] - ymin) * kk * inv_eps <= span_max:
+            bad = True
+        flag[row] = 1 if bad else 0
+        if bad:
+            cut[row] = 0
+            count[row] = 0
+            continue
+        if k >= n:
+            cut[row] = nb + 1
+            count[row] = n
+            continue
+        yk = top[row, k]
+        for r in range(4):
+            for b in range(nb + 1):
+                hist[r, b] = 0
+        nbf = float(nb)
+        for i in range(n):
+            t = math.ceil((yk - sign * float(x[row, i])) * inv_eps * bpu)
+            b = int(min(max(t, 0.0), nbf))
+            hist[i & 3, b] += 1
+        # drop the bins from the farthest while k times their bound stays within tau
+        acc = 0.0
+        c = nb + 1
+        while c > 1:
+            cnt = hist[0, c - 1] + hist[1, c - 1] + hist[2, c - 1] + hist[3, c - 1]
+            add = cnt * weight[c - 1]
+            if k * (acc + add) > tau:
+                break
+            acc += add
+            c -= 1
+        total = 0
+        for b in range(c):
+            total += hist[0, b] + hist[1, b] + hist[2, b] + hist[3, b]
+        cut[row] = c
+        count[row] = total
+
+
+def _nb_solve_rows(
+    x,
+    eps,
+    largest,
+    k,
+    top,
+    cut,
+    count,
+    flag,
+    bpu,
+    nb,
+    tol,
+    max_steps,
+    halvings,
+    cand,
+    w_out,
+    v_out,
+    vv,
+    rr,
+    cc,
+    err_out,
+    status,
+):  # pragma: no cover - compiled
+    """The candidate problem of every row that is not flagged: its candidates into cand
+    (B, m_max); semi-dual Newton from one Sinkhorn update of v = 0 (full steps,
+    halved while they do not lower ``sum_j |b_j - c_j|``), as ``_sinkhorn_numba``; the
+    column-exact plan's weights into w_out (B, k, n) at the candidates (w_out is zero
+    elsewhere), the values into v_out (B, k), the final states v and ratios ``(b - c)/c``
+    (B, big) and the centre (B,) for the backward, the relative L1 row residual into err_out.
+    status: 0 converged, 1 not (the caller solves the row another way), 2 flagged."""
+    bsz, n = x.shape
+    mcap = cand.shape[1]
+    big = vv.shape[1]
+    sign = 1.0 if largest else -1.0
+    nbf = float(nb)
+    yc = np.empty(mcap)
+    e = np.empty(mcap)
+    ie = np.empty(mcap)
+    far = np.empty(mcap, dtype=np.bool_)
+    h = np.empty(mcap, dtype=np.int64)
+    off = np.empty(mcap)
+    tot = np.empty(mcap)
+    p = np.empty((big, mcap))
+    p_new = np.empty((big, mcap))
+    q = np.empty(big)
+    colsum = np.empty(big)
+    offsum = np.empty(big)
+    bmid = np.empty(big)
+    rho = np.empty(big)
+    irho = np.empty(big)
+    bcol = np.empty(big)
+    bref = np.empty(big + 1)
+    gap = np.empty(big)
+    gap_new = np.empty(big)
+    v = np.empty(big)
+    v_new = np.empty(big)
+    delta = np.empty(big)
+    w = np.empty((big, big))
+    m1 = max(big - 1, 1)
+    kmat = np.empty((m1, m1))
+    chol = np.empty((m1, m1))
+    scale = np.empty(m1)
+    ybuf = np.empty(m1)
+    ones = np.empty(0)
+    for row in range(bsz):
+        if flag[row] != 0:
+            status[row] = 2
+            continue
+        m = count[row]
+        inv_eps = 1.0 / eps[row]
+        j = 0
+        if k >= n:
+            for i in range(n):
+                cand[row, i] = i
+            j = n
+        else:
+            yk = top[row, k]
+            ct = cut[row]
+            for i in range(n):
+                t = math.ceil((yk - sign * float(x[row, i])) * inv_eps * bpu)
+                b = int(min(max(t, 0.0), nbf))
+                if b < ct and j < mcap:
+                    cand[row, j] = i
+                    j += 1
+        c, fast = _nb_prepare(
+            x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+        )
+        # One evaluation site: phase 0 evaluates v = 0 (the hard assignment) for the start, one
+        # Sinkhorn column update of it; phase 1 evaluates the start; phase 2 a Newton step,
+        # halved while it does not lower sum_j |b_j - c_j|.
+        for t in range(big):
+            v_new[t] = 0.0
+        tol_mass = tol * m
+        steps = 0
+        phase = 0
+        step = 1.0
+        tries = 0
+        l1 = math.inf
+        while True:
+            l1_new = _nb_state(
+                fast,
+                yc,
+                e,
+                ie,
+                far,
+                h,
+                m,
+                big,
+                bmid,
+                c,
+                inv_eps,
+                v_new,
+                rho,
+                irho,
+                q,
+                p_new,
+                tot,
+                off,
+                colsum,
+                offsum,
+                bref,
+                gap_new,
+            )
+            if phase == 0:
+                for t in range(big):
+                    col = 0.0
+                    for i in range(m):
+                        col += p_new[t, i]
+                    v_new[t] = math.log(bcol[t]) - math.log(max(col, _F64_TINY))
+                phase = 1
+                continue
+            if phase == 2 and not l1_new < l1:
+                tries += 1
+                if tries > halvings:
+                    break  # no step lowers the bound: the row keeps its state
+                step *= 0.5
+                for t in range(big):
+                    v_new[t] = v[t] + step * delta[t]
+                continue
+            p, p_new = p_new, p
+            gap, gap_new = gap_new, gap
+            v, v_new = v_new, v
+            l1 = l1_new
+            if not l1 > tol_mass or steps >= max_steps:
+                break
+            _nb_couplings(p, ones, False, m, big, w)
+            ok = _nb_laplacian_solve(w, big, gap, kmat, chol, scale, ybuf, delta)
+            steps += 1
+            if not ok > 0:
+                break
+            phase = 2
+            step = 1.0
+            tries = 0
+            for t in range(big):
+                v_new[t] = v[t] + delta[t]
+        for t in range(big):
+            rr[row, t] = gap[t] / max(bcol[t] - gap[t], _F64_TINY)
+            vv[row, t] = v[t]
+        err = 0.0
+        for i in range(m):
+            dev = 0.0
+            for t in range(big):
+                dev += p[t, i] * rr[row, t]
+            err += abs(dev)
+        err /= m
+        err_out[row] = err
+        cc[row] = c
+        status[row] = 0 if err <= tol else 1
+        for t in range(k):
+            f = 1.0 + rr[row, t]
+            acc = 0.0
+            for i in range(m):
+                wt = p[t, i] * f
+                ci = cand[row, i]
+                w_out[row, t, ci] = wt
+                acc += wt * float(x[row, ci])
+            v_out[row, t] = acc
+
+
+def _nb_centred(pn, u, home, m, big, out):  # pragma: no cover - compiled
+    """``u_ji - sum_l P_li u_li`` into out (big, m), each entry first shifted by its value at its
+    home (its largest P): without cancellation for nearly one-hot entries."""
+    for i in range(m):
+        ref = u[home[i], i]
+        mean = 0.0
+        for j in range(big):
+            out[j, i] = u[j, i] - ref
+            mean += pn[j, i] * out[j, i]
+        for j in range(big):
+            out[j, i] -= mean
+
+
+def _nb_vjp_rows(
+    x,
+    eps,
+    largest,
+    k,
+    top,
+    cand,
+    count,
+    vv,
+    rr,
+    cc,
+    status,
+    gv,
+    gw,
+    need_eps,
+    det_min,
+    gx,
+    geps,
+    safe,
+):  # pragma: no cover - compiled
+    """The implicit VJP (docs/math.md §2.3) of every row solved by the kernel (status 0), for
+    the cotangents gv (B, k) of the values and gw (B, k, n) of the weights (gw empty: none):
+    the plan is recomputed from the saved states (the same arithmetic as the forward); the
+    gradient in x at the candidates into gx (0 elsewhere: gx comes zeroed), in epsilon into
+    geps where ``need_eps``. K is solved as ``_sinkhorn_numba.sorted_vjp_rows`` does (closed
+    form for big <= 3, refined Cholesky above); safe[row] False where it is singular (the caller
+    redoes the row)."""
+    bsz = x.shape[0]
+    mcap = cand.shape[1]
+    big = vv.shape[1]
+    sign = 1.0 if largest else -1.0
+    has_gw = gw.shape[0] == bsz
+    yc = np.empty(mcap)
+    e = np.empty(mcap)
+    ie = np.empty(mcap)
+    far = np.empty(mcap, dtype=np.bool_)
+    h = np.empty(mcap, dtype=np.int64)
+    off = np.empty(mcap)
+    home = np.empty(mcap, dtype=np.int64)
+    tot = np.empty(mcap)
+    p = np.empty((big, mcap))
+    pn = np.empty((big, mcap))
+    gam = np.empty((big, mcap))
+    gb = np.empty((big, mcap))
+    u = np.empty((big, mcap))
+    cen = np.empty((big, mcap))
+    mu = np.empty(mcap)
+    q = np.empty(big)
+    colsum = np.empty(big)
+    offsum = np.empty(big)
+    bmid = np.empty(big)
+    rho = np.empty(big)
+    irho = np.empty(big)
+    bcol = np.empty(big)
+    bref = np.empty(big + 1)
+    gap = np.empty(big)
+    v = np.empty(big)
+    rhs = np.empty(big)
+    beta = np.empty(big)
+    stepv = np.empty(big)
+    w = np.empty((big, big))
+    m1 = max(big - 1, 1)
+    kmat = np.empty((m1, m1))
+    chol = np.empty((m1, m1))
+    scale = np.empty(m1)
+    ybuf = np.empty(m1)
+    for row in range(bsz):
+        if status[row] != 0:
+            continue
+        m = count[row]
+        inv_eps = 1.0 / eps[row]
+        _, fast = _nb_prepare(
+            x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+        )
+        c = cc[row]
+        for t in range(big):
+            v[t] = vv[row, t]
+        _nb_state(
+            fast,
+            yc,
+            e,
+            ie,
+            far,
+            h,
+            m,
+            big,
+            bmid,
+            c,
+            inv_eps,
+            v,
+            rho,
+            irho,
+            q,
+            p,
+            tot,
+            off,
+            colsum,
+            offsum,
+            bref,
+            gap,
+        )
+        for i in range(m):
+            s = 0.0
+            for t in range(big):
+                g = p[t, i] * (1.0 + rr[row, t])
+                gam[t, i] = g
+                s += g
+            mu[i] = s
+            best = 0
+            for t in range(big):
+                pn[t, i] = gam[t, i] / max(s, _F64_TINY)
+                if pn[t, i] > pn[best, i]:
+                    best = t
+            home[i] = best
+            ci = cand[row, i]
+            xi = float(x[row, ci])
+            for t in range(big):
+                if t < k:
+                    g = gv[row, t] * xi
+                    if has_gw:
+                        g += float(gw[row, t, ci])
+                    gb[t, i] = g
+                else:
+                    gb[t, i] = 0.0
+        _nb_centred(pn, gb, home, m, big, cen)
+        for t in range(big):
+            acc = 0.0
+            for i in range(m):
+                acc += gam[t, i] * cen[t, i]
+            rhs[t] = acc
+        _nb_couplings(pn, mu, True, m, big, w)
+        det = _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, beta)
+        if big > 3 and det > 0:  # one refinement against the exactly formed residual
+            for t in range(big):
+                for i in range(m):
+                    u[t, i] = gb[t, i] - beta[t]
+            _nb_centred(pn, u, home, m, big, cen)
+            for t in range(big):
+                acc = 0.0
+                for i in range(m):
+                    acc += gam[t, i] * cen[t, i]
+                rhs[t] = acc
+            _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, stepv)
+            for t in range(big):
+                beta[t] += stepv[t]
+        ok = det > det_min if big <= 3 else det > 0
+        for t in range(big):
+            ok = ok and math.isfinite(beta[t])
+        safe[row] = ok
+        if not ok:
+            continue
+        for t in range(big):
+            for i in range(m):
+                u[t, i] = beta[t] - gb[t, i]
+        _nb_centred(pn, u, home, m, big, cen)
+        g_e = 0.0
+        for i in range(m):
+            acc = 0.0
+            direct = 0.0
+            for t in range(big):
+                acc += t * gam[t, i] * cen[t, i]
+                if t < k:
+                    direct += gam[t, i] * gv[row, t]
+            gy = acc * inv_eps
+            g_e += (yc[i] - c) * gy
+            gx[row, cand[row, i]] = sign * gy + direct
+        geps[row] = -g_e * inv_eps if need_eps else 0.0
 
 
 class _SortedPlan(torch.autograd.Function):
