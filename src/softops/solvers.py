@@ -282,7 +282,7 @@ def topk_threshold(
     check_floating(x, op)
     check_bool(largest, op, "largest")
     rows = prepare_rows(op, x.detach(), dim, epsilon)
-    k = check_k(k, rows.n, op)
+    k = check_k(k, rows.n, op, dtype=x.dtype)
     max_iter = check_max_iter(max_iter, THRESHOLD_MAX_ITER, op)
     tol = check_tol(tol, 0.0, op)
     x2 = rows.x2 if largest else -rows.x2

@@ -164,7 +164,9 @@ def test_epsilon_below_the_smallest_normal_of_the_compute_dtype_is_refused(dtype
     assert check_epsilon(tiny, "op", dtype=dtype) == tiny
     assert check_epsilon(1e-320, "op") == 1e-320  # without a dtype (a layer): positive only
     name = str(cd).removeprefix("torch.")
-    for bad in (tiny / 2, tiny * (1 - 2**-30), 5e-324):
+    if cd == torch.float32:  # a Python float that rounds to tiny in the compute dtype is tiny
+        assert check_epsilon(tiny * (1 - 2**-30), "op", dtype=dtype) == tiny * (1 - 2**-30)
+    for bad in (tiny / 2, tiny * (1 - 2**-20), 5e-324):
         with pytest.raises(ValueError) as info:
             check_epsilon(bad, "op", dtype=dtype)
         given = str(dtype).removeprefix("torch.")
@@ -210,5 +212,18 @@ def test_a_k_below_the_smallest_normal_float32_is_0():
     assert g.tolist() == [1.0, 2.0, 3.0, 4.0]  # the gradient of k passes through unchanged
     plain = torch.tensor([1.0, 2.0])
     assert check_k(plain, 3, "op") is plain  # nothing to change: the same tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_an_op_takes_the_smallest_normal_of_its_compute_dtype_for_k(dtype):
+    # float16/bfloat16 compute in float32; float64 resolves a k far below float32's range
+    tiny = torch.finfo(F64 if dtype == F64 else torch.float32).tiny
+    for k in (tiny / 2, tiny * (1 - 2**-30), 5e-324):
+        assert check_k(k, 3, "op", dtype=dtype) == 0.0
+    assert check_k(tiny, 3, "op", dtype=dtype) == tiny
+    if dtype == F64:
+        assert check_k(1e-300, 3, "op", dtype=dtype) == 1e-300  # solved, not the limit
+        k = torch.tensor([1e-310, 1e-300], dtype=F64)
+        assert check_k(k, 3, "op", dtype=dtype).tolist() == [0.0, 1e-300]
     with pytest.raises(ValueError, match=r"^op: expected 0 <= `k` <= x.shape\[dim\] \(= 3\)"):
         check_k(torch.tensor([1e-40, 4.0], dtype=F64), 3, "op")

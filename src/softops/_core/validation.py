@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -170,14 +171,23 @@ def check_epsilon(
     epsilon = as_number(epsilon)
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
         raise TypeError(f"{op}: expected `{name}` to be a float or a tensor; got {epsilon!r}.")
-    if not (epsilon > 0 and math.isfinite(epsilon)) or epsilon < tiny:
+    if not (epsilon > 0 and math.isfinite(epsilon)) or _held(epsilon, tiny) < tiny:
         raise _epsilon_error(op, name, epsilon, dtype)
     return float(epsilon)
 
 
+def _held(value: float, tiny: float) -> float:
+    """``value`` as the compute dtype holds it, near ``tiny`` (a Python float just below float32's
+    smallest normal number can round to it: then it is that number, and accepted)."""
+    if tiny == torch.finfo(torch.float32).tiny and value < 1.0:
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+    return value
+
+
 SMALLEST_K = torch.finfo(torch.float32).tiny
-"""A real k below this (2**-126, the smallest normal float32: float32 is the narrowest compute
-dtype) is its limit k -> 0: :func:`check_k` returns 0 for it."""
+"""Where x's dtype is not known (a layer's check at construction): a real k below this (2**-126,
+the smallest normal float32: float32 is the narrowest compute dtype) is its limit k -> 0. An op,
+which knows x's dtype, takes the smallest normal number of x's compute dtype instead."""
 
 
 def check_k(
@@ -188,6 +198,7 @@ def check_k(
     low: float = 0,
     integer: bool = False,
     allow_tensor: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> float | torch.Tensor:
     """Check ``low <= k <= n``. ``k`` is an int, a float (unless ``integer``) or a tensor.
 
@@ -195,16 +206,18 @@ def check_k(
     op checks ``k <= x.shape[dim]`` on the forward call. Tensor entries are checked once, here
     (one host sync at validation, none in the solver), and eagerly only, as for ``epsilon``.
 
-    A k in ``(0, SMALLEST_K)`` (a subnormal float32, or a value that rounds to 0 there) is its
-    limit k -> 0 and is returned as 0 (a tensor's entries are 0 with the gradient of k passing
-    through unchanged, the derivative at that limit): the mask it stands for differs from the
-    mask of k = 0 by at most k in every entry, below the smallest normal float32, while a
-    solver given such a k works with marginals the compute dtype holds only as subnormals
-    (method "sinkhorn" gave NaN). The other end needs no rule: ``n - k`` is 0 or at least the
-    spacing of n (``n >= 1``).
+    A k in ``(0, tiny)``, ``tiny`` the smallest normal number of the compute dtype of x (of
+    ``dtype``; ``SMALLEST_K`` where it is not given), a subnormal or a value that rounds to 0
+    there, is its limit k -> 0 and is returned as 0 (a tensor's entries are 0 with the gradient
+    of k passing through unchanged, the derivative at that limit): the mask it stands for
+    differs from the mask of k = 0 by at most k in every entry, below the dtype's smallest
+    normal number, while a solver given such a k works with marginals the compute dtype holds
+    only as subnormals (method "sinkhorn" gave NaN). The other end needs no rule: ``n - k`` is 0
+    or at least the spacing of n (``n >= 1``).
     """
     what = "an int" if integer else "a number"
     high = math.inf if n is None else n
+    smallest = SMALLEST_K if dtype is None else torch.finfo(compute_dtype(dtype)).tiny
 
     def out_of_range(value: str) -> ValueError:
         if n is None:
@@ -224,7 +237,7 @@ def check_k(
                 return k
             kd = k.detach()
             bad = ~((kd >= low) & (kd <= high))
-            tiny = (kd > 0) & (kd < SMALLEST_K)
+            tiny = (kd > 0) & (kd < smallest)
             any_bad, any_tiny = torch.stack((bad.any(), tiny.any())).tolist()  # one sync
             if any_bad:
                 raise out_of_range(f"{kd[bad].flatten()[0].item():g}")
@@ -240,7 +253,7 @@ def check_k(
         raise out_of_range(repr(k))
     if integer:
         return int(k)
-    return 0.0 if 0 < k < SMALLEST_K else k
+    return 0.0 if 0 < k < smallest else k
 
 
 def check_bool(value: Any, op: str, name: str) -> bool:

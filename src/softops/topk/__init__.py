@@ -192,9 +192,9 @@ def soft_topk_mask(
     if functorch and isinstance(k, torch.Tensor) and method in ("ot", "sparse"):
         # A batched k has no single value to test: its integrality (hard=True) is read from every
         # vmapped slice at once; "ot" and "sparse" have no rule on the shape of k or its grad.
-        k_scalar = check_mask_k(op, plain(k).detach(), rows.n, method, hard=hard)[1]
+        k_scalar = check_mask_k(op, plain(k).detach(), rows.n, method, hard=hard, dtype=x.dtype)[1]
     else:
-        k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon)
+        k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon, dtype=x.dtype)
     if method == "perturbed":
         check_generator(generator, x.device, op)
 

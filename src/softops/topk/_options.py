@@ -96,6 +96,7 @@ def check_mask_k(
     *,
     hard: bool = False,
     epsilon: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[float | torch.Tensor, float | None]:
     """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number.
 
@@ -104,7 +105,7 @@ def check_mask_k(
     "softkmax" and "perturbed" give no gradient in k (nor, but for "softkmax", in epsilon), so a
     k or epsilon that requires grad is refused rather than silently ignored.
     """
-    k = check_k(k, n, op)
+    k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
         k_scalar = k
