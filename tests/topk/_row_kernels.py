@@ -1,6 +1,6 @@
-"""What the tests of the "ot" row kernel share: a batch of rows the kernel must leave to the
-torch code, the check that a merged solve is the torch code's, and the one that ``torch.func``
-transforms agree with the plain call's results."""
+"""What the tests of the "ot" row kernel share: a batch of rows, most of which the kernel must
+leave to the torch code, the check that a merged solve is the torch code's, and the one that
+``torch.func`` transforms agree with the plain call's results."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ F64 = torch.float64
 
 
 def flagged_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, k, epsilon) of 7 rows of 40, float64: one clean row among rows a kernel flags: an
-    infinity, a NaN, k at n by infinities, a huge epsilon (the scaled solve), a near-hard row
-    (the polish) and k = 0 (filled)."""
+    """(x, k, epsilon) of 7 rows of 40, float64: rows a kernel flags (an infinity, a NaN, k at n
+    by infinities, a huge epsilon: the scaled solve, and k = 0: filled) among two it solves
+    itself, a clean row (0) and a near-hard one (5, which the "ot" kernel polishes as the torch
+    code does)."""
     x = torch.randn(7, 40, generator=seeded(9), dtype=F64)
     x[1, 3] = math.inf
     x[2, 5] = math.nan

@@ -686,8 +686,9 @@ def _solve_kernel(
     tol: float,
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by the CPU row kernel (in x's dtype with double sums); the rows it leaves
-    (not regular, capped or near the hard limit) are solved by the torch code and merged."""
+    """:func:`_solve` by the CPU row kernel (in x's dtype with double sums, the rows near the
+    hard limit polished there as :func:`polish` does); the rows it leaves (not regular, or
+    capped) are solved by the torch code and merged."""
     dtype = x.dtype
     B = x.shape[0]
     A, s, aux, residual, converged, left, evaluations, some_left = ops.threshold_rows(
