@@ -16,6 +16,7 @@ are registered here (``PROFILES``).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -201,7 +202,7 @@ def too_small_epsilons(dtype: torch.dtype) -> list[float]:
     """Positive epsilons below the smallest normal number of the compute dtype of x: subnormal
     there, or (float32) rounding to 0."""
     tiny = smallest_epsilon(dtype)
-    small = [tiny / 2, tiny * (1 - 2**-30), 5e-324]
+    small = [tiny / 2, tiny * (1 - 2**-20), 5e-324]  # (1 - 2**-30: rounds to tiny in float32)
     if compute_dtype(dtype) == torch.float32:
         small += [1e-40, 1e-50]
     return small
@@ -213,6 +214,8 @@ def epsilon_refused(epsilon: float | torch.Tensor, dtype: torch.dtype) -> bool:
     tiny = smallest_epsilon(dtype)
     if isinstance(epsilon, torch.Tensor):
         return bool((epsilon.detach() < tiny).any())
+    if compute_dtype(dtype) == torch.float32 and epsilon < 1:  # as float32 holds the number
+        epsilon = struct.unpack("f", struct.pack("f", epsilon))[0]
     return epsilon < tiny
 
 
