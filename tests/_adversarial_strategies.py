@@ -184,9 +184,11 @@ def k_values(draw: st.DrawFn, case: Any, n: int) -> float | int:
     return float(min(max(real, 0.0), float(n)))
 
 
-def flushed_k(k: torch.Tensor) -> torch.Tensor:
-    """k as the ops take it (``check_k``): below the smallest normal float32, its limit 0."""
-    return torch.where((k > 0) & (k < SMALLEST_K), 0.0, k)
+def flushed_k(k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """k as an op on x of ``dtype`` takes it (``check_k``): below the smallest normal number of
+    x's compute dtype (float32's where ``dtype`` is None), its limit 0."""
+    tiny = SMALLEST_K if dtype is None else torch.finfo(compute_dtype(dtype)).tiny
+    return torch.where((k > 0) & (k < tiny), 0.0, k)
 
 
 # ------------------------------------------------------------------- tiny rows, tiny epsilon

@@ -209,12 +209,12 @@ def orient_of(case: Case, data: st.DataObject) -> bool | None:
 
 
 def k_per_row(k: Any, b: int, dtype: torch.dtype = F64) -> torch.Tensor:
-    """k per row, as the op holds it: below the smallest normal float32 its limit 0, then in the
-    compute dtype (float16/bfloat16 -> float32)."""
+    """k per row, as the op holds it: below the smallest normal number of the compute dtype
+    (float16/bfloat16 -> float32) its limit 0, then in the compute dtype."""
     cd = torch.promote_types(dtype, torch.float32)
     if isinstance(k, torch.Tensor):
-        return adv.flushed_k(k.detach().double()).to(cd).double().expand(b)
-    return adv.flushed_k(torch.full((b,), float(k), dtype=F64)).to(cd).double()
+        return adv.flushed_k(k.detach().double(), dtype).to(cd).double().expand(b)
+    return adv.flushed_k(torch.full((b,), float(k), dtype=F64), dtype).to(cd).double()
 
 
 def expected_shape(case: Case, b: int, n: int, k: Any, m: int) -> tuple[int, ...]:
@@ -814,6 +814,9 @@ def _reference(case: Case, call: dict[str, Any]) -> torch.Tensor | None:
         big = torch.finfo(adv.compute_dtype(x.dtype)).max
         e = kw["epsilon"]
         kw["epsilon"] = e.clamp(max=big) if isinstance(e, torch.Tensor) else min(e, big)
+        if "k" in kw and not isinstance(kw["k"], int):  # k as the narrower dtype takes it
+            k = adv.flushed_k(torch.as_tensor(kw["k"], dtype=F64), x.dtype)
+            kw["k"] = k if isinstance(kw["k"], torch.Tensor) else float(k)
         kw["x"] = x.double()
         return values_of(case, run(case, **kw)).detach()
     if case.law is None or case.law <= 0:
