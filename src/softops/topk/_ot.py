@@ -51,10 +51,11 @@ Numerics of the solver (docs/math.md §1.3):
 
 The kernel layer. The solve is one operator of torch's registry, ``softops::ot_threshold``
 (:mod:`softops._kernels`): not differentiable, opaque to ``torch.compile`` and ``torch.export``,
-with this module's torch code as its reference on every device and, on the CPU, a C++ row kernel
-(``_ot_kernel.cpp``: the same arithmetic, one row per task over torch's threads, each entry's
-exponential formed once per solve) that leaves the rows it does not solve (infinities, NaN, k at
-0 or n, a huge epsilon, a capped solve, a row near the hard limit) to the reference. The
+with this module's torch code as its reference on every device and, on the CPU, a C++ kernel
+(``_ot_kernel.cpp``: the same arithmetic, including the polish of near-hard rows; rows of up to
+128 entries solved a vector of rows at a time, longer ones one row per task, over torch's
+threads; each entry's exponential formed once per solve) that leaves the rows it does not solve
+(infinities, NaN, k at 0 or n, a huge epsilon, a capped solve) to the reference. The
 autograd Function around it carries the implicit gradient; its backward in x is the operator
 ``softops::ot_vjp_rows`` (one pass of the same kernel on the CPU). torch 2.13's dynamo rejects a
 Function with a custom ``jvp``, so traced code applies the same Function without it (forward mode
