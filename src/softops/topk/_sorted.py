@@ -30,6 +30,7 @@ before the candidate set, with its :class:`_SortedPlan`).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from types import SimpleNamespace
@@ -386,6 +387,12 @@ def _candidate_tolerance(dtype: torch.dtype) -> float:
     return _TAU_64 if dtype == torch.float64 else _TAU_32
 
 
+@functools.lru_cache(maxsize=64)
+def _bin_weights(n: int, k: int, tau: float) -> Tensor:
+    """:func:`_bins`' weights as a float64 tensor (cached: the kernel's argument)."""
+    return torch.tensor(_bins(n, k, tau)[1], dtype=torch.float64)
+
+
 def _bins(n: int, k: int, tau: float) -> tuple[int, list[float]]:
     """``(nb, weight)``: the number of histogram bins of the gaps d (in units of epsilon below the
     (k+1)-th score) and the bound ``weight[b]`` on exp(-d) in bin b: bin 0 holds d <= 0, bin b
@@ -559,13 +566,12 @@ def _kernel_solve(
     e64 = eps.detach().to(torch.float64).contiguous()
     tau = _candidate_tolerance(x2.dtype)
     kk = k + 1 if k < n else k
-    _, weight = _bins(n, k, tau)
     top = torch.empty((bsz, kk), dtype=torch.float64)
     cut = torch.empty(bsz, dtype=torch.int64)
     count = torch.empty(bsz, dtype=torch.int64)
     flag = torch.empty(bsz, dtype=torch.int8)
     limit = torch.finfo(x2.dtype).max / (64 * kk)
-    kern.select(
+    most, flagged = kern.select(
         xd.numpy(),
         e64.numpy(),
         largest,
@@ -574,18 +580,19 @@ def _kernel_solve(
         _BINS_PER_UNIT,
         limit,
         torch.finfo(x2.dtype).max / 64,
-        torch.tensor(weight, dtype=torch.float64).numpy(),
+        _bin_weights(n, k, tau).numpy(),
         top.numpy(),
         cut.numpy(),
         count.numpy(),
         flag.numpy(),
     )
-    sel = (xd, e64, top, cut, count, flag)
+    sel = (xd, e64, top, cut, count, flag, most)
     out = _KernelSolve.apply(x2, eps, k, largest, max_iter, tol, tensor_eps, sel)
     weights, values, converged, residual = out[0], out[1], out[2], out[3]
-    clean = bool(converged.all())
-    bad = flag != 0
-    if bool(bad.any()):
+    # (the kernel reads the rows it leaves over: clean unless one was and did not converge)
+    clean = out[4] if bsz else True
+    if flagged:
+        bad = flag != 0
         return _merge_full_rows(
             x2,
             eps,
@@ -602,10 +609,10 @@ def _kernel_solve(
 
 
 class _KernelSolve(torch.autograd.Function):
-    """``(x2, eps) -> (weights, values, converged, residual)`` by the numba kernels: each row's
-    candidate set (from ``sel``, the output of the selection kernel), its Newton solve, the
-    weights written at the candidates (B, k, n) and the values (B, k); the backward is the
-    kernel's implicit VJP, in x and epsilon.
+    """``(x2, eps) -> (weights, values, converged, residual, clean)`` by the numba kernels:
+    each row's candidate set (from ``sel``, the output of the selection kernel), its Newton
+    solve, the weights written at the candidates (B, k, n) and the values (B, k); the backward
+    is the kernel's implicit VJP, in x and epsilon. ``clean``: every row converged.
 
     Rows the kernel leaves above ``tol`` are solved by :func:`_reduced_reference` (the same
     candidate set, the torch solver), and their gradients are formed by autograd through it; so
@@ -624,15 +631,15 @@ class _KernelSolve(torch.autograd.Function):
         tol: float,
         tensor_eps: bool,
         sel: tuple[Tensor, ...],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
         kern = _kernels()
-        xd, e64, top, cut, count, flag = sel
+        xd, e64, top, cut, count, flag, most = sel
         bsz, n = x2.shape
         f64 = torch.float64
         big = k + 1 if k < n else k
-        nb = len(_bins(n, k, _candidate_tolerance(x2.dtype))[1]) - 1
-        mm = max(int(count.max()), 1) if bsz else 1
-        cand = torch.zeros((bsz, mm), dtype=torch.int64)  # (padding: index 0, no mass)
+        # one spare column (the collection appends without a branch); padding: no mass
+        mm = max(int(most), 1)
+        cand = torch.zeros((bsz, mm + 1), dtype=torch.int64)
         weights = x2.new_zeros((bsz, k, n))
         v64 = torch.zeros((bsz, k), dtype=f64)
         vv = torch.empty((bsz, big), dtype=f64)
@@ -640,7 +647,7 @@ class _KernelSolve(torch.autograd.Function):
         cc = torch.empty(bsz, dtype=f64)
         err = torch.zeros(bsz, dtype=f64)
         status = torch.empty(bsz, dtype=torch.int8)
-        kern.solve(
+        left = kern.solve(
             xd.numpy(),
             e64.numpy(),
             largest,
@@ -650,7 +657,6 @@ class _KernelSolve(torch.autograd.Function):
             count.numpy(),
             flag.numpy(),
             _BINS_PER_UNIT,
-            nb,
             float(tol),
             min(_KERNEL_STEPS, max_iter),
             _KERNEL_HALVINGS,
@@ -665,9 +671,9 @@ class _KernelSolve(torch.autograd.Function):
         )
         values = v64.to(x2.dtype)
         converged = status == 0
-        redo = status == 1
-        if bool(redo.any()):  # rows the kernel left above tol: the torch solve
-            rows = redo.nonzero().squeeze(1)
+        clean = True
+        if left:  # rows the kernel left above tol: the torch solve
+            rows = (status == 1).nonzero().squeeze(1)
             with torch.no_grad():
                 wr, vr, cr, res_r, _ = _reduced_reference(
                     x2[rows], eps[rows], cand[rows], count[rows], k, largest, max_iter, tol, False
@@ -676,11 +682,13 @@ class _KernelSolve(torch.autograd.Function):
             values[rows] = vr.to(values.dtype)
             converged[rows] = cr
             err[rows] = res_r.to(f64)
+            clean = bool(cr.all())
         ctx.save_for_backward(x2, eps)
         ctx.state = (e64, top, cand, count, vv, rr, cc, status)
         ctx.settings = (k, largest, max_iter, tol, tensor_eps)
+        ctx.left = left
         ctx.mark_non_differentiable(converged, err)
-        return weights, values, converged, err
+        return weights, values, converged, err, clean
 
     @staticmethod
     def backward(
@@ -705,7 +713,7 @@ class _KernelSolve(torch.autograd.Function):
         safe = torch.ones(bsz, dtype=torch.bool)
         gv = grad_v.to(f64).contiguous() if grad_v is not None else torch.zeros((bsz, k), dtype=f64)
         gw = grad_w.contiguous() if grad_w is not None else x2.new_empty((0, 1, 1))
-        kern.vjp(
+        unsafe = kern.vjp(
             x2.detach().contiguous().numpy(),
             e64.numpy(),
             largest,
@@ -725,9 +733,8 @@ class _KernelSolve(torch.autograd.Function):
             geps.numpy(),
             safe.numpy(),
         )
-        redo = (status == 1) | ~safe
-        if bool(redo.any()):
-            rows = redo.nonzero().squeeze(1)
+        if unsafe or ctx.left:
+            rows = ((status == 1) | ~safe).nonzero().squeeze(1)
             sub_x, sub_e = _recompute_grads(ctx, x2, eps, rows, grad_w, grad_v, False)
             if sub_x is not None:
                 gx[rows] = sub_x[rows]
@@ -810,13 +817,14 @@ def _compile_kernels() -> Any:
     np = numpy
     g = globals()
     plain = numba.njit(cache=True, nogil=True)
-    inline = plain
+    # reassociation lets the sums over the entries vectorise (not in the centring, whose
+    # order of subtraction is what keeps it free of cancellation)
     fast = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-    for name in ("_nb_eval", "_nb_laplacian_solve", "_nb_prepare", "_nb_centred"):
-        g[name] = inline(g[name])
+    g["_nb_exp"] = numba.njit(cache=True, nogil=True, fastmath={"contract"})(g["_nb_exp"])
+    for name in ("_nb_eval", "_nb_laplacian_solve", "_nb_prepare", "_nb_centred", "_nb_state"):
+        g[name] = plain(g[name])
     for name in ("_nb_eval_vec", "_nb_couplings"):
         g[name] = fast(g[name])
-    g["_nb_state"] = inline(g["_nb_state"])
     return SimpleNamespace(
         select=plain(_nb_select_rows), solve=plain(_nb_solve_rows), vjp=plain(_nb_vjp_rows)
     )
@@ -880,52 +888,77 @@ def _nb_eval(
 
 
 def _nb_eval_vec(
-    e, ie, h, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
+    e, ie, gs, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
 ):  # pragma: no cover - compiled
-    """:func:`_nb_eval` without exponentials and in loops over the entries (vectorised): from
-    the home, ``q_(j+1) = q_j e_i rho_j`` upward and ``q_(j-1) = q_j ie_i irho_(j-1)``
-    downward, each pass over all entries keeping the places on its side of each home. Returns
-    inf where a column factor is out of range (the caller then takes :func:`_nb_eval`)."""
+    """:func:`_nb_eval` without exponentials, for entries sorted by home (entries ``gs[t]`` to
+    ``gs[t+1]`` have home t), in loops over ranges of entries (vectorised): from the home,
+    ``q_(j+1) = q_j e_i rho_j`` upward (the entries whose home is at most j, a prefix) and
+    ``q_(j-1) = q_j ie_i irho_(j-1)`` downward (a suffix). Returns inf where a column factor is
+    out of range (the caller then takes :func:`_nb_eval`). (A range that does not start at 0 is
+    a slice looped from 0: numba's check for negative indices keeps the other from
+    vectorising.)"""
     for j in range(big - 1):
         a = v[j + 1] - v[j] + (bmid[j] - c) * inv_eps
         if not abs(a) <= _FAR:
             return math.inf
         rho[j] = math.exp(a)
         irho[j] = math.exp(-a)
-    for j in range(big):
-        for i in range(m):
-            p[j, i] = 1.0
+    for t in range(big):
+        row = p[t, gs[t] : gs[t + 1]]
+        for i in range(row.shape[0]):
+            row[i] = 1.0
     for j in range(big - 1):
         f = rho[j]
-        for i in range(m):
-            val = p[j, i] * (e[i] * f)
-            p[j + 1, i] = val if j >= h[i] else p[j + 1, i]
+        src = p[j]
+        dst = p[j + 1]
+        for i in range(gs[j + 1]):
+            dst[i] = src[i] * (e[i] * f)
     for j in range(big - 2, -1, -1):
         f = irho[j]
-        for i in range(m):
-            val = p[j + 1, i] * (ie[i] * f)
-            p[j, i] = val if j < h[i] else p[j, i]
+        g = gs[j + 1]
+        src = p[j + 1, g:m]
+        dst = p[j, g:m]
+        fac = ie[g:m]
+        for i in range(m - g):
+            dst[i] = src[i] * (fac[i] * f)
     for i in range(m):
         tot[i] = p[0, i]
     for j in range(1, big):
+        pj = p[j]
         for i in range(m):
-            tot[i] += p[j, i]
+            tot[i] += pj[i]
     for i in range(m):
         tot[i] = 1.0 / tot[i]
         off[i] = 0.0
     for j in range(big):
+        g0 = gs[j]
+        g1 = gs[j + 1]
+        pj = p[j]
         acc = 0.0
-        for i in range(m):
-            pj = p[j, i] * tot[i]
-            p[j, i] = pj
-            o = pj if j != h[i] else 0.0
-            off[i] += o
-            acc += o
+        for i in range(g0):
+            q = pj[i] * tot[i]
+            pj[i] = q
+            off[i] += q
+            acc += q
+        mid = p[j, g0:g1]
+        tmid = tot[g0:g1]
+        for i in range(g1 - g0):
+            mid[i] = mid[i] * tmid[i]
+        hi = p[j, g1:m]
+        thi = tot[g1:m]
+        ohi = off[g1:m]
+        for i in range(m - g1):
+            q = hi[i] * thi[i]
+            hi[i] = q
+            ohi[i] += q
+            acc += q
         colsum[j] = acc
-    for j in range(big):
-        offsum[j] = 0.0
-    for i in range(m):
-        offsum[h[i]] += off[i]
+    for t in range(big):
+        grp = off[gs[t] : gs[t + 1]]
+        acc = 0.0
+        for i in range(grp.shape[0]):
+            acc += grp[i]
+        offsum[t] = acc
     l1 = 0.0
     for j in range(big):
         g = bref[j] - colsum[j] + offsum[j]
@@ -941,6 +974,7 @@ def _nb_state(
     ie,
     far,
     h,
+    gs,
     m,
     big,
     bmid,
@@ -961,7 +995,24 @@ def _nb_state(
     """The plan and gap at v: :func:`_nb_eval_vec` where it applies, else :func:`_nb_eval`."""
     if fast:
         l1 = _nb_eval_vec(
-            e, ie, h, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
+            e,
+            ie,
+            gs,
+            m,
+            big,
+            bmid,
+            c,
+            inv_eps,
+            v,
+            rho,
+            irho,
+            p,
+            tot,
+            off,
+            colsum,
+            offsum,
+            bref,
+            gap,
         )
         if l1 < math.inf:
             return l1
@@ -987,8 +1038,10 @@ def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: n
     """``out = K^-1 rhs`` for the Laplacian K of the couplings w grounded at one column (0
     there; the last, for big = 3 the most coupled one), as ``_sinkhorn_numba._direction``: for
     big <= 3 by Cramer's rule (returns det K; out NaN where it is not positive), else by the
-    Jacobi-equilibrated Cholesky with a relative jitter, retried once larger (returns 1, or 0
-    with out NaN). ``rhs`` holds every column (the ground's entry is not read)."""
+    Jacobi-equilibrated Cholesky: without jitter where it is well conditioned (returns 2),
+    else with a relative jitter, retried once larger (returns the least squared pivot, in
+    (0, 1]: refine; or 0 with out NaN). ``rhs`` holds every column (the ground's entry is not
+    read)."""
     m1 = big - 1
     for j in range(big):
         out[j] = 0.0
@@ -1037,8 +1090,14 @@ def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: n
     for j in range(m1):
         d = kmat[j, j]
         scale[j] = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    for tau in (16.0 * max(m1, 4) * _F64_EPS, 1e-10):
+    # first without jitter: where the least squared pivot of the equilibrated factor is at
+    # least 1e-2 the solve is as accurate as it gets (returns 2); else with a relative jitter
+    # of a few units of rounding, retried once larger (returns the least squared pivot, in
+    # (0, 1]: the caller refines)
+    for attempt in range(3):
+        tau = 0.0 if attempt == 0 else (16.0 * max(m1, 4) * _F64_EPS if attempt == 1 else 1e-10)
         ok = True
+        least = 1.0
         for j in range(m1):
             for col in range(j + 1):
                 acc = kmat[j, col] * scale[j] * scale[col] + (tau if j == col else 0.0)
@@ -1049,11 +1108,12 @@ def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: n
                         ok = False
                         break
                     chol[j, j] = math.sqrt(acc)
+                    least = min(least, acc)
                 else:
                     chol[j, col] = acc / chol[col, col]
             if not ok:
                 break
-        if ok:
+        if ok and (attempt > 0 or least >= 1e-2):
             for j in range(m1):
                 acc = rhs[j] * scale[j]
                 for s in range(j):
@@ -1066,55 +1126,143 @@ def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: n
                 out[j] = acc / chol[j, j]
             for j in range(m1):
                 out[j] *= scale[j]
-            return 1.0
+            return 2.0 if attempt == 0 else least
     for j in range(m1):
         out[j] = math.nan
     return 0.0
 
 
 def _nb_prepare(
-    x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+    x,
+    row,
+    cand,
+    m,
+    tot,
+    sign,
+    top,
+    k,
+    big,
+    inv_eps,
+    regroup,
+    yc,
+    bmid,
+    h,
+    gs,
+    hbuf,
+    ibuf,
+    e,
+    ie,
+    far,
+    bref,
+    bcol,
 ):  # pragma: no cover - compiled
     """The candidate problem of a row: the scores ``yc`` in the selection's orientation, the
     midpoints ``bmid`` of the top k+1, each candidate's home h (its hard rank), the masses
     (``bref``: b less the homes' count, for the gap), the centre c and the factors
-    ``e = exp((c - y)/eps)``, ``ie = 1/e``. Returns ``(c, fast)``: fast is False where some
-    candidate is far from the centre (its factors would overflow: the row takes
-    :func:`_nb_eval`)."""
+    ``e = exp((c - y)/eps)``, ``ie = 1/e`` (``tot`` is scratch). The candidates are sorted by
+    home, ``gs[t]`` the
+    first of home t: with ``regroup`` ``cand[row, :m]`` is reordered so (a counting sort, which
+    keeps the order within a home), else it is taken to be in that order already. Returns
+    ``(c, fast)``: fast is False where some candidate is far from the centre (its factors would
+    overflow: the row takes :func:`_nb_eval`)."""
     for t in range(big - 1):
         bmid[t] = 0.5 * top[row, t] + 0.5 * top[row, t + 1]
+    for t in range(big + 1):
+        gs[t] = 0
+    last = bmid[big - 2] if big > 1 else math.inf
+    for i in range(m):
+        yi = sign * float(x[row, cand[row, i]])
+        tot[i] = yi  # (scratch) the scores in the candidates' order
+        if yi <= last:  # most candidates: on the rest (or the last target)
+            hi = big - 1
+        else:
+            hi = 0
+            while bmid[hi] > yi:
+                hi += 1
+        hbuf[i] = hi
+        gs[hi + 1] += 1
+    for t in range(big):
+        gs[t + 1] += gs[t]
+    if regroup:
+        for t in range(big):
+            bref[t] = gs[t]  # (scratch) the next place of home t
+        for i in range(m):
+            pos = int(bref[hbuf[i]])
+            bref[hbuf[i]] += 1.0
+            ibuf[pos] = cand[row, i]
+            yc[pos] = tot[i]
+        for i in range(m):
+            cand[row, i] = ibuf[i]
+    else:
+        for i in range(m):
+            yc[i] = tot[i]
+    ymin = math.inf
+    for t in range(big):
+        for i in range(gs[t], gs[t + 1]):
+            h[i] = t
+    for i in range(m):
+        ymin = min(ymin, yc[i])
     for t in range(big):
         bcol[t] = 1.0
     if big > k:
         bcol[k] = m - k
     for t in range(big):
-        bref[t] = bcol[t]
-    ymin = math.inf
-    for i in range(m):
-        yi = sign * float(x[row, cand[row, i]])
-        yc[i] = yi
-        if yi < ymin:
-            ymin = yi
-        hi = 0
-        while hi < big - 1 and bmid[hi] > yi:
-            hi += 1
-        h[i] = hi
-        bref[hi] -= 1.0
+        bref[t] = bcol[t] - (gs[t + 1] - gs[t])
     c = 0.5 * top[row, 0] + 0.5 * ymin
-    fast = True
+    zmax = 0.0
     for i in range(m):
         z = (c - yc[i]) * inv_eps
-        if abs(z) <= _FAR:
-            ez = math.exp(z)
-            e[i] = ez
-            ie[i] = 1.0 / ez
+        e[i] = z
+        zmax = max(zmax, abs(z))
+    fast = zmax <= _FAR
+    if fast:
+        _nb_exp(e, e, hbuf, m)
+        for i in range(m):
+            ie[i] = 1.0 / e[i]
             far[i] = False
-        else:
-            e[i] = 0.0
-            ie[i] = 0.0
-            far[i] = True
-            fast = False
+    else:
+        for i in range(m):
+            z = e[i]
+            if abs(z) <= _FAR:
+                ez = math.exp(z)
+                e[i] = ez
+                ie[i] = 1.0 / ez
+                far[i] = False
+            else:
+                e[i] = 0.0
+                ie[i] = 0.0
+                far[i] = True
     return c, fast
+
+
+def _nb_exp(z, out, bits, m):  # pragma: no cover - compiled
+    """``out = exp(z)`` for ``|z| <= 700``, vectorised (numba's exp is a call per entry): Cody-Waite
+    reduction ``z = n ln 2 + r``, the degree-13 Taylor polynomial of ``e^r`` (``|r| <= ln 2 / 2``),
+    and ``2^n`` built in the exponent bits (``bits``: int64 scratch); within one unit of rounding
+    of the exponential."""
+    for i in range(m):
+        zi = z[i]
+        nf = math.floor(zi * 1.4426950408889634 + 0.5)
+        r = (zi - nf * 6.93147180369123816490e-01) - nf * 1.90821492927058770002e-10
+        q = 1.6059043836821613e-10
+        q = q * r + 2.08767569878681e-09
+        q = q * r + 2.505210838544172e-08
+        q = q * r + 2.755731922398589e-07
+        q = q * r + 2.7557319223985893e-06
+        q = q * r + 2.48015873015873e-05
+        q = q * r + 0.0001984126984126984
+        q = q * r + 0.001388888888888889
+        q = q * r + 0.008333333333333333
+        q = q * r + 0.041666666666666664
+        q = q * r + 0.16666666666666666
+        q = q * r + 0.5
+        q = q * r + 1.0
+        q = q * r + 1.0
+        out[i] = q
+        bits[i] = (np.int64(nf) + 1023) << 52
+    scale = bits[:m].view(np.float64)
+    for i in range(m):
+        out[i] *= scale[i]
 
 
 def _nb_select_rows(
@@ -1169,8 +1317,8 @@ def _nb_select_rows(
                 hist[r, b] = 0
         nbf = float(nb)
         for i in range(n):
-            t = math.ceil((yk - sign * float(x[row, i])) * inv_eps * bpu)
-            b = int(min(max(t, 0.0), nbf))
+            t = (yk - sign * float(x[row, i])) * inv_eps * bpu
+            b = int(min(max(math.ceil(t), 0.0), nbf))
             hist[i & 3, b] += 1
         # drop the bins from the farthest while k times their bound stays within tau
         acc = 0.0
@@ -1187,6 +1335,12 @@ def _nb_select_rows(
             total += hist[0, b] + hist[1, b] + hist[2, b] + hist[3, b]
         cut[row] = c
         count[row] = total
+    most = 0
+    flagged = 0
+    for row in range(bsz):
+        most = max(most, count[row])
+        flagged += flag[row]
+    return most, flagged
 
 
 def _nb_solve_rows(
@@ -1199,7 +1353,6 @@ def _nb_solve_rows(
     count,
     flag,
     bpu,
-    nb,
     tol,
     max_steps,
     halvings,
@@ -1223,12 +1376,14 @@ def _nb_solve_rows(
     mcap = cand.shape[1]
     big = vv.shape[1]
     sign = 1.0 if largest else -1.0
-    nbf = float(nb)
     yc = np.empty(mcap)
     e = np.empty(mcap)
     ie = np.empty(mcap)
     far = np.empty(mcap, dtype=np.bool_)
     h = np.empty(mcap, dtype=np.int64)
+    hbuf = np.empty(mcap, dtype=np.int64)
+    ibuf = np.empty(mcap, dtype=np.int64)
+    gs = np.empty(big + 1, dtype=np.int64)
     off = np.empty(mcap)
     tot = np.empty(mcap)
     p = np.empty((big, mcap))
@@ -1253,28 +1408,49 @@ def _nb_solve_rows(
     scale = np.empty(m1)
     ybuf = np.empty(m1)
     ones = np.empty(0)
+    left = 0
     for row in range(bsz):
         if flag[row] != 0:
             status[row] = 2
             continue
         m = count[row]
         inv_eps = 1.0 / eps[row]
-        j = 0
         if k >= n:
             for i in range(n):
                 cand[row, i] = i
-            j = n
         else:
+            # the bins below the cut: ceil(t) < cut, i.e. t <= cut - 1 (the selection's t);
+            # appended without a branch (cand has one spare column)
             yk = top[row, k]
-            ct = cut[row]
+            lim = cut[row] - 1.0
+            j = 0
             for i in range(n):
-                t = math.ceil((yk - sign * float(x[row, i])) * inv_eps * bpu)
-                b = int(min(max(t, 0.0), nbf))
-                if b < ct and j < mcap:
-                    cand[row, j] = i
-                    j += 1
+                t = (yk - sign * float(x[row, i])) * inv_eps * bpu
+                cand[row, j] = i
+                j += 1 if t <= lim and j < m else 0
         c, fast = _nb_prepare(
-            x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+            x,
+            row,
+            cand,
+            m,
+            tot,
+            sign,
+            top,
+            k,
+            big,
+            inv_eps,
+            True,
+            yc,
+            bmid,
+            h,
+            gs,
+            hbuf,
+            ibuf,
+            e,
+            ie,
+            far,
+            bref,
+            bcol,
         )
         # One evaluation site: phase 0 evaluates v = 0 (the hard assignment) for the start, one
         # Sinkhorn column update of it; phase 1 evaluates the start; phase 2 a Newton step,
@@ -1295,6 +1471,7 @@ def _nb_solve_rows(
                 ie,
                 far,
                 h,
+                gs,
                 m,
                 big,
                 bmid,
@@ -1347,38 +1524,59 @@ def _nb_solve_rows(
         for t in range(big):
             rr[row, t] = gap[t] / max(bcol[t] - gap[t], _F64_TINY)
             vv[row, t] = v[t]
+        # the row residual of the column-exact plan, sum_i |sum_t P_ti r_t| / m
+        for i in range(m):
+            tot[i] = 0.0
+        for t in range(big):
+            rt = rr[row, t]
+            pt = p[t]
+            for i in range(m):
+                tot[i] += pt[i] * rt
         err = 0.0
         for i in range(m):
-            dev = 0.0
-            for t in range(big):
-                dev += p[t, i] * rr[row, t]
-            err += abs(dev)
+            err += abs(tot[i])
         err /= m
         err_out[row] = err
         cc[row] = c
         status[row] = 0 if err <= tol else 1
+        left += status[row]
+        # the weights (scattered to the candidates) and the values (x = sign y)
         for t in range(k):
             f = 1.0 + rr[row, t]
+            pt = p[t]
             acc = 0.0
             for i in range(m):
-                wt = p[t, i] * f
-                ci = cand[row, i]
-                w_out[row, t, ci] = wt
-                acc += wt * float(x[row, ci])
-            v_out[row, t] = acc
+                wt = pt[i] * f
+                pt[i] = wt
+                acc += wt * yc[i]
+            v_out[row, t] = sign * acc
+            for i in range(m):
+                w_out[row, t, cand[row, i]] = pt[i]
+    return left
 
 
-def _nb_centred(pn, u, home, m, big, out):  # pragma: no cover - compiled
-    """``u_ji - sum_l P_li u_li`` into out (big, m), each entry first shifted by its value at its
-    home (its largest P): without cancellation for nearly one-hot entries."""
+def _nb_centred(
+    gam, inv_mu, gb, beta, sb, sg, home, m, big, out, ref, mean
+):  # pragma: no cover - compiled
+    """``u_ji - sum_l P_li u_li`` into out (big, m) for ``u_ji = sb beta_j + sg gb_ji`` and the
+    row-normalised plan ``P = gam * inv_mu``, each entry first shifted by its value at its home
+    (its largest P): without cancellation for nearly one-hot entries (``ref`` and ``mean`` are
+    scratch (m,))."""
     for i in range(m):
-        ref = u[home[i], i]
-        mean = 0.0
-        for j in range(big):
-            out[j, i] = u[j, i] - ref
-            mean += pn[j, i] * out[j, i]
-        for j in range(big):
-            out[j, i] -= mean
+        hi = home[i]
+        ref[i] = sb * beta[hi] + sg * gb[hi, i]
+        mean[i] = 0.0
+    for j in range(big):
+        bj = sb * beta[j]
+        for i in range(m):
+            d = (bj + sg * gb[j, i]) - ref[i]
+            out[j, i] = d
+            mean[i] += gam[j, i] * d
+    for i in range(m):
+        mean[i] *= inv_mu[i]
+    for j in range(big):
+        for i in range(m):
+            out[j, i] -= mean[i]
 
 
 def _nb_vjp_rows(
@@ -1418,16 +1616,23 @@ def _nb_vjp_rows(
     ie = np.empty(mcap)
     far = np.empty(mcap, dtype=np.bool_)
     h = np.empty(mcap, dtype=np.int64)
+    hbuf = np.empty(mcap, dtype=np.int64)
+    ibuf = np.empty(mcap, dtype=np.int64)
+    gs = np.empty(big + 1, dtype=np.int64)
     off = np.empty(mcap)
     home = np.empty(mcap, dtype=np.int64)
     tot = np.empty(mcap)
     p = np.empty((big, mcap))
-    pn = np.empty((big, mcap))
-    gam = np.empty((big, mcap))
     gb = np.empty((big, mcap))
-    u = np.empty((big, mcap))
     cen = np.empty((big, mcap))
     mu = np.empty(mcap)
+    inv_mu = np.empty(mcap)
+    best = np.empty(mcap)
+    xc = np.empty(mcap)
+    ref = np.empty(mcap)
+    mean = np.empty(mcap)
+    acc_y = np.empty(mcap)
+    direct = np.empty(mcap)
     q = np.empty(big)
     colsum = np.empty(big)
     offsum = np.empty(big)
@@ -1453,7 +1658,28 @@ def _nb_vjp_rows(
         m = count[row]
         inv_eps = 1.0 / eps[row]
         _, fast = _nb_prepare(
-            x, row, cand, m, sign, top, k, big, inv_eps, yc, bmid, h, e, ie, far, bref, bcol
+            x,
+            row,
+            cand,
+            m,
+            tot,
+            sign,
+            top,
+            k,
+            big,
+            inv_eps,
+            False,
+            yc,
+            bmid,
+            h,
+            gs,
+            hbuf,
+            ibuf,
+            e,
+            ie,
+            far,
+            bref,
+            bcol,
         )
         c = cc[row]
         for t in range(big):
@@ -1465,6 +1691,7 @@ def _nb_vjp_rows(
             ie,
             far,
             h,
+            gs,
             m,
             big,
             bmid,
@@ -1482,42 +1709,53 @@ def _nb_vjp_rows(
             bref,
             gap,
         )
+        # the column-exact plan gam (in place of p), its row sums mu and each entry's largest
+        # column (home: the centring's reference); loops over the targets, each over the
+        # entries (vectorised); the row-normalised plan is gam / mu, formed where it is used
+        gam = p
         for i in range(m):
-            s = 0.0
-            for t in range(big):
-                g = p[t, i] * (1.0 + rr[row, t])
+            mu[i] = 0.0
+            xc[i] = float(x[row, cand[row, i]])
+        for t in range(big):
+            f = 1.0 + rr[row, t]
+            for i in range(m):
+                g = gam[t, i] * f
                 gam[t, i] = g
-                s += g
-            mu[i] = s
-            best = 0
-            for t in range(big):
-                pn[t, i] = gam[t, i] / max(s, _F64_TINY)
-                if pn[t, i] > pn[best, i]:
-                    best = t
-            home[i] = best
-            ci = cand[row, i]
-            xi = float(x[row, ci])
-            for t in range(big):
-                if t < k:
-                    g = gv[row, t] * xi
-                    if has_gw:
-                        g += float(gw[row, t, ci])
-                    gb[t, i] = g
-                else:
+                mu[i] += g
+        for i in range(m):
+            inv_mu[i] = 1.0 / max(mu[i], _F64_TINY)
+            home[i] = 0
+            best[i] = -1.0
+        for t in range(big):
+            for i in range(m):
+                if gam[t, i] > best[i]:
+                    best[i] = gam[t, i]
+                    home[i] = t
+        # the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), rest 0
+        for t in range(big):
+            if t < k:
+                gt = gv[row, t]
+                for i in range(m):
+                    gb[t, i] = gt * xc[i]
+                if has_gw:
+                    for i in range(m):
+                        gb[t, i] += float(gw[row, t, cand[row, i]])
+            else:
+                for i in range(m):
                     gb[t, i] = 0.0
-        _nb_centred(pn, gb, home, m, big, cen)
+        for t in range(big):
+            beta[t] = 0.0
+        _nb_centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, cen, ref, mean)
         for t in range(big):
             acc = 0.0
             for i in range(m):
                 acc += gam[t, i] * cen[t, i]
             rhs[t] = acc
-        _nb_couplings(pn, mu, True, m, big, w)
+        _nb_couplings(gam, inv_mu, True, m, big, w)
         det = _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, beta)
-        if big > 3 and det > 0:  # one refinement against the exactly formed residual
-            for t in range(big):
-                for i in range(m):
-                    u[t, i] = gb[t, i] - beta[t]
-            _nb_centred(pn, u, home, m, big, cen)
+        # one refinement against the exactly formed residual where the solve took the jitter
+        if big > 3 and 0 < det <= 1.0:
+            _nb_centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, cen, ref, mean)
             for t in range(big):
                 acc = 0.0
                 for i in range(m):
@@ -1532,22 +1770,28 @@ def _nb_vjp_rows(
         safe[row] = ok
         if not ok:
             continue
+        _nb_centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, cen, ref, mean)
+        # d values / d y through the plan (slopes t / eps) and directly (the weights)
+        for i in range(m):
+            acc_y[i] = 0.0
+            direct[i] = 0.0
         for t in range(big):
+            ft = float(t)
+            gt = gv[row, t] if t < k else 0.0
             for i in range(m):
-                u[t, i] = beta[t] - gb[t, i]
-        _nb_centred(pn, u, home, m, big, cen)
+                g = gam[t, i]
+                acc_y[i] += ft * g * cen[t, i]
+                direct[i] += g * gt
         g_e = 0.0
         for i in range(m):
-            acc = 0.0
-            direct = 0.0
-            for t in range(big):
-                acc += t * gam[t, i] * cen[t, i]
-                if t < k:
-                    direct += gam[t, i] * gv[row, t]
-            gy = acc * inv_eps
+            gy = acc_y[i] * inv_eps
             g_e += (yc[i] - c) * gy
-            gx[row, cand[row, i]] = sign * gy + direct
+            gx[row, cand[row, i]] = sign * gy + direct[i]
         geps[row] = -g_e * inv_eps if need_eps else 0.0
+    unsafe = 0
+    for row in range(bsz):
+        unsafe += 0 if safe[row] else 1
+    return unsafe
 
 
 class _SortedPlan(torch.autograd.Function):
