@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -792,6 +793,7 @@ def _recompute_grads(
 
 np: Any = None
 _NUMBA: dict[str, Any] = {}
+_NUMBA_LOCK = threading.Lock()
 _FAR = 600.0
 _F64_TINY = sys.float_info.min
 _F64_EPS = sys.float_info.epsilon
@@ -803,7 +805,9 @@ def _kernels() -> Any:
     if not (HAVE_NUMBA and kernels_enabled()) or torch.compiler.is_compiling():
         return None
     if "kernels" not in _NUMBA:
-        _NUMBA["kernels"] = _compile_kernels()
+        with _NUMBA_LOCK:  # (compiling rebinds this module's helpers: once, one thread)
+            if "kernels" not in _NUMBA:
+                _NUMBA["kernels"] = _compile_kernels()
     return _NUMBA["kernels"]
 
 
