@@ -140,6 +140,11 @@ def test_soft_topk_is_the_same_with_and_without_the_kernels(monkeypatch, k, dtyp
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+def _full(x, k, **kw):
+    """``soft_topk`` solved on whole rows (no candidate set): the path these kernels serve."""
+    return _sorted._soft_topk(x, k, reduce=False, **kw)
+
+
 def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
     # a NaN row and a row with a column that has no coupling left (a singular K: det below
     # DET_MIN) are redone in torch; the other rows keep the kernel's gradient
@@ -155,11 +160,11 @@ def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
         return real(plan, *args)
 
     monkeypatch.setattr(_sorted, "_torch_vjp", spy)
-    res = softops.soft_topk(x, 2, epsilon=eps)
+    res = _full(x, 2, epsilon=eps)
     (grad,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
     assert calls == [2]  # the NaN row and the decoupled one
     set_default_backend("reference")
-    res = softops.soft_topk(x, 2, epsilon=eps)
+    res = _full(x, 2, epsilon=eps)
     (ref,) = torch.autograd.grad(res.values.sum() + res.weights[..., 0].sum(), x)
     torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-14, equal_nan=True)
     assert torch.isnan(grad[1]).all() and torch.isfinite(grad[[0, 2]]).all()
@@ -188,19 +193,19 @@ def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
 
     monkeypatch.setattr(sinkhorn, "_newton_first_numba", spy)
     x = torch.randn(4, 18, dtype=F64)
-    ref = softops.soft_topk(x, 2, epsilon=0.1).weights
+    ref = _full(x, 2, epsilon=0.1).weights
     assert calls == [(4, 18, 3)]
     # vmap folds its dimension into the rows: the kernel solves the plain rows
-    out = torch.func.vmap(lambda t: softops.soft_topk(t, 2, epsilon=0.1).weights)(x)
+    out = torch.func.vmap(lambda t: _full(t, 2, epsilon=0.1).weights)(x)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     assert calls == [(4, 18, 3)] * 2
     # a problem above the work limit: the torch solve
     monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 18 * 9 - 1)
-    softops.soft_topk(x, 2, epsilon=0.1)
+    _full(x, 2, epsilon=0.1)
     # compilation off: the torch solve
     monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 1 << 17)
     set_default_backend("reference")
-    softops.soft_topk(x, 2, epsilon=0.1)
+    _full(x, 2, epsilon=0.1)
     assert calls == [(4, 18, 3)] * 2
 
 
