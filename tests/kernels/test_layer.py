@@ -199,3 +199,62 @@ def test_the_operators_vmap_as_more_rows():
     want = _ot.THRESHOLD_OP(x, k, eps, 100, 0.0, None, "t")
     for o, w in zip(out, want, strict=True):
         torch.testing.assert_close(o, w.expand(3, *w.shape), equal_nan=True)
+
+
+class _Built(Kernel):
+    """A kernel whose operators are given (no build): the CPU path of `define` without C++."""
+
+    def __init__(self, ops) -> None:
+        self._given = ops
+
+    def ops(self):
+        return self._given
+
+
+def test_define_registers_reference_cpu_kernel_fake_and_vmap():
+    seen = []
+
+    class Ops:
+        @staticmethod
+        def twice(x):
+            seen.append("kernel")
+            return x * 2
+
+    def reference(x):
+        seen.append("reference")
+        return x + x
+
+    op = _kernels.define(
+        "softops_test::twice",
+        "(Tensor x) -> Tensor",
+        reference=reference,
+        fake=lambda x: torch.empty_like(x),
+        vmap=lambda info, in_dims, x: (op(x), in_dims[0]),
+        cpu=lambda ops, x: ops.twice(x),
+        kernel=_Built(Ops),
+    )
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(op(x), 2 * x) and seen == ["kernel"]
+    with backend("reference"):
+        assert torch.equal(op(x), 2 * x) and seen == ["kernel", "reference"]
+    assert torch.equal(torch.func.vmap(op)(x), 2 * x)
+    assert op(torch.empty(2, 3, device="meta")).shape == (2, 3)  # the fake
+    torch.library.opcheck(op, (x,))
+
+
+def test_numba_module_is_none_on_the_reference_back_end():
+    with backend("reference"):
+        assert _kernels.numba_module("softops._core._sinkhorn_numba") is None
+    assert _kernels.numba_module("softops._no_such_kernel_module") is None
+
+
+def test_the_build_command_reports_each_kernel(ops, capsys):
+    from softops._kernels.__main__ import main
+
+    assert main([]) == 0  # built already: nothing to compile
+    out = capsys.readouterr().out
+    from softops._core import isotonic
+
+    for kernel in (_ot.KERNEL, isotonic.KERNEL):  # every kernel of the package, probes not
+        assert f"kernel ready: {kernel.path()}" in out
+    assert "softops_probe" not in out
