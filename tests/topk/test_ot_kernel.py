@@ -363,3 +363,58 @@ def test_adversarial_groups_of_short_rows_solve_as_the_torch_code(ops, dtype, da
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
     assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
     assert torch.equal(got[0].converged, want[0].converged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype):
+    # rows whose only non-finite entries are -inf (attention's masked keys) with k below their
+    # count of finite entries: the kernel solves them (each -inf a finite entry far below the
+    # row, where its mask and weight underflow to exactly 0); the rest stay with the torch code
+    x = _rows(12, 40, dtype, seed=21)
+    valid = torch.arange(40) < torch.tensor([40, 39, 30, 20, 10, 5, 3, 2, 6, 6, 6, 8])[:, None]
+    x = x.masked_fill(~valid, -math.inf)
+    x[9, 0] = math.inf  # a +inf entry: left
+    x[10, 1] = math.nan  # a NaN: left
+    k = torch.tensor([8, 8, 8, 8, 4, 2, 1, 1.5, 6, 3, 3, 7.5], dtype=dtype)  # row 8: k = n_fin
+    eps = torch.full((12,), 0.2, dtype=dtype)
+    eps[11] = torch.finfo(dtype).max / 4  # the far entry would overflow: left (scaled)
+    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    want = _ot._solve(x, k, eps, 100, 0.0, None)
+    tol = 1e-12 if dtype == F64 else 2e-6
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=tol, rtol=0)
+    torch.testing.assert_close(got[2], want[2], equal_nan=True, atol=tol * 50, rtol=50 * tol)
+    masked = ~valid
+    masked[10] = False  # the NaN row is NaN throughout
+    assert torch.equal(got[1][masked], torch.zeros_like(got[1][masked]))
+    # which rows the kernel takes: the first pass leaves every masked row, the masked pass takes
+    # those with only -inf and k below their finite count
+    limit = _ot._scaling_limit(dtype)
+    left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)[5]
+    assert left[1:].all()
+    out = (got[1].clone(), got[2].clone(), got[3].clone(), torch.zeros(12, dtype=dtype), left)
+    _ot._solve_masked(ops, x, k, eps, 100, 0.0, out)
+    assert left.tolist() == [False] * 8 + [True] * 4
+    # gradients in x, k and epsilon through the operator, on both back ends
+    g = torch.randn(12, 40, generator=seeded(22), dtype=dtype)
+    grads = []
+    for name in ("kernel", "reference"):
+        with backend(name):
+            xt = x.clone().requires_grad_()
+            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
+            A = softops.soft_topk_mask(xt, kt, epsilon=et)
+            grads.append(torch.autograd.grad(A, (xt, kt, et), g))
+    for a, b in zip(*grads, strict=True):
+        scale = max(float(b.nan_to_num().abs().max()), 1.0)
+        torch.testing.assert_close(a, b, equal_nan=True, atol=tol * 100 * scale, rtol=1e-4)
+
+
+def test_a_masked_row_whose_gap_rounds_away_stays_with_the_torch_code(ops):
+    # beside an entry of -1e30 (float32) the fill -1e30 - 2048 eps rounds to -1e30 itself: it
+    # would tie with that entry, which holds the threshold when k = n_fin - 0.5
+    x = torch.tensor([[2.0, 1.0, 0.5, -1e30, -math.inf, -math.inf]])
+    k = torch.tensor([3.5])
+    eps = torch.tensor([0.3])
+    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    want = _ot._solve(x, k, eps, 100, 0.0, None)
+    torch.testing.assert_close(got[1], want[1], atol=2e-6, rtol=0)
+    assert abs(float(got[1].sum()) - 3.5) < 1e-5 and float(got[1][0, 3]) > 0.4

@@ -695,6 +695,10 @@ def _solve_kernel(
     A, s, aux, residual, converged, left, evaluations, some_left = ops.threshold_rows(
         x, k, eps, float(tol), _scaling_limit(dtype), max_iter
     )
+    if some_left:
+        out = (A, s, aux, residual, left)
+        evaluations = max(evaluations, _solve_masked(ops, x, k, eps, max_iter, tol, out))
+        some_left = bool(left.any())
     if not some_left:
         m, t, _ = aux.unbind(1)
         state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
@@ -725,6 +729,58 @@ def _solve_kernel(
         merged(sub.scale, 1.0),
     )
     return state, A, s, aux, all_ok
+
+
+MASK_GAP = 2048
+"""A ``-inf`` entry is solved by the kernel as a finite one this many epsilons below the row's
+smallest finite entry: its ``exp(-|z|)`` underflows to 0 in float32 and float64 (|z| > 745) at
+any root, so its A and s are exactly 0, as at ``-inf``, and the row's root is unchanged."""
+
+
+def _solve_masked(
+    ops: Any,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    eps: torch.Tensor,
+    max_iter: int,
+    tol: float,
+    out: tuple[torch.Tensor, ...],
+) -> int:
+    """Solve, with the kernel, the left rows whose only non-finite entries are ``-inf`` (masked
+    keys of attention, say) and whose k is below their count of finite entries: each ``-inf`` is
+    replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite one, where
+    its mask and weight underflow to exactly 0. Writes those rows of ``out`` (A, s, aux, the
+    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations."""
+    A, s, aux, residual, left = out
+    idx = left.nonzero().squeeze(-1)
+    xs = x[idx]
+    finite = torch.isfinite(xs)
+    n_fin = finite.sum(-1)
+    ks, es = k[idx], eps[idx]
+    low = torch.where(finite, xs, math.inf).amin(-1)
+    fill = low - MASK_GAP * es
+    rows = (
+        (finite | (xs == -math.inf)).all(-1)  # no NaN, no +inf
+        & (n_fin < xs.shape[-1])
+        & (ks > 0)
+        & (ks < n_fin.to(ks.dtype))
+        & torch.isfinite(fill)
+        # the gap held in the dtype (beside |x| >> eps, low - gap can round to low itself)
+        & (low - fill >= (MASK_GAP // 2) * es)
+    )
+    if not bool(rows.any()):
+        return 0
+    sub = rows.nonzero().squeeze(-1)
+    xr = torch.where(finite[sub], xs[sub], fill[sub, None])
+    A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
+        xr, ks[sub], es[sub], float(tol), _scaling_limit(x.dtype), max_iter
+    )
+    done = ~left_r
+    target = idx[sub[done]]
+    A[target], s[target], aux[target] = A_r[done], s_r[done], aux_r[done]
+    residual[target] = res_r[done]
+    left[target] = False
+    return int(evaluations)
 
 
 def _solve(
