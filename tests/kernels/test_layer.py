@@ -258,3 +258,4 @@ def test_the_build_command_reports_each_kernel(ops, capsys):
     for kernel in (_ot.KERNEL, isotonic.KERNEL):  # every kernel of the package, probes not
         assert f"kernel ready: {kernel.path()}" in out
     assert "softops_probe" not in out
+    assert sorted(_kernels.build_all()) == sorted((_ot.KERNEL.path(), isotonic.KERNEL.path()))
