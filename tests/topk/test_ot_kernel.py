@@ -223,20 +223,11 @@ def test_vmap_and_grad_transforms_agree_with_the_plain_call(ops):
     assert_transforms_agree(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, F64])
-@settings(
-    deadline=None,
-    max_examples=150,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(data=st.data())
-def test_adversarial_rows_solve_as_the_torch_code(ops, dtype, data):
-    # ties, +-1e30, denormals, the dtype's extremes, +-inf and NaN, gaps over 600 decades, k
-    # anywhere in [0, n] and epsilon from 1e-8 to 1e8 of the typical gap: the kernel solves what
-    # it can as the torch code does and leaves it the rest (merged: the same masks, NaN in NaN
-    # rows only)
-    x = data.draw(batches(dtype, n_min=1, n_max=40))
+def _assert_drawn_rows_solve_as_the_torch_code(ops, data, x: torch.Tensor) -> None:
+    """Draw a k anywhere in [0, n] and an epsilon from 1e-8 to 1e8 of the typical gap per row of
+    ``x``; the kernel's merged solve equals the torch code's (NaN in NaN rows only)."""
     b, n = x.shape
+    dtype = x.dtype
     k = torch.tensor(
         [data.draw(st.floats(0.0, float(n), allow_nan=False)) for _ in range(b)], dtype=dtype
     )
@@ -251,6 +242,22 @@ def test_adversarial_rows_solve_as_the_torch_code(ops, dtype, data):
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
     assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
     assert torch.equal(got[0].converged, want[0].converged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@settings(
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_adversarial_rows_solve_as_the_torch_code(ops, dtype, data):
+    # ties, +-1e30, denormals, the dtype's extremes, +-inf and NaN, gaps over 600 decades, k
+    # anywhere in [0, n] and epsilon from 1e-8 to 1e8 of the typical gap: the kernel solves what
+    # it can as the torch code does and leaves it the rest (merged: the same masks, NaN in NaN
+    # rows only)
+    x = data.draw(batches(dtype, n_min=1, n_max=40))
+    _assert_drawn_rows_solve_as_the_torch_code(ops, data, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -349,20 +356,7 @@ def test_adversarial_groups_of_short_rows_solve_as_the_torch_code(ops, dtype, da
     n = data.draw(st.integers(1, 130))
     b = data.draw(st.integers(1, 40))
     x = torch.tensor([data.draw(row_values(dtype, n)) for _ in range(b)], dtype=F64).to(dtype)
-    k = torch.tensor(
-        [data.draw(st.floats(0.0, float(n), allow_nan=False)) for _ in range(b)], dtype=dtype
-    )
-    gap = typical_gap(x)
-    eps = (
-        torch.tensor([10.0 ** data.draw(st.floats(-8.0, 8.0)) * gap for _ in range(b)], dtype=F64)
-        .clamp(torch.finfo(dtype).tiny, torch.finfo(dtype).max)
-        .to(dtype)
-    )
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
-    want = _ot._solve(x, k, eps, 100, 0.0, None)
-    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
-    assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
-    assert torch.equal(got[0].converged, want[0].converged)
+    _assert_drawn_rows_solve_as_the_torch_code(ops, data, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
