@@ -390,6 +390,26 @@ void update_lanes(Lanes<L>& z, const double (*sums)[L], double flush, double tol
   }
 }
 
+// One vector of balance_parts' sums: for the entries below (above) t, at distance a from it,
+// exp(log u + near / eps) and that times (1 - u), added to acc[0..1] (acc[2..3]); near is the
+// side's nearest distance (shift_b, shift_a), taken off before dividing by epsilon.
+template <typename Vec>
+inline void add_balance_terms(const Vec& a, const Vec& below, const Vec& above,
+                              const Vec& shift_b, const Vec& shift_a, const Vec& ve, Vec* acc) {
+  const Vec zero(0), one(1);
+  const Vec side = below | above;
+  const Vec shift = Vec::blendv(shift_a, shift_b, below);
+  const Vec af = Vec::blendv(shift, a, side);
+  // log u + near / eps = -(a - near) / eps - softplus(-a / eps); (1 - u) = sigmoid(a / eps)
+  const Vec q = (zero - af / ve).exp();
+  const Vec term = ((zero - (af - shift) / ve) - q.log1p()).exp() & side;
+  const Vec dterm = term * (one / (one + q));
+  acc[0] = acc[0] + (term & below);
+  acc[1] = acc[1] + (dterm & below);
+  acc[2] = acc[2] + (term & above);
+  acc[3] = acc[3] + (dterm & above);
+}
+
 // The six sums of _ot.balance_parts for one row at t, in its dtype: for each side of t (the
 // entries with (x - m) - t <= 0, then > 0) the distance from t to its nearest entry (inf where
 // the side is empty) and the sums of exp(log u + near / eps) and of that times (1 - u).
@@ -426,17 +446,7 @@ void balance_parts(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scala
   int64_t block = 0;
   for (i = 0; i < n; i += L) {
     sides(i, std::min(L, n - i), a, below, above);
-    const Vec side = below | above;
-    const Vec shift = Vec::blendv(shift_a, shift_b, below);
-    const Vec af = Vec::blendv(shift, a, side);
-    // log u + near / eps = -(a - near) / eps - softplus(-a / eps); (1 - u) = sigmoid(a / eps)
-    const Vec q = (zero - af / ve).exp();
-    const Vec term = ((zero - (af - shift) / ve) - q.log1p()).exp() & side;
-    const Vec dterm = term * (one / (one + q));
-    acc[0] = acc[0] + (term & below);
-    acc[1] = acc[1] + (dterm & below);
-    acc[2] = acc[2] + (term & above);
-    acc[3] = acc[3] + (dterm & above);
+    add_balance_terms(a, below, above, shift_b, shift_a, ve, acc);
     if (++block == kFlush) {
       for (int c = 0; c < 4; ++c) sums[c] += lane_sum(acc[c]), acc[c] = zero;
       block = 0;
@@ -698,16 +708,7 @@ int polish_lanes(const scalar_t* X, int64_t n, const scalar_t* m, scalar_t* t, s
     };
     for (int64_t j = 0; j < n; ++j) {
       sides(j, a, below, above);
-      const Vec side = below | above;
-      const Vec shift = Vec::blendv(shift_a, shift_b, below);
-      const Vec af = Vec::blendv(shift, a, side);
-      const Vec q = (zero - af / ve).exp();
-      const Vec term = ((zero - (af - shift) / ve) - q.log1p()).exp() & side;
-      const Vec dterm = term * (one / (one + q));
-      acc[0] = acc[0] + (term & below);
-      acc[1] = acc[1] + (dterm & below);
-      acc[2] = acc[2] + (term & above);
-      acc[3] = acc[3] + (dterm & above);
+      add_balance_terms(a, below, above, shift_b, shift_a, ve, acc);
       if ((j + 1) % kFlush == 0) flush();
     }
     if (n % kFlush != 0) flush();
