@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -190,9 +192,14 @@ std::tuple<at::Tensor, at::Tensor> pav_kl(const at::Tensor& s_in, const at::Tens
 // is any row holding a NaN: such rows are filled without a pass of PAV.
 //
 // L2 rows whose finite magnitudes exceed l2_limit(n) (where a gap, or a cross-multiplied
-// comparison, could overflow) are solved for c s, c w with c a power of two, and the output
-// divided by c: the projection is positively homogeneous, and the scaling is exact (down to the
-// subnormals).
+// comparison, could overflow) are solved for c s, c w with c a power of two: the projection is
+// positively homogeneous, and the scaling is exact down to the subnormals, where it is not: an
+// entry that c brings below the smallest normal number loses bits (a row of subnormal w beside
+// s = rho / epsilon near the largest float, the sort at epsilon = finfo.tiny: 7.9e-322 came back
+// 6.3e-322). So the blocks and their means are found in the scaled frame, and the output is formed
+// in the row's own: (s_j - s_r) - mean_B / c + w_r, with s_j - s_r and w_r unscaled (exact for a
+// singleton block, where the output is w_r itself); where that overflows (a row spanning both
+// signs near the largest float), the scaled output ((c s_j - c s_r) + c w_r - mean_B) / c.
 
 // The largest magnitude that the L2 frame takes unscaled in a row of n: its gaps (at most 4 times
 // it) times two counts (at most n**2 / 4) and its sums stay below double's largest.
@@ -270,7 +277,9 @@ void fill(scalar_t* out, int64_t* block, int64_t n, double value) {
 // infinities) the differences of s are formed by diff(), else by a plain subtraction.
 template <bool inf, typename in_t, typename scalar_t>
 void l2_frame(const in_t* s, const in_t* w, int64_t n, double c, scalar_t* out, int64_t* block,
-              int64_t* ref, double* acc) {
+              int64_t* ref, double* acc, const scalar_t* s0 = nullptr,
+              const scalar_t* w0 = nullptr) {
+  // (s0, w0: the unscaled row, where c != 1)
   // The stack holds `depth` blocks below the current one (cr, ca); its top (pr, pa) stays in
   // registers, the others in ref[0 .. depth - 1), acc[0 .. depth - 1): a push that pools at once
   // (the usual case) touches no memory.
@@ -296,11 +305,24 @@ void l2_frame(const in_t* s, const in_t* w, int64_t n, double c, scalar_t* out, 
   ref[depth] = cr, acc[depth] = ca;
   for (int64_t k = 0; k <= depth; ++k) {
     const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
-    const double shift = double(w[r]) - acc[k] / double(end - r);  // mean(w_B) - mean(s_B) + s_r
+    const double mean = acc[k] / double(end - r);
+    const double shift = double(w[r]) - mean;  // mean(w_B) - mean(s_B) + s_r
     const double sr = double(s[r]);
+    if (c == 1.0) {
+      for (int64_t j = r; j < end; ++j) {
+        const double sj = double(s[j]);
+        out[j] = scalar_t((inf ? diff(sj, sr) : sj - sr) + shift);
+        block[j] = k;
+      }
+      continue;
+    }
+    // in the row's own frame (exact where c s or c w lost bits); scaled where that overflows
+    const double sr0 = double(s0[r]), wr0 = double(w0[r]), mean0 = mean / c;
     for (int64_t j = r; j < end; ++j) {
-      const double sj = double(s[j]);
-      out[j] = scalar_t(((inf ? diff(sj, sr) : sj - sr) + shift) / c);
+      const double sj = double(s[j]), sj0 = double(s0[j]);
+      const double own = ((inf ? diff(sj0, sr0) : sj0 - sr0) - mean0) + wr0;
+      out[j] = scalar_t(std::isfinite(own) ? own
+                                           : ((inf ? diff(sj, sr) : sj - sr) + shift) / c);
       block[j] = k;
     }
   }
@@ -323,15 +345,15 @@ bool project_l2_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* o
     } else {
       l2_frame<false>(s, w, n, 1.0, out, block, ref, acc);
     }
-  } else {  // P(s, w) = P(c s, c w) / c, exact for a power of two c
+  } else {  // P(s, w) = P(c s, c w) / c, formed in the row's own frame (above)
     scaled.resize(2 * n);
     double* cs = scaled.data();
     double* cw = cs + n;
     for (int64_t j = 0; j < n; ++j) cs[j] = double(s[j]) * sc.c, cw[j] = double(w[j]) * sc.c;
     if (inf) {
-      l2_frame<true>(cs, cw, n, sc.c, out, block, ref, acc);
+      l2_frame<true>(cs, cw, n, sc.c, out, block, ref, acc, s, w);
     } else {
-      l2_frame<false>(cs, cw, n, sc.c, out, block, ref, acc);
+      l2_frame<false>(cs, cw, n, sc.c, out, block, ref, acc, s, w);
     }
   }
   return sc.kind == kFinite;
@@ -434,6 +456,224 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& s_in,
     });
   });
   return {out, block, at::scalar_tensor(bad.load(), s.options().dtype(at::kLong))};
+}
+
+// ------------------------------------------------- the whole projection, sorts included
+
+// The modes of permutahedron() (softops._core.isotonic.PERMUTAHEDRON_MODES).
+enum Mode : int64_t {
+  kModeKL = 1,        // P_E (else P_Q)
+  kModeSortZ = 2,     // sort z here (else it is sorted descending already)
+  kModeSortW = 4,     // sort w here
+  kModeExp = 8,       // exp P_E(z, log w)
+  kModeNegate = 16,   // -P(z, -w), formed as 0 - p
+  kModeInv = 32,      // z = u * min(1 / eps, max / (4 n)) (else z = u / f)
+  kModeFlip = 64,     // f = -eps (else eps)
+};
+
+// The sort of a row, descending with NaN first and ties in index order (as torch.sort(stable=True,
+// descending=True)): each key is mapped to an unsigned integer in the reverse order (NaN lowest,
+// -0 as +0), and the (key, index) pairs are sorted ascending: by insertion for short rows, by
+// std::sort up to 256 entries, and by a least-significant-digit radix sort (stable, passes whose
+// digit is constant skipped) above. A float32 key and its index pack into one 64-bit word.
+inline uint32_t descending_key(float v) {
+  if (v != v) return 0u;
+  if (v == 0.0f) v = 0.0f;
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return (b & 0x80000000u) ? b : ~(b | 0x80000000u);
+}
+
+inline uint64_t descending_key(double v) {
+  if (v != v) return 0u;
+  if (v == 0.0) v = 0.0;
+  uint64_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return (b & 0x8000000000000000ull) ? b : ~(b | 0x8000000000000000ull);
+}
+
+struct Item64 {
+  uint64_t key;
+  int64_t index;
+};
+
+inline uint64_t key_of(uint64_t item) { return item; }
+inline uint64_t key_of(const Item64& item) { return item.key; }
+
+// Stable LSD radix sort of items[0 .. n) by the bits [lo, hi) of key_of(item), with digits of 8
+// bits (11 above 16384 entries); tmp has n items. Returns the array that holds the result.
+template <typename item_t>
+item_t* radix_sort(item_t* items, item_t* tmp, int64_t n, int lo, int hi) {
+  const int bits = n > 16384 ? 11 : 8, buckets = 1 << bits;
+  const uint64_t mask = uint64_t(buckets - 1);
+  const int passes = (hi - lo + bits - 1) / bits;
+  std::vector<int64_t> count(size_t(passes) * buckets, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t k = key_of(items[i]);
+    for (int q = 0; q < passes; ++q) ++count[q * buckets + ((k >> (lo + q * bits)) & mask)];
+  }
+  for (int q = 0; q < passes; ++q) {
+    int64_t* c = count.data() + q * buckets;
+    const int shift = lo + q * bits;
+    if (c[(key_of(items[0]) >> shift) & mask] == n) continue;  // one digit: nothing moves
+    int64_t total = 0;
+    for (int d = 0; d < buckets; ++d) {
+      const int64_t m = c[d];
+      c[d] = total;
+      total += m;
+    }
+    for (int64_t i = 0; i < n; ++i) tmp[c[(key_of(items[i]) >> shift) & mask]++] = items[i];
+    std::swap(items, tmp);
+  }
+  return items;
+}
+
+// idx[0 .. n) that sorts key descending (NaN first, ties by index); work holds 4 n words.
+inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work) {
+  uint64_t* items = work;
+  for (int64_t j = 0; j < n; ++j) items[j] = (uint64_t(descending_key(key[j])) << 32) | uint64_t(j);
+  if (n <= 48) {
+    for (int64_t j = 1; j < n; ++j) {
+      const uint64_t v = items[j];
+      int64_t i = j;
+      while (i > 0 && v < items[i - 1]) items[i] = items[i - 1], --i;
+      items[i] = v;
+    }
+  } else if (n <= 256) {
+    std::sort(items, items + n);  // (the words are distinct: the order is the stable one)
+  } else {
+    items = radix_sort(items, work + n, n, 32, 64);
+  }
+  for (int64_t j = 0; j < n; ++j) idx[j] = int64_t(items[j] & 0xFFFFFFFFull);
+}
+
+inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t* work) {
+  Item64* items = reinterpret_cast<Item64*>(work);
+  for (int64_t j = 0; j < n; ++j) items[j] = {descending_key(key[j]), j};
+  if (n <= 48) {
+    for (int64_t j = 1; j < n; ++j) {
+      const Item64 v = items[j];
+      int64_t i = j;
+      while (i > 0 && v.key < items[i - 1].key) items[i] = items[i - 1], --i;
+      items[i] = v;
+    }
+  } else if (n <= 256) {
+    std::sort(items, items + n, [](const Item64& a, const Item64& b) {
+      return a.key < b.key || (a.key == b.key && a.index < b.index);
+    });
+  } else {
+    items = radix_sort(items, reinterpret_cast<Item64*>(work) + n, n, 0, 64);
+  }
+  for (int64_t j = 0; j < n; ++j) idx[j] = items[j].index;
+}
+
+// P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
+// softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
+// reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
+// Returns (p (B, n) in z's order, pz (B, n) or (B, 0), pw (Bw, n) or (Bw, 0), block (B, n) in sorted
+// coordinates, bad: the number of rows that held a non-finite entry, 0-dim int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahedron(
+    const at::Tensor& u_in, const at::Tensor& w_in, const at::Tensor& eps_in, int64_t mode) {
+  check_rows(u_in, "permutahedron");
+  check_rows(w_in, "permutahedron");
+  TORCH_CHECK(eps_in.dim() == 1, "permutahedron: eps must be (B,)");
+  TORCH_CHECK(w_in.scalar_type() == u_in.scalar_type() &&
+                  eps_in.scalar_type() == u_in.scalar_type(),
+              "permutahedron: u, w and eps must have one dtype");
+  const int64_t B = eps_in.size(0), n = u_in.size(1), Bu = u_in.size(0), Bw = w_in.size(0);
+  TORCH_CHECK(w_in.size(1) == n && (Bu == B || Bu == 1) && (Bw == B || Bw == 1),
+              "permutahedron: u and w must be (B, n) or (1, n), eps (B,)");
+  const bool kl = mode & kModeKL, sort_z = mode & kModeSortZ, sort_w = mode & kModeSortW;
+  const bool negate = mode & kModeNegate, inv = mode & kModeInv, flip = mode & kModeFlip;
+  TORCH_CHECK(!(negate && (mode & kModeExp)), "permutahedron: exp space takes no negation");
+  const at::Tensor u = u_in.contiguous(), eps = eps_in.contiguous();
+  // w as the projection takes it, before its sort (elementwise maps commute with the sort): the
+  // negation, and the log of exp space by torch's own kernel (as the reference takes it)
+  at::Tensor w = negate ? w_in.neg() : w_in.contiguous();
+  if (mode & kModeExp) w = w.log();
+  const auto opts = u.options();
+  auto out = at::empty({B, n}, opts);
+  auto block = at::empty({B, n}, opts.dtype(at::kLong));
+  auto pz = at::empty({B, sort_z ? n : 0}, opts.dtype(at::kLong));
+  auto pw = at::empty({Bw, sort_w ? n : 0}, opts.dtype(at::kLong));
+  if (B == 0 || n == 0) {
+    return {out, pz, pw, block, at::zeros({}, opts.dtype(at::kLong))};
+  }
+  const int64_t u_row = Bu == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
+  if (sort_w && Bw == 1) {  // one row of w for every row: sorted once
+    auto sorted = at::sort(w, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+    w = std::get<0>(sorted).contiguous();
+    pw.copy_(std::get<1>(sorted));
+  }
+  const bool sort_rows_w = sort_w && Bw != 1;
+  std::atomic<int64_t> bad{0};
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "permutahedron", [&] {
+    const scalar_t* pu = u.const_data_ptr<scalar_t>();
+    const scalar_t* pwv = w.const_data_ptr<scalar_t>();
+    const scalar_t* pe = eps.const_data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    int64_t* pb = block.data_ptr<int64_t>();
+    int64_t* ppz = pz.data_ptr<int64_t>();
+    int64_t* ppw = pw.data_ptr<int64_t>();
+    // the sort's cap on 1 / eps, in the dtype (torch's clamp takes its bound so)
+    const scalar_t cap =
+        scalar_t(std::numeric_limits<scalar_t>::max() / (4.0 * double(n)));
+    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
+      auto ref = work<int64_t>(n);
+      auto keys = work<uint64_t>(4 * n);
+      auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
+      auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
+      auto p = work<scalar_t>(n);
+      std::vector<double> scaled;
+      int64_t rows_bad = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* ru = pu + b * u_row;
+        const scalar_t* rw = pwv + b * w_row;
+        scalar_t f;
+        if (inv) {
+          const scalar_t r = scalar_t(1) / pe[b];
+          f = r > cap ? cap : r;
+        } else {
+          f = flip ? -pe[b] : pe[b];
+        }
+        if (inv) {
+          for (int64_t j = 0; j < n; ++j) z[j] = ru[j] * f;
+        } else {
+          for (int64_t j = 0; j < n; ++j) z[j] = ru[j] / f;
+        }
+        const scalar_t* rs = z.get();
+        if (sort_z) {
+          int64_t* idx = ppz + b * n;
+          sort_descending(z.get(), n, idx, keys.get());
+          for (int64_t j = 0; j < n; ++j) s[j] = z[idx[j]];
+          rs = s.get();
+        }
+        const scalar_t* rt = rw;
+        if (sort_rows_w) {
+          int64_t* idx = ppw + b * n;
+          sort_descending(rw, n, idx, keys.get());
+          for (int64_t j = 0; j < n; ++j) t[j] = rw[idx[j]];
+          rt = t.get();
+        }
+        scalar_t* rp = sort_z ? p.get() : po + b * n;
+        const bool finite =
+            kl ? project_kl_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), aux.get())
+               : project_l2_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), scaled);
+        rows_bad += !finite;
+        if (negate) {
+          for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(0) - rp[j];
+        }
+        if (sort_z) {
+          const int64_t* idx = ppz + b * n;
+          scalar_t* ro = po + b * n;
+          for (int64_t j = 0; j < n; ++j) ro[idx[j]] = rp[j];
+        }
+      }
+      bad += rows_bad;
+    });
+  });
+  if (mode & kModeExp) out.exp_();  // torch's exp, as the reference's (after the un-sort)
+  return {out, pz, pw, block, at::scalar_tensor(bad.load(), opts.dtype(at::kLong))};
 }
 
 // ----------------------------------------------------------------- the L2 VJP, in one pass
@@ -578,6 +818,9 @@ TORCH_LIBRARY(softops_isotonic, m) {
   m.def("pav_kl(Tensor s, Tensor w) -> (Tensor, Tensor)");
   m.def("project(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "permutahedron(Tensor u, Tensor w, Tensor eps, int mode) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "l2_vjp(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, "
       "Tensor? u, Tensor? f, bool inv) -> (Tensor, Tensor, Tensor)");
 }
@@ -586,5 +829,6 @@ TORCH_LIBRARY_IMPL(softops_isotonic, CPU, m) {
   m.impl("pav_l2", &pav_l2);
   m.impl("pav_kl", &pav_kl);
   m.impl("project", &project);
+  m.impl("permutahedron", &permutahedron);
   m.impl("l2_vjp", &l2_vjp);
 }

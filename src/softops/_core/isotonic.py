@@ -71,6 +71,7 @@ __all__ = [
     "isotonic_l2",
     "l2_vjp_host",
     "l2_vjp_host_scaled",
+    "permutahedron",
     "project_kl",
     "project_l2",
 ]
@@ -202,6 +203,7 @@ def _torch_project(
     if not finite:  # the filled rows run on zeros
         sa, wa = sa.masked_fill(special, 0.0), wa.masked_fill(special, 0.0)
     scale = _l2_scale(sa, wa) if not kl else None
+    s0, w0 = sa, wa  # the row's own frame (where scaled, the output is formed there)
     if scale is not None:
         sa, wa = sa * scale, wa * scale
     rows = torch.arange(B, device=dev)
@@ -250,10 +252,17 @@ def _torch_project(
     if kl:
         shift = (aux - acc).gather(1, blk) + w_ref
     else:
-        shift = w_ref - (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
+        mean = (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
+        shift = w_ref - mean
     p = _sub(sa, sa.gather(1, first)) + shift
     if scale is not None:
         p = p / scale
+        # Scaled rows: the scaling is exact except where it brings an entry below the smallest
+        # normal number (subnormal w beside s near the largest float); the output is formed in
+        # the row's own frame, (s_j - s_r) - mean_B / c + w_r (w_r itself for a singleton
+        # block), and scaled where that overflows (``l2_frame`` in ``_isotonic_kernel.cpp``).
+        own = (_sub(s0, s0.gather(1, first)) - mean / scale) + w0.gather(1, first)
+        p = torch.where((scale == 1) | ~torch.isfinite(own), p, own)
     if not finite:
         p = torch.where(special, fill, p)
         blk = blk.masked_fill(special, 0)
@@ -368,6 +377,118 @@ PROJECT_OP = define(
 """The projection ``P(s, w) = s - v(s, w)`` (``kl``: P_E, else P_Q) of the rows of s and w,
 sorted descending, each (B, n) or (1, n), one dtype: ``(p, block, bad)``, bad the number of
 rows that held a non-finite entry (a 0-dim int64 tensor)."""
+
+
+# The modes of ``permutahedron`` (bits; ``Mode`` in ``_isotonic_kernel.cpp``).
+MODE_KL, MODE_SORT_Z, MODE_SORT_W, MODE_EXP, MODE_NEGATE, MODE_INV, MODE_FLIP = (
+    1 << i for i in range(7)
+)
+
+
+def _permutahedron_reference(
+    u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = u.shape[-1]
+    if mode & MODE_INV:
+        f = eps.reciprocal().clamp(max=torch.finfo(u.dtype).max / (4 * n)).unsqueeze(1)
+        z = u * f
+    else:
+        z = u / (-eps if mode & MODE_FLIP else eps).unsqueeze(1)
+    z = z.expand(eps.shape[0], n)
+    if mode & MODE_NEGATE:
+        w = -w
+    if mode & MODE_EXP:
+        w = w.log()
+    s, pz = (
+        torch.sort(z, dim=-1, descending=True, stable=True)
+        if mode & MODE_SORT_Z
+        else (z, z.new_empty((z.shape[0], 0), dtype=torch.int64))
+    )
+    t, pw = (  # (a single row of w is sorted once)
+        torch.sort(w, dim=-1, descending=True, stable=True)
+        if mode & MODE_SORT_W
+        else (w, w.new_empty((w.shape[0], 0), dtype=torch.int64))
+    )
+    t = t.expand(eps.shape[0], n)
+    res = _project(s, t, bool(mode & MODE_KL))
+    p = res.p.exp_() if mode & MODE_EXP else res.p
+    if mode & MODE_NEGATE:
+        p = torch.rsub(p, 0.0)
+    if mode & MODE_SORT_Z:
+        p = torch.empty_like(p).scatter(1, pz, p)
+    return p, pz, pw, res.block, torch.tensor(int(not res.finite), device=u.device)
+
+
+def _permutahedron_fake(
+    u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, n = eps.shape[0], u.shape[-1]
+    return (
+        u.new_empty((B, n)),
+        u.new_empty((B, n if mode & MODE_SORT_Z else 0), dtype=torch.int64),
+        u.new_empty((w.shape[0], n if mode & MODE_SORT_W else 0), dtype=torch.int64),
+        u.new_empty((B, n), dtype=torch.int64),
+        u.new_empty((), dtype=torch.int64),
+    )
+
+
+PERMUTAHEDRON_OP = define(
+    "softops::isotonic_permutahedron",
+    "(Tensor u, Tensor w, Tensor eps, int mode) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_permutahedron_reference,
+    fake=_permutahedron_fake,
+    cpu=lambda ops, u, w, eps, mode: (
+        ops.permutahedron(u, w, eps, mode)
+        if u.dtype in _KERNEL_DTYPES
+        else _permutahedron_reference(u, w, eps, mode)
+    ),
+    kernel=KERNEL,
+)
+"""The projection of z onto the permutahedron of w, sorts and scaling included
+(:func:`permutahedron`)."""
+
+
+def permutahedron(
+    u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, bool]:
+    """``P(z, w)`` for each row, in z's order. No autograd.
+
+    z is ``u * min(1/eps, max / (4 n))`` (``MODE_INV``) or ``u / eps`` (``u / -eps`` with
+    ``MODE_FLIP``); ``MODE_NEGATE`` gives ``-P(z, -w)`` (as ``0 - p``), ``MODE_EXP`` with
+    ``MODE_KL`` ``exp P_E(z, log w)``; ``MODE_SORT_Z`` / ``MODE_SORT_W`` sort z / w here
+    (descending, stably; else they come sorted descending). One pass of the C++ kernel per row
+    on the CPU, the sorts included.
+
+    Args:
+        u: (B or 1, n).
+        w: (B or 1, n), u's dtype.
+        eps: (B,), u's dtype.
+        mode: a sum of the ``MODE_*`` bits.
+
+    Returns:
+        ``(p, pz, pw, block, finite)``: p (B, n) in z's order; the permutations that sort z
+        (B, n) and w (as many rows as w; None where not sorted here); the block ids in sorted
+        coordinates; whether every row was finite.
+    """
+    B, n = eps.shape[0], u.shape[-1]
+    if u.is_meta or n == 0 or B == 0:
+        p, pz, pw, block, _ = (
+            _permutahedron_fake(u, w, eps, mode)
+            if u.is_meta
+            else _permutahedron_reference(u, w, eps, mode)
+        )
+        finite = True
+    else:
+        # (on another device the reference runs there, its projection through host memory)
+        p, pz, pw, block, bad = PERMUTAHEDRON_OP(_detached(u), _detached(w), _detached(eps), mode)
+        finite = not bad
+    return (
+        p,
+        pz if mode & MODE_SORT_Z else None,
+        pw if mode & MODE_SORT_W else None,
+        block,
+        finite,
+    )
 
 
 def _l2_vjp_reference(

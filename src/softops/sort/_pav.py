@@ -63,7 +63,9 @@ max / (4n), where the sort is already hard) the derivative is 0.
 The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
 (``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func,
 ``softops._core.transforms.apply_function`` skips the per-call signature binding of
-``Function.apply``; with the C++ kernel in use and a gradient that is not itself differentiated,
+``Function.apply``; the forward (the scaling, the sorts, the projection and the un-sort) is one
+operator (``softops._core.isotonic.permutahedron``), one pass of the C++ kernel per row on the
+CPU; with the kernel in use and a gradient that is not itself differentiated,
 the L2 VJP, the epsilon term included, is one compiled pass over each row
 (``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. These fixed
 costs, not the O(n log n) work, set the time of a small call.
@@ -87,13 +89,19 @@ from typing import Any, cast
 import torch
 
 from softops._core.isotonic import (
+    MODE_EXP,
+    MODE_FLIP,
+    MODE_INV,
+    MODE_KL,
+    MODE_NEGATE,
+    MODE_SORT_W,
+    MODE_SORT_Z,
     block_max,
     block_mean,
     block_softmax,
     block_sum,
     l2_vjp_host_scaled,
-    project_kl,
-    project_l2,
+    permutahedron,
 )
 from softops._core.transforms import apply_function
 from softops.sort._options import MethodOptions
@@ -161,6 +169,19 @@ class _Mode:
     inv: bool = False
     flip: bool = False
 
+    @property
+    def bits(self) -> int:
+        """The mode of :func:`softops._core.isotonic.permutahedron`."""
+        return (
+            MODE_KL * self.kl
+            | MODE_SORT_Z * self.sort_z
+            | MODE_SORT_W * self.sort_w
+            | MODE_EXP * self.exp_space
+            | MODE_NEGATE * self.negate
+            | MODE_INV * self.inv
+            | MODE_FLIP * self.flip
+        )
+
 
 def _factor(eps: Tensor, n: int, dtype: torch.dtype, mode: _Mode) -> Tensor:
     """(B, 1): f with z = u * f (the sort, ``mode.inv``) or z = u / f (the rank)."""
@@ -220,21 +241,14 @@ class _Permutahedron(torch.autograd.Function):
     def forward(
         u: Tensor, w: Tensor, eps: Tensor, mode: _Mode
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
-        z = _through(u, _factor(eps, u.shape[-1], u.dtype, mode), mode)
-        if mode.negate:
-            w = -w
-        s, pz = torch.sort(z, dim=-1, descending=True) if mode.sort_z else (z, None)
-        t, pw = torch.sort(w, dim=-1, descending=True) if mode.sort_w else (w, None)
-        if mode.kl:
-            res = project_kl(s, t.log() if mode.exp_space else t)
-        else:
-            res = project_l2(s, t)
-        p, frozen = res.p.exp_() if mode.exp_space else res.p, None
-        if not res.finite:  # the kernel gave the limits; mark where the derivatives are zero
-            frozen = _frozen(s, t, mode.kl)
-        if mode.negate:
-            p = torch.rsub(p, 0.0)
-        return _scatter(p, pz), pz, pw, res.block, frozen
+        p, pz, pw, block, finite = permutahedron(u, w, eps, mode.bits)
+        frozen = None
+        if not finite:  # the kernel gave the limits; mark where the derivatives are zero
+            n = u.shape[-1]
+            z = _through(u, _factor(eps, n, u.dtype, mode), mode).expand(eps.shape[0], n)
+            t = (-w if mode.negate else w).expand(eps.shape[0], n)
+            frozen = _frozen(_gather(z, pz), _gather(t, pw), mode.kl)
+        return p, pz, pw, block, frozen
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
