@@ -38,7 +38,7 @@ with SUM, the one collective this module calls, so every backend runs it on ever
   rows, whose start it is);
 * one all-reduce of (5, B) per evaluation ("ot": 2 to 6 typical, ``max_iter`` at most; its
   residual, slope, curvature and tolerance are formed from the all-reduced sums, in float64);
-  "sparse": one of (5, B) per evaluation, then two, of (4, B) and (1, B), for its closed-form
+  "sparse": one of (6, B) per evaluation, then two, of (4, B) and (1, B), for its closed-form
   polish;
 * "ot" only, and only where a row is near the hard limit (``softops.topk._ot.polish``): one or
   two all-gathers of (6, B) per rank for the log-domain polish of its threshold;

@@ -556,8 +556,9 @@ def collectives_are_counted_and_bounded(rank: int, world: int) -> None:
         # no extra collective for hard=True (on the sampled path its candidates ride along)
         assert len(h) == len(f) and h[0] == f[0] and h[2:] == f[2:], (label, h, f)
         assert c[:3] == [*f[:2], (5, B)] and c[3:] == [(world, 6, B)] * (len(c) - 3), (label, c)
-        # "sparse": one per evaluation, then the two of its closed-form polish
-        polished = [(5, B)] * (len(s) - 4) + [(4, B), (1, B)]
+        # "sparse": one per evaluation (its five sums and that of y over the free entries, for
+        # the closed-form step), then the two of its closed-form polish
+        polished = [(6, B)] * (len(s) - 4) + [(4, B), (1, B)]
         assert 5 <= len(s) <= 4 + 13 and s[2:] == polished, (label, s)
         assert sb == [(3, B)], (label, sb)
     assert len(top.shapes) == 2

@@ -429,3 +429,33 @@ def test_far_entries_and_tiny_epsilon_against_exact_arithmetic(dtype, shared_k):
                 exact_mask(row, kb, float(torch.tensor(eps, dtype=dtype))), dtype=F64
             )
             torch.testing.assert_close(a[b].double(), want, atol=tol * max(1.0, kb), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_root_next_to_the_centre_in_a_few_steps(dtype):
+    """(KD16) k = j + delta with delta down to the smallest normal number: the root u = -delta
+    (in units of epsilon from the centre x_(j+1)) is far closer to the centre than the start
+    (u = -1 on these rows). The Newton step taken as the increment u + r / |S| lost delta to
+    the rounding of r = 1 - delta and landed on the centre, the bracket's end; bisection then
+    walked down about 100 binades (k = finfo(float32).tiny did not converge within
+    max_iter=100). The step in closed form on its piece finds it at once: the mask is exact
+    within 8 evaluations."""
+    tiny = torch.finfo(dtype).tiny
+    deltas = [tiny, 3 * tiny, 1e-37, 1e-30, 1e-20, 1e-10, 1e-4]
+    if dtype == F64:
+        deltas += [1e-300, 1e-200, 1e-100]
+    g = torch.Generator().manual_seed(16)
+    rows = [[0.0, 1.0, 2.0], [0.0, 0.5, 1.0, 3.0, 3.25]]
+    rows += (torch.randn(4, 6, generator=g, dtype=F64) * 3).tolist()
+    for row, delta, j, eps in itertools.product(rows, deltas, (0, 1, 2), (1.0, 0.3, 10.0)):
+        x = torch.tensor([row], dtype=dtype)
+        k = j + delta
+        if float(torch.tensor(k, dtype=dtype)) == j:
+            continue  # k is the integer j in this dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            a = sparse(x, k, eps, max_iter=8)
+        want = torch.tensor(exact_mask(x[0].double().tolist(), k, eps), dtype=F64)
+        # entries within delta of 0 or 1 are resolved relative to delta where j = 0
+        tol = (1e-12 if dtype == F64 else 1e-6) * (delta if j == 0 else 1.0)
+        torch.testing.assert_close(a[0].double(), want, atol=tol, rtol=0)

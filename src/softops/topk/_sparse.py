@@ -42,9 +42,14 @@ order statistics come from one ``torch.topk`` of the side of the row that needs 
 (unsorted where every row has the same k).
 
 Each step solves the linear piece on the side it moves to (one-sided slope ``-|S|``, so a step
-from a breakpoint is right), and a row stops **exactly** when its new iterate lies on the piece
-the step was computed on (the counts of entries above ``u`` and above ``u + 1`` are those the
-step predicted): no tolerance is involved. Steps that leave the open bracket, or start on a flat
+from a breakpoint is right) in closed form, :math:`u = \mathrm{mean}_S(y) - (k - |U|)/|S|` with
+:math:`y = (x - m)/\varepsilon` (the sum of y over S is a sixth reduction of the evaluation),
+not as the increment ``u + r / |S|``, whose r carries a rounding relative to the iterate: a root
+far closer to the centre than the iterate (k = finfo(float32).tiny beside an iterate at -1)
+came out as the centre itself, and bisection walked down about 100 binades to it. A row
+stops **exactly** when its new iterate lies on the piece the step was computed on (the counts
+of entries above ``u`` and above ``u + 1`` are those the step predicted): no tolerance is
+involved. Steps that leave the open bracket, or start on a flat
 piece (``|S| = 0``), fall back to an Illinois secant on the bracket (bisection where it
 degenerates). The start is the large-epsilon guess (every entry free) where epsilon is at least
 an eighth of the row's spread, else the small-epsilon one (only :math:`x_{(\lceil k \rceil)}`
@@ -59,7 +64,7 @@ Why not sort: a sort of the 2n breakpoints with cumulative sums is also exact an
 lose the residual to cancellation in float32 (the difference of two prefix sums has an error of
 about ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
 evaluation here sums the clipped entries themselves; (iii) an evaluation is one element-wise pass
-with five row reductions, and runs as well on a GPU.
+with six row reductions, and runs as well on a GPU.
 The host reads the range of k once (the depth of the topk), and "all rows done" once per
 evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured with a former
 torch.compile path (B=64, epsilon=0.1, float32, one thread, CPU time): k = n/10: n=1e3, forward
@@ -101,11 +106,14 @@ def _evaluate(
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """At ``u`` (B, 1), the threshold ``t = m + eps u`` in units of epsilon from the centre ``m``
-    (B, 1): ``r = sum a - k`` and the counts of ``z > 0``, ``z >= 0``, ``z >= 1`` and ``z > 1``
-    (``z = (x - m) / eps - u``), as floats, (B,) each (reductions only: the mask is formed once,
-    by :func:`_polish`). Where the row is split (``x`` one shard of it), ``reduce`` totals the
-    five partial sums (``softops.topk._ot.Reduce``); they come back in x's dtype."""
-    z = (x - m) * inv - u
+    (B, 1): ``r = sum a - k``, the counts of ``z > 0``, ``z >= 0``, ``z >= 1`` and ``z > 1``
+    (``z = y - u``, ``y = (x - m) / eps``), as floats, and the sum of ``y`` over the strictly
+    free entries ``0 < z < 1`` (for the closed-form step), (B,) each (reductions only: the mask
+    is formed once, by :func:`_polish`). Where the row is split (``x`` one shard of it),
+    ``reduce`` totals the six partial sums (``softops.topk._ot.Reduce``); they come back in x's
+    dtype."""
+    y = (x - m) * inv
+    z = y - u
     a = z.clamp(0, 1)
     dt = x.dtype
     sums = (
@@ -114,12 +122,13 @@ def _evaluate(
         (z >= 0).sum(-1, dtype=dt),
         (z >= 1).sum(-1, dtype=dt),
         (z > 1).sum(-1, dtype=dt),
+        torch.where((z > 0) & (z < 1), y, 0).sum(-1),
     )
     if reduce is not None:  # (the residual formed in the reduction's dtype, then x's)
         a_sum, *counts = reduce(sums)
         return ((a_sum - k).to(dt), *(v.to(dt) for v in counts))
-    a_sum, pos, pos0, one, one1 = sums
-    return a_sum - k, pos, pos0, one, one1
+    a_sum, pos, pos0, one, one1, sum_y = sums
+    return a_sum - k, pos, pos0, one, one1, sum_y
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -297,7 +306,7 @@ def _solve_rows(
     evaluate = _evaluate
     block = 1 if x.device.type == "cpu" else GPU_BLOCK
     for i in range(max_iter):
-        r, pos, pos0, one, one1 = evaluate(x, m2, u[:, None], inv2, k, reduce)
+        r, pos, pos0, one, one1, sum_y = evaluate(x, m2, u[:, None], inv2, k, reduce)
         # Exact stop: the step's piece was right (the iterate is its root), or r is 0.
         exact = exact | (~done & ((newton & (pos == want_pos) & (one == want_one)) | (r == 0)))
         done = done | exact
@@ -315,7 +324,14 @@ def _solve_rows(
         lo = torch.where(below, u, lo)
         hi = torch.where(above, u, hi)
         side = torch.where(below, 1.0, torch.where(above, -1.0, side))
-        step = u + r / free.clamp(min=1)  # the piece's root: its slope is -|S| (units of eps)
+        # The piece's root in closed form, mean_S(y) - (k - |U|) / |S| (the entries at the
+        # breakpoint that joins S have y = u + 1 going up, y = u going down). Not as the
+        # increment u + r / |S|: r carries the rounding of sum a, relative to the iterate, so
+        # that a root far closer to the centre than the iterate (k = finfo.tiny beside an
+        # iterate at -1: r = 1 - k rounds to 1) came out as the centre itself, the bracket's
+        # end, and bisection walked down some 100 binades to it (KD16).
+        joins = torch.where(up, (one - one1) * (u + 1), (pos0 - pos) * u)
+        step = (sum_y + joins - (k - want_one)) / free.clamp(min=1)
         newton = (free > 0) & (step > lo) & (step < hi)
         secant = lo + (hi - lo) * (r_lo / (r_lo - r_hi))
         mid = 0.5 * lo + 0.5 * hi
