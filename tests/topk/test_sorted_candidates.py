@@ -1,6 +1,6 @@
 """The candidate set of the sorted SOFT top-k (docs/math.md §2.4): the bound it rests on, the
 candidate-set solve against the full solve (``_soft_topk(..., reduce=False)``) across shapes,
-epsilons, ties and near-hard rows, its gradients, and the paths that share it (the numba kernel,
+epsilons, ties and near-hard rows, its gradients, and the paths that share it (the C++ kernel,
 the torch solve, the rows the kernel hands back)."""
 
 from __future__ import annotations
@@ -246,7 +246,6 @@ def test_entries_outside_the_candidate_set_get_no_weight_and_no_gradient() -> No
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("largest", [True, False])
 def test_the_kernel_and_the_torch_solve_agree(dtype, largest) -> None:
-    pytest.importorskip("numba")
     g = seeded(7)
     x = torch.randn(6, 700, generator=g, dtype=dtype, requires_grad=True)
     gv = torch.randn(6, 8, generator=g, dtype=dtype)
@@ -260,7 +259,6 @@ def test_the_kernel_and_the_torch_solve_agree(dtype, largest) -> None:
 
 
 def test_rows_the_kernel_leaves_take_the_torch_solve(monkeypatch) -> None:
-    pytest.importorskip("numba")
     x = torch.randn(4, 300, generator=seeded(8), dtype=F64, requires_grad=True)
     ref = _soft_topk(x, 5, epsilon=0.1, kernel=False, **TIGHT)
     (g_ref,) = torch.autograd.grad(ref.values.sum(), x)

@@ -70,12 +70,12 @@ Conventions and choices:
   is at most ``tol``, or when a step does not lower it (that row keeps its state); one host
   read per step. Rows left above ``tol`` are solved from the start by the hybrid path below.
   On the sorted top-k (standard normal scores or log-probabilities, epsilon 0.1 to 1) three
-  steps reach 1e-6. On the CPU, for rows of at most ``NUMBA_MAX_WORK`` entries ``n m^2``, the
-  same solve runs row by row in a numba kernel (``_sinkhorn_numba``, where numba is installed
-  and the kernel back end is on: :mod:`softops._kernels`), with the same arithmetic and stopping
-  rule: a small batch (a beam step's (64, 18, 3)) is a few hundred tensor operations of a few
-  microseconds each in torch, and 2x faster in all as one compiled call. The rows it leaves
-  (not converged, a zero mass, a NaN) go to the torch code.
+  steps reach 1e-6. On the CPU, for rows of at most ``KERNEL_MAX_WORK`` entries ``n m^2``, the
+  same solve runs row by row in a C++ kernel (``_newton_kernel.cpp``, the operator
+  ``softops::newton_first`` of :mod:`softops._kernels`, where it is built and the kernel back end
+  is on), with the same arithmetic and stopping rule: a small batch (a beam step's (64, 18, 3))
+  is a few hundred tensor operations of a few microseconds each in torch, one call there. The
+  rows it leaves (not converged, a zero mass, a NaN) go to the torch code.
 * **Backward** (docs/math.md §2.3). With P = diag(1/mu) Gamma (mu the row sums of the saved
   plan), u = Gbar - beta (beta_m = 0) and ``centred(u)_ij = u_ij - sum_l P_il u_il``, the cost
   gradient is ``Cbar = -Gamma * centred(u) / epsilon`` where beta (m-1) makes the first m-1
@@ -106,8 +106,8 @@ Conventions and choices:
 
 from __future__ import annotations
 
-import importlib.util
 import math
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -115,7 +115,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from softops._core.transforms import apply_function, plain, vmap_rows
-from softops._kernels import kernels_enabled, numba_module
+from softops._kernels import Kernel, define, kernels_enabled
 
 __all__ = [
     "CHECK_EVERY",
@@ -128,14 +128,11 @@ __all__ = [
     "attach_epsilon",
     "log_sinkhorn",
     "log_sinkhorn_checked",
-    "numba_kernels",
     "sinkhorn_plan",
     "sinkhorn_plan_checked",
-    "use_numba",
+    "use_kernel",
 ]
 
-# numba is optional (the ``pav`` extra): the kernel module is imported on first use.
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 CHECK_EVERY = 10
 """Iterations between two batched convergence checks."""
 NEWTON_SWITCH = 1e-3
@@ -279,21 +276,75 @@ def _row_lse(prob: _Problem, v: Tensor) -> Tensor:
     return mx.squeeze(1) + shifted.exp_().sum(1).log()
 
 
-def _log_col_sums_exact(prob: _Problem, v: Tensor) -> Tensor:
-    """``log c_j = LSE_i(log a_i + log P_ij)`` fully in log space (robust to underflow)."""
+def _log_probs(prob: _Problem, v: Tensor) -> Tensor:
+    """``log P_ij`` (B, m, n), fully in log space (robust to underflow)."""
     if prob.d is not None:
         z = (v[:, 1:2] - v[:, 0:1]) - prob.d
-        log_p = torch.stack(
+        return torch.stack(
             (torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)), dim=1
         )
-    else:
-        shifted, _ = _shifted(prob, v)
-        log_p = shifted.sub_(shifted.exp().sum(1, keepdim=True).log())
+    shifted, _ = _shifted(prob, v)
+    return shifted.sub_(shifted.exp().sum(1, keepdim=True).log())
+
+
+def _log_col_sums_exact(prob: _Problem, v: Tensor, log_p: Tensor | None = None) -> Tensor:
+    """``log c_j = LSE_i(log a_i + log P_ij)`` fully in log space (robust to underflow)."""
+    if log_p is None:
+        log_p = _log_probs(prob, v)
     return torch.logsumexp(log_p + prob.log_a.unsqueeze(1), dim=-1)
 
 
-def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor) -> Tensor:
-    """log column sums for the hot loop (one sigmoid pass when m = 2)."""
+SAFE_COLUMN = 2.0**30
+"""Column sums above ``finfo.tiny * SAFE_COLUMN`` are formed in linear space; at or below it
+their logarithm is taken from the log-space sums (:func:`_log_col_sums_exact`)."""
+
+
+def _safe_level(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).tiny * SAFE_COLUMN
+
+
+def _fragile(prob: _Problem) -> bool:
+    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read).
+
+    After an exact column update every column sum is at least ``b_j min_i a_i / sum_i a_i``
+    (the row masses of the plan are at most its total), so a row whose smallest nonzero masses
+    keep that bound above the level never needs the log-space sums in the loop. A column of
+    subnormal mass (``soft_topk_mask(method="sinkhorn")`` at ``k < n finfo.tiny``) does: its
+    linear sum rounds to a few subnormal ulps, or to 0 (``sigmoid`` gives 0 below
+    ``1 / finfo.max``), and ``log 0`` sent its potential to ``+inf`` and the plan to NaN."""
+    log_b = torch.where(prob.empty, math.inf, prob.log_b).amin(-1)
+    log_a = torch.where(torch.isneginf(prob.log_a), math.inf, prob.log_a).amin(-1)
+    bound = log_b + log_a - prob.a_sum.log()
+    return _any_set(bound <= math.log(_safe_level(prob.s.dtype)))
+
+
+def _safe_log_col_sums(
+    prob: _Problem, v: Tensor, c: Tensor, exact_log_c: Tensor | None = None
+) -> Tensor:
+    """``log c`` of the linear column sums ``c`` (B, m) at ``v``, with the log-space sums
+    (``exact_log_c``, computed here where none is given and some sum needs it) wherever ``c`` is
+    at or below the safe level: there the linear sum has lost its relative precision to the
+    subnormal range, or is 0."""
+    log_c = c.log()
+    low = c <= _safe_level(c.dtype)
+    if exact_log_c is None:
+        if not _any_set(low):
+            return log_c
+        exact_log_c = _log_col_sums_exact(prob, v)
+    return torch.where(low, exact_log_c, log_c)
+
+
+def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor, fragile: bool = False) -> Tensor:
+    """log column sums for the hot loop (one sigmoid pass when m = 2). With ``fragile``
+    (:func:`_fragile`) the sums at or below the safe level are taken from the log-space ones, and
+    the general path's floor (which would raise them) is off."""
+    if fragile:
+        if prob.d is not None and prob.sign is not None:
+            c = _fast_log_col_sums(prob, v, buf).exp()
+        else:
+            e, z = _exp_and_sum(prob, v)
+            c = torch.linalg.vecdot(e, (prob.a / z).unsqueeze(1))
+        return torch.where(c <= _safe_level(c.dtype), _log_col_sums_exact(prob, v), c.log())
     if prob.d is not None and prob.sign is not None:
         # Compute the column whose target mass is smaller directly and the other by subtraction:
         # near the solution the latter is at least half the total, so no precision is lost.
@@ -317,10 +368,7 @@ def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tupl
     """
     p = _probs(prob, v)
     c = torch.linalg.vecdot(p, prob.a.unsqueeze(1))
-    log_c = c.log()
-    if exact_log_c is not None:
-        tiny = torch.finfo(c.dtype).tiny
-        log_c = torch.where(c > tiny * 2**30, log_c, exact_log_c)
+    log_c = _safe_log_col_sums(prob, v, c, exact_log_c)
     r = _log_ratio(prob, log_c).exp()
     row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)  # (B, n): sum_j P_ij r_j
     err = torch.linalg.vecdot((row - 1).abs(), prob.a) / prob.a_sum
@@ -340,6 +388,7 @@ def _sinkhorn_loop(
     idx = torch.arange(bsz, device=v.device)
     cur, cv = prob, v
     buf = torch.empty_like(prob.a)
+    fragile = max_iter > 1 and _fragile(prob)
     it = 0
     for it in range(1, max_iter + 1):
         last = it == max_iter
@@ -364,7 +413,7 @@ def _sinkhorn_loop(
         else:
             if buf.shape != cur.a.shape:
                 buf = torch.empty_like(cur.a)
-            log_c = _fast_log_col_sums(cur, cv, buf)
+            log_c = _fast_log_col_sums(cur, cv, buf, fragile)
         cv = cv + _log_ratio(cur, log_c)
     if idx.numel():
         out_v[idx] = cv
@@ -466,7 +515,7 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
     for step in range(NEWTON_MAX_STEPS + 1):
         p = _probs(cur, cv)
         c = torch.linalg.vecdot(p, cur.a.unsqueeze(1))
-        log_c = c.log()
+        log_c = _safe_log_col_sums(cur, cv, c)
         r = _log_ratio(cur, log_c).exp()
         row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)
         err = torch.linalg.vecdot((row - 1).abs(), cur.a) / cur.a_sum
@@ -621,11 +670,18 @@ def _finalize(
     prob: _Problem, v: Tensor, epsilon: Tensor, tol: float, iterations: int
 ) -> SinkhornResult:
     """Column-exact plan, potentials and diagnostics at the states ``v``."""
-    exact = _log_col_sums_exact(prob, v)
+    log_p = _log_probs(prob, v)
+    exact = _log_col_sums_exact(prob, v, log_p)
     log_c, err = _check(prob, v, exact)
     p = _probs(prob, v)
-    r = _log_ratio(prob, log_c).exp()
-    plan = p.mul_((prob.a.unsqueeze(1)) * r.unsqueeze(-1))  # (B, m, n)
+    log_r = _log_ratio(prob, log_c)
+    plan = p * ((prob.a.unsqueeze(1)) * log_r.exp().unsqueeze(-1))  # (B, m, n)
+    # Subnormal entries of P (a column of subnormal mass; the sigmoid gives 0 below
+    # 1 / finfo.max) are formed in log space.
+    low = p < torch.finfo(p.dtype).tiny
+    if _any_set(low):
+        log_plan = log_p + prob.log_a.unsqueeze(1) + log_r.unsqueeze(-1)
+        plan = torch.where(low, log_plan.exp(), plan)
     eps = epsilon.to(v.dtype)
     f = (prob.log_a - _row_lse(prob, v)) * eps[:, None]
     g = (v + _log_ratio(prob, log_c)) * eps[:, None]
@@ -917,44 +973,56 @@ def _newton_first(
     tol: float,
     potentials: bool = True,
 ) -> tuple[SinkhornResult, bool]:
-    """:func:`_newton_first_torch`, or on small CPU problems the same solve compiled row by row
-    (:func:`_newton_first_numba`) where numba is installed and compilation is enabled."""
-    if use_numba(cost, cost.shape[1], cost.shape[2]):
-        kernels = numba_kernels()
-        if kernels is not None:
-            return _newton_first_numba(
-                kernels, cost, log_a, log_b, epsilon, max_iter, tol, potentials
-            )
+    """:func:`_newton_first_torch`, or on small CPU problems the operator ``softops::newton_first``
+    (the same solve row by row in the C++ kernel, the rows it leaves in torch)."""
+    if use_kernel(cost, cost.shape[1], cost.shape[2]):
+        plan, f, g, converged, residual, iterations, clean = NEWTON_FIRST_OP(
+            cost, log_a, log_b, epsilon, max_iter, tol, potentials
+        )
+        res = SinkhornResult(f, g, plan, converged, int(iterations), residual)
+        return res, bool(clean)
     return _newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
 
 
-NUMBA_MAX_WORK = 1 << 17
-"""Largest ``n m^2`` per row that :func:`_newton_first` solves with the numba kernel: above it
-the batched torch code (its couplings are one ``bmm``) is the faster."""
+KERNEL_MAX_WORK = 1 << 17
+"""Largest ``n m^2`` per row that :func:`_newton_first` solves with the kernel: above it the
+batched torch code (its couplings are one ``bmm``) is the faster."""
+
+NEWTON_KERNEL = Kernel("softops_newton", Path(__file__).with_name("_newton_kernel.cpp"))
+"""The CPU row kernels of the Newton-first solve and of the sorted top-k plan's backward
+(``torch.ops.softops_newton``)."""
 
 
-def use_numba(t: Tensor, n: int, m: int) -> bool:
-    """Whether the numba kernels (``_sinkhorn_numba``) may take a problem of rows of n entries
+def use_kernel(t: Tensor, n: int, m: int) -> bool:
+    """Whether the row kernels (``_newton_kernel.cpp``) may take a problem of rows of n entries
     and m targets held by ``t``: a plain CPU tensor (not traced, not batched or wrapped by
-    ``torch.func``), at most ``NUMBA_MAX_WORK`` entries ``n m^2``, numba installed and
-    the kernel back end on (:mod:`softops._kernels`)."""
+    ``torch.func``), at most ``KERNEL_MAX_WORK`` entries ``n m^2``, the kernel back end on
+    (:mod:`softops._kernels`; where the kernel is not built the operators run their torch
+    reference)."""
     return (
         t.device.type == "cpu"
-        and n * m * m <= NUMBA_MAX_WORK
+        and n * m * m <= KERNEL_MAX_WORK
         and kernels_enabled()
-        and HAVE_NUMBA
         and not torch.compiler.is_compiling()
         and not _functorch.is_functorch_wrapped_tensor(t)
     )
 
 
-def numba_kernels() -> Any:
-    """The compiled kernel module (``_sinkhorn_numba``), or None when numba cannot be imported."""
-    return numba_module("softops._core._sinkhorn_numba")
+def _newton_first_outputs(res: SinkhornResult, clean: bool) -> tuple[Tensor, ...]:
+    """A :class:`SinkhornResult` and its ``clean`` as the outputs of ``softops::newton_first``."""
+    device = res.plan.device
+    return (
+        res.plan,
+        res.f,
+        res.g,
+        res.converged,
+        res.residual,
+        torch.tensor(res.iterations, dtype=torch.int64, device=device),
+        torch.tensor(clean, device=device),
+    )
 
 
-def _newton_first_numba(
-    kernels: Any,
+def _newton_first_reference(
     cost: Tensor,
     log_a: Tensor,
     log_b: Tensor,
@@ -962,32 +1030,32 @@ def _newton_first_numba(
     max_iter: int,
     tol: float,
     potentials: bool,
-) -> tuple[SinkhornResult, bool]:
-    """:func:`_newton_first_torch` by the row-wise numba kernel (``_sinkhorn_numba``), the same
-    arithmetic each row on its own; rows it leaves above ``tol`` (or does not solve: a zero mass,
-    a NaN) are solved by :func:`_newton_first_torch`, as a sub-batch."""
+) -> tuple[Tensor, ...]:
+    return _newton_first_outputs(
+        *_newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
+    )
+
+
+def _newton_first_cpu(
+    ops: Any,
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool,
+) -> tuple[Tensor, ...]:
+    """:func:`_newton_first_torch` by the row kernel, the same arithmetic each row on its own;
+    rows it leaves above ``tol`` (or does not solve: a zero mass, a NaN) are solved by
+    :func:`_newton_first_torch`, as a sub-batch."""
     f64 = torch.float64
-    bsz, n, m = cost.shape
+    bsz = cost.shape[0]
     eps = epsilon.to(f64).reshape(-1, 1, 1)
     s = torch.div(cost.transpose(1, 2).to(f64), eps).contiguous()  # (B, m, n) cost / epsilon
-    la = log_a.to(f64).contiguous()
-    lb = log_b.to(f64).contiguous()
-    plan = torch.empty((bsz, m, n), dtype=f64)
-    v = torch.empty((bsz, m), dtype=f64)
-    ratio = torch.empty((bsz, m), dtype=f64)
-    err = torch.empty(bsz, dtype=f64)
-    steps = torch.empty(bsz, dtype=torch.int64)
-    kernels.newton_first_rows(
-        s.numpy(),
-        la.numpy(),
-        lb.numpy(),
-        float(tol),
-        min(NEWTON_FIRST_STEPS, max_iter),
-        plan.numpy(),
-        v.numpy(),
-        ratio.numpy(),
-        err.numpy(),
-        steps.numpy(),
+    la = log_a.to(f64)
+    plan, v, ratio, err, steps = ops.newton_first_rows(
+        s, la, log_b.to(f64), float(tol), min(NEWTON_FIRST_STEPS, max_iter)
     )
     converged = err <= tol
     clean = bool(converged.all())
@@ -1009,8 +1077,45 @@ def _newton_first_numba(
             f[left] = sub.f.to(f64)
             g[left] = sub.g.to(f64)
     else:
-        f = g = plan.new_empty((bsz, 0))
-    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err), clean
+        f, g = plan.new_empty((bsz, 0)), plan.new_empty((bsz, 0))
+    res = SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
+    return _newton_first_outputs(res, clean)
+
+
+def _newton_first_fake(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool,
+) -> tuple[Tensor, ...]:
+    bsz, n, m = cost.shape
+    f64 = torch.float64
+    return (
+        cost.new_empty((bsz, m, n), dtype=f64).transpose(1, 2),  # (the solver's layout)
+        cost.new_empty((bsz, n if potentials else 0), dtype=f64),
+        cost.new_empty((bsz, m if potentials else 0), dtype=f64),
+        cost.new_empty((bsz,), dtype=torch.bool),
+        cost.new_empty((bsz,), dtype=f64),
+        cost.new_empty((), dtype=torch.int64),
+        cost.new_empty((), dtype=torch.bool),
+    )
+
+
+NEWTON_FIRST_OP = define(
+    "softops::newton_first",
+    "(Tensor cost, Tensor log_a, Tensor log_b, Tensor eps, int max_iter, float tol,"
+    " bool potentials) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_newton_first_reference,
+    fake=_newton_first_fake,
+    cpu=_newton_first_cpu,
+    kernel=NEWTON_KERNEL,
+)
+""":func:`_newton_first_torch` as an operator: (cost (B, n, m), log_a (B, n), log_b (B, m), eps
+(B,), max_iter, tol, potentials) -> (plan (B, n, m), f, g, converged, residual, iterations (),
+clean ()), float64; not differentiable (no vmap rule: its callers run it on plain tensors)."""
 
 
 def _newton_first_torch(
@@ -1104,7 +1209,7 @@ def _finalize_state(
         f = (sd.log_a - torch.logsumexp(v - sd.s, 1)) * eps
         g = (v + torch.log1p(ratio)).squeeze(-1) * eps  # -inf in the columns of zero mass
     else:
-        f = g = plan.new_empty((plan.shape[0], 0))
+        f, g = plan.new_empty((plan.shape[0], 0)), plan.new_empty((plan.shape[0], 0))
     if not clean:
         fine = err < math.inf  # False for NaN
         plan = torch.where(fine[:, None, None], plan, math.nan)

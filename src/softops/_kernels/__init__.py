@@ -42,7 +42,6 @@ __all__ = [
     "cache_dir",
     "define",
     "kernels_enabled",
-    "numba_module",
     "set_compile",
     "set_default_backend",
 ]
@@ -52,7 +51,6 @@ _state: dict[str, Any] = {
     "backend": "reference"
     if os.environ.get("SOFTOPS_KERNELS", "1").strip().lower() in {"0", "false", "no"}
     else "kernel",
-    "numba": {},
 }
 
 
@@ -273,24 +271,12 @@ def define(
 _LIBRARIES: list[Any] = []  # the registrations live as long as their Library objects
 
 
-def numba_module(name: str) -> Any:
-    """The numba kernel module ``name`` (imported once, lazily: numba is optional and slow to
-    import), or None when it cannot be imported or the back end is ``"reference"``."""
-    if not kernels_enabled():
-        return None
-    modules = _state["numba"]
-    if name not in modules:
-        try:
-            modules[name] = importlib.import_module(name)
-        except ImportError:
-            modules[name] = None
-    return modules[name]
-
-
 def build_all(verbose: bool = False) -> list[Path]:
     """Build every kernel of the package (importing the methods that declare them)."""
     importlib.import_module("softops.topk._ot")
     importlib.import_module("softops._core.isotonic")
+    importlib.import_module("softops._core.sinkhorn")
+    importlib.import_module("softops.topk._sorted")
     package = Path(__file__).resolve().parents[1]
     return [
         kernel.build(verbose)

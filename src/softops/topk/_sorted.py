@@ -22,19 +22,18 @@ Deviations from the paper's notation (the derivations are in docs/math.md §2):
   (k+1)-th score get weight 0, which moves no weight by more than a stated tolerance; the full
   solve (``_soft_topk(..., reduce=False)``) is the reference it is tested against.
 
-Paths: :func:`_path` chooses the numba kernels (:class:`_KernelSolve`: the candidate set, the
-solve and the backward per row), the torch solve of the candidate set (:func:`_torch_solve`,
-other devices and forward mode) or the full solve (:func:`_full`, the solve this module had
-before the candidate set, with its :class:`_SortedPlan`).
+Paths: :func:`_path` chooses the C++ kernel (:class:`_KernelSolve` over the operators
+``softops::sorted_topk_solve`` and ``softops::sorted_topk_vjp`` of ``_sorted_kernel.cpp``: the
+candidate set, the solve and the backward per row), the torch solve of the candidate set
+(:func:`_torch_solve`, other devices and forward mode) or the full solve (:func:`_full`, the
+solve this module had before the candidate set, with its :class:`_SortedPlan`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
-import threading
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -45,19 +44,19 @@ from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_c
 from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import (
     DET_MIN,
-    HAVE_NUMBA,
+    NEWTON_KERNEL,
     implicit_cost_vjp,
     log_sinkhorn_checked,
-    numba_kernels,
-    use_numba,
+    use_kernel,
 )
 from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
-from softops._kernels import kernels_enabled
+from softops._kernels import Kernel, define, kernels_enabled
 
 __all__ = ["TopK", "soft_topk"]
 
 _OP = "soft_topk"
+F64 = torch.float64
 
 
 class TopK(NamedTuple):
@@ -116,11 +115,12 @@ def soft_topk(
     under ``torch.func`` transforms, on meta tensors or while tracing, solve the full row.
 
     The forward pass is semi-dual Newton in float64 from one Sinkhorn update of the centred start
-    (the plain start far below the gaps). On the CPU, where numba is installed
-    (``pip install 'softops[pav]'``) and k <= 32, the candidate set and the solve run as numba
-    kernels, without an exponential per entry and target (compiled on the first call, then cached
-    on disk); rows the kernel does not finish, and other devices, are solved in torch (log-domain
-    Sinkhorn to a relative L1 marginal error of 1e-3, then Newton). The backward pass is implicit
+    (the plain start far below the gaps). On the CPU (float32 and float64, k <= 32) the candidate
+    set, the solve and the backward run in a C++ kernel, row by row over torch's threads, without
+    an exponential per entry and target (built ahead of time once per machine by
+    ``python -m softops._kernels``; without a build the torch code runs, after one warning); rows
+    the kernel does not finish, and other devices, are solved in torch (log-domain Sinkhorn to a
+    relative L1 marginal error of 1e-3, then Newton). The backward pass is implicit
     differentiation through a k x k SPD (Schur complement) solve in float64 (in closed form for
     k <= 2, else Cholesky), so memory is O(n k) whatever the iteration count; double backward
     recomputes the forward in torch.
@@ -196,7 +196,7 @@ def _soft_topk(
     kernel: bool = True,
 ) -> TopK:
     """:func:`soft_topk`; ``reduce=False`` solves every row in full (no candidate set: the
-    reference the candidate-set path is tested against), ``kernel=False`` keeps off the numba
+    reference the candidate-set path is tested against), ``kernel=False`` keeps off the C++
     kernel (the candidate set is then chosen and solved in torch)."""
     check_bool(largest, _OP, "largest")
     rows = prepare_rows(_OP, x, dim, epsilon)
@@ -316,6 +316,36 @@ def _full(
         s = s * scale[:, None]
         eps = eps * scale
 
+    eps_eff, scaled = _scaled_cost(s, eps, k, neg, cd)
+    # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
+    weights, _, converged, residual, clean = apply_function(
+        _SortedPlan, s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps
+    )
+    if has_inf:
+        # the sure entries (tied) share the first c targets: 1/#(-inf) each
+        weights = torch.where(trivial[:, None, None], 0, weights)
+        first = torch.arange(k, device=x2.device)[None, :, None] < c_eff[:, None, None]
+        share = (1 / n_sure.clamp(min=1).to(cd))[:, None, None]
+        weights = torch.where(first & sure[:, None, :], share, weights)
+        values = _values_with_infinities(weights, x2, largest)
+        weights = torch.where(selectable[:, None, None], weights, math.nan)
+        values = torch.where(selectable[:, None], values, math.nan)
+    else:
+        with own_precision(x2):
+            values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
+
+    return weights, values, converged, residual, clean
+
+
+def _scaled_cost(
+    s: Tensor, eps: Tensor, k: int, neg: bool, cd: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The effective epsilon (B,) float64 and the centred cost in its units ``scaled`` (B, m, n),
+    a constant, of the scores s (B, n) (``neg``: the orientation folded in, see :func:`_full`;
+    ``cd`` the compute dtype)."""
+    n = s.shape[1]
+    m = k + 1 if k < n else k
+    f64 = torch.float64
     # Cost / eps_p with eps_p = 2 epsilon: -(j s_i - sum_{l<j} beta_l)/epsilon, where beta_l is the
     # midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants): column constants
     # do not change the plan, and they keep the potentials O(1). Each row is then shifted by its
@@ -346,24 +376,7 @@ def _full(
     eps_eff = torch.maximum(eps.to(f64), floor)
     with torch.no_grad():  # the cost in units of epsilon (its gradients are _SortedPlan's)
         scaled = accurate / eps_eff.detach()[:, None, None]
-    # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
-    weights, _, converged, residual, clean = apply_function(
-        _SortedPlan, s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps
-    )
-    if has_inf:
-        # the sure entries (tied) share the first c targets: 1/#(-inf) each
-        weights = torch.where(trivial[:, None, None], 0, weights)
-        first = torch.arange(k, device=x2.device)[None, :, None] < c_eff[:, None, None]
-        share = (1 / n_sure.clamp(min=1).to(cd))[:, None, None]
-        weights = torch.where(first & sure[:, None, :], share, weights)
-        values = _values_with_infinities(weights, x2, largest)
-        weights = torch.where(selectable[:, None, None], weights, math.nan)
-        values = torch.where(selectable[:, None], values, math.nan)
-    else:
-        with own_precision(x2):
-            values = torch.bmm(weights, x2.unsqueeze(-1)).squeeze(-1)  # (B, k)
-
-    return weights, values, converged, residual, clean
+    return eps_eff, scaled
 
 
 # --------------------------------------------------------------------------- the candidate set
@@ -375,7 +388,7 @@ _TAU_32 = 1e-7
 _BINS_PER_UNIT = 4.0
 """Resolution of the histogram of the gaps below the (k+1)-th score, in bins per epsilon."""
 _KERNEL_MAX_K = 32
-"""Largest k the numba kernel solves (larger k: the candidate set in torch, the torch solve)."""
+"""Largest k the kernel solves (larger k: the candidate set in torch, the torch solve)."""
 _KERNEL_STEPS = 24
 """Newton steps of the kernel per row (rows it leaves above ``tol`` take the torch solve)."""
 _KERNEL_HALVINGS = 4
@@ -406,7 +419,8 @@ def _bins(n: int, k: int, tau: float) -> tuple[int, list[float]]:
 
 
 def _path(x2: Tensor, k: int, n: int, tol: float, reduce: bool, kernel: bool) -> str:
-    """Which solve takes the rows: ``"kernel"`` (candidate set and solve in numba, CPU),
+    """Which solve takes the rows: ``"kernel"`` (candidate set and solve by the C++ kernel, CPU,
+    where it is built and the kernel back end is on),
     ``"torch"`` (candidate set chosen in torch, solved by :func:`_full`) or ``"full"`` (every
     row in full: under ``torch.func`` transforms, on meta tensors, while tracing, with ``tol=0``
     (the paper's fixed iterations) and where no candidate set can drop an entry)."""
@@ -414,7 +428,14 @@ def _path(x2: Tensor, k: int, n: int, tol: float, reduce: bool, kernel: bool) ->
         return "full"
     if forward_ad._current_level >= 0:  # forward mode: the Functions with a jvp
         return "torch" if k < n else "full"
-    if kernel and k <= _KERNEL_MAX_K and x2.device.type == "cpu" and _kernels() is not None:
+    if (
+        kernel
+        and k <= _KERNEL_MAX_K
+        and x2.device.type == "cpu"
+        and x2.dtype in _KERNEL_DTYPES
+        and kernels_enabled()
+        and KERNEL.ops() is not None
+    ):
         return "kernel"
     return "torch" if k < n else "full"
 
@@ -455,6 +476,34 @@ def _select_torch(
     return cand, count, bad
 
 
+def _candidate_problem(
+    x2: Tensor, cand: Tensor, count: Tensor, k: int, largest: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The candidates' problem of :func:`_reduced_reference`: ``(xr (B, mm), log_a, log_b,
+    valid (B, mm))``, xr differentiable in x2 at the candidates (padding: no mass)."""
+    bsz = x2.shape[0]
+    mm = cand.shape[1]
+    f64 = torch.float64
+    valid = torch.arange(mm, device=x2.device) < count[:, None]
+    xr = x2.gather(1, cand)
+    if not bool(valid.all()):
+        # padding: zero mass, at the row's least selectable candidate (inside its range)
+        xd = xr.detach()
+        far = torch.where(valid, xd, math.inf if largest else -math.inf)
+        fill = far.amin(-1, keepdim=True) if largest else far.amax(-1, keepdim=True)
+        xr = torch.where(valid, xr, fill)
+    # masses 1/mm (the weights are mm times the plan: each candidate's row sums to 1)
+    log_a = torch.full((bsz, mm), -math.log(mm), dtype=f64, device=x2.device)
+    log_a = log_a.masked_fill(~valid, -math.inf)
+    first = torch.full((bsz, k), -math.log(mm), dtype=f64, device=x2.device)
+    if k < mm:
+        rest = torch.log((count - k).to(f64) / mm)
+        log_b = torch.cat((first, rest[:, None]), 1)
+    else:  # k = n: no rest target (as in the full solve)
+        log_b = first
+    return xr, log_a, log_b, valid
+
+
 def _reduced_reference(
     x2: Tensor,
     eps: Tensor,
@@ -472,21 +521,7 @@ def _reduced_reference(
     Rows with fewer candidates than ``cand`` has columns are padded with entries of zero mass."""
     bsz, n = x2.shape
     mm = cand.shape[1]
-    f64 = torch.float64
-    valid = torch.arange(mm, device=x2.device) < count[:, None]
-    xr = x2.gather(1, cand)
-    if not bool(valid.all()):
-        # padding: zero mass, at the row's least selectable candidate (inside its range)
-        xd = xr.detach()
-        far = torch.where(valid, xd, math.inf if largest else -math.inf)
-        fill = far.amin(-1, keepdim=True) if largest else far.amax(-1, keepdim=True)
-        xr = torch.where(valid, xr, fill)
-    # masses 1/mm (the weights are mm times the plan: each candidate's row sums to 1)
-    log_a = torch.full((bsz, mm), -math.log(mm), dtype=f64, device=x2.device)
-    log_a = log_a.masked_fill(~valid, -math.inf)
-    rest = torch.log((count - k).to(f64) / mm)
-    first = torch.full((bsz, k), -math.log(mm), dtype=f64, device=x2.device)
-    log_b = torch.cat((first, rest[:, None]), 1)
+    xr, log_a, log_b, _ = _candidate_problem(x2, cand, count, k, largest)
     wr, values, converged, residual, clean = _full(
         xr, eps, k, largest, max_iter, tol, tensor_eps, log_a, log_b, finite=True
     )
@@ -554,228 +589,172 @@ def _merge_full_rows(
     return weights, values, converged, residual, clean and clean_b
 
 
-def _kernel_solve(
-    x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """The candidate set and its solve by the numba kernels (:class:`_KernelSolve`); rows with
-    an infinity, a NaN or an entry near the largest finite value are solved in full."""
-    kern = _kernels()
+KERNEL = Kernel("softops_sorted", Path(__file__).with_name("_sorted_kernel.cpp"))
+"""The CPU row kernels of the candidate-set solve and its backward
+(``torch.ops.softops_sorted``)."""
+
+_KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+def _state_width(k: int, n: int) -> int:
+    """Columns of the kernel's per-row state: the k+1 largest scores, the cut, the count, the
+    column states v, the ratios (b - c)/c and the centre (k+1 targets; k where k = n)."""
+    big = k + 1 if k < n else k
+    return 3 * big + 3
+
+
+def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_select_torch` for any k (k = n: every entry is a candidate)."""
     bsz, n = x2.shape
-    xd = x2.detach()
-    if not xd.is_contiguous():
-        xd = xd.contiguous()
-    e64 = eps.detach().to(torch.float64).contiguous()
-    tau = _candidate_tolerance(x2.dtype)
-    kk = k + 1 if k < n else k
-    top = torch.empty((bsz, kk), dtype=torch.float64)
-    cut = torch.empty(bsz, dtype=torch.int64)
-    count = torch.empty(bsz, dtype=torch.int64)
-    flag = torch.empty(bsz, dtype=torch.int8)
-    limit = torch.finfo(x2.dtype).max / (64 * kk)
-    most, flagged = kern.select(
-        xd.numpy(),
-        e64.numpy(),
+    if k < n:
+        return _select_torch(x2, eps, k, largest, _candidate_tolerance(x2.dtype))
+    limit = torch.finfo(x2.dtype).max / (64 * k)
+    bad = ~(x2.detach().abs() <= limit).all(-1)
+    cand = torch.arange(n, device=x2.device).expand(bsz, n)
+    return cand, torch.full((bsz,), n, device=x2.device), bad
+
+
+def _candidate_rows(
+    x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate-set solve of rows without an infinity or a NaN in torch, differentiable:
+    ``(weights (B, k, n), values (B, k), residual (B,))`` (the reference of the kernel)."""
+    cand, count, _ = _select_rows(x2, eps, k, largest)
+    w, v, _, res, _ = _reduced_reference(
+        x2, eps, cand, count, k, largest, max_iter, tol, tensor_eps
+    )
+    return w, v, res.to(torch.float64)
+
+
+def _solve_reference(
+    x: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
+) -> tuple[Tensor, ...]:
+    """The operator ``sorted_topk_solve`` in torch: every row solved on its candidate set by
+    :func:`_reduced_reference` (status 1), the rows with an infinity, a NaN or an entry near the
+    largest finite value left (status 2: zeros, residual inf); no kernel state (zeros)."""
+    bsz, n = x.shape
+    f64 = torch.float64
+    with torch.no_grad():
+        x, eps = x.detach(), eps.detach()
+        _, _, bad = _select_rows(x, eps, k, largest)
+        weights = x.new_zeros((bsz, k, n))
+        values = x.new_zeros((bsz, k))
+        err = torch.full((bsz,), math.inf, dtype=f64, device=x.device)
+        status = torch.where(bad, 2, 1).to(torch.int8)
+        state = torch.zeros((bsz, _state_width(k, n)), dtype=f64, device=x.device)
+        good = (~bad).nonzero().squeeze(1)
+        if good.numel():
+            w, v, res = _candidate_rows(x[good], eps[good], k, largest, max_iter, tol, False)
+            weights[good], values[good], err[good] = w, v.to(x.dtype), res
+    return weights, values, err, status, state
+
+
+def _solve_cpu(
+    ops: Any, x: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
+) -> tuple[Tensor, ...]:
+    """The operator ``sorted_topk_solve`` by the kernel; the rows it leaves above ``tol`` (status
+    1) are solved by the torch code on the same candidate sets."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return _solve_reference(x, eps, k, largest, max_iter, tol)
+    bsz, n = x.shape
+    tau = _candidate_tolerance(x.dtype)
+    big = k + 1 if k < n else k
+    top = torch.finfo(x.dtype).max
+    weights, v64, err, status, state = ops.solve_rows(
+        x.detach(),
+        eps.detach(),
         largest,
         k,
         tau,
         _BINS_PER_UNIT,
-        limit,
-        torch.finfo(x2.dtype).max / 64,
-        _bin_weights(n, k, tau).numpy(),
-        top.numpy(),
-        cut.numpy(),
-        count.numpy(),
-        flag.numpy(),
+        top / (64 * big),
+        top / 64,
+        _bin_weights(n, k, tau),
+        float(tol),
+        min(_KERNEL_STEPS, max_iter),
+        _KERNEL_HALVINGS,
     )
-    sel = (xd, e64, top, cut, count, flag, most)
-    out = _KernelSolve.apply(x2, eps, k, largest, max_iter, tol, tensor_eps, sel)
-    weights, values, converged, residual = out[0], out[1], out[2], out[3]
-    # (the kernel reads the rows it leaves over: clean unless one was and did not converge)
-    clean = out[4] if bsz else True
-    if flagged:
-        bad = flag != 0
-        return _merge_full_rows(
-            x2,
-            eps,
-            k,
-            largest,
-            max_iter,
-            tol,
-            tensor_eps,
-            None,
-            bad,
-            (weights, values, converged, residual, clean),
-        )
-    return weights, values, converged, residual, clean
-
-
-class _KernelSolve(torch.autograd.Function):
-    """``(x2, eps) -> (weights, values, converged, residual, clean)`` by the numba kernels:
-    each row's candidate set (from ``sel``, the output of the selection kernel), its Newton
-    solve, the weights written at the candidates (B, k, n) and the values (B, k); the backward
-    is the kernel's implicit VJP, in x and epsilon. ``clean``: every row converged.
-
-    Rows the kernel leaves above ``tol`` are solved by :func:`_reduced_reference` (the same
-    candidate set, the torch solver), and their gradients are formed by autograd through it; so
-    are the rows whose VJP the kernel finds singular, and every row when the backward itself is
-    differentiated (``create_graph``: double backward recomputes the forward in torch). Rows
-    flagged by the selection (an infinity, a NaN) are left at 0 (the caller solves them)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x2: Tensor,
-        eps: Tensor,
-        k: int,
-        largest: bool,
-        max_iter: int,
-        tol: float,
-        tensor_eps: bool,
-        sel: tuple[Tensor, ...],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-        kern = _kernels()
-        xd, e64, top, cut, count, flag, most = sel
-        bsz, n = x2.shape
-        f64 = torch.float64
-        big = k + 1 if k < n else k
-        # one spare column (the collection appends without a branch); padding: no mass
-        mm = max(int(most), 1)
-        cand = torch.zeros((bsz, mm + 1), dtype=torch.int64)
-        weights = x2.new_zeros((bsz, k, n))
-        v64 = torch.zeros((bsz, k), dtype=f64)
-        vv = torch.empty((bsz, big), dtype=f64)
-        rr = torch.empty((bsz, big), dtype=f64)
-        cc = torch.empty(bsz, dtype=f64)
-        err = torch.zeros(bsz, dtype=f64)
-        status = torch.empty(bsz, dtype=torch.int8)
-        left = kern.solve(
-            xd.numpy(),
-            e64.numpy(),
-            largest,
-            k,
-            top.numpy(),
-            cut.numpy(),
-            count.numpy(),
-            flag.numpy(),
-            _BINS_PER_UNIT,
-            float(tol),
-            min(_KERNEL_STEPS, max_iter),
-            _KERNEL_HALVINGS,
-            cand.numpy(),
-            weights.numpy(),
-            v64.numpy(),
-            vv.numpy(),
-            rr.numpy(),
-            cc.numpy(),
-            err.numpy(),
-            status.numpy(),
-        )
-        values = v64.to(x2.dtype)
-        converged = status == 0
-        clean = True
-        if left:  # rows the kernel left above tol: the torch solve
-            rows = (status == 1).nonzero().squeeze(1)
+    values = v64.to(x.dtype)
+    if bsz and int(status.max()) >= 1:
+        left = (status == 1).nonzero().squeeze(1)
+        if left.numel():
             with torch.no_grad():
-                wr, vr, cr, res_r, _ = _reduced_reference(
-                    x2[rows], eps[rows], cand[rows], count[rows], k, largest, max_iter, tol, False
+                w, v, res = _candidate_rows(
+                    x[left].detach(), eps[left].detach(), k, largest, max_iter, tol, False
                 )
-            weights[rows] = wr
-            values[rows] = vr.to(values.dtype)
-            converged[rows] = cr
-            err[rows] = res_r.to(f64)
-            clean = bool(cr.all())
-        ctx.save_for_backward(x2, eps)
-        ctx.state = (e64, top, cand, count, vv, rr, cc, status)
-        ctx.settings = (k, largest, max_iter, tol, tensor_eps)
-        ctx.left = left
-        ctx.mark_non_differentiable(converged, err)
-        return weights, values, converged, err, clean
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_w: Tensor | None, grad_v: Tensor | None, *_: Any
-    ) -> tuple[Tensor | None, ...]:
-        nones = (None,) * 6
-        x2, eps = ctx.saved_tensors
-        need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (grad_w is None and grad_v is None) or not (need_x or need_eps):
-            return (None, None, *nones)
-        e64, top, cand, count, vv, rr, cc, status = ctx.state
-        k, largest = ctx.settings[0], ctx.settings[1]
-        bsz, n = x2.shape
-        if torch.is_grad_enabled():  # a differentiable backward: recompute in torch
-            rows = (status != 2).nonzero().squeeze(1)
-            gx, geps = _recompute_grads(ctx, x2, eps, rows, grad_w, grad_v, True)
-            return (gx if need_x else None, geps if need_eps else None, *nones)
-        kern = _kernels()
-        f64 = torch.float64
-        gx = x2.new_zeros((bsz, n))
-        geps = torch.zeros(bsz, dtype=f64)
-        safe = torch.ones(bsz, dtype=torch.bool)
-        gv = grad_v.to(f64).contiguous() if grad_v is not None else torch.zeros((bsz, k), dtype=f64)
-        gw = grad_w.contiguous() if grad_w is not None else x2.new_empty((0, 1, 1))
-        unsafe = kern.vjp(
-            x2.detach().contiguous().numpy(),
-            e64.numpy(),
-            largest,
-            k,
-            top.numpy(),
-            cand.numpy(),
-            count.numpy(),
-            vv.numpy(),
-            rr.numpy(),
-            cc.numpy(),
-            status.numpy(),
-            gv.numpy(),
-            gw.detach().numpy(),
-            bool(need_eps),
-            DET_MIN,
-            gx.numpy(),
-            geps.numpy(),
-            safe.numpy(),
-        )
-        if unsafe or ctx.left:
-            rows = ((status == 1) | ~safe).nonzero().squeeze(1)
-            sub_x, sub_e = _recompute_grads(ctx, x2, eps, rows, grad_w, grad_v, False)
-            if sub_x is not None:
-                gx[rows] = sub_x[rows]
-            if sub_e is not None:
-                geps[rows] = sub_e[rows].to(f64)
-        return (gx if need_x else None, geps.to(eps.dtype) if need_eps else None, *nones)
+            weights[left], values[left], err[left] = w, v.to(x.dtype), res
+    return weights, values, err, status, state
 
 
-def _recompute_grads(
-    ctx: Any,
+def _solve_fake(
+    x: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
+) -> tuple[Tensor, ...]:
+    bsz, n = x.shape
+    f64 = torch.float64
+    return (
+        x.new_empty((bsz, k, n)),
+        x.new_empty((bsz, k)),
+        x.new_empty((bsz,), dtype=f64),
+        x.new_empty((bsz,), dtype=torch.int8),
+        x.new_empty((bsz, _state_width(k, n)), dtype=f64),
+    )
+
+
+def _solve_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(SOLVE_OP, info, in_dims, *args)
+
+
+SOLVE_OP = define(
+    "softops::sorted_topk_solve",
+    "(Tensor x, Tensor eps, int k, bool largest, int max_iter, float tol)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_solve_reference,
+    fake=_solve_fake,
+    vmap=_solve_vmap,
+    cpu=_solve_cpu,
+    kernel=KERNEL,
+)
+"""The candidate-set solve of rows (x (B, n) in the compute dtype, eps (B,), k, largest,
+max_iter, tol) -> (weights (B, k, n), values (B, k), residual (B,) float64, status (B,) int8: 0
+solved by the kernel, 1 solved by the torch code, 2 left to the caller (an infinity, a NaN, an
+entry near the largest finite value: zeros); the kernel's state (B, 3 (k+1) + 3) float64, for
+the backward). Not differentiable (:class:`_KernelSolve` carries the gradient)."""
+
+
+def _candidate_grads(
     x2: Tensor,
     eps: Tensor,
-    rows: Tensor,
-    grad_w: Tensor | None,
-    grad_v: Tensor | None,
+    gv: Tensor | None,
+    gw: Tensor | None,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    need_x: bool,
+    need_eps: bool,
     create_graph: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients (B, n) and (B,) of the rows ``rows`` of a :class:`_KernelSolve` (0 in the
-    other rows) by autograd through :func:`_reduced_reference` on the same candidate sets;
-    with ``create_graph`` the result is differentiable in x2 and eps (double backward)."""
-    _, _, cand, count, _, _, _, _ = ctx.state
-    k, largest, max_iter, tol, tensor_eps = ctx.settings
-    need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    """The gradients (B, n) and (B,) of the candidate-set solve of the rows x2 (B, n) for the
+    cotangents gv (B, k) of the values and gw (B, k, n) of the weights, by autograd through the
+    torch solve (:func:`_candidate_rows`); with ``create_graph`` differentiable in x2 and eps."""
     with torch.enable_grad():
         xs = x2 if create_graph else x2.detach().requires_grad_(need_x)
         es = eps if create_graph else eps.detach().requires_grad_(need_eps)
-        w, v, _, _, _ = _reduced_reference(
-            xs[rows], es[rows], cand[rows], count[rows], k, largest, max_iter, tol, tensor_eps
-        )
+        w, v, _ = _candidate_rows(xs, es, k, largest, max_iter, tol, need_eps)
         outs, gouts = [], []
-        if grad_w is not None:
+        if gw is not None:
             outs.append(w)
-            gouts.append(grad_w[rows])
-        if grad_v is not None:
+            gouts.append(gw.to(w.dtype))
+        if gv is not None:
             outs.append(v)
-            gouts.append(grad_v[rows].to(v.dtype))
+            gouts.append(gv.to(v.dtype))
         inputs = [t for t, need in ((xs, need_x), (es, need_eps)) if need]
-        grads = torch.autograd.grad(
-            outs, inputs, gouts, create_graph=create_graph, allow_unused=True
-        )
+        if not outs or not inputs:
+            grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
+        else:
+            grads = torch.autograd.grad(
+                outs, inputs, gouts, create_graph=create_graph, allow_unused=True
+            )
     it = iter(grads)
     gx = next(it) if need_x else None
     geps = next(it) if need_eps else None
@@ -786,1016 +765,264 @@ def _recompute_grads(
     return gx, geps
 
 
-# --------------------------------------------------------------------------- numba kernels
-#
-# Compiled on first use by :func:`_kernels` (numba is optional and slow to import); the
-# functions below are plain Python until then. ``np`` is bound to numpy at that point.
+def _candidate_vjp(
+    x2: Tensor,
+    eps: Tensor,
+    gv: Tensor | None,
+    gw: Tensor | None,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    need_eps: bool,
+) -> tuple[Tensor, Tensor]:
+    """The gradients of the candidate-set solve of the rows x2 (B, n) (finite) for the cotangents
+    gv (B, k) of the values and gw (B, k, n) of the weights, in torch and without autograd (the
+    backward of :func:`_candidate_rows` formed step by step: the values' direct term, the implicit
+    VJP of :class:`_SortedPlan` on the candidates, the scatter back): ``(gx (B, n) in x2's dtype,
+    0 off the candidates; geps (B,) float64, 0 unless need_eps)``."""
+    bsz, n = x2.shape
+    f64 = torch.float64
+    with torch.no_grad():
+        x2, eps = x2.detach(), eps.detach()
+        cand, count, _ = _select_rows(x2, eps, k, largest)
+        xr, log_a, log_b, valid = _candidate_problem(x2, cand, count, k, largest)
+        mm = xr.shape[1]
+        eps_eff, scaled = _scaled_cost(xr, eps, k, largest, x2.dtype)
+        weights, plan = _SortedPlan.forward(
+            xr, eps_eff, scaled, log_a, log_b, largest, k, max_iter, tol, need_eps
+        )[:2]
+        # the cotangent of the weights (B, k, mm): gw at the candidates and gv x (values = W x)
+        g_w = torch.zeros((bsz, k, mm), dtype=f64, device=x2.device)
+        if gw is not None:
+            g_w += gw.gather(2, cand.unsqueeze(1).expand(bsz, k, mm)).to(f64)
+        if gv is not None:
+            g_w += gv.to(f64).unsqueeze(-1) * xr.to(f64).unsqueeze(1)
+        grad_s, grad_eps = _torch_vjp(plan, g_w, None, eps_eff, scaled, xr, largest, need_eps)
+        if gv is not None:  # the values' direct term, W^T gv
+            grad_s = grad_s + (weights.to(f64) * gv.to(f64).unsqueeze(-1)).sum(1)
+        grad_s = torch.where(valid, grad_s, 0.0)
+        gx = torch.zeros((bsz, n), dtype=f64, device=x2.device).scatter_add(1, cand, grad_s)
+        geps = torch.zeros(bsz, dtype=f64, device=x2.device)
+        if need_eps and grad_eps is not None:  # eps_eff = max(eps, a floor)
+            geps = torch.where(eps_eff == eps.to(f64), grad_eps, 0.0)
+    return gx.to(x2.dtype), geps
 
-np: Any = None
-_NUMBA: dict[str, Any] = {}
-_NUMBA_LOCK = threading.Lock()
-_FAR = 600.0
-_F64_TINY = sys.float_info.min
-_F64_EPS = sys.float_info.epsilon
 
-
-def _kernels() -> Any:
-    """The compiled kernels (select, solve, vjp), or None where numba is not installed or the
-    kernel back end is off (:mod:`softops._kernels`)."""
-    if not (HAVE_NUMBA and kernels_enabled()) or torch.compiler.is_compiling():
-        return None
-    if "kernels" not in _NUMBA:
-        with _NUMBA_LOCK:  # (compiling rebinds this module's helpers: once, one thread)
-            if "kernels" not in _NUMBA:
-                _NUMBA["kernels"] = _compile_kernels()
-    return _NUMBA["kernels"]
-
-
-def _compile_kernels() -> Any:
-    global np
-    try:
-        import numba
-        import numpy
-    except ImportError:  # pragma: no cover - numba is installed with numpy
-        return None
-    np = numpy
-    g = globals()
-    plain = numba.njit(cache=True, nogil=True)
-    # reassociation lets the sums over the entries vectorise (not in the centring, whose
-    # order of subtraction is what keeps it free of cancellation)
-    fast = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-    g["_nb_exp"] = numba.njit(cache=True, nogil=True, fastmath={"contract"})(g["_nb_exp"])
-    for name in ("_nb_eval", "_nb_laplacian_solve", "_nb_prepare", "_nb_centred", "_nb_state"):
-        g[name] = plain(g[name])
-    for name in ("_nb_eval_vec", "_nb_couplings"):
-        g[name] = fast(g[name])
-    return SimpleNamespace(
-        select=plain(_nb_select_rows), solve=plain(_nb_solve_rows), vjp=plain(_nb_vjp_rows)
+def _vjp_rows_torch(
+    x: Tensor,
+    eps: Tensor,
+    rows: Tensor,
+    gv: Tensor | None,
+    gw: Tensor | None,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    need_eps: bool,
+) -> tuple[Tensor, Tensor]:
+    """The gradients of the rows ``rows`` by :func:`_candidate_vjp`: ((R, n), (R,) float64)."""
+    return _candidate_vjp(
+        x[rows],
+        eps[rows],
+        None if gv is None else gv[rows],
+        None if gw is None else gw[rows],
+        k,
+        largest,
+        max_iter,
+        tol,
+        need_eps,
     )
 
 
-def _nb_eval(
-    yc, e, ie, far, h, m, big, bmid, c, inv_eps, v, rho, irho, q, p, bref, gap
-):  # pragma: no cover - compiled
-    """The row-normalised plan P (big, m) at the column states v into p, entry by entry (any
-    order); ``gap = b - c`` formed relative to each entry's home column h (its hard rank) as
-    sums of small terms; returns ``sum_j |gap_j|``. Entries far from the centre (``far``), and
-    all entries where a column factor is out of range, take one exponential per target."""
-    rowexp = False
-    for j in range(big - 1):
-        a = v[j + 1] - v[j] + (bmid[j] - c) * inv_eps
-        if not abs(a) <= _FAR:
-            rowexp = True
-            rho[j] = 0.0
-            irho[j] = 0.0
-        else:
-            rho[j] = math.exp(a)
-            irho[j] = math.exp(-a)
-    for j in range(big):
-        gap[j] = bref[j]
-    for i in range(m):
-        hi = h[i]
-        q[hi] = 1.0
-        if rowexp or far[i]:
-            yi = yc[i]
-            t = 0.0
-            for j in range(hi, big - 1):
-                t += v[j + 1] - v[j] + (bmid[j] - yi) * inv_eps
-                q[j + 1] = math.exp(t)
-            t = 0.0
-            for j in range(hi - 1, -1, -1):
-                t -= v[j + 1] - v[j] + (bmid[j] - yi) * inv_eps
-                q[j] = math.exp(t)
-        else:
-            ei = e[i]
-            iei = ie[i]
-            for j in range(hi, big - 1):
-                q[j + 1] = q[j] * (ei * rho[j])
-            for j in range(hi - 1, -1, -1):
-                q[j] = q[j + 1] * (iei * irho[j])
-        tot = 0.0
-        for j in range(big):
-            tot += q[j]
-        inv = 1.0 / tot
-        off = 0.0
-        for j in range(big):
-            pj = q[j] * inv
-            p[j, i] = pj
-            if j != hi:
-                off += pj
-                gap[j] -= pj
-        gap[hi] += off
-    l1 = 0.0
-    for j in range(big):
-        l1 += abs(gap[j])
-    return l1
-
-
-def _nb_eval_vec(
-    e, ie, gs, m, big, bmid, c, inv_eps, v, rho, irho, p, tot, off, colsum, offsum, bref, gap
-):  # pragma: no cover - compiled
-    """:func:`_nb_eval` without exponentials, for entries sorted by home (entries ``gs[t]`` to
-    ``gs[t+1]`` have home t), in loops over ranges of entries (vectorised): from the home,
-    ``q_(j+1) = q_j e_i rho_j`` upward (the entries whose home is at most j, a prefix) and
-    ``q_(j-1) = q_j ie_i irho_(j-1)`` downward (a suffix). Returns inf where a column factor is
-    out of range (the caller then takes :func:`_nb_eval`). (A range that does not start at 0 is
-    a slice looped from 0: numba's check for negative indices keeps the other from
-    vectorising.)"""
-    for j in range(big - 1):
-        a = v[j + 1] - v[j] + (bmid[j] - c) * inv_eps
-        if not abs(a) <= _FAR:
-            return math.inf
-        rho[j] = math.exp(a)
-        irho[j] = math.exp(-a)
-    for t in range(big):
-        row = p[t, gs[t] : gs[t + 1]]
-        for i in range(row.shape[0]):
-            row[i] = 1.0
-    for j in range(big - 1):
-        f = rho[j]
-        src = p[j]
-        dst = p[j + 1]
-        for i in range(gs[j + 1]):
-            dst[i] = src[i] * (e[i] * f)
-    for j in range(big - 2, -1, -1):
-        f = irho[j]
-        g = gs[j + 1]
-        src = p[j + 1, g:m]
-        dst = p[j, g:m]
-        fac = ie[g:m]
-        for i in range(m - g):
-            dst[i] = src[i] * (fac[i] * f)
-    for i in range(m):
-        tot[i] = p[0, i]
-    for j in range(1, big):
-        pj = p[j]
-        for i in range(m):
-            tot[i] += pj[i]
-    for i in range(m):
-        tot[i] = 1.0 / tot[i]
-        off[i] = 0.0
-    for j in range(big):
-        g0 = gs[j]
-        g1 = gs[j + 1]
-        pj = p[j]
-        acc = 0.0
-        for i in range(g0):
-            q = pj[i] * tot[i]
-            pj[i] = q
-            off[i] += q
-            acc += q
-        mid = p[j, g0:g1]
-        tmid = tot[g0:g1]
-        for i in range(g1 - g0):
-            mid[i] = mid[i] * tmid[i]
-        hi = p[j, g1:m]
-        thi = tot[g1:m]
-        ohi = off[g1:m]
-        for i in range(m - g1):
-            q = hi[i] * thi[i]
-            hi[i] = q
-            ohi[i] += q
-            acc += q
-        colsum[j] = acc
-    for t in range(big):
-        grp = off[gs[t] : gs[t + 1]]
-        acc = 0.0
-        for i in range(grp.shape[0]):
-            acc += grp[i]
-        offsum[t] = acc
-    l1 = 0.0
-    for j in range(big):
-        g = bref[j] - colsum[j] + offsum[j]
-        gap[j] = g
-        l1 += abs(g)
-    return l1
-
-
-def _nb_state(
-    fast,
-    yc,
-    e,
-    ie,
-    far,
-    h,
-    gs,
-    m,
-    big,
-    bmid,
-    c,
-    inv_eps,
-    v,
-    rho,
-    irho,
-    q,
-    p,
-    tot,
-    off,
-    colsum,
-    offsum,
-    bref,
-    gap,
-):  # pragma: no cover - compiled
-    """The plan and gap at v: :func:`_nb_eval_vec` where it applies, else :func:`_nb_eval`."""
-    if fast:
-        l1 = _nb_eval_vec(
-            e,
-            ie,
-            gs,
-            m,
-            big,
-            bmid,
-            c,
-            inv_eps,
-            v,
-            rho,
-            irho,
-            p,
-            tot,
-            off,
-            colsum,
-            offsum,
-            bref,
-            gap,
-        )
-        if l1 < math.inf:
-            return l1
-    return _nb_eval(yc, e, ie, far, h, m, big, bmid, c, inv_eps, v, rho, irho, q, p, bref, gap)
-
-
-def _nb_couplings(p, a, weighted, m, big, w):  # pragma: no cover - compiled
-    """``w[j, l] = sum_i a_i P_ji P_li`` (j != l; ``a = 1`` unless ``weighted``)."""
-    for j in range(big):
-        for o in range(j + 1, big):
-            acc = 0.0
-            if weighted:
-                for i in range(m):
-                    acc += a[i] * p[j, i] * p[o, i]
-            else:
-                for i in range(m):
-                    acc += p[j, i] * p[o, i]
-            w[j, o] = acc
-            w[o, j] = acc
-
-
-def _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, out):  # pragma: no cover - compiled
-    """``out = K^-1 rhs`` for the Laplacian K of the couplings w grounded at one column (0
-    there; the last, for big = 3 the most coupled one), as ``_sinkhorn_numba._direction``: for
-    big <= 3 by Cramer's rule (returns det K; out NaN where it is not positive), else by the
-    Jacobi-equilibrated Cholesky: without jitter where it is well conditioned (returns 2),
-    else with a relative jitter, retried once larger (returns the least squared pivot, in
-    (0, 1]: refine; or 0 with out NaN). ``rhs`` holds every column (the ground's entry is not
-    read)."""
-    m1 = big - 1
-    for j in range(big):
-        out[j] = 0.0
-    if big == 2:
-        w01 = w[0, 1]
-        out[0] = rhs[0] / w01 if w01 > 0 else math.nan
-        return w01
-    if big == 3:
-        # grounded at the column of the largest coupling (any ground gives the same solution up
-        # to a constant, which the callers' centring removes): grounded at a column coupled by
-        # 1e-100, the other two would come out as 1e90 values whose difference is all that
-        # matters, lost to the rounding of their right-hand side
-        tot0 = w[0, 1] + w[0, 2]
-        tot1 = w[0, 1] + w[1, 2]
-        tot2 = w[0, 2] + w[1, 2]
-        g = 2
-        if tot0 > tot1 and tot0 > tot2:
-            g = 0
-        elif tot1 > tot2:
-            g = 1
-        a = 0 if g != 0 else 1
-        b = 2 if g != 2 else 1
-        wab = w[a, b]
-        wag = w[a, g]
-        wbg = w[b, g]
-        det = wab * (wag + wbg) + wag * wbg
-        if not det > 0:
-            out[0] = math.nan
-            out[1] = math.nan
-            return det
-        ra = rhs[a]
-        rb = rhs[b]
-        out[a] = (wab * (ra + rb) + wbg * ra) / det
-        out[b] = (wab * (ra + rb) + wag * rb) / det
-        out[g] = 0.0
-        return det
-    for j in range(m1):
-        d = 0.0
-        for col in range(big):
-            if col != j:
-                d += w[j, col]
-        kmat[j, j] = d
-        for col in range(m1):
-            if col != j:
-                kmat[j, col] = -w[j, col]
-    for j in range(m1):
-        d = kmat[j, j]
-        scale[j] = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    # first without jitter: where the least squared pivot of the equilibrated factor is at
-    # least 1e-2 the solve is as accurate as it gets (returns 2); else with a relative jitter
-    # of a few units of rounding, retried once larger (returns the least squared pivot, in
-    # (0, 1]: the caller refines)
-    for attempt in range(3):
-        tau = 0.0 if attempt == 0 else (16.0 * max(m1, 4) * _F64_EPS if attempt == 1 else 1e-10)
-        ok = True
-        least = 1.0
-        for j in range(m1):
-            for col in range(j + 1):
-                acc = kmat[j, col] * scale[j] * scale[col] + (tau if j == col else 0.0)
-                for s in range(col):
-                    acc -= chol[j, s] * chol[col, s]
-                if j == col:
-                    if not acc > 0:
-                        ok = False
-                        break
-                    chol[j, j] = math.sqrt(acc)
-                    least = min(least, acc)
-                else:
-                    chol[j, col] = acc / chol[col, col]
-            if not ok:
-                break
-        if ok and (attempt > 0 or least >= 1e-2):
-            for j in range(m1):
-                acc = rhs[j] * scale[j]
-                for s in range(j):
-                    acc -= chol[j, s] * ybuf[s]
-                ybuf[j] = acc / chol[j, j]
-            for j in range(m1 - 1, -1, -1):
-                acc = ybuf[j]
-                for s in range(j + 1, m1):
-                    acc -= chol[s, j] * out[s]
-                out[j] = acc / chol[j, j]
-            for j in range(m1):
-                out[j] *= scale[j]
-            return 2.0 if attempt == 0 else least
-    for j in range(m1):
-        out[j] = math.nan
-    return 0.0
-
-
-def _nb_prepare(
-    x,
-    row,
-    cand,
-    m,
-    tot,
-    sign,
-    top,
-    k,
-    big,
-    inv_eps,
-    regroup,
-    yc,
-    bmid,
-    h,
-    gs,
-    hbuf,
-    ibuf,
-    e,
-    ie,
-    far,
-    bref,
-    bcol,
-):  # pragma: no cover - compiled
-    """The candidate problem of a row: the scores ``yc`` in the selection's orientation, the
-    midpoints ``bmid`` of the top k+1, each candidate's home h (its hard rank), the masses
-    (``bref``: b less the homes' count, for the gap), the centre c and the factors
-    ``e = exp((c - y)/eps)``, ``ie = 1/e`` (``tot`` is scratch). The candidates are sorted by
-    home, ``gs[t]`` the
-    first of home t: with ``regroup`` ``cand[row, :m]`` is reordered so (a counting sort, which
-    keeps the order within a home), else it is taken to be in that order already. Returns
-    ``(c, fast)``: fast is False where some candidate is far from the centre (its factors would
-    overflow: the row takes :func:`_nb_eval`)."""
-    for t in range(big - 1):
-        bmid[t] = 0.5 * top[row, t] + 0.5 * top[row, t + 1]
-    for t in range(big + 1):
-        gs[t] = 0
-    last = bmid[big - 2] if big > 1 else math.inf
-    for i in range(m):
-        yi = sign * float(x[row, cand[row, i]])
-        tot[i] = yi  # (scratch) the scores in the candidates' order
-        if yi <= last:  # most candidates: on the rest (or the last target)
-            hi = big - 1
-        else:
-            hi = 0
-            while bmid[hi] > yi:
-                hi += 1
-        hbuf[i] = hi
-        gs[hi + 1] += 1
-    for t in range(big):
-        gs[t + 1] += gs[t]
-    if regroup:
-        for t in range(big):
-            bref[t] = gs[t]  # (scratch) the next place of home t
-        for i in range(m):
-            pos = int(bref[hbuf[i]])
-            bref[hbuf[i]] += 1.0
-            ibuf[pos] = cand[row, i]
-            yc[pos] = tot[i]
-        for i in range(m):
-            cand[row, i] = ibuf[i]
-    else:
-        for i in range(m):
-            yc[i] = tot[i]
-    ymin = math.inf
-    for t in range(big):
-        for i in range(gs[t], gs[t + 1]):
-            h[i] = t
-    for i in range(m):
-        ymin = min(ymin, yc[i])
-    for t in range(big):
-        bcol[t] = 1.0
-    if big > k:
-        bcol[k] = m - k
-    for t in range(big):
-        bref[t] = bcol[t] - (gs[t + 1] - gs[t])
-    c = 0.5 * top[row, 0] + 0.5 * ymin
-    zmax = 0.0
-    for i in range(m):
-        z = (c - yc[i]) * inv_eps
-        e[i] = z
-        zmax = max(zmax, abs(z))
-    fast = zmax <= _FAR
-    if fast:
-        _nb_exp(e, e, hbuf, m)
-        for i in range(m):
-            ie[i] = 1.0 / e[i]
-            far[i] = False
-    else:
-        for i in range(m):
-            z = e[i]
-            if abs(z) <= _FAR:
-                ez = math.exp(z)
-                e[i] = ez
-                ie[i] = 1.0 / ez
-                far[i] = False
-            else:
-                e[i] = 0.0
-                ie[i] = 0.0
-                far[i] = True
-    return c, fast
-
-
-def _nb_exp(z, out, bits, m):  # pragma: no cover - compiled
-    """``out = exp(z)`` for ``|z| <= 700``, vectorised (numba's exp is a call per entry): Cody-Waite
-    reduction ``z = n ln 2 + r``, the degree-13 Taylor polynomial of ``e^r`` (``|r| <= ln 2 / 2``),
-    and ``2^n`` built in the exponent bits (``bits``: int64 scratch); within one unit of rounding
-    of the exponential."""
-    for i in range(m):
-        zi = z[i]
-        nf = math.floor(zi * 1.4426950408889634 + 0.5)
-        r = (zi - nf * 6.93147180369123816490e-01) - nf * 1.90821492927058770002e-10
-        q = 1.6059043836821613e-10
-        q = q * r + 2.08767569878681e-09
-        q = q * r + 2.505210838544172e-08
-        q = q * r + 2.755731922398589e-07
-        q = q * r + 2.7557319223985893e-06
-        q = q * r + 2.48015873015873e-05
-        q = q * r + 0.0001984126984126984
-        q = q * r + 0.001388888888888889
-        q = q * r + 0.008333333333333333
-        q = q * r + 0.041666666666666664
-        q = q * r + 0.16666666666666666
-        q = q * r + 0.5
-        q = q * r + 1.0
-        q = q * r + 1.0
-        out[i] = q
-        bits[i] = (np.int64(nf) + 1023) << 52
-    scale = bits[:m].view(np.float64)
-    for i in range(m):
-        out[i] *= scale[i]
-
-
-def _nb_select_rows(
-    x, eps, largest, k, tau, bpu, limit, span_max, weight, top, cut, count, flag
-):  # pragma: no cover - compiled
-    """Per row of x (B, n): its k+1 largest scores (k if k = n) in the orientation of
-    ``largest`` into top (B, k+1), descending, and its candidate set (docs/math.md §2.4): the
-    entries whose gap d below the (k+1)-th, in units of epsilon, falls in a histogram bin below
-    ``cut`` (bins of 1/bpu, bin 0 for d <= 0; ``weight[b]`` bounds exp(-d) in bin b), the cut
-    the least that keeps k times the bound of the dropped bins within tau; their number into
-    count. flag 1: the row has an entry that is not finite or beyond ``limit``, or a span over
-    epsilon beyond ``span_max`` (solved in full; cut and count 0)."""
+def _vjp_reference(
+    x: Tensor,
+    eps: Tensor,
+    state: Tensor,
+    status: Tensor,
+    gv: Tensor | None,
+    gw: Tensor | None,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    need_eps: bool,
+) -> tuple[Tensor, Tensor]:
+    """The operator ``sorted_topk_vjp`` in torch: autograd through the torch solve of every row
+    the solve took (status 0 or 1); 0 in the others."""
     bsz, n = x.shape
-    kk = top.shape[1]
-    nb = weight.shape[0] - 1
-    hist = np.zeros((4, nb + 1), dtype=np.int64)
-    sign = 1.0 if largest else -1.0
-    for row in range(bsz):
-        for t in range(kk):
-            top[row, t] = -math.inf
-        low = -math.inf
-        ymin = math.inf
-        bad = False
-        for i in range(n):
-            yi = sign * float(x[row, i])
-            if not abs(yi) <= limit:
-                bad = True
-            if yi < ymin:
-                ymin = yi
-            if yi > low:
-                t = kk - 1
-                while t > 0 and top[row, t - 1] < yi:
-                    top[row, t] = top[row, t - 1]
-                    t -= 1
-                top[row, t] = yi
-                low = top[row, kk - 1]
-        inv_eps = 1.0 / eps[row]
-        if not bad and not (top[row, 0] - ymin) * kk * inv_eps <= span_max:
-            bad = True
-        flag[row] = 1 if bad else 0
-        if bad:
-            cut[row] = 0
-            count[row] = 0
-            continue
-        if k >= n:
-            cut[row] = nb + 1
-            count[row] = n
-            continue
-        yk = top[row, k]
-        for r in range(4):
-            for b in range(nb + 1):
-                hist[r, b] = 0
-        nbf = float(nb)
-        for i in range(n):
-            t = (yk - sign * float(x[row, i])) * inv_eps * bpu
-            b = int(min(max(math.ceil(t), 0.0), nbf))
-            hist[i & 3, b] += 1
-        # drop the bins from the farthest while k times their bound stays within tau
-        acc = 0.0
-        c = nb + 1
-        while c > 1:
-            cnt = hist[0, c - 1] + hist[1, c - 1] + hist[2, c - 1] + hist[3, c - 1]
-            add = cnt * weight[c - 1]
-            if k * (acc + add) > tau:
-                break
-            acc += add
-            c -= 1
-        total = 0
-        for b in range(c):
-            total += hist[0, b] + hist[1, b] + hist[2, b] + hist[3, b]
-        cut[row] = c
-        count[row] = total
-    most = 0
-    flagged = 0
-    for row in range(bsz):
-        most = max(most, count[row])
-        flagged += flag[row]
-    return most, flagged
+    gx = x.new_zeros((bsz, n))
+    geps = torch.zeros(bsz, dtype=F64, device=x.device)
+    rows = (status != 2).nonzero().squeeze(1)
+    if rows.numel():
+        sub_x, sub_e = _vjp_rows_torch(x, eps, rows, gv, gw, k, largest, max_iter, tol, need_eps)
+        gx[rows], geps[rows] = sub_x, sub_e
+    return gx, geps
 
 
-def _nb_solve_rows(
-    x,
-    eps,
-    largest,
-    k,
-    top,
-    cut,
-    count,
-    flag,
-    bpu,
-    tol,
-    max_steps,
-    halvings,
-    cand,
-    w_out,
-    v_out,
-    vv,
-    rr,
-    cc,
-    err_out,
-    status,
-):  # pragma: no cover - compiled
-    """The candidate problem of every row that is not flagged: its candidates into cand
-    (B, m_max); semi-dual Newton from one Sinkhorn update of v = 0 (full steps,
-    halved while they do not lower ``sum_j |b_j - c_j|``), as ``_sinkhorn_numba``; the
-    column-exact plan's weights into w_out (B, k, n) at the candidates (w_out is zero
-    elsewhere), the values into v_out (B, k), the final states v and ratios ``(b - c)/c``
-    (B, big) and the centre (B,) for the backward, the relative L1 row residual into err_out.
-    status: 0 converged, 1 not (the caller solves the row another way), 2 flagged."""
-    bsz, n = x.shape
-    mcap = cand.shape[1]
-    big = vv.shape[1]
-    sign = 1.0 if largest else -1.0
-    yc = np.empty(mcap)
-    e = np.empty(mcap)
-    ie = np.empty(mcap)
-    far = np.empty(mcap, dtype=np.bool_)
-    h = np.empty(mcap, dtype=np.int64)
-    hbuf = np.empty(mcap, dtype=np.int64)
-    ibuf = np.empty(mcap, dtype=np.int64)
-    gs = np.empty(big + 1, dtype=np.int64)
-    off = np.empty(mcap)
-    tot = np.empty(mcap)
-    p = np.empty((big, mcap))
-    p_new = np.empty((big, mcap))
-    q = np.empty(big)
-    colsum = np.empty(big)
-    offsum = np.empty(big)
-    bmid = np.empty(big)
-    rho = np.empty(big)
-    irho = np.empty(big)
-    bcol = np.empty(big)
-    bref = np.empty(big + 1)
-    gap = np.empty(big)
-    gap_new = np.empty(big)
-    v = np.empty(big)
-    v_new = np.empty(big)
-    delta = np.empty(big)
-    w = np.empty((big, big))
-    m1 = max(big - 1, 1)
-    kmat = np.empty((m1, m1))
-    chol = np.empty((m1, m1))
-    scale = np.empty(m1)
-    ybuf = np.empty(m1)
-    ones = np.empty(0)
-    left = 0
-    for row in range(bsz):
-        if flag[row] != 0:
-            status[row] = 2
-            continue
-        m = count[row]
-        inv_eps = 1.0 / eps[row]
-        if k >= n:
-            for i in range(n):
-                cand[row, i] = i
-        else:
-            # the bins below the cut: ceil(t) < cut, i.e. t <= cut - 1 (the selection's t);
-            # appended without a branch (cand has one spare column)
-            yk = top[row, k]
-            lim = cut[row] - 1.0
-            j = 0
-            for i in range(n):
-                t = (yk - sign * float(x[row, i])) * inv_eps * bpu
-                cand[row, j] = i
-                j += 1 if t <= lim and j < m else 0
-        c, fast = _nb_prepare(
-            x,
-            row,
-            cand,
-            m,
-            tot,
-            sign,
-            top,
-            k,
-            big,
-            inv_eps,
-            True,
-            yc,
-            bmid,
-            h,
-            gs,
-            hbuf,
-            ibuf,
-            e,
-            ie,
-            far,
-            bref,
-            bcol,
-        )
-        # One evaluation site: phase 0 evaluates v = 0 (the hard assignment) for the start, one
-        # Sinkhorn column update of it; phase 1 evaluates the start; phase 2 a Newton step,
-        # halved while it does not lower sum_j |b_j - c_j|.
-        for t in range(big):
-            v_new[t] = 0.0
-        tol_mass = tol * m
-        steps = 0
-        phase = 0
-        step = 1.0
-        tries = 0
-        l1 = math.inf
-        while True:
-            l1_new = _nb_state(
-                fast,
-                yc,
-                e,
-                ie,
-                far,
-                h,
-                gs,
-                m,
-                big,
-                bmid,
-                c,
-                inv_eps,
-                v_new,
-                rho,
-                irho,
-                q,
-                p_new,
-                tot,
-                off,
-                colsum,
-                offsum,
-                bref,
-                gap_new,
+def _vjp_cpu(
+    ops: Any,
+    x: Tensor,
+    eps: Tensor,
+    state: Tensor,
+    status: Tensor,
+    gv: Tensor | None,
+    gw: Tensor | None,
+    k: int,
+    largest: bool,
+    max_iter: int,
+    tol: float,
+    need_eps: bool,
+) -> tuple[Tensor, Tensor]:
+    """The operator ``sorted_topk_vjp`` by the kernel for the rows it solved (status 0); the rows
+    solved by the torch code, and those whose system the kernel finds singular, by autograd
+    through the torch solve."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return _vjp_reference(x, eps, state, status, gv, gw, k, largest, max_iter, tol, need_eps)
+    n = x.shape[1]
+    empty = x.new_empty(0)
+    gx, geps, safe = ops.vjp_rows(
+        x.detach(),
+        eps.detach(),
+        largest,
+        k,
+        _BINS_PER_UNIT,
+        _bins(n, k, _candidate_tolerance(x.dtype))[0],
+        state,
+        status,
+        empty if gv is None else gv.detach(),
+        empty if gw is None else gw.detach(),
+        need_eps,
+        DET_MIN,
+    )
+    if x.shape[0] and not (int(status.max()) == 0 and bool(safe.all())):
+        rows = ((status == 1) | ~safe).nonzero().squeeze(1)
+        if rows.numel():
+            sub_x, sub_e = _vjp_rows_torch(
+                x, eps, rows, gv, gw, k, largest, max_iter, tol, need_eps
             )
-            if phase == 0:
-                for t in range(big):
-                    col = 0.0
-                    for i in range(m):
-                        col += p_new[t, i]
-                    v_new[t] = math.log(bcol[t]) - math.log(max(col, _F64_TINY))
-                phase = 1
-                continue
-            if phase == 2 and not l1_new < l1:
-                tries += 1
-                if tries > halvings:
-                    break  # no step lowers the bound: the row keeps its state
-                step *= 0.5
-                for t in range(big):
-                    v_new[t] = v[t] + step * delta[t]
-                continue
-            p, p_new = p_new, p
-            gap, gap_new = gap_new, gap
-            v, v_new = v_new, v
-            l1 = l1_new
-            if not l1 > tol_mass or steps >= max_steps:
-                break
-            _nb_couplings(p, ones, False, m, big, w)
-            ok = _nb_laplacian_solve(w, big, gap, kmat, chol, scale, ybuf, delta)
-            steps += 1
-            if not ok > 0:
-                break
-            phase = 2
-            step = 1.0
-            tries = 0
-            for t in range(big):
-                v_new[t] = v[t] + delta[t]
-        for t in range(big):
-            rr[row, t] = gap[t] / max(bcol[t] - gap[t], _F64_TINY)
-            vv[row, t] = v[t]
-        # the row residual of the column-exact plan, sum_i |sum_t P_ti r_t| / m
-        for i in range(m):
-            tot[i] = 0.0
-        for t in range(big):
-            rt = rr[row, t]
-            pt = p[t]
-            for i in range(m):
-                tot[i] += pt[i] * rt
-        err = 0.0
-        for i in range(m):
-            err += abs(tot[i])
-        err /= m
-        err_out[row] = err
-        cc[row] = c
-        status[row] = 0 if err <= tol else 1
-        left += status[row]
-        # the weights (scattered to the candidates) and the values (x = sign y)
-        for t in range(k):
-            f = 1.0 + rr[row, t]
-            pt = p[t]
-            acc = 0.0
-            for i in range(m):
-                wt = pt[i] * f
-                pt[i] = wt
-                acc += wt * yc[i]
-            v_out[row, t] = sign * acc
-            for i in range(m):
-                w_out[row, t, cand[row, i]] = pt[i]
-    return left
+            gx[rows], geps[rows] = sub_x, sub_e
+    return gx, geps
 
 
-def _nb_centred(
-    gam, inv_mu, gb, beta, sb, sg, home, m, big, out, ref, mean
-):  # pragma: no cover - compiled
-    """``u_ji - sum_l P_li u_li`` into out (big, m) for ``u_ji = sb beta_j + sg gb_ji`` and the
-    row-normalised plan ``P = gam * inv_mu``, each entry first shifted by its value at its home
-    (its largest P): without cancellation for nearly one-hot entries (``ref`` and ``mean`` are
-    scratch (m,))."""
-    for i in range(m):
-        hi = home[i]
-        ref[i] = sb * beta[hi] + sg * gb[hi, i]
-        mean[i] = 0.0
-    for j in range(big):
-        bj = sb * beta[j]
-        for i in range(m):
-            d = (bj + sg * gb[j, i]) - ref[i]
-            out[j, i] = d
-            mean[i] += gam[j, i] * d
-    for i in range(m):
-        mean[i] *= inv_mu[i]
-    for j in range(big):
-        for i in range(m):
-            out[j, i] -= mean[i]
+def _vjp_fake(x: Tensor, eps: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty((x.shape[0],), dtype=F64)
 
 
-def _nb_vjp_rows(
-    x,
-    eps,
-    largest,
-    k,
-    top,
-    cand,
-    count,
-    vv,
-    rr,
-    cc,
-    status,
-    gv,
-    gw,
-    need_eps,
-    det_min,
-    gx,
-    geps,
-    safe,
-):  # pragma: no cover - compiled
-    """The implicit VJP (docs/math.md §2.3) of every row solved by the kernel (status 0), for
-    the cotangents gv (B, k) of the values and gw (B, k, n) of the weights (gw empty: none):
-    the plan is recomputed from the saved states (the same arithmetic as the forward); the
-    gradient in x at the candidates into gx (0 elsewhere: gx comes zeroed), in epsilon into
-    geps where ``need_eps``. K is solved as ``_sinkhorn_numba.sorted_vjp_rows`` does (closed
-    form for big <= 3, refined Cholesky above); safe[row] False where it is singular (the caller
-    redoes the row)."""
-    bsz = x.shape[0]
-    mcap = cand.shape[1]
-    big = vv.shape[1]
-    sign = 1.0 if largest else -1.0
-    has_gw = gw.shape[0] == bsz
-    yc = np.empty(mcap)
-    e = np.empty(mcap)
-    ie = np.empty(mcap)
-    far = np.empty(mcap, dtype=np.bool_)
-    h = np.empty(mcap, dtype=np.int64)
-    hbuf = np.empty(mcap, dtype=np.int64)
-    ibuf = np.empty(mcap, dtype=np.int64)
-    gs = np.empty(big + 1, dtype=np.int64)
-    off = np.empty(mcap)
-    home = np.empty(mcap, dtype=np.int64)
-    tot = np.empty(mcap)
-    p = np.empty((big, mcap))
-    gb = np.empty((big, mcap))
-    cen = np.empty((big, mcap))
-    mu = np.empty(mcap)
-    inv_mu = np.empty(mcap)
-    best = np.empty(mcap)
-    xc = np.empty(mcap)
-    ref = np.empty(mcap)
-    mean = np.empty(mcap)
-    acc_y = np.empty(mcap)
-    direct = np.empty(mcap)
-    q = np.empty(big)
-    colsum = np.empty(big)
-    offsum = np.empty(big)
-    bmid = np.empty(big)
-    rho = np.empty(big)
-    irho = np.empty(big)
-    bcol = np.empty(big)
-    bref = np.empty(big + 1)
-    gap = np.empty(big)
-    v = np.empty(big)
-    rhs = np.empty(big)
-    beta = np.empty(big)
-    stepv = np.empty(big)
-    w = np.empty((big, big))
-    m1 = max(big - 1, 1)
-    kmat = np.empty((m1, m1))
-    chol = np.empty((m1, m1))
-    scale = np.empty(m1)
-    ybuf = np.empty(m1)
-    for row in range(bsz):
-        if status[row] != 0:
-            continue
-        m = count[row]
-        inv_eps = 1.0 / eps[row]
-        _, fast = _nb_prepare(
-            x,
-            row,
-            cand,
-            m,
-            tot,
-            sign,
-            top,
+def _vjp_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+    return vmap_rows(VJP_OP, info, in_dims, *args)
+
+
+VJP_OP = define(
+    "softops::sorted_topk_vjp",
+    "(Tensor x, Tensor eps, Tensor state, Tensor status, Tensor? gv, Tensor? gw, int k,"
+    " bool largest, int max_iter, float tol, bool need_eps) -> (Tensor, Tensor)",
+    reference=_vjp_reference,
+    fake=_vjp_fake,
+    vmap=_vjp_vmap,
+    cpu=_vjp_cpu,
+    kernel=KERNEL,
+)
+"""The implicit VJP of :data:`SOLVE_OP` (its x, eps, state and status; the cotangents gv (B, k)
+of the values and gw (B, k, n) of the weights, either None) -> (the gradient in x (B, n), 0 off
+the candidates and in the rows of status 2; in epsilon (B,) float64, 0 unless ``need_eps``).
+Not differentiable (double backward goes through the torch solve)."""
+
+
+def _kernel_solve(
+    x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """The candidate set and its solve by the kernel (:class:`_KernelSolve`); rows with an
+    infinity, a NaN or an entry near the largest finite value are solved in full."""
+    weights, values, err, status = apply_function(_KernelSolve, x2, eps, k, largest, max_iter, tol)[
+        :4
+    ]
+    smax = int(status.max()) if x2.shape[0] else 0
+    if smax == 0:  # every row solved by the kernel, within tol
+        return weights, values, torch.ones_like(status, dtype=torch.bool), err, True
+    converged = err <= tol
+    clean = bool(converged[status == 1].all())
+    if smax == 2:
+        bad = status == 2
+        return _merge_full_rows(
+            x2,
+            eps,
             k,
-            big,
-            inv_eps,
-            False,
-            yc,
-            bmid,
-            h,
-            gs,
-            hbuf,
-            ibuf,
-            e,
-            ie,
-            far,
-            bref,
-            bcol,
+            largest,
+            max_iter,
+            tol,
+            tensor_eps,
+            None,
+            bad,
+            (weights, values, converged, err, clean),
         )
-        c = cc[row]
-        for t in range(big):
-            v[t] = vv[row, t]
-        _nb_state(
-            fast,
-            yc,
-            e,
-            ie,
-            far,
-            h,
-            gs,
-            m,
-            big,
-            bmid,
-            c,
-            inv_eps,
-            v,
-            rho,
-            irho,
-            q,
-            p,
-            tot,
-            off,
-            colsum,
-            offsum,
-            bref,
-            gap,
+    return weights, values, converged, err, clean
+
+
+class _KernelSolve(torch.autograd.Function):
+    """``(x2, eps) -> (weights, values, residual, status, state)`` by :data:`SOLVE_OP` (the
+    candidate set of each row and its solve); the backward is :data:`VJP_OP`, the implicit VJP
+    in x and epsilon. Double backward (a backward with a graph) goes through the torch solve of
+    the same candidate sets by autograd. Rows of status 2 (an infinity, a NaN) are left at 0 (the
+    caller solves them)."""
+
+    @staticmethod
+    def forward(
+        x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
+    ) -> tuple[Tensor, ...]:
+        return SOLVE_OP(x2.detach(), eps.detach(), k, largest, max_iter, tol)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x2, eps, k, largest, max_iter, tol = inputs
+        _, _, err, status, state = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(err, status, state)
+        ctx.save_for_backward(x2, eps, state, status)
+        ctx.settings = (k, largest, max_iter, tol)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_w: Tensor | None, grad_v: Tensor | None, *_: Any
+    ) -> tuple[Tensor | None, ...]:
+        nones = (None,) * 4
+        x2, eps, state, status = ctx.saved_tensors
+        need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_w is None and grad_v is None) or not (need_x or need_eps):
+            return (None, None, *nones)
+        k, largest, max_iter, tol = ctx.settings
+        if torch.is_grad_enabled():  # a differentiable backward: through the torch solve
+            rows = (status != 2).nonzero().squeeze(1)
+            gx, geps = _candidate_grads(
+                x2[rows],
+                eps[rows],
+                None if grad_v is None else grad_v[rows],
+                None if grad_w is None else grad_w[rows],
+                k,
+                largest,
+                max_iter,
+                tol,
+                need_x,
+                need_eps,
+                True,
+            )
+            gx_full = x2.new_zeros(x2.shape).index_put((rows,), gx) if need_x else None
+            ge_full = eps.new_zeros(eps.shape).index_put((rows,), geps) if need_eps else None
+            return (gx_full, ge_full, *nones)
+        gx, geps = VJP_OP(
+            x2.detach(),
+            eps.detach(),
+            state,
+            status,
+            grad_v,
+            grad_w,
+            k,
+            largest,
+            max_iter,
+            tol,
+            bool(need_eps),
         )
-        # the column-exact plan gam (in place of p), its row sums mu and each entry's largest
-        # column (home: the centring's reference); loops over the targets, each over the
-        # entries (vectorised); the row-normalised plan is gam / mu, formed where it is used
-        gam = p
-        for i in range(m):
-            mu[i] = 0.0
-            xc[i] = float(x[row, cand[row, i]])
-        for t in range(big):
-            f = 1.0 + rr[row, t]
-            for i in range(m):
-                g = gam[t, i] * f
-                gam[t, i] = g
-                mu[i] += g
-        for i in range(m):
-            inv_mu[i] = 1.0 / max(mu[i], _F64_TINY)
-            home[i] = 0
-            best[i] = -1.0
-        for t in range(big):
-            for i in range(m):
-                if gam[t, i] > best[i]:
-                    best[i] = gam[t, i]
-                    home[i] = t
-        # the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), rest 0
-        for t in range(big):
-            if t < k:
-                gt = gv[row, t]
-                for i in range(m):
-                    gb[t, i] = gt * xc[i]
-                if has_gw:
-                    for i in range(m):
-                        gb[t, i] += float(gw[row, t, cand[row, i]])
-            else:
-                for i in range(m):
-                    gb[t, i] = 0.0
-        for t in range(big):
-            beta[t] = 0.0
-        _nb_centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, cen, ref, mean)
-        for t in range(big):
-            acc = 0.0
-            for i in range(m):
-                acc += gam[t, i] * cen[t, i]
-            rhs[t] = acc
-        _nb_couplings(gam, inv_mu, True, m, big, w)
-        det = _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, beta)
-        # one refinement against the exactly formed residual where the solve took the jitter
-        if big > 3 and 0 < det <= 1.0:
-            _nb_centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, cen, ref, mean)
-            for t in range(big):
-                acc = 0.0
-                for i in range(m):
-                    acc += gam[t, i] * cen[t, i]
-                rhs[t] = acc
-            _nb_laplacian_solve(w, big, rhs, kmat, chol, scale, ybuf, stepv)
-            for t in range(big):
-                beta[t] += stepv[t]
-        ok = det > det_min if big <= 3 else det > 0
-        for t in range(big):
-            ok = ok and math.isfinite(beta[t])
-        safe[row] = ok
-        if not ok:
-            continue
-        _nb_centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, cen, ref, mean)
-        # d values / d y through the plan (slopes t / eps) and directly (the weights)
-        for i in range(m):
-            acc_y[i] = 0.0
-            direct[i] = 0.0
-        for t in range(big):
-            ft = float(t)
-            gt = gv[row, t] if t < k else 0.0
-            for i in range(m):
-                g = gam[t, i]
-                acc_y[i] += ft * g * cen[t, i]
-                direct[i] += g * gt
-        g_e = 0.0
-        for i in range(m):
-            gy = acc_y[i] * inv_eps
-            g_e += (yc[i] - c) * gy
-            gx[row, cand[row, i]] = sign * gy + direct[i]
-        geps[row] = -g_e * inv_eps if need_eps else 0.0
-    unsafe = 0
-    for row in range(bsz):
-        unsafe += 0 if safe[row] else 1
-    return unsafe
+        return (gx if need_x else None, geps.to(eps.dtype) if need_eps else None, *nones)
 
 
 class _SortedPlan(torch.autograd.Function):
@@ -1818,11 +1045,11 @@ class _SortedPlan(torch.autograd.Function):
     of s; ``plan`` (B, n, m) is the float64 plan, an output too so that double backward reaches
     the plan through this node (the torch backward is formed from the saved plan by
     differentiable operations). Without a graph of the backward, small CPU problems take the
-    numba kernel ``sorted_vjp_rows`` (the same solve and contractions; the rows it cannot solve
-    safely are redone in torch). ``converged`` and ``residual`` are not differentiable;
-    ``clean`` is True where the solver read on the host that every row converged. Forward mode
-    applies the same (symmetric) implicit map to the tangent of the scaled cost; ``vmap`` folds
-    the vmapped dimension into the rows.
+    operator ``softops::sorted_plan_vjp`` (the C++ kernel ``sorted_vjp_rows``: the same solve and
+    contractions; the rows it cannot solve safely are redone in torch). ``converged`` and
+    ``residual`` are not differentiable; ``clean`` is True where the solver read on the host
+    that every row converged. Forward mode applies the same (symmetric) implicit map to the
+    tangent of the scaled cost; ``vmap`` folds the vmapped dimension into the rows.
     """
 
     @staticmethod
@@ -1877,25 +1104,13 @@ class _SortedPlan(torch.autograd.Function):
         need_s, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, m = plan.shape[1], plan.shape[2]
         # Without a graph of the backward (no double backward) small CPU problems take the
-        # numba kernel; the rows it leaves (a singular system) and all others the torch code.
-        if grad_plan is None and not torch.is_grad_enabled() and use_numba(plan, n, m):
+        # operator sorted_plan_vjp (the C++ kernel; the rows it leaves, a singular system, in
+        # torch); all others the torch code.
+        if grad_plan is None and not torch.is_grad_enabled() and use_kernel(plan, n, m):
             assert grad_w is not None
-            grad_s, grad_eps, safe = _numba_vjp(plan, grad_w, eps, scaled, ctx.neg, need_eps)
-            if not bool(safe.all()):
-                rows = ~safe
-                sub = _torch_vjp(
-                    plan[rows],
-                    grad_w[rows],
-                    None,
-                    eps[rows],
-                    scaled[rows] if need_eps else scaled,
-                    s[rows] if need_eps else s,
-                    ctx.neg,
-                    need_eps,
-                )
-                grad_s[rows] = sub[0]
-                if grad_eps is not None and sub[1] is not None:
-                    grad_eps[rows] = sub[1]
+            costs = scaled if need_eps else plan.new_empty((0, 1, 1))
+            grad_s, g_eps = PLAN_VJP_OP(plan, grad_w, eps, costs, ctx.neg, bool(need_eps))
+            grad_eps = g_eps if need_eps else None
         else:
             grad_s, grad_eps = _torch_vjp(
                 plan, grad_w, grad_plan, eps, scaled, s, ctx.neg, need_eps
@@ -1953,34 +1168,58 @@ def _torch_vjp(
     return grad_s, grad_eps
 
 
-def _numba_vjp(
+def _plan_vjp_reference(
     plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """:func:`_torch_vjp` (for a cotangent of the weights only) by the numba kernel
-    ``sorted_vjp_rows``: ``(grad_s, grad_eps, safe)``, where the rows not ``safe`` are to be
-    redone in torch."""
+) -> tuple[Tensor, Tensor]:
+    """The operator ``sorted_plan_vjp`` in torch (:func:`_torch_vjp` for a cotangent of the
+    weights only, not differentiated again): ``(grad_s (B, n), grad_eps (B,))``, float64,
+    grad_eps 0 unless ``need_eps``."""
+    s = plan.new_zeros(plan.shape[:2])  # (its value does not enter: only its derivative does)
+    grad_s, grad_eps = _torch_vjp(plan, grad_w, None, eps, scaled, s, neg, need_eps)
+    if grad_eps is None:
+        grad_eps = plan.new_zeros(plan.shape[0])
+    return grad_s, grad_eps
+
+
+def _plan_vjp_cpu(
+    ops: Any, plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
+) -> tuple[Tensor, Tensor]:
+    """The operator ``sorted_plan_vjp`` by the row kernel ``sorted_vjp_rows``; the rows it does
+    not solve safely (a singular system) by the torch code."""
     bsz, n, m = plan.shape
-    f64 = torch.float64
-    pm = plan.detach().transpose(1, 2).contiguous()  # (B, m, n): the solver's buffer, no copy
+    pm = plan.detach().transpose(1, 2)  # (B, m, n): the solver's buffer, no copy
     gm = pm.new_zeros((bsz, m, n))
     gm[:, : grad_w.shape[1]] = grad_w.detach() * n
     slopes = _slopes(m, neg, pm).squeeze(-1)
-    costs = scaled.detach().contiguous() if need_eps else pm.new_empty((0, 1, 1))
-    grad_s = pm.new_empty((bsz, n))
-    grad_eps = pm.new_empty(bsz)
-    safe = torch.empty(bsz, dtype=torch.bool)
-    numba_kernels().sorted_vjp_rows(
-        pm.numpy(),
-        gm.numpy(),
-        costs.numpy(),
-        slopes.numpy(),
-        eps.detach().to(f64).contiguous().numpy(),
-        DET_MIN,
-        grad_s.numpy(),
-        grad_eps.numpy(),
-        safe.numpy(),
-    )
-    return grad_s, grad_eps if need_eps else None, safe
+    costs = scaled.detach() if need_eps else pm.new_empty((0, 1, 1))
+    grad_s, grad_eps, safe = ops.sorted_vjp_rows(pm, gm, costs, slopes, eps.detach(), DET_MIN)
+    if bsz and not bool(safe.all()):
+        rows = ~safe
+        sub = _plan_vjp_reference(
+            plan[rows], grad_w[rows], eps[rows], scaled[rows] if need_eps else scaled, neg, need_eps
+        )
+        grad_s[rows], grad_eps[rows] = sub[0], sub[1]
+    return grad_s, grad_eps
+
+
+def _plan_vjp_fake(
+    plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
+) -> tuple[Tensor, Tensor]:
+    return plan.new_empty(plan.shape[:2]), plan.new_empty(plan.shape[:1])
+
+
+PLAN_VJP_OP = define(
+    "softops::sorted_plan_vjp",
+    "(Tensor plan, Tensor grad_w, Tensor eps, Tensor scaled, bool neg, bool need_eps)"
+    " -> (Tensor, Tensor)",
+    reference=_plan_vjp_reference,
+    fake=_plan_vjp_fake,
+    cpu=_plan_vjp_cpu,
+    kernel=NEWTON_KERNEL,
+)
+"""The backward of :class:`_SortedPlan` for a cotangent of its weights, not differentiated again
+(plan (B, n, m) float64, grad_w (B, k, n), eps (B,), the scaled cost (B, m, n) where
+``need_eps``) -> (the gradients in the scores (B, n) and in epsilon (B,)), float64."""
 
 
 def _slopes(m: int, neg: bool, like: Tensor) -> Tensor:

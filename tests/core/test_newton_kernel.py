@@ -1,9 +1,16 @@
-"""The numba kernel of the Newton-first Sinkhorn solve (softops._core._sinkhorn_numba) against the
-batched torch code it stands in for, and the rules that choose between them."""
+"""The C++ kernels of the Newton-first Sinkhorn solve and of the sorted top-k plan's backward
+(softops/_core/_newton_kernel.cpp: the operators ``softops::newton_first`` and
+``softops::sorted_plan_vjp``) against the batched torch code they stand in for, and the rules that
+choose between them.
+
+The kernel is built ahead of time (``python -m softops._kernels``). Where it is not built these
+tests skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."""
 
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import pytest
 import torch
@@ -14,17 +21,23 @@ from softops._kernels import set_default_backend
 from softops.topk import _sorted
 from tests._helpers import seeded
 
-pytest.importorskip("numba")
-
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
-def numba_on(monkeypatch):
-    """The numba path enabled (the test run turns compilation off, which also turns it off)."""
+def ops():
+    """The kernel's operators (``torch.ops.softops_newton``), the kernel back end on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
+        built = sinkhorn.NEWTON_KERNEL.ops()
+    if built is None:
+        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
+            pytest.fail("the C++ kernel softops_newton is not built (python -m softops._kernels)")
+        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
     set_default_backend("kernel")
+    return built
 
 
 def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: bool = False):
@@ -46,10 +59,10 @@ def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: b
 
 
 def _both(cost, log_a, log_b, eps, max_iter=2000, tol=1e-9, potentials=True):
-    kernels = sinkhorn.numba_kernels()
-    assert kernels is not None
-    fast = sinkhorn._newton_first_numba(kernels, cost, log_a, log_b, eps, max_iter, tol, potentials)
-    ref = sinkhorn._newton_first_torch(cost, log_a, log_b, eps, max_iter, tol, potentials)
+    args = (cost, log_a, log_b, eps, max_iter, tol, potentials)
+    plan, f, g, converged, residual, iterations, clean = sinkhorn.NEWTON_FIRST_OP(*args)
+    fast = (sinkhorn.SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean))
+    ref = sinkhorn._newton_first_torch(*args)
     return fast, ref
 
 
@@ -77,7 +90,7 @@ def _assert_same(fast, ref, atol=1e-13, potentials=True):
     ],
 )
 @pytest.mark.parametrize("ties", [False, True])
-def test_the_kernel_equals_the_torch_solve(bsz, n, k, eps, ties):
+def test_the_kernel_equals_the_torch_solve(ops, bsz, n, k, eps, ties):
     fast, ref = _both(*_sorted_problem(bsz, n, k, eps, seed=n + k, ties=ties))
     _assert_same(fast, ref, potentials=not ties)
     res, clean = fast
@@ -87,7 +100,7 @@ def test_the_kernel_equals_the_torch_solve(bsz, n, k, eps, ties):
     torch.testing.assert_close(res.plan.sum(-1), torch.full((bsz, n), 1 / n, dtype=F64))
 
 
-def test_rows_the_kernel_does_not_solve_take_the_torch_solve():
+def test_rows_the_kernel_does_not_solve_take_the_torch_solve(ops):
     cost, log_a, log_b, eps = _sorted_problem(5, 10, 2, 0.2, seed=3)
     cost[1, 4, 0] = math.nan  # a NaN row: NaN, in that row only
     log_a[2, 0] = -math.inf  # a zero row mass: not a regular row for the kernel
@@ -102,7 +115,7 @@ def test_rows_the_kernel_does_not_solve_take_the_torch_solve():
     assert float(plan[2, 0].abs().max()) == 0.0 and float(plan[3, :, 0].abs().max()) == 0.0
 
 
-def test_rows_left_above_tol_are_finished_like_the_torch_solve():
+def test_rows_left_above_tol_are_finished_like_the_torch_solve(ops):
     # one Newton step allowed: the rows it leaves above tol are solved from the start (hybrid)
     cost, log_a, log_b, eps = _sorted_problem(6, 20, 3, 0.05, seed=5)
     fast, ref = _both(cost, log_a, log_b, eps, max_iter=1, tol=1e-12)
@@ -112,7 +125,7 @@ def test_rows_left_above_tol_are_finished_like_the_torch_solve():
     _assert_same(fast, ref, atol=1e-12)
 
 
-def test_a_step_that_does_not_lower_the_bound_stops_the_row():
+def test_a_step_that_does_not_lower_the_bound_stops_the_row(ops):
     # two columns with no coupling left (eps far below the gaps: P is a permutation up to
     # underflow): det K = 0, the step is NaN and the row keeps its start, as in torch
     cost, log_a, log_b, eps = _sorted_problem(3, 8, 2, 1e-300, seed=7)
@@ -122,7 +135,7 @@ def test_a_step_that_does_not_lower_the_bound_stops_the_row():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 6, 13])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
-def test_soft_topk_is_the_same_with_and_without_the_kernels(monkeypatch, k, dtype):
+def test_soft_topk_is_the_same_with_and_without_the_kernels(ops, k, dtype):
     """Forward and backward (the kernel's VJP: closed form for k <= 2, the refined Cholesky
     above), in x and epsilon, from near-hard to smooth rows."""
     g = seeded(11 + k)
@@ -145,7 +158,7 @@ def _full(x, k, **kw):
     return _sorted._soft_topk(x, k, reduce=False, **kw)
 
 
-def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
+def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(ops, monkeypatch):
     # a NaN row and a row with a column that has no coupling left (a singular K: det below
     # DET_MIN) are redone in torch; the other rows keep the kernel's gradient
     x = torch.tensor(
@@ -170,7 +183,7 @@ def test_rows_the_kernel_vjp_leaves_take_the_torch_vjp(numba_on, monkeypatch):
     assert torch.isnan(grad[1]).all() and torch.isfinite(grad[[0, 2]]).all()
 
 
-def test_soft_topk_gradcheck_through_the_kernel(numba_on):
+def test_soft_topk_gradcheck_through_the_kernel(ops):
     g = seeded(12)
     x = torch.randn(3, 9, generator=g, dtype=F64, requires_grad=True)
     eps = torch.tensor([0.05, 0.3, 2.0], dtype=F64, requires_grad=True)
@@ -183,15 +196,15 @@ def test_soft_topk_gradcheck_through_the_kernel(numba_on):
     assert torch.autograd.gradgradcheck(fn, (x, eps))
 
 
-def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
+def test_the_kernel_is_used_only_where_it_applies(ops, monkeypatch):
     calls = []
-    real = sinkhorn._newton_first_numba
+    real = sinkhorn.NEWTON_FIRST_OP
 
     def spy(*args):
-        calls.append(args[1].shape)
+        calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(sinkhorn, "_newton_first_numba", spy)
+    monkeypatch.setattr(sinkhorn, "NEWTON_FIRST_OP", spy)
     x = torch.randn(4, 18, dtype=F64)
     ref = _full(x, 2, epsilon=0.1).weights
     assert calls == [(4, 18, 3)]
@@ -200,21 +213,21 @@ def test_the_kernel_is_used_only_where_it_applies(numba_on, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     assert calls == [(4, 18, 3)] * 2
     # a problem above the work limit: the torch solve
-    monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 18 * 9 - 1)
+    monkeypatch.setattr(sinkhorn, "KERNEL_MAX_WORK", 18 * 9 - 1)
     _full(x, 2, epsilon=0.1)
-    # compilation off: the torch solve
-    monkeypatch.setattr(sinkhorn, "NUMBA_MAX_WORK", 1 << 17)
+    # the reference back end: the torch solve
+    monkeypatch.setattr(sinkhorn, "KERNEL_MAX_WORK", 1 << 17)
     set_default_backend("reference")
     _full(x, 2, epsilon=0.1)
     assert calls == [(4, 18, 3)] * 2
 
 
-def test_use_numba_and_log_sinkhorn_checked(numba_on):
+def test_use_kernel_and_log_sinkhorn_checked(ops):
     t = torch.zeros(2, 18, 3, dtype=F64)
-    assert sinkhorn.use_numba(t, 18, 3)
-    assert not sinkhorn.use_numba(t, 18, 3 * 10**3)  # above NUMBA_MAX_WORK
-    assert not sinkhorn.use_numba(t.to("meta"), 18, 3)
-    assert not torch.func.vmap(lambda r: torch.tensor(sinkhorn.use_numba(r, 18, 3)))(t).any()
+    assert sinkhorn.use_kernel(t, 18, 3)
+    assert not sinkhorn.use_kernel(t, 18, 3 * 10**3)  # above KERNEL_MAX_WORK
+    assert not sinkhorn.use_kernel(t.to("meta"), 18, 3)
+    assert not torch.func.vmap(lambda r: torch.tensor(sinkhorn.use_kernel(r, 18, 3)))(t).any()
     cost, log_a, log_b, eps = _sorted_problem(4, 18, 2, 0.1, seed=21)
     res, clean = sinkhorn.log_sinkhorn_checked(
         cost,
@@ -231,28 +244,13 @@ def test_use_numba_and_log_sinkhorn_checked(numba_on):
     torch.testing.assert_close(res.plan.sum(-1), torch.full((4, 18), 1 / 18, dtype=F64))
 
 
-def test_the_kernels_directly():
+def test_the_kernels_directly(ops):
     """newton_first_rows flags an irregular row (NaN error) and solves the others;
     sorted_vjp_rows equals the torch implicit VJP contracted with the slopes."""
-    kernels = sinkhorn.numba_kernels()
     cost, log_a, log_b, _ = _sorted_problem(3, 10, 2, 0.2, seed=22)
     s = cost.transpose(1, 2).contiguous()  # (B, m, n), already in units of epsilon
     log_a[2, 0] = -math.inf
-    plan = torch.empty(3, 3, 10, dtype=F64)
-    v, ratio = torch.empty(3, 3, dtype=F64), torch.empty(3, 3, dtype=F64)
-    err, steps = torch.empty(3, dtype=F64), torch.empty(3, dtype=torch.int64)
-    kernels.newton_first_rows(
-        s.numpy(),
-        log_a.numpy(),
-        log_b.numpy(),
-        1e-9,
-        12,
-        plan.numpy(),
-        v.numpy(),
-        ratio.numpy(),
-        err.numpy(),
-        steps.numpy(),
-    )
+    plan, _, _, err, steps = ops.newton_first_rows(s, log_a, log_b, 1e-9, 12)
     assert bool((err[:2] <= 1e-9).all()) and math.isnan(float(err[2])) and int(steps[2]) == 0
     torch.testing.assert_close(plan[:2].sum(1), torch.full((2, 10), 0.1, dtype=F64))
     p = plan[:2].transpose(1, 2)  # (B, n, m)
@@ -260,21 +258,29 @@ def test_the_kernels_directly():
     ones = torch.ones(2, dtype=F64)
     ref = sinkhorn.implicit_cost_vjp(p, grad, ones, True)
     slopes = torch.arange(3, dtype=F64)
-    gs, ge = torch.empty(2, 10, dtype=F64), torch.empty(2, dtype=F64)
-    safe = torch.empty(2, dtype=torch.bool)
-    kernels.sorted_vjp_rows(
-        plan[:2].contiguous().numpy(),
-        grad.transpose(1, 2).contiguous().numpy(),
-        s[:2].numpy(),
-        slopes.numpy(),
-        ones.numpy(),
-        sinkhorn.DET_MIN,
-        gs.numpy(),
-        ge.numpy(),
-        safe.numpy(),
+    gs, ge, safe = ops.sorted_vjp_rows(
+        plan[:2], grad.transpose(1, 2), s[:2], slopes, ones, sinkhorn.DET_MIN
     )
     assert bool(safe.all())
     torch.testing.assert_close(gs, ref @ slopes, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(
         ge, -(ref * s[:2].transpose(1, 2)).sum((1, 2)), rtol=1e-10, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("back_end", ["kernel", "reference"])
+def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end):
+    cost, log_a, log_b, eps = _sorted_problem(3, 10, 2, 0.2, seed=24)
+    from softops._kernels import backend
+
+    with backend(back_end):
+        for potentials in (True, False):
+            torch.library.opcheck(
+                sinkhorn.NEWTON_FIRST_OP, (cost, log_a, log_b, eps, 100, 1e-9, potentials)
+            )
+        plan = sinkhorn.NEWTON_FIRST_OP(cost, log_a, log_b, eps, 100, 1e-9, False)[0]
+        grad_w = torch.randn(3, 2, 10, generator=seeded(25), dtype=F64)
+        scaled = cost.transpose(1, 2).contiguous()
+        for need_eps in (True, False):
+            args = (plan, grad_w, eps, scaled, True, need_eps)
+            torch.library.opcheck(_sorted.PLAN_VJP_OP, args)

@@ -1,0 +1,1032 @@
+// The sorted SOFT top-k (softops.soft_topk) on the CPU, row by row: the candidate set, its
+// semi-dual Newton solve and the implicit backward (docs/math.md §2.2-2.4). The full problem's
+// Newton-first solve is softops/_core/_newton_kernel.cpp.
+//
+// Built ahead of time by `python -m softops._kernels` and registered as the operators
+// softops_sorted::*; softops/topk/_sorted.py wraps them in the operators of the kernel layer
+// (softops._kernels.define), whose torch references are the torch code of that module. Everything is computed in double, whatever the rows' dtype; the rows
+// spread over torch's intra-op threads (at::parallel_for), each task with its own scratch (no
+// allocation per row).
+//
+// The candidate problem of a row (solve_rows): one pass finds its k+1 largest scores (an
+// insertion buffer), a second bins the gaps below the (k+1)-th in quarters of epsilon and keeps
+// the entries that may be candidates; the cut drops the farthest bins while k times their bound
+// stays within tau. The candidates are then grouped by their home (their hard rank), and each
+// state v of the columns is evaluated without an exponential per entry and target: with the
+// centre c, e_i = exp((c - y_i)/eps) once per row and rho_j = exp(v_{j+1} - v_j + (b_j - c)/eps)
+// once per state, P_{i,j+1} / P_{ij} = e_i rho_j, a product recurrence from each entry's home
+// upward and downward over a prefix or a suffix of the grouped entries (loops over entries, in
+// chunks that stay in the L1 cache). Rows whose factors would leave the range take one
+// exponential per target (eval_general). The Newton system is the grounded Laplacian of the
+// couplings, in closed form for three targets or fewer, else by the equilibrated Cholesky.
+//
+// Flags: status 0 the row is solved (within tol), 1 the kernel left it above tol (the torch
+// code solves it), 2 the row has an entry that is not finite or near the largest finite value
+// (the caller solves it in full). The backward (vjp_rows) recomputes the candidate set and the
+// plan from the saved states; `safe` false: its system is singular (the torch code redoes it).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kTiny = std::numeric_limits<double>::min();
+constexpr double kEps64 = std::numeric_limits<double>::epsilon();
+// |log factor| up to which a state is evaluated by the product recurrence.
+constexpr double kFar = 600.0;
+// Most targets of a candidate problem (k <= 32, plus the rest).
+constexpr int64_t kMaxBig = 34;
+// Entries per chunk of the loops over a row's candidates.
+constexpr int64_t kChunk = 256;
+
+// --------------------------------------------------------------------------- the Laplacian
+
+// out = K^-1 rhs for the Laplacian K of the couplings w (big x big, row stride kMaxBig) grounded
+// at one column (out is 0 there): for big <= 3 by Cramer's rule, grounded for big = 3 at the
+// most coupled column (any ground gives the same solution up to a constant, which the callers
+// remove; grounded at a column coupled by 1e-100 the other two would come out near 1e90, only
+// their difference mattering), returning det K (out NaN where it is not positive). Larger
+// systems by the Jacobi-equilibrated Cholesky: without jitter where the least squared pivot is
+// at least 1e-2 (returns 2), else with a relative jitter of a few units of rounding, retried
+// once larger (returns the least squared pivot, in (0, 1]: the caller may refine), or 0 (out
+// NaN). rhs holds every column (the ground's entry is not read).
+double laplacian_solve(const double* w, int64_t big, const double* rhs, double* out) {
+  for (int64_t j = 0; j < big; ++j) out[j] = 0.0;
+  if (big == 2) {
+    const double w01 = w[1];
+    out[0] = w01 > 0 ? rhs[0] / w01 : kNaN;
+    return w01;
+  }
+  if (big == 3) {
+    const double w01 = w[0 * kMaxBig + 1], w02 = w[0 * kMaxBig + 2], w12 = w[1 * kMaxBig + 2];
+    const double tot0 = w01 + w02, tot1 = w01 + w12, tot2 = w02 + w12;
+    int64_t g = 2;
+    if (tot0 > tot1 && tot0 > tot2) {
+      g = 0;
+    } else if (tot1 > tot2) {
+      g = 1;
+    }
+    const int64_t a = g != 0 ? 0 : 1;
+    const int64_t b = g != 2 ? 2 : 1;
+    const double wab = w[a * kMaxBig + b], wag = w[a * kMaxBig + g], wbg = w[b * kMaxBig + g];
+    const double det = wab * (wag + wbg) + wag * wbg;
+    if (!(det > 0)) {
+      out[0] = kNaN;
+      out[1] = kNaN;
+      return det;
+    }
+    const double ra = rhs[a], rb = rhs[b];
+    out[a] = (wab * (ra + rb) + wbg * ra) / det;
+    out[b] = (wab * (ra + rb) + wag * rb) / det;
+    out[g] = 0.0;
+    return det;
+  }
+  const int64_t m1 = big - 1;
+  double kmat[kMaxBig * kMaxBig];
+  double chol[kMaxBig * kMaxBig];
+  double scale[kMaxBig];
+  double ybuf[kMaxBig];
+  for (int64_t j = 0; j < m1; ++j) {
+    double d = 0.0;
+    for (int64_t col = 0; col < big; ++col) {
+      if (col != j) d += w[j * kMaxBig + col];
+    }
+    kmat[j * kMaxBig + j] = d;
+    for (int64_t col = 0; col < m1; ++col) {
+      if (col != j) kmat[j * kMaxBig + col] = -w[j * kMaxBig + col];
+    }
+  }
+  for (int64_t j = 0; j < m1; ++j) {
+    const double d = kmat[j * kMaxBig + j];
+    scale[j] = d > 0 ? 1.0 / std::sqrt(d) : 1.0;
+  }
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const double tau =
+        attempt == 0 ? 0.0 : (attempt == 1 ? 16.0 * std::max<int64_t>(m1, 4) * kEps64 : 1e-10);
+    bool ok = true;
+    double least = 1.0;
+    for (int64_t j = 0; j < m1 && ok; ++j) {
+      for (int64_t col = 0; col <= j; ++col) {
+        double acc = kmat[j * kMaxBig + col] * scale[j] * scale[col] + (j == col ? tau : 0.0);
+        for (int64_t s = 0; s < col; ++s) acc -= chol[j * kMaxBig + s] * chol[col * kMaxBig + s];
+        if (j == col) {
+          if (!(acc > 0)) {
+            ok = false;
+            break;
+          }
+          chol[j * kMaxBig + j] = std::sqrt(acc);
+          least = std::min(least, acc);
+        } else {
+          chol[j * kMaxBig + col] = acc / chol[col * kMaxBig + col];
+        }
+      }
+    }
+    if (ok && (attempt > 0 || least >= 1e-2)) {
+      for (int64_t j = 0; j < m1; ++j) {
+        double acc = rhs[j] * scale[j];
+        for (int64_t s = 0; s < j; ++s) acc -= chol[j * kMaxBig + s] * ybuf[s];
+        ybuf[j] = acc / chol[j * kMaxBig + j];
+      }
+      for (int64_t j = m1 - 1; j >= 0; --j) {
+        double acc = ybuf[j];
+        for (int64_t s = j + 1; s < m1; ++s) acc -= chol[s * kMaxBig + j] * out[s];
+        out[j] = acc / chol[j * kMaxBig + j];
+      }
+      for (int64_t j = 0; j < m1; ++j) out[j] *= scale[j];
+      return attempt == 0 ? 2.0 : least;
+    }
+  }
+  for (int64_t j = 0; j < m1; ++j) out[j] = kNaN;
+  return 0.0;
+}
+
+// w[j, o] = sum_i a_i P_ji P_oi (j != o; a = 1 where null) for P (big, m) of row stride ld, in
+// chunks of entries (every pair of a chunk's targets while it is in the cache).
+void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double* a, double* w) {
+  for (int64_t j = 0; j < big; ++j) {
+    for (int64_t o = 0; o < big; ++o) w[j * kMaxBig + o] = 0.0;
+  }
+  for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+    const int64_t i1 = std::min(m, i0 + kChunk);
+    for (int64_t j = 0; j < big; ++j) {
+      const double* pj = p + j * ld;
+      for (int64_t o = j + 1; o < big; ++o) {
+        const double* po = p + o * ld;
+        double acc = 0.0;
+        if (a != nullptr) {
+#pragma omp simd reduction(+ : acc)
+          for (int64_t i = i0; i < i1; ++i) acc += a[i] * pj[i] * po[i];
+        } else {
+#pragma omp simd reduction(+ : acc)
+          for (int64_t i = i0; i < i1; ++i) acc += pj[i] * po[i];
+        }
+        w[j * kMaxBig + o] += acc;
+      }
+    }
+  }
+  for (int64_t j = 0; j < big; ++j) {
+    for (int64_t o = j + 1; o < big; ++o) w[o * kMaxBig + j] = w[j * kMaxBig + o];
+  }
+}
+
+// --------------------------------------------------------------------------- the candidate set
+
+// A task's scratch, grown to the largest row it meets (never shrunk).
+struct Work {
+  std::vector<int64_t> idx, grouped, sup;
+  std::vector<int32_t> bin, home, hbuf;
+  std::vector<double> yc, ytmp, e, ie, p, p_new, gb, cen, mu, inv_mu, xc, ref, mean, acc_y,
+      direct;
+  std::vector<uint8_t> far;
+  std::vector<int64_t> hist;
+
+  void entries(int64_t m, int64_t big, bool backward) {
+    if (static_cast<int64_t>(yc.size()) >= m && static_cast<int64_t>(p.size()) >= big * m &&
+        (!backward || static_cast<int64_t>(gb.size()) >= big * m)) {
+      return;
+    }
+    const size_t n = static_cast<size_t>(std::max<int64_t>(m, 1));
+    const size_t nb = n * static_cast<size_t>(big);
+    for (auto* v : {&yc, &ytmp, &e, &ie}) v->resize(n);
+    grouped.resize(n);
+    home.resize(n);
+    hbuf.resize(n);
+    far.resize(n);
+    p.resize(nb);
+    if (backward) {
+      gb.resize(nb);
+      cen.resize(nb);
+      for (auto* v : {&mu, &inv_mu, &xc, &ref, &mean, &acc_y, &direct}) v->resize(n);
+    } else {
+      p_new.resize(nb);
+    }
+  }
+};
+
+// The candidate problem of a row: its candidates grouped by home (gs[t] the first of home t),
+// their scores yc in the selection's orientation, the factors e = exp((c - y)/eps) and ie = 1/e
+// (far: an entry whose factor is out of range), the midpoints bmid of the k+1 largest scores,
+// the column masses bcol (1, and m - k for the rest) and bref (bcol less the homes' count).
+struct Prob {
+  int64_t m = 0, big = 0, k = 0, ld = 0;
+  double inv_eps = 0, c = 0;
+  bool fast = true;
+  const double* yc = nullptr;
+  const double* e = nullptr;
+  const double* ie = nullptr;
+  const uint8_t* far = nullptr;
+  const int32_t* home = nullptr;
+  int64_t gs[kMaxBig + 1];
+  double bmid[kMaxBig];
+  double bcol[kMaxBig];
+  double bref[kMaxBig];
+};
+
+// The bin of a gap t (in bins: (y_(k+1) - y) / eps * bpu): 0 for t <= 0, ceil(t) up to nb.
+inline int64_t bin_of(double t, int64_t nb) {
+  return static_cast<int64_t>(std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb)));
+}
+
+// The k+1 largest scores (kk of them; k if k = n) of the row in the orientation `sign`, into top
+// (descending); returns false where an entry is not finite or beyond `limit`, or where the span
+// over epsilon is beyond span_max (the row is then solved in full by the caller).
+template <typename scalar_t>
+bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double inv_eps,
+                double limit, double span_max, double* top) {
+  for (int64_t t = 0; t < kk; ++t) top[t] = -kInf;
+  double low = -kInf, ymin = kInf;
+  bool ok = true;
+  int64_t i = 0;
+  // blocks of 16: the bounds of a block first (vectorised), the insertion only where its
+  // largest entry enters the buffer
+  constexpr int64_t kBlock = 16;
+  for (; i + kBlock <= n; i += kBlock) {
+    double hi = -kInf, lo = kInf;
+    bool fine = true;
+    for (int64_t l = 0; l < kBlock; ++l) {
+      const double yi = sign * static_cast<double>(xr[i + l]);
+      fine &= std::abs(yi) <= limit;
+      hi = std::max(hi, yi);
+      lo = std::min(lo, yi);
+    }
+    ok &= fine;
+    ymin = std::min(ymin, lo);
+    if (hi > low) {
+      for (int64_t l = 0; l < kBlock; ++l) {
+        const double yi = sign * static_cast<double>(xr[i + l]);
+        if (yi > low) {
+          int64_t t = kk - 1;
+          while (t > 0 && top[t - 1] < yi) {
+            top[t] = top[t - 1];
+            --t;
+          }
+          top[t] = yi;
+          low = top[kk - 1];
+        }
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const double yi = sign * static_cast<double>(xr[i]);
+    ok &= std::abs(yi) <= limit;
+    ymin = std::min(ymin, yi);
+    if (yi > low) {
+      int64_t t = kk - 1;
+      while (t > 0 && top[t - 1] < yi) {
+        top[t] = top[t - 1];
+        --t;
+      }
+      top[t] = yi;
+      low = top[kk - 1];
+    }
+  }
+  if (!ok) return false;
+  return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
+}
+
+// The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row) and its
+// size; the cut (the first bin dropped) into cut. `weight[b]` bounds exp(-gap) in bin b.
+template <typename scalar_t>
+int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const double* top,
+                   double inv_eps, double tau, double bpu, const double* weight, int64_t nb,
+                   Work& w, int64_t& cut) {
+  if (static_cast<int64_t>(w.idx.size()) < n) {
+    w.idx.resize(n);
+    w.bin.resize(n);
+  }
+  if (k >= n) {
+    for (int64_t i = 0; i < n; ++i) w.idx[i] = i;
+    cut = nb + 1;
+    return n;
+  }
+  w.hist.assign(nb + 1, 0);
+  const double yk = top[k];
+  int64_t kept = 0;  // the entries below the last bin (the others are never candidates)
+  for (int64_t i = 0; i < n; ++i) {
+    const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
+    const int64_t b = bin_of(t, nb);
+    w.hist[b] += 1;
+    w.idx[kept] = i;
+    w.bin[kept] = static_cast<int32_t>(b);
+    kept += b < nb ? 1 : 0;
+  }
+  // drop the bins from the farthest while k times their bound stays within tau
+  double acc = 0.0;
+  int64_t c = nb + 1;
+  while (c > 1) {
+    const double add = static_cast<double>(w.hist[c - 1]) * weight[c - 1];
+    if (static_cast<double>(k) * (acc + add) > tau) break;
+    acc += add;
+    --c;
+  }
+  cut = c;
+  int64_t m = 0;
+  for (int64_t j = 0; j < kept; ++j) {
+    w.idx[m] = w.idx[j];
+    m += w.bin[j] < c ? 1 : 0;
+  }
+  return m;
+}
+
+// The same candidate set again (the backward), from the saved cut.
+template <typename scalar_t>
+int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, const double* top,
+                      double inv_eps, double bpu, int64_t nb, int64_t cut, Work& w) {
+  if (static_cast<int64_t>(w.idx.size()) < n) {
+    w.idx.resize(n);
+    w.bin.resize(n);
+  }
+  if (k >= n) {
+    for (int64_t i = 0; i < n; ++i) w.idx[i] = i;
+    return n;
+  }
+  const double yk = top[k];
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
+    w.idx[m] = i;
+    m += bin_of(t, nb) < cut ? 1 : 0;
+  }
+  return m;
+}
+
+// The candidate problem of a row (see Prob) from its candidates w.idx[:m] (in the row's order):
+// they are grouped by home into w.grouped (a counting sort, which keeps the order within a home).
+template <typename scalar_t>
+void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int64_t big,
+             int64_t m, double inv_eps, Work& w, Prob& pb) {
+  pb.m = m;
+  pb.big = big;
+  pb.k = k;
+  pb.ld = m;
+  pb.inv_eps = inv_eps;
+  for (int64_t t = 0; t + 1 < big; ++t) pb.bmid[t] = 0.5 * top[t] + 0.5 * top[t + 1];
+  for (int64_t t = 0; t <= big; ++t) pb.gs[t] = 0;
+  const double last = big > 1 ? pb.bmid[big - 2] : kInf;
+  double* ytmp = w.ytmp.data();
+  int32_t* hbuf = w.hbuf.data();
+  for (int64_t i = 0; i < m; ++i) {
+    const double yi = sign * static_cast<double>(xr[w.idx[i]]);
+    ytmp[i] = yi;
+    int64_t hi;
+    if (yi <= last) {  // most candidates: on the rest (or the last target)
+      hi = big - 1;
+    } else {
+      hi = 0;
+      while (pb.bmid[hi] > yi) ++hi;
+    }
+    hbuf[i] = static_cast<int32_t>(hi);
+    pb.gs[hi + 1] += 1;
+  }
+  for (int64_t t = 0; t < big; ++t) pb.gs[t + 1] += pb.gs[t];
+  int64_t next[kMaxBig];
+  for (int64_t t = 0; t < big; ++t) next[t] = pb.gs[t];
+  double* yc = w.yc.data();
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t pos = next[hbuf[i]]++;
+    w.grouped[pos] = w.idx[i];
+    yc[pos] = ytmp[i];
+  }
+  int32_t* home = w.home.data();
+  double ymin = kInf;
+  for (int64_t t = 0; t < big; ++t) {
+    for (int64_t i = pb.gs[t]; i < pb.gs[t + 1]; ++i) home[i] = static_cast<int32_t>(t);
+  }
+  for (int64_t i = 0; i < m; ++i) ymin = std::min(ymin, yc[i]);
+  for (int64_t t = 0; t < big; ++t) pb.bcol[t] = 1.0;
+  if (big > k) pb.bcol[k] = static_cast<double>(m - k);
+  for (int64_t t = 0; t < big; ++t) {
+    pb.bref[t] = pb.bcol[t] - static_cast<double>(pb.gs[t + 1] - pb.gs[t]);
+  }
+  pb.c = 0.5 * top[0] + 0.5 * ymin;
+  double* e = w.e.data();
+  double* ie = w.ie.data();
+  uint8_t* far = w.far.data();
+  double zmax = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    const double z = (pb.c - yc[i]) * inv_eps;
+    e[i] = z;
+    zmax = std::max(zmax, std::abs(z));
+  }
+  pb.fast = zmax <= kFar;
+  if (pb.fast) {
+    using Vec = at::vec::Vectorized<double>;
+    constexpr int64_t L = Vec::size();
+    int64_t i = 0;
+    for (; i + L <= m; i += L) Vec::loadu(e + i).exp().store(e + i);
+    for (; i < m; ++i) e[i] = std::exp(e[i]);
+    for (i = 0; i < m; ++i) {
+      ie[i] = 1.0 / e[i];
+      far[i] = 0;
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) {
+      const double z = e[i];
+      if (std::abs(z) <= kFar) {
+        const double ez = std::exp(z);
+        e[i] = ez;
+        ie[i] = 1.0 / ez;
+        far[i] = 0;
+      } else {
+        e[i] = 0.0;
+        ie[i] = 0.0;
+        far[i] = 1;
+      }
+    }
+  }
+  pb.yc = yc;
+  pb.e = e;
+  pb.ie = ie;
+  pb.far = far;
+  pb.home = home;
+}
+
+// The row-normalised plan P (big, m; row stride pb.ld) at the column states v into p, and the
+// gap b - c formed relative to each entry's home as sums of small terms; returns sum_j |gap_j|,
+// or inf where a column factor is out of range (the caller then takes eval_general). Loops over
+// chunks of entries; within one, from the home q_(j+1) = q_j e_i rho_j upward (the entries whose
+// home is at most j, a prefix) and q_(j-1) = q_j ie_i irho_(j-1) downward (a suffix).
+double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
+  const int64_t big = pb.big, m = pb.m, ld = pb.ld;
+  double rho[kMaxBig], irho[kMaxBig], colsum[kMaxBig], offsum[kMaxBig];
+  for (int64_t j = 0; j + 1 < big; ++j) {
+    const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
+    if (!(std::abs(a) <= kFar)) return kInf;
+    rho[j] = std::exp(a);
+    irho[j] = std::exp(-a);
+  }
+  for (int64_t j = 0; j < big; ++j) {
+    colsum[j] = 0.0;
+    offsum[j] = 0.0;
+  }
+  const double* e = pb.e;
+  const double* ie = pb.ie;
+  double tot[kChunk], off[kChunk];
+  for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+    const int64_t i1 = std::min(m, i0 + kChunk);
+    auto clamp = [&](int64_t g) { return std::min(std::max(g, i0), i1); };
+    for (int64_t t = 0; t < big; ++t) {
+      double* pt = p + t * ld;
+      for (int64_t i = clamp(pb.gs[t]); i < clamp(pb.gs[t + 1]); ++i) pt[i] = 1.0;
+    }
+    for (int64_t j = 0; j + 1 < big; ++j) {
+      const double f = rho[j];
+      const double* src = p + j * ld;
+      double* dst = p + (j + 1) * ld;
+      const int64_t hi = clamp(pb.gs[j + 1]);
+#pragma omp simd
+      for (int64_t i = i0; i < hi; ++i) dst[i] = src[i] * (e[i] * f);
+    }
+    for (int64_t j = big - 2; j >= 0; --j) {
+      const double f = irho[j];
+      const double* src = p + (j + 1) * ld;
+      double* dst = p + j * ld;
+      const int64_t lo = clamp(pb.gs[j + 1]);
+#pragma omp simd
+      for (int64_t i = lo; i < i1; ++i) dst[i] = src[i] * (ie[i] * f);
+    }
+    const int64_t len = i1 - i0;
+    for (int64_t i = 0; i < len; ++i) tot[i] = p[i0 + i];
+    for (int64_t j = 1; j < big; ++j) {
+      const double* pj = p + j * ld + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) tot[i] += pj[i];
+    }
+    for (int64_t i = 0; i < len; ++i) {
+      tot[i] = 1.0 / tot[i];
+      off[i] = 0.0;
+    }
+    for (int64_t j = 0; j < big; ++j) {
+      const int64_t g0 = clamp(pb.gs[j]) - i0, g1 = clamp(pb.gs[j + 1]) - i0;
+      double* pj = p + j * ld + i0;
+      double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < g0; ++i) {
+        const double q = pj[i] * tot[i];
+        pj[i] = q;
+        off[i] += q;
+        acc += q;
+      }
+#pragma omp simd
+      for (int64_t i = g0; i < g1; ++i) pj[i] *= tot[i];
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = g1; i < len; ++i) {
+        const double q = pj[i] * tot[i];
+        pj[i] = q;
+        off[i] += q;
+        acc += q;
+      }
+      colsum[j] += acc;
+    }
+    for (int64_t t = 0; t < big; ++t) {
+      double acc = 0.0;
+      for (int64_t i = clamp(pb.gs[t]) - i0; i < clamp(pb.gs[t + 1]) - i0; ++i) acc += off[i];
+      offsum[t] += acc;
+    }
+  }
+  double l1 = 0.0;
+  for (int64_t j = 0; j < big; ++j) {
+    const double g = pb.bref[j] - colsum[j] + offsum[j];
+    gap[j] = g;
+    l1 += std::abs(g);
+  }
+  return l1;
+}
+
+// eval_fast entry by entry: entries far from the centre, and all entries where a column factor
+// is out of range, take one exponential per target.
+double eval_general(const Prob& pb, const double* v, double* p, double* gap) {
+  const int64_t big = pb.big, m = pb.m, ld = pb.ld;
+  double rho[kMaxBig], irho[kMaxBig], q[kMaxBig];
+  bool rowexp = false;
+  for (int64_t j = 0; j + 1 < big; ++j) {
+    const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
+    if (!(std::abs(a) <= kFar)) {
+      rowexp = true;
+      rho[j] = 0.0;
+      irho[j] = 0.0;
+    } else {
+      rho[j] = std::exp(a);
+      irho[j] = std::exp(-a);
+    }
+  }
+  for (int64_t j = 0; j < big; ++j) gap[j] = pb.bref[j];
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t hi = pb.home[i];
+    q[hi] = 1.0;
+    if (rowexp || pb.far[i]) {
+      const double yi = pb.yc[i];
+      double t = 0.0;
+      for (int64_t j = hi; j + 1 < big; ++j) {
+        t += v[j + 1] - v[j] + (pb.bmid[j] - yi) * pb.inv_eps;
+        q[j + 1] = std::exp(t);
+      }
+      t = 0.0;
+      for (int64_t j = hi - 1; j >= 0; --j) {
+        t -= v[j + 1] - v[j] + (pb.bmid[j] - yi) * pb.inv_eps;
+        q[j] = std::exp(t);
+      }
+    } else {
+      const double ei = pb.e[i], iei = pb.ie[i];
+      for (int64_t j = hi; j + 1 < big; ++j) q[j + 1] = q[j] * (ei * rho[j]);
+      for (int64_t j = hi - 1; j >= 0; --j) q[j] = q[j + 1] * (iei * irho[j]);
+    }
+    double tot = 0.0;
+    for (int64_t j = 0; j < big; ++j) tot += q[j];
+    const double inv = 1.0 / tot;
+    double off = 0.0;
+    for (int64_t j = 0; j < big; ++j) {
+      const double pj = q[j] * inv;
+      p[j * ld + i] = pj;
+      if (j != hi) {
+        off += pj;
+        gap[j] -= pj;
+      }
+    }
+    gap[hi] += off;
+  }
+  double l1 = 0.0;
+  for (int64_t j = 0; j < big; ++j) l1 += std::abs(gap[j]);
+  return l1;
+}
+
+double eval_state(const Prob& pb, const double* v, double* p, double* gap) {
+  if (pb.fast) {
+    const double l1 = eval_fast(pb, v, p, gap);
+    if (l1 < kInf) return l1;
+  }
+  return eval_general(pb, v, p, gap);
+}
+
+// State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre.
+struct Layout {
+  int64_t big;
+  int64_t top() const { return 0; }
+  int64_t cut() const { return big; }
+  int64_t count() const { return big + 1; }
+  int64_t v() const { return big + 2; }
+  int64_t ratio() const { return 2 * big + 2; }
+  int64_t centre() const { return 3 * big + 2; }
+  int64_t size() const { return 3 * big + 3; }
+};
+
+// One row's candidate problem, solved: semi-dual Newton from one Sinkhorn column update of v = 0
+// (full steps, halved while they do not lower sum_j |b_j - c_j|). Writes the state; returns the
+// relative L1 row residual of the column-exact plan; p holds the row-normalised plan.
+double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halvings, Work& w,
+                  double* st, const Layout& lay, double*& p_out) {
+  const int64_t big = pb.big, m = pb.m, ld = pb.ld;
+  double* p = w.p.data();
+  double* p_new = w.p_new.data();
+  double gap_a[kMaxBig], gap_b[kMaxBig], v_a[kMaxBig], v_b[kMaxBig], delta[kMaxBig];
+  double wc[kMaxBig * kMaxBig];
+  double* gap = gap_a;
+  double* gap_new = gap_b;
+  double* v = v_a;
+  double* v_new = v_b;
+  for (int64_t t = 0; t < big; ++t) {
+    v_new[t] = 0.0;
+    v[t] = 0.0;
+    gap[t] = 0.0;
+  }
+  const double tol_mass = tol * static_cast<double>(m);
+  int64_t steps = 0, tries = 0;
+  int phase = 0;
+  double step = 1.0, l1 = kInf;
+  while (true) {
+    const double l1_new = eval_state(pb, v_new, p_new, gap_new);
+    if (phase == 0) {  // the start: one Sinkhorn column update of v = 0 (the hard assignment)
+      for (int64_t t = 0; t < big; ++t) {
+        const double* pt = p_new + t * ld;
+        double col = 0.0;
+#pragma omp simd reduction(+ : col)
+        for (int64_t i = 0; i < m; ++i) col += pt[i];
+        v_new[t] = std::log(pb.bcol[t]) - std::log(std::max(col, kTiny));
+      }
+      phase = 1;
+      continue;
+    }
+    if (phase == 2 && !(l1_new < l1)) {
+      if (++tries > halvings) break;  // no step lowers the bound: the row keeps its state
+      step *= 0.5;
+      for (int64_t t = 0; t < big; ++t) v_new[t] = v[t] + step * delta[t];
+      continue;
+    }
+    std::swap(p, p_new);
+    std::swap(gap, gap_new);
+    std::swap(v, v_new);
+    l1 = l1_new;
+    if (!(l1 > tol_mass) || steps >= max_steps) break;
+    couplings(p, ld, m, big, nullptr, wc);
+    const double ok = laplacian_solve(wc, big, gap, delta);
+    ++steps;
+    if (!(ok > 0)) break;
+    phase = 2;
+    step = 1.0;
+    tries = 0;
+    for (int64_t t = 0; t < big; ++t) v_new[t] = v[t] + delta[t];
+  }
+  double* rr = st + lay.ratio();
+  for (int64_t t = 0; t < big; ++t) {
+    rr[t] = gap[t] / std::max(pb.bcol[t] - gap[t], kTiny);
+    st[lay.v() + t] = v[t];
+  }
+  st[lay.centre()] = pb.c;
+  // the row residual of the column-exact plan, sum_i |sum_t P_ti r_t| / m
+  double err = 0.0;
+  double dev[kChunk];
+  for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+    const int64_t len = std::min(m, i0 + kChunk) - i0;
+    for (int64_t i = 0; i < len; ++i) dev[i] = 0.0;
+    for (int64_t t = 0; t < big; ++t) {
+      const double rt = rr[t];
+      const double* pt = p + t * ld + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) dev[i] += pt[i] * rt;
+    }
+    for (int64_t i = 0; i < len; ++i) err += std::abs(dev[i]);
+  }
+  p_out = p;
+  return err / static_cast<double>(m);
+}
+
+template <typename scalar_t>
+void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double tau,
+                     double bpu, double limit, double span_max, const double* weight, int64_t nb,
+                     double tol, int64_t max_steps, int64_t halvings, at::Tensor& weights,
+                     at::Tensor& values, at::Tensor& err, at::Tensor& status, at::Tensor& state) {
+  const int64_t B = x.size(0), n = x.size(1);
+  const int64_t big = k < n ? k + 1 : k;
+  const Layout lay{big};
+  const double sign = largest ? 1.0 : -1.0;
+  const scalar_t* px = x.data_ptr<scalar_t>();
+  scalar_t* pw = weights.data_ptr<scalar_t>();
+  double* pv = values.data_ptr<double>();
+  double* pe = err.data_ptr<double>();
+  int8_t* ps = status.data_ptr<int8_t>();
+  double* pst = state.data_ptr<double>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    Work w;
+    Prob pb;
+    for (int64_t row = b0; row < b1; ++row) {
+      const scalar_t* xr = px + row * n;
+      double* st = pst + row * lay.size();
+      scalar_t* wr = pw + row * k * n;
+      std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
+      for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
+      for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
+      const double inv_eps = 1.0 / eps[row];
+      double* top = st + lay.top();
+      if (!top_scores(xr, n, sign, big, inv_eps, limit, span_max, top) || big < 2) {
+        ps[row] = 2;
+        pe[row] = kInf;
+        continue;
+      }
+      int64_t cut = 0;
+      const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, w, cut);
+      st[lay.cut()] = static_cast<double>(cut);
+      st[lay.count()] = static_cast<double>(m);
+      w.entries(m, big, false);
+      prepare(xr, sign, top, k, big, m, inv_eps, w, pb);
+      double* p = nullptr;
+      const double e = newton_row(pb, tol, max_steps, halvings, w, st, lay, p);
+      pe[row] = e;
+      ps[row] = e <= tol ? 0 : 1;
+      // the weights (scattered to the candidates) and the values (x = sign y)
+      const double* rr = st + lay.ratio();
+      for (int64_t t = 0; t < k; ++t) {
+        const double f = 1.0 + rr[t];
+        const double* pt = p + t * m;
+        scalar_t* wt = wr + t * n;
+        double acc = 0.0;
+        for (int64_t i = 0; i < m; ++i) {
+          const double q = pt[i] * f;
+          acc += q * pb.yc[i];
+          wt[w.grouped[i]] = static_cast<scalar_t>(q);
+        }
+        pv[row * k + t] = sign * acc;
+      }
+    }
+  });
+}
+
+// (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
+// the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
+// (weights (B, k, n) in x's dtype, values (B, k) float64, err (B,), status (B,) int8, state (B,
+// 3 big + 3) float64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
+    const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double tau,
+    double bpu, double limit, double span_max, const at::Tensor& bin_weight, double tol,
+    int64_t max_steps, int64_t halvings) {
+  TORCH_CHECK(x_in.dim() == 2, "solve_rows: x must be (B, n)");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  const at::Tensor weight = bin_weight.to(at::kDouble).contiguous();
+  const int64_t B = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "solve_rows: k out of range");
+  const int64_t big = k < n ? k + 1 : k;
+  auto f64 = x.options().dtype(at::kDouble);
+  at::Tensor weights = at::empty({B, k, n}, x.options());
+  at::Tensor values = at::empty({B, k}, f64);
+  at::Tensor err = at::empty({B}, f64);
+  at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
+  at::Tensor state = at::empty({B, 3 * big + 3}, f64);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "solve_rows", [&] {
+    solve_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, tau, bpu, limit, span_max,
+                              weight.data_ptr<double>(), weight.numel() - 1, tol, max_steps,
+                              halvings, weights, values, err, status, state);
+  });
+  return {weights, values, err, status, state};
+}
+
+// --------------------------------------------------------------------------- the backward
+
+// u_ji - sum_l P_li u_li into out (big, m) for u_ji = sb beta_j + sg gb_ji and the
+// row-normalised plan P = gam * inv_mu, each entry first shifted by its value at its home (its
+// largest P): without cancellation for nearly one-hot entries.
+void centred(const double* gam, const double* inv_mu, const double* gb, const double* beta,
+             double sb, double sg, const int32_t* home, int64_t m, int64_t big, int64_t ld,
+             double* out, double* ref, double* mean) {
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t hi = home[i];
+    ref[i] = sb * beta[hi] + sg * gb[hi * ld + i];
+    mean[i] = 0.0;
+  }
+  for (int64_t j = 0; j < big; ++j) {
+    const double bj = sb * beta[j];
+    const double* gj = gb + j * ld;
+    const double* pj = gam + j * ld;
+    double* oj = out + j * ld;
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) {
+      const double d = (bj + sg * gj[i]) - ref[i];
+      oj[i] = d;
+      mean[i] += pj[i] * d;
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) mean[i] *= inv_mu[i];
+  for (int64_t j = 0; j < big; ++j) {
+    double* oj = out + j * ld;
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) oj[i] -= mean[i];
+  }
+}
+
+// sum_i gam_ti cen_ti for every target into rhs.
+void contract(const double* gam, const double* cen, int64_t m, int64_t big, int64_t ld,
+              double* rhs) {
+  for (int64_t t = 0; t < big; ++t) {
+    const double* gt = gam + t * ld;
+    const double* ct = cen + t * ld;
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < m; ++i) acc += gt[i] * ct[i];
+    rhs[t] = acc;
+  }
+}
+
+template <typename scalar_t>
+void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double bpu,
+                   int64_t nb, const double* pst, const int8_t* ps, const double* pgv,
+                   const at::Tensor& gw, bool need_eps, double det_min, at::Tensor& gx,
+                   at::Tensor& geps, at::Tensor& safe) {
+  const int64_t B = x.size(0), n = x.size(1);
+  const int64_t big = k < n ? k + 1 : k;
+  const Layout lay{big};
+  const double sign = largest ? 1.0 : -1.0;
+  const scalar_t* px = x.data_ptr<scalar_t>();
+  const bool has_gw = gw.numel() > 0;
+  const scalar_t* pgw = has_gw ? gw.data_ptr<scalar_t>() : nullptr;
+  const int64_t sw0 = has_gw ? gw.stride(0) : 0, sw1 = has_gw ? gw.stride(1) : 0,
+                sw2 = has_gw ? gw.stride(2) : 0;
+  scalar_t* pgx = gx.data_ptr<scalar_t>();
+  double* pge = geps.data_ptr<double>();
+  bool* psafe = safe.data_ptr<bool>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    Work w;
+    Prob pb;
+    for (int64_t row = b0; row < b1; ++row) {
+      scalar_t* gxr = pgx + row * n;
+      std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+      pge[row] = 0.0;
+      psafe[row] = true;
+      if (ps[row] != 0) continue;
+      const scalar_t* xr = px + row * n;
+      const double* st = pst + row * lay.size();
+      const double inv_eps = 1.0 / eps[row];
+      const double* top = st + lay.top();
+      const int64_t cut = static_cast<int64_t>(st[lay.cut()]);
+      const int64_t m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, w);
+      if (m != static_cast<int64_t>(st[lay.count()])) {  // (not the forward's rows)
+        psafe[row] = false;
+        continue;
+      }
+      w.entries(m, big, true);
+      prepare(xr, sign, top, k, big, m, inv_eps, w, pb);
+      double gap[kMaxBig];
+      double* gam = w.p.data();
+      eval_state(pb, st + lay.v(), gam, gap);
+      const double* rr = st + lay.ratio();
+      const double c = st[lay.centre()];
+      // the column-exact plan gam (in place of p), its row sums mu and each entry's largest
+      // column (home: the centring's reference)
+      double* mu = w.mu.data();
+      double* inv_mu = w.inv_mu.data();
+      double* xc = w.xc.data();
+      int32_t* home = w.hbuf.data();
+      for (int64_t i = 0; i < m; ++i) {
+        mu[i] = 0.0;
+        xc[i] = static_cast<double>(xr[w.grouped[i]]);
+      }
+      for (int64_t t = 0; t < big; ++t) {
+        const double f = 1.0 + rr[t];
+        double* gt = gam + t * m;
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+          const double g = gt[i] * f;
+          gt[i] = g;
+          mu[i] += g;
+        }
+      }
+      double* best = w.ref.data();
+      for (int64_t i = 0; i < m; ++i) {
+        inv_mu[i] = 1.0 / std::max(mu[i], kTiny);
+        home[i] = 0;
+        best[i] = -1.0;
+      }
+      for (int64_t t = 0; t < big; ++t) {
+        const double* gt = gam + t * m;
+        for (int64_t i = 0; i < m; ++i) {
+          if (gt[i] > best[i]) {
+            best[i] = gt[i];
+            home[i] = static_cast<int32_t>(t);
+          }
+        }
+      }
+      // the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), the rest 0
+      double* gb = w.gb.data();
+      for (int64_t t = 0; t < big; ++t) {
+        double* gt = gb + t * m;
+        if (t < k) {
+          const double gvt = pgv != nullptr ? pgv[row * k + t] : 0.0;
+          for (int64_t i = 0; i < m; ++i) gt[i] = gvt * xc[i];
+          if (has_gw) {
+            const scalar_t* gwr = pgw + row * sw0 + t * sw1;
+            for (int64_t i = 0; i < m; ++i) {
+              gt[i] += static_cast<double>(gwr[w.grouped[i] * sw2]);
+            }
+          }
+        } else {
+          for (int64_t i = 0; i < m; ++i) gt[i] = 0.0;
+        }
+      }
+      double beta[kMaxBig], rhs[kMaxBig], stepv[kMaxBig], wc[kMaxBig * kMaxBig];
+      for (int64_t t = 0; t < big; ++t) beta[t] = 0.0;
+      double* cen = w.cen.data();
+      double* ref = w.ref.data();
+      double* mean = w.mean.data();
+      centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, cen, ref, mean);
+      contract(gam, cen, m, big, m, rhs);
+      couplings(gam, m, m, big, inv_mu, wc);
+      const double det = laplacian_solve(wc, big, rhs, beta);
+      // one refinement against the exactly formed residual where the solve took the jitter
+      if (big > 3 && det > 0 && det <= 1.0) {
+        centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, m, cen, ref, mean);
+        contract(gam, cen, m, big, m, rhs);
+        laplacian_solve(wc, big, rhs, stepv);
+        for (int64_t t = 0; t < big; ++t) beta[t] += stepv[t];
+      }
+      bool ok = big <= 3 ? det > det_min : det > 0;
+      for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(beta[t]);
+      if (!ok) {
+        psafe[row] = false;
+        continue;
+      }
+      centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, cen, ref, mean);
+      // d values / d y through the plan (slopes t / eps) and directly (the weights)
+      double* acc_y = w.acc_y.data();
+      double* direct = w.direct.data();
+      for (int64_t i = 0; i < m; ++i) {
+        acc_y[i] = 0.0;
+        direct[i] = 0.0;
+      }
+      for (int64_t t = 0; t < big; ++t) {
+        const double ft = static_cast<double>(t);
+        const double gvt = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
+        const double* gt = gam + t * m;
+        const double* ct = cen + t * m;
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+          acc_y[i] += ft * gt[i] * ct[i];
+          direct[i] += gt[i] * gvt;
+        }
+      }
+      double g_e = 0.0;
+      for (int64_t i = 0; i < m; ++i) {
+        const double gy = acc_y[i] * inv_eps;
+        g_e += (pb.yc[i] - c) * gy;
+        gxr[w.grouped[i]] = static_cast<scalar_t>(sign * gy + direct[i]);
+      }
+      pge[row] = need_eps ? -g_e * inv_eps : 0.0;
+    }
+  });
+}
+
+// The implicit VJP (docs/math.md §2.3) of the rows of status 0, for the cotangents gv (B, k)
+// float64 of the values (empty: none) and gw (B, k, n) of the weights (empty: none; any
+// strides): (gx (B, n) in x's dtype, 0 off the candidates and in the rows not solved; geps (B,)
+// float64; safe (B,) bool, false where the system is singular).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> vjp_rows(
+    const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double bpu,
+    int64_t nb, const at::Tensor& state_in, const at::Tensor& status_in, const at::Tensor& gv_in,
+    const at::Tensor& gw_in, bool need_eps, double det_min) {
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  const at::Tensor state = state_in.to(at::kDouble).contiguous();
+  const at::Tensor status = status_in.to(at::kChar).contiguous();
+  const int64_t B = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "vjp_rows: k out of range");
+  const at::Tensor gv = gv_in.numel() > 0 ? gv_in.to(at::kDouble).contiguous() : gv_in;
+  const at::Tensor gw = gw_in.numel() > 0 ? gw_in.to(x.scalar_type()) : gw_in;
+  at::Tensor gx = at::empty({B, n}, x.options());
+  at::Tensor geps = at::empty({B}, x.options().dtype(at::kDouble));
+  at::Tensor safe = at::empty({B}, x.options().dtype(at::kBool));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vjp_rows", [&] {
+    vjp_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, bpu, nb,
+                            state.data_ptr<double>(), status.data_ptr<int8_t>(),
+                            gv.numel() > 0 ? gv.data_ptr<double>() : nullptr, gw, need_eps,
+                            det_min, gx, geps, safe);
+  });
+  return {gx, geps, safe};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(softops_sorted, m) {
+  m.def(
+      "solve_rows(Tensor x, Tensor eps, bool largest, int k, float tau, float bpu, float limit, "
+      "float span_max, Tensor bin_weight, float tol, int max_steps, int halvings) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "vjp_rows(Tensor x, Tensor eps, bool largest, int k, float bpu, int nb, Tensor state, "
+      "Tensor status, Tensor gv, Tensor gw, bool need_eps, float det_min) -> "
+      "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(softops_sorted, CPU, m) {
+  m.impl("solve_rows", &solve_rows);
+  m.impl("vjp_rows", &vjp_rows);
+}

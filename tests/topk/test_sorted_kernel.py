@@ -1,0 +1,228 @@
+"""The C++ kernel of the sorted SOFT top-k (softops/topk/_sorted_kernel.cpp: the operators
+``softops::sorted_topk_solve`` and ``softops::sorted_topk_vjp``) against the torch code it stands
+in for (the candidate set chosen and solved in torch, :func:`softops._kernels.backend`
+``"reference"``): values, weights and gradients in x and epsilon on adversarial rows, the rows it
+leaves to the torch code, and the operators' registrations.
+
+The kernel is built ahead of time (``python -m softops._kernels``). Where it is not built these
+tests skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import softops
+from softops._kernels import backend
+from softops.topk import _sorted
+from tests._helpers import seeded
+
+F64 = torch.float64
+F32 = torch.float32
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def ops():
+    """The kernel's operators (``torch.ops.softops_sorted``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
+        built = _sorted.KERNEL.ops()
+    if built is None:
+        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
+            pytest.fail("the C++ kernel softops_sorted is not built (python -m softops._kernels)")
+        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
+    return built
+
+
+def _run(x, k, eps, largest=True, seed=0):
+    """values, weights and the gradients in x and (a tensor) epsilon of one loss on both."""
+    x = x.detach().clone().requires_grad_()
+    e = eps.detach().clone().requires_grad_() if isinstance(eps, torch.Tensor) else eps
+    out = softops.soft_topk(x, k, epsilon=e, largest=largest)
+    g = seeded(seed)
+    gv = torch.randn(out.values.shape, generator=g, dtype=x.dtype)
+    gw = torch.randn(out.weights.shape, generator=g, dtype=x.dtype)
+    finite_v = torch.where(torch.isfinite(out.values), out.values, 0)
+    finite_w = torch.where(torch.isfinite(out.weights), out.weights, 0)
+    loss = (finite_v * gv).sum() + (finite_w * gw).sum()
+    inputs = [x] + ([e] if isinstance(e, torch.Tensor) else [])
+    grads = torch.autograd.grad(loss, inputs)
+    return (out.values.detach(), out.weights.detach(), *grads)
+
+
+def _both(x, k, eps, largest=True, tol=None):
+    with backend("kernel"):
+        assert _sorted._path(x, k, x.shape[-1], 1e-6, True, True) == "kernel"
+        fast = _run(x, k, eps, largest)
+    with backend("reference"):
+        ref = _run(x, k, eps, largest)
+    if tol is None:
+        tol = 1e-9 if x.dtype == F64 else 2e-4
+    # the gradients to a relative tolerance (a sum of many terms at a small epsilon)
+    gtol = max(tol, 1e-7) if x.dtype == F64 else tol
+    for i, (a, b) in enumerate(zip(fast, ref, strict=True)):
+        t = tol if i < 2 else gtol
+        torch.testing.assert_close(a, b, rtol=t, atol=tol, equal_nan=True)
+    return fast
+
+
+def _rows(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = seeded(seed)
+    x = torch.randn(4, n, generator=g, dtype=F64)
+    if kind == "ties":
+        x = (x * 2).round() / 2
+    elif kind == "constant":
+        x = torch.full((4, n), 0.7, dtype=F64)
+    elif kind == "spread":  # far apart: nearly one-hot at epsilon 0.1
+        x = x * 50
+    elif kind == "logits":
+        x = torch.log_softmax(3 * x, -1)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant", "spread", "logits"])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (9, 1), (40, 8), (40, 31), (70, 32), (600, 5)])
+def test_the_kernel_equals_the_torch_code(ops, dtype, kind, n, k) -> None:
+    x = _rows(kind, n, dtype, seed=n + k)
+    eps = torch.tensor([0.02, 0.1, 1.0, 30.0], dtype=dtype)
+    _both(x, k, eps)
+    _both(x, k, 0.1, largest=False)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("eps", [1e-4, 1e4])
+def test_tiny_and_huge_epsilon(ops, dtype, eps) -> None:
+    x = _rows("normal", 50, dtype, seed=3)
+    tol = 1e-7 if dtype == F64 else 2e-3
+    _both(x, 4, eps, tol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_rows_with_infinities_or_nan_are_solved_in_full(ops, dtype) -> None:
+    x = _rows("normal", 30, dtype, seed=5)
+    x[1, 3] = math.inf
+    x[2, 7] = math.nan
+    x[3, :20] = -math.inf
+    values, weights = _both(x, 3, 0.2)[:2]
+    assert float(values[1, 0]) == math.inf and bool(values[2].isnan().all())
+    assert bool(torch.isfinite(weights[[0, 1, 3]]).all())
+    status = _sorted.SOLVE_OP(x, torch.full((4,), 0.2, dtype=dtype), 3, True, 2000, 1e-6)[3]
+    assert status.tolist() == [0, 2, 2, 2]
+
+
+def test_an_empty_batch(ops) -> None:
+    x = torch.empty(0, 12, dtype=F64, requires_grad=True)
+    out = softops.soft_topk(x, 3)
+    assert out.values.shape == (0, 3) and out.weights.shape == (0, 3, 12)
+    out.values.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 12)
+    for op_out in _sorted.SOLVE_OP(x.detach(), torch.ones(0, dtype=F64), 3, True, 100, 1e-9):
+        assert op_out.shape[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_the_candidate_set_bounds_the_error_of_the_full_solve(ops, dtype) -> None:
+    # docs/math.md §2.4: every weight within tau of the full problem's
+    x = torch.randn(3, 2000, generator=seeded(6), dtype=dtype)
+    out = _sorted._soft_topk(x, 8, epsilon=0.1, tol=1e-13 if dtype == F64 else 1e-7)
+    full = _sorted._soft_topk(x, 8, epsilon=0.1, reduce=False, tol=1e-13, max_iter=100_000)
+    tau = _sorted._candidate_tolerance(dtype)
+    slack = 1e-12 if dtype == F64 else 2e-6  # (the solves' own tolerances)
+    assert float((out.weights - full.weights).abs().max()) <= tau + slack
+    assert bool((out.weights == 0).any())  # (the set dropped entries)
+
+
+def test_rows_the_kernel_leaves_and_singular_systems_take_the_torch_code(ops, monkeypatch) -> None:
+    x = torch.randn(4, 300, generator=seeded(8), dtype=F64)
+    ref = _both(x, 5, 0.1)
+    monkeypatch.setattr(_sorted, "_KERNEL_STEPS", 0)  # no Newton step: every row is left over
+    calls = []
+
+    def spy(name):
+        real = getattr(_sorted, name)
+
+        def wrapped(x2, *args):
+            calls.append((name, x2.shape[0]))
+            return real(x2, *args)
+
+        monkeypatch.setattr(_sorted, name, wrapped)
+
+    spy("_candidate_rows")
+    spy("_candidate_vjp")
+    with backend("kernel"):
+        out = _run(x, 5, 0.1)
+    # the forward and the backward, every row in torch
+    assert calls == [("_candidate_rows", 4), ("_candidate_vjp", 4)]
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_a_singular_row_is_redone_in_torch(ops) -> None:
+    # a column with no coupling left (epsilon far below the gaps): the kernel's VJP is not safe
+    x = torch.tensor([[40.0, 20.0, 0.0, -20.0, 1.0], [0.3, -0.1, 0.8, 0.5, 0.0]], dtype=F64)
+    eps = torch.tensor([0.02, 0.3], dtype=F64)
+    solve = _sorted.SOLVE_OP(x, eps, 2, True, 2000, 1e-9)
+    status, state = solve[3], solve[4]
+    gv = torch.ones(2, 2, dtype=F64)
+    assert status.tolist() == [0, 0]
+    gx, _, safe = ops.vjp_rows(
+        x,
+        eps,
+        True,
+        2,
+        _sorted._BINS_PER_UNIT,
+        200,
+        state,
+        status,
+        gv,
+        x.new_empty(0),
+        True,
+        _sorted.DET_MIN,
+    )
+    assert safe.tolist() == [False, True]
+    assert float(gx[0].abs().max()) == 0.0 and bool(torch.isfinite(gx).all())
+    _both(x, 2, eps, tol=1e-8)
+
+
+def test_gradcheck_and_gradgradcheck_through_the_kernel(ops) -> None:
+    x = torch.randn(3, 11, generator=seeded(12), dtype=F64, requires_grad=True)
+    eps = torch.tensor([0.05, 0.3, 2.0], dtype=F64, requires_grad=True)
+
+    def fn(t, e):
+        res = softops.soft_topk(t, 3, epsilon=e)
+        return res.values, res.weights
+
+    with backend("kernel"):
+        assert torch.autograd.gradcheck(fn, (x, eps))
+        assert torch.autograd.gradgradcheck(fn, (x, eps))
+
+
+@pytest.mark.parametrize("back_end", ["kernel", "reference"])
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end, dtype) -> None:
+    x = torch.randn(3, 20, generator=seeded(13), dtype=dtype)
+    x[2, 4] = math.nan  # a row left to the caller
+    eps = torch.tensor([0.1, 0.5, 0.1], dtype=dtype)
+    gv = torch.randn(3, 4, generator=seeded(14), dtype=dtype)
+    gw = torch.randn(3, 4, 20, generator=seeded(15), dtype=dtype)
+    with backend(back_end):
+        for k in (4, 20):
+            args = (x, eps, k, True, 2000, 1e-6)
+            torch.library.opcheck(_sorted.SOLVE_OP, args)
+            _, _, _, status, state = _sorted.SOLVE_OP(*args)
+            grads = (gv[:, :k] if k == 4 else None, gw if k == 4 else None)
+            vjp = (x, eps, state, status, *grads, k, True, 2000, 1e-6, True)
+            torch.library.opcheck(_sorted.VJP_OP, vjp)
+    # vmap: the vmapped dimension folds into the rows
+    with backend(back_end):
+        xb = x[:2].unsqueeze(0).expand(2, 2, 20)
+        out = torch.func.vmap(lambda r: _sorted.SOLVE_OP(r, eps[:2], 4, True, 2000, 1e-6)[1])(xb)
+        one = _sorted.SOLVE_OP(x[:2], eps[:2], 4, True, 2000, 1e-6)[1]
+        torch.testing.assert_close(out, one.expand(2, 2, 4))
