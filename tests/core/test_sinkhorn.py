@@ -752,3 +752,36 @@ def test_sinkhorn_plan_checked_is_sinkhorn_plan_and_says_when_every_row_converge
     rough = torch.randn(5, 7, 3, generator=g, dtype=torch.float64)
     _, res2, clean2 = sinkhorn.sinkhorn_plan_checked(rough, log_a, log_b, eps, 2, 1e-14)
     assert clean2 is False and not bool(res2.converged.all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("m", [2, 3])
+@pytest.mark.parametrize("newton", [False, True])
+def test_columns_of_subnormal_mass(dtype, m, newton):
+    """(KD17) Column masses at and below the smallest normal number (down to a few subnormal
+    ulps): the linear column sums of the loop rounded to 0 (``sigmoid`` gives 0 below
+    ``1 / finfo.max``), ``log 0`` sent the column's potential to ``+inf`` and the plan to NaN.
+    Sums at or below the safe level are taken in log space, and subnormal plan entries are
+    formed there: every row converges and its columns carry their masses."""
+    from softops.solvers import sinkhorn as solve
+
+    tiny = torch.finfo(dtype).tiny
+    g = seeded(17)
+    for small in (tiny, tiny / 4, tiny / 16, tiny * 2.0**-20, tiny * 2**10):
+        for cost in (torch.zeros(2, 5, m), torch.rand(2, 5, m, generator=g)):
+            b = torch.full((2, m), small, dtype=F64)
+            b[:, 0] = 1 - (m - 1) * small
+            res = solve(
+                cost.to(dtype),
+                torch.full((2, 5), 0.2, dtype=dtype),
+                b.to(dtype),
+                1.0,
+                newton=newton,
+            )
+            assert res.converged.all() and not res.plan.isnan().any(), (small, res.plan)
+            cols = res.plan.double().sum(-2)[:, 1:]
+            # a subnormal column holds its mass to the resolution of its entries
+            ulp = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+            want = b.to(dtype).double()[:, 1:]
+            tol = (1e-5 if dtype == torch.float32 else 1e-12) * want + 5 * 5 * ulp
+            assert ((cols - want).abs() <= tol).all(), (small, cols, want)

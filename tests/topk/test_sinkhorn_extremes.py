@@ -100,3 +100,20 @@ def test_entries_far_beyond_the_gaps_equal_method_ot(dtype, largest):
         got = softops.soft_topk_mask(x, k, epsilon=eps, largest=largest, method="sinkhorn")
         want = softops.soft_topk_mask(x, k, epsilon=eps, largest=largest, method="ot")
         torch.testing.assert_close(got, want, atol=tol, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_kd17_a_subnormal_target_mass_equals_method_ot(dtype):
+    """(KD17) k from the smallest normal number up to n of it: the target mass k / n is
+    subnormal, and the solver's linear column sums rounded to 0 (a NaN mask on tied rows). Now
+    the mask equals method "ot" (float64), and its gradient is finite."""
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 1.0, -1.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    x = x.to(dtype).requires_grad_()
+    for k in (tiny, 3 * tiny, 3.99 * tiny):
+        got = softops.soft_topk_mask(x, k, epsilon=1.0, method="sinkhorn")
+        want = softops.soft_topk_mask(x.detach().double(), k, epsilon=1.0, method="ot")
+        rtol = 2e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=0)
+        (grad,) = torch.autograd.grad(got, x, torch.ones_like(got))
+        assert torch.isfinite(grad).all()
