@@ -152,26 +152,41 @@ double laplacian_solve(const double* w, int64_t big, const double* rhs, double* 
 }
 
 // w[j, o] = sum_i a_i P_ji P_oi (j != o; a = 1 where null) for P (big, m) of row stride ld, in
-// chunks of entries (every pair of a chunk's targets while it is in the cache).
+// chunks of entries (every pair of a chunk's targets while it is in the cache), four targets o
+// at a time (four independent sums: a single one waits on its own additions).
 void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double* a, double* w) {
   for (int64_t j = 0; j < big; ++j) {
     for (int64_t o = 0; o < big; ++o) w[j * kMaxBig + o] = 0.0;
   }
+  double paj[kChunk];
   for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
-    const int64_t i1 = std::min(m, i0 + kChunk);
+    const int64_t len = std::min(m, i0 + kChunk) - i0;
     for (int64_t j = 0; j < big; ++j) {
-      const double* pj = p + j * ld;
-      for (int64_t o = j + 1; o < big; ++o) {
-        const double* po = p + o * ld;
-        double acc = 0.0;
-        if (a != nullptr) {
-#pragma omp simd reduction(+ : acc)
-          for (int64_t i = i0; i < i1; ++i) acc += a[i] * pj[i] * po[i];
-        } else {
-#pragma omp simd reduction(+ : acc)
-          for (int64_t i = i0; i < i1; ++i) acc += pj[i] * po[i];
+      const double* pj = p + j * ld + i0;
+      if (a != nullptr) {
+        for (int64_t i = 0; i < len; ++i) paj[i] = a[i0 + i] * pj[i];
+      } else {
+        for (int64_t i = 0; i < len; ++i) paj[i] = pj[i];
+      }
+      for (int64_t o = j + 1; o < big; o += 4) {
+        // (the rows past the last target are the first one again, their sums discarded)
+        const double* p0 = p + o * ld + i0;
+        const double* p1 = p + (o + 1 < big ? o + 1 : o) * ld + i0;
+        const double* p2 = p + (o + 2 < big ? o + 2 : o) * ld + i0;
+        const double* p3 = p + (o + 3 < big ? o + 3 : o) * ld + i0;
+        double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t i = 0; i < len; ++i) {
+          const double q = paj[i];
+          s0 += q * p0[i];
+          s1 += q * p1[i];
+          s2 += q * p2[i];
+          s3 += q * p3[i];
         }
-        w[j * kMaxBig + o] += acc;
+        w[j * kMaxBig + o] += s0;
+        if (o + 1 < big) w[j * kMaxBig + o + 1] += s1;
+        if (o + 2 < big) w[j * kMaxBig + o + 2] += s2;
+        if (o + 3 < big) w[j * kMaxBig + o + 3] += s3;
       }
     }
   }
@@ -751,11 +766,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         const double* pt = p + t * m;
         scalar_t* wt = wr + t * n;
         double acc = 0.0;
-        for (int64_t i = 0; i < m; ++i) {
-          const double q = pt[i] * f;
-          acc += q * pb.yc[i];
-          wt[w.grouped[i]] = static_cast<scalar_t>(q);
-        }
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < m; ++i) acc += (pt[i] * f) * pb.yc[i];
+        for (int64_t i = 0; i < m; ++i) wt[w.grouped[i]] = static_cast<scalar_t>(pt[i] * f);
         pv[row * k + t] = sign * acc;
       }
     }
