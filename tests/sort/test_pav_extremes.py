@@ -377,3 +377,31 @@ def test_the_kernel_layer_switches_the_backend_here_too():
             )
             is None
         )
+
+
+SUBNORMAL = 5e-324  # float64's smallest subnormal
+
+
+@pytest.mark.parametrize("eps", [2.2250738585072014e-308, 2.3e-308, 1e-307, 2.0**-1016])
+def test_kd18_l2_sort_and_quantile_of_subnormal_rows_at_the_smallest_epsilon(eps, backend):
+    """(KD18) Rows of subnormal float64 entries at an epsilon near the smallest normal number:
+    rho / epsilon is near the largest float64, so the row is solved scaled by a power of two c
+    (its gaps would overflow), and c w, subnormal, lost bits: the sort of [0, 0, 7.9e-322] at
+    epsilon = finfo.tiny gave 6.3e-322. The output is now formed in the row's own frame (w_r for
+    a singleton block). Every gap of x is far below 1 / epsilon here, so the value is that at
+    epsilon = 1e-300 (solved unscaled), the hard sort, exactly."""
+    g = torch.Generator().manual_seed(18)
+    q = torch.tensor([0.0, 0.3, 0.5, 1.0], dtype=F64)
+    ops = (
+        lambda v, e: soft_sort(v, epsilon=e),
+        lambda v, e: soft_sort(v, epsilon=e, descending=True),
+        lambda v, e: soft_quantile(v, q, epsilon=e),
+    )
+    for n in (2, 3, 5, 8):
+        for _ in range(6):
+            units = torch.randint(-400, 400, (3, n), generator=g, dtype=torch.int64)
+            x = units.to(F64) * SUBNORMAL
+            x[0, 0] = x[0, -1]  # a tie
+            for fn in ops:
+                assert torch.equal(fn(x, eps), fn(x, 1e-300)), (x, fn(x, eps), fn(x, 1e-300))
+            assert torch.equal(soft_sort(x, epsilon=eps), x.sort(-1).values)
