@@ -85,3 +85,36 @@ def test_gradients_match_central_differences_where_eps_squared_or_the_cost_leave
     central, analytic = _central(x, e, dx, de, w)
     size = abs(analytic) + 1e-300
     assert abs(central - analytic) <= 1e-6 * size, (central, analytic)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"method": "ot"},
+        {"method": "softsort", "distance": "l2"},
+        {"method": "neuralsort"},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kd19_sort_of_subnormal_rows_is_a_convex_combination(kw, dtype):
+    """(KD19) The sorted values ``P @ x`` of a row of subnormal entries: every product
+    ``P_ij x_j`` rounded to the dtype's absolute grid, so a constant row of 5e-323 came back
+    3.5e-323 (outside [min x, max x]). The combination is now formed on the row scaled by a
+    power of two and scaled back once. At every epsilon the op takes (from the smallest normal
+    number, far above the squared gaps) the value is the row's mean up to about gap**2 /
+    epsilon, nothing in the dtype: the output equals the exact mean to one subnormal ulp, and a
+    constant row comes back exactly."""
+    fi = torch.finfo(dtype)
+    ulp = fi.smallest_normal * fi.eps  # the smallest subnormal
+    g = torch.Generator().manual_seed(19)
+    for n in (1, 2, 5, 7):
+        const = torch.full((2, n), 10 * ulp, dtype=F64).to(dtype)
+        assert torch.equal(softops.soft_sort(const, epsilon=1.0, **kw), const)
+        units = torch.randint(-300, 300, (3, n), generator=g).to(F64)
+        x = (units * ulp).to(dtype)
+        mean = units.mean(-1, keepdim=True) * ulp
+        for eps in (fi.smallest_normal, 1e-30, 1.0):
+            got = softops.soft_sort(x, epsilon=eps, **kw).double()
+            assert ((got - mean).abs() <= ulp).all(), (x, got, mean)
+            lo, hi = x.double().amin(-1, keepdim=True), x.double().amax(-1, keepdim=True)
+            assert ((got >= lo) & (got <= hi)).all(), (x, got)

@@ -80,7 +80,7 @@ from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
-from softops.sort._chunked import positions
+from softops.sort._chunked import convex_combination, positions, small_rows
 from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "masked", "rank", "sort"]
@@ -157,7 +157,7 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
     y = torch.sort(xd, dim=-1).values  # the hard sort: ±inf at the ends, NaN last
     if kind == "sort":
         xf = torch.where(torch.isfinite(xd), x2.double(), 0.0)
-        v = torch.linalg.vecdot(p, xf.unsqueeze(1))
+        v = convex_combination(p, xf, small_rows(xf))
         v = torch.where(torch.isfinite(y), v, y).to(x2.dtype)
         return v.flip(-1) if descending else v
     if kind == "rank":
@@ -213,7 +213,8 @@ def sort(
         Transport. NeurIPS 2019. arXiv:1905.11885.
     """
     p, _ = _plan(x2, eps, opts)
-    v = torch.linalg.vecdot(p, x2.double().unsqueeze(1)).to(x2.dtype)
+    x64 = x2.double()
+    v = convex_combination(p, x64, small_rows(x64)).to(x2.dtype)
     return v.flip(-1) if descending else v
 
 
