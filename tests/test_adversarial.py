@@ -449,20 +449,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         steep = n_of(xd) * scale / eps_x > fi.max / 2**10
         out["grad_x"] = out["grad_x"] | steep
         out["grad_k"] = out["grad_k"] | steep
-    if case.method == "pav" and case.kw.get("regularization", "l2") == "l2" and cd == F64:
-        if case.op in ("soft_sort", "soft_quantile"):
-            # KD18 (PAV, l2, float64): where rho / epsilon is within 2**24 of the largest
-            # float64 a row of subnormal entries comes back tens of subnormal ulps off (the
-            # sort of [0, 0, 7.9e-322] at epsilon = finfo.tiny gives 6.3e-322)
-            top = torch.where(fin, xd.abs(), 0).amax(-1)
-            near_max = n_of(xd) / eps > fi.max / 2**24
-            out["invariants"] = out["invariants"] | (near_max & (top < fi.tiny))
-            out["value"] = out["value"] | (near_max & (top < fi.tiny))
-    if case.method == "sinkhorn" and "k" in call and cd == torch.float32:
-        # KD17 (softops/_core/sinkhorn.py): a target mass k/n below the smallest normal float32
-        # (k itself normal: smaller k is the limit 0) can give NaN (test_known_defect)
-        k = k_per_row(call["k"], b, call["x"].dtype)
-        out["row"] = out["row"] | ((k > 0) & (k < n_of(xd) * adv.SMALLEST_K))
     return out
 
 
@@ -1066,81 +1052,13 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-def _kd16_sparse_at_the_smallest_normal_k() -> None:
-    """topk/_sparse.py: k = finfo(float32).tiny (a normal float32, so solved, not the limit
-    k -> 0), float32: the row does not converge within max_iter=100 (a ConvergenceWarning);
-    k = 1e-37 converges at once."""
-    x = torch.tensor([[0.0, 1.0, 2.0]])
-    k = torch.finfo(torch.float32).tiny
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = softops.soft_topk_mask(x, k, epsilon=1.0, method="sparse")
-    assert not caught, [str(w.message) for w in caught]
-    assert float(out.double().sum()) == pytest.approx(k, rel=1e-6)
-
-
-def _kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon() -> None:
-    """PAV (l2), float64: at epsilon = finfo.tiny, rho / epsilon = (3, 2, 1) / 2.2e-308 is near
-    the largest float64, and the sort of a row of subnormal entries is tens of subnormal ulps
-    off its hard limit (the row itself): 6.3e-322 for 7.9e-322. (Not in float32, nor with
-    regularization="kl".)"""
-    x = torch.tensor([[0.0, 0.0, 7.9e-322]], dtype=F64)
-    out = softops.soft_sort(x, epsilon=torch.finfo(F64).tiny)
-    assert torch.equal(out, x), out.tolist()
-
-
-def _kd17_sinkhorn_with_a_subnormal_target_mass() -> None:
-    """_core/sinkhorn.py, float32: a column mass below the smallest normal number (here tiny/4,
-    the mass k/n of soft_topk_mask(method="sinkhorn") at k = tiny, n = 4) on a row of tied costs
-    gives a NaN plan and converged=False; with distinct costs it converges (and float64 at its
-    own tiny/4 too)."""
-    from softops.solvers import sinkhorn
-
-    m = torch.finfo(torch.float32).tiny / 4
-    cost = torch.zeros(1, 4, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", softops.ConvergenceWarning)
-        res = sinkhorn(cost, torch.full((1, 4), 0.25), torch.tensor([[1 - m, m]]), 1.0)
-    assert not res.plan.isnan().any(), res.plan
-    mask = softops.soft_topk_mask(torch.zeros(1, 4), 4 * m, epsilon=1.0, method="sinkhorn")
-    assert not mask.isnan().any(), mask
-
-
-def _kd19_l2_sort_of_a_constant_subnormal_row() -> None:
-    """Sort "ot" and "softsort" (l2), float64: a constant row of subnormal entries (5e-323) with
-    a normal epsilon: the sorted output leaves [min x, max x] (found by the slow profile's
-    forward_backward; the weighted averages of subnormal values round coarser than the values).
-    Not yet excluded from the slow profile's checks."""
-    x = torch.full((1, 7), 5e-323, dtype=F64)
-    for kw in ({"method": "softsort", "distance": "l2"}, {"method": "ot"}):
-        out = softops.soft_sort(x, epsilon=1e-300, **kw)
-        assert bool(((out >= x.min()) & (out <= x.max())).all()), (kw, out.tolist())
-
-
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "kd16_sparse_at_the_smallest_normal_k": (
-        _kd16_sparse_at_the_smallest_normal_k,
-        "topk/_sparse.py: no convergence at k = finfo(float32).tiny in float32",
-    ),
-    "kd17_sinkhorn_with_a_subnormal_target_mass": (
-        _kd17_sinkhorn_with_a_subnormal_target_mass,
-        "_core/sinkhorn.py: NaN plan for a subnormal column mass on tied costs",
-    ),
-    "kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon": (
-        _kd18_pav_l2_sort_of_subnormal_rows_at_the_smallest_epsilon,
-        "PAV l2 (sort/_pav.py, _core/isotonic.py): subnormal rows off by tens of ulps at rho/eps",
-    ),
-    "kd19_l2_sort_of_a_constant_subnormal_row": (
-        _kd19_l2_sort_of_a_constant_subnormal_row,
-        "sort 'ot' and softsort l2: a constant subnormal row sorts outside [min x, max x]",
-    ),
-}
-"""Open: KD16 (topk/_sparse.py; the suite allows a ConvergenceWarning, so no row is skipped for
-it), KD17 (_core/sinkhorn.py; rows of method "sinkhorn" with 0 < k < n * tiny are skipped),
-KD18 (PAV l2 sort and quantile of subnormal float64 rows where n / epsilon is near the largest
-float64: their invariants and value are not checked).
-Fixed: KD13 (topk/_sinkhorn.py), KD14 and KD15 (topk/_sparse.py), whose reproducers are
-regression tests in tests/topk/test_sinkhorn_extremes.py and test_sparse.py."""
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
+"""Open: none.
+Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
+KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp) and KD19 (sort "ot", softsort l2 and
+neuralsort: sort/_chunked.py), whose reproducers are regression tests for their classes in
+tests/topk/test_sinkhorn_extremes.py, tests/topk/test_sparse.py, tests/core/test_sinkhorn.py,
+tests/sort/test_pav_extremes.py and tests/sort/test_ot_extremes.py."""
 
 
 @pytest.mark.parametrize(
