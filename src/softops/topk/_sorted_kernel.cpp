@@ -479,7 +479,7 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
     const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
     if (!(std::abs(a) <= kFar)) return kInf;
     rho[j] = std::exp(a);
-    irho[j] = std::exp(-a);
+    irho[j] = 1.0 / rho[j];  // (within a unit of rounding of exp(-a); |a| <= 600)
   }
   for (int64_t j = 0; j < big; ++j) {
     colsum[j] = 0.0;
