@@ -794,3 +794,32 @@ def test_shared_checks_and_hits_named_after_the_caller():
     torch.testing.assert_close(hit, torch.tensor([1.0, 1.0, 0.5]), atol=1e-4, rtol=0)
     hard = metrics.true_class_topk_membership(p, t, 1, 0.1, "ot", True)
     assert hard.tolist() == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("average", ["macro", "micro", "binary"])
+@pytest.mark.parametrize("kind", ["precision", "recall", "f1"])
+def test_probability_inputs_with_a_tiny_predicted_mass_have_the_exact_gradient(
+    kind, average, dtype
+):
+    """(issue 23) Probability inputs where a class with a true member is predicted with a mass P
+    whose square underflows (P below sqrt(finfo.tiny), down to the smallest normal number): the
+    backward of TP / P formed TP / P**2 = inf and the gradient was NaN, where the derivative
+    (TP / P) / P is finite. The ratio is now formed on both terms scaled by a power of two: the
+    gradient is finite, and in float32 equals the float64 one of the same probabilities."""
+    tiny = torch.finfo(dtype).tiny
+    masses = [1e-20, 1e-30, tiny] if dtype == torch.float32 else [1e-160, 1e-300, tiny]
+    fn = METRICS[kind]
+    for s in masses:
+        p = torch.tensor([[1 - 2 * s, s, s], [0.5, 0.5 - s, s], [0.25, 0.75, 0.0]], dtype=F64)
+        t = torch.tensor([0, 2, 1])
+        if average == "binary":
+            p, t = torch.stack([1 - p[:, 2], p[:, 2]], -1)[:, 1], torch.tensor([0, 1, 0])
+        got_p = p.to(dtype).requires_grad_(True)
+        value = fn(got_p, t, average=average)
+        (grad,) = torch.autograd.grad(value, got_p)
+        assert bool(torch.isfinite(grad).all()), (s, grad)
+        if dtype == torch.float32:  # float64 holds the same probabilities' squares
+            want_p = got_p.detach().double().requires_grad_(True)
+            (want,) = torch.autograd.grad(fn(want_p, t, average=average), want_p)
+            torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=0)

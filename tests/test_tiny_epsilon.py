@@ -243,3 +243,49 @@ def test_a_tensor_k_below_the_smallest_normal_of_the_dtype_is_0_with_the_gradien
     (g,) = torch.autograd.grad((out * w).sum(), k)
     (g0,) = torch.autograd.grad((ref * w).sum(), k0)
     assert torch.equal(g, g0) and torch.isfinite(g).all()
+
+
+def _other_public_ops(dtype: torch.dtype, eps: float) -> list[tuple[str, object]]:
+    """(op name, a call with ``epsilon=eps`` on inputs of ``dtype``) for the public ops outside
+    the contract registry that take an epsilon: the solvers, the metrics and losses, the sharded
+    ops (in a world of one), attention and the beam step."""
+    from softops import distributed, losses, metrics, solvers
+    from softops.apps.beam import beam_step
+    from softops.nn import topk_attention
+
+    x = torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, 0.25]], dtype=dtype)
+    y = torch.tensor([2, 0])
+    q = x.unsqueeze(0)
+    half = torch.full((2,), 0.5, dtype=dtype)
+    return [
+        (
+            "sinkhorn",
+            lambda: solvers.sinkhorn(x[:, :2].reshape(1, 2, 2), half[None], half[None], eps),
+        ),
+        ("topk_threshold", lambda: solvers.topk_threshold(x, 1, eps)),
+        ("soft_accuracy", lambda: metrics.soft_accuracy(x, y, from_logits=True, epsilon=eps)),
+        ("soft_f1", lambda: metrics.soft_f1(x, y, average="macro", from_logits=True, epsilon=eps)),
+        ("soft_topk_accuracy", lambda: metrics.soft_topk_accuracy(x, y, 2, epsilon=eps)),
+        ("accuracy_loss", lambda: losses.accuracy_loss(x, y, from_logits=True, epsilon=eps)),
+        ("topk_accuracy_loss", lambda: losses.topk_accuracy_loss(x, y, 2, epsilon=eps)),
+        ("spearman_loss", lambda: losses.spearman_loss(x, x.flip(-1), epsilon=eps)),
+        ("distributed.soft_topk_mask", lambda: distributed.soft_topk_mask(x, 1, epsilon=eps)),
+        ("topk_attention", lambda: topk_attention(q, q, q, 1, epsilon=eps)),
+        ("beam_step", lambda: beam_step(x[:, :1], x.unsqueeze(1).log_softmax(-1), epsilon=eps)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+def test_every_public_op_refuses_an_epsilon_below_the_smallest_normal_of_its_dtype(dtype):
+    """The solvers, metrics, losses, sharded ops, attention and the beam step validate epsilon
+    against the compute dtype of their input as the registry's ops do (``check_epsilon(dtype=)``):
+    the same ValueError, naming the op; and they take the smallest normal number itself."""
+    tiny = torch.finfo(_cd(dtype)).tiny
+    for eps in _too_small(dtype):
+        for op, call in _other_public_ops(dtype, eps):
+            with pytest.raises(ValueError, match=_refused_pattern(op, dtype, repr(eps))):
+                call()
+    for _op, call in _other_public_ops(dtype, tiny):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()  # no error

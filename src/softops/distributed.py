@@ -327,7 +327,7 @@ def _validate(
             f"{x.device}."
         )
     d = check_dim(x, dim, op)
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=x.dtype)
     k, k_scalar = check_mask_k(op, k, None, method, hard=hard, epsilon=epsilon)
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)

@@ -396,7 +396,7 @@ def _check_ranking(
     check_choice(reduction, _REDUCTIONS, op, "reduction")
     if epsilon is None:  # relative to each row: computed by the loss, with x
         return d, n, None
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=input.dtype)
     if isinstance(epsilon, torch.Tensor):  # checked here so that errors name this op
         batch_shape = input.movedim(d, -1).shape[:-1]
         row_param(epsilon, batch_shape, op, "epsilon", epsilon.dtype, epsilon.device)

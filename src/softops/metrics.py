@@ -189,7 +189,9 @@ def _check_input(input: Any, op: str, name: str = "input") -> None:
         )
 
 
-def _check_logits_args(from_logits: Any, epsilon: Any, op: str) -> float | torch.Tensor:
+def _check_logits_args(
+    from_logits: Any, epsilon: Any, op: str, dtype: torch.dtype
+) -> float | torch.Tensor:
     check_bool(from_logits, op, "from_logits")
     if not from_logits:
         if isinstance(epsilon, torch.Tensor) or epsilon != 1.0:
@@ -198,7 +200,7 @@ def _check_logits_args(from_logits: Any, epsilon: Any, op: str) -> float | torch
                 f"from_logits=True); got epsilon={epsilon!r}."
             )
         return 1.0
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=dtype)
     if isinstance(epsilon, torch.Tensor) and epsilon.dim() != 0:
         raise ValueError(
             f"{op}: expected `epsilon` to be a float or a 0-dim tensor; "
@@ -220,7 +222,7 @@ def check_classification(
     _check_input(input, op)
     n_classes = 2 if input.dim() == 1 else input.shape[1]
     _check_target(target, input.shape[0], n_classes, input.shape, op)
-    return _check_logits_args(from_logits, epsilon, op)
+    return _check_logits_args(from_logits, epsilon, op, input.dtype)
 
 
 def check_average(average: Any, input: torch.Tensor, op: str) -> str:
@@ -304,7 +306,16 @@ def _safe_divide(
     of ``num`` by ``1 / den``, and ``inf * 0`` is NaN.
     """
     zero = den == 0 if zero is None else zero | (den == 0)
-    return torch.where(zero, 0.0, num / torch.where(zero, 1.0, den))
+    den = torch.where(zero, 1.0, den)
+    # Both scaled by the power of two c that brings den into [1/2, 1) (exact, and a constant
+    # for autograd): the backward of num / den forms num / den**2, whose den**2 underflows to 0
+    # where den is subnormal (inf * 0 = NaN at a finite derivative (num / den) / den);
+    # (num c) / (den c) forms it as (num c) / (den c)**2 times c.
+    # (c in two factors: 2**149 is beyond float32)
+    e = -torch.frexp(den.detach()).exponent
+    c1 = torch.ldexp(torch.ones_like(den), e // 2)
+    c2 = torch.ldexp(torch.ones_like(den), e - e // 2)
+    return torch.where(zero, 0.0, (num * c1 * c2) / (den * c1 * c2))
 
 
 def _confusion(
@@ -808,7 +819,7 @@ def check_topk_classification(
             f"{tuple(scores.shape)}; got k={k}."
         )
     check_choice(method, _TOPK_METHODS, op, "method")
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=scores.dtype)
     if (
         method not in ("ot", "sparse")
         and isinstance(epsilon, torch.Tensor)

@@ -154,7 +154,7 @@ def sinkhorn(
             f"got shape {tuple(cost.shape)}."
         )
     check_bool(newton, op, "newton")
-    epsilon = check_epsilon(epsilon, op)
+    epsilon = check_epsilon(epsilon, op, dtype=cost.dtype)
     cd = compute_dtype(cost.dtype)
     max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, op)
     tol = check_tol(tol, default_tol(cd), op)

@@ -180,6 +180,7 @@ def beam_step(
             raise TypeError(f"{op}: expected a floating {name}; got dtype={t.dtype}.")
         if t.dim() != nd:
             raise ValueError(f"{op}: expected {name} with {nd} dims; got shape {tuple(t.shape)}.")
+    eps = check_epsilon(eps, op, dtype=torch.promote_types(beam_scores.dtype, log_probs.dtype))
     bsz, beam = beam_scores.shape
     if log_probs.shape[:2] != (bsz, beam) or log_probs.shape[2] == 0 or beam == 0:
         raise ValueError(

@@ -184,6 +184,8 @@ def topk_attention_weights(
             f"{op}: expected query and key with the same last dim E; got {query.shape[-1]} and "
             f"{key.shape[-1]}."
         )
+    # epsilon against the dtype of the scores (their compute dtype's smallest normal number)
+    eps = check_epsilon(eps, op, dtype=torch.promote_types(query.dtype, key.dtype))
     check_bool(is_causal, op, "is_causal")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
