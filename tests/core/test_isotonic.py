@@ -570,37 +570,51 @@ def test_l2_vjp_operator_is_the_block_mean_written_out(back_end):
     np.put_along_axis(want_w, pw, mean, 1)
     t = torch.from_numpy
     with backend(back_end):
-        gz, gw, r = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, None, None, False)
+        gz, gw, r = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, None, None, 0)
         assert r.shape == (0,)
         np.testing.assert_allclose(gz.numpy(), want_z, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(gw.numpy(), want_w, rtol=1e-12, atol=1e-12)
-        gz0, gw0, _ = isotonic.L2_VJP_OP(
-            t(g), t(pz), None, t(block), True, False, None, None, False
-        )
+        gz0, gw0, _ = isotonic.L2_VJP_OP(t(g), t(pz), None, t(block), True, False, None, None, 0)
         assert gz0.shape == (B, n) and gw0.shape == (B, 0)
-        # with z = u / f: also sum_j (gs_j - m_j)(u_j - u_ref(j)) / f, u in z's order
+        # with z = u / eps: gz / eps, and the gradient in eps,
+        # -sum_j (gs_j - m_j)(u_j - u_ref(j)) / eps**2, u in z's order
         u = rng.standard_normal((B, n))
-        f = np.array([2.0, 0.5, 4.0])
-        gz2, _, gr = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, t(u), t(f), False)
+        eps = np.array([2.0, 0.5, 4.0])
         us = np.take_along_axis(u, pz, 1)
         first = np.stack(
             [[us[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
         )
         rel = ((gs - mean) * (us - first)).sum(1)
-        np.testing.assert_allclose(gr.numpy(), rel / f, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(gz2.numpy(), want_z, rtol=1e-12, atol=1e-12)
-        _, _, gr = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, t(u), t(f), True)
-        np.testing.assert_allclose(gr.numpy(), rel * f, rtol=1e-12, atol=1e-12)  # z = u * f
+        gz2, _, ge = isotonic.L2_VJP_OP(t(g), t(pz), t(pw), t(block), True, True, t(u), t(eps), 0)
+        np.testing.assert_allclose(ge.numpy(), -rel / eps**2, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gz2.numpy(), want_z / eps[:, None], rtol=1e-12, atol=1e-12)
+        # the descending rank (z = u / -eps: dz/deps = u / eps**2) and the ascending sort
+        # (-P(z, -w) with z = u * (1 / eps): gz negated, ge = <J^T g, z - z_ref> / eps)
+        flip, inv, neg = isotonic.MODE_FLIP, isotonic.MODE_INV, isotonic.MODE_NEGATE
+        gz3, _, ge3 = isotonic.L2_VJP_OP(
+            t(g), t(pz), None, t(block), True, False, t(u), t(eps), flip
+        )
+        np.testing.assert_allclose(ge3.numpy(), rel / eps**2, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gz3.numpy(), -want_z / eps[:, None], rtol=1e-12, atol=1e-12)
+        gz4, _, ge4 = isotonic.L2_VJP_OP(
+            t(g), t(pz), None, t(block), True, False, t(u), t(eps), inv | neg
+        )
+        np.testing.assert_allclose(ge4.numpy(), rel / eps**2, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gz4.numpy(), -want_z / eps[:, None], rtol=1e-12, atol=1e-12)
+        # the sort's cap on 1 / eps: no gradient in eps where it holds
+        tiny = np.array([1e-310, 0.5, 4.0])
+        _, _, ge5 = isotonic.L2_VJP_OP(t(g), t(pz), None, t(block), True, False, t(u), t(tiny), inv)
+        assert ge5[0] == 0 and ge5[2] != 0  # (row 1 is all singletons: 0 there anyway)
         # one row of u for every row
-        _, _, gr1 = isotonic.L2_VJP_OP(
-            t(g), t(pz), None, t(block), True, False, t(u[:1]), t(f), False
+        _, _, ge1 = isotonic.L2_VJP_OP(
+            t(g), t(pz), None, t(block), True, False, t(u[:1]), t(eps), 0
         )
         us1 = np.take_along_axis(np.repeat(u[:1], B, 0), pz, 1)
         first1 = np.stack(
             [[us1[b, np.argmax(block[b] == block[b, j])] for j in range(n)] for b in range(B)]
         )
         np.testing.assert_allclose(
-            gr1.numpy(), ((gs - mean) * (us1 - first1)).sum(1) / f, rtol=1e-12, atol=1e-12
+            ge1.numpy(), -((gs - mean) * (us1 - first1)).sum(1) / eps**2, rtol=1e-12, atol=1e-12
         )
 
 
@@ -611,14 +625,25 @@ def _op_args(dtype):
     block = isotonic.project_l2(s, w).block
     cot = torch.randn(5, 9, generator=g, dtype=dtype)
     pz = torch.stack([torch.randperm(9, generator=g) for _ in range(5)])
-    u, f = torch.randn(5, 9, generator=g, dtype=dtype), torch.rand(5, generator=g, dtype=dtype)
+    u = torch.randn(5, 9, generator=g, dtype=dtype)
+    eps = torch.rand(5, generator=g, dtype=dtype) + 0.1
+    rho = torch.arange(9, 0, -1, dtype=dtype)[None]
+    rank, kl_rank = (
+        isotonic.MODE_SORT_Z,
+        isotonic.MODE_SORT_Z | isotonic.MODE_KL | isotonic.MODE_EXP,
+    )
+    sort = isotonic.MODE_SORT_W | isotonic.MODE_NEGATE | isotonic.MODE_INV
     return [
         (isotonic.PAV_L2_OP, (s,)),
         (isotonic.PAV_KL_OP, (s, w)),
         (isotonic.PROJECT_OP, (s, w, False)),
         (isotonic.PROJECT_OP, (s, w[:1], True)),
-        (isotonic.L2_VJP_OP, (cot, pz, None, block, True, False, None, None, False)),
-        (isotonic.L2_VJP_OP, (cot, None, pz, block, True, True, u, f, True)),
+        (isotonic.PERMUTAHEDRON_OP, (u, rho, eps, rank | isotonic.MODE_FLIP)),
+        (isotonic.PERMUTAHEDRON_OP, (u, rho, eps, kl_rank)),
+        (isotonic.PERMUTAHEDRON_OP, (rho, u, eps, sort)),
+        (isotonic.PERMUTAHEDRON_OP, (rho, u[:1], eps, sort | isotonic.MODE_KL)),
+        (isotonic.L2_VJP_OP, (cot, pz, None, block, True, False, None, None, 0)),
+        (isotonic.L2_VJP_OP, (cot, None, pz, block, True, True, u, eps, isotonic.MODE_INV)),
     ]
 
 
@@ -630,7 +655,7 @@ def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
         require_kernel()
     with backend(back_end):
         for op, args in _op_args(dtype):
-            torch.library.opcheck(op, args)
+            torch.library.opcheck(op.overload, args)
 
 
 @pytest.mark.parametrize("back_end", BACK_ENDS)

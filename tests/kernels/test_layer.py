@@ -183,11 +183,11 @@ def _threshold_args(dtype):
 def test_the_operators_pass_opcheck_on_either_back_end(name, dtype):
     x, k, eps = _threshold_args(dtype)
     with backend(name):
-        torch.library.opcheck(_ot.THRESHOLD_OP, (x, k, eps, 100, 0.0, None, "t"))
-        torch.library.opcheck(_ot.THRESHOLD_OP, (x, k, eps, 100, 0.0, 6.0, "t"))
+        torch.library.opcheck(_ot.THRESHOLD_OP.overload, (x, k, eps, 100, 0.0, None, "t"))
+        torch.library.opcheck(_ot.THRESHOLD_OP.overload, (x, k, eps, 100, 0.0, 6.0, "t"))
         _, s, aux, edge, scale = _ot.THRESHOLD_OP(x, k, eps, 100, 0.0, None, "t")
         g = torch.randn_like(x)
-        torch.library.opcheck(_ot.VJP_OP, (s, aux, g))
+        torch.library.opcheck(_ot.VJP_OP.overload, (s, aux, g))
         torch.library.opcheck(_sparse.SOLVE_OP, (x, k, eps, 100, "t"))
     assert edge.dtype == torch.int8 and scale.shape == (5,)
 
@@ -205,7 +205,7 @@ class _Built(Kernel):
     """A kernel whose operators are given (no build): the CPU path of `define` without C++."""
 
     def __init__(self, ops) -> None:
-        self._given = ops
+        self._given = self._ops = ops  # (loaded: eager calls take the kernel directly)
 
     def ops(self):
         return self._given
@@ -239,7 +239,11 @@ def test_define_registers_reference_cpu_kernel_fake_and_vmap():
         assert torch.equal(op(x), 2 * x) and seen == ["kernel", "reference"]
     assert torch.equal(torch.func.vmap(op)(x), 2 * x)
     assert op(torch.empty(2, 3, device="meta")).shape == (2, 3)  # the fake
-    torch.library.opcheck(op, (x,))
+    torch.library.opcheck(op.overload, (x,))
+    # an eager CPU call takes the kernel without the dispatcher; a traced one the registry
+    seen.clear()
+    graph = torch.fx.experimental.proxy_tensor.make_fx(op)(x)
+    assert "softops_test.twice" in str(graph.graph) and torch.equal(graph(x), 2 * x)
 
 
 def test_the_build_command_reports_each_kernel(ops, capsys):

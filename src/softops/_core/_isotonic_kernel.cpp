@@ -588,8 +588,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
   TORCH_CHECK(!(negate && (mode & kModeExp)), "permutahedron: exp space takes no negation");
   const at::Tensor u = u_in.contiguous(), eps = eps_in.contiguous();
   // w as the projection takes it, before its sort (elementwise maps commute with the sort): the
-  // negation, and the log of exp space by torch's own kernel (as the reference takes it)
-  at::Tensor w = negate ? w_in.neg() : w_in.contiguous();
+  // log of exp space by torch's own kernel (as the reference takes it); the negation row by row
+  // below, or here for a single row of w
+  at::Tensor w = w_in.contiguous();
   if (mode & kModeExp) w = w.log();
   const auto opts = u.options();
   auto out = at::empty({B, n}, opts);
@@ -600,6 +601,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
     return {out, pz, pw, block, at::zeros({}, opts.dtype(at::kLong))};
   }
   const int64_t u_row = Bu == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
+  const bool negate_rows = negate && Bw != 1;
+  if (negate && Bw == 1) w = w.neg();
   if (sort_w && Bw == 1) {  // one row of w for every row: sorted once
     auto sorted = at::sort(w, /*stable=*/true, /*dim=*/1, /*descending=*/true);
     w = std::get<0>(sorted).contiguous();
@@ -623,7 +626,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
       auto keys = work<uint64_t>(4 * n);
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
       auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
-      auto p = work<scalar_t>(n);
+      auto p = work<scalar_t>(n), nw = work<scalar_t>(negate_rows ? n : 0);
       std::vector<double> scaled;
       int64_t rows_bad = 0;
       for (int64_t b = b0; b < b1; ++b) {
@@ -649,10 +652,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
           rs = s.get();
         }
         const scalar_t* rt = rw;
+        if (negate_rows) {
+          for (int64_t j = 0; j < n; ++j) nw[j] = -rw[j];
+          rt = nw.get();
+        }
         if (sort_rows_w) {
+          const scalar_t* key = rt;
           int64_t* idx = ppw + b * n;
-          sort_descending(rw, n, idx, keys.get());
-          for (int64_t j = 0; j < n; ++j) t[j] = rw[idx[j]];
+          sort_descending(key, n, idx, keys.get());
+          for (int64_t j = 0; j < n; ++j) t[j] = key[idx[j]];
           rt = t.get();
         }
         scalar_t* rp = sort_z ? p.get() : po + b * n;
@@ -681,16 +689,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
 // The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g (B, n) in z's order, any
 // strides. pz / pw (B, n) sort z / w descending (absent: already sorted); block (B, n) the block
 // ids in sorted coordinates. With m the block mean of the sorted cotangent gs = g[pz]:
-// gz[pz] = gs - m and gw[pw] = m, each (B, n) where wanted, else (B, 0). With u and f (z = u * f
-// where `inv`, else u / f; u (B or 1, n) in z's order, finite, in g's dtype; f (B,)), also
-// r[b] = sum_j (gs_j - m_j) (u_j - u_ref(j)) times f (inv) or divided by it, u_ref(j) the first
-// entry of j's block (sorted coordinates): <J_z^T g, z - z_ref>, the derivative along z -> c z;
-// r is (B,), or (0,) without u.
+// gz[pz] = gs - m and gw[pw] = m, each (B, n) where wanted, else (B, 0). With eps (B,), z is the
+// scaled u of permutahedron() (`mode` as there: z = u * f or u / f, f from eps), and gz is taken
+// through it (times f, or over f; negated with kModeNegate, where the output is -P(z, -w)). With u
+// too (B or 1 rows, in z's order, finite, g's dtype) also the gradient in eps, ge (B,):
+// <J_z^T g, z - z_ref> / -eps (over +eps with kModeNegate), z_ref the first entry of each block
+// (sorted coordinates), taken on the block-relative differences of u; 0 where the sort's cap on
+// 1 / eps holds. ge is (0,) without u.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
     const at::Tensor& g, const std::optional<at::Tensor>& pz_in,
     const std::optional<at::Tensor>& pw_in, const at::Tensor& block_in, bool want_z,
-    bool want_w, const std::optional<at::Tensor>& u_in, const std::optional<at::Tensor>& f_in,
-    bool inv) {
+    bool want_w, const std::optional<at::Tensor>& u_in, const std::optional<at::Tensor>& eps_in,
+    int64_t mode) {
   check_rows(g, "l2_vjp");
   const int64_t B = g.size(0), n = g.size(1);
   auto rows_of = [&](const at::Tensor& t, const char* what) {
@@ -704,16 +714,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
       pz_in.has_value() ? std::optional<at::Tensor>(rows_of(*pz_in, "pz")) : std::nullopt;
   const std::optional<at::Tensor> pw =
       pw_in.has_value() ? std::optional<at::Tensor>(rows_of(*pw_in, "pw")) : std::nullopt;
-  const bool want_r = u_in.has_value() && f_in.has_value();
-  at::Tensor u, f;
+  const bool scaled = eps_in.has_value();
+  const bool want_r = u_in.has_value() && scaled;
+  const bool inv = mode & kModeInv, flip = mode & kModeFlip, negate = mode & kModeNegate;
+  at::Tensor u, eps;
+  if (scaled) {
+    TORCH_CHECK(eps_in->dim() == 1 && eps_in->size(0) == B &&
+                    eps_in->scalar_type() == g.scalar_type(),
+                "l2_vjp: eps must be (B,), in g's dtype");
+    eps = *eps_in;
+  }
   if (want_r) {
     TORCH_CHECK(u_in->dim() == 2 && (u_in->size(0) == B || u_in->size(0) == 1) &&
                     u_in->size(1) == n && u_in->scalar_type() == g.scalar_type(),
                 "l2_vjp: u must be (B, n) or (1, n), in g's dtype");
-    TORCH_CHECK(f_in->dim() == 1 && f_in->size(0) == B && f_in->scalar_type() == g.scalar_type(),
-                "l2_vjp: f must be (B,), in g's dtype");
     u = *u_in;
-    f = *f_in;
   }
   auto gz = at::empty({B, want_z ? n : 0}, g.options());
   auto gw = at::empty({B, want_w ? n : 0}, g.options());
@@ -725,14 +740,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
   const int64_t g0 = g.stride(0), g1 = g.stride(1);
   const int64_t u0 = want_r ? (u.size(0) == 1 ? 0 : u.stride(0)) : 0;
   const int64_t u1 = want_r ? u.stride(1) : 0;
-  const int64_t f0 = want_r ? f.stride(0) : 0;
+  const int64_t e0 = scaled ? eps.stride(0) : 0;
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "l2_vjp", [&] {
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
     const int64_t* pb = block.const_data_ptr<int64_t>();
     const int64_t* ppz = pz ? pz->const_data_ptr<int64_t>() : nullptr;
     const int64_t* ppw = pw ? pw->const_data_ptr<int64_t>() : nullptr;
     const scalar_t* pu = want_r ? u.const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t* pf = want_r ? f.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pe = scaled ? eps.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t cap = scalar_t(std::numeric_limits<scalar_t>::max() / (4.0 * double(n)));
     scalar_t* pgz = want_z ? gz.data_ptr<scalar_t>() : nullptr;
     scalar_t* pgw = want_w ? gw.data_ptr<scalar_t>() : nullptr;
     scalar_t* pr = want_r ? r.data_ptr<scalar_t>() : nullptr;
@@ -744,6 +760,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
         const int64_t* rb = pb + b * n;
         const int64_t* rz = ppz ? ppz + b * n : nullptr;
         const int64_t* rw = ppw ? ppw + b * n : nullptr;
+        // z = u * f or u / f (the forward's f), and gz taken through it
+        scalar_t f = scalar_t(1), r = scalar_t(1);
+        if (scaled) {
+          const scalar_t e = pe[b * e0];
+          if (inv) {
+            r = scalar_t(1) / e;
+            f = r > cap ? cap : r;
+          } else {
+            f = flip ? -e : e;
+          }
+        }
+        const auto through = [&](scalar_t v) {
+          if (!scaled) return v;
+          v = negate ? -v : v;
+          return inv ? v * f : v / f;
+        };
         // (indices checked as they are read: a malformed one is an error, not a stray write)
         const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
         double total = 0.0;
@@ -766,7 +798,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           for (int64_t e = j0; e < j; ++e) {
             const int64_t i = rz ? rz[e] : e;
             const double gi = double(rg[i * g1]);
-            if (pgz) pgz[b * n + i] = scalar_t(gi - mean);
+            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
             if (pgw) pgw[b * n + (rw ? rw[e] : e)] = scalar_t(mean);
             if (pr) total += rounded((gi - mean) * (double(pu[b * u0 + i * u1]) - ur));
           }
@@ -792,7 +824,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
             const double mean = acc[k];
             const int64_t i = rz ? rz[j] : j;
             const double gi = double(rg[i * g1]);
-            if (pgz) pgz[b * n + i] = scalar_t(gi - mean);
+            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
             if (pgw) pgw[b * n + (rw ? rw[j] : j)] = scalar_t(mean);
             if (pr) {
               const double uj = double(pu[b * u0 + i * u1]);
@@ -801,9 +833,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
             }
           }
         }
-        if (pr) {
-          const double fb = double(pf[b * f0]);
-          pr[b] = scalar_t(inv ? total * fb : total / fb);
+        if (pr) {  // <J_z^T g, z - z_ref> = total * f (or / f), then d z / d eps = -z / eps
+          const scalar_t rel = scalar_t(inv ? total * double(f) : total / double(f));
+          const scalar_t e = pe[b * e0];
+          const scalar_t ge = rel / (negate ? e : -e);
+          pr[b] = inv && r != f ? scalar_t(0) : ge;  // (f constant where the cap holds)
         }
       }
     });
@@ -822,7 +856,7 @@ TORCH_LIBRARY(softops_isotonic, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "l2_vjp(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, "
-      "Tensor? u, Tensor? f, bool inv) -> (Tensor, Tensor, Tensor)");
+      "Tensor? u, Tensor? eps, int mode) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(softops_isotonic, CPU, m) {

@@ -389,11 +389,8 @@ def _permutahedron_reference(
     u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = u.shape[-1]
-    if mode & MODE_INV:
-        f = eps.reciprocal().clamp(max=torch.finfo(u.dtype).max / (4 * n)).unsqueeze(1)
-        z = u * f
-    else:
-        z = u / (-eps if mode & MODE_FLIP else eps).unsqueeze(1)
+    f = _scale(eps, n, mode).unsqueeze(1)
+    z = u * f if mode & MODE_INV else u / f
     z = z.expand(eps.shape[0], n)
     if mode & MODE_NEGATE:
         w = -w
@@ -499,30 +496,46 @@ def _l2_vjp_reference(
     want_z: bool,
     want_w: bool,
     u: torch.Tensor | None,
-    f: torch.Tensor | None,
-    inv: bool,
+    eps: torch.Tensor | None,
+    mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, n = g.shape
     acc = _acc_dtype(g)
     gs = (g if pz is None else g.gather(1, pz)).to(acc)
     mean = block_mean(gs, block)
+    f = None
+    if eps is not None:
+        f = _scale(eps, n, mode)
     gz = g.new_empty((B, 0))
     if want_z:
         gz = (gs - mean).to(g.dtype)
         gz = gz if pz is None else torch.empty_like(gz).scatter(1, pz, gz)
+        if f is not None:  # through z = u * f or u / f (and the negation)
+            gz = -gz if mode & MODE_NEGATE else gz
+            gz = gz * f[:, None] if mode & MODE_INV else gz / f[:, None]
     gw = g.new_empty((B, 0))
     if want_w:
         gw = mean.to(g.dtype)
         gw = gw if pw is None else torch.empty_like(gw).scatter(1, pw, gw)
     r = g.new_empty((0,))
-    if u is not None and f is not None:
+    if u is not None and eps is not None and f is not None:
         us = u.expand(B, n).to(acc)
         us = us if pz is None else us.gather(1, pz)
         positions = torch.arange(n, device=g.device).expand(B, n)
         first = torch.full_like(block, n).scatter_reduce(1, block, positions, "amin")
         total = ((gs - mean) * (us - us.gather(1, first.gather(1, block)))).sum(-1)
-        r = (total * f.to(acc) if inv else total / f.to(acc)).to(g.dtype)
+        rel = (total * f.to(acc) if mode & MODE_INV else total / f.to(acc)).to(g.dtype)
+        r = rel / (eps if mode & MODE_NEGATE else -eps)
+        if mode & MODE_INV:  # 0 where the cap on 1 / eps holds
+            r = torch.where(eps.reciprocal() == f, r, 0.0)
     return gz, gw, r
+
+
+def _scale(eps: torch.Tensor, n: int, mode: int) -> torch.Tensor:
+    """f (B,) of :func:`permutahedron`'s z: ``min(1/eps, max / (4 n))`` or ``+-eps``."""
+    if mode & MODE_INV:
+        return eps.reciprocal().clamp(max=torch.finfo(eps.dtype).max / (4 * n))
+    return -eps if mode & MODE_FLIP else eps
 
 
 def _l2_vjp_fake(
@@ -533,21 +546,21 @@ def _l2_vjp_fake(
     want_z: bool,
     want_w: bool,
     u: Any,
-    f: Any,
-    inv: bool,
+    eps: Any,
+    mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, n = g.shape
     return (
         g.new_empty((B, n if want_z else 0)),
         g.new_empty((B, n if want_w else 0)),
-        g.new_empty((B if u is not None and f is not None else 0,)),
+        g.new_empty((B if u is not None and eps is not None else 0,)),
     )
 
 
 L2_VJP_OP = define(
     "softops::isotonic_l2_vjp",
     "(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, Tensor? u, "
-    "Tensor? f, bool inv) -> (Tensor, Tensor, Tensor)",
+    "Tensor? eps, int mode) -> (Tensor, Tensor, Tensor)",
     reference=_l2_vjp_reference,
     fake=_l2_vjp_fake,
     cpu=lambda ops, g, *args: (
@@ -555,8 +568,8 @@ L2_VJP_OP = define(
     ),
     kernel=KERNEL,
 )
-"""The L2 VJP in one pass (:func:`l2_vjp_host_scaled`): ``(gz, gw, r)``, each empty where not
-wanted (gz, gw: (B, 0); r: (0,))."""
+"""The L2 VJP in one pass (:func:`l2_vjp_host_scaled`): ``(gz, gw, ge)``, each empty where not
+wanted (gz, gw: (B, 0); ge: (0,))."""
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -676,7 +689,7 @@ def l2_vjp_host(
     or ``g`` is not on the CPU (the caller then uses the torch form, which is also the one to use
     when the gradient itself is to be differentiated: this pass is not).
     """
-    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, False)
+    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, 0)
     return None if res is None else res[:2]
 
 
@@ -688,24 +701,26 @@ def l2_vjp_host_scaled(
     want_z: bool,
     want_w: bool,
     u: torch.Tensor | None,
-    f: torch.Tensor | None,
-    inv: bool,
+    eps: torch.Tensor | None,
+    mode: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
-    """:func:`l2_vjp_host`, and with z = u * f (``inv``) or u / f (u: B or 1 rows, finite, in z's
-    order; f: B, one per row) also, in the same pass, ``r`` (B,)
-    ``= sum_j (g[pz]_j - m_j) (s_j - s_ref(j))``, s = z[pz] and s_ref the first entry of j's
-    block: ``<J_z^T g, z>``, the derivative along a scaling of z, taken on the block-relative
-    differences of u (no cancellation of |z| >> its gaps, no overflow of z). Returns
-    ``(gz, gw, r)`` (r None without u), or None as :func:`l2_vjp_host` does.
+    """:func:`l2_vjp_host` for the projection of :func:`permutahedron` (``mode`` as there): with
+    ``eps`` (B,), gz is taken through z = u * f or u / f (and the negation), and with u (B or 1
+    rows, finite, in z's order) also the gradient in eps (B,), in the same pass: the derivative
+    along a scaling of z, ``<J_z^T g, z - z_ref> / -eps`` (``/ eps`` with ``MODE_NEGATE``),
+    z_ref the first entry of each block, taken on the block-relative differences of u (no
+    cancellation of |z| >> its gaps, no overflow of z), 0 where the sort's cap on 1/eps holds.
+    Returns ``(gz, gw, ge)`` (ge None without u and eps), or None as :func:`l2_vjp_host` does.
     """
     if not g.is_cpu or _host_ops() is None:
         return None
-    if u is not None and f is not None:
-        u = _detached(u if u.dtype == g.dtype else u.to(g.dtype))
-        f = _detached(f.reshape(-1) if f.dtype == g.dtype else f.reshape(-1).to(g.dtype))
+    if eps is not None:
+        eps = _detached(eps if eps.dtype == g.dtype else eps.to(g.dtype))
+        if u is not None:
+            u = _detached(u if u.dtype == g.dtype else u.to(g.dtype))
     else:
-        u = f = None
-    gz, gw, r = L2_VJP_OP(
+        u = None
+    gz, gw, ge = L2_VJP_OP(
         _detached(g),
         pz,
         pw if want_w else None,  # (only gw needs it)
@@ -713,10 +728,10 @@ def l2_vjp_host_scaled(
         want_z,
         want_w,
         u,
-        f,
-        inv,
+        eps,
+        mode,
     )
-    return gz if want_z else None, gw if want_w else None, None if u is None else r
+    return gz if want_z else None, gw if want_w else None, None if u is None else ge
 
 
 # --------------------------------------------------------------------- blockwise helpers (VJP)

@@ -242,7 +242,9 @@ def define(
     cpu: Callable[..., Any] | None = None,
     kernel: Kernel | None = None,
 ) -> Any:
-    """Register the operator ``qualname`` (``"softops::name"``) with ``schema`` and return it.
+    """Register the operator ``qualname`` (``"softops::name"``) with ``schema`` and return it
+    (with a CPU kernel: a callable whose ``overload`` is the registered operator, see
+    :class:`_Operator`).
 
     ``reference`` is the torch code, registered for every device; ``fake`` computes the outputs'
     metadata; ``vmap`` is torch.library's vmap rule. ``cpu(ops, *args)`` runs on CPU tensors with
@@ -265,7 +267,46 @@ def define(
     torch.library.register_fake(qualname, fake, lib=library)
     if vmap is not None:
         torch.library.register_vmap(qualname, vmap, lib=library)
-    return getattr(getattr(torch.ops, namespace), name).default
+    op = getattr(getattr(torch.ops, namespace), name).default
+    return op if cpu is None or kernel is None else _Operator(op, cpu, kernel)
+
+
+class _Operator:
+    """A registered operator with a CPU kernel, called as the operator itself.
+
+    An eager call on plain CPU tensors, with the kernel loaded and the kernel back end on, runs
+    the kernel directly: the dispatcher would pick the same implementation, through two
+    dispatches and a Python frame (about 10 us, the cost of a small call). Every other call
+    (tracing, a dispatch mode, functorch transforms, tensor subclasses, other devices, the
+    reference back end, the first call, which loads the kernel) goes through the registry.
+    """
+
+    __slots__ = ("_cpu", "_kernel", "overload")
+
+    def __init__(self, op: Any, cpu: Callable[..., Any], kernel: Kernel) -> None:
+        self.overload = op
+        """The registered operator (``torch.ops.<namespace>.<name>.default``)."""
+        self._cpu = cpu
+        self._kernel = kernel
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():  # (first: dynamo reads it as a constant)
+            return self.overload(*args)
+        ops = self._kernel._ops
+        first = args[0]
+        if (
+            ops is not None
+            and _state["backend"] == "kernel"
+            and type(first) is torch.Tensor
+            and first.is_cpu
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+        ):
+            return self._cpu(ops, *args)
+        return self.overload(*args)
+
+    def __repr__(self) -> str:
+        return f"_Operator({self.overload})"
 
 
 _LIBRARIES: list[Any] = []  # the registrations live as long as their Library objects

@@ -224,7 +224,7 @@ def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
     """The gradient in eps (B,) from ``rel`` = <dL/dz, z - z_ref> per row: dz/deps = -z / eps
     for z = u / eps and for z = u * (1/eps) below the sort's cap (0 where the cap holds)."""
     ge = rel / -eps
-    return ge * (eps.reciprocal() == f[:, 0]) if mode.inv else ge
+    return torch.where(eps.reciprocal() == f[:, 0], ge, 0.0) if mode.inv else ge
 
 
 class _Permutahedron(torch.autograd.Function):
@@ -274,7 +274,6 @@ class _Permutahedron(torch.autograd.Function):
         want_u, want_w, want_e = ctx.needs_input_grad[:3]
         sign = -1.0 if mode.negate else 1.0  # p = -P(z, -w): dp/dz = -P_z, dp/dw = P_w
         gz = gw = ge = None
-        f = _factor(eps, gp.shape[-1], u.dtype, mode)
         if (
             not mode.kl
             and frozen is None
@@ -282,17 +281,15 @@ class _Permutahedron(torch.autograd.Function):
             and not torch.is_grad_enabled()  # (create_graph: the torch form below)
             and not torch._C._are_functorch_transforms_active()
         ):
-            ue, fe = (u, f) if want_e else (None, None)  # the epsilon term too
-            fused = l2_vjp_host_scaled(gp, pz, pw, block, want_u, want_w, ue, fe, mode.inv)
-            if fused is not None:  # the same formulas in one compiled pass over each row
-                gz, gw, rel = fused
-                if gz is not None:  # through z = u * f or u / f
-                    gz = gz.neg_() if mode.negate else gz
-                    gz = _rows_like(gz.mul_(f) if mode.inv else gz.div_(f), ctx.u_rows)
-                if rel is not None:  # <J_z^T g, z_rel>, as in the torch form below
-                    ge = rel.div_(eps if mode.negate else -eps)  # (a fresh tensor)
-                    ge = ge * (eps.reciprocal() == f[:, 0]) if mode.inv else ge
+            fused = l2_vjp_host_scaled(
+                gp, pz, pw, block, want_u, want_w, u if want_e else None, eps, mode.bits
+            )
+            if fused is not None:  # the formulas below, the epsilon term too, in one pass
+                gz, gw, ge = fused
+                if gz is not None:
+                    gz = _rows_like(gz, ctx.u_rows)
                 return gz, gw, ge, None
+        f = _factor(eps, gp.shape[-1], u.dtype, mode)
         if mode.negate:
             gp = -gp
         gs = _gather(gp if out is None else gp * out, pz)
