@@ -276,11 +276,11 @@ def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end):
     with backend(back_end):
         for potentials in (True, False):
             torch.library.opcheck(
-                sinkhorn.NEWTON_FIRST_OP, (cost, log_a, log_b, eps, 100, 1e-9, potentials)
+                sinkhorn.NEWTON_FIRST_OP.overload, (cost, log_a, log_b, eps, 100, 1e-9, potentials)
             )
         plan = sinkhorn.NEWTON_FIRST_OP(cost, log_a, log_b, eps, 100, 1e-9, False)[0]
         grad_w = torch.randn(3, 2, 10, generator=seeded(25), dtype=F64)
         scaled = cost.transpose(1, 2).contiguous()
         for need_eps in (True, False):
             args = (plan, grad_w, eps, scaled, True, need_eps)
-            torch.library.opcheck(_sorted.PLAN_VJP_OP, args)
+            torch.library.opcheck(_sorted.PLAN_VJP_OP.overload, args)

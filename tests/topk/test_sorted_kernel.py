@@ -215,11 +215,11 @@ def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end, dtype) -> 
     with backend(back_end):
         for k in (4, 20):
             args = (x, eps, k, True, 2000, 1e-6)
-            torch.library.opcheck(_sorted.SOLVE_OP, args)
+            torch.library.opcheck(_sorted.SOLVE_OP.overload, args)
             _, _, _, status, state = _sorted.SOLVE_OP(*args)
             grads = (gv[:, :k] if k == 4 else None, gw if k == 4 else None)
             vjp = (x, eps, state, status, *grads, k, True, 2000, 1e-6, True)
-            torch.library.opcheck(_sorted.VJP_OP, vjp)
+            torch.library.opcheck(_sorted.VJP_OP.overload, vjp)
     # vmap: the vmapped dimension folds into the rows
     with backend(back_end):
         xb = x[:2].unsqueeze(0).expand(2, 2, 20)
