@@ -854,6 +854,12 @@ def _tiny_rows(case: Case, data: st.DataObject) -> None:
         tol = max(tol, 10 * (1e-9 if dtype == F64 else 1e-6))
     size = ref_in_dtype.abs().where(torch.isfinite(ref_in_dtype), 0)
     size = size.amax(-1, keepdim=True) if out.dim() > 1 else size
+    if case.units_of_x:
+        # values in the units of x (weighted sums of its entries) round relative to the row's
+        # magnitude: a row whose mean cancels to 0 comes back at the rounding of its terms
+        xmag = torch.where(torch.isfinite(xd), xd.abs(), 0).amax(-1)
+        shape = (1, b) if case.layout == "quantile" else (b, *([1] * (out.dim() - 1)))
+        size = torch.maximum(size, xmag.view(shape))
     floor = 4 * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # one subnormal ulp
     err = (out.double() - ref_in_dtype).abs()
     bad = both & ~(err <= tol * size + floor) & ~(out.double() == ref_in_dtype)
