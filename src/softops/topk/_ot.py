@@ -750,36 +750,38 @@ def _solve_masked(
     keys of attention, say) and whose k is below their count of finite entries: each ``-inf`` is
     replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite one, where
     its mask and weight underflow to exactly 0. Writes those rows of ``out`` (A, s, aux, the
-    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations."""
+    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations.
+
+    The pass is full width (``torch.where`` over every row, the other rows given k = 0, which
+    the kernel leaves at once): a causal mask leaves nearly every row, where gathering and
+    scattering the rows by index cost more than the solve."""
     A, s, aux, residual, left = out
-    idx = left.nonzero().squeeze(-1)
-    xs = x[idx]
-    finite = torch.isfinite(xs)
+    finite = torch.isfinite(x)
     n_fin = finite.sum(-1)
-    ks, es = k[idx], eps[idx]
-    low = torch.where(finite, xs, math.inf).amin(-1)
-    fill = low - MASK_GAP * es
+    low = torch.where(finite, x, math.inf).amin(-1)
+    fill = low - MASK_GAP * eps
     rows = (
-        (finite | (xs == -math.inf)).all(-1)  # no NaN, no +inf
-        & (n_fin < xs.shape[-1])
-        & (ks > 0)
-        & (ks < n_fin.to(ks.dtype))
+        left
+        & (finite | (x == -math.inf)).all(-1)  # no NaN, no +inf
+        & (n_fin < x.shape[-1])
+        & (k > 0)
+        & (k < n_fin.to(k.dtype))
         & torch.isfinite(fill)
         # the gap held in the dtype (beside |x| >> eps, low - gap can round to low itself)
-        & (low - fill >= (MASK_GAP // 2) * es)
+        & (low - fill >= (MASK_GAP // 2) * eps)
     )
     if not bool(rows.any()):
         return 0
-    sub = rows.nonzero().squeeze(-1)
-    xr = torch.where(finite[sub], xs[sub], fill[sub, None])
+    xr = torch.where(finite, x, fill[:, None])
     A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
-        xr, ks[sub], es[sub], float(tol), _scaling_limit(x.dtype), max_iter
+        xr, torch.where(rows, k, 0), eps, float(tol), _scaling_limit(x.dtype), max_iter
     )
-    done = ~left_r
-    target = idx[sub[done]]
-    A[target], s[target], aux[target] = A_r[done], s_r[done], aux_r[done]
-    residual[target] = res_r[done]
-    left[target] = False
+    done = rows & ~left_r
+    A.copy_(torch.where(done[:, None], A_r, A))
+    s.copy_(torch.where(done[:, None], s_r, s))
+    aux.copy_(torch.where(done[:, None], aux_r, aux))
+    residual.copy_(torch.where(done, res_r, residual))
+    left &= ~done
     return int(evaluations)
 
 
