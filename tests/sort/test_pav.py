@@ -672,3 +672,14 @@ def test_fused_l2_backward_equals_the_torch_form(fn, dtype, monkeypatch):
     assert not any(calls) and twice[0].requires_grad
     for a, b in zip(twice, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fn", [softops.soft_rank, softops.soft_sort])
+def test_rho_made_once_serves_inference_mode_and_autograd_alike(fn):
+    """rho = (n, ..., 1) is made once per (n, dtype, device) in eager calls: made first under
+    inference mode, it must still be a tensor that autograd can save (a fresh size, n = 37)."""
+    with torch.inference_mode():
+        first = fn(torch.randn(2, 37, dtype=torch.float64))
+    x = torch.randn(2, 37, dtype=torch.float64, requires_grad=True)
+    fn(x).sum().backward()
+    assert first.shape == (2, 37) and x.grad is not None and torch.isfinite(x.grad).all()

@@ -46,6 +46,9 @@ def as_number(value: Any) -> Any:
     those are numbers; bools (Python's or numpy's), complex numbers and everything else are
     returned unchanged, for the caller to refuse.
     """
+    kind = type(value)
+    if kind is float or kind is int or kind is bool or kind is torch.Tensor:  # (the usual case)
+        return value
     if isinstance(value, (bool, torch.Tensor)):
         return value
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():

@@ -83,6 +83,7 @@ ICML 2020. arXiv:2002.08871.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -404,8 +405,24 @@ _SORT = {  # (kl, ascending)
 
 
 def _rho(x2: Tensor) -> Tensor:
+    """rho = (n, ..., 1), one row (1, n); in eager calls one tensor per (n, dtype, device), made
+    once (a fill costs as much as the rest of a short call)."""
     n = x2.shape[-1]
-    return torch.arange(n, 0, -1, dtype=x2.dtype, device=x2.device)
+    if (
+        torch.compiler.is_compiling()
+        or type(x2) is not torch.Tensor  # (fake, functional and other subclasses)
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._are_functorch_transforms_active()
+        or not isinstance(n, int)
+    ):
+        return torch.arange(n, 0, -1, dtype=x2.dtype, device=x2.device)[None]
+    return _rho_row(n, x2.dtype, x2.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _rho_row(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    with torch.inference_mode(False):  # (an inference tensor could not be saved for backward)
+        return torch.arange(n, 0, -1, dtype=dtype, device=device)[None]
 
 
 def rank(
@@ -423,7 +440,7 @@ def rank(
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
     mode = _RANK[opts.regularization == "kl", descending]
-    return apply_function(_Permutahedron, x2, _rho(x2)[None], eps, mode)[0]
+    return apply_function(_Permutahedron, x2, _rho(x2), eps, mode)[0]
 
 
 def sort(
@@ -442,4 +459,4 @@ def sort(
     # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
     # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
     mode = _SORT[opts.regularization == "kl", not descending]
-    return apply_function(_Permutahedron, _rho(x2)[None], x2, eps, mode)[0]
+    return apply_function(_Permutahedron, _rho(x2), x2, eps, mode)[0]
