@@ -431,8 +431,28 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         k = k_per_row(call["k"], b)
         span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
         growth = k * torch.log(span.nan_to_num(0.0) / eps + 1)
+        # (times the 1/eps of a derivative in the units of x)
+        growth = growth + torch.log(n_of(xd) / eps).clamp(min=0)
         out["grad_x"] = out["grad_x"] | (growth > math.log(fi.max) - 10)
         out["grad_eps"] = out["grad_eps"] | (growth > math.log(fi.max) - 10)
+        # and the forward amplifies the rounding of x' = x - min x in the compute dtype by about
+        # that growth too: where it takes that rounding beyond the tolerance, the value is not
+        # compared with the float64 one (soft_kmax of [1.4e-45, 0, -7.5e-37, 0, 0] at epsilon
+        # = finfo(float32).tiny, k = 4: x'/eps = 64 + 1.2e-7 rounds to 64 in float32, and the
+        # output moves by 7e-5)
+        loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
+        growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
+        out["value"] = out["value"] | (growth_x > loose)
+        # KD20 (topk/_softkmax.py): where (x - min x) / eps overflows the compute dtype for two
+        # entries they saturate at finfo.max and tie (test_known_defect)
+        out["value"] = out["value"] | (span.nan_to_num(0.0) / eps > fi.max / 4)
+        # KD21 (topk/_softkmax.py): the logits (x - min x) / eps carry the rounding of 1/eps
+        # and of x - min x relative to the span, not to the gaps that decide the output
+        # (test_known_defect): where span / eps times the dtype's rounding exceeds the
+        # tolerance, the value is not compared
+        out["value"] = out["value"] | (
+            span.nan_to_num(0.0) / eps * fi.eps * 8 > adv.tolerance(call["x"].dtype)
+        )
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -910,7 +930,10 @@ def _second_derivatives(case: Case, data: st.DataObject) -> None:
     names = ["x"] + [v for v in ("epsilon", "k", "q") if isinstance(call.get(v), torch.Tensor)]
     sigma = _smoothing_scale(case, float(torch.as_tensor(call["epsilon"]).min()))
     coarse = sinkhorn_based(case) and "tol" not in case.precise
-    step, rtol = (COARSE_STEP * 10, COARSE_RTOL * 10) if coarse else (FD2_STEP, FD2_RTOL)
+    # (the coarse step of the first derivatives: at 10 times it the central difference's
+    # truncation reached 3e-3 of the second derivative of soft_quantile "ot", above its rtol;
+    # the solver's noise is in `rounding` below, whatever the step)
+    step, rtol = (COARSE_STEP, COARSE_RTOL) if coarse else (FD2_STEP, FD2_RTOL)
     scale = adv.typical_gap(call["x"])
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     n = call["x"].shape[-1]
@@ -1058,8 +1081,43 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
-"""Open: none.
+def _kd20_softkmax_logits_beyond_the_dtype_tie() -> None:
+    """topk/_softkmax.py: the recursion's logits (x - min x) / eps are saturated at finfo.max
+    where they overflow (a tiny epsilon), so two entries beyond it tie: soft_kmax([0, 0, 8, 4],
+    k=1, epsilon=finfo(float32).tiny) in float32 (and float16) is [0, 0, .5, .5], not the hard
+    limit [0, 0, 1, 0] that float64 gives (found by the slow profile's tiny_rows; float64 ties
+    the same way once (x - min x) / eps exceeds its own range, e.g. 16 and 8 at 2.3e-308)."""
+    x = torch.tensor([[0.0, 0.0, 8.0, 4.0]])
+    out = softops.soft_kmax(x, 1, epsilon=torch.finfo(torch.float32).tiny)
+    assert out.tolist() == [[0.0, 0.0, 1.0, 0.0]], out.tolist()
+
+
+def _kd21_softkmax_logits_from_the_row_minimum() -> None:
+    """topk/_softkmax.py: the logits are (x - min x) / eps, so a row whose minimum lies far
+    below its top entries resolves their gaps only to the rounding of 1/eps (and of x - min x)
+    relative to the span: soft_kmax of [0, -0.5, 0, 0, 0, 7.63e-6] at epsilon 7.63e-6, k = 1 (a
+    softmax of [0, -65536, 0, 0, 0, 1]), float32, is off by 2e-3 of its value (found by the slow
+    profile's tiny_rows, in float16)."""
+    x = torch.tensor([[0.0, -0.5, 0.0, 0.0, 0.0, 7.62939453125e-06]])
+    eps = 7.62939453125e-06
+    out = softops.soft_kmax(x, 1, epsilon=eps).double()
+    want = torch.softmax(x.double() / eps, -1)
+    assert torch.allclose(out, want, rtol=2e-5, atol=0), (out, want)
+
+
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
+    "kd21_softkmax_logits_from_the_row_minimum": (
+        _kd21_softkmax_logits_from_the_row_minimum,
+        "topk/_softkmax.py: logits (x - min x)/eps lose the gaps near the top to the span",
+    ),
+    "kd20_softkmax_logits_beyond_the_dtype_tie": (
+        _kd20_softkmax_logits_beyond_the_dtype_tie,
+        "topk/_softkmax.py: entries whose (x - min x) / eps overflows saturate and tie",
+    ),
+}
+"""Open: KD20 and KD21 (topk/_softkmax.py; the value of soft_kmax and method "softkmax" is not
+compared with its float64 reference on rows whose span / epsilon is beyond a quarter of the
+compute dtype's largest value, or times its rounding beyond the tolerance).
 Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
 KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp) and KD19 (sort "ot", softsort l2 and
 neuralsort: sort/_chunked.py), whose reproducers are regression tests for their classes in
