@@ -15,8 +15,8 @@
 // state v of the columns is evaluated without an exponential per entry and target: with the
 // centre c, e_i = exp((c - y_i)/eps) once per row and rho_j = exp(v_{j+1} - v_j + (b_j - c)/eps)
 // once per state, P_{i,j+1} / P_{ij} = e_i rho_j, a product recurrence from each entry's home
-// upward and downward over a prefix or a suffix of the grouped entries (loops over entries, in
-// chunks that stay in the L1 cache). Rows whose factors would leave the range take one
+// upward and downward, in registers for a vector of the entries of one home at a time (one pass
+// over the entries per state). Rows whose factors would leave the range take one
 // exponential per target (eval_general). The Newton system is the grounded Laplacian of the
 // couplings, in closed form for three targets or fewer, else by the equilibrated Cholesky.
 //
@@ -49,8 +49,6 @@ constexpr double kFar = 600.0;
 constexpr int64_t kMaxBig = 34;
 // Entries per chunk of the loops over a row's candidates.
 constexpr int64_t kChunk = 256;
-// Candidates up to which a state is evaluated entry by entry (eval_small).
-constexpr int64_t kSmall = 48;
 
 // --------------------------------------------------------------------------- the Laplacian
 
@@ -476,114 +474,71 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
 
 // The row-normalised plan P (big, m; row stride pb.ld) at the column states v into p, and the
 // gap b - c formed relative to each entry's home as sums of small terms; returns sum_j |gap_j|,
-// or inf where a column factor is out of range (the caller then takes eval_general). Loops over
-// chunks of entries; within one, from the home q_(j+1) = q_j e_i rho_j upward (the entries whose
-// home is at most j, a prefix) and q_(j-1) = q_j ie_i irho_(j-1) downward (a suffix).
+// or inf where a column factor is out of range (the caller then takes eval_general). One pass
+// over the entries, home by home (the candidates are grouped by home): each entry's plan is the
+// recurrence q_(j+1) = q_j e_i rho_j upward from its home and q_(j-1) = q_j ie_i irho_(j-1)
+// downward, normalised by its sum, held in registers for a vector of entries at a time (the
+// entries of one home share the recurrence's shape), the rest of a home entry by entry.
 double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
-  const int64_t big = pb.big, m = pb.m, ld = pb.ld;
-  double rho[kMaxBig], irho[kMaxBig], colsum[kMaxBig], offsum[kMaxBig];
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int64_t L = Vec::size();
+  const int64_t big = pb.big, ld = pb.ld;
+  double rho[kMaxBig], irho[kMaxBig], q[kMaxBig], g[kMaxBig];
   for (int64_t j = 0; j + 1 < big; ++j) {
     const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
     if (!(std::abs(a) <= kFar)) return kInf;
     rho[j] = std::exp(a);
     irho[j] = 1.0 / rho[j];  // (within a unit of rounding of exp(-a); |a| <= 600)
   }
-  for (int64_t j = 0; j < big; ++j) {
-    colsum[j] = 0.0;
-    offsum[j] = 0.0;
-  }
-  const double* e = pb.e;
-  const double* ie = pb.ie;
-  double tot[kChunk], off[kChunk];
-  for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
-    const int64_t i1 = std::min(m, i0 + kChunk);
-    auto clamp = [&](int64_t g) { return std::min(std::max(g, i0), i1); };
-    for (int64_t t = 0; t < big; ++t) {
-      double* pt = p + t * ld;
-      for (int64_t i = clamp(pb.gs[t]); i < clamp(pb.gs[t + 1]); ++i) pt[i] = 1.0;
-    }
-    for (int64_t j = 0; j + 1 < big; ++j) {
-      const double f = rho[j];
-      const double* src = p + j * ld;
-      double* dst = p + (j + 1) * ld;
-      const int64_t hi = clamp(pb.gs[j + 1]);
-#pragma omp simd
-      for (int64_t i = i0; i < hi; ++i) dst[i] = src[i] * (e[i] * f);
-    }
-    for (int64_t j = big - 2; j >= 0; --j) {
-      const double f = irho[j];
-      const double* src = p + (j + 1) * ld;
-      double* dst = p + j * ld;
-      const int64_t lo = clamp(pb.gs[j + 1]);
-#pragma omp simd
-      for (int64_t i = lo; i < i1; ++i) dst[i] = src[i] * (ie[i] * f);
-    }
-    const int64_t len = i1 - i0;
-    for (int64_t i = 0; i < len; ++i) tot[i] = p[i0 + i];
-    for (int64_t j = 1; j < big; ++j) {
-      const double* pj = p + j * ld + i0;
-#pragma omp simd
-      for (int64_t i = 0; i < len; ++i) tot[i] += pj[i];
-    }
-    for (int64_t i = 0; i < len; ++i) {
-      tot[i] = 1.0 / tot[i];
-      off[i] = 0.0;
-    }
-    for (int64_t j = 0; j < big; ++j) {
-      const int64_t g0 = clamp(pb.gs[j]) - i0, g1 = clamp(pb.gs[j + 1]) - i0;
-      double* pj = p + j * ld + i0;
-      double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < g0; ++i) {
-        const double q = pj[i] * tot[i];
-        pj[i] = q;
-        off[i] += q;
-        acc += q;
-      }
-#pragma omp simd
-      for (int64_t i = g0; i < g1; ++i) pj[i] *= tot[i];
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = g1; i < len; ++i) {
-        const double q = pj[i] * tot[i];
-        pj[i] = q;
-        off[i] += q;
-        acc += q;
-      }
-      colsum[j] += acc;
-    }
-    for (int64_t t = 0; t < big; ++t) {
-      double acc = 0.0;
-      for (int64_t i = clamp(pb.gs[t]) - i0; i < clamp(pb.gs[t + 1]) - i0; ++i) acc += off[i];
-      offsum[t] += acc;
-    }
-  }
-  double l1 = 0.0;
-  for (int64_t j = 0; j < big; ++j) {
-    const double g = pb.bref[j] - colsum[j] + offsum[j];
-    gap[j] = g;
-    l1 += std::abs(g);
-  }
-  return l1;
-}
-
-// eval_fast for a few candidates (m <= kSmall): entry by entry, each entry's recurrence from its
-// home in registers (the chunked loops over targets cost more than they save on a handful of
-// entries). The same products, sums and gap as eval_fast; inf where a column factor is out of
-// range.
-double eval_small(const Prob& pb, const double* v, double* p, double* gap) {
-  const int64_t big = pb.big, m = pb.m, ld = pb.ld;
-  double rho[kMaxBig], irho[kMaxBig], q[kMaxBig], g[kMaxBig];
-  for (int64_t j = 0; j + 1 < big; ++j) {
-    const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
-    if (!(std::abs(a) <= kFar)) return kInf;
-    rho[j] = std::exp(a);
-    irho[j] = 1.0 / rho[j];
-  }
   for (int64_t j = 0; j < big; ++j) g[j] = pb.bref[j];
   const double* e = pb.e;
   const double* ie = pb.ie;
   for (int64_t hi = 0; hi < big; ++hi) {
-    for (int64_t i = pb.gs[hi]; i < pb.gs[hi + 1]; ++i) {
+    int64_t i = pb.gs[hi];
+    const int64_t i1 = pb.gs[hi + 1];
+    if (i1 - i >= L) {
+      Vec col[kMaxBig], qv[kMaxBig];
+      for (int64_t j = 0; j < big; ++j) col[j] = Vec(0.0);
+      Vec offs(0.0);
+      const Vec one(1.0);
+      for (; i + L <= i1; i += L) {
+        const Vec ei = Vec::loadu(e + i), iei = Vec::loadu(ie + i);
+        qv[hi] = one;
+        Vec tot = one;
+        for (int64_t j = hi; j + 1 < big; ++j) {
+          qv[j + 1] = qv[j] * (ei * Vec(rho[j]));
+          tot = tot + qv[j + 1];
+        }
+        for (int64_t j = hi - 1; j >= 0; --j) {
+          qv[j] = qv[j + 1] * (iei * Vec(irho[j]));
+          tot = tot + qv[j];
+        }
+        const Vec inv = one / tot;
+        Vec off(0.0);
+        for (int64_t j = 0; j < big; ++j) {
+          const Vec pj = qv[j] * inv;
+          pj.store(p + j * ld + i);
+          if (j != hi) {
+            off = off + pj;
+            col[j] = col[j] + pj;
+          }
+        }
+        offs = offs + off;
+      }
+      double lane[L];
+      for (int64_t j = 0; j < big; ++j) {
+        if (j == hi) continue;
+        col[j].store(lane);
+        double acc = 0.0;
+        for (int64_t l = 0; l < L; ++l) acc += lane[l];
+        g[j] -= acc;
+      }
+      offs.store(lane);
+      double acc = 0.0;
+      for (int64_t l = 0; l < L; ++l) acc += lane[l];
+      g[hi] += acc;
+    }
+    for (; i < i1; ++i) {
       const double ei = e[i], iei = ie[i];
       q[hi] = 1.0;
       double tot = 1.0;
@@ -675,7 +630,7 @@ double eval_general(const Prob& pb, const double* v, double* p, double* gap) {
 
 double eval_state(const Prob& pb, const double* v, double* p, double* gap) {
   if (pb.fast) {
-    const double l1 = pb.m <= kSmall ? eval_small(pb, v, p, gap) : eval_fast(pb, v, p, gap);
+    const double l1 = eval_fast(pb, v, p, gap);
     if (l1 < kInf) return l1;
   }
   return eval_general(pb, v, p, gap);
