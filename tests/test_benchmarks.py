@@ -330,3 +330,23 @@ def test_overhead_measures_and_reports_each_case():
     else:
         assert [r["case"] for r in sort_rows] == ["soft_rank", "soft_sort"]
         assert "| 1 | soft_rank | 1 | 20 |" in report
+
+
+# ----------------------------------------------------------------- benchmarks/layer_targets.py
+
+
+def test_layer_targets_writes_its_table(tmp_path: Path) -> None:
+    import torch
+
+    out = tmp_path / "layer_targets.md"
+    threads = torch.get_num_threads()
+    try:
+        assert _load("layer_targets").main(["--out", str(out), "--calls", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # (the script runs at one thread)
+    text = out.read_text()
+    for row in ("causal TopKAttention / nn.MultiheadAttention", "TopKRouter / softmax top-2"):
+        line = next(x for x in text.splitlines() if x.startswith(f"| {row}"))
+        ratio = float(line.split("|")[4].strip().rstrip("x"))
+        assert math.isfinite(ratio) and ratio > 0
+    assert "| `beam_step` (B=64, K=2, V=9) |" in text
