@@ -381,13 +381,13 @@ def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype):
     masked[10] = False  # the NaN row is NaN throughout
     assert torch.equal(got[1][masked], torch.zeros_like(got[1][masked]))
     # which rows the kernel takes: the first pass leaves every masked row, the masked pass takes
-    # those with only -inf and k below their finite count
+    # those with only -inf and k at most their finite count (row 8: k = n_fin, its limit)
     limit = _ot._scaling_limit(dtype)
     left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)[5]
     assert left[1:].all()
     out = (got[1].clone(), got[2].clone(), got[3].clone(), torch.zeros(12, dtype=dtype), left)
     _ot._solve_masked(ops, x, k, eps, 100, 0.0, out)
-    assert left.tolist() == [False] * 8 + [True] * 4
+    assert left.tolist() == [False] * 9 + [True] * 3
     # gradients in x, k and epsilon through the operator, on both back ends
     g = torch.randn(12, 40, generator=seeded(22), dtype=dtype)
     grads = []
@@ -412,3 +412,34 @@ def test_a_masked_row_whose_gap_rounds_away_stays_with_the_torch_code(ops):
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     torch.testing.assert_close(got[1], want[1], atol=2e-6, rtol=0)
     assert abs(float(got[1].sum()) - 3.5) < 1e-5 and float(got[1][0, 3]) > 0.4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_causal_rows_at_k_equal_to_their_keys_are_the_limit_on_either_back_end(dtype):
+    # a causal row with at most k valid keys is at k = n_fin: its mask is exactly 1 on the keys
+    # and 0 on the -inf ones, with no gradient in x or epsilon, and its gradient in k is the
+    # one-sided limit softmax(-x / eps) over the keys; the kernel (its -inf filled far below the
+    # row) and the torch code (the limit by construction) agree
+    n = 12
+    x = _rows(n, n, dtype, seed=31)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    x = x.masked_fill(~causal, -math.inf)
+    k = causal.sum(-1).clamp(max=5).to(dtype)  # rows 0-4: k = their keys
+    eps = torch.full((n,), 0.3, dtype=dtype)
+    g = torch.randn(n, n, generator=seeded(32), dtype=dtype)
+    out = {}
+    for name in ("kernel", "reference"):
+        with backend(name):
+            xt = x.clone().requires_grad_()
+            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
+            A = softops.soft_topk_mask(xt, kt, epsilon=et)
+            out[name] = (A.detach(), *torch.autograd.grad(A, (xt, kt, et), g))
+    for A, gx, gk, ge in out.values():
+        assert torch.equal(A[:5], causal[:5].to(dtype))
+        assert torch.equal(gx[:5], torch.zeros_like(gx[:5])) and torch.equal(ge[:5], ge[:5] * 0)
+        keys = x[:5].masked_fill(~causal[:5], math.inf)
+        want = (torch.softmax(-keys / 0.3, -1) * g[:5]).sum(-1)
+        tol = 1e-10 if dtype == F64 else 2e-5
+        torch.testing.assert_close(gk[:5], want, rtol=5 * tol, atol=tol)
+    for a, b in zip(out["kernel"], out["reference"], strict=True):
+        torch.testing.assert_close(a, b, atol=tol * max(float(b.abs().max()), 1.0), rtol=1e-4)

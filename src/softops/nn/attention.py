@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from softops._core.transforms import cannot_branch
 from softops._core.validation import check_bool, check_choice, check_epsilon
 from softops.topk import soft_topk_mask
 
@@ -197,40 +198,35 @@ def topk_attention_weights(
         k_row: float | torch.Tensor = k_top
         masked = scores
     else:
-        allowed = allowed.expand(scores.shape)
+        # (the masks stay in their own, broadcast shape: a causal mask is (L, S))
         masked = scores.masked_fill(~allowed, -math.inf)
-        n_valid = allowed.sum(-1)
+        n_valid = allowed.sum(-1).expand(scores.shape[:-1])
         # the top-k of the valid keys, k clamped per query; a query with none selects nothing
         # (its scores are replaced by zeros so that the solver sees a finite row)
         k_row = n_valid.clamp(max=k_top).to(scores.dtype)
-        masked = masked.masked_fill((n_valid == 0)[..., None], 0.0)
+        empty = n_valid == 0
+        if cannot_branch(empty) or bool(empty.any()):
+            masked = masked.masked_fill(empty[..., None], 0.0)
     A = soft_topk_mask(masked, k_row, epsilon=eps, method=method)
-    weights = _weights(masked, A, k_row, mode, allowed)
+    weights = _weights(masked, A, k_row, mode)
     if hard:
         A_hard = _hard_mask(masked.detach(), k_row, int(k_top))
-        w_hard = _weights(masked.detach(), A_hard, k_row, mode, allowed)
+        w_hard = _weights(masked.detach(), A_hard, k_row, mode)
         weights = w_hard + (weights - weights.detach())  # straight-through
         A = A_hard + (A - A.detach())
     return TopKAttentionWeights(weights, A)
 
 
 def _weights(
-    scores: torch.Tensor,
-    A: torch.Tensor,
-    k_row: float | torch.Tensor,
-    mode: str,
-    allowed: torch.Tensor | None,
+    scores: torch.Tensor, A: torch.Tensor, k_row: float | torch.Tensor, mode: str
 ) -> torch.Tensor:
+    """The weights from the mask A, exactly 0 where A is (every masked key: its score is -inf,
+    where the top-k mask is exactly 0)."""
     if mode == "mean":
         if isinstance(k_row, torch.Tensor):
-            w = A / k_row.clamp(min=1e-30)[..., None]  # k_row = 0: A = 0, so w = 0
-        else:
-            w = A / k_row if k_row > 0 else A * 0
-    else:
-        w = masked_softmax(scores if allowed is None else scores.masked_fill(~allowed, 0.0), A)
-    if allowed is not None:
-        w = w.masked_fill(~allowed, 0.0)  # exactly 0 on masked keys
-    return w
+            return A / k_row.clamp(min=1e-30)[..., None]  # k_row = 0: A = 0, so w = 0
+        return A / k_row if k_row > 0 else A * 0
+    return masked_softmax(scores, A)
 
 
 def masked_softmax(scores: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -239,8 +235,8 @@ def masked_softmax(scores: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     tiny = torch.finfo(A.dtype).tiny
     # log A is -inf where A = 0 (the where keeps that entry's gradient 0, not 0 * inf)
     log_a = torch.where(A > 0, torch.log(A.clamp(min=tiny)), -math.inf)
-    logits = scores + log_a
-    none = (A <= 0).all(-1, keepdim=True)
+    logits = scores + log_a  # (a masked key's score is -inf, and its A 0: -inf either way)
+    none = A.amax(-1, keepdim=True) <= 0  # (A >= 0; a NaN row stays NaN)
     return torch.softmax(logits.masked_fill(none, 0.0), -1).masked_fill(none, 0.0)
 
 

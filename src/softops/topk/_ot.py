@@ -695,13 +695,19 @@ def _solve_kernel(
     A, s, aux, residual, converged, left, evaluations, some_left = ops.threshold_rows(
         x, k, eps, float(tol), _scaling_limit(dtype), max_iter
     )
+    at_all = None  # the rows the masked pass took at their limit k = n_fin
     if some_left:
         out = (A, s, aux, residual, left)
-        evaluations = max(evaluations, _solve_masked(ops, x, k, eps, max_iter, tol, out))
+        masked_evaluations, at_all = _solve_masked(ops, x, k, eps, max_iter, tol, out)
+        evaluations = max(evaluations, masked_evaluations)
         some_left = bool(left.any())
     if not some_left:
         m, t, _ = aux.unbind(1)
-        state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
+        if at_all is None:
+            state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
+        else:
+            none = torch.zeros_like(at_all)
+            state = ThresholdState(m, t, converged, evaluations, residual, none, at_all, none)
         return state, A, s, aux, True
     idx = left.nonzero().squeeze(-1)
     sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar)
@@ -717,15 +723,23 @@ def _solve_kernel(
         whole[idx] = part
         return whole
 
+    sel_none, sel_all, invalid = (
+        merged(part, False) for part in (sub.sel_none, sub.sel_all, sub.invalid)
+    )
+    if at_all is not None:
+        none = torch.zeros_like(at_all)
+        sel_none = none if sel_none is None else sel_none
+        invalid = none if invalid is None else invalid
+        sel_all = at_all if sel_all is None else sel_all | at_all
     state = ThresholdState(
         m,
         t,
         converged,
         max(evaluations, sub.iterations),
         residual,
-        merged(sub.sel_none, False),
-        merged(sub.sel_all, False),
-        merged(sub.invalid, False),
+        sel_none,
+        sel_all,
+        invalid,
         merged(sub.scale, 1.0),
     )
     return state, A, s, aux, all_ok
@@ -745,12 +759,21 @@ def _solve_masked(
     max_iter: int,
     tol: float,
     out: tuple[torch.Tensor, ...],
-) -> int:
+) -> tuple[int, torch.Tensor | None]:
     """Solve, with the kernel, the left rows whose only non-finite entries are ``-inf`` (masked
-    keys of attention, say) and whose k is below their count of finite entries: each ``-inf`` is
-    replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite one, where
+    keys of attention, say) and whose k is at most their count of finite entries: each ``-inf``
+    is replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite one, where
     its mask and weight underflow to exactly 0. Writes those rows of ``out`` (A, s, aux, the
-    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations.
+    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations and
+    the rows taken at k = n_fin (None where there are none).
+
+    At k = n_fin (a causal row with at most k keys, say) the limit is exact too: t falls about
+    ``MASK_GAP / 2`` epsilons from both sides, so the finite entries' mask is exactly 1, the
+    filled ones' exactly 0, and every ``s`` exactly 0 (no gradient in x or epsilon); the
+    backward's weights in k, formed on the row itself (its ``-inf`` weigh 0), are then those of
+    the entries above t alone, ``softmax(-x / eps)`` over the finite entries: the one-sided limit
+    that the torch code gives such a row. Those rows are reported as the torch code reports its
+    rows at k = n (``sel_all``, so ``edge`` -1; m and t 0, the residual 0): the same outputs.
 
     The pass is full width (``torch.where`` over every row, the other rows given k = 0, which
     the kernel leaves at once): a causal mask leaves nearly every row, where gathering and
@@ -762,27 +785,33 @@ def _solve_masked(
     fill = low - MASK_GAP * eps
     rows = (
         left
-        & (finite | (x == -math.inf)).all(-1)  # no NaN, no +inf
+        & torch.isfinite(x.amax(-1))  # no NaN, no +inf (amax keeps a NaN); then the others are -inf
         & (n_fin < x.shape[-1])
         & (k > 0)
-        & (k < n_fin.to(k.dtype))
+        & (k <= n_fin.to(k.dtype))  # (k = n_fin too: see the docstring)
         & torch.isfinite(fill)
         # the gap held in the dtype (beside |x| >> eps, low - gap can round to low itself)
         & (low - fill >= (MASK_GAP // 2) * eps)
     )
     if not bool(rows.any()):
-        return 0
+        return 0, None
     xr = torch.where(finite, x, fill[:, None])
     A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
         xr, torch.where(rows, k, 0), eps, float(tol), _scaling_limit(x.dtype), max_iter
     )
     done = rows & ~left_r
+    at_all = done & (k == n_fin.to(k.dtype))
+    if bool(at_all.any()):  # (their m, t and residual as the torch code reports its limits)
+        aux_r[:, :2].masked_fill_(at_all[:, None], 0.0)
+        res_r = res_r.masked_fill(at_all, 0.0)
+    else:
+        at_all = None
     A.copy_(torch.where(done[:, None], A_r, A))
     s.copy_(torch.where(done[:, None], s_r, s))
     aux.copy_(torch.where(done[:, None], aux_r, aux))
     residual.copy_(torch.where(done, res_r, residual))
     left &= ~done
-    return int(evaluations)
+    return int(evaluations), at_all
 
 
 def _solve(
