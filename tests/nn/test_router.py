@@ -199,3 +199,16 @@ def test_sparse_method_routes_with_exact_zeros():
     assert torch.isfinite(g).all()
     hard = _router(method="sparse")(_tokens(4))
     assert ((hard.weights > 0).sum(-1) == 2).all()
+
+
+def test_combine_weights_are_the_masked_softmax_also_where_probabilities_underflow():
+    # A p / sum(A p) (one softmax for the weights and the importance) is softmax(s + log A);
+    # where every selected p underflows (a mask not ordered as the logits) the log-domain form
+    from softops.nn.attention import masked_softmax
+    from softops.nn.router import _combine
+
+    logits = torch.tensor([[3.0, 1.0, 0.5, -2.0], [200.0, 0.0, -1.0, -3.0]])
+    A = torch.tensor([[0.9, 0.8, 0.2, 0.1], [0.0, 1.0, 1.0, 0.0]])
+    got = _combine(logits, torch.softmax(logits, -1), A, 2, "softmax")
+    torch.testing.assert_close(got, masked_softmax(logits, A))
+    assert torch.isfinite(got).all() and torch.allclose(got.sum(-1), torch.ones(2))

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from softops._core.transforms import cannot_branch
 from softops._core.validation import check_bool, check_choice, check_epsilon
 from softops.nn.attention import masked_softmax
 from softops.topk import soft_topk_mask
@@ -167,22 +168,37 @@ def route(
     """The router's selection and statistics on ``logits`` (*, E) (the module docstring)."""
     E = logits.shape[-1]
     A = soft_topk_mask(logits, k, epsilon=epsilon, method=method)
-    weights = _combine(logits, A, k, mode)
+    probs = torch.softmax(logits, -1)  # (one softmax: the weights' and the importance's)
+    weights = _combine(logits, probs, A, k, mode)
     indices = logits.detach().topk(k, -1).indices
     hard_mask = torch.zeros_like(logits).scatter(-1, indices, 1.0)
     if hard:
-        w_hard = _combine(logits.detach(), hard_mask, k, mode)
+        w_hard = _combine(logits.detach(), probs.detach(), hard_mask, k, mode)
         weights = w_hard + (weights - weights.detach())  # straight-through
         A = hard_mask + (A - A.detach())
     flat = hard_mask.reshape(-1, E)
     tokens = max(flat.shape[0], 1)
     load = flat.sum(0) / (tokens * k)
-    importance = torch.softmax(logits.reshape(-1, E), -1).sum(0) / tokens
+    importance = probs.reshape(-1, E).sum(0) / tokens
     aux = E * (load * importance).sum()
     return RouterOutput(weights, indices, A, load, importance, aux)
 
 
-def _combine(logits: torch.Tensor, A: torch.Tensor, k: int, mode: str) -> torch.Tensor:
+def _combine(
+    logits: torch.Tensor, probs: torch.Tensor, A: torch.Tensor, k: int, mode: str
+) -> torch.Tensor:
+    """The combine weights from the router probabilities ``p = softmax(s)`` and the mask A.
+
+    "softmax": ``A e^s / sum(A e^s)`` is ``A p / sum(A p)`` (the shift cancels), a product and a
+    sum instead of a second softmax. Its sum is at least ``p_max A_max >= (1/E)(k/E)`` where the
+    largest logit has the largest A (A sums to k); a mask that breaks this order (a Monte Carlo
+    estimate, say) with every selected p underflowing takes the log-domain form,
+    :func:`softops.nn.attention.masked_softmax`.
+    """
     if mode == "mean":
         return A / k
-    return masked_softmax(logits, A)
+    weighted = A * probs
+    total = weighted.sum(-1, keepdim=True)
+    if not cannot_branch(total) and not bool((total > 0).all()):
+        return masked_softmax(logits, A)
+    return weighted / total
