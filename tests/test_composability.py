@@ -166,15 +166,15 @@ def test_autocast_bfloat16(case, dtype):
 # ------------------------------------------------------------------------- torch.compile
 
 # The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
-# forward and backward), and so do the top-k masks whose solve is an operator of torch's registry
-# ("ot", "sparse": opaque to dynamo, the implicit gradient in the traced Function). The others
-# stop on convergence (Newton, Sinkhorn) or have a custom jvp (pav): torch.compile breaks the
-# graph around their solver and runs it eagerly (tests/test_contract.py::test_torch_compile,
-# slow, checks their values and gradients).
+# forward and backward), and so do the ops whose solve is an operator of torch's registry (the
+# top-k masks "ot" and "sparse", pav: opaque to dynamo, the gradient in the traced Function).
+# The others stop on convergence (Newton, Sinkhorn): torch.compile breaks the graph around their
+# solver and runs it eagerly (tests/test_contract.py::test_torch_compile, slow, checks their
+# values and gradients).
 FULLGRAPH = [
     c
     for c in CASES
-    if c.method in ("softsort", "neuralsort", "softkmax")
+    if c.method in ("softsort", "neuralsort", "softkmax", "pav")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
     or c.op == "soft_argmax_onehot"
     or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse"))
@@ -202,7 +202,7 @@ def test_inductor_compiles_a_sort_and_a_smooth_op():
     x = _x(4, 7).float().requires_grad_()
 
     def fn(t: torch.Tensor) -> torch.Tensor:
-        ranks = softops.soft_rank(t, epsilon=0.5, method="softsort")
+        ranks = softops.soft_rank(t, epsilon=0.5)  # pav: its kernel operators in the graph
         return ranks * softops.smooth_max(t, epsilon=0.3, keepdim=True)
 
     compiled = torch.compile(fn, fullgraph=True)
@@ -228,6 +228,23 @@ def test_the_top_k_masks_export_with_a_dynamic_batch(method):
             torch.testing.assert_close(exported.module()(inputs), Gate()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert any(f"softops.{method}_threshold" in t for t in targets)
+
+
+@pytest.mark.parametrize("op", ["soft_rank", "soft_sort"])
+def test_pav_exports_with_a_dynamic_batch(op):
+    # torch.export keeps PAV's forward as one operator; the exported program equals eager
+    class Ranks(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return getattr(softops, op)(x, epsilon=0.5) * x
+
+    x = _x(5, 12).float()
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        exported = torch.export.export(Ranks(), (x,), dynamic_shapes=({0: batch},))
+        for inputs in (x, 4 * _x(9, 12).float()):
+            torch.testing.assert_close(exported.module()(inputs), Ranks()(inputs))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert any("softops.isotonic_permutahedron" in t for t in targets)
 
 
 # ------------------------------------------------------------------ metrics and losses

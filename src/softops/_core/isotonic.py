@@ -446,7 +446,7 @@ PERMUTAHEDRON_OP = define(
 
 
 def permutahedron(
-    u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
+    u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int, read: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, bool]:
     """``P(z, w)`` for each row, in z's order. No autograd.
 
@@ -461,11 +461,13 @@ def permutahedron(
         w: (B or 1, n), u's dtype.
         eps: (B,), u's dtype.
         mode: a sum of the ``MODE_*`` bits.
+        read: read the count of non-finite rows on the host (False while tracing: ``finite``
+            is then False, "not known").
 
     Returns:
         ``(p, pz, pw, block, finite)``: p (B, n) in z's order; the permutations that sort z
         (B, n) and w (as many rows as w; None where not sorted here); the block ids in sorted
-        coordinates; whether every row was finite.
+        coordinates; whether every row is known to be finite.
     """
     B, n = eps.shape[0], u.shape[-1]
     if u.is_meta or n == 0 or B == 0:
@@ -478,7 +480,7 @@ def permutahedron(
     else:
         # (on another device the reference runs there, its projection through host memory)
         p, pz, pw, block, bad = PERMUTAHEDRON_OP(_detached(u), _detached(w), _detached(eps), mode)
-        finite = not bad
+        finite = read and not bad
     return (
         p,
         pz if mode & MODE_SORT_Z else None,

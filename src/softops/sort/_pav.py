@@ -242,9 +242,11 @@ class _Permutahedron(torch.autograd.Function):
     def forward(
         u: Tensor, w: Tensor, eps: Tensor, mode: _Mode
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
-        p, pz, pw, block, finite = permutahedron(u, w, eps, mode.bits)
+        traced = torch.compiler.is_compiling()
+        p, pz, pw, block, finite = permutahedron(u, w, eps, mode.bits, read=not traced)
         frozen = None
-        if not finite:  # the kernel gave the limits; mark where the derivatives are zero
+        if traced or not finite:  # the limits; mark where the derivatives are zero (traced code
+            # cannot branch on the kernel's count: the mask is formed, all False on finite rows)
             n = u.shape[-1]
             z = _through(u, _factor(eps, n, u.dtype, mode), mode).expand(eps.shape[0], n)
             t = (-w if mode.negate else w).expand(eps.shape[0], n)
@@ -392,6 +394,19 @@ class _Permutahedron(torch.autograd.Function):
         )
 
 
+class _PermutahedronTraced(_Permutahedron):
+    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
+
+    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
+
+
+def _apply(*args: Any) -> Any:
+    """``_Permutahedron`` applied (its traced twin under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return _PermutahedronTraced.apply(*args)
+    return apply_function(_Permutahedron, *args)
+
+
 _RANK = {  # (kl, descending): L2 P_Q(z, rho); KL exp P_E(z, log rho)
     (kl, down): _Mode(kl, sort_z=True, sort_w=False, exp_space=kl, flip=down)
     for kl in (False, True)
@@ -440,7 +455,7 @@ def rank(
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
     mode = _RANK[opts.regularization == "kl", descending]
-    return apply_function(_Permutahedron, x2, _rho(x2), eps, mode)[0]
+    return _apply(x2, _rho(x2), eps, mode)[0]
 
 
 def sort(
@@ -459,4 +474,4 @@ def sort(
     # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
     # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
     mode = _SORT[opts.regularization == "kl", not descending]
-    return apply_function(_Permutahedron, _rho(x2), x2, eps, mode)[0]
+    return _apply(_rho(x2), x2, eps, mode)[0]
