@@ -120,7 +120,7 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
     n = check_nonempty(x, d, op)
     cd = compute_dtype(x.dtype)
     x2, restore = flatten_to_2d(x, d)
-    batch_shape = torch.Size(x.shape[:d] + x.shape[d + 1 :])
+    batch_shape = x.shape[:d] if d == x.dim() - 1 else torch.Size(x.shape[:d] + x.shape[d + 1 :])
     epsilon = check_epsilon(epsilon, op, dtype=x.dtype)
     fi = torch.finfo(cd)
     if isinstance(epsilon, torch.Tensor):

@@ -75,7 +75,12 @@ def check_floating(x: Any, op: str, name: str = "x") -> torch.Tensor:
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: float16 and bfloat16 are promoted to float32."""
-    return torch.promote_types(dtype, torch.float32)
+    known = _COMPUTE.get(dtype)
+    return torch.promote_types(dtype, torch.float32) if known is None else known
+
+
+_COMPUTE = {t: torch.promote_types(t, torch.float32) for t in (torch.float32, torch.float64)}
+_COMPUTE.update({torch.float16: torch.float32, torch.bfloat16: torch.float32})
 
 
 def check_dim(x: torch.Tensor | None, dim: Any, op: str) -> int:
@@ -119,7 +124,11 @@ def smallest_epsilon(dtype: torch.dtype) -> float:
     wrong (masks off by 0.24, a smooth maximum beyond its bound) or NaN. Such an epsilon is
     refused rather than rounded: no op takes a limit that the dtype cannot resolve.
     """
-    return torch.finfo(compute_dtype(dtype)).tiny
+    tiny = _TINY.get(dtype)
+    return torch.finfo(compute_dtype(dtype)).tiny if tiny is None else tiny
+
+
+_TINY = {t: torch.finfo(compute_dtype(t)).tiny for t in _COMPUTE}
 
 
 def _epsilon_error(op: str, name: str, value: float, dtype: torch.dtype | None) -> ValueError:

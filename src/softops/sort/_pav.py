@@ -88,6 +88,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.autograd import forward_ad
 
 from softops._core.isotonic import (
     MODE_EXP,
@@ -265,7 +266,8 @@ class _Permutahedron(torch.autograd.Function):
         saved: tuple[Tensor | None, ...] = (u, w if mode.kl else None, eps, pz, pw, block)
         saved += (frozen, out if mode.exp_space else None)
         ctx.save_for_backward(*saved)
-        ctx.save_for_forward(*saved)
+        if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            ctx.save_for_forward(*saved)  # (only forward mode reads them: jvp)
         ctx.mode, ctx.w_rows, ctx.u_rows = mode, w.shape[0], u.shape[0]
 
     @staticmethod
