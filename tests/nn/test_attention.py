@@ -521,3 +521,36 @@ def test_masked_softmax_exact_zeros_and_empty_rows():
     gs, ga = torch.autograd.grad((w * torch.arange(3.0, dtype=F64)).sum(), (s, A))
     assert torch.isfinite(gs).all() and torch.isfinite(ga).all()
     assert (gs[2] == 0).all() and (ga[2] == 0).all()
+
+
+def test_masked_softmax_product_form_is_the_log_form():
+    # A p / sum(A p) (p = softmax(s)) against softmax(s + log A): values and gradients, with
+    # masked keys (-inf scores, A = 0), a row without any A > 0, and a row whose selected
+    # probabilities underflow (the log form then)
+    from softops.nn.attention import masked_softmax
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    s[0, 6:] = -math.inf
+    s[4] = torch.tensor([900.0, 0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.float64)
+    A = torch.rand(5, 9, generator=g, dtype=torch.float64)
+    A[0, 6:] = 0
+    A[2] = 0
+    A[4, 0] = 0
+    s.requires_grad_()
+
+    def log_form(s, A):
+        log_a = torch.where(A > 0, torch.log(A.clamp(min=1e-300)), -math.inf)
+        none = A.amax(-1, keepdim=True) <= 0
+        return torch.softmax((s + log_a).masked_fill(none, 0.0), -1).masked_fill(none, 0.0)
+
+    got, want = masked_softmax(s, A), log_form(s, A)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[0, 6:], torch.zeros(3, dtype=torch.float64)) and not got[2].any()
+    w = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    (gs,) = torch.autograd.grad((got * w).sum(), s)
+    (ref,) = torch.autograd.grad((want * w).sum(), s)
+    torch.testing.assert_close(gs, ref)
+    # rows without an underflow take the product form: its gradient in A too
+    At = A[:2].clone().requires_grad_()
+    torch.autograd.gradcheck(lambda a: masked_softmax(s[:2].detach(), a), (At,))

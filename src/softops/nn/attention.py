@@ -229,9 +229,24 @@ def _weights(
     return masked_softmax(scores, A)
 
 
-def masked_softmax(scores: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+def masked_softmax(
+    scores: torch.Tensor, A: torch.Tensor, probs: torch.Tensor | None = None
+) -> torch.Tensor:
     """``softmax(scores + log A)`` along the last dim: exactly 0 where A is 0, and a row of zeros
-    where A is 0 everywhere (no NaN, and a zero gradient there)."""
+    where A is 0 everywhere (no NaN, and a zero gradient there).
+
+    Formed as ``A p / sum(A p)`` with ``p = softmax(scores)`` (``probs``, where the caller has
+    it): the shift cancels, and a product and a sum replace the log, the masks and a second
+    softmax. The sum is at least ``A_max p_max`` wherever the largest score has the largest A
+    (a top-k mask: A is ordered as the scores); a row where it is 0 (no A > 0, or every selected
+    p underflowing) takes the log-domain form, as does traced code (no host read there).
+    """
+    if not cannot_branch(A):
+        p = torch.softmax(scores, -1) if probs is None else probs
+        weighted = A * p
+        total = weighted.sum(-1, keepdim=True)
+        if bool((total > 0).all()):
+            return weighted / total
     tiny = torch.finfo(A.dtype).tiny
     # log A is -inf where A = 0 (the where keeps that entry's gradient 0, not 0 * inf)
     log_a = torch.where(A > 0, torch.log(A.clamp(min=tiny)), -math.inf)

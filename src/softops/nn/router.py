@@ -36,7 +36,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from softops._core.transforms import cannot_branch
 from softops._core.validation import check_bool, check_choice, check_epsilon
 from softops.nn.attention import masked_softmax
 from softops.topk import soft_topk_mask
@@ -187,18 +186,9 @@ def route(
 def _combine(
     logits: torch.Tensor, probs: torch.Tensor, A: torch.Tensor, k: int, mode: str
 ) -> torch.Tensor:
-    """The combine weights from the router probabilities ``p = softmax(s)`` and the mask A.
-
-    "softmax": ``A e^s / sum(A e^s)`` is ``A p / sum(A p)`` (the shift cancels), a product and a
-    sum instead of a second softmax. Its sum is at least ``p_max A_max >= (1/E)(k/E)`` where the
-    largest logit has the largest A (A sums to k); a mask that breaks this order (a Monte Carlo
-    estimate, say) with every selected p underflowing takes the log-domain form,
-    :func:`softops.nn.attention.masked_softmax`.
-    """
+    """The combine weights from the mask A and the router probabilities ``p = softmax(s)``
+    (shared with the importance: "softmax" is ``A p / sum(A p)``, see
+    :func:`softops.nn.attention.masked_softmax`)."""
     if mode == "mean":
         return A / k
-    weighted = A * probs
-    total = weighted.sum(-1, keepdim=True)
-    if not cannot_branch(total) and not bool((total > 0).all()):
-        return masked_softmax(logits, A)
-    return weighted / total
+    return masked_softmax(logits, A, probs)
