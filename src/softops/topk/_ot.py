@@ -761,56 +761,58 @@ def _solve_masked(
     out: tuple[torch.Tensor, ...],
 ) -> tuple[int, torch.Tensor | None]:
     """Solve, with the kernel, the left rows whose only non-finite entries are ``-inf`` (masked
-    keys of attention, say) and whose k is at most their count of finite entries: each ``-inf``
-    is replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite one, where
-    its mask and weight underflow to exactly 0. Writes those rows of ``out`` (A, s, aux, the
-    residual) and clears them in its ``left`` (in place); returns the kernel's evaluations and
-    the rows taken at k = n_fin (None where there are none).
-
-    At k = n_fin (a causal row with at most k keys, say) the limit is exact too: t falls about
-    ``MASK_GAP / 2`` epsilons from both sides, so the finite entries' mask is exactly 1, the
-    filled ones' exactly 0, and every ``s`` exactly 0 (no gradient in x or epsilon); the
-    backward's weights in k, formed on the row itself (its ``-inf`` weigh 0), are then those of
-    the entries above t alone, ``softmax(-x / eps)`` over the finite entries: the one-sided limit
-    that the torch code gives such a row. Those rows are reported as the torch code reports its
-    rows at k = n (``sel_all``, so ``edge`` -1; m and t 0, the residual 0): the same outputs.
+    keys of attention, say) and whose k is below their count of finite entries, n_fin: each
+    ``-inf`` is replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite
+    one, where its mask and weight underflow to exactly 0. The rows at k = n_fin (a causal query
+    with at most k keys, say) are at their limit, filled in closed form as the torch code fills
+    its rows at k = n: the mask 1 on the finite entries and 0 on the others, ``s`` 0, m and t 0,
+    ``sum s`` inf, the residual 0 (and ``sel_all``, so that the backward takes the one-sided limit
+    of the weights in k). Writes those rows of ``out`` (A, s, aux, the residual) and clears them
+    in its ``left`` (in place); returns the kernel's evaluations and the rows at k = n_fin (None
+    where there are none).
 
     The pass is full width (``torch.where`` over every row, the other rows given k = 0, which
     the kernel leaves at once): a causal mask leaves nearly every row, where gathering and
     scattering the rows by index cost more than the solve."""
     A, s, aux, residual, left = out
     finite = torch.isfinite(x)
-    n_fin = finite.sum(-1)
-    low = torch.where(finite, x, math.inf).amin(-1)
-    fill = low - MASK_GAP * eps
-    rows = (
+    n_fin = finite.sum(-1).to(k.dtype)
+    masked = (
         left
         & torch.isfinite(x.amax(-1))  # no NaN, no +inf (amax keeps a NaN); then the others are -inf
         & (n_fin < x.shape[-1])
         & (k > 0)
-        & (k <= n_fin.to(k.dtype))  # (k = n_fin too: see the docstring)
+    )
+    at_all = masked & (k == n_fin)
+    low = torch.where(finite, x, math.inf).amin(-1)
+    fill = low - MASK_GAP * eps
+    rows = (
+        masked
+        & (k < n_fin)
         & torch.isfinite(fill)
         # the gap held in the dtype (beside |x| >> eps, low - gap can round to low itself)
         & (low - fill >= (MASK_GAP // 2) * eps)
     )
-    if not bool(rows.any()):
-        return 0, None
-    xr = torch.where(finite, x, fill[:, None])
-    A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
-        xr, torch.where(rows, k, 0), eps, float(tol), _scaling_limit(x.dtype), max_iter
-    )
-    done = rows & ~left_r
-    at_all = done & (k == n_fin.to(k.dtype))
-    if bool(at_all.any()):  # (their m, t and residual as the torch code reports its limits)
-        aux_r[:, :2].masked_fill_(at_all[:, None], 0.0)
-        res_r = res_r.masked_fill(at_all, 0.0)
-    else:
-        at_all = None
-    A.copy_(torch.where(done[:, None], A_r, A))
-    s.copy_(torch.where(done[:, None], s_r, s))
-    aux.copy_(torch.where(done[:, None], aux_r, aux))
-    residual.copy_(torch.where(done, res_r, residual))
-    left &= ~done
+    evaluations = 0
+    if bool(rows.any()):
+        xr = torch.where(finite, x, fill[:, None])
+        A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
+            xr, torch.where(rows, k, 0), eps, float(tol), _scaling_limit(x.dtype), max_iter
+        )
+        done = rows & ~left_r
+        A.copy_(torch.where(done[:, None], A_r, A))
+        s.copy_(torch.where(done[:, None], s_r, s))
+        aux.copy_(torch.where(done[:, None], aux_r, aux))
+        residual.copy_(torch.where(done, res_r, residual))
+        left &= ~done
+    if not bool(at_all.any()):
+        return int(evaluations), None
+    limit = at_all[:, None]
+    A.copy_(torch.where(limit, finite.to(A.dtype), A))
+    s.masked_fill_(limit, 0.0)
+    aux.copy_(torch.where(limit, aux.new_tensor([0.0, 0.0, math.inf]), aux))
+    residual.masked_fill_(at_all, 0.0)
+    left &= ~at_all
     return int(evaluations), at_all
 
 
