@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+from typing import Any
+
+import pytest
 import torch
 
 
@@ -164,3 +169,20 @@ def exact_threshold_grads(
     dx = [float(si * (gi - wg)) for si, gi in zip(s, gs, strict=True)]
     de = -ctx.fsum(gi * si * (zi - wz) for gi, si, zi in zip(gs, s, z, strict=True))
     return dx, float(wg), float(de)
+
+
+def built_ops(kernel: Any) -> Any:
+    """The operators of a C++ kernel (``softops._kernels.Kernel``: ``torch.ops.<name>``).
+
+    Skips the calling test where the kernel is not built; under ``SOFTOPS_REQUIRE_KERNELS=1`` (CI,
+    where ``scripts/setup.sh`` builds them) that is a failure instead.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
+        built = kernel.ops()
+    if built is None:
+        message = f"the C++ kernel {kernel.name} is not built (python -m softops._kernels)"
+        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return built

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import warnings
 
 import numpy as np
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 
 from softops._core import isotonic
 from softops._kernels import backend, set_default_backend
-from tests._helpers import seeded
+from tests._helpers import built_ops, seeded
 
 F64 = torch.float64
 BACK_ENDS = ["kernel", "reference"]
@@ -29,14 +28,7 @@ BACK_ENDS = ["kernel", "reference"]
 def require_kernel():
     """The kernel's operators (``torch.ops.softops_isotonic``); skips (fails under
     ``SOFTOPS_REQUIRE_KERNELS=1``) where the kernel is not built."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
-        built = isotonic.KERNEL.ops()
-    if built is None:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel of PAV is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel of PAV is not built here (python -m softops._kernels)")
-    return built
+    return built_ops(isotonic.KERNEL)
 
 
 @pytest.fixture(scope="module")
@@ -706,3 +698,24 @@ def test_block_max_is_the_largest_entry_of_each_block_and_detached():
     got = isotonic.block_max(s, block)
     want = torch.tensor([[3.0, 3.0, 5.0, 5.0, 2.0], [0.0, 7.0, 7.0, math.inf, math.inf]])
     assert torch.equal(got, want) and not got.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n", [1, 7, 48, 49, 256, 257, 3000, 20000])
+def test_the_kernels_sort_is_torch_sort_stable_descending(dtype, n):
+    # the permutation the projection's kernel sorts z by (insertion, std::sort or a radix sort,
+    # by n) is torch.sort(stable=True, descending=True)'s: ties in index order, NaN first, -0 as
+    # +0, infinities at the ends
+    require_kernel()
+    g = seeded(40 + n)
+    x = torch.randint(-5, 5, (3, n), generator=g).to(dtype) / 4  # many ties
+    x[1] = torch.randn(n, generator=g, dtype=dtype) * 1e30
+    x[2, ::5] = -0.0
+    x[2, 1::7] = math.nan
+    x[2, 2::11] = math.inf
+    x[2, 3::13] = -math.inf
+    eps = torch.ones(3, dtype=dtype)
+    rho = torch.arange(n, 0, -1, dtype=dtype)[None]
+    with backend("kernel"):
+        _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(x, rho, eps, isotonic.MODE_SORT_Z)
+    assert torch.equal(pz, torch.sort(x, descending=True, stable=True).indices)

@@ -9,8 +9,6 @@ tests skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import softops
 from softops._core import sinkhorn
 from softops._kernels import set_default_backend
 from softops.topk import _sorted
-from tests._helpers import seeded
+from tests._helpers import built_ops, seeded
 
 F64 = torch.float64
 
@@ -29,13 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def ops():
     """The kernel's operators (``torch.ops.softops_newton``), the kernel back end on."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
-        built = sinkhorn.NEWTON_KERNEL.ops()
-    if built is None:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel softops_newton is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
+    built = built_ops(sinkhorn.NEWTON_KERNEL)
     set_default_backend("kernel")
     return built
 

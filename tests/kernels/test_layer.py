@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import softops
 from softops import _kernels
 from softops._kernels import Kernel, backend
 from softops.topk import _ot, _sparse
+from tests._helpers import built_ops
 
 F64 = torch.float64
 
@@ -160,14 +160,7 @@ def test_a_second_process_loads_the_built_kernel_without_building(ops):
 
 @pytest.fixture
 def ops():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        built = _ot.KERNEL.ops()
-    if built is None:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel of 'ot' is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
-    return built
+    return built_ops(_ot.KERNEL)
 
 
 def _threshold_args(dtype):

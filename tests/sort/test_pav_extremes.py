@@ -19,8 +19,6 @@ record:
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from softops import soft_quantile, soft_rank, soft_sort
 from softops._core import isotonic
 from softops._kernels import backend as kernel_backend
 from softops._kernels import set_default_backend
+from tests._helpers import built_ops
 
 F64 = torch.float64
 F32 = torch.float32
@@ -39,13 +38,7 @@ BACKENDS = ["kernel", "reference"]
 
 def _require_kernel() -> None:
     """Skip where the C++ kernel of PAV is not built (fail under SOFTOPS_REQUIRE_KERNELS=1)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        built = isotonic.KERNEL.ops() is not None
-    if not built:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel of PAV is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel of PAV is not built here (python -m softops._kernels)")
+    built_ops(isotonic.KERNEL)
 
 
 @pytest.fixture(params=BACKENDS)

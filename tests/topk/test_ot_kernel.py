@@ -9,7 +9,6 @@ fail."""
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
@@ -21,7 +20,7 @@ import softops
 from softops._kernels import backend
 from softops.topk import _ot
 from tests._adversarial_strategies import batches, row_values, typical_gap
-from tests._helpers import seeded
+from tests._helpers import built_ops, seeded
 from tests.topk._row_kernels import assert_merged_solve, assert_transforms_agree, flagged_rows
 
 F64 = torch.float64
@@ -30,14 +29,7 @@ F64 = torch.float64
 @pytest.fixture
 def ops():
     """The kernel's operators (``torch.ops.softops_ot``)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
-        built = _ot.KERNEL.ops()
-    if built is None:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel of 'ot' is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
-    return built
+    return built_ops(_ot.KERNEL)
 
 
 def _rows(b: int, n: int, dtype: torch.dtype, seed: int, layout: str = "normal") -> torch.Tensor:

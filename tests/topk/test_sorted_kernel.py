@@ -10,8 +10,6 @@ tests skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch
 import softops
 from softops._kernels import backend
 from softops.topk import _sorted
-from tests._helpers import seeded
+from tests._helpers import built_ops, seeded
 
 F64 = torch.float64
 F32 = torch.float32
@@ -30,14 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def ops():
     """The kernel's operators (``torch.ops.softops_sorted``)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (the not-built warning: said below)
-        built = _sorted.KERNEL.ops()
-    if built is None:
-        if os.environ.get("SOFTOPS_REQUIRE_KERNELS") == "1":
-            pytest.fail("the C++ kernel softops_sorted is not built (python -m softops._kernels)")
-        pytest.skip("the C++ kernel is not built here (python -m softops._kernels)")
-    return built
+    return built_ops(_sorted.KERNEL)
 
 
 def _run(x, k, eps, largest=True, seed=0):

@@ -476,20 +476,15 @@ enum Mode : int64_t {
 // -0 as +0), and the (key, index) pairs are sorted ascending: by insertion for short rows, by
 // std::sort up to 256 entries, and by a least-significant-digit radix sort (stable, passes whose
 // digit is constant skipped) above. A float32 key and its index pack into one 64-bit word.
-inline uint32_t descending_key(float v) {
-  if (v != v) return 0u;
-  if (v == 0.0f) v = 0.0f;
-  uint32_t b;
+template <typename key_t, typename scalar_t>
+key_t descending_key(scalar_t v) {
+  static_assert(sizeof(key_t) == sizeof(scalar_t));
+  constexpr key_t sign = key_t(1) << (8 * sizeof(key_t) - 1);
+  if (v != v) return 0;
+  if (v == scalar_t(0)) v = scalar_t(0);
+  key_t b;
   std::memcpy(&b, &v, sizeof b);
-  return (b & 0x80000000u) ? b : ~(b | 0x80000000u);
-}
-
-inline uint64_t descending_key(double v) {
-  if (v != v) return 0u;
-  if (v == 0.0) v = 0.0;
-  uint64_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return (b & 0x8000000000000000ull) ? b : ~(b | 0x8000000000000000ull);
+  return (b & sign) ? b : ~(b | sign);
 }
 
 struct Item64 {
@@ -531,7 +526,9 @@ item_t* radix_sort(item_t* items, item_t* tmp, int64_t n, int lo, int hi) {
 // idx[0 .. n) that sorts key descending (NaN first, ties by index); work holds 4 n words.
 inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work) {
   uint64_t* items = work;
-  for (int64_t j = 0; j < n; ++j) items[j] = (uint64_t(descending_key(key[j])) << 32) | uint64_t(j);
+  for (int64_t j = 0; j < n; ++j) {
+    items[j] = (uint64_t(descending_key<uint32_t>(key[j])) << 32) | uint64_t(j);
+  }
   if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const uint64_t v = items[j];
@@ -549,7 +546,7 @@ inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t*
 
 inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t* work) {
   Item64* items = reinterpret_cast<Item64*>(work);
-  for (int64_t j = 0; j < n; ++j) items[j] = {descending_key(key[j]), j};
+  for (int64_t j = 0; j < n; ++j) items[j] = {descending_key<uint64_t>(key[j]), j};
   if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const Item64 v = items[j];
