@@ -598,14 +598,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
     return {out, pz, pw, block, at::zeros({}, opts.dtype(at::kLong))};
   }
   const int64_t u_row = Bu == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
-  const bool negate_rows = negate && Bw != 1;
-  if (negate && Bw == 1) w = w.neg();
-  if (sort_w && Bw == 1) {  // one row of w for every row: sorted once
+  // one row of w for several rows: negated and sorted once, by torch's ops (a single row, B = 1,
+  // takes the row path: two ops cost more than its sort)
+  const bool shared = Bw == 1 && B > 1;
+  const bool negate_rows = negate && !shared;
+  if (negate && shared) w = w.neg();
+  if (sort_w && shared) {
     auto sorted = at::sort(w, /*stable=*/true, /*dim=*/1, /*descending=*/true);
     w = std::get<0>(sorted).contiguous();
     pw.copy_(std::get<1>(sorted));
   }
-  const bool sort_rows_w = sort_w && Bw != 1;
+  const bool sort_rows_w = sort_w && !shared;
   std::atomic<int64_t> bad{0};
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "permutahedron", [&] {
     const scalar_t* pu = u.const_data_ptr<scalar_t>();
