@@ -15,6 +15,7 @@ deterministic checks (gradcheck, batch equals loop); their estimators are tested
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import pickle
@@ -32,6 +33,7 @@ from torch.autograd import gradcheck
 
 import softops
 from softops import soft_argsort, soft_quantile, soft_rank, soft_sort
+from softops._kernels import backend, kernels_enabled
 from softops.sort import ARGSORT_METHODS, QUANTILE_METHODS, SORT_METHODS
 from softops.topk import MASK_METHODS
 
@@ -125,11 +127,13 @@ class Case:
     grad_eps: bool = True  # epsilon receives a gradient
     perm: str | None = "follow"  # "follow" (equivariant), "invariant", or None (index-valued)
     inf_limit: bool = True  # ±inf equal their large finite surrogates
+    back_end: str = "kernel"  # softops._kernels.backend the entry runs on (the _back_end fixture)
 
     @property
     def id(self) -> str:
         extra = "-".join(str(v) for v in self.kw.values())
-        return "-".join(filter(None, (self.op.removeprefix("soft_"), self.method, extra)))
+        parts = (self.op.removeprefix("soft_"), self.method, extra)
+        return "-".join(filter(None, (*parts, "reference" if self.back_end == "reference" else "")))
 
     @property
     def layout(self) -> str:
@@ -246,7 +250,18 @@ SMOOTH_CASES = [
     Case("soft_argmin", law=1.0, perm=None),
     Case("soft_argmax_onehot", law=1.0),
 ]
-CASES = SORT_CASES + TOPK_CASES + SMOOTH_CASES
+# The back-end axis: the methods with a compiled CPU kernel (PAV, the threshold of "ot", the
+# sorted top-k and the Newton solve of the OT sorts) go through the whole contract a second time
+# on their torch reference, the implementation of every other device.
+_KERNEL_BACKED = [
+    c for c in SORT_CASES + TOPK_CASES if c.method in ("pav", "ot") or c.op == "soft_topk"
+]
+CASES = (
+    SORT_CASES
+    + TOPK_CASES
+    + SMOOTH_CASES
+    + [dataclasses.replace(c, back_end="reference") for c in _KERNEL_BACKED]
+)
 IDS = [c.id for c in CASES]
 DETERMINISTIC = [c for c in CASES if not c.stochastic]
 
@@ -281,6 +296,15 @@ def _one_thread(one_thread):
     """Tiny problems: keep off the busy intra-op pool."""
 
 
+@pytest.fixture(autouse=True)
+def _back_end(request):
+    """Run the test on its case's back end (the kernels by default)."""
+    callspec = getattr(request.node, "callspec", None)
+    case = callspec.params.get("case") if callspec is not None else None
+    with backend(getattr(case, "back_end", "kernel")):
+        yield
+
+
 # ------------------------------------------------------------------------------- registry
 
 
@@ -303,6 +327,13 @@ def test_registry_covers_every_public_op():
     for op in public - set(methods):
         assert "method" not in inspect.signature(getattr(softops, op)).parameters, op
     assert set(MODULE) == public and all(hasattr(softops.nn, m) for m in MODULE.values())
+
+
+@cases([c for c in CASES if c.back_end == "reference"])
+def test_reference_entries_run_on_the_reference(case):
+    # the back-end axis: each kernel-backed method's second entry runs on the torch reference
+    assert not kernels_enabled()
+    assert any(c.back_end == "kernel" and c.id == case.id.removesuffix("-reference") for c in CASES)
 
 
 # --------------------------------------------------------------------------------- shapes
