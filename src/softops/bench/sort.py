@@ -210,7 +210,8 @@ def numba_threads() -> Iterator[None]:
         yield
         return
     previous = numba.get_num_threads()
-    wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    config: Any = numba.config  # (typed where numba is installed, Any where it is not)
+    wanted = max(1, min(torch.get_num_threads(), config.NUMBA_NUM_THREADS))
     numba.set_num_threads(wanted)
     try:
         yield
