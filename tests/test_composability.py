@@ -167,17 +167,17 @@ def test_autocast_bfloat16(case, dtype):
 
 # The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
 # forward and backward), and so do the ops whose solve is an operator of torch's registry (the
-# top-k masks "ot" and "sparse", pav: opaque to dynamo, the gradient in the traced Function).
-# The others stop on convergence (Newton, Sinkhorn): torch.compile breaks the graph around their
-# solver and runs it eagerly (tests/test_contract.py::test_torch_compile, slow, checks their
-# values and gradients).
+# top-k masks "ot", "sparse" and "sinkhorn", pav, the sort family's "ot": opaque to dynamo, the
+# gradient in the traced Function). The others stop on convergence (Newton): torch.compile
+# breaks the graph around their solver and runs it eagerly
+# (tests/test_contract.py::test_torch_compile, slow, checks their values and gradients).
 FULLGRAPH = [
     c
     for c in CASES
-    if c.method in ("softsort", "neuralsort", "softkmax", "pav")
+    if c.method in ("softsort", "neuralsort", "softkmax", "pav", "ot")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
     or c.op == "soft_argmax_onehot"
-    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse"))
+    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse", "sinkhorn"))
 ]
 
 
@@ -245,6 +245,53 @@ def test_pav_exports_with_a_dynamic_batch(op):
             torch.testing.assert_close(exported.module()(inputs), Ranks()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert any("softops.isotonic_permutahedron" in t for t in targets)
+
+
+@pytest.mark.parametrize(
+    ("op", "kw"),
+    [
+        ("soft_rank", {"method": "ot"}),
+        ("soft_quantile", {"method": "ot", "q": 0.25}),
+        ("soft_topk_mask", {"method": "sinkhorn", "k": 3}),
+    ],
+)
+def test_the_sinkhorn_family_exports_with_a_dynamic_batch(op, kw):
+    # torch.export keeps the Sinkhorn solve as one operator; the exported program equals eager
+    class Soft(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return getattr(softops, op)(x, epsilon=0.5, **kw).sum(0)
+
+    x = _x(5, 12).float()
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        exported = torch.export.export(Soft(), (x,), dynamic_shapes=({0: batch},))
+        for inputs in (x, 4 * _x(9, 12).float()):
+            torch.testing.assert_close(exported.module()(inputs), Soft()(inputs))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert any("softops.sinkhorn" in t for t in targets)
+
+
+def test_the_sinkhorn_solver_compiles_to_one_graph_with_gradients():
+    """softops.solvers.sinkhorn: the solve one operator, the implicit gradient in the graph;
+    the iteration count a tensor there."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    cost = torch.rand(3, 5, 4, generator=g, dtype=F64).requires_grad_()
+    a, b = torch.full((5,), 0.2, dtype=F64), torch.full((4,), 0.25, dtype=F64)
+
+    def fn(c: torch.Tensor):
+        res = softops.solvers.sinkhorn(c, a, b, 0.3)
+        return res.plan, res.f, res.g, res.converged, res.iterations
+
+    out = torch.compile(fn, fullgraph=True, backend="eager")(cost)
+    want = fn(cost)
+    for o, w in zip(out[:4], want[:4], strict=True):
+        torch.testing.assert_close(o, w)
+    assert int(out[4]) == want[4]
+    w = torch.linspace(-1.0, 2.0, 60, dtype=F64).reshape(3, 5, 4)
+    (grad,) = torch.autograd.grad((out[0] * w).sum(), cost)
+    (ref,) = torch.autograd.grad((want[0] * w).sum(), cost)
+    torch.testing.assert_close(grad, ref)
 
 
 # ------------------------------------------------------------------ metrics and losses

@@ -123,8 +123,9 @@ def sinkhorn(
         :class:`SinkhornResult` ``(f, g, plan, converged, iterations, residual)`` with ``f``
         (*, n), ``g`` (*, m), ``plan`` (*, n, m) in the dtype of ``cost``; ``converged`` (*,)
         bool, ``residual`` (*,) and ``iterations`` an int (Sinkhorn iterations plus Newton steps,
-        maximum over rows). Rows with a NaN give NaN outputs and ``converged=False``; other
-        rows are unaffected.
+        maximum over rows; under ``torch.compile``/``torch.export``, where the solve is one
+        operator of the graph, a 0-dim int64 tensor). Rows with a NaN give NaN outputs and
+        ``converged=False``; other rows are unaffected.
 
     Shape:
         - cost: ``(*, n, m)``; a: ``(*, n)``; b: ``(*, m)``.

@@ -114,6 +114,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
+from softops._core.convergence import warn_not_converged
 from softops._core.transforms import apply_function, plain, vmap_rows
 from softops._kernels import Kernel, define, kernels_enabled
 
@@ -643,6 +644,8 @@ def _any_set(flags: Tensor) -> bool:
     ``torch.where``, so every row's result is the same whichever the answer. True on meta tensors
     (no values: compute the fallback too, which costs nothing there).
     """
+    if torch.compiler.is_compiling():  # no value to read: compute the fallback (as on meta)
+        return True
     flags = plain(flags)
     return flags.device.type == "meta" or bool(flags.any())
 
@@ -1218,13 +1221,95 @@ def _finalize_state(
     return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
 
 
+def _solve_reference(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    newton: bool,
+    newton_first: bool,
+    potentials: bool,
+    caller: str,
+) -> tuple[Tensor, ...]:
+    """The torch solve (:func:`_log_sinkhorn`) as the outputs of ``softops::sinkhorn``, after the
+    non-convergence warning naming ``caller`` (none when ``caller`` is empty)."""
+    res, clean = _log_sinkhorn(
+        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
+    )
+    _warn(caller, res, clean, max_iter, tol)
+    f, g = (res.f, res.g) if potentials else (res.f[:, :0], res.g[:, :0])
+    device = res.plan.device
+    return (
+        res.plan.transpose(1, 2).contiguous().transpose(1, 2),  # the (B, m, n) buffer, as faked
+        f,
+        g,
+        res.converged,
+        res.residual,
+        torch.tensor(res.iterations, dtype=torch.int64, device=device),
+        torch.tensor(clean, device=device),
+    )
+
+
+def _warn(caller: str, res: SinkhornResult, clean: bool, max_iter: int, tol: float) -> None:
+    """The non-convergence warning naming ``caller`` (none when it is empty, or every row is
+    known to have converged)."""
+    if caller and not clean:
+        warn_not_converged(caller, res.converged, max_iter, residual=res.residual, tol=tol)
+
+
+def _solve_fake(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    newton: bool,
+    newton_first: bool,
+    potentials: bool,
+    caller: str,
+) -> tuple[Tensor, ...]:
+    bsz, n, m = cost.shape
+    return (
+        cost.new_empty((bsz, m, n)).transpose(1, 2),  # (the solver's layout)
+        cost.new_empty((bsz, n if potentials else 0)),
+        cost.new_empty((bsz, m if potentials else 0)),
+        cost.new_empty((bsz,), dtype=torch.bool),
+        cost.new_empty((bsz,)),
+        cost.new_empty((), dtype=torch.int64),
+        cost.new_empty((), dtype=torch.bool),
+    )
+
+
+SINKHORN_OP = define(
+    "softops::sinkhorn",
+    "(Tensor cost, Tensor log_a, Tensor log_b, Tensor eps, int max_iter, float tol, bool newton,"
+    " bool newton_first, bool potentials, str caller)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_solve_reference,
+    fake=_solve_fake,
+)
+"""The whole solve (:func:`log_sinkhorn`, its convergence loop and its warning) as one operator,
+for traced code (``torch.compile``, ``torch.export``), to which it is opaque: (cost (B, n, m),
+log_a (B, n), log_b (B, m), eps (B,), max_iter, tol, newton, newton_first, potentials, caller:
+the op named by the non-convergence warning, none if empty) -> (plan (B, n, m), f, g,
+converged, residual, iterations (), clean ()), in cost's dtype. Not differentiable:
+:class:`SinkhornPlanFunction` carries the gradient. Eager calls run the same torch code
+directly (no dispatch)."""
+
+
 class SinkhornPlanFunction(torch.autograd.Function):
     """cost (B, n, m) -> plan (B, n, m) with the implicit (Schur complement) backward.
 
-    Inputs after ``cost`` (log marginals, epsilon, solver settings) get no gradient. Outputs:
+    Inputs after ``cost`` (log marginals, epsilon, solver settings, the op named by the
+    non-convergence warning, none if empty) get no gradient. Outputs:
     ``(plan, f, g, converged, residual, iterations, clean)``; only ``plan`` is differentiable;
     ``clean`` (bool) is True where the solver already read on the host that every row
-    converged (False says nothing).
+    converged (False says nothing). While tracing, the solve is the operator
+    ``softops::sinkhorn`` (:data:`SINKHORN_OP`) and ``iterations`` and ``clean`` are 0-dim
+    tensors.
 
     ``torch.func``: ``vmap`` folds the vmapped dimension into the rows (every row is solved on its
     own, so this is exact); forward mode (``jvp``, ``jacfwd``) applies the same linear map as the
@@ -1242,10 +1327,16 @@ class SinkhornPlanFunction(torch.autograd.Function):
         newton: bool,
         newton_first: bool = False,
         potentials: bool = True,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, bool]:
+        caller: str = "",
+    ) -> tuple[Any, ...]:
+        if torch.compiler.is_compiling():
+            return SINKHORN_OP(
+                cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller
+            )
         res, clean = _log_sinkhorn(
             cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
         )
+        _warn(caller, res, clean, max_iter, tol)
         return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, clean
 
     @staticmethod
@@ -1260,7 +1351,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_plan: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
-        nones: tuple[None, ...] = (None,) * 8
+        nones: tuple[None, ...] = (None,) * 9
         if not ctx.needs_input_grad[0] or grad_plan is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
@@ -1282,6 +1373,16 @@ class SinkhornPlanFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         return vmap_rows(SinkhornPlanFunction, info, in_dims, *args)
+
+
+class _SinkhornPlanTraced(SinkhornPlanFunction):
+    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
+
+    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(_SinkhornPlanTraced, info, in_dims, *args)
 
 
 def implicit_cost_vjp(
@@ -1340,7 +1441,10 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
 
 def _all_above(t: Tensor, level: float) -> bool:
     """Whether every entry of ``t`` is above ``level`` (False for NaN), read through
-    ``torch.func`` wrappers; False on meta tensors (no values: take the fallback too)."""
+    ``torch.func`` wrappers; False on meta tensors and while tracing (no values: take the
+    fallback too)."""
+    if torch.compiler.is_compiling():
+        return False
     t = plain(t.detach())
     if t.device.type == "meta":
         return False
@@ -1415,6 +1519,7 @@ def sinkhorn_plan(
     newton: bool = False,
     newton_first: bool = False,
     potentials: bool = True,
+    caller: str = "",
 ) -> tuple[Tensor, SinkhornResult]:
     """Differentiable (in ``cost``) Sinkhorn plan with the implicit backward.
 
@@ -1428,13 +1533,17 @@ def sinkhorn_plan(
         newton: semi-dual Newton polish (see the module docstring).
         newton_first: with ``newton``, start with Newton at g = 0 (see :func:`log_sinkhorn`).
         potentials: form ``result.f`` and ``result.g`` (else empty (B, 0) tensors).
+        caller: the public op named by the non-convergence warning
+            (:func:`~softops._core.convergence.warn_not_converged`, raised by the solve, also
+            while traced); empty: no warning.
 
     Returns:
         ``(plan, result)`` with ``plan`` (B, n, m) differentiable in ``cost`` and ``result`` the
-        diagnostics (``result.plan is plan``).
+        diagnostics (``result.plan is plan``). While tracing (``torch.compile``,
+        ``torch.export``) the solve is one operator and ``result.iterations`` a 0-dim tensor.
     """
     return sinkhorn_plan_checked(
-        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
+        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller
     )[:2]
 
 
@@ -1448,12 +1557,20 @@ def sinkhorn_plan_checked(
     newton: bool = False,
     newton_first: bool = False,
     potentials: bool = True,
+    caller: str = "",
 ) -> tuple[Tensor, SinkhornResult, bool]:
     """:func:`sinkhorn_plan` and whether every row is known to have converged: True only where
     the solver already read that on the host (then a convergence warning has nothing to
-    report); False says nothing (check ``result.converged``)."""
-    plan, f, g, converged, residual, iterations, clean = apply_function(
-        SinkhornPlanFunction,
-        *(cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials),
-    )
+    report); False says nothing (check ``result.converged``).
+
+    While tracing, the Function without its custom ``jvp`` (which dynamo rejects) runs the
+    operator ``softops::sinkhorn`` (the operator alone where nothing is differentiated); the
+    iteration count stays a tensor and ``clean`` is False (nothing is read on the host)."""
+    args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller)
+    if torch.compiler.is_compiling():
+        grads = torch.is_grad_enabled() and cost.requires_grad
+        out = _SinkhornPlanTraced.apply(*args) if grads else SINKHORN_OP(*args)
+        plan, f, g, converged, residual, iterations = out[:6]
+        return plan, SinkhornResult(f, g, plan, converged, iterations, residual), False
+    plan, f, g, converged, residual, iterations, clean = apply_function(SinkhornPlanFunction, *args)
     return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean)

@@ -78,7 +78,7 @@ import math
 import torch
 from torch import Tensor
 
-from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
 from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
 from softops.sort._chunked import convex_combination, positions, small_rows
 from softops.sort._options import MethodOptions
@@ -116,8 +116,8 @@ def _plan(
         log_b = torch.where(dst | none, log_b, -math.inf)
     cost = _cost(x64, y, eps.double())
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
-    gamma, res = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=True)
-    warn_not_converged(opts.op, res.converged, max_iter, residual=res.residual, tol=tol)
+    # the solve warns (naming opts.op) where rows did not converge, also while traced
+    gamma, res = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=True, caller=opts.op)
     return gamma.transpose(1, 2) * n, res
 
 

@@ -25,7 +25,6 @@ import math
 
 import torch
 
-from softops._core.convergence import warn_not_converged
 from softops._core.sinkhorn import sinkhorn_plan
 from softops._core.transforms import cannot_branch
 from softops.topk._options import unreachable_rows
@@ -102,8 +101,8 @@ def sinkhorn_mask(
     log_b = torch.stack([torch.log(n_fin - kc), torch.log(kc)], -1) - log_n
     newton = tol > 0
     ones = torch.ones_like(eps_row)
-    plan, result = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton)
-    warn_not_converged(op, result.converged, max_iter, residual=result.residual, tol=tol)
+    # the solve warns (naming op) where rows did not converge, also while traced
+    plan, _ = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton, caller=op)
     A = n * plan[..., 1]
     edge_none, edge_all = k_row <= 0, k_row >= n
     if fixed or bool((edge_none | edge_all).any()):
