@@ -167,16 +167,16 @@ def test_autocast_bfloat16(case, dtype):
 
 # The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
 # forward and backward), and so do the ops whose solve is an operator of torch's registry (the
-# top-k masks "ot", "sparse" and "sinkhorn", pav, the sort family's "ot": opaque to dynamo, the
-# gradient in the traced Function). The others stop on convergence (Newton): torch.compile
-# breaks the graph around their solver and runs it eagerly
-# (tests/test_contract.py::test_torch_compile, slow, checks their values and gradients).
+# top-k masks "ot", "sparse" and "sinkhorn", pav, the sort family's "ot", soft_topk: opaque to
+# dynamo, the gradient in the traced Function). The others (perturbed's sampling) break the
+# graph and run eagerly (tests/test_contract.py::test_torch_compile, slow, checks their values
+# and gradients).
 FULLGRAPH = [
     c
     for c in CASES
     if c.method in ("softsort", "neuralsort", "softkmax", "pav", "ot")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
-    or c.op == "soft_argmax_onehot"
+    or c.op in ("soft_argmax_onehot", "soft_topk")
     or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse", "sinkhorn"))
 ]
 
@@ -267,6 +267,23 @@ def test_the_sinkhorn_family_exports_with_a_dynamic_batch(op, kw):
         exported = torch.export.export(Soft(), (x,), dynamic_shapes=({0: batch},))
         for inputs in (x, 4 * _x(9, 12).float()):
             torch.testing.assert_close(exported.module()(inputs), Soft()(inputs))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert any("softops.sinkhorn" in t for t in targets)
+
+
+def test_soft_topk_exports_with_a_dynamic_batch():
+    # torch.export keeps soft_topk's solve (the full problem's) as one operator
+    class Top(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = softops.soft_topk(x, 3, epsilon=0.2)
+            return out.values, out.weights
+
+    x = _x(5, 12).float()
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        exported = torch.export.export(Top(), (x,), dynamic_shapes=({0: batch},))
+        for inputs in (x, 4 * _x(9, 12).float()):
+            torch.testing.assert_close(exported.module()(inputs), Top()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert any("softops.sinkhorn" in t for t in targets)
 

@@ -45,6 +45,7 @@ from softops._core.dims import prepare_rows
 from softops._core.sinkhorn import (
     DET_MIN,
     NEWTON_KERNEL,
+    SINKHORN_OP,
     implicit_cost_vjp,
     log_sinkhorn_checked,
     use_kernel,
@@ -222,7 +223,9 @@ def _soft_topk(
             x2, eps, k, largest, max_iter, tol, tensor_eps
         )
 
-    if not clean:  # the solver read on the host whether every row converged
+    # (clean: the solver read on the host that every row converged; while traced the solve's
+    # operator has warned)
+    if not clean and not torch.compiler.is_compiling():
         warn_not_converged(_OP, converged, max_iter, residual=residual, tol=tol)
 
     values = restore(values.to(x.dtype))
@@ -319,7 +322,8 @@ def _full(
     eps_eff, scaled = _scaled_cost(s, eps, k, neg, cd)
     # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
     weights, _, converged, residual, clean = apply_function(
-        _SortedPlan, s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps
+        _SortedPlanTraced if torch.compiler.is_compiling() else _SortedPlan,
+        *(s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps),
     )
     if has_inf:
         # the sure entries (tied) share the first c targets: 1/#(-inf) each
@@ -1065,6 +1069,16 @@ class _SortedPlan(torch.autograd.Function):
         tol: float,
         tensor_eps: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        if torch.compiler.is_compiling():
+            # the solve as one operator (opaque to dynamo), which warns where rows did not
+            # converge: nothing is read on the host (clean False)
+            out = SINKHORN_OP(
+                *(scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol),
+                *(True, True, False, _OP),
+            )
+            plan = out[0]
+            weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
+            return weights, plan, out[3], out[4], False
         res, clean = log_sinkhorn_checked(
             scaled.transpose(1, 2),
             log_a,
@@ -1136,6 +1150,16 @@ class _SortedPlan(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         return vmap_rows(_SortedPlan, info, in_dims, *args)
+
+
+class _SortedPlanTraced(_SortedPlan):
+    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
+
+    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        return vmap_rows(_SortedPlanTraced, info, in_dims, *args)
 
 
 def _torch_vjp(
