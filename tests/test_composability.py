@@ -177,7 +177,7 @@ FULLGRAPH = [
     if c.method in ("softsort", "neuralsort", "softkmax", "pav", "ot")
     or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
     or c.op in ("soft_argmax_onehot", "soft_topk")
-    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse", "sinkhorn"))
+    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse", "sinkhorn", "perturbed"))
 ]
 
 
@@ -186,8 +186,15 @@ def test_one_graph_without_breaks(case):
     torch._dynamo.reset()
     x = _x(3, 6).float().requires_grad_()
     fn = _call(case)
+    if case.stochastic:  # draws seeded by the global generator (dynamo cannot make a Generator)
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return case(t, epsilon=0.7, generator=None)
+
     compiled = torch.compile(fn, fullgraph=True, backend="eager")  # dynamo's tracing only
+    torch.manual_seed(3)
     out = compiled(x)
+    torch.manual_seed(3)
     want = fn(x)
     torch.testing.assert_close(out, want)
     w = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)
@@ -286,6 +293,26 @@ def test_soft_topk_exports_with_a_dynamic_batch():
             torch.testing.assert_close(exported.module()(inputs), Top()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert any("softops.sinkhorn" in t for t in targets)
+
+
+def test_the_perturbed_mask_exports_with_a_dynamic_batch():
+    # the draws' seed is drawn in the exported program from the global generator, the sampling
+    # loop is one operator; seeded alike, the exported program equals eager
+    class Gate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return softops.soft_topk_mask(x, 3, epsilon=0.2, method="perturbed") * x
+
+    x = _x(5, 12).float()
+    batch = torch.export.Dim("batch")
+    with torch.no_grad():
+        exported = torch.export.export(Gate(), (x,), dynamic_shapes=({0: batch},))
+        for inputs in (x, 4 * _x(9, 12).float()):
+            torch.manual_seed(1)
+            out = exported.module()(inputs)
+            torch.manual_seed(1)
+            torch.testing.assert_close(out, Gate()(inputs))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert any("softops.perturbed_topk_mask" in t for t in targets)
 
 
 def test_the_sinkhorn_solver_compiles_to_one_graph_with_gradients():

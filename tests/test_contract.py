@@ -152,7 +152,7 @@ class Case:
         base = dict(self.kw)
         if self.method is not None:
             base["method"] = self.method
-        if self.stochastic:
+        if self.stochastic and "generator" not in kw:  # (none made where the caller gives one)
             base["generator"] = torch.Generator().manual_seed(7)
         base.update(kw)
         if self.flag is None or self.op == "soft_quantile":

@@ -115,6 +115,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from softops._core.transforms import plain, under_functorch, vmap_rows
+from softops._kernels import define
 from softops.topk._options import unreachable_rows
 
 __all__ = ["perturbed_topk_mask"]
@@ -320,6 +321,84 @@ class _Estimate(torch.autograd.Function):
         return vmap_rows(_Estimate, info, in_dims, *head, layout, transpose)
 
 
+# ------------------------------------------------------------------------------- traced code
+# dynamo can neither make nor carry a torch.Generator: traced, the draws come from a seed (an
+# int64 0-dim tensor drawn in the graph from the global generator, as the eager call draws it),
+# and the sampling loops run inside two operators of torch's registry (opaque to dynamo), which
+# seed a generator of their own from it, as the eager call does.
+
+
+def _seeded(x: torch.Tensor, seed: torch.Tensor) -> _Snapshot:
+    generator = torch.Generator(device=x.device)
+    generator.manual_seed(int(seed))
+    return _Snapshot(generator.get_state())
+
+
+def _mask_reference(
+    x: torch.Tensor, eps: torch.Tensor, k: int, n_samples: int, seed: torch.Tensor
+) -> torch.Tensor:
+    generator = torch.Generator(device=x.device)
+    generator.manual_seed(int(seed))
+    snapshot = _Snapshot(generator.get_state())
+    return _PerturbedTopKMask.forward(x, eps, k, n_samples, generator, snapshot, ())
+
+
+def _estimate_reference(
+    x: torch.Tensor,
+    eps: torch.Tensor,
+    t: torch.Tensor,
+    k: int,
+    n_samples: int,
+    seed: torch.Tensor,
+    transpose: bool,
+) -> torch.Tensor:
+    return _Estimate.forward(x, eps, t, k, n_samples, _seeded(x, seed), (), transpose)
+
+
+MASK_OP = define(
+    "softops::perturbed_topk_mask",
+    "(Tensor x, Tensor eps, int k, int n_samples, Tensor seed) -> Tensor",
+    reference=_mask_reference,
+    fake=lambda x, *_: torch.empty_like(x),
+)
+"""The mean of the hard top-k masks of ``x + eps Z_s`` (x (B, n), eps (B,), k, n_samples, the
+seed of the draws (), int64) -> (B, n): the forward of :class:`_PerturbedTopKMask` with a
+generator seeded by ``seed``. For traced code; not differentiable."""
+
+ESTIMATE_OP = define(
+    "softops::perturbed_estimate",
+    "(Tensor x, Tensor eps, Tensor t, int k, int n_samples, Tensor seed, bool transpose) -> Tensor",
+    reference=_estimate_reference,
+    fake=lambda x, *_: torch.empty_like(x),
+)
+""":class:`_Estimate` of the draws of :data:`MASK_OP` with the same seed (the VJP with
+``transpose``). For traced code; not differentiable."""
+
+
+class _PerturbedTopKMaskTraced(torch.autograd.Function):
+    """:class:`_PerturbedTopKMask` for traced code: ``(x, eps, k, n_samples, seed) -> A`` by
+    :data:`MASK_OP`, the VJP by :data:`ESTIMATE_OP` on the same draws (no custom ``jvp``, which
+    torch 2.13's dynamo rejects)."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, eps: torch.Tensor, k: int, n_samples: int, seed: torch.Tensor
+    ) -> torch.Tensor:
+        return MASK_OP(x, eps, k, n_samples, seed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, eps, k, n_samples, seed = inputs
+        ctx.k, ctx.n_samples = k, n_samples
+        ctx.save_for_backward(x, eps, seed)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, eps, seed = ctx.saved_tensors
+        gx = ESTIMATE_OP(x, eps, g, ctx.k, ctx.n_samples, seed, True)
+        return gx, None, None, None, None
+
+
 def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
     """x, made to vary along every vmap level whose randomness is "different".
 
@@ -361,6 +440,13 @@ def perturbed_topk_mask(
         >>> perturbed_topk_mask(x, 3, eps, 8, torch.Generator().manual_seed(0))
         tensor([[1., 0., 0., 1., 0., 1.]])
     """
+    if torch.compiler.is_compiling() and generator is None:
+        # the seed drawn in the graph, as below (none where nothing is drawn)
+        if 0 < k < x.shape[-1]:
+            drawn = torch.randint(2**62, (), dtype=torch.int64)
+        else:
+            drawn = torch.zeros((), dtype=torch.int64)
+        return _PerturbedTopKMaskTraced.apply(x, eps.detach(), k, n_samples, drawn)
     if plain(x).numel() == 0:
         # No row at all (under vmap: a vmapped dimension of size 0, which x's own shape does not
         # show): nothing to draw, no generator advanced. torch's random ops cannot run on such a
