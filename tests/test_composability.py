@@ -9,6 +9,7 @@ reason, and the test checks that it raises a clear error.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -313,6 +314,34 @@ def test_the_perturbed_mask_exports_with_a_dynamic_batch():
             torch.testing.assert_close(out, Gate()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert any("softops.perturbed_topk_mask" in t for t in targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_the_traced_solves_pass_opcheck(dtype):
+    """The operators that traced code calls (the Sinkhorn solve, perturbed's sampling and
+    estimator): schema, fake implementation (shapes, dtypes, strides) and dynamic shapes."""
+    from softops._core.sinkhorn import SINKHORN_OP
+    from softops.topk._perturbed import ESTIMATE_OP, MASK_OP
+
+    g = torch.Generator().manual_seed(2)
+    cost = torch.rand(3, 5, 4, generator=g, dtype=dtype)
+    log_a, log_b = (
+        torch.full((3, 5), -math.log(5), dtype=dtype),
+        torch.full((3, 4), -math.log(4), dtype=dtype),
+    )
+    eps = torch.full((3,), 0.5, dtype=dtype)
+    for newton, first, potentials in (
+        (False, False, True),
+        (True, False, False),
+        (True, True, True),
+    ):
+        args = (cost, log_a, log_b, eps, 200, 1e-6, newton, first, potentials, "")
+        torch.library.opcheck(SINKHORN_OP, args)
+    x = _x(3, 6).to(dtype)
+    seed = torch.tensor(11)
+    torch.library.opcheck(MASK_OP, (x, eps, 2, 8, seed))
+    for transpose in (True, False):
+        torch.library.opcheck(ESTIMATE_OP, (x, eps, torch.ones_like(x), 2, 8, seed, transpose))
 
 
 def test_the_sinkhorn_solver_compiles_to_one_graph_with_gradients():
