@@ -166,20 +166,14 @@ def test_autocast_bfloat16(case, dtype):
 
 # ------------------------------------------------------------------------- torch.compile
 
-# The ops without data-dependent control flow compile to one graph (dynamo traces the whole op,
-# forward and backward), and so do the ops whose solve is an operator of torch's registry (the
-# top-k masks "ot", "sparse" and "sinkhorn", pav, the sort family's "ot", soft_topk: opaque to
-# dynamo, the gradient in the traced Function). The others (perturbed's sampling) break the
-# graph and run eagerly (tests/test_contract.py::test_torch_compile, slow, checks their values
-# and gradients).
-FULLGRAPH = [
-    c
-    for c in CASES
-    if c.method in ("softsort", "neuralsort", "softkmax", "pav", "ot")
-    or c.op in ("soft_kmax", "smooth_max", "smooth_min", "soft_argmax", "soft_argmin")
-    or c.op in ("soft_argmax_onehot", "soft_topk")
-    or (c.op == "soft_topk_mask" and c.method in ("ot", "sparse", "sinkhorn", "perturbed"))
-]
+# Every case of the registry compiles to one graph, forward and backward: the ops without
+# data-dependent control flow as dynamo traces them, the others because their solve is an
+# operator of torch's registry, opaque to dynamo, with the gradient in the traced Function (the
+# top-k masks "ot", "sparse", "sinkhorn" and "perturbed", pav, the sort family's "ot",
+# soft_topk). "perturbed" is called with generator=None there (dynamo can neither make nor carry
+# a torch.Generator: one breaks the graph). tests/test_contract.py::test_torch_compile (slow)
+# runs the registry through inductor.
+FULLGRAPH = list(CASES)
 
 
 @cases(FULLGRAPH)
