@@ -17,6 +17,7 @@ import torch
 from torch import func
 
 import softops
+from softops._kernels import backend
 from tests.test_contract import CASES, Case, cases
 
 F64 = torch.float64
@@ -172,12 +173,18 @@ def test_autocast_bfloat16(case, dtype):
 # top-k masks "ot", "sparse", "sinkhorn" and "perturbed", pav, the sort family's "ot",
 # soft_topk). "perturbed" is called with generator=None there (dynamo can neither make nor carry
 # a torch.Generator: one breaks the graph). tests/test_contract.py::test_torch_compile (slow)
-# runs the registry through inductor.
+# runs the registry through inductor. Each case runs on its back end (the reference twins of the
+# kernel-backed methods on the torch reference).
 FULLGRAPH = list(CASES)
 
 
 @cases(FULLGRAPH)
 def test_one_graph_without_breaks(case):
+    with backend(case.back_end):  # the compiled graph's operators on the case's back end
+        _one_graph(case)
+
+
+def _one_graph(case: Case) -> None:
     torch._dynamo.reset()
     x = _x(3, 6).float().requires_grad_()
     fn = _call(case)
