@@ -728,6 +728,312 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
   return err / static_cast<double>(m);
 }
 
+// --------------------------------------------------------------------------- lanes of rows
+
+// Short rows are solved kLanes at a time, one row per lane of an at::vec vector (solve_group):
+// the same semi-dual Newton as newton_row, its state evaluation (eval_fast's product
+// recurrence from each entry's home), couplings and equilibrated Cholesky (laplacian_solve's
+// first attempt) as vector operations over the lanes, entry slot by entry slot (a row's entries
+// in its grouped order; the slots past a row's candidates masked out). Each lane keeps its own
+// control (steps, halvings, flags); a lane whose state leaves the product's range, or whose
+// Cholesky would take the jitter, is handed to the scalar code (the whole row again, or that one
+// solve), so every row gets the scalar path's result up to rounding.
+using VecD = at::vec::Vectorized<double>;
+constexpr int64_t kLanes = VecD::size();
+// Most candidates of a row solved in the lanes.
+constexpr int64_t kLaneMaxM = 64;
+// Most targets of a row solved in the lanes.
+constexpr int64_t kLaneBig = 12;
+
+// A group's rows transposed: slot i of lane l at [i * kLanes + l].
+struct Lanes {
+  int64_t big = 0, slots = 0;
+  std::vector<double> e, ie, home, valid, p, p_new;
+  double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
+  double bref[kMaxBig * kLanes];
+  double bcol[kMaxBig * kLanes];
+
+  void size(int64_t big_in, int64_t slots_in) {
+    big = big_in;
+    slots = slots_in;
+    const size_t ns = static_cast<size_t>(slots * kLanes);
+    if (e.size() < ns) {
+      for (auto* x : {&e, &ie, &home, &valid}) x->resize(ns);
+    }
+    if (p.size() < ns * static_cast<size_t>(big)) {
+      p.resize(ns * static_cast<size_t>(big));
+      p_new.resize(ns * static_cast<size_t>(big));
+    }
+  }
+};
+
+// eval_fast on every lane at once: the plans (big, slots, lanes) into p, the gaps into gap;
+// returns the lanes' sum_j |gap_j|, and in `inrange` 1.0 where every column factor is in range
+// (0.0: the lane's row needs eval_general).
+VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
+  const int64_t big = g.big, ns = g.slots;
+  const VecD one(1.0), zero(0.0), far(kFar);
+  VecD rho[kMaxBig], irho[kMaxBig], gv[kMaxBig];
+  inrange = one;
+  for (int64_t j = 0; j + 1 < big; ++j) {
+    const VecD a = (VecD::loadu(v + (j + 1) * kLanes) - VecD::loadu(v + j * kLanes)) +
+                   VecD::loadu(g.aconst + j * kLanes);
+    inrange = at::vec::minimum(inrange, a.abs().le(far));
+    rho[j] = a.exp();
+    irho[j] = one / rho[j];
+  }
+  for (int64_t j = 0; j < big; ++j) gv[j] = VecD::loadu(g.bref + j * kLanes);
+  VecD q[kMaxBig], eq[kMaxBig];
+  const int64_t sj = ns * kLanes;
+  for (int64_t i = 0; i < ns; ++i) {
+    const VecD ei = VecD::loadu(g.e.data() + i * kLanes);
+    const VecD iei = VecD::loadu(g.ie.data() + i * kLanes);
+    const VecD h = VecD::loadu(g.home.data() + i * kLanes);
+    const VecD val = VecD::loadu(g.valid.data() + i * kLanes);
+    // upward from the home (1 there, 0 below it), then downward (the slots below the home)
+    VecD qu = zero;
+    for (int64_t j = 0; j < big; ++j) {
+      const VecD jv(static_cast<double>(j));
+      eq[j] = h == jv;
+      const VecD nxt = j > 0 ? qu * (ei * rho[j - 1]) : zero;
+      qu = VecD::blendv(VecD::blendv(nxt, one, eq[j]), zero, h > jv);
+      q[j] = qu;
+    }
+    VecD qd = zero;
+    VecD tot = zero;
+    for (int64_t j = big - 1; j >= 0; --j) {
+      const VecD jv(static_cast<double>(j));
+      const VecD nxt = j + 1 < big ? qd * (iei * irho[j]) : zero;
+      qd = VecD::blendv(VecD::blendv(nxt, one, eq[j]), zero, h < jv);
+      q[j] = VecD::blendv(q[j], qd, h > jv);
+      tot = tot + q[j];
+    }
+    const VecD inv = (one / tot) * val;
+    VecD off = zero;
+    for (int64_t j = 0; j < big; ++j) {
+      const VecD pj = q[j] * inv;
+      pj.store(p + j * sj + i * kLanes);
+      const VecD po = VecD::blendv(pj, zero, eq[j]);
+      off = off + po;
+      gv[j] = gv[j] - po;
+    }
+    for (int64_t j = 0; j < big; ++j) gv[j] = gv[j] + VecD::blendv(zero, off, eq[j]);
+  }
+  VecD l1 = zero;
+  for (int64_t j = 0; j < big; ++j) {
+    gv[j].store(gap + j * kLanes);
+    l1 = l1 + gv[j].abs();
+  }
+  return l1;
+}
+
+// laplacian_solve's first attempt (big >= 4: the Jacobi-equilibrated Cholesky without jitter,
+// grounded at the last column) on every lane: out = K^-1 rhs ([j * kLanes + l]); returns 1.0 in
+// the lanes where it applies (every squared pivot at least 1e-2), else 0.0 (the caller then
+// takes laplacian_solve on that lane).
+VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out) {
+  const int64_t m1 = big - 1;
+  const VecD one(1.0), zero(0.0);
+  VecD amat[kLaneBig * kLaneBig], chol[kLaneBig * kLaneBig], scale[kMaxBig], inv_piv[kMaxBig],
+      y[kMaxBig], x[kMaxBig];
+  for (int64_t j = 0; j < m1; ++j) {
+    VecD d = zero;
+    for (int64_t col = 0; col < big; ++col) {
+      if (col != j) d = d + w[j * kLaneBig + col];
+    }
+    scale[j] = VecD::blendv(one, one / d.sqrt(), d > zero);
+    amat[j * m1 + j] = d * scale[j] * scale[j];
+    for (int64_t col = 0; col < j; ++col) {
+      amat[j * m1 + col] = zero - w[j * kLaneBig + col] * scale[j] * scale[col];
+    }
+  }
+  VecD least = one;
+  VecD okv = one;
+  for (int64_t j = 0; j < m1; ++j) {
+    VecD* lj = chol + j * m1;
+    const VecD* aj = amat + j * m1;
+    for (int64_t col = 0; col < j; ++col) {
+      const VecD* lc = chol + col * m1;
+      VecD acc = aj[col];
+      for (int64_t s = 0; s < col; ++s) acc = acc - lj[s] * lc[s];
+      lj[col] = acc * inv_piv[col];
+    }
+    VecD acc = aj[j];
+    for (int64_t s = 0; s < j; ++s) acc = acc - lj[s] * lj[s];
+    okv = at::vec::minimum(okv, acc.gt(zero));
+    const VecD piv = acc.sqrt();
+    lj[j] = piv;
+    inv_piv[j] = one / piv;
+    least = at::vec::minimum(least, acc);
+  }
+  for (int64_t j = 0; j < m1; ++j) {
+    const VecD* lj = chol + j * m1;
+    VecD acc = VecD::loadu(rhs + j * kLanes) * scale[j];
+    for (int64_t s = 0; s < j; ++s) acc = acc - lj[s] * y[s];
+    y[j] = acc * inv_piv[j];
+  }
+  for (int64_t j = m1 - 1; j >= 0; --j) {
+    VecD acc = y[j];
+    for (int64_t s = j + 1; s < m1; ++s) acc = acc - chol[s * m1 + j] * x[s];
+    x[j] = acc * inv_piv[j];
+  }
+  for (int64_t j = 0; j < m1; ++j) (x[j] * scale[j]).store(out + j * kLanes);
+  zero.store(out + m1 * kLanes);
+  return at::vec::minimum(okv, least.ge(VecD(1e-2)));
+}
+
+// The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles).
+void couplings_lanes(const double* p, int64_t big, int64_t ns, VecD* w) {
+  const int64_t sj = ns * kLanes;
+  for (int64_t j = 0; j < big; ++j) {
+    for (int64_t o = j + 1; o < big; ++o) {
+      const double* pj = p + j * sj;
+      const double* po = p + o * sj;
+      VecD s(0.0);
+      for (int64_t i = 0; i < ns; ++i) {
+        s = at::vec::fmadd(VecD::loadu(pj + i * kLanes), VecD::loadu(po + i * kLanes), s);
+      }
+      w[j * kLaneBig + o] = s;
+      w[o * kLaneBig + j] = s;
+    }
+  }
+}
+
+// newton_row on the lanes of a group (lanes of rows already prepared in pb[l]), every lane at
+// once. Per lane: done 1 where the row is solved here (its state in v, its gaps in gap, its plan
+// in g.p), 0 where the scalar code must solve the row.
+void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64_t halvings,
+                  double* v, double* gap, bool* done) {
+  const int64_t big = g.big, ns = g.slots;
+  const int64_t np = big * ns * kLanes;
+  double v_new[kMaxBig * kLanes], gap_new[kMaxBig * kLanes], delta[kMaxBig * kLanes];
+  double l1[kLanes], l1n[kLanes], inr[kLanes], step[kLanes], tolm[kLanes], okl[kLanes];
+  int64_t steps[kLanes], tries[kLanes];
+  bool active[kLanes], phase2[kLanes], accept[kLanes], need[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    tolm[l] = tol * static_cast<double>(pb[l].m);
+    l1[l] = kInf;
+    steps[l] = 0;
+    tries[l] = 0;
+    step[l] = 1.0;
+    active[l] = true;
+    phase2[l] = false;
+    done[l] = true;
+  }
+  for (int64_t t = 0; t < big * kLanes; ++t) {
+    v[t] = 0.0;
+    v_new[t] = 0.0;
+    gap[t] = 0.0;
+  }
+  double* p = g.p.data();
+  double* p_new = g.p_new.data();
+  VecD inrange;
+  // the start: one Sinkhorn column update of v = 0
+  eval_lanes(g, v_new, p_new, gap_new, inrange);
+  inrange.store(inr);
+  for (int64_t t = 0; t < big; ++t) {
+    VecD col(0.0);
+    const double* pt = p_new + t * ns * kLanes;
+    for (int64_t i = 0; i < ns; ++i) col = col + VecD::loadu(pt + i * kLanes);
+    const VecD vt = VecD::loadu(g.bcol + t * kLanes).log() -
+                    at::vec::maximum(col, VecD(kTiny)).log();
+    vt.store(v_new + t * kLanes);
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    if (!(inr[l] > 0)) {
+      active[l] = false;
+      done[l] = false;
+    }
+  }
+  while (true) {
+    eval_lanes(g, v_new, p_new, gap_new, inrange).store(l1n);
+    inrange.store(inr);
+    bool any_accept = false, any_need = false;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      accept[l] = false;
+      need[l] = false;
+      if (!active[l]) continue;
+      if (!(inr[l] > 0)) {  // (the scalar code takes eval_general: the row goes there)
+        active[l] = false;
+        done[l] = false;
+        continue;
+      }
+      if (phase2[l] && !(l1n[l] < l1[l])) {
+        if (++tries[l] > halvings) {
+          active[l] = false;
+          continue;
+        }
+        step[l] *= 0.5;
+        for (int64_t t = 0; t < big; ++t) {
+          v_new[t * kLanes + l] = v[t * kLanes + l] + step[l] * delta[t * kLanes + l];
+        }
+        continue;
+      }
+      accept[l] = true;
+      any_accept = true;
+      for (int64_t t = 0; t < big; ++t) {
+        gap[t * kLanes + l] = gap_new[t * kLanes + l];
+        v[t * kLanes + l] = v_new[t * kLanes + l];
+      }
+      l1[l] = l1n[l];
+      if (!(l1[l] > tolm[l]) || steps[l] >= max_steps) {
+        active[l] = false;
+        continue;
+      }
+      need[l] = true;
+      any_need = true;
+    }
+    if (any_accept) {
+      double am[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) am[l] = accept[l] ? 1.0 : 0.0;
+      const VecD mask = VecD::loadu(am) > VecD(0.0);
+      for (int64_t t = 0; t < np; t += kLanes) {
+        VecD::blendv(VecD::loadu(p + t), VecD::loadu(p_new + t), mask).store(p + t);
+      }
+    }
+    if (any_need) {
+      VecD wc[kLaneBig * kLaneBig];
+      couplings_lanes(p, big, ns, wc);
+      laplacian_lanes(wc, big, gap, delta).store(okl);
+      for (int64_t l = 0; l < kLanes; ++l) {
+        if (!need[l]) continue;
+        double ok = 2.0;
+        if (!(okl[l] > 0)) {  // the jitter (or a singular system): the scalar solve
+          double wl[kMaxBig * kMaxBig], rl[kMaxBig], dl[kMaxBig];
+          double lanes[kLanes];
+          for (int64_t j = 0; j < big; ++j) {
+            for (int64_t o = 0; o < big; ++o) {
+              if (o == j) {
+                wl[j * kMaxBig + o] = 0.0;
+                continue;
+              }
+              wc[j * kLaneBig + o].store(lanes);
+              wl[j * kMaxBig + o] = lanes[l];
+            }
+            rl[j] = gap[j * kLanes + l];
+          }
+          ok = laplacian_solve(wl, big, rl, dl);
+          for (int64_t j = 0; j < big; ++j) delta[j * kLanes + l] = dl[j];
+        }
+        ++steps[l];
+        if (!(ok > 0)) {
+          active[l] = false;
+          continue;
+        }
+        phase2[l] = true;
+        step[l] = 1.0;
+        tries[l] = 0;
+        for (int64_t t = 0; t < big; ++t) {
+          v_new[t * kLanes + l] = v[t * kLanes + l] + delta[t * kLanes + l];
+        }
+      }
+    }
+    bool any = false;
+    for (int64_t l = 0; l < kLanes; ++l) any = any || active[l];
+    if (!any) break;
+  }
+}
+
 template <typename scalar_t>
 void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double tau,
                      double bpu, double limit, double span_max, const double* weight, int64_t nb,
@@ -744,9 +1050,101 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  // the lanes: rows of four targets or more (fewer: the closed forms) and few candidates
+  const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     Work w;
     Prob pb;
+    std::vector<Work> lw(lanes_on ? kLanes : 0);
+    Prob lpb[kLanes];
+    int64_t lrow[kLanes];
+    int64_t count = 0;
+    Lanes g;
+    // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
+    // its state and its plan P_ti at p[t * sj + i * si]
+    auto finish = [&](int64_t row, const Prob& pr, const Work& wk, const double* p, int64_t sj,
+                      int64_t si, double e) {
+      pe[row] = e;
+      ps[row] = e <= tol ? 0 : 1;
+      const double* rr = pst + row * lay.size() + lay.ratio();
+      scalar_t* wr = pw + row * k * n;
+      const int64_t m = pr.m;
+      for (int64_t t = 0; t < k; ++t) {
+        const double f = 1.0 + rr[t];
+        const double* pt = p + t * sj;
+        scalar_t* wt = wr + t * n;
+        double acc = 0.0;
+        for (int64_t i = 0; i < m; ++i) {
+          const double wti = pt[i * si] * f;
+          acc += wti * pr.yc[i];
+          wt[wk.grouped[i]] = static_cast<scalar_t>(wti);
+        }
+        pv[row * k + t] = sign * acc;
+      }
+    };
+    auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
+      double* p = nullptr;
+      const double e = newton_row(pr, tol, max_steps, halvings, wk, pst + row * lay.size(), lay, p);
+      finish(row, pr, wk, p, pr.m, 1, e);
+    };
+    // the rows gathered in the lanes, solved together (one alone: the scalar code)
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      int64_t ns = 0;
+      for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
+      for (int64_t l = count; l < kLanes; ++l) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
+      g.size(big, ns);
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const Prob& pr = lpb[l];
+        for (int64_t i = 0; i < ns; ++i) {
+          const bool in = i < pr.m;
+          g.e[i * kLanes + l] = in ? pr.e[i] : 1.0;
+          g.ie[i * kLanes + l] = in ? pr.ie[i] : 1.0;
+          g.home[i * kLanes + l] = in ? static_cast<double>(pr.home[i]) : 0.0;
+          g.valid[i * kLanes + l] = in ? 1.0 : 0.0;
+        }
+        for (int64_t j = 0; j < big; ++j) {
+          g.aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
+          g.bref[j * kLanes + l] = pr.bref[j];
+          g.bcol[j * kLanes + l] = pr.bcol[j];
+        }
+      }
+      double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
+      bool done[kLanes];
+      newton_lanes(g, lpb, tol, max_steps, halvings, v, gap, done);
+      const int64_t sj = ns * kLanes;
+      for (int64_t l = 0; l < count; ++l) {
+        const int64_t row = lrow[l];
+        const Prob& pr = lpb[l];
+        if (!done[l]) {
+          scalar_row(row, lw[l], pr);
+          continue;
+        }
+        double* st = pst + row * lay.size();
+        double* rr = st + lay.ratio();
+        for (int64_t t = 0; t < big; ++t) {
+          const double gt = gap[t * kLanes + l];
+          rr[t] = gt / std::max(pr.bcol[t] - gt, kTiny);
+          st[lay.v() + t] = v[t * kLanes + l];
+        }
+        st[lay.centre()] = pr.c;
+        // the row residual of the column-exact plan, sum_i |sum_t P_ti r_t| / m
+        const double* p = g.p.data() + l;
+        double e = 0.0;
+        for (int64_t i = 0; i < pr.m; ++i) {
+          double dev = 0.0;
+          for (int64_t t = 0; t < big; ++t) dev += p[t * sj + i * kLanes] * rr[t];
+          e += std::abs(dev);
+        }
+        finish(row, pr, lw[l], p, sj, kLanes, e / static_cast<double>(pr.m));
+      }
+      count = 0;
+    };
     for (int64_t row = b0; row < b1; ++row) {
       const scalar_t* xr = px + row * n;
       double* st = pst + row * lay.size();
@@ -761,29 +1159,22 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         pe[row] = kInf;
         continue;
       }
+      Work& wk = lanes_on ? lw[count] : w;
+      Prob& pr = lanes_on ? lpb[count] : pb;
       int64_t cut = 0;
-      const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, w, cut);
+      const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, wk, cut);
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
-      w.entries(m, big, false);
-      prepare(xr, sign, top, k, big, m, inv_eps, w, pb);
-      double* p = nullptr;
-      const double e = newton_row(pb, tol, max_steps, halvings, w, st, lay, p);
-      pe[row] = e;
-      ps[row] = e <= tol ? 0 : 1;
-      // the weights (scattered to the candidates) and the values (x = sign y)
-      const double* rr = st + lay.ratio();
-      for (int64_t t = 0; t < k; ++t) {
-        const double f = 1.0 + rr[t];
-        const double* pt = p + t * m;
-        scalar_t* wt = wr + t * n;
-        double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < m; ++i) acc += (pt[i] * f) * pb.yc[i];
-        for (int64_t i = 0; i < m; ++i) wt[w.grouped[i]] = static_cast<scalar_t>(pt[i] * f);
-        pv[row * k + t] = sign * acc;
+      wk.entries(m, big, false);
+      prepare(xr, sign, top, k, big, m, inv_eps, wk, pr);
+      if (lanes_on && pr.fast && m <= kLaneMaxM) {
+        lrow[count] = row;
+        if (++count == kLanes) flush();
+      } else {
+        scalar_row(row, wk, pr);
       }
     }
+    flush();
   });
 }
 
