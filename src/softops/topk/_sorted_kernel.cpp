@@ -748,7 +748,7 @@ constexpr int64_t kLaneBig = 12;
 // A group's rows transposed: slot i of lane l at [i * kLanes + l].
 struct Lanes {
   int64_t big = 0, slots = 0;
-  std::vector<double> e, ie, home, valid, p, p_new;
+  std::vector<double> e, ie, home, valid, p, p_new, gb, yc, out;
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
   double bcol[kMaxBig * kLanes];
@@ -763,6 +763,33 @@ struct Lanes {
     if (p.size() < ns * static_cast<size_t>(big)) {
       p.resize(ns * static_cast<size_t>(big));
       p_new.resize(ns * static_cast<size_t>(big));
+    }
+  }
+  void size_backward() {
+    const size_t ns = static_cast<size_t>(slots * kLanes);
+    if (gb.size() < ns * static_cast<size_t>(big)) gb.resize(ns * static_cast<size_t>(big));
+    if (yc.size() < ns) {
+      yc.resize(ns);
+      out.resize(ns);
+    }
+  }
+  // the candidate problems pb[0..kLanes) into the lanes (slots past a row's candidates: a
+  // factor 1 at home 0, masked out)
+  void load(const Prob* pb) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const Prob& pr = pb[l];
+      for (int64_t i = 0; i < slots; ++i) {
+        const bool in = i < pr.m;
+        e[i * kLanes + l] = in ? pr.e[i] : 1.0;
+        ie[i * kLanes + l] = in ? pr.ie[i] : 1.0;
+        home[i * kLanes + l] = in ? static_cast<double>(pr.home[i]) : 0.0;
+        valid[i * kLanes + l] = in ? 1.0 : 0.0;
+      }
+      for (int64_t j = 0; j < big; ++j) {
+        aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
+        bref[j * kLanes + l] = pr.bref[j];
+        bcol[j * kLanes + l] = pr.bcol[j];
+      }
     }
   }
 };
@@ -1099,21 +1126,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       for (int64_t l = count; l < kLanes; ++l) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
       g.size(big, ns);
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const Prob& pr = lpb[l];
-        for (int64_t i = 0; i < ns; ++i) {
-          const bool in = i < pr.m;
-          g.e[i * kLanes + l] = in ? pr.e[i] : 1.0;
-          g.ie[i * kLanes + l] = in ? pr.ie[i] : 1.0;
-          g.home[i * kLanes + l] = in ? static_cast<double>(pr.home[i]) : 0.0;
-          g.valid[i * kLanes + l] = in ? 1.0 : 0.0;
-        }
-        for (int64_t j = 0; j < big; ++j) {
-          g.aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
-          g.bref[j * kLanes + l] = pr.bref[j];
-          g.bcol[j * kLanes + l] = pr.bcol[j];
-        }
-      }
+      g.load(lpb);
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
       newton_lanes(g, lpb, tol, max_steps, halvings, v, gap, done);
@@ -1271,41 +1284,36 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
   double* pge = geps.data_ptr<double>();
   bool* psafe = safe.data_ptr<bool>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     Work w;
     Prob pb;
-    for (int64_t row = b0; row < b1; ++row) {
-      scalar_t* gxr = pgx + row * n;
-      std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
-      pge[row] = 0.0;
-      psafe[row] = true;
-      if (ps[row] != 0) continue;
+    std::vector<Work> lw(lanes_on ? kLanes : 0);
+    Prob lpb[kLanes];
+    int64_t lrow[kLanes];
+    int64_t count = 0;
+    Lanes g;
+    // one row (prepared in wk, pr) by the scalar code
+    auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
+      const int64_t m = pr.m;
       const scalar_t* xr = px + row * n;
       const double* st = pst + row * lay.size();
       const double inv_eps = 1.0 / eps[row];
-      const double* top = st + lay.top();
-      const int64_t cut = static_cast<int64_t>(st[lay.cut()]);
-      const int64_t m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, w);
-      if (m != static_cast<int64_t>(st[lay.count()])) {  // (not the forward's rows)
-        psafe[row] = false;
-        continue;
-      }
-      w.entries(m, big, true);
-      prepare(xr, sign, top, k, big, m, inv_eps, w, pb);
+      scalar_t* gxr = pgx + row * n;
       double gap[kMaxBig];
-      double* gam = w.p.data();
-      eval_state(pb, st + lay.v(), gam, gap);
+      double* gam = wk.p.data();
+      eval_state(pr, st + lay.v(), gam, gap);
       const double* rr = st + lay.ratio();
       const double c = st[lay.centre()];
       // the column-exact plan gam (in place of p), its row sums mu and each entry's largest
       // column (home: the centring's reference)
-      double* mu = w.mu.data();
-      double* inv_mu = w.inv_mu.data();
-      double* xc = w.xc.data();
-      int32_t* home = w.hbuf.data();
+      double* mu = wk.mu.data();
+      double* inv_mu = wk.inv_mu.data();
+      double* xc = wk.xc.data();
+      int32_t* home = wk.hbuf.data();
       for (int64_t i = 0; i < m; ++i) {
         mu[i] = 0.0;
-        xc[i] = static_cast<double>(xr[w.grouped[i]]);
+        xc[i] = static_cast<double>(xr[wk.grouped[i]]);
       }
       for (int64_t t = 0; t < big; ++t) {
         const double f = 1.0 + rr[t];
@@ -1317,7 +1325,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           mu[i] += g;
         }
       }
-      double* best = w.ref.data();
+      double* best = wk.ref.data();
       for (int64_t i = 0; i < m; ++i) {
         inv_mu[i] = 1.0 / std::max(mu[i], kTiny);
         home[i] = 0;
@@ -1333,7 +1341,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
       }
       // the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), the rest 0
-      double* gb = w.gb.data();
+      double* gb = wk.gb.data();
       for (int64_t t = 0; t < big; ++t) {
         double* gt = gb + t * m;
         if (t < k) {
@@ -1342,7 +1350,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           if (has_gw) {
             const scalar_t* gwr = pgw + row * sw0 + t * sw1;
             for (int64_t i = 0; i < m; ++i) {
-              gt[i] += static_cast<double>(gwr[w.grouped[i] * sw2]);
+              gt[i] += static_cast<double>(gwr[wk.grouped[i] * sw2]);
             }
           }
         } else {
@@ -1351,9 +1359,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       double beta[kMaxBig], rhs[kMaxBig], stepv[kMaxBig], wc[kMaxBig * kMaxBig];
       for (int64_t t = 0; t < big; ++t) beta[t] = 0.0;
-      double* cen = w.cen.data();
-      double* ref = w.ref.data();
-      double* mean = w.mean.data();
+      double* cen = wk.cen.data();
+      double* ref = wk.ref.data();
+      double* mean = wk.mean.data();
       centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, cen, ref, mean);
       contract(gam, cen, m, big, m, rhs);
       couplings(gam, m, m, big, inv_mu, wc);
@@ -1369,12 +1377,12 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(beta[t]);
       if (!ok) {
         psafe[row] = false;
-        continue;
+        return;
       }
       centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, cen, ref, mean);
       // d values / d y through the plan (slopes t / eps) and directly (the weights)
-      double* acc_y = w.acc_y.data();
-      double* direct = w.direct.data();
+      double* acc_y = wk.acc_y.data();
+      double* direct = wk.direct.data();
       for (int64_t i = 0; i < m; ++i) {
         acc_y[i] = 0.0;
         direct[i] = 0.0;
@@ -1393,11 +1401,194 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double g_e = 0.0;
       for (int64_t i = 0; i < m; ++i) {
         const double gy = acc_y[i] * inv_eps;
-        g_e += (pb.yc[i] - c) * gy;
-        gxr[w.grouped[i]] = static_cast<scalar_t>(sign * gy + direct[i]);
+        g_e += (pr.yc[i] - c) * gy;
+        gxr[wk.grouped[i]] = static_cast<scalar_t>(sign * gy + direct[i]);
       }
       pge[row] = need_eps ? -g_e * inv_eps : 0.0;
+    };
+    // the rows gathered in the lanes, every lane at once (docs/math.md §2.3 as in scalar_row:
+    // the column-exact plan, its centred cotangent, the grounded Laplacian's solve by the
+    // lanes' Cholesky, the gradients); a lane whose state leaves the product's range or whose
+    // Cholesky needs the jitter (or is singular) is redone by scalar_row.
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      int64_t ns = 0;
+      for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
+      int64_t rows[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) {
+        rows[l] = l < count ? lrow[l] : lrow[0];
+        if (l >= count) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
+      }
+      g.size(big, ns);
+      g.size_backward();
+      g.load(lpb);
+      double v[kLaneBig * kLanes], f[kLaneBig * kLanes], gvl[kLaneBig * kLanes],
+          gap[kLaneBig * kLanes], ie[kLanes], cl[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t row = rows[l];
+        const double* st = pst + row * lay.size();
+        for (int64_t t = 0; t < big; ++t) {
+          v[t * kLanes + l] = st[lay.v() + t];
+          f[t * kLanes + l] = 1.0 + st[lay.ratio() + t];
+          gvl[t * kLanes + l] = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
+        }
+        ie[l] = 1.0 / eps[row];
+        cl[l] = st[lay.centre()];
+        // the cotangent of the plan (gv_t x_i + gw[t, i]; 0 past the row and in the rest) and
+        // the scores
+        const Prob& pr = lpb[l];
+        const Work& wk = lw[l < count ? l : 0];
+        const scalar_t* xr = px + row * n;
+        for (int64_t i = 0; i < ns; ++i) {
+          const bool in = i < pr.m;
+          const double xi = in ? static_cast<double>(xr[wk.grouped[i]]) : 0.0;
+          g.yc[i * kLanes + l] = in ? pr.yc[i] : 0.0;
+          for (int64_t t = 0; t < big; ++t) {
+            double u = 0.0;
+            if (in && t < k) {
+              u = gvl[t * kLanes + l] * xi;
+              if (has_gw) {
+                u += static_cast<double>(pgw[row * sw0 + t * sw1 + wk.grouped[i] * sw2]);
+              }
+            }
+            g.gb[(t * ns + i) * kLanes + l] = u;
+          }
+        }
+      }
+      VecD inrange;
+      eval_lanes(g, v, g.p.data(), gap, inrange);
+      double okl[kLanes], inr[kLanes];
+      inrange.store(inr);
+      const int64_t sj = ns * kLanes;
+      const double* gp = g.p.data();
+      const double* gbp = g.gb.data();
+      const VecD zero(0.0), tiny(kTiny), minus_one(-1.0);
+      VecD fv[kLaneBig], gam[kLaneBig], gbv[kLaneBig], eq[kLaneBig];
+      for (int64_t t = 0; t < big; ++t) fv[t] = VecD::loadu(f + t * kLanes);
+      // slot i: the column-exact plan gam, 1 / its row sum, each entry's largest column (the
+      // centring's reference; the first of equals) and gb
+      auto plan_at = [&](int64_t i, VecD& inv_mu) {
+        VecD mu = zero, best = minus_one, hv = zero;
+        for (int64_t t = 0; t < big; ++t) {
+          gam[t] = VecD::loadu(gp + t * sj + i * kLanes) * fv[t];
+          mu = mu + gam[t];
+          const VecD gt = gam[t] > best;
+          best = VecD::blendv(best, gam[t], gt);
+          hv = VecD::blendv(hv, VecD(static_cast<double>(t)), gt);
+          gbv[t] = VecD::loadu(gbp + (t * ns + i) * kLanes);
+        }
+        for (int64_t t = 0; t < big; ++t) eq[t] = hv == VecD(static_cast<double>(t));
+        inv_mu = VecD(1.0) / at::vec::maximum(mu, tiny);
+      };
+      // u_t - sum_l P_l u_l for u_t = sb beta_t + sg gb_t, shifted by u at the home, into cen
+      VecD cen[kLaneBig];
+      auto centre_at = [&](const VecD* bv, double sb, double sg, const VecD& inv_mu) {
+        VecD ref = zero;
+        for (int64_t t = 0; t < big; ++t) {
+          cen[t] = VecD(sb) * bv[t] + VecD(sg) * gbv[t];
+          ref = ref + VecD::blendv(zero, cen[t], eq[t]);
+        }
+        VecD mean = zero;
+        for (int64_t t = 0; t < big; ++t) {
+          cen[t] = cen[t] - ref;
+          mean = mean + gam[t] * cen[t];
+        }
+        mean = mean * inv_mu;
+        for (int64_t t = 0; t < big; ++t) cen[t] = cen[t] - mean;
+      };
+      VecD beta[kLaneBig], rhs[kLaneBig], wc[kLaneBig * kLaneBig];
+      for (int64_t t = 0; t < big; ++t) {
+        beta[t] = zero;
+        rhs[t] = zero;
+        for (int64_t o = 0; o < big; ++o) wc[t * kLaneBig + o] = zero;
+      }
+      for (int64_t i = 0; i < ns; ++i) {
+        VecD inv_mu;
+        plan_at(i, inv_mu);
+        centre_at(beta, 0.0, 1.0, inv_mu);
+        for (int64_t t = 0; t < big; ++t) {
+          rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
+          const VecD a = gam[t] * inv_mu;
+          for (int64_t o = t + 1; o < big; ++o) {
+            wc[t * kLaneBig + o] = at::vec::fmadd(a, gam[o], wc[t * kLaneBig + o]);
+          }
+        }
+      }
+      for (int64_t t = 0; t < big; ++t) {
+        for (int64_t o = t + 1; o < big; ++o) wc[o * kLaneBig + t] = wc[t * kLaneBig + o];
+      }
+      double rhsl[kLaneBig * kLanes], betal[kLaneBig * kLanes];
+      for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
+      laplacian_lanes(wc, big, rhsl, betal).store(okl);
+      for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
+      VecD ge = zero;
+      const VecD iev = VecD::loadu(ie), cv = VecD::loadu(cl), sv(sign);
+      double* outp = g.out.data();
+      for (int64_t i = 0; i < ns; ++i) {
+        VecD inv_mu;
+        plan_at(i, inv_mu);
+        centre_at(beta, 1.0, -1.0, inv_mu);
+        VecD acc_y = zero, direct = zero;
+        for (int64_t t = 0; t < big; ++t) {
+          acc_y = acc_y + VecD(static_cast<double>(t)) * gam[t] * cen[t];
+          direct = direct + gam[t] * VecD::loadu(gvl + t * kLanes);
+        }
+        const VecD gy = acc_y * iev;
+        ge = ge + (VecD::loadu(g.yc.data() + i * kLanes) - cv) * gy;
+        (sv * gy + direct).store(outp + i * kLanes);
+      }
+      double gel[kLanes];
+      ge.store(gel);
+      for (int64_t l = 0; l < count; ++l) {
+        const int64_t row = lrow[l];
+        bool ok = inr[l] > 0 && okl[l] > 0;
+        for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(betal[t * kLanes + l]);
+        if (!ok) {
+          scalar_row(row, lw[l], lpb[l]);
+          continue;
+        }
+        scalar_t* gxr = pgx + row * n;
+        const Work& wk = lw[l];
+        for (int64_t i = 0; i < lpb[l].m; ++i) {
+          gxr[wk.grouped[i]] = static_cast<scalar_t>(outp[i * kLanes + l]);
+        }
+        pge[row] = need_eps ? -gel[l] * ie[l] : 0.0;
+      }
+      count = 0;
+    };
+    for (int64_t row = b0; row < b1; ++row) {
+      scalar_t* gxr = pgx + row * n;
+      std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+      pge[row] = 0.0;
+      psafe[row] = true;
+      if (ps[row] != 0) continue;
+      const scalar_t* xr = px + row * n;
+      const double* st = pst + row * lay.size();
+      const double inv_eps = 1.0 / eps[row];
+      const double* top = st + lay.top();
+      const int64_t cut = static_cast<int64_t>(st[lay.cut()]);
+      Work& wk = lanes_on ? lw[count] : w;
+      Prob& pr = lanes_on ? lpb[count] : pb;
+      const int64_t m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, wk);
+      if (m != static_cast<int64_t>(st[lay.count()])) {  // (not the forward's rows)
+        psafe[row] = false;
+        continue;
+      }
+      wk.entries(m, big, true);
+      prepare(xr, sign, top, k, big, m, inv_eps, wk, pr);
+      if (lanes_on && pr.fast && m <= kLaneMaxM) {
+        lrow[count] = row;
+        if (++count == kLanes) flush();
+      } else {
+        scalar_row(row, wk, pr);
+      }
     }
+    flush();
   });
 }
 
