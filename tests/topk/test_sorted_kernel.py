@@ -217,3 +217,64 @@ def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end, dtype) -> 
         out = torch.func.vmap(lambda r: _sorted.SOLVE_OP(r, eps[:2], 4, True, 2000, 1e-6)[1])(xb)
         one = _sorted.SOLVE_OP(x[:2], eps[:2], 4, True, 2000, 1e-6)[1]
         torch.testing.assert_close(out, one.expand(2, 2, 4))
+
+
+def _mixed_rows(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """19 rows (not a multiple of any lane width) of every kind, and epsilons from tiny to huge:
+    rows the kernel solves a vector at a time among rows it solves one at a time (ties, constant,
+    nearly one-hot, far apart, huge and tiny scales) and rows it leaves to the caller (±inf,
+    NaN)."""
+    g = seeded(seed)
+    x = torch.randn(19, n, generator=g, dtype=F64)
+    x[1] = (x[1] * 2).round() / 2  # ties
+    x[2] = 0.7  # constant
+    x[3] *= 50  # nearly one-hot
+    x[4] = torch.log_softmax(3 * x[4], -1)
+    x[5] *= 1e4
+    x[6] *= 1e-6
+    x[7] = torch.arange(n, dtype=F64) * 1e3
+    x[8, 1] = math.inf
+    x[9, 2] = math.nan
+    x[10, : n // 2] = -math.inf
+    x[11] = (x[11] * 4).round()
+    eps = torch.tensor([0.1, 0.02, 1.0, 30.0, 0.3, 0.05, 3.0], dtype=F64).repeat(3)[:19]
+    return x.to(dtype), eps.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (8, 3), (8, 1), (12, 12), (20, 11), (20, 12), (40, 8), (90, 8)])
+def test_batches_mixing_lane_rows_and_scalar_rows_equal_the_torch_code(ops, dtype, n, k) -> None:
+    x, eps = _mixed_rows(n, dtype, seed=100 + n + k)
+    _both(x, k, eps, tol=1e-8 if dtype == F64 else 2e-4)
+    _both(x[:13], k, 0.1, largest=False)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("eps", [1e-4, 1e4])
+@pytest.mark.parametrize("n", [8, 32])
+def test_lane_rows_at_tiny_and_huge_epsilon(ops, dtype, eps, n) -> None:
+    x = torch.randn(11, n, generator=seeded(n), dtype=dtype)
+    tol = 1e-7 if dtype == F64 else 2e-3
+    _both(x, min(8, n), eps, tol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (8, 4), (33, 8), (60, 12)])
+def test_a_row_solved_in_the_lanes_equals_the_row_solved_alone(ops, dtype, n, k) -> None:
+    # a batch's rows share vectors of rows; a batch of one row takes the one-row code: the same
+    # flags, and the same results up to rounding
+    x, eps = _mixed_rows(n, dtype, seed=200 + n + k)
+    gv = torch.randn(19, k, generator=seeded(7), dtype=dtype)
+    gw = torch.randn(19, k, n, generator=seeded(8), dtype=dtype)
+    with backend("kernel"):
+        batch = _sorted.SOLVE_OP(x, eps, k, True, 2000, 1e-9)
+        bgrad = _sorted.VJP_OP(x, eps, batch[4], batch[3], gv, gw, k, True, 2000, 1e-9, True)
+        for r in range(19):
+            one = _sorted.SOLVE_OP(x[r : r + 1], eps[r : r + 1], k, True, 2000, 1e-9)
+            assert one[3].tolist() == batch[3][r : r + 1].tolist()
+            for a, b in zip(one[:2], batch[:2], strict=True):
+                torch.testing.assert_close(a, b[r : r + 1], rtol=1e-9, atol=1e-12, equal_nan=True)
+            args = (one[4], one[3], gv[r : r + 1], gw[r : r + 1], k, True, 2000, 1e-9, True)
+            grad = _sorted.VJP_OP(x[r : r + 1], eps[r : r + 1], *args)
+            for a, b in zip(grad, bgrad, strict=True):
+                torch.testing.assert_close(a, b[r : r + 1], rtol=1e-7, atol=1e-9, equal_nan=True)

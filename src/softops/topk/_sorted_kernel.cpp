@@ -854,11 +854,11 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
   return l1;
 }
 
-// laplacian_solve's first attempt (big >= 4: the Jacobi-equilibrated Cholesky without jitter,
-// grounded at the last column) on every lane: out = K^-1 rhs ([j * kLanes + l]); returns 1.0 in
-// the lanes where it applies (every squared pivot at least 1e-2), else 0.0 (the caller then
-// takes laplacian_solve on that lane).
-VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out) {
+// laplacian_solve's Jacobi-equilibrated Cholesky (big >= 4, grounded at the last column) on
+// every lane with the relative jitter tau (per lane): out = K^-1 rhs ([j * kLanes + l]); returns
+// 1.0 in the lanes where every squared pivot is positive (else 0.0), their least in least.
+VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out, const VecD& tau,
+                    VecD& least) {
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
   VecD amat[kLaneBig * kLaneBig], chol[kLaneBig * kLaneBig], scale[kMaxBig], inv_piv[kMaxBig],
@@ -874,7 +874,7 @@ VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out)
       amat[j * m1 + col] = zero - w[j * kLaneBig + col] * scale[j] * scale[col];
     }
   }
-  VecD least = one;
+  least = one;
   VecD okv = one;
   for (int64_t j = 0; j < m1; ++j) {
     VecD* lj = chol + j * m1;
@@ -885,7 +885,7 @@ VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out)
       for (int64_t s = 0; s < col; ++s) acc = acc - lj[s] * lc[s];
       lj[col] = acc * inv_piv[col];
     }
-    VecD acc = aj[j];
+    VecD acc = aj[j] + tau;
     for (int64_t s = 0; s < j; ++s) acc = acc - lj[s] * lj[s];
     okv = at::vec::minimum(okv, acc.gt(zero));
     const VecD piv = acc.sqrt();
@@ -906,7 +906,35 @@ VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out)
   }
   for (int64_t j = 0; j < m1; ++j) (x[j] * scale[j]).store(out + j * kLanes);
   zero.store(out + m1 * kLanes);
-  return at::vec::minimum(okv, least.ge(VecD(1e-2)));
+  return okv;
+}
+
+// laplacian_solve on every lane, its first two attempts (without jitter where the least squared
+// pivot is at least 1e-2, else with the small jitter): res[l] its return value (2, or the least
+// squared pivot), or -1 where the lane needs the third attempt (the caller takes
+// laplacian_solve); tau the jitter each lane took.
+void solve_lanes(const VecD* w, int64_t big, const double* rhs, double* out, double* res,
+                 VecD& tau) {
+  const VecD zero(0.0);
+  VecD least;
+  const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least);
+  const VecD first = at::vec::minimum(ok0, least.ge(VecD(1e-2)));
+  double fl[kLanes];
+  first.store(fl);
+  bool all = true;
+  for (int64_t l = 0; l < kLanes; ++l) all = all && fl[l] > 0;
+  tau = zero;
+  if (all) {
+    for (int64_t l = 0; l < kLanes; ++l) res[l] = 2.0;
+    return;
+  }
+  const double m1 = static_cast<double>(big - 1);
+  tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, first > zero);
+  const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least);
+  double o1[kLanes], ll[kLanes];
+  ok1.store(o1);
+  least.store(ll);
+  for (int64_t l = 0; l < kLanes; ++l) res[l] = fl[l] > 0 ? 2.0 : (o1[l] > 0 ? ll[l] : -1.0);
 }
 
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles).
@@ -1021,11 +1049,12 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     if (any_need) {
       VecD wc[kLaneBig * kLaneBig];
       couplings_lanes(p, big, ns, wc);
-      laplacian_lanes(wc, big, gap, delta).store(okl);
+      VecD tau;
+      solve_lanes(wc, big, gap, delta, okl, tau);
       for (int64_t l = 0; l < kLanes; ++l) {
         if (!need[l]) continue;
-        double ok = 2.0;
-        if (!(okl[l] > 0)) {  // the jitter (or a singular system): the scalar solve
+        double ok = okl[l];
+        if (ok == -1.0) {  // the larger jitter (or a singular system): the scalar solve
           double wl[kMaxBig * kMaxBig], rl[kMaxBig], dl[kMaxBig];
           double lanes[kLanes];
           for (int64_t j = 0; j < big; ++j) {
@@ -1524,8 +1553,31 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       double rhsl[kLaneBig * kLanes], betal[kLaneBig * kLanes];
       for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
-      laplacian_lanes(wc, big, rhsl, betal).store(okl);
+      VecD tau;
+      solve_lanes(wc, big, rhsl, betal, okl, tau);
       for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
+      // one refinement against the exactly formed residual in the lanes that took the jitter
+      bool refine = false;
+      for (int64_t l = 0; l < count; ++l) refine = refine || (okl[l] > 0 && okl[l] <= 1.0);
+      if (refine) {
+        for (int64_t t = 0; t < big; ++t) rhs[t] = zero;
+        for (int64_t i = 0; i < ns; ++i) {
+          VecD inv_mu;
+          plan_at(i, inv_mu);
+          centre_at(beta, -1.0, 1.0, inv_mu);
+          for (int64_t t = 0; t < big; ++t) rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
+        }
+        for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
+        double stepl[kLaneBig * kLanes], rf[kLanes];
+        VecD least;
+        laplacian_lanes(wc, big, rhsl, stepl, tau, least);
+        for (int64_t l = 0; l < kLanes; ++l) rf[l] = okl[l] > 0 && okl[l] <= 1.0 ? 1.0 : 0.0;
+        const VecD rv = VecD::loadu(rf) > zero;
+        for (int64_t t = 0; t < big; ++t) {
+          beta[t] = VecD::blendv(beta[t], beta[t] + VecD::loadu(stepl + t * kLanes), rv);
+          beta[t].store(betal + t * kLanes);
+        }
+      }
       VecD ge = zero;
       const VecD iev = VecD::loadu(ie), cv = VecD::loadu(cl), sv(sign);
       double* outp = g.out.data();
