@@ -242,7 +242,9 @@ def _mixed_rows(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
-@pytest.mark.parametrize(("n", "k"), [(8, 8), (8, 3), (8, 1), (12, 12), (20, 11), (20, 12), (40, 8), (90, 8)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(8, 8), (8, 3), (8, 1), (12, 12), (20, 11), (20, 12), (40, 8), (90, 8)]
+)
 def test_batches_mixing_lane_rows_and_scalar_rows_equal_the_torch_code(ops, dtype, n, k) -> None:
     x, eps = _mixed_rows(n, dtype, seed=100 + n + k)
     _both(x, k, eps, tol=1e-8 if dtype == F64 else 2e-4)
