@@ -396,19 +396,20 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   const double last = big > 1 ? pb.bmid[big - 2] : kInf;
   double* ytmp = w.ytmp.data();
   int32_t* hbuf = w.hbuf.data();
+  double mids[kMaxBig];
+  for (int64_t t = 0; t + 1 < big; ++t) mids[t] = pb.bmid[t];
+  const int64_t* idx = w.idx.data();
   for (int64_t i = 0; i < m; ++i) {
-    const double yi = sign * static_cast<double>(xr[w.idx[i]]);
+    const double yi = sign * static_cast<double>(xr[idx[i]]);
     ytmp[i] = yi;
-    int64_t hi;
-    if (yi <= last) {  // most candidates: on the rest (or the last target)
-      hi = big - 1;
-    } else {
-      hi = 0;
-      while (pb.bmid[hi] > yi) ++hi;
-    }
+    // the home: big - 1 at or below the last midpoint (most candidates: the rest), else the
+    // count of the (descending) midpoints above y, without a branch per midpoint
+    int64_t above = 0;
+    for (int64_t t = 0; t + 1 < big; ++t) above += mids[t] > yi ? 1 : 0;
+    const int64_t hi = yi <= last ? big - 1 : above;
     hbuf[i] = static_cast<int32_t>(hi);
-    pb.gs[hi + 1] += 1;
   }
+  for (int64_t i = 0; i < m; ++i) pb.gs[hbuf[i] + 1] += 1;
   for (int64_t t = 0; t < big; ++t) pb.gs[t + 1] += pb.gs[t];
   int64_t next[kMaxBig];
   for (int64_t t = 0; t < big; ++t) next[t] = pb.gs[t];
@@ -800,7 +801,7 @@ struct Lanes {
 VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
   const int64_t big = g.big, ns = g.slots;
   const VecD one(1.0), zero(0.0), far(kFar);
-  VecD rho[kMaxBig], irho[kMaxBig], gv[kMaxBig];
+  VecD rho[kLaneBig], irho[kLaneBig], gv[kLaneBig];
   inrange = one;
   for (int64_t j = 0; j + 1 < big; ++j) {
     const VecD a = (VecD::loadu(v + (j + 1) * kLanes) - VecD::loadu(v + j * kLanes)) +
@@ -810,7 +811,7 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     irho[j] = one / rho[j];
   }
   for (int64_t j = 0; j < big; ++j) gv[j] = VecD::loadu(g.bref + j * kLanes);
-  VecD q[kMaxBig], eq[kMaxBig];
+  VecD q[kLaneBig], eq[kLaneBig];
   const int64_t sj = ns * kLanes;
   for (int64_t i = 0; i < ns; ++i) {
     const VecD ei = VecD::loadu(g.e.data() + i * kLanes);
@@ -857,51 +858,55 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
 // laplacian_solve's Jacobi-equilibrated Cholesky (big >= 4, grounded at the last column) on
 // every lane with the relative jitter tau (per lane): out = K^-1 rhs ([j * kLanes + l]); returns
 // 1.0 in the lanes where every squared pivot is positive (else 0.0), their least in least.
-VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out, const VecD& tau,
-                    VecD& least) {
+VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* out,
+                     const VecD& tau, VecD& least) {
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
-  VecD amat[kLaneBig * kLaneBig], chol[kLaneBig * kLaneBig], scale[kMaxBig], inv_piv[kMaxBig],
-      y[kMaxBig], x[kMaxBig];
+  // (the matrices as plain doubles, vector j * m1 + col at [(j * m1 + col) * kLanes]: an array
+  // of Vectorized would be zeroed on construction)
+  double amat[kLaneBig * kLaneBig * kLanes], chol[kLaneBig * kLaneBig * kLanes];
+  auto at_w = [&](int64_t j, int64_t col) { return VecD::loadu(w + (j * kLaneBig + col) * kLanes); };
+  auto at_a = [&](int64_t j, int64_t col) { return VecD::loadu(amat + (j * m1 + col) * kLanes); };
+  auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(chol + (j * m1 + col) * kLanes); };
+  VecD scale[kLaneBig], inv_piv[kLaneBig], y[kLaneBig], x[kLaneBig];
   for (int64_t j = 0; j < m1; ++j) {
     VecD d = zero;
     for (int64_t col = 0; col < big; ++col) {
-      if (col != j) d = d + w[j * kLaneBig + col];
+      if (col != j) d = d + at_w(j, col);
     }
     scale[j] = VecD::blendv(one, one / d.sqrt(), d > zero);
-    amat[j * m1 + j] = d * scale[j] * scale[j];
+    (d * scale[j] * scale[j]).store(amat + (j * m1 + j) * kLanes);
     for (int64_t col = 0; col < j; ++col) {
-      amat[j * m1 + col] = zero - w[j * kLaneBig + col] * scale[j] * scale[col];
+      (zero - at_w(j, col) * scale[j] * scale[col]).store(amat + (j * m1 + col) * kLanes);
     }
   }
   least = one;
   VecD okv = one;
   for (int64_t j = 0; j < m1; ++j) {
-    VecD* lj = chol + j * m1;
-    const VecD* aj = amat + j * m1;
     for (int64_t col = 0; col < j; ++col) {
-      const VecD* lc = chol + col * m1;
-      VecD acc = aj[col];
-      for (int64_t s = 0; s < col; ++s) acc = acc - lj[s] * lc[s];
-      lj[col] = acc * inv_piv[col];
+      VecD acc = at_a(j, col);
+      for (int64_t s = 0; s < col; ++s) acc = acc - at_l(j, s) * at_l(col, s);
+      (acc * inv_piv[col]).store(chol + (j * m1 + col) * kLanes);
     }
-    VecD acc = aj[j] + tau;
-    for (int64_t s = 0; s < j; ++s) acc = acc - lj[s] * lj[s];
+    VecD acc = at_a(j, j) + tau;
+    for (int64_t s = 0; s < j; ++s) {
+      const VecD ljs = at_l(j, s);
+      acc = acc - ljs * ljs;
+    }
     okv = at::vec::minimum(okv, acc.gt(zero));
     const VecD piv = acc.sqrt();
-    lj[j] = piv;
+    piv.store(chol + (j * m1 + j) * kLanes);
     inv_piv[j] = one / piv;
     least = at::vec::minimum(least, acc);
   }
   for (int64_t j = 0; j < m1; ++j) {
-    const VecD* lj = chol + j * m1;
     VecD acc = VecD::loadu(rhs + j * kLanes) * scale[j];
-    for (int64_t s = 0; s < j; ++s) acc = acc - lj[s] * y[s];
+    for (int64_t s = 0; s < j; ++s) acc = acc - at_l(j, s) * y[s];
     y[j] = acc * inv_piv[j];
   }
   for (int64_t j = m1 - 1; j >= 0; --j) {
     VecD acc = y[j];
-    for (int64_t s = j + 1; s < m1; ++s) acc = acc - chol[s * m1 + j] * x[s];
+    for (int64_t s = j + 1; s < m1; ++s) acc = acc - at_l(s, j) * x[s];
     x[j] = acc * inv_piv[j];
   }
   for (int64_t j = 0; j < m1; ++j) (x[j] * scale[j]).store(out + j * kLanes);
@@ -913,7 +918,7 @@ VecD laplacian_lanes(const VecD* w, int64_t big, const double* rhs, double* out,
 // pivot is at least 1e-2, else with the small jitter): res[l] its return value (2, or the least
 // squared pivot), or -1 where the lane needs the third attempt (the caller takes
 // laplacian_solve); tau the jitter each lane took.
-void solve_lanes(const VecD* w, int64_t big, const double* rhs, double* out, double* res,
+void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, double* res,
                  VecD& tau) {
   const VecD zero(0.0);
   VecD least;
@@ -938,7 +943,7 @@ void solve_lanes(const VecD* w, int64_t big, const double* rhs, double* out, dou
 }
 
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles).
-void couplings_lanes(const double* p, int64_t big, int64_t ns, VecD* w) {
+void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
   const int64_t sj = ns * kLanes;
   for (int64_t j = 0; j < big; ++j) {
     for (int64_t o = j + 1; o < big; ++o) {
@@ -948,8 +953,8 @@ void couplings_lanes(const double* p, int64_t big, int64_t ns, VecD* w) {
       for (int64_t i = 0; i < ns; ++i) {
         s = at::vec::fmadd(VecD::loadu(pj + i * kLanes), VecD::loadu(po + i * kLanes), s);
       }
-      w[j * kLaneBig + o] = s;
-      w[o * kLaneBig + j] = s;
+      s.store(w + (j * kLaneBig + o) * kLanes);
+      s.store(w + (o * kLaneBig + j) * kLanes);
     }
   }
 }
@@ -1047,7 +1052,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
       }
     }
     if (any_need) {
-      VecD wc[kLaneBig * kLaneBig];
+      double wc[kLaneBig * kLaneBig * kLanes];
       couplings_lanes(p, big, ns, wc);
       VecD tau;
       solve_lanes(wc, big, gap, delta, okl, tau);
@@ -1056,15 +1061,9 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
         double ok = okl[l];
         if (ok == -1.0) {  // the larger jitter (or a singular system): the scalar solve
           double wl[kMaxBig * kMaxBig], rl[kMaxBig], dl[kMaxBig];
-          double lanes[kLanes];
           for (int64_t j = 0; j < big; ++j) {
             for (int64_t o = 0; o < big; ++o) {
-              if (o == j) {
-                wl[j * kMaxBig + o] = 0.0;
-                continue;
-              }
-              wc[j * kLaneBig + o].store(lanes);
-              wl[j * kMaxBig + o] = lanes[l];
+              wl[j * kMaxBig + o] = o == j ? 0.0 : wc[(j * kLaneBig + o) * kLanes + l];
             }
             rl[j] = gap[j * kLanes + l];
           }
@@ -1191,12 +1190,12 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       const scalar_t* xr = px + row * n;
       double* st = pst + row * lay.size();
       scalar_t* wr = pw + row * k * n;
-      std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
       for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
       for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
       const double inv_eps = 1.0 / eps[row];
       double* top = st + lay.top();
       if (!top_scores(xr, n, sign, big, inv_eps, limit, span_max, top) || big < 2) {
+        std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
         ps[row] = 2;
         pe[row] = kInf;
         continue;
@@ -1205,6 +1204,8 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       Prob& pr = lanes_on ? lpb[count] : pb;
       int64_t cut = 0;
       const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, wk, cut);
+      // (every candidate's weight is written: the others are 0)
+      if (m < n) std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
@@ -1405,6 +1406,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       bool ok = big <= 3 ? det > det_min : det > 0;
       for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(beta[t]);
       if (!ok) {
+        std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
         psafe[row] = false;
         return;
       }
@@ -1530,11 +1532,12 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         mean = mean * inv_mu;
         for (int64_t t = 0; t < big; ++t) cen[t] = cen[t] - mean;
       };
-      VecD beta[kLaneBig], rhs[kLaneBig], wc[kLaneBig * kLaneBig];
+      VecD beta[kLaneBig], rhs[kLaneBig];
+      double wc[kLaneBig * kLaneBig * kLanes];
       for (int64_t t = 0; t < big; ++t) {
         beta[t] = zero;
         rhs[t] = zero;
-        for (int64_t o = 0; o < big; ++o) wc[t * kLaneBig + o] = zero;
+        for (int64_t o = 0; o < big; ++o) zero.store(wc + (t * kLaneBig + o) * kLanes);
       }
       for (int64_t i = 0; i < ns; ++i) {
         VecD inv_mu;
@@ -1544,12 +1547,15 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
           const VecD a = gam[t] * inv_mu;
           for (int64_t o = t + 1; o < big; ++o) {
-            wc[t * kLaneBig + o] = at::vec::fmadd(a, gam[o], wc[t * kLaneBig + o]);
+            double* wto = wc + (t * kLaneBig + o) * kLanes;
+            at::vec::fmadd(a, gam[o], VecD::loadu(wto)).store(wto);
           }
         }
       }
       for (int64_t t = 0; t < big; ++t) {
-        for (int64_t o = t + 1; o < big; ++o) wc[o * kLaneBig + t] = wc[t * kLaneBig + o];
+        for (int64_t o = t + 1; o < big; ++o) {
+          VecD::loadu(wc + (t * kLaneBig + o) * kLanes).store(wc + (o * kLaneBig + t) * kLanes);
+        }
       }
       double rhsl[kLaneBig * kLanes], betal[kLaneBig * kLanes];
       for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
@@ -1615,10 +1621,13 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     };
     for (int64_t row = b0; row < b1; ++row) {
       scalar_t* gxr = pgx + row * n;
-      std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
       pge[row] = 0.0;
       psafe[row] = true;
-      if (ps[row] != 0) continue;
+      // (gx is written at every candidate of a row solved here, 0 elsewhere)
+      if (ps[row] != 0) {
+        std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+        continue;
+      }
       const scalar_t* xr = px + row * n;
       const double* st = pst + row * lay.size();
       const double inv_eps = 1.0 / eps[row];
@@ -1627,6 +1636,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       Work& wk = lanes_on ? lw[count] : w;
       Prob& pr = lanes_on ? lpb[count] : pb;
       const int64_t m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, wk);
+      if (m < n || m != static_cast<int64_t>(st[lay.count()])) {
+        std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+      }
       if (m != static_cast<int64_t>(st[lay.count()])) {  // (not the forward's rows)
         psafe[row] = false;
         continue;
