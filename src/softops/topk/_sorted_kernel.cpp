@@ -750,6 +750,7 @@ constexpr int64_t kLaneBig = 12;
 struct Lanes {
   int64_t big = 0, slots = 0;
   std::vector<double> e, ie, home, valid, p, p_new, gb, yc, out;
+  std::vector<int64_t> shared;  // per slot: the home of every lane's entry, or -1
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
   double bcol[kMaxBig * kLanes];
@@ -760,6 +761,7 @@ struct Lanes {
     const size_t ns = static_cast<size_t>(slots * kLanes);
     if (e.size() < ns) {
       for (auto* x : {&e, &ie, &home, &valid}) x->resize(ns);
+      shared.resize(static_cast<size_t>(slots));
     }
     if (p.size() < ns * static_cast<size_t>(big)) {
       p.resize(ns * static_cast<size_t>(big));
@@ -774,17 +776,21 @@ struct Lanes {
       out.resize(ns);
     }
   }
-  // the candidate problems pb[0..kLanes) into the lanes (slots past a row's candidates: a
-  // factor 1 at home 0, masked out)
+  // the candidate problems pb[0..kLanes) into the lanes (slots past a row's candidates: factors
+  // 0, so that their plan is 1 at their home and 0 elsewhere whatever the state, masked out; their
+  // home is lane 0's, or the rest's)
   void load(const Prob* pb) {
+    for (int64_t i = 0; i < slots; ++i) shared[i] = i < pb[0].m ? pb[0].home[i] : big - 1;
     for (int64_t l = 0; l < kLanes; ++l) {
       const Prob& pr = pb[l];
       for (int64_t i = 0; i < slots; ++i) {
         const bool in = i < pr.m;
-        e[i * kLanes + l] = in ? pr.e[i] : 1.0;
-        ie[i * kLanes + l] = in ? pr.ie[i] : 1.0;
-        home[i * kLanes + l] = in ? static_cast<double>(pr.home[i]) : 0.0;
+        const int64_t hi = in ? pr.home[i] : (i < pb[0].m ? pb[0].home[i] : big - 1);
+        e[i * kLanes + l] = in ? pr.e[i] : 0.0;
+        ie[i * kLanes + l] = in ? pr.ie[i] : 0.0;
+        home[i * kLanes + l] = static_cast<double>(hi);
         valid[i * kLanes + l] = in ? 1.0 : 0.0;
+        if (shared[i] != hi) shared[i] = -1;
       }
       for (int64_t j = 0; j < big; ++j) {
         aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
@@ -818,6 +824,31 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     const VecD iei = VecD::loadu(g.ie.data() + i * kLanes);
     const VecD h = VecD::loadu(g.home.data() + i * kLanes);
     const VecD val = VecD::loadu(g.valid.data() + i * kLanes);
+    const int64_t hs = g.shared[i];
+    if (hs >= 0) {  // every lane's entry at one home: eval_fast's recurrence as it is
+      q[hs] = one;
+      VecD tot = one;
+      for (int64_t j = hs; j + 1 < big; ++j) {
+        q[j + 1] = q[j] * (ei * rho[j]);
+        tot = tot + q[j + 1];
+      }
+      for (int64_t j = hs - 1; j >= 0; --j) {
+        q[j] = q[j + 1] * (iei * irho[j]);
+        tot = tot + q[j];
+      }
+      const VecD inv = (one / tot) * val;
+      VecD off = zero;
+      for (int64_t j = 0; j < big; ++j) {
+        const VecD pj = q[j] * inv;
+        pj.store(p + j * sj + i * kLanes);
+        if (j != hs) {
+          off = off + pj;
+          gv[j] = gv[j] - pj;
+        }
+      }
+      gv[hs] = gv[hs] + off;
+      continue;
+    }
     // upward from the home (1 there, 0 below it), then downward (the slots below the home)
     VecD qu = zero;
     for (int64_t j = 0; j < big; ++j) {
