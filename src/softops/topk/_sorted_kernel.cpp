@@ -741,8 +741,10 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
 // solve), so every row gets the scalar path's result up to rounding.
 using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
-// Most candidates of a row solved in the lanes.
-constexpr int64_t kLaneMaxM = 64;
+// Most candidates of a row solved in the lanes, forward and backward (past them a row costs
+// about as much one at a time: the scalar code vectorises over its entries).
+constexpr int64_t kLaneMaxM = 128;
+constexpr int64_t kLaneMaxMBackward = 64;
 // Most targets of a row solved in the lanes.
 constexpr int64_t kLaneBig = 12;
 
@@ -1676,7 +1678,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       wk.entries(m, big, true);
       prepare(xr, sign, top, k, big, m, inv_eps, wk, pr);
-      if (lanes_on && pr.fast && m <= kLaneMaxM) {
+      if (lanes_on && pr.fast && m <= kLaneMaxMBackward) {
         lrow[count] = row;
         if (++count == kLanes) flush();
       } else {
