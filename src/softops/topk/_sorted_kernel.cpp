@@ -748,6 +748,17 @@ constexpr int64_t kLaneMaxMBackward = 64;
 // Most targets of a row solved in the lanes.
 constexpr int64_t kLaneBig = 12;
 
+// kLaneBig vectors left uninitialised (a Vectorized zeroes its lanes on construction; these
+// arrays are written before they are read).
+struct VecArr {
+  union {
+    VecD v[kLaneBig];
+  };
+  VecArr() {}
+  VecD& operator[](int64_t i) { return v[i]; }
+  const VecD& operator[](int64_t i) const { return v[i]; }
+};
+
 // A group's rows transposed: slot i of lane l at [i * kLanes + l].
 struct Lanes {
   int64_t big = 0, slots = 0;
@@ -809,7 +820,7 @@ struct Lanes {
 VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
   const int64_t big = g.big, ns = g.slots;
   const VecD one(1.0), zero(0.0), far(kFar);
-  VecD rho[kLaneBig], irho[kLaneBig], gv[kLaneBig];
+  VecArr rho, irho, gv;
   inrange = one;
   for (int64_t j = 0; j + 1 < big; ++j) {
     const VecD a = (VecD::loadu(v + (j + 1) * kLanes) - VecD::loadu(v + j * kLanes)) +
@@ -819,7 +830,7 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     irho[j] = one / rho[j];
   }
   for (int64_t j = 0; j < big; ++j) gv[j] = VecD::loadu(g.bref + j * kLanes);
-  VecD q[kLaneBig], eq[kLaneBig];
+  VecArr q, eq;
   const int64_t sj = ns * kLanes;
   for (int64_t i = 0; i < ns; ++i) {
     const VecD ei = VecD::loadu(g.e.data() + i * kLanes);
@@ -901,7 +912,7 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
   auto at_w = [&](int64_t j, int64_t col) { return VecD::loadu(w + (j * kLaneBig + col) * kLanes); };
   auto at_a = [&](int64_t j, int64_t col) { return VecD::loadu(amat + (j * m1 + col) * kLanes); };
   auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(chol + (j * m1 + col) * kLanes); };
-  VecD scale[kLaneBig], inv_piv[kLaneBig], y[kLaneBig], x[kLaneBig];
+  VecArr scale, inv_piv, y, x;
   for (int64_t j = 0; j < m1; ++j) {
     VecD d = zero;
     for (int64_t col = 0; col < big; ++col) {
@@ -1532,7 +1543,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       const double* gp = g.p.data();
       const double* gbp = g.gb.data();
       const VecD zero(0.0), tiny(kTiny), minus_one(-1.0);
-      VecD fv[kLaneBig], gam[kLaneBig], gbv[kLaneBig], eq[kLaneBig];
+      VecArr fv, gam, gbv, eq;
       for (int64_t t = 0; t < big; ++t) fv[t] = VecD::loadu(f + t * kLanes);
       // slot i: the column-exact plan gam, 1 / its row sum, each entry's largest column (the
       // centring's reference; the first of equals) and gb
@@ -1550,8 +1561,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         inv_mu = VecD(1.0) / at::vec::maximum(mu, tiny);
       };
       // u_t - sum_l P_l u_l for u_t = sb beta_t + sg gb_t, shifted by u at the home, into cen
-      VecD cen[kLaneBig];
-      auto centre_at = [&](const VecD* bv, double sb, double sg, const VecD& inv_mu) {
+      VecArr cen;
+      auto centre_at = [&](const VecArr& bv, double sb, double sg, const VecD& inv_mu) {
         VecD ref = zero;
         for (int64_t t = 0; t < big; ++t) {
           cen[t] = VecD(sb) * bv[t] + VecD(sg) * gbv[t];
@@ -1565,7 +1576,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         mean = mean * inv_mu;
         for (int64_t t = 0; t < big; ++t) cen[t] = cen[t] - mean;
       };
-      VecD beta[kLaneBig], rhs[kLaneBig];
+      VecArr beta, rhs;
       double wc[kLaneBig * kLaneBig * kLanes];
       for (int64_t t = 0; t < big; ++t) {
         beta[t] = zero;
