@@ -986,19 +986,30 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
   for (int64_t l = 0; l < kLanes; ++l) res[l] = fl[l] > 0 ? 2.0 : (o1[l] > 0 ? ll[l] : -1.0);
 }
 
-// The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles).
+// The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles), four targets o
+// at a time (four independent sums; the targets past the last are the last again, discarded).
 void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
   const int64_t sj = ns * kLanes;
   for (int64_t j = 0; j < big; ++j) {
-    for (int64_t o = j + 1; o < big; ++o) {
-      const double* pj = p + j * sj;
-      const double* po = p + o * sj;
-      VecD s(0.0);
-      for (int64_t i = 0; i < ns; ++i) {
-        s = at::vec::fmadd(VecD::loadu(pj + i * kLanes), VecD::loadu(po + i * kLanes), s);
+    const double* pj = p + j * sj;
+    for (int64_t o = j + 1; o < big; o += 4) {
+      const double* p0 = p + o * sj;
+      const double* p1 = p + std::min(o + 1, big - 1) * sj;
+      const double* p2 = p + std::min(o + 2, big - 1) * sj;
+      const double* p3 = p + std::min(o + 3, big - 1) * sj;
+      VecD s0(0.0), s1(0.0), s2(0.0), s3(0.0);
+      for (int64_t i = 0; i < sj; i += kLanes) {
+        const VecD q = VecD::loadu(pj + i);
+        s0 = at::vec::fmadd(q, VecD::loadu(p0 + i), s0);
+        s1 = at::vec::fmadd(q, VecD::loadu(p1 + i), s1);
+        s2 = at::vec::fmadd(q, VecD::loadu(p2 + i), s2);
+        s3 = at::vec::fmadd(q, VecD::loadu(p3 + i), s3);
       }
-      s.store(w + (j * kLaneBig + o) * kLanes);
-      s.store(w + (o * kLaneBig + j) * kLanes);
+      const VecD sums[4] = {s0, s1, s2, s3};
+      for (int64_t u = 0; u < 4 && o + u < big; ++u) {
+        sums[u].store(w + (j * kLaneBig + o + u) * kLanes);
+        sums[u].store(w + ((o + u) * kLaneBig + j) * kLanes);
+      }
     }
   }
 }
