@@ -258,6 +258,13 @@ inline int64_t bin_of(double t, int64_t nb) {
   return static_cast<int64_t>(std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb)));
 }
 
+// y into the descending buffer top[0..kk) in place of its last (kk fixed steps, no branch: each
+// slot keeps its value, takes y, or takes its predecessor's).
+inline void insert_top(double* top, int64_t kk, double y) {
+  for (int64_t t = kk - 1; t > 0; --t) top[t] = std::max(top[t], std::min(top[t - 1], y));
+  top[0] = std::max(top[0], y);
+}
+
 // The k+1 largest scores (kk of them; k if k = n) of the row in the orientation `sign`, into top
 // (descending); returns false where an entry is not finite or beyond `limit`, or where the span
 // over epsilon is beyond span_max (the row is then solved in full by the caller).
@@ -286,12 +293,7 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
       for (int64_t l = 0; l < kBlock; ++l) {
         const double yi = sign * static_cast<double>(xr[i + l]);
         if (yi > low) {
-          int64_t t = kk - 1;
-          while (t > 0 && top[t - 1] < yi) {
-            top[t] = top[t - 1];
-            --t;
-          }
-          top[t] = yi;
+          insert_top(top, kk, yi);
           low = top[kk - 1];
         }
       }
@@ -302,12 +304,7 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
     ok &= std::abs(yi) <= limit;
     ymin = std::min(ymin, yi);
     if (yi > low) {
-      int64_t t = kk - 1;
-      while (t > 0 && top[t - 1] < yi) {
-        top[t] = top[t - 1];
-        --t;
-      }
-      top[t] = yi;
+      insert_top(top, kk, yi);
       low = top[kk - 1];
     }
   }
@@ -447,10 +444,10 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
     int64_t i = 0;
     for (; i + L <= m; i += L) Vec::loadu(e + i).exp().store(e + i);
     for (; i < m; ++i) e[i] = std::exp(e[i]);
-    for (i = 0; i < m; ++i) {
-      ie[i] = 1.0 / e[i];
-      far[i] = 0;
-    }
+    const Vec one(1.0);
+    for (i = 0; i + L <= m; i += L) (one / Vec::loadu(e + i)).store(ie + i);
+    for (; i < m; ++i) ie[i] = 1.0 / e[i];
+    std::memset(far, 0, static_cast<size_t>(m));
   } else {
     for (int64_t i = 0; i < m; ++i) {
       const double z = e[i];
