@@ -20,6 +20,13 @@
 // exponential per target (eval_general). The Newton system is the grounded Laplacian of the
 // couplings, in closed form for three targets or fewer, else by the equilibrated Cholesky.
 //
+// Short rows (4-12 targets, in the recurrence's range, up to kLaneMaxM candidates forward and
+// kLaneMaxMBackward backward) are solved a vector of rows at a time, one row per at::vec lane
+// (solve_rows_impl's and vjp_rows_impl's flush(): newton_lanes, eval_lanes, couplings_lanes,
+// solve_lanes): the same arithmetic over the lanes, each lane with its own Newton control; a lane
+// the vector code cannot finish as the one-row code would (a state out of range, a system that
+// needs the larger jitter or is singular) is handed to the one-row code.
+//
 // Flags: status 0 the row is solved (within tol), 1 the kernel left it above tol (the torch
 // code solves it), 2 the row has an entry that is not finite or near the largest finite value
 // (the caller solves it in full). The backward (vjp_rows) recomputes the candidate set and the
