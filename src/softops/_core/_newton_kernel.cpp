@@ -23,6 +23,11 @@
 
 namespace {
 
+// Rows per task of at::parallel_for: about this many (entries x targets) of work, a millisecond or
+// so. A smaller task costs more than it saves where the other threads are not idle: waking them
+// (a busy machine's time slice) took 50x a (33, 128) call's whole solve with two threads.
+constexpr int64_t kGrainWork = int64_t{1} << 18;
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kTiny = std::numeric_limits<double>::min();
@@ -179,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> newton_fi
   double* pr = ratio_out.data_ptr<double>();
   double* pe = err_out.data_ptr<double>();
   int64_t* pst = steps_out.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * m, 1));
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * m, 1));
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     std::vector<double> p(m * n), p_new(m * n), a(n), b(m), b_ref(m), gap(m), gap_new(m), v(m),
         v_new(m), delta(m), kmat, chol;
@@ -307,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sorted_vjp_rows(
   double* pgs = grad_s.data_ptr<double>();
   double* pge = grad_eps.data_ptr<double>();
   bool* psafe = safe.data_ptr<bool>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * m, 1));
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * m, 1));
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     std::vector<double> mu(n), p(m * n), cen(m * n), u(m * n), rhs(m), beta(m), step(m), kmat,
         chol;

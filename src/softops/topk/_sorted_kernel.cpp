@@ -46,6 +46,11 @@
 
 namespace {
 
+// Rows per task of at::parallel_for: about this many (entries x targets) of work, a millisecond or
+// so. A smaller task costs more than it saves where the other threads are not idle: waking them
+// (a busy machine's time slice) took 50x a (33, 128) call's whole solve with two threads.
+constexpr int64_t kGrainWork = int64_t{1} << 18;
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kTiny = std::numeric_limits<double>::min();
@@ -1163,7 +1168,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   double* pe = err.data_ptr<double>();
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   // the lanes: rows of four targets or more (fewer: the closed forms) and few candidates
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
@@ -1372,7 +1377,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
   scalar_t* pgx = gx.data_ptr<scalar_t>();
   double* pge = geps.data_ptr<double>();
   bool* psafe = safe.data_ptr<bool>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n * big, 1));
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     Work w;
