@@ -435,24 +435,13 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         growth = growth + torch.log(n_of(xd) / eps).clamp(min=0)
         out["grad_x"] = out["grad_x"] | (growth > math.log(fi.max) - 10)
         out["grad_eps"] = out["grad_eps"] | (growth > math.log(fi.max) - 10)
-        # and the forward amplifies the rounding of x' = x - min x in the compute dtype by about
-        # that growth too: where it takes that rounding beyond the tolerance, the value is not
-        # compared with the float64 one (soft_kmax of [1.4e-45, 0, -7.5e-37, 0, 0] at epsilon
-        # = finfo(float32).tiny, k = 4: x'/eps = 64 + 1.2e-7 rounds to 64 in float32, and the
-        # output moves by 7e-5)
+        # and the forward amplifies the rounding of each round's weights p in the compute dtype
+        # by about that growth too (the next round's logits are x'(1 - p)/eps: an error u in p
+        # moves them by u x'/eps): where it takes that rounding beyond the tolerance, the value
+        # is not compared with the float64 one
         loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
         growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
         out["value"] = out["value"] | (growth_x > loose)
-        # KD20 (topk/_softkmax.py): where (x - min x) / eps overflows the compute dtype for two
-        # entries they saturate at finfo.max and tie (test_known_defect)
-        out["value"] = out["value"] | (span.nan_to_num(0.0) / eps > fi.max / 4)
-        # KD21 (topk/_softkmax.py): the logits (x - min x) / eps carry the rounding of 1/eps
-        # and of x - min x relative to the span, not to the gaps that decide the output
-        # (test_known_defect): where span / eps times the dtype's rounding exceeds the
-        # tolerance, the value is not compared
-        out["value"] = out["value"] | (
-            span.nan_to_num(0.0) / eps * fi.eps * 8 > adv.tolerance(call["x"].dtype)
-        )
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1081,48 +1070,14 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-def _kd20_softkmax_logits_beyond_the_dtype_tie() -> None:
-    """topk/_softkmax.py: the recursion's logits (x - min x) / eps are saturated at finfo.max
-    where they overflow (a tiny epsilon), so two entries beyond it tie: soft_kmax([0, 0, 8, 4],
-    k=1, epsilon=finfo(float32).tiny) in float32 (and float16) is [0, 0, .5, .5], not the hard
-    limit [0, 0, 1, 0] that float64 gives (found by the slow profile's tiny_rows; float64 ties
-    the same way once (x - min x) / eps exceeds its own range, e.g. 16 and 8 at 2.3e-308)."""
-    x = torch.tensor([[0.0, 0.0, 8.0, 4.0]])
-    out = softops.soft_kmax(x, 1, epsilon=torch.finfo(torch.float32).tiny)
-    assert out.tolist() == [[0.0, 0.0, 1.0, 0.0]], out.tolist()
-
-
-def _kd21_softkmax_logits_from_the_row_minimum() -> None:
-    """topk/_softkmax.py: the logits are (x - min x) / eps, so a row whose minimum lies far
-    below its top entries resolves their gaps only to the rounding of 1/eps (and of x - min x)
-    relative to the span: soft_kmax of [0, -0.5, 0, 0, 0, 7.63e-6] at epsilon 7.63e-6, k = 1 (a
-    softmax of [0, -65536, 0, 0, 0, 1]), float32, is off by 2e-3 of its value (found by the slow
-    profile's tiny_rows, in float16)."""
-    x = torch.tensor([[0.0, -0.5, 0.0, 0.0, 0.0, 7.62939453125e-06]])
-    eps = 7.62939453125e-06
-    out = softops.soft_kmax(x, 1, epsilon=eps).double()
-    want = torch.softmax(x.double() / eps, -1)
-    assert torch.allclose(out, want, rtol=2e-5, atol=0), (out, want)
-
-
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "kd21_softkmax_logits_from_the_row_minimum": (
-        _kd21_softkmax_logits_from_the_row_minimum,
-        "topk/_softkmax.py: logits (x - min x)/eps lose the gaps near the top to the span",
-    ),
-    "kd20_softkmax_logits_beyond_the_dtype_tie": (
-        _kd20_softkmax_logits_beyond_the_dtype_tie,
-        "topk/_softkmax.py: entries whose (x - min x) / eps overflows saturate and tie",
-    ),
-}
-"""Open: KD20 and KD21 (topk/_softkmax.py; the value of soft_kmax and method "softkmax" is not
-compared with its float64 reference on rows whose span / epsilon is beyond a quarter of the
-compute dtype's largest value, or times its rounding beyond the tolerance).
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
+"""Open: none.
 Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
-KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp) and KD19 (sort "ot", softsort l2 and
-neuralsort: sort/_chunked.py), whose reproducers are regression tests for their classes in
-tests/topk/test_sinkhorn_extremes.py, tests/topk/test_sparse.py, tests/core/test_sinkhorn.py,
-tests/sort/test_pav_extremes.py and tests/sort/test_ot_extremes.py."""
+KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
+neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), whose reproducers are
+regression tests for their classes in tests/topk/test_sinkhorn_extremes.py,
+tests/topk/test_sparse.py, tests/core/test_sinkhorn.py, tests/sort/test_pav_extremes.py,
+tests/sort/test_ot_extremes.py and tests/topk/test_softkmax.py."""
 
 
 @pytest.mark.parametrize(

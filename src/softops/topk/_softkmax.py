@@ -10,6 +10,15 @@ The recursive soft-k-max of Su (2019, section "softkmax"): with :math:`x' = x - 
 so each round takes a soft maximum and moves it to the row minimum. Plain autograd through the
 rounds; from k = 16 on, segments of about sqrt(k) rounds are checkpointed.
 
+Logits: softmax is shift-invariant, so each round forms ``w/eps`` with ``w = x'(1 - p)``
+relative to the round's top entry j, as ``(w - w_j)/eps``, the difference taken in the units
+of x before it is scaled by the correctly rounded ``1/eps`` (``_kmax_rounds``). Formed from the
+row minimum instead, the logits carried the rounding of ``1/eps`` and of ``x'`` relative to the
+span (the top entries of ``[0, -0.5, 0, 0, 0, 2**-17]`` at ``eps = 2**-17``, k = 1, were off by
+2e-3 in float32), and where ``x'/eps`` overflowed they saturated at the dtype's largest value
+and tied (``[0, 0, 8, 4]`` at the smallest normal epsilon gave ``[0, 0, .5, .5]``). Relative to
+the top, a logit overflows only towards ``-inf``, where its weight is 0 anyway.
+
 Conditioning: each round's logits depend on the previous rounds through ``-x'/eps``, so near a
 tie the gradient grows like ``(max x' / (4 eps))**(k - 1)``. Where that exceeds the dtype's range
 (float32: ``x'/eps`` of 1e10 with k = 4) the backward overflows, and can be NaN: the recursion has
@@ -40,8 +49,9 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
 
     ``x2`` is in the compute dtype (float32 or float64), ``k`` an int in [0, n] (validated by
     the caller), ``eps`` a (B,) tensor that may require grad. Plain autograd: the backward saves
-    about two (B, n) tensors per step, O(k B n) in all, for k < 16; from k = 16 on, segments of
-    about sqrt(k) steps are checkpointed (recomputed in the backward), O(sqrt(k) B n).
+    about two (B, n) tensors per step (p and q, three when eps requires grad) and a bool one,
+    O(k B n) in all, for k < 16; from k = 16 on, segments of about sqrt(k) steps are
+    checkpointed (recomputed in the backward), O(sqrt(k) B n).
 
     Infinities: ``+inf`` entries are 1 and each uses one of the k steps, ``-inf`` entries are 0
     and take no part (neither in the minimum nor in the softmax); the remaining ``k - #(+inf)``
@@ -55,63 +65,100 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     ok = finite & ~bad[:, None]  # the entries that run the recursion
     # Double where: entries that are not `ok` never reach an arithmetic op with a gradient.
     xs = torch.where(ok, x2, 0)
+    fmax = torch.finfo(x2.dtype).max
+    hi = torch.where(ok, xs, -math.inf).amax(-1, keepdim=True)
     mn = torch.where(ok, xs, math.inf).amin(-1, keepdim=True)
     mn = torch.where(torch.isfinite(mn), mn, 0)
-    # (x - min x)/eps >= 0 on `ok` entries, formed so that the backward never meets an inf
-    xp = torch.where(ok, _scaled_difference(xs, mn, _inverse(eps)[:, None]), 0)
-    # A range beyond the dtype's (x - min x overflows, or a tiny eps) would make inf * 0 = NaN
-    # once an entry is taken (1 - p = 0): saturate at the largest finite value instead.
-    xp = xp.clamp(max=torch.finfo(xp.dtype).max)
+    # A power of two per row (exact, detached) that keeps every difference the rounds form
+    # finite: 1, or 1/8 where the row's span exceeds finfo.max / 8 (the logits are hard there).
+    wide = (hi - mn > fmax / 8).detach()
+    h = torch.where(wide, 0.125, 1.0).to(x2.dtype)
+    xh = xs * h
+    a = torch.where(ok, xh - mn * h, 0)  # (x - min x) h >= 0
     # Exclude the entries that are not `ok`, except in rows with none (they are never active,
     # and an all -inf softmax would put NaN where a 0 is wanted).
     excluded = ~ok & ok.any(-1, keepdim=True)
-    mask = torch.zeros_like(xp).masked_fill_(excluded, -math.inf)  # additive: saves nothing
+    mask = torch.zeros_like(xs).masked_fill_(excluded, -math.inf)  # additive: saves nothing
+    scale = (_inverse(eps)[:, None], 1 / h)  # the logits are d * (1/eps) * (1/h)
     steps = torch.where(bad, 0, k - n_pinf)  # recursion steps per row
-    p = xp * 0  # zeros, on the graph (k = 0 still has a (zero) gradient)
+    p = a * 0 + scale[0] * 0  # zeros, on the graph of x and eps (k = 0: a zero gradient)
     # torch.func transforms refuse checkpointing (its saved-tensor hooks): plain autograd there
-    plain = not (torch.is_grad_enabled() and xp.requires_grad) or under_functorch()
+    grad = xs.requires_grad or eps.requires_grad
+    plain = not (torch.is_grad_enabled() and grad) or under_functorch()
     if k < _KMAX_CHECKPOINT_MIN or plain:
-        p = _kmax_rounds(xp, mask, steps, p, 0, k)
+        p = _kmax_rounds(xh, a, mask, *scale, steps, p, 0, k)
     else:
         # Segments of about sqrt(k) rounds, recomputed in the backward: the backward keeps
         # O(sqrt(k)) (B, n) tensors instead of O(k), for one more forward pass.
         size = math.isqrt(k - 1) + 1
         for t0 in range(0, k, size):
             p = checkpoint(
-                _kmax_rounds, xp, mask, steps, p, t0, min(k, t0 + size), use_reentrant=False
-            )
+                _kmax_rounds, xh, a, mask, *scale, steps, p, t0, min(k, t0 + size),
+                use_reentrant=False,
+            )  # fmt: skip
     p = torch.where(pinf, 1.0, p)
     return torch.where(bad[:, None], math.nan, p)
 
 
 def _inverse(eps: torch.Tensor) -> torch.Tensor:
-    """``1/eps`` as ``exp(-log eps)``: the same value, but a backward that never squares eps.
+    """``1/eps``, correctly rounded, with the backward of ``exp(-log eps)``, which never squares
+    eps.
 
-    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
-    the gaps and turns the zero gradient of a saturated round into ``0 * inf = NaN``; here the
-    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is
-    clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps`` is finite).
+    The backward of ``z / eps`` (or of ``reciprocal``) forms ``(z/eps)/eps``, which overflows at
+    an epsilon far below the gaps and turns the zero gradient of a saturated logit into
+    ``0 * inf = NaN``; here the chain is ``grad * inv`` then ``/ eps``, finite whenever the true
+    derivative is (eps is clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps``
+    is finite). The value is ``1/eps`` itself, not ``exp(-log eps)``, whose rounding (about
+    ``|log eps|`` units) would be multiplied by every logit.
     """
-    return torch.exp(-torch.log(eps))
-
-
-def _scaled_difference(a: torch.Tensor, b: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """``(a - b) * inv`` for finite a, b, with a NaN-free backward: where ``a - b`` overflows
-    the dtype it is formed as ``(a/2 - b/2) * (2 inv)`` (finite, or an inf in the product only,
-    which the caller saturates)."""
-    d = a - b
-    ok = torch.isfinite(d)
-    direct = torch.where(ok, d, 0) * inv
-    halved = (a * 0.5 - b * 0.5) * (inv * 2)
-    return torch.where(ok, direct, halved)
+    smooth = torch.exp(-torch.log(eps))
+    return (1 / eps).detach() + (smooth - smooth.detach())
 
 
 def _kmax_rounds(
-    xp: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, p: torch.Tensor, t0: int, t1: int
+    xh: torch.Tensor,
+    a: torch.Tensor,
+    mask: torch.Tensor,
+    inv: torch.Tensor,
+    hinv: torch.Tensor,
+    steps: torch.Tensor,
+    p: torch.Tensor,
+    t0: int,
+    t1: int,
 ) -> torch.Tensor:
-    """Rounds t0..t1-1 of the recursion; a row runs only its first ``steps`` rounds."""
+    """Rounds t0..t1-1 of the recursion; a row runs only its first ``steps`` rounds.
+
+    Each round's logits ``w/eps``, ``w = (x - min x)(1 - p)``, are formed relative to the
+    round's top entry j (softmax is shift-invariant), as the difference ``d = w - w_j`` in the
+    units of x, times ``1/eps``:
+
+    - for an entry not yet half taken (``p <= 1/2``), ``d = (x - x_j) - a p + a_j p_j`` with
+      ``a = x - min x``: the entries near the top carry the rounding of their own gaps and
+      weights, not of the span from the row minimum (KD21);
+    - for one more than half taken, ``d = a (1 - p) - w_j``: exact where the entry is taken
+      (``p = 1``: it is back at the minimum; ``x - x_j - a`` would carry the rounding of a
+      span).
+
+    An entry far below the top gets at most a logit that overflows to ``-inf`` (weight 0),
+    never a saturation that ties entries at the top (KD20). ``d`` is finite (``h`` keeps it
+    within the dtype) and at most 0, so no logit is NaN or ``+inf``, and a ``-inf`` one gets a
+    zero gradient without a NaN (its weight is 0, and ``d`` and ``1/eps`` are finite).
+    """
     for t in range(t0, t1):
-        # Saved per round: (1 - p) by the product and q by the softmax (xp is shared).
-        q = torch.softmax(xp * (1 - p) + mask, -1)
+        ap = a * p  # saves p (a is shared)
+        w = a - ap
+        with torch.no_grad():
+            top = p <= 0.5
+            # the round's top entry, to the rounding of the span: then d is formed to that of
+            # the gaps near the top (their distances to j), and the shift below makes d <= 0
+            j = (w + mask).argmax(-1, keepdim=True)
+        # (gather saves its input: gathered from the shared xh and a and from p, saved anyway)
+        aj, pj = a.gather(-1, j), p.gather(-1, j)
+        apj = aj * pj
+        d = torch.where(top, (xh - xh.gather(-1, j)) - ap + apj, w - (aj - apj))  # saves `top`
+        with torch.no_grad():  # rounding may leave an entry a hair above j: d <= 0 after this
+            dmax = (d + mask).amax(-1, keepdim=True)
+        z = (d - dmax) * inv * hinv + mask  # saves d - dmax when eps requires grad
+        q = torch.softmax(z, -1)  # saves q
         p = p + torch.where((t < steps)[:, None], q, 0)
     return p
