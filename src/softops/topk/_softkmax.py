@@ -73,8 +73,8 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     # finite: 1, or 1/8 where the row's span exceeds finfo.max / 8 (the logits are hard there).
     wide = (hi - mn > fmax / 8).detach()
     h = torch.where(wide, 0.125, 1.0).to(x2.dtype)
-    xh = xs * h
-    a = torch.where(ok, xh - mn * h, 0)  # (x - min x) h >= 0
+    xh, mh = xs * h, mn * h
+    a = torch.where(ok, xh - mh, 0)  # (x - min x) h >= 0
     # Exclude the entries that are not `ok`, except in rows with none (they are never active,
     # and an all -inf softmax would put NaN where a 0 is wanted).
     excluded = ~ok & ok.any(-1, keepdim=True)
@@ -86,14 +86,14 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     grad = xs.requires_grad or eps.requires_grad
     plain = not (torch.is_grad_enabled() and grad) or under_functorch()
     if k < _KMAX_CHECKPOINT_MIN or plain:
-        p = _kmax_rounds(xh, a, mask, *scale, steps, p, 0, k)
+        p = _kmax_rounds(xh, a, mh, mask, *scale, steps, p, 0, k)
     else:
         # Segments of about sqrt(k) rounds, recomputed in the backward: the backward keeps
         # O(sqrt(k)) (B, n) tensors instead of O(k), for one more forward pass.
         size = math.isqrt(k - 1) + 1
         for t0 in range(0, k, size):
             p = checkpoint(
-                _kmax_rounds, xh, a, mask, *scale, steps, p, t0, min(k, t0 + size),
+                _kmax_rounds, xh, a, mh, mask, *scale, steps, p, t0, min(k, t0 + size),
                 use_reentrant=False,
             )  # fmt: skip
     p = torch.where(pinf, 1.0, p)
@@ -118,6 +118,7 @@ def _inverse(eps: torch.Tensor) -> torch.Tensor:
 def _kmax_rounds(
     xh: torch.Tensor,
     a: torch.Tensor,
+    mh: torch.Tensor,
     mask: torch.Tensor,
     inv: torch.Tensor,
     hinv: torch.Tensor,
@@ -152,13 +153,17 @@ def _kmax_rounds(
             # the round's top entry, to the rounding of the span: then d is formed to that of
             # the gaps near the top (their distances to j), and the shift below makes d <= 0
             j = (w + mask).argmax(-1, keepdim=True)
-        # (gather saves its input: gathered from the shared xh and a and from p, saved anyway)
-        aj, pj = a.gather(-1, j), p.gather(-1, j)
-        apj = aj * pj
-        d = torch.where(top, (xh - xh.gather(-1, j)) - ap + apj, w - (aj - apj))  # saves `top`
+            # The terms of j are a constant of the row, which the softmax does not see, so they
+            # carry no derivative (of any order): both branches are x - a p + a constant, the
+            # second through `m - m.detach()` (exactly 0), which puts back the derivative in
+            # min x that a = x - min x takes from it.
+            xj, aj, pj = xh.gather(-1, j), a.gather(-1, j), p.gather(-1, j)
+            apj = aj * pj
+            wj = aj - apj
+        d = torch.where(top, (xh - xj) - ap + apj, w - (wj - (mh - mh.detach())))  # saves `top`
         with torch.no_grad():  # rounding may leave an entry a hair above j: d <= 0 after this
             dmax = (d + mask).amax(-1, keepdim=True)
         z = (d - dmax) * inv * hinv + mask  # saves d - dmax when eps requires grad
         q = torch.softmax(z, -1)  # saves q
-        p = p + torch.where((t < steps)[:, None], q, 0)
+        p = p + q * (t < steps)[:, None]  # (a (B, 1) factor: cheaper than a where)
     return p
