@@ -257,8 +257,9 @@ def soft_kmax(
     entries too. With distinct entries and k = n, as ``epsilon -> 0`` the n - 1 largest tend to
     1 + 1/n and the minimum to 1/n. On rows where k < n, the top k entries are distinct, the
     k-th largest is strictly above the (k+1)-th and above the row minimum, it tends to the hard
-    top-k mask as ``epsilon -> 0``. Input ranges beyond the dtype's (``(x - min x)/epsilon`` over
-    its largest finite value) saturate there, and entries that saturate tie.
+    top-k mask as ``epsilon -> 0``, at every scale: each round's logits are formed relative to
+    its top entry, so where ``(x - min x)/epsilon`` is beyond the dtype's largest finite value
+    only the entries far below the top overflow (to weight 0), and none tie.
 
     **Bias.** This is the sequential relaxation "take the max, then zero it", not a projection
     onto :math:`\{0 \le p \le 1, \sum_i p_i = k\}`: at the same epsilon it differs from
