@@ -442,6 +442,20 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
         growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
         out["value"] = out["value"] | (growth_x > loose)
+    if case.op == "soft_rank" and case.method == "pav":
+        # KD22 (sort/_pav.py): the rank's z = x / eps overflows the compute dtype, and the
+        # entries it takes to -inf (or +inf) tie (test_known_defect): where max |x| / eps is
+        # beyond a quarter of the largest finite value, the value is not compared
+        big = torch.where(fin, xd.abs(), 0.0).amax(-1)
+        out["value"] = out["value"] | (big / eps > fi.max / 4)
+    if case.op == "soft_rank" and case.method == "neuralsort":
+        # KD23 (sort/_neuralsort.py): the logits c_i x_j - (A 1)_j are formed in the compute
+        # dtype from (A 1)_j = sum_l |x_j - x_l|, of the size n * span, so their differences
+        # carry its rounding, n * span * u, not that of the gaps (test_known_defect): where that
+        # over epsilon exceeds the tolerance, the value is not compared
+        span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
+        err = n_of(xd) * span.nan_to_num(0.0, posinf=0.0, neginf=0.0) * fi.eps / eps
+        out["value"] = out["value"] | (err > adv.tolerance(call["x"].dtype))
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1070,8 +1084,45 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
-"""Open: none.
+def _kd22_pav_rank_beyond_the_dtype_ties() -> None:
+    """sort/_pav.py: the rank's z = x / eps overflows the compute dtype at a tiny epsilon and
+    the entries it takes to -inf tie: soft_rank([[-8, -4]], epsilon=finfo(float32).tiny,
+    method="pav") is [[1.5, 1.5]] in float32 (regularization "l2" and "kl"; float64 the same at
+    its own tiny), where every gap is 3e38 epsilons wide and the hard ranks [[1, 2]] are due
+    (found by the slow profile's tiny_rows, rank-pav-kl in float16)."""
+    tiny = torch.finfo(torch.float32).tiny
+    for reg in ("l2", "kl"):
+        x = torch.tensor([[-8.0, -4.0]])
+        out = softops.soft_rank(x, method="pav", regularization=reg, epsilon=tiny)
+        assert out.tolist() == [[1.0, 2.0]], (reg, out.tolist())
+
+
+def _kd23_neuralsort_rank_rounds_on_the_span() -> None:
+    """sort/_neuralsort.py: the logits c_i x_j - (A 1)_j are formed in the compute dtype from
+    (A 1)_j = sum_l |x_j - x_l| (exact in float64, then rounded to the dtype), whose size is
+    n * span, so gaps below its rounding are lost: soft_rank([[0, 0, 0, 0, 2**-14, 512]],
+    method="neuralsort", epsilon=1e-6) in float32 is [[3.5, 3.5, 3.5, 3.5, 1, 6]] (the entry
+    2**-14 ranked below the zeros) where float64 gives [[2.5, 2.5, 2.5, 2.5, 5, 6]] (found by
+    the slow profile's tiny_rows, in float16 at epsilon = finfo(float32).tiny)."""
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0**-14, 512.0]])
+    out = softops.soft_rank(x, method="neuralsort", epsilon=1e-6)
+    assert out.tolist() == [[2.5, 2.5, 2.5, 2.5, 5.0, 6.0]], out.tolist()
+
+
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
+    "kd22_pav_rank_beyond_the_dtype_ties": (
+        _kd22_pav_rank_beyond_the_dtype_ties,
+        "sort/_pav.py: rank z = x / eps overflows at a tiny epsilon and the entries tie",
+    ),
+    "kd23_neuralsort_rank_rounds_on_the_span": (
+        _kd23_neuralsort_rank_rounds_on_the_span,
+        "sort/_neuralsort.py: logits rounded on n * span lose the gaps (ranks out of order)",
+    ),
+}
+"""Open: KD22 (sort/_pav.py; the value of soft_rank "pav" is not compared with its float64
+reference on rows where max |x| / epsilon is beyond a quarter of the compute dtype's largest
+value) and KD23 (sort/_neuralsort.py; the value of soft_rank "neuralsort" is not compared where
+n * span * u / epsilon exceeds the tolerance, u the rounding of the compute dtype).
 Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
 KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
 neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), whose reproducers are
