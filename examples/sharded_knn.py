@@ -61,6 +61,7 @@ def main(rank, init):
     if rank == 0:
         print(f"kNN accuracy (k={K}, {WORLD} shards): {before:.1%} before, {after:.1%} after")
     del enc, opt  # DDP before its process group (its destructor can wait on it otherwise)
+    dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
 
 
