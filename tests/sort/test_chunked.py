@@ -169,3 +169,41 @@ def test_torch_func_grad_vjp_jacrev_equal_autograd(name, monkeypatch):
     torch.testing.assert_close(g, g_ref, atol=1e-13, rtol=1e-12)
     torch.testing.assert_close(g_vjp, g_ref, atol=1e-13, rtol=1e-12)
     torch.testing.assert_close(jac, jac_ref, atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_rows_gives_the_exponent_of_the_subnormal_rows_only(dtype):
+    fi = torch.finfo(dtype)
+    x = torch.tensor([[1.0, -2.0, 0.5], [3.0, 1.0, 2.0], [0.0, 0.0, 0.0]], dtype=dtype)
+    assert _chunked.small_rows(x) is None  # no small row: no exponents, one host read
+    x[1] = x[1] * fi.tiny  # largest magnitude 3 * tiny < tiny / eps
+    x[2, 0] = float("-inf")  # infinities and zeros are not small rows
+    e = _chunked.small_rows(x)
+    assert e.shape == (3, 1) and e.dtype == torch.int32
+    big = float(x[1].abs().max())
+    assert e[:, 0].tolist() == [0, torch.frexp(torch.tensor(big, dtype=dtype)).exponent.item(), 0]
+    # the exponent brings the row's largest magnitude into [1/2, 1)
+    assert 0.5 <= big * 2.0 ** -int(e[1, 0]) < 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_convex_combination_is_exact_on_subnormal_rows_with_the_plain_derivatives(dtype):
+    g = seeded(3)
+    p = torch.softmax(torch.randn(2, 4, 5, generator=g, dtype=torch.float64), -1).to(dtype)
+    x = torch.randn(2, 5, generator=g, dtype=torch.float64).to(dtype)
+    x[1] = 4 * torch.finfo(dtype).smallest_normal * 2.0**-20  # a constant subnormal row
+    plain = torch.linalg.vecdot(p, x.unsqueeze(1))
+    got = _chunked.convex_combination(p, x, _chunked.small_rows(x))
+    assert torch.equal(got[0], plain[0])  # a normal row: the plain combination, bit for bit
+    assert torch.equal(got[1], x[1, :4])  # the constant row comes back exactly
+    assert not torch.equal(plain[1], x[1, :4])  # (the plain one rounds on the subnormal grid)
+    assert _chunked.convex_combination(p, x, None).equal(plain)
+    # derivatives: those of the plain combination
+    pp, xx = p.clone().requires_grad_(), x.clone().requires_grad_()
+    w = torch.randn(2, 4, generator=g, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad(
+        (_chunked.convex_combination(pp, xx, _chunked.small_rows(xx)) * w).sum(), (pp, xx)
+    )
+    want = torch.autograd.grad((torch.linalg.vecdot(pp, xx.unsqueeze(1)) * w).sum(), (pp, xx))
+    for a, b in zip(grads, want, strict=True):
+        assert torch.equal(a, b)
