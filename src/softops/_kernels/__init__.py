@@ -42,6 +42,7 @@ __all__ = [
     "cache_dir",
     "define",
     "kernels_enabled",
+    "plain_eager",
     "set_compile",
     "set_default_backend",
 ]
@@ -271,6 +272,18 @@ def define(
     return op if cpu is None or kernel is None else _Operator(op, cpu, kernel)
 
 
+def plain_eager(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` runs eagerly on plain data: ``t`` is a ``torch.Tensor`` itself (not
+    a fake, functional or other subclass), and no tracing, dispatch mode or ``torch.func``
+    transform is active. Only such a call may skip the registry or reuse a cached tensor."""
+    return (
+        type(t) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
 class _Operator:
     """A registered operator with a CPU kernel, called as the operator itself.
 
@@ -294,14 +307,8 @@ class _Operator:
             return self.overload(*args)
         ops = self._kernel._ops
         first = args[0]
-        if (
-            ops is not None
-            and _state["backend"] == "kernel"
-            and type(first) is torch.Tensor
-            and first.is_cpu
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._are_functorch_transforms_active()
-        ):
+        eager_cpu = plain_eager(first) and first.is_cpu
+        if ops is not None and _state["backend"] == "kernel" and eager_cpu:
             return self._cpu(ops, *args)
         return self.overload(*args)
 

@@ -106,6 +106,7 @@ from softops._core.isotonic import (
     permutahedron,
 )
 from softops._core.transforms import apply_function
+from softops._kernels import plain_eager
 from softops.sort._options import MethodOptions
 
 __all__ = ["rank", "sort"]
@@ -425,13 +426,7 @@ def _rho(x2: Tensor) -> Tensor:
     """rho = (n, ..., 1), one row (1, n); in eager calls one tensor per (n, dtype, device), made
     once (a fill costs as much as the rest of a short call)."""
     n = x2.shape[-1]
-    if (
-        torch.compiler.is_compiling()
-        or type(x2) is not torch.Tensor  # (fake, functional and other subclasses)
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._are_functorch_transforms_active()
-        or not isinstance(n, int)
-    ):
+    if not (isinstance(n, int) and plain_eager(x2)):
         return torch.arange(n, 0, -1, dtype=x2.dtype, device=x2.device)[None]
     return _rho_row(n, x2.dtype, x2.device)
 
