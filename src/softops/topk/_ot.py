@@ -703,12 +703,8 @@ def _solve_kernel(
         some_left = bool(left.any())
     if not some_left:
         m, t, _ = aux.unbind(1)
-        if at_all is None:
-            state = ThresholdState(m, t, converged, evaluations, residual, None, None, None)
-        else:
-            none = torch.zeros_like(at_all)
-            state = ThresholdState(m, t, converged, evaluations, residual, none, at_all, none)
-        return state, A, s, aux, True
+        limits = _with_rows_at_all(None, None, None, at_all)
+        return ThresholdState(m, t, converged, evaluations, residual, *limits), A, s, aux, True
     idx = left.nonzero().squeeze(-1)
     sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar)
     A[idx], s[idx] = A_r, s_r
@@ -723,26 +719,31 @@ def _solve_kernel(
         whole[idx] = part
         return whole
 
-    sel_none, sel_all, invalid = (
-        merged(part, False) for part in (sub.sel_none, sub.sel_all, sub.invalid)
+    limits = _with_rows_at_all(
+        merged(sub.sel_none, False), merged(sub.sel_all, False), merged(sub.invalid, False), at_all
     )
-    if at_all is not None:
-        none = torch.zeros_like(at_all)
-        sel_none = none if sel_none is None else sel_none
-        invalid = none if invalid is None else invalid
-        sel_all = at_all if sel_all is None else sel_all | at_all
     state = ThresholdState(
-        m,
-        t,
-        converged,
-        max(evaluations, sub.iterations),
-        residual,
-        sel_none,
-        sel_all,
-        invalid,
-        merged(sub.scale, 1.0),
+        m, t, converged, max(evaluations, sub.iterations), residual, *limits, merged(sub.scale, 1.0)
     )
     return state, A, s, aux, all_ok
+
+
+def _with_rows_at_all(
+    sel_none: torch.Tensor | None,
+    sel_all: torch.Tensor | None,
+    invalid: torch.Tensor | None,
+    at_all: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """A solve's ``sel_none``, ``sel_all`` and ``invalid`` (None: no such row) with the rows the
+    masked pass filled at k = n_fin (``at_all``) added to ``sel_all``."""
+    if at_all is None:
+        return sel_none, sel_all, invalid
+    none = torch.zeros_like(at_all)
+    return (
+        none if sel_none is None else sel_none,
+        at_all if sel_all is None else sel_all | at_all,
+        none if invalid is None else invalid,
+    )
 
 
 MASK_GAP = 2048
