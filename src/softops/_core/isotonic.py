@@ -74,6 +74,7 @@ __all__ = [
     "permutahedron",
     "project_kl",
     "project_l2",
+    "scale_factor",
 ]
 
 
@@ -389,7 +390,7 @@ def _permutahedron_reference(
     u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = u.shape[-1]
-    f = _scale(eps, n, mode).unsqueeze(1)
+    f = scale_factor(eps, n, mode).unsqueeze(1)
     z = u * f if mode & MODE_INV else u / f
     z = z.expand(eps.shape[0], n)
     if mode & MODE_NEGATE:
@@ -507,7 +508,7 @@ def _l2_vjp_reference(
     mean = block_mean(gs, block)
     f = None
     if eps is not None:
-        f = _scale(eps, n, mode)
+        f = scale_factor(eps, n, mode)
     gz = g.new_empty((B, 0))
     if want_z:
         gz = (gs - mean).to(g.dtype)
@@ -533,7 +534,7 @@ def _l2_vjp_reference(
     return gz, gw, r
 
 
-def _scale(eps: torch.Tensor, n: int, mode: int) -> torch.Tensor:
+def scale_factor(eps: torch.Tensor, n: int, mode: int) -> torch.Tensor:
     """f (B,) of :func:`permutahedron`'s z: ``min(1/eps, max / (4 n))`` or ``+-eps``."""
     if mode & MODE_INV:
         return eps.reciprocal().clamp(max=torch.finfo(eps.dtype).max / (4 * n))

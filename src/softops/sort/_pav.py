@@ -104,6 +104,7 @@ from softops._core.isotonic import (
     block_sum,
     l2_vjp_host_scaled,
     permutahedron,
+    scale_factor,
 )
 from softops._core.transforms import apply_function
 from softops._kernels import plain_eager
@@ -186,11 +187,10 @@ class _Mode:
         )
 
 
-def _factor(eps: Tensor, n: int, dtype: torch.dtype, mode: _Mode) -> Tensor:
-    """(B, 1): f with z = u * f (the sort, ``mode.inv``) or z = u / f (the rank)."""
-    if mode.inv:
-        return eps.reciprocal().clamp(max=torch.finfo(dtype).max / (4 * n)).unsqueeze(1)
-    return (-eps if mode.flip else eps).unsqueeze(1)
+def _factor(eps: Tensor, n: int, mode: _Mode) -> Tensor:
+    """(B, 1): f with z = u * f (the sort, ``mode.inv``) or z = u / f (the rank), as the
+    projection's operator forms it (:func:`softops._core.isotonic.scale_factor`)."""
+    return scale_factor(eps, n, mode.bits).unsqueeze(1)
 
 
 def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
@@ -250,7 +250,7 @@ class _Permutahedron(torch.autograd.Function):
         if traced or not finite:  # the limits; mark where the derivatives are zero (traced code
             # cannot branch on the kernel's count: the mask is formed, all False on finite rows)
             n = u.shape[-1]
-            z = _through(u, _factor(eps, n, u.dtype, mode), mode).expand(eps.shape[0], n)
+            z = _through(u, _factor(eps, n, mode), mode).expand(eps.shape[0], n)
             t = (-w if mode.negate else w).expand(eps.shape[0], n)
             frozen = _frozen(_gather(z, pz), _gather(t, pw), mode.kl)
         return p, pz, pw, block, frozen
@@ -295,7 +295,7 @@ class _Permutahedron(torch.autograd.Function):
                 if gz is not None:
                     gz = _rows_like(gz, ctx.u_rows)
                 return gz, gw, ge, None
-        f = _factor(eps, gp.shape[-1], u.dtype, mode)
+        f = _factor(eps, gp.shape[-1], mode)
         if mode.negate:
             gp = -gp
         gs = _gather(gp if out is None else gp * out, pz)
@@ -338,7 +338,7 @@ class _Permutahedron(torch.autograd.Function):
         mode: _Mode = ctx.mode
         sign = -1.0 if mode.negate else 1.0
         rows = block.shape
-        f = _factor(eps, rows[-1], u.dtype, mode)
+        f = _factor(eps, rows[-1], mode)
         zs = _sorted_z(u, f, pz, frozen, mode)
         top = block_max(zs, block) if (mode.kl or de is not None) else zs
         ds = None
