@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -222,99 +223,63 @@ def test_inductor_compiles_a_sort_and_a_smooth_op():
     torch.testing.assert_close(g, ref)
 
 
-@pytest.mark.parametrize("method", ["ot", "sparse"])
-def test_the_top_k_masks_export_with_a_dynamic_batch(method):
-    # torch.export keeps the solve as one operator; the exported program equals eager
-    class Gate(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return softops.soft_topk_mask(x, 3, epsilon=0.2, method=method) * x
+def _topk_values_and_weights(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = softops.soft_topk(x, 3, epsilon=0.2)
+    return out.values, out.weights
+
+
+# name -> (the exported forward, the operator its program must keep); "perturbed" draws its seed
+# in the program from the global generator, so the eager call is seeded alike
+EXPORTED = {
+    "topk_mask-ot": (
+        lambda x: softops.soft_topk_mask(x, 3, epsilon=0.2, method="ot") * x,
+        "softops.ot_threshold",
+    ),
+    "topk_mask-sparse": (
+        lambda x: softops.soft_topk_mask(x, 3, epsilon=0.2, method="sparse") * x,
+        "softops.sparse_threshold",
+    ),
+    "rank-pav": (lambda x: softops.soft_rank(x, epsilon=0.5) * x, "softops.isotonic_permutahedron"),
+    "sort-pav": (lambda x: softops.soft_sort(x, epsilon=0.5) * x, "softops.isotonic_permutahedron"),
+    "rank-ot": (
+        lambda x: softops.soft_rank(x, epsilon=0.5, method="ot").sum(0),
+        "softops.sinkhorn",
+    ),
+    "quantile-ot": (
+        lambda x: softops.soft_quantile(x, q=0.25, epsilon=0.5, method="ot").sum(0),
+        "softops.sinkhorn",
+    ),
+    "topk_mask-sinkhorn": (
+        lambda x: softops.soft_topk_mask(x, 3, epsilon=0.5, method="sinkhorn").sum(0),
+        "softops.sinkhorn",
+    ),
+    "topk": (_topk_values_and_weights, "softops.sinkhorn"),
+    "topk_mask-perturbed": (
+        lambda x: softops.soft_topk_mask(x, 3, epsilon=0.2, method="perturbed") * x,
+        "softops.perturbed_topk_mask",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPORTED))
+def test_exports_with_a_dynamic_batch_keeping_the_solve_as_one_operator(name):
+    forward, operator = EXPORTED[name]
+
+    class Op(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> Any:
+            return forward(x)
 
     x = _x(5, 12).float()
     batch = torch.export.Dim("batch")
     with torch.no_grad():
-        exported = torch.export.export(Gate(), (x,), dynamic_shapes=({0: batch},))
-        for inputs in (x, 4 * _x(9, 12).float()):
-            torch.testing.assert_close(exported.module()(inputs), Gate()(inputs))
-    targets = [str(node.target) for node in exported.graph.nodes]
-    assert any(f"softops.{method}_threshold" in t for t in targets)
-
-
-@pytest.mark.parametrize("op", ["soft_rank", "soft_sort"])
-def test_pav_exports_with_a_dynamic_batch(op):
-    # torch.export keeps PAV's forward as one operator; the exported program equals eager
-    class Ranks(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return getattr(softops, op)(x, epsilon=0.5) * x
-
-    x = _x(5, 12).float()
-    batch = torch.export.Dim("batch")
-    with torch.no_grad():
-        exported = torch.export.export(Ranks(), (x,), dynamic_shapes=({0: batch},))
-        for inputs in (x, 4 * _x(9, 12).float()):
-            torch.testing.assert_close(exported.module()(inputs), Ranks()(inputs))
-    targets = [str(node.target) for node in exported.graph.nodes]
-    assert any("softops.isotonic_permutahedron" in t for t in targets)
-
-
-@pytest.mark.parametrize(
-    ("op", "kw"),
-    [
-        ("soft_rank", {"method": "ot"}),
-        ("soft_quantile", {"method": "ot", "q": 0.25}),
-        ("soft_topk_mask", {"method": "sinkhorn", "k": 3}),
-    ],
-)
-def test_the_sinkhorn_family_exports_with_a_dynamic_batch(op, kw):
-    # torch.export keeps the Sinkhorn solve as one operator; the exported program equals eager
-    class Soft(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return getattr(softops, op)(x, epsilon=0.5, **kw).sum(0)
-
-    x = _x(5, 12).float()
-    batch = torch.export.Dim("batch")
-    with torch.no_grad():
-        exported = torch.export.export(Soft(), (x,), dynamic_shapes=({0: batch},))
-        for inputs in (x, 4 * _x(9, 12).float()):
-            torch.testing.assert_close(exported.module()(inputs), Soft()(inputs))
-    targets = [str(node.target) for node in exported.graph.nodes]
-    assert any("softops.sinkhorn" in t for t in targets)
-
-
-def test_soft_topk_exports_with_a_dynamic_batch():
-    # torch.export keeps soft_topk's solve (the full problem's) as one operator
-    class Top(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out = softops.soft_topk(x, 3, epsilon=0.2)
-            return out.values, out.weights
-
-    x = _x(5, 12).float()
-    batch = torch.export.Dim("batch")
-    with torch.no_grad():
-        exported = torch.export.export(Top(), (x,), dynamic_shapes=({0: batch},))
-        for inputs in (x, 4 * _x(9, 12).float()):
-            torch.testing.assert_close(exported.module()(inputs), Top()(inputs))
-    targets = [str(node.target) for node in exported.graph.nodes]
-    assert any("softops.sinkhorn" in t for t in targets)
-
-
-def test_the_perturbed_mask_exports_with_a_dynamic_batch():
-    # the draws' seed is drawn in the exported program from the global generator, the sampling
-    # loop is one operator; seeded alike, the exported program equals eager
-    class Gate(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return softops.soft_topk_mask(x, 3, epsilon=0.2, method="perturbed") * x
-
-    x = _x(5, 12).float()
-    batch = torch.export.Dim("batch")
-    with torch.no_grad():
-        exported = torch.export.export(Gate(), (x,), dynamic_shapes=({0: batch},))
+        exported = torch.export.export(Op(), (x,), dynamic_shapes=({0: batch},))
         for inputs in (x, 4 * _x(9, 12).float()):
             torch.manual_seed(1)
             out = exported.module()(inputs)
             torch.manual_seed(1)
-            torch.testing.assert_close(out, Gate()(inputs))
+            torch.testing.assert_close(out, Op()(inputs))
     targets = [str(node.target) for node in exported.graph.nodes]
-    assert any("softops.perturbed_topk_mask" in t for t in targets)
+    assert any(operator in t for t in targets)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
