@@ -575,7 +575,7 @@ def _plot(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 # softops knn
 
-_KNN_DEFAULT_OUT = "benchmarks/results/tmp/knn"
+_KNN_DEFAULT_OUT = "softops-knn"  # in the working directory
 
 
 def _budget(text: str) -> float:

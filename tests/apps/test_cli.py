@@ -54,6 +54,7 @@ def test_cli_knn_all_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert label in out
     assert "paper (MNIST)" not in out  # the paper's numbers are MNIST's
     record = json.loads((tmp_path / "knn-digits-all-1ep.json").read_text())
+    assert "paper_mnist" not in record  # nor its JSON
     assert [r["method"] for r in record["runs"]] == list(ALL_ROWS)
     # one CE training serves both of its rows
     ce, pretrained = record["runs"][1], record["runs"][0]
@@ -135,3 +136,60 @@ def test_three_minute_mnist_run_reaches_99(tmp_path: Path) -> None:
         KNNConfig(dataset="mnist", minutes=3), out=tmp_path, progress=False, threads=1
     )
     assert run.test >= 99.0, report
+
+
+def test_cli_knn_default_out_is_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["knn", "--epochs", "1", "--evals", "1", "--no-progress", "--threads", "1"]
+    assert main(argv) == 0
+    assert (tmp_path / "softops-knn" / "knn-digits-soft-1ep.json").is_file()
+
+
+def test_progress_is_plain_lines_off_a_terminal(digits, capsys: pytest.CaptureFixture[str]) -> None:
+    # pytest's captured stderr is not a terminal: no rich redraws, one plain line per update
+    run_knn(KNNConfig(dataset="digits", epochs=1, evals=2), data=digits, progress=True)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("soft seed 0:")]
+    assert lines and lines[-1].startswith("soft seed 0: 100%")
+    assert "\r" not in err and "\x1b[" not in err  # no carriage returns, no ANSI codes
+
+
+def _run(method: str, seed: int, points: list[tuple[float, float, float]]) -> RunResult:
+    curve = [
+        {"seconds": s, "step": i + 1, "val": v, "loss": lo} for i, (s, v, lo) in enumerate(points)
+    ]
+    return RunResult(
+        method=method, seed=seed, steps=len(points), train_seconds=points[-1][0],
+        step_seconds=1.0, best_val=max(v for _, v, _ in points), best_step=1, best_seconds=1.0,
+        test=90.0, eval_seconds=0.1, curve=curve,
+    )  # fmt: skip
+
+
+def test_mean_band_over_seeds() -> None:
+    from softops.apps.report import _mean_band
+
+    runs = [_run("soft", 0, [(0, 10, 1), (10, 20, 0.5)]), _run("soft", 1, [(0, 30, 3), (5, 40, 2)])]
+    grid = torch.tensor([0.0, 5.0, 7.5, 10.0, 11.0], dtype=torch.float64)
+    mean, low, high = _mean_band(runs, "val", grid)
+    # at 5 s: seed 0 interpolates to 15, seed 1 is at its last point 40
+    torch.testing.assert_close(mean[:2], torch.tensor([20.0, 27.5], dtype=torch.float64))
+    assert low[1] == 15 and high[1] == 40
+    # past seed 1's last point only seed 0 counts; past both, nothing
+    torch.testing.assert_close(mean[2:4], torch.tensor([17.5, 20.0], dtype=torch.float64))
+    assert low[2] == high[2] == 17.5 and mean[4].isnan()
+
+
+def test_curves_plot_several_seeds_in_seconds(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from softops.apps.report import _plot_curves
+
+    runs = [
+        _run("soft", 0, [(1, 80, 1.0), (2, 90, 0.5)]),
+        _run("soft", 1, [(2.5, 85, 0.9), (1.5, 70, 1.2)]),  # out of time order: sorted
+        _run("ce", 0, [(1, 75, 2.0), (3, 88, 1.0)]),
+    ]
+    assert _plot_curves(tmp_path / "c.png", runs, ["soft", "ce"])
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert [p["seconds"] for p in runs[1].curve] == [1.5, 2.5]

@@ -7,14 +7,14 @@ budget (:func:`softops.apps.train.train_rows`), and writes under ``out``:
   curve, best validation, test accuracy, steps and timings);
 - ``<stem>.md``: the Markdown table (also returned, and printed by the CLI), with the numbers of
   Xie et al. (2020, Table 1) beside each row on MNIST;
-- ``<stem>-curves.png``: validation accuracy against training wall-clock time, one line per
-  method (and seed);
+- ``<stem>-curves.png``: validation accuracy and training loss against training wall-clock
+  time (seconds for short runs), one line per method, or per seed with their mean and band;
 - ``<stem>-embedding.png``: a 2-D PCA projection of the learned test embeddings, coloured by
   label, one panel per kNN-evaluated method (first seed).
 
 ``stem`` is ``knn-<dataset>-<method or "all">-<budget>``. rich (the progress bar) and matplotlib
-(the plots) are optional: without rich, progress is a plain line every few seconds; without
-matplotlib, no PNG is written.
+(the plots) are optional: without rich, or when stderr is not a terminal (a log file, a CI job),
+progress is a plain line every few seconds; without matplotlib, no PNG is written.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ LABELS = {
     "sinkhorn": "kNN + SOFT top-k (sinkhorn)",
     "perturbed": "kNN + perturbed top-k",
 }
+
+
+def _is_mnist(dataset: str) -> bool:
+    return dataset in ("mnist", "mnist-idx")
 
 
 def _plan(methods: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
@@ -83,7 +87,7 @@ def markdown_table(
         if config.minutes is not None
         else f"{config.epochs:g} epochs"
     )
-    paper = config.dataset in ("mnist", "mnist-idx")
+    paper = _is_mnist(config.dataset)
     threads_text = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
     lines = [
         f"## softops knn: {config.dataset}, {budget} per method",
@@ -131,7 +135,46 @@ def markdown_table(
     return "\n".join(lines) + "\n"
 
 
+def _mean_band(
+    runs: Sequence[RunResult], key: str, grid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, min and max over seeds of ``key`` on a shared time grid (linear interpolation).
+
+    Each run is read only inside its own time span: a grid point past a run's last validation
+    is the mean of the runs that reach it.
+    """
+    rows = []
+    for r in runs:
+        xs = torch.tensor([p["seconds"] for p in r.curve], dtype=torch.float64)
+        ys = torch.tensor([p[key] for p in r.curve], dtype=torch.float64)
+        ys_at = torch.full_like(grid, float("nan"))
+        inside = (grid >= xs[0]) & (grid <= xs[-1])
+        if len(xs) == 1:
+            ys_at[inside] = ys[0]
+        else:
+            j = torch.searchsorted(xs, grid[inside]).clamp(1, len(xs) - 1)
+            x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+            w = ((grid[inside] - x0) / (x1 - x0).clamp(min=1e-12)).clamp(0, 1)
+            ys_at[inside] = y0 + w * (y1 - y0)
+        rows.append(ys_at)
+    stack = torch.stack(rows)
+    seen = ~stack.isnan()
+    mean = stack.nan_to_num(0.0).sum(0) / seen.sum(0).clamp(min=1)
+    low = torch.where(seen, stack, torch.inf).amin(0)
+    high = torch.where(seen, stack, -torch.inf).amax(0)
+    some = seen.any(0)
+    nan = torch.full_like(mean, float("nan"))
+    return torch.where(some, mean, nan), torch.where(some, low, nan), torch.where(some, high, nan)
+
+
 def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str]) -> bool:
+    """Validation accuracy and training loss against training time, one colour per method.
+
+    One seed: its line. Several: each seed as a thin line and, over the time every seed
+    covers, their mean (bold) with the band between the lowest and highest seed. Points are in
+    time order within each run, so no line runs back in time; the time axis is in seconds when
+    the longest run is under two minutes.
+    """
     try:
         import matplotlib
 
@@ -139,24 +182,51 @@ def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    runs_of = {m: [r for r in results if r.method == m and r.curve] for m in methods}
+    runs_of = {m: sorted(rs, key=lambda r: r.seed) for m, rs in runs_of.items() if rs}
+    if not runs_of:
+        return False
+    for rs in runs_of.values():
+        for r in rs:
+            r.curve.sort(key=lambda p: p["seconds"])
+    longest = max(p["seconds"] for rs in runs_of.values() for r in rs for p in r.curve)
+    unit, scale = ("s", 1.0) if longest < 120 else ("min", 60.0)
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     colors = plt.get_cmap("tab10")
-    for i, m in enumerate(methods):
-        for j, r in enumerate(r for r in results if r.method == m):
-            xs = [p["seconds"] / 60 for p in r.curve]
-            ys = [p["val"] for p in r.curve]
-            label = LABELS.get(m, m) if j == 0 else None
-            ax.plot(xs, ys, marker="o", ms=3, color=colors(i % 10), alpha=0.9, label=label)
-    ax.set_xlabel("training wall-clock time (min)")
-    ax.set_ylabel("validation accuracy (%)")
-    vals = [p["val"] for r in results for p in r.curve]
-    bests = [max(p["val"] for p in r.curve) for r in results if r.curve]
-    if bests:  # every run's best in view; early points more than 5 points below may fall off
-        low = max(min(vals) - 0.3, min(bests) - 5.0, 0.0)
-        ax.set_ylim(low, min(100.0, max(bests) + 0.3))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    for i, (m, rs) in enumerate(runs_of.items()):
+        color = colors(i % 10)
+        seeds = len(rs)
+        label = LABELS.get(m, m) + (f" ({seeds} seeds: mean, min-max)" if seeds > 1 else "")
+        for ax, key in ((acc_ax, "val"), (loss_ax, "loss")):
+            for r in rs:
+                xs = [p["seconds"] / scale for p in r.curve]
+                ys = [p[key] for p in r.curve]
+                if seeds == 1:
+                    ax.plot(xs, ys, marker="o", ms=3, color=color, label=label)
+                else:
+                    ax.plot(xs, ys, color=color, alpha=0.35, lw=0.8)
+            # the mean and band where every seed has data (a seed that ends early would make
+            # the mean jump); each seed's own line shows the rest
+            start = max(r.curve[0]["seconds"] for r in rs)
+            end = min(r.curve[-1]["seconds"] for r in rs)
+            if seeds > 1 and end > start:
+                grid = torch.linspace(start, end, 100, dtype=torch.float64)
+                mean, low, high = _mean_band(rs, key, grid)
+                xs_g = (grid / scale).tolist()
+                ax.fill_between(xs_g, low.tolist(), high.tolist(), color=color, alpha=0.15)
+                ax.plot(xs_g, mean.tolist(), color=color, lw=2, label=label)
+    acc_ax.set_ylabel("validation accuracy (%)")
+    loss_ax.set_ylabel("training loss (last step before each validation)")
+    vals = [p["val"] for rs in runs_of.values() for r in rs for p in r.curve]
+    bests = [max(p["val"] for p in r.curve) for rs in runs_of.values() for r in rs]
+    # every run's best in view; early points more than 5 points below may fall off
+    low_y = max(min(vals) - 0.3, min(bests) - 5.0, 0.0)
+    acc_ax.set_ylim(low_y, min(100.0, max(bests) + 0.3))
+    for ax in (acc_ax, loss_ax):
+        ax.set_xlabel(f"training wall-clock time ({unit})")
+        ax.grid(alpha=0.3)
+    handles, labels = acc_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -211,7 +281,9 @@ class _Bar:
         self.task: Any = None
         self.last_plain = 0.0
         self.label = ""
-        if not enabled:
+        # rich redraws one line in place: on a pipe or a log file that is unreadable, so plain
+        # lines are written there instead
+        if not enabled or not sys.stderr.isatty():
             return
         try:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -326,7 +398,8 @@ def run_knn(
             "python": platform.python_version(),
             "machine": platform.machine(),
             "wall_seconds": wall,
-            "paper_mnist": PAPER_MNIST,
+            # the paper's table belongs to MNIST only
+            **({"paper_mnist": PAPER_MNIST} if _is_mnist(config.dataset) else {}),
             "runs": [r.as_json() for r in results],
         }
         (folder / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
