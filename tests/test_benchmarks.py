@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -350,3 +351,45 @@ def test_layer_targets_writes_its_table(tmp_path: Path) -> None:
         ratio = float(line.split("|")[4].strip().rstrip("x"))
         assert math.isfinite(ratio) and ratio > 0
     assert "| `beam_step` (B=64, K=2, V=9) |" in text
+
+
+@pytest.fixture(scope="module")
+def lm_study():
+    return _load("lm_study")
+
+
+def test_lm_study_corpus_holds_out_every_tenth_file(lm_study):
+    train, test, info = lm_study.corpus()
+    files = info["files"]["train"] + info["files"]["test"]
+    assert info["files"]["test"] == -(-files // 10)  # indices 0, 10, 20, ...
+    assert (len(train), len(test)) == (info["bytes"]["train"], info["bytes"]["test"])
+    assert "__future__.py" in info["test_files"]  # the first file in name order is held out
+    assert int(train.min()) >= 0 and int(train.max()) < 256
+    again = lm_study.corpus()[2]
+    assert again["sha256"] == info["sha256"]  # rebuilt identically
+
+
+@pytest.mark.parametrize("router", ["plain", "router"])
+def test_lm_study_moe_equals_the_dense_mixture(lm_study, router):
+    import torch
+
+    torch.manual_seed(0)
+    moe = lm_study.MoE(16, router)
+    x = torch.randn(3, 5, 16)
+    out = moe(x)
+    flat = x.reshape(-1, 16)
+    if router == "router":
+        weights = moe.router(flat).weights
+    else:
+        weights = moe.router(flat)[0]
+    assert int((weights > 0).sum(-1).max()) <= lm_study.ROUTE_K
+    dense = sum(weights[:, e, None] * expert(flat) for e, expert in enumerate(moe.experts))
+    torch.testing.assert_close(out, dense.reshape(3, 5, 16))
+    assert float(moe.slots.sum()) == 15 * lm_study.ROUTE_K
+
+
+def test_lm_study_quick_run(lm_study, capsys):
+    assert lm_study.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| mha |", "| soft-k8 |", "| plain |", "| router |"):
+        assert row in out
