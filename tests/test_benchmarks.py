@@ -393,3 +393,12 @@ def test_lm_study_quick_run(lm_study, capsys):
     out = capsys.readouterr().out
     for row in ("| mha |", "| soft-k8 |", "| plain |", "| router |"):
         assert row in out
+
+
+def test_ranking_epsilon_quick_run(capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("scipy")
+    assert _load("ranking_epsilon").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for section in ("## diabetes", "## breast_cancer", "## digits", "| c=3 |"):
+        assert section in out
