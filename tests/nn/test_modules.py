@@ -26,6 +26,8 @@ WRAPPERS = set(nn.__all__) - {
     "topk_attention_weights",
     "TopKRouter",
     "RouterOutput",
+    "TopKMoE",
+    "MoEOutput",
 }
 
 

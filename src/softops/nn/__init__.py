@@ -1,8 +1,10 @@
 """``torch.nn.Module`` wrappers over the functional ops (they hold arguments, no math), and the
 layers built on them: :class:`TopKAttention` with its functional form :func:`topk_attention`,
-and the mixture-of-experts router :class:`TopKRouter`."""
+the mixture-of-experts router :class:`TopKRouter` and block :class:`TopKMoE`, and a Module for
+every loss of :mod:`softops.losses`."""
 
 from softops.nn.attention import TopKAttention, topk_attention, topk_attention_weights
+from softops.nn.moe import MoEOutput, TopKMoE
 from softops.nn.router import RouterOutput, TopKRouter
 from softops.nn.smooth import (
     SmoothMax,
@@ -16,6 +18,7 @@ from softops.nn.sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
 from softops.nn.topk import SoftTopK, SoftTopKMask
 
 __all__ = [
+    "MoEOutput",
     "RouterOutput",
     "SmoothMax",
     "SmoothMin",
@@ -30,6 +33,7 @@ __all__ = [
     "SoftTopK",
     "SoftTopKMask",
     "TopKAttention",
+    "TopKMoE",
     "TopKRouter",
     "topk_attention",
     "topk_attention_weights",
