@@ -42,6 +42,7 @@ from softops._core.validation import (
     compute_dtype,
 )
 from softops.metrics import (
+    average_ranks,
     check_average,
     check_classification,
     check_topk_classification,
@@ -416,19 +417,6 @@ def _row_epsilon(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
     return torch.where(good, eps, torch.ones_like(eps))
 
 
-def _average_ranks(t: torch.Tensor) -> torch.Tensor:
-    """1-based ranks along the last dim, ties sharing their mean rank (``scipy.stats.rankdata``).
-
-    A row holding a NaN gives NaN.
-    """
-    t = t.contiguous()
-    s = t.sort(dim=-1).values
-    lo = torch.searchsorted(s, t, right=False)
-    hi = torch.searchsorted(s, t, right=True)
-    ranks = (lo + hi + 1).to(t.dtype) / 2
-    return torch.where(torch.isnan(t).any(-1, keepdim=True), math.nan, ranks)
-
-
 def spearman_loss(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -507,7 +495,7 @@ def spearman_loss(
     r2, restore = flatten_to_2d(r, d)
     x2, _ = flatten_to_2d(x, d)
     t2, _ = flatten_to_2d(target.to(cd), d)
-    h = _average_ranks(t2)
+    h = average_ranks(t2)
     rc = r2 - r2.mean(-1, keepdim=True)
     hc = h - h.mean(-1, keepdim=True)
     var = (rc * rc).sum(-1) * (hc * hc).sum(-1)

@@ -170,7 +170,9 @@ class TopKMoE(nn.Module):
             make = expert_factory or _feed_forward(d_model, device, dtype)
             experts = [make() for _ in range(num_experts)]
         elif isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList):
-            raise TypeError(f"{op}: expected `experts` to be a sequence of Modules; got one Module.")
+            raise TypeError(
+                f"{op}: expected `experts` to be a sequence of Modules; got one Module."
+            )
         experts = list(experts)
         if len(experts) != num_experts:
             raise ValueError(
