@@ -55,10 +55,10 @@ in float32 and cast back), differentiable with respect to ``input`` and to a ten
 (for ``soft_topk_accuracy``, with methods "ot" and "sparse" only).
 
 **Internal surface.** :func:`check_classification`, :func:`check_average`,
-:func:`check_topk_classification`, :func:`true_class_probability` and
+:func:`check_topk_classification`, :func:`true_class_probability`,
 :func:`true_class_topk_membership` and :func:`average_ranks` are shared with
-:mod:`softops.losses`, so that each rule has one definition and the errors of a loss name the loss. They are not in ``__all__`` and may change
-without notice.
+:mod:`softops.losses`, so that each rule has one definition and the errors of a loss name the
+loss. They are not in ``__all__`` and may change without notice.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations

@@ -256,12 +256,13 @@ def test_every_field_and_forward_are_documented():
     # The API docs render a field's docstring: the string that follows its annotation.
     import ast
     import inspect
+    import itertools
     import textwrap
 
     body = ast.parse(textwrap.dedent(inspect.getsource(RouterOutput))).body[0].body
     documented = {
         a.target.id
-        for a, b in zip(body, body[1:], strict=False)
+        for a, b in itertools.pairwise(body)
         if isinstance(a, ast.AnnAssign)
         and isinstance(b, ast.Expr)
         and isinstance(b.value, ast.Constant)
