@@ -42,6 +42,7 @@ from softops._core.validation import (
     compute_dtype,
 )
 from softops.metrics import (
+    GAINS,
     average_ranks,
     check_average,
     check_classification,
@@ -63,8 +64,7 @@ __all__ = [
     "topk_cross_entropy",
 ]
 
-_REDUCTIONS = ("mean", "sum", "none")
-_GAINS = ("linear", "exp")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -120,7 +120,7 @@ def accuracy_loss(
     """
     op = "accuracy_loss"
     epsilon = check_classification(input, target, from_logits, epsilon, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     loss = 1 - true_class_probability(input, target, from_logits, epsilon)
     return _reduce(loss, reduction).to(input.dtype)
 
@@ -175,7 +175,7 @@ def topk_accuracy_loss(
     """
     op = "topk_accuracy_loss"
     k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     loss = 1 - true_class_topk_membership(scores, target, k, epsilon, method, False)
     return _reduce(loss, reduction).to(scores.dtype)
 
@@ -235,10 +235,10 @@ def topk_cross_entropy(
         ICML 2022. arXiv:2206.07290.
     """
     op = "topk_cross_entropy"
-    weights = _check_p_k(p_k, logits, op)
+    weights = check_p_k(p_k, logits, op)
     kmax = len(weights)
     _, epsilon = check_topk_classification(logits, target, kmax, epsilon, method, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     n_classes = logits.shape[1]
     if m is not None:
         if isinstance(m, bool) or not isinstance(m, int):
@@ -283,7 +283,9 @@ def topk_cross_entropy(
     return _reduce(-total, reduction).to(logits.dtype)
 
 
-def _check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+def check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+    """``p_k`` as a list of non-negative floats summing to 1, or raise. Internal, shared with
+    :class:`softops.nn.TopKCrossEntropy`."""
     if isinstance(p_k, torch.Tensor):
         p_k = p_k.detach().flatten().tolist()
     if isinstance(p_k, (str, bytes)) or not isinstance(p_k, Sequence) or not p_k:
@@ -394,7 +396,7 @@ def _check_ranking(
         raise ValueError(
             f"{op}: expected a non-empty batch; got `input` of shape {tuple(input.shape)}."
         )
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     if epsilon is None:  # relative to each row: computed by the loss, with x
         return d, n, None
     epsilon = check_epsilon(epsilon, op, dtype=input.dtype)
@@ -584,7 +586,7 @@ def ndcg_loss(
     """
     op = "ndcg_loss"
     d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
-    check_choice(gain, _GAINS, op, "gain")
+    check_choice(gain, GAINS, op, "gain")
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int):
             raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")

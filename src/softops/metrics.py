@@ -104,10 +104,11 @@ __all__ = [
     "spearman",
 ]
 
-_AVERAGES = ("binary", "micro", "macro")
+AVERAGES = ("binary", "micro", "macro")
+GAINS = ("linear", "exp")
 # "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1
 # ("sparse" is clipped: it is in).
-_TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
+TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 
 
 class SoftConfusion(NamedTuple):
@@ -237,7 +238,7 @@ def check_average(average: Any, input: torch.Tensor, op: str) -> str:
     """
     if average is None:
         return "binary" if input.dim() == 1 else "macro"
-    check_choice(average, _AVERAGES, op, "average")
+    check_choice(average, AVERAGES, op, "average")
     if average == "binary" and input.dim() == 2 and input.shape[1] != 2:
         raise ValueError(
             f"{op}: expected input of shape (N,) or (N, 2) for average='binary' (use 'micro' or "
@@ -823,7 +824,7 @@ def check_topk_classification(
             f"{op}: expected 1 <= `k` <= C (= {n_classes}) for scores of shape "
             f"{tuple(scores.shape)}; got k={k}."
         )
-    check_choice(method, _TOPK_METHODS, op, "method")
+    check_choice(method, TOPK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op, dtype=scores.dtype)
     if (
         method not in ("ot", "sparse")
@@ -1077,7 +1078,7 @@ def ndcg(
             raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")
         if k < 1:
             raise ValueError(f"{op}: expected `k` >= 1 or None; got k={k}.")
-    check_choice(gain, ("linear", "exp"), op, "gain")
+    check_choice(gain, GAINS, op, "gain")
     if not cannot_branch(relevance) and bool((relevance < 0).any()):  # eagerly only
         value = relevance[relevance < 0].flatten()[0].item()
         raise ValueError(f"{op}: expected non-negative `relevance`; got {value}.")
@@ -1098,6 +1099,6 @@ def ndcg(
     share = (cumulative[last] - cumulative[first]) / (last - first).clamp(min=1).to(cd)
     dcg = (g * share).sum(-1)
     idcg = (g.sort(-1, descending=True).values * discount).sum(-1)
-    value = torch.where(idcg > 0, dcg / torch.where(idcg > 0, idcg, 1.0), 0.0)
+    score = torch.where(idcg > 0, dcg / torch.where(idcg > 0, idcg, 1.0), 0.0)
     nan = torch.isnan(x).any(-1) | torch.isnan(g).any(-1)
-    return torch.where(nan, math.nan, value).to(dtype)
+    return torch.where(nan, math.nan, score).to(dtype)

@@ -4,6 +4,14 @@ the mixture-of-experts router :class:`TopKRouter` and block :class:`TopKMoE`, an
 every loss of :mod:`softops.losses`."""
 
 from softops.nn.attention import TopKAttention, topk_attention, topk_attention_weights
+from softops.nn.losses import (
+    AccuracyLoss,
+    F1Loss,
+    NDCGLoss,
+    SpearmanLoss,
+    TopKAccuracyLoss,
+    TopKCrossEntropy,
+)
 from softops.nn.moe import MoEOutput, TopKMoE
 from softops.nn.router import RouterOutput, TopKRouter
 from softops.nn.smooth import (
@@ -18,7 +26,10 @@ from softops.nn.sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
 from softops.nn.topk import SoftTopK, SoftTopKMask
 
 __all__ = [
+    "AccuracyLoss",
+    "F1Loss",
     "MoEOutput",
+    "NDCGLoss",
     "RouterOutput",
     "SmoothMax",
     "SmoothMin",
@@ -32,7 +43,10 @@ __all__ = [
     "SoftSort",
     "SoftTopK",
     "SoftTopKMask",
+    "SpearmanLoss",
+    "TopKAccuracyLoss",
     "TopKAttention",
+    "TopKCrossEntropy",
     "TopKMoE",
     "TopKRouter",
     "topk_attention",
