@@ -467,6 +467,12 @@ def spearman_loss(
             c = 1 leaves 57 % of the entries exactly hard, c = 3 13 %, and from c = 10 on every
             row is affine. A fixed ``epsilon=1.0`` on standardised scores is c = n: Pearson
             from n = 10 on. The default is c = 3.
+
+            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) with the
+            target x + N(0, 1) noise (Spearman's rho near 0.68), the loss sits from the hard
+            ``1 - softops.metrics.spearman(input, target)`` by 0.039 on average at n = 10 (99th
+            percentile 0.16), 0.015 at n = 30 (0.061), 0.005 at n = 100 (0.022) and 0.002 at
+            n = 1000 (0.006), a little below it on average (``benchmarks/soft_vs_hard.py``).
         method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
             ``"ot"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
@@ -563,6 +569,13 @@ def ndcg_loss(
             of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
             ``1 - ndcg_score(target, input, k=k)`` on scores without ties (tied scores share
             their soft rank before the discount, where scikit-learn averages the discounts).
+
+            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) whose
+            relevance is x + N(0, 1) noise cut into the grades 0..4 at its row's 50/70/85/95 %
+            quantiles, the loss sits above the hard ``1 - softops.metrics.ndcg(input, target)``
+            by 0.046 on average at n = 10 (99th percentile 0.24), 0.025 at n = 30 (0.12),
+            0.010 at n = 100 (0.035) and 0.004 at n = 1000 (0.007); with k = 10, by 0.036 at
+            n = 30 and 0.012 at n = 100 (``benchmarks/soft_vs_hard.py``).
         gain: ``"linear"`` (default) or ``"exp"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
             shape of ``input`` without ``dim``).
