@@ -6,8 +6,9 @@ The figures quoted in the docstrings of ``softops.losses.spearman_loss`` and ``n
 The distribution: 2000 rows of n scores x ~ N(0, 1), and a target y = x + N(0, 1) noise (a
 Spearman correlation near 0.68); for NDCG the relevance is y cut into the grades 0..4 at its
 row's 50/70/85/95 % quantiles. Reported over the rows: the mean and the 99th percentile of
-|soft loss - (1 - hard metric)|, and the mean of the signed difference, with the hard metrics of ``softops.metrics`` (equal to scipy's
-``spearmanr`` and scikit-learn's ``ndcg_score``).
+|soft loss - (1 - hard metric)|, and the mean of the signed difference, with the hard
+metrics of ``softops.metrics`` (equal to scipy's ``spearmanr`` and scikit-learn's
+``ndcg_score``).
 """
 
 from __future__ import annotations
