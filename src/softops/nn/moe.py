@@ -225,8 +225,8 @@ class TopKMoE(nn.Module):
         weights = routed.weights.reshape(T, self.num_experts)
         if self.router.hard:  # the k selected experts, by preference
             ranked = routed.indices.reshape(T, self.k)
-        else:  # every expert, by preference (those with weight 0 are left out below)
-            ranked = routed.logits.detach().reshape(T, -1).argsort(-1, descending=True)
+        else:  # every expert, by weight (those with weight 0 are left out below)
+            ranked = weights.detach().argsort(dim=-1, descending=True, stable=True)
         m = ranked.shape[1]
         # one assignment per (preference, token): preference-major, so that a stable sort by
         # expert keeps first choices before second ones, each in token order
@@ -251,7 +251,7 @@ class TopKMoE(nn.Module):
         )
         parts = []
         offset = 0
-        for e, n in enumerate(counts.tolist()):  # the one host sync: the experts' batch sizes
+        for e, n in enumerate(counts.tolist()):  # a host sync: the experts' batch sizes
             if n == 0:
                 continue
             y = self.experts[e](flat[token[offset : offset + n]])
