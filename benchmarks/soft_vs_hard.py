@@ -2,13 +2,15 @@
 
     python benchmarks/soft_vs_hard.py        # prints a Markdown table (seconds, 1 thread)
 
-The figures quoted in the docstrings of ``softops.losses.spearman_loss`` and ``ndcg_loss``.
+The figures quoted in the docstrings of ``softops.losses.spearman_loss``, ``ndcg_loss`` and
+``topk_accuracy_loss``.
 The distribution: 2000 rows of n scores x ~ N(0, 1), and a target y = x + N(0, 1) noise (a
 Spearman correlation near 0.68); for NDCG the relevance is y cut into the grades 0..4 at its
 row's 50/70/85/95 % quantiles. Reported over the rows: the mean and the 99th percentile of
 |soft loss - (1 - hard metric)|, and the mean of the signed difference, with the hard
 metrics of ``softops.metrics`` (equal to scipy's ``spearmanr`` and scikit-learn's
-``ndcg_score``).
+``ndcg_score``). For ``topk_accuracy_loss``: 2000 samples of C scores N(0, 1) with a uniform
+label, against ``1 - (label in scores.topk(k).indices)``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 
 import torch
 
-from softops.losses import ndcg_loss, spearman_loss
+from softops.losses import ndcg_loss, spearman_loss, topk_accuracy_loss
 from softops.metrics import ndcg, spearman
 
 ROWS = 2000
@@ -58,6 +60,19 @@ def main() -> int:
             gap = _gap(soft, hard)
             name = "ndcg_loss" if k is None else f"ndcg_loss, k={k}"
             lines.append(f"| {name} | {n} | {gap} | {float(hard.mean()):.3f} |")
+    lines += [
+        "",
+        "| loss | C | k | mean gap | 99th pct gap | mean signed gap |",
+        "|---|" + "---:|" * 5,
+    ]
+    g = torch.Generator().manual_seed(0)
+    for C in (10, 100, 1000):
+        for k in (1, 5):
+            scores = torch.randn(ROWS, C, generator=g, dtype=torch.float64)
+            label = torch.randint(0, C, (ROWS,), generator=g)
+            soft = topk_accuracy_loss(scores, label, k, reduction="none")
+            hard = 1 - (scores.topk(k, -1).indices == label[:, None]).any(-1).to(soft.dtype)
+            lines.append(f"| topk_accuracy_loss | {C} | {k} | {_gap(soft, hard)} |")
     print("\n".join(lines))
     return 0
 

@@ -155,6 +155,11 @@ def topk_accuracy_loss(
         k: an int in [1, C].
         epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
             A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
+            **Soft against hard:** at the default 0.1, on scores N(0, 1) with a uniform label,
+            the loss sits from the hard one by 0.040 on average per sample with C = 10 and
+            k = 1 (0.079 at k = 5), 0.006 (0.017) with C = 100 and 0.001 (0.002) with
+            C = 1000, close to 0 on average (``benchmarks/soft_vs_hard.py``); the gap is that
+            of ``epsilon / std`` for scores of another scale.
         method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
             ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
