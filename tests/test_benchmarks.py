@@ -402,3 +402,28 @@ def test_ranking_epsilon_quick_run(capsys):
     out = capsys.readouterr().out
     for section in ("## diabetes", "## breast_cancer", "## digits", "| c=3 |"):
         assert section in out
+
+
+# ------------------------------------------------- benchmarks/moe_dispatch.py, soft_vs_hard.py
+
+
+def test_moe_dispatch_times_both_arms_of_the_same_block() -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        sparse, dense = _load("moe_dispatch").measure(64, 8, 4, 2, calls=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert sparse > 0 and dense > 0
+
+
+def test_soft_vs_hard_data_is_the_stated_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _load("soft_vs_hard")
+    monkeypatch.setattr(module, "ROWS", 50)
+    x, y, grades = module._data(20, seed=0)
+    assert x.shape == y.shape == grades.shape == (50, 20)
+    assert set(grades.unique().tolist()) <= {0.0, 1.0, 2.0, 3.0, 4.0}
+    # the grades cut y at its row's quantiles: half the entries are 0, a twentieth 4
+    assert (grades == 0).float().mean() == pytest.approx(0.5, abs=0.02)
+    assert (grades == 4).float().mean() == pytest.approx(0.05, abs=0.02)

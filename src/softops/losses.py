@@ -42,6 +42,8 @@ from softops._core.validation import (
     compute_dtype,
 )
 from softops.metrics import (
+    GAINS,
+    average_ranks,
     check_average,
     check_classification,
     check_topk_classification,
@@ -62,8 +64,7 @@ __all__ = [
     "topk_cross_entropy",
 ]
 
-_REDUCTIONS = ("mean", "sum", "none")
-_GAINS = ("linear", "exp")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -119,7 +120,7 @@ def accuracy_loss(
     """
     op = "accuracy_loss"
     epsilon = check_classification(input, target, from_logits, epsilon, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     loss = 1 - true_class_probability(input, target, from_logits, epsilon)
     return _reduce(loss, reduction).to(input.dtype)
 
@@ -154,6 +155,11 @@ def topk_accuracy_loss(
         k: an int in [1, C].
         epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
             A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
+            **Soft against hard:** at the default 0.1, on scores N(0, 1) with a uniform label,
+            the loss sits from the hard one by 0.040 on average per sample with C = 10 and
+            k = 1 (0.079 at k = 5), 0.006 (0.017) with C = 100 and 0.001 (0.002) with
+            C = 1000, close to 0 on average (``benchmarks/soft_vs_hard.py``); the gap is that
+            of ``epsilon / std`` for scores of another scale.
         method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
             ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
@@ -174,7 +180,7 @@ def topk_accuracy_loss(
     """
     op = "topk_accuracy_loss"
     k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     loss = 1 - true_class_topk_membership(scores, target, k, epsilon, method, False)
     return _reduce(loss, reduction).to(scores.dtype)
 
@@ -234,10 +240,10 @@ def topk_cross_entropy(
         ICML 2022. arXiv:2206.07290.
     """
     op = "topk_cross_entropy"
-    weights = _check_p_k(p_k, logits, op)
+    weights = check_p_k(p_k, logits, op)
     kmax = len(weights)
     _, epsilon = check_topk_classification(logits, target, kmax, epsilon, method, op)
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     n_classes = logits.shape[1]
     if m is not None:
         if isinstance(m, bool) or not isinstance(m, int):
@@ -282,7 +288,9 @@ def topk_cross_entropy(
     return _reduce(-total, reduction).to(logits.dtype)
 
 
-def _check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+def check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+    """``p_k`` as a list of non-negative floats summing to 1, or raise. Internal, shared with
+    :class:`softops.nn.TopKCrossEntropy`."""
     if isinstance(p_k, torch.Tensor):
         p_k = p_k.detach().flatten().tolist()
     if isinstance(p_k, (str, bytes)) or not isinstance(p_k, Sequence) or not p_k:
@@ -393,7 +401,7 @@ def _check_ranking(
         raise ValueError(
             f"{op}: expected a non-empty batch; got `input` of shape {tuple(input.shape)}."
         )
-    check_choice(reduction, _REDUCTIONS, op, "reduction")
+    check_choice(reduction, REDUCTIONS, op, "reduction")
     if epsilon is None:  # relative to each row: computed by the loss, with x
         return d, n, None
     epsilon = check_epsilon(epsilon, op, dtype=input.dtype)
@@ -414,19 +422,6 @@ def _row_epsilon(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
     eps = _RELATIVE_EPSILON * x.std(dim=d, correction=0) / n
     good = torch.isfinite(eps) & (eps > 0)
     return torch.where(good, eps, torch.ones_like(eps))
-
-
-def _average_ranks(t: torch.Tensor) -> torch.Tensor:
-    """1-based ranks along the last dim, ties sharing their mean rank (``scipy.stats.rankdata``).
-
-    A row holding a NaN gives NaN.
-    """
-    t = t.contiguous()
-    s = t.sort(dim=-1).values
-    lo = torch.searchsorted(s, t, right=False)
-    hi = torch.searchsorted(s, t, right=True)
-    ranks = (lo + hi + 1).to(t.dtype) / 2
-    return torch.where(torch.isnan(t).any(-1, keepdim=True), math.nan, ranks)
 
 
 def spearman_loss(
@@ -477,6 +472,12 @@ def spearman_loss(
             c = 1 leaves 57 % of the entries exactly hard, c = 3 13 %, and from c = 10 on every
             row is affine. A fixed ``epsilon=1.0`` on standardised scores is c = n: Pearson
             from n = 10 on. The default is c = 3.
+
+            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) with the
+            target x + N(0, 1) noise (Spearman's rho near 0.68), the loss sits from the hard
+            ``1 - softops.metrics.spearman(input, target)`` by 0.039 on average at n = 10 (99th
+            percentile 0.16), 0.015 at n = 30 (0.061), 0.005 at n = 100 (0.022) and 0.002 at
+            n = 1000 (0.006), a little below it on average (``benchmarks/soft_vs_hard.py``).
         method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
             ``"ot"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
@@ -507,7 +508,7 @@ def spearman_loss(
     r2, restore = flatten_to_2d(r, d)
     x2, _ = flatten_to_2d(x, d)
     t2, _ = flatten_to_2d(target.to(cd), d)
-    h = _average_ranks(t2)
+    h = average_ranks(t2)
     rc = r2 - r2.mean(-1, keepdim=True)
     hc = h - h.mean(-1, keepdim=True)
     var = (rc * rc).sum(-1) * (hc * hc).sum(-1)
@@ -573,6 +574,13 @@ def ndcg_loss(
             of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
             ``1 - ndcg_score(target, input, k=k)`` on scores without ties (tied scores share
             their soft rank before the discount, where scikit-learn averages the discounts).
+
+            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) whose
+            relevance is x + N(0, 1) noise cut into the grades 0..4 at its row's 50/70/85/95 %
+            quantiles, the loss sits above the hard ``1 - softops.metrics.ndcg(input, target)``
+            by 0.046 on average at n = 10 (99th percentile 0.24), 0.025 at n = 30 (0.12),
+            0.010 at n = 100 (0.035) and 0.004 at n = 1000 (0.007); with k = 10, by 0.036 at
+            n = 30 and 0.012 at n = 100 (``benchmarks/soft_vs_hard.py``).
         gain: ``"linear"`` (default) or ``"exp"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
             shape of ``input`` without ``dim``).
@@ -596,7 +604,7 @@ def ndcg_loss(
     """
     op = "ndcg_loss"
     d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
-    check_choice(gain, _GAINS, op, "gain")
+    check_choice(gain, GAINS, op, "gain")
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int):
             raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")

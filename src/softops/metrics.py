@@ -1,4 +1,5 @@
-r"""Soft classification metrics: accuracy, precision, recall, F1 and top-k accuracy.
+r"""Soft classification metrics (accuracy, precision, recall, F1, top-k accuracy) and hard
+ranking metrics (:func:`ndcg`, :func:`spearman`) to report beside the soft ranking losses.
 
 Each metric replaces the hard prediction (the argmax, or membership in the top k) by a
 probability, so that the confusion counts become sums of probabilities and the metric is
@@ -54,10 +55,10 @@ in float32 and cast back), differentiable with respect to ``input`` and to a ten
 (for ``soft_topk_accuracy``, with methods "ot" and "sparse" only).
 
 **Internal surface.** :func:`check_classification`, :func:`check_average`,
-:func:`check_topk_classification`, :func:`true_class_probability` and
-:func:`true_class_topk_membership` are shared with :mod:`softops.losses`, so that each rule has
-one definition and the errors of a loss name the loss. They are not in ``__all__`` and may change
-without notice.
+:func:`check_topk_classification`, :func:`true_class_probability`,
+:func:`true_class_topk_membership` and :func:`average_ranks` are shared with
+:mod:`softops.losses`, so that each rule has one definition and the errors of a loss name the
+loss. They are not in ``__all__`` and may change without notice.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
@@ -72,6 +73,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -80,6 +82,7 @@ from softops._core.transforms import cannot_branch
 from softops._core.validation import (
     check_bool,
     check_choice,
+    check_dim,
     check_epsilon,
     check_floating,
     compute_dtype,
@@ -89,6 +92,7 @@ from softops.topk import MASK_METHODS, soft_topk_mask
 __all__ = [
     "SoftConfusion",
     "f1_from_counts",
+    "ndcg",
     "precision_from_counts",
     "recall_from_counts",
     "soft_accuracy",
@@ -97,12 +101,14 @@ __all__ = [
     "soft_precision",
     "soft_recall",
     "soft_topk_accuracy",
+    "spearman",
 ]
 
-_AVERAGES = ("binary", "micro", "macro")
+AVERAGES = ("binary", "micro", "macro")
+GAINS = ("linear", "exp")
 # "softkmax" is left out: its mask is not clipped, so the "probability" of a hit could exceed 1
 # ("sparse" is clipped: it is in).
-_TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
+TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 
 
 class SoftConfusion(NamedTuple):
@@ -232,7 +238,7 @@ def check_average(average: Any, input: torch.Tensor, op: str) -> str:
     """
     if average is None:
         return "binary" if input.dim() == 1 else "macro"
-    check_choice(average, _AVERAGES, op, "average")
+    check_choice(average, AVERAGES, op, "average")
     if average == "binary" and input.dim() == 2 and input.shape[1] != 2:
         raise ValueError(
             f"{op}: expected input of shape (N,) or (N, 2) for average='binary' (use 'micro' or "
@@ -818,7 +824,7 @@ def check_topk_classification(
             f"{op}: expected 1 <= `k` <= C (= {n_classes}) for scores of shape "
             f"{tuple(scores.shape)}; got k={k}."
         )
-    check_choice(method, _TOPK_METHODS, op, "method")
+    check_choice(method, TOPK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op, dtype=scores.dtype)
     if (
         method not in ("ot", "sparse")
@@ -913,3 +919,186 @@ def soft_topk_accuracy(
     return (
         true_class_topk_membership(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)
     )
+
+
+# -------------------------------------------------------------------------- hard ranking metrics
+
+
+def _check_pair(a: Any, b: Any, dim: Any, op: str, names: tuple[str, str]) -> int:
+    """Two real tensors of one shape with a valid ``dim``; returns dim, non-negative."""
+    for name, t in zip(names, (a, b), strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{op}: expected `{name}` to be a torch.Tensor; got {type(t).__name__}."
+            )
+        if t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(
+                f"{op}: expected `{name}` to have a real floating or integer dtype; "
+                f"got dtype={t.dtype}."
+            )
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{op}: expected `{names[1]}` of the shape of {names[0]} {tuple(a.shape)}; got shape "
+            f"{tuple(b.shape)}."
+        )
+    d = check_dim(a, dim, op)
+    if a.shape[d] == 0:
+        raise ValueError(
+            f"{op}: expected a non-empty `dim`; got {names[0]}.shape[{d}] = 0 "
+            f"({names[0]}.shape={tuple(a.shape)})."
+        )
+    return d
+
+
+def _metric_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """The floating dtype of the inputs (the default dtype for two integer tensors)."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
+def average_ranks(t: torch.Tensor) -> torch.Tensor:
+    """1-based ranks along the last dim, ties sharing their mean rank (``scipy.stats.rankdata``).
+
+    A row holding a NaN gives NaN. Integer ``t`` gives ranks in the default dtype. Internal,
+    shared with :mod:`softops.losses`.
+    """
+    t = t.contiguous()
+    s = t.sort(dim=-1).values
+    lo = torch.searchsorted(s, t, right=False)
+    hi = torch.searchsorted(s, t, right=True)
+    dtype = t.dtype if t.dtype.is_floating_point else torch.get_default_dtype()
+    ranks = (lo + hi + 1).to(dtype) / 2
+    if not t.dtype.is_floating_point:
+        return ranks
+    return torch.where(torch.isnan(t).any(-1, keepdim=True), math.nan, ranks)
+
+
+def spearman(pred: torch.Tensor, target: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
+    r"""Spearman's rank correlation of ``pred`` and ``target`` along ``dim``, per row.
+
+    Each row's value is ``scipy.stats.spearmanr(pred_row, target_row).statistic``: the Pearson
+    correlation of the ranks, ties sharing their mean rank (``scipy.stats.rankdata``):
+
+    .. math::
+
+        \rho = \frac{\sum_i (a_i - \bar a)(b_i - \bar b)}
+        {\sqrt{\sum_i (a_i - \bar a)^2}\sqrt{\sum_i (b_i - \bar b)^2}}, \qquad
+        a = \mathrm{rank}(\text{pred}), \; b = \mathrm{rank}(\text{target}).
+
+    A row where ``pred`` or ``target`` is constant (a row of one entry, say) has no defined
+    correlation: NaN, as in scipy (:func:`softops.losses.spearman_loss` counts it as 0 there). A
+    row holding a NaN gives NaN. The metric is hard: piecewise constant in ``pred``, its gradient
+    is zero; train with :func:`softops.losses.spearman_loss`, which is ``1 - rho`` with the soft
+    ranks of ``pred``.
+
+    Args:
+        pred: predictions, any shape, real dtype (floating or integer); ranked along ``dim``.
+        target: the shape of ``pred``, real dtype.
+        dim: the dimension to rank along; every other dim is a batch dim.
+
+    Returns:
+        The correlations, in [-1, 1], of the shape of ``pred`` without ``dim``, in the floating
+        dtype of the inputs (the default dtype for integer ones). Their mean is a batch's score.
+
+    Example:
+        >>> pred = torch.tensor([[0.1, 0.4, 0.3, 0.9], [1.0, 2.0, 3.0, 4.0]])
+        >>> target = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 3.0, 1.0]])
+        >>> spearman(pred, target)
+        tensor([ 0.8000, -0.9487])
+    """
+    op = "spearman"
+    d = _check_pair(pred, target, dim, op, ("pred", "target"))
+    dtype = _metric_dtype(pred, target)
+    cd = compute_dtype(dtype)
+    a = average_ranks(pred.movedim(d, -1).to(cd))
+    b = average_ranks(target.movedim(d, -1).to(cd))
+    a = a - a.mean(-1, keepdim=True)
+    b = b - b.mean(-1, keepdim=True)
+    rho = (a * b).sum(-1) / torch.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+    return rho.clamp(-1, 1).to(dtype)
+
+
+def ndcg(
+    scores: torch.Tensor,
+    relevance: torch.Tensor,
+    k: int | None = None,
+    *,
+    dim: int = -1,
+    gain: str = "linear",
+) -> torch.Tensor:
+    r"""The normalised discounted cumulative gain of the ranking by ``scores``, per row.
+
+    Each row's value is ``sklearn.metrics.ndcg_score(relevance_row[None], scores_row[None],
+    k=k)``, tie handling included: entries with tied scores share their places, each getting
+    the mean gain of the tie over the sum of the places' discounts (scikit-learn's default,
+    ``ignore_ties=False``). With the entries sorted by decreasing score and the discount
+    :math:`D(j) = 1/\log_2(1 + j)` for places :math:`j \le k` (0 beyond):
+
+    .. math::
+
+        \mathrm{DCG} = \sum_{\text{ties } T} \Big(\frac{1}{|T|}\sum_{i \in T} g(y_i)\Big)
+        \sum_{j \in \text{places}(T)} D(j), \qquad
+        \mathrm{NDCG} = \frac{\mathrm{DCG}}{\mathrm{IDCG}},
+
+    with :math:`\mathrm{IDCG} = \sum_j g(y_{[j]}) D(j)` the DCG of the ideal ordering and the gain
+    :math:`g(y) = y` ("linear", scikit-learn's) or :math:`2^y - 1` ("exp"). A row with IDCG = 0
+    (no relevant entry) scores 0, as in scikit-learn (:func:`softops.losses.ndcg_loss` gives it
+    loss 0 instead: every ordering of it is ideal). A row holding a NaN gives NaN. The metric is
+    hard (piecewise constant in ``scores``, a zero gradient); train with
+    :func:`softops.losses.ndcg_loss`.
+
+    Args:
+        scores: predicted scores, any shape, real dtype; a higher score ranks higher along
+            ``dim``.
+        relevance: the true relevance of each entry, the shape of ``scores``, non-negative, real
+            dtype.
+        k: None (default: every place counts) or an int >= 1: NDCG@k, only the first k places
+            count; k >= n is the full NDCG, as in scikit-learn.
+        dim: the dimension to rank along; every other dim is a batch dim.
+        gain: ``"linear"`` (default, scikit-learn's) or ``"exp"``.
+
+    Returns:
+        The NDCG of each row, in [0, 1], of the shape of ``scores`` without ``dim``, in the
+        floating dtype of the inputs (the default dtype for integer ones). Their mean is
+        ``ndcg_score`` over the rows.
+
+    Example:
+        >>> relevance = torch.tensor([[3.0, 2.0, 0.0, 1.0]])
+        >>> ndcg(torch.tensor([[0.9, 0.8, 0.1, 0.5]]), relevance)  # the ideal order
+        tensor([1.])
+        >>> ndcg(torch.tensor([[0.1, 0.8, 0.9, 0.5]]), relevance).round(decimals=4)
+        tensor([0.6413])
+        >>> ndcg(torch.tensor([[0.5, 0.5, 0.5, 0.5]]), relevance, k=2).round(decimals=4)  # tied
+        tensor([0.5740])
+    """
+    op = "ndcg"
+    d = _check_pair(scores, relevance, dim, op, ("scores", "relevance"))
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")
+        if k < 1:
+            raise ValueError(f"{op}: expected `k` >= 1 or None; got k={k}.")
+    check_choice(gain, GAINS, op, "gain")
+    if not cannot_branch(relevance) and bool((relevance < 0).any()):  # eagerly only
+        value = relevance[relevance < 0].flatten()[0].item()
+        raise ValueError(f"{op}: expected non-negative `relevance`; got {value}.")
+    dtype = _metric_dtype(scores, relevance)
+    cd = compute_dtype(dtype)
+    x = scores.movedim(d, -1).to(cd).contiguous()
+    y = relevance.movedim(d, -1).to(cd)
+    g = y if gain == "linear" else torch.expm1(y * math.log(2.0))
+    n = x.shape[-1]
+    discount = 1 / torch.log2(torch.arange(2, n + 2, dtype=cd, device=x.device))
+    if k is not None and k < n:
+        discount[k:] = 0
+    cumulative = torch.cat([discount.new_zeros(1), discount.cumsum(0)])
+    # the places [first, last) of each entry's tie, in the order of decreasing score
+    ascending = x.sort(-1).values
+    first = n - torch.searchsorted(ascending, x, right=True)
+    last = n - torch.searchsorted(ascending, x, right=False)
+    share = (cumulative[last] - cumulative[first]) / (last - first).clamp(min=1).to(cd)
+    dcg = (g * share).sum(-1)
+    idcg = (g.sort(-1, descending=True).values * discount).sum(-1)
+    score = torch.where(idcg > 0, dcg / torch.where(idcg > 0, idcg, 1.0), 0.0)
+    nan = torch.isnan(x).any(-1) | torch.isnan(g).any(-1)
+    return torch.where(nan, math.nan, score).to(dtype)

@@ -1,5 +1,6 @@
 """softops.nn: every wrapper Module equals its function, reprs, pickles, has no state, checks
-early. The layers with parameters are tested in tests/nn/test_attention.py and test_router.py."""
+early. The layers with parameters are tested in tests/nn/test_attention.py, test_router.py and
+test_moe.py, the loss Modules in test_loss_modules.py."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ WRAPPERS = set(nn.__all__) - {
     "topk_attention_weights",
     "TopKRouter",
     "RouterOutput",
+    "TopKMoE",
+    "MoEOutput",
+    # the loss Modules take two inputs: tests/nn/test_loss_modules.py
+    "AccuracyLoss",
+    "F1Loss",
+    "NDCGLoss",
+    "SpearmanLoss",
+    "TopKAccuracyLoss",
+    "TopKCrossEntropy",
 }
 
 

@@ -212,3 +212,62 @@ def test_combine_weights_are_the_masked_softmax_also_where_probabilities_underfl
     got = _combine(logits, torch.softmax(logits, -1), A, 2, "softmax")
     torch.testing.assert_close(got, masked_softmax(logits, A))
     assert torch.isfinite(got).all() and torch.allclose(got.sum(-1), torch.ones(2))
+
+
+def test_logits_and_the_z_loss_written_out():
+    router = _router(noise_std=1.0)
+    x = _tokens(3, 5)
+    clean = router.gate(x)
+    for training in (False, True):  # the logits are the gate's, before the training noise
+        out = router.train(training)(x)
+        torch.testing.assert_close(out.logits, clean)
+        lse = torch.log(torch.exp(clean).sum(-1))
+        torch.testing.assert_close(out.z_loss, (lse**2).mean())
+    torch.manual_seed(3)
+    noisy = router.train(True)(x)
+    assert not torch.equal(noisy.indices, clean.topk(2, -1).indices)  # the noise did act
+    (g,) = torch.autograd.grad(noisy.z_loss, router.gate.weight)
+    assert torch.isfinite(g).all() and (g != 0).any()
+
+
+def test_z_loss_gradcheck():
+    logits = torch.randn(4, 8, generator=seeded(4), dtype=F64, requires_grad=True)
+    from softops.nn.router import route
+
+    assert torch.autograd.gradcheck(
+        lambda s: route(s, 2, 0.1, "softmax", "ot", True).z_loss, (logits,)
+    )
+
+
+def test_input_dtype_must_be_the_routers():
+    router = TopKRouter(4, 8, 2)  # float32 parameters
+    with pytest.raises(
+        TypeError,
+        match=r"TopKRouter: expected tokens in the dtype of the router's parameters "
+        r"\(torch.float32.*got dtype=torch.float64\.",
+    ):
+        router(torch.randn(3, 4, dtype=F64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast chooses the gate's dtype
+        out = router(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert out.weights.shape == (3, 8)
+
+
+def test_every_field_and_forward_are_documented():
+    # The API docs render a field's docstring: the string that follows its annotation.
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(RouterOutput))).body[0].body
+    documented = {
+        a.target.id
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+        and isinstance(b.value.value, str)
+    }
+    assert documented == set(RouterOutput._fields)
+    assert RouterOutput._fields[-2:] == ("logits", "z_loss")  # appended: old unpacking holds
+    assert "Returns:" in (TopKRouter.forward.__doc__ or "")

@@ -1,8 +1,18 @@
 """``torch.nn.Module`` wrappers over the functional ops (they hold arguments, no math), and the
 layers built on them: :class:`TopKAttention` with its functional form :func:`topk_attention`,
-and the mixture-of-experts router :class:`TopKRouter`."""
+the mixture-of-experts router :class:`TopKRouter` and block :class:`TopKMoE`, and a Module for
+every loss of :mod:`softops.losses`."""
 
 from softops.nn.attention import TopKAttention, topk_attention, topk_attention_weights
+from softops.nn.losses import (
+    AccuracyLoss,
+    F1Loss,
+    NDCGLoss,
+    SpearmanLoss,
+    TopKAccuracyLoss,
+    TopKCrossEntropy,
+)
+from softops.nn.moe import MoEOutput, TopKMoE
 from softops.nn.router import RouterOutput, TopKRouter
 from softops.nn.smooth import (
     SmoothMax,
@@ -16,6 +26,10 @@ from softops.nn.sort import SoftArgsort, SoftQuantile, SoftRank, SoftSort
 from softops.nn.topk import SoftTopK, SoftTopKMask
 
 __all__ = [
+    "AccuracyLoss",
+    "F1Loss",
+    "MoEOutput",
+    "NDCGLoss",
     "RouterOutput",
     "SmoothMax",
     "SmoothMin",
@@ -29,7 +43,11 @@ __all__ = [
     "SoftSort",
     "SoftTopK",
     "SoftTopKMask",
+    "SpearmanLoss",
+    "TopKAccuracyLoss",
     "TopKAttention",
+    "TopKCrossEntropy",
+    "TopKMoE",
     "TopKRouter",
     "topk_attention",
     "topk_attention_weights",

@@ -21,11 +21,19 @@ The load statistics are those of Switch Transformer (Fedus et al. 2022): the fra
 :math:`P_e = \mathrm{mean}_t\, \mathrm{softmax}(s_t)_e`, and the auxiliary load-balancing loss
 :math:`E \sum_e f_e P_e`, which is 1 for a uniform router and grows as the load concentrates.
 
+The router z-loss of ST-MoE (Zoph et al. 2022) keeps the logits small, where the softmax and the
+top-k are numerically safe: :math:`\mathrm{mean}_t \big(\log \sum_e e^{s_{te}}\big)^2`, over
+the gate's logits before any training noise. Both losses are returned; neither is added to
+anything: the caller weighs them (Switch uses 0.01 for the auxiliary loss, ST-MoE 0.001 for the
+z-loss).
+
 References:
     Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
     NeurIPS 33.
     Fedus, W., Zoph, B., Shazeer, N. (2022). Switch Transformers. JMLR 23 (the load-balancing
     loss).
+    Zoph, B., Bello, I., Kumar, S., et al. (2022). ST-MoE: Designing Stable and Transferable
+    Sparse Expert Models. arXiv:2202.08906 (the router z-loss).
 """
 
 from __future__ import annotations
@@ -47,14 +55,30 @@ ROUTER_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed", "sparse")
 
 
 class RouterOutput(NamedTuple):
-    """What :class:`TopKRouter` returns, for tokens of shape (*, d_model)."""
+    """What :class:`TopKRouter` returns for tokens of shape ``(*, d_model)``, with E experts."""
 
-    weights: torch.Tensor  # (*, E) combine weights: k non-zero entries with hard=True, sum 1
-    indices: torch.Tensor  # (*, k) int64: the k selected experts per token, best first
-    mask: torch.Tensor  # (*, E) the soft top-k mask A (hard 0/1 forward with hard=True)
-    load: torch.Tensor  # (E,) f_e: the fraction of the tokens' k slots given to each expert
-    importance: torch.Tensor  # (E,) P_e: the mean router probability of each expert
-    aux_loss: torch.Tensor  # () E * sum_e f_e P_e (1 for a uniform router)
+    weights: torch.Tensor
+    """``(*, E)``: the combine weights. With ``hard=True`` exactly k non-zero entries per token,
+    the renormalised softmax of the selected logits (``"softmax"``) or ``1/k`` (``"mean"``);
+    they sum to 1 per token."""
+    indices: torch.Tensor
+    """``(*, k)``, int64: the k experts with the largest logits per token, best first."""
+    mask: torch.Tensor
+    """``(*, E)``: the soft top-k mask A (values in [0, 1] summing to k); the hard 0/1
+    selection in the forward with ``hard=True``."""
+    load: torch.Tensor
+    """``(E,)``: f_e, the fraction of the tokens' k slots given to each expert (hard counts, no
+    gradient; sums to 1)."""
+    importance: torch.Tensor
+    """``(E,)``: P_e, the mean router probability ``softmax(logits)`` of each expert (sums to
+    1)."""
+    aux_loss: torch.Tensor
+    """``()``: the Switch Transformer load-balancing loss ``E * sum_e f_e P_e``: 1 for a uniform
+    router, up to E when every token goes to one expert."""
+    logits: torch.Tensor
+    """``(*, E)``: the gate's logits ``W x + b``, before the training noise."""
+    z_loss: torch.Tensor
+    """``()``: the ST-MoE router z-loss, the mean over tokens of ``logsumexp(logits)**2``."""
 
 
 class TopKRouter(nn.Module):
@@ -146,10 +170,30 @@ class TopKRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
+        """Route the tokens ``x`` of shape ``(*, d_model)``.
+
+        Args:
+            x: the tokens, floating, in the dtype of the router's parameters (convert the
+                router with ``.to(dtype)``, or run it under ``torch.autocast``).
+
+        Returns:
+            A :class:`RouterOutput`: the combine weights, the selected experts, the mask, the
+            load statistics, the two auxiliary losses and the logits.
+
+        Raises:
+            TypeError: ``x`` is not a floating tensor, or its dtype differs from the router's.
+            ValueError: the last dim of ``x`` is not ``d_model``.
+        """
         op = type(self).__name__
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             what = f"dtype={x.dtype}" if isinstance(x, torch.Tensor) else repr(x)
             raise TypeError(f"{op}: expected a floating tensor of tokens; got {what}.")
+        own = self.gate.weight.dtype
+        if x.dtype != own and not _autocast(x):
+            raise TypeError(
+                f"{op}: expected tokens in the dtype of the router's parameters ({own}; convert "
+                f"one of them with .to(dtype)); got dtype={x.dtype}."
+            )
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"{op}: expected tokens of shape (*, d_model = {self.d_model}); got shape "
@@ -157,8 +201,18 @@ class TopKRouter(nn.Module):
             )
         logits = self.gate(x)
         if self.training and self.noise_std > 0:
-            logits = logits + self.noise_std * torch.randn_like(logits)
+            noisy = logits + self.noise_std * torch.randn_like(logits)
+            out = route(noisy, self.k, self.epsilon, self.mode, self.method, self.hard)
+            return out._replace(logits=logits, z_loss=z_loss(logits))
         return route(logits, self.k, self.epsilon, self.mode, self.method, self.hard)
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device (where it picks the gate's dtype itself)."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except (RuntimeError, ValueError, TypeError):  # a device autocast does not know; torch < 2.4
+        return torch.is_autocast_enabled() if x.device.type == "cuda" else False
 
 
 def route(
@@ -180,7 +234,12 @@ def route(
     load = flat.sum(0) / (tokens * k)
     importance = probs.reshape(-1, E).sum(0) / tokens
     aux = E * (load * importance).sum()
-    return RouterOutput(weights, indices, A, load, importance, aux)
+    return RouterOutput(weights, indices, A, load, importance, aux, logits, z_loss(logits))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The ST-MoE router z-loss of ``logits`` (*, E): the mean of ``logsumexp(s)**2``."""
+    return torch.logsumexp(logits, -1).square().mean()
 
 
 def _combine(

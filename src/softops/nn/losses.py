@@ -1,0 +1,340 @@
+"""Modules for the losses of :mod:`softops.losses`: they check and store the arguments.
+
+Each Module's ``forward(input, target)`` is its function with the stored arguments, so the two
+are equal; see the function for the math, the shapes and the units of ``epsilon``. What does
+not depend on the data is checked at construction, under the Module's name; what needs the data
+(``k`` against the number of classes, the labels' range) on the forward call, under the
+function's. A tensor ``epsilon`` (an ``nn.Parameter`` to learn it) is kept as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from softops._core.validation import check_bool, check_choice, check_dim, check_epsilon
+from softops.losses import (
+    REDUCTIONS,
+    accuracy_loss,
+    check_p_k,
+    f1_loss,
+    ndcg_loss,
+    spearman_loss,
+    topk_accuracy_loss,
+    topk_cross_entropy,
+)
+from softops.metrics import AVERAGES, GAINS, TOPK_METHODS
+from softops.sort import SORT_METHODS
+
+__all__ = [
+    "AccuracyLoss",
+    "F1Loss",
+    "NDCGLoss",
+    "SpearmanLoss",
+    "TopKAccuracyLoss",
+    "TopKCrossEntropy",
+]
+
+
+def _check_logits_epsilon(from_logits: Any, epsilon: Any, op: str) -> None:
+    check_bool(from_logits, op, "from_logits")
+    if not from_logits and (isinstance(epsilon, torch.Tensor) or epsilon != 1.0):
+        raise ValueError(
+            f"{op}: expected `epsilon` to be left at its default 1.0 (it is used only with "
+            f"from_logits=True); got epsilon={epsilon!r}."
+        )
+    check_epsilon(epsilon, op)
+
+
+def _check_optional_int(value: Any, op: str, name: str, low: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: expected `{name}` to be an int or None; got {name}={value!r}.")
+    if value < low:
+        raise ValueError(f"{op}: expected `{name}` >= {low} or None; got {name}={value}.")
+
+
+class AccuracyLoss(torch.nn.Module):
+    """:func:`softops.losses.accuracy_loss` as a Module: ``forward(input, target)``.
+
+    Args:
+        from_logits, epsilon, reduction: as for the function.
+
+    Example:
+        >>> loss = AccuracyLoss(reduction="none")
+        >>> loss(torch.tensor([[0.7, 0.3], [0.4, 0.6]]), torch.tensor([0, 0]))
+        tensor([0.3000, 0.6000])
+    """
+
+    def __init__(
+        self,
+        *,
+        from_logits: bool = False,
+        epsilon: float | torch.Tensor = 1.0,
+        reduction: str = "mean",
+    ) -> None:
+        op = type(self).__name__
+        _check_logits_epsilon(from_logits, epsilon, op)
+        check_choice(reduction, REDUCTIONS, op, "reduction")
+        super().__init__()
+        self.from_logits, self.epsilon, self.reduction = from_logits, epsilon, reduction
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return accuracy_loss(
+            input,
+            target,
+            from_logits=self.from_logits,
+            epsilon=self.epsilon,
+            reduction=self.reduction,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"from_logits={self.from_logits}, epsilon={self.epsilon}, reduction={self.reduction!r}"
+        )
+
+
+class TopKAccuracyLoss(torch.nn.Module):
+    """:func:`softops.losses.topk_accuracy_loss` as a Module: ``forward(scores, target)``.
+
+    Args:
+        k: an int >= 1 (at most the number of classes, checked on the forward call).
+        epsilon, method, reduction: as for the function.
+
+    Example:
+        >>> loss = TopKAccuracyLoss(2, epsilon=0.01, reduction="none")
+        >>> loss(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), torch.tensor([1, 0]))
+        tensor([0., 1.])
+    """
+
+    def __init__(
+        self,
+        k: int,
+        *,
+        epsilon: float | torch.Tensor = 0.1,
+        method: str = "ot",
+        reduction: str = "mean",
+    ) -> None:
+        op = type(self).__name__
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"{op}: expected `k` to be an int; got k={k!r}.")
+        if k < 1:
+            raise ValueError(f"{op}: expected `k` >= 1; got k={k}.")
+        check_epsilon(epsilon, op)
+        check_choice(method, TOPK_METHODS, op, "method")
+        check_choice(reduction, REDUCTIONS, op, "reduction")
+        super().__init__()
+        self.k, self.epsilon, self.method, self.reduction = k, epsilon, method, reduction
+
+    def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return topk_accuracy_loss(
+            scores,
+            target,
+            self.k,
+            epsilon=self.epsilon,
+            method=self.method,
+            reduction=self.reduction,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"k={self.k}, epsilon={self.epsilon}, method={self.method!r}, "
+            f"reduction={self.reduction!r}"
+        )
+
+
+class TopKCrossEntropy(torch.nn.Module):
+    """:func:`softops.losses.topk_cross_entropy` as a Module: ``forward(logits, target)``.
+
+    Args:
+        p_k: the weights of k = 1, ..., len(p_k): non-negative, summing to 1 (kept as a tuple
+            of floats).
+        epsilon, method, m, reduction: as for the function (``m`` >= len(p_k) here, at most
+            the number of classes on the forward call).
+
+    Example:
+        >>> loss = TopKCrossEntropy([1.0])  # the cross-entropy
+        >>> s, t = torch.tensor([[3.0, 2.0, 0.0]]), torch.tensor([1])
+        >>> loss(s, t), torch.nn.functional.cross_entropy(s, t)
+        (tensor(1.3490), tensor(1.3490))
+    """
+
+    def __init__(
+        self,
+        p_k: Sequence[float],
+        *,
+        epsilon: float | torch.Tensor = 1.0,
+        method: str = "ot",
+        m: int | None = None,
+        reduction: str = "mean",
+    ) -> None:
+        op = type(self).__name__
+        weights = check_p_k(p_k, None, op)
+        check_epsilon(epsilon, op)
+        check_choice(method, TOPK_METHODS, op, "method")
+        _check_optional_int(m, op, "m", len(weights))
+        check_choice(reduction, REDUCTIONS, op, "reduction")
+        super().__init__()
+        self.p_k: tuple[float, ...] = tuple(weights)
+        self.epsilon, self.method, self.m, self.reduction = epsilon, method, m, reduction
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return topk_cross_entropy(
+            logits,
+            target,
+            self.p_k,
+            epsilon=self.epsilon,
+            method=self.method,
+            m=self.m,
+            reduction=self.reduction,
+        )
+
+    def extra_repr(self) -> str:
+        m = "" if self.m is None else f", m={self.m}"
+        return (
+            f"p_k={self.p_k}, epsilon={self.epsilon}, method={self.method!r}{m}, "
+            f"reduction={self.reduction!r}"
+        )
+
+
+class F1Loss(torch.nn.Module):
+    """:func:`softops.losses.f1_loss` as a Module: ``forward(input, target)``, a statistic of
+    the whole batch (no ``reduction``).
+
+    Args:
+        average, from_logits, epsilon: as for the function.
+
+    Example:
+        >>> F1Loss()(torch.tensor([0.9, 0.2, 0.6, 0.3]), torch.tensor([1, 0, 1, 1]))
+        tensor(0.2800)
+    """
+
+    def __init__(
+        self,
+        *,
+        average: str | None = None,
+        from_logits: bool = False,
+        epsilon: float | torch.Tensor = 1.0,
+    ) -> None:
+        op = type(self).__name__
+        if average is not None:
+            check_choice(average, AVERAGES, op, "average")
+        _check_logits_epsilon(from_logits, epsilon, op)
+        super().__init__()
+        self.average, self.from_logits, self.epsilon = average, from_logits, epsilon
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return f1_loss(
+            input,
+            target,
+            average=self.average,
+            from_logits=self.from_logits,
+            epsilon=self.epsilon,
+        )
+
+    def extra_repr(self) -> str:
+        return f"average={self.average!r}, from_logits={self.from_logits}, epsilon={self.epsilon}"
+
+
+class SpearmanLoss(torch.nn.Module):
+    """:func:`softops.losses.spearman_loss` as a Module: ``forward(input, target)``.
+
+    Args:
+        dim, epsilon, method, reduction: as for the function (``epsilon=None``: relative to
+            each row).
+
+    Example:
+        >>> loss = SpearmanLoss(epsilon=0.01, reduction="none")
+        >>> loss(torch.tensor([[0.1, 0.4, 0.3, 0.9]]), torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+        tensor([0.2000])
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int = -1,
+        epsilon: float | torch.Tensor | None = None,
+        method: str = "pav",
+        reduction: str = "mean",
+    ) -> None:
+        op = type(self).__name__
+        check_dim(None, dim, op)
+        if epsilon is not None:
+            check_epsilon(epsilon, op)
+        check_choice(method, SORT_METHODS, op, "method")
+        check_choice(reduction, REDUCTIONS, op, "reduction")
+        super().__init__()
+        self.dim, self.epsilon, self.method, self.reduction = dim, epsilon, method, reduction
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return spearman_loss(
+            input,
+            target,
+            dim=self.dim,
+            epsilon=self.epsilon,
+            method=self.method,
+            reduction=self.reduction,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, epsilon={self.epsilon}, method={self.method!r}, "
+            f"reduction={self.reduction!r}"
+        )
+
+
+class NDCGLoss(torch.nn.Module):
+    """:func:`softops.losses.ndcg_loss` as a Module: ``forward(input, target)``.
+
+    Args:
+        k: None (all places) or an int >= 1 (at most ``input.shape[dim]``, checked on the
+            forward call): NDCG@k.
+        dim, epsilon, gain, reduction: as for the function (``epsilon=None``: relative to each
+            row).
+
+    Example:
+        >>> loss = NDCGLoss(k=1, epsilon=0.01, reduction="none")
+        >>> x = torch.tensor([[3.0, 2.0, 1.0], [1.0, 2.0, 3.0]])
+        >>> loss(x, torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]))
+        tensor([0., 1.])
+    """
+
+    def __init__(
+        self,
+        k: int | None = None,
+        *,
+        dim: int = -1,
+        epsilon: float | torch.Tensor | None = None,
+        gain: str = "linear",
+        reduction: str = "mean",
+    ) -> None:
+        op = type(self).__name__
+        _check_optional_int(k, op, "k", 1)
+        check_dim(None, dim, op)
+        if epsilon is not None:
+            check_epsilon(epsilon, op)
+        check_choice(gain, GAINS, op, "gain")
+        check_choice(reduction, REDUCTIONS, op, "reduction")
+        super().__init__()
+        self.k, self.dim, self.epsilon = k, dim, epsilon
+        self.gain, self.reduction = gain, reduction
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ndcg_loss(
+            input,
+            target,
+            dim=self.dim,
+            k=self.k,
+            epsilon=self.epsilon,
+            gain=self.gain,
+            reduction=self.reduction,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"k={self.k}, dim={self.dim}, epsilon={self.epsilon}, gain={self.gain!r}, "
+            f"reduction={self.reduction!r}"
+        )
