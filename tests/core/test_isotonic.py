@@ -701,11 +701,11 @@ def test_block_max_is_the_largest_entry_of_each_block_and_detached():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("n", [1, 7, 48, 49, 256, 257, 3000, 20000])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 9, 48, 49, 256, 257, 3000, 20000])
 def test_the_kernels_sort_is_torch_sort_stable_descending(dtype, n):
-    # the permutation the projection's kernel sorts z by (insertion, std::sort or a radix sort,
-    # by n) is torch.sort(stable=True, descending=True)'s: ties in index order, NaN first, -0 as
-    # +0, infinities at the ends
+    # the permutation the projection's kernel sorts z by (a sorting network, insertion, std::sort
+    # or a radix sort, by n) is torch.sort(stable=True, descending=True)'s: ties in index order,
+    # NaN first, -0 as +0, infinities at the ends
     require_kernel()
     g = seeded(40 + n)
     x = torch.randint(-5, 5, (3, n), generator=g).to(dtype) / 4  # many ties
@@ -715,6 +715,23 @@ def test_the_kernels_sort_is_torch_sort_stable_descending(dtype, n):
     x[2, 2::11] = math.inf
     x[2, 3::13] = -math.inf
     eps = torch.ones(3, dtype=dtype)
+    rho = torch.arange(n, 0, -1, dtype=dtype)[None]
+    with backend("kernel"):
+        _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(x, rho, eps, isotonic.MODE_SORT_Z)
+    assert torch.equal(pz, torch.sort(x, descending=True, stable=True).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n", range(2, 9))
+def test_the_kernels_network_sort_of_short_rows_on_every_zero_one_row_and_permutation(dtype, n):
+    # rows of up to 8 entries take a sorting network: by the 0-1 principle it sorts every row iff
+    # it sorts every row of zeros and ones, here all 2**n of them (ties: the index order must
+    # survive), and every permutation of n distinct values (n <= 7: all n! of them)
+    require_kernel()
+    bits = torch.arange(2**n)[:, None] >> torch.arange(n) & 1
+    perms = torch.tensor(list(itertools.permutations(range(n))) if n <= 7 else [], dtype=dtype)
+    x = torch.cat([bits.to(dtype), perms.reshape(-1, n) - 3.5])
+    eps = torch.ones(x.shape[0], dtype=dtype)
     rho = torch.arange(n, 0, -1, dtype=dtype)[None]
     with backend("kernel"):
         _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(x, rho, eps, isotonic.MODE_SORT_Z)

@@ -473,9 +473,10 @@ enum Mode : int64_t {
 
 // The sort of a row, descending with NaN first and ties in index order (as torch.sort(stable=True,
 // descending=True)): each key is mapped to an unsigned integer in the reverse order (NaN lowest,
-// -0 as +0), and the (key, index) pairs are sorted ascending: by insertion for short rows, by
-// std::sort up to 256 entries, and by a least-significant-digit radix sort (stable, passes whose
-// digit is constant skipped) above. A float32 key and its index pack into one 64-bit word.
+// -0 as +0), and the (key, index) pairs are sorted ascending: by a sorting network up to 8
+// entries, by insertion up to 48, by std::sort up to 256 and by a least-significant-digit radix
+// sort (stable, passes whose digit is constant skipped) above. A float32 key and its index pack
+// into one 64-bit word.
 template <typename key_t, typename scalar_t>
 key_t descending_key(scalar_t v) {
   static_assert(sizeof(key_t) == sizeof(scalar_t));
@@ -523,13 +524,46 @@ item_t* radix_sort(item_t* items, item_t* tmp, int64_t n, int lo, int hi) {
   return items;
 }
 
+// The compare-exchange of a sorting network, branch-free (a conditional move, not a jump that
+// a row of random keys mispredicts half the time): a, b in ascending order. An Item64 compares by
+// key, then index (the index order of ties keeps the sort stable); a packed float32 item is
+// distinct from every other (its low word is its index).
+inline void exchange(uint64_t& a, uint64_t& b) {
+  const uint64_t lo = a < b ? a : b, hi = a < b ? b : a;
+  a = lo, b = hi;
+}
+
+inline void exchange(Item64& a, Item64& b) {
+  const bool swap = b.key < a.key || (b.key == a.key && b.index < a.index);
+  const Item64 lo = swap ? b : a, hi = swap ? a : b;
+  a = lo, b = hi;
+}
+
+// items[0 .. n), n <= 8, sorted ascending by the optimal network of 8 inputs (19 compare-exchanges
+// in 6 layers; Knuth, TAOCP vol. 3, 5.3.4), the inputs past n set to `pad`, a value above every
+// item, which stays past n: the sort of the short rows (many rows of 8: a router's experts), where
+// an insertion sort's mispredicted comparisons cost more than the rest of the row's work.
+template <typename item_t>
+inline void network_sort(item_t* items, int64_t n, item_t pad) {
+  static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                                        {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                                        {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+  item_t v[8];
+  for (int64_t j = 0; j < 8; ++j) v[j] = j < n ? items[j] : pad;
+#pragma GCC unroll 19
+  for (int k = 0; k < 19; ++k) exchange(v[kPairs[k][0]], v[kPairs[k][1]]);
+  for (int64_t j = 0; j < n; ++j) items[j] = v[j];
+}
+
 // idx[0 .. n) that sorts key descending (NaN first, ties by index); work holds 4 n words.
 inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work) {
   uint64_t* items = work;
   for (int64_t j = 0; j < n; ++j) {
     items[j] = (uint64_t(descending_key<uint32_t>(key[j])) << 32) | uint64_t(j);
   }
-  if (n <= 48) {
+  if (n <= 8) {
+    network_sort(items, n, ~uint64_t(0));
+  } else if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const uint64_t v = items[j];
       int64_t i = j;
@@ -547,7 +581,9 @@ inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t*
 inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t* work) {
   Item64* items = reinterpret_cast<Item64*>(work);
   for (int64_t j = 0; j < n; ++j) items[j] = {descending_key<uint64_t>(key[j]), j};
-  if (n <= 48) {
+  if (n <= 8) {
+    network_sort(items, n, Item64{~uint64_t(0), std::numeric_limits<int64_t>::max()});
+  } else if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const Item64 v = items[j];
       int64_t i = j;
