@@ -17,6 +17,7 @@ whose values Python cannot read, under ``torch.func`` or ``torch.compile``, is c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ from softops._core.validation import (
     check_nonempty,
     compute_dtype,
 )
+from softops._kernels import plain_eager
 
 __all__ = ["Rows", "flatten_to_2d", "prepare_rows", "row_param"]
 
@@ -110,6 +112,28 @@ class Rows(NamedTuple):
         return row_param(value, self.batch_shape, op, name, self.x2.dtype, self.x2.device)
 
 
+_SHARED_ROWS = 4096
+"""The most rows whose constant epsilon row ``_epsilon_row`` keeps (16 or 32 KB)."""
+
+
+def _epsilon_row(x2: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """(B,) filled with ``value``: in an eager call on plain data with at most ``_SHARED_ROWS``
+    rows, one tensor per (B, value, dtype, device), made once (a fill and its release cost as much
+    as the rest of a small call's preamble), else a fresh fill. No op writes into its epsilon."""
+    rows = x2.shape[0]
+    if isinstance(rows, int) and rows <= _SHARED_ROWS and plain_eager(x2):
+        return _constant_row(rows, value, dtype, x2.device)
+    return torch.full((rows,), value, dtype=dtype, device=x2.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_row(
+    rows: int, value: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    with torch.inference_mode(False):  # (an inference tensor could not be saved for backward)
+        return torch.full((rows,), value, dtype=dtype, device=device)
+
+
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
     (positive, finite and at least the compute dtype's smallest normal number), and return the
@@ -127,6 +151,5 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
         eps = eps.clamp(fi.tiny, fi.max)
     else:  # a Python float (>= fi.tiny, checked): clamp on the host, one fill
-        epsilon = min(epsilon, fi.max)
-        eps = torch.full((x2.shape[0],), epsilon, dtype=cd, device=x.device)
+        eps = _epsilon_row(x2, min(epsilon, fi.max), cd)
     return Rows(x2 if x2.dtype == cd else x2.to(cd), eps, restore, d, n, batch_shape)

@@ -57,7 +57,7 @@ from typing import Any, NamedTuple
 import torch
 
 from softops._core.transforms import vmap_rows
-from softops._kernels import Kernel, define, kernels_enabled
+from softops._kernels import Kernel, define, kernels_enabled, plain_eager
 
 __all__ = [
     "KERNEL",
@@ -67,6 +67,7 @@ __all__ = [
     "block_mean",
     "block_softmax",
     "block_sum",
+    "eager_ops",
     "isotonic_kl",
     "isotonic_l2",
     "l2_vjp_host",
@@ -444,6 +445,24 @@ PERMUTAHEDRON_OP = define(
 )
 """The projection of z onto the permutahedron of w, sorts and scaling included
 (:func:`permutahedron`)."""
+
+
+def eager_ops(x: torch.Tensor, eps: torch.Tensor) -> Any:
+    """The kernel's operators (``torch.ops.softops_isotonic``) where a call on the rows x (B, n)
+    and eps (B,) may run them directly, as :func:`permutahedron` would through its operator: a
+    plain eager call (:func:`softops._kernels.plain_eager`; eps a plain tensor too) on non-empty
+    CPU rows of a dtype the kernels are built for, with the kernel back end on and the kernel
+    built. Else None."""
+    if (
+        x.is_cpu
+        and x.dtype in _KERNEL_DTYPES
+        and type(eps) is torch.Tensor
+        and x.numel() > 0
+        and kernels_enabled()
+        and plain_eager(x)
+    ):
+        return KERNEL.ops()
+    return None
 
 
 def permutahedron(

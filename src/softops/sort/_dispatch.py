@@ -21,6 +21,7 @@ not. This is the rule of :func:`softops._core.validation.check_unused`, shared b
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -100,7 +101,28 @@ def check_options(
     :data:`DISTANCES`, ``max_iter`` a positive int or None (``TypeError`` for a non-int,
     ``ValueError`` below 1), ``tol`` a float >= 0 or None. ``op`` opens every message (the public
     function, or the ``softops.nn`` Module checking at construction).
+
+    The result of accepted arguments is remembered (per value and type of each argument: the
+    checks depend on nothing else), so that a call with the options of an earlier one skips the
+    checks, a fixed cost of every small call; refused arguments raise every time.
     """
+    args = (op, method, kind, regularization, distance, max_iter, tol)
+    try:
+        hash(args)
+    except TypeError:  # (an unhashable argument, refused by the checks or not: checked as is)
+        return _check_options(*args)
+    return _checked_options(*args)
+
+
+def _check_options(
+    op: str,
+    method: str,
+    kind: str,
+    regularization: str,
+    distance: str,
+    max_iter: int | None,
+    tol: float | None,
+) -> MethodOptions:
     check_choice(kind, _KIND_METHODS, op, "kind")
     if kind == "argsort" and method == "pav":
         raise ValueError(
@@ -125,6 +147,10 @@ def check_options(
     if "tol" in uses and tol is not None:
         tol = check_tol(tol, 0.0, op)
     return MethodOptions(regularization, distance, max_iter, tol, op)
+
+
+_checked_options = functools.lru_cache(maxsize=256, typed=True)(_check_options)
+"""``_check_options`` remembered for hashable arguments (``check_options``)."""
 
 
 def interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

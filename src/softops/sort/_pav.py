@@ -102,6 +102,7 @@ from softops._core.isotonic import (
     block_mean,
     block_softmax,
     block_sum,
+    eager_ops,
     l2_vjp_host_scaled,
     permutahedron,
     scale_factor,
@@ -230,6 +231,66 @@ def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
     return torch.where(eps.reciprocal() == f[:, 0], ge, 0.0) if mode.inv else ge
 
 
+def _limits(
+    u: Tensor, w: Tensor, eps: Tensor, pz: Tensor | None, pw: Tensor | None, mode: _Mode
+) -> Tensor:
+    """The entries where the kernel gave the projection's limits, whose derivatives are zero
+    (``_frozen``), for a forward that met a non-finite row."""
+    n = u.shape[-1]
+    z = _through(u, _factor(eps, n, mode), mode).expand(eps.shape[0], n)
+    t = (-w if mode.negate else w).expand(eps.shape[0], n)
+    return _frozen(_gather(z, pz), _gather(t, pw), mode.kl)
+
+
+def _save(
+    ctx: Any,
+    u: Tensor,
+    w: Tensor,
+    eps: Tensor,
+    mode: _Mode,
+    out: Tensor,
+    pz: Tensor | None,
+    pw: Tensor | None,
+    block: Tensor,
+    frozen: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """What the backward reads, saved on ctx (and returned): u and eps (z is recomputed where
+    needed: KL, epsilon), w only where the Jacobian depends on it (KL: the block softmaxes), the
+    output only in exp space (d exp(p) = exp(p) dp)."""
+    saved = (u, w if mode.kl else None, eps, pz, pw, block, frozen, out if mode.exp_space else None)
+    ctx.save_for_backward(*saved)
+    ctx.mode, ctx.w_rows, ctx.u_rows = mode, w.shape[0], u.shape[0]
+    return saved
+
+
+def _fused_backward(ctx: Any, gp: Tensor, vjp: Any) -> tuple[Tensor | None, ...] | None:
+    """``_Permutahedron.backward`` for L2 in one pass of the kernel, the epsilon term included
+    (``vjp``: :func:`softops._core.isotonic.l2_vjp_host_scaled`, or the kernel's ``l2_vjp``
+    itself), or None where that does not apply: rows at their limits (``frozen``), one row of w
+    for several rows, or no kernel. (The caller has ruled out KL, a gradient whose own graph is
+    wanted, which takes the differentiable torch form, and ``torch.func``.)"""
+    u, _, eps, pz, pw, block, frozen, _ = ctx.saved_tensors
+    want_u, want_w, want_e = ctx.needs_input_grad[:3]
+    if frozen is not None or (want_w and ctx.w_rows != gp.shape[0]):
+        return None
+    fused = vjp(
+        gp,
+        pz,
+        pw if want_w else None,
+        block,
+        want_u,
+        want_w,
+        u if want_e else None,
+        eps,
+        ctx.mode.bits,
+    )
+    if fused is None:
+        return None
+    gz, gw, ge = fused
+    gz = _rows_like(gz, ctx.u_rows) if want_u else None
+    return gz, gw if want_w else None, ge if want_e else None, None
+
+
 class _Permutahedron(torch.autograd.Function):
     """p = P(z, w) per row: the projection of z onto the permutahedron of w (``_Mode`` says which
     projection, which of z and w to sort, and how z comes from u and epsilon), in z's order. u is
@@ -246,13 +307,9 @@ class _Permutahedron(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor | None]:
         traced = torch.compiler.is_compiling()
         p, pz, pw, block, finite = permutahedron(u, w, eps, mode.bits, read=not traced)
-        frozen = None
-        if traced or not finite:  # the limits; mark where the derivatives are zero (traced code
-            # cannot branch on the kernel's count: the mask is formed, all False on finite rows)
-            n = u.shape[-1]
-            z = _through(u, _factor(eps, n, mode), mode).expand(eps.shape[0], n)
-            t = (-w if mode.negate else w).expand(eps.shape[0], n)
-            frozen = _frozen(_gather(z, pz), _gather(t, pw), mode.kl)
+        # (traced code cannot branch on the kernel's count: the mask is formed, all False on
+        # finite rows)
+        frozen = _limits(u, w, eps, pz, pw, mode) if traced or not finite else None
         return p, pz, pw, block, frozen
 
     @staticmethod
@@ -261,40 +318,27 @@ class _Permutahedron(torch.autograd.Function):
         out, pz, pw, block, frozen = output
         ctx.mark_non_differentiable(*(o for o in output[1:] if o is not None))
         ctx.set_materialize_grads(False)  # (no zero gradients filled in for the index outputs)
-        # u and eps (z is recomputed where needed: KL, epsilon), w only where the Jacobian
-        # depends on it (KL: the block softmaxes), the output only in exp space
-        # (d exp(p) = exp(p) dp)
-        saved: tuple[Tensor | None, ...] = (u, w if mode.kl else None, eps, pz, pw, block)
-        saved += (frozen, out if mode.exp_space else None)
-        ctx.save_for_backward(*saved)
+        saved = _save(ctx, u, w, eps, mode, out, pz, pw, block, frozen)
         if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
             ctx.save_for_forward(*saved)  # (only forward mode reads them: jvp)
-        ctx.mode, ctx.w_rows, ctx.u_rows = mode, w.shape[0], u.shape[0]
 
     @staticmethod
     def backward(ctx: Any, gp: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
         if gp is None:
             return None, None, None, None
+        if (
+            not ctx.mode.kl
+            and not torch.is_grad_enabled()  # (create_graph: the torch form below)
+            and not torch._C._are_functorch_transforms_active()
+        ):  # the formulas below, the epsilon term too, in one pass
+            fused = _fused_backward(ctx, gp, l2_vjp_host_scaled)
+            if fused is not None:
+                return fused
         u, w, eps, pz, pw, block, frozen, out = ctx.saved_tensors
         mode: _Mode = ctx.mode
         want_u, want_w, want_e = ctx.needs_input_grad[:3]
         sign = -1.0 if mode.negate else 1.0  # p = -P(z, -w): dp/dz = -P_z, dp/dw = P_w
         gz = gw = ge = None
-        if (
-            not mode.kl
-            and frozen is None
-            and not (want_w and ctx.w_rows != gp.shape[0])
-            and not torch.is_grad_enabled()  # (create_graph: the torch form below)
-            and not torch._C._are_functorch_transforms_active()
-        ):
-            fused = l2_vjp_host_scaled(
-                gp, pz, pw, block, want_u, want_w, u if want_e else None, eps, mode.bits
-            )
-            if fused is not None:  # the formulas below, the epsilon term too, in one pass
-                gz, gw, ge = fused
-                if gz is not None:
-                    gz = _rows_like(gz, ctx.u_rows)
-                return gz, gw, ge, None
         f = _factor(eps, gp.shape[-1], mode)
         if mode.negate:
             gp = -gp
@@ -403,11 +447,46 @@ class _PermutahedronTraced(_Permutahedron):
     jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
 
 
-def _apply(*args: Any) -> Any:
-    """``_Permutahedron`` applied (its traced twin under ``torch.compile``)."""
+class _PermutahedronEager(torch.autograd.Function):
+    """The same node for a plain eager call whose forward runs the CPU kernel directly
+    (:func:`softops._core.isotonic.eager_ops`: ``ops``) outside forward mode: a classic
+    ``forward`` (ctx first, no ``setup_context``, which only ``torch.func`` needs) with one
+    output (the permutations and block ids stay on ctx instead of being outputs marked
+    non-differentiable), the same saved tensors and the same backward, whose fused L2 pass calls
+    the kernel directly too. A small call's time is such fixed costs."""
+
+    @staticmethod
+    def forward(ctx: Any, u: Tensor, w: Tensor, eps: Tensor, mode: _Mode, ops: Any) -> Tensor:
+        p, pz, pw, block, bad = ops.permutahedron(u, w, eps, mode.bits)
+        pz = pz if mode.sort_z else None
+        pw = pw if mode.sort_w else None
+        frozen = _limits(u, w, eps, pz, pw, mode) if bad else None
+        _save(ctx, u, w, eps, mode, p, pz, pw, block, frozen)
+        ctx.vjp = None if mode.kl else ops.l2_vjp
+        return p
+
+    @staticmethod
+    def backward(ctx: Any, gp: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.vjp is not None and not torch.is_grad_enabled() and plain_eager(gp):
+            fused = _fused_backward(ctx, gp, ctx.vjp)
+            if fused is not None:
+                return (*fused, None)
+        return (*_Permutahedron.backward(ctx, gp), None)
+
+
+def _apply(u: Tensor, w: Tensor, eps: Tensor, mode: _Mode, x2: Tensor) -> Tensor:
+    """P for the rows of x2 (the data; u or w): ``_Permutahedron`` applied (its traced twin under
+    ``torch.compile``, its eager twin where the kernel runs directly)."""
     if torch.compiler.is_compiling():
-        return _PermutahedronTraced.apply(*args)
-    return apply_function(_Permutahedron, *args)
+        return _PermutahedronTraced.apply(u, w, eps, mode)[0]
+    ops = eager_ops(x2, eps)
+    if ops is not None and forward_ad._current_level < 0:
+        return _apply_eager(u, w, eps, mode, ops)
+    return apply_function(_Permutahedron, u, w, eps, mode)[0]
+
+
+_apply_eager = super(torch.autograd.Function, _PermutahedronEager).apply  # type: ignore[misc]
+"""``_PermutahedronEager.apply`` without its per-call signature binding (``apply_function``)."""
 
 
 _RANK = {  # (kl, descending): L2 P_Q(z, rho); KL exp P_E(z, log rho)
@@ -452,7 +531,7 @@ def rank(
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
     mode = _RANK[opts.regularization == "kl", descending]
-    return _apply(x2, _rho(x2), eps, mode)[0]
+    return _apply(x2, _rho(x2), eps, mode, x2)
 
 
 def sort(
@@ -471,4 +550,4 @@ def sort(
     # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
     # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
     mode = _SORT[opts.regularization == "kl", not descending]
-    return _apply(_rho(x2), x2, eps, mode)[0]
+    return _apply(_rho(x2), x2, eps, mode, x2)
