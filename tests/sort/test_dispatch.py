@@ -104,6 +104,25 @@ def test_option_checks():
         check_options("soft_sort", "pav", "topk")
 
 
+def test_accepted_options_are_remembered_by_value_and_type_and_refused_ones_raise_every_time():
+    # accepted first, the look-alike of another type (True == 1, 1.0 == 1) is still refused
+    assert check_options("soft_sort", "ot", "sort", max_iter=1).max_iter == 1
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"got max_iter=True\.$"):
+            check_options("soft_sort", "ot", "sort", max_iter=True)
+        with pytest.raises(TypeError, match=r"got max_iter=1\.0\.$"):
+            check_options("soft_sort", "ot", "sort", max_iter=1.0)
+        with pytest.raises(ValueError, match=r"got regularization='l3'\.$"):
+            check_options("soft_sort", "pav", "sort", regularization="l3")
+    # the same options twice: the same answer; an unhashable argument is checked as it is
+    first = check_options("soft_rank", "ot", "rank", tol=0.25)
+    assert check_options("soft_rank", "ot", "rank", tol=0.25) == first and first.tol == 0.25
+    with pytest.raises(TypeError, match=r"got tol=\[0\.25\]\.$"):
+        check_options("soft_rank", "ot", "rank", tol=[0.25])
+    with pytest.raises(ValueError, match=r"expected `method` to be one of"):
+        check_options("soft_rank", ["pav"], "rank")
+
+
 # ------------------------------------------------------------------ interpolate
 
 

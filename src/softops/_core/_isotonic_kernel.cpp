@@ -604,8 +604,9 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
 // reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
 // Returns (p (B, n) in z's order, pz (B, n) or (B, 0), pw (Bw, n) or (Bw, 0), block (B, n) in sorted
-// coordinates, bad: the number of rows that held a non-finite entry, 0-dim int64).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahedron(
+// coordinates, bad: the number of rows that held a non-finite entry, an int: no tensor to make
+// and read back on the host, a fixed cost of every call).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedron(
     const at::Tensor& u_in, const at::Tensor& w_in, const at::Tensor& eps_in, int64_t mode) {
   check_rows(u_in, "permutahedron");
   check_rows(w_in, "permutahedron");
@@ -631,7 +632,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
   auto pz = at::empty({B, sort_z ? n : 0}, opts.dtype(at::kLong));
   auto pw = at::empty({Bw, sort_w ? n : 0}, opts.dtype(at::kLong));
   if (B == 0 || n == 0) {
-    return {out, pz, pw, block, at::zeros({}, opts.dtype(at::kLong))};
+    return {out, pz, pw, block, 0};
   }
   const int64_t u_row = Bu == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
   // one row of w for several rows: negated and sorted once, by torch's ops (a single row, B = 1,
@@ -717,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permutahe
     });
   });
   if (mode & kModeExp) out.exp_();  // torch's exp, as the reference's (after the un-sort)
-  return {out, pz, pw, block, at::scalar_tensor(bad.load(), opts.dtype(at::kLong))};
+  return {out, pz, pw, block, bad.load()};
 }
 
 // ----------------------------------------------------------------- the L2 VJP, in one pass
@@ -889,7 +890,7 @@ TORCH_LIBRARY(softops_isotonic, m) {
   m.def("project(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)");
   m.def(
       "permutahedron(Tensor u, Tensor w, Tensor eps, int mode) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "(Tensor, Tensor, Tensor, Tensor, int)");
   m.def(
       "l2_vjp(Tensor g, Tensor? pz, Tensor? pw, Tensor block, bool want_z, bool want_w, "
       "Tensor? u, Tensor? eps, int mode) -> (Tensor, Tensor, Tensor)");

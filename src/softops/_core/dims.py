@@ -134,6 +134,10 @@ def _constant_row(
         return torch.full((rows,), value, dtype=dtype, device=device)
 
 
+_FINFO = {t: torch.finfo(t) for t in (torch.float32, torch.float64)}
+"""``torch.finfo`` of the usual compute dtypes (made once: it is an object per call)."""
+
+
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
     (positive, finite and at least the compute dtype's smallest normal number), and return the
@@ -146,7 +150,7 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
     x2, restore = flatten_to_2d(x, d)
     batch_shape = x.shape[:d] if d == x.dim() - 1 else torch.Size(x.shape[:d] + x.shape[d + 1 :])
     epsilon = check_epsilon(epsilon, op, dtype=x.dtype)
-    fi = torch.finfo(cd)
+    fi = _FINFO.get(cd) or torch.finfo(cd)
     if isinstance(epsilon, torch.Tensor):
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
         eps = eps.clamp(fi.tiny, fi.max)

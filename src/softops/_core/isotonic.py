@@ -431,16 +431,21 @@ def _permutahedron_fake(
     )
 
 
+def _permutahedron_kernel(
+    ops: Any, u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if u.dtype not in _KERNEL_DTYPES:
+        return _permutahedron_reference(u, w, eps, mode)
+    p, pz, pw, block, bad = ops.permutahedron(u, w, eps, mode)  # (bad: an int there)
+    return p, pz, pw, block, torch.tensor(bad)
+
+
 PERMUTAHEDRON_OP = define(
     "softops::isotonic_permutahedron",
     "(Tensor u, Tensor w, Tensor eps, int mode) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     reference=_permutahedron_reference,
     fake=_permutahedron_fake,
-    cpu=lambda ops, u, w, eps, mode: (
-        ops.permutahedron(u, w, eps, mode)
-        if u.dtype in _KERNEL_DTYPES
-        else _permutahedron_reference(u, w, eps, mode)
-    ),
+    cpu=_permutahedron_kernel,
     kernel=KERNEL,
 )
 """The projection of z onto the permutahedron of w, sorts and scaling included

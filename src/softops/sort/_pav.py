@@ -474,14 +474,19 @@ class _PermutahedronEager(torch.autograd.Function):
         return (*_Permutahedron.backward(ctx, gp), None)
 
 
-def _apply(u: Tensor, w: Tensor, eps: Tensor, mode: _Mode, x2: Tensor) -> Tensor:
-    """P for the rows of x2 (the data; u or w): ``_Permutahedron`` applied (its traced twin under
-    ``torch.compile``, its eager twin where the kernel runs directly)."""
-    if torch.compiler.is_compiling():
-        return _PermutahedronTraced.apply(u, w, eps, mode)[0]
+def _apply(x2: Tensor, eps: Tensor, mode: _Mode) -> Tensor:
+    """P for the rows x2, with rho = (n, ..., 1) as the other argument (the rank: u = x2, w = rho;
+    the sort: u = rho, w = x2; ``mode.sort_z`` tells them apart): ``_Permutahedron`` applied, its
+    eager twin where the kernel runs directly, its traced twin under ``torch.compile``."""
     ops = eager_ops(x2, eps)
     if ops is not None and forward_ad._current_level < 0:
+        rho = _rho_row(x2.shape[-1], x2.dtype, x2.device)
+        u, w = (x2, rho) if mode.sort_z else (rho, x2)
         return _apply_eager(u, w, eps, mode, ops)
+    rho = _rho(x2)
+    u, w = (x2, rho) if mode.sort_z else (rho, x2)
+    if torch.compiler.is_compiling():
+        return _PermutahedronTraced.apply(u, w, eps, mode)[0]
     return apply_function(_Permutahedron, u, w, eps, mode)[0]
 
 
@@ -531,7 +536,7 @@ def rank(
     if offset is not None:
         raise ValueError("pav rank: expected `offset` to be None (PAV has its own limits).")
     mode = _RANK[opts.regularization == "kl", descending]
-    return _apply(x2, _rho(x2), eps, mode, x2)
+    return _apply(x2, eps, mode)
 
 
 def sort(
@@ -550,4 +555,4 @@ def sort(
     # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
     # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
     mode = _SORT[opts.regularization == "kl", not descending]
-    return _apply(_rho(x2), x2, eps, mode, x2)
+    return _apply(x2, eps, mode)
