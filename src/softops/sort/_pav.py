@@ -67,8 +67,11 @@ The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node
 operator (``softops._core.isotonic.permutahedron``), one pass of the C++ kernel per row on the
 CPU; with the kernel in use and a gradient that is not itself differentiated,
 the L2 VJP, the epsilon term included, is one compiled pass over each row
-(``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. These fixed
-costs, not the O(n log n) work, set the time of a small call.
+(``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. A plain
+eager call on the CPU outside forward mode (``softops._core.isotonic.eager_ops``) takes the same
+node in its classic form, ``_PermutahedronEager``: the kernel called directly, one output, the
+same saved tensors and backward. These fixed costs, not the O(n log n) work, set the time of a
+small call.
 
 Limits (given by the kernels, which report a non-finite row so that the node marks the entries
 whose derivatives are zero only then): a NaN anywhere in a row of z or w makes the row NaN; for
@@ -490,7 +493,7 @@ def _apply(x2: Tensor, eps: Tensor, mode: _Mode) -> Tensor:
     return apply_function(_Permutahedron, u, w, eps, mode)[0]
 
 
-_apply_eager = super(torch.autograd.Function, _PermutahedronEager).apply  # type: ignore[misc]
+_apply_eager = super(torch.autograd.Function, _PermutahedronEager).apply
 """``_PermutahedronEager.apply`` without its per-call signature binding (``apply_function``)."""
 
 
