@@ -15,11 +15,19 @@
   the build. ``<!-- include: the other results -->`` stands for every report of
   ``benchmarks/results/`` that no page names, so a new report is on the site before it has a
   place of its own.
+* **The API index** (``<!-- api-index -->`` in ``api.md``): a table of every public name of the
+  public modules (their ``__all__``) with its summary line, each linked to its entry: a public
+  name that no page documents is an unresolved cross-reference, which fails the strict build.
+* **The gallery** (``<!-- gallery -->`` in ``gallery.md``): every script of ``examples/``, its
+  docstring as the text and its source in a fold, so a new example is on the site at once.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.metadata
+import inspect
 import re
 import shutil
 import tempfile
@@ -39,6 +47,19 @@ _INCLUDE = re.compile(
     r"^<!-- include: (?P<path>[\w./-]+\.md)(?: shift=(?P<shift>[0-3]))? -->$", re.MULTILINE
 )
 _REST = "<!-- include: the other results -->"
+_API_INDEX = "<!-- api-index -->"
+_GALLERY = "<!-- gallery -->"
+EXAMPLES = ROOT / "examples"
+# The public modules whose names the API index lists, in the order of the navigation.
+API_MODULES = (
+    "softops",
+    "softops.nn",
+    "softops.metrics",
+    "softops.losses",
+    "softops.solvers",
+    "softops.distributed",
+    "softops.apps",
+)
 _state: dict[str, Any] = {}
 
 
@@ -150,9 +171,75 @@ def _anchor_sections(markdown: str) -> str:
     return _SECTION.sub(r"\g<hashes> \g<number>\g<dot> \g<title> { #math-\g<number> }", markdown)
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def _summary(obj: object) -> str:
+    """The first sentence of ``obj``'s docstring, as one table cell of Markdown."""
+    doc = inspect.getdoc(obj) or ""
+    if isinstance(obj, (str, int, float, tuple, frozenset, dict)) or not doc:
+        return ""
+    paragraph = " ".join(doc.split("\n\n", 1)[0].split())
+    sentence = re.split(r"(?<=[a-z)\]`])\. ", paragraph, maxsplit=1)[0].rstrip(".") + "."
+    sentence = _ROLE.sub(r"`\1`", sentence).replace("|", "\\|")
+    return re.sub(r"(?<![`\w])\*|(?<=\w)\*(?=\w)", r"\\*", sentence)
+
+
+def _api_index() -> str:
+    """The table of every public name (see the module docstring)."""
+    lines = []
+    for module_name in API_MODULES:
+        module = importlib.import_module(module_name)
+        rows = []
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or name.startswith("__"):
+                continue
+            if callable(obj):
+                identifier = f"{obj.__module__}.{getattr(obj, '__qualname__', name)}"
+            else:  # a constant: its module's entry lists it (with its docstring, if it has one)
+                identifier = module_name
+            rows.append(f"| [`{module_name}.{name}`][{identifier}] | {_summary(obj)} |")
+        lines += [f"### `{module_name}`", "", "| name | what it is |", "|---|---|", *rows, ""]
+    return "\n".join(lines)
+
+
+def _gallery() -> str:
+    """A section per script of ``examples/``: its docstring, the command, the source."""
+    parts = []
+    for script in sorted(EXAMPLES.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
+        title, _, body = doc.partition("\n")
+        relative = script.relative_to(ROOT).as_posix()
+        text = "\n".join(
+            line for line in body.strip().splitlines() if line.strip() != f"python {relative}"
+        )
+        parts += [
+            f"## {script.stem.replace('_', ' ').capitalize()}",
+            "",
+            f"**{title.strip()}**",
+            "",
+            text.strip(),
+            "",
+            f"```bash\n.venv/bin/python {relative}\n```",
+            "",
+            f'??? example "The source: {relative}"',
+            "",
+            f'    ```python\n    --8<-- "{relative}"\n    ```',
+            "",
+        ]
+    if not parts:
+        raise PluginError("docs: expected example scripts in examples/; found none.")
+    return "\n".join(parts)
+
+
 def on_page_markdown(markdown: str, page: Page, **kwargs: Any) -> str:
     if page.file.src_uri == "math.md":
         markdown = _anchor_sections(markdown)
+    if _API_INDEX in markdown:
+        markdown = markdown.replace(_API_INDEX, _api_index())
+    if _GALLERY in markdown:
+        markdown = markdown.replace(_GALLERY, _gallery())
     if _REST in markdown:
         markdown = markdown.replace(_REST, _other_results())
     return _INCLUDE.sub(_include, markdown)
