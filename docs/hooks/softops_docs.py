@@ -6,8 +6,8 @@
   it loads on demand are added to the site under ``assets/mathjax/``, so the math renders with
   no network (a headless browser in CI, a laptop on a train). Without the wheel, the pages load
   the same build from the jsDelivr CDN.
-* **The figures of** ``softops plot``, drawn when the site builds (so they cannot go stale) and
-  added as ``figures/<name>.png``.
+* **The figures of** ``softops plot``, drawn when the site builds (so they cannot go stale; cached
+  per state of ``src/softops``, see ``_figures``) and added as ``figures/<name>.png``.
 * **The committed benchmark plots**, ``benchmarks/results/*.png``, added at the same paths.
 * **Markdown files of the repository included in a page** (the benchmark reports, the
   benchmarks' README): a line ``<!-- include: benchmarks/results/topk.md -->`` is replaced by that
@@ -25,9 +25,11 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import os
 import re
 import shutil
 import tempfile
@@ -41,6 +43,7 @@ from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+SRC = ROOT / "src" / "softops"
 MATHJAX_CDN = "https://cdn.jsdelivr.net/npm/mathjax@3.2.2/es5/tex-svg.js"
 MATHJAX_LOCAL = "assets/mathjax/tex-svg.js"
 _INCLUDE = re.compile(
@@ -104,21 +107,36 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def _figures() -> list[Path]:
-    """Draw the figures of ``softops plot`` into a temporary folder (once per build)."""
-    from softops.bench.plots import write_figures
+    """The figures of ``softops plot``, drawn once per state of the package's source.
 
-    old = _state.pop("figures_dir", None)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    folder = Path(tempfile.mkdtemp(prefix="softops-docs-figures-"))
-    _state["figures_dir"] = folder
-    return write_figures(folder, dpi=110)
+    They take most of a build (about 20 s of 30 on a loaded 2-core machine), and they change only
+    with the code that draws or computes them, so they are cached under
+    ``~/.cache/softops/docs-figures/<key>`` (``$XDG_CACHE_HOME`` if set), the key a hash of every
+    file of ``src/softops``, torch's and matplotlib's versions: an edit of the package redraws
+    them, and a cache that is not there is drawn again.
+    """
+    import matplotlib
+    import torch
 
+    from softops.bench.plots import FIGURES, write_figures
 
-def on_shutdown() -> None:
-    old = _state.pop("figures_dir", None)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    digest = hashlib.sha256(f"{torch.__version__} {matplotlib.__version__}".encode())
+    for path in sorted(SRC.rglob("*.py")):
+        digest.update(path.relative_to(SRC).as_posix().encode() + b"\0" + path.read_bytes())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache / "softops" / "docs-figures" / digest.hexdigest()[:16]
+    paths = [folder / f"{name}.png" for name in FIGURES]
+    if all(path.is_file() for path in paths):
+        return paths
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="drawing-", dir=folder.parent))
+    try:
+        write_figures(scratch, dpi=110)
+        shutil.rmtree(folder, ignore_errors=True)
+        scratch.rename(folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return paths
 
 
 def _demoted(text: str, shift: int) -> str:
