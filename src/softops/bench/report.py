@@ -463,7 +463,7 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
 
     # Up to 10 cases: the default cycle; more: tab20, with a marker per block of its colours.
     palette = (
-        matplotlib.colormaps["tab20"].colors
+        [matplotlib.colormaps["tab20"](i) for i in range(20)]
         if len(cases) > 10
         else matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
     )
