@@ -123,3 +123,14 @@ def test_a_prose_returns_line_gets_the_annotation_as_its_type(rst: ModuleType) -
 def test_the_module_docstring_links_to_the_module(rst: ModuleType) -> None:
     out = rst.rst_to_markdown("the soft counts of the module docstring (module docstring).", "a.b")
     assert out == "the soft counts of [the module docstring][a.b] ([module docstring][a.b])."
+
+
+def test_an_entry_naming_several_parameters_becomes_one_per_name(rst: ModuleType) -> None:
+    text = (
+        "Args:\n    x: the input.\n    epsilon, mode: the router's\n        (see there).\n\n"
+        "Raises:\n    TypeError, ValueError: as forward.\n\nShape, a, b: prose."
+    )
+    out = rst.rst_to_markdown(text, "m")
+    assert "    epsilon: the router's\n        (see there).\n    mode: the router's\n" in out
+    assert "    TypeError: as forward.\n    ValueError: as forward." in out
+    assert out.endswith("Shape, a, b: prose.")  # not in a section: left alone

@@ -194,7 +194,37 @@ def rst_to_markdown(text: str, module: str, returns: str | None = None) -> str:
             continue
         out.append(_inline(line, module))
         i += 1
-    return _escape_stars(_returns_without_type("\n".join(out), returns))
+    return _escape_stars(_returns_without_type(_one_name_per_entry(out), returns))
+
+
+_NAMED_SECTION = re.compile(r"^\s*(?:Args|Arguments|Parameters|Raises):\s*$")
+_SHARED_ENTRY = re.compile(r"^(?P<pad>\s+)(?P<names>\w+(?:, \w+)+):(?P<rest>.*)$")
+
+
+def _one_name_per_entry(lines: list[str]) -> str:
+    """Split an entry of Args or Raises that names several parameters or exceptions ("epsilon,
+    method: as for the function", "TypeError, ValueError: ..."), which griffe would read as one
+    parameter of that name, into one entry per name, each with the whole description."""
+    out: list[str] = []
+    section, i = None, 0
+    while i < len(lines):
+        line = lines[i]
+        if _NAMED_SECTION.match(line):
+            section = _indent(line)
+        elif line.strip() and section is not None and _indent(line) <= section:
+            section = None
+        match = _SHARED_ENTRY.match(line) if section is not None else None
+        if match is None or _indent(line) <= (section or 0):
+            out.append(line)
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end].strip() and _indent(lines[end]) > _indent(line):
+            end += 1
+        for name in match["names"].split(", "):
+            out += [f"{match['pad']}{name}:{match['rest']}", *lines[i + 1 : end]]
+        i = end
+    return "\n".join(out)
 
 
 _ENTRY_START = re.compile(r"^[A-Z][\w'-]*(?:,| and | et al\.| [A-Z][\w-]*\.|\.)")
