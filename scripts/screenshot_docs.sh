@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Screenshots of the built documentation site in headless Chromium: the home page and a family
-# page (top-k), after MathJax has typeset them, to look at what a reader sees.
+# Screenshots of the built documentation site in headless Chromium at 1280 px, after MathJax has
+# typeset each page, to look at what a reader sees: every page of the site.
 #
 #   bash scripts/screenshot_docs.sh [OUT_DIR]      (default: site-screenshots/)
 #
 # It builds the site first (`mkdocs build --strict`; SKIP_BUILD=1 reuses site/), serves it on a
-# free port of 127.0.0.1 and writes OUT_DIR/home.png and OUT_DIR/topk.png (the first screen of
-# each), and the whole top-k page as OUT_DIR/topk-full-01.png, -02.png, ... (its API reference
-# last). Needs Chromium: Debian's `apt-get install -y chromium` (or set CHROMIUM to another
-# binary).
+# free port of 127.0.0.1 and writes, for every page, its first screen as OUT_DIR/<page>.png
+# (`home`, `topk`, `benchmarks-sort`, ...) and the page's first 16000 pixels cut into screens of
+# 1600 as OUT_DIR/<page>-full-01.png, -02.png, ... (PAGES="topk math" limits both to those
+# pages; FULL=0 skips the long ones). Needs Chromium: Debian's `apt-get install -y chromium` (or set
+# CHROMIUM to another binary). scripts/check_site.py --browser checks the same pages for
+# console and MathJax errors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-site-screenshots}
@@ -34,16 +36,26 @@ done
 
 shoot() {  # shoot NAME URL_PATH HEIGHT
     # --virtual-time-budget lets MathJax typeset before the picture is taken.
-    "$CHROMIUM" --headless --no-sandbox --disable-gpu --hide-scrollbars --no-first-run \
+    timeout 180 "$CHROMIUM" --headless --no-sandbox --disable-gpu --hide-scrollbars --no-first-run \
         --window-size="1280,$3" --virtual-time-budget=10000 \
-        --screenshot="$OUT/$1.png" "http://127.0.0.1:$PORT/$2" >/dev/null 2>&1
+        --screenshot="$OUT/$1.png" "http://127.0.0.1:$PORT/$2" >/dev/null 2>&1 ||
+        echo "screenshot_docs: no screenshot of /$2 at height $3" >&2
     echo "$OUT/$1.png"
 }
-shoot home "" 1600
-shoot topk "topk/" 1600
-# The whole top-k page, cut into pages of 1600 pixels (topk-full-01.png, ...), the blank end
-# dropped: the API reference at its end is what the docstrings render to.
-shoot topk-full "topk/" 24000 >/dev/null
+# Every page of the site (its URL path and a file name: benchmarks/sort/ -> benchmarks-sort).
+if [ -z "${PAGES:-}" ]; then
+    PAGES=$(cd site && find . -name index.html -not -path './assets/*' | sed 's|^\./||; s|^index.html$|.|; s|/index.html$||' | sort)
+fi
+for page in $PAGES; do
+    if [ "$page" = . ]; then name=home url=""; else name=${page//\//-} url="$page/"; fi
+    shoot "$name" "$url" 1600
+    if [ "${FULL:-1}" = 1 ]; then
+        # The whole page (its first 16000 pixels: Chromium hangs on taller windows), cut below
+        # into screens of 1600.
+        shoot "$name-full" "$url" 16000 >/dev/null
+    fi
+done
+[ "${FULL:-1}" = 1 ] || exit 0
 .venv/bin/python - "$OUT" <<'PYEOF'
 import sys
 from pathlib import Path
@@ -51,14 +63,14 @@ from pathlib import Path
 import matplotlib.image as mpimg
 
 out = Path(sys.argv[1])
-image = mpimg.imread(out / "topk-full.png")
-rows = (image[:, :, :3] < 0.97).any(axis=(1, 2)).nonzero()[0]
-end = min(int(rows[-1]) + 40, image.shape[0]) if len(rows) else image.shape[0]
-tiles = [image[top : min(top + 1600, end)] for top in range(0, end, 1600)]
-tiles = [tile for tile in tiles if (tile[:, :, :3] < 0.97).any()]  # the blank below the page
-for i, tile in enumerate(tiles, start=1):
-    path = out / f"topk-full-{i:02d}.png"
-    mpimg.imsave(path, tile)
-    print(path)
-(out / "topk-full.png").unlink()
+for full in sorted(out.glob("*-full.png")):
+    image = mpimg.imread(full)
+    rows = (image[:, :, :3] < 0.97).any(axis=(1, 2)).nonzero()[0]
+    end = min(int(rows[-1]) + 40, image.shape[0]) if len(rows) else image.shape[0]
+    tiles = [image[top : min(top + 1600, end)] for top in range(0, end, 1600)]
+    tiles = [tile for tile in tiles if (tile[:, :, :3] < 0.97).any()]  # the blank below the page
+    for i, tile in enumerate(tiles, start=1):
+        mpimg.imsave(out / f"{full.stem}-{i:02d}.png", tile)
+    print(f"{out / full.stem}-01..{len(tiles):02d}.png")
+    full.unlink()
 PYEOF

@@ -102,3 +102,35 @@ def test_references_become_a_list_and_lone_stars_are_escaped(rst: ModuleType) ->
     ) in out
     assert rst.rst_to_markdown("**bold**, ``a * b``, $x^*$", "m") == "**bold**, ``a * b``, $x^*$"
     assert rst.rst_to_markdown("* one (*, n)\n  * two", "m") == "* one (\\*, n)\n  * two"
+
+
+def test_stars_literal_in_rest_are_escaped_across_lines_and_inside_words(rst: ModuleType) -> None:
+    text = "Law: ``f(c * x) = c *\n    f(x)`` for ``c > 0``; tokens (B*K,) and log_probs (B*K, V)."
+    out = rst.rst_to_markdown(text, "m")
+    assert "``f(c * x) = c *\n    f(x)``" in out  # inline code across a line break: untouched
+    assert "(B\\*K,) and log_probs (B\\*K, V)" in out
+
+
+def test_a_prose_returns_line_gets_the_annotation_as_its_type(rst: ModuleType) -> None:
+    text = "Returns:\n    A :class:`Weights` ``(w, m)``, each of shape ``(L, S)``: the\n    rest."
+    out = rst.rst_to_markdown(text, "softops.nn.attention", "Weights")
+    assert out.startswith("Returns:\n    Weights: A <autoref") and "``(L, S)``: the" in out
+    assert "&#58;" in rst.rst_to_markdown("Returns:\n    A pair, each (n,): the rest.", "m")
+    typed = "Returns:\n    TopK: the values."
+    assert rst.rst_to_markdown(typed, "m", "TopK") == typed
+
+
+def test_the_module_docstring_links_to_the_module(rst: ModuleType) -> None:
+    out = rst.rst_to_markdown("the soft counts of the module docstring (module docstring).", "a.b")
+    assert out == "the soft counts of [the module docstring][a.b] ([module docstring][a.b])."
+
+
+def test_an_entry_naming_several_parameters_becomes_one_per_name(rst: ModuleType) -> None:
+    text = (
+        "Args:\n    x: the input.\n    epsilon, mode: the router's\n        (see there).\n\n"
+        "Raises:\n    TypeError, ValueError: as forward.\n\nShape, a, b: prose."
+    )
+    out = rst.rst_to_markdown(text, "m")
+    assert "    epsilon: the router's\n        (see there).\n    mode: the router's\n" in out
+    assert "    TypeError: as forward.\n    ValueError: as forward." in out
+    assert out.endswith("Shape, a, b: prose.")  # not in a section: left alone

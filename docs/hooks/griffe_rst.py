@@ -25,6 +25,8 @@ Loaded by ``mkdocs.yml`` (``extensions: [docs/hooks/griffe_rst.py:RstToMarkdown]
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from typing import Any
 
@@ -60,23 +62,63 @@ def _inline(line: str, module: str) -> str:
             return _reference(text, module)
         return f"`{text}`"
 
-    return _escape_stars(_MATH_CITATION.sub(_math_link, _ROLE.sub(role, line)))
+    return _MODULE_DOCSTRING.sub(
+        rf"[\g<0>][{module}]", _MATH_CITATION.sub(_math_link, _ROLE.sub(role, line))
+    )
 
 
-# Inline code (``x`` or `x`) and math ($x$): left as they are by _escape_stars.
-_VERBATIM = re.compile(r"(``.+?``|`[^`]+`|\$[^$]+\$)")
-# An asterisk that cannot open or close emphasis in reST (shapes such as "(*, n)", "a * b").
-_LONE_STAR = re.compile(r"(?<![\w*\\])\*(?![\w*])")
+# "the module docstring", "(module docstring)": a link to the module's entry on the site (the
+# API index shows the docstring of every module that the entries cite; an entry citing one that
+# is not on the site is an unresolved cross-reference, which fails the strict build).
+_MODULE_DOCSTRING = re.compile(r"(?<![\w\[])(?:the )?module docstring(?:'s \w+)?(?![\w\]])")
+# Fenced blocks and display math, left as they are by _escape_stars.
+_BLOCK = re.compile(r"(^[ \t]*```.*?^[ \t]*```[ \t]*$|^[ \t]*\$\$$.*?^[ \t]*\$\$$)", re.M | re.S)
+# Inline code (``x`` or `x`, on one line or across lines) and math ($x$).
+_VERBATIM = re.compile(r"(``.+?``|`[^`]+`|\$[^$]+\$)", re.S)
+# An asterisk that cannot open or close emphasis in reST: a lone one (shapes such as "(*, n)",
+# "a * b") or one inside a word ("(B*K,)"), both literal in reST, emphasis in Markdown.
+_LITERAL_STAR = re.compile(r"(?<![\w*\\])\*(?![\w*])|(?<=\w)\*(?=\w)")
+_BULLET_STAR = re.compile(r"(^|\n)([ \t]*)\\\*(?= )")
 
 
-def _escape_stars(line: str) -> str:
-    """Escape the lone asterisks of prose, which Markdown would read as emphasis (not the
-    asterisk of a bullet, ``* item``)."""
-    bullet = re.match(r"\s*\* ", line)
-    if bullet:
-        return bullet.group() + _escape_stars(line[bullet.end() :])
-    parts = _VERBATIM.split(line)
-    return "".join(part if i % 2 else _LONE_STAR.sub(r"\\*", part) for i, part in enumerate(parts))
+def _escape_stars(text: str) -> str:
+    """Escape the literal asterisks of prose, which Markdown would read as emphasis: lone ones
+    and those inside a word, not the asterisks of a bullet (``* item``), of ``**bold**``, of
+    inline code (also when it runs across lines) or of math."""
+    out = []
+    for i, block in enumerate(_BLOCK.split(text)):
+        if i % 2:
+            out.append(block)
+            continue
+        parts = _VERBATIM.split(block)
+        prose = "".join(
+            part if j % 2 else _LITERAL_STAR.sub(r"\\*", part) for j, part in enumerate(parts)
+        )
+        out.append(_BULLET_STAR.sub(r"\1\2*", prose))
+    return "".join(out)
+
+
+# A type before the colon of the first line of Returns ("TopK: the values, ..."); anything else
+# there is prose, whose colon griffe would take as the end of a type.
+_TYPE = re.compile(r"^\(?[A-Za-z_][\w.]*(?:\[[\w.,| \[\]]*\])?(?: \| [\w.\[\], ]+)*\)?$")
+_RETURNS = re.compile(r"^(?P<pad>[ \t]*)Returns:\n(?P<first>[ \t]*\S[^\n]*)", re.M)
+
+
+def _returns_without_type(text: str, returns: str | None) -> str:
+    """Give a Returns section whose first line holds a colon of prose ("A :class:`X`, each of
+    shape ...: the ...") the return annotation as its type, so that griffe does not show the
+    prose up to the colon as a type: ``returns`` (the function's annotation) before a colon, or,
+    without an annotation, the line's colons written as ``&#58;``."""
+
+    def fix(match: re.Match[str]) -> str:
+        first = match["first"]
+        if ":" not in first or _TYPE.match(first.split(":", 1)[0].strip()):
+            return match.group()
+        pad = first[: len(first) - len(first.lstrip())]
+        line = f"{pad}{returns}: {first.lstrip()}" if returns else first.replace(":", "&#58;")
+        return f"{match['pad']}Returns:\n{line}"
+
+    return _RETURNS.sub(fix, text)
 
 
 def _math_link(match: re.Match[str]) -> str:
@@ -101,8 +143,9 @@ def _dedented(lines: list[str]) -> list[str]:
     return [line[depth:] for line in lines]
 
 
-def rst_to_markdown(text: str, module: str) -> str:
-    """Rewrite the reStructuredText markup of one docstring as Markdown (see the module)."""
+def rst_to_markdown(text: str, module: str, returns: str | None = None) -> str:
+    """Rewrite the reStructuredText markup of one docstring as Markdown (see the module);
+    ``returns``: the return annotation of the function it documents, if any."""
     lines = re.sub(r"docs/math\.md\n\s*§", "docs/math.md §", text).splitlines()
     out: list[str] = []
     i = 0
@@ -151,6 +194,36 @@ def rst_to_markdown(text: str, module: str) -> str:
             continue
         out.append(_inline(line, module))
         i += 1
+    return _escape_stars(_returns_without_type(_one_name_per_entry(out), returns))
+
+
+_NAMED_SECTION = re.compile(r"^\s*(?:Args|Arguments|Parameters|Raises):\s*$")
+_SHARED_ENTRY = re.compile(r"^(?P<pad>\s+)(?P<names>\w+(?:, \w+)+):(?P<rest>.*)$")
+
+
+def _one_name_per_entry(lines: list[str]) -> str:
+    """Split an entry of Args or Raises that names several parameters or exceptions ("epsilon,
+    method: as for the function", "TypeError, ValueError: ..."), which griffe would read as one
+    parameter of that name, into one entry per name, each with the whole description."""
+    out: list[str] = []
+    section, i = None, 0
+    while i < len(lines):
+        line = lines[i]
+        if _NAMED_SECTION.match(line):
+            section = _indent(line)
+        elif line.strip() and section is not None and _indent(line) <= section:
+            section = None
+        match = _SHARED_ENTRY.match(line) if section is not None else None
+        if match is None or _indent(line) <= (section or 0):
+            out.append(line)
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end].strip() and _indent(lines[end]) > _indent(line):
+            end += 1
+        for name in match["names"].split(", "):
+            out += [f"{match['pad']}{name}:{match['rest']}", *lines[i + 1 : end]]
+        i = end
     return "\n".join(out)
 
 
@@ -197,4 +270,26 @@ class RstToMarkdown(griffe.Extension):
         if docstring is None:
             return
         module = obj.path if obj.is_module else obj.module.path
-        docstring.value = rst_to_markdown(docstring.value, module)
+        if _PLACEHOLDER.search(docstring.value):
+            docstring.value = _runtime_docstring(obj) or docstring.value
+        returns = getattr(obj, "returns", None) if obj.is_function else None
+        docstring.value = rst_to_markdown(
+            docstring.value, module, str(returns) if returns else None
+        )
+
+
+# A line that is only a placeholder ("    {args}"), which the module fills in at import time.
+_PLACEHOLDER = re.compile(r"^\s*\{\w+\}\s*$", re.M)
+
+
+def _runtime_docstring(obj: griffe.Object) -> str | None:
+    """The docstring of ``obj`` as Python has it once its module is imported (the source holds a
+    placeholder that the module fills in, as softops.metrics does for its common Args)."""
+    try:
+        value: Any = importlib.import_module(obj.module.path)
+        for name in obj.path[len(obj.module.path) + 1 :].split("."):
+            value = getattr(value, name)
+    except (ImportError, AttributeError):
+        return None
+    doc = getattr(value, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) else None

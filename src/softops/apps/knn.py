@@ -48,8 +48,8 @@ __all__ = [
     "squared_distances",
 ]
 
-#: The relaxations of the neighbour mask that :func:`knn_mask` accepts.
 KNN_METHODS = ("ot", "sinkhorn", "perturbed", "softkmax", "neuralsort")
+"""The relaxations of the neighbour mask that :func:`knn_mask` accepts."""
 
 
 # ----------------------------------------------------------------------------------------------

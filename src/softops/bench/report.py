@@ -442,21 +442,36 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
     """Plot median time and peak memory against ``suite.plot_x`` per method, log-log.
 
     One row of panels per thread setting: forward time, forward+backward time and, when the
-    memory probes ran, the peak extra memory of one forward+backward. Needs matplotlib (the
+    memory probes ran, the peak extra memory of one forward+backward (measured in the first
+    thread setting only: the other rows say so instead of showing an empty panel). One legend for
+    the whole figure, below the panels, so that no legend covers a curve. Needs matplotlib (the
     ``bench`` extra); returns ``False`` without it or without data.
     """
     rows = [r for r in records if r["group"] == suite.plot_group and r["fwd_ms"] is not None]
     groups = thread_groups(rows)
     memory = any(r.get("peak_mb") for r in rows)
     panels = 3 if memory else 2
-    fig = new_figure((5.2 * panels, 4.2 * len(groups))) if rows else None
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    columns = min(5, len(cases) + 1)
+    legend_rows = math.ceil((len(cases) + 1) / max(columns, 1))
+    legend_height = 0.25 * legend_rows + 0.3
+    height = 4.2 * len(groups) + legend_height
+    fig = new_figure((5.2 * panels, height)) if rows else None
     if fig is None:
         return False
     import matplotlib  # present: new_figure returned a figure
 
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    palette = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
-    colors = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
+    # Up to 10 cases: the default cycle; more: tab20, with a marker per block of its colours.
+    palette = (
+        [matplotlib.colormaps["tab20"](i) for i in range(20)]
+        if len(cases) > 10
+        else matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [None])
+    )
+    markers = "osD^v"
+    styles = {
+        case: (palette[i % len(palette)], markers[(i // len(palette)) % len(markers)])
+        for i, case in enumerate(cases)
+    }
     axes = fig.subplots(len(groups), panels, squeeze=False)
     for row_axes, (_, group_rows) in zip(axes, groups, strict=True):
         name = _threads_name(group_rows)
@@ -467,6 +482,7 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
         if memory:
             panels_spec.append(("peak_mb", f"peak extra memory, {name}", "peak Δ (MB)"))
         for ax, (key, title, ylabel) in zip(row_axes, panels_spec, strict=True):
+            drawn = False
             for case in cases:
                 pts = sorted(
                     (r[suite.plot_x], r[key])
@@ -476,13 +492,30 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
                 if not pts:
                     continue
                 floor = any(r["floor"] for r in group_rows if r["case"] == case)
+                color, marker = styles[case]
                 ax.plot(
                     *zip(*pts, strict=True),
-                    marker="o",
+                    marker=marker,
+                    markersize=4,
                     label=case,
-                    color=colors[case],
+                    color=color,
                     linestyle="--" if floor else "-",
                 )
+                drawn = True
+            if not drawn:
+                ax.axis("off")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"{title}:\nnot measured in this setting\n(peak memory is measured in the\n"
+                    "first thread setting only)",
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color="grey",
+                    transform=ax.transAxes,
+                )
+                continue
             floor_pts = sorted(
                 (r[suite.plot_x], r["floor_fwd_ms"])
                 for r in group_rows
@@ -497,13 +530,26 @@ def plot_results(records: Sequence[Mapping[str, Any]], path: Path, suite: Suite)
                 )
             log_log_axes(ax, suite.plot_x, title)
             ax.set_ylabel(ylabel)
-        row_axes[1].legend(fontsize=7)
+    labels: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labels.setdefault(label, handle)
+    fig.legend(
+        list(labels.values()),
+        list(labels),
+        loc="lower center",
+        ncol=columns,
+        fontsize=8,
+        frameon=False,
+    )
     head = rows[0]
     fig.suptitle(
         f"{suite.name}: B={head.get('B', head.get('N'))}, {head['device']}, torch {head['torch']}",
         fontsize=10,
     )
-    save_figure(fig, path)
+    fig.tight_layout(rect=(0, legend_height / height, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
     return True
 
 

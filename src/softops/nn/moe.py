@@ -217,7 +217,7 @@ class TopKMoE(nn.Module):
 
         Raises:
             TypeError, ValueError: as :meth:`TopKRouter.forward`; ValueError also when an expert
-            returns another shape than its input's.
+                returns another shape than its input's.
         """
         routed = self.router(x)
         flat = x.reshape(-1, self.d_model)
