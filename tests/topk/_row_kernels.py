@@ -15,10 +15,11 @@ F64 = torch.float64
 
 
 def flagged_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, k, epsilon) of 7 rows of 40, float64: rows a kernel flags (an infinity, a NaN, k at n
-    by infinities, a huge epsilon: the scaled solve, and k = 0: filled) among two it solves
-    itself, a clean row (0) and a near-hard one (5, which the "ot" kernel polishes as the torch
-    code does)."""
+    """(x, k, epsilon) of 7 rows of 40, float64: special rows (an infinity, a NaN, k at the
+    count of finite entries, a huge epsilon: the scaled solve, and k = 0) among two regular ones,
+    a clean row (0) and a near-hard one (5, which the "ot" kernel polishes as the torch code
+    does). The "ot" kernel leaves rows 1, 2 and 4 to the torch code and fills rows 3 and 6 at
+    their limits."""
     x = torch.randn(7, 40, generator=seeded(9), dtype=F64)
     x[1, 3] = math.inf
     x[2, 5] = math.nan

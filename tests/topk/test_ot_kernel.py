@@ -100,9 +100,12 @@ def test_the_kernel_takes_its_exponentials_from_the_rows(ops):
 def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(ops):
     x, k, eps = flagged_rows()
     limit = _ot._scaling_limit(F64)
-    *_, converged, rows, evaluations, left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
-    # (the near-hard row, 5, is polished by the kernel itself: see the test of such rows)
-    assert rows.tolist() == [False, True, True, True, True, False, True] and left == 5
+    *_, converged, status, evaluations, left, at_limit = ops.threshold_rows(
+        x, k, eps, 0.0, limit, 100
+    )
+    # (the near-hard row, 5, is polished by the kernel itself: see the test of such rows; rows 3
+    # and 6 are at their limits k = n_fin and k = 0, filled: 4 and 2)
+    assert status.tolist() == [0, 1, 1, 4, 1, 0, 2] and left == 3 and at_limit == 2
     assert converged.all() and 1 <= evaluations <= 8
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     assert_merged_solve(got, _ot._solve(x, k, eps, 100, 0.0, None))
@@ -203,11 +206,16 @@ def test_the_kernel_refuses_malformed_arguments(ops):
         ops.threshold_rows(x, torch.zeros(2), torch.ones(3), 0.0, 1e30, 10)
     with pytest.raises(RuntimeError, match="must have x's dtype"):
         ops.threshold_rows(x, torch.zeros(3, dtype=F64), torch.ones(3), 0.0, 1e30, 10)
-    A, s, aux, residual, *_, evaluations, left = ops.threshold_rows(
+    A, s, aux, residual, *_, evaluations, left, at_limit = ops.threshold_rows(
         torch.zeros(0, 10), torch.zeros(0), torch.ones(0), 0.0, 1e30, 10
     )
     assert A.shape == s.shape == (0, 10) and aux.shape == (0, 3) and residual.shape == (0,)
-    assert evaluations == left == 0
+    assert evaluations == left == at_limit == 0
+    # rows of no entry are left to the torch code
+    *_, status, evaluations, left, at_limit = ops.threshold_rows(
+        torch.zeros(2, 0), torch.zeros(2), torch.ones(2), 0.0, 1e30, 10
+    )
+    assert status.tolist() == [1, 1] and (evaluations, left, at_limit) == (0, 2, 0)
 
 
 def test_vmap_and_grad_transforms_agree_with_the_plain_call(ops):
@@ -264,8 +272,8 @@ def test_rows_near_the_hard_limit_are_polished_by_the_kernel(ops, dtype, n):
     k = (torch.arange(b) % (n - 1) + 1).to(dtype)
     eps = torch.logspace(-4, -30, b, dtype=F64).to(dtype)
     limit = _ot._scaling_limit(dtype)
-    *_, rows, _, left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
-    assert left == 0 and not rows.any()
+    *_, status, _, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
+    assert left == 0 and not status.any()
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     den = want[3][:, 2]
@@ -295,7 +303,8 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     # Rows of up to 128 entries are solved one row per vector lane: rows of their own k and
     # epsilon (the order statistics by insertion from either end, or by sorting), the last group
     # partial (37 rows), and special rows among the lanes, which are left to the torch code
-    # (merged: its values), as are capped rows; n = 129, a row at a time, for comparison.
+    # (merged: its values), as are capped rows, or filled at their limit (k = 0 or n); n = 129, a
+    # row at a time, for comparison.
     b = 37
     x = _rows(b, n, dtype, seed=n)
     gen = seeded(n + 100)
@@ -311,8 +320,11 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     eps[7] = 1e300 if dtype == F64 else 1e37
     special = [3, 4, 5, 6, 7]
     limit = _ot._scaling_limit(dtype)
-    *_, converged, rows, evaluations, left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
-    assert rows.nonzero().squeeze(-1).tolist() == special and left == len(special)
+    *_, converged, status, evaluations, left, at_limit = ops.threshold_rows(
+        x, k, eps, 0.0, limit, 100
+    )
+    assert status.nonzero().squeeze(-1).tolist() == special
+    assert status[special].tolist() == [1, 1, 2, 4, 1] and (left, at_limit) == (3, 2)
     assert converged.all() and 1 <= evaluations <= 8
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
@@ -327,8 +339,8 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     assert ((sums - k.double())[ok].abs() <= n * tol + 1e-6 * k.double()[ok]).all()
     # one evaluation: the rows it does not settle are left as capped, the merged solve is the
     # torch code's
-    *_, rows, evaluations, left = ops.threshold_rows(x, k, eps, 0.0, limit, 1)
-    assert evaluations == 1 and left >= len(special) and rows[special].all()
+    *_, status, evaluations, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 1)
+    assert evaluations == 1 and left >= 3 and status[special].tolist() == [1, 1, 2, 4, 1]
     got = _ot._solve_kernel(ops, x, k, eps, 1, 0.0, None)
     want = _ot._solve(x, k, eps, 1, 0.0, None)
     torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0, equal_nan=True)
@@ -352,36 +364,38 @@ def test_adversarial_groups_of_short_rows_solve_as_the_torch_code(ops, dtype, da
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype):
-    # rows whose only non-finite entries are -inf (attention's masked keys) with k below their
-    # count of finite entries: the kernel solves them (each -inf a finite entry far below the
-    # row, where its mask and weight underflow to exactly 0); the rest stay with the torch code
-    x = _rows(12, 40, dtype, seed=21)
-    valid = torch.arange(40) < torch.tensor([40, 39, 30, 20, 10, 5, 3, 2, 6, 6, 6, 8])[:, None]
+@pytest.mark.parametrize("n", [40, 300])  # a vector of rows at a time, a row at a time
+def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype, n):
+    # rows whose only non-finite entries are -inf (attention's masked keys), k at most their
+    # count of finite entries n_fin: the kernel solves them on their finite entries, in one pass
+    # (each -inf weighs exactly 0), or fills them at k = n_fin; the rest stay with the torch code
+    x = _rows(12, n, dtype, seed=21)
+    keys = torch.tensor([40, 39, 30, 20, 10, 5, 3, 2, 6, 6, 6, 8]) * (n // 40)
+    valid = torch.arange(n) < keys[:, None]
     x = x.masked_fill(~valid, -math.inf)
+    x[3] = x[3].flip(0)  # the -inf entries lead the row
     x[9, 0] = math.inf  # a +inf entry: left
     x[10, 1] = math.nan  # a NaN: left
-    k = torch.tensor([8, 8, 8, 8, 4, 2, 1, 1.5, 6, 3, 3, 7.5], dtype=dtype)  # row 8: k = n_fin
+    k = torch.tensor([8, 8, 8, 8, 4, 2, 1, 1.5, 6, 3, 3, 7.5], dtype=dtype)
+    k[8] = float(keys[8])  # k = n_fin: the limit
     eps = torch.full((12,), 0.2, dtype=dtype)
-    eps[11] = torch.finfo(dtype).max / 4  # the far entry would overflow: left (scaled)
+    eps[11] = torch.finfo(dtype).max / 4  # beyond the scaling limit: left (scaled)
+    limit = _ot._scaling_limit(dtype)
+    *_, status, _, left, at_limit = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
+    assert status.tolist() == [0] * 8 + [4, 1, 1, 1] and (left, at_limit) == (3, 1)
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     tol = 1e-12 if dtype == F64 else 2e-6
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=tol, rtol=0)
     torch.testing.assert_close(got[2], want[2], equal_nan=True, atol=tol * 50, rtol=50 * tol)
-    masked = ~valid
-    masked[10] = False  # the NaN row is NaN throughout
+    torch.testing.assert_close(got[3][:, 2], want[3][:, 2], equal_nan=True, atol=0, rtol=50 * tol)
+    for name in ("converged", "sel_none", "sel_all", "invalid"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
+    masked = (x == -math.inf) & ~x.isnan().any(-1, keepdim=True)  # (the NaN row is NaN)
     assert torch.equal(got[1][masked], torch.zeros_like(got[1][masked]))
-    # which rows the kernel takes: the first pass leaves every masked row, the masked pass takes
-    # those with only -inf and k at most their finite count (row 8: k = n_fin, its limit)
-    limit = _ot._scaling_limit(dtype)
-    left = ops.threshold_rows(x, k, eps, 0.0, limit, 100)[5]
-    assert left[1:].all()
-    out = (got[1].clone(), got[2].clone(), got[3].clone(), torch.zeros(12, dtype=dtype), left)
-    _ot._solve_masked(ops, x, k, eps, 100, 0.0, out)
-    assert left.tolist() == [False] * 9 + [True] * 3
+    assert torch.equal(got[2][masked], torch.zeros_like(got[2][masked]))
     # gradients in x, k and epsilon through the operator, on both back ends
-    g = torch.randn(12, 40, generator=seeded(22), dtype=dtype)
+    g = torch.randn(12, n, generator=seeded(22), dtype=dtype)
     grads = []
     for name in ("kernel", "reference"):
         with backend(name):
@@ -394,12 +408,13 @@ def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype):
         torch.testing.assert_close(a, b, equal_nan=True, atol=tol * 100 * scale, rtol=1e-4)
 
 
-def test_a_masked_row_whose_gap_rounds_away_stays_with_the_torch_code(ops):
-    # beside an entry of -1e30 (float32) the fill -1e30 - 2048 eps rounds to -1e30 itself: it
-    # would tie with that entry, which holds the threshold when k = n_fin - 0.5
+def test_a_masked_row_beside_the_dtypes_extremes_is_solved_on_its_finite_entries(ops):
+    # an entry of -1e30 (float32) holds the threshold when k = n_fin - 0.5: the -inf entries take
+    # no part (no finite stand-in for them, which could round onto that entry)
     x = torch.tensor([[2.0, 1.0, 0.5, -1e30, -math.inf, -math.inf]])
     k = torch.tensor([3.5])
     eps = torch.tensor([0.3])
+    assert ops.threshold_rows(x, k, eps, 0.0, _ot._scaling_limit(x.dtype), 100)[5].item() == 0
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     torch.testing.assert_close(got[1], want[1], atol=2e-6, rtol=0)
@@ -410,8 +425,8 @@ def test_a_masked_row_whose_gap_rounds_away_stays_with_the_torch_code(ops):
 def test_causal_rows_at_k_equal_to_their_keys_are_the_limit_on_either_back_end(dtype):
     # a causal row with at most k valid keys is at k = n_fin: its mask is exactly 1 on the keys
     # and 0 on the -inf ones, with no gradient in x or epsilon, and its gradient in k is the
-    # one-sided limit softmax(-x / eps) over the keys; the kernel (its -inf filled far below the
-    # row) and the torch code (the limit by construction) agree
+    # one-sided limit softmax(-x / eps) over the keys; the kernel (which fills such rows at their
+    # limit) and the torch code (the limit by construction) agree
     n = 12
     x = _rows(n, n, dtype, seed=31)
     causal = torch.ones(n, n, dtype=torch.bool).tril()

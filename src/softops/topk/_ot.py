@@ -54,8 +54,10 @@ The kernel layer. The solve is one operator of torch's registry, ``softops::ot_t
 with this module's torch code as its reference on every device and, on the CPU, a C++ kernel
 (``_ot_kernel.cpp``: the same arithmetic, including the polish of near-hard rows; rows of up to
 128 entries solved a vector of rows at a time, longer ones one row per task, over torch's
-threads; each entry's exponential formed once per solve) that leaves the rows it does not solve
-(infinities, NaN, k at 0 or n, a huge epsilon, a capped solve) to the reference. The
+threads; each entry's exponential formed once per solve; ``-inf`` entries, masked keys, weighing
+0 in the same pass, and rows at k = 0 or k = their count of finite entries filled at that
+limit) that leaves the rows it does not solve (``+inf``, NaN, an unreachable k, a huge epsilon,
+a capped solve) to the reference. The
 autograd Function around it carries the implicit gradient; its backward in x is the operator
 ``softops::ot_vjp_rows`` (one pass of the same kernel on the CPU). torch 2.13's dynamo rejects a
 Function with a custom ``jvp``, so traced code applies the same Function without it (forward mode
@@ -688,133 +690,42 @@ def _solve_kernel(
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`_solve` by the CPU row kernel (in x's dtype with double sums, the rows near the
-    hard limit polished there as :func:`polish` does); the rows it leaves (not regular, or
-    capped) are solved by the torch code and merged."""
-    dtype = x.dtype
+    hard limit polished there as :func:`polish` does; ``-inf`` entries, masked ones, weigh 0 in
+    its sums, and rows at k = 0 or k = their count of finite entries are filled at that limit);
+    the rows it leaves (a NaN or ``+inf``, a huge epsilon, an unreachable k, capped) are solved
+    by the torch code and merged."""
     B = x.shape[0]
-    A, s, aux, residual, converged, left, evaluations, some_left = ops.threshold_rows(
-        x, k, eps, float(tol), _scaling_limit(dtype), max_iter
+    A, s, aux, residual, converged, status, evaluations, n_left, n_limit = ops.threshold_rows(
+        x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter
     )
-    at_all = None  # the rows the masked pass took at their limit k = n_fin
-    if some_left:
-        out = (A, s, aux, residual, left)
-        masked_evaluations, at_all = _solve_masked(ops, x, k, eps, max_iter, tol, out)
-        evaluations = max(evaluations, masked_evaluations)
-        some_left = bool(left.any())
-    if not some_left:
+    # the kernel's status: 0 solved, 1 left, else the limits (2: k = 0, 4: k = n_fin)
+    sel_none = sel_all = invalid = None
+    if n_limit or n_left:
+        sel_none, sel_all = (status & 2) > 0, (status & 4) > 0
+        invalid = torch.zeros_like(sel_none)
+    if not n_left:
         m, t, _ = aux.unbind(1)
-        limits = _with_rows_at_all(None, None, None, at_all)
-        return ThresholdState(m, t, converged, evaluations, residual, *limits), A, s, aux, True
-    idx = left.nonzero().squeeze(-1)
+        state = ThresholdState(m, t, converged, evaluations, residual, sel_none, sel_all, invalid)
+        return state, A, s, aux, True
+    idx = (status == 1).nonzero().squeeze(-1)
     sub, A_r, s_r, aux_r, all_ok = _solve(x[idx], k[idx], eps[idx], max_iter, tol, k_scalar)
     A[idx], s[idx] = A_r, s_r
     aux[idx], residual[idx] = aux_r, sub.residual  # (the kernel's own tensors)
     m, t, _ = aux.unbind(1)
     converged[idx] = sub.converged
-
-    def merged(part: torch.Tensor | None, fill: float | bool) -> torch.Tensor | None:
-        if part is None:
-            return None
-        whole = torch.full((B,), fill, dtype=part.dtype)
-        whole[idx] = part
-        return whole
-
-    limits = _with_rows_at_all(
-        merged(sub.sel_none, False), merged(sub.sel_all, False), merged(sub.invalid, False), at_all
-    )
+    limits = []
+    for whole, part in ((sel_none, sub.sel_none), (sel_all, sub.sel_all), (invalid, sub.invalid)):
+        if part is not None:
+            whole[idx] = part
+        limits.append(whole)
+    scale = None
+    if sub.scale is not None:
+        scale = torch.ones(B, dtype=x.dtype, device=x.device)
+        scale[idx] = sub.scale
     state = ThresholdState(
-        m, t, converged, max(evaluations, sub.iterations), residual, *limits, merged(sub.scale, 1.0)
+        m, t, converged, max(evaluations, sub.iterations), residual, *limits, scale
     )
     return state, A, s, aux, all_ok
-
-
-def _with_rows_at_all(
-    sel_none: torch.Tensor | None,
-    sel_all: torch.Tensor | None,
-    invalid: torch.Tensor | None,
-    at_all: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """A solve's ``sel_none``, ``sel_all`` and ``invalid`` (None: no such row) with the rows the
-    masked pass filled at k = n_fin (``at_all``) added to ``sel_all``."""
-    if at_all is None:
-        return sel_none, sel_all, invalid
-    none = torch.zeros_like(at_all)
-    return (
-        none if sel_none is None else sel_none,
-        at_all if sel_all is None else sel_all | at_all,
-        none if invalid is None else invalid,
-    )
-
-
-MASK_GAP = 2048
-"""A ``-inf`` entry is solved by the kernel as a finite one this many epsilons below the row's
-smallest finite entry: its ``exp(-|z|)`` underflows to 0 in float32 and float64 (|z| > 745) at
-any root, so its A and s are exactly 0, as at ``-inf``, and the row's root is unchanged."""
-
-
-def _solve_masked(
-    ops: Any,
-    x: torch.Tensor,
-    k: torch.Tensor,
-    eps: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    out: tuple[torch.Tensor, ...],
-) -> tuple[int, torch.Tensor | None]:
-    """Solve, with the kernel, the left rows whose only non-finite entries are ``-inf`` (masked
-    keys of attention, say) and whose k is below their count of finite entries, n_fin: each
-    ``-inf`` is replaced by a finite entry ``MASK_GAP`` epsilons below the row's smallest finite
-    one, where its mask and weight underflow to exactly 0. The rows at k = n_fin (a causal query
-    with at most k keys, say) are at their limit, filled in closed form as the torch code fills
-    its rows at k = n: the mask 1 on the finite entries and 0 on the others, ``s`` 0, m and t 0,
-    ``sum s`` inf, the residual 0 (and ``sel_all``, so that the backward takes the one-sided limit
-    of the weights in k). Writes those rows of ``out`` (A, s, aux, the residual) and clears them
-    in its ``left`` (in place); returns the kernel's evaluations and the rows at k = n_fin (None
-    where there are none).
-
-    The pass is full width (``torch.where`` over every row, the other rows given k = 0, which
-    the kernel leaves at once): a causal mask leaves nearly every row, where gathering and
-    scattering the rows by index cost more than the solve."""
-    A, s, aux, residual, left = out
-    finite = torch.isfinite(x)
-    n_fin = finite.sum(-1).to(k.dtype)
-    masked = (
-        left
-        & torch.isfinite(x.amax(-1))  # no NaN, no +inf (amax keeps a NaN); then the others are -inf
-        & (n_fin < x.shape[-1])
-        & (k > 0)
-    )
-    at_all = masked & (k == n_fin)
-    low = torch.where(finite, x, math.inf).amin(-1)
-    fill = low - MASK_GAP * eps
-    rows = (
-        masked
-        & (k < n_fin)
-        & torch.isfinite(fill)
-        # the gap held in the dtype (beside |x| >> eps, low - gap can round to low itself)
-        & (low - fill >= (MASK_GAP // 2) * eps)
-    )
-    evaluations = 0
-    if bool(rows.any()):
-        xr = torch.where(finite, x, fill[:, None])
-        A_r, s_r, aux_r, res_r, _, left_r, evaluations, _ = ops.threshold_rows(
-            xr, torch.where(rows, k, 0), eps, float(tol), _scaling_limit(x.dtype), max_iter
-        )
-        done = rows & ~left_r
-        A.copy_(torch.where(done[:, None], A_r, A))
-        s.copy_(torch.where(done[:, None], s_r, s))
-        aux.copy_(torch.where(done[:, None], aux_r, aux))
-        residual.copy_(torch.where(done, res_r, residual))
-        left &= ~done
-    if not bool(at_all.any()):
-        return int(evaluations), None
-    limit = at_all[:, None]
-    A.copy_(torch.where(limit, finite.to(A.dtype), A))
-    s.masked_fill_(limit, 0.0)
-    aux.copy_(torch.where(limit, aux.new_tensor([0.0, 0.0, math.inf]), aux))
-    residual.masked_fill_(at_all, 0.0)
-    left &= ~at_all
-    return int(evaluations), at_all
 
 
 def _solve(

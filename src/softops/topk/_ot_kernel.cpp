@@ -17,10 +17,13 @@
 // start, its updates, the sums' reductions), which dominate a short row, are then shared by the
 // lanes, and each entry of the whole group is one vector operation.
 //
-// Regular rows are solved (every entry finite, 0 < k < n, epsilon within the scaling limit,
-// converged within the cap), those near the hard limit polished in the log domain as the torch
-// code does (polish(), polish_lanes()). Every other row is flagged and left to the torch code,
-// which handles them all.
+// Rows without a NaN or +inf, with epsilon within the scaling limit, are solved (0 < k < n_fin,
+// the count of finite entries, converged within the cap), those near the hard limit polished in
+// the log domain as the torch code does (polish(), polish_lanes()), or filled at their limit (k
+// = 0 or n_fin: fill_limit()). Their -inf entries are masked entries (attention's masked keys):
+// selected at no threshold, they weigh exactly 0 in every sum and need no pass of their own, so
+// the row is solved on its finite entries, in the same pass. Every other row is flagged and left
+// to the torch code, which handles them all.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -130,6 +133,39 @@ struct Sums {
   double signed_u = 0, u = 0, d = 0, c_signed = 0, count = 0;
 };
 
+// A row's status (threshold_rows' `status`): solved here, left to the torch code, or at a limit
+// of k, filled here in closed form: k = 0 (nothing selected) or k = n_fin, the count of finite
+// entries (every finite entry selected); a row without a finite entry at k = 0 is at both, as
+// in the torch code (_ot._classify).
+constexpr int64_t kSolved = 0, kLeft = 1, kNone = 2, kAll = 4;
+
+// The status of a row before its solve (kSolved: to solve) from its k, epsilon, whether it holds
+// a NaN or a +inf (`plain` false: left, as are an epsilon out of (0, limit] and a k out of [0,
+// n_fin]) and its count of finite entries. Its -inf entries are masked entries: they are not
+// selected at any threshold and weigh 0 in every sum, so the row is solved on its finite
+// entries.
+inline int64_t classify(double kb, double e, double limit, bool plain, int64_t n_fin) {
+  if (!(plain && e > 0 && e <= limit && kb >= 0 && kb <= double(n_fin))) return kLeft;
+  if (kb == 0) return n_fin == 0 ? (kNone | kAll) : kNone;
+  return kb == double(n_fin) ? kAll : kSolved;
+}
+
+// A row at a limit of k (status kNone and/or kAll): A is 1 on the finite entries at k = n_fin
+// > 0 and 0 elsewhere, s is 0; out[0..5] = m = 0, t = 0, sum s = inf (the backward's weights in
+// x are 0), the residual 0, no evaluation, the status (_ot._special_rows' values).
+template <typename scalar_t>
+void fill_limit(const scalar_t* row, int64_t n, double kb, int64_t status, scalar_t* A,
+                scalar_t* s, double* out) {
+  const bool all = kb > 0;  // (k = n_fin > 0; with k = 0 nothing is selected)
+  for (int64_t j = 0; j < n; ++j) {
+    A[j] = (all && row[j] > -std::numeric_limits<scalar_t>::infinity()) ? scalar_t(1) : 0;
+    s[j] = 0;
+  }
+  out[0] = out[1] = out[3] = out[4] = 0;
+  out[2] = std::numeric_limits<double>::infinity();
+  out[5] = double(status);
+}
+
 // One evaluation at t: the five sums, and A and s = A (1 - A) / eps written for the row.
 //
 // E holds the row's exponentials exp(-|x - m| / eps), formed by the first evaluation that has E
@@ -147,7 +183,7 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
   constexpr int64_t L = Vec::size();
   const scalar_t small = std::numeric_limits<scalar_t>::min();
   const Vec vm(m), vt(t), vinv(inv), one(1), two(2), zero(0), vup(f_up), vdown(f_down);
-  const Vec vsmall(small);
+  const Vec vsmall(small), vninf(-std::numeric_limits<scalar_t>::infinity());
   const int all = (1 << L) - 1;
   Sums out;
   Vec a_signed(0), a_u(0), a_d(0), a_c(0), a_count(0);
@@ -172,7 +208,9 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
         e = Vec::loadu(E + i, count);
       }
       // the factor's side, and the entries it does not cover (between m and t, or tiny E)
-      Vec mixed = (pos & (a < zero)) | (Vec::blendv(a, zero, pos) > zero) | (e < vsmall);
+      // (a -inf entry's E is 0 and so is its product: exact, it needs no direct exp)
+      Vec mixed = (pos & (a < zero)) | (Vec::blendv(a, zero, pos) > zero) |
+                  ((e < vsmall) & (a > vninf));
       if (tail) mixed = mixed & live;
       direct = mixed.zero_mask() != all;
       w = e * Vec::blendv(vdown, vup, pos);
@@ -209,16 +247,20 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
 // The logs of the bracket's ends for one k (rows of one call share n, and usually k).
 struct Logs {
   double k = std::nan("");
+  int64_t n = -1;
   double j_hi = 0, j_lo = 0, lo = 0, hi = 0, logit = 0;
 
-  void at(double kb, int64_t n) {
-    if (kb == k) return;
+  // n: the row's count of finite entries (its -inf entries are not selected at any t)
+  void at(double kb, int64_t n_fin) {
+    if (kb == k && n_fin == n) return;
     k = kb;
+    n = n_fin;
+    const double n_d = double(n_fin);
     j_hi = std::max(std::ceil(kb), 1.0);
-    j_lo = std::max(std::min(std::floor(kb) + 1.0, double(n)), 1.0);
+    j_lo = std::max(std::min(std::floor(kb) + 1.0, n_d), 1.0);
     lo = std::log(kb) - std::log(j_lo - kb);
-    hi = std::log(kb - (j_hi - 1.0)) - std::log(n - kb);
-    logit = std::log(kb) - std::log(n - kb);
+    hi = std::log(kb - (j_hi - 1.0)) - std::log(n_d - kb);
+    logit = std::log(kb) - std::log(n_d - kb);
   }
 };
 
@@ -231,7 +273,8 @@ struct Iterate {
 };
 
 // The start of a row from its statistics (_prepare_exact): the centre m, the bracket and the
-// first iterate (the centre, or the large-epsilon guess where epsilon is large for the row).
+// first iterate (the centre, or the large-epsilon guess where epsilon is large for the row). n,
+// total, lo_x and hi_x are the count, sum, least and largest of the row's finite entries.
 template <typename scalar_t>
 void start(scalar_t x_hi, scalar_t x_lo, double kb, scalar_t e, int64_t n, double total,
            scalar_t lo_x, scalar_t hi_x, const Logs& logs, scalar_t& m, Iterate<scalar_t>& it) {
@@ -572,32 +615,36 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   const double kb = k_row;
   const scalar_t e = eps_row;
   for (int64_t c = 0; c < 6; ++c) out[c] = 0;
-  out[5] = 1;
-  if (!(kb > 0 && kb < n && e > 0 && e <= cfg.limit)) return;
-  // Finite entries, their sum, min and max: one pass (inf - inf and NaN - NaN are NaN).
-  Vec v_fin(0), v_sum(0), v_min(fi::infinity()), v_max(-fi::infinity());
+  out[5] = double(kLeft);
+  if (!(kb >= 0 && kb <= n && e > 0 && e <= cfg.limit)) return;
+  // The count of finite entries, their sum, min and max, and whether a NaN or +inf is there: one
+  // pass (the lanes past the row read as -inf, a masked entry).
+  const Vec vinf(fi::infinity()), vninf(-fi::infinity()), one(1);
+  Vec v_bad(0), v_count(0), v_sum(0), v_min(vinf), v_max(vninf);
   for (int64_t i = 0; i < n; i += L) {
     const int64_t count = std::min(L, n - i);
-    Vec v = Vec::loadu(row + i, count);  // (0 in the lanes past the row)
-    v_fin = v_fin + (v - v);
-    v_sum = v_sum + v;
-    if (count < L) {
-      const Vec live = head<scalar_t>(count);
-      v_min = at::vec::minimum(v_min, Vec::blendv(Vec(fi::infinity()), v, live));
-      v_max = at::vec::maximum(v_max, Vec::blendv(Vec(-fi::infinity()), v, live));
-    } else {
-      v_min = at::vec::minimum(v_min, v);
-      v_max = at::vec::maximum(v_max, v);
-    }
+    Vec v = Vec::loadu(row + i, count);
+    if (count < L) v = Vec::blendv(vninf, v, head<scalar_t>(count));
+    const Vec fin = v > vninf;  // (and +inf, which flags the row; a NaN is not)
+    v_bad = v_bad | (v != v) | (v == vinf);
+    v_count = v_count + (fin & one);
+    v_sum = v_sum + (v & fin);
+    v_min = at::vec::minimum(v_min, Vec::blendv(vinf, v, fin));
+    v_max = at::vec::maximum(v_max, v);
   }
-  const double fin = lane_sum(v_fin), total = lane_sum(v_sum);
+  const bool plain = v_bad.zero_mask() == (1 << L) - 1;
+  const int64_t n_fin = int64_t(lane_sum(v_count));
+  const int64_t status = classify(kb, double(e), cfg.limit, plain, n_fin);
+  if (status == kLeft) return;
+  if (status != kSolved) return fill_limit(row, n, kb, status, A, s, out);
+  const double total = lane_sum(v_sum);
   const scalar_t lo_x = at::vec::vec_reduce_all<scalar_t>(
       [](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, v_min);
   const scalar_t hi_x = at::vec::vec_reduce_all<scalar_t>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v_max);
-  if (!(fin == 0)) return;  // an infinity or a NaN
-  // The bracket's order statistics: the j_hi-th and j_lo-th largest (docs/math.md §1.3).
-  logs.at(kb, n);
+  // The bracket's order statistics: the j_hi-th and j_lo-th largest (docs/math.md §1.3), of the
+  // finite entries, which are the row's: its -inf entries trail it, and j_lo <= n_fin.
+  logs.at(kb, n_fin);
   const int64_t jl = int64_t(logs.j_lo), jh = int64_t(logs.j_hi);
   scalar_t x_hi, x_lo;
   scalar_t buf[kBuffer];
@@ -617,7 +664,7 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   }
   scalar_t m;
   Iterate<scalar_t> it;
-  start(x_hi, x_lo, kb, e, n, total, lo_x, hi_x, logs, m, it);
+  start(x_hi, x_lo, kb, e, n_fin, total, lo_x, hi_x, logs, m, it);
   const scalar_t inv = scalar_t(1) / e;
   const double floor = std::min(std::max(std::min(kb, n - kb), 0.0), 1.0);
   const double flush = double(n) / double(big);
@@ -771,36 +818,52 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
     const scalar_t* row = px + (b0 + std::min(l, rows - 1)) * n;
     for (int64_t j = 0; j < n; ++j) X[j * L + l] = row[j];
   }
-  // Per lane: its k and epsilon, finite entries (their sum 0), min, max and sum.
-  const Vec zero(0), one(1), two(2), vinf(inf);
-  Vec v_fin(0), v_min(inf), v_max(-inf);
+  // Per lane: whether a NaN or +inf is there, the count of finite entries, their least and
+  // largest (-inf entries are masked ones: see classify()), and their sum.
+  const Vec zero(0), one(1), two(2), vinf(inf), vninf(-inf);
+  Vec v_bad(0), v_count(0), v_min(inf), v_max(-inf);
   for (int64_t j = 0; j < n; ++j) {
     const Vec v = Vec::loadu(X + j * L);
-    v_fin = v_fin + (v - v);
-    v_min = at::vec::minimum(v_min, v);
+    const Vec fin = v > vninf;
+    v_bad = v_bad | (v != v) | (v == vinf);
+    v_count = v_count + (fin & one);
+    v_min = at::vec::minimum(v_min, Vec::blendv(vinf, v, fin));
     v_max = at::vec::maximum(v_max, v);
   }
-  alignas(64) scalar_t fin[L], lo_x[L], hi_x[L];
-  v_fin.store(fin), v_min.store(lo_x), v_max.store(hi_x);
+  alignas(64) scalar_t count[L], lo_x[L], hi_x[L];
+  v_count.store(count), v_min.store(lo_x), v_max.store(hi_x);
+  const int plain = v_bad.zero_mask();  // (bit l clear: lane l holds a NaN or +inf)
   double total[L];
   for (int64_t l = 0; l < L; ++l) total[l] = 0;
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t l = 0; l < L; ++l) total[l] += X[j * L + l];
+    for (int64_t l = 0; l < L; ++l) {
+      const scalar_t x = X[j * L + l];
+      total[l] += x > -inf ? x : scalar_t(0);
+    }
   }
-  // The lanes to solve, and the ranks of their bracket's order statistics (docs/math.md §1.3):
-  // the j_hi-th and j_lo-th largest.
+  // The lanes to solve (the others left, or filled at their limit of k), and the ranks of their
+  // bracket's order statistics (docs/math.md §1.3): the j_hi-th and j_lo-th largest.
   alignas(64) scalar_t m[L], t[L], inv[L], up[L], down[L], direct[L], k_row[L], e_row[L];
   bool solve[L];
-  int64_t j_hi[L], j_lo[L], top = 0, bottom = 0;
+  int64_t j_hi[L], j_lo[L], n_fin[L], top = 0, bottom = 0;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t b = b0 + std::min(l, rows - 1);
     k_row[l] = pk[b * k_stride];
     e_row[l] = pe[b * eps_stride];
     const double kb = k_row[l];
     const scalar_t e = e_row[l];
-    solve[l] = l < rows && kb > 0 && kb < n && e > 0 && e <= cfg.limit && fin[l] == 0;
-    if (!solve[l]) continue;
-    logs.at(kb, n);
+    n_fin[l] = int64_t(count[l]);
+    solve[l] = false;
+    if (l >= rows) continue;
+    const int64_t status = classify(kb, double(e), cfg.limit, (plain >> l) & 1, n_fin[l]);
+    for (int64_t c = 0; c < 6; ++c) out[l][c] = 0;
+    out[l][5] = double(kLeft);
+    if (status != kSolved) {
+      if (status != kLeft) fill_limit(px + b * n, n, kb, status, pA + b * n, ps + b * n, out[l]);
+      continue;
+    }
+    solve[l] = true;
+    logs.at(kb, n_fin[l]);
     j_hi[l] = int64_t(logs.j_hi), j_lo[l] = int64_t(logs.j_lo);
     top = std::max(top, j_lo[l]);
     bottom = std::max(bottom, n - j_hi[l] + 1);
@@ -879,15 +942,11 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
     const scalar_t e = e_row[l];
     z.e[l] = e;
     z.t[l] = z.lo[l] = z.hi[l] = z.f_lo[l] = z.f_hi[l] = z.side[l] = z.floor[l] = z.on[l] = 0;
-    if (l < rows) {
-      for (int64_t c = 0; c < 6; ++c) out[l][c] = 0;
-      out[l][5] = 1;
-    }
     if (!solve[l]) continue;
-    logs.at(kb, n);
+    logs.at(kb, n_fin[l]);
     Iterate<scalar_t> it;
-    start(largest(j_hi[l], l), largest(j_lo[l], l), kb, e, n, total[l], lo_x[l], hi_x[l], logs,
-          m[l], it);
+    start(largest(j_hi[l], l), largest(j_lo[l], l), kb, e, n_fin[l], total[l], lo_x[l], hi_x[l],
+          logs, m[l], it);
     t[l] = it.t, z.t[l] = it.t, z.lo[l] = it.lo, z.hi[l] = it.hi;
     z.f_lo[l] = it.f_lo, z.f_hi[l] = it.f_hi, z.side[l] = it.side;
     z.floor[l] = std::min(std::max(std::min(kb, n - kb), 0.0), 1.0);
@@ -932,8 +991,8 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
       const Vec off = a - vt;
       const Vec pos = off > zero;
       const Vec e = Vec::loadu(E + j * L);
-      const Vec mixed = (pos & (a < zero)) | (Vec::blendv(a, zero, pos) > zero) | (e < vsmall) |
-                        unfactored;
+      const Vec mixed = (pos & (a < zero)) | (Vec::blendv(a, zero, pos) > zero) |
+                        ((e < vsmall) & (a > vninf)) | unfactored;
       Vec w = e * Vec::blendv(vdown, vup, pos);
       if (mixed.zero_mask() != all) w = Vec::blendv(w, (zero - (off * vinv).abs()).exp(), mixed);
       const Vec u = w / (one + w);
@@ -1042,11 +1101,13 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
 
 // Returns A and s (B, n); aux (B, 3), the columns m, t and sum s, the backward's (m and t exact
 // in x's dtype); the residual (B,); the rows' convergence (B,), all true (a row that would not
-// converge is left); the rows left to the torch code (B,); the most evaluations of a row and the
-// number of rows left, so that the caller reads nothing back. k and eps are (B,), any stride (an
-// expanded scalar, say). The outputs are apart so that the caller takes no views of them.
+// converge is left); the rows' status (B,) int8 (kSolved, kLeft to the torch code, or filled at
+// a limit of k: kNone, kAll or both, see classify()); the most evaluations of a row, the number
+// of rows left and the number at a limit, so that the caller reads nothing back. k and eps are
+// (B,), any stride (an expanded scalar, say). The outputs are apart so that the caller takes no
+// views of them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
-           int64_t>
+           int64_t, int64_t>
 threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& eps, double tol,
                double limit, int64_t max_iter) {
   TORCH_CHECK(x_in.dim() == 2, "threshold_rows: x must be (B, n)");
@@ -1061,11 +1122,11 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
   auto aux = at::empty({B, 3}, x.options());
   auto residual = at::empty({B}, x.options());
   auto converged = at::ones({B}, x.options().dtype(at::kBool));
-  auto left_rows = at::empty({B}, x.options().dtype(at::kBool));
-  if (B == 0 || n == 0) return {A, s, aux, residual, converged, left_rows, 0, 0};
+  auto status = at::full({B}, kLeft, x.options().dtype(at::kChar));
+  if (B == 0 || n == 0) return {A, s, aux, residual, converged, status, 0, B, 0};
   const int64_t k_stride = k.stride(0), eps_stride = eps.stride(0);
   std::vector<int64_t> evaluations(B);
-  bool* pl = left_rows.data_ptr<bool>();
+  int8_t* pl = status.data_ptr<int8_t>();
   const Settings cfg{tol, limit, max_iter};
   // A task's least share: rows of about 8192 entries' work, a row's own costs (its start, its
   // updates) counted as 32 entries'.
@@ -1082,7 +1143,7 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
       for (int64_t c = 0; c < 3; ++c) paux[b * 3 + c] = scalar_t(row_out[c]);
       pr[b] = scalar_t(row_out[3]);
       evaluations[b] = int64_t(row_out[4]);
-      pl[b] = row_out[5] != 0;
+      pl[b] = int8_t(row_out[5]);
     };
     constexpr int64_t L = at::vec::Vectorized<scalar_t>::size();
     if (n <= kPackMax) {
@@ -1115,9 +1176,10 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
           aux,
           residual,
           converged,
-          left_rows,
+          status,
           *std::max_element(evaluations.begin(), evaluations.end()),
-          int64_t(std::count(pl, pl + B, true))};
+          int64_t(std::count(pl, pl + B, int8_t(kLeft))),
+          int64_t(std::count_if(pl, pl + B, [](int8_t c) { return c > kLeft; }))};
 }
 
 // s (g - <s, g> / den) per row, one task per block of rows: the backward in x. den is (B,), or
@@ -1175,7 +1237,7 @@ at::Tensor vjp_rows(const at::Tensor& s, const at::Tensor& den, const at::Tensor
 TORCH_LIBRARY(softops_ot, m) {
   m.def(
       "threshold_rows(Tensor x, Tensor k, Tensor eps, float tol, float limit, int max_iter) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int)");
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int)");
   m.def("vjp_rows(Tensor s, Tensor den, Tensor g) -> Tensor");
 }
 
