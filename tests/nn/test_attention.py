@@ -222,56 +222,181 @@ def test_module_gradients_reach_every_projection():
 # ------------------------------------------------------------------------------------- Module
 
 
-def _copy_from_mha(layer: TopKAttention, mha: torch.nn.MultiheadAttention) -> None:
-    wq, wk, wv = mha.in_proj_weight.chunk(3)
-    bq, bk, bv = mha.in_proj_bias.chunk(3)
-    with torch.no_grad():
-        for lin, w, b in ((layer.q_proj, wq, bq), (layer.k_proj, wk, bk), (layer.v_proj, wv, bv)):
-            lin.weight.copy_(w)
-            lin.bias.copy_(b)
-        layer.out_proj.weight.copy_(mha.out_proj.weight)
-        layer.out_proj.bias.copy_(mha.out_proj.bias)
+def _mha_pair(batch_first, bias=True, kdim=None, vdim=None, seed=1):
+    """A float64 MultiheadAttention and the TopKAttention converted from it at k = S = 6."""
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(
+        8, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=vdim, dtype=F64
+    )
+    return mha, TopKAttention.from_multihead_attention(mha, k=6)
+
+
+def _inputs(batch_first, kdim=8, vdim=8, seed=5):
+    g = seeded(seed)
+
+    def draw(n, e):
+        return torch.randn((3, n, e) if batch_first else (n, 3, e), generator=g, dtype=F64)
+
+    return draw(6, 8), draw(6, kdim), draw(6, vdim)
+
+
+MHA_MASKS = {
+    "none": lambda pad, causal, fl: {},
+    "padding": lambda pad, causal, fl: {"key_padding_mask": pad},
+    "causal": lambda pad, causal, fl: {"attn_mask": causal},
+    "both": lambda pad, causal, fl: {
+        "attn_mask": causal,
+        "key_padding_mask": pad,
+        "average_attn_weights": False,
+    },
+    "float": lambda pad, causal, fl: {"attn_mask": fl},
+    "float padding": lambda pad, causal, fl: {
+        "attn_mask": fl,
+        "key_padding_mask": torch.zeros(pad.shape, dtype=F64).masked_fill(pad, -math.inf),
+    },
+    "heads": lambda pad, causal, fl: {"attn_mask": causal.repeat(6, 1, 1)},
+}
+
+
+def _masks():
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True  # MultiheadAttention's convention: True is padding
+    pad[2, 1] = True
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True: may not attend
+    fl = torch.randn(6, 6, generator=seeded(3), dtype=F64)
+    fl[causal] = -math.inf
+    return pad, causal, fl
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_module_equals_multihead_attention_at_k_equal_s(batch_first):
-    torch.manual_seed(1)
-    mha = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
-    layer = TopKAttention(8, 2, 6, batch_first=batch_first).double()
-    _copy_from_mha(layer, mha)
-    shape = (3, 6, 8) if batch_first else (6, 3, 8)
-    q = torch.randn(shape, dtype=F64)
-    kv = torch.randn(shape, dtype=F64)
-    pad = torch.zeros(3, 6, dtype=torch.bool)
-    pad[0, 4:] = True  # MultiheadAttention's convention: True is padding
-    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True: may not attend
-    for kw in (
-        {},
-        {"key_padding_mask": pad},
-        {"attn_mask": causal},
-        {"attn_mask": causal, "key_padding_mask": pad, "average_attn_weights": False},
-    ):
-        got, gw = layer(q, kv, kv, **kw)
-        want, ww = mha(q, kv, kv, **kw)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dims", [(None, None), (5, 7)])  # packed in_proj_weight, or three
+@pytest.mark.parametrize("mask", list(MHA_MASKS))
+def test_module_equals_multihead_attention_at_k_equal_s(batch_first, bias, dims, mask):
+    # converted from a MultiheadAttention, at k = the number of keys: its outputs, weights and
+    # gradients (in the inputs and every weight), for self attention (one packed projection),
+    # a shared key and value (two) and three inputs
+    mha, layer = _mha_pair(batch_first, bias, *dims)
+    q, kx, vx = _inputs(batch_first, *(d or 8 for d in dims))
+    kw = MHA_MASKS[mask](*_masks())
+    cases = {"three": (q, kx, vx)}
+    if dims == (None, None):
+        cases |= {"self": (q, q, q), "key is value": (q, kx, kx)}
+    for inputs in cases.values():
+        outs = []
+        for module in (layer, mha):
+            xs = [x.clone().requires_grad_() for x in dict.fromkeys(inputs)]
+            by_id = dict(zip(dict.fromkeys(inputs), xs, strict=True))
+            out, w = module(*(by_id[x] for x in inputs), **kw)
+            params = list(module.parameters())
+            grads = torch.autograd.grad((out * torch.cos(out)).sum(), [*xs, *params])
+            outs.append((out, w, *grads))
+        for got, want in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_module_equals_multihead_attention_unbatched(batch_first):
+    mha, layer = _mha_pair(batch_first)
+    x, kv, _ = _inputs(False)
+    x, kv = x[:, 0], kv[:, 0]  # (L, E): batch_first does not apply
+    pad = torch.zeros(6, dtype=torch.bool)
+    pad[4:] = True
+    for kw in ({}, {"key_padding_mask": pad}, {"attn_mask": _masks()[1]}):
+        got, gw = layer(x, kv, kv, **kw)
+        want, ww = mha(x, kv, kv, **kw)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(gw, ww)
-    # unbatched, and per-head masks of shape (N * num_heads, L, S)
-    got, _ = layer(
-        q[:, 0] if not batch_first else q[0],
-        kv[:, 0] if not batch_first else kv[0],
-        kv[:, 0] if not batch_first else kv[0],
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dims", [(None, None), (5, 7)])
+def test_module_loads_multihead_attention_checkpoints_and_starts_as_it(bias, dims):
+    # the same parameters (names, shapes, order), the same initial weights under one seed, and
+    # MultiheadAttention's state dict loads as is
+    torch.manual_seed(7)
+    mha = torch.nn.MultiheadAttention(8, 2, bias=bias, kdim=dims[0], vdim=dims[1])
+    torch.manual_seed(7)
+    layer = TopKAttention(8, 2, 3, bias=bias, kdim=dims[0], vdim=dims[1])
+    want = mha.state_dict()
+    got = layer.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    other = torch.nn.MultiheadAttention(8, 2, bias=bias, kdim=dims[0], vdim=dims[1])
+    assert layer.load_state_dict(other.state_dict()) is not None
+    for name, value in other.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], value), name
+
+
+def _old_layout(layer: TopKAttention) -> dict:
+    """The layer's weights in the earlier layout of TopKAttention: q_proj, k_proj and v_proj
+    Linear layers."""
+    state = {}
+    if layer.in_proj_weight is not None:
+        weights = layer.in_proj_weight.detach().chunk(3)
+    else:
+        weights = [
+            p.detach() for p in (layer.q_proj_weight, layer.k_proj_weight, layer.v_proj_weight)
+        ]
+    biases = [None] * 3 if layer.in_proj_bias is None else layer.in_proj_bias.detach().chunk(3)
+    for name, w, b in zip("qkv", weights, biases, strict=True):
+        state[f"{name}_proj.weight"] = w.clone()
+        if b is not None:
+            state[f"{name}_proj.bias"] = b.clone()
+    for name, value in layer.out_proj.state_dict().items():
+        state[f"out_proj.{name}"] = value.clone()
+    return state
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dims", [(None, None), (5, 7)])
+def test_state_dicts_of_the_earlier_layout_still_load(bias, dims):
+    torch.manual_seed(8)
+    source = TopKAttention(8, 2, 3, bias=bias, kdim=dims[0], vdim=dims[1], batch_first=True)
+    layer = TopKAttention(8, 2, 3, bias=bias, kdim=dims[0], vdim=dims[1], batch_first=True)
+    layer.load_state_dict(_old_layout(source))
+    for name, value in source.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], value), name
+    # inside a model too (the keys carry a prefix)
+    model = torch.nn.Sequential(TopKAttention(8, 2, 3, bias=bias, kdim=dims[0], vdim=dims[1]))
+    model.load_state_dict({f"0.{key}": value for key, value in _old_layout(source).items()})
+    assert torch.equal(model[0].out_proj.weight, source.out_proj.weight)
+    # an incomplete one is refused by name
+    partial = _old_layout(source)
+    del partial["v_proj.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: .*proj_weight"):
+        TopKAttention(8, 2, 3, bias=bias, kdim=dims[0], vdim=dims[1]).load_state_dict(partial)
+
+
+def test_from_multihead_attention_copies_options_and_refuses_what_it_cannot_hold():
+    mha = torch.nn.MultiheadAttention(8, 2, dropout=0.25, bias=False, batch_first=True, vdim=5)
+    mha.eval()
+    layer = TopKAttention.from_multihead_attention(
+        mha, k=2, epsilon=0.3, mode="mean", method="sparse", hard=True
     )
-    want, _ = mha(
-        q[:, 0] if not batch_first else q[0],
-        kv[:, 0] if not batch_first else kv[0],
-        kv[:, 0] if not batch_first else kv[0],
+    assert (layer.dropout, layer.in_proj_bias, layer.out_proj.bias) == (0.25, None, None)
+    assert (layer.batch_first, layer.kdim, layer.vdim, layer.training) == (True, 8, 5, False)
+    assert (layer.k, layer.epsilon, layer.mode, layer.method, layer.hard) == (
+        2,
+        0.3,
+        "mean",
+        "sparse",
+        True,
     )
-    torch.testing.assert_close(got, want)
-    heads_mask = torch.rand(6, 6, 6, generator=seeded(2)) > 0.7
-    heads_mask[..., 0] = False
-    torch.testing.assert_close(
-        layer(q, kv, kv, attn_mask=heads_mask)[0], mha(q, kv, kv, attn_mask=heads_mask)[0]
-    )
+    assert layer.q_proj_weight is not mha.q_proj_weight  # a copy
+    assert torch.equal(layer.q_proj_weight, mha.q_proj_weight)
+    with pytest.raises(TypeError, match=r"from_multihead_attention: expected a torch.nn.Multi"):
+        TopKAttention.from_multihead_attention(torch.nn.Linear(8, 8), k=2)
+    for kw in ({"add_bias_kv": True}, {"add_zero_attn": True}):
+        other = torch.nn.MultiheadAttention(8, 2, **kw)
+        with pytest.raises(ValueError, match=r"without add_bias_kv and add_zero_attn"):
+            TopKAttention.from_multihead_attention(other, k=2)
+    biased = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(RuntimeError, match=r"holds `bias_k`, a MultiheadAttention with add_bias"):
+        TopKAttention(8, 2, 3).load_state_dict(biased.state_dict())
+    with pytest.raises(ValueError, match=r"k=-1"):
+        TopKAttention.from_multihead_attention(mha, k=-1)
 
 
 def test_function_key_padding_mask_is_multihead_attentions_true_is_padding():
@@ -303,7 +428,10 @@ def _module_by_the_function(layer, x, kv, key_padding_mask, attn_mask, is_causal
     def heads(t, length):
         return t.reshape(N, length, H, E // H).transpose(1, 2)
 
-    q, kk, v = heads(layer.q_proj(x), L), heads(layer.k_proj(kv), S), heads(layer.v_proj(kv), S)
+    wq, wk, wv = layer.in_proj_weight.chunk(3)
+    bq, bk, bv = layer.in_proj_bias.chunk(3)
+    q, kk = heads(F.linear(x, wq, bq), L), heads(F.linear(kv, wk, bk), S)
+    v = heads(F.linear(kv, wv, bv), S)
     if attn_mask is not None:
         if attn_mask.dim() == 3:
             attn_mask = attn_mask.reshape(N, H, L, S)

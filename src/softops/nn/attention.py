@@ -190,7 +190,10 @@ def topk_attention_weights(
     check_bool(is_causal, op, "is_causal")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if query.shape[-1] <= key.shape[-2]:  # scale the smaller of the query and the scores
+        scores = torch.matmul(query * scale, key.transpose(-2, -1))
+    else:
+        scores = torch.matmul(query, key.transpose(-2, -1)) * scale
     scores, allowed = _allowed(op, scores, attn_mask, key_padding_mask, is_causal)
     S = scores.shape[-1]
     k_top = min(kf, float(S))
@@ -384,11 +387,25 @@ def topk_attention(
 class TopKAttention(nn.Module):
     r"""Multi-head attention over the soft top-k keys of each query.
 
-    The constructor and ``forward`` follow :class:`torch.nn.MultiheadAttention` (its shapes,
-    ``batch_first``, and its mask convention), with the top-k arguments after ``num_heads``.
-    Each head runs :func:`topk_attention` on its projections. The projections are separate
-    ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` :class:`~torch.nn.Linear` layers,
-    initialised as ``MultiheadAttention``'s (Xavier-uniform weights, zero biases).
+    The constructor, the parameters and ``forward`` are those of
+    :class:`torch.nn.MultiheadAttention` (its shapes, ``batch_first``, its mask convention and
+    its state dict), with the top-k arguments after ``num_heads``. Each head runs
+    :func:`topk_attention` on its projections. The input projections are MultiheadAttention's:
+    one packed ``in_proj_weight`` (3 E, E) where ``kdim = vdim = E`` (the query, key and value
+    projections stacked, one matmul where query, key and value are one tensor), else separate
+    ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight``; one ``in_proj_bias`` (3 E), and
+    ``out_proj``, a :class:`~torch.nn.Linear`. They are initialised as MultiheadAttention
+    initialises them (Xavier-uniform input projections, zero biases, ``out_proj.weight`` as a
+    Linear's), drawing from the random generator in the same order: under the same seed the two
+    modules start with the same weights.
+
+    **MultiheadAttention checkpoints.** ``load_state_dict(mha.state_dict())`` loads a
+    MultiheadAttention's weights (the same keys and shapes), and
+    :meth:`from_multihead_attention` converts a live module. At ``k`` >= the number of keys the
+    outputs and weights are MultiheadAttention's, with and without masks. Its ``add_bias_kv``
+    and ``add_zero_attn`` options have no counterpart here (their keys are refused). State dicts
+    of the earlier layout of this class (separate ``q_proj``, ``k_proj`` and ``v_proj``
+    :class:`~torch.nn.Linear` layers) load too: they are converted to this one.
 
     Masks: ``attn_mask`` and ``key_padding_mask`` as in ``nn.MultiheadAttention`` (bool True =
     may **not** attend, float = added to the scores).
@@ -425,7 +442,23 @@ class TopKAttention(nn.Module):
         >>> out, w = layer(x, x, x)
         >>> out.shape, w.shape, w.sum(-1).allclose(torch.ones(4, 10))
         (torch.Size([4, 10, 8]), torch.Size([4, 10, 10]), True)
+
+        A MultiheadAttention, converted (at k = the number of keys, the same outputs):
+
+        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> top = TopKAttention.from_multihead_attention(mha, k=3)
+        >>> top.load_state_dict(mha.state_dict())  # or load its checkpoint
+        <All keys matched successfully>
+        >>> full = TopKAttention.from_multihead_attention(mha, k=10)
+        >>> torch.allclose(full(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+        True
     """  # noqa: E501
+
+    in_proj_weight: nn.Parameter | None
+    q_proj_weight: nn.Parameter | None
+    k_proj_weight: nn.Parameter | None
+    v_proj_weight: nn.Parameter | None
+    in_proj_bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -454,6 +487,11 @@ class TopKAttention(nn.Module):
                 f"{op}: expected `embed_dim` divisible by `num_heads`; got embed_dim={embed_dim}, "
                 f"num_heads={num_heads}."
             )
+        for name, v in (("kdim", kdim), ("vdim", vdim)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(
+                    f"{op}: expected `{name}` to be None or an int >= 1; got {name}={v!r}."
+                )
         kf, _ = _check_attention_options(op, k, epsilon, mode, method, hard)
         if isinstance(epsilon, torch.Tensor):
             raise TypeError(f"{op}: expected `epsilon` to be a float; got a tensor.")
@@ -467,8 +505,10 @@ class TopKAttention(nn.Module):
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_dim: int = embed_dim
         self.num_heads: int = num_heads
+        self.head_dim: int = embed_dim // num_heads
         self.kdim: int = embed_dim if kdim is None else kdim
         self.vdim: int = embed_dim if vdim is None else vdim
+        self._qkv_same_embed_dim: bool = self.kdim == embed_dim and self.vdim == embed_dim
         self.k: int | float = int(kf) if kf.is_integer() else kf
         self.epsilon: float = float(epsilon)
         self.mode: str = mode
@@ -476,15 +516,120 @@ class TopKAttention(nn.Module):
         self.hard: bool = hard
         self.dropout: float = float(dropout)
         self.batch_first: bool = batch_first
-        self.q_proj: nn.Linear = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
-        self.k_proj: nn.Linear = nn.Linear(self.kdim, embed_dim, bias=bias, **kw)
-        self.v_proj: nn.Linear = nn.Linear(self.vdim, embed_dim, bias=bias, **kw)
-        self.out_proj: nn.Linear = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
-        for lin in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(lin.weight)
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        # MultiheadAttention's parameters, registered in its order (its state dict's)
+        E = embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E, **kw))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(E, E, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim, **kw))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * E, **kw))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj: nn.Linear = nn.Linear(E, E, bias=bias, **kw)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """MultiheadAttention's initialisation, in its order (so the same seed gives the same
+        weights): Xavier-uniform input projections (the packed (3 E, E) matrix as one), zero
+        biases; ``out_proj.weight`` keeps the Linear's own initialisation."""
+        if self.in_proj_weight is not None:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_multihead_attention(
+        cls,
+        mha: nn.MultiheadAttention,
+        k: int | float,
+        *,
+        epsilon: float = 0.1,
+        mode: str = "softmax",
+        method: str = "ot",
+        hard: bool = False,
+    ) -> TopKAttention:
+        """A TopKAttention with the shapes, options (``dropout``, ``bias``, ``batch_first``,
+        ``kdim``, ``vdim``), device, dtype, training mode and a copy of the weights of ``mha``,
+        a :class:`torch.nn.MultiheadAttention`; the top-k arguments as in the constructor. At
+        ``k`` >= the number of keys it computes what ``mha`` computes.
+
+        Raises:
+            TypeError: ``mha`` is not a MultiheadAttention.
+            ValueError: ``mha`` uses ``add_bias_kv`` or ``add_zero_attn`` (no counterpart here).
+        """
+        op = f"{cls.__name__}.from_multihead_attention"
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"{op}: expected a torch.nn.MultiheadAttention; got {mha!r}.")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(
+                f"{op}: expected a MultiheadAttention without add_bias_kv and add_zero_attn "
+                f"(TopKAttention has neither); got add_bias_kv={mha.bias_k is not None}, "
+                f"add_zero_attn={mha.add_zero_attn}."
+            )
+        weight = mha.out_proj.weight
+        layer = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            k,
+            epsilon=epsilon,
+            mode=mode,
+            method=method,
+            hard=hard,
+            dropout=float(mha.dropout),
+            bias=mha.in_proj_bias is not None,
+            batch_first=mha.batch_first,
+            kdim=mha.kdim,
+            vdim=mha.vdim,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        layer.load_state_dict(mha.state_dict())
+        return layer.train(mha.training)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Converts a state dict of the earlier layout (``q_proj``, ``k_proj``, ``v_proj``
+        Linear layers) to MultiheadAttention's, and refuses its ``bias_k``/``bias_v``."""
+        old = [f"{prefix}{name}_proj.weight" for name in "qkv"]
+        if all(key in state_dict for key in old):
+            weights = [state_dict.pop(key) for key in old]
+            if self._qkv_same_embed_dim and all(w.shape == weights[0].shape for w in weights):
+                state_dict[f"{prefix}in_proj_weight"] = torch.cat(weights)
+            else:
+                for name, w in zip("qkv", weights, strict=True):
+                    state_dict[f"{prefix}{name}_proj_weight"] = w
+            biases = [f"{prefix}{name}_proj.bias" for name in "qkv"]
+            if all(key in state_dict for key in biases):
+                state_dict[f"{prefix}in_proj_bias"] = torch.cat([state_dict.pop(b) for b in biases])
+        for name in ("bias_k", "bias_v"):
+            if state_dict.get(f"{prefix}{name}") is not None:
+                error_msgs.append(
+                    f"{type(self).__name__}: the state dict holds `{prefix}{name}`, a "
+                    "MultiheadAttention with add_bias_kv=True, which TopKAttention does not "
+                    "have; convert one without it."
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         dims = ""
@@ -496,6 +641,30 @@ class TopKAttention(nn.Module):
             f"epsilon={self.epsilon}, mode={self.mode!r}, method={self.method!r}, "
             f"hard={self.hard}{drop}, batch_first={self.batch_first}{dims}"
         )
+
+    def _project(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections: one matmul where query, key and value are one tensor (self
+        attention), two where key and value are, else three."""
+        E, w, b = self.embed_dim, self.in_proj_weight, self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
+        if w is None:  # kdim or vdim != embed_dim: three matrices
+            wq, wk, wv = (
+                torch.empty(0) if p is None else p
+                for p in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            )
+            return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+        if query is key and key is value:
+            q, k, v = F.linear(query, w, b).split(E, -1)
+            return q, k, v
+        wq, wkv = w.split((E, 2 * E))
+        q = F.linear(query, wq, bq)
+        if key is value:
+            k, v = F.linear(key, wkv, None if b is None else b[E:]).split(E, -1)
+            return q, k, v
+        wk, wv = wkv.chunk(2)
+        return q, F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def forward(
         self,
@@ -514,53 +683,59 @@ class TopKAttention(nn.Module):
         ``attn_mask`` already is one; here it is applied, so ``attn_mask`` may be omitted).
         """
         op = type(self).__name__
-        unbatched = query.dim() == 2
-        if unbatched:
-            query, key, value = query[:, None], key[:, None], value[:, None]
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[None]
-        elif self.batch_first:
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        dims = (query.dim(), key.dim(), value.dim())
+        if dims not in ((3, 3, 3), (2, 2, 2)):
             raise ValueError(
                 f"{op}: expected query, key and value of 3 dims (2 unbatched); got shapes "
                 f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
             )
-        L, N, _ = query.shape
-        S = key.shape[0]
-        H, hd = self.num_heads, self.embed_dim // self.num_heads
+        unbatched = dims[0] == 2
+        if unbatched and key_padding_mask is not None:
+            key_padding_mask = key_padding_mask[None]
+        # the batch's dim in the inputs (and the output), and the sequences'
+        batch, seq = (0, 1) if self.batch_first and not unbatched else (1, 0)
+        q, kk, v = self._project(query, key, value)
+        if unbatched:
+            q, kk, v = q[:, None], kk[:, None], v[:, None]
+        L, N, S = q.shape[seq], q.shape[batch], kk.shape[seq]
+        if kk.shape[batch] != N or v.shape[batch] != N or v.shape[seq] != S:
+            raise ValueError(
+                f"{op}: expected query, key and value of one batch size and key and value of one "
+                f"length; got shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                f"{tuple(value.shape)}."
+            )
+        H, hd = self.num_heads, self.head_dim
 
-        def heads(t: torch.Tensor, length: int) -> torch.Tensor:  # (len, N, E) -> (N, H, len, hd)
-            return t.reshape(length, N, H, hd).permute(1, 2, 0, 3)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # -> (N, H, len, hd), a view
+            t = t.unflatten(-1, (H, hd))
+            return t.permute(0, 2, 1, 3) if batch == 0 else t.permute(1, 2, 0, 3)
 
-        q = heads(self.q_proj(query), L)
-        kk = heads(self.k_proj(key), S)
-        v = heads(self.v_proj(value), S)
-        mask = self._mask(op, attn_mask, key_padding_mask, N, L, S, q.dtype)
+        mask, padding = self._masks(op, attn_mask, key_padding_mask, N, L, S, q.dtype)
         weights = topk_attention_weights(
-            q,
-            kk,
+            heads(q),
+            heads(kk),
             self.k,
             epsilon=self.epsilon,
             attn_mask=mask,
+            key_padding_mask=padding,
             is_causal=is_causal,
             mode=self.mode,
             hard=self.hard,
             method=self.method,
         ).weights
         dropped = F.dropout(weights, self.dropout) if self.training and self.dropout else weights
-        out = torch.matmul(dropped, v)  # (N, H, L, hd)
-        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, N, self.embed_dim))
+        out = torch.matmul(dropped, heads(v))  # (N, H, L, hd)
+        # back to the inputs' layout, heads side by side
+        out = out.permute(0, 2, 1, 3) if batch == 0 else out.permute(2, 0, 1, 3)
+        out = self.out_proj(out.flatten(-2))
         if unbatched:
             out = out[:, 0]
-        elif self.batch_first:
-            out = out.transpose(0, 1)
         if not need_weights:
             return out, None
         w = weights.mean(1) if average_attn_weights else weights
         return out, (w[0] if unbatched else w)
 
-    def _mask(
+    def _masks(
         self,
         op: str,
         attn_mask: torch.Tensor | None,
@@ -569,38 +744,43 @@ class TopKAttention(nn.Module):
         L: int,
         S: int,
         dtype: torch.dtype,
-    ) -> torch.Tensor | None:
-        """MultiheadAttention's masks as one mask of :func:`topk_attention`'s convention."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """MultiheadAttention's masks in :func:`topk_attention`'s conventions: ``(attn_mask,
+        key_padding_mask)``. Bool masks stay bool, in their own (broadcast) shapes: the attn_mask
+        inverted (True: may attend), the padding mask as is (both take MultiheadAttention's). A
+        float mask among them makes one additive float mask of both, as MultiheadAttention does
+        (a bool mask's True is -inf there)."""
         parts: list[torch.Tensor] = []
-        for name, m, shape in (
-            ("attn_mask", attn_mask, None),
-            ("key_padding_mask", key_padding_mask, (N, S)),
-        ):
+        for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if m is None:
                 continue
             if not isinstance(m, torch.Tensor) or not (
                 m.dtype == torch.bool or m.dtype.is_floating_point
             ):
                 raise TypeError(f"{op}: expected `{name}` to be a bool or float tensor; got {m!r}.")
-            if shape is not None:
-                if tuple(m.shape) != shape:
+            if name == "key_padding_mask":
+                if tuple(m.shape) != (N, S):
                     raise ValueError(
-                        f"{op}: expected `{name}` of shape {shape}; got {tuple(m.shape)}."
+                        f"{op}: expected `{name}` of shape {(N, S)}; got {tuple(m.shape)}."
                     )
-                m = m[:, None, None, :]
+                parts.append(m[:, None, None, :])
             elif m.dim() == 2 and tuple(m.shape) == (L, S):
-                pass
+                parts.append(m)
             elif m.dim() == 3 and tuple(m.shape) == (N * self.num_heads, L, S):
-                m = m.reshape(N, self.num_heads, L, S)
+                parts.append(m.reshape(N, self.num_heads, L, S))
             else:
                 raise ValueError(
                     f"{op}: expected `attn_mask` of shape ({L}, {S}) or "
                     f"({N * self.num_heads}, {L}, {S}); got {tuple(m.shape)}."
                 )
-            # to an additive float mask: True (masked) -> -inf
-            if m.dtype == torch.bool:
-                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, -math.inf)
-            parts.append(m.to(dtype))
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        if all(m.dtype == torch.bool for m in parts):
+            mask = None if attn_mask is None else ~parts[0]
+            return mask, key_padding_mask
+        # to one additive float mask: True (masked) -> -inf
+        floats = [
+            torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, -math.inf)
+            if m.dtype == torch.bool
+            else m.to(dtype)
+            for m in parts
+        ]
+        return (floats[0] if len(floats) == 1 else floats[0] + floats[1]), None
