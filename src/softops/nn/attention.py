@@ -487,10 +487,10 @@ class TopKAttention(nn.Module):
                 f"{op}: expected `embed_dim` divisible by `num_heads`; got embed_dim={embed_dim}, "
                 f"num_heads={num_heads}."
             )
-        for name, v in (("kdim", kdim), ("vdim", vdim)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        for name, dim in (("kdim", kdim), ("vdim", vdim)):
+            if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
                 raise ValueError(
-                    f"{op}: expected `{name}` to be None or an int >= 1; got {name}={v!r}."
+                    f"{op}: expected `{name}` to be None or an int >= 1; got {name}={dim!r}."
                 )
         kf, _ = _check_attention_options(op, k, epsilon, mode, method, hard)
         if isinstance(epsilon, torch.Tensor):
@@ -542,7 +542,8 @@ class TopKAttention(nn.Module):
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
             for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
-                nn.init.xavier_uniform_(w)
+                if w is not None:
+                    nn.init.xavier_uniform_(w)
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
         if self.out_proj.bias is not None:

@@ -713,8 +713,9 @@ def _solve_kernel(
     aux[idx], residual[idx] = aux_r, sub.residual  # (the kernel's own tensors)
     m, t, _ = aux.unbind(1)
     converged[idx] = sub.converged
-    limits = []
+    limits: list[torch.Tensor] = []
     for whole, part in ((sel_none, sub.sel_none), (sel_all, sub.sel_all), (invalid, sub.invalid)):
+        assert whole is not None  # (set above: some row is left)
         if part is not None:
             whole[idx] = part
         limits.append(whole)
@@ -722,8 +723,17 @@ def _solve_kernel(
     if sub.scale is not None:
         scale = torch.ones(B, dtype=x.dtype, device=x.device)
         scale[idx] = sub.scale
+    sel_none, sel_all, invalid = limits
     state = ThresholdState(
-        m, t, converged, max(evaluations, sub.iterations), residual, *limits, scale
+        m,
+        t,
+        converged,
+        max(evaluations, sub.iterations),
+        residual,
+        sel_none,
+        sel_all,
+        invalid,
+        scale,
     )
     return state, A, s, aux, all_ok
 
