@@ -408,6 +408,44 @@ def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype, n
         torch.testing.assert_close(a, b, equal_nan=True, atol=tol * 100 * scale, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n", [40, 300])  # a vector of rows at a time, a row at a time
+@pytest.mark.parametrize("pad", ["right", "left", "both"])
+def test_padded_rows_are_solved_on_the_window_of_their_keys(ops, dtype, n, pad):
+    # padding masks whole columns (-inf in every row): the kernel solves on the window between
+    # the first and last entries that are not -inf, with -inf entries inside it too (causal),
+    # and writes 0 outside it; rows of no key at k = 0 are filled, as the torch code fills them
+    b = 37
+    x = _rows(b, n, dtype, seed=41)
+    lo, hi = {"right": (0, n - n // 4), "left": (n // 3, n), "both": (n // 5, n - n // 6)}[pad]
+    cols = torch.arange(n)
+    keep = (cols >= lo) & (cols < hi)
+    causal = cols[None, :] <= lo + torch.arange(b)[:, None] * (hi - lo) // b
+    x = x.masked_fill(~(keep & causal), -math.inf)
+    x[5] = -math.inf  # no key at all
+    n_fin = (x > -math.inf).sum(-1)
+    k = n_fin.clamp(max=6).to(dtype) - torch.rand(b, generator=seeded(42), dtype=F64).to(dtype)
+    k = k.clamp(min=0)
+    k[5] = 0.0
+    k[7] = float(n_fin[7])  # at k = n_fin
+    eps = (10 ** (torch.rand(b, generator=seeded(43), dtype=F64) * 3 - 2)).to(dtype)
+    limit = _ot._scaling_limit(dtype)
+    *_, status, _, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
+    assert left == 0 and status[5] == 6 and status[7] == 4
+    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    want = _ot._solve(x, k, eps, 100, 0.0, None)
+    tol = 1e-12 if dtype == F64 else 2e-6
+    torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=tol * 500, rtol=50 * tol)
+    torch.testing.assert_close(got[3][:, 2], want[3][:, 2], atol=0, rtol=50 * tol)
+    for name in ("m", "converged", "sel_none", "sel_all", "invalid"):
+        torch.testing.assert_close(getattr(got[0], name), getattr(want[0], name), atol=0, rtol=0)
+    masked = x == -math.inf
+    assert not got[1][masked].any() and not got[2][masked].any()
+    sums = got[1].double().sum(-1)
+    assert ((sums - k.double()).abs() <= n * tol + 1e-6 * k.double()).all()
+
+
 def test_a_masked_row_beside_the_dtypes_extremes_is_solved_on_its_finite_entries(ops):
     # an entry of -1e30 (float32) holds the threshold when k = n_fin - 0.5: the -inf entries take
     # no part (no finite stand-in for them, which could round onto that entry)

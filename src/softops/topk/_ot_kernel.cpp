@@ -603,10 +603,12 @@ struct Settings {
   int64_t max_iter;
 };
 
-// Solves one row; writes out[0..5] (see finish()).
+// Solves one row; writes out[0..5] (see finish()). Its -inf entries before the first and after the
+// last that are not (a causal mask's, a padding's) take no part: the row is solved on the window
+// between.
 template <typename scalar_t>
-void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
-               const Settings& cfg, scalar_t* A, scalar_t* s, double* out,
+void solve_row(const scalar_t* row_in, int64_t n_row, scalar_t k_row, scalar_t eps_row,
+               const Settings& cfg, scalar_t* A_out, scalar_t* s_out, double* out,
                std::vector<scalar_t>& work, Logs& logs) {
   using Vec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t L = Vec::size();
@@ -616,15 +618,22 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   const scalar_t e = eps_row;
   for (int64_t c = 0; c < 6; ++c) out[c] = 0;
   out[5] = double(kLeft);
-  if (!(kb >= 0 && kb <= n && e > 0 && e <= cfg.limit)) return;
-  // The count of finite entries, their sum, min and max, and whether a NaN or +inf is there: one
-  // pass (the lanes past the row read as -inf, a masked entry).
+  if (!(kb >= 0 && kb <= n_row && e > 0 && e <= cfg.limit)) return;
+  // The count of finite entries, their sum, min and max, whether a NaN or +inf is there, and
+  // the window [j0, j1) of the entries that are not -inf: one pass (the lanes past the row read
+  // as -inf, a masked entry).
   const Vec vinf(fi::infinity()), vninf(-fi::infinity()), one(1);
   Vec v_bad(0), v_count(0), v_sum(0), v_min(vinf), v_max(vninf);
-  for (int64_t i = 0; i < n; i += L) {
-    const int64_t count = std::min(L, n - i);
-    Vec v = Vec::loadu(row + i, count);
+  int64_t j0 = n_row, j1 = 0;
+  for (int64_t i = 0; i < n_row; i += L) {
+    const int64_t count = std::min(L, n_row - i);
+    Vec v = Vec::loadu(row_in + i, count);
     if (count < L) v = Vec::blendv(vninf, v, head<scalar_t>(count));
+    const int some = (v == vninf).zero_mask();  // (bit l: entry i + l is not -inf)
+    if (some != 0) {
+      j0 = std::min(j0, i + __builtin_ctz(some));
+      j1 = i + 32 - __builtin_clz(some);
+    }
     const Vec fin = v > vninf;  // (and +inf, which flags the row; a NaN is not)
     v_bad = v_bad | (v != v) | (v == vinf);
     v_count = v_count + (fin & one);
@@ -636,7 +645,15 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   const int64_t n_fin = int64_t(lane_sum(v_count));
   const int64_t status = classify(kb, double(e), cfg.limit, plain, n_fin);
   if (status == kLeft) return;
-  if (status != kSolved) return fill_limit(row, n, kb, status, A, s, out);
+  if (status != kSolved) return fill_limit(row_in, n_row, kb, status, A_out, s_out, out);
+  // The row from here on: the window's n entries (the -inf entries outside it take no part:
+  // their A and s are 0).
+  const scalar_t* row = row_in + j0;
+  const int64_t n = j1 - j0;
+  scalar_t* A = A_out + j0;
+  scalar_t* s = s_out + j0;
+  std::fill(A_out, A, scalar_t(0)), std::fill(s_out, s, scalar_t(0));
+  std::fill(A + n, A_out + n_row, scalar_t(0)), std::fill(s + n, s_out + n_row, scalar_t(0));
   const double total = lane_sum(v_sum);
   const scalar_t lo_x = at::vec::vec_reduce_all<scalar_t>(
       [](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, v_min);
@@ -666,8 +683,9 @@ void solve_row(const scalar_t* row, int64_t n, scalar_t k_row, scalar_t eps_row,
   Iterate<scalar_t> it;
   start(x_hi, x_lo, kb, e, n_fin, total, lo_x, hi_x, logs, m, it);
   const scalar_t inv = scalar_t(1) / e;
-  const double floor = std::min(std::max(std::min(kb, n - kb), 0.0), 1.0);
-  const double flush = double(n) / double(big);
+  // (the whole row's, as in _evaluate)
+  const double floor = std::min(std::max(std::min(kb, n_row - kb), 0.0), 1.0);
+  const double flush = double(n_row) / double(big);
   bool done = false;
   int64_t evaluations = 0;
   double F = 0;
@@ -802,9 +820,11 @@ int polish_lanes(const scalar_t* X, int64_t n, const scalar_t* m, scalar_t* t, s
 // cover, takes the direct exp), each evaluation updates every active lane's iterate at once
 // (update_lanes()) and the lanes near the hard limit are polished at once (polish_lanes()). A
 // lane that is done keeps its iterate, so later passes write its A and s again with the same
-// values (and its sums, unused, are formed along). Writes out[l][0..5] (see finish()).
+// values (and its sums, unused, are formed along). The entries -inf in every lane before the
+// first and after the last that is not (a causal mask's, a padding's) take no part: their A and
+// s are 0, and the group is solved on the window between. Writes out[l][0..5] (see finish()).
 template <typename scalar_t>
-void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const scalar_t* pk,
+void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, const scalar_t* pk,
                  int64_t k_stride, const scalar_t* pe, int64_t eps_stride, const Settings& cfg,
                  scalar_t* pA, scalar_t* ps, double (*out)[6], Logs& logs) {
   using Vec = at::vec::Vectorized<scalar_t>;
@@ -815,15 +835,21 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
   alignas(64) scalar_t X[kPackMax * L], E[kPackMax * L], At[kPackMax * L], St[kPackMax * L];
   alignas(64) scalar_t S[kPackMax * L];
   for (int64_t l = 0; l < L; ++l) {
-    const scalar_t* row = px + (b0 + std::min(l, rows - 1)) * n;
-    for (int64_t j = 0; j < n; ++j) X[j * L + l] = row[j];
+    const scalar_t* row = px + (b0 + std::min(l, rows - 1)) * n_row;
+    for (int64_t j = 0; j < n_row; ++j) X[j * L + l] = row[j];
   }
   // Per lane: whether a NaN or +inf is there, the count of finite entries, their least and
-  // largest (-inf entries are masked ones: see classify()), and their sum.
+  // largest (-inf entries are masked ones: see classify()), and their sum; the window [j0, j1)
+  // of the entries that are not -inf in every lane.
   const Vec zero(0), one(1), two(2), vinf(inf), vninf(-inf);
   Vec v_bad(0), v_count(0), v_min(inf), v_max(-inf);
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j0 = n_row, j1 = 0;
+  for (int64_t j = 0; j < n_row; ++j) {
     const Vec v = Vec::loadu(X + j * L);
+    if ((v == vninf).zero_mask() != 0) {  // (some lane is not -inf here)
+      j0 = std::min(j0, j);
+      j1 = j + 1;
+    }
     const Vec fin = v > vninf;
     v_bad = v_bad | (v != v) | (v == vinf);
     v_count = v_count + (fin & one);
@@ -833,6 +859,10 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
   alignas(64) scalar_t count[L], lo_x[L], hi_x[L];
   v_count.store(count), v_min.store(lo_x), v_max.store(hi_x);
   const int plain = v_bad.zero_mask();  // (bit l clear: lane l holds a NaN or +inf)
+  // the group from here on: the window's n entries, moved to the front of X
+  j0 = std::min(j0, j1);
+  const int64_t n = j1 - j0;
+  if (j0 > 0) std::copy(X + j0 * L, X + j1 * L, X);
   double total[L];
   for (int64_t l = 0; l < L; ++l) total[l] = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -859,7 +889,9 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
     for (int64_t c = 0; c < 6; ++c) out[l][c] = 0;
     out[l][5] = double(kLeft);
     if (status != kSolved) {
-      if (status != kLeft) fill_limit(px + b * n, n, kb, status, pA + b * n, ps + b * n, out[l]);
+      if (status != kLeft) {
+        fill_limit(px + b * n_row, n_row, kb, status, pA + b * n_row, ps + b * n_row, out[l]);
+      }
       continue;
     }
     solve[l] = true;
@@ -929,7 +961,7 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
   bool active[L], done[L];
   int64_t evaluations[L];
   alignas(64) double last[5][L], F_last[L];  // the sums and residual of a lane's last evaluation
-  const double flush = double(n) / double(fi::max());
+  const double flush = double(n_row) / double(fi::max());  // (the whole row's, as in _evaluate)
   int64_t live = 0;
   for (int64_t l = 0; l < L; ++l) {
     m[l] = t[l] = 0;
@@ -949,7 +981,7 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
           logs, m[l], it);
     t[l] = it.t, z.t[l] = it.t, z.lo[l] = it.lo, z.hi[l] = it.hi;
     z.f_lo[l] = it.f_lo, z.f_hi[l] = it.f_hi, z.side[l] = it.side;
-    z.floor[l] = std::min(std::max(std::min(kb, n - kb), 0.0), 1.0);
+    z.floor[l] = std::min(std::max(std::min(kb, n_row - kb), 0.0), 1.0);
     z.on[l] = 1;
     active[l] = true;
     ++live;
@@ -1072,7 +1104,7 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
     const int steps = polish_lanes<scalar_t, L>(X, n, m, t, lo, hi, e_row, gap, going);
     for (int64_t l = 0; l < rows; ++l) {
       if (going[l] == 0 || steps >= kPolishSteps) continue;
-      t[l] = polish(px + (b0 + l) * n, n, m[l], t[l], lo[l], hi[l], e_row[l], gap[l],
+      t[l] = polish(px + (b0 + l) * n_row + j0, n, m[l], t[l], lo[l], hi[l], e_row[l], gap[l],
                     kPolishSteps - steps);
     }
     alignas(64) double sums[5][L];
@@ -1088,9 +1120,11 @@ void solve_group(const scalar_t* px, int64_t n, int64_t b0, int64_t rows, const 
     out[l][4] = double(evaluations[l]);
     if (!done[l]) continue;  // left: at the start, or capped
     const int64_t b = b0 + l;
-    scalar_t* A = pA + b * n;
-    scalar_t* s = ps + b * n;
-    for (int64_t j = 0; j < n; ++j) A[j] = At[j * L + l], s[j] = St[j * L + l];
+    scalar_t* A = pA + b * n_row;
+    scalar_t* s = ps + b * n_row;
+    std::fill(A, A + j0, scalar_t(0)), std::fill(s, s + j0, scalar_t(0));  // (-inf: 0)
+    for (int64_t j = 0; j < n; ++j) A[j0 + j] = At[j * L + l], s[j0 + j] = St[j * L + l];
+    std::fill(A + j1, A + n_row, scalar_t(0)), std::fill(s + j1, s + n_row, scalar_t(0));
     out[l][0] = m[l];
     out[l][1] = t[l];
     out[l][2] = den[l];
