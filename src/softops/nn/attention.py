@@ -202,7 +202,9 @@ def topk_attention_weights(
         masked = scores
     else:
         # (the masks stay in their own, broadcast shape: a causal mask is (L, S))
-        masked = scores.masked_fill(~allowed, -math.inf)
+        # (a where: one pass each way, where masked_fill is a copy and a fill, and its backward
+        # another copy and fill)
+        masked = torch.where(allowed, scores, -math.inf)
         n_valid = allowed.sum(-1).expand(scores.shape[:-1])
         # the top-k of the valid keys, k clamped per query; a query with none selects nothing
         # (its scores are replaced by zeros so that the solver sees a finite row)
@@ -240,16 +242,18 @@ def masked_softmax(
 
     Formed as ``A p / sum(A p)`` with ``p = softmax(scores)`` (``probs``, where the caller has
     it): the shift cancels, and a product and a sum replace the log, the masks and a second
-    softmax. The sum is at least ``A_max p_max`` wherever the largest score has the largest A
-    (a top-k mask: A is ordered as the scores); a row where it is 0 (no A > 0, or every selected
-    p underflowing) takes the log-domain form, as does traced code (no host read there).
+    softmax. The division is a product with the rows' reciprocals (its backward is two products
+    and a sum, where a division's is four passes over the weights). The sum is at least ``A_max
+    p_max`` wherever the largest score has the largest A (a top-k mask: A is ordered as the
+    scores); a row where it is 0 (no A > 0, or every selected p underflowing) takes the
+    log-domain form, as does traced code (no host read there).
     """
     if not cannot_branch(A):
         p = torch.softmax(scores, -1) if probs is None else probs
         weighted = A * p
         total = weighted.sum(-1, keepdim=True)
         if bool((total > 0).all()):
-            return weighted / total
+            return weighted * total.reciprocal()
     tiny = torch.finfo(A.dtype).tiny
     # log A is -inf where A = 0 (the where keeps that entry's gradient 0, not 0 * inf)
     log_a = torch.where(A > 0, torch.log(A.clamp(min=tiny)), -math.inf)
