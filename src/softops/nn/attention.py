@@ -21,7 +21,10 @@ mask is True where a query *may* attend; a float mask is added to the scores) an
 ``key_padding_mask`` that of :class:`torch.nn.MultiheadAttention` (True for a padding key, to
 ignore). :class:`TopKAttention` follows :class:`torch.nn.MultiheadAttention` for both (a boolean
 mask is True where a query may *not* attend; a float mask is added).
-A masked key gets weight exactly 0. A query with fewer valid keys than ``k`` attends to all of
+A masked key gets weight exactly 0 (and its score a gradient of exactly 0); masks are added to
+the scores as -inf, as ``scaled_dot_product_attention`` adds them, so a NaN or ``+inf`` score
+of a masked key, like one of a valid key, makes its query's row NaN. A query with fewer valid
+keys than ``k`` attends to all of
 them (k is clamped per query), and a query with no valid key gets weights 0 and an output of
 zeros (``scaled_dot_product_attention`` gives NaN there). With ``method="sparse"`` the mask has
 exact zeros, so keys beyond a query's soft top-k get weight exactly 0 in both modes.
@@ -201,10 +204,12 @@ def topk_attention_weights(
         k_row: float | torch.Tensor = k_top
         masked = scores
     else:
-        # (the masks stay in their own, broadcast shape: a causal mask is (L, S))
-        # (a where: one pass each way, where masked_fill is a copy and a fill, and its backward
-        # another copy and fill)
-        masked = torch.where(allowed, scores, -math.inf)
+        # The masks stay in their own, broadcast shape (a causal mask is (L, S)) and are added
+        # to the scores as -inf, as scaled_dot_product_attention adds them: one pass forward and
+        # none backward (the gradient reaching a masked key is exactly 0 already: its A, its
+        # weight and its s are 0).
+        bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device)
+        masked = scores + bias.masked_fill_(~allowed, -math.inf)
         n_valid = allowed.sum(-1).expand(scores.shape[:-1])
         # the top-k of the valid keys, k clamped per query; a query with none selects nothing
         # (its scores are replaced by zeros so that the solver sees a finite row)

@@ -244,23 +244,32 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
   return out;
 }
 
-// The logs of the bracket's ends for one k (rows of one call share n, and usually k).
+// The logs of the bracket's ends for one k and one count of finite entries (rows of one call
+// share n, and often k; the parts of k alone are kept while only the count changes).
 struct Logs {
   double k = std::nan("");
   int64_t n = -1;
   double j_hi = 0, j_lo = 0, lo = 0, hi = 0, logit = 0;
+  double j_top = 0, log_k = 0, log_top = 0, log_hi = 0;
 
   // n: the row's count of finite entries (its -inf entries are not selected at any t)
   void at(double kb, int64_t n_fin) {
     if (kb == k && n_fin == n) return;
-    k = kb;
+    if (!(kb == k)) {
+      k = kb;
+      j_hi = std::max(std::ceil(kb), 1.0);
+      j_top = std::floor(kb) + 1.0;
+      log_k = std::log(kb);
+      log_top = std::log(j_top - kb);
+      log_hi = std::log(kb - (j_hi - 1.0));
+    }
     n = n_fin;
     const double n_d = double(n_fin);
-    j_hi = std::max(std::ceil(kb), 1.0);
-    j_lo = std::max(std::min(std::floor(kb) + 1.0, n_d), 1.0);
-    lo = std::log(kb) - std::log(j_lo - kb);
-    hi = std::log(kb - (j_hi - 1.0)) - std::log(n_d - kb);
-    logit = std::log(kb) - std::log(n_d - kb);
+    j_lo = std::max(std::min(j_top, n_d), 1.0);
+    lo = log_k - (j_lo == j_top ? log_top : std::log(j_lo - kb));
+    const double log_n = std::log(n_d - kb);
+    hi = log_hi - log_n;
+    logit = log_k - log_n;
   }
 };
 
@@ -842,7 +851,15 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
   // largest (-inf entries are masked ones: see classify()), and their sum; the window [j0, j1)
   // of the entries that are not -inf in every lane.
   const Vec zero(0), one(1), two(2), vinf(inf), vninf(-inf);
-  Vec v_bad(0), v_count(0), v_min(inf), v_max(-inf);
+  Vec v_bad(0), v_count(0), v_min(inf), v_max(-inf), v_sum(0);
+  double total[L];
+  alignas(64) scalar_t lanes[L];
+  for (int64_t l = 0; l < L; ++l) total[l] = 0;
+  auto flush_sum = [&]() {  // (the float lanes into the double totals: see kFlush)
+    v_sum.store(lanes);
+    for (int64_t l = 0; l < L; ++l) total[l] += lanes[l];
+    v_sum = zero;
+  };
   int64_t j0 = n_row, j1 = 0;
   for (int64_t j = 0; j < n_row; ++j) {
     const Vec v = Vec::loadu(X + j * L);
@@ -851,6 +868,8 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
       j1 = j + 1;
     }
     const Vec fin = v > vninf;
+    v_sum = v_sum + (v & fin);
+    if ((j + 1) % kFlush == 0) flush_sum();
     v_bad = v_bad | (v != v) | (v == vinf);
     v_count = v_count + (fin & one);
     v_min = at::vec::minimum(v_min, Vec::blendv(vinf, v, fin));
@@ -859,23 +878,17 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
   alignas(64) scalar_t count[L], lo_x[L], hi_x[L];
   v_count.store(count), v_min.store(lo_x), v_max.store(hi_x);
   const int plain = v_bad.zero_mask();  // (bit l clear: lane l holds a NaN or +inf)
+  if (n_row % kFlush != 0) flush_sum();
   // the group from here on: the window's n entries, moved to the front of X
   j0 = std::min(j0, j1);
   const int64_t n = j1 - j0;
   if (j0 > 0) std::copy(X + j0 * L, X + j1 * L, X);
-  double total[L];
-  for (int64_t l = 0; l < L; ++l) total[l] = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t l = 0; l < L; ++l) {
-      const scalar_t x = X[j * L + l];
-      total[l] += x > -inf ? x : scalar_t(0);
-    }
-  }
   // The lanes to solve (the others left, or filled at their limit of k), and the ranks of their
   // bracket's order statistics (docs/math.md §1.3): the j_hi-th and j_lo-th largest.
   alignas(64) scalar_t m[L], t[L], inv[L], up[L], down[L], direct[L], k_row[L], e_row[L];
   bool solve[L];
   int64_t j_hi[L], j_lo[L], n_fin[L], top = 0, bottom = 0;
+  Logs lane_logs[L];
   for (int64_t l = 0; l < L; ++l) {
     const int64_t b = b0 + std::min(l, rows - 1);
     k_row[l] = pk[b * k_stride];
@@ -896,6 +909,7 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
     }
     solve[l] = true;
     logs.at(kb, n_fin[l]);
+    lane_logs[l] = logs;
     j_hi[l] = int64_t(logs.j_hi), j_lo[l] = int64_t(logs.j_lo);
     top = std::max(top, j_lo[l]);
     bottom = std::max(bottom, n - j_hi[l] + 1);
@@ -975,10 +989,9 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
     z.e[l] = e;
     z.t[l] = z.lo[l] = z.hi[l] = z.f_lo[l] = z.f_hi[l] = z.side[l] = z.floor[l] = z.on[l] = 0;
     if (!solve[l]) continue;
-    logs.at(kb, n_fin[l]);
     Iterate<scalar_t> it;
     start(largest(j_hi[l], l), largest(j_lo[l], l), kb, e, n_fin[l], total[l], lo_x[l], hi_x[l],
-          logs, m[l], it);
+          lane_logs[l], m[l], it);
     t[l] = it.t, z.t[l] = it.t, z.lo[l] = it.lo, z.hi[l] = it.hi;
     z.f_lo[l] = it.f_lo, z.f_hi[l] = it.f_hi, z.side[l] = it.side;
     z.floor[l] = std::min(std::max(std::min(kb, n_row - kb), 0.0), 1.0);
