@@ -550,6 +550,8 @@ ERRORS = [
     (lambda: TopKAttention(4, 1, 2, method="softkmax"), ValueError, r"`method` to be one of"),
     (lambda: TopKAttention(4, 1, 2, dropout=1.0), ValueError, r"expected 0 <= `dropout` < 1"),
     (lambda: TopKAttention(4, 1, 2, batch_first=1), TypeError, r"`batch_first` to be a bool"),
+    (lambda: TopKAttention(4, 1, 2, kdim=0), ValueError, r"`kdim` to be None or an int >= 1"),
+    (lambda: TopKAttention(4, 1, 2, vdim=2.0), ValueError, r"`vdim` to be None or an int >= 1"),
 ]
 
 

@@ -412,7 +412,9 @@ class TopKAttention(nn.Module):
     MultiheadAttention's weights (the same keys and shapes), and
     :meth:`from_multihead_attention` converts a live module. At ``k`` >= the number of keys the
     outputs and weights are MultiheadAttention's, with and without masks. Its ``add_bias_kv``
-    and ``add_zero_attn`` options have no counterpart here (their keys are refused). State dicts
+    and ``add_zero_attn`` options have no counterpart here: :meth:`from_multihead_attention`
+    refuses a module with either, and loading refuses a state dict holding ``bias_k`` (a state
+    dict does not record ``add_zero_attn``). State dicts
     of the earlier layout of this class (separate ``q_proj``, ``k_proj`` and ``v_proj``
     :class:`~torch.nn.Linear` layers) load too: they are converted to this one.
 
