@@ -488,3 +488,34 @@ def test_causal_rows_at_k_equal_to_their_keys_are_the_limit_on_either_back_end(d
         torch.testing.assert_close(gk[:5], want, rtol=5 * tol, atol=tol)
     for a, b in zip(out["kernel"], out["reference"], strict=True):
         torch.testing.assert_close(a, b, atol=tol * max(float(b.abs().max()), 1.0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n", [12, 300])  # a vector of rows at a time, a row at a time
+def test_rows_at_k_zero_are_the_limit_on_either_back_end(ops, dtype, n):
+    # k = 0 (with and without masked entries): the mask is exactly 0, with no gradient in x or
+    # epsilon, and the gradient in k is the one-sided limit softmax(x / eps) over the finite
+    # entries; the kernel (which fills such rows) and the torch code agree
+    b = 6
+    x = _rows(b, n, dtype, seed=51)
+    x[1, n // 2 :] = -math.inf
+    x[2, : n // 3] = -math.inf
+    k = torch.zeros(b, dtype=dtype)
+    eps = torch.full((b,), 0.4, dtype=dtype)
+    limit = _ot._scaling_limit(dtype)
+    assert ops.threshold_rows(x, k, eps, 0.0, limit, 100)[5].tolist() == [2] * b
+    g = torch.randn(b, n, generator=seeded(52), dtype=dtype)
+    out = {}
+    for name in ("kernel", "reference"):
+        with backend(name):
+            xt = x.clone().requires_grad_()
+            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
+            A = softops.soft_topk_mask(xt, kt, epsilon=et)
+            out[name] = (A.detach(), *torch.autograd.grad(A, (xt, kt, et), g))
+    tol = 1e-10 if dtype == F64 else 2e-5
+    for A, gx, gk, ge in out.values():
+        assert not A.any() and not gx.any() and not ge.any()
+        want = (torch.softmax(x / 0.4, -1) * g).sum(-1)  # (-inf entries: weight 0)
+        torch.testing.assert_close(gk, want, rtol=5 * tol, atol=tol)
+    for a, w in zip(out["kernel"], out["reference"], strict=True):
+        torch.testing.assert_close(a, w, atol=tol, rtol=1e-4)
