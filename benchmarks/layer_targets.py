@@ -10,7 +10,9 @@
 
 Forward+backward of ``(out * g).sum()`` (plus the auxiliary loss for the routers), one torch
 thread, interleaved: three rounds of 60 timed calls each after a warm-up, the best round's median
-of each. One process; absolute times vary with the machine's load, the ratios less.
+of each. A call's time is the CPU time of the calling thread (``time.thread_time``: with one torch
+thread all of its work runs there), so that the other processes of a loaded machine, which
+preempt it, do not count; cache and memory contention with them still does. One process.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from softops.nn import TopKAttention, TopKRouter
 def _median_ms(fn: Callable[[], None], calls: int) -> float:
     times = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return statistics.median(times) * 1e3
 
 
