@@ -22,7 +22,7 @@ import torch
 from softops import losses
 
 OUT = Path(__file__).resolve().parent / "results" / "spearman_epsilon.md"
-MODES = ("fixed 1.0", "c=1", "c=3", "c=10")
+MODES = ("fixed 1.0", "c=0.3", "c=1", "c=3", "c=10")
 
 
 def hard_spearman(scores: torch.Tensor, target: torch.Tensor) -> float:
