@@ -96,6 +96,33 @@ def test_tiny_and_huge_epsilon(ops, dtype, eps) -> None:
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
+def test_long_rows_whose_far_entries_stop_short_of_the_top_targets(ops, dtype) -> None:
+    # The rest's entries far below the boundary form only the targets next to the rest (their
+    # plan is below 2^-80 on the others); normal rows, a row of candidates only (every entry
+    # within the candidate bound, most of them deep) and a spread row, against the torch code.
+    x = torch.randn(4, 3000, generator=seeded(11), dtype=F64)
+    x[1, :300] = -torch.linspace(0.0, 3.0, 300, dtype=F64)
+    x[1, 300:] = -10.0  # (outside the candidate set)
+    x[2] = x[2] * 3
+    x = x.to(dtype)
+    eps = torch.tensor([0.1, 0.1, 0.3, 0.05], dtype=dtype)
+    values, weights = _both(x, 8, eps)[:2]
+    _both(x, 8, 0.1, largest=False)
+    # each target's weights sum to 1, and the deep entries of row 1 carry none on the top target
+    torch.testing.assert_close(weights.sum(-1), torch.ones_like(values), rtol=0, atol=1e-6)
+    assert float(weights[1, 0, 200:300].abs().max()) == 0.0
+    # rows of candidates only (no entry outside the set: the weights not formed are written 0)
+    short = torch.stack((-torch.linspace(0.0, 3.0, 300), torch.linspace(-1.0, 1.0, 300) ** 3))
+    with backend("kernel"):
+        status = _sorted.SOLVE_OP(
+            short.to(dtype), torch.full((2,), 0.1, dtype=dtype), 8, True, 2000, 1e-6
+        )[3]
+    assert status.tolist() == [0, 0]
+    weights = _both(short.to(dtype), 8, 0.1)[1]
+    assert float(weights[0, 0, 200:].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
 def test_rows_with_infinities_or_nan_are_solved_in_full(ops, dtype) -> None:
     x = _rows("normal", 30, dtype, seed=5)
     x[1, 3] = math.inf

@@ -16,8 +16,12 @@
 // centre c, e_i = exp((c - y_i)/eps) once per row and rho_j = exp(v_{j+1} - v_j + (b_j - c)/eps)
 // once per state, P_{i,j+1} / P_{ij} = e_i rho_j, a product recurrence from each entry's home
 // upward and downward, in registers for a vector of the entries of one home at a time (one pass
-// over the entries per state). Rows whose factors would leave the range take one
-// exponential per target (eval_general). The Newton system is the grounded Laplacian of the
+// over the entries per state). The rest's entries are sorted by their gap bin, and each state
+// bounds, per bin, the plan of the targets far from the rest (log P_(k-r) <= r log(ie) - the
+// sum of the r column log-factors next to the rest): an entry's downward recurrence stops at the
+// first target where its bin's bound is below 2^-80, and every later loop over a column's
+// entries stops at the end of the entries formed there (lim). Rows whose factors would leave
+// the range take one exponential per target (eval_general). The Newton system is the grounded Laplacian of the
 // couplings, in closed form for three targets or fewer, else by the equilibrated Cholesky.
 //
 // Short rows (4-12 targets, in the recurrence's range, up to kLaneMaxM candidates forward and
@@ -61,6 +65,9 @@ constexpr double kFar = 600.0;
 constexpr int64_t kMaxBig = 34;
 // Entries per chunk of the loops over a row's candidates.
 constexpr int64_t kChunk = 256;
+// log of the plan entries below which an entry's recurrence stops short of the far targets:
+// 2^-80, so that a column loses at most m 2^-80 (below 2e-17 for m <= 2e7) of its mass.
+constexpr double kLogDrop = -80.0 * 0.69314718055994530942;
 
 // --------------------------------------------------------------------------- the Laplacian
 
@@ -170,15 +177,20 @@ double laplacian_solve(const double* w, int64_t big, const double* rhs, double* 
 
 // w[j, o] = sum_i a_i P_ji P_oi (j != o; a = 1 where null) for P (big, m) of row stride ld, in
 // chunks of entries (every pair of a chunk's targets while it is in the cache), four targets o
-// at a time (four independent sums: a single one waits on its own additions).
-void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double* a, double* w) {
+// at a time (four independent sums: a single one waits on its own additions). Column j holds
+// its entries i < lim[j] (the others are 0 and not read); lim is non-decreasing in j, so a pair
+// j < o has its entries below lim[j].
+void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double* a,
+               const int64_t* lim, double* w) {
   for (int64_t j = 0; j < big; ++j) {
     for (int64_t o = 0; o < big; ++o) w[j * kMaxBig + o] = 0.0;
   }
   double paj[kChunk];
   for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
-    const int64_t len = std::min(m, i0 + kChunk) - i0;
+    const int64_t full = std::min(m, i0 + kChunk) - i0;
     for (int64_t j = 0; j < big; ++j) {
+      const int64_t len = std::min(full, std::max<int64_t>(lim[j] - i0, 0));
+      if (len == 0) continue;
       const double* pj = p + j * ld + i0;
       if (a != nullptr) {
         for (int64_t i = 0; i < len; ++i) paj[i] = a[i0 + i] * pj[i];
@@ -221,7 +233,7 @@ struct Work {
   std::vector<double> yc, ytmp, e, ie, p, p_new, gb, cen, mu, inv_mu, xc, ref, mean, acc_y,
       direct;
   std::vector<uint8_t> far;
-  std::vector<int64_t> hist;
+  std::vector<int64_t> hist, cnt, nxt;
 
   void entries(int64_t m, int64_t big, bool backward) {
     if (static_cast<int64_t>(yc.size()) >= m && static_cast<int64_t>(p.size()) >= big * m &&
@@ -260,6 +272,12 @@ struct Prob {
   const uint8_t* far = nullptr;
   const int32_t* home = nullptr;
   int64_t gs[kMaxBig + 1];
+  // the rest's entries sorted by their gap bin (0..nb): bend[b] the end of the bins <= b; the
+  // bounds of log(ie) = (y - c) / eps in bin 0 (lie0) and in bin b >= 1 (lie1 - (b - 1) / bpu);
+  // nb < 0: no order (no rest target, or every recurrence in full)
+  const int64_t* bend = nullptr;
+  int64_t nb = -1;
+  double lie0 = 0, lie1 = 0, bpu = 1;
   double bmid[kMaxBig];
   double bcol[kMaxBig];
   double bref[kMaxBig];
@@ -324,8 +342,9 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
   return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
 }
 
-// The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row) and its
-// size; the cut (the first bin dropped) into cut. `weight[b]` bounds exp(-gap) in bin b.
+// The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
+// bins into w.bin, and its size; the cut (the first bin dropped) into cut. `weight[b]` bounds
+// exp(-gap) in bin b.
 template <typename scalar_t>
 int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const double* top,
                    double inv_eps, double tau, double bpu, const double* weight, int64_t nb,
@@ -336,6 +355,7 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   }
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) w.idx[i] = i;
+    std::fill(w.bin.begin(), w.bin.begin() + n, 0);
     cut = nb + 1;
     return n;
   }
@@ -363,6 +383,7 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   int64_t m = 0;
   for (int64_t j = 0; j < kept; ++j) {
     w.idx[m] = w.idx[j];
+    w.bin[m] = w.bin[j];
     m += w.bin[j] < c ? 1 : 0;
   }
   return m;
@@ -378,23 +399,27 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
   }
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) w.idx[i] = i;
+    std::fill(w.bin.begin(), w.bin.begin() + n, 0);
     return n;
   }
   const double yk = top[k];
   int64_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
+    const int64_t b = bin_of(t, nb);
     w.idx[m] = i;
-    m += bin_of(t, nb) < cut ? 1 : 0;
+    w.bin[m] = static_cast<int32_t>(b);
+    m += b < cut ? 1 : 0;
   }
   return m;
 }
 
-// The candidate problem of a row (see Prob) from its candidates w.idx[:m] (in the row's order):
-// they are grouped by home into w.grouped (a counting sort, which keeps the order within a home).
+// The candidate problem of a row (see Prob) from its candidates w.idx[:m] (in the row's order)
+// and their gap bins w.bin[:m] (0..nb, bpu bins per epsilon): they are grouped by home into
+// w.grouped, the rest's by gap bin (a counting sort, which keeps the order within a key).
 template <typename scalar_t>
 void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int64_t big,
-             int64_t m, double inv_eps, Work& w, Prob& pb) {
+             int64_t m, double inv_eps, int64_t nb, double bpu, Work& w, Prob& pb) {
   pb.m = m;
   pb.big = big;
   pb.k = k;
@@ -418,16 +443,36 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
     const int64_t hi = yi <= last ? big - 1 : above;
     hbuf[i] = static_cast<int32_t>(hi);
   }
-  for (int64_t i = 0; i < m; ++i) pb.gs[hbuf[i] + 1] += 1;
-  for (int64_t t = 0; t < big; ++t) pb.gs[t + 1] += pb.gs[t];
-  int64_t next[kMaxBig];
-  for (int64_t t = 0; t < big; ++t) next[t] = pb.gs[t];
+  // the sort keys: the home, the rest's entries (home big - 1) at big - 1 + their bin
+  const bool rest = big > k;
+  const int64_t nkeys = rest ? big + nb : big;
+  w.cnt.assign(static_cast<size_t>(nkeys + 1), 0);
+  w.nxt.resize(static_cast<size_t>(nkeys));
+  int64_t* cnt = w.cnt.data();
+  const int32_t* bin = w.bin.data();
+  if (rest) {
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t key = hbuf[i] == big - 1 ? static_cast<int32_t>(big - 1) + bin[i] : hbuf[i];
+      hbuf[i] = key;
+      cnt[key + 1] += 1;
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) cnt[hbuf[i] + 1] += 1;
+  }
+  for (int64_t t = 0; t < nkeys; ++t) cnt[t + 1] += cnt[t];
+  for (int64_t t = 0; t < big; ++t) pb.gs[t] = cnt[t];
+  pb.gs[big] = m;
+  int64_t* next = w.nxt.data();
+  for (int64_t t = 0; t < nkeys; ++t) next[t] = cnt[t];
   double* yc = w.yc.data();
   for (int64_t i = 0; i < m; ++i) {
     const int64_t pos = next[hbuf[i]]++;
     w.grouped[pos] = w.idx[i];
     yc[pos] = ytmp[i];
   }
+  pb.bend = rest ? cnt + big : nullptr;  // (cnt[big + b]: the start of bin b + 1's key)
+  pb.nb = rest ? nb : -1;
+  pb.bpu = bpu;
   int32_t* home = w.home.data();
   double ymin = kInf;
   for (int64_t t = 0; t < big; ++t) {
@@ -440,6 +485,10 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
     pb.bref[t] = pb.bcol[t] - static_cast<double>(pb.gs[t + 1] - pb.gs[t]);
   }
   pb.c = 0.5 * top[0] + 0.5 * ymin;
+  if (rest) {
+    pb.lie0 = (pb.bmid[big - 2] - pb.c) * inv_eps;  // (an entry of the rest is below it)
+    pb.lie1 = (top[k] - pb.c) * inv_eps;
+  }
   double* e = w.e.data();
   double* ie = w.ie.data();
   uint8_t* far = w.far.data();
@@ -489,29 +538,67 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
 // recurrence q_(j+1) = q_j e_i rho_j upward from its home and q_(j-1) = q_j ie_i irho_(j-1)
 // downward, normalised by its sum, held in registers for a vector of entries at a time (the
 // entries of one home share the recurrence's shape), the rest of a home entry by entry.
-double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
+//
+// The rest's entries (sorted by gap bin) stop their downward recurrence at the first target
+// whose entries are all below exp(kLogDrop) there: with a_j = log rho_j, an entry of log(ie) <= L
+// has log P_(k-r) <= r L - (a_(k-r) + ... + a_(k-1)), a bound per bin. lim[j] (non-decreasing in
+// j) is the end of the entries whose column j is formed; the others are 0 there (not written).
+void column_limits(const Prob& pb, const double* a, int64_t* lim) {
+  const int64_t big = pb.big, m = pb.m;
+  for (int64_t j = 0; j < big; ++j) lim[j] = m;
+  if (pb.nb < 0) return;
+  const int64_t k = pb.k;  // (the rest is column k = big - 1)
+  int64_t bmax[kMaxBig];
+  double sum_a = 0.0;
+  for (int64_t r = 1; r <= k; ++r) {
+    sum_a += a[k - r];
+    const double rd = static_cast<double>(r);
+    int64_t b = -1;  // the last bin whose bound reaches exp(kLogDrop)
+    if (rd * pb.lie0 - sum_a >= kLogDrop) {
+      b = 0;
+      const double t = pb.bpu * (pb.lie1 - (sum_a + kLogDrop) / rd);
+      if (rd * pb.lie1 - sum_a >= kLogDrop) {
+        b = t >= static_cast<double>(pb.nb) ? pb.nb : 1 + static_cast<int64_t>(std::floor(t));
+        b = std::min(b, pb.nb);
+      }
+    }
+    bmax[r] = b;
+  }
+  int64_t run = -1;
+  for (int64_t r = k; r >= 1; --r) {
+    run = std::max(run, bmax[r]);
+    lim[k - r] = run < 0 ? pb.gs[big - 1] : pb.bend[run];
+  }
+}
+
+double eval_fast(const Prob& pb, const double* v, double* p, double* gap, int64_t* lim) {
   using Vec = at::vec::Vectorized<double>;
   constexpr int64_t L = Vec::size();
   const int64_t big = pb.big, ld = pb.ld;
-  double rho[kMaxBig], irho[kMaxBig], q[kMaxBig], g[kMaxBig];
+  double rho[kMaxBig], irho[kMaxBig], q[kMaxBig], g[kMaxBig], av[kMaxBig];
   for (int64_t j = 0; j + 1 < big; ++j) {
     const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
     if (!(std::abs(a) <= kFar)) return kInf;
+    av[j] = a;
     rho[j] = std::exp(a);
     irho[j] = 1.0 / rho[j];  // (within a unit of rounding of exp(-a); |a| <= 600)
   }
+  column_limits(pb, av, lim);
   for (int64_t j = 0; j < big; ++j) g[j] = pb.bref[j];
   const double* e = pb.e;
   const double* ie = pb.ie;
   for (int64_t hi = 0; hi < big; ++hi) {
     int64_t i = pb.gs[hi];
     const int64_t i1 = pb.gs[hi + 1];
+    // the first target formed for the entry at i (0 but in the rest: non-decreasing in i)
+    int64_t lo = 0;
     if (i1 - i >= L) {
       Vec col[kMaxBig], qv[kMaxBig];
       for (int64_t j = 0; j < big; ++j) col[j] = Vec(0.0);
       Vec offs(0.0);
       const Vec one(1.0);
       for (; i + L <= i1; i += L) {
+        while (lo < hi && lim[lo] <= i) ++lo;
         const Vec ei = Vec::loadu(e + i), iei = Vec::loadu(ie + i);
         qv[hi] = one;
         Vec tot = one;
@@ -519,13 +606,13 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
           qv[j + 1] = qv[j] * (ei * Vec(rho[j]));
           tot = tot + qv[j + 1];
         }
-        for (int64_t j = hi - 1; j >= 0; --j) {
+        for (int64_t j = hi - 1; j >= lo; --j) {
           qv[j] = qv[j + 1] * (iei * Vec(irho[j]));
           tot = tot + qv[j];
         }
         const Vec inv = one / tot;
         Vec off(0.0);
-        for (int64_t j = 0; j < big; ++j) {
+        for (int64_t j = lo; j < big; ++j) {
           const Vec pj = qv[j] * inv;
           pj.store(p + j * ld + i);
           if (j != hi) {
@@ -549,6 +636,7 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
       g[hi] += acc;
     }
     for (; i < i1; ++i) {
+      while (lo < hi && lim[lo] <= i) ++lo;
       const double ei = e[i], iei = ie[i];
       q[hi] = 1.0;
       double tot = 1.0;
@@ -556,13 +644,13 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
         q[j + 1] = q[j] * (ei * rho[j]);
         tot += q[j + 1];
       }
-      for (int64_t j = hi - 1; j >= 0; --j) {
+      for (int64_t j = hi - 1; j >= lo; --j) {
         q[j] = q[j + 1] * (iei * irho[j]);
         tot += q[j];
       }
       const double inv = 1.0 / tot;
       double off = 0.0;
-      for (int64_t j = 0; j < big; ++j) {
+      for (int64_t j = lo; j < big; ++j) {
         const double pj = q[j] * inv;
         p[j * ld + i] = pj;
         if (j != hi) {
@@ -583,8 +671,9 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap) {
 
 // eval_fast entry by entry: entries far from the centre, and all entries where a column factor
 // is out of range, take one exponential per target.
-double eval_general(const Prob& pb, const double* v, double* p, double* gap) {
+double eval_general(const Prob& pb, const double* v, double* p, double* gap, int64_t* lim) {
   const int64_t big = pb.big, m = pb.m, ld = pb.ld;
+  for (int64_t j = 0; j < big; ++j) lim[j] = m;
   double rho[kMaxBig], irho[kMaxBig], q[kMaxBig];
   bool rowexp = false;
   for (int64_t j = 0; j + 1 < big; ++j) {
@@ -638,12 +727,14 @@ double eval_general(const Prob& pb, const double* v, double* p, double* gap) {
   return l1;
 }
 
-double eval_state(const Prob& pb, const double* v, double* p, double* gap) {
+// The plan at the state v (eval_fast, else eval_general); column j formed at its entries below
+// lim[j].
+double eval_state(const Prob& pb, const double* v, double* p, double* gap, int64_t* lim) {
   if (pb.fast) {
-    const double l1 = eval_fast(pb, v, p, gap);
+    const double l1 = eval_fast(pb, v, p, gap, lim);
     if (l1 < kInf) return l1;
   }
-  return eval_general(pb, v, p, gap);
+  return eval_general(pb, v, p, gap, lim);
 }
 
 // State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre.
@@ -660,12 +751,16 @@ struct Layout {
 
 // One row's candidate problem, solved: semi-dual Newton from one Sinkhorn column update of v = 0
 // (full steps, halved while they do not lower sum_j |b_j - c_j|). Writes the state; returns the
-// relative L1 row residual of the column-exact plan; p holds the row-normalised plan.
+// relative L1 row residual of the column-exact plan; p_out holds the row-normalised plan (column
+// j at its entries below lim_out[j], 0 at the others).
 double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halvings, Work& w,
-                  double* st, const Layout& lay, double*& p_out) {
+                  double* st, const Layout& lay, double*& p_out, int64_t* lim_out) {
   const int64_t big = pb.big, m = pb.m, ld = pb.ld;
   double* p = w.p.data();
   double* p_new = w.p_new.data();
+  int64_t lim_a[kMaxBig], lim_b[kMaxBig];
+  int64_t* lim = lim_a;
+  int64_t* lim_new = lim_b;
   double gap_a[kMaxBig], gap_b[kMaxBig], v_a[kMaxBig], v_b[kMaxBig], delta[kMaxBig];
   double wc[kMaxBig * kMaxBig];
   double* gap = gap_a;
@@ -682,13 +777,14 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
   int phase = 0;
   double step = 1.0, l1 = kInf;
   while (true) {
-    const double l1_new = eval_state(pb, v_new, p_new, gap_new);
+    const double l1_new = eval_state(pb, v_new, p_new, gap_new, lim_new);
     if (phase == 0) {  // the start: one Sinkhorn column update of v = 0 (the hard assignment)
       for (int64_t t = 0; t < big; ++t) {
         const double* pt = p_new + t * ld;
         double col = 0.0;
+        const int64_t mt = lim_new[t];
 #pragma omp simd reduction(+ : col)
-        for (int64_t i = 0; i < m; ++i) col += pt[i];
+        for (int64_t i = 0; i < mt; ++i) col += pt[i];
         v_new[t] = std::log(pb.bcol[t]) - std::log(std::max(col, kTiny));
       }
       phase = 1;
@@ -701,11 +797,12 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
       continue;
     }
     std::swap(p, p_new);
+    std::swap(lim, lim_new);
     std::swap(gap, gap_new);
     std::swap(v, v_new);
     l1 = l1_new;
     if (!(l1 > tol_mass) || steps >= max_steps) break;
-    couplings(p, ld, m, big, nullptr, wc);
+    couplings(p, ld, m, big, nullptr, lim, wc);
     const double ok = laplacian_solve(wc, big, gap, delta);
     ++steps;
     if (!(ok > 0)) break;
@@ -729,12 +826,14 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
     for (int64_t t = 0; t < big; ++t) {
       const double rt = rr[t];
       const double* pt = p + t * ld + i0;
+      const int64_t lt = std::min(len, std::max<int64_t>(lim[t] - i0, 0));
 #pragma omp simd
-      for (int64_t i = 0; i < len; ++i) dev[i] += pt[i] * rt;
+      for (int64_t i = 0; i < lt; ++i) dev[i] += pt[i] * rt;
     }
     for (int64_t i = 0; i < len; ++i) err += std::abs(dev[i]);
   }
   p_out = p;
+  for (int64_t t = 0; t < big; ++t) lim_out[t] = lim[t];
   return err / static_cast<double>(m);
 }
 
@@ -1180,31 +1279,36 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     int64_t count = 0;
     Lanes g;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
-    // its state and its plan P_ti at p[t * sj + i * si]
+    // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
     auto finish = [&](int64_t row, const Prob& pr, const Work& wk, const double* p, int64_t sj,
-                      int64_t si, double e) {
+                      int64_t si, const int64_t* lim, double e) {
       pe[row] = e;
       ps[row] = e <= tol ? 0 : 1;
       const double* rr = pst + row * lay.size() + lay.ratio();
       scalar_t* wr = pw + row * k * n;
-      const int64_t m = pr.m;
       for (int64_t t = 0; t < k; ++t) {
         const double f = 1.0 + rr[t];
         const double* pt = p + t * sj;
         scalar_t* wt = wr + t * n;
         double acc = 0.0;
-        for (int64_t i = 0; i < m; ++i) {
+        const int64_t mt = lim[t];
+        for (int64_t i = 0; i < mt; ++i) {
           const double wti = pt[i * si] * f;
           acc += wti * pr.yc[i];
           wt[wk.grouped[i]] = static_cast<scalar_t>(wti);
+        }
+        if (pr.m == n) {  // (a row of candidates only was not cleared)
+          for (int64_t i = mt; i < pr.m; ++i) wt[wk.grouped[i]] = scalar_t(0);
         }
         pv[row * k + t] = sign * acc;
       }
     };
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
       double* p = nullptr;
-      const double e = newton_row(pr, tol, max_steps, halvings, wk, pst + row * lay.size(), lay, p);
-      finish(row, pr, wk, p, pr.m, 1, e);
+      int64_t lim[kMaxBig];
+      const double e =
+          newton_row(pr, tol, max_steps, halvings, wk, pst + row * lay.size(), lay, p, lim);
+      finish(row, pr, wk, p, pr.m, 1, lim, e);
     };
     // the rows gathered in the lanes, solved together (one alone: the scalar code)
     auto flush = [&]() {
@@ -1246,7 +1350,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
           for (int64_t t = 0; t < big; ++t) dev += p[t * sj + i * kLanes] * rr[t];
           e += std::abs(dev);
         }
-        finish(row, pr, lw[l], p, sj, kLanes, e / static_cast<double>(pr.m));
+        int64_t lim[kMaxBig];
+        for (int64_t t = 0; t < big; ++t) lim[t] = pr.m;
+        finish(row, pr, lw[l], p, sj, kLanes, lim, e / static_cast<double>(pr.m));
       }
       count = 0;
     };
@@ -1273,7 +1379,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
-      prepare(xr, sign, top, k, big, m, inv_eps, wk, pr);
+      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
@@ -1318,10 +1424,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_row
 
 // u_ji - sum_l P_li u_li into out (big, m) for u_ji = sb beta_j + sg gb_ji and the
 // row-normalised plan P = gam * inv_mu, each entry first shifted by its value at its home (its
-// largest P): without cancellation for nearly one-hot entries.
+// largest P): without cancellation for nearly one-hot entries. Column j at its entries below
+// lim[j] (P is 0 at the others: out is not formed there).
 void centred(const double* gam, const double* inv_mu, const double* gb, const double* beta,
              double sb, double sg, const int32_t* home, int64_t m, int64_t big, int64_t ld,
-             double* out, double* ref, double* mean) {
+             const int64_t* lim, double* out, double* ref, double* mean) {
   for (int64_t i = 0; i < m; ++i) {
     const int64_t hi = home[i];
     ref[i] = sb * beta[hi] + sg * gb[hi * ld + i];
@@ -1332,8 +1439,9 @@ void centred(const double* gam, const double* inv_mu, const double* gb, const do
     const double* gj = gb + j * ld;
     const double* pj = gam + j * ld;
     double* oj = out + j * ld;
+    const int64_t mj = lim[j];
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) {
+    for (int64_t i = 0; i < mj; ++i) {
       const double d = (bj + sg * gj[i]) - ref[i];
       oj[i] = d;
       mean[i] += pj[i] * d;
@@ -1342,20 +1450,22 @@ void centred(const double* gam, const double* inv_mu, const double* gb, const do
   for (int64_t i = 0; i < m; ++i) mean[i] *= inv_mu[i];
   for (int64_t j = 0; j < big; ++j) {
     double* oj = out + j * ld;
+    const int64_t mj = lim[j];
 #pragma omp simd
-    for (int64_t i = 0; i < m; ++i) oj[i] -= mean[i];
+    for (int64_t i = 0; i < mj; ++i) oj[i] -= mean[i];
   }
 }
 
-// sum_i gam_ti cen_ti for every target into rhs.
-void contract(const double* gam, const double* cen, int64_t m, int64_t big, int64_t ld,
+// sum_i gam_ti cen_ti for every target into rhs (column t at its entries below lim[t]).
+void contract(const double* gam, const double* cen, int64_t big, int64_t ld, const int64_t* lim,
               double* rhs) {
   for (int64_t t = 0; t < big; ++t) {
     const double* gt = gam + t * ld;
     const double* ct = cen + t * ld;
     double acc = 0.0;
+    const int64_t mt = lim[t];
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < m; ++i) acc += gt[i] * ct[i];
+    for (int64_t i = 0; i < mt; ++i) acc += gt[i] * ct[i];
     rhs[t] = acc;
   }
 }
@@ -1396,7 +1506,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       scalar_t* gxr = pgx + row * n;
       double gap[kMaxBig];
       double* gam = wk.p.data();
-      eval_state(pr, st + lay.v(), gam, gap);
+      int64_t lim[kMaxBig];
+      eval_state(pr, st + lay.v(), gam, gap, lim);
       const double* rr = st + lay.ratio();
       const double c = st[lay.centre()];
       // the column-exact plan gam (in place of p), its row sums mu and each entry's largest
@@ -1412,8 +1523,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       for (int64_t t = 0; t < big; ++t) {
         const double f = 1.0 + rr[t];
         double* gt = gam + t * m;
+        const int64_t mt = lim[t];
 #pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
+        for (int64_t i = 0; i < mt; ++i) {
           const double g = gt[i] * f;
           gt[i] = g;
           mu[i] += g;
@@ -1427,7 +1539,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       for (int64_t t = 0; t < big; ++t) {
         const double* gt = gam + t * m;
-        for (int64_t i = 0; i < m; ++i) {
+        const int64_t mt = lim[t];
+        for (int64_t i = 0; i < mt; ++i) {
           if (gt[i] > best[i]) {
             best[i] = gt[i];
             home[i] = static_cast<int32_t>(t);
@@ -1438,17 +1551,18 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* gb = wk.gb.data();
       for (int64_t t = 0; t < big; ++t) {
         double* gt = gb + t * m;
+        const int64_t mt = lim[t];
         if (t < k) {
           const double gvt = pgv != nullptr ? pgv[row * k + t] : 0.0;
-          for (int64_t i = 0; i < m; ++i) gt[i] = gvt * xc[i];
+          for (int64_t i = 0; i < mt; ++i) gt[i] = gvt * xc[i];
           if (has_gw) {
             const scalar_t* gwr = pgw + row * sw0 + t * sw1;
-            for (int64_t i = 0; i < m; ++i) {
+            for (int64_t i = 0; i < mt; ++i) {
               gt[i] += static_cast<double>(gwr[wk.grouped[i] * sw2]);
             }
           }
         } else {
-          for (int64_t i = 0; i < m; ++i) gt[i] = 0.0;
+          for (int64_t i = 0; i < mt; ++i) gt[i] = 0.0;
         }
       }
       double beta[kMaxBig], rhs[kMaxBig], stepv[kMaxBig], wc[kMaxBig * kMaxBig];
@@ -1456,14 +1570,14 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* cen = wk.cen.data();
       double* ref = wk.ref.data();
       double* mean = wk.mean.data();
-      centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, cen, ref, mean);
-      contract(gam, cen, m, big, m, rhs);
-      couplings(gam, m, m, big, inv_mu, wc);
+      centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, lim, cen, ref, mean);
+      contract(gam, cen, big, m, lim, rhs);
+      couplings(gam, m, m, big, inv_mu, lim, wc);
       const double det = laplacian_solve(wc, big, rhs, beta);
       // one refinement against the exactly formed residual where the solve took the jitter
       if (big > 3 && det > 0 && det <= 1.0) {
-        centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, m, cen, ref, mean);
-        contract(gam, cen, m, big, m, rhs);
+        centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, m, lim, cen, ref, mean);
+        contract(gam, cen, big, m, lim, rhs);
         laplacian_solve(wc, big, rhs, stepv);
         for (int64_t t = 0; t < big; ++t) beta[t] += stepv[t];
       }
@@ -1474,7 +1588,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         psafe[row] = false;
         return;
       }
-      centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, cen, ref, mean);
+      centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, lim, cen, ref, mean);
       // d values / d y through the plan (slopes t / eps) and directly (the weights)
       double* acc_y = wk.acc_y.data();
       double* direct = wk.direct.data();
@@ -1487,8 +1601,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         const double gvt = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
         const double* gt = gam + t * m;
         const double* ct = cen + t * m;
+        const int64_t mt = lim[t];
 #pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
+        for (int64_t i = 0; i < mt; ++i) {
           acc_y[i] += ft * gt[i] * ct[i];
           direct[i] += gt[i] * gvt;
         }
@@ -1708,7 +1823,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         continue;
       }
       wk.entries(m, big, true);
-      prepare(xr, sign, top, k, big, m, inv_eps, wk, pr);
+      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxMBackward) {
         lrow[count] = row;
         if (++count == kLanes) flush();
