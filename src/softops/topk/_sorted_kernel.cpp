@@ -41,8 +41,13 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -68,6 +73,21 @@ constexpr int64_t kChunk = 256;
 // log of the plan entries below which an entry's recurrence stops short of the far targets:
 // 2^-80, so that a column loses at most m 2^-80 (below 2e-17 for m <= 2e7) of its mass.
 constexpr double kLogDrop = -80.0 * 0.69314718055994530942;
+
+// A large output written once through (the weights) on transparent huge pages where the system
+// grants them on request: its first touch then takes one page fault per 2 MiB, not per 4 KiB.
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  const size_t bytes = t.nbytes();
+  if (bytes < 4 * kHuge) return;
+  const auto a = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = (a + kHuge - 1) & ~(kHuge - 1), hi = (a + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // (advice only)
+#else
+  (void)t;
+#endif
+}
 
 // --------------------------------------------------------------------------- the Laplacian
 
@@ -1408,6 +1428,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_row
   const int64_t big = k < n ? k + 1 : k;
   auto f64 = x.options().dtype(at::kDouble);
   at::Tensor weights = at::empty({B, k, n}, x.options());
+  advise_huge_pages(weights);
   at::Tensor values = at::empty({B, k}, f64);
   at::Tensor err = at::empty({B}, f64);
   at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
