@@ -98,8 +98,9 @@ def test_tiny_and_huge_epsilon(ops, dtype, eps) -> None:
 @pytest.mark.parametrize("dtype", [F64, F32])
 def test_long_rows_whose_far_entries_stop_short_of_the_top_targets(ops, dtype) -> None:
     # The rest's entries far below the boundary form only the targets next to the rest (their
-    # plan is below 2^-80 on the others); normal rows, a row of candidates only (every entry
-    # within the candidate bound, most of them deep) and a spread row, against the torch code.
+    # plan is below min(2^-60, tau 2^-20 / m) on the others); normal rows, a row of candidates
+    # only (every entry within the candidate bound, most of them deep) and a spread row, against
+    # the torch code.
     x = torch.randn(4, 3000, generator=seeded(11), dtype=F64)
     x[1, :300] = -torch.linspace(0.0, 3.0, 300, dtype=F64)
     x[1, 300:] = -10.0  # (outside the candidate set)

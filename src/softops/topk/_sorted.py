@@ -602,9 +602,9 @@ _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 def _state_width(k: int, n: int) -> int:
     """Columns of the kernel's per-row state: the k+1 largest scores, the cut, the count, the
-    column states v, the ratios (b - c)/c and the centre (k+1 targets; k where k = n)."""
+    column states v, the ratios (b - c)/c, the centre and log tau (k+1 targets; k where k = n)."""
     big = k + 1 if k < n else k
-    return 3 * big + 3
+    return 3 * big + 4
 
 
 def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -721,7 +721,7 @@ SOLVE_OP = define(
 """The candidate-set solve of rows (x (B, n) in the compute dtype, eps (B,), k, largest,
 max_iter, tol) -> (weights (B, k, n), values (B, k), residual (B,) float64, status (B,) int8: 0
 solved by the kernel, 1 solved by the torch code, 2 left to the caller (an infinity, a NaN, an
-entry near the largest finite value: zeros); the kernel's state (B, 3 (k+1) + 3) float64, for
+entry near the largest finite value: zeros); the kernel's state (B, 3 (k+1) + 4) float64, for
 the backward). Not differentiable (:class:`_KernelSolve` carries the gradient)."""
 
 

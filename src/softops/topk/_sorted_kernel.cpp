@@ -19,10 +19,11 @@
 // over the entries per state). The rest's entries are sorted by their gap bin, and each state
 // bounds, per bin, the plan of the targets far from the rest (log P_(k-r) <= r log(ie) - the
 // sum of the r column log-factors next to the rest): an entry's downward recurrence stops at the
-// first target where its bin's bound is below 2^-80, and every later loop over a column's
-// entries stops at the end of the entries formed there (lim). Rows whose factors would leave
-// the range take one exponential per target (eval_general). The Newton system is the grounded Laplacian of the
-// couplings, in closed form for three targets or fewer, else by the equilibrated Cholesky.
+// first target where its bin's bound is below delta = min(2^-60, tau 2^-20 / m), and every
+// later loop over a column's entries stops at the end of the entries formed there (lim). Rows
+// whose factors would leave the range take one exponential per target (eval_general). The
+// Newton system is the grounded Laplacian of the couplings, in closed form for three targets or
+// fewer, else by the equilibrated Cholesky.
 //
 // Short rows (4-12 targets, in the recurrence's range, up to kLaneMaxM candidates forward and
 // kLaneMaxMBackward backward) are solved a vector of rows at a time, one row per at::vec lane
@@ -70,9 +71,11 @@ constexpr double kFar = 600.0;
 constexpr int64_t kMaxBig = 34;
 // Entries per chunk of the loops over a row's candidates.
 constexpr int64_t kChunk = 256;
-// log of the plan entries below which an entry's recurrence stops short of the far targets:
-// 2^-80, so that a column loses at most m 2^-80 (below 2e-17 for m <= 2e7) of its mass.
-constexpr double kLogDrop = -80.0 * 0.69314718055994530942;
+// The plan entries below which an entry's recurrence stops short of the far targets: tau 2^-20
+// / m (tau the candidate set's tolerance), so that a column loses at most tau 2^-20 of its mass,
+// and at most 2^-60.
+constexpr double kLogDropMargin = -20.0 * 0.69314718055994530942;
+constexpr double kLogDropMax = -60.0 * 0.69314718055994530942;
 
 // A large output written once through (the weights) on transparent huge pages where the system
 // grants them on request: its first touch then takes one page fault per 2 MiB, not per 4 KiB.
@@ -298,6 +301,7 @@ struct Prob {
   const int64_t* bend = nullptr;
   int64_t nb = -1;
   double lie0 = 0, lie1 = 0, bpu = 1;
+  double log_drop = 0;  // log of the plan entries left out (see kLogDropMargin)
   double bmid[kMaxBig];
   double bcol[kMaxBig];
   double bref[kMaxBig];
@@ -439,7 +443,8 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
 // w.grouped, the rest's by gap bin (a counting sort, which keeps the order within a key).
 template <typename scalar_t>
 void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int64_t big,
-             int64_t m, double inv_eps, int64_t nb, double bpu, Work& w, Prob& pb) {
+             int64_t m, double inv_eps, int64_t nb, double bpu, double log_tau, Work& w,
+             Prob& pb) {
   pb.m = m;
   pb.big = big;
   pb.k = k;
@@ -508,6 +513,8 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   if (rest) {
     pb.lie0 = (pb.bmid[big - 2] - pb.c) * inv_eps;  // (an entry of the rest is below it)
     pb.lie1 = (top[k] - pb.c) * inv_eps;
+    pb.log_drop =
+        std::min(kLogDropMax, log_tau + kLogDropMargin - std::log(static_cast<double>(m)));
   }
   double* e = w.e.data();
   double* ie = w.ie.data();
@@ -560,7 +567,7 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
 // entries of one home share the recurrence's shape), the rest of a home entry by entry.
 //
 // The rest's entries (sorted by gap bin) stop their downward recurrence at the first target
-// whose entries are all below exp(kLogDrop) there: with a_j = log rho_j, an entry of log(ie) <= L
+// whose entries are all below exp(pb.log_drop) there: with a_j = log rho_j, an entry of log(ie) <= L
 // has log P_(k-r) <= r L - (a_(k-r) + ... + a_(k-1)), a bound per bin. lim[j] (non-decreasing in
 // j) is the end of the entries whose column j is formed; the others are 0 there (not written).
 void column_limits(const Prob& pb, const double* a, int64_t* lim) {
@@ -573,11 +580,12 @@ void column_limits(const Prob& pb, const double* a, int64_t* lim) {
   for (int64_t r = 1; r <= k; ++r) {
     sum_a += a[k - r];
     const double rd = static_cast<double>(r);
-    int64_t b = -1;  // the last bin whose bound reaches exp(kLogDrop)
-    if (rd * pb.lie0 - sum_a >= kLogDrop) {
+    int64_t b = -1;  // the last bin whose bound reaches exp(log_drop)
+    const double drop = pb.log_drop;
+    if (rd * pb.lie0 - sum_a >= drop) {
       b = 0;
-      const double t = pb.bpu * (pb.lie1 - (sum_a + kLogDrop) / rd);
-      if (rd * pb.lie1 - sum_a >= kLogDrop) {
+      const double t = pb.bpu * (pb.lie1 - (sum_a + drop) / rd);
+      if (rd * pb.lie1 - sum_a >= drop) {
         b = t >= static_cast<double>(pb.nb) ? pb.nb : 1 + static_cast<int64_t>(std::floor(t));
         b = std::min(b, pb.nb);
       }
@@ -757,7 +765,7 @@ double eval_state(const Prob& pb, const double* v, double* p, double* gap, int64
   return eval_general(pb, v, p, gap, lim);
 }
 
-// State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre.
+// State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre, log tau.
 struct Layout {
   int64_t big;
   int64_t top() const { return 0; }
@@ -766,7 +774,8 @@ struct Layout {
   int64_t v() const { return big + 2; }
   int64_t ratio() const { return 2 * big + 2; }
   int64_t centre() const { return 3 * big + 2; }
-  int64_t size() const { return 3 * big + 3; }
+  int64_t log_tau() const { return 3 * big + 3; }
+  int64_t size() const { return 3 * big + 4; }
 };
 
 // One row's candidate problem, solved: semi-dual Newton from one Sinkhorn column update of v = 0
@@ -1399,7 +1408,8 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
-      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, wk, pr);
+      st[lay.log_tau()] = std::log(tau);
+      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
@@ -1414,7 +1424,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
 // (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
 // the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
 // (weights (B, k, n) in x's dtype, values (B, k) float64, err (B,), status (B,) int8, state (B,
-// 3 big + 3) float64).
+// 3 big + 4) float64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double tau,
     double bpu, double limit, double span_max, const at::Tensor& bin_weight, double tol,
@@ -1432,7 +1442,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_row
   at::Tensor values = at::empty({B, k}, f64);
   at::Tensor err = at::empty({B}, f64);
   at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
-  at::Tensor state = at::empty({B, 3 * big + 3}, f64);
+  at::Tensor state = at::empty({B, Layout{big}.size()}, f64);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "solve_rows", [&] {
     solve_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, tau, bpu, limit, span_max,
                               weight.data_ptr<double>(), weight.numel() - 1, tol, max_steps,
@@ -1844,7 +1854,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         continue;
       }
       wk.entries(m, big, true);
-      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, wk, pr);
+      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxMBackward) {
         lrow[count] = row;
         if (++count == kLanes) flush();
