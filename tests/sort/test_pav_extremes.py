@@ -398,3 +398,129 @@ def test_kd18_l2_sort_and_quantile_of_subnormal_rows_at_the_smallest_epsilon(eps
             for fn in ops:
                 assert torch.equal(fn(x, eps), fn(x, 1e-300)), (x, fn(x, eps), fn(x, 1e-300))
             assert torch.equal(soft_sort(x, epsilon=eps), x.sort(-1).values)
+
+
+# ------------------------------------------- KD22: ranks whose z = x / eps is beyond the dtype
+
+
+def _hard_ranks(x: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """1-based ranks, ties at the mean of their positions (float64)."""
+    xd = (-x if descending else x).double()
+    below = (xd.unsqueeze(-1) > xd.unsqueeze(-2)).sum(-1).double()
+    equal = (xd.unsqueeze(-1) == xd.unsqueeze(-2)).sum(-1).double()
+    return below + (equal + 1) / 2
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_kd22_ranks_beyond_the_dtype_are_the_hard_ranks(dtype, reg, descending, backend):
+    """max |x| / eps beyond the dtype's largest value: z = x / eps overflowed and its entries
+    tied at +-inf ([[-8, -4]] at epsilon finfo.tiny gave [[1.5, 1.5]]). Every gap is then far
+    wider than n epsilons: the hard ranks, ties at their mean, for rows of several magnitudes and
+    both signs; and a row of subnormal magnitude keeps its gaps."""
+    fi = torch.finfo(dtype)
+    tol = 0.0 if reg == "l2" else 4 * fi.eps
+    g = torch.Generator().manual_seed(22)
+    rows = [
+        torch.tensor([-8.0, -4.0], dtype=F64),
+        torch.randn(9, generator=g, dtype=F64),
+        torch.tensor([3.0, -1.0, 3.0, 0.0, -0.0, -1.0, 2.5], dtype=F64),  # ties, signed zeros
+    ]
+    for row in rows:
+        for scale in (1.0, 1e6, fi.max / 16):
+            x = (row * scale).to(dtype)[None]
+            for eps in (fi.tiny, fi.tiny * 2**20):
+                if float(x.abs().max()) / eps < fi.max:
+                    continue  # (this class: z beyond the dtype)
+                r = soft_rank(x, epsilon=eps, regularization=reg, descending=descending)
+                # (exactly for L2; KL's exp(log rho) rounds)
+                torch.testing.assert_close(r.double(), _hard_ranks(x, descending), rtol=tol, atol=0)
+    # and a subnormal row at the smallest epsilon: gaps of 2**-20 epsilons are soft, not lost
+    x = torch.tensor([[0.0, 1.0, 2.0**-20, 64.0]], dtype=F64) * fi.tiny
+    r = soft_rank(x.to(dtype), epsilon=fi.tiny, regularization=reg, descending=descending)
+    want = soft_rank(x / fi.tiny, epsilon=1.0, regularization=reg, descending=descending)
+    torch.testing.assert_close(r.double(), want, rtol=1e-6 if dtype == F32 else 1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_kd22_soft_ranks_among_entries_beyond_the_dtype(dtype, reg, backend):
+    """Entries whose z is beyond the dtype beside entries a few epsilons apart: the far ones get
+    their hard ranks, the near ones their soft ranks (PAV never pools across a gap wider than
+    the span of rho), at every epsilon down to finfo.tiny: the same ranks as at epsilon 1 with
+    the far entries a million epsilons away, where nothing overflows."""
+    fi = torch.finfo(dtype)
+    mid = torch.tensor([0.3, -0.2, 0.35, 1.4], dtype=F64)
+    for eps in (fi.tiny, 1e-30, 1e-20):
+        if eps < fi.tiny:
+            continue
+        big = 8.0 * eps * fi.max  # z = big / eps = 8 max: beyond the dtype
+        if big > fi.max:
+            big = fi.max / 2
+        x = torch.tensor([big, -big, *(mid * eps).tolist(), -big], dtype=F64)
+        r = soft_rank(x.to(dtype)[None], epsilon=eps, regularization=reg)[0].double()
+        assert float(x[0]) / eps > fi.max
+        near = torch.tensor([1e6, -1e6, *mid.tolist(), -1e6], dtype=F64)
+        want = soft_rank(near[None], epsilon=1.0, regularization=reg)[0]
+        assert want[1] == want[-1]
+        torch.testing.assert_close(r, want.double(), rtol=1e-5 if dtype == F32 else 1e-13, atol=0)
+
+
+def test_kd22_backends_agree_beyond_the_dtype():
+    """The kernel and the torch reference form z in the same frame: the same ranks, bit for
+    bit, on rows beyond the dtype, with infinities, ties and gaps at the frame's bound."""
+    _require_kernel()
+    x = torch.tensor(
+        [
+            [1e300, 1e-300, 2e-300, 2.5e-300, -1e300, INF, 3e-300, -INF],
+            [-8.0, -4.0, 0.0, 5e-309, 1e-308, 8e-308, 1e308, -1e308],
+            [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+        ],
+        dtype=F64,
+    )
+    for reg in ("l2", "kl"):
+        for desc in (False, True):
+            for eps in (1e-300, 2.3e-308, 1e-10, 1.0, 3.0):
+                out = {}
+                for use in BACKENDS:
+                    with kernel_backend(use):
+                        out[use] = soft_rank(x, epsilon=eps, regularization=reg, descending=desc)
+                assert torch.equal(out["kernel"], out["reference"]), (reg, desc, eps, out)
+                assert bool((out["kernel"] >= 1).all() and (out["kernel"] <= 8).all())
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_kd22_gradients_beyond_the_dtype(reg, backend):
+    """Derivatives where z is beyond float64: gradcheck of the rank in units of epsilon (x =
+    a * S, eps = e * S, beside entries at +-1e300, so that |x| / eps is 1e440 or more), and
+    gradgradcheck where the second derivatives in the units of x (about 1 / S**2) are finite;
+    the far entries are blocks of their own, the near ones get the derivatives of the same row
+    with the far entries a million epsilons away; and the epsilon derivative against central
+    differences at S = 1e-300."""
+    far = torch.tensor([1e300, -1e300], dtype=F64)
+    a = torch.tensor([0.3, -0.2, 0.35, 1.4], dtype=F64, requires_grad=True)
+    e = torch.tensor([0.7], dtype=F64, requires_grad=True)
+    for S in (1e-300, 1e-140):
+
+        def fn(a, e, S=S):
+            x = torch.cat((far[:1], a * S, far[1:]))[None]
+            return soft_rank(x, epsilon=e * S, regularization=reg)
+
+        assert torch.autograd.gradcheck(fn, (a, e))
+        if S > 1e-150:  # (1 / S**2 within float64)
+            assert torch.autograd.gradgradcheck(fn, (a, e))
+        r = fn(a, e)[0]
+        ga, ge = torch.autograd.grad(r[1:5].sum() + r[2], (a, e))
+        near = torch.cat((torch.tensor([1e6]), a, torch.tensor([-1e6])))
+        r1 = soft_rank(near[None], epsilon=e, regularization=reg)[0]
+        ga1, ge1 = torch.autograd.grad(r1[1:5].sum() + r1[2], (a, e))
+        torch.testing.assert_close(r.detach(), r1.detach(), rtol=1e-13, atol=0)
+        torch.testing.assert_close(ga, ga1, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ge, ge1, rtol=1e-10, atol=1e-12)
+    S = 1e-300
+    x = torch.cat((far[:1], a.detach() * S, far[1:]))[None]
+    fn2 = lambda x, e: soft_rank(x, epsilon=e, regularization=reg)  # noqa: E731
+    gex, fd = _fd_eps(fn2, x, 0.7 * S)
+    assert bool((gex != 0).all())
+    torch.testing.assert_close(gex, fd, rtol=1e-6, atol=0)

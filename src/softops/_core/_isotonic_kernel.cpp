@@ -600,9 +600,48 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
   for (int64_t j = 0; j < n; ++j) idx[j] = items[j].index;
 }
 
+// The rank's z = u / f (f = +-eps) in sorted order, as doubles that cannot overflow (z itself
+// does, at a tiny epsilon: u / eps is beyond the dtype's range and its entries tie at +-inf).
+// P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries wider
+// than G = (t_0 - t_{n-1}) + 2 n is never pooled across: for blocks P above T, mean(y_P) -
+// mean(y_T) (y = z - t) is at least that gap less the span of t (L2), less 2 log n more for the
+// block values logsumexp(z_B) - logsumexp(t_B) (KL). So each run of consecutive gaps at most G
+// (a segment) keeps its own differences, z'_i = o - (q_a - q_i) / f with q the sorted u and a the
+// segment's first position, and the segments are set G apart: o = -(sum over the earlier breaks of
+// the span of the segment before it plus G). The blocks, and every difference within a block
+// that the output is formed from, are those of z. Entries of u that are not finite keep u / f
+// (+-inf, NaN): the frame takes them as before. (The reference: _rank_frame in isotonic.py, the
+// same operations in the same order.)
+template <typename scalar_t>
+void rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* z) {
+  const double G = (t[0] - t[n - 1]) + 2.0 * double(n);
+  double acc = 0.0;
+  int64_t a = 0;
+  bool prev = false;  // whether q[i - 1] is finite
+  for (int64_t i = 0; i < n; ++i) {
+    const double qi = double(q[i]);
+    if (!std::isfinite(qi)) {
+      z[i] = qi / f;
+      prev = false;
+      continue;
+    }
+    if (!prev) {
+      a = i;
+    } else if ((double(q[i - 1]) - qi) / f > G) {
+      acc += (double(q[a]) - double(q[i - 1])) / f + G;
+      a = i;
+    }
+    z[i] = -acc - (double(q[a]) - qi) / f;
+    prev = true;
+  }
+}
+
 // P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
 // reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
+// With kModeInv z = u * f in the dtype; else z = u / f is sorted by u (by -u with the flip) and
+// formed by rank_frame in double (it may be beyond the dtype), the projection solved in double
+// and cast back.
 // Returns (p (B, n) in z's order, pz (B, n) or (B, 0), pw (Bw, n) or (Bw, 0), block (B, n) in sorted
 // coordinates, bad: the number of rows that held a non-finite entry, an int: no tensor to make
 // and read back on the host, a fixed cost of every call).
@@ -664,6 +703,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
       auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
       auto p = work<scalar_t>(n), nw = work<scalar_t>(negate_rows ? n : 0);
+      auto frame = work<double>(inv ? 0 : 3 * n);
       std::vector<double> scaled;
       int64_t rows_bad = 0;
       for (int64_t b = b0; b < b1; ++b) {
@@ -676,16 +716,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
         } else {
           f = flip ? -pe[b] : pe[b];
         }
+        // inv: z = u * f; else the order of z = u / f is that of u (of -u with the flip), and z
+        // itself is formed in the frame of rank_frame, from the sorted u
         if (inv) {
           for (int64_t j = 0; j < n; ++j) z[j] = ru[j] * f;
-        } else {
-          for (int64_t j = 0; j < n; ++j) z[j] = ru[j] / f;
+        } else if (sort_z) {
+          for (int64_t j = 0; j < n; ++j) z[j] = flip ? -ru[j] : ru[j];
         }
-        const scalar_t* rs = z.get();
+        const scalar_t* rs = inv ? z.get() : ru;
         if (sort_z) {
           int64_t* idx = ppz + b * n;
           sort_descending(z.get(), n, idx, keys.get());
-          for (int64_t j = 0; j < n; ++j) s[j] = z[idx[j]];
+          const scalar_t* from = inv ? z.get() : ru;
+          for (int64_t j = 0; j < n; ++j) s[j] = from[idx[j]];
           rs = s.get();
         }
         const scalar_t* rt = rw;
@@ -701,9 +744,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
           rt = t.get();
         }
         scalar_t* rp = sort_z ? p.get() : po + b * n;
-        const bool finite =
-            kl ? project_kl_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), aux.get())
-               : project_l2_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), scaled);
+        bool finite;
+        if (inv) {
+          finite = kl ? project_kl_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), aux.get())
+                      : project_l2_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), scaled);
+        } else {  // in double: z from rank_frame, t cast, the output cast back
+          double* zd = frame.get();
+          double* td = zd + n;
+          double* pd = td + n;
+          for (int64_t j = 0; j < n; ++j) td[j] = double(rt[j]);
+          rank_frame(rs, double(f), td, n, zd);
+          finite = kl ? project_kl_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), aux.get())
+                      : project_l2_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), scaled);
+          for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(pd[j]);
+        }
         rows_bad += !finite;
         if (negate) {
           for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(0) - rp[j];

@@ -387,30 +387,69 @@ MODE_KL, MODE_SORT_Z, MODE_SORT_W, MODE_EXP, MODE_NEGATE, MODE_INV, MODE_FLIP = 
 )
 
 
+def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The rank's z = u / f (B, n) in sorted coordinates, from q, the sorted u (B, n), f (B, 1)
+    and t, the sorted w (B, n), in a frame that cannot overflow (``rank_frame`` in
+    ``_isotonic_kernel.cpp``, the same operations in the same order).
+
+    P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries
+    wider than G = (t_0 - t_(n-1)) + 2 n is never pooled across (for blocks P above T,
+    mean(y_P) - mean(y_T), y = z - t, is at least the gap less the span of t; for KL, whose
+    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). So each run of gaps
+    at most G keeps its own differences, z'_i = o - (q_a - q_i) / f (a the run's first
+    position), and the runs are set G apart: the blocks, and every difference within a block
+    that the output is formed from, are those of z, and no entry is beyond n G. Entries of q
+    that are not finite keep q / f (+-inf, NaN), which the projection takes as before.
+    """
+    n = q.shape[-1]
+    G = (t[:, :1] - t[:, -1:]) + 2.0 * n
+    fin = torch.isfinite(q)
+    no = torch.zeros_like(fin[:, :1])
+    brk = fin[:, :-1] & fin[:, 1:] & ((q[:, :-1] - q[:, 1:]) / f > G)
+    brk = torch.cat((no, brk), -1)  # a new run after a wide gap
+    start = brk | (fin & ~torch.cat((no, fin[:, :-1]), -1))  # or at the first finite entry
+    positions = torch.arange(n, device=q.device).expand_as(q)
+    anchor = torch.where(start, positions, 0).cummax(-1).values
+    dz = torch.where(fin, (q.gather(1, anchor) - q) / f, 0.0)
+    # at a break i: the span of the run before it, dz[i - 1], plus G
+    step = torch.where(brk, torch.cat((torch.zeros_like(dz[:, :1]), dz[:, :-1]), -1) + G, 0.0)
+    return torch.where(fin, -step.cumsum(-1) - dz, q / f)
+
+
 def _permutahedron_reference(
     u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = u.shape[-1]
     f = scale_factor(eps, n, mode).unsqueeze(1)
-    z = u * f if mode & MODE_INV else u / f
-    z = z.expand(eps.shape[0], n)
+    inv = bool(mode & MODE_INV)
+    u = u.expand(eps.shape[0], n)
+    # inv: z = u * f, sorted; else z = u / f, whose order is u's (-u's with the flip), formed
+    # from the sorted u by _rank_frame
+    key = u * f if inv else (-u if mode & MODE_FLIP else u)
     if mode & MODE_NEGATE:
         w = -w
     if mode & MODE_EXP:
         w = w.log()
-    s, pz = (
-        torch.sort(z, dim=-1, descending=True, stable=True)
-        if mode & MODE_SORT_Z
-        else (z, z.new_empty((z.shape[0], 0), dtype=torch.int64))
-    )
+    pz = key.new_empty((key.shape[0], 0), dtype=torch.int64)
+    s = key if inv else u
+    if mode & MODE_SORT_Z:
+        key, pz = torch.sort(key, dim=-1, descending=True, stable=True)
+        s = key if inv else u.gather(1, pz)
     t, pw = (  # (a single row of w is sorted once)
         torch.sort(w, dim=-1, descending=True, stable=True)
         if mode & MODE_SORT_W
         else (w, w.new_empty((w.shape[0], 0), dtype=torch.int64))
     )
     t = t.expand(eps.shape[0], n)
-    res = _project(s, t, bool(mode & MODE_KL))
-    p = res.p.exp_() if mode & MODE_EXP else res.p
+    if inv:
+        res = _project(s, t, bool(mode & MODE_KL))
+        p = res.p
+    else:  # in the accumulation dtype, cast back (as the kernel)
+        acc = _acc_dtype(u)
+        ta = t.to(acc)
+        res = _project(_rank_frame(s.to(acc), f.to(acc), ta), ta, bool(mode & MODE_KL))
+        p = res.p.to(u.dtype)
+    p = p.exp_() if mode & MODE_EXP else p
     if mode & MODE_NEGATE:
         p = torch.rsub(p, 0.0)
     if mode & MODE_SORT_Z:

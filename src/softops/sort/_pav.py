@@ -30,7 +30,11 @@ the limits at non-finite entries, in one autograd node. It returns :math:`P(z, w
 itself, formed block by block relative to each block's first entry, never as the difference of
 two large numbers: a rank at tiny epsilon (|z| ~ 1e16), beside an infinite or far entry, or a
 sort at huge epsilon stays exact, and ranks stay in [1, n] with the sum n(n+1)/2 at every scale
-(``softops._core.isotonic.project_l2``).
+(``softops._core.isotonic.project_l2``). The rank's z = x / epsilon is never formed in the
+dtype (beyond its range, at a tiny epsilon, its entries would tie at +-inf): the operator sorts
+x, and forms z from the sorted x's differences over epsilon, in double, with every gap wider
+than the span of rho plus 2n (which no block crosses) cut to that width, so the blocks and every
+within-block difference are z's and nothing overflows (``softops._core.isotonic._rank_frame``).
 
 Its VJP is explicit, in sorted coordinates: in z, the cotangent minus its block mean (L2) or minus
 the block softmax of z times the block sum (KL); in w, the block mean (L2) or the block softmax of
@@ -56,8 +60,9 @@ block (the L2 block mean and the KL softmax both annihilate it),
 
 with :math:`z_{\mathrm{ref}}` the first entry of each block (sorted coordinates). The VJP is
 :math:`-\langle J_z^\top \bar p, z - z_{\mathrm{ref}}\rangle / \varepsilon`: small block-relative
-differences (0 in a singleton, 0 at the frozen infinite entries), one division by epsilon, and a
-finite result wherever the derivative is finite. For the sort, where 1/epsilon is capped (at
+differences (0 in a singleton, 0 at the frozen infinite entries), formed as differences of x
+divided by epsilon (``_sorted_rel``), one division by epsilon, and a finite result wherever the
+derivative is finite. For the sort, where 1/epsilon is capped (at
 max / (4n), where the sort is already hard) the derivative is 0.
 
 The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
@@ -101,7 +106,6 @@ from softops._core.isotonic import (
     MODE_NEGATE,
     MODE_SORT_W,
     MODE_SORT_Z,
-    block_max,
     block_mean,
     block_softmax,
     block_sum,
@@ -202,29 +206,30 @@ def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
     return u * f if mode.inv else u / f
 
 
-def _sorted_z(
-    u: Tensor, f: Tensor, pz: Tensor | None, frozen: Tensor | None, mode: _Mode
+def _sorted_rel(
+    u: Tensor, f: Tensor, pz: Tensor | None, block: Tensor, frozen: Tensor | None, mode: _Mode
 ) -> Tensor:
-    """z in sorted coordinates (B, n), for the backward and the jvp: 0 where frozen, masked in u
-    before the scaling, so that no infinity enters their graph (its 0 * inf would be a NaN second
-    derivative)."""
-    us = _gather(u.expand(f.shape[0], -1), pz)
-    return _through(us if frozen is None else us.masked_fill(frozen, 0.0), f, mode)
-
-
-def _relative(zs: Tensor, top: Tensor) -> Tensor:
-    """zs (sorted coordinates, from ``_sorted_z``) relative to the first entry of its block, its
-    largest (``top``: ``block_max(zs, block)``).
+    """z - z_ref in sorted coordinates (B, n), z_ref the first entry of each block (its
+    largest), for the backward and the jvp: formed from the differences of u, then scaled, so
+    that it is finite wherever the blocks are (z = u / eps itself overflows at a tiny epsilon);
+    0 where frozen, masked in u before the scaling, so that no infinity enters their graph (its
+    0 * inf would be a NaN second derivative).
 
     J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
     (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
     J_z dz/deps = -J_z z / eps (z = u / eps, and z = u * (1/eps) below the cap), is taken
     on these small differences: no (z / eps) / eps to overflow at a tiny epsilon, no infinite z
-    times a zero cotangent, no cancellation of |z| >> the gaps. The reference is detached: its
-    derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in zs, are
-    blocks of their own: equal infinities, or a whole NaN row.)
+    times a zero cotangent, no cancellation of |z| >> the gaps. The reference u_ref is detached:
+    its derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in u,
+    are blocks of their own: equal infinities, or a whole NaN row.)
     """
-    return zs - top
+    us = _gather(u.expand(f.shape[0], -1), pz)
+    if frozen is not None:
+        us = us.masked_fill(frozen, 0.0)
+    n = us.shape[-1]
+    positions = torch.arange(n, device=us.device).expand_as(block)
+    first = torch.full_like(block, n).scatter_reduce(1, block, positions, "amin").gather(1, block)
+    return _through(us - us.detach().gather(1, first), f, mode)
 
 
 def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
@@ -239,10 +244,11 @@ def _limits(
 ) -> Tensor:
     """The entries where the kernel gave the projection's limits, whose derivatives are zero
     (``_frozen``), for a forward that met a non-finite row."""
-    n = u.shape[-1]
-    z = _through(u, _factor(eps, n, mode), mode).expand(eps.shape[0], n)
+    n = u.shape[-1]  # (z = u / f or u * f is infinite or NaN where u is: f > 0 finite; z
+    # itself may be beyond the dtype, where u is not, and is never formed)
+    us = u.expand(eps.shape[0], n)
     t = (-w if mode.negate else w).expand(eps.shape[0], n)
-    return _frozen(_gather(z, pz), _gather(t, pw), mode.kl)
+    return _frozen(_gather(us, pz), _gather(t, pw), mode.kl)
 
 
 def _save(
@@ -348,14 +354,13 @@ class _Permutahedron(torch.autograd.Function):
         gs = _gather(gp if out is None else gp * out, pz)
         if frozen is not None:  # also where the output is NaN: no NaN * 0 from the frozen rows
             gs = gs.masked_fill(frozen, 0.0)
-        # z in sorted coordinates, where the Jacobian depends on it (KL) or for epsilon
-        zs = top = None
+        # z - z_ref in sorted coordinates, where the Jacobian depends on it (KL) or for epsilon
+        rel = None
         if mode.kl or want_e:
-            zs = _sorted_z(u, f, pz, frozen, mode)
-            top = block_max(zs, block)
+            rel = _sorted_rel(u, f, pz, block, frozen, mode)
         if mode.kl:  # dp/ds = I - 1 softmax(s_B)^T, dp/dw = 1 softmax(w_B)^T on each block
             total = block_sum(gs, block)
-            gs_z = gs - block_softmax(cast(Tensor, zs), block, top) * total
+            gs_z = gs - block_softmax(cast(Tensor, rel), block, torch.zeros_like(gs)) * total
             t = _gather(sign * w, pw).expand_as(gs)
             if out is None:
                 gs_w = block_softmax(t, block) * total
@@ -374,8 +379,7 @@ class _Permutahedron(torch.autograd.Function):
             if mode.negate:  # through w -> -w
                 gw = -gw
         if want_e:
-            rel = _relative(cast(Tensor, zs), cast(Tensor, top))
-            ge = _eps_grad((gs_z * rel).sum(-1), eps, f, mode)
+            ge = _eps_grad((gs_z * cast(Tensor, rel)).sum(-1), eps, f, mode)
         return gz, gw, ge, None
 
     @staticmethod
@@ -386,20 +390,22 @@ class _Permutahedron(torch.autograd.Function):
         sign = -1.0 if mode.negate else 1.0
         rows = block.shape
         f = _factor(eps, rows[-1], mode)
-        zs = _sorted_z(u, f, pz, frozen, mode)
-        top = block_max(zs, block) if (mode.kl or de is not None) else zs
+        rel = None
+        if mode.kl or de is not None:
+            rel = _sorted_rel(u, f, pz, block, frozen, mode)
         ds = None
         if du is not None:
             ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
-        if de is not None:  # dz = -z deps / eps, on the block-relative z (``_relative``)
-            dse = _relative(zs, top) * _eps_grad(de, eps, f, mode)[:, None]
+        if de is not None:  # dz = -z deps / eps, on the block-relative z (``_sorted_rel``)
+            dse = cast(Tensor, rel) * _eps_grad(de, eps, f, mode)[:, None]
             ds = dse if ds is None else ds + dse
         terms = []
         if ds is not None:
             if frozen is not None:
                 ds = ds.masked_fill(frozen, 0.0)
             if mode.kl:
-                terms.append(ds - block_sum(block_softmax(zs, block, top) * ds, block))
+                soft = block_softmax(cast(Tensor, rel), block, torch.zeros_like(ds))
+                terms.append(ds - block_sum(soft * ds, block))
             else:
                 terms.append(ds - block_mean(ds, block))
         if dw is not None:
