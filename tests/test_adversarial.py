@@ -442,14 +442,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
         growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
         out["value"] = out["value"] | (growth_x > loose)
-    if case.op in ("soft_rank", "soft_argsort") and case.method == "neuralsort":
-        # KD23 (sort/_neuralsort.py): the logits c_i x_j - (A 1)_j are formed in the compute
-        # dtype from (A 1)_j = sum_l |x_j - x_l|, of the size n * span, so their differences
-        # carry its rounding, n * span * u, not that of the gaps (test_known_defect): where that
-        # over epsilon exceeds the tolerance, the value is not compared
-        span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
-        err = n_of(xd) * span.nan_to_num(0.0, posinf=0.0, neginf=0.0) * fi.eps / eps
-        out["value"] = out["value"] | (err > adv.tolerance(call["x"].dtype))
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1078,37 +1070,16 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-def _kd23_neuralsort_rank_rounds_on_the_span() -> None:
-    """sort/_neuralsort.py: the logits c_i x_j - (A 1)_j are formed in the compute dtype from
-    (A 1)_j = sum_l |x_j - x_l| (exact in float64, then rounded to the dtype), whose size is
-    n * span, so gaps below its rounding are lost: soft_rank([[0, 0, 0, 0, 2**-14, 512]],
-    method="neuralsort", epsilon=1e-6) in float32 is [[3.5, 3.5, 3.5, 3.5, 1, 6]] (the entry
-    2**-14 ranked below the zeros) where float64 gives [[2.5, 2.5, 2.5, 2.5, 5, 6]], and
-    soft_argsort's P puts 2**-14 in the zeros' rows (found by the slow profile's tiny_rows, rank
-    and argsort, in float16 at epsilon = finfo(float32).tiny; soft_sort's values move by the
-    size of the lost gap only, within the rounding of the row)."""
-    x = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0**-14, 512.0]])
-    out = softops.soft_rank(x, method="neuralsort", epsilon=1e-6)
-    assert out.tolist() == [[2.5, 2.5, 2.5, 2.5, 5.0, 6.0]], out.tolist()
-
-
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "kd23_neuralsort_rank_rounds_on_the_span": (
-        _kd23_neuralsort_rank_rounds_on_the_span,
-        "sort/_neuralsort.py: logits rounded on n * span lose the gaps (ranks out of order)",
-    ),
-}
-"""Open: KD22 (sort/_pav.py; the value of soft_rank "pav" is not compared with its float64
-reference on rows where max |x| / epsilon is beyond a quarter of the compute dtype's largest
-value) and KD23 (sort/_neuralsort.py; the value of soft_rank and soft_argsort "neuralsort" is
-not compared where n * span * u / epsilon exceeds the tolerance, u the rounding of the compute
-dtype).
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
+"""Open: none.
 Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
 KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
-neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), whose reproducers are
-regression tests for their classes in tests/topk/test_sinkhorn_extremes.py,
-tests/topk/test_sparse.py, tests/core/test_sinkhorn.py, tests/sort/test_pav_extremes.py,
-tests/sort/test_ot_extremes.py and tests/topk/test_softkmax.py."""
+neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), KD22 (the PAV rank's z = x / eps
+beyond the dtype: sort/_pav.py, _core/isotonic.py and _isotonic_kernel.cpp) and KD23 (NeuralSort's
+logits rounded on n * span: sort/_neuralsort.py), whose reproducers are regression tests for their
+classes in tests/topk/test_sinkhorn_extremes.py, tests/topk/test_sparse.py,
+tests/core/test_sinkhorn.py, tests/sort/test_pav_extremes.py, tests/sort/test_ot_extremes.py,
+tests/topk/test_softkmax.py and tests/sort/test_neuralsort.py."""
 
 
 @pytest.mark.parametrize(

@@ -81,16 +81,16 @@ def test_saved_memory_is_linear(monkeypatch):
 
 def test_tied_entries_get_identical_sums_logits_and_ranks():
     # found by tests/test_adversarial.py: the prefix-sum formula of (A 1) rounded tied entries
-    # differently (here by 1e-13), which a small epsilon turned into ranks 9 and 0 for a tie
+    # differently (here by 1e-13), which a small epsilon turned into ranks 9 and 0 for a tie;
+    # the logits are now sums over the gaps of the sorted row, 0 between tied entries
     x = torch.tensor(
         [[-3398.638933730085, 0.019635717790193706, 0.019635717790193706, 0.009516044557229415,
           -31684.72927424533, 1684.6055209838173]],
         dtype=F64,
     )  # fmt: skip
-    a1 = _neuralsort._abs_row_sums(x)
-    assert a1[0, 1] == a1[0, 2]
-    torch.testing.assert_close(a1, (x.unsqueeze(-1) - x.unsqueeze(1)).abs().sum(-1))
     e = torch.tensor([1e-14], dtype=F64)
+    p = _neuralsort.argsort(x, e, False, OPTS)
+    assert torch.equal(p[..., 1], p[..., 2])  # identical columns of P
     r = _neuralsort.rank(x, e, False, OPTS)
     assert r[0, 1] == r[0, 2]
     torch.testing.assert_close(r, torch.tensor([[2.0, 4.5, 4.5, 3.0, 1.0, 6.0]], dtype=F64))
@@ -125,3 +125,86 @@ def test_extreme_spans_and_epsilon_stay_finite(row, eps, dtype):
     torch.testing.assert_close(v[:, [0, -1]], hard[:, [0, -1]])  # the far ends are hard
     # (gaps of 1 beside a span of 1e300 are below the logits' rounding: the middle is a mean)
     assert ((v[:, 1:-1] >= hard[:, 1:2]) & (v[:, 1:-1] <= hard[:, 2:3])).all()
+
+
+# ------------------------------------- KD23: small gaps beside a wide span (tests/test_adversarial)
+
+
+def _far_reference(x: torch.Tensor, far: torch.Tensor, eps: float, op: str) -> torch.Tensor:
+    """The naive float64 P (or ranks) of x with its ``far`` entries moved to 300 epsilons beyond
+    the rest (the far entries' logits in the near rows, and the near ones' in the far rows, are
+    then below -300: e**-300 is 0 to float64's rounding, as at any larger distance), where the
+    naive formula's rounding, n * span * 2**-53 / eps, is far below the tolerance."""
+    xd = x.double().clone()
+    near = xd[~far]
+    lo, hi = near.min(), near.max()
+    up, dn = far & (xd > hi), far & (xd < lo)
+    # (in their own order, ties kept)
+    xd[up] = hi + 300 * eps * (1 + torch.unique(xd[up], return_inverse=True)[1].to(F64))
+    xd[dn] = lo - 300 * eps * (1 + torch.unique(-xd[dn], return_inverse=True)[1].to(F64))
+    p = naive_neuralsort(xd[None], torch.tensor([eps], dtype=F64), False)
+    if op == "rank":
+        return (torch.arange(1, x.shape[-1] + 1, dtype=F64) @ p)[0]
+    return p[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_kd23_small_gaps_beside_a_wide_span(dtype):
+    """Gaps of about epsilon beside entries far away (span / eps up to 1e30): the logits were
+    c_i x_j - (A 1)_j, of the size n * span, whose rounding lost the gaps (soft_rank([[0, 0, 0,
+    0, 2**-14, 512]], epsilon=1e-6) in float32 was [[3.5, 3.5, 3.5, 3.5, 1, 6]]). Ranks and P
+    against the naive float64 formula on the same gaps with the far entries near, for the
+    reproducer, long rows with ties, and far entries on both sides."""
+    import softops
+
+    g = torch.Generator().manual_seed(23)
+    x0 = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0**-14, 512.0])
+    r = softops.soft_rank(x0[None].to(dtype), method="neuralsort", epsilon=1e-6)
+    assert r.tolist() == [[2.5, 2.5, 2.5, 2.5, 5.0, 6.0]], r.tolist()
+    cases = [(x0, x0 > 1, 1e-6)]
+    for n, span in ((40, 1e8), (300, 1e30 if dtype == F64 else 1e20)):
+        eps = 2.0**-10
+        near = torch.randint(0, 12, (n,), generator=g).to(F64) * eps / 2  # ties, gaps of eps/2
+        far = torch.rand(n, generator=g) < 0.2
+        far[0] = far[1] = True
+        sign = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(F64)
+        x = torch.where(far, sign * span * (1 + torch.rand(n, generator=g, dtype=F64)), near)
+        cases.append((x.to(dtype).double(), far, eps))  # (x as the dtype holds it)
+    tol = 2e-4 if dtype == torch.float32 else 1e-9
+    for x, far, eps in cases:
+        xt = x.to(dtype)[None]
+        rank = softops.soft_rank(xt, method="neuralsort", epsilon=eps)[0].double()
+        want = _far_reference(x, far, eps, "rank")
+        torch.testing.assert_close(rank[~far], want[~far], rtol=0, atol=tol * len(x))
+        p = softops.soft_argsort(xt, method="neuralsort", epsilon=eps)[0].double()
+        pw = _far_reference(x, far, eps, "p")
+        torch.testing.assert_close(p, pw, rtol=0, atol=tol * 10)
+        # and the masked path (a -inf in the row: the finite entries' P, one position up, so
+        # their ranks gain P's column sums)
+        xi = torch.cat((xt, torch.tensor([[-torch.inf]], dtype=dtype)), -1)
+        ri = softops.soft_rank(xi, method="neuralsort", epsilon=eps)[0, :-1].double()
+        torch.testing.assert_close(ri, rank + pw.sum(0), rtol=0, atol=tol * len(x))
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_kd23_gradients_beside_a_wide_span(descending):
+    """The derivatives of the gap-formed logits: gradcheck and gradgradcheck in float64 in x and
+    epsilon with gaps of about epsilon beside an entry 1e12 epsilons away (the hard regime for
+    the naive formula), and the gradient in x against the naive formula's with that entry
+    300 epsilons away (the same derivatives, to e**-300)."""
+    from torch.autograd import gradcheck, gradgradcheck
+
+    near = torch.tensor([0.0, 0.3, 0.35, -0.2, 0.9, 0.31], dtype=F64)
+    x = torch.cat((near, torch.tensor([1e12], dtype=F64))).requires_grad_()
+    e = torch.tensor([0.25], dtype=F64, requires_grad=True)
+    w = torch.randn(7, 7, generator=torch.Generator().manual_seed(3), dtype=F64)
+
+    def f(x, e):
+        return (_neuralsort.argsort(x[None], e, descending, OPTS)[0] * w).sum(0)
+
+    assert gradcheck(f, (x, e)) and gradgradcheck(f, (x, e))
+    gx = torch.autograd.grad(f(x, e).sum(), x)[0]
+    xn = torch.cat((near, torch.tensor([0.9 + 300 * 0.25], dtype=F64))).requires_grad_()
+    p = naive_neuralsort(xn[None], e.detach(), descending)[0]
+    gn = torch.autograd.grad((p * w).sum(), xn)[0]
+    torch.testing.assert_close(gx[:6], gn[:6], rtol=1e-9, atol=1e-12)

@@ -13,8 +13,7 @@ Deviations from the paper's notation (Grover et al. 2019, §3, where the relaxat
 
 * The paper's temperature :math:`\tau` is ``epsilon``, in units of x (the logits are linear in
   x). Scaling law: ``sort(c x, c e) = c sort(x, e)`` for c > 0; ranks and P are unchanged. The
-  operator is shift-invariant, which is used to centre x (by a detached constant) before the
-  O(n)-magnitude logits are formed.
+  operator is shift-invariant: the logits of a row are taken relative to their maximum.
 * The paper's :math:`\hat P_{\max}` sorts in **descending** order: its row i uses the coefficient
   :math:`n + 1 - 2i`. That is ``descending=True`` here. ``descending=False`` (the default of the
   public API) uses the row coefficient :math:`2i - n - 1`, i.e. the paper's rows in reverse order,
@@ -22,20 +21,23 @@ Deviations from the paper's notation (Grover et al. 2019, §3, where the relaxat
 * Soft ranks use the estimator :math:`r_j = \sum_i i\,P_{ij}` (1-based positions in the output
   order), which is not confined to [1, n].
 
-Algorithm: :math:`(A_x 1)_j = \sum_l |x_j - x_l|` is computed exactly in O(n log n) from one sort
-and prefix sums in float64: at the k-th smallest value :math:`u_k` (1-based),
-:math:`(A 1)_k = (2k - n) u_k - 2 S_k + S_n` with :math:`S_k = \sum_{l \le k} u_l`. Only the final
-softmax is O(n²); it is row-chunked with checkpointing (see
-:func:`softops.sort._chunked.chunked_rows` and its ``BLOCK_ELEMENTS``), so autograd keeps O(n)
-per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)`` (an O(n³) matmul) is
-not used. At exact ties :math:`|x_j - x_l|` is at its kink; the prefix-sum formula and the dense
-``abs().sum(-1)`` pick different subgradients there and agree everywhere else.
+Algorithm: the logits of row i, :math:`(c_i x_j - (A_x 1)_j)/\varepsilon` with
+:math:`(A_x 1)_j = \sum_l |x_j - x_l|`, are formed relative to their maximum, which is at the
+i-th smallest entry, from the gaps of the sorted row (``_gap_logits``): a sum of terms of one sign
+per entry, so that they carry the rounding of the gaps. Formed directly, c_i x_j and (A 1)_j are
+of the size n * span and their rounding lost every gap below it (ranks out of order: KD23 of
+tests/test_adversarial.py). The columns are taken in sorted order (one sort, O(n log n)), and
+the ranks and P put back in the columns' order at the end. The softmax is O(n²); it is row-chunked
+with checkpointing (see :func:`softops.sort._chunked.chunked_rows` and its ``BLOCK_ELEMENTS``), so
+autograd keeps O(n) per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)``
+(an O(n³) matmul) is not used. Tied entries (a gap of 0) get identical logits, columns of P and
+ranks; at exact ties :math:`|x_j - x_l|` is at its kink, and the gaps' subgradient is the one of
+their sorted order.
 
-Extremes: the logits are formed from the centred row over a power of two s
-(``softops.sort._softsort.row_scale``), less their row maximum, times one factor ``s / eps``
-(``scaled_inverse``), so neither pass forms ``eps**2`` nor overflows before the derivative does.
-``(A 1)`` is read at the boundaries of each run of tied values, so tied entries get identical
-logits, columns of P and ranks.
+Extremes: the gaps are those of the row over a power of two s (``softops.sort._softsort.row_scale``
+of the centred row), times one factor ``-s / eps`` (``scaled_inverse``), so neither pass forms
+``eps**2`` nor overflows before the derivative does (a scaled gap beyond the dtype is held at its
+largest value, and the logits' sums may reach -inf, where the softmax is 0).
 
 Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN here, and the
 public layer (:mod:`softops.sort`) takes them to their limits before calling this backend.
@@ -56,66 +58,67 @@ from softops.sort._softsort import row_scale, scaled_inverse
 __all__ = ["argsort", "rank", "sort"]
 
 
-def _abs_row_sums(x2: Tensor) -> Tensor:
-    """``(A 1)_j = sum_l |x_j - x_l|`` in O(n log n), float64, plain autograd."""
-    n = x2.shape[-1]
-    u, perm = torch.sort(x2.double(), dim=-1)
-    zero = torch.zeros(x2.shape[0], 1, dtype=torch.long, device=x2.device)
-    sorted_sums = _sorted_abs_sums(u, zero, zero + n)
-    return torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums)
+def _sorted_frame(u: Tensor, ratio: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The frame of ``_gap_logits`` for ascending rows u (B, n): ``-ratio * g`` with
+    ``g_m = u_m - u_(m-1)`` (``g_0 = 0``; 0 where ``keep`` is False for either entry), and
+    ``-ratio * g_(m+1)`` reversed (``g_n = 0``)."""
+    g = u[:, 1:] - u[:, :-1]
+    if keep is not None:
+        g = torch.where(keep[:, 1:] & keep[:, :-1], g, 0.0)
+    # (at most -max: a zero weight times it is 0, where -inf would give NaN; the sums may reach
+    # -inf, which the softmax takes to 0)
+    g = (g * -ratio.view(-1, 1)).clamp(min=-torch.finfo(g.dtype).max)
+    zero = torch.zeros_like(u[:, :1])
+    return torch.cat((zero, g), -1), torch.cat((g, zero), -1).flip(-1)
 
 
-def _sorted_abs_sums(u: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    """``sum_l |u_k - u_l|`` over ``l`` in ``[lo, hi)``, at each sorted position k in it, for
-    ascending rows u (B, n) whose entries outside ``[lo, hi)`` (B, 1) are 0.
+def _gap_logits(i0: Tensor, g: Tensor, g_next_rev: Tensor) -> Tensor:
+    r"""(B, b, n) logits ``(t_ik - t_ii*) / epsilon`` at the sorted positions k of the columns,
+    for the rows i whose argmax is at the sorted position ``i0`` (b,) or (B, b) (0-based), with
+    ``t_ij = c_i x_j - (A 1)_j``, from the frame of ``_sorted_frame`` (the gaps of the ascending
+    row times ``-s / eps``, and the next gaps reversed).
 
-    At a position in a run of equal values at k0..k1 it is
-    ``(k0 - lo) u - S_{k0-1} + (S_{n-1} - S_{k1}) - (hi - 1 - k1) u``, with S the prefix sums:
-    the run's boundaries only, so tied entries get bit-identical sums (hence identical logits,
-    columns of P and ranks) whatever the rounding of the prefix sums. 0 outside ``[lo, hi)``.
+    For the ascending row i (c_i = 2i - n - 1, 1-based), its argmax is the i-th smallest entry,
+    and between sorted positions the slope of t_i in u is c_i - (2m - n - 2) on the gap
+    g_m = u_m - u_(m-1), so, 0-based,
+
+    .. math::
+
+        t_{ik} - t_{i i_0} = -\sum_{m \in (\min(k, i_0), \max(k, i_0)]} |2 (m - i_0) - 1|\, g_m,
+
+    a sum of terms of one sign: cumulative sums from i0 outwards (to the right; to the left on
+    the reversed row), each rounded relative to itself. The logits carry the rounding of the
+    gaps, not that of (A 1) and c_i x_j (of the size n * span, which lost the small gaps); they
+    are <= 0 with 0 at the argmax (no row maximum to take off), and tied entries (g = 0) get
+    identical logits.
     """
-    n = u.shape[-1]
-    s = u.cumsum(-1)
-    idx = torch.arange(n, device=u.device).expand_as(u)
-    edge = torch.ones_like(u[:, :1], dtype=torch.bool)
-    differs = u[:, 1:] != u[:, :-1]
-    new_run = torch.cat((edge, differs), -1) | (idx == lo)  # runs never cross lo nor hi
-    end_run = torch.cat((differs, edge), -1) | (idx == hi - 1) | (idx == lo - 1)
-    k0 = torch.where(new_run, idx, 0).cummax(-1).values  # the first position of the run
-    k1 = torch.where(end_run, idx, n - 1).flip(-1).cummin(-1).values.flip(-1)  # its last
-    before = torch.where(k0 > 0, s.gather(-1, (k0 - 1).clamp(min=0)), 0.0)  # S_{k0-1}
-    after = s[:, -1:] - s.gather(-1, k1)  # S_{n-1} - S_{k1}
-    sums = (k0 - lo).to(u.dtype) * u - before + after - (hi - 1 - k1).to(u.dtype) * u
-    return torch.where((idx >= lo) & (idx < hi), sums, 0.0)
+    n = g.shape[-1]
+    d = torch.arange(n, device=g.device) - i0.unsqueeze(-1)  # (b, n) or (B, b, n): m - i0
+    up = (torch.where(d > 0, 2 * d - 1, 0).to(g.dtype) * g.unsqueeze(1)).cumsum(-1)
+    # sum over m in [k + 1, i0] of |2 (m - i0) - 1| g_m: at k, g_(k+1) with the weight
+    # 2 (i0 - k) - 1 for k < i0; summed from i0 down, on the reversed row
+    w = torch.where(d < 0, -1 - 2 * d, 0).flip(-1).to(g.dtype)
+    down = (w * g_next_rev.unsqueeze(1)).cumsum(-1).flip(-1)
+    return up + down
+
+
+def _unsort(
+    r: Tensor | None, p: Tensor | None, where: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """Ranks (B, n) and P (B, n, n), in sorted column order, back in the columns' own
+    (``where``: each column's sorted position)."""
+    if r is not None:
+        r = r.gather(-1, where)
+    if p is not None:
+        p = p.gather(-1, where.unsqueeze(1).expand(-1, p.shape[1], -1))
+    return r, p
 
 
 def _frame(xc: Tensor, eps: Tensor) -> Tensor:
     """The detached power-of-two scale s >= 1 (B, 1) of the centred rows
-    (:func:`softops.sort._softsort.row_scale`): the logits ``c_i x_j - (A 1)_j`` of ``xc / s``
-    are at most ``3 n max|xc| / s``, and ``s / eps`` takes the scale back."""
+    (:func:`softops.sort._softsort.row_scale`): the sums of the logits of ``xc / s`` are at
+    most ``3 n max|xc| / s``, and ``s / eps`` takes the scale back."""
     return row_scale(xc, eps, 1.0, 3.0 * xc.shape[-1])
-
-
-def _logits(coef: Tensor, xs: Tensor, a1: Tensor, ratio: Tensor) -> Tensor:
-    """(B, b, n) NeuralSort logits ``(c_i x_j - (A 1)_j) / epsilon`` for the rows with coef c,
-    from the row-scaled ``xs = xc/s`` and ``a1 = (A 1)(xs)`` and ``ratio = s/eps``."""
-    t = coef.unsqueeze(-1) * xs.unsqueeze(1) - a1.unsqueeze(1)
-    return _shifted(t, ratio, None)
-
-
-def _shifted(t: Tensor, ratio: Tensor, valid: Tensor | None) -> Tensor:
-    """``(t - max_j t) * ratio`` over the ``valid`` entries (all if None; 0 elsewhere).
-
-    Each row's maximum (detached; the softmax does not change) is taken off before the factor
-    s/eps: the logits are <= 0, so none overflows to ``+inf`` (which the softmax makes NaN), and
-    ``0 * inf`` never enters the backward.
-    """
-    with torch.no_grad():
-        top = (t if valid is None else torch.where(valid, t, -math.inf)).amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, 0.0)
-    if valid is not None:
-        t = torch.where(valid, t, top)
-    return (t - top) * ratio.view(-1, 1, 1)
 
 
 def _run(
@@ -132,47 +135,50 @@ def _run(
     with torch.no_grad():
         centre = 0.5 * x2.amax(-1, keepdim=True) + 0.5 * x2.amin(-1, keepdim=True)
         centre = torch.where(torch.isfinite(centre), centre, 0.0)
-    xc = x2 - centre  # shift-invariant: same P
-    # logits of xc / s (no overflow, hence no inf in the backward), s put back into s/eps
+    # the scale s of the centred row (no overflow, hence no inf in the backward), put back into
+    # s / eps; the gaps are those of x / s itself (exact: a power of two; centring would round
+    # them on the size of the span)
     eps = epsilon.to(x2.dtype)
-    scale = _frame(xc, eps)
-    xs = xc / scale  # exact (a power of two)
-    a1 = _abs_row_sums(xs).to(x2.dtype)
-    i = torch.arange(1, n + 1, dtype=x2.dtype, device=x2.device)
-    coef = 2 * i - n - 1  # ascending rows (row i = i-th smallest); chunked_rows flips if needed
-    ratio = scaled_inverse(eps, scale, 1)
-    return chunked_rows(
-        _logits,
-        coef,
-        x2,
-        (xs, a1, ratio),
+    scale = _frame(x2.detach() - centre, eps)
+    # logits of the columns in sorted order
+    u, perm = torch.sort(x2 / scale, dim=-1, stable=True)
+    frame = _sorted_frame(u, scaled_inverse(eps, scale, 1))
+    v, r, p = chunked_rows(  # the row parameter: the argmax's sorted position (ascending rows)
+        _gap_logits,
+        torch.arange(n, device=x2.device),
+        x2.gather(-1, perm),
+        frame,
         descending,
         values=values,
         ranks=ranks,
         matrix=matrix,
         offset=offset,
     )
+    places = torch.arange(n, device=x2.device).expand_as(perm)
+    return (v, *_unsort(r, p, torch.zeros_like(perm).scatter(-1, perm, places)))
 
 
-def _masked_logits(rp: Tensor, xcz: Tensor, a1: Tensor, ratio: Tensor, kind_x: Tensor) -> Tensor:
-    """Logits of the limit with infinities (rows and columns carry a kind -1, 0, +1 for -inf,
-    finite, +inf): the compacted NeuralSort logits between finite rows and columns, an infinite
-    row uniform over its own infinity, -inf elsewhere."""
-    coef, kind_r = rp[0], rp[1]
-    k_row, k_col = kind_r.unsqueeze(-1), kind_x.unsqueeze(1)
-    inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xcz.dtype)
+def _masked_logits(rp: Tensor, g: Tensor, g_next_rev: Tensor, kind_u: Tensor) -> Tensor:
+    """Logits of the limit with infinities, columns in sorted order (rows and columns carry a
+    kind -1, 0, +1 for -inf, finite, +inf): the compacted NeuralSort logits between finite rows
+    and columns (``rp[0]``, the argmax's sorted position, and the gaps between the finite
+    entries), an infinite row uniform over its own infinity, -inf elsewhere."""
+    i0, kind_r = rp[0].long(), rp[1]
+    k_row, k_col = kind_r.unsqueeze(-1), kind_u.unsqueeze(1)
+    inner = torch.where(k_row == k_col, 0.0, -math.inf).to(g.dtype)
     both = (k_row == 0) & (k_col == 0)
-    t = coef.unsqueeze(-1) * xcz.unsqueeze(1) - a1.unsqueeze(1)
-    return torch.where(both, _shifted(t, ratio, both), inner)
+    return torch.where(both, _gap_logits(i0, g, g_next_rev), inner)
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
     """``kind`` ("sort", "rank", "argsort") of rows that may hold ``±inf``, at their limit
     (``softops.sort._limits``), by masks alone (no data-dependent control flow, so it runs under
     ``torch.func.vmap``). The finite entries of a row, m of them after ``n_neg`` at -inf, get the
-    compacted row's logits: ``(A 1)`` over the finite entries only and the row coefficient
-    ``2 i' - m - 1`` at the i'-th finite output position; positions stay those of the full row
-    (the limit's offset). Rows with a NaN are not special-cased here."""
+    compacted row's logits: sorted, they sit at positions n_neg .. n_neg + m - 1, the gaps
+    between them are those of the compacted row (0 beside an infinity), and the i-th ascending
+    output row (1-based) has its argmax at the sorted position i - 1 (``_gap_logits``), as the
+    compacted row's i'-th with i' = i - n_neg; positions stay those of the full row (the limit's
+    offset). Rows with a NaN are not special-cased here."""
     n = x2.shape[-1]
     dt = x2.dtype
     xd = x2.detach()
@@ -185,28 +191,25 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
         hi = torch.where(fin, xd, -math.inf).amax(-1, keepdim=True)
         centre = torch.where(m > 0, 0.5 * lo + 0.5 * hi, 0.0)
     scale = _frame(torch.where(fin, xd - centre, 0.0), eps.to(dt))  # over the finite entries
-    xcz = torch.where(fin, (x2 - centre) / scale, 0.0)
-    # (A 1) over the finite entries: sorted, they sit at positions n_neg .. n_neg + m - 1 (the
-    # -inf ones first), with 0 at the infinite positions
-    u, perm = torch.sort(torch.where(fin, x2, xd).double(), dim=-1)
-    fin_u = torch.isfinite(u)
-    uc = torch.where(fin_u, (u - centre.double()) / scale.double(), 0.0)
-    sorted_sums = _sorted_abs_sums(uc, n_neg, n_neg + m)
-    a1 = torch.zeros_like(sorted_sums).scatter(-1, perm, sorted_sums).to(dt)
+    xcz = torch.where(fin, x2 / scale, 0.0)  # (the gaps are those of x / s: no centring)
+    # sorted by xd (-inf first, +inf last), the gaps between finite entries only
+    perm = torch.sort(xd, dim=-1, stable=True).indices
+    fin_u = fin.gather(-1, perm)
+    frame = _sorted_frame(xcz.gather(-1, perm), scaled_inverse(eps.to(dt), scale, 1), fin_u)
     i = torch.arange(1, n + 1, dtype=dt, device=x2.device)  # ascending output positions
-    coef = 2 * (i - n_neg.to(dt)) - m.to(dt) - 1
     kind_r = torch.where(i <= n_neg.to(dt), -1.0, torch.where(i > (n_neg + m).to(dt), 1.0, 0.0))
-    coef = torch.where(kind_r == 0, coef, 0.0)
     v, r, p = chunked_rows(
         _masked_logits,
-        torch.stack((coef, kind_r.to(dt))),
-        torch.where(fin, x2, 0.0),
-        (xcz, a1, scaled_inverse(eps.to(dt), scale, 1), kind_x),
+        torch.stack(((i - 1).expand_as(kind_r), kind_r.to(dt))),
+        torch.where(fin, x2, 0.0).gather(-1, perm),
+        (*frame, kind_x.gather(-1, perm)),
         descending,
         values=kind == "sort",
         ranks=kind == "rank",
         matrix=kind == "argsort",
     )
+    places = torch.arange(n, device=x2.device).expand_as(perm)
+    r, p = _unsort(r, p, torch.zeros_like(perm).scatter(-1, perm, places))
     if kind == "sort":
         srt = torch.sort(xd, dim=-1, descending=descending).values
         return torch.where(torch.isinf(srt), srt, cast(Tensor, v))
