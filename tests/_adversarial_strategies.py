@@ -233,16 +233,35 @@ def refusal(op: str, dtype: torch.dtype) -> str:
 def tiny_batches(draw: st.DrawFn, dtype: torch.dtype, n_max: int = 6) -> torch.Tensor:
     """A (B, n) batch of subnormal and tiny-magnitude entries of ``dtype``: ``m * 2**e * tiny``
     with |m| < 1 (a few bits or many) and e from below the subnormals to 30, one magnitude per
-    row or a mix, with ties and zeros."""
+    row or a mix, with ties and zeros; or such a row beside entries of ordinary to huge
+    magnitude ("far": |x| / epsilon beyond the dtype at a tiny epsilon, KD22); or a batch of
+    longer rows (up to 4 n_max) of small gaps, some tied, beside far entries ("cluster": a span
+    of up to 2**60 gaps, KD23)."""
     fi = torch.finfo(dtype)
     low = -round(-math.log2(fi.eps)) - 1  # 2**low * tiny: below the smallest subnormal
+    top = math.frexp(fi.max)[1] - 2  # 2**top: a quarter of the largest value
     n = draw(st.integers(1, n_max))
     b = draw(st.integers(1, 3))
+    cluster = draw(st.integers(0, 5)) == 0  # the whole batch (its rows have one length)
+    if cluster:
+        n = draw(st.integers(3, 4 * n_max))
+    styles = ["one scale", "mixed scales", "ties", "few bits", "far"]
     rows = []
     for _ in range(b):
-        style = draw(st.sampled_from(["one scale", "mixed scales", "ties", "few bits"]))
+        style = "cluster" if cluster else draw(st.sampled_from(styles))
         e0 = draw(st.integers(low, 30))
         vals = []
+        if style == "cluster":  # multiples of one small gap (ties among them), far entries
+            gap = 2.0 ** draw(st.integers(0, 30)) * fi.tiny
+            base = draw(st.integers(-4, 4)) * gap
+            steps = draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
+            vals = [base + k * gap for k in steps]
+            for _ in range(draw(st.integers(1, max(1, n // 4)))):
+                i = draw(st.integers(0, n - 1))
+                far = gap * 2.0 ** draw(st.integers(10, 60))
+                vals[i] = draw(st.sampled_from([-1.0, 1.0])) * min(far, 2.0**top)
+            rows.append(vals)
+            continue
         for _ in range(n):
             e = e0 if style != "mixed scales" else draw(st.integers(low, 30))
             m = draw(st.floats(-1.0, 1.0, allow_nan=False))
@@ -251,6 +270,11 @@ def tiny_batches(draw: st.DrawFn, dtype: torch.dtype, n_max: int = 6) -> torch.T
             vals.append(m * 2.0**e * fi.tiny)
         if style == "ties":
             vals = [draw(st.sampled_from(vals[: max(1, n // 2)])) for _ in range(n)]
+        if style == "far":  # one or two entries of ordinary to huge magnitude
+            for _ in range(draw(st.integers(1, 2))):
+                i = draw(st.integers(0, n - 1))
+                m = draw(st.floats(0.5, 1.0)) * draw(st.sampled_from([-1.0, 1.0]))
+                vals[i] = m * 2.0 ** draw(st.integers(-4, top))
         rows.append(vals)
     return torch.tensor(rows, dtype=F64).to(dtype)
 
