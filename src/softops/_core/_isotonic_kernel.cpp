@@ -607,7 +607,7 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
 // mean(y_T) (y = z - t) is at least that gap less the span of t (L2), less 2 log n more for the
 // block values logsumexp(z_B) - logsumexp(t_B) (KL). So each run of consecutive gaps at most G
 // (a segment) keeps its own differences, z'_i = o - (q_a - q_i) / f with q the sorted u and a the
-// segment's first position, and the segments are set G apart: o = -(sum over the earlier breaks of
+// segment's first position (the differences times 1 / f), and the segments are set G apart: o = -(sum over the earlier breaks of
 // the span of the segment before it plus G). The blocks, and every difference within a block
 // that the output is formed from, are those of z. Entries of u that are not finite keep u / f
 // (+-inf, NaN): the frame takes them as before. (The reference: _rank_frame in isotonic.py, the
@@ -615,23 +615,24 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
 template <typename scalar_t>
 void rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* z) {
   const double G = (t[0] - t[n - 1]) + 2.0 * double(n);
+  const double r = 1.0 / f;  // (differences times 1 / f: a product per entry, not a division)
   double acc = 0.0;
   int64_t a = 0;
   bool prev = false;  // whether q[i - 1] is finite
   for (int64_t i = 0; i < n; ++i) {
     const double qi = double(q[i]);
     if (!std::isfinite(qi)) {
-      z[i] = qi / f;
+      z[i] = qi * r;
       prev = false;
       continue;
     }
     if (!prev) {
       a = i;
-    } else if ((double(q[i - 1]) - qi) / f > G) {
-      acc += (double(q[a]) - double(q[i - 1])) / f + G;
+    } else if (rounded((double(q[i - 1]) - qi) * r) > G) {
+      acc += rounded((double(q[a]) - double(q[i - 1])) * r) + G;
       a = i;
     }
-    z[i] = -acc - (double(q[a]) - qi) / f;
+    z[i] = -acc - rounded((double(q[a]) - qi) * r);
     prev = true;
   }
 }

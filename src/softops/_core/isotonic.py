@@ -396,24 +396,25 @@ def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tens
     wider than G = (t_0 - t_(n-1)) + 2 n is never pooled across (for blocks P above T,
     mean(y_P) - mean(y_T), y = z - t, is at least the gap less the span of t; for KL, whose
     block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). So each run of gaps
-    at most G keeps its own differences, z'_i = o - (q_a - q_i) / f (a the run's first
+    at most G keeps its own differences, z'_i = o - (q_a - q_i) (1 / f) (a the run's first
     position), and the runs are set G apart: the blocks, and every difference within a block
     that the output is formed from, are those of z, and no entry is beyond n G. Entries of q
     that are not finite keep q / f (+-inf, NaN), which the projection takes as before.
     """
     n = q.shape[-1]
     G = (t[:, :1] - t[:, -1:]) + 2.0 * n
+    r = 1.0 / f  # (differences times 1 / f, as the kernel forms them)
     fin = torch.isfinite(q)
     no = torch.zeros_like(fin[:, :1])
-    brk = fin[:, :-1] & fin[:, 1:] & ((q[:, :-1] - q[:, 1:]) / f > G)
+    brk = fin[:, :-1] & fin[:, 1:] & ((q[:, :-1] - q[:, 1:]) * r > G)
     brk = torch.cat((no, brk), -1)  # a new run after a wide gap
     start = brk | (fin & ~torch.cat((no, fin[:, :-1]), -1))  # or at the first finite entry
     positions = torch.arange(n, device=q.device).expand_as(q)
     anchor = torch.where(start, positions, 0).cummax(-1).values
-    dz = torch.where(fin, (q.gather(1, anchor) - q) / f, 0.0)
+    dz = torch.where(fin, (q.gather(1, anchor) - q) * r, 0.0)
     # at a break i: the span of the run before it, dz[i - 1], plus G
     step = torch.where(brk, torch.cat((torch.zeros_like(dz[:, :1]), dz[:, :-1]), -1) + G, 0.0)
-    return torch.where(fin, -step.cumsum(-1) - dz, q / f)
+    return torch.where(fin, -step.cumsum(-1) - dz, q * r)
 
 
 def _permutahedron_reference(
