@@ -816,18 +816,24 @@ def _reference(case: Case, call: dict[str, Any]) -> torch.Tensor | None:
         return values_of(case, run(case, **kw)).detach()
     if case.law is None or case.law <= 0:
         return None
-    big = float(torch.where(torch.isfinite(x), x.abs(), 0).max())
-    if big == 0:
+    # row by row (a row of subnormals beside one of ordinary entries would be scaled further
+    # down by the batch's power): 2**p x with the largest |entry| of the row in [1, 2), all of
+    # it exact (p = 0 for a row of zeros)
+    big = torch.where(torch.isfinite(x), x.abs(), 0).amax(-1)
+    if not bool((big > 0).any()):
         return None
-    p = -math.floor(math.log2(big))  # 2**p x: largest |entry| in [1, 2), all of it exact
-    e = torch.as_tensor(kw["epsilon"], dtype=F64)
-    eps = torch.ldexp(e, torch.tensor(p * int(case.law)))
+    p = torch.where(big > 0, 1 - torch.frexp(big).exponent, 0).long()  # (m 2**e, m in [.5, 1))
+    e = torch.as_tensor(kw["epsilon"], dtype=F64).expand(x.shape[0])
+    eps = torch.ldexp(e, p * int(case.law))
     if adv.epsilon_refused(eps, F64) or not bool((eps < 1e300).all()):
         return None
-    kw["x"] = torch.ldexp(x, torch.tensor(p))
-    kw["epsilon"] = eps if isinstance(kw["epsilon"], torch.Tensor) else float(eps)
+    kw["x"] = torch.ldexp(x, p.view(-1, *([1] * (x.dim() - 1))))
+    kw["epsilon"] = eps
     ref = values_of(case, run(case, **kw)).detach()
-    return torch.ldexp(ref, torch.tensor(-p)) if case.units_of_x else ref
+    if not case.units_of_x:
+        return ref
+    back = p.view(1, -1) if case.layout == "quantile" else p.view(-1, *([1] * (ref.dim() - 1)))
+    return torch.ldexp(ref, -back)
 
 
 def _tiny_rows(case: Case, data: st.DataObject) -> None:
