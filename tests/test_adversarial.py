@@ -442,6 +442,14 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
         growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
         out["value"] = out["value"] | (growth_x > loose)
+    if case.op in ("soft_sort", "soft_quantile") and case.method == "pav":
+        # KD24 (sort/_pav.py, the sort's cap): z = rho * min(1/eps, max / (4 n)) assumes the
+        # sort is hard wherever the cap holds, which is false where a gap of x reaches the cap
+        # (test_known_defect): there the value is not compared
+        cap = fi.max / (4 * n_of(xd))
+        span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
+        span = span.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        out["value"] = out["value"] | ((1 / eps > cap) & (2 * span > cap))
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1076,8 +1084,28 @@ def _grads(fn: Any, x: list[list[float]], eps: float, dtype: torch.dtype = F64):
     return out.detach(), gx, ge
 
 
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
-"""Open: none.
+def _kd24_pav_sort_capped_beside_a_gap_near_the_cap() -> None:
+    """sort/_pav.py: the sort's z = rho * min(1/eps, max / (4 n)) caps 1/eps on the premise that
+    the sort is hard there, false where a gap of x reaches the cap: soft_sort([[5e-39, 2e-39,
+    -3e37]], epsilon=finfo(float32).tiny) in float32 is [[-2.92e37, -8.2e35, 5e-39]] (l2; kl
+    alike) where float64 gives the hard sort [[-3e37, 2e-39, 5e-39]] (found by the slow profile's
+    tiny_rows with its 'far' rows, sort-pav l2 and kl; the same on main before KD22's fix)."""
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.tensor([[5e-39, 2e-39, -3e37]])
+    for reg in ("l2", "kl"):
+        out = softops.soft_sort(x, epsilon=tiny, regularization=reg)
+        want = softops.soft_sort(x.double(), epsilon=tiny, regularization=reg).float()
+        assert torch.equal(out, want), (reg, out.tolist(), want.tolist())
+
+
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
+    "kd24_pav_sort_capped_beside_a_gap_near_the_cap": (
+        _kd24_pav_sort_capped_beside_a_gap_near_the_cap,
+        "sort/_pav.py: the sort's cap on 1/eps is not hard where a gap of x reaches it",
+    ),
+}
+"""Open: KD24 (sort/_pav.py; the value of soft_sort and soft_quantile "pav" is not compared on
+rows where the sort's cap on 1/epsilon, max / (4 n), holds and twice the span of x exceeds it).
 Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py),
 KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
 neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), KD22 (the PAV rank's z = x / eps
