@@ -208,3 +208,14 @@ def test_kd23_gradients_beside_a_wide_span(descending):
     p = naive_neuralsort(xn[None], e.detach(), descending)[0]
     gn = torch.autograd.grad((p * w).sum(), xn)[0]
     torch.testing.assert_close(gx[:6], gn[:6], rtol=1e-9, atol=1e-12)
+
+
+def test_a_nan_row_of_one_entry_is_nan():
+    """The gap-formed logits of a row of one entry have no gap to carry its NaN (found by the
+    slow profile's forward_backward on rank-neuralsort): the first gap is 0 * u_0."""
+    for dtype in (torch.float32, F64):
+        x = torch.tensor([[float("nan")], [1.0]], dtype=dtype)
+        e = torch.tensor([1.0, 1.0], dtype=dtype)
+        for fn in (_neuralsort.sort, _neuralsort.rank, _neuralsort.argsort):
+            out = fn(x, e, False, OPTS)
+            assert torch.isnan(out[0]).all() and not torch.isnan(out[1]).any(), (fn, out)

@@ -68,7 +68,7 @@ def _sorted_frame(u: Tensor, ratio: Tensor, keep: Tensor | None = None) -> tuple
     # (at most -max: a zero weight times it is 0, where -inf would give NaN; the sums may reach
     # -inf, which the softmax takes to 0)
     g = (g * -ratio.view(-1, 1)).clamp(min=-torch.finfo(g.dtype).max)
-    zero = torch.zeros_like(u[:, :1])
+    zero = u[:, :1] * 0  # (0, or NaN in a NaN row: a row of one entry has no gap to carry it)
     return torch.cat((zero, g), -1), torch.cat((g, zero), -1).flip(-1)
 
 
