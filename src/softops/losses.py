@@ -39,6 +39,7 @@ from softops._core.validation import (
     check_epsilon,
     check_floating,
     check_nonempty,
+    check_real,
     compute_dtype,
 )
 from softops.metrics import (
@@ -381,15 +382,7 @@ def _check_ranking(
 ) -> tuple[int, int, float | torch.Tensor | None]:
     """Common checks of spearman_loss and ndcg_loss; returns (dim, n, epsilon)."""
     check_floating(input, op, "input")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(
-            f"{op}: expected `target` to be a torch.Tensor; got {type(target).__name__}."
-        )
-    if target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(
-            f"{op}: expected `target` to have a real floating or integer dtype; "
-            f"got dtype={target.dtype}."
-        )
+    check_real(target, op, "target")
     if target.shape != input.shape:
         raise ValueError(
             f"{op}: expected `target` of the shape of input {tuple(input.shape)}; "

@@ -85,6 +85,7 @@ from softops._core.validation import (
     check_dim,
     check_epsilon,
     check_floating,
+    check_real,
     compute_dtype,
 )
 from softops.topk import MASK_METHODS, soft_topk_mask
@@ -927,15 +928,7 @@ def soft_topk_accuracy(
 def _check_pair(a: Any, b: Any, dim: Any, op: str, names: tuple[str, str]) -> int:
     """Two real tensors of one shape with a valid ``dim``; returns dim, non-negative."""
     for name, t in zip(names, (a, b), strict=True):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"{op}: expected `{name}` to be a torch.Tensor; got {type(t).__name__}."
-            )
-        if t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(
-                f"{op}: expected `{name}` to have a real floating or integer dtype; "
-                f"got dtype={t.dtype}."
-            )
+        check_real(t, op, name)
     if a.shape != b.shape:
         raise ValueError(
             f"{op}: expected `{names[1]}` of the shape of {names[0]} {tuple(a.shape)}; got shape "

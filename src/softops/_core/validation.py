@@ -73,6 +73,19 @@ def check_floating(x: Any, op: str, name: str = "x") -> torch.Tensor:
     return x
 
 
+def check_real(x: Any, op: str, name: str) -> torch.Tensor:
+    """Return ``x`` if it is a tensor of a real floating or integer dtype (targets, relevance),
+    else raise ``TypeError``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected `{name}` to be a torch.Tensor; got {type(x).__name__}.")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(
+            f"{op}: expected `{name}` to have a real floating or integer dtype; "
+            f"got dtype={x.dtype}."
+        )
+    return x
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in: float16 and bfloat16 are promoted to float32."""
     known = _COMPUTE.get(dtype)
