@@ -241,7 +241,7 @@ def topk_cross_entropy(
         ICML 2022. arXiv:2206.07290.
     """
     op = "topk_cross_entropy"
-    weights = check_p_k(p_k, logits, op)
+    weights = check_p_k(p_k, op)
     kmax = len(weights)
     _, epsilon = check_topk_classification(logits, target, kmax, epsilon, method, op)
     check_choice(reduction, REDUCTIONS, op, "reduction")
@@ -289,7 +289,7 @@ def topk_cross_entropy(
     return _reduce(-total, reduction).to(logits.dtype)
 
 
-def check_p_k(p_k: Any, logits: Any, op: str) -> list[float]:
+def check_p_k(p_k: Any, op: str) -> list[float]:
     """``p_k`` as a list of non-negative floats summing to 1, or raise. Internal, shared with
     :class:`softops.nn.TopKCrossEntropy`."""
     if isinstance(p_k, torch.Tensor):

@@ -172,7 +172,7 @@ class TopKCrossEntropy(torch.nn.Module):
         reduction: str = "mean",
     ) -> None:
         op = type(self).__name__
-        weights = check_p_k(p_k, None, op)
+        weights = check_p_k(p_k, op)
         check_epsilon(epsilon, op)
         check_choice(method, TOPK_METHODS, op, "method")
         _check_optional_int(m, op, "m", len(weights))
