@@ -472,13 +472,7 @@ def test_causal_rows_at_k_equal_to_their_keys_are_the_limit_on_either_back_end(d
     k = causal.sum(-1).clamp(max=5).to(dtype)  # rows 0-4: k = their keys
     eps = torch.full((n,), 0.3, dtype=dtype)
     g = torch.randn(n, n, generator=seeded(32), dtype=dtype)
-    out = {}
-    for name in ("kernel", "reference"):
-        with backend(name):
-            xt = x.clone().requires_grad_()
-            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
-            A = softops.soft_topk_mask(xt, kt, epsilon=et)
-            out[name] = (A.detach(), *torch.autograd.grad(A, (xt, kt, et), g))
+    out = _mask_and_grads_on_both_back_ends(x, k, eps, g)
     for A, gx, gk, ge in out.values():
         assert torch.equal(A[:5], causal[:5].to(dtype))
         assert torch.equal(gx[:5], torch.zeros_like(gx[:5])) and torch.equal(ge[:5], ge[:5] * 0)
@@ -488,6 +482,18 @@ def test_causal_rows_at_k_equal_to_their_keys_are_the_limit_on_either_back_end(d
         torch.testing.assert_close(gk[:5], want, rtol=5 * tol, atol=tol)
     for a, b in zip(out["kernel"], out["reference"], strict=True):
         torch.testing.assert_close(a, b, atol=tol * max(float(b.abs().max()), 1.0), rtol=1e-4)
+
+
+def _mask_and_grads_on_both_back_ends(x, k, eps, g):
+    """{back end: (mask, its vjp with g in x, k and epsilon)} for the kernel and the reference."""
+    out = {}
+    for name in ("kernel", "reference"):
+        with backend(name):
+            xt = x.clone().requires_grad_()
+            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
+            A = softops.soft_topk_mask(xt, kt, epsilon=et)
+            out[name] = (A.detach(), *torch.autograd.grad(A, (xt, kt, et), g))
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -505,13 +511,7 @@ def test_rows_at_k_zero_are_the_limit_on_either_back_end(ops, dtype, n):
     limit = _ot._scaling_limit(dtype)
     assert ops.threshold_rows(x, k, eps, 0.0, limit, 100)[5].tolist() == [2] * b
     g = torch.randn(b, n, generator=seeded(52), dtype=dtype)
-    out = {}
-    for name in ("kernel", "reference"):
-        with backend(name):
-            xt = x.clone().requires_grad_()
-            kt, et = k.clone().requires_grad_(), eps.clone().requires_grad_()
-            A = softops.soft_topk_mask(xt, kt, epsilon=et)
-            out[name] = (A.detach(), *torch.autograd.grad(A, (xt, kt, et), g))
+    out = _mask_and_grads_on_both_back_ends(x, k, eps, g)
     tol = 1e-10 if dtype == F64 else 2e-5
     for A, gx, gk, ge in out.values():
         assert not A.any() and not gx.any() and not ge.any()
