@@ -409,6 +409,43 @@ def test_hard_limit(case):
             torch.testing.assert_close(out, case.hard(y, dim, orient), atol=1e-6, rtol=0)
 
 
+_X_RANGE = [0.3, -1.2, 0.8, 2.0, -0.4]  # distinct entries with unit-scale gaps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("epsilon", [1e-50, 1e-320, 1e39, 1e300])
+@cases(CASES)
+def test_epsilon_outside_the_dtype(case, epsilon, dtype):
+    """A valid positive epsilon that the compute dtype cannot hold: below its smallest normal
+    number (it underflows to 0, or is a subnormal) every op refuses it with one message; above
+    its largest finite value every op takes its limit (never NaN), the uniform mask for the
+    top-k masks, and a finite gradient."""
+    x = torch.tensor(_X_RANGE, dtype=dtype, requires_grad=True)
+    tiny = torch.finfo(torch.promote_types(dtype, torch.float32)).tiny
+    if epsilon < tiny:
+        with pytest.raises(ValueError, match=r": expected `epsilon` >= [0-9.e+-]+ \(the smal"):
+            case(x, epsilon=epsilon)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a convergence note at the limit is not the point here
+        out = case(x, epsilon=epsilon)
+    assert out.dtype == dtype
+    if case.op in ("smooth_max", "smooth_min"):  # max + O(epsilon log n): may overflow to inf
+        assert not out.isnan().any()
+    else:
+        assert torch.isfinite(out).all(), out
+    if epsilon < 1 and not case.stochastic:  # float64 holds 1e-50: the hard limit
+        hard = case.hard(x.detach().double())
+        torch.testing.assert_close(out.detach().double(), hard, atol=1e-6, rtol=1e-6)
+    if epsilon > 1 and case.op == "soft_topk_mask" and case.method not in ("softkmax", "perturbed"):
+        tol = 1e-6 if dtype in (torch.float32, F64) else 1e-2
+        uniform = torch.full((5,), K / 5, dtype=F64)
+        torch.testing.assert_close(out.detach().double(), uniform, atol=tol, rtol=0)
+    if dtype in (torch.float32, F64) and out.requires_grad:
+        (g,) = torch.autograd.grad(out.sum(), x)
+        assert not g.isnan().any()
+
+
 @cases(by_op("soft_argsort", "soft_topk_mask", "soft_argmax_onehot"))
 def test_hard_is_straight_through(case):
     x = _distinct(2, 5).requires_grad_()
