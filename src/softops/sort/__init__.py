@@ -1,46 +1,42 @@
 r"""The sort family: soft_sort, soft_rank, soft_argsort and soft_quantile.
 
-Each public function checks its arguments once (the method and its options with
-``softops.sort._dispatch.check_options``, then ``softops._core.dims.prepare_rows``: ``dim``
-moved last, the batch flattened to (B, n) in the compute dtype, where float16/bfloat16 are
-computed in float32) and hands the rows to one backend of the static table
-``softops.sort._dispatch.METHODS``:
+Methods (the static table ``softops.sort._dispatch.METHODS``, one file each): ``"pav"``, the
+projection onto the permutahedron (Blondel et al. 2020; sort, rank, quantile; exact, O(n log n));
+``"softsort"`` (Prillo and Eisenschlos 2020) and ``"neuralsort"`` (Grover et al. 2019): sort,
+rank, argsort; ``"ot"``, entropic optimal transport (Cuturi, Teboul and Vert 2019): all four.
 
-- ``"pav"`` (``_pav.py``): Blondel et al. 2020, projection onto the permutahedron, exact, O(n log n)
-  per row. Sort, rank and quantile.
-- ``"softsort"`` (``_softsort.py``): Prillo and Eisenschlos 2020. Sort, rank and argsort.
-- ``"neuralsort"`` (``_neuralsort.py``): Grover et al. 2019. Sort, rank and argsort.
-- ``"ot"`` (``_ot.py``): Cuturi, Teboul and Vert 2019, entropic optimal transport. Sort, rank,
-  argsort and quantile.
+**Unused arguments.** An argument the chosen method does not use raises ``ValueError`` when it
+differs from its default: ``soft_sort(x, method="softsort", regularization="kl")`` raises,
+``regularization="l2"`` does not.
 
-**Unused arguments.** An argument that the chosen method does not use raises ``ValueError`` when
-it differs from its default in the signature: ``soft_sort(x, method="softsort",
-regularization="kl")`` raises, ``soft_sort(x, method="softsort", regularization="l2")`` does not.
+**Non-finite inputs.** A NaN gives NaN in its own row only; infinities behave as the limit of
+``±inf`` replaced by ``±M``, ``M -> inf`` (equal infinities staying tied):
 
-**Non-finite inputs.** Infinities behave as their limits, and a NaN gives NaN in its own row
-only. The limit is that of the entries at ``±inf`` replaced by ``±M``, ``M -> inf`` (equal
-infinities staying tied):
+- ``"softsort"``, ``"neuralsort"``, ``"ot"``: the finite entries of a row are relaxed as the
+  method on those entries alone, and the ``-inf`` / ``+inf`` entries take the ends of the output
+  order. ``soft_sort`` holds the infinities there; ``soft_rank`` gives an infinite entry the mean
+  of its tied hard positions (``n`` for a single ``+inf``, ascending) and a finite entry
+  :math:`\sum_i (o + i) P'_{ij}` (:math:`P'` the finite entries' matrix, ``o`` the infinities
+  before them); ``soft_argsort``'s row at an infinite position is uniform over that infinity's
+  columns, and the other rows put no weight on infinite columns. Infinite entries get a zero
+  gradient. Eagerly this costs one host sync, and one backend call per distinct count of finite
+  entries (``softops.sort._limits``).
+- ``"pav"``: the projection's own limits. ``soft_rank`` as above. The l2 ``soft_sort`` keeps
+  the row's mean, so an infinity pulls the whole row to it (``[1, inf] -> [inf, inf]``), and
+  ``-inf`` with ``+inf`` give NaN; the kl ``soft_sort`` saturates. The gradient at an infinite
+  entry is undefined (it may be NaN); finite entries get finite gradients.
+- ``soft_quantile`` interpolates the soft sort: an infinite neighbour wins unless its weight is
+  0, and ``-inf`` against ``+inf`` gives NaN.
 
-- ``"softsort"``, ``"neuralsort"``, ``"ot"``: the infinite entries decouple. The finite entries of
-  a row are relaxed among themselves, exactly as the method on that row's finite entries alone;
-  in the output order (ascending unless ``descending``) the ``-inf`` entries come first and the
-  ``+inf`` entries last. Hence ``soft_sort`` holds ``-inf`` / ``+inf`` at those positions and the
-  finite soft values in between; ``soft_rank`` gives an infinite entry the mean of the hard
-  positions of its equal infinities (``n`` for a single ``+inf``, ascending), and a finite entry
-  :math:`\sum_i (o + i) P'_{ij}`, with :math:`P'` the matrix of the finite entries and ``o`` the
-  number of infinities before them; ``soft_argsort`` has, at the infinite positions, rows that are
-  uniform over the columns of that infinity, and elsewhere :math:`P'` on the finite columns and 0
-  on the infinite ones. Infinite entries get a zero gradient. This takes one host sync per call
-  and, for rows with infinities, one backend call per distinct number of finite entries
-  (``softops.sort._limits``).
-- ``"pav"``: the projection's own limits. ``soft_rank`` is exact as for the other methods (an
-  infinite entry gets the mean of the positions of its equal infinities). The l2 ``soft_sort``
-  keeps the row's mean, so any infinity pulls the whole row to it (``[1, inf] -> [inf, inf]``);
-  with both ``-inf`` and ``+inf`` in a row the limit depends on their rates and the row is NaN.
-  The kl ``soft_sort`` saturates instead (an infinity's effect stays bounded). The gradient at an
-  infinite entry itself is undefined (it may be NaN); finite entries get finite gradients.
-- ``soft_quantile`` interpolates the soft-sorted values as above; an infinite neighbour wins
-  unless its interpolation weight is 0, and ``-inf`` against ``+inf`` gives NaN.
+References:
+    Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking. ICML 2020.
+    arXiv:2002.08871.
+    Prillo and Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
+    ICML 2020. arXiv:2006.16038.
+    Grover, Wang, Zweig and Ermon. Stochastic Optimization of Sorting Networks via Continuous
+    Relaxations. ICLR 2019. arXiv:1903.08850.
+    Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
+    NeurIPS 2019. arXiv:1905.11885.
 """
 
 from __future__ import annotations
@@ -123,10 +119,8 @@ def soft_sort(
             At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
             float64): a smaller, subnormal epsilon raises ``ValueError``.
         method: "pav" (default; exact projection, O(n log n) per row), "softsort",
-            "neuralsort" or "ot". PAV runs as a C++ kernel on the CPU once it is built
-            (``python -m softops._kernels``, once per machine and torch version); without it,
-            or with ``SOFTOPS_KERNELS=0``, in pure torch, 15 to 60 times slower. CUDA tensors
-            make a round trip to the host for the PAV step only.
+            "neuralsort" or "ot". PAV runs a C++ kernel on the CPU once built
+            (``python -m softops._kernels``), else its torch reference, slower.
         regularization: "pav" only: "l2" (Euclidean projection, default) or "kl" (KL
             projection, :math:`P_E(\rho/\varepsilon, \theta)`).
         distance: "softsort" only: "l1" (default) or "l2".
@@ -157,14 +151,7 @@ def soft_sort(
         tensor([1., 3., inf])
 
     References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
-        Prillo and Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
-        Grover, Wang, Zweig and Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-        Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
-        NeurIPS 2019. arXiv:1905.11885.
+        See :mod:`softops.sort`.
     """
     op = "soft_sort"
     opts = check_options(
@@ -265,14 +252,7 @@ def soft_rank(
         tensor([2., 3., 1.])
 
     References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
-        Prillo and Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
-        Grover, Wang, Zweig and Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-        Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
-        NeurIPS 2019. arXiv:1905.11885.
+        See :mod:`softops.sort`.
     """
     op = "soft_rank"
     opts = check_options(
@@ -366,12 +346,7 @@ def soft_argsort(
                 [1., 0., 0.]])
 
     References:
-        Prillo and Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
-        Grover, Wang, Zweig and Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-        Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
-        NeurIPS 2019. arXiv:1905.11885.
+        See :mod:`softops.sort`.
     """
     op = "soft_argsort"
     opts = check_options(op, method, "argsort", distance=distance, max_iter=max_iter, tol=tol)
@@ -449,10 +424,7 @@ def soft_quantile(
                 [3.2500, 6.2500]])
 
     References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
-        Cuturi, Teboul and Vert. Differentiable Ranks and Sorting using Optimal Transport.
-        NeurIPS 2019. arXiv:1905.11885.
+        See :mod:`softops.sort`.
     """
     op = "soft_quantile"
     opts = check_options(op, method, "quantile")

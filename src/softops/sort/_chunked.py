@@ -1,17 +1,9 @@
 r"""Row-chunked, checkpointed reductions of a row-softmax matrix ``P = softmax(logits)``.
 
-Shared by the SoftSort (l2 values and ranks, and the full P) and NeuralSort backends. The rows of
-the (B, n, n) matrix P are processed in blocks of at most ``BLOCK_ELEMENTS`` entries (B x rows x
-n), each block wrapped in non-reentrant :func:`torch.utils.checkpoint.checkpoint`: autograd keeps
-O(B n) per block and recomputes the block in the backward, so the peak extra memory is
-O(B n block) instead of O(B n²) (besides a requested (B, n, n) ``P`` itself). The first
-checkpointed call in a process pays torch's one-time import of ``torch._dynamo`` (about 2 s on a
-small CPU). No checkpoint (and no graph) is used when nothing requires a gradient.
-
-Under ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``, ...) the blocks are not
-checkpointed either: those transforms do not support the saved-tensor hooks that non-reentrant
-checkpointing is made of, so the blocks are kept by autograd as plain ops, O(B n²) memory for the
-graph (the same values and derivatives, by the same ops).
+Shared by the SoftSort (l2, and the full P) and NeuralSort backends: rows of P in blocks of at
+most ``BLOCK_ELEMENTS`` entries, each under non-reentrant checkpointing, so the peak extra memory
+is O(B n block) instead of O(B n²). Without a gradient, or under ``torch.func`` transforms (which
+do not support checkpointing's saved-tensor hooks), the blocks run as plain ops.
 """
 
 from __future__ import annotations

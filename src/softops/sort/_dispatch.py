@@ -1,22 +1,11 @@
 r"""The sort family's wiring: which method serves which op, its options, and quantile interpolation.
 
-``METHODS`` maps a method name to its backend module. Every backend offers the kinds it has, each
-with the one signature::
-
-    sort(x2, eps, descending, opts, offset=None)     # (B, n) values
-    rank(x2, eps, descending, opts, offset=None)     # (B, n) 1-based ranks
-    argsort(x2, eps, descending, opts, offset=None)  # (B, n, n) row-stochastic P
-
-on canonical rows: ``x2`` (B, n) float32 or float64, ``eps`` (B,) positive, ``opts`` a
-:class:`MethodOptions`, ``offset`` an optional (B,) shift of the rank positions (used when
-infinities are taken to their limits, see ``softops.sort._limits``). "pav" has no ``argsort``;
-no backend has a quantile of its own: :func:`interpolate` reads it off the soft sort.
-
-**Unused arguments.** An argument that the chosen method does not use must be left at its default
-in the public signature (``regularization="l2"``, ``distance="l1"``, ``max_iter=None``,
-``tol=None``); anything else raises ``ValueError``. So ``soft_sort(x, method="softsort",
-regularization="kl")`` raises and ``soft_sort(x, method="softsort", regularization="l2")`` does
-not. This is the rule of :func:`softops._core.validation.check_unused`, shared by every family.
+``METHODS`` maps a method name to its backend module, each with the one signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` on canonical rows: ``x2`` (B, n)
+float32 or float64, ``eps`` (B,) positive, ``opts`` a :class:`MethodOptions`, ``offset`` an
+optional (B,) shift of the rank positions (``softops.sort._limits``). "pav" has no ``argsort``;
+:func:`interpolate` reads every quantile off the soft sort. An argument the method does not use
+must stay at its default (:func:`softops._core.validation.check_unused`).
 """
 
 from __future__ import annotations

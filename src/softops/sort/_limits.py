@@ -1,41 +1,19 @@
 r"""Infinities as limits for the "softsort", "neuralsort" and "ot" sort methods.
 
-The contract of the sort family is that an input at ``±inf`` behaves as the limit of a large
-finite value: the entries at ``±inf`` are replaced by ``±M`` and ``M -> inf`` (equal infinities
-staying tied). For these three methods the limit decouples the infinite entries from the finite
-ones. For SoftSort and OT, the kernel between a target value u and an entry x decays with their
-distance (``exp(-|u - x|/eps)``, ``exp(-(u - x)²/eps)``), so as ``M -> inf`` an entry at ``±M``
-gets weight 0 in the row of every finite target, and the rows of the targets at ``±M`` put all
-their weight on the entries there. NeuralSort's logits ``(c_i x_j - sum_l |x_j - x_l|)/eps``
-separate in the same way, by O(M): an entry at ``+M`` wins only the last rows; and the ``M``
-terms shift the finite entries' coefficients to exactly those of the compacted row (one ``+M``
-turns ``c_i = 2i - n - 1`` into ``c_i + 1 = 2i - (n - 1) - 1``). What remains is:
+The contract (:mod:`softops.sort`) is the limit of ``±inf`` replaced by ``±M``, ``M -> inf``.
+For these methods it decouples: as ``M -> inf`` an entry at ``±M`` gets weight 0 in the row of
+every finite target (the kernels decay with distance; NeuralSort's logits separate by O(M), and
+its M terms turn the finite entries' coefficients into those of the compacted row). So the finite
+entries of a row are relaxed as the method on that row's finite entries alone, and the ``-inf``
+and ``+inf`` entries take the ends of the output order, tied among themselves: an infinite rank
+is the mean of its tied positions, a finite one :math:`\sum_i (o + i) P'_{ij}` with ``o`` the
+infinities before (the backends' ``offset``), and a row of ``argsort`` at an infinite position is
+uniform over that infinity's columns. Infinite entries get a zero gradient.
 
-- the finite entries of a row, relaxed among themselves: the method applied to that row's finite
-  entries alone, the (Bg, m) compacted rows;
-- in the output order (ascending unless ``descending``), the ``-inf`` entries first and the
-  ``+inf`` entries last, tied among themselves.
-
-Per output kind this gives:
-
-- ``sort``: ``-inf`` / ``+inf`` at those positions, the finite soft values in between;
-- ``rank``: an infinite entry gets the mean of the hard positions of its equal infinities (``n``
-  for a single ``+inf``, ascending). A finite entry gets :math:`\sum_i (o + i) P'_{ij}`, where
-  :math:`P'` is the matrix of the finite entries and ``o`` is the number of infinities before
-  them (the backends' ``offset``);
-- ``argsort``: the rows at infinite positions are uniform over the columns of that infinity. The
-  other rows are :math:`P'` on the finite columns and 0 on the infinite ones.
-
-Infinite entries get a zero gradient. The check costs one host sync per call. Rows with
-infinities cost one backend call per distinct number of finite entries. Under ``torch.func``
-transforms (``vmap``, ``grad``, ...), on meta tensors and under ``torch.compile`` that
-data-dependent branch is impossible; every backend then runs its ``masked`` formulation of the
-same limit on every row. For SoftSort and NeuralSort: rows and
-columns carry a kind (-inf, finite, +inf), finite rows see the finite columns only (with the
-compacted row's coefficients for NeuralSort) at their full-row positions, and an infinite row is
-uniform over its own infinity. For "ot": infinite entries and the targets at their positions get
-zero mass (``softops.sort._ot.masked``). "pav" does not come here: it takes the
-projection's own limits (see ``softops.sort._pav``).
+:func:`with_limits` finds the rows with infinities (one host sync) and calls the backend once per
+distinct count of finite entries, on the compacted rows. Where that branch is impossible (under
+``torch.func``, on meta tensors, while compiled) every row goes through the backend's ``masked``
+form of the same limit. "pav" does not come here: it takes the projection's own limits.
 """
 
 from __future__ import annotations

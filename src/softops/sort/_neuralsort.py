@@ -1,46 +1,25 @@
-r"""NeuralSort backend: the unimodal row-stochastic relaxation of Grover et al.
+r"""NeuralSort backend (Grover, Wang, Zweig and Ermon, ICLR 2019, arXiv:1903.08850): the unimodal
+row-stochastic relaxation
 
-Reference: A. Grover, E. Wang, A. Zweig and S. Ermon, *Stochastic Optimization of Sorting
-Networks via Continuous Relaxations*, ICLR 2019 (arXiv 1903.08850).
+.. math::
 
-Private backend of :mod:`softops.sort`, with the one backend signature
-``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` (``softops.sort._dispatch``):
-canonical tensors ``x2`` (B, n) of dtype float32 or float64 and ``eps`` (B,) positive (it may
-require grad); NeuralSort has no options, so ``opts`` is unused; no validation.
+    P_{ij} = \operatorname{softmax}_j\!\Big(\frac{c_i x_j - \sum_l |x_j - x_l|}{\varepsilon}\Big),
+    \qquad c_i = 2i - n - 1 \ (\text{ascending}), \ n + 1 - 2i \ (\text{descending}),
 
-Deviations from the paper's notation (Grover et al. 2019, §3, where the relaxation is
-:math:`\hat P_{\max}`):
+values ``P @ x`` and ranks :math:`r_j = \sum_i i\,P_{ij}` (not confined to [1, n]).
 
-* The paper's temperature :math:`\tau` is ``epsilon``, in units of x (the logits are linear in
-  x). Scaling law: ``sort(c x, c e) = c sort(x, e)`` for c > 0; ranks and P are unchanged. The
-  operator is shift-invariant: the logits of a row are taken relative to their maximum.
-* The paper's :math:`\hat P_{\max}` sorts in **descending** order: its row i uses the coefficient
-  :math:`n + 1 - 2i`. That is ``descending=True`` here. ``descending=False`` (the default of the
-  public API) uses the row coefficient :math:`2i - n - 1`, i.e. the paper's rows in reverse order,
-  so ``P @ x`` is ascending.
-* Soft ranks use the estimator :math:`r_j = \sum_i i\,P_{ij}` (1-based positions in the output
-  order), which is not confined to [1, n].
+Private backend of :mod:`softops.sort` with the one backend signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)``: x2 (B, n) float32 or float64,
+eps (B,) positive (it may require grad); ``opts`` is unused; no validation.
 
-Algorithm: the logits of row i, :math:`(c_i x_j - (A_x 1)_j)/\varepsilon` with
-:math:`(A_x 1)_j = \sum_l |x_j - x_l|`, are formed relative to their maximum, which is at the
-i-th smallest entry, from the gaps of the sorted row (``_gap_logits``): a sum of terms of one sign
-per entry, so that they carry the rounding of the gaps. Formed directly, c_i x_j and (A 1)_j are
-of the size n * span and their rounding lost every gap below it (ranks out of order: KD23 of
-tests/test_adversarial.py). The columns are taken in sorted order (one sort, O(n log n)), and
-the ranks and P put back in the columns' order at the end. The softmax is O(n²); it is row-chunked
-with checkpointing (see :func:`softops.sort._chunked.chunked_rows` and its ``BLOCK_ELEMENTS``), so
-autograd keeps O(n) per block instead of O(n²). The reference implementation's ``A_s @ (1 1^T)``
-(an O(n³) matmul) is not used. Tied entries (a gap of 0) get identical logits, columns of P and
-ranks; at exact ties :math:`|x_j - x_l|` is at its kink, and the gaps' subgradient is the one of
-their sorted order.
-
-Extremes: the gaps are those of the row over a power of two s (``softops.sort._softsort.row_scale``
-of the centred row), times one factor ``-s / eps`` (``scaled_inverse``), so neither pass forms
-``eps**2`` nor overflows before the derivative does (a scaled gap beyond the dtype is held at its
-largest value, and the logits' sums may reach -inf, where the softmax is 0).
-
-Non-finite inputs: a NaN gives NaN in its own row only; rows with ``±inf`` give NaN here, and the
-public layer (:mod:`softops.sort`) takes them to their limits before calling this backend.
+Contract: epsilon is the paper's temperature, in units of x (``sort(c x, c e) = c sort(x, e)``);
+the paper's :math:`\hat P_{\max}` is ``descending=True``. The logits are formed relative to each
+row's argmax from the gaps of the sorted row (:func:`_gap_logits`), so they carry the rounding of
+the gaps, not of ``n * span``; tied entries get identical logits, columns and ranks. The row
+``A 1`` costs one sort (O(n log n)); the O(n²) softmax runs in checkpointed row blocks
+(docs/math.md §3). The gaps are scaled by a power of two (:func:`_frame`) and one factor
+``-s / eps``, so no pass forms ``eps**2`` or overflows before the derivative does. A NaN gives NaN
+in its own row; rows with ``±inf`` give NaN here (the public layer takes them to their limits).
 """
 
 from __future__ import annotations
@@ -223,29 +202,7 @@ def sort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""NeuralSort values ``P @ x``: a relaxation of ``torch.sort(x, -1, descending).values``.
-
-    .. math::
-
-        P_{ij} = \operatorname{softmax}_j\!\Big(\frac{c_i x_j - \sum_l |x_j - x_l|}
-                 {\varepsilon}\Big),\qquad
-        c_i = \begin{cases} 2i - n - 1 & \text{ascending}\\ n + 1 - 2i & \text{descending}
-              \end{cases},\qquad v = P x.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x.
-        descending: sort in descending order (the paper's orientation).
-        opts: unused (NeuralSort has no options).
-        offset: unused (the one backend signature).
-
-    Returns:
-        (B, n) soft-sorted values, in x2's dtype; the hard sorted values as epsilon -> 0.
-
-    References:
-        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-    """
+    r"""NeuralSort values ``P @ x``, (B, n) in x2's dtype; the hard sorted values as epsilon -> 0."""
     return cast(Tensor, _run(x2, eps, descending, values=True)[0])
 
 
@@ -256,29 +213,7 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""NeuralSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
-
-    .. math::
-
-        r_j = \sum_{i=1}^n i\, P_{ij},
-
-    with P as in :func:`sort` (rank 1 is the smallest when ``descending=False``). Not confined to
-    [1, n]; the hard ranks as epsilon -> 0 for distinct values.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x.
-        descending: rank 1 for the largest instead of the smallest.
-        opts: unused (NeuralSort has no options).
-        offset: optional (B,) shift of the positions i (used by the public layer for infinities).
-
-    Returns:
-        (B, n) soft ranks, in x2's dtype.
-
-    References:
-        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-    """
+    r"""NeuralSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}`, (B, n) in x2's dtype."""
     return cast(Tensor, _run(x2, eps, descending, ranks=True, offset=offset)[1])
 
 
@@ -289,27 +224,5 @@ def argsort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""The NeuralSort matrix P: row i relaxes ``one_hot(argsort(x, -1, descending)[i])``.
-
-    .. math::
-
-        P_{ij} = \operatorname{softmax}_j\!\Big(\frac{c_i x_j - (A_x 1)_j}{\varepsilon}\Big),
-        \qquad (A_x)_{jl} = |x_j - x_l|.
-
-    P is unimodal and row-stochastic; ``P @ x`` equals :func:`sort`.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x.
-        descending: rows in descending order of x (the paper's :math:`\hat P_{\max}`).
-        opts: unused (NeuralSort has no options).
-        offset: unused (the one backend signature).
-
-    Returns:
-        (B, n, n) row-stochastic P, in x2's dtype.
-
-    References:
-        A. Grover, E. Wang, A. Zweig, S. Ermon. Stochastic Optimization of Sorting Networks via
-        Continuous Relaxations. ICLR 2019. arXiv:1903.08850.
-    """
+    r"""The (B, n, n) unimodal row-stochastic NeuralSort matrix P, in x2's dtype."""
     return cast(Tensor, _run(x2, eps, descending, matrix=True)[2])

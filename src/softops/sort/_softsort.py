@@ -1,63 +1,25 @@
-r"""SoftSort backend: ``P = softmax(-d(sort(x), x) / epsilon)`` row-wise.
+r"""SoftSort backend (Prillo and Eisenschlos, ICML 2020, arXiv:2006.16038):
+``P = softmax(-d(sort(x), x) / epsilon)`` row-wise, ``d`` the l1 or l2 distance.
 
-Reference: S. Prillo and J. Eisenschlos, *SoftSort: A Continuous Relaxation for the argsort
-Operator*, ICML 2020 (arXiv 2006.16038).
+Private backend of :mod:`softops.sort` with the one backend signature
+``sort/rank/argsort(x2, eps, descending, opts, offset=None)``: x2 (B, n) float32 or float64,
+eps (B,) positive (it may require grad), ``opts.distance`` "l1" or "l2"; no validation.
 
-Private backend of :mod:`softops.sort`, with the one backend signature
-``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` (``softops.sort._dispatch``):
-canonical tensors ``x2`` (B, n) of dtype float32 or float64 and ``eps`` (B,) positive (it may
-require grad), ``opts.distance`` "l1" or "l2"; no validation.
+Contract: epsilon is the paper's temperature, in the units of x (l1) or x² (l2), so
+``sort(c x, c e) = c sort(x, e)`` (l1) and ``sort(c x, c² e) = c sort(x, e)`` (l2); ranks and P
+are unchanged. ``descending=False`` sorts ascending (the paper sorts descending). The soft ranks
+:math:`r_j = \sum_i i\,P_{ij}` are estimates: P is only row-stochastic, so r is not confined to
+[1, n]; they tend to the hard ranks as epsilon -> 0.
 
-Deviations from the paper's notation (Prillo & Eisenschlos 2020, §3, where
-:math:`\mathrm{SoftSort}^d_\tau(s) = \mathrm{softmax}(-d(\mathrm{sort}(s)\,1^\top,
-1\,s^\top)/\tau)`):
+l1 values and ranks are exact in O(n log n) time and O(n) memory, by local-frame recurrences on
+the semiseparable Laplace kernel run as a parallel scan with an adjoint-scan backward
+(docs/math.md §3); gaps beyond 800 epsilon decouple exactly. l2 and the full P are formed in
+checkpointed row blocks (:func:`softops.sort._chunked.chunked_rows`). The dense kernels work on
+``x / s`` (:func:`row_scale`) and never form ``eps**2`` or a distance beyond the dtype, so the
+gradients are finite wherever the derivative is.
 
-* The paper's temperature :math:`\tau` is ``epsilon``, in the units of x for ``distance="l1"``
-  and of x² for ``distance="l2"``. Scaling laws: ``sort(c x, c e) = c sort(x, e)`` (l1) and
-  ``sort(c x, c² e) = c sort(x, e)`` (l2), for c > 0; ranks and P are unchanged.
-* The paper sorts in descending order. Here ``descending=False`` (the default of the public API)
-  uses ``sort(x)`` ascending, so ``P @ x`` is ascending; ``descending=True`` flips the rows of P.
-* Soft ranks use the estimator :math:`r_j = \sum_i i\,P_{ij}` (1-based positions i of the output
-  order; rank 1 is the smallest when ``descending=False``). P is row-stochastic only, so the
-  column weights :math:`\sum_i P_{ij}` are not 1 and r is **not confined to** [1, n], nor do the
-  ranks sum to n(n+1)/2. As epsilon -> 0 (distinct values) r tends to the hard 1-based ranks.
-
-Algorithms:
-
-* **l1, values and ranks: exact O(n log n) time, O(n) memory** (not in the paper, which forms
-  the n x n matrix). The Laplace kernel :math:`k_{ij} = e^{-|u_i-u_j|/\varepsilon}` on the sorted
-  points u is semiseparable: with the decays :math:`d_i = e^{-(u_i - u_{i-1})/\varepsilon} \in
-  [0, 1]` (:math:`d_0 = 0`), the left sums :math:`L_i = \sum_{j \le i} w_j k_{ij}` obey the linear
-  recurrence :math:`L_i = w_i + d_i L_{i-1}`, and the right sums its mirror. Each sum is kept
-  in the local frame of its own point, so every operation adds or multiplies non-negative
-  numbers: nothing cancels and nothing overflows, at any span / epsilon. The normalisers are
-  :math:`Z_i = L_i + R_i` (``w = 1``, R exclusive); the values are
-  :math:`v_i = u_i + (M^R_i - M^L_i)/Z_i` with the first moments
-  :math:`M^L_i = \sum_{j<i} k_{ij}(u_i - u_j) = d_i(\delta_i L_{i-1} + M^L_{i-1})`,
-  :math:`\delta_i = u_i - u_{i-1}`, and the mirror :math:`M^R`; the ranks are the same kernel
-  sums with weights ``pos_i / Z_i`` at the points u, un-sorted. Values are a mean, so they are
-  clamped to [min x, max x] against rounding; tied entries get equal values and ranks to a few
-  ulps; every gap above 800 epsilon decouples exactly (``exp(-800) == 0`` in float64, where the
-  scans run). The recurrences are a log-depth two-level parallel scan (:func:`linear_recurrence`)
-  with an adjoint-recurrence backward written in the same scan, so autograd keeps O(n), and
-  second derivatives and forward mode work. At exact ties SoftSort is not differentiable (|.| at
-  its kink); this path and the dense formula pick different subgradients there, and agree
-  everywhere else.
-* **l2 values and ranks, and the full P** (``argsort``, any distance): rows of P are processed
-  in checkpointed blocks by :func:`softops.sort._chunked.chunked_rows` (at most
-  ``BLOCK_ELEMENTS`` entries at once), so the peak extra memory is O(B n block) instead of
-  O(B n²) (besides the (B, n, n) output of ``argsort`` itself).
-
-* **Extremes.** The dense kernels work on ``x / s`` (s a power of two, :func:`row_scale`) and
-  take the scale back in one factor ``s / eps**p = exp(log s - p log eps)``
-  (:func:`scaled_inverse`); the l1 scans use ``1/eps = exp(-log eps)`` (:func:`inverse`). So
-  neither the forward nor the backward forms ``eps**2`` or a distance beyond the dtype: the
-  gradients are finite at an epsilon far below the gaps (0 there, the hard limit) and at spans
-  up to the dtype's largest value, wherever the derivative itself is.
-
-Non-finite inputs: a NaN gives NaN in its own row only. Rows containing ``±inf`` give NaN here
-(an infinite sorted value has no finite distance to itself); the public layer
-(:mod:`softops.sort`) takes them to their limits before calling this backend.
+A NaN gives NaN in its own row; rows with ``±inf`` give NaN here (the public layer takes them
+to their limits first).
 """
 
 from __future__ import annotations
@@ -97,12 +59,9 @@ def _strands(t: Tensor, nb: int, blk: int) -> Tensor:
 def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
     """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph.
 
-    Two-level: the row is cut into ``_SCAN_BLOCK`` interleaved strands (step j of every block
-    side by side, so each operation is one contiguous vector over the blocks); the recurrence and
-    the products of ``a`` run along the ``_SCAN_BLOCK`` steps of each block; the values at the
-    block ends are the same recurrence over the blocks (recursively: log depth in n); one fix-up
-    ``h_i = b_i + (prod a) H`` adds the value H from before the block. O(n) work; every
-    operation adds or multiplies non-negative numbers when ``a`` in [0, 1] and ``b >= 0``.
+    Two-level: ``_SCAN_BLOCK`` interleaved strands (step j of every block side by side), the
+    recurrence within each block, the block ends by the same recurrence (recursively: log depth),
+    then one fix-up. O(n) work; only non-negative sums and products for ``a`` in [0, 1], ``b >= 0``.
     """
     n = a.shape[-1]
     blk = _SCAN_BLOCK
@@ -132,12 +91,10 @@ def _shift_left(t: Tensor) -> Tensor:
 
 
 class _Recurrence(torch.autograd.Function):
-    """``h_i = a_i h_{i-1} + b_i`` (``h_{-1} = 0``) with the adjoint recurrence as backward.
+    """``h_i = a_i h_{i-1} + b_i`` with the adjoint recurrence as backward (docs/math.md §3).
 
-    Backward: ``lam_i = g_i + a_{i+1} lam_{i+1}`` (the same recurrence, reversed), then
-    ``db = lam`` and ``da_i = lam_i h_{i-1}``. It is written with this Function itself, so it is
-    differentiable again (double backward). Autograd keeps ``a`` and ``h``: O(n). This class has
-    no forward mode, so ``torch.compile`` traces it; :class:`_LinearRecurrence` adds it.
+    The backward is written with this Function itself, so it is differentiable again. No forward
+    mode here, so ``torch.compile`` traces it; :class:`_LinearRecurrence` adds it.
     """
 
     generate_vmap_rule = True
@@ -174,13 +131,10 @@ class _LinearRecurrence(_Recurrence):
 
 
 def linear_recurrence(a: Tensor, b: Tensor) -> Tensor:
-    """``h_i = a_i h_{i-1} + b_i`` along the last dim, ``h_{-1} = 0`` (``a_0`` is unused).
+    """``h_i = a_i h_{i-1} + b_i`` along the last dim, ``h_{-1} = 0`` (``a_0`` unused).
 
-    Stable for ``a`` in [0, 1] and ``b >= 0``: every operation adds or multiplies non-negative
-    numbers, so the relative error is a few ulps per step and nothing cancels. Log depth
-    (``ceil(log2 n)`` vectorised steps), O(n) autograd memory, differentiable any number of times.
-    Under ``torch.compile``, which cannot trace a Function with a custom forward mode, the
-    Function without one runs (forward mode is not available in compiled code anyway).
+    Stable for ``a`` in [0, 1] and ``b >= 0`` (nothing cancels); log depth, O(n) autograd memory,
+    differentiable any number of times. Compiled code runs the Function without forward mode.
     """
     if torch.compiler.is_compiling():
         return cast(Tensor, _Recurrence.apply(a, b))
@@ -196,12 +150,10 @@ def _l1_scan(
     offset: Tensor | None = None,
     masked: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Values and/or ranks of l1 SoftSort by local-frame recurrences (float64; module doc).
+    """Values and/or ranks of l1 SoftSort by local-frame recurrences, in float64 (docs/math.md §3).
 
-    ``masked``: rows may hold ``±inf``, taken to their limit without data-dependent control flow
-    (``softops.sort._limits``): the decay across the boundary of a block of equal infinities is
-    0 and inside it 1, so the finite entries are relaxed among themselves with their full-row
-    positions (the offset of the limit), and each infinite block is uniform over itself.
+    ``masked``: rows may hold ``±inf``, at their limit without data-dependent control flow: the
+    decay is 0 across the boundary of a block of equal infinities and 1 inside it.
     """
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
@@ -272,31 +224,21 @@ def _l1_scan(
 
 
 def inverse(eps: Tensor) -> Tensor:
-    """``1/eps`` as ``exp(-log eps)``: the same value, but a backward that never squares eps.
-
-    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
-    the gaps and turns the zero gradient of a saturated softmax into ``0 * inf = NaN``; here the
-    chain is ``grad * inv`` then ``/ eps``, finite whenever the true derivative is (eps is in
-    its dtype's normal range: ``prepare_rows`` refuses it below ``finfo.tiny`` and clamps it to
-    ``finfo.max``, so ``1/eps`` is finite).
+    """``1/eps`` as ``exp(-log eps)``: the same value, with a backward that never squares eps
+    (``(z/eps)/eps`` overflows at an epsilon far below the gaps, and ``0 * inf`` is NaN).
     """
     return torch.exp(-torch.log(eps))
 
 
 def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
-    """A detached power of two s >= 1 (B, 1) per row of x2 (B, n): the kernels work on
-    ``x / s`` (exact) and take the scale back in one factor ``s / eps**power``
-    (:func:`scaled_inverse`).
+    """A detached power of two s >= 1 (B, 1) per row: the kernels work on ``x / s`` (exact) and take
+    the scale back in one factor ``s / eps**power`` (:func:`scaled_inverse`).
 
-    The backward of a softmax reduction forms ``g (x_j - v_i)``, of the size of x: with ``x``
-    and ``1/eps`` kept apart the gradients then pass ``|x|**2`` (the factor's gradient) and
-    ``|x| / eps`` (the distances'), each of which overflows long before the derivative does
-    (at |x| = 1e20 in float32). In the frame of ``x / s`` they are ``|x|**2 / s`` and
-    ``|x| s / eps**power``, so s is as large as ``max|x|`` (over the finite entries) where
-    that keeps the second below ``finfo.max / 2**10 / n``, and at least ``4 spread max|x| /
-    finfo.max`` (``spread`` bounds the kernel's sums of ``x / s``: nothing in the forward
-    overflows) and 1 (below it, dividing by s would put ``1/s`` into the backward). s = 1, so
-    ``x / s`` is x, for every row with ``max|x| <= 1``. NaN and infinite entries are left out.
+    A softmax reduction's backward passes ``|x|**2`` and ``|x| / eps``, which overflow long before
+    the derivative does; in the frame of ``x / s`` they are ``|x|**2 / s`` and
+    ``|x| s / eps**power``. So s is up to ``max|x|`` (finite entries) while the second stays below
+    ``finfo.max / 2**10 / n``, at least ``4 spread max|x| / finfo.max`` (the forward's sums stay
+    finite), and 1 for rows with ``max|x| <= 1``.
     """
     with torch.no_grad():
         xd = x2.detach()
@@ -318,12 +260,9 @@ def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
 
 
 def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
-    """``scale / eps**power`` (B,) for eps (B,) and scale (B, 1), as ``exp(log s - p log eps)``
-    (no ``eps**2`` in the backward), saturated just below the dtype's largest finite value.
-
-    It saturates only where ``max|x| / eps**p`` exceeds that value; the distances it then
-    scales wrongly are those below ``finfo.tiny * s`` in the frame of ``x / s``, where the
-    dtype has lost their digits anyway (denormals).
+    """``scale / eps**power`` (B,) as ``exp(log s - p log eps)`` (no ``eps**2`` in the backward),
+    saturated just below the dtype's largest value (only where the distances it scales are
+    denormal in the frame of ``x / s``).
     """
     top = math.log(torch.finfo(eps.dtype).max) - 1e-3  # exp(top) < finfo.max, by 0.1%
     log_ratio = torch.log(scale.view(-1).to(eps.dtype)) - power * torch.log(eps)
@@ -470,32 +409,10 @@ def sort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""SoftSort values ``P @ x``: a relaxation of ``torch.sort(x, -1, descending).values``.
+    r"""SoftSort values ``P @ x``, (B, n) in x2's dtype (module docstring for the arguments).
 
-    .. math::
-
-        P_{ij} = \frac{\exp(-d(\hat x_i, x_j)/\varepsilon)}
-                      {\sum_l \exp(-d(\hat x_i, x_l)/\varepsilon)},\qquad
-        v_i = \sum_j P_{ij} x_j,
-
-    with :math:`\hat x = \mathrm{sort}(x)` (ascending unless ``descending``) and
-    :math:`d(a, b) = |a - b|` ("l1") or :math:`(a - b)^2` ("l2"). l1 is exact in O(n log n) time
-    and O(n) memory (local-frame recurrences in float64); l2 is row-chunked with checkpointing.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
-        descending: sort in descending order.
-        opts: ``opts.distance`` is "l1" or "l2".
-        offset: unused (the one backend signature).
-
-    Returns:
-        (B, n) soft-sorted values, in x2's dtype. They tend to the hard sorted values as
-        epsilon -> 0 and to the row mean as epsilon -> inf.
-
-    References:
-        S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
+    l1 by the exact O(n log n) scan, l2 in checkpointed row blocks; the values tend to the hard
+    sorted values as epsilon -> 0 and to the row mean as epsilon -> inf.
     """
     if opts.distance == "l1":
         v, _ = _l1_scan(x2, eps, descending, values=True, ranks=False)
@@ -511,31 +428,10 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""SoftSort ranks: a relaxation of the 1-based ``argsort(argsort(x, -1, descending)) + 1``.
+    r"""SoftSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}`, (B, n) in x2's dtype.
 
-    .. math::
-
-        r_j = \sum_{i=1}^n i\, P_{ij},\qquad
-        P_{ij} = \operatorname{softmax}_j\!\big(-d(\hat x_i, x_j)/\varepsilon\big),
-
-    where :math:`\hat x` is ``sort(x)`` in the requested order (rank 1 is the smallest when
-    ``descending=False``). This column-weighted estimator is not confined to [1, n] (P is only
-    row-stochastic); it tends to the hard ranks as epsilon -> 0 for distinct values.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
-        descending: rank 1 for the largest instead of the smallest.
-        opts: ``opts.distance`` is "l1" (exact O(n log n)) or "l2" (row-chunked, O(n²) time).
-        offset: optional (B,) shift of the positions i (the public layer uses it for the entries
-            that precede a row's finite ones when it takes infinities to their limits).
-
-    Returns:
-        (B, n) soft ranks, in x2's dtype.
-
-    References:
-        S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
+    ``offset`` (B,) shifts the positions (the public layer's count of entries before a row's finite
+    ones, when it takes infinities to their limits). Not confined to [1, n].
     """
     if opts.distance == "l1":
         _, r = _l1_scan(x2, eps, descending, values=False, ranks=True, offset=offset)
@@ -551,29 +447,9 @@ def argsort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""The SoftSort matrix P: row i relaxes ``one_hot(argsort(x, -1, descending)[i])``.
+    r"""The (B, n, n) row-stochastic SoftSort matrix P (``P @ x`` is :func:`sort`), in x2's dtype.
 
-    .. math::
-
-        P_{ij} = \frac{\exp(-d(\hat x_i, x_j)/\varepsilon)}
-                      {\sum_l \exp(-d(\hat x_i, x_l)/\varepsilon)}.
-
-    P is row-stochastic and ``P @ x`` equals :func:`sort`. Computed row-chunked with
-    checkpointing, so besides the (B, n, n) output autograd keeps O(B n) per block.
-
-    Args:
-        x2: (B, n) float32 or float64 input.
-        eps: (B,) temperature :math:`\tau` > 0, in units of x (l1) or x² (l2).
-        descending: rows in descending order of x.
-        opts: ``opts.distance`` is "l1" or "l2".
-        offset: unused (the one backend signature).
-
-    Returns:
-        (B, n, n) row-stochastic P, in x2's dtype.
-
-    References:
-        S. Prillo, J. Eisenschlos. SoftSort: A Continuous Relaxation for the argsort Operator.
-        ICML 2020. arXiv:2006.16038.
+    Formed in checkpointed row blocks: besides the output, autograd keeps O(B n) per block.
     """
     _, _, p = _blocked(x2, eps, descending, opts.distance, matrix=True)
     return cast(Tensor, p)
