@@ -2,73 +2,45 @@ r"""Soft classification metrics (accuracy, precision, recall, F1, top-k accuracy
 ranking metrics (:func:`ndcg`, :func:`spearman`) to report beside the soft ranking losses.
 
 Each metric replaces the hard prediction (the argmax, or membership in the top k) by a
-probability, so that the confusion counts become sums of probabilities and the metric is
-differentiable in the predictions. With the class probabilities :math:`p_{nc}` of N samples and
-their labels :math:`t_n`, the soft counts of class c are
+probability, so the confusion counts become sums of probabilities. With the class probabilities
+:math:`p_{nc}` of N samples and their labels :math:`t_n`, the soft counts of class c are
 
 .. math::
 
     TP_c = \sum_n p_{nc}\,[t_n = c], \qquad P_c = \sum_n p_{nc}, \qquad T_c = \sum_n [t_n = c],
 
-(true positives, predicted mass, true count), and precision, recall and F1 are
-:math:`TP_c / P_c`, :math:`TP_c / T_c` and :math:`2\,TP_c / (P_c + T_c)`. On one-hot
-probabilities every metric here equals its scikit-learn counterpart exactly (with
-``labels=range(C)`` and ``zero_division=0``); with ``from_logits=True`` and ``epsilon -> 0`` it
-tends to scikit-learn's metric of the argmax predictions.
+and precision, recall and F1 are :math:`TP_c / P_c`, :math:`TP_c / T_c` and
+:math:`2\,TP_c / (P_c + T_c)`. On one-hot probabilities every metric equals scikit-learn's
+(``labels=range(C)``, ``zero_division=0``); with ``from_logits=True`` and ``epsilon -> 0`` it
+tends to scikit-learn's metric of the argmax.
 
-**Inputs.** ``input`` holds the predictions: shape (N, C) with the classes on the last dim, as
-probabilities by default or, with ``from_logits=True``, as logits turned into
-``softmax(input / epsilon)``. The binary case takes shape (N,), the probability of the positive
-class (``sigmoid(input / epsilon)`` with ``from_logits``). Probabilities are used as given: they
-are not checked to lie in [0, 1] or to sum to 1 (a check would cost a host sync). ``target``
-holds the integer labels, shape (N,), values in [0, C) ({0, 1} in the binary case).
+**Inputs.** ``input`` is (N, C), classes last: probabilities (used as given, not checked), or
+logits with ``from_logits=True`` (``softmax(input / epsilon)``); a binary (N,) input is the
+probability of class 1 (``sigmoid(input / epsilon)``). ``target``: integer labels (N,) in [0, C).
 
-**Average.** ``average=None`` means ``"binary"`` for 1-D input and ``"macro"`` otherwise:
+**Average.** None means ``"binary"`` for 1-D input and ``"macro"`` otherwise. ``"binary"``:
+the positive class (class 1 of an (N, 2) input); ``"micro"``: counts summed over the classes
+(for probabilities summing to 1, micro precision, recall and F1 equal :func:`soft_accuracy`);
+``"macro"``: the mean over all C classes, absent ones included. A zero denominator, or a class
+without a true member in precision and F1, scores 0 with a zero gradient.
 
-- ``"binary"``: the counts of the positive class only (class 1 of an (N, 2) input; an (N, C > 2)
-  input raises).
-- ``"micro"``: the counts summed over the classes first. For probabilities that sum to 1 per
-  sample, micro precision, recall and F1 all equal :func:`soft_accuracy`.
-- ``"macro"``: the unweighted mean of the per-class scores over all C classes (two for a 1-D
-  input), including classes absent from both ``target`` and the predictions.
+**Batch bias and counts.** Precision, recall and F1 are ratios of sums over the batch, so a
+minibatch value is a biased estimate of the dataset's. :func:`soft_confusion` (the update)
+returns counts that add up over batches, and :func:`precision_from_counts`,
+:func:`recall_from_counts` and :func:`f1_from_counts` (the compute) score them once, as in
+torchmetrics; ``soft_f1(input, target)`` is ``f1_from_counts(soft_confusion(input, target))``.
 
-A zero denominator scores 0 and passes a zero gradient (scikit-learn's ``zero_division=0``);
-so does a class without a true member (T = 0) in precision and F1, whose TP is 0 whatever the
-predictions. Gradients are finite wherever the score is, also where a predicted mass P is
-subnormal: with ``from_logits=True`` soft precision forms :math:`TP_c / P_c` in log space
-(:func:`soft_precision`), equal to the ratio of the counts up to rounding.
-
-**Batch bias.** Precision, recall and F1 are ratios of sums over the batch, so the value on a
-minibatch is a biased estimate of the value on the whole dataset (the mean of ratios is not the
-ratio of the sums; the bias shrinks like 1/N). See :func:`soft_f1`.
-
-**Update and compute.** As in torchmetrics, each ratio metric is a compute step over counts:
-:func:`soft_confusion` (the update) returns the soft counts ``SoftConfusion(tp, predicted, true)``
-of one batch, which add up over batches (``a + b``, or ``sum(...)``), and
-:func:`precision_from_counts`, :func:`recall_from_counts` and :func:`f1_from_counts` (the compute)
-turn counts into a score. ``soft_f1(input, target)`` is
-``f1_from_counts(soft_confusion(input, target))``, cast to the dtype of ``input``; over a dataset,
-sum the counts of its batches first, and the score has no batch bias.
-
-All metrics return a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 are computed
-in float32 and cast back), differentiable with respect to ``input`` and to a tensor ``epsilon``
-(for ``soft_topk_accuracy``, with methods "ot" and "sparse" only).
-
-**Internal surface.** :func:`check_classification`, :func:`check_average`,
-:func:`check_topk_classification`, :func:`true_class_probability`,
-:func:`true_class_topk_membership` and :func:`average_ranks` are shared with
-:mod:`softops.losses`, so that each rule has one definition and the errors of a loss name the
-loss. They are not in ``__all__`` and may change without notice.
+Every metric returns a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 computed in
+float32), differentiable in ``input`` and a tensor ``epsilon``. The unexported checks and hits
+(:func:`check_classification`, :func:`true_class_probability`, ...) are shared with
+:mod:`softops.losses`, so that each rule has one definition.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
-    of non-differentiable functions), section "正确率" (accuracy): the smooth accuracy and F1, and
-    the recipe of fine-tuning with F1 after cross-entropy. Blog post, kexue.fm, 2019.
+    of non-differentiable functions), section "正确率" (accuracy). Blog post, kexue.fm, 2019.
     Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP 2005.
     Bénédict, Koops, Odijk and de Rijke. sigmoidF1: A Smooth F1 Score Surrogate Loss for
     Multilabel Classification. arXiv:2108.10566.
-    Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
-    arXiv:2002.06504.
 """
 
 from __future__ import annotations
@@ -153,11 +125,8 @@ class SoftConfusion(NamedTuple):
 
 
 def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, op: str) -> None:
-    """Integer labels of shape (n,) with values in [0, n_classes); one host sync for the range.
-
-    The range is checked eagerly only: under ``torch.func`` transforms, ``torch.compile`` and on
-    meta tensors the values are not available to Python; an out-of-range label then meets
-    torch's own index check (gather, one_hot) instead.
+    """Integer labels of shape (n,) with values in [0, n_classes); the range eagerly only (one host
+    sync; under ``torch.func``, ``torch.compile`` and on meta tensors torch's index checks remain).
     """
     if not isinstance(target, torch.Tensor):
         raise TypeError(
@@ -219,12 +188,8 @@ def _check_logits_args(
 def check_classification(
     input: Any, target: Any, from_logits: Any, epsilon: Any, op: str
 ) -> float | torch.Tensor:
-    """The checks of every classification metric and loss, errors named after ``op``.
-
-    ``input`` of shape (N,) or (N, C), floating and non-empty; integer ``target`` labels of shape
-    (N,) in range (one host sync); ``from_logits`` a bool, and ``epsilon`` left at 1.0 unless
-    ``from_logits``. Returns ``epsilon`` checked (a float or a 0-dim tensor). Internal, shared
-    with :mod:`softops.losses`.
+    """The checks of every classification metric and loss, errors named after ``op``;
+    returns ``epsilon`` checked (a float or a 0-dim tensor). Shared with :mod:`softops.losses`.
     """
     _check_input(input, op)
     n_classes = 2 if input.dim() == 1 else input.shape[1]
@@ -308,17 +273,12 @@ def _safe_divide(
 ) -> torch.Tensor:
     """``num / den``, and 0 (with a zero gradient) where ``den == 0`` or ``zero``.
 
-    The denominator is replaced by 1 there before dividing, so that neither branch of the
-    ``where`` makes a NaN or an infinity: the backward of ``num / den`` multiplies the gradient
-    of ``num`` by ``1 / den``, and ``inf * 0`` is NaN.
+    The denominator is 1 there before dividing, so neither branch of the ``where`` makes NaN.
     """
     zero = den == 0 if zero is None else zero | (den == 0)
     den = torch.where(zero, 1.0, den)
-    # Both scaled by the power of two c that brings den into [1/2, 1) (exact, and a constant
-    # for autograd): the backward of num / den forms num / den**2, whose den**2 underflows to 0
-    # where den is subnormal (inf * 0 = NaN at a finite derivative (num / den) / den);
-    # (num c) / (den c) forms it as (num c) / (den c)**2 times c.
-    # (c in two factors: 2**149 is beyond float32)
+    # Both scaled by the power of two c (two factors: 2**149 is beyond float32) that brings den
+    # into [1/2, 1): the backward's den**2 would underflow where den is subnormal.
     e = -torch.frexp(den.detach()).exponent
     c1 = torch.ldexp(torch.ones_like(den), e // 2)
     c2 = torch.ldexp(torch.ones_like(den), e - e // 2)
@@ -395,29 +355,19 @@ def soft_confusion(
 ) -> SoftConfusion:
     r"""Soft confusion counts of one batch: the update step of precision, recall and F1.
 
-    The hard counts are those of ``pred = input.argmax(-1)`` (or ``input > 0.5`` for a 1-D binary
-    input): for each class c the true positives, the predicted and the true members,
-    ``((pred == c) & (target == c)).sum()``, ``(pred == c).sum()`` and ``(target == c).sum()``.
-    The soft ones replace ``pred == c`` by the probability :math:`p_{nc}`:
-
-    .. math::
-
-        TP_c = \sum_n p_{nc}\,[t_n = c], \qquad P_c = \sum_n p_{nc}, \qquad
-        T_c = \sum_n [t_n = c] .
-
-    The counts of disjoint batches add up (``a + b``, or ``sum(...)``) to the counts of their
-    union, so :func:`f1_from_counts` (and :func:`precision_from_counts`,
-    :func:`recall_from_counts`) of counts summed over a dataset is the soft F1 of the whole
-    dataset, free of the batch bias of :func:`soft_f1` on minibatches. The counts keep their
-    graph: accumulate under ``torch.no_grad()`` to evaluate.
+    The hard counts are those of ``pred = input.argmax(-1)`` (``input > 0.5`` for a 1-D input):
+    ``((pred == c) & (target == c)).sum()``, ``(pred == c).sum()`` and ``(target == c).sum()``; the
+    soft ones replace ``pred == c`` by :math:`p_{nc}` (:math:`TP_c`, :math:`P_c`, :math:`T_c` of
+    the module docstring). The counts of disjoint batches add up (``a + b``, ``sum(...)``) to those
+    of their union, so :func:`f1_from_counts` of counts summed over a dataset is its soft F1, free
+    of the batch bias. The counts keep their graph: accumulate under ``torch.no_grad()`` to evaluate.
 
     Args:
         input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
             logits with ``from_logits=True``. Floating dtype.
         target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        average: which counts: ``"binary"`` (those of the positive class: a 1-D input, or class 1
-            of an (N, 2) input; 0-dim), ``"micro"`` (summed over the classes; 0-dim) or
-            ``"macro"`` (one per class, shape (C,); a 1-D input counts as two classes). None
+        average: ``"binary"`` (the positive class; 0-dim), ``"micro"`` (summed over the classes;
+            0-dim) or ``"macro"`` (one per class, (C,); a 1-D input counts as two classes). None
             (default): ``"binary"`` for a 1-D input, ``"macro"`` otherwise.
         from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
             ``sigmoid(input / epsilon)``).
@@ -432,8 +382,7 @@ def soft_confusion(
     Returns:
         ``SoftConfusion(tp, predicted, true)``, differentiable in ``input`` (and a tensor
         ``epsilon``), in the compute dtype of ``input`` (float32 for float16 and bfloat16, so that
-        sums over a dataset keep their precision). On one-hot probabilities they are the hard
-        counts.
+        sums over a dataset keep their precision); the hard counts on one-hot probabilities.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -643,12 +592,9 @@ def soft_precision(
         \mathrm{precision}_c = \frac{TP_c}{P_c}
         = \frac{\sum_n p_{nc} [t_n = c]}{\sum_n p_{nc}} .
 
-    With ``from_logits=True`` (averages "binary" and "macro") the ratio is formed in log space,
-    :math:`\sum_n [t_n = c]\,\mathrm{softmax}_n(\log p_{nc})`, which equals
-    ``precision_from_counts(soft_confusion(...))`` up to rounding and keeps a finite gradient
-    where :math:`P_c` is subnormal (the gradient of :math:`TP_c / P_c` in the counts is
-    :math:`1/P_c`, which overflows there, while that in the logits is bounded, of the order
-    of :math:`1/\varepsilon`). A class whose :math:`P_c` is 0 in the compute dtype scores 0.
+    With ``from_logits=True`` ("binary", "macro") the ratio is formed in log space,
+    :math:`\sum_n [t_n = c]\,\mathrm{softmax}_n(\log p_{nc})`: the same value up to rounding,
+    with a finite gradient where :math:`P_c` is subnormal. A class with :math:`P_c = 0` scores 0.
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -673,12 +619,8 @@ def _precision_from_logits(
 ) -> torch.Tensor:
     """Per-class precision (C,) ("macro") or (1,) ("binary") of logits, in log space.
 
-    ``TP_c / P_c = sum_n [t_n = c] w_nc`` with ``w_.c = softmax_n(log p_.c)``: the weights are
-    at most 1 and their gradient in the log-probabilities too, where the ratio of the counts
-    divides by ``P_c``, whose reciprocal overflows once ``P_c`` is subnormal. A column whose
-    ``P_c`` is 0 in the compute dtype scores 0 with a zero gradient, as the counts' zero
-    denominator does (its log-probabilities are replaced by 0 first, so that a column of
-    ``-inf`` makes no NaN).
+    ``TP_c / P_c = sum_n [t_n = c] softmax_n(log p_.c)``: bounded weights and gradients where the
+    counts' ratio divides by a subnormal ``P_c``. A column with ``P_c == 0`` scores 0, gradient 0.
     """
     z = _logits_scale(input.to(compute_dtype(input.dtype)), epsilon)
     if average == "binary":
@@ -753,15 +695,11 @@ def soft_f1(
     averaged over the classes for ``"macro"``; ``"micro"`` sums the counts over the classes
     first.
 
-    **Batch bias.** F1 is a ratio of sums over the batch, not a mean over samples, so the value on
-    a minibatch is a biased estimate of the F1 of the whole dataset, and the mean of the
-    minibatch values is not the dataset's value (the bias shrinks like 1/N, and is worst for rare
-    classes, whose counts a small batch barely sees). To train for F1, first train with
-    cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large batches (Su
-    2019). To evaluate, sum the counts of :func:`soft_confusion` over the batches of the dataset
-    and take :func:`f1_from_counts` of the sum once (the second example), or use the hard metric.
-    ``soft_f1(input, target)`` is ``f1_from_counts(soft_confusion(input, target))`` in the dtype
-    of ``input``.
+    **Batch bias.** F1 is a ratio of sums over the batch, so a minibatch value is a biased
+    estimate of the dataset's (the bias shrinks like 1/N, worst for rare classes). To train for
+    F1, train with cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large
+    batches (Su 2019); to evaluate, sum the counts of :func:`soft_confusion` over the batches and
+    take :func:`f1_from_counts` once (the second example).
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -783,11 +721,7 @@ def soft_f1(
         tensor(0.3399)
 
     References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable
-        approximations of non-differentiable functions), section "正确率" (accuracy). Blog
-        post, kexue.fm, 2019.
-        Jansche. Maximum Expected F-Measure Training of Logistic Regression Models. HLT/EMNLP
-        2005.
+        See :mod:`softops.metrics`.
     """
     counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
     return f1_from_counts(counts).to(input.dtype)
