@@ -156,11 +156,9 @@ def topk_accuracy_loss(
         k: an int in [1, C].
         epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
             A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
-            **Soft against hard:** at the default 0.1, on scores N(0, 1) with a uniform label,
-            the loss sits from the hard one by 0.040 on average per sample with C = 10 and
-            k = 1 (0.079 at k = 5), 0.006 (0.017) with C = 100 and 0.001 (0.002) with
-            C = 1000, close to 0 on average (``benchmarks/soft_vs_hard.py``); the gap is that
-            of ``epsilon / std`` for scores of another scale.
+            **Soft against hard:** at the default 0.1, on scores N(0, 1), the loss sits from
+            the hard one by 0.040 per sample with C = 10, k = 1 (0.079 at k = 5), 0.006 with
+            C = 100 and 0.001 with C = 1000 (``benchmarks/soft_vs_hard.py``).
         method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
             ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
@@ -326,12 +324,10 @@ def f1_loss(
     input and "macro" otherwise). F1 does not decompose over samples, so there is no
     ``reduction``: the loss is one scalar for the batch.
 
-    **Batch bias.** The loss is a ratio of sums over the batch, so its value and gradient on a
-    minibatch are biased estimates of those of the dataset's F1 (the bias shrinks like 1/N and
-    is worst for rare classes). The recipe that works (Su 2019): train with cross-entropy first,
-    then fine-tune with ``f1_loss`` on large batches. With ``"macro"``, a class absent from the
-    batch's ``target`` scores 0 whatever the predictions (its TP is 0), so it adds a constant
-    1/C to the loss and no gradient: one more reason for large batches.
+    **Batch bias.** A ratio of sums over the batch: its value and gradient on a minibatch are
+    biased estimates of the dataset's (Su 2019: train with cross-entropy, then fine-tune with
+    ``f1_loss`` on large batches). With ``"macro"`` a class absent from the batch's ``target``
+    adds a constant 1/C and no gradient.
 
     Args:
         input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
@@ -355,9 +351,7 @@ def f1_loss(
         tensor(0.2500)
 
     References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable
-        approximations of non-differentiable functions), section "正确率" (accuracy). Blog
-        post, kexue.fm, 2019.
+        See :mod:`softops.metrics`.
     """
     op = "f1_loss"
     # Checked here so that the errors name this loss; soft_confusion then cannot fail.
@@ -457,20 +451,16 @@ def spearman_loss(
             units of ``input`` (``spearman_loss(c*x, t, epsilon=c*e) == spearman_loss(x, t,
             epsilon=e)``). See :func:`softops.soft_rank` for the other methods' units.
 
-            **The window.** With "pav" the soft ranks are exactly the hard ones (zero
-            gradient) where every gap between sorted neighbours exceeds ``epsilon``, and exactly
-            affine in ``input`` where every gap is below it: then the loss is
-            ``1 - Pearson(input, rank(target))``, no longer a rank loss. For a row of n
-            standardised normal scores the fractions depend on ``c = epsilon * n / std`` only:
-            c = 1 leaves 57 % of the entries exactly hard, c = 3 13 %, and from c = 10 on every
-            row is affine. A fixed ``epsilon=1.0`` on standardised scores is c = n: Pearson
-            from n = 10 on. The default is c = 3.
+            **The window.** With "pav" the soft ranks are exactly hard (zero gradient) where
+            every gap between sorted neighbours exceeds ``epsilon``, and exactly affine where
+            every gap is below it (the loss is then ``1 - Pearson(input, rank(target))``). On
+            normal scores the fractions depend on ``c = epsilon * n / std`` only: c = 1 leaves
+            57 % of the entries hard, c = 3 (the default) 13 %, c >= 10 none.
 
-            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) with the
-            target x + N(0, 1) noise (Spearman's rho near 0.68), the loss sits from the hard
-            ``1 - softops.metrics.spearman(input, target)`` by 0.039 on average at n = 10 (99th
-            percentile 0.16), 0.015 at n = 30 (0.061), 0.005 at n = 100 (0.022) and 0.002 at
-            n = 1000 (0.006), a little below it on average (``benchmarks/soft_vs_hard.py``).
+            **Soft against hard.** At the default, on rows x ~ N(0, 1) with the target
+            x + N(0, 1), the loss sits from ``1 - softops.metrics.spearman`` by 0.039 on
+            average at n = 10 (99th percentile 0.16), 0.015 at n = 30, 0.005 at n = 100 and
+            0.002 at n = 1000 (``benchmarks/soft_vs_hard.py``).
         method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
             ``"ot"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
@@ -561,19 +551,14 @@ def ndcg_loss(
             (``ndcg_loss(c*x, y) == ndcg_loss(x, y)``). A float, or a tensor broadcastable to
             the batch shape (it receives a gradient), is in the units of ``input``. Scaling
             law: ``ndcg_loss(c*x, y, epsilon=c*e) == ndcg_loss(x, y, epsilon=e)``. The soft
-            ranks are the hard ones once every gap between sorted neighbours of a row exceeds
-            ``epsilon``; the mask is within
-            :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one, where gap is the distance
-            of the scores to the k-th/(k+1)-th threshold. As ``epsilon -> 0`` the loss tends to
-            ``1 - ndcg_score(target, input, k=k)`` on scores without ties (tied scores share
-            their soft rank before the discount, where scikit-learn averages the discounts).
+            ranks are hard once every gap exceeds ``epsilon``, and the mask within
+            :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one. As ``epsilon -> 0`` it tends to
+            ``1 - ndcg_score(target, input, k=k)`` on scores without ties.
 
-            **Soft against hard.** At the default, on rows of n scores x ~ N(0, 1) whose
-            relevance is x + N(0, 1) noise cut into the grades 0..4 at its row's 50/70/85/95 %
-            quantiles, the loss sits above the hard ``1 - softops.metrics.ndcg(input, target)``
-            by 0.046 on average at n = 10 (99th percentile 0.24), 0.025 at n = 30 (0.12),
-            0.010 at n = 100 (0.035) and 0.004 at n = 1000 (0.007); with k = 10, by 0.036 at
-            n = 30 and 0.012 at n = 100 (``benchmarks/soft_vs_hard.py``).
+            **Soft against hard.** At the default, on rows x ~ N(0, 1) whose relevance is
+            x + N(0, 1) cut into the grades 0..4, the loss sits above ``1 -
+            softops.metrics.ndcg`` by 0.046 on average at n = 10 (99th percentile 0.24), 0.025
+            at n = 30, 0.010 at n = 100 and 0.004 at n = 1000 (``benchmarks/soft_vs_hard.py``).
         gain: ``"linear"`` (default) or ``"exp"``.
         reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
             shape of ``input`` without ``dim``).
