@@ -1,35 +1,22 @@
 r"""Differentiable beam search through the sorted SOFT top-k (Xie et al. 2020, §4.2).
 
-At each step, beam search extends each of its K hypotheses by each of the V tokens and keeps the
-K best of the :math:`n = KV` candidates, scored by the sum of their log-probabilities,
+Each step extends the K hypotheses by the V tokens and keeps the K best of the :math:`n = KV`
+candidates :math:`c_{(p, v)} = s_p + \log \pi(v \mid p)`. That ``torch.topk(c, K)`` has no
+useful gradient; the sorted SOFT top-k (:func:`softops.soft_topk`) relaxes it: its weights
+:math:`W \in [0, 1]^{K \times n}` hold in row j a soft one-hot of the j-th best candidate and
+tend to the one-hots of the selection as epsilon -> 0. A sequence-level loss weighted by W
+(:func:`beam_search_loss`) trains the model *through* the search, on the hypotheses it will
+meet, wrong prefixes included (the exposure bias of teacher forcing). docs/math.md §7 derives
+the step and the loss.
 
-.. math::
+**Hard states, soft weights.** The kept hypotheses and their decoder states are exactly those of
+plain beam search; only the ranking is relaxed. Beams mixed by W are not offered: at
+initialisation they all collapse onto one average, and the loss cannot tell a wrong prefix from
+the right one (docs/math.md §7.2).
 
-    c_{(p, v)} = s_p + \log \pi(v \mid \text{hypothesis } p),
-
-where :math:`s_p` is the score of beam p. That selection, ``torch.topk(c, K)``, has no useful
-gradient: a loss on the beam cannot tell the model which candidates should have been kept. The
-sorted SOFT top-k (:func:`softops.soft_topk`) relaxes it: its weights :math:`W \in [0, 1]^{K
-\times n}` hold in row j a soft one-hot of the j-th best candidate (each row sums to 1), and tend
-to the one-hots of the ``torch.topk`` selection as epsilon goes to 0. A sequence-level loss
-weighted by W (:func:`beam_search_loss`) then trains the model *through* the search: it learns to
-rank the hypotheses that the search will meet, including the wrong prefixes that teacher forcing
-never shows it (the exposure bias).
-
-**Hard states, soft weights.** The search itself stays hard: the K kept hypotheses are exactly
-those of plain beam search (the ``torch.topk`` indices), their decoder states are reordered as
-usual, and only the ranking of the candidates is relaxed, through W. The alternative, beams whose
-states, embeddings and scores are mixed by W, fails where it matters: at initialisation every
-candidate of a row is nearly tied, the sorted top-k then splits each candidate evenly over all K
-ranks, every mixed beam becomes the same average, and the loss can no longer tell a wrong prefix
-from a right one (a prototype of that mode reached 0.65 % exact match on the task where these
-hard beams reach 100 %). So that mode is not offered.
-
-Deviations from the paper: the paper's top-k is the smallest-first OT of :func:`softops.soft_topk`
-applied to the negated scores (largest first here, as ``torch.topk``); epsilon is in the units of
-the candidate scores (log-probabilities), not normalised. The ``"softmax"`` method is the usual
-ranking surrogate, for comparison: every row of W is ``softmax(c / epsilon)``, which knows no
-ranks (it is the relaxed one-hot of the best candidate only).
+Epsilon is in the units of the candidate scores (log-probabilities), not normalised; the paper's
+smallest-first top-k is applied here largest first, as ``torch.topk``. The ``"softmax"`` method
+is the usual rank-blind surrogate (every row of W is ``softmax(c / epsilon)``), for comparison.
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal

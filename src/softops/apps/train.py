@@ -1,25 +1,19 @@
 """Training and evaluation for ``softops knn``: one run per method and seed, on a fixed budget.
 
 A run trains an embedding network (:func:`softops.apps.models.embedding_network`) for a budget
-of training wall-clock time (``minutes``) or of epochs, validates it on the held-out split a few
-times along the way, and tests the checkpoint with the best validation accuracy.
+of training wall-clock time (``minutes``, evaluation not counted) or of epochs, validates it on
+the held-out split along the way, and tests the best-validation checkpoint.
 
-- **kNN methods** ("soft", which is method "ot" of :func:`softops.apps.knn_loss`, "sinkhorn",
-  "perturbed", "softkmax", "neuralsort"): each step draws ``queries`` + ``candidates`` disjoint
-  training images (consecutive blocks of a per-epoch permutation), shifts each by a random
-  offset of up to ``shift`` pixels, embeds them in one batch and minimises
-  :func:`softops.apps.knn_loss`. Validation and test are the hard kNN
-  (:func:`softops.apps.knn_predict`) against the embeddings of the whole training split.
-- **"ce"**: the same network with a linear head, trained by cross-entropy on the same number of
-  images per step; validated and tested by its head.
-- **"pretrained"**: the CE network, validated and tested by the kNN on its embeddings (the
-  paper's "kNN + pretrained CNN"). One CE training serves both rows when both are asked for.
+- **kNN methods** ("soft", i.e. "ot", "sinkhorn", "perturbed", "softkmax", "neuralsort"): each
+  step embeds ``queries`` + ``candidates`` disjoint training images, randomly shifted by up to
+  ``shift`` pixels, and minimises :func:`softops.apps.knn_loss`; validation and test are the
+  hard kNN against the whole training split.
+- **"ce"**: the same network with a linear head, trained by cross-entropy, tested by its head.
+- **"pretrained"**: the CE network tested by the kNN on its embeddings (one CE training serves
+  both rows).
 
-The optimiser is Adam with a cosine learning-rate decay over the budget (by training time for
-``minutes``, by step for ``epochs``). Evaluation time is not counted in the budget; its cost is
-reported. Seeds fix the initial weights, the batches, the shifts and the perturbed draws, so an
-``epochs`` run is reproducible exactly (on CPU, with the same thread count); a ``minutes`` run
-takes as many steps as the machine allows, in the same order.
+Adam with a cosine learning-rate decay over the budget. Seeds fix the weights, batches, shifts
+and draws: an ``epochs`` run is reproducible exactly (on CPU, same thread count).
 """
 
 from __future__ import annotations

@@ -15,19 +15,14 @@ weight the values:
 top-k mean of the values: as ``epsilon -> 0`` it is the plain mean of the values of the k best
 keys. Both reach hard top-k attention as ``epsilon -> 0``.
 
-Masks follow the torch functions their arguments come from. :func:`topk_attention`'s
-``attn_mask`` is that of :func:`torch.nn.functional.scaled_dot_product_attention` (a boolean
-mask is True where a query *may* attend; a float mask is added to the scores) and its
-``key_padding_mask`` that of :class:`torch.nn.MultiheadAttention` (True for a padding key, to
-ignore). :class:`TopKAttention` follows :class:`torch.nn.MultiheadAttention` for both (a boolean
-mask is True where a query may *not* attend; a float mask is added).
-A masked key gets weight exactly 0 (and its score a gradient of exactly 0); masks are added to
-the scores as -inf, as ``scaled_dot_product_attention`` adds them, so a NaN or ``+inf`` score
-of a masked key, like one of a valid key, makes its query's row NaN. A query with fewer valid
-keys than ``k`` attends to all of
-them (k is clamped per query), and a query with no valid key gets weights 0 and an output of
-zeros (``scaled_dot_product_attention`` gives NaN there). With ``method="sparse"`` the mask has
-exact zeros, so keys beyond a query's soft top-k get weight exactly 0 in both modes.
+Masks follow the torch functions their arguments come from: :func:`topk_attention`'s
+``attn_mask`` is ``scaled_dot_product_attention``'s (bool True = *may* attend, float = added)
+and its ``key_padding_mask`` ``nn.MultiheadAttention``'s (True = padding);
+:class:`TopKAttention` follows ``nn.MultiheadAttention`` for both (bool True = may *not*
+attend). A masked key gets weight and gradient exactly 0 (masks are added as -inf, so a NaN or
+``+inf`` score makes its query's row NaN, masked or not). A query with fewer valid keys than
+``k`` attends to all of them, and one with none gets zeros (SDPA gives NaN). With
+``method="sparse"`` keys beyond a query's soft top-k get weight exactly 0.
 
 References:
     Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
@@ -396,27 +391,17 @@ def topk_attention(
 class TopKAttention(nn.Module):
     r"""Multi-head attention over the soft top-k keys of each query.
 
-    The constructor, the parameters and ``forward`` are those of
-    :class:`torch.nn.MultiheadAttention` (its shapes, ``batch_first``, its mask convention and
-    its state dict), with the top-k arguments after ``num_heads``. Each head runs
-    :func:`topk_attention` on its projections. The input projections are MultiheadAttention's:
-    one packed ``in_proj_weight`` (3 E, E) where ``kdim = vdim = E`` (the query, key and value
-    projections stacked, one matmul where query, key and value are one tensor), else separate
-    ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight``; one ``in_proj_bias`` (3 E), and
-    ``out_proj``, a :class:`~torch.nn.Linear`. They are initialised as MultiheadAttention
-    initialises them (Xavier-uniform input projections, zero biases, ``out_proj.weight`` as a
-    Linear's), drawing from the random generator in the same order: under the same seed the two
-    modules start with the same weights.
+    The constructor, parameters, ``forward`` and state dict are those of
+    :class:`torch.nn.MultiheadAttention` (a packed ``in_proj_weight`` where ``kdim = vdim = E``,
+    else ``q/k/v_proj_weight``; ``in_proj_bias``; ``out_proj``), initialised as it initialises
+    them (under the same seed, the same weights), with the top-k arguments after ``num_heads``.
+    Each head runs :func:`topk_attention` on its projections.
 
-    **MultiheadAttention checkpoints.** ``load_state_dict(mha.state_dict())`` loads a
-    MultiheadAttention's weights (the same keys and shapes), and
-    :meth:`from_multihead_attention` converts a live module. At ``k`` >= the number of keys the
-    outputs and weights are MultiheadAttention's, with and without masks. Its ``add_bias_kv``
-    and ``add_zero_attn`` options have no counterpart here: :meth:`from_multihead_attention`
-    refuses a module with either, and loading refuses a state dict holding ``bias_k`` (a state
-    dict does not record ``add_zero_attn``). State dicts
-    of the earlier layout of this class (separate ``q_proj``, ``k_proj`` and ``v_proj``
-    :class:`~torch.nn.Linear` layers) load too: they are converted to this one.
+    **MultiheadAttention checkpoints.** ``load_state_dict(mha.state_dict())`` loads one, and
+    :meth:`from_multihead_attention` converts a live module; at ``k`` >= the number of keys the
+    outputs and weights are MultiheadAttention's. ``add_bias_kv`` and ``add_zero_attn`` have no
+    counterpart and are refused. State dicts of the earlier layout (``q_proj``, ``k_proj``,
+    ``v_proj`` Linear layers) are converted on load.
 
     Masks: ``attn_mask`` and ``key_padding_mask`` as in ``nn.MultiheadAttention`` (bool True =
     may **not** attend, float = added to the scores).

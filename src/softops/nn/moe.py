@@ -1,29 +1,16 @@
-r"""A mixture-of-experts block: :class:`TopKRouter` and sparse dispatch to E experts.
+r"""A mixture-of-experts block: :class:`TopKRouter` and sparse dispatch to E experts,
+:math:`y_t = \sum_{e \in S_t} g_{te}\, f_e(x_t)` with :math:`S_t` the experts of non-zero weight
+(with ``hard=True``, the k the router selected). Each expert runs once, on its tokens only, so a
+token costs k experts, not E.
 
-For tokens :math:`x_t` and experts :math:`f_1, \dots, f_E`, the block computes
+**Gradients.** Those of the dense sum (every expert on every token, weighted by ``g``), except
+for the weights of the experts that were not run (their gradient would need the expert's
+output); the router's logits all receive one through the straight-through weights.
 
-.. math::
-
-    y_t = \sum_{e \in S_t} g_{te}\, f_e(x_t),
-
-with :math:`g_t` the router's combine weights and :math:`S_t` the experts with a non-zero
-weight: with ``hard=True`` (the default) the k experts the router selected. Each expert runs
-once, on the tokens routed to it only (a gather by expert index, then a scatter-add of the
-weighted outputs back to their tokens), so the cost is that of k experts per token, not E.
-
-**Gradients.** The sparse sum has the gradients of the dense one, every expert on every token
-weighted by ``g``, except for the weights of the experts that were not run: their gradient
-:math:`\langle \partial L / \partial y_t, f_e(x_t)\rangle` would need the expert's output. The
-router's logits still all receive a gradient, through the straight-through Jacobian of the
-weights that were run (see :class:`TopKRouter`).
-
-**Capacity.** With ``capacity_factor`` c, each expert takes at most
-:math:`C = \lceil c \cdot k\, T / E \rceil` of the T tokens of the batch (GShard, Switch
-Transformer). Its assignments are served by preference, first choices before second choices
-and so on, and in token order within a preference; an assignment beyond C is dropped: that
-expert's term is left out of the token's sum, and the weights are not renormalised. A token
-whose every assignment is dropped gets 0, so use the block inside a residual connection
-(``x + moe(x).output``), as the Switch Transformer does.
+**Capacity.** With ``capacity_factor`` c an expert takes at most
+:math:`C = \lceil c \cdot k\, T / E \rceil` of the T tokens (GShard), first choices before second
+ones, in token order; an assignment beyond C is dropped (its term left out, the weights not
+renormalised), so use the block in a residual connection (``x + moe(x).output``).
 
 References:
     Shazeer, N., Mirhoseini, A., Maziarz, K., et al. (2017). Outrageously Large Neural

@@ -1,31 +1,24 @@
 r"""A mixture-of-experts router whose top-k selection has a gradient.
 
 A router scores E experts per token, :math:`s = W x + b`, and sends each token to k of them.
-With the hard ``torch.topk`` of the usual routers, the logits of the experts that were not
-selected get no gradient: an expert that starts badly placed is never tried again, and a
-load-balancing loss has to push tokens around instead. Here the selection is the SOFT top-k mask
-:math:`A = A_k(s)` of :func:`softops.soft_topk_mask` (values in [0, 1] summing to k), and the
-combine weights are the masked softmax of the paper's top-k attention:
+Through a hard ``torch.topk`` the experts that were not selected get no gradient. Here the
+selection is the SOFT top-k mask :math:`A = A_k(s)` of :func:`softops.soft_topk_mask`, and the
+combine weights are
 
 .. math::
 
     g_e = \frac{A_e\, e^{s_e}}{\sum_j A_j\, e^{s_j}} \quad(\text{"softmax"}), \qquad
     g_e = \frac{A_e}{k} \quad(\text{"mean"}).
 
-With ``hard=True`` (the default) the forward selects exactly k experts per token, with the
-renormalised softmax of their logits as weights (the usual router), and the backward is that of
-the soft weights (straight-through), so the logits of every expert receive a gradient.
+With ``hard=True`` (the default) the forward is the usual router (exactly k experts, the
+renormalised softmax of their logits) and the backward that of the soft weights, so every
+expert's logit receives a gradient.
 
-The load statistics are those of Switch Transformer (Fedus et al. 2022): the fraction
-:math:`f_e` of the tokens' k slots that go to expert e (hard), the mean router probability
-:math:`P_e = \mathrm{mean}_t\, \mathrm{softmax}(s_t)_e`, and the auxiliary load-balancing loss
-:math:`E \sum_e f_e P_e`, which is 1 for a uniform router and grows as the load concentrates.
-
-The router z-loss of ST-MoE (Zoph et al. 2022) keeps the logits small, where the softmax and the
-top-k are numerically safe: :math:`\mathrm{mean}_t \big(\log \sum_e e^{s_{te}}\big)^2`, over
-the gate's logits before any training noise. Both losses are returned; neither is added to
-anything: the caller weighs them (Switch uses 0.01 for the auxiliary loss, ST-MoE 0.001 for the
-z-loss).
+The load statistics are Switch Transformer's: the fraction :math:`f_e` of the tokens' k slots
+sent to expert e, the mean router probability :math:`P_e`, and the auxiliary loss
+:math:`E \sum_e f_e P_e` (1 for a uniform router). The ST-MoE z-loss is
+:math:`\mathrm{mean}_t \big(\log \sum_e e^{s_{te}}\big)^2` over the logits before the training
+noise. Both are returned, not added: the caller weighs them (Switch: 0.01, ST-MoE: 0.001).
 
 References:
     Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
