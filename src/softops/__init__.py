@@ -13,7 +13,7 @@ from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_oneh
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from softops.topk import TopK, soft_kmax, soft_topk, soft_topk_mask, topk_selection_matrix
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "ConvergenceWarning",
