@@ -360,7 +360,8 @@ def soft_confusion(
     soft ones replace ``pred == c`` by :math:`p_{nc}` (:math:`TP_c`, :math:`P_c`, :math:`T_c` of
     the module docstring). The counts of disjoint batches add up (``a + b``, ``sum(...)``) to those
     of their union, so :func:`f1_from_counts` of counts summed over a dataset is its soft F1, free
-    of the batch bias. The counts keep their graph: accumulate under ``torch.no_grad()`` to evaluate.
+    of the batch bias. The counts keep their graph: accumulate under ``torch.no_grad()`` to
+    evaluate.
 
     Args:
         input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;

@@ -202,7 +202,7 @@ def sort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""NeuralSort values ``P @ x``, (B, n) in x2's dtype; the hard sorted values as epsilon -> 0."""
+    r"""NeuralSort values ``P @ x``, (B, n) in x2's dtype (sorted values as epsilon -> 0)."""
     return cast(Tensor, _run(x2, eps, descending, values=True)[0])
 
 
@@ -213,7 +213,7 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""NeuralSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}`, (B, n) in x2's dtype."""
+    r"""NeuralSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}` (B, n), x2's dtype."""
     return cast(Tensor, _run(x2, eps, descending, ranks=True, offset=offset)[1])
 
 

@@ -76,7 +76,7 @@ def _plan(
 
 
 def _cost(x: Tensor, y: Tensor, eps: Tensor) -> Tensor:
-    r"""The cost in units of epsilon, ``C_ij = ((x_i - y_j) r)^2`` with ``r = eps^{-1/2}`` (B, n, n).
+    r"""The cost in units of epsilon, ``C_ij = ((x_i - y_j) r)^2``, ``r = eps^{-1/2}`` (B, n, n).
 
     Formed so that neither it nor its backward overflows where C does not (``(x - y)^2 / eps``
     overflowed at gaps of 1e155, and its backward at epsilon < 1e-154); the epsilon gradient is
@@ -147,8 +147,8 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""OT soft ranks :math:`r_i = n \sum_j \Gamma_{ij} (\mathrm{pos}_j + \mathrm{offset})`, (B, n) in
-    x2's dtype; in [1, n], summing to n(n+1)/2 up to ``tol``.
+    r"""OT soft ranks :math:`r_i = n \sum_j \Gamma_{ij} (\mathrm{pos}_j + \mathrm{offset})`,
+    (B, n) in x2's dtype; in [1, n], summing to n(n+1)/2 up to ``tol``.
     """
     n = x2.shape[-1]
     p, _ = _plan(x2, eps, opts)
