@@ -19,11 +19,8 @@ from softops._core.transforms import cannot_branch, own_precision, under_functor
 __all__ = ["BLOCK_ELEMENTS", "chunked_rows", "convex_combination", "positions", "small_rows"]
 
 BLOCK_ELEMENTS = 1 << 20
-"""Entries (B x rows x n) of P materialised at once by the row-chunked path: about one million,
-i.e. 4 MiB per float32 temporary. The number of rows per block is
-``clamp(BLOCK_ELEMENTS // (B n), 1, n)``; the live extra memory is a few blocks (measured: B=1,
-n=8000, l2 values+ranks forward+backward peaks at 28 MiB above the input, against 1.4 GiB for the
-dense n x n autograd graph)."""
+"""Entries (B x rows x n) of P formed at once (4 MiB per float32 temporary); a block holds
+``clamp(BLOCK_ELEMENTS // (B n), 1, n)`` rows."""
 
 
 def positions(n: int, descending: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -47,17 +44,10 @@ def small_rows(x2: Tensor) -> Tensor | None:
 
 
 def convex_combination(p: Tensor, x: Tensor, exponent: Tensor | None) -> Tensor:
-    """``sum_j p_ij x_j`` (B, b) for weights ``p`` (B, b, n) and rows ``x`` (B, n), in their
-    common dtype, exact to one rounding at every scale of x (``exponent`` from
-    :func:`small_rows`).
-
-    Each product ``p_ij x_j`` rounds to the dtype's absolute grid where it is subnormal, so on a
-    row of subnormal entries the combination was off by up to n ulps of that grid, which is
-    tens of percent of the values (a constant row of 5e-323 came back 3.5e-323, outside
-    [min x, max x]). The combination is linear in x, so the value is formed on the row scaled
-    by ``2**-exponent`` (exact) and scaled back once; the derivatives are those of the plain
-    combination, which that value differs from by its rounding only (scaling the graph itself
-    would take the cotangent through ``2**exponent``, which underflows)."""
+    """``sum_j p_ij x_j`` (B, b) for weights ``p`` (B, b, n) and rows ``x`` (B, n), exact to one
+    rounding at every scale of x: rows of subnormal entries (``exponent`` from
+    :func:`small_rows`) are combined scaled by ``2**-exponent`` and scaled back once (their
+    products would round to the subnormal grid), with the plain combination's derivatives."""
     v = torch.linalg.vecdot(p, x.unsqueeze(1))
     if exponent is None:
         return v
