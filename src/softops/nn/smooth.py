@@ -1,4 +1,10 @@
-"""Modules for the smoothing family: they check and store the arguments of the functional ops."""
+"""Modules for the smoothing family: each holds the arguments of the function of its name.
+
+Each Module checks its arguments at construction, under its own name (what needs the data, such
+as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
+not use must stay at its default. The function (:func:`softops.smooth_max`, ...) has the math, the
+methods and the units of ``epsilon``; ``forward(x)`` equals it.
+"""
 
 from __future__ import annotations
 
@@ -44,9 +50,6 @@ class _Reduction(torch.nn.Module):
 class SmoothMax(_Reduction):
     """A Module that applies :func:`softops.smooth_max` along ``dim``: the smooth maximum.
 
-    See :func:`softops.smooth_max` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name, and stored, not learned.
-
     Args:
         dim: the dimension to reduce.
         keepdim: keep the reduced dimension, with size 1.
@@ -70,9 +73,6 @@ class SmoothMax(_Reduction):
 
 class SmoothMin(_Reduction):
     """A Module that applies :func:`softops.smooth_min` along ``dim``: the smooth minimum.
-
-    See :func:`softops.smooth_min` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name, and stored, not learned.
 
     Args:
         dim: the dimension to reduce.
@@ -98,9 +98,6 @@ class SmoothMin(_Reduction):
 class SoftArgmax(_Reduction):
     """A Module that applies :func:`softops.soft_argmax`: the expected index of the max.
 
-    See :func:`softops.soft_argmax` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name, and stored, not learned.
-
     Args:
         dim: the dimension to reduce.
         keepdim: keep the reduced dimension, with size 1.
@@ -124,9 +121,6 @@ class SoftArgmax(_Reduction):
 
 class SoftArgmin(_Reduction):
     """A Module that applies :func:`softops.soft_argmin`: the expected index of the min.
-
-    See :func:`softops.soft_argmin` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name, and stored, not learned.
 
     Args:
         dim: the dimension to reduce.
@@ -152,9 +146,6 @@ class SoftArgmin(_Reduction):
 
 class SoftArgmaxOneHot(torch.nn.Module):
     """A Module that applies :func:`softops.soft_argmax_onehot` (a softmax) along ``dim``.
-
-    See :func:`softops.soft_argmax_onehot` for the math and the units of ``epsilon``. The
-    arguments are checked at construction, under this Module's name, and stored, not learned.
 
     Args:
         dim: the dimension of the softmax.
@@ -191,10 +182,6 @@ class SoftArgmaxOneHot(torch.nn.Module):
 
 class SoftKMax(torch.nn.Module):
     """A Module that applies :func:`softops.soft_kmax` (the recursive soft-k-max) along ``dim``.
-
-    See :func:`softops.soft_kmax` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name (``k <= n`` on the forward call, with x),
-    and stored, not learned.
 
     Args:
         k: the number of rounds (entries to select), an int >= 0.

@@ -1,4 +1,10 @@
-"""Modules for the sort family: they check and store the arguments of the functional ops."""
+"""Modules for the sort family: each holds the arguments of the function of its name.
+
+Each Module checks its arguments at construction, under its own name (what needs the data, such
+as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
+not use must stay at its default. The function (:func:`softops.soft_sort`, ...) has the math, the
+methods and the units of ``epsilon``; ``forward(x)`` equals it.
+"""
 
 from __future__ import annotations
 
@@ -81,10 +87,6 @@ class _SortLike(torch.nn.Module):
 class SoftSort(_SortLike):
     """A Module that applies :func:`softops.soft_sort` along ``dim``.
 
-    See :func:`softops.soft_sort` for the math, the methods and the units of ``epsilon``. The
-    arguments are checked at construction, under this Module's name (an argument the method
-    does not use must be left at its default), and stored, not learned.
-
     Args:
         dim: the dimension to sort along.
         descending: sort in descending order.
@@ -114,10 +116,6 @@ class SoftSort(_SortLike):
 
 class SoftRank(_SortLike):
     """A Module that applies :func:`softops.soft_rank` (1-based ranks) along ``dim``.
-
-    See :func:`softops.soft_rank` for the math, the methods and the units of ``epsilon``. The
-    arguments are checked at construction, under this Module's name (an argument the method
-    does not use must be left at its default), and stored, not learned.
 
     Args:
         dim: the dimension to rank along.
@@ -150,10 +148,6 @@ class SoftRank(_SortLike):
 
 class SoftArgsort(torch.nn.Module):
     """A Module that applies :func:`softops.soft_argsort` (a soft permutation matrix).
-
-    See :func:`softops.soft_argsort` for the math, the methods and the units of ``epsilon``.
-    The arguments are checked at construction, under this Module's name (an argument the method
-    does not use must be left at its default), and stored, not learned.
 
     Args:
         dim: the dimension to sort along.
@@ -225,10 +219,6 @@ class SoftArgsort(torch.nn.Module):
 
 class SoftQuantile(torch.nn.Module):
     """A Module that applies :func:`softops.soft_quantile` at the stored ``q`` along ``dim``.
-
-    See :func:`softops.soft_quantile` for the math, the methods and the units of ``epsilon``.
-    The arguments are checked at construction, under this Module's name, and stored, not
-    learned (``q`` as given: a float or a 1-D tensor).
 
     Args:
         q: a float in [0, 1], or a 1-D tensor of them (which adds a leading dim).

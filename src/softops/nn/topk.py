@@ -1,4 +1,10 @@
-"""Modules for the top-k family: they check and store the arguments of the functional ops."""
+"""Modules for the top-k family: each holds the arguments of the function of its name.
+
+Each Module checks its arguments at construction, under its own name (what needs the data, such
+as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
+not use must stay at its default. The function (:func:`softops.soft_topk_mask`, ...) has the math, the
+methods and the units of ``epsilon``; ``forward(x)`` equals it.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +28,6 @@ __all__ = ["SoftTopK", "SoftTopKMask"]
 
 class SoftTopKMask(torch.nn.Module):
     """A Module that applies :func:`softops.soft_topk_mask` along ``dim``.
-
-    See :func:`softops.soft_topk_mask` for the math, the methods and the units of ``epsilon``.
-    The arguments are checked at construction, under this Module's name (``k <= n`` and the
-    rules that tie ``k`` to the method on the forward call, with x), and stored, not learned.
 
     A module holding a ``generator`` pickles (and deep-copies) the generator's device and state;
     the copy draws from a new generator in that state, not from the original.
@@ -132,10 +134,6 @@ class SoftTopKMask(torch.nn.Module):
 
 class SoftTopK(torch.nn.Module):
     """A Module that applies :func:`softops.soft_topk` (the sorted soft top-k) along ``dim``.
-
-    See :func:`softops.soft_topk` for the math and the units of ``epsilon``. The arguments are
-    checked at construction, under this Module's name (``k <= n`` on the forward call, with x),
-    and stored, not learned.
 
     Args:
         k: the number of entries to select, an int >= 1.
