@@ -2,8 +2,8 @@
 
 Each Module checks its arguments at construction, under its own name (what needs the data, such
 as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
-not use must stay at its default. The function (:func:`softops.soft_topk_mask`, ...) has the math, the
-methods and the units of ``epsilon``; ``forward(x)`` equals it.
+not use must stay at its default. The function (:func:`softops.soft_topk_mask`, ...) has the
+math, the methods and the units of ``epsilon``; ``forward(x)`` equals it.
 """
 
 from __future__ import annotations
