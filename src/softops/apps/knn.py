@@ -1,27 +1,18 @@
 r"""Differentiable k-nearest-neighbour classification (Xie et al. 2020, §4.1).
 
-The protocol is that of NeuralSort's differentiable kNN (Grover et al. 2019), which Xie et al.
-follow. Each training step draws a batch of queries and a disjoint batch of candidate neighbours;
-an embedding network maps both; the scores are the squared Euclidean distances
-:math:`D_{ij} = \lVert f(x_i) - f(c_j) \rVert^2`; a soft top-k of each query's row (the k
-*smallest* distances) gives a relaxed neighbour mask :math:`A`; and the loss is
+The protocol is NeuralSort's differentiable kNN (Grover et al. 2019), which Xie et al. follow:
+each step embeds a batch of queries and a disjoint batch of m candidates, takes the squared
+distances :math:`D_{ij} = \lVert f(x_i) - f(c_j) \rVert^2`, relaxes the mask :math:`A` of each
+query's k *smallest* distances, and minimises minus the soft fraction of same-label neighbours,
 
 .. math::
 
-    \mathcal{L} = -\frac{1}{B}\sum_{i=1}^{B} \frac{1}{k} \sum_{j=1}^{m} A_{ij}\,[y_i = y_j],
+    \mathcal{L} = -\frac{1}{B}\sum_{i=1}^{B} \frac{1}{k} \sum_{j=1}^{m} A_{ij}\,[y_i = y_j].
 
-minus the soft fraction of each query's k neighbours that share its label. At test time the
-classifier is the hard kNN (majority vote) over the embeddings of the whole training set
-(:func:`knn_predict`).
-
-Deviations from the papers' notation: the mask is :math:`A` (the papers' :math:`\hat P` summed
-over its first k rows, or the SOFT plan times n), the number of candidates is m, and epsilon is
-the one of :func:`softops.soft_topk_mask`, in units of the scores (squared distances here): see
-:func:`knn_mask` for what it means and why the distances are not normalised.
-
-The relaxation is any top-k method of softops (``"ot"``, ``"sinkhorn"``, ``"perturbed"``,
-``"softkmax"``, through :func:`softops.soft_topk_mask` with ``largest=False``), or NeuralSort's
-first k rows (``"neuralsort"``, through :func:`softops.soft_argsort`).
+At test time the classifier is the hard kNN over the whole training set (:func:`knn_predict`).
+The relaxation is any top-k method of :func:`softops.soft_topk_mask` (``largest=False``) or
+NeuralSort's first k rows (``"neuralsort"``); epsilon is in units of the squared distances
+(:func:`knn_mask` says what it means and why the distances are not normalised).
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal

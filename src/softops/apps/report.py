@@ -1,20 +1,13 @@
 """Running ``softops knn`` end to end: the runs, the progress bar, the tables and the plots.
 
 :func:`run_knn` loads the data once, trains each requested method for each seed on the same
-budget (:func:`softops.apps.train.train_rows`), and writes under ``out``:
-
-- ``<stem>.json``: the configuration, the command, the machine and every run (its validation
-  curve, best validation, test accuracy, steps and timings);
-- ``<stem>.md``: the Markdown table (also returned, and printed by the CLI), with the numbers of
-  Xie et al. (2020, Table 1) beside each row on MNIST;
-- ``<stem>-curves.png``: validation accuracy and training loss against training wall-clock
-  time (seconds for short runs), one line per method, or per seed with their mean and band;
-- ``<stem>-embedding.png``: a 2-D PCA projection of the learned test embeddings, coloured by
-  label, one panel per kNN-evaluated method (first seed).
-
-``stem`` is ``knn-<dataset>-<method or "all">-<budget>``. rich (the progress bar) and matplotlib
-(the plots) are optional: without rich, or when stderr is not a terminal (a log file, a CI job),
-progress is a plain line every few seconds; without matplotlib, no PNG is written.
+budget (:func:`softops.apps.train.train_rows`), and writes under ``out``, with
+``stem = knn-<dataset>-<method or "all">-<budget>``: ``<stem>.json`` (the configuration, the
+command, the machine and every run), ``<stem>.md`` (the table, also returned, with Xie et al.'s
+Table 1 beside it on MNIST), ``<stem>-curves.png`` (validation accuracy and training loss
+against time) and ``<stem>-embedding.png`` (a 2-D PCA of the test embeddings). rich and
+matplotlib are optional: without rich, or off a terminal, progress is a plain line every few
+seconds; without matplotlib, no PNG.
 """
 
 from __future__ import annotations
