@@ -2,9 +2,9 @@
 
 ``torch.func.vmap`` (equals the batched call), ``grad``/``vjp``/``jacrev`` (equal plain autograd),
 forward mode (``jvp`` and ``jacfwd`` equal the Jacobian times the tangent), meta tensors (shape
-inference), ``torch.autocast`` and, in the slow run, ``torch.compile``. The README's support
-table states the same facts; every "no" there is an entry of ``UNSUPPORTED`` here, with its
-reason, and the test checks that it raises a clear error.
+inference), ``torch.autocast`` and, in the slow run, ``torch.compile``. The support table of
+docs/getting-started.md states the same facts; every "no" there is an entry of ``UNSUPPORTED``
+here, with its reason, and the test checks that it raises a clear error.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """softops: differentiable relaxations of discrete operators for PyTorch.
 
-The flat functional API lives here; see the README for the table of ops. ``softops.solvers`` holds
+The flat functional API lives here; docs/index.md has the table of ops. ``softops.solvers`` holds
 the solvers with their diagnostics, ``softops.metrics`` and ``softops.losses`` the smooth metrics
 and the losses built on the ops, and ``softops.nn`` the Module wrappers. Iterative solvers that
 stop at ``max_iter`` warn with :class:`ConvergenceWarning`.
