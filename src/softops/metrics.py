@@ -401,23 +401,16 @@ def soft_confusion(
 
 
 def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
-    r"""Soft precision from soft counts: :math:`TP / P`, the compute step of :func:`soft_precision`.
-
-    .. math::
-
-        \mathrm{precision} = \frac{TP}{P}, \qquad
-        \text{macro (per-class counts): } \frac1C \sum_c \frac{TP_c}{P_c} .
+    r"""Soft precision from soft counts, :math:`TP / P`: the compute step of :func:`soft_precision`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several.
-            Its ``average`` is the one the counts were made with: 0-dim counts ("binary",
-            "micro") give their ratio, per-class counts of shape (C,) ("macro") the mean of the
-            per-class ratios.
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several. 0-dim
+            counts ("binary", "micro") give their ratio, per-class counts (C,) ("macro") the mean
+            of the per-class ratios.
 
     Returns:
         A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
-        member (``true == 0``: its TP is 0 whatever the predictions), scores 0 with a zero
-        gradient.
+        member (its TP is 0 whatever the predictions), scores 0 with a zero gradient.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -432,20 +425,14 @@ def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
 
 
 def recall_from_counts(counts: SoftConfusion) -> torch.Tensor:
-    r"""Soft recall from soft counts: :math:`TP / T`, the compute step of :func:`soft_recall`.
-
-    .. math::
-
-        \mathrm{recall} = \frac{TP}{T}, \qquad
-        \text{macro (per-class counts): } \frac1C \sum_c \frac{TP_c}{T_c} .
+    r"""Soft recall from soft counts, :math:`TP / T`: the compute step of :func:`soft_recall`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several;
-            0-dim counts give their ratio, counts of shape (C,) the mean of the per-class ratios.
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several; 0-dim
+            counts give their ratio, counts (C,) the mean of the per-class ratios.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts. A zero denominator scores 0 (with a zero
-        gradient).
+        A 0-dim tensor in the dtype of the counts; a zero denominator scores 0 (zero gradient).
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -458,25 +445,18 @@ def recall_from_counts(counts: SoftConfusion) -> torch.Tensor:
 
 
 def f1_from_counts(counts: SoftConfusion) -> torch.Tensor:
-    r"""Soft F1 from soft counts: :math:`2\,TP / (P + T)`, the compute step of :func:`soft_f1`.
-
-    .. math::
-
-        F1 = \frac{2\,TP}{P + T}, \qquad
-        \text{macro (per-class counts): } \frac1C \sum_c \frac{2\,TP_c}{P_c + T_c} .
+    r"""Soft F1 from soft counts, :math:`2\,TP / (P + T)`: the compute step of :func:`soft_f1`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several;
-            0-dim counts give their ratio, counts of shape (C,) the mean of the per-class ratios.
+        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several; 0-dim
+            counts give their ratio, counts (C,) the mean of the per-class ratios.
 
     Returns:
         A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
-        member (``true == 0``: its TP is 0 whatever the predictions), scores 0 with a zero
-        gradient.
+        member, scores 0 with a zero gradient.
 
     Example:
-        Counts summed over the batches of a dataset give the F1 of the dataset, which the mean
-        of the per-batch F1 does not:
+        Counts summed over the batches of a dataset give the F1 of the dataset:
 
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
         >>> t = torch.tensor([0, 1, 0])
