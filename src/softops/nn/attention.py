@@ -311,9 +311,6 @@ def topk_attention(
     :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks; as ``epsilon ->
     0`` both modes equal the hard top-k attention above.
 
-    Masks: ``attn_mask`` as in ``scaled_dot_product_attention`` (bool True = may attend, float =
-    added to the scores); ``key_padding_mask`` as in ``nn.MultiheadAttention`` (True = padding).
-
     Args:
         query: ``(..., L, E)``.
         key: ``(..., S, E)``, its batch dims broadcastable with the query's.

@@ -133,11 +133,7 @@ def soft_sort(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    A row holding a NaN gives NaN in that row only; infinities behave as their limits (module
-    docstring: for "softsort", "neuralsort" and "ot" a ``+inf`` sorts last with the value
-    ``+inf`` and leaves the finite entries as they are without it). An argument the method
-    does not use raises ``ValueError`` when it differs from its default (``regularization``
-    is "pav" only, ``distance`` "softsort" only, ``max_iter`` and ``tol`` "ot" only).
+    NaN rows, infinities and unused arguments: the module docstring.
 
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
@@ -235,10 +231,8 @@ def soft_rank(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Infinite entries get their limit ranks with every method (a single ``+inf`` gets rank n,
-    ascending; equal infinities share their positions; see the module docstring). A row
-    holding a NaN gives NaN in that row only. An argument the method does not use raises
-    ``ValueError`` when it differs from its default.
+    NaN rows, infinities (limit ranks with every method) and unused arguments: the module
+    docstring.
 
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
@@ -328,11 +322,7 @@ def soft_argsort(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: :math:`(*, n, *, n)`.
 
-    Rows of P sum to 1. A NaN gives NaN in its own row only; infinities behave as their limits
-    (a row at an infinite position is uniform over the entries equal to that infinity, and
-    finite rows put no weight on infinite entries). An argument the method does not use raises
-    ``ValueError`` when it differs from its default (``distance`` is "softsort" only,
-    ``max_iter`` and ``tol`` "ot" only).
+    Rows of P sum to 1. NaN rows, infinities and unused arguments: the module docstring.
 
     Example:
         >>> x = torch.tensor([3.0, 1.0, 2.0])
@@ -412,8 +402,7 @@ def soft_quantile(
         - output: x's shape without ``dim`` (size 1 there if ``keepdim``); a 1-D ``q`` of
           length m adds a leading dimension of size m, as in ``torch.quantile``.
 
-    A NaN gives NaN in its own row only; infinities behave as their limits (see the module
-    docstring).
+    NaN rows and infinities: the module docstring.
 
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0, 4.0], [0.0, 10.0, 5.0, 1.0]])
