@@ -231,8 +231,7 @@ def soft_rank(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    NaN rows, infinities (limit ranks with every method) and unused arguments: the module
-    docstring.
+    NaN rows, infinities (limit ranks with every method), unused arguments: the module docstring.
 
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
