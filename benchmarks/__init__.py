@@ -1,54 +1,46 @@
-"""Benchmark harness behind ``softops bench``; never imported by ``import softops``.
+"""The benchmarks of softops: a development package beside the library, not installed.
 
-The harness is generic, in six modules:
+Run from the repository root (``pip install -e ".[bench]"`` first)::
 
-* :mod:`softops.bench.model`: what a suite is (:class:`Case`, :class:`Config`, :class:`Suite`),
-  how to run it (:class:`RunOptions`: threads, or ``None`` for the out-of-the-box
-  configuration, isolation, time-outs, a memory cap), the statuses of a record (ok, skipped,
-  error, oom, timeout) and the measurement primitives (:func:`count_saved_bytes`);
-* :mod:`softops.bench.harness`: the timing loop, interleaved median timings of forward and
-  forward+backward (:func:`run_suite`), each configuration in a fresh subprocess when asked, and
-  one command-line run of a suite (once per thread setting);
-* :mod:`softops.bench.probes`: whole configurations, peak memory and first calls, in fresh
-  subprocesses, with out-of-memory errors, kills and time-outs recorded as statuses;
-* :mod:`softops.bench.quality`: the quality sweep, each method's distance to the hard operator
+    python -m benchmarks topk --quick      # a suite: topk, sort, topk-l1, or --suite NAME|all
+    python -m benchmarks --suite all       # every suite, 1 thread and out of the box
+    python -m benchmarks.layers --quick    # the layers suite with its own switches
+    python benchmarks/grid.py --help       # the standalone scripts (see benchmarks/README.md)
+
+It imports the public API of softops (and :mod:`softops.testing`, the references the tests
+share); the library never imports it. The harness is generic:
+
+* :mod:`benchmarks.model`: what a suite is (:class:`Case`, :class:`Config`, :class:`Suite`), how
+  to run it (:class:`RunOptions`), the statuses of a record and the measurement primitives;
+* :mod:`benchmarks.harness`: the timing loop, interleaved median timings of forward and
+  forward+backward (:func:`run_suite`), and one command-line run of a suite;
+* :mod:`benchmarks.probes`: whole configurations, peak memory and first calls, in fresh
+  subprocesses (:mod:`benchmarks._probe` is their entry point);
+* :mod:`benchmarks.quality`: the quality sweep, each method's distance to the hard operator
   against epsilon and the cosine of its gradient to a reference gradient;
-* :mod:`softops.bench.report`: JSONL, Markdown and PNG reports (:func:`write_results`;
-  matplotlib, for the plot, is imported lazily and is optional) and the console output;
-* :mod:`softops.bench.references`: the reference implementations the implicit backwards are
-  checked against (log-domain Sinkhorn unrolled under plain autograd), used by the tests too.
+* :mod:`benchmarks.report`: JSONL, Markdown and PNG reports (:func:`write_results`) and the
+  console output.
 
 The suites, one module each, own their configurations, their quality sweep and their run:
-:mod:`softops.bench.topk` (``softops bench --suite topk``, or ``softops bench topk``),
-:mod:`softops.bench.sort` (``--suite sort``), :mod:`softops.bench.smooth` (``--suite smooth``),
-:mod:`softops.bench.layers` (``--suite layers``) and :mod:`softops.bench.topk_l1` (``softops bench
-topk-l1``); :mod:`softops.bench.suites` is their registry (``--suite all``).
-:mod:`softops.bench.plots` draws the figures of the operators (``softops plot``, and the
-documentation site).
+:mod:`benchmarks.topk`, :mod:`benchmarks.sort`, :mod:`benchmarks.smooth`,
+:mod:`benchmarks.layers` and :mod:`benchmarks.topk_l1`; :mod:`benchmarks.suites` is their
+registry, :mod:`benchmarks.__main__` their command line. The other modules are experiments, each
+with its own command line.
 
-The suites measure the public API, plus a few internals that are what they measure. This is the
-whole internal surface the harness reads; a change there must update the harness:
+Example (the same as ``python -m benchmarks topk --sizes 1000 --no-speedup --no-sorted``)::
 
-* ``softops._kernels.backend`` and ``kernels_enabled``: the kernel layer's switch (the "ot
-  (kernel)" and "ot (reference)" rows of the top-k suite);
-* ``softops._core.sinkhorn.implicit_cost_vjp``: the implicit backward of the paper-layout
-  Sinkhorn reference (:func:`softops.bench.references.paper_sinkhorn_topk_mask`);
-* ``softops.sort._chunked.BLOCK_ELEMENTS``: the block size of the row-chunked SoftSort path,
-  reported by the sort suite's memory target.
-
-Example (the same as ``softops bench topk --sizes 1000 --no-speedup --no-sorted``)::
-
-    from softops.bench import RunOptions, run_suite, write_results
-    from softops.bench.topk import SUITE, build_configs
+    from benchmarks import RunOptions, run_suite, write_results
+    from benchmarks.topk import SUITE, build_configs
 
     configs = build_configs(sizes=[1000], speedup=False, sorted_memory=False)
     records = run_suite(SUITE, configs, RunOptions(threads=1))
     write_results(records, SUITE, "benchmarks/results", "topk-1000")
 """
 
-from softops.bench.harness import run_suite
-from softops.bench.model import Case, Config, RunOptions, Suite, count_saved_bytes
-from softops.bench.report import markdown_report, plot_results, write_results
+from benchmarks.harness import run_suite
+from benchmarks.model import Case, Config, RunOptions, Suite
+from benchmarks.report import markdown_report, plot_results, write_results
+from softops.testing import count_saved_bytes
 
 __all__ = [
     "Case",

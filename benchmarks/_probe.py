@@ -1,11 +1,11 @@
 """Measurements that need a fresh process: the entry point of the probe subprocesses.
 
-``python -m softops.bench._probe config --suite MOD:ATTR --config JSON --options JSON [...]``
-    The timing loop of one configuration (:func:`softops.bench.harness.run_config`: every case,
+``python -m benchmarks._probe config --suite MOD:ATTR --config JSON --options JSON [...]``
+    The timing loop of one configuration (:func:`benchmarks.harness.run_config`: every case,
     warm-ups, interleaved repeats) in this fresh process; prints its records, the cases found
     over the time budget, and sends its log lines to stderr.
 
-``python -m softops.bench._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
+``python -m benchmarks._probe memory --suite MOD:ATTR --config JSON --case NAME [...]``
     Peak extra memory of one forward+backward of one case, after a warm-up call (so a compiled
     path is compiled before measuring). On CPU: the peak resident set after the call minus the
     resident set before it, with the high-water mark first reset to the current resident set
@@ -13,9 +13,9 @@
     else ``resource.getrusage(...).ru_maxrss``; without the reset the baseline is the
     high-water mark before the call, which can only under-estimate. On CUDA:
     ``torch.cuda.max_memory_allocated`` minus ``memory_allocated``, after resetting the peak.
-    Also reports the bytes saved for backward (see :func:`softops.bench.model.count_saved_bytes`).
+    Also reports the bytes saved for backward (see :func:`benchmarks.model.count_saved_bytes`).
 
-``python -m softops.bench._probe first-call ...``
+``python -m benchmarks._probe first-call ...``
     Seconds of the first forward+backward of one case in this fresh process (which includes any
     ``torch.compile`` compilation), and of the second.
 
@@ -26,7 +26,7 @@ and ``--memory-limit-mb M``: the address space is capped at its size after set-u
 measured calls is reported as ``{"status": "oom", ...}`` rather than a crash.
 
 The result is printed as one JSON line prefixed with ``SOFTOPS_PROBE_RESULT``. The harness side
-(the command line, the subprocess, reading the result) is :mod:`softops.bench.probes`.
+(the command line, the subprocess, reading the result) is :mod:`benchmarks.probes`.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ from typing import Any
 
 import torch
 
-from softops.bench.model import (
+from benchmarks.harness import run_config
+from benchmarks.model import (
     PROBE_MARKER,
     Case,
     Config,
     RunOptions,
     Suite,
-    count_saved_bytes,
     failure_status,
     functional_weights,
     make_generator,
@@ -58,6 +58,7 @@ from softops.bench.model import (
     pinning,
     sync,
 )
+from softops.testing import count_saved_bytes
 
 _MB = 2.0**20
 
@@ -175,8 +176,6 @@ def _limit_memory(extra_mb: float | None) -> None:
 def _config(
     suite: Suite, config: Config, options: RunOptions, too_slow_json: str, stamp: str
 ) -> dict[str, Any]:
-    from softops.bench.harness import run_config
-
     too_slow = {(g, c): reason for g, c, reason in json.loads(too_slow_json)}
     known = set(too_slow)
 
@@ -191,7 +190,7 @@ def _config(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one probe and print its JSON result line; the exit status is 0 on success."""
-    parser = argparse.ArgumentParser(prog="python -m softops.bench._probe")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._probe")
     parser.add_argument("kind", choices=["memory", "first-call", "config"])
     parser.add_argument("--suite", required=True)
     parser.add_argument("--config", required=True)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from softops.bench.report import write_experiment
+from benchmarks.report import write_experiment
 from softops.nn import topk_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"

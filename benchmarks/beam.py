@@ -59,8 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.report import write_experiment
 from softops.apps import beam_search, beam_search_loss
-from softops.bench.report import write_experiment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("tf", "soft_topk", "softmax", "soft_topk_first")

@@ -67,11 +67,17 @@ class Counter:
 
 
 def _worker(rank: int, world: int, init: str, args: dict, out: str) -> None:
+    from softops.testing import backend
+
+    torch.set_num_threads(1)
+    with backend("kernel" if args["kernels"] else "reference"):
+        _measure(rank, world, init, args, out)
+
+
+def _measure(rank: int, world: int, init: str, args: dict, out: str) -> None:
     import softops
     import softops.distributed as sd
 
-    torch.set_num_threads(1)
-    softops._kernels.set_default_backend("kernel" if args["kernels"] else "reference")
     dist.init_process_group("gloo", init, rank=rank, world_size=world)
     B, n, k, eps = args["B"], args["n"], args["k"], args["epsilon"]
     dtype = getattr(torch, args["dtype"])

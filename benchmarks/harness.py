@@ -1,6 +1,6 @@
 r"""The timing loop of the benchmark harness: :func:`run_suite`, and :func:`run_and_write`.
 
-A suite (:class:`~softops.bench.model.Suite`) gives configurations and, for each, cases; one case
+A suite (:class:`~benchmarks.model.Suite`) gives configurations and, for each, cases; one case
 is the *floor*, the hard operator. For a case :math:`c` with median forward time :math:`t_c` and
 median forward+backward time :math:`T_c`, the report gives :math:`t_c / t_{\mathrm{floor}}` and
 :math:`T_c / t_{\mathrm{floor}}`: the headline numbers, because absolute times on a shared
@@ -15,7 +15,7 @@ How a configuration is measured (:func:`run_suite`):
   choose, as in a user's process. The records say which (``threads_setting``) and what the
   process actually ran with (``torch_threads``, ``numba_threads``).
 * **Isolation.** With ``isolate``, each configuration runs in a fresh subprocess
-  (:func:`softops.bench.probes.run_config_subprocess`), so it inherits no state from another
+  (:func:`benchmarks.probes.run_config_subprocess`), so it inherits no state from another
   (a thread count set before, a warm allocator, a launched thread pool); a configuration whose
   subprocess runs out of memory, is killed, or outlives ``probe_timeout_s`` gets records with the
   status ``"oom"``, ``"error"`` or ``"timeout"`` instead of stopping the run.
@@ -36,7 +36,7 @@ How a configuration is measured (:func:`run_suite`):
   ``torch.autograd.graph.saved_tensors_hooks``: the bytes of the distinct storages the forward
   saves for backward, leaving out the input's own storage. It is exact and deterministic.
 * **Peak memory** is measured in a fresh subprocess per configuration and case
-  (:mod:`softops.bench.probes`, which runs :mod:`softops.bench._probe`): after a warm-up call,
+  (:mod:`benchmarks.probes`, which runs :mod:`benchmarks._probe`): after a warm-up call,
   the peak extra memory of one forward+backward over the post-set-up baseline. On CPU that is
   the ``ru_maxrss`` high-water mark (reset through ``/proc/self/clear_refs`` where Linux allows
   it) minus the resident set before the call, with glibc's dynamic mmap threshold pinned so that
@@ -50,10 +50,10 @@ How a configuration is measured (:func:`run_suite`):
   the neighbours ran.
 
 Results are plain dicts (one per configuration and case), written as JSONL, a Markdown table and a
-PNG plot by :func:`~softops.bench.report.write_results`.
+PNG plot by :func:`~benchmarks.report.write_results`.
 
 :func:`run_and_write` is one command-line run of a suite: :func:`make_options` turns the
-command's arguments into :class:`~softops.bench.model.RunOptions` (``quick`` takes the suite's
+command's arguments into :class:`~benchmarks.model.RunOptions` (``quick`` takes the suite's
 small defaults, a :class:`QuickDefaults`, and turns the subprocess probes off; arguments left at
 ``None`` take the defaults of the mode), then the suite runs, once per thread setting, and its
 files are written under ``out`` (:data:`DEFAULT_OUT` by default).
@@ -67,7 +67,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -77,13 +77,12 @@ from typing import Any, TypedDict, Unpack
 import torch
 
 import softops
-from softops.bench.model import (
+from benchmarks.model import (
     PROBE_MARKER,
     Case,
     Config,
     RunOptions,
     Suite,
-    count_saved_bytes,
     failure_status,
     functional_weights,
     make_generator,
@@ -92,8 +91,9 @@ from softops.bench.model import (
     thread_facts,
     threads_label,
 )
-from softops.bench.probes import _run_probes, probe_command, run_config_subprocess, run_probe
-from softops.bench.report import markdown_report, plot_results, progress_bar, write_results
+from benchmarks.probes import probe_command, run_config_subprocess, run_probe, run_probes
+from benchmarks.report import markdown_report, plot_results, progress_bar, write_results
+from softops.testing import count_saved_bytes
 
 __all__ = [
     "DEFAULT_OUT",
@@ -123,14 +123,14 @@ __all__ = [
     "thread_runs",
     "write_results",
 ]
-# Case, Config, RunOptions, Suite, PROBE_MARKER and the primitives live in softops.bench.model,
-# the probes in softops.bench.probes and the reports in softops.bench.report; they are
+# Case, Config, RunOptions, Suite, PROBE_MARKER and the primitives live in benchmarks.model,
+# the probes in benchmarks.probes and the reports in benchmarks.report; they are
 # re-exported here, where they were first defined.
 
 _MB = 2.0**20
 
 DEFAULT_OUT = "benchmarks/results"
-"""Where ``softops bench`` writes its files unless ``--out`` says otherwise."""
+"""Where ``python -m benchmarks`` writes its files unless ``--out`` says otherwise."""
 FULL_REPEATS = 10
 """Timed repeats per case of a full run."""
 FULL_TIME_BUDGET_S = 30.0
@@ -300,9 +300,7 @@ def run_suite(
             for index, config in enumerate(configs):
                 bar.describe(f"{suite.name} · {label} · {config.label}")
                 bar.log(f"[{index + 1}/{len(configs)}] {config.label} ({label}, fresh process)")
-                records, slow, lines = run_config_subprocess(
-                    suite, config, options, too_slow, stamp
-                )
+                records, slow, lines = _run_config_isolated(suite, config, options, too_slow, stamp)
                 for line in lines:
                     bar.log(line)
                 too_slow.update(slow)
@@ -321,7 +319,7 @@ def run_suite(
                     bar.advance()
         if options.memory or options.first_call:
             for config, records in zip(configs, per_config, strict=True):
-                _run_probes(suite, config, options, records, bar)
+                run_probes(suite, config, options, records, bar)
     return [record for records in per_config for record in records]
 
 
@@ -375,6 +373,28 @@ def failure_records(
             }
         )
     return records
+
+
+def _run_config_isolated(
+    suite: Suite,
+    config: Config,
+    options: RunOptions,
+    too_slow: Mapping[tuple[str, str], str],
+    stamp: str,
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str], str], list[str]]:
+    """:func:`run_config` in a fresh subprocess: its records, the (group, case) pairs it found
+    too slow, and its log lines; a subprocess that failed gives :func:`failure_records`."""
+    result, lines = run_config_subprocess(suite, config, options, too_slow, stamp)
+    if "records" not in result:
+        reason = f"the configuration's subprocess failed: {result.get('error')}"
+        if result["status"] == "timeout":
+            reason = (
+                f"timeout: the configuration's subprocess ran over {options.probe_timeout_s:g} s"
+            )
+        records = failure_records(suite, config, options, result["status"], reason, stamp)
+        return records, {}, [*lines[-5:], f"    {config.label}: {reason}"]
+    slow = {(g, c): reason for g, c, reason in result.get("too_slow", [])}
+    return result["records"], slow, lines
 
 
 def run_config(
@@ -616,7 +636,7 @@ def make_options(
     address-space cap) and ``progress`` (a progress bar).
 
     Example:
-        >>> from softops.bench.harness import make_options
+        >>> from benchmarks.harness import make_options
         >>> quick = {"sizes": (1000,), "batch": 4, "repeats": 3, "time_budget": 2.0}
         >>> options = make_options(
         ...     quick, quick=True, device="cpu", dtype="float32", threads=1, repeats=None,
@@ -660,7 +680,7 @@ def thread_runs(
     scratch), and each probe is a process start per configuration and case.
 
     Example:
-        >>> from softops.bench.harness import RunOptions, thread_runs
+        >>> from benchmarks.harness import RunOptions, thread_runs
         >>> runs = thread_runs(RunOptions(), [1, None])
         >>> [(r.threads, r.isolate, r.memory) for r in runs]
         [(1, True, True), (None, True, False)]

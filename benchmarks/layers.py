@@ -18,7 +18,7 @@ its input), float32:
   softmax surrogate. A beam search calls it once per token.
 
 The layers are built once per configuration from a fixed seed. The harness
-(:mod:`softops.bench.harness`) times them interleaved, with medians and the ratio to the floor.
+(:mod:`benchmarks.harness`) times them interleaved, with medians and the ratio to the floor.
 The softops cases are flagged ``compiled``: at these sizes the "ot" mask takes its fused
 (torch.compile) path, whose first call compiles (about 20 s on CPU) before the timed calls.
 """
@@ -31,8 +31,7 @@ from typing import Any, Unpack
 
 import torch
 
-from softops.apps.beam import beam_step
-from softops.bench.harness import (
+from benchmarks.harness import (
     Case,
     Config,
     QuickDefaults,
@@ -41,6 +40,7 @@ from softops.bench.harness import (
     run_and_write,
     thread_runs,
 )
+from softops.apps.beam import beam_step
 from softops.nn import TopKAttention, TopKRouter
 
 __all__ = [
@@ -138,7 +138,7 @@ def _weights(router: TopKRouter) -> Callable[[torch.Tensor], torch.Tensor]:
 class LayersSuite:
     """The layers suite (see the module docstring); ``SUITE`` is its instance."""
 
-    ref = "softops.bench.layers:SUITE"
+    ref = "benchmarks.layers:SUITE"
     name = "layers"
     floor_label = "the dense counterpart"
     plot_group = "attention"
@@ -252,7 +252,7 @@ def run(
     """Run the layers suite and write ``layers.{jsonl,md,png}`` (``layers-quick.*``) under out;
     for a subset of the groups, ``layers-<groups>.*``. ``threads`` is a count, ``None`` (out of
     the box) or a sequence of them, one run each into the same files; ``extras`` go to
-    :func:`~softops.bench.harness.make_options`."""
+    :func:`~benchmarks.harness.make_options`."""
     options = make_options(
         QUICK,
         quick=quick,

@@ -5,13 +5,12 @@ shape and its parameters) and, for each, a list of :class:`Case` (one method: a 
 input tensor). One case per configuration is the *floor*, the hard operator that every time is
 divided by. :class:`RunOptions` says how to run a suite.
 
-The primitives are shared by the in-process timing loop (:mod:`softops.bench.harness`) and the
-probe subprocesses (:mod:`softops.bench._probe`), so that both measure the same thing:
+The primitives are shared by the in-process timing loop (:mod:`benchmarks.harness`) and the
+probe subprocesses (:mod:`benchmarks._probe`), so that both measure the same thing:
 
 * :func:`sync` waits for queued device work, so that a clock reading covers it;
-* :func:`count_saved_bytes` counts the bytes a forward saves for backward: the sum over the
-  distinct storages :math:`S` reached by ``saved_tensors_hooks``, leaving out the input's own,
-  :math:`\sum_{s \in S \setminus \{s_x\}} \mathrm{nbytes}(s)`;
+* :func:`softops.testing.count_saved_bytes` (which the tests use too) counts the bytes a
+  forward saves for backward, each storage once, leaving out the input's own;
 * :func:`make_generator` and :func:`functional_weights` make the seeded input and the fixed
   random ``g`` of the linear functional ``(out * g).sum()`` whose backward is timed.
 """
@@ -36,7 +35,6 @@ __all__ = [
     "Config",
     "RunOptions",
     "Suite",
-    "count_saved_bytes",
     "failure_status",
     "functional_weights",
     "make_generator",
@@ -98,7 +96,7 @@ class Config:
     where the cases flagged ``first_call`` get their first call timed in fresh processes.
 
     Example:
-        >>> from softops.bench.model import Config
+        >>> from benchmarks.model import Config
         >>> config = Config("grid", {"B": 64, "n": 1000, "k": 10})
         >>> config.label
         'grid B=64 n=1000 k=10'
@@ -234,7 +232,7 @@ def parse_threads(text: str | int | None) -> int | None:
     """``"default"`` (or ``None``) -> ``None``, the out-of-the-box configuration; else a count >= 1.
 
     Example:
-        >>> from softops.bench.model import parse_threads
+        >>> from benchmarks.model import parse_threads
         >>> parse_threads("default"), parse_threads("2"), parse_threads(1)
         (None, 2, 1)
     """
@@ -253,7 +251,7 @@ def threads_label(threads: int | None, actual: int | None = None) -> str:
     """How a thread setting is named in reports: ``"1 thread"``, ``"default threads (2)"``.
 
     Example:
-        >>> from softops.bench.model import threads_label
+        >>> from benchmarks.model import threads_label
         >>> threads_label(1), threads_label(4), threads_label(None, 2)
         ('1 thread', '4 threads', 'default threads (2)')
     """
@@ -289,7 +287,7 @@ def failure_status(err: BaseException) -> str:
     CPU allocator's "can't allocate memory"), else ``"error"``.
 
     Example:
-        >>> from softops.bench.model import failure_status
+        >>> from benchmarks.model import failure_status
         >>> failure_status(MemoryError()), failure_status(ValueError("bad"))
         ('oom', 'error')
     """
@@ -335,66 +333,6 @@ def sync(device: torch.device) -> None:
     """Wait for queued device work (CUDA); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def count_saved_bytes(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Run ``fn(x)`` and count the bytes it saves for backward.
-
-    Counts each distinct storage once (a tensor saved by several nodes, or views of one buffer,
-    are counted once, at the size of the whole storage, since that is what stays alive) and
-    leaves out the storage of ``x`` itself, which exists anyway.
-
-    Args:
-        fn: the function to run.
-        x: its input (usually with ``requires_grad=True``).
-
-    Returns:
-        The output of ``fn(x)`` and the number of bytes saved for its backward.
-
-    Example:
-        >>> import torch
-        >>> from softops.bench.model import count_saved_bytes
-        >>> x = torch.randn(3, 5, requires_grad=True)
-        >>> count_saved_bytes(torch.sin, x)[1]  # sin saves only its input
-        0
-        >>> count_saved_bytes(lambda t: (3 * t).exp(), x)[1]  # exp saves its output
-        60
-    """
-    excluded = {_storage_key(x)}
-    seen: dict[Any, int] = {}
-    # Every packed tensor is held until the count ends: a temporary saved by a node the graph
-    # later drops would otherwise free its storage, and a later save could reuse the address
-    # and be taken for the same storage (a count that depends on the allocator's state).
-    held: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        held.append(t)
-        key = _storage_key(t)
-        if key not in excluded:
-            try:
-                nbytes = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                nbytes = t.numel() * t.element_size()
-            seen[key] = nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    held.clear()
-    return out, sum(seen.values())
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    """What identifies the storage of ``t``: its device and address (its ``id`` when empty)."""
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return ("id", id(t))
-    if ptr == 0:  # empty storages all have address 0
-        return ("id", id(t))
-    return (str(t.device), ptr)
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:

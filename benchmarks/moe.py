@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from softops.bench.report import write_experiment
+from benchmarks.report import write_experiment
 from softops.nn import TopKRouter
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,8 +1,8 @@
 """Measurements in fresh subprocesses: whole configurations, peak memory and first calls.
 
 A subprocess runs one configuration (all its cases, timed and interleaved), or one case of one
-configuration, in a new interpreter (``python -m softops.bench._probe KIND ...``, see
-:mod:`softops.bench._probe`), so that what it measures is not blurred by the state of the
+configuration, in a new interpreter (``python -m benchmarks._probe KIND ...``, see
+:mod:`benchmarks._probe`), so that what it measures is not blurred by the state of the
 harness process:
 
 * ``config`` (:func:`run_config_subprocess`): the timing loop of one configuration, with the
@@ -12,8 +12,8 @@ harness process:
   directory, once reusing it).
 
 The subprocess rebuilds the suite from its ``ref`` and prints one JSON line prefixed with
-:data:`~softops.bench.model.PROBE_MARKER`. How a subprocess ends becomes a status
-(:data:`~softops.bench.model.STATUSES`): a result line is ``"ok"`` (or the status the child
+:data:`~benchmarks.model.PROBE_MARKER`. How a subprocess ends becomes a status
+(:data:`~benchmarks.model.STATUSES`): a result line is ``"ok"`` (or the status the child
 reports, ``"oom"`` when it caught an out-of-memory error); past ``probe_timeout_s`` it is killed
 and the status is ``"timeout"``; killed by SIGKILL (what the kernel's OOM killer sends) it is
 ``"oom"``; any other exit without a result is ``"error"``, with the last lines of its stderr.
@@ -28,15 +28,26 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
-from softops.bench.model import PROBE_MARKER, Config, RunOptions, Suite
+from benchmarks.model import PROBE_MARKER, Config, RunOptions, Suite
 
-__all__ = ["probe_command", "run_config_subprocess", "run_probe", "run_subprocess"]
+__all__ = [
+    "probe_command",
+    "run_config_subprocess",
+    "run_probe",
+    "run_probes",
+    "run_subprocess",
+]
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+"""The folder that holds the ``benchmarks`` package, put first on the child's ``PYTHONPATH``
+so that ``python -m benchmarks._probe`` runs from any working directory."""
 
 
 class _Bar(Protocol):
-    """The part of :func:`softops.bench.report.progress_bar` the probes use."""
+    """The part of :func:`benchmarks.report.progress_bar` the probes use."""
 
     def log(self, line: str) -> None: ...
     def describe(self, text: str) -> None: ...
@@ -55,7 +66,7 @@ def probe_command(
     command = [
         sys.executable,
         "-m",
-        "softops.bench._probe",
+        "benchmarks._probe",
         kind,
         "--suite",
         suite.ref,
@@ -88,6 +99,8 @@ def run_subprocess(
     """
     full_env = dict(os.environ)
     full_env.update(env or {})
+    path = full_env.get("PYTHONPATH")
+    full_env["PYTHONPATH"] = _ROOT + (os.pathsep + path if path else "")
     try:
         proc = subprocess.run(
             command,
@@ -153,7 +166,7 @@ def run_config_subprocess(
     options: RunOptions,
     too_slow: Mapping[tuple[str, str], str],
     stamp: str,
-) -> tuple[list[dict[str, Any]], dict[tuple[str, str], str], list[str]]:
+) -> tuple[dict[str, Any], list[str]]:
     """Time one configuration in a fresh subprocess.
 
     Args:
@@ -164,12 +177,11 @@ def run_config_subprocess(
         stamp: the run's time stamp, stored in the records.
 
     Returns:
-        The records, the (group, case) pairs found too slow there, and the child's log lines.
-        A child that ran out of memory, crashed or timed out gives one record per case with
-        that status (:func:`softops.bench.harness.failure_records`).
+        The child's result and its non-empty log lines. A child that ran returns its
+        ``records`` and the ``too_slow`` entries it found; one that ran out of memory, crashed
+        or timed out returns no ``records``, and its ``status`` and ``error`` say why (the
+        harness turns them into records, :func:`benchmarks.harness.failure_records`).
     """
-    from softops.bench.harness import failure_records
-
     command = probe_command("config", suite, config, "", options)
     command += [
         "--options",
@@ -180,20 +192,10 @@ def run_config_subprocess(
         stamp,
     ]
     result = run_subprocess(command, options.probe_timeout_s)
-    lines = [line for line in result.get("stderr", []) if line.strip()]
-    if "records" not in result:
-        reason = f"the configuration's subprocess failed: {result.get('error')}"
-        if result["status"] == "timeout":
-            reason = (
-                f"timeout: the configuration's subprocess ran over {options.probe_timeout_s:g} s"
-            )
-        records = failure_records(suite, config, options, result["status"], reason, stamp)
-        return records, {}, [*lines[-5:], f"    {config.label}: {reason}"]
-    slow = {(g, c): reason for g, c, reason in result.get("too_slow", [])}
-    return result["records"], slow, lines
+    return result, [line for line in result.get("stderr", []) if line.strip()]
 
 
-def _run_probes(
+def run_probes(
     suite: Suite,
     config: Config,
     options: RunOptions,

@@ -27,7 +27,7 @@ library's backward (a :class:`Reference`):
 
 * **unrolled** (the OT methods: the "ot" and "sinkhorn" masks, the sorted top-k, the OT sort):
   plain autograd through log-domain Sinkhorn iterations of the same entropic OT problem
-  (:mod:`softops.bench.references`), run until it has converged: the number of iterations is
+  (:mod:`softops.testing`), run until it has converged: the number of iterations is
   doubled from 256 until two runs agree to 1e-11, up to a cap; where it does not converge
   there, the reference falls back to central finite differences of the method's exact solve.
   For "sinkhorn-200" (the paper's fixed 200 iterations) the reference is the converged problem,
@@ -63,8 +63,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from softops.bench.model import failure_status, functional_weights
-from softops.bench.report import (
+from benchmarks.model import failure_status, functional_weights
+from benchmarks.report import (
     log_log_axes,
     new_figure,
     reproduce_lines,
@@ -172,7 +172,7 @@ def finite_differences(fn: Fn) -> Reference:
 
     Example:
         >>> import torch
-        >>> from softops.bench.quality import finite_differences
+        >>> from benchmarks.quality import finite_differences
         >>> ref = finite_differences(lambda x, eps: (x / eps).sin())
         >>> x = torch.tensor([[0.1, 0.2]], dtype=torch.float64)
         >>> g = torch.ones(1, 2, dtype=torch.float64)
@@ -276,7 +276,7 @@ def grad_cosine(a: Tensor, r: Tensor, scale: Tensor | None = None) -> tuple[Tens
 
     Example:
         >>> import torch
-        >>> from softops.bench.quality import grad_cosine
+        >>> from benchmarks.quality import grad_cosine
         >>> a = torch.tensor([[1.0, 0.0], [0.0, 1e-40], [1.0, 1.0], [0.0, 0.0]])
         >>> r = torch.tensor([[2.0, 0.0], [0.0, 0.0], [1.0, -1.0], [1.0, 0.0]])
         >>> grad_cosine(a, r)
@@ -514,7 +514,7 @@ def quality_markdown(
         "autograd for the OT methods (run to convergence), central finite differences in "
         "float64 for the closed-form relaxations, the closed form where one exists, and the "
         "same estimator with many more draws for the Monte-Carlo method "
-        "(`softops.bench.quality`).",
+        "(`benchmarks.quality`).",
         *(f"\n{note}" for note in spec_notes),
     ]
     epsilons = list(dict.fromkeys(r["epsilon"] for r in records))

@@ -1,12 +1,12 @@
 """Reports of benchmark records: JSONL, Markdown tables, PNG plots and the console output.
 
 A record is a plain dict, one per configuration and case (see
-:func:`softops.bench.harness.run_suite`). :func:`write_results` writes a run as three files,
+:func:`benchmarks.harness.run_suite`). :func:`write_results` writes a run as three files,
 ``<stem>.jsonl`` (every record, the raw data), ``<stem>.md`` (:func:`markdown_report`: one table
 per configuration, the ratio columns first, since a ratio to the floor taken in one run is what
 stays stable on a shared machine) and ``<stem>.png`` (:func:`plot_results`: median time against
 size, log-log). :func:`write_report`, :func:`new_figure` and :func:`save_figure` are the pieces
-other reports (:mod:`softops.bench.topk_l1`) share.
+other reports (:mod:`benchmarks.topk_l1`) share.
 
 matplotlib (the plots) and rich (styled console output) are optional: without matplotlib no PNG
 is written, without rich the console output is plain text. Both are imported lazily, and plots
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from softops.bench.model import Suite
+from benchmarks.model import Suite
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

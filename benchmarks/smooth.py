@@ -1,4 +1,4 @@
-r"""The smooth suite: ``softops bench --suite smooth``, the softmax family of :mod:`softops.smooth`.
+r"""The smooth suite: ``python -m benchmarks smooth``, the softmax family of :mod:`softops.smooth`.
 
 Inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default, epsilon = 0.1 (units of x).
 
@@ -11,7 +11,7 @@ Inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default, epsilon = 0.1 (units
     k softmax rounds, the relaxed top-k mask of the smoothing note).
 
 The summary gives, at the largest n, each op's forward+backward over the floor and over the torch
-expression it equals. The quality sweep (:data:`QUALITY`, :mod:`softops.bench.quality`) gives the
+expression it equals. The quality sweep (:data:`QUALITY`, :mod:`benchmarks.quality`) gives the
 distance of each op to its hard counterpart against epsilon (|smooth_max − max|, the index error
 of soft_argmax, the L1 distance of soft_argmax_onehot to the one-hot, the mask L1 of soft_kmax)
 and the cosine of its gradient to the closed form (finite differences for soft_kmax).
@@ -28,7 +28,7 @@ from typing import Any, Unpack
 import torch
 
 import softops
-from softops.bench.harness import (
+from benchmarks.harness import (
     DEFAULT_OUT,
     QuickDefaults,
     RunExtras,
@@ -36,8 +36,8 @@ from softops.bench.harness import (
     run_and_write,
     thread_runs,
 )
-from softops.bench.model import Case, Config
-from softops.bench.quality import (
+from benchmarks.model import Case, Config
+from benchmarks.quality import (
     ABS_ERROR,
     INDEX_ERROR,
     MASK_L1,
@@ -47,8 +47,8 @@ from softops.bench.quality import (
     analytic,
     finite_differences,
 )
-from softops.bench.report import make_logger
-from softops.bench.topk_l1 import L1_EPSILONS
+from benchmarks.report import make_logger
+from benchmarks.topk_l1 import L1_EPSILONS
 
 __all__ = [
     "GRID_SIZES",
@@ -67,7 +67,7 @@ GRID_BATCH = 64
 EPSILON = 0.1
 KMAX_K = 10
 QUICK: QuickDefaults = {"sizes": (1_000, 10_000), "batch": 8, "repeats": 3, "time_budget": 2.0}
-"""The defaults of ``softops bench --suite smooth --quick`` (and the probes are off)."""
+"""The defaults of ``python -m benchmarks --suite smooth --quick`` (and the probes are off)."""
 
 _LSE, _SOFTMAX = "torch.logsumexp (ε·lse(x/ε))", "torch.softmax(x/ε)"
 _PAIRS = (("smooth_max", _LSE), ("soft_argmax_onehot", _SOFTMAX))
@@ -79,7 +79,7 @@ def build_configs(
     """The ``grid`` configurations, in increasing n.
 
     Example:
-        >>> from softops.bench.smooth import build_configs
+        >>> from benchmarks.smooth import build_configs
         >>> [c.label for c in build_configs(sizes=[1000], batch=4)]
         ['grid B=4 n=1000 k=10 epsilon=0.1']
     """
@@ -92,7 +92,7 @@ def build_configs(
 class SmoothSuite:
     """The smooth suite (see the module docstring); ``SUITE`` is its instance."""
 
-    ref = "softops.bench.smooth:SUITE"
+    ref = "benchmarks.smooth:SUITE"
     name = "smooth"
     floor_label = "torch.amax(x, -1)"
     plot_group = "grid"
@@ -266,7 +266,7 @@ QUALITY = QualitySpec(
         "k = 10 for the distances, 4 for the gradients).",
     ),
 )
-"""The smooth suite's quality sweep (``softops bench --suite smooth``)."""
+"""The smooth suite's quality sweep (``python -m benchmarks --suite smooth``)."""
 QUICK_QUALITY = QualitySpec(
     suite="smooth",
     methods=quality_methods,
@@ -298,7 +298,7 @@ def run_smooth_bench(
 
     ``threads`` is a count, ``None`` (out of the box) or a sequence of them (one run each,
     every configuration in a fresh process, into the same files); ``extras`` go to
-    :func:`~softops.bench.harness.make_options`.
+    :func:`~benchmarks.harness.make_options`.
     """
     log = log or make_logger()
     options = make_options(

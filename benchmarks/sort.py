@@ -1,4 +1,4 @@
-r"""The sort benchmark suite: ``softops bench sort``.
+r"""The sort benchmark suite: ``python -m benchmarks sort``.
 
 Inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default, epsilon = 1.0 everywhere (pav's
 epsilon is torchsort's ``regularization_strength`` and torchpsort's ``tau``; SoftSort's and
@@ -34,7 +34,7 @@ NeuralSort's temperature is the peers' ``tau``). Every case returns ascending va
     B=8, n=1e5: softsort values+ranks, forward+backward; its peak extra memory is the target.
     The measured path is **l1** (the default distance): exact semiseparable scans, O(B n)
     memory, no blocks and nothing recomputed. The l2 path is row-chunked with checkpointing
-    (blocks recomputed in the backward) at ``softops.sort._chunked.BLOCK_ELEMENTS`` = 2**20
+    (blocks recomputed in the backward) at :data:`BLOCK_ELEMENTS` = 2**20
     entries per block, i.e. ``max(1, 2**20 // (B n))`` = 1 row per block here; its O(B n²) time
     (about 8e10 kernel entries per call) keeps it out of this run, so its row is skipped unless
     B·n² <= ``L2_MAX_ENTRIES``.
@@ -50,11 +50,11 @@ group's table). torchpsort's numba kernels run on as many threads as torch
 (:func:`numba_threads`), so a 1-thread run is 1 thread for every method. SoftTorch is not run
 (it needs Python >= 3.12 and a CUDA torch build).
 
-:func:`run_sort_bench` is ``softops bench sort``: it builds the configurations from the command's
-arguments (:data:`SORT_QUICK` for ``--quick``), runs them and writes the files.
+:func:`run_sort_bench` is ``python -m benchmarks sort``: it builds the configurations from the
+command's arguments (:data:`SORT_QUICK` for ``--quick``), runs them and writes the files.
 
-The suite reads one internal of the library, on purpose: the l2 path's block size
-(``BLOCK_ELEMENTS``), which the memory target's summary reports.
+The memory target's summary reports the l2 path's block size, :data:`BLOCK_ELEMENTS`, a copy of
+the library's (``tests/benchmarks`` checks that the two agree).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from typing import Any, Unpack
 import torch
 
 import softops
-from softops.bench.harness import (
+from benchmarks.harness import (
     DEFAULT_OUT,
     QuickDefaults,
     RunExtras,
@@ -76,8 +76,8 @@ from softops.bench.harness import (
     run_and_write,
     thread_runs,
 )
-from softops.bench.model import Case, Config, threads_pinned
-from softops.bench.quality import (
+from benchmarks.model import Case, Config, threads_pinned
+from benchmarks.quality import (
     RANK_MAE,
     SORT_MAE,
     QualityMethod,
@@ -85,11 +85,11 @@ from softops.bench.quality import (
     finite_differences,
     unrolled,
 )
-from softops.bench.references import unrolled_ot_sort
-from softops.bench.report import make_logger
-from softops.sort._chunked import BLOCK_ELEMENTS
+from benchmarks.report import make_logger
+from softops.testing import unrolled_ot_sort
 
 __all__ = [
+    "BLOCK_ELEMENTS",
     "OVERHEAD_SHAPES",
     "QUALITY",
     "QUICK_QUALITY",
@@ -106,7 +106,7 @@ GRID_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (1_000, 10_000)
 GRID_BATCH = 64
 SORT_QUICK: QuickDefaults = {"sizes": QUICK_SIZES, "batch": 4, "repeats": 3, "time_budget": 2.0}
-"""The defaults of ``softops bench sort --quick`` (and the probes are off)."""
+"""The defaults of ``python -m benchmarks sort --quick`` (and the probes are off)."""
 EPSILON = 1.0
 NEURALSORT_MAX_ENTRIES = 100_000_000
 """Largest B·n² at which NeuralSort (O(n²) softmax) is run in the grid: B=64, n=1e3."""
@@ -119,6 +119,9 @@ OVERHEAD_SHAPES = tuple((b, n) for b in (1, 8, 64) for n in (100, 300, 1000))
 PAV_VS_TORCHSORT = 1.5
 SOFTSORT_VS_NEURALSORT = 3.0
 MEMORY_LIMIT_MB = 256.0
+BLOCK_ELEMENTS = 1 << 20
+"""Entries per block of the row-chunked l2 SoftSort path: a copy of the library's private
+constant, for the memory target's summary (``tests/benchmarks`` checks that they agree)."""
 SOFTTORCH_SKIP = (
     "SoftTorch 0.1.1 is not installed: it needs Python >= 3.12 and a torch build for it (a "
     "~4 GB CUDA download); measured apart, its softsort took 89 s and 15 GB at B=8, n=1e4"
@@ -198,7 +201,7 @@ def numba_threads() -> Iterator[None]:
 
     torchpsort's kernels are numba ``prange`` loops, which otherwise use every core whatever
     ``torch.set_num_threads`` says; held through the backward too. A no-op in the out-of-the-box
-    configuration (:func:`softops.bench.model.threads_pinned` is ``False``), where numba's
+    configuration (:func:`benchmarks.model.threads_pinned` is ``False``), where numba's
     threads are what numba chooses.
     """
     if not threads_pinned():
@@ -297,7 +300,7 @@ def _too_big(entries: int, limit: int, what: str) -> str | None:
 class SortSuite:
     """The sort suite (see the module docstring); ``SUITE`` is its instance."""
 
-    ref = "softops.bench.sort:SUITE"
+    ref = "benchmarks.sort:SUITE"
     name = "sort"
     floor_label = "torch.sort(x).values"
     plot_group = "grid"
@@ -628,7 +631,7 @@ def quality_methods(params: Mapping[str, Any]) -> list[QualityMethod]:
     pav, softsort (l1), neuralsort and ot, and torchsort's when it is installed.
 
     References: unrolled Sinkhorn of the same OT problem for "ot"
-    (:func:`softops.bench.references.unrolled_ot_sort`, falling back to finite differences of the
+    (:func:`softops.testing.unrolled_ot_sort`, falling back to finite differences of the
     solve run to 1e-12); central finite differences for the others.
     """
     methods = []
@@ -697,7 +700,7 @@ QUALITY = QualitySpec(
         "weight in units of x².",
     ),
 )
-"""The sort suite's quality sweep (``softops bench --suite sort``)."""
+"""The sort suite's quality sweep (``python -m benchmarks --suite sort``)."""
 QUICK_QUALITY = QualitySpec(
     suite="sort",
     methods=quality_methods,
@@ -738,7 +741,7 @@ def run_sort_bench(
     ``quick``) adds the small per-call configurations. ``threads`` is a count, ``None`` (out of
     the box: nothing set, numba unpinned) or a sequence of them, one run each into the same
     files (every configuration then runs in a fresh process); ``extras`` go to
-    :func:`~softops.bench.harness.make_options`.
+    :func:`~benchmarks.harness.make_options`.
     """
     log = log or make_logger()
     options = make_options(

@@ -1,12 +1,12 @@
-"""The registry of the benchmark suites behind ``softops bench --suite NAME``.
+"""The registry of the benchmark suites behind ``python -m benchmarks --suite NAME``.
 
 :data:`SUITES` names the suites in the order ``--suite all`` runs them; :func:`quality_spec`
-gives a suite's quality sweep (:mod:`softops.bench.quality`; the layers suite has none: its
+gives a suite's quality sweep (:mod:`benchmarks.quality`; the layers suite has none: its
 layers carry their own weights and have no hard operator to be measured against), and
 :func:`run_suite_quality` runs it and writes ``<stem>-quality.{jsonl,md,png}``. The timing runs
-themselves are the suites' own functions (:func:`softops.bench.topk.run_topk_bench`,
-:func:`softops.bench.sort.run_sort_bench`, :func:`softops.bench.smooth.run_smooth_bench`,
-:func:`softops.bench.layers.run`), which the console script calls.
+themselves are the suites' own functions (:func:`benchmarks.topk.run_topk_bench`,
+:func:`benchmarks.sort.run_sort_bench`, :func:`benchmarks.smooth.run_smooth_bench`,
+:func:`benchmarks.layers.run`), which the console script calls.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from softops.bench.harness import _threads
-from softops.bench.quality import QualitySpec, run_quality, write_quality
+from benchmarks.harness import _threads
+from benchmarks.quality import QualitySpec, run_quality, write_quality
 
 __all__ = ["QUALITY_TITLES", "SUITES", "expand", "quality_spec", "run_suite_quality"]
 
@@ -35,14 +35,16 @@ def expand(name: str) -> tuple[str, ...]:
     """``"all"`` -> every suite; a suite's name -> itself; else ``ValueError``.
 
     Example:
-        >>> from softops.bench.suites import expand
+        >>> from benchmarks.suites import expand
         >>> expand("all"), expand("smooth")
         (('topk', 'sort', 'smooth', 'layers'), ('smooth',))
     """
     if name == "all":
         return SUITES
     if name not in SUITES:
-        raise ValueError(f"softops bench: expected a suite among {SUITES} or 'all'; got {name!r}.")
+        raise ValueError(
+            f"python -m benchmarks: expected a suite among {SUITES} or 'all'; got {name!r}."
+        )
     return (name,)
 
 
@@ -50,7 +52,7 @@ def quality_spec(name: str, *, quick: bool = False) -> QualitySpec | None:
     """The quality sweep of suite ``name`` (its tiny version with ``quick``), or ``None``."""
     if name not in QUALITY_TITLES:
         return None
-    module = importlib.import_module(f"softops.bench.{name}")
+    module = importlib.import_module(f"benchmarks.{name}")
     spec: QualitySpec = module.QUICK_QUALITY if quick else module.QUALITY
     return spec
 

@@ -1,4 +1,4 @@
-r"""The top-k benchmark suite: ``softops bench topk``.
+r"""The top-k benchmark suite: ``python -m benchmarks topk``.
 
 Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 by default:
 
@@ -37,8 +37,8 @@ faster than the 200-iteration Sinkhorn, forward+backward, at B=8, n=1e4; the sor
 forward+backward at most 1 ms at the ``beam`` point. The summary also gives the ratios of the
 ``overhead`` configuration, for which there is no target.
 
-:func:`run_topk_bench` is ``softops bench topk``: it builds the configurations from the command's
-arguments (:data:`QUICK` for ``--quick``), runs them and writes the files.
+:func:`run_topk_bench` is ``python -m benchmarks topk``: it builds the configurations from the
+command's arguments (:data:`QUICK` for ``--quick``), runs them and writes the files.
 
 The suite measures the kernel layer's back ends, on purpose (``softops._kernels.backend``), so
 that the kernel and the torch reference are compared in one run.
@@ -55,8 +55,7 @@ from typing import Any, Unpack
 import torch
 
 import softops
-from softops._kernels import backend, kernels_enabled
-from softops.bench.harness import (
+from benchmarks.harness import (
     DEFAULT_OUT,
     QuickDefaults,
     RunExtras,
@@ -64,8 +63,8 @@ from softops.bench.harness import (
     run_and_write,
     thread_runs,
 )
-from softops.bench.model import Case, Config
-from softops.bench.quality import (
+from benchmarks.model import Case, Config
+from benchmarks.quality import (
     MASK_L1,
     MC_SAMPLES,
     WEIGHTS_L1,
@@ -75,14 +74,16 @@ from softops.bench.quality import (
     monte_carlo,
     unrolled,
 )
-from softops.bench.references import (
+from benchmarks.report import make_logger
+from benchmarks.topk_l1 import L1_EPSILONS, l1_methods
+from softops.testing import (
     SINKHORN_ITERS,
+    backend,
+    kernels_enabled,
     paper_sinkhorn_topk_mask,
     unrolled_sinkhorn_topk_mask,
     unrolled_sorted_topk,
 )
-from softops.bench.report import make_logger
-from softops.bench.topk_l1 import L1_EPSILONS, l1_methods
 
 __all__ = [
     "QUALITY",
@@ -102,7 +103,7 @@ GRID_SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (1_000, 10_000)
 GRID_BATCH = 64
 QUICK: QuickDefaults = {"sizes": QUICK_SIZES, "batch": 16, "repeats": 3, "time_budget": 3.0}
-"""The defaults of ``softops bench topk --quick`` (and the probes are off)."""
+"""The defaults of ``python -m benchmarks topk --quick`` (and the probes are off)."""
 _FUSED_LABEL = "ot (kernel)"
 _EAGER_LABEL = "ot (reference)"
 _SINKHORN_LABEL = f"sinkhorn-{SINKHORN_ITERS}"
@@ -188,7 +189,7 @@ def _compile_mode(fused: bool) -> Iterator[None]:
 class TopKSuite:
     """The top-k suite (see the module docstring); ``SUITE`` is its instance."""
 
-    ref = "softops.bench.topk:SUITE"
+    ref = "benchmarks.topk:SUITE"
     name = "top-k"
     floor_label = "torch.topk(x, k).values"
     plot_group = "grid"
@@ -508,7 +509,7 @@ def quality_methods(params: Mapping[str, Any]) -> list[QualityMethod]:
     """
     k = int(params["k"])
     hard = _hard_mask(k)
-    l1 = l1_methods(k, PERTURBED_SAMPLES)  # the same functions as softops bench topk-l1
+    l1 = l1_methods(k, PERTURBED_SAMPLES)  # the same functions as python -m benchmarks topk-l1
     ot, sinkhorn, softkmax = l1["ot"], l1[_SINKHORN_LABEL], l1["softkmax"]
 
     def ot_exact(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -582,11 +583,11 @@ QUALITY = QualitySpec(
     epsilons=L1_EPSILONS,
     notes=(
         "The sorted top-k's row is its weights (B, k, n) against the one-hots of torch.topk's "
-        "indices, out of 2k like the masks. softops bench topk-l1 gives the mask L1 at k = 1 "
-        "too (and soft_argmax_onehot there).",
+        "indices, out of 2k like the masks. python -m benchmarks topk-l1 gives the mask L1 at "
+        "k = 1 too (and soft_argmax_onehot there).",
     ),
 )
-"""The top-k suite's quality sweep (``softops bench --suite topk``)."""
+"""The top-k suite's quality sweep (``python -m benchmarks --suite topk``)."""
 QUICK_QUALITY = QualitySpec(
     suite="top-k",
     methods=quality_methods,
@@ -625,7 +626,7 @@ def run_topk_bench(
     files are ``topk.{jsonl,md,png}`` (``topk-quick.*`` with ``quick``) under ``out``.
     ``threads`` is a count, ``None`` (out of the box: nothing set) or a sequence of them, one
     run each into the same files (every configuration then runs in a fresh process);
-    ``extras`` go to :func:`~softops.bench.harness.make_options`.
+    ``extras`` go to :func:`~benchmarks.harness.make_options`.
     """
     log = log or make_logger()
     options = make_options(

@@ -3,7 +3,7 @@
 ``softops.soft_topk(x, 2, epsilon=0.5).values`` on x of shape (64, 18) (K=2 beams of V=9 tokens
 over 64 sequences), forward and forward+backward, interleaved with ``torch.topk(x, 2)`` (the
 floor), median over the repeats; writes ``benchmarks/results/topk-beam.{jsonl,md,png}``. The same
-configuration is the ``beam`` group of ``softops bench topk``. Usage::
+configuration is the ``beam`` group of ``python -m benchmarks topk``. Usage::
 
     python benchmarks/topk_beam.py [--repeats 300] [--threads 1] [--device cpu]
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from softops.bench.topk import run_beam_bench
+from benchmarks.topk import run_beam_bench
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-r"""Bias of the top-k relaxations: ``softops bench topk-l1``.
+r"""Bias of the top-k relaxations: ``python -m benchmarks topk-l1``.
 
 For each method and epsilon, the mean over rows of the L1 distance between the soft mask and the
 hard one,
@@ -17,12 +17,12 @@ the temperature of ``soft_argmax_onehot``. The largest entry of each mask is rep
 "softkmax" exceeds 1 where its recursion double-counts an entry.
 
 This is an accuracy sweep, not a timing: it runs no backward and one call per point. It is the
-distance half of the top-k suite's quality sweep (:mod:`softops.bench.quality`, whose metric
-``MASK_L1`` and :func:`~softops.bench.quality.measure_distance` it uses), at k = 1 as well, in
-the layout the README and the documentation quote; ``softops bench --suite topk`` adds the
+distance half of the top-k suite's quality sweep (:mod:`benchmarks.quality`, whose metric
+``MASK_L1`` and :func:`~benchmarks.quality.measure_distance` it uses), at k = 1 as well, in
+the layout the README and the documentation quote; ``python -m benchmarks --suite topk`` adds the
 gradient cosines.
-:func:`run_l1_bench` is ``softops bench topk-l1``: the sweep on a given number of threads, then
-the files ``topk-l1.{jsonl,md,png}``.
+:func:`run_l1_bench` is ``python -m benchmarks topk-l1``: the sweep on a given number of
+threads, then the files ``topk-l1.{jsonl,md,png}``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from typing import Any
 import torch
 
 import softops
-from softops.bench.harness import DEFAULT_OUT
-from softops.bench.quality import MASK_L1, measure_distance
-from softops.bench.references import SINKHORN_ITERS
-from softops.bench.report import (
+from benchmarks.harness import DEFAULT_OUT
+from benchmarks.quality import MASK_L1, measure_distance
+from benchmarks.report import (
     log_log_axes,
     make_logger,
     new_figure,
@@ -46,6 +45,7 @@ from softops.bench.report import (
     save_figure,
     write_report,
 )
+from softops.testing import SINKHORN_ITERS
 
 __all__ = [
     "L1_EPSILONS",

@@ -220,7 +220,7 @@ def test_beam_quick_run_reports_every_arm_and_merges(beam_bench, tmp_path):
 
 
 def test_layers_suite_quick_run(tmp_path):
-    from softops.bench.layers import build_configs, run
+    from benchmarks.layers import build_configs, run
 
     assert [c.group for c in build_configs(quick=True)] == ["attention", "router", "beam"]
     assert [c.group for c in build_configs(groups=["beam"])] == ["beam"] * 3
@@ -243,7 +243,7 @@ def test_layers_suite_quick_run(tmp_path):
 def test_layers_beam_cases_select_what_the_hard_step_selects():
     import torch
 
-    from softops.bench.layers import SUITE, _beam_scores, build_configs
+    from benchmarks.layers import SUITE, _beam_scores, build_configs
 
     (config,) = [c for c in build_configs(quick=True) if c.group == "beam"]
     x = SUITE.make_input(
@@ -268,7 +268,7 @@ def test_write_experiment_writes_the_record_and_the_table(tmp_path):
 
     import torch
 
-    from softops.bench.report import write_experiment
+    from benchmarks.report import write_experiment
 
     paths = write_experiment(tmp_path / "out", "demo", {"rows": [1, 2]}, ["# t", "", "| a |"])
     assert set(paths) == {"json", "md"}

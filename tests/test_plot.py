@@ -1,4 +1,4 @@
-"""``softops plot`` (softops.bench.plots): the figures, their files and the command line."""
+"""``softops plot`` (softops.plot): the figures, their files and the command line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from softops.bench import plots
+from benchmarks import plots
 from softops.cli import build_parser, main
 from softops.sort._dispatch import SORT_METHODS
 from softops.topk import MASK_METHODS

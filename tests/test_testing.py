@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import softops
-from softops.bench import count_saved_bytes
-from softops.bench.references import (
+from benchmarks import count_saved_bytes
+from softops.testing import (
     UnrolledSinkhorn,
     paper_sinkhorn_topk_mask,
     unrolled_sinkhorn,

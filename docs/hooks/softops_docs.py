@@ -118,7 +118,7 @@ def _figures() -> list[Path]:
     import matplotlib
     import torch
 
-    from softops.bench.plots import FIGURES, write_figures
+    from softops.plot import FIGURES, write_figures
 
     digest = hashlib.sha256(f"{torch.__version__} {matplotlib.__version__}".encode())
     for path in sorted(SRC.rglob("*.py")):

@@ -16,10 +16,10 @@ never through ``pyplot``, so nothing global changes) and each written as a PNG b
   ``soft_topk(x, k).weights`` (row j: a soft one-hot of the j-th largest) as heat maps, next to
   the hard selection matrix.
 
-matplotlib comes with the ``bench`` and ``apps`` extras; it is imported when a figure is drawn,
-and a missing install raises ``ModuleNotFoundError`` saying which extra to install. The inputs
-are small and fixed (or seeded), so a figure is the same on every run; all of them take about a
-second on one CPU thread.
+matplotlib comes with the ``plot`` extra (and ``apps``, ``docs``); it is imported when a figure
+is drawn, and a missing install raises ``ModuleNotFoundError`` saying which extra to install.
+The inputs are small and fixed (or seeded), so a figure is the same on every run; all of them
+take about a second on one CPU thread.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ __all__ = [
     "write_figures",
 ]
 
-DEFAULT_OUT = "benchmarks/results/tmp/plots"
+DEFAULT_OUT = "softops-plots"  # in the working directory
 FIGURES = ("indicator", "methods", "sort", "sorted-topk")
 # The methods of soft_sort and soft_rank (tests/bench/test_plots.py checks them against the
 # sort family's dispatch table, so a new method cannot be left out of the figure).
@@ -75,7 +75,7 @@ def _new_figure(figsize: tuple[float, float]) -> Figure:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ModuleNotFoundError(
-            "softops plot: expected matplotlib (pip install 'softops[bench]'); got "
+            "softops plot: expected matplotlib (pip install 'softops[plot]'); got "
             f"ImportError: {err}."
         ) from err
     fig = Figure(figsize=figsize, layout="constrained")

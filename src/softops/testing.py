@@ -1,56 +1,49 @@
-r"""Reference implementations: log-domain Sinkhorn unrolled, differentiated by plain autograd.
+r"""Testing utilities: the reference implementations and measurements that tests and
+benchmarks share (as :mod:`torch.testing` is for torch).
 
-Every reference solves an entropic optimal transport problem between sources with masses
-:math:`a` (n of them) and targets with masses :math:`b` (m of them), one problem per batch row,
+The references solve entropic optimal transport between sources of masses :math:`a` and targets
+of masses :math:`b`, one problem per batch row,
 
 .. math::
 
     \Gamma^\star = \arg\min_{\Gamma \ge 0,\ \Gamma 1 = a,\ \Gamma^\top 1 = b}
     \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
 
-by a fixed number of log-domain Sinkhorn iterations (one iteration is a row update of f, then a
-column update of g, as in the SOFT top-k paper's code, Xie et al. 2020, arXiv 2002.06504):
+by a fixed number of log-domain Sinkhorn iterations recorded by plain autograd
+(:func:`unrolled_sinkhorn`): their gradients are exact for the iterate they return, and their
+memory grows with the iterations. They are what the library's implicit backwards, which save the
+converged plan only, are checked against:
 
-.. math::
+* :func:`unrolled_sinkhorn_topk_mask`: ``soft_topk_mask(method="sinkhorn")`` (Xie et al. 2020);
+* :func:`unrolled_sorted_topk`: :func:`softops.soft_topk`;
+* :func:`unrolled_ot_sort`: ``soft_sort`` / ``soft_rank`` with ``method="ot"`` (Cuturi et al.
+  2019);
+* :func:`paper_sinkhorn_topk_mask`: the top-k mask as the paper's code lays out its iterations,
+  with the implicit backward (a timing reference).
 
-    f_i \leftarrow \varepsilon \log a_i
-        - \varepsilon \operatorname{LSE}_j\big((g_j - C_{ij})/\varepsilon\big), \qquad
-    g_j \leftarrow \varepsilon \log b_j
-        - \varepsilon \operatorname{LSE}_i\big((f_i - C_{ij})/\varepsilon\big), \qquad
-    \Gamma_{ij} = \exp\big((f_i + g_j - C_{ij})/\varepsilon\big).
-
-:func:`unrolled_sinkhorn` is that loop, and nothing else: autograd records every iteration, so
-its gradient is exact for the iterate it returns and its memory grows as O(B n m n_iter). It is
-the reference the implicit backwards of the library (which save only the converged plan) are
-checked against, in the tests and in the memory rows of the benchmarks. The wrappers set up the
-two top-k problems of Xie et al. (2020):
-
-* :func:`unrolled_sinkhorn_topk_mask`: the top-k mask, targets (0, 1) with masses
-  ((n-k)/n, k/n) and :math:`C_{ij} = (x_i - y_j)^2`; it returns :math:`n \Gamma_{:, 1}`, the
-  problem of ``soft_topk_mask(method="sinkhorn")`` (the library's epsilon is half the paper's);
-* :func:`unrolled_sorted_topk`: the sorted top-k, k+1 targets :math:`y_j = j`, the problem of
-  :func:`softops.soft_topk`;
-* :func:`unrolled_ot_sort`: the soft sort and ranks of Cuturi et al. (2019) as the library
-  states them (n targets, the row's own hard-sorted values, masses 1/n), the problem of
-  ``soft_sort`` / ``soft_rank`` with ``method="ot"``;
-* :func:`paper_sinkhorn_topk_mask`: the top-k mask by the same loop run without autograd, with
-  the implicit (KKT) backward of the paper: the official algorithm as it lays out its
-  iterations, for timing against the library's layout.
+:func:`count_saved_bytes` counts the memory a forward saves for its backward. :func:`backend`
+runs a block of code on the compiled kernels or on the torch reference of every method
+(:func:`kernels_enabled` says which is active).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from softops._core.sinkhorn import implicit_cost_vjp
+from softops._kernels import backend, kernels_enabled
 
 __all__ = [
     "SINKHORN_ITERS",
     "UnrolledSinkhorn",
+    "backend",
+    "count_saved_bytes",
+    "kernels_enabled",
     "paper_sinkhorn_topk_mask",
     "unrolled_ot_sort",
     "unrolled_sinkhorn",
@@ -108,7 +101,7 @@ def unrolled_sinkhorn(
 
     Example:
         >>> import math, torch
-        >>> from softops.bench.references import unrolled_sinkhorn
+        >>> from softops.testing import unrolled_sinkhorn
         >>> cost = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [4.0, 1.0]]], dtype=torch.float64)
         >>> log_b = torch.tensor([math.log(2 / 3), math.log(1 / 3)], dtype=torch.float64)
         >>> plan, f, g = unrolled_sinkhorn(cost, -math.log(3), log_b, 0.5, 300)
@@ -158,7 +151,7 @@ def unrolled_sinkhorn_topk_mask(x: Tensor, k: float, epsilon: float, n_iter: int
 
     Example:
         >>> import torch, softops
-        >>> from softops.bench.references import unrolled_sinkhorn_topk_mask
+        >>> from softops.testing import unrolled_sinkhorn_topk_mask
         >>> x = torch.tensor([[3.0, 1.0, 2.0, 0.0]], dtype=torch.float64)
         >>> mask = unrolled_sinkhorn_topk_mask(x, 2, 0.2, 1000)
         >>> mask.round(decimals=3)
@@ -203,7 +196,7 @@ def unrolled_sorted_topk(
 
     Example:
         >>> import torch, softops
-        >>> from softops.bench.references import unrolled_sorted_topk
+        >>> from softops.testing import unrolled_sorted_topk
         >>> x = torch.tensor([[0.0, 3.0, 1.0, 2.0]], dtype=torch.float64)
         >>> values, weights = unrolled_sorted_topk(x, 2, epsilon=0.2, n_iter=1000)
         >>> values.round(decimals=3), weights.shape
@@ -245,7 +238,7 @@ def unrolled_ot_sort(x: Tensor, epsilon: float, n_iter: int) -> tuple[Tensor, Te
 
     Example:
         >>> import torch, softops
-        >>> from softops.bench.references import unrolled_ot_sort
+        >>> from softops.testing import unrolled_ot_sort
         >>> x = torch.tensor([[0.3, -1.0, 2.0, 0.5]], dtype=torch.float64)
         >>> values, ranks = unrolled_ot_sort(x, 0.5, 2000)
         >>> torch.allclose(values, softops.soft_sort(x, epsilon=0.5, method="ot"))
@@ -305,3 +298,61 @@ def paper_sinkhorn_topk_mask(
     cost, _, log_b = _topk_mask_problem(x, k)
     plan = _PaperSinkhorn.apply(cost, log_b, 2.0 * epsilon, n_iter)
     return x.shape[-1] * plan[..., 1]
+
+
+def count_saved_bytes(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[Tensor, int]:
+    """Run ``fn(x)`` and count the bytes it saves for backward.
+
+    Counts each distinct storage once (a tensor saved by several nodes, or views of one buffer,
+    are counted once, at the size of the whole storage, since that is what stays alive) and
+    leaves out the storage of ``x`` itself, which exists anyway.
+
+    Args:
+        fn: the function to run.
+        x: its input (usually with ``requires_grad=True``).
+
+    Returns:
+        The output of ``fn(x)`` and the number of bytes saved for its backward.
+
+    Example:
+        >>> import torch
+        >>> from softops.testing import count_saved_bytes
+        >>> x = torch.randn(3, 5, requires_grad=True)
+        >>> count_saved_bytes(torch.sin, x)[1]  # sin saves only its input
+        0
+        >>> count_saved_bytes(lambda t: (3 * t).exp(), x)[1]  # exp saves its output
+        60
+    """
+    excluded = {_storage_key(x)}
+    seen: dict[Any, int] = {}
+    # Every packed tensor is held until the count ends: a temporary saved by a node the graph
+    # later drops would otherwise free its storage, and a later save could reuse the address
+    # and be taken for the same storage (a count that depends on the allocator's state).
+    held: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        held.append(t)
+        key = _storage_key(t)
+        if key not in excluded:
+            try:
+                nbytes = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):
+                nbytes = t.numel() * t.element_size()
+            seen[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    held.clear()
+    return out, sum(seen.values())
+
+
+def _storage_key(t: Tensor) -> Any:
+    """What identifies the storage of ``t``: its device and address (its ``id`` when empty)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return ("id", id(t))
+    if ptr == 0:  # empty storages all have address 0
+        return ("id", id(t))
+    return (str(t.device), ptr)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from softops.bench import Case, Config
-from softops.bench.model import threads_pinned
+from benchmarks import Case, Config
+from benchmarks.model import threads_pinned
 
 
 class FaultySuite:

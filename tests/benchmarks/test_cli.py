@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import softops.cli
-from softops.bench import harness
-from softops.bench import sort as sort_suite
-from softops.bench import topk as topk_suite
+from benchmarks import harness
+from benchmarks import sort as sort_suite
+from benchmarks import topk as topk_suite
 from softops.cli import build_parser, main
 
 

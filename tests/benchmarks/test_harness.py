@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-import softops.bench
-from softops.bench import (
+import benchmarks
+from benchmarks import (
     Case,
     Config,
     RunOptions,
@@ -25,8 +25,8 @@ from softops.bench import (
     run_suite,
     write_results,
 )
-from softops.bench.harness import make_options, run_and_write, run_probe
-from softops.bench.topk import SUITE
+from benchmarks.harness import make_options, run_and_write, run_probe
+from benchmarks.topk import SUITE
 
 
 class TinySuite:
@@ -232,7 +232,7 @@ def test_names_stay_importable_where_they_were() -> None:
         assert getattr(harness, name) is getattr(probes, name)
     for name in ("markdown_report", "plot_results", "write_results"):
         assert getattr(harness, name) is getattr(report, name)
-    for name in softops.bench.__all__:
+    for name in benchmarks.__all__:
         assert hasattr(harness, name), name
 
 
@@ -243,7 +243,7 @@ def test_names_stay_importable_where_they_were() -> None:
 def test_probe_command_names_the_suite_config_and_case() -> None:
     config = Config("grid", {"B": 2, "n": 8})
     cmd = probes.probe_command("memory", TINY, config, "exp", RunOptions(threads=3, seed=7))
-    assert cmd[1:4] == ["-m", "softops.bench._probe", "memory"]
+    assert cmd[1:4] == ["-m", "benchmarks._probe", "memory"]
     assert cmd[cmd.index("--suite") + 1] == TINY.ref
     assert Config.from_json(cmd[cmd.index("--config") + 1]) == config
     assert cmd[cmd.index("--threads") + 1] == "3" and cmd[cmd.index("--seed") + 1] == "7"
@@ -254,7 +254,7 @@ def test_memory_probe_and_lean_core_import() -> None:
     # nor its optional dependencies, and the memory probe works in a subprocess.
     code = (
         "import sys, softops; "
-        "bad = [m for m in sys.modules if m.startswith(('softops.bench', 'softops.cli', "
+        "bad = [m for m in sys.modules if m.startswith(('benchmarks', 'softops.cli', "
         "'matplotlib', 'rich'))]; "
         "assert not bad, bad"
     )
@@ -309,7 +309,7 @@ def test_plain_console_output_without_rich(
 
 
 def test_report_helpers(tmp_path) -> None:
-    from softops.bench.report import (
+    from benchmarks.report import (
         log_log_axes,
         new_figure,
         reproduce_lines,
@@ -341,7 +341,7 @@ def test_report_helpers(tmp_path) -> None:
 
 
 def test_run_demo_prints_the_mask_and_its_gradient(capsys) -> None:
-    from softops.bench.demo import run_demo
+    from benchmarks.demo import run_demo
 
     assert run_demo(bench=False) == 0
     out = capsys.readouterr().out

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import softops
-from softops.bench import quality
-from softops.bench.quality import (
+from benchmarks import quality
+from benchmarks.quality import (
     MASK_L1,
     QualitySpec,
     finite_differences,
@@ -20,9 +20,9 @@ from softops.bench.quality import (
     run_quality,
     unrolled,
 )
-from softops.bench.references import unrolled_sinkhorn_topk_mask
-from softops.bench.suites import SUITES, expand, quality_spec, run_suite_quality
-from softops.bench.topk import quality_methods as topk_methods
+from benchmarks.suites import SUITES, expand, quality_spec, run_suite_quality
+from benchmarks.topk import quality_methods as topk_methods
+from softops.testing import unrolled_sinkhorn_topk_mask
 
 
 def _x(B: int, n: int, seed: int = 0) -> torch.Tensor:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from softops.bench import Config, RunOptions, run_suite
-from softops.bench.harness import thread_runs
-from softops.bench.model import failure_status, parse_threads, threads_label
-from softops.bench.report import markdown_report
+from benchmarks import Config, RunOptions, run_suite
+from benchmarks.harness import thread_runs
+from benchmarks.model import failure_status, parse_threads, threads_label
+from benchmarks.report import markdown_report
 from tests.bench._suites import FAULTY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +162,7 @@ def test_report_shows_probe_and_backward_statuses(tmp_path: Any) -> None:
     )
     assert "load average 1.5 at the start of the configurations (2 cores)" in md
     pytest.importorskip("matplotlib")
-    from softops.bench.report import plot_results
+    from benchmarks.report import plot_results
 
     assert plot_results(records, tmp_path / "p.png", FAULTY)  # with a peak-memory panel
     assert (tmp_path / "p.png").stat().st_size > 0

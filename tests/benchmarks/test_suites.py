@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks import Config
+from benchmarks import sort as sort_suite
+from benchmarks import topk as topk_suite
+from benchmarks.sort import numba_threads, run_sort_bench
+from benchmarks.topk import SUITE, build_configs, run_topk_bench
+from benchmarks.topk_l1 import l1_markdown, l1_methods, l1_to_hard, plot_l1, run_l1_bench
 from softops._kernels import backend
-from softops.bench import Config
-from softops.bench import sort as sort_suite
-from softops.bench import topk as topk_suite
-from softops.bench.sort import numba_threads, run_sort_bench
-from softops.bench.topk import SUITE, build_configs, run_topk_bench
-from softops.bench.topk_l1 import l1_markdown, l1_methods, l1_to_hard, plot_l1, run_l1_bench
 
 # ----------------------------------------------------------------------------------------------
 # The top-k suite

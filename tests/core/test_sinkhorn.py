@@ -11,7 +11,7 @@ import torch
 from softops import soft_rank, soft_sort
 from softops._core import sinkhorn
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
-from softops.bench.references import unrolled_sinkhorn
+from softops.testing import unrolled_sinkhorn
 from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64

@@ -15,8 +15,8 @@ from torch.autograd import gradcheck, gradgradcheck
 import softops
 from softops import soft_topk_mask
 from softops._core import rootfind
-from softops.bench.references import unrolled_sinkhorn_topk_mask
 from softops.solvers import topk_threshold
+from softops.testing import unrolled_sinkhorn_topk_mask
 from softops.topk import _ot
 from softops.topk._ot import hard_topk_mask as hard_mask_kernel
 from softops.topk._ot import mask_from_threshold, solve

@@ -11,7 +11,7 @@ from torch.autograd import gradcheck
 
 from softops import soft_topk_mask
 from softops._core.convergence import default_tol
-from softops.bench.references import unrolled_sinkhorn, unrolled_sinkhorn_topk_mask
+from softops.testing import unrolled_sinkhorn, unrolled_sinkhorn_topk_mask
 
 F64 = torch.float64
 

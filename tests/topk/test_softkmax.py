@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
+from benchmarks.model import count_saved_bytes
 from softops import soft_topk_mask
-from softops.bench.model import count_saved_bytes
 from softops.smooth import (
     smooth_max,
     smooth_min,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import softops
-from softops.bench.references import unrolled_sorted_topk
+from softops.testing import unrolled_sorted_topk
 from softops.topk._sorted import TopK, _soft_topk, soft_topk
 from tests._helpers import saved_bytes, seeded
 

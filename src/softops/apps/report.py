@@ -1,7 +1,8 @@
 """Running ``softops knn`` end to end: the runs, the progress bar, the tables and the plots.
 
-:func:`run_knn` loads the data once, trains each requested method for each seed on the same
-budget (:func:`softops.apps.train.train_rows`), and writes under ``out``, with
+:func:`knn_main` is the ``softops knn`` command once its arguments are parsed. :func:`run_knn`
+loads the data once, trains each requested method for each seed on the same budget
+(:func:`softops.apps.train.train_rows`), and writes under ``out``, with
 ``stem = knn-<dataset>-<method or "all">-<budget>``: ``<stem>.json`` (the configuration, the
 command, the machine and every run), ``<stem>.md`` (the table, also returned, with Xie et al.'s
 Table 1 beside it on MNIST), ``<stem>-curves.png`` (validation accuracy and training loss
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 
 from softops.apps.data import ImageDataset, load_dataset
-from softops.apps.train import ALL_ROWS, KNNConfig, Progress, RunResult, train_rows
+from softops.apps.train import ALL_ROWS, KNNConfig, Progress, RunResult, check_device, train_rows
 
-__all__ = ["LABELS", "PAPER_MNIST", "markdown_table", "run_knn"]
+__all__ = ["LABELS", "PAPER_MNIST", "knn_main", "markdown_table", "run_knn"]
 
 #: Xie et al. 2020, Table 1 (MNIST test accuracy, %); NeuralSort's own paper for "neuralsort".
 PAPER_MNIST = {"pretrained": 98.4, "ce": 99.0, "softkmax": 99.3, "neuralsort": 99.5, "soft": 99.4}
@@ -328,6 +329,52 @@ class _Bar:
 def _to_stderr(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def knn_main(
+    config: KNNConfig,
+    *,
+    all_rows: bool = False,
+    seeds: Sequence[int] = (0,),
+    data_dir: str | None = None,
+    out: str | Path | None = None,
+    command: str | None = None,
+    threads: int = 1,
+    progress: bool = True,
+) -> int:
+    """``softops knn``: check the device, run :func:`run_knn` and print its report.
+
+    A config without a budget gets the default one: 20 epochs on digits, 3 minutes elsewhere.
+    ``all_rows`` runs the rows of the paper's Table 1 (:data:`softops.apps.train.ALL_ROWS`).
+    Sets torch's thread count to ``threads``. Returns the exit status: 0, or 2 after printing
+    the error to stderr (an unusable device, a missing dataset or optional package).
+    """
+    error = check_device(config.device)
+    if error:
+        sys.stderr.write(error + "\n")
+        return 2
+    if config.minutes is None and config.epochs is None:
+        if config.dataset == "digits":
+            config = replace(config, epochs=20.0)
+        else:
+            config = replace(config, minutes=3.0)
+    torch.set_num_threads(threads)
+    try:
+        report, _ = run_knn(
+            config,
+            methods=ALL_ROWS if all_rows else None,
+            seeds=seeds,
+            data_dir=data_dir,
+            out=out,
+            command=command,
+            threads=threads,
+            progress=progress,
+        )
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as err:
+        sys.stderr.write(f"softops knn: {err}\n")
+        return 2
+    sys.stdout.write(report + "\n")
+    return 0
 
 
 def run_knn(
