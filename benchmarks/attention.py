@@ -21,8 +21,8 @@ depends on how many others compete. The soft top-k mean can (its mask sums to 4 
 
 Run::
 
-    python benchmarks/attention.py            # 3 seeds, all arms: about 3 minutes on 1 thread
-    python benchmarks/attention.py --quick    # the smoke test's tiny run; writes no files
+    python -m benchmarks.attention            # 3 seeds, all arms: about 3 minutes on 1 thread
+    python -m benchmarks.attention --quick    # the smoke test's tiny run; writes no files
 
 It prints a Markdown table and writes ``attention.{json,md,png}`` under ``--out`` (default
 ``benchmarks/results``).
@@ -168,7 +168,7 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
-        prog="benchmarks/attention.py", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.attention", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="a tiny run; writes no files")
     parser.add_argument("--seeds", type=int, default=None)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for seed in range(cfg["seeds"]):
             rows.append(run_arm(arm, seed, cfg, args.epsilon, args.lr))
             print(f"{arm} seed {seed}: {rows[-1]['relative_mse']}", file=sys.stderr)
-    command = "python benchmarks/attention.py " + " ".join(
+    command = "python -m benchmarks.attention " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     skipped = [a for a in args.arms if a not in arms]

@@ -34,10 +34,10 @@ or after it), and the training steps.
 
 Run::
 
-    python benchmarks/beam.py                  # 3 seeds, every arm, 5 CPU-minutes each
-    python benchmarks/beam.py --beam 4 --delay 2 --arms soft_topk soft_topk_first softmax tf
+    python -m benchmarks.beam                  # 3 seeds, every arm, 5 CPU-minutes each
+    python -m benchmarks.beam --beam 4 --delay 2 --arms soft_topk soft_topk_first softmax tf
                                                # the second task (see below)
-    python benchmarks/beam.py --quick          # the smoke test's tiny run; writes no files
+    python -m benchmarks.beam --quick          # the smoke test's tiny run; writes no files
 
 Seeds can run in separate processes (``--seeds 1 --seed-start S --out DIR_S``), then
 ``--merge DIR_0/beam-k2-d1.json DIR_1/...`` writes the combined table and plot.

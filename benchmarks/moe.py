@@ -24,8 +24,8 @@ and the number of experts that receive under 1 % of the load.
 
 Run::
 
-    python benchmarks/moe.py            # 5 seeds, every arm: about 2 minutes on 1 thread
-    python benchmarks/moe.py --quick    # the smoke test's tiny run; writes no files
+    python -m benchmarks.moe            # 5 seeds, every arm: about 2 minutes on 1 thread
+    python -m benchmarks.moe --quick    # the smoke test's tiny run; writes no files
 
 It prints a Markdown table and writes ``moe.{json,md}`` under ``--out`` (default
 ``benchmarks/results``).
@@ -141,7 +141,9 @@ def _mean_std(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="benchmarks/moe.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.moe", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run; writes no files")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"unused {r['unused']}",
                 file=sys.stderr,
             )
-    command = "python benchmarks/moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.moe " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "## Mixture-of-experts routing: 8 linear experts, top-2",
         "",

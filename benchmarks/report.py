@@ -37,7 +37,6 @@ __all__ = [
     "markdown_report",
     "new_figure",
     "plot_results",
-    "print_table",
     "progress_bar",
     "reproduce_lines",
     "save_figure",
@@ -66,26 +65,6 @@ def make_logger() -> Callable[[str], None]:
         return plain
     console = Console(stderr=True, highlight=False)
     return lambda line: console.print(line, markup=False, soft_wrap=True)
-
-
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print a table to stdout: a rich table when rich is installed, right-aligned text else."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-        lines = [title]
-        for row in (header, *rows):
-            lines.append("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
-        sys.stdout.write("\n".join(lines) + "\n")
-        return
-    table = Table(title=title, title_justify="left")
-    for name in header:
-        table.add_column(name, justify="right")
-    for row in rows:
-        table.add_row(*map(str, row))
-    Console().print(table)
 
 
 class _Bar:

@@ -28,7 +28,7 @@ Four groups of configurations, inputs ``x ~ N(0, 1)`` of shape (B, n), float32 b
     B=64, n=18, k=2, epsilon=0.5 (not with ``quick``): the sorted top-k
     ``softops.soft_topk(x, k).values`` at one beam-search step (K=2 beams of V=9 tokens over 64
     sequences), where the per-call costs dominate. :func:`run_beam_bench`
-    (``benchmarks/topk_beam.py``) runs this configuration alone, with many repeats.
+    (``python -m benchmarks.topk_beam``) runs this configuration alone, with many repeats.
 
 The targets of the suite, checked in the report's summary: "ot" forward+backward at most 4x the
 ``torch.topk`` forward at n=1e5; "ot" forward and forward+backward at most 6x the ``torch.topk``

@@ -5,7 +5,7 @@ over 64 sequences), forward and forward+backward, interleaved with ``torch.topk(
 floor), median over the repeats; writes ``benchmarks/results/topk-beam.{jsonl,md,png}``. The same
 configuration is the ``beam`` group of ``python -m benchmarks topk``. Usage::
 
-    python benchmarks/topk_beam.py [--repeats 300] [--threads 1] [--device cpu]
+    python -m benchmarks.topk_beam [--repeats 300] [--threads 1] [--device cpu]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    command = "python benchmarks/topk_beam.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.topk_beam " + " ".join(argv or sys.argv[1:])
     report, _ = run_beam_bench(
         repeats=args.repeats,
         threads=args.threads,

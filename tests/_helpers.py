@@ -19,7 +19,7 @@ def saved_bytes(fn) -> int:
     """Bytes of every tensor that ``fn()`` saves for backward, each save counted.
 
     A tensor saved by several nodes counts each time, which is what tests of "saves the same
-    buffer once per round" need; :func:`benchmarks.model.count_saved_bytes` counts each storage
+    buffer once per round" need; :func:`softops.testing.count_saved_bytes` counts each storage
     once, which is what stays alive.
     """
     total = 0

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks import plots
+from softops import plot as plots
 from softops.cli import build_parser, main
 from softops.sort._dispatch import SORT_METHODS
 from softops.topk import MASK_METHODS
@@ -84,5 +84,5 @@ def test_cli_plot_without_matplotlib(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     assert main(["plot", "--out", str(tmp_path), "--figures", "indicator"]) == 2
-    assert "expected matplotlib (pip install 'softops[bench]')" in capsys.readouterr().err
+    assert "expected matplotlib (pip install 'softops[plot]')" in capsys.readouterr().err
     assert not (tmp_path / "indicator.png").exists()

@@ -1,4 +1,4 @@
-"""The reference implementations: unrolled log-domain Sinkhorn and the top-k problems over it."""
+"""softops.testing: the unrolled Sinkhorn references, the saved-bytes count and the back ends."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import softops
-from benchmarks import count_saved_bytes
 from softops.testing import (
     UnrolledSinkhorn,
+    backend,
+    count_saved_bytes,
+    kernels_enabled,
     paper_sinkhorn_topk_mask,
     unrolled_sinkhorn,
     unrolled_sinkhorn_topk_mask,
@@ -129,3 +131,26 @@ def test_paper_sinkhorn_reference_equals_library_ops() -> None:
     _, short = count_saved_bytes(lambda t: paper_sinkhorn_topk_mask(t, 6, epsilon=0.3, n_iter=5), x)
     _, long = count_saved_bytes(lambda t: paper_sinkhorn_topk_mask(t, 6, epsilon=0.3), x)
     assert short == long
+
+
+def test_count_saved_bytes_excludes_the_input() -> None:
+    x = torch.randn(3, 5, requires_grad=True)
+    _, saved = count_saved_bytes(torch.sin, x)  # sin saves only its input
+    assert saved == 0
+    out, saved = count_saved_bytes(lambda t: (t * 3).exp(), x)
+    assert saved == out.numel() * out.element_size()
+    _, saved = count_saved_bytes(lambda t: (t * 3).exp() * (t * 3).exp(), x)  # two storages
+    assert saved == 2 * out.numel() * out.element_size()
+
+
+def test_backend_switches_and_restores() -> None:
+    before = kernels_enabled()
+    with backend("reference"):
+        assert not kernels_enabled()
+        with backend("kernel"):
+            assert kernels_enabled()
+        assert not kernels_enabled()
+    assert kernels_enabled() == before
+    with pytest.raises(ValueError, match="expected one of"):
+        with backend("fast"):
+            pass

@@ -52,7 +52,7 @@ __all__ = [
 
 DEFAULT_OUT = "softops-plots"  # in the working directory
 FIGURES = ("indicator", "methods", "sort", "sorted-topk")
-# The methods of soft_sort and soft_rank (tests/bench/test_plots.py checks them against the
+# The methods of soft_sort and soft_rank (tests/test_plot.py checks them against the
 # sort family's dispatch table, so a new method cannot be left out of the figure).
 SORT_FIGURE_METHODS = ("pav", "softsort", "neuralsort", "ot")
 # Per method, the epsilon of soft_sort and of soft_rank in the "sort" figure. Their units differ

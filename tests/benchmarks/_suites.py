@@ -1,5 +1,5 @@
 """Fake suites for the subprocess tests of the harness (imported by the probe subprocesses too,
-as ``tests.bench._suites:FAULTY``: no pytest here, so the children start quickly).
+as ``tests.benchmarks._suites:FAULTY``: no pytest here, so the children start quickly).
 
 Each configuration's ``group`` picks what its ``"faulty"`` case does: ``"ok"`` a cheap op,
 ``"memory-error"`` raises ``MemoryError``, ``"alloc"`` allocates ``params["mb"]`` MiB (an
@@ -22,7 +22,7 @@ from benchmarks.model import threads_pinned
 
 
 class FaultySuite:
-    ref = "tests.bench._suites:FAULTY"
+    ref = "tests.benchmarks._suites:FAULTY"
     name = "faulty"
     floor_label = "x * 1"
     plot_group = "ok"

@@ -1,19 +1,16 @@
-"""The ``softops`` console script: parsing, dispatch to the suites, and the demo."""
+"""``python -m benchmarks``: parsing and dispatch to the suites."""
 
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-import softops.cli
+import benchmarks.__main__ as cli
 from benchmarks import harness
-from benchmarks import sort as sort_suite
-from benchmarks import topk as topk_suite
-from softops.cli import build_parser, main
+from benchmarks.__main__ import build_parser, main
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -24,18 +21,18 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_cli_bench_topk_l1(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "topk-l1", "--batch", "2", "--n", "20", "--k", "2", "--epsilons", "0.5"]
+    argv = ["topk-l1", "--batch", "2", "--n", "20", "--k", "2", "--epsilons", "0.5"]
     assert main([*argv, "--samples", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| ot |" in out and "| perturbed-4 |" in out and "ε=0.5" in out
-    assert "Reproduce with `softops bench topk-l1 --batch 2" in out
+    assert "Reproduce with `python -m benchmarks topk-l1 --batch 2" in out
     assert main([*argv[:-4], "--k", "30", "--out", str(tmp_path)]) == 2
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "topk-l1", "--epsilons", "0"])
+        build_parser().parse_args(["topk-l1", "--epsilons", "0"])
 
 
 def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
+    argv = ["topk", "--quick", "--sizes", "300", "--batch", "2", "--repeats", "1"]
     argv += ["--threads", str(torch.get_num_threads()), "--no-speedup", "--no-sorted"]
     argv += ["--no-quality", "--no-progress"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
@@ -45,7 +42,7 @@ def test_cli_bench_topk_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str])
 
 
 def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "sort", "--quick", "--sizes", "200", "--batch", "2", "--repeats", "1"]
+    argv = ["sort", "--quick", "--sizes", "200", "--batch", "2", "--repeats", "1"]
     argv += ["--threads", str(torch.get_num_threads()), "--no-vs", "--no-dense", "--no-quality"]
     argv += ["--out", str(tmp_path)]
     assert main(argv) == 0
@@ -55,7 +52,7 @@ def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     lines = (tmp_path / "sort-quick.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert {r["group"] for r in records} == {"grid", "memory"}
-    assert {r["command"] for r in records} == {"softops " + " ".join(argv)}
+    assert {r["command"] for r in records} == {"python -m benchmarks " + " ".join(argv)}
     assert (tmp_path / "sort-quick.md").exists()
 
 
@@ -63,10 +60,10 @@ def test_cli_bench_sort_quick(tmp_path: Any, capsys: pytest.CaptureFixture[str])
 def test_cli_rejects_an_unavailable_device(
     suite: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["bench", suite, "--device", "nonsense", "--out", str(tmp_path)]) == 2
+    assert main([suite, "--device", "nonsense", "--out", str(tmp_path)]) == 2
     assert "expected a torch device" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert main(["bench", suite, "--device", "cuda", "--out", str(tmp_path)]) == 2
+        assert main([suite, "--device", "cuda", "--out", str(tmp_path)]) == 2
         assert "but CUDA is not" in capsys.readouterr().err
 
 
@@ -83,24 +80,24 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
 
     for name in ("topk", "sort", "smooth", "layers"):
         runner = "run_layers_bench" if name == "layers" else f"run_{name}_bench"
-        monkeypatch.setattr(softops.cli, runner, fake(name))
+        monkeypatch.setattr(cli, runner, fake(name))
 
     def quality(name: str, **kwargs: Any) -> tuple[str, dict[str, Any]] | None:
         seen[f"quality {name}"] = kwargs
         return None if name == "layers" else (f"quality {name}", {})
 
-    monkeypatch.setattr(softops.cli, "run_suite_quality", quality)
+    monkeypatch.setattr(cli, "run_suite_quality", quality)
     return seen
 
 
 def test_cli_dispatches_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _fake_runs(monkeypatch)
-    assert main(["bench", "topk", "--no-first-call", "--no-smooth", "--sizes", "1e3"]) == 0
-    assert main(["bench", "sort", "--quick", "--no-memory", "--no-memory-config"]) == 0
+    assert main(["topk", "--no-first-call", "--no-smooth", "--sizes", "1e3"]) == 0
+    assert main(["sort", "--quick", "--no-memory", "--no-memory-config"]) == 0
     topk, sort = seen["topk"], seen["sort"]
     assert topk["sizes"] == [1000] and not topk["first_call"] and not topk["smooth"]
     assert topk["speedup"] and topk["sorted_memory"] and topk["memory"] and not topk["quick"]
-    assert topk["command"] == "softops bench topk --no-first-call --no-smooth --sizes 1e3"
+    assert topk["command"] == "python -m benchmarks topk --no-first-call --no-smooth --sizes 1e3"
     assert topk["threads"] == [1] and topk["isolate"] and topk["progress"]
     assert sort["quick"] and not sort["memory"] and not sort["memory_config"]
     assert sort["vs"] and sort["dense"] and sort["out"] == harness.DEFAULT_OUT
@@ -114,7 +111,7 @@ def test_cli_suite_option_runs_each_suite(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen = _fake_runs(monkeypatch)
-    argv = ["bench", "--suite", "all", "--timeout", "60", "--memory-limit", "512"]
+    argv = ["--suite", "all", "--timeout", "60", "--memory-limit", "512"]
     assert main([*argv, "--no-progress", "--no-isolate"]) == 0
     out = capsys.readouterr().out
     for name in ("topk", "sort", "smooth", "layers"):
@@ -125,25 +122,40 @@ def test_cli_suite_option_runs_each_suite(
     assert "dtype" not in seen["layers"] and seen["smooth"]["dtype"] == "float32"
     assert "quality topk" in out and "quality smooth" in out and "quality layers" not in out
     seen.clear()
-    assert main(["bench", "--suite", "smooth", "--threads", "default", "--no-quality"]) == 0
+    assert main(["--suite", "smooth", "--threads", "default", "--no-quality"]) == 0
     assert seen["smooth"]["threads"] == [None] and "quality smooth" not in seen
-    assert main(["bench", "--suite", "sort", "--threads", "2", "1"]) == 0
+    assert main(["--suite", "sort", "--threads", "2", "1"]) == 0
     assert seen["sort"]["threads"] == [2, 1] and seen["quality sort"]["threads"] == 2
 
 
+def test_smooth_and_layers_sub_commands_are_their_suites(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = _fake_runs(monkeypatch)
+    assert main(["layers", "--quick", "--groups", "beam", "router"]) == 0
+    assert seen["layers"]["groups"] == ["beam", "router"] and seen["layers"]["quick"]
+    assert main(["smooth", "--sizes", "1e3", "--no-quality"]) == 0
+    assert seen["smooth"]["sizes"] == [1000] and "groups" not in seen["smooth"]
+    assert "quality smooth" not in seen
+    assert main(["layers"]) == 0
+    assert "groups" not in seen["layers"]  # the suite's own default: every group
+    out = capsys.readouterr().out
+    assert "report layers" in out and "report smooth" in out
+
+
 def test_cli_bench_needs_one_suite(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench"]) == 2
+    assert main([]) == 2
     assert "expected --suite NAME" in capsys.readouterr().err
-    assert main(["bench", "--suite", "sort", "topk"]) == 2
+    assert main(["--suite", "sort", "topk"]) == 2
     assert "not both" in capsys.readouterr().err
-    args = build_parser().parse_args(["bench", "--suite", "smooth", "--threads", "1", "default"])
+    args = build_parser().parse_args(["--suite", "smooth", "--threads", "1", "default"])
     assert args.suite == "smooth" and args.threads == ["1", "default"]
-    args = build_parser().parse_args(["bench", "topk", "--threads", "default"])
+    args = build_parser().parse_args(["topk", "--threads", "default"])
     assert args.suite_command == "topk" and args.threads == ["default"]
 
 
 def test_shared_options_take_each_suite_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    topk, sort = _help(capsys, "bench", "topk"), _help(capsys, "bench", "sort")
+    topk, sort = _help(capsys, "topk"), _help(capsys, "sort")
     for text in (topk, sort):
         assert "the grid's n values (default: 1e3 1e4 1e5, or 1e3 1e4 with --quick)" in text
         assert "timed repeats per case (default: 10, or 3 with --quick)" in text
@@ -159,38 +171,15 @@ def test_shared_options_take_each_suite_defaults(capsys: pytest.CaptureFixture[s
         assert flag in sort and flag not in topk
 
 
-def test_names_stay_importable_from_the_cli() -> None:
-    assert softops.cli.run_topk_bench is topk_suite.run_topk_bench
-    assert softops.cli.run_sort_bench is sort_suite.run_sort_bench
-    assert softops.cli.QUICK is topk_suite.QUICK and softops.cli.SORT_QUICK is sort_suite.SORT_QUICK
-    assert softops.cli.DEFAULT_OUT == "benchmarks/results"
-
-
-def test_cli_demo_without_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--no-bench"]) == 0
-    out = capsys.readouterr().out
-    assert "epsilon=0.01" in out and "Gradient" in out
-
-
-def test_cli_demo_without_rich(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # Without rich the demo prints a plain table.
-    for name in ("rich", "rich.console", "rich.table"):
-        monkeypatch.setitem(sys.modules, name, None)
-    assert main(["demo", "--no-bench"]) == 0
-    out = capsys.readouterr().out
-    assert "hard (torch.topk)" in out and "┃" not in out
-
-
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "topk", "--sizes", "0"],
-        ["bench", "topk", "--threads", "0"],
-        ["bench", "--suite", "smooth", "--threads", "some"],
-        ["bench", "--suite", "nope"],
-        [],
+        ["topk", "--sizes", "0"],
+        ["topk", "--threads", "0"],
+        ["--suite", "smooth", "--threads", "some"],
+        ["--suite", "nope"],
+        ["layers", "--groups", "nope"],
+        ["smooth", "--no-vs"],
     ],
 )
 def test_cli_rejects_bad_arguments(argv: list[str]) -> None:

@@ -16,14 +16,14 @@ from benchmarks import Config, RunOptions, run_suite
 from benchmarks.harness import thread_runs
 from benchmarks.model import failure_status, parse_threads, threads_label
 from benchmarks.report import markdown_report
-from tests.bench._suites import FAULTY
+from tests.benchmarks._suites import FAULTY
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The children import ``tests.bench._suites`` from the repository root."""
+    """The children import ``tests.benchmarks._suites`` from the repository root."""
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + (os.pathsep + path if path else ""))
 

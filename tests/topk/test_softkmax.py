@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from benchmarks.model import count_saved_bytes
 from softops import soft_topk_mask
 from softops.smooth import (
     smooth_max,
@@ -17,6 +16,7 @@ from softops.smooth import (
     soft_argmin,
     soft_kmax,
 )
+from softops.testing import count_saved_bytes
 from softops.topk import _softkmax as softkmax_mod
 from softops.topk._softkmax import soft_kmax_rows
 from tests._helpers import hard_topk_mask, saved_bytes, seeded

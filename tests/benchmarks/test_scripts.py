@@ -1,5 +1,5 @@
-"""Smoke tests of the scripts under benchmarks/: the F1 fine-tuning experiment (a tiny run) and
-the thin suite wrappers (their ``--help``)."""
+"""Smoke tests of the experiments under benchmarks/ (tiny runs) and of the command lines of the
+suites (their ``--help``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name: str):
@@ -22,15 +22,22 @@ def _load(name: str):
     return module
 
 
-@pytest.mark.parametrize("suite", ["topk", "sort"])
-def test_suite_scripts_wrap_the_console_script(
+@pytest.mark.parametrize("suite", ["topk", "sort", "smooth", "layers", "topk-l1"])
+def test_every_suite_runs_as_python_m_benchmarks(
     suite: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sys, "argv", [f"benchmarks/{suite}.py", "--help"])
+    monkeypatch.setattr(sys, "argv", ["benchmarks", suite, "--help"])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(BENCHMARKS / f"{suite}.py"), run_name="__main__")
+        runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
-    assert f"usage: softops bench {suite} [-h] [--quick]" in capsys.readouterr().out
+    assert f"usage: python -m benchmarks {suite} [-h]" in capsys.readouterr().out
+
+
+def test_topk_beam_runs_as_a_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["benchmarks.topk_beam", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("benchmarks.topk_beam", run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0
 
 
 @pytest.fixture(scope="module")
