@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the benchmark peers of `softops bench sort` into a virtual environment (default: .venv).
+# Install the benchmark peers of `python -m benchmarks sort` into a virtual environment (default: .venv).
 # Not called by scripts/setup.sh or CI: the peers are optional, and torchsort compiles a C++
 # extension (about 2.5 min). Every peer goes in with --no-deps so that it reuses the pinned torch.
 # Each install may fail on its own (reported at the end); the others still go in.

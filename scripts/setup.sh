@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a local virtual environment in .venv with everything softops' tests, demo and benchmarks need.
+# Set up a local virtual environment in .venv with everything softops' tests, examples, docs and
+# benchmarks need.
 # Safe to re-run. torch is installed first and pinned (constraints.txt), so no CUDA build is pulled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,lint,docs]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,bench,apps,plot,lint,docs]"
 # softops' CPU kernels, built once per machine and torch version into the per-user cache
 # (~/.cache/softops/kernels; about 30 s the first time, nothing after). Without them softops runs
 # its torch reference, correct and slower, after one warning.

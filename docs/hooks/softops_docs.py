@@ -62,6 +62,8 @@ API_MODULES = (
     "softops.solvers",
     "softops.distributed",
     "softops.apps",
+    "softops.testing",
+    "softops.plot",
 )
 _state: dict[str, Any] = {}
 

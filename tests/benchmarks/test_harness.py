@@ -328,11 +328,3 @@ def test_report_helpers(tmp_path) -> None:
     if "png" in paths:
         assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert write_report([], tmp_path / "out2", "s", "", lambda p: False).keys() == {"jsonl", "md"}
-
-
-def test_run_demo_prints_the_mask_and_its_gradient(capsys) -> None:
-    from benchmarks.demo import run_demo
-
-    assert run_demo(bench=False) == 0
-    out = capsys.readouterr().out
-    assert "soft top-k mask of x = [5, 2, 3, 4, 1, 6] with k = 3" in out
