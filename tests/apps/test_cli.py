@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import softops.apps.report
 from softops.apps.data import load_dataset
-from softops.apps.report import PAPER_MNIST, markdown_table, run_knn
+from softops.apps.report import PAPER_MNIST, knn_main, markdown_table, run_knn
 from softops.apps.train import ALL_ROWS, KNNConfig, RunResult, measure_step, train_rows
 from softops.cli import main
 
@@ -61,6 +62,29 @@ def test_cli_knn_all_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert ce["steps"] == pretrained["steps"] and ce["curve"][0]["loss"] == pretrained["curve"][
         0
     ]["loss"]  # fmt: skip
+
+
+def test_knn_main_gives_each_dataset_its_default_budget(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[tuple[KNNConfig, dict]] = []
+
+    def fake_run(config: KNNConfig, **kwargs: object) -> tuple[str, list]:
+        seen.append((config, kwargs))
+        return "| table |", []
+
+    monkeypatch.setattr(softops.apps.report, "run_knn", fake_run)
+    threads = torch.get_num_threads()
+    try:
+        assert knn_main(KNNConfig(), threads=threads) == 0
+        assert knn_main(KNNConfig(dataset="mnist"), all_rows=True, threads=threads) == 0
+        assert knn_main(KNNConfig(minutes=0.5), threads=threads) == 0
+    finally:
+        torch.set_num_threads(threads)
+    budgets = [(c.epochs, c.minutes) for c, _ in seen]
+    assert budgets == [(20.0, None), (None, 3.0), (None, 0.5)]
+    assert seen[0][1]["methods"] is None and seen[1][1]["methods"] == ALL_ROWS
+    assert capsys.readouterr().out == "| table |\n" * 3
 
 
 def test_cli_knn_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

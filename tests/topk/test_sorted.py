@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import softops
-from softops.testing import unrolled_sorted_topk
+from softops.testing import unrolled_sinkhorn, unrolled_sorted_topk
 from softops.topk._sorted import TopK, _soft_topk, soft_topk
 from tests._helpers import saved_bytes, seeded
 
@@ -187,13 +187,7 @@ def _solve_with_extra_rest(x: torch.Tensor, k: int, epsilon: float, extra: int):
     cost = (s[:, :, None] - y) ** 2
     log_mu = torch.full((bsz, nf), -math.log(n), dtype=x.dtype)
     log_nu = torch.tensor([1 / n] * k + [(nf - k) / n], dtype=x.dtype).log().expand(bsz, -1)
-    eps = 2 * epsilon
-    f = torch.zeros_like(log_mu)
-    g = torch.zeros_like(log_nu)
-    for _ in range(1000):
-        f = eps * log_mu - eps * torch.logsumexp((g[:, None, :] - cost) / eps, dim=-1)
-        g = eps * log_nu - eps * torch.logsumexp((f[:, :, None] - cost) / eps, dim=1)
-    plan = torch.exp((f[:, :, None] + g[:, None, :] - cost) / eps)
+    plan = unrolled_sinkhorn(cost, log_mu, log_nu, 2 * epsilon, 1000).plan
     weights = n * plan[..., :k].transpose(1, 2)
     return torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1), weights
 
