@@ -27,10 +27,29 @@ def test_every_suite_runs_as_python_m_benchmarks(
     suite: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(sys, "argv", ["benchmarks", suite, "--help"])
+    monkeypatch.delitem(sys.modules, "benchmarks.__main__", raising=False)  # run afresh
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert f"usage: python -m benchmarks {suite} [-h]" in capsys.readouterr().out
+
+
+def test_python_m_benchmarks_runs_from_the_repository_root(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    import softops
+
+    command = [sys.executable, "-m", "benchmarks", "topk-l1", "--batch", "2", "--n", "20"]
+    command += ["--k", "2", "--epsilons", "0.5", "--samples", "4", "--out", str(tmp_path)]
+    # the softops this process imports (the checkout's src/ or the installed one)
+    env = {**os.environ, "PYTHONPATH": str(Path(softops.__file__).parents[1])}
+    done = subprocess.run(
+        command, cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Reproduce with `python -m benchmarks topk-l1 --batch 2" in done.stdout
+    assert (tmp_path / "topk-l1.md").exists()
 
 
 def test_topk_beam_runs_as_a_module(monkeypatch: pytest.MonkeyPatch) -> None:
