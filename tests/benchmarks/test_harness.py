@@ -124,13 +124,13 @@ def test_run_suite_records_and_files(tmp_path: Any) -> None:
     assert by[(16, "broken")]["skip"].startswith("error: RuntimeError: boom")
     assert by[(32, "absent")]["skip"] == "not installed"
 
-    paths = write_results(records, suite, tmp_path, "tiny", command="softops bench tiny")
+    paths = write_results(records, suite, tmp_path, "tiny", command="python -m benchmarks tiny")
     lines = paths["jsonl"].read_text().splitlines()
     assert len(lines) == 10 and json.loads(lines[0])["case"] == "floor"
     md = paths["md"].read_text()
     assert "| method | fwd × floor | fwd+bwd × floor |" in md
     assert "- broken: error: RuntimeError: boom" in md and "tiny summary line" in md
-    assert "`softops bench tiny`" in md
+    assert "`python -m benchmarks tiny`" in md
     pytest.importorskip("matplotlib")
     assert paths["png"].stat().st_size > 0
 
@@ -308,7 +308,10 @@ def test_report_helpers(tmp_path) -> None:
     )
 
     assert reproduce_lines(None) == []
-    assert reproduce_lines("softops bench topk") == ["", "Reproduce with `softops bench topk`."]
+    assert reproduce_lines("python -m benchmarks topk") == [
+        "",
+        "Reproduce with `python -m benchmarks topk`.",
+    ]
 
     def plot(path) -> bool:
         fig = new_figure((3.0, 2.0))

@@ -79,12 +79,12 @@ def test_run_topk_bench_tiny(tmp_path: Any) -> None:
         sorted_memory=False,
         smooth=False,
         out=str(tmp_path),
-        command="softops bench topk --tiny",
+        command="python -m benchmarks topk --tiny",
         log=lines.append,
     )
     assert paths["md"] == tmp_path / "topk-quick.md"
     assert paths["md"].read_text(encoding="utf-8") == report
-    assert "| torch.topk | 1.00× |" in report and "`softops bench topk --tiny`" in report
+    assert "| torch.topk | 1.00× |" in report and "`python -m benchmarks topk --tiny`" in report
     records = [json.loads(line) for line in paths["jsonl"].read_text().splitlines()]
     assert {(r["group"], r["B"], r["n"], r["k"]) for r in records} == {("grid", 2, 64, 1)}
     assert all(r["repeats"] <= 1 for r in records)
@@ -128,13 +128,13 @@ def test_run_l1_bench_writes_the_files_and_restores_threads(tmp_path: Any) -> No
         n_samples=4,
         threads=threads,
         out=tmp_path,
-        command="softops bench topk-l1",
+        command="python -m benchmarks topk-l1",
         log=lines.append,
     )
     assert torch.get_num_threads() == threads
     assert paths["md"] == tmp_path / "topk-l1.md" and paths["md"].read_text() == text
     assert "### k = 1" in text and "### k = 2" in text and "| soft_argmax_onehot |" in text
-    assert "`softops bench topk-l1`" in text
+    assert "`python -m benchmarks topk-l1`" in text
     assert len(paths["jsonl"].read_text(encoding="utf-8").splitlines()) == 2 * 4 + 1
     assert lines == ["wrote " + ", ".join(str(p) for p in paths.values())]
     pytest.importorskip("matplotlib")
@@ -235,7 +235,7 @@ def test_run_sort_bench_tiny(tmp_path: Any) -> None:
         dense=False,
         memory_config=False,
         out=str(tmp_path),
-        command="softops bench sort --tiny",
+        command="python -m benchmarks sort --tiny",
         log=lines.append,
     )
     assert paths["jsonl"] == tmp_path / "sort-quick.jsonl"
@@ -243,7 +243,7 @@ def test_run_sort_bench_tiny(tmp_path: Any) -> None:
     for path in paths.values():
         assert path.exists() and path.stat().st_size > 0
     assert paths["md"].read_text(encoding="utf-8") == report
-    assert "| torch.sort | 1.00× |" in report and "`softops bench sort --tiny`" in report
+    assert "| torch.sort | 1.00× |" in report and "`python -m benchmarks sort --tiny`" in report
     records = [json.loads(line) for line in paths["jsonl"].read_text().splitlines()]
     assert {r["group"] for r in records} == {"grid"}
     assert {(r["B"], r["n"]) for r in records} == {(1, 16)}
