@@ -2,10 +2,10 @@
 
 Run from the repository root (``pip install -e ".[bench]"`` first)::
 
-    python -m benchmarks topk --quick      # a suite: topk, sort, topk-l1, or --suite NAME|all
-    python -m benchmarks --suite all       # every suite, 1 thread and out of the box
-    python -m benchmarks.layers --quick    # the layers suite with its own switches
-    python benchmarks/grid.py --help       # the standalone scripts (see benchmarks/README.md)
+    python -m benchmarks topk --quick        # a suite: topk, sort, smooth, layers, topk-l1
+    python -m benchmarks --suite all         # every suite, 1 thread and out of the box
+    python -m benchmarks.attention --quick   # an experiment that uses the harness
+    python benchmarks/grid.py --help         # a standalone script (see benchmarks/README.md)
 
 It imports the public API of softops (and :mod:`softops.testing`, the references the tests
 share); the library never imports it. The harness is generic:
