@@ -13,7 +13,7 @@ from softops.sort._chunked import BLOCK_ELEMENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ("model", "harness", "probes", "_probe", "quality", "report", "suites", "__main__")
-SUITES = ("topk", "sort", "smooth", "layers", "topk_l1")
+SUITES = ("topk", "sort", "smooth", "layers", "topk_l1", "topk_beam")
 
 
 def _imports(path: Path) -> set[str]:
