@@ -54,6 +54,7 @@ def test_python_m_benchmarks_runs_from_the_repository_root(tmp_path: Path) -> No
 
 def test_topk_beam_runs_as_a_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["benchmarks.topk_beam", "--help"])
+    monkeypatch.delitem(sys.modules, "benchmarks.topk_beam", raising=False)  # run afresh
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("benchmarks.topk_beam", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
