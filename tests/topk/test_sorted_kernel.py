@@ -235,7 +235,7 @@ def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end, dtype) -> 
         for k in (4, 20):
             args = (x, eps, k, True, 2000, 1e-6)
             torch.library.opcheck(_sorted.SOLVE_OP.overload, args)
-            _, _, _, status, state = _sorted.SOLVE_OP(*args)
+            _, _, _, status, state, _ = _sorted.SOLVE_OP(*args)
             grads = (gv[:, :k] if k == 4 else None, gw if k == 4 else None)
             vjp = (x, eps, state, status, *grads, k, True, 2000, 1e-6, True)
             torch.library.opcheck(_sorted.VJP_OP.overload, vjp)
@@ -308,3 +308,39 @@ def test_a_row_solved_in_the_lanes_equals_the_row_solved_alone(ops, dtype, n, k)
             grad = _sorted.VJP_OP(x[r : r + 1], eps[r : r + 1], *args)
             for a, b in zip(grad, bgrad, strict=True):
                 torch.testing.assert_close(a, b[r : r + 1], rtol=1e-7, atol=1e-9, equal_nan=True)
+
+
+def _stable_top(row: list[float], k: int, largest: bool) -> list[int]:
+    """The indices of the k largest (smallest) of row, ties by index, NaN above every number:
+    Python's stable sort, independent of torch."""
+
+    def key(i: int) -> tuple[int, float]:
+        v = row[i]
+        if math.isnan(v):
+            return (0 if largest else 1, 0.0)
+        return (1 if largest else 0, -v if largest else v)
+
+    return sorted(range(len(row)), key=key)[:k]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("back_end", ["kernel", "reference"])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (9, 3), (40, 8), (1500, 5)])
+def test_indices_are_topk_s_with_ties_in_the_order_of_the_row(ops, back_end, largest, n, k):
+    g = seeded(n + k)
+    x = torch.randn(6, n, generator=g)
+    x[0] = torch.randint(0, 3, (n,), generator=g).float()  # many ties across the boundary
+    x[1] = 0.25  # all tied
+    x[2, ::2] = -0.0  # -0.0 and 0.0 are equal
+    x[2, 1::2] = 0.0
+    x[3, 1] = x[3, n - 1] = math.nan  # NaN rows: above every number, as torch.topk
+    x[4, 2] = math.inf
+    x[4, 0] = -math.inf
+    with backend(back_end):
+        got = softops.soft_topk(x, k, largest=largest).indices
+    want = [_stable_top(r, k, largest) for r in x.tolist()]
+    assert got.tolist() == want
+    distinct = torch.randn(3, n, generator=g)
+    with backend(back_end):
+        got = softops.soft_topk(distinct, k, largest=largest).indices
+    assert torch.equal(got, torch.topk(distinct, k, -1, largest, sorted=True).indices)

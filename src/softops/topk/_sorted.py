@@ -67,7 +67,9 @@ class TopK(NamedTuple):
         values: soft top-k values, x.shape with ``dim`` replaced by k, in ``torch.topk`` order.
         weights: ``values.shape + (n,)``; ``weights[..., j, :]`` is the relaxed one-hot of the
             j-th selected entry (non-negative, sums to 1 over the last axis).
-        indices: ``torch.topk(x, k, dim, largest).indices`` (int64, no gradient).
+        indices: the indices of the k largest (smallest) entries along ``dim``, in order: those
+            of ``torch.topk(x, k, dim, largest)``, equal entries in the order of x (the lower
+            index first; torch.topk leaves their order unspecified). int64, no gradient.
     """
 
     values: Tensor
@@ -154,7 +156,7 @@ def soft_topk(
         - x: ``(*, n, *)`` with n at ``dim``.
         - values: x.shape with ``dim`` replaced by k.
         - weights: ``values.shape + (n,)``.
-        - indices: as values (int64).
+        - indices: as values (int64): those of ``torch.topk``, ties in the order of x.
 
     Notes:
         Non-finite scores: entries that can never be selected (``-inf`` for ``largest=True``,
@@ -207,19 +209,16 @@ def _soft_topk(
     max_iter = check_max_iter(max_iter, SINKHORN_MAX_ITER, _OP)
     tol = check_tol(tol, default_tol(cd), _OP)
 
-    indices = torch.topk(x.detach(), k, dim=rows.dim, largest=largest, sorted=True).indices
     tensor_eps = isinstance(epsilon, Tensor)
     path = _path(x2, k, n, tol, reduce, kernel)
-    if path == "kernel":
-        weights, values, converged, residual, clean = _kernel_solve(
-            x2, eps, k, largest, max_iter, tol, tensor_eps
-        )
-    elif path == "torch":
-        weights, values, converged, residual, clean = _torch_solve(
+    if path == "kernel":  # (the kernel finds the indices with the k + 1 largest scores)
+        weights, values, converged, residual, clean, indices = _kernel_solve(
             x2, eps, k, largest, max_iter, tol, tensor_eps
         )
     else:
-        weights, values, converged, residual, clean = _full(
+        indices = topk_indices(x2.detach(), k, largest)
+        solve = _torch_solve if path == "torch" else _full
+        weights, values, converged, residual, clean = solve(
             x2, eps, k, largest, max_iter, tol, tensor_eps
         )
 
@@ -230,7 +229,27 @@ def _soft_topk(
 
     values = restore(values.to(x.dtype))
     weights = restore(weights.to(x.dtype))
-    return TopK(values, weights, indices)
+    return TopK(values, weights, restore(indices))
+
+
+def topk_indices(x2: Tensor, k: int, largest: bool) -> Tensor:
+    """The indices (B, k) int64 of the k largest (smallest) entries of each row of x2 (B, n), in
+    order, equal entries in the order of the row (the order of a stable sort; NaN is above every
+    number, as in torch.topk and torch.sort): torch.topk's, whose order among equal entries is
+    unspecified, with the rows where equal entries meet the top k sorted stably."""
+    top = torch.topk(x2, k, dim=-1, largest=largest, sorted=True)
+    if cannot_branch(x2):  # no values to branch on: every row sorted
+        return torch.sort(x2, dim=-1, descending=largest, stable=True).indices[:, :k]
+    vals = top.values
+    last = vals[:, -1:]
+    # ties within the top k, an entry equal to the k-th left out, or a NaN (not equal to itself)
+    tied = (vals[:, 1:] == vals[:, :-1]).any(-1) | ((x2 == last).sum(-1) > (vals == last).sum(-1))
+    tied |= torch.isnan(vals).any(-1)
+    if not bool(tied.any()):
+        return top.indices
+    rows = tied.nonzero().squeeze(1)
+    stable = torch.sort(x2[rows], dim=-1, descending=largest, stable=True).indices[:, :k]
+    return top.indices.index_put((rows,), stable)
 
 
 def _full(
@@ -650,7 +669,7 @@ def _solve_reference(
         if good.numel():
             w, v, res = _candidate_rows(x[good], eps[good], k, largest, max_iter, tol, False)
             weights[good], values[good], err[good] = w, v.to(x.dtype), res
-    return weights, values, err, status, state
+    return weights, values, err, status, state, topk_indices(x, k, largest)
 
 
 def _solve_cpu(
@@ -664,7 +683,7 @@ def _solve_cpu(
     tau = _candidate_tolerance(x.dtype)
     big = k + 1 if k < n else k
     top = torch.finfo(x.dtype).max
-    weights, v64, err, status, state = ops.solve_rows(
+    weights, v64, err, status, state, indices = ops.solve_rows(
         x.detach(),
         eps.detach(),
         largest,
@@ -687,7 +706,10 @@ def _solve_cpu(
                     x[left].detach(), eps[left].detach(), k, largest, max_iter, tol, False
                 )
             weights[left], values[left], err[left] = w, v.to(x.dtype), res
-    return weights, values, err, status, state
+        bad = (status == 2).nonzero().squeeze(1)
+        if bad.numel():  # (the kernel sets no indices there)
+            indices[bad] = topk_indices(x[bad].detach(), k, largest)
+    return weights, values, err, status, state, indices
 
 
 def _solve_fake(
@@ -701,6 +723,7 @@ def _solve_fake(
         x.new_empty((bsz,), dtype=f64),
         x.new_empty((bsz,), dtype=torch.int8),
         x.new_empty((bsz, _state_width(k, n)), dtype=f64),
+        x.new_empty((bsz, k), dtype=torch.int64),
     )
 
 
@@ -711,7 +734,7 @@ def _solve_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, A
 SOLVE_OP = define(
     "softops::sorted_topk_solve",
     "(Tensor x, Tensor eps, int k, bool largest, int max_iter, float tol)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     reference=_solve_reference,
     fake=_solve_fake,
     vmap=_solve_vmap,
@@ -722,7 +745,8 @@ SOLVE_OP = define(
 max_iter, tol) -> (weights (B, k, n), values (B, k), residual (B,) float64, status (B,) int8: 0
 solved by the kernel, 1 solved by the torch code, 2 left to the caller (an infinity, a NaN, an
 entry near the largest finite value: zeros); the kernel's state (B, 3 (k+1) + 4) float64, for
-the backward). Not differentiable (:class:`_KernelSolve` carries the gradient)."""
+the backward; indices (B, k) int64, :func:`topk_indices`). Not differentiable
+(:class:`_KernelSolve` carries the gradient)."""
 
 
 def _candidate_grads(
@@ -935,20 +959,20 @@ Not differentiable (double backward goes through the torch solve)."""
 
 def _kernel_solve(
     x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, bool, Tensor]:
     """The candidate set and its solve by the kernel (:class:`_KernelSolve`); rows with an
-    infinity, a NaN or an entry near the largest finite value are solved in full."""
-    weights, values, err, status = apply_function(_KernelSolve, x2, eps, k, largest, max_iter, tol)[
-        :4
-    ]
+    infinity, a NaN or an entry near the largest finite value are solved in full. The last
+    output: the indices (:func:`topk_indices`)."""
+    out = apply_function(_KernelSolve, x2, eps, k, largest, max_iter, tol)
+    weights, values, err, status, indices = out[0], out[1], out[2], out[3], out[5]
     smax = int(status.max()) if x2.shape[0] else 0
     if smax == 0:  # every row solved by the kernel, within tol
-        return weights, values, torch.ones_like(status, dtype=torch.bool), err, True
+        return weights, values, torch.ones_like(status, dtype=torch.bool), err, True, indices
     converged = err <= tol
     clean = bool(converged[status == 1].all())
     if smax == 2:
         bad = status == 2
-        return _merge_full_rows(
+        merged = _merge_full_rows(
             x2,
             eps,
             k,
@@ -960,11 +984,12 @@ def _kernel_solve(
             bad,
             (weights, values, converged, err, clean),
         )
-    return weights, values, converged, err, clean
+        return (*merged, indices)
+    return weights, values, converged, err, clean, indices
 
 
 class _KernelSolve(torch.autograd.Function):
-    """``(x2, eps) -> (weights, values, residual, status, state)`` by :data:`SOLVE_OP` (the
+    """``(x2, eps) -> (weights, values, residual, status, state, indices)`` by :data:`SOLVE_OP` (the
     candidate set of each row and its solve); the backward is :data:`VJP_OP`, the implicit VJP
     in x and epsilon. Double backward (a backward with a graph) goes through the torch solve of
     the same candidate sets by autograd. Rows of status 2 (an infinity, a NaN) are left at 0 (the
@@ -979,9 +1004,9 @@ class _KernelSolve(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x2, eps, k, largest, max_iter, tol = inputs
-        _, _, err, status, state = output
+        _, _, err, status, state, indices = output
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(err, status, state)
+        ctx.mark_non_differentiable(err, status, state, indices)
         ctx.save_for_backward(x2, eps, state, status)
         ctx.settings = (k, largest, max_iter, tol)
 

@@ -312,20 +312,30 @@ inline int64_t bin_of(double t, int64_t nb) {
   return static_cast<int64_t>(std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb)));
 }
 
-// y into the descending buffer top[0..kk) in place of its last (kk fixed steps, no branch: each
-// slot keeps its value, takes y, or takes its predecessor's).
-inline void insert_top(double* top, int64_t kk, double y) {
-  for (int64_t t = kk - 1; t > 0; --t) top[t] = std::max(top[t], std::min(top[t - 1], y));
-  top[0] = std::max(top[0], y);
+// y (entry i) into the descending buffer top[0..kk) (indices ti) in place of its last, after the
+// entries equal to it: the buffer holds equal scores in the order of the row (the lower index
+// first, as a stable sort). Called where y > top[kk - 1].
+inline void insert_top(double* top, int64_t* ti, int64_t kk, double y, int64_t i) {
+  int64_t t = kk - 1;
+  while (t > 0 && top[t - 1] < y) {
+    top[t] = top[t - 1];
+    ti[t] = ti[t - 1];
+    --t;
+  }
+  top[t] = y;
+  ti[t] = i;
 }
 
 // The k+1 largest scores (kk of them; k if k = n) of the row in the orientation `sign`, into top
-// (descending); returns false where an entry is not finite or beyond `limit`, or where the span
+// (descending; equal scores in the order of the row) and their indices into ti; returns false where an entry is not finite or beyond `limit`, or where the span
 // over epsilon is beyond span_max (the row is then solved in full by the caller).
 template <typename scalar_t>
 bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double inv_eps,
-                double limit, double span_max, double* top) {
-  for (int64_t t = 0; t < kk; ++t) top[t] = -kInf;
+                double limit, double span_max, double* top, int64_t* ti) {
+  for (int64_t t = 0; t < kk; ++t) {
+    top[t] = -kInf;
+    ti[t] = 0;
+  }
   double low = -kInf, ymin = kInf;
   bool ok = true;
   int64_t i = 0;
@@ -347,7 +357,7 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
       for (int64_t l = 0; l < kBlock; ++l) {
         const double yi = sign * static_cast<double>(xr[i + l]);
         if (yi > low) {
-          insert_top(top, kk, yi);
+          insert_top(top, ti, kk, yi, i + l);
           low = top[kk - 1];
         }
       }
@@ -358,7 +368,7 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
     ok &= std::abs(yi) <= limit;
     ymin = std::min(ymin, yi);
     if (yi > low) {
-      insert_top(top, kk, yi);
+      insert_top(top, ti, kk, yi, i);
       low = top[kk - 1];
     }
   }
@@ -1285,7 +1295,8 @@ template <typename scalar_t>
 void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double tau,
                      double bpu, double limit, double span_max, const double* weight, int64_t nb,
                      double tol, int64_t max_steps, int64_t halvings, at::Tensor& weights,
-                     at::Tensor& values, at::Tensor& err, at::Tensor& status, at::Tensor& state) {
+                     at::Tensor& values, at::Tensor& err, at::Tensor& status, at::Tensor& state,
+                     at::Tensor& indices) {
   const int64_t B = x.size(0), n = x.size(1);
   const int64_t big = k < n ? k + 1 : k;
   const Layout lay{big};
@@ -1296,6 +1307,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   double* pe = err.data_ptr<double>();
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
+  int64_t* pidx = indices.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   // the lanes: rows of four targets or more (fewer: the closed forms) and few candidates
   const bool lanes_on = big >= 4 && big <= kLaneBig;
@@ -1393,7 +1405,10 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
       const double inv_eps = 1.0 / eps[row];
       double* top = st + lay.top();
-      if (!top_scores(xr, n, sign, big, inv_eps, limit, span_max, top) || big < 2) {
+      int64_t ti[kMaxBig];
+      const bool finite = top_scores(xr, n, sign, big, inv_eps, limit, span_max, top, ti);
+      for (int64_t t = 0; t < k; ++t) pidx[row * k + t] = ti[t];
+      if (!finite || big < 2) {
         std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
         ps[row] = 2;
         pe[row] = kInf;
@@ -1424,8 +1439,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
 // (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
 // the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
 // (weights (B, k, n) in x's dtype, values (B, k) float64, err (B,), status (B,) int8, state (B,
-// 3 big + 4) float64).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
+// 3 big + 4) float64, indices (B, k) int64: the k largest in order, equal scores in the order of
+// the row; not set in the rows of status 2).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double tau,
     double bpu, double limit, double span_max, const at::Tensor& bin_weight, double tol,
     int64_t max_steps, int64_t halvings) {
@@ -1443,12 +1459,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_row
   at::Tensor err = at::empty({B}, f64);
   at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
   at::Tensor state = at::empty({B, Layout{big}.size()}, f64);
+  at::Tensor indices = at::empty({B, k}, x.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "solve_rows", [&] {
     solve_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, tau, bpu, limit, span_max,
                               weight.data_ptr<double>(), weight.numel() - 1, tol, max_steps,
-                              halvings, weights, values, err, status, state);
+                              halvings, weights, values, err, status, state, indices);
   });
-  return {weights, values, err, status, state};
+  return {weights, values, err, status, state, indices};
 }
 
 // --------------------------------------------------------------------------- the backward
@@ -1900,7 +1917,7 @@ TORCH_LIBRARY(softops_sorted, m) {
   m.def(
       "solve_rows(Tensor x, Tensor eps, bool largest, int k, float tau, float bpu, float limit, "
       "float span_max, Tensor bin_weight, float tol, int max_steps, int halvings) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "vjp_rows(Tensor x, Tensor eps, bool largest, int k, float bpu, int nb, Tensor state, "
       "Tensor status, Tensor gv, Tensor gw, bool need_eps, float det_min) -> "
