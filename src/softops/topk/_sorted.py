@@ -430,14 +430,16 @@ def _bin_weights(n: int, k: int, tau: float) -> Tensor:
     return torch.tensor(_bins(n, k, tau)[1], dtype=torch.float64)
 
 
-def _bins(n: int, k: int, tau: float) -> tuple[int, list[float]]:
+@functools.lru_cache(maxsize=64)
+def _bins(n: int, k: int, tau: float) -> tuple[int, tuple[float, ...]]:
     """``(nb, weight)``: the number of histogram bins of the gaps d (in units of epsilon below the
     (k+1)-th score) and the bound ``weight[b]`` on exp(-d) in bin b: bin 0 holds d <= 0, bin b
     in 1..nb-1 holds ``(b-1)/bpu < d <= b/bpu``, bin nb every larger gap (``weight[nb]`` is
-    below ``tau / (2 k n)``, so those entries are never needed)."""
+    below ``tau / (2 k n)``, so those entries are never needed). Cached: every call and its
+    backward take it."""
     far = math.log(2.0 * k * max(n, 2) / tau)
     nb = math.ceil(far * _BINS_PER_UNIT) + 2
-    weight = [1.0] + [math.exp(-(b - 1) / _BINS_PER_UNIT) for b in range(1, nb + 1)]
+    weight = (1.0, *(math.exp(-(b - 1) / _BINS_PER_UNIT) for b in range(1, nb + 1)))
     return nb, weight
 
 

@@ -314,7 +314,8 @@ inline int64_t bin_of(double t, int64_t nb) {
 
 // y (entry i) into the descending buffer top[0..kk) (indices ti) in place of its last, after the
 // entries equal to it: the buffer holds equal scores in the order of the row (the lower index
-// first, as a stable sort). Called where y > top[kk - 1].
+// first, as a stable sort). Called where y > top[kk - 1]. (A loop that stops at the place: in a
+// short row every entry comes here, and a fixed kk steps of selects cost more than its branch.)
 inline void insert_top(double* top, int64_t* ti, int64_t kk, double y, int64_t i) {
   int64_t t = kk - 1;
   while (t > 0 && top[t - 1] < y) {
@@ -399,11 +400,14 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   for (int64_t i = 0; i < n; ++i) {
     const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
     const int64_t b = bin_of(t, nb);
-    w.hist[b] += 1;
     w.idx[kept] = i;
     w.bin[kept] = static_cast<int32_t>(b);
     kept += b < nb ? 1 : 0;
   }
+  // (counted apart: the last bin, often the most of a long row, would chain its increments)
+  int64_t* hist = w.hist.data();
+  for (int64_t j = 0; j < kept; ++j) hist[w.bin[j]] += 1;
+  hist[nb] = n - kept;
   // drop the bins from the farthest while k times their bound stays within tau
   double acc = 0.0;
   int64_t c = nb + 1;
@@ -468,14 +472,18 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   double mids[kMaxBig];
   for (int64_t t = 0; t + 1 < big; ++t) mids[t] = pb.bmid[t];
   const int64_t* idx = w.idx.data();
+  double ymin = kInf;
   for (int64_t i = 0; i < m; ++i) {
     const double yi = sign * static_cast<double>(xr[idx[i]]);
     ytmp[i] = yi;
-    // the home: big - 1 at or below the last midpoint (most candidates: the rest), else the
-    // count of the (descending) midpoints above y, without a branch per midpoint
-    int64_t above = 0;
-    for (int64_t t = 0; t + 1 < big; ++t) above += mids[t] > yi ? 1 : 0;
-    const int64_t hi = yi <= last ? big - 1 : above;
+    ymin = std::min(ymin, yi);
+    // the home: big - 1 at or below the last midpoint (most candidates of a long row: the rest),
+    // else the count of the (descending) midpoints above y, without a branch per midpoint
+    int64_t hi = big - 1;
+    if (yi > last) {
+      hi = 0;
+      for (int64_t t = 0; t + 1 < big; ++t) hi += mids[t] > yi ? 1 : 0;
+    }
     hbuf[i] = static_cast<int32_t>(hi);
   }
   // the sort keys: the home, the rest's entries (home big - 1) at big - 1 + their bin
@@ -509,11 +517,9 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   pb.nb = rest ? nb : -1;
   pb.bpu = bpu;
   int32_t* home = w.home.data();
-  double ymin = kInf;
   for (int64_t t = 0; t < big; ++t) {
     for (int64_t i = pb.gs[t]; i < pb.gs[t + 1]; ++i) home[i] = static_cast<int32_t>(t);
   }
-  for (int64_t i = 0; i < m; ++i) ymin = std::min(ymin, yc[i]);
   for (int64_t t = 0; t < big; ++t) pb.bcol[t] = 1.0;
   if (big > k) pb.bcol[k] = static_cast<double>(m - k);
   for (int64_t t = 0; t < big; ++t) {
@@ -529,12 +535,12 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   double* e = w.e.data();
   double* ie = w.ie.data();
   uint8_t* far = w.far.data();
-  double zmax = 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    const double z = (pb.c - yc[i]) * inv_eps;
-    e[i] = z;
-    zmax = std::max(zmax, std::abs(z));
-  }
+  // (the largest |z| is at an end of the candidates' range, top[0] or ymin: |z| is monotone in
+  // |c - y|)
+  const double zmax =
+      std::max(std::abs((pb.c - top[0]) * inv_eps), std::abs((pb.c - ymin) * inv_eps));
+#pragma omp simd
+  for (int64_t i = 0; i < m; ++i) e[i] = (pb.c - yc[i]) * inv_eps;
   pb.fast = zmax <= kFar;
   if (pb.fast) {
     using Vec = at::vec::Vectorized<double>;
@@ -869,6 +875,7 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
 #pragma omp simd
       for (int64_t i = 0; i < lt; ++i) dev[i] += pt[i] * rt;
     }
+#pragma omp simd reduction(+ : err)
     for (int64_t i = 0; i < len; ++i) err += std::abs(dev[i]);
   }
   p_out = p;
@@ -1333,15 +1340,23 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         scalar_t* wt = wr + t * n;
         double acc = 0.0;
         const int64_t mt = lim[t];
-        for (int64_t i = 0; i < mt; ++i) {
-          const double wti = pt[i * si] * f;
-          acc += wti * pr.yc[i];
-          wt[wk.grouped[i]] = static_cast<scalar_t>(wti);
+        const double* yc = pr.yc;
+        const int64_t* grouped = wk.grouped.data();
+        if (si == 1) {  // (the value's sum apart: a vector reduction, not one chained sum)
+#pragma omp simd reduction(+ : acc)
+          for (int64_t i = 0; i < mt; ++i) acc += pt[i] * yc[i];
+          for (int64_t i = 0; i < mt; ++i) wt[grouped[i]] = static_cast<scalar_t>(pt[i] * f);
+        } else {  // (a short row in the lanes)
+          for (int64_t i = 0; i < mt; ++i) {
+            const double pti = pt[i * si];
+            acc += pti * yc[i];
+            wt[grouped[i]] = static_cast<scalar_t>(pti * f);
+          }
         }
         if (pr.m == n) {  // (a row of candidates only was not cleared)
-          for (int64_t i = mt; i < pr.m; ++i) wt[wk.grouped[i]] = scalar_t(0);
+          for (int64_t i = mt; i < pr.m; ++i) wt[grouped[i]] = scalar_t(0);
         }
-        pv[row * k + t] = sign * acc;
+        pv[row * k + t] = sign * (f * acc);
       }
     };
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
