@@ -916,7 +916,7 @@ struct VecArr {
 // A group's rows transposed: slot i of lane l at [i * kLanes + l].
 struct Lanes {
   int64_t big = 0, slots = 0;
-  std::vector<double> e, ie, home, valid, p, p_new, gb, yc, out;
+  std::vector<double> e, ie, home, valid, p, p_new, gb, yc, xs, out;
   std::vector<int64_t> shared;  // per slot: the home of every lane's entry, or -1
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
@@ -935,11 +935,16 @@ struct Lanes {
       p_new.resize(ns * static_cast<size_t>(big));
     }
   }
-  void size_backward() {
+  // (gb: only for a cotangent of the weights; without it the cotangent is gv_t x_i, formed from
+  // xs in the vector code)
+  void size_backward(bool with_gb) {
     const size_t ns = static_cast<size_t>(slots * kLanes);
-    if (gb.size() < ns * static_cast<size_t>(big)) gb.resize(ns * static_cast<size_t>(big));
+    if (with_gb && gb.size() < ns * static_cast<size_t>(big)) {
+      gb.resize(ns * static_cast<size_t>(big));
+    }
     if (yc.size() < ns) {
       yc.resize(ns);
+      xs.resize(ns);
       out.resize(ns);
     }
   }
@@ -1698,7 +1703,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         if (l >= count) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
       }
       g.size(big, ns);
-      g.size_backward();
+      g.size_backward(has_gw);
       g.load(lpb);
       double v[kLaneBig * kLanes], f[kLaneBig * kLanes], gvl[kLaneBig * kLanes],
           gap[kLaneBig * kLanes], ie[kLanes], cl[kLanes];
@@ -1721,13 +1726,13 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           const bool in = i < pr.m;
           const double xi = in ? static_cast<double>(xr[wk.grouped[i]]) : 0.0;
           g.yc[i * kLanes + l] = in ? pr.yc[i] : 0.0;
+          g.xs[i * kLanes + l] = xi;
+          if (!has_gw) continue;
           for (int64_t t = 0; t < big; ++t) {
             double u = 0.0;
             if (in && t < k) {
-              u = gvl[t * kLanes + l] * xi;
-              if (has_gw) {
-                u += static_cast<double>(pgw[row * sw0 + t * sw1 + wk.grouped[i] * sw2]);
-              }
+              u = gvl[t * kLanes + l] * xi +
+                  static_cast<double>(pgw[row * sw0 + t * sw1 + wk.grouped[i] * sw2]);
             }
             g.gb[(t * ns + i) * kLanes + l] = u;
           }
@@ -1741,19 +1746,23 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       const double* gp = g.p.data();
       const double* gbp = g.gb.data();
       const VecD zero(0.0), tiny(kTiny), minus_one(-1.0);
-      VecArr fv, gam, gbv, eq;
-      for (int64_t t = 0; t < big; ++t) fv[t] = VecD::loadu(f + t * kLanes);
+      VecArr fv, gam, gbv, eq, gvv;
+      for (int64_t t = 0; t < big; ++t) {
+        fv[t] = VecD::loadu(f + t * kLanes);
+        gvv[t] = VecD::loadu(gvl + t * kLanes);
+      }
       // slot i: the column-exact plan gam, 1 / its row sum, each entry's largest column (the
       // centring's reference; the first of equals) and gb
       auto plan_at = [&](int64_t i, VecD& inv_mu) {
         VecD mu = zero, best = minus_one, hv = zero;
+        const VecD xsv = VecD::loadu(g.xs.data() + i * kLanes);
         for (int64_t t = 0; t < big; ++t) {
           gam[t] = VecD::loadu(gp + t * sj + i * kLanes) * fv[t];
           mu = mu + gam[t];
           const VecD gt = gam[t] > best;
           best = VecD::blendv(best, gam[t], gt);
           hv = VecD::blendv(hv, VecD(static_cast<double>(t)), gt);
-          gbv[t] = VecD::loadu(gbp + (t * ns + i) * kLanes);
+          gbv[t] = has_gw ? VecD::loadu(gbp + (t * ns + i) * kLanes) : gvv[t] * xsv;
         }
         for (int64_t t = 0; t < big; ++t) eq[t] = hv == VecD(static_cast<double>(t));
         inv_mu = VecD(1.0) / at::vec::maximum(mu, tiny);
