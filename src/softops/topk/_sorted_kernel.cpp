@@ -327,9 +327,14 @@ inline void insert_top(double* top, int64_t* ti, int64_t kk, double y, int64_t i
   ti[t] = i;
 }
 
+// Rows up to this long place their k+1 largest by rank (every pair compared, in vectors), not by
+// insertion: in a short row most entries enter the buffer, each a branch that mispredicts.
+constexpr int64_t kRankMaxN = 32;
+
 // The k+1 largest scores (kk of them; k if k = n) of the row in the orientation `sign`, into top
-// (descending; equal scores in the order of the row) and their indices into ti; returns false where an entry is not finite or beyond `limit`, or where the span
-// over epsilon is beyond span_max (the row is then solved in full by the caller).
+// (descending; equal scores in the order of the row) and their indices into ti; returns false
+// where an entry is not finite or beyond `limit`, or where the span over epsilon is beyond
+// span_max (the row is then solved in full by the caller).
 template <typename scalar_t>
 bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double inv_eps,
                 double limit, double span_max, double* top, int64_t* ti) {
@@ -339,6 +344,26 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
   }
   double low = -kInf, ymin = kInf;
   bool ok = true;
+  if (n <= kRankMaxN) {
+    double y[kRankMaxN];
+    for (int64_t i = 0; i < n; ++i) {
+      y[i] = sign * static_cast<double>(xr[i]);
+      ok &= std::abs(y[i]) <= limit;
+      ymin = std::min(ymin, y[i]);
+    }
+    if (!ok) return false;  // (a NaN has no rank)
+    // the rank of entry i: the entries above it, and the equal ones before it
+    for (int64_t i = 0; i < n; ++i) {
+      const double yi = y[i];
+      int64_t r = 0;
+      for (int64_t j = 0; j < n; ++j) r += (y[j] > yi || (y[j] == yi && j < i)) ? 1 : 0;
+      if (r < kk) {
+        top[r] = yi;
+        ti[r] = i;
+      }
+    }
+    return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
+  }
   int64_t i = 0;
   // blocks of 16: the bounds of a block first (vectorised), the insertion only where its
   // largest entry enters the buffer
@@ -1059,19 +1084,21 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
 }
 
 // laplacian_solve's Jacobi-equilibrated Cholesky (big >= 4, grounded at the last column) on
-// every lane with the relative jitter tau (per lane): out = K^-1 rhs ([j * kLanes + l]); returns
-// 1.0 in the lanes where every squared pivot is positive (else 0.0), their least in least.
+// every lane with the relative jitter tau (per lane), in its square-root-free form L D L^T (the
+// same factor: D holds the squared pivots; a pivot's square root and its reciprocal were the
+// longest chain of the factorisation): out = K^-1 rhs ([j * kLanes + l]); returns 1.0 in the
+// lanes where every squared pivot is positive (else 0.0), their least in least.
 VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* out,
                      const VecD& tau, VecD& least) {
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
   // (the matrices as plain doubles, vector j * m1 + col at [(j * m1 + col) * kLanes]: an array
   // of Vectorized would be zeroed on construction)
-  double amat[kLaneBig * kLaneBig * kLanes], chol[kLaneBig * kLaneBig * kLanes];
+  double amat[kLaneBig * kLaneBig * kLanes], unit[kLaneBig * kLaneBig * kLanes];
   auto at_w = [&](int64_t j, int64_t col) { return VecD::loadu(w + (j * kLaneBig + col) * kLanes); };
   auto at_a = [&](int64_t j, int64_t col) { return VecD::loadu(amat + (j * m1 + col) * kLanes); };
-  auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(chol + (j * m1 + col) * kLanes); };
-  VecArr scale, inv_piv, y, x;
+  auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(unit + (j * m1 + col) * kLanes); };
+  VecArr scale, inv_d, y, x, e;
   for (int64_t j = 0; j < m1; ++j) {
     VecD d = zero;
     for (int64_t col = 0; col < big; ++col) {
@@ -1086,31 +1113,29 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
   least = one;
   VecD okv = one;
   for (int64_t j = 0; j < m1; ++j) {
-    for (int64_t col = 0; col < j; ++col) {
-      VecD acc = at_a(j, col);
-      for (int64_t s = 0; s < col; ++s) acc = acc - at_l(j, s) * at_l(col, s);
-      (acc * inv_piv[col]).store(chol + (j * m1 + col) * kLanes);
-    }
+    // e_c = L_jc D_c, then L_jc = e_c / D_c; D_j = A_jj + tau - sum_c L_jc e_c
     VecD acc = at_a(j, j) + tau;
-    for (int64_t s = 0; s < j; ++s) {
-      const VecD ljs = at_l(j, s);
-      acc = acc - ljs * ljs;
+    for (int64_t col = 0; col < j; ++col) {
+      VecD ec = at_a(j, col);
+      for (int64_t s = 0; s < col; ++s) ec = ec - e[s] * at_l(col, s);
+      e[col] = ec;
+      const VecD ljc = ec * inv_d[col];
+      ljc.store(unit + (j * m1 + col) * kLanes);
+      acc = acc - ljc * ec;
     }
     okv = at::vec::minimum(okv, acc.gt(zero));
-    const VecD piv = acc.sqrt();
-    piv.store(chol + (j * m1 + j) * kLanes);
-    inv_piv[j] = one / piv;
+    inv_d[j] = one / acc;
     least = at::vec::minimum(least, acc);
   }
   for (int64_t j = 0; j < m1; ++j) {
     VecD acc = VecD::loadu(rhs + j * kLanes) * scale[j];
     for (int64_t s = 0; s < j; ++s) acc = acc - at_l(j, s) * y[s];
-    y[j] = acc * inv_piv[j];
+    y[j] = acc;
   }
   for (int64_t j = m1 - 1; j >= 0; --j) {
-    VecD acc = y[j];
+    VecD acc = y[j] * inv_d[j];
     for (int64_t s = j + 1; s < m1; ++s) acc = acc - at_l(s, j) * x[s];
-    x[j] = acc * inv_piv[j];
+    x[j] = acc;
   }
   for (int64_t j = 0; j < m1; ++j) (x[j] * scale[j]).store(out + j * kLanes);
   zero.store(out + m1 * kLanes);
