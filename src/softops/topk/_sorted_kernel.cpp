@@ -649,8 +649,14 @@ double eval_fast(const Prob& pb, const double* v, double* p, double* gap, int64_
     const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
     if (!(std::abs(a) <= kFar)) return kInf;
     av[j] = a;
-    rho[j] = std::exp(a);
-    irho[j] = 1.0 / rho[j];  // (within a unit of rounding of exp(-a); |a| <= 600)
+  }
+  // the column factors a vector at a time (one call of the vector exponential, not one scalar
+  // call per column); irho within a unit of rounding of exp(-a) (|a| <= 600)
+  for (int64_t j = 0; j + 1 < big; j += L) {
+    const int64_t cnt = std::min<int64_t>(L, big - 1 - j);
+    const Vec r = Vec::loadu(av + j, cnt).exp();
+    r.store(rho + j, cnt);
+    (Vec(1.0) / r).store(irho + j, cnt);
   }
   column_limits(pb, av, lim);
   for (int64_t j = 0; j < big; ++j) g[j] = pb.bref[j];
