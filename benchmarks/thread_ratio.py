@@ -21,13 +21,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _grid_worker import callables, make_input  # noqa: E402
+from _grid_worker import callables, make_input
 
 GRID_B = (1, 8, 32, 33, 64, 1024, 4096, 16384)
 GRID_N = (8, 32, 128, 1000, 10_000, 100_000, 1_000_000)
