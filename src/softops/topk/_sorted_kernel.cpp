@@ -9,8 +9,9 @@
 // allocation per row).
 //
 // The candidate problem of a row (solve_rows): one pass finds its k+1 largest scores (an
-// insertion buffer), a second bins the gaps below the (k+1)-th in quarters of epsilon and keeps
-// the entries that may be candidates; the cut drops the farthest bins while k times their bound
+// insertion buffer, or by rank in a row of at most 32; their indices are the op's), a second
+// bins the gaps below the (k+1)-th in quarters of epsilon and keeps the entries that may be
+// candidates; the cut drops the farthest bins while k times their bound
 // stays within tau. The candidates are then grouped by their home (their hard rank), and each
 // state v of the columns is evaluated without an exponential per entry and target: with the
 // centre c, e_i = exp((c - y_i)/eps) once per row and rho_j = exp(v_{j+1} - v_j + (b_j - c)/eps)
