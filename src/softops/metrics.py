@@ -16,7 +16,14 @@ tends to scikit-learn's metric of the argmax.
 
 **Inputs.** ``input`` is (N, C), classes last: probabilities (used as given, not checked), or
 logits with ``from_logits=True`` (``softmax(input / epsilon)``); a binary (N,) input is the
-probability of class 1 (``sigmoid(input / epsilon)``). ``target``: integer labels (N,) in [0, C).
+probability of class 1 (``sigmoid(input / epsilon)``). ``target``: integer labels (N,) in [0, C)
+({0, 1} for a 1-D input).
+
+**Epsilon** is the softmax temperature, in the units of the logits (larger is smoother), a
+positive float or a 0-dim tensor (which receives a gradient); it is used only with
+``from_logits=True`` and must stay at its default 1.0 otherwise. Scaling law: logits ``c * z``
+with ``epsilon = c * e`` give the value of ``z`` with ``e``; as ``epsilon -> 0`` a metric tends
+to its hard value at the argmax (on logits without ties for the max).
 
 **Average.** None means ``"binary"`` for 1-D input and ``"macro"`` otherwise. ``"binary"``:
 the positive class (class 1 of an (N, 2) input); ``"micro"``: counts summed over the classes
@@ -25,10 +32,12 @@ the positive class (class 1 of an (N, 2) input); ``"micro"``: counts summed over
 without a true member in precision and F1, scores 0 with a zero gradient.
 
 **Batch bias and counts.** Precision, recall and F1 are ratios of sums over the batch, so a
-minibatch value is a biased estimate of the dataset's. :func:`soft_confusion` (the update)
-returns counts that add up over batches, and :func:`precision_from_counts`,
-:func:`recall_from_counts` and :func:`f1_from_counts` (the compute) score them once, as in
-torchmetrics; ``soft_f1(input, target)`` is ``f1_from_counts(soft_confusion(input, target))``.
+minibatch value is a biased estimate of the dataset's (the bias shrinks like 1/N, worst for rare
+classes). :func:`soft_confusion` (the update) returns counts that add up over batches, and
+:func:`precision_from_counts`, :func:`recall_from_counts` and :func:`f1_from_counts` (the
+compute) score them once, as in torchmetrics; ``soft_f1(input, target)`` is
+``f1_from_counts(soft_confusion(input, target))``. To train for F1, train with cross-entropy,
+then fine-tune with :func:`softops.losses.f1_loss` on large batches (Su 2019).
 
 Every metric returns a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 computed in
 float32), differentiable in ``input`` and a tensor ``epsilon``. The unexported checks and hits
@@ -87,10 +96,8 @@ TOPK_METHODS = tuple(m for m in MASK_METHODS if m != "softkmax")
 class SoftConfusion(NamedTuple):
     r"""Soft confusion counts, as returned by :func:`soft_confusion`.
 
-    Each field is a 0-dim tensor (averages "binary" and "micro") or has shape (C,), one entry per
-    class (average "macro"). ``a + b`` adds two counts field by field (it does not concatenate,
-    as a plain tuple would), and ``sum(counts)`` works, so that the counts of the batches of a
-    dataset add up to the counts of the dataset.
+    Each field is 0-dim ("binary", "micro") or (C,) ("macro"). ``a + b`` adds field by field
+    (not a tuple concatenation) and ``sum(counts)`` works: a dataset's counts are its batches' sum.
 
     Attributes:
         tp: the true-positive mass :math:`TP = \sum_n p_n [t_n = c]`.
@@ -125,9 +132,7 @@ class SoftConfusion(NamedTuple):
 
 
 def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, op: str) -> None:
-    """Integer labels of shape (n,) with values in [0, n_classes); the range eagerly only (one host
-    sync; under ``torch.func``, ``torch.compile`` and on meta tensors torch's index checks remain).
-    """
+    """Integer labels (n,) in [0, n_classes); the range checked eagerly only (one host sync)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(
             f"{op}: expected `target` to be a torch.Tensor; got {type(target).__name__}."
@@ -188,9 +193,7 @@ def _check_logits_args(
 def check_classification(
     input: Any, target: Any, from_logits: Any, epsilon: Any, op: str
 ) -> float | torch.Tensor:
-    """The checks of every classification metric and loss, errors named after ``op``;
-    returns ``epsilon`` checked (a float or a 0-dim tensor). Shared with :mod:`softops.losses`.
-    """
+    """The checks of every classification metric and loss; returns ``epsilon`` checked."""
     _check_input(input, op)
     n_classes = 2 if input.dim() == 1 else input.shape[1]
     _check_target(target, input.shape[0], n_classes, input.shape, op)
@@ -198,10 +201,7 @@ def check_classification(
 
 
 def check_average(average: Any, input: torch.Tensor, op: str) -> str:
-    """Resolve ``average`` (None: "binary" for 1-D input, "macro" otherwise) or raise.
-
-    Internal, shared with :mod:`softops.losses`.
-    """
+    """Resolve ``average`` (None: "binary" for 1-D input, "macro" otherwise) or raise."""
     if average is None:
         return "binary" if input.dim() == 1 else "macro"
     check_choice(average, AVERAGES, op, "average")
@@ -235,46 +235,21 @@ def _class_probabilities(
     return torch.stack([1 - x, x], dim=-1) if x.dim() == 1 else x
 
 
-def _positive_probability(
-    input: torch.Tensor, from_logits: bool, epsilon: float | torch.Tensor
-) -> torch.Tensor:
-    """(N,) probability of class 1 (binary average), in the compute dtype."""
-    x = input.to(compute_dtype(input.dtype))
-    if input.dim() == 1:
-        return torch.sigmoid(_logits_scale(x, epsilon)) if from_logits else x
-    if from_logits:
-        return torch.softmax(_logits_scale(x, epsilon), dim=-1)[:, 1]
-    return x[:, 1]
-
-
 def true_class_probability(
     input: torch.Tensor,
     target: torch.Tensor,
     from_logits: bool,
     epsilon: float | torch.Tensor,
 ) -> torch.Tensor:
-    """(N,) probability given to the true class, in the compute dtype: the soft 0/1 hit.
-
-    No checks (see :func:`check_classification`). Internal, shared with :mod:`softops.losses`.
-    """
-    x = input.to(compute_dtype(input.dtype))
-    if x.dim() == 1:
-        positive = target == 1
-        if from_logits:
-            z = _logits_scale(x, epsilon)
-            return torch.sigmoid(torch.where(positive, z, -z))
-        return torch.where(positive, x, 1 - x)
-    p = torch.softmax(_logits_scale(x, epsilon), dim=-1) if from_logits else x
+    """(N,) probability of the true class (the soft 0/1 hit), compute dtype; unchecked."""
+    p = _class_probabilities(input, from_logits, epsilon)
     return p.gather(1, target.long().unsqueeze(1)).squeeze(1)
 
 
 def _safe_divide(
     num: torch.Tensor, den: torch.Tensor, zero: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``num / den``, and 0 (with a zero gradient) where ``den == 0`` or ``zero``.
-
-    The denominator is 1 there before dividing, so neither branch of the ``where`` makes NaN.
-    """
+    """``num / den``, and 0 (with a zero gradient, no NaN) where ``den == 0`` or ``zero``."""
     zero = den == 0 if zero is None else zero | (den == 0)
     den = torch.where(zero, 1.0, den)
     # Both scaled by the power of two c (two factors: 2**149 is beyond float32) that brings den
@@ -293,11 +268,11 @@ def _confusion(
     epsilon: float | torch.Tensor,
 ) -> SoftConfusion:
     """Soft (TP, P, T), unchecked: 0-dim for "binary" and "micro", shape (C,) for "macro"."""
+    p = _class_probabilities(input, from_logits, epsilon)
     if average == "binary":
-        p = _positive_probability(input, from_logits, epsilon)
+        p = p[:, 1]
         t = (target == 1).to(p.dtype)
         return SoftConfusion((p * t).sum(), p.sum(), t.sum())
-    p = _class_probabilities(input, from_logits, epsilon)
     n_classes = p.shape[1]
     t = target.long()
     if average == "micro":
@@ -355,35 +330,26 @@ def soft_confusion(
 ) -> SoftConfusion:
     r"""Soft confusion counts of one batch: the update step of precision, recall and F1.
 
-    The hard counts are those of ``pred = input.argmax(-1)`` (``input > 0.5`` for a 1-D input):
-    ``((pred == c) & (target == c)).sum()``, ``(pred == c).sum()`` and ``(target == c).sum()``; the
-    soft ones replace ``pred == c`` by :math:`p_{nc}` (:math:`TP_c`, :math:`P_c`, :math:`T_c` of
-    the module docstring). The counts of disjoint batches add up (``a + b``, ``sum(...)``) to those
-    of their union, so :func:`f1_from_counts` of counts summed over a dataset is its soft F1, free
-    of the batch bias. The counts keep their graph: accumulate under ``torch.no_grad()`` to
-    evaluate.
+    The hard counts of ``pred = input.argmax(-1)`` (``input > 0.5`` for a 1-D input) are
+    ``((pred == c) & (target == c)).sum()``, ``(pred == c).sum()`` and ``(target == c).sum()``;
+    the soft ones replace ``pred == c`` by :math:`p_{nc}` (:math:`TP_c, P_c, T_c` of the module
+    docstring). Counts of batches add up; accumulate under ``torch.no_grad()`` to evaluate.
 
     Args:
-        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
-            logits with ``from_logits=True``. Floating dtype.
-        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        average: ``"binary"`` (the positive class; 0-dim), ``"micro"`` (summed over the classes;
-            0-dim) or ``"macro"`` (one per class, (C,); a 1-D input counts as two classes). None
-            (default): ``"binary"`` for a 1-D input, ``"macro"`` otherwise.
-        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
-            ``sigmoid(input / epsilon)``).
-        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
-            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
-            or a 0-dim tensor, which receives a gradient.
+        input: (N, C) class probabilities or (N,) binary ones; logits with ``from_logits``.
+        target: integer labels (N,), in [0, C).
+        average: ``"binary"``, ``"micro"`` (0-dim counts) or ``"macro"`` (per class, (C,)); None:
+            "binary" for a 1-D input, else "macro".
+        from_logits: ``input`` holds logits (``softmax(input / epsilon)``).
+        epsilon: the softmax temperature (module docstring), with ``from_logits`` only.
 
     Shape:
         - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; each count: :math:`()`
           ("binary", "micro") or :math:`(C,)` ("macro").
 
     Returns:
-        ``SoftConfusion(tp, predicted, true)``, differentiable in ``input`` (and a tensor
-        ``epsilon``), in the compute dtype of ``input`` (float32 for float16 and bfloat16, so that
-        sums over a dataset keep their precision); the hard counts on one-hot probabilities.
+        ``SoftConfusion(tp, predicted, true)`` in the compute dtype of ``input`` (float32 for
+        float16 and bfloat16, so that sums keep their precision); differentiable.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -404,13 +370,11 @@ def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
     r"""Soft precision from soft counts, :math:`TP / P`: the compute step of :func:`soft_precision`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several. 0-dim
-            counts ("binary", "micro") give their ratio, per-class counts (C,) ("macro") the mean
-            of the per-class ratios.
+        counts: a :class:`SoftConfusion` (or a sum of them); counts (C,) give the mean of the
+            per-class ratios.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
-        member (its TP is 0 whatever the predictions), scores 0 with a zero gradient.
+        A 0-dim tensor in the dtype of the counts (zero denominators: module docstring).
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -428,11 +392,10 @@ def recall_from_counts(counts: SoftConfusion) -> torch.Tensor:
     r"""Soft recall from soft counts, :math:`TP / T`: the compute step of :func:`soft_recall`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several; 0-dim
-            counts give their ratio, counts (C,) the mean of the per-class ratios.
+        counts: as for :func:`precision_from_counts`.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts; a zero denominator scores 0 (zero gradient).
+        A 0-dim tensor in the dtype of the counts.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -448,12 +411,10 @@ def f1_from_counts(counts: SoftConfusion) -> torch.Tensor:
     r"""Soft F1 from soft counts, :math:`2\,TP / (P + T)`: the compute step of :func:`soft_f1`.
 
     Args:
-        counts: a :class:`SoftConfusion` from :func:`soft_confusion`, or the sum of several; 0-dim
-            counts give their ratio, counts (C,) the mean of the per-class ratios.
+        counts: as for :func:`precision_from_counts`.
 
     Returns:
-        A 0-dim tensor in the dtype of the counts. A zero denominator, or a class without a true
-        member, scores 0 with a zero gradient.
+        A 0-dim tensor in the dtype of the counts.
 
     Example:
         Counts summed over the batches of a dataset give the F1 of the dataset:
@@ -495,23 +456,16 @@ def soft_accuracy(
         \text{binary: } p_{n, t_n} = p_n \text{ if } t_n = 1 \text{ else } 1 - p_n .
 
     Args:
-        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
-            logits with ``from_logits=True``. Floating dtype.
-        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
-            ``sigmoid(input / epsilon)``).
-        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
-            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
-            or a 0-dim tensor, which receives a gradient. Scaling law: logits ``c * z`` with
-            ``epsilon = c * e`` give the value of ``z`` with ``e``. As ``epsilon -> 0`` the
-            value tends to the accuracy of the argmax (on logits without ties for the max).
+        input: (N, C) class probabilities or (N,) binary ones; logits with ``from_logits``.
+        target: integer labels (N,), in [0, C).
+        from_logits: ``input`` holds logits (``softmax(input / epsilon)``).
+        epsilon: the softmax temperature (module docstring), with ``from_logits`` only.
 
     Shape:
         - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; output: :math:`()`.
 
     Returns:
-        A 0-dim tensor in the dtype of ``input``, in [0, 1] for probabilities. On one-hot
-        probabilities it equals ``sklearn.metrics.accuracy_score``.
+        A 0-dim tensor in the dtype of ``input``; ``sklearn.metrics.accuracy_score`` on one-hots.
 
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -527,28 +481,18 @@ def soft_accuracy(
 
 _COMMON_ARGS = r"""
     Args:
-        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
-            logits with ``from_logits=True``. Floating dtype.
-        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        average: ``"binary"`` (the positive class: a 1-D input, or class 1 of an (N, 2) input),
-            ``"micro"`` (counts summed over the classes) or ``"macro"`` (the mean over all C
-            classes, a 1-D input counting as two). None (default): ``"binary"`` for a 1-D input,
-            ``"macro"`` otherwise.
-        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
-            ``sigmoid(input / epsilon)``).
-        epsilon: the softmax temperature, in the units of the logits; larger is smoother. Only
-            with ``from_logits=True`` (otherwise it must stay at its default). A positive float
-            or a 0-dim tensor, which receives a gradient. Scaling law: logits ``c * z`` with
-            ``epsilon = c * e`` give the value of ``z`` with ``e``. As ``epsilon -> 0`` the
-            value tends to scikit-learn's metric of the argmax predictions.
+        input: (N, C) class probabilities or (N,) binary ones; logits with ``from_logits``.
+        target: integer labels (N,), in [0, C).
+        average: ``"binary"``, ``"micro"`` or ``"macro"`` (module docstring); None: "binary"
+            for a 1-D input, else "macro".
+        from_logits: ``input`` holds logits (``softmax(input / epsilon)``).
+        epsilon: the softmax temperature (module docstring), with ``from_logits`` only.
 
     Shape:
         - input: :math:`(N, C)` or :math:`(N,)`; target: :math:`(N,)`; output: :math:`()`.
 
     Returns:
-        A 0-dim tensor in the dtype of ``input``. For probabilities it lies in [0, 1]. On one-hot
-        probabilities it equals scikit-learn's metric with ``labels=range(C)``,
-        ``zero_division=0`` and the same ``average``. A zero denominator scores 0.
+        A 0-dim tensor in the dtype of ``input``; scikit-learn's metric on one-hots.
 
 """
 
@@ -563,19 +507,16 @@ def soft_precision(
 ) -> torch.Tensor:
     r"""Soft precision: true-positive mass over predicted mass.
 
-    The hard metric is ``sklearn.metrics.precision_score(target, pred,
-    labels=range(C), average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
-    ``input > 0.5`` for a 1-D binary input). The soft one uses the soft counts of
-    the module docstring:
+    The hard metric is ``sklearn.metrics.precision_score(target, pred, labels=range(C),
+    average=average, zero_division=0)`` with ``pred = input.argmax(-1)``; the soft one:
 
     .. math::
 
         \mathrm{precision}_c = \frac{TP_c}{P_c}
         = \frac{\sum_n p_{nc} [t_n = c]}{\sum_n p_{nc}} .
 
-    With ``from_logits=True`` ("binary", "macro") the ratio is formed in log space,
-    :math:`\sum_n [t_n = c]\,\mathrm{softmax}_n(\log p_{nc})`: the same value up to rounding,
-    with a finite gradient where :math:`P_c` is subnormal. A class with :math:`P_c = 0` scores 0.
+    With ``from_logits=True`` it is formed in log space (a finite gradient where :math:`P_c` is
+    subnormal).
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -598,11 +539,7 @@ def soft_precision(
 def _precision_from_logits(
     input: torch.Tensor, target: torch.Tensor, average: str, epsilon: float | torch.Tensor
 ) -> torch.Tensor:
-    """Per-class precision (C,) ("macro") or (1,) ("binary") of logits, in log space.
-
-    ``TP_c / P_c = sum_n [t_n = c] softmax_n(log p_.c)``: bounded weights and gradients where the
-    counts' ratio divides by a subnormal ``P_c``. A column with ``P_c == 0`` scores 0, gradient 0.
-    """
+    """Per-class precision of logits, ``sum_n [t_n = c] softmax_n(log p_nc)``; 0 where P_c = 0."""
     z = _logits_scale(input.to(compute_dtype(input.dtype)), epsilon)
     if average == "binary":
         if z.dim() == 1:
@@ -632,10 +569,8 @@ def soft_recall(
 ) -> torch.Tensor:
     r"""Soft recall: true-positive mass over the number of true members.
 
-    The hard metric is ``sklearn.metrics.recall_score(target, pred,
-    labels=range(C), average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
-    ``input > 0.5`` for a 1-D binary input). The soft one uses the soft counts of
-    the module docstring:
+    The hard metric is ``sklearn.metrics.recall_score(target, pred, labels=range(C),
+    average=average, zero_division=0)`` with ``pred = input.argmax(-1)``; the soft one:
 
     .. math::
 
@@ -664,23 +599,14 @@ def soft_f1(
     r"""Soft F1: the harmonic mean of soft precision and soft recall.
 
     The hard metric is ``sklearn.metrics.f1_score(target, pred, labels=range(C),
-    average=average, zero_division=0)`` (``pred = input.argmax(-1)``, or
-    ``input > 0.5`` for a 1-D binary input). The soft one (the smooth F1 of Su (2019), section
-    "正确率") uses the soft counts of :func:`soft_confusion`:
+    average=average, zero_division=0)`` with ``pred = input.argmax(-1)``; the soft one (Su 2019):
 
     .. math::
 
         F1_c = \frac{2\,TP_c}{P_c + T_c}
-        = \frac{2 \sum_n p_{nc} [t_n = c]}{\sum_n \big(p_{nc} + [t_n = c]\big)},
+        = \frac{2 \sum_n p_{nc} [t_n = c]}{\sum_n \big(p_{nc} + [t_n = c]\big)}.
 
-    averaged over the classes for ``"macro"``; ``"micro"`` sums the counts over the classes
-    first.
-
-    **Batch bias.** F1 is a ratio of sums over the batch, so a minibatch value is a biased
-    estimate of the dataset's (the bias shrinks like 1/N, worst for rare classes). To train for
-    F1, train with cross-entropy, then fine-tune with :func:`softops.losses.f1_loss` on large
-    batches (Su 2019); to evaluate, sum the counts of :func:`soft_confusion` over the batches and
-    take :func:`f1_from_counts` once (the second example).
+    A minibatch value is biased (module docstring): over a dataset, sum the counts and score once.
     {args}
     Example:
         >>> p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
@@ -689,17 +615,6 @@ def soft_f1(
         tensor(0.4469)
         >>> soft_f1(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1, 0, 0, 1]))
         tensor(0.8000)
-
-        Over a dataset, accumulate the counts and compute once; the mean of the per-batch
-        values is biased:
-
-        >>> batches = [(p[:2], t[:2]), (p[2:], t[2:])]
-        >>> with torch.no_grad():
-        ...     counts = sum(soft_confusion(x, y) for x, y in batches)
-        >>> f1_from_counts(counts).round(decimals=4)  # equals soft_f1(p, t)
-        tensor(0.4469)
-        >>> sum(soft_f1(x, y) for x, y in batches).div(2).round(decimals=4)
-        tensor(0.3399)
 
     References:
         See :mod:`softops.metrics`.
@@ -716,10 +631,7 @@ for _fn in (soft_precision, soft_recall, soft_f1):
 def check_topk_classification(
     scores: Any, target: Any, k: Any, epsilon: Any, method: Any, op: str
 ) -> tuple[int, float | torch.Tensor]:
-    """The checks of the top-k accuracy metric and loss, errors named after ``op``.
-
-    Returns ``(k, epsilon)`` checked. Internal, shared with :mod:`softops.losses`.
-    """
+    """The checks of the top-k accuracy metric and losses; returns ``(k, epsilon)`` checked."""
     check_floating(scores, op, "scores")
     if scores.dim() != 2:
         raise ValueError(
@@ -763,11 +675,7 @@ def true_class_topk_membership(
     method: str,
     hard: bool,
 ) -> torch.Tensor:
-    """(N,) soft membership of the true class in the top k, in the compute dtype.
-
-    No checks (see :func:`check_topk_classification`). Internal, shared with
-    :mod:`softops.losses`.
-    """
+    """(N,) soft membership of the true class in the top k, compute dtype; unchecked."""
     x = scores.to(compute_dtype(scores.dtype))
     mask = soft_topk_mask(x, k, epsilon=epsilon, method=method, hard=hard)
     return mask.gather(1, target.long().unsqueeze(1)).squeeze(1)
@@ -788,9 +696,8 @@ def soft_topk_accuracy(
 
         (scores.topk(k, -1).indices == target[:, None]).any(-1).float().mean()
 
-    which is ``sklearn.metrics.top_k_accuracy_score(target, scores, k=k, labels=range(C))`` on
-    scores without ties. The soft one reads the true class off the soft top-k mask
-    (:func:`softops.soft_topk_mask`):
+    (scikit-learn's ``top_k_accuracy_score``). The soft one reads the true class off the soft
+    top-k mask (:func:`softops.soft_topk_mask`):
 
     .. math::
 
@@ -801,25 +708,18 @@ def soft_topk_accuracy(
     Args:
         scores: raw scores (not probabilities), (N, C), floating dtype.
         target: integer labels, (N,), in [0, C).
-        k: an int in [1, C]; k = C gives 1.
-        epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
-            A positive float, or a tensor broadcastable to (N,), which receives a gradient.
-            Scaling law: ``soft_topk_accuracy(c*s, t, k, epsilon=c*e) ==
-            soft_topk_accuracy(s, t, k, epsilon=e)``. As ``epsilon -> 0`` the value tends to the
-            hard top-k accuracy (on scores without ties at the k-th place).
-        method: the mask's method, as for :func:`softops.soft_topk_mask`: ``"ot"`` (default,
-            exact), ``"sinkhorn"``, ``"perturbed"`` (with its default draws) or ``"sparse"``
-            (the capped-simplex projection: exact zeros and ones); only "ot" and "sparse"
-            differentiate with respect to a tensor ``epsilon``. ``"softkmax"`` is not
-            accepted: its mask is not clipped to [0, 1].
-        hard: straight-through: the forward is the hard top-k accuracy, the backward that of
-            the soft one.
+        k: an int in [1, C].
+        epsilon: the mask's temperature, in the units of the scores (a float, or a tensor
+            broadcastable to (N,)); as for :func:`softops.soft_topk_mask`.
+        method: the mask's method: "ot" (default), "sinkhorn", "perturbed" or "sparse" (not
+            "softkmax", whose mask is not clipped to [0, 1]).
+        hard: straight-through: the hard value forward, the soft gradient backward.
 
     Shape:
         - scores: :math:`(N, C)`; target: :math:`(N,)`; output: :math:`()`.
 
     Returns:
-        A 0-dim tensor in the dtype of ``scores``, in [0, 1].
+        A 0-dim tensor in the dtype of ``scores``.
 
     Example:
         >>> s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
@@ -865,11 +765,7 @@ def _metric_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
 
 
 def average_ranks(t: torch.Tensor) -> torch.Tensor:
-    """1-based ranks along the last dim, ties sharing their mean rank (``scipy.stats.rankdata``).
-
-    A row holding a NaN gives NaN. Integer ``t`` gives ranks in the default dtype. Internal,
-    shared with :mod:`softops.losses`.
-    """
+    """1-based ranks along the last dim, ties sharing their mean (scipy's rankdata); NaN rows NaN."""
     t = t.contiguous()
     s = t.sort(dim=-1).values
     lo = torch.searchsorted(s, t, right=False)
@@ -893,20 +789,17 @@ def spearman(pred: torch.Tensor, target: torch.Tensor, *, dim: int = -1) -> torc
         {\sqrt{\sum_i (a_i - \bar a)^2}\sqrt{\sum_i (b_i - \bar b)^2}}, \qquad
         a = \mathrm{rank}(\text{pred}), \; b = \mathrm{rank}(\text{target}).
 
-    A row where ``pred`` or ``target`` is constant (a row of one entry, say) has no defined
-    correlation: NaN, as in scipy (:func:`softops.losses.spearman_loss` counts it as 0 there). A
-    row holding a NaN gives NaN. The metric is hard: piecewise constant in ``pred``, its gradient
-    is zero; train with :func:`softops.losses.spearman_loss`, which is ``1 - rho`` with the soft
-    ranks of ``pred``.
+    A constant row gives NaN, as in scipy, and so does a row holding a NaN. The metric is hard
+    (a zero gradient); train with :func:`softops.losses.spearman_loss`.
 
     Args:
-        pred: predictions, any shape, real dtype (floating or integer); ranked along ``dim``.
+        pred: predictions, any shape, real dtype; ranked along ``dim``.
         target: the shape of ``pred``, real dtype.
         dim: the dimension to rank along; every other dim is a batch dim.
 
     Returns:
-        The correlations, in [-1, 1], of the shape of ``pred`` without ``dim``, in the floating
-        dtype of the inputs (the default dtype for integer ones). Their mean is a batch's score.
+        The correlations, of the shape of ``pred`` without ``dim``, in the floating dtype of the
+        inputs (the default dtype for integer ones).
 
     Example:
         >>> pred = torch.tensor([[0.1, 0.4, 0.3, 0.9], [1.0, 2.0, 3.0, 4.0]])
@@ -948,27 +841,21 @@ def ndcg(
         \sum_{j \in \text{places}(T)} D(j), \qquad
         \mathrm{NDCG} = \frac{\mathrm{DCG}}{\mathrm{IDCG}},
 
-    with :math:`\mathrm{IDCG} = \sum_j g(y_{[j]}) D(j)` the DCG of the ideal ordering and the gain
-    :math:`g(y) = y` ("linear", scikit-learn's) or :math:`2^y - 1` ("exp"). A row with IDCG = 0
-    (no relevant entry) scores 0, as in scikit-learn (:func:`softops.losses.ndcg_loss` gives it
-    loss 0 instead: every ordering of it is ideal). A row holding a NaN gives NaN. The metric is
-    hard (piecewise constant in ``scores``, a zero gradient); train with
+    with :math:`\mathrm{IDCG}` the DCG of the ideal ordering and the gain :math:`g(y) = y`
+    ("linear") or :math:`2^y - 1` ("exp"). A row with IDCG = 0 scores 0, as in scikit-learn; a
+    row holding a NaN gives NaN. The metric is hard (a zero gradient); train with
     :func:`softops.losses.ndcg_loss`.
 
     Args:
-        scores: predicted scores, any shape, real dtype; a higher score ranks higher along
-            ``dim``.
-        relevance: the true relevance of each entry, the shape of ``scores``, non-negative, real
-            dtype.
-        k: None (default: every place counts) or an int >= 1: NDCG@k, only the first k places
-            count; k >= n is the full NDCG, as in scikit-learn.
+        scores: predicted scores, any shape, real dtype; higher ranks first along ``dim``.
+        relevance: the relevance of each entry, the shape of ``scores``, non-negative.
+        k: None (default: every place) or an int >= 1: NDCG@k.
         dim: the dimension to rank along; every other dim is a batch dim.
         gain: ``"linear"`` (default, scikit-learn's) or ``"exp"``.
 
     Returns:
-        The NDCG of each row, in [0, 1], of the shape of ``scores`` without ``dim``, in the
-        floating dtype of the inputs (the default dtype for integer ones). Their mean is
-        ``ndcg_score`` over the rows.
+        The NDCG of each row, of the shape of ``scores`` without ``dim``, in the floating dtype
+        of the inputs (the default dtype for integer ones).
 
     Example:
         >>> relevance = torch.tensor([[3.0, 2.0, 0.0, 1.0]])
