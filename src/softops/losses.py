@@ -9,9 +9,18 @@ r"""Losses built on the soft metrics and the soft sort family: 1 - (soft metric)
   truncated at k by the soft top-k mask.
 
 Conventions for the classification losses (``input``, ``target``, ``average``,
-``from_logits``, ``epsilon``) are those of :mod:`softops.metrics`. The ranking losses take any
-number of batch dims and work along ``dim``; their ``epsilon`` is passed on to
-:func:`softops.soft_rank` (and :func:`softops.soft_topk_mask`) unchanged.
+``from_logits``, ``epsilon``) are those of :mod:`softops.metrics`; ``reduction`` is ``"mean"``
+(default), ``"sum"`` or ``"none"`` (per sample, or per row for the ranking losses).
+
+The ranking losses take any number of batch dims and work along ``dim``. A float or tensor
+``epsilon`` (broadcastable to the batch shape; it receives a gradient) is passed on to
+:func:`softops.soft_rank` (and :func:`softops.soft_topk_mask`) unchanged, in the units of
+``input`` with "pav". The default None is relative to each row, ``3 * std(row) / n``
+(population std, kept in the graph), so the loss is scale-free (``loss(c*x, t) == loss(x, t)``,
+c > 0) and stays a rank loss at every n: with "pav" the soft ranks are exactly hard where every
+gap between sorted neighbours exceeds ``epsilon`` and exactly affine where every gap is below it
+(the site's "Choosing epsilon" page gives the fractions and how the default was chosen; its
+"Metrics and losses" page the measured distance to the hard metrics).
 
 References:
     Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking. ICML 2020.
@@ -32,7 +41,6 @@ from typing import Any
 import torch
 
 from softops._core.dims import flatten_to_2d, row_param
-from softops._core.transforms import cannot_branch
 from softops._core.validation import (
     check_choice,
     check_dim,
@@ -47,8 +55,10 @@ from softops.metrics import (
     average_ranks,
     check_average,
     check_classification,
+    check_relevance,
     check_topk_classification,
     f1_from_counts,
+    gain_of,
     soft_confusion,
     true_class_probability,
     true_class_topk_membership,
@@ -96,17 +106,14 @@ def accuracy_loss(
         \ell_n = 1 - p_{n, t_n}, \qquad
         \text{binary: } p_{n, t_n} = p_n \text{ if } t_n = 1 \text{ else } 1 - p_n,
 
-    so ``accuracy_loss(input, target)`` equals ``1 - soft_accuracy(input, target)``. Unlike
-    cross-entropy it is bounded, so confidently wrong samples do not dominate.
+    the per-sample ``1 - soft_accuracy``. Unlike cross-entropy it is bounded, so confidently wrong
+    samples do not dominate.
 
     Args:
-        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
-            logits with ``from_logits=True``. Floating dtype.
-        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
-            ``sigmoid(input / epsilon)``).
-        epsilon: the softmax temperature, in the units of the logits, used only with
-            ``from_logits=True``; a positive float or a 0-dim tensor (it receives a gradient).
+        input: (N, C) class probabilities or (N,) binary ones; logits with ``from_logits``.
+        target: integer labels (N,), in [0, C).
+        from_logits: ``input`` holds logits (``softmax(input / epsilon)``).
+        epsilon: the softmax temperature, with ``from_logits`` only (:mod:`softops.metrics`).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
 
     Returns:
@@ -154,13 +161,9 @@ def topk_accuracy_loss(
         scores: raw scores, (N, C), floating dtype.
         target: integer labels, (N,), in [0, C).
         k: an int in [1, C].
-        epsilon: the temperature of the mask, in the units of the scores; larger is smoother.
-            A positive float, or a tensor broadcastable to (N,) (it receives a gradient).
-            **Soft against hard:** at the default 0.1, on scores N(0, 1), the loss sits from
-            the hard one by 0.040 per sample with C = 10, k = 1 (0.079 at k = 5), 0.006 with
-            C = 100 and 0.001 with C = 1000 (``benchmarks/soft_vs_hard.py``).
-        method: the mask's method (:func:`softops.soft_topk_mask`): ``"ot"`` (default),
-            ``"sinkhorn"`` or ``"perturbed"`` (not ``"softkmax"``, whose mask is not clipped).
+        epsilon: the mask's temperature, in the units of the scores (a float, or a tensor
+            broadcastable to (N,)).
+        method: the mask's method, as for :func:`softops.metrics.soft_topk_accuracy`.
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
 
     Returns:
@@ -213,14 +216,12 @@ def topk_cross_entropy(
         logits: raw scores, (N, C), floating dtype.
         target: integer labels, (N,), in [0, C).
         p_k: the weights of k = 1, 2, ..., len(p_k) <= C: non-negative, summing to 1.
-        epsilon: the temperature of the top-k masks, in the units of the logits (default 1,
-            the temperature of the softmax term). A positive float, or a tensor broadcastable
-            to (N,) (it receives a gradient with method "ot").
-        method: the mask's method: ``"ot"`` (default; one batched solve for every k),
+        epsilon: the masks' temperature, in the units of the logits (a float, or a tensor
+            broadcastable to (N,)).
+        method: the masks' method: ``"ot"`` (default; one batched solve for every k),
             ``"sinkhorn"`` or ``"perturbed"``.
-        m: for many classes: run the top-k masks on the ``m`` largest logits of each row only
-            (``len(p_k) <= m <= C``); the true class takes the place of the m-th when it is not
-            among them. None: all classes. The softmax term always uses all classes.
+        m: None (all classes) or ``len(p_k) <= m <= C``: the masks see only the m largest
+            logits of each row (the true class replacing the m-th when not among them).
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (shape (N,)).
 
     Returns:
@@ -288,8 +289,7 @@ def topk_cross_entropy(
 
 
 def check_p_k(p_k: Any, op: str) -> list[float]:
-    """``p_k`` as a list of non-negative floats summing to 1, or raise. Internal, shared with
-    :class:`softops.nn.TopKCrossEntropy`."""
+    """``p_k`` as a list of non-negative floats summing to 1, or raise."""
     if isinstance(p_k, torch.Tensor):
         p_k = p_k.detach().flatten().tolist()
     if isinstance(p_k, (str, bytes)) or not isinstance(p_k, Sequence) or not p_k:
@@ -320,28 +320,19 @@ def f1_loss(
         \mathcal L = 1 - F1, \qquad F1_c = \frac{2\,TP_c}{P_c + T_c}
         = \frac{2 \sum_n p_{nc} [t_n = c]}{\sum_n \big(p_{nc} + [t_n = c]\big)},
 
-    averaged as :func:`softops.metrics.soft_f1` does (``average``: None means "binary" for a 1-D
-    input and "macro" otherwise). F1 does not decompose over samples, so there is no
-    ``reduction``: the loss is one scalar for the batch.
-
-    **Batch bias.** A ratio of sums over the batch: its value and gradient on a minibatch are
-    biased estimates of the dataset's (Su 2019: train with cross-entropy, then fine-tune with
-    ``f1_loss`` on large batches). With ``"macro"`` a class absent from the batch's ``target``
-    adds a constant 1/C and no gradient.
+    averaged as :func:`softops.metrics.soft_f1` does. F1 does not decompose over samples, so
+    there is no ``reduction``; on a minibatch it is biased (:mod:`softops.metrics`), and with
+    ``"macro"`` a class absent from the batch adds a constant 1/C and no gradient.
 
     Args:
-        input: predictions, (N, C) class probabilities or, binary, (N,) probabilities of class 1;
-            logits with ``from_logits=True``. Floating dtype.
-        target: integer labels, (N,), in [0, C) ({0, 1} for a 1-D input).
-        average: ``"binary"``, ``"micro"`` or ``"macro"``, or None (default), as for
-            :func:`softops.metrics.soft_f1`.
-        from_logits: ``input`` holds logits: use ``softmax(input / epsilon, -1)`` (binary:
-            ``sigmoid(input / epsilon)``).
-        epsilon: the softmax temperature, in the units of the logits, used only with
-            ``from_logits=True``; a positive float or a 0-dim tensor (it receives a gradient).
+        input: (N, C) class probabilities or (N,) binary ones; logits with ``from_logits``.
+        target: integer labels (N,), in [0, C).
+        average: ``"binary"``, ``"micro"``, ``"macro"`` or None, as for ``soft_f1``.
+        from_logits: ``input`` holds logits (``softmax(input / epsilon)``).
+        epsilon: the softmax temperature, with ``from_logits`` only (:mod:`softops.metrics`).
 
     Returns:
-        A 0-dim tensor in the dtype of ``input``, in [0, 1] for probabilities.
+        A 0-dim tensor in the dtype of ``input``.
 
     Example:
         >>> p = torch.tensor([0.9, 0.2, 0.6, 0.3])
@@ -398,15 +389,10 @@ def _check_ranking(
     return d, n, epsilon
 
 
-_RELATIVE_EPSILON = 3.0
-"""The default epsilon of the ranking losses, in units of std(row) / n (see spearman_loss)."""
-
-
 def _row_epsilon(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
-    """``3 * std / n`` of each row of x along d (population std, in the graph), shape of x
-    without d. Rows where it is not a positive finite number (a constant row, a NaN, an
-    infinity) get 1: their loss is decided by the degenerate-row rules, not by epsilon."""
-    eps = _RELATIVE_EPSILON * x.std(dim=d, correction=0) / n
+    """``3 * std / n`` of each row along d; 1 where that is not positive and finite (degenerate
+    rows, decided by their own rules)."""
+    eps = 3.0 * x.std(dim=d, correction=0) / n
     good = torch.isfinite(eps) & (eps > 0)
     return torch.where(good, eps, torch.ones_like(eps))
 
@@ -433,38 +419,18 @@ def spearman_loss(
         {\sqrt{\sum_i (r_i - \bar r)^2}\sqrt{\sum_i (h_i - \bar h)^2}} \in [0, 2],
         \qquad r = \mathrm{soft\_rank}(x; \varepsilon).
 
-    A row where ``input`` or ``target`` is constant (so ranks have zero variance; a row of one
-    entry, say) has correlation 0 by definition: its loss is 1, with a zero gradient. A row
+    A constant row (of ``input`` or ``target``) has correlation 0: loss 1, zero gradient. A row
     holding a NaN gives NaN.
 
     Args:
         input: predictions, any shape, floating dtype; ranked along ``dim``.
-        target: the values to agree with, the shape of ``input``, floating or integer dtype.
-            Only their ranks matter.
+        target: the shape of ``input``, real dtype; only its ranks matter.
         dim: the dimension to rank along; every other dim is a batch dim.
-        epsilon: the smoothing strength of :func:`softops.soft_rank`; larger is smoother. None
-            (default): relative to each row, ``3 * std(row) / n`` (population std, kept in the
-            graph), so the loss is scale-free like Spearman's rho itself
-            (``spearman_loss(c*x, t) == spearman_loss(x, t)`` for c > 0) and stays a rank loss
-            at every n (see the window below). A float, or a tensor broadcastable to the batch
-            shape (it receives a gradient), is passed on unchanged: with "pav" it is in the
-            units of ``input`` (``spearman_loss(c*x, t, epsilon=c*e) == spearman_loss(x, t,
-            epsilon=e)``). See :func:`softops.soft_rank` for the other methods' units.
-
-            **The window.** With "pav" the soft ranks are exactly hard (zero gradient) where
-            every gap between sorted neighbours exceeds ``epsilon``, and exactly affine where
-            every gap is below it (the loss is then ``1 - Pearson(input, rank(target))``). On
-            normal scores the fractions depend on ``c = epsilon * n / std`` only: c = 1 leaves
-            57 % of the entries hard, c = 3 (the default) 13 %, c >= 10 none.
-
-            **Soft against hard.** At the default, on rows x ~ N(0, 1) with the target
-            x + N(0, 1), the loss sits from ``1 - softops.metrics.spearman`` by 0.039 on
-            average at n = 10 (99th percentile 0.16), 0.015 at n = 30, 0.005 at n = 100 and
-            0.002 at n = 1000 (``benchmarks/soft_vs_hard.py``).
+        epsilon: the soft ranks' smoothing strength; None (default): relative to each row (the
+            module docstring).
         method: the soft-rank method: ``"pav"`` (default), ``"softsort"``, ``"neuralsort"`` or
             ``"ot"``.
-        reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
-            shape of ``input`` without ``dim``).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the batch shape).
 
     Returns:
         A tensor in the dtype of ``input``: 0-dim, or the batch shape for ``reduction="none"``.
@@ -504,10 +470,6 @@ def spearman_loss(
     return _reduce(loss, reduction).to(input.dtype)
 
 
-def _gain(rel: torch.Tensor, gain: str) -> torch.Tensor:
-    return rel if gain == "linear" else torch.expm1(rel * math.log(2.0))
-
-
 def ndcg_loss(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -534,34 +496,18 @@ def ndcg_loss(
 
     with :math:`y_{[j]}` the j-th largest relevance (the ideal ordering, hard), :math:`m = 1`
     without ``k``, and the gain :math:`g(y) = y` ("linear", scikit-learn's ``ndcg_score``) or
-    :math:`2^y - 1` ("exp"). The loss lies in [0, 1]. A row with IDCG = 0 (no relevant entry)
-    has loss 0 and a zero gradient: every ordering of it is ideal (scikit-learn scores such a
-    row 0, so ``1 - ndcg_score`` would give 1 there). A row holding a NaN gives NaN.
+    :math:`2^y - 1` ("exp"). A row with IDCG = 0 (no relevant entry) has loss 0 and a zero
+    gradient: every ordering of it is ideal. A row holding a NaN gives NaN.
 
     Args:
-        input: scores, any shape, floating dtype; a higher score ranks higher along ``dim``.
-        target: the relevance of each entry, the shape of ``input``, non-negative (floating or
-            integer dtype).
+        input: scores, any shape, floating dtype; higher ranks first along ``dim``.
+        target: the relevance of each entry, the shape of ``input``, non-negative.
         dim: the dimension to rank along; every other dim is a batch dim.
         k: None (default; all n positions count) or an int in [1, n]: NDCG@k.
-        epsilon: one smoothing strength for both the soft ranks (:func:`softops.soft_rank`,
-            method "pav") and the top-k mask; larger is smoother. None (default): relative to
-            each row, ``3 * std(row) / n`` kept in the graph, as in :func:`spearman_loss`
-            (whose docstring explains the window), so the loss is scale-free
-            (``ndcg_loss(c*x, y) == ndcg_loss(x, y)``). A float, or a tensor broadcastable to
-            the batch shape (it receives a gradient), is in the units of ``input``. Scaling
-            law: ``ndcg_loss(c*x, y, epsilon=c*e) == ndcg_loss(x, y, epsilon=e)``. The soft
-            ranks are hard once every gap exceeds ``epsilon``, and the mask within
-            :math:`e^{-\mathrm{gap}/\varepsilon}` of the hard one. As ``epsilon -> 0`` it tends to
-            ``1 - ndcg_score(target, input, k=k)`` on scores without ties.
-
-            **Soft against hard.** At the default, on rows x ~ N(0, 1) whose relevance is
-            x + N(0, 1) cut into the grades 0..4, the loss sits above ``1 -
-            softops.metrics.ndcg`` by 0.046 on average at n = 10 (99th percentile 0.24), 0.025
-            at n = 30, 0.010 at n = 100 and 0.004 at n = 1000 (``benchmarks/soft_vs_hard.py``).
+        epsilon: one smoothing strength for the soft ranks ("pav") and the top-k mask; None
+            (default): relative to each row (the module docstring).
         gain: ``"linear"`` (default) or ``"exp"``.
-        reduction: over the batch dims: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the
-            shape of ``input`` without ``dim``).
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (the batch shape).
 
     Returns:
         A tensor in the dtype of ``input``: 0-dim, or the batch shape for ``reduction="none"``.
@@ -590,9 +536,7 @@ def ndcg_loss(
             raise ValueError(
                 f"{op}: expected 1 <= `k` <= input.shape[dim] (= {n}) or None; got k={k}."
             )
-    if not cannot_branch(target) and bool((target < 0).any()):  # eagerly only
-        value = target[target < 0].flatten()[0].item()
-        raise ValueError(f"{op}: expected non-negative `target` (relevance); got {value}.")
+    check_relevance(target, op, "`target` (relevance)")
     cd = compute_dtype(input.dtype)
     x = input.to(cd)
     eps = _row_epsilon(x, d, n) if epsilon is None else epsilon
@@ -600,7 +544,7 @@ def ndcg_loss(
     discount = 1 / torch.log2(1 + r)
     if k is not None and k < n:
         discount = discount * soft_topk_mask(x, k, dim=d, epsilon=eps)
-    g = _gain(target.to(cd), gain)
+    g = gain_of(target.to(cd), gain)
     dcg = (g * discount).sum(d)
     g2, _ = flatten_to_2d(g, d)
     m = n if k is None else k

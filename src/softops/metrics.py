@@ -764,8 +764,20 @@ def _metric_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.get_default_dtype()
 
 
+def gain_of(relevance: torch.Tensor, gain: str) -> torch.Tensor:
+    """The NDCG gain: ``y`` ("linear") or ``2**y - 1`` ("exp")."""
+    return relevance if gain == "linear" else torch.expm1(relevance * math.log(2.0))
+
+
+def check_relevance(relevance: torch.Tensor, op: str, name: str) -> None:
+    """Non-negative relevance, checked eagerly only (one host sync)."""
+    if not cannot_branch(relevance) and bool((relevance < 0).any()):
+        value = relevance[relevance < 0].flatten()[0].item()
+        raise ValueError(f"{op}: expected non-negative {name}; got {value}.")
+
+
 def average_ranks(t: torch.Tensor) -> torch.Tensor:
-    """1-based ranks along the last dim, ties sharing their mean (scipy's rankdata); NaN rows NaN."""
+    """1-based ranks along the last dim, ties sharing their mean (scipy rankdata); NaN rows NaN."""
     t = t.contiguous()
     s = t.sort(dim=-1).values
     lo = torch.searchsorted(s, t, right=False)
@@ -874,14 +886,11 @@ def ndcg(
         if k < 1:
             raise ValueError(f"{op}: expected `k` >= 1 or None; got k={k}.")
     check_choice(gain, GAINS, op, "gain")
-    if not cannot_branch(relevance) and bool((relevance < 0).any()):  # eagerly only
-        value = relevance[relevance < 0].flatten()[0].item()
-        raise ValueError(f"{op}: expected non-negative `relevance`; got {value}.")
+    check_relevance(relevance, op, "`relevance`")
     dtype = _metric_dtype(scores, relevance)
     cd = compute_dtype(dtype)
     x = scores.movedim(d, -1).to(cd).contiguous()
-    y = relevance.movedim(d, -1).to(cd)
-    g = y if gain == "linear" else torch.expm1(y * math.log(2.0))
+    g = gain_of(relevance.movedim(d, -1).to(cd), gain)
     n = x.shape[-1]
     discount = 1 / torch.log2(torch.arange(2, n + 2, dtype=cd, device=x.device))
     if k is not None and k < n:
