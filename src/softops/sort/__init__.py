@@ -5,26 +5,32 @@ projection onto the permutahedron (Blondel et al. 2020; sort, rank, quantile; ex
 ``"softsort"`` (Prillo and Eisenschlos 2020) and ``"neuralsort"`` (Grover et al. 2019): sort,
 rank, argsort; ``"ot"``, entropic optimal transport (Cuturi, Teboul and Vert 2019): all four.
 
+**Epsilon** is the smoothing strength (larger is smoother): a float, or a tensor broadcastable to
+the batch shape (``x.shape`` without ``dim``) that receives a gradient; at least the compute
+dtype's ``finfo.tiny`` (``ValueError`` below). Its units, with the scaling law for c > 0:
+
+- "pav": torchsort's ``regularization_strength`` (``soft_rank(x, epsilon=e)`` equals
+  ``torchsort.soft_rank(x, regularization_strength=e)``): units of x for ranks
+  (``soft_rank(c*x, epsilon=c*e) == soft_rank(x, epsilon=e)``), of 1/x for values
+  (``soft_sort(c*x, epsilon=e/c) == c*soft_sort(x, epsilon=e)``, and so for ``soft_quantile``);
+- "softsort" (l1) and "neuralsort": the temperature :math:`\tau`, units of x
+  (``epsilon=c*e``); "softsort" (l2) and "ot": units of x² (``epsilon=c**2*e``).
+
 **Unused arguments.** An argument the chosen method does not use raises ``ValueError`` when it
-differs from its default: ``soft_sort(x, method="softsort", regularization="kl")`` raises,
-``regularization="l2"`` does not.
+differs from its default (``soft_sort(x, method="softsort", regularization="kl")``).
 
 **Non-finite inputs.** A NaN gives NaN in its own row only; infinities behave as the limit of
 ``±inf`` replaced by ``±M``, ``M -> inf`` (equal infinities staying tied):
 
-- ``"softsort"``, ``"neuralsort"``, ``"ot"``: the finite entries of a row are relaxed as the
-  method on those entries alone, and the ``-inf`` / ``+inf`` entries take the ends of the output
-  order. ``soft_sort`` holds the infinities there; ``soft_rank`` gives an infinite entry the mean
-  of its tied hard positions (``n`` for a single ``+inf``, ascending) and a finite entry
-  :math:`\sum_i (o + i) P'_{ij}` (:math:`P'` the finite entries' matrix, ``o`` the infinities
-  before them); ``soft_argsort``'s row at an infinite position is uniform over that infinity's
-  columns, and the other rows put no weight on infinite columns. Infinite entries get a zero
-  gradient. Eagerly this costs one host sync, and one backend call per distinct count of finite
-  entries (``softops.sort._limits``).
-- ``"pav"``: the projection's own limits. ``soft_rank`` as above. The l2 ``soft_sort`` keeps
-  the row's mean, so an infinity pulls the whole row to it (``[1, inf] -> [inf, inf]``), and
-  ``-inf`` with ``+inf`` give NaN; the kl ``soft_sort`` saturates. The gradient at an infinite
-  entry is undefined (it may be NaN); finite entries get finite gradients.
+- "softsort", "neuralsort", "ot": the finite entries are relaxed as the method on those entries
+  alone, and the infinities take the ends of the output order. ``soft_rank`` gives an infinite
+  entry the mean of its tied hard positions and a finite one :math:`\sum_i (o + i) P'_{ij}`
+  (:math:`P'` the finite entries' matrix, ``o`` the infinities before them);
+  ``soft_argsort``'s row at an infinite position is uniform over that infinity's columns.
+  Infinite entries get a zero gradient. Eagerly this costs one host sync.
+- "pav": the projection's own limits; ``soft_rank`` as above. The l2 ``soft_sort`` keeps the
+  row's mean, so an infinity pulls the whole row to it, and ``-inf`` with ``+inf`` give NaN; the
+  kl one saturates. Finite entries get finite gradients.
 - ``soft_quantile`` interpolates the soft sort: an infinite neighbour wins unless its weight is
   0, and ``-inf`` against ``+inf`` gives NaN.
 
@@ -59,13 +65,51 @@ from softops.sort._dispatch import (  # the method tuples stay importable from s
     interpolate,
 )
 from softops.sort._limits import MaskedBackend, with_limits
+from softops.sort._options import MethodOptions
 
 __all__ = ["soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
 
 
-def _masked(method: str) -> MaskedBackend | None:
-    """The backend's vmap-safe formulation of the limits of infinities, if it has one."""
-    return cast("MaskedBackend | None", getattr(METHODS[method], "masked", None))
+def _relax(
+    method: str, kind: str, x2: torch.Tensor, eps: torch.Tensor, desc: bool, opts: MethodOptions
+) -> torch.Tensor:
+    """The backend's ``kind`` on canonical rows: "pav" with its own limits, the others through
+    :func:`with_limits`."""
+    backend = METHODS[method]
+    if method == "pav":
+        return cast("torch.Tensor", getattr(backend, kind)(x2, eps, desc, opts))
+    masked = cast("MaskedBackend | None", getattr(backend, "masked", None))
+    return with_limits(getattr(backend, kind), kind, x2, eps, desc, opts, masked)
+
+
+def _sort_or_rank(
+    op: str,
+    x: torch.Tensor,
+    dim: int,
+    descending: bool,
+    epsilon: float | torch.Tensor,
+    method: str,
+    regularization: str,
+    distance: str,
+    max_iter: int | None,
+    tol: float | None,
+) -> torch.Tensor:
+    """``soft_sort`` and ``soft_rank``: check, reshape to rows, relax, restore."""
+    kind = op.removeprefix("soft_")
+    opts = check_options(
+        op,
+        method,
+        kind,
+        regularization=regularization,
+        distance=distance,
+        max_iter=max_iter,
+        tol=tol,
+    )
+    check_bool(descending, op, "descending")
+    rows = prepare_rows(op, x, dim, epsilon)
+    if rows.x2.shape[0] == 0:
+        return x * 0  # empty, but on the graph like every other output
+    return rows.restore(_relax(method, kind, rows.x2, rows.eps, descending, opts)).to(x.dtype)
 
 
 def soft_sort(
@@ -88,8 +132,7 @@ def soft_sort(
 
     With ``method="pav"`` (Blondel et al. 2020) the descending soft sort of a row
     :math:`\theta` is the projection of :math:`\rho/\varepsilon`, :math:`\rho = (n, \dots, 1)`,
-    onto the permutahedron of :math:`\theta` (the convex hull of its permutations), found by
-    isotonic regression on the sorted row:
+    onto the permutahedron of :math:`\theta`, found by isotonic regression on the sorted row:
 
     .. math::
 
@@ -97,32 +140,19 @@ def soft_sort(
         = \rho/\varepsilon - v\big(\rho/\varepsilon - \theta_{\downarrow}\big), \qquad
         v(y) = \arg\min_{v_1 \ge \dots \ge v_n} \tfrac12 \|v - y\|^2 ,
 
-    and the ascending one is ``-sort_desc(-x)``. The output is sorted along ``dim``, has the
-    mean of x (l2), tends to ``torch.sort(x).values`` as ``epsilon -> 0`` (it is exact once
-    every gap between sorted neighbours is below ``1/epsilon``) and to the mean as
-    ``epsilon -> inf``.
+    and the ascending one is ``-sort_desc(-x)``. The output is sorted, keeps the mean of x (l2),
+    is exact once every gap between sorted neighbours is below ``1/epsilon`` and tends to the
+    mean as ``epsilon -> inf``.
 
     Args:
-        x: input of any shape, floating dtype (float16 and bfloat16 are computed in float32 and
-            cast back).
-        dim: the dimension to sort along (negative values count from the end).
+        x: input of any shape, floating dtype.
+        dim: the dimension to sort along.
         descending: sort in descending order.
-        epsilon: the smoothing strength; larger is smoother. A float, or a tensor broadcastable to
-            the batch shape (``x.shape`` without ``dim``), which receives a gradient. For "pav" it
-            is the paper's :math:`\varepsilon` and torchsort's ``regularization_strength``
-            (``soft_sort(x, epsilon=e)`` equals ``torchsort.soft_sort(x,
-            regularization_strength=e)``); its units are those of 1/x, with the scaling law
-            ``soft_sort(c*x, epsilon=e/c) == c*soft_sort(x, epsilon=e)`` for c > 0 (exact for
-            "l2"). For "softsort" (l1) and "neuralsort" it is the temperature :math:`\tau` in
-            the units of x (``soft_sort(c*x, epsilon=c*e) == c*soft_sort(x, epsilon=e)``); for
-            "softsort" (l2) and "ot" it is in the units of x² (``epsilon=c**2*e``).
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the smoothing strength, larger is smoother: a float, or a tensor broadcastable
+            to the batch shape. Units and scaling law: the module docstring.
         method: "pav" (default; exact projection, O(n log n) per row), "softsort",
-            "neuralsort" or "ot". PAV runs a C++ kernel on the CPU once built
-            (``python -m softops._kernels``), else its torch reference, slower.
-        regularization: "pav" only: "l2" (Euclidean projection, default) or "kl" (KL
-            projection, :math:`P_E(\rho/\varepsilon, \theta)`).
+            "neuralsort" or "ot".
+        regularization: "pav" only: "l2" (Euclidean projection, default) or "kl".
         distance: "softsort" only: "l1" (default) or "l2".
         max_iter: "ot" only: the iteration cap (None: its default).
         tol: "ot" only: the stopping tolerance (None: its default; 0 runs ``max_iter``).
@@ -133,8 +163,6 @@ def soft_sort(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    NaN rows, infinities and unused arguments: the module docstring.
-
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
         >>> soft_sort(x, epsilon=0.1)
@@ -143,32 +171,10 @@ def soft_sort(
         >>> soft_sort(x, epsilon=2.0)
         tensor([[1.5000, 2.0000, 2.5000],
                 [4.5000, 5.0000, 5.5000]])
-        >>> soft_sort(torch.tensor([3.0, float("inf"), 1.0]), epsilon=0.01, method="softsort")
-        tensor([1., 3., inf])
-
-    References:
-        See :mod:`softops.sort`.
     """
-    op = "soft_sort"
-    opts = check_options(
-        op,
-        method,
-        "sort",
-        regularization=regularization,
-        distance=distance,
-        max_iter=max_iter,
-        tol=tol,
+    return _sort_or_rank(
+        "soft_sort", x, dim, descending, epsilon, method, regularization, distance, max_iter, tol
     )
-    check_bool(descending, op, "descending")
-    rows = prepare_rows(op, x, dim, epsilon)
-    x2, eps = rows.x2, rows.eps
-    if x2.shape[0] == 0:
-        return x * 0  # empty, but on the graph like every other output
-    if method == "pav":  # the projection's own limits (module docstring)
-        y = METHODS["pav"].sort(x2, eps, descending, opts)
-    else:
-        y = with_limits(METHODS[method].sort, "sort", x2, eps, descending, opts, _masked(method))
-    return rows.restore(y).to(x.dtype)
 
 
 def soft_rank(
@@ -189,9 +195,9 @@ def soft_rank(
 
         x.argsort(dim, descending).argsort(dim) + 1
 
-    so with the default ``descending=False`` rank 1 is the smallest entry, as in torchsort and
-    ``scipy.stats.rankdata``. With ``method="pav"`` (Blondel et al. 2020) the ranks of a row
-    :math:`\theta` are the projection of :math:`\theta/\varepsilon` onto the permutahedron of
+    so rank 1 is the smallest entry by default, as in torchsort and ``scipy.stats.rankdata``.
+    With ``method="pav"`` (Blondel et al. 2020) the ranks of a row :math:`\theta` are the
+    projection of :math:`\theta/\varepsilon` onto the permutahedron of
     :math:`\rho = (n, \dots, 1)`:
 
     .. math::
@@ -201,25 +207,17 @@ def soft_rank(
         s = (\theta/\varepsilon)_\sigma \text{ sorted descending},
 
     with :math:`v` the decreasing isotonic regression, or for ``regularization="kl"``
-    :math:`\exp P_E(\theta/\varepsilon, \log\rho)`. Ranks from "pav" lie in [1, n] and sum to
-    n(n+1)/2; they are exactly the hard ranks once every gap between sorted neighbours exceeds
-    ``epsilon`` (l2), and all tend to (n+1)/2 as ``epsilon -> inf``. Ties share their ranks.
+    :math:`\exp P_E(\theta/\varepsilon, \log\rho)`. Ranks from "pav" lie in [1, n], sum to
+    n(n+1)/2, are exact once every gap between sorted neighbours exceeds ``epsilon`` (l2) and
+    tend to (n+1)/2 as ``epsilon -> inf``; the other methods' ranks are estimates.
 
     Args:
-        x: input of any shape, floating dtype (float16 and bfloat16 are computed in float32 and
-            cast back).
+        x: input of any shape, floating dtype.
         dim: the dimension to rank along.
         descending: rank 1 for the largest entry instead of the smallest.
-        epsilon: the smoothing strength; larger is smoother. A float, or a tensor broadcastable to
-            the batch shape, which receives a gradient. For "pav" it is the paper's
-            :math:`\varepsilon` and torchsort's ``regularization_strength``, in the units of x:
-            ``soft_rank(c*x, epsilon=c*e) == soft_rank(x, epsilon=e)`` for c > 0. "softsort"
-            (l1) and "neuralsort": units of x, the same law; "softsort" (l2) and "ot": units
-            of x² (``epsilon=c**2*e``).
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
-        method: "pav" (default), "softsort", "neuralsort" or "ot". Only "pav" promises ranks
-            in [1, n] that sum to n(n+1)/2. PAV's kernels are as for :func:`soft_sort`.
+        epsilon: the smoothing strength, larger is smoother: a float, or a tensor broadcastable
+            to the batch shape. Units and scaling law: the module docstring.
+        method: "pav" (default), "softsort", "neuralsort" or "ot".
         regularization: "pav" only: "l2" (default) or "kl".
         distance: "softsort" only: "l1" (default) or "l2".
         max_iter: "ot" only: the iteration cap (None: its default).
@@ -231,42 +229,17 @@ def soft_rank(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    NaN rows, infinities (limit ranks with every method), unused arguments: the module docstring.
-
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
         >>> soft_rank(x, epsilon=0.1)
         tensor([[3., 1., 2.],
                 [1., 3., 2.]])
-        >>> soft_rank(x, epsilon=2.0)
-        tensor([[2.5000, 1.5000, 2.0000],
-                [1.0000, 3.0000, 2.0000]])
         >>> soft_rank(torch.tensor([3.0, float("inf"), 1.0]), epsilon=0.01)
         tensor([2., 3., 1.])
-
-    References:
-        See :mod:`softops.sort`.
     """
-    op = "soft_rank"
-    opts = check_options(
-        op,
-        method,
-        "rank",
-        regularization=regularization,
-        distance=distance,
-        max_iter=max_iter,
-        tol=tol,
+    return _sort_or_rank(
+        "soft_rank", x, dim, descending, epsilon, method, regularization, distance, max_iter, tol
     )
-    check_bool(descending, op, "descending")
-    rows = prepare_rows(op, x, dim, epsilon)
-    x2, eps = rows.x2, rows.eps
-    if x2.shape[0] == 0:
-        return x * 0  # empty, but on the graph like every other output
-    if method == "pav":  # the projection's own limits (module docstring)
-        y = METHODS["pav"].rank(x2, eps, descending, opts)
-    else:
-        y = with_limits(METHODS[method].rank, "rank", x2, eps, descending, opts, _masked(method))
-    return rows.restore(y).to(x.dtype)
 
 
 def soft_argsort(
@@ -301,17 +274,10 @@ def soft_argsort(
         dim: the dimension to sort along.
         descending: sort in descending order.
         epsilon: the temperature (:math:`\tau` of SoftSort/NeuralSort, :math:`\varepsilon` of
-            the OT), larger is smoother; a float or a tensor broadcastable to the batch shape,
-            which receives a gradient. Units of x for "softsort" (l1) and "neuralsort", of x²
-            for "softsort" (l2) and "ot"; P is unchanged under ``x -> c*x``,
-            ``epsilon -> c*epsilon`` (respectively ``c**2*epsilon``), c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
-        method: "softsort" (default), "neuralsort" or "ot". "pav" has no permutation matrix
-            and raises ``ValueError``.
+            the OT), larger is smoother; a float or a tensor broadcastable to the batch shape.
+        method: "softsort" (default), "neuralsort" or "ot" ("pav" has no permutation matrix).
         distance: "softsort" only: "l1" (default) or "l2".
-        hard: straight-through: return the hard permutation matrix, with the gradient of the
-            soft one.
+        hard: straight-through: the hard permutation matrix forward, the soft gradient backward.
         max_iter: "ot" only: the iteration cap (None: its default).
         tol: "ot" only: the stopping tolerance (None: its default).
 
@@ -320,8 +286,6 @@ def soft_argsort(
 
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: :math:`(*, n, *, n)`.
-
-    Rows of P sum to 1. NaN rows, infinities and unused arguments: the module docstring.
 
     Example:
         >>> x = torch.tensor([3.0, 1.0, 2.0])
@@ -333,9 +297,6 @@ def soft_argsort(
         tensor([[0., 1., 0.],
                 [0., 0., 1.],
                 [1., 0., 0.]])
-
-    References:
-        See :mod:`softops.sort`.
     """
     op = "soft_argsort"
     opts = check_options(op, method, "argsort", distance=distance, max_iter=max_iter, tol=tol)
@@ -345,7 +306,7 @@ def soft_argsort(
     x2, eps, n = rows.x2, rows.eps, rows.n
     if x2.shape[0] == 0:
         return (x * 0).unsqueeze(-1).expand(*x.shape, n)  # empty, on the graph
-    P = with_limits(METHODS[method].argsort, "argsort", x2, eps, descending, opts, _masked(method))
+    P = _relax(method, "argsort", x2, eps, descending, opts)
     if hard:
         order = torch.argsort(x2.detach(), dim=-1, descending=descending, stable=True)
         P = straight_through(torch.nn.functional.one_hot(order, n), P)
@@ -367,29 +328,21 @@ def soft_quantile(
 
         torch.quantile(x, q, dim, keepdim)
 
-    For "pav" the quantile is read off the l2 soft sort (see :func:`soft_sort`, same epsilon)
-    the way ``torch.quantile`` reads the hard sort: at position :math:`p = q\,(n - 1)`,
+    It is read off the ascending soft sort :math:`s` (:func:`soft_sort`, l2 for "pav", same
+    epsilon) as ``torch.quantile`` reads the hard one: at position :math:`p = q\,(n - 1)`,
 
     .. math::
 
         Q_q = s_{\lfloor p \rfloor} + (p - \lfloor p \rfloor)\,
               \big(s_{\lfloor p \rfloor + 1} - s_{\lfloor p \rfloor}\big),
 
-    with :math:`s` the ascending soft sort (0-based). It tends to ``torch.quantile`` as
-    ``epsilon -> 0`` and to the mean as ``epsilon -> inf``; a tensor ``q`` receives a gradient.
-    "ot" reads it off the OT soft sort (Cuturi et al. 2019) the same way.
+    (0-based). It tends to the mean as ``epsilon -> inf``; a tensor ``q`` receives a gradient.
 
     Args:
         x: input of any shape, floating dtype.
         q: a float in [0, 1], or a 0-dim or 1-D floating tensor of values in [0, 1].
         dim: the dimension to reduce.
-        epsilon: the smoothing strength, as for :func:`soft_sort` with the same method: for
-            "pav" torchsort's ``regularization_strength`` (units of 1/x,
-            ``soft_quantile(c*x, q, epsilon=e/c) == c*soft_quantile(x, q, epsilon=e)``), for
-            "ot" units of x² (``epsilon=c**2*e``). A float or a tensor broadcastable to the
-            batch shape, which receives a gradient.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the smoothing strength, as for :func:`soft_sort` with the same method.
         method: "pav" (default) or "ot".
         keepdim: keep the reduced dimension with size 1.
 
@@ -401,8 +354,6 @@ def soft_quantile(
         - output: x's shape without ``dim`` (size 1 there if ``keepdim``); a 1-D ``q`` of
           length m adds a leading dimension of size m, as in ``torch.quantile``.
 
-    NaN rows and infinities: the module docstring.
-
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0, 4.0], [0.0, 10.0, 5.0, 1.0]])
         >>> soft_quantile(x, 0.5, epsilon=0.01)
@@ -410,9 +361,6 @@ def soft_quantile(
         >>> soft_quantile(x, torch.tensor([0.25, 0.75]), epsilon=0.01)
         tensor([[1.7500, 0.7500],
                 [3.2500, 6.2500]])
-
-    References:
-        See :mod:`softops.sort`.
     """
     op = "soft_quantile"
     opts = check_options(op, method, "quantile")
@@ -425,12 +373,8 @@ def soft_quantile(
     q1 = qt.reshape(-1)
     if x2.shape[0] == 0:
         y = x2[:, :1] * 0 + q1 * 0  # (0, len(q)): empty, on the graph of x and q
-    elif method == "pav":  # the l2 soft sort, with the projection's own limits
-        y = interpolate(METHODS["pav"].sort(x2, eps, False, opts), q1)
     else:
-        y = interpolate(
-            with_limits(METHODS[method].sort, "sort", x2, eps, False, opts, _masked(method)), q1
-        )
+        y = interpolate(_relax(method, "sort", x2, eps, False, opts), q1)
     out = rows.restore(y).movedim(d, 0)  # (m, *batch)
     if keepdim:
         out = out.unsqueeze(d + 1)
