@@ -55,6 +55,7 @@ from softops.metrics import (
     average_ranks,
     check_average,
     check_classification,
+    check_optional_int,
     check_relevance,
     check_topk_classification,
     f1_from_counts,
@@ -245,13 +246,11 @@ def topk_cross_entropy(
     _, epsilon = check_topk_classification(logits, target, kmax, epsilon, method, op)
     check_choice(reduction, REDUCTIONS, op, "reduction")
     n_classes = logits.shape[1]
-    if m is not None:
-        if isinstance(m, bool) or not isinstance(m, int):
-            raise TypeError(f"{op}: expected `m` to be an int or None; got m={m!r}.")
-        if not kmax <= m <= n_classes:
-            raise ValueError(
-                f"{op}: expected len(p_k) (= {kmax}) <= `m` <= C (= {n_classes}); got m={m}."
-            )
+    check_optional_int(m, op, "m")
+    if m is not None and not kmax <= m <= n_classes:
+        raise ValueError(
+            f"{op}: expected len(p_k) (= {kmax}) <= `m` <= C (= {n_classes}); got m={m}."
+        )
     x = logits.to(compute_dtype(logits.dtype))
     t = target.long()
     log_p = torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0]
@@ -529,13 +528,9 @@ def ndcg_loss(
     op = "ndcg_loss"
     d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
     check_choice(gain, GAINS, op, "gain")
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")
-        if not 1 <= k <= n:
-            raise ValueError(
-                f"{op}: expected 1 <= `k` <= input.shape[dim] (= {n}) or None; got k={k}."
-            )
+    check_optional_int(k, op, "k")
+    if k is not None and not 1 <= k <= n:
+        raise ValueError(f"{op}: expected 1 <= `k` <= input.shape[dim] (= {n}) or None; got k={k}.")
     check_relevance(target, op, "`target` (relevance)")
     cd = compute_dtype(input.dtype)
     x = input.to(cd)

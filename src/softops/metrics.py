@@ -170,9 +170,10 @@ def _check_input(input: Any, op: str, name: str = "input") -> None:
         )
 
 
-def _check_logits_args(
-    from_logits: Any, epsilon: Any, op: str, dtype: torch.dtype
+def check_logits_epsilon(
+    from_logits: Any, epsilon: Any, op: str, dtype: torch.dtype | None = None
 ) -> float | torch.Tensor:
+    """``from_logits`` and its ``epsilon`` (left at 1.0 without it); shared with softops.nn."""
     check_bool(from_logits, op, "from_logits")
     if not from_logits:
         if isinstance(epsilon, torch.Tensor) or epsilon != 1.0:
@@ -181,7 +182,13 @@ def _check_logits_args(
                 f"from_logits=True); got epsilon={epsilon!r}."
             )
         return 1.0
-    epsilon = check_epsilon(epsilon, op, dtype=dtype)
+    return check_epsilon(epsilon, op, dtype=dtype)
+
+
+def _check_logits_args(
+    from_logits: Any, epsilon: Any, op: str, dtype: torch.dtype
+) -> float | torch.Tensor:
+    epsilon = check_logits_epsilon(from_logits, epsilon, op, dtype)
     if isinstance(epsilon, torch.Tensor) and epsilon.dim() != 0:
         raise ValueError(
             f"{op}: expected `epsilon` to be a float or a 0-dim tensor; "
@@ -764,6 +771,16 @@ def _metric_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.get_default_dtype()
 
 
+def check_optional_int(value: Any, op: str, name: str, low: int | None = None) -> None:
+    """An int or None (``TypeError``), at least ``low`` when given (``ValueError``)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: expected `{name}` to be an int or None; got {name}={value!r}.")
+    if low is not None and value < low:
+        raise ValueError(f"{op}: expected `{name}` >= {low} or None; got {name}={value}.")
+
+
 def gain_of(relevance: torch.Tensor, gain: str) -> torch.Tensor:
     """The NDCG gain: ``y`` ("linear") or ``2**y - 1`` ("exp")."""
     return relevance if gain == "linear" else torch.expm1(relevance * math.log(2.0))
@@ -880,11 +897,7 @@ def ndcg(
     """
     op = "ndcg"
     d = _check_pair(scores, relevance, dim, op, ("scores", "relevance"))
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"{op}: expected `k` to be an int or None; got k={k!r}.")
-        if k < 1:
-            raise ValueError(f"{op}: expected `k` >= 1 or None; got k={k}.")
+    check_optional_int(k, op, "k", 1)
     check_choice(gain, GAINS, op, "gain")
     check_relevance(relevance, op, "`relevance`")
     dtype = _metric_dtype(scores, relevance)

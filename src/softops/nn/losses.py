@@ -1,20 +1,18 @@
 """Modules for the losses of :mod:`softops.losses`: they check and store the arguments.
 
-Each Module's ``forward(input, target)`` is its function with the stored arguments, so the two
-are equal; see the function for the math, the shapes and the units of ``epsilon``. What does
-not depend on the data is checked at construction, under the Module's name; what needs the data
-(``k`` against the number of classes, the labels' range) on the forward call, under the
-function's. A tensor ``epsilon`` (an ``nn.Parameter`` to learn it) is kept as given.
+Each Module's ``forward(input, target)`` is its function with the stored arguments; the function
+has the math, the arguments, the shapes and the units of ``epsilon``. What needs the data (``k``
+against the number of classes, the labels' range) is checked on the forward call, the rest at
+construction. A tensor ``epsilon`` (an ``nn.Parameter`` to learn it) is kept as given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from softops._core.validation import check_bool, check_choice, check_dim, check_epsilon
+from softops._core.validation import check_choice, check_dim, check_epsilon
 from softops.losses import (
     REDUCTIONS,
     accuracy_loss,
@@ -25,7 +23,13 @@ from softops.losses import (
     topk_accuracy_loss,
     topk_cross_entropy,
 )
-from softops.metrics import AVERAGES, GAINS, TOPK_METHODS
+from softops.metrics import (
+    AVERAGES,
+    GAINS,
+    TOPK_METHODS,
+    check_logits_epsilon,
+    check_optional_int,
+)
 from softops.sort import SORT_METHODS
 
 __all__ = [
@@ -36,25 +40,6 @@ __all__ = [
     "TopKAccuracyLoss",
     "TopKCrossEntropy",
 ]
-
-
-def _check_logits_epsilon(from_logits: Any, epsilon: Any, op: str) -> None:
-    check_bool(from_logits, op, "from_logits")
-    if not from_logits and (isinstance(epsilon, torch.Tensor) or epsilon != 1.0):
-        raise ValueError(
-            f"{op}: expected `epsilon` to be left at its default 1.0 (it is used only with "
-            f"from_logits=True); got epsilon={epsilon!r}."
-        )
-    check_epsilon(epsilon, op)
-
-
-def _check_optional_int(value: Any, op: str, name: str, low: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: expected `{name}` to be an int or None; got {name}={value!r}.")
-    if value < low:
-        raise ValueError(f"{op}: expected `{name}` >= {low} or None; got {name}={value}.")
 
 
 class AccuracyLoss(torch.nn.Module):
@@ -77,7 +62,7 @@ class AccuracyLoss(torch.nn.Module):
         reduction: str = "mean",
     ) -> None:
         op = type(self).__name__
-        _check_logits_epsilon(from_logits, epsilon, op)
+        check_logits_epsilon(from_logits, epsilon, op)
         check_choice(reduction, REDUCTIONS, op, "reduction")
         super().__init__()
         self.from_logits, self.epsilon, self.reduction = from_logits, epsilon, reduction
@@ -175,7 +160,7 @@ class TopKCrossEntropy(torch.nn.Module):
         weights = check_p_k(p_k, op)
         check_epsilon(epsilon, op)
         check_choice(method, TOPK_METHODS, op, "method")
-        _check_optional_int(m, op, "m", len(weights))
+        check_optional_int(m, op, "m", len(weights))
         check_choice(reduction, REDUCTIONS, op, "reduction")
         super().__init__()
         self.p_k: tuple[float, ...] = tuple(weights)
@@ -222,7 +207,7 @@ class F1Loss(torch.nn.Module):
         op = type(self).__name__
         if average is not None:
             check_choice(average, AVERAGES, op, "average")
-        _check_logits_epsilon(from_logits, epsilon, op)
+        check_logits_epsilon(from_logits, epsilon, op)
         super().__init__()
         self.average, self.from_logits, self.epsilon = average, from_logits, epsilon
 
@@ -312,7 +297,7 @@ class NDCGLoss(torch.nn.Module):
         reduction: str = "mean",
     ) -> None:
         op = type(self).__name__
-        _check_optional_int(k, op, "k", 1)
+        check_optional_int(k, op, "k", 1)
         check_dim(None, dim, op)
         if epsilon is not None:
             check_epsilon(epsilon, op)

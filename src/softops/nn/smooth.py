@@ -1,9 +1,9 @@
 """Modules for the smoothing family: each holds the arguments of the function of its name.
 
 Each Module checks its arguments at construction, under its own name (what needs the data, such
-as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
-not use must stay at its default. The function (:func:`softops.smooth_max`, ...) has the math, the
-methods and the units of ``epsilon``; ``forward(x)`` equals it.
+as ``k <= n``, on the forward call), and stores them, not learned. The function
+(:func:`softops.smooth_max`, ...) has the math, the arguments, the shapes and the units of
+``epsilon``; ``forward(x)`` equals it.
 """
 
 from __future__ import annotations
@@ -51,13 +51,7 @@ class SmoothMax(_Reduction):
     """A Module that applies :func:`softops.smooth_max` along ``dim``: the smooth maximum.
 
     Args:
-        dim: the dimension to reduce.
-        keepdim: keep the reduced dimension, with size 1.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
-          ``keepdim``).
+        dim, keepdim, epsilon: as for the function.
 
     Example:
         >>> layer = SmoothMax(dim=0, epsilon=0.5)
@@ -75,13 +69,7 @@ class SmoothMin(_Reduction):
     """A Module that applies :func:`softops.smooth_min` along ``dim``: the smooth minimum.
 
     Args:
-        dim: the dimension to reduce.
-        keepdim: keep the reduced dimension, with size 1.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
-          ``keepdim``).
+        dim, keepdim, epsilon: as for the function.
 
     Example:
         >>> layer = SmoothMin(epsilon=0.5)
@@ -99,13 +87,7 @@ class SoftArgmax(_Reduction):
     """A Module that applies :func:`softops.soft_argmax`: the expected index of the max.
 
     Args:
-        dim: the dimension to reduce.
-        keepdim: keep the reduced dimension, with size 1.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
-          ``keepdim``).
+        dim, keepdim, epsilon: as for the function.
 
     Example:
         >>> layer = SoftArgmax(epsilon=0.1)
@@ -123,13 +105,7 @@ class SoftArgmin(_Reduction):
     """A Module that applies :func:`softops.soft_argmin`: the expected index of the min.
 
     Args:
-        dim: the dimension to reduce.
-        keepdim: keep the reduced dimension, with size 1.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 with
-          ``keepdim``).
+        dim, keepdim, epsilon: as for the function.
 
     Example:
         >>> layer = SoftArgmin(epsilon=0.1, keepdim=True)
@@ -148,12 +124,7 @@ class SoftArgmaxOneHot(torch.nn.Module):
     """A Module that applies :func:`softops.soft_argmax_onehot` (a softmax) along ``dim``.
 
     Args:
-        dim: the dimension of the softmax.
-        epsilon: the temperature, in the units of x; larger is smoother.
-        hard: straight-through: the one-hot argmax forward, the soft gradient backward.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
+        dim, epsilon, hard: as for the function.
 
     Example:
         >>> layer = SoftArgmaxOneHot(epsilon=0.5, hard=True)
@@ -184,12 +155,7 @@ class SoftKMax(torch.nn.Module):
     """A Module that applies :func:`softops.soft_kmax` (the recursive soft-k-max) along ``dim``.
 
     Args:
-        k: the number of rounds (entries to select), an int >= 0.
-        dim: the dimension to select along.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
+        k, dim, epsilon: as for the function (``k`` an int >= 0).
 
     Example:
         >>> layer = SoftKMax(2, epsilon=0.1)

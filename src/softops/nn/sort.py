@@ -1,9 +1,9 @@
 """Modules for the sort family: each holds the arguments of the function of its name.
 
-Each Module checks its arguments at construction, under its own name (what needs the data, such
-as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
-not use must stay at its default. The function (:func:`softops.soft_sort`, ...) has the math, the
-methods and the units of ``epsilon``; ``forward(x)`` equals it.
+Each Module checks its arguments at construction, under its own name, and stores them, not
+learned; an argument the method does not use must stay at its default. The function
+(:func:`softops.soft_sort`, ...) has the math, the arguments, the shapes and the units of
+``epsilon``; ``forward(x)`` equals it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _options_repr(**kwargs: Any) -> str:
 
 
 class _SortLike(torch.nn.Module):
-    _kind = "sort"
+    _kind: str
 
     def __init__(
         self,
@@ -88,17 +88,8 @@ class SoftSort(_SortLike):
     """A Module that applies :func:`softops.soft_sort` along ``dim``.
 
     Args:
-        dim: the dimension to sort along.
-        descending: sort in descending order.
-        epsilon: the smoothing strength; larger is smoother.
-        method: "pav" (default), "softsort", "neuralsort" or "ot".
-        regularization: "pav": "l2" (default) or "kl".
-        distance: "softsort": "l1" (default) or "l2".
-        max_iter: "ot": the iteration cap (None: its default).
-        tol: "ot": the stopping tolerance (None: its default).
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
+        dim, descending, epsilon, method, regularization, distance, max_iter, tol: as for the
+            function.
 
     Example:
         >>> layer = SoftSort(epsilon=0.1)
@@ -118,17 +109,8 @@ class SoftRank(_SortLike):
     """A Module that applies :func:`softops.soft_rank` (1-based ranks) along ``dim``.
 
     Args:
-        dim: the dimension to rank along.
-        descending: rank 1 for the largest entry (default: for the smallest).
-        epsilon: the smoothing strength; larger is smoother.
-        method: "pav" (default), "softsort", "neuralsort" or "ot".
-        regularization: "pav": "l2" (default) or "kl".
-        distance: "softsort": "l1" (default) or "l2".
-        max_iter: "ot": the iteration cap (None: its default).
-        tol: "ot": the stopping tolerance (None: its default).
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
+        dim, descending, epsilon, method, regularization, distance, max_iter, tol: as for the
+            function.
 
     Example:
         >>> layer = SoftRank(epsilon=0.1, descending=True)
@@ -150,17 +132,7 @@ class SoftArgsort(torch.nn.Module):
     """A Module that applies :func:`softops.soft_argsort` (a soft permutation matrix).
 
     Args:
-        dim: the dimension to sort along.
-        descending: rows of the matrix in descending order of x.
-        epsilon: the temperature; larger is smoother.
-        method: "softsort" (default), "neuralsort" or "ot".
-        distance: "softsort": "l1" (default) or "l2".
-        hard: straight-through: the hard permutation matrix forward, the soft gradient backward.
-        max_iter: "ot": the iteration cap (None: its default).
-        tol: "ot": the stopping tolerance (None: its default).
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: :math:`(*, n, *, n)`.
+        dim, descending, epsilon, method, distance, hard, max_iter, tol: as for the function.
 
     Example:
         >>> layer = SoftArgsort(hard=True)
@@ -221,14 +193,7 @@ class SoftQuantile(torch.nn.Module):
     """A Module that applies :func:`softops.soft_quantile` at the stored ``q`` along ``dim``.
 
     Args:
-        q: a float in [0, 1], or a 1-D tensor of them (which adds a leading dim).
-        dim: the dimension to reduce.
-        epsilon: the smoothing strength, as for :func:`softops.soft_sort` with the same method.
-        method: "pav" (default) or "ot".
-        keepdim: keep the reduced dimension, with size 1.
-
-    Shape:
-        - input: :math:`(*, n, *)`; output: without ``dim`` (a 1-D q adds a leading dim).
+        q, dim, epsilon, method, keepdim: as for the function (``q`` stored as given).
 
     Example:
         >>> layer = SoftQuantile(0.5, epsilon=0.01)

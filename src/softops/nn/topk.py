@@ -3,7 +3,7 @@
 Each Module checks its arguments at construction, under its own name (what needs the data, such
 as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
 not use must stay at its default. The function (:func:`softops.soft_topk_mask`, ...) has the
-math, the methods and the units of ``epsilon``; ``forward(x)`` equals it.
+math, the arguments, the shapes and the units of ``epsilon``; ``forward(x)`` equals it.
 """
 
 from __future__ import annotations
@@ -29,25 +29,12 @@ __all__ = ["SoftTopK", "SoftTopKMask"]
 class SoftTopKMask(torch.nn.Module):
     """A Module that applies :func:`softops.soft_topk_mask` along ``dim``.
 
-    A module holding a ``generator`` pickles (and deep-copies) the generator's device and state;
-    the copy draws from a new generator in that state, not from the original.
+    A ``generator`` pickles (and deep-copies) as its device and state: the copy draws from a new
+    generator in that state.
 
     Args:
-        k: the number of entries to select: a number >= 0, or a tensor (see the function).
-        dim: the dimension to select along.
-        largest: select the largest (True) or the smallest entries.
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-        method: "ot" (default), "sinkhorn", "softkmax", "perturbed" or "sparse" (the
-            capped-simplex projection: exact zeros and ones).
-        max_iter: "ot", "sinkhorn" and "sparse": the iteration cap (None: the method's
-            default).
-        tol: "ot" and "sinkhorn": the stopping tolerance (None: the method's default).
-        hard: straight-through: the hard mask forward, the soft gradient backward.
-        n_samples: "perturbed": the number of noise draws (None: 100).
-        generator: "perturbed": the generator of the noise draws.
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: the same.
+        k, dim, largest, epsilon, method, max_iter, tol, hard, n_samples, generator: as for the
+            function.
 
     Example:
         >>> layer = SoftTopKMask(2, epsilon=0.1)
@@ -136,17 +123,7 @@ class SoftTopK(torch.nn.Module):
     """A Module that applies :func:`softops.soft_topk` (the sorted soft top-k) along ``dim``.
 
     Args:
-        k: the number of entries to select, an int >= 1.
-        dim: the dimension to select along.
-        largest: select the largest (True, largest first) or the smallest (smallest first).
-        epsilon: the smoothing strength, in the units of x; larger is smoother.
-        max_iter: the Sinkhorn iteration cap (None: the function's default).
-        tol: the Sinkhorn stopping tolerance (None: the function's default).
-
-    Shape:
-        - input: :math:`(*, n, *)` with n at ``dim``; output: a :class:`softops.TopK` of
-          ``values`` and ``indices`` of x.shape with ``dim`` replaced by k, and ``weights`` of
-          ``values.shape + (n,)``.
+        k, dim, largest, epsilon, max_iter, tol: as for the function (``k`` an int >= 1).
 
     Example:
         >>> layer = SoftTopK(2, epsilon=0.01)
