@@ -11,8 +11,16 @@ query's k *smallest* distances, and minimises minus the soft fraction of same-la
 
 At test time the classifier is the hard kNN over the whole training set (:func:`knn_predict`).
 The relaxation is any top-k method of :func:`softops.soft_topk_mask` (``largest=False``) or
-NeuralSort's first k rows (``"neuralsort"``); epsilon is in units of the squared distances
-(:func:`knn_mask` says what it means and why the distances are not normalised).
+NeuralSort's first k rows (``"neuralsort"``).
+
+**Epsilon** is in the units of D, squared distances in the embedding space (NeuralSort's tau for
+"neuralsort"): under "ot" an entry ``epsilon`` beyond the threshold gets weight
+``sigmoid(-1) = 0.27``. Scaling the embeddings by c scales D by c², so ``epsilon -> c**2 *
+epsilon`` leaves A unchanged: the network chooses its own sharpness, and a fixed ``epsilon = 1``
+works from the start. **Never divide D by a detached per-row maximum**: the gradient then treats
+the maximum as a constant, every step pushes the embeddings outwards, and in a prototype on
+MNIST their norms grew to 1e9 and accuracy fell from 95 % to 86 %. Raw squared distances,
+L2-normalised embeddings, or a normalisation kept in the graph all train well.
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal
@@ -106,8 +114,8 @@ def _check_labels(op: str, y: torch.Tensor, n: int, name: str) -> None:
 def squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     r"""Pairwise squared Euclidean distances, :math:`D_{ij} = \lVert a_i - b_j \rVert^2`.
 
-    Computed as :math:`\lVert a_i\rVert^2 + \lVert b_j\rVert^2 - 2 a_i\cdot b_j` (one matrix
-    product) and clamped at 0 against rounding; plain autograd.
+    One matrix product, :math:`\lVert a_i\rVert^2 + \lVert b_j\rVert^2 - 2 a_i\cdot b_j`, clamped
+    at 0 against rounding.
 
     Args:
         a: (N, d) embeddings.
@@ -166,39 +174,20 @@ def knn_mask(
         A_{ij} = \sigma\!\left(\frac{t_i - D_{ij}}{\varepsilon}\right), \qquad
         \sum_j A_{ij} = k \quad \text{("ot")}.
 
-    **What epsilon means here.** It is in the units of D, *squared distances* in the embedding
-    space: an entry a distance ``epsilon`` beyond the threshold ``t_i`` gets weight
-    ``sigmoid(-1) = 0.27`` under "ot". The scaling law is that of the top-k mask: multiplying the
-    embeddings by c multiplies D by c², so ``epsilon -> c**2 * epsilon`` leaves A unchanged. The
-    embedding network therefore chooses its own sharpness, and a fixed ``epsilon = 1`` works
-    from the start of training (the network grows or shrinks the scale of its embeddings).
-
-    **A pitfall, measured: never divide D by a detached per-row maximum.** The loss then depends
-    on the scale-free ``D / max(D)``, but its gradient treats the maximum as a constant, so every
-    step pushes the embeddings outwards (a larger scale sharpens the mask the optimiser sees, and
-    the forward pass undoes it): in a prototype of this protocol on MNIST, embedding norms grew to
-    1e9 and accuracy fell from 95 % to 86 %. Raw squared distances (this function), L2-normalised
-    embeddings, or a normalisation kept in the graph all train well.
-
     Args:
         query_emb: (B, d) query embeddings.
         cand_emb: (m, d) candidate embeddings.
         k: neighbours per query, in [1, m] (in [1, m - 1] with ``exclude_self``).
-        epsilon: the temperature, in squared-distance units (above); a float, or a tensor that
-            receives a gradient where the method supports it. It is the epsilon of
-            :func:`softops.soft_topk_mask` for its methods, and NeuralSort's tau for
-            "neuralsort".
-        method: "ot" (default: SOFT top-k, exact), "sinkhorn" (the same problem by the paper's
-            Sinkhorn iterations), "perturbed", "softkmax", or "neuralsort".
-        exclude_self: the queries are the candidates (B = m, the same rows): a query is not its
-            own neighbour. The diagonal of A is then 0 and the relaxation runs on the m - 1
-            other candidates.
+        epsilon: the temperature, in squared-distance units (module docstring); a float or a
+            tensor.
+        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
+        exclude_self: the queries are the candidates (B = m): a query is not its own neighbour
+            (A's diagonal is 0; the relaxation runs on the m - 1 others).
         n_samples: "perturbed" only: the number of noise draws (None: its default, 100).
         generator: "perturbed" only: a ``torch.Generator`` for reproducible draws.
 
     Returns:
-        A, a (B, m) tensor with rows summing to k ("ot", "sinkhorn", "perturbed", "neuralsort";
-        "softkmax" only approximately, see :func:`softops.soft_kmax`).
+        A, a (B, m) tensor with rows summing to k ("softkmax" only approximately).
 
     Example:
         >>> q = torch.tensor([[0.0], [10.0]])
@@ -206,11 +195,6 @@ def knn_mask(
         >>> knn_mask(q, c, 2, epsilon=0.01)
         tensor([[1., 0., 1., 0.],
                 [1., 1., 0., 0.]])
-
-    References:
-        Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
-        Grover et al. Stochastic Optimization of Sorting Networks via Continuous Relaxations.
-        ICLR 2019.
     """
     op = "knn_mask"
     _check_embeddings(op, query_emb, cand_emb, ("query_emb", "cand_emb"))
@@ -240,18 +224,16 @@ def knn_mask(
     if method == "neuralsort":
         P = softops.soft_argsort(D, epsilon=epsilon, method="neuralsort")  # ascending
         A = P[:, :k, :].sum(1)
-    elif method == "perturbed":
+    else:  # (n_samples and generator are None but with "perturbed": checked above)
         A = softops.soft_topk_mask(
             D,
             k,
             largest=False,
             epsilon=epsilon,
-            method="perturbed",
+            method=method,
             n_samples=n_samples,
             generator=generator,
         )
-    else:
-        A = softops.soft_topk_mask(D, k, largest=False, epsilon=epsilon, method=method)
     return _with_zero_diagonal(A) if exclude_self else A
 
 
@@ -274,10 +256,8 @@ def knn_loss(
 
         \mathcal{L} = -\frac{1}{B}\sum_{i=1}^{B} \frac{1}{k} \sum_{j=1}^{m} A_{ij}\,[y_i = y_j],
 
-    where A is :func:`knn_mask` (the relaxed mask of the k smallest squared distances). With the
-    hard mask, :math:`-\mathcal{L}` is the mean fraction of each query's k nearest candidates
-    that share its label, so the loss lies in [-1, 0] ("softkmax" can leave it slightly). Its
-    hard counterpart is::
+    where A is :func:`knn_mask`; the loss lies in [-1, 0] ("softkmax" can leave it slightly).
+    The hard counterpart is::
 
         D = torch.cdist(query_emb, cand_emb) ** 2
         same = (query_y[:, None] == cand_y[None, :]).float()
@@ -288,13 +268,7 @@ def knn_loss(
         cand_emb: (m, d) candidate embeddings.
         query_y: (B,) integer labels of the queries.
         cand_y: (m,) integer labels of the candidates.
-        k: neighbours per query.
-        epsilon: the temperature in squared-distance units; see :func:`knn_mask` for its
-            meaning, its scaling law and why the distances are not normalised.
-        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
-        exclude_self: the queries are the candidates; a query is not its own neighbour.
-        n_samples: "perturbed" only: the number of noise draws.
-        generator: "perturbed" only: a ``torch.Generator``.
+        k, epsilon, method, exclude_self, n_samples, generator: as for :func:`knn_mask`.
 
     Returns:
         A 0-dim tensor: the mean over the queries.
@@ -304,11 +278,6 @@ def knn_loss(
         >>> c = torch.tensor([[1.0], [9.0], [0.5], [20.0]])
         >>> knn_loss(q, c, torch.tensor([0, 1]), torch.tensor([0, 1, 0, 1]), 2, epsilon=0.01)
         tensor(-0.7500)
-
-    References:
-        Grover et al. Stochastic Optimization of Sorting Networks via Continuous Relaxations.
-        ICLR 2019 (the loss). Xie et al. Differentiable Top-k Operator with Optimal Transport.
-        NeurIPS 2020 (SOFT top-k in it).
     """
     op = "knn_loss"
     _check_embeddings(op, query_emb, cand_emb, ("query_emb", "cand_emb"))
@@ -341,15 +310,9 @@ def knn_predict(
 ) -> torch.Tensor:
     r"""Hard kNN classification by majority vote over the k nearest training embeddings.
 
-    The k nearest (smallest squared Euclidean distance) training points of each query vote with
-    their labels; a tie between classes goes to the class of the nearest neighbour among the
-    tied classes. This equals scikit-learn's
-    ``KNeighborsClassifier(k, algorithm="brute").fit(train_emb, train_y).predict(query_emb)``
-    wherever the vote has a unique winner (scikit-learn breaks ties to the smallest label).
-
-    Memory is bounded: queries are processed ``chunk_size`` at a time against blocks of
-    ``train_chunk_size`` training points, keeping a running top-k, so at most
-    ``chunk_size x train_chunk_size`` distances exist at once, whatever the size of the data.
+    A tie between classes goes to the class of the nearest neighbour among them; elsewhere this
+    equals scikit-learn's ``KNeighborsClassifier(k, algorithm="brute")``. At most ``chunk_size x
+    train_chunk_size`` distances exist at once (a running top-k over blocks).
 
     Args:
         train_emb: (N, d) training embeddings (the neighbours).
@@ -415,17 +378,13 @@ def knn_predict(
 class DifferentiableKNN(nn.Module):
     r"""An embedding network trained through a relaxed kNN: embedding, relaxation and loss.
 
-    ``forward(query_x, cand_x, query_y, cand_y)`` embeds both batches and returns
+    ``forward(query_x, cand_x, query_y, cand_y)`` embeds both batches (in one call) and returns
     :func:`knn_loss`; :meth:`predict` classifies by the hard kNN (:func:`knn_predict`) over the
-    embeddings of a reference set (the training set at test time). The arguments are checked
-    when the Module is built.
+    embeddings of a reference set.
 
     Args:
         embedding: the network that maps a batch of inputs to (N, d) embeddings.
-        k: neighbours per query (the same k is used by :meth:`predict`).
-        epsilon: the temperature in squared-distance units; see :func:`knn_mask`.
-        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
-        n_samples: "perturbed" only: the number of noise draws per step.
+        k, epsilon, method, n_samples: as for :func:`knn_mask` (k also for :meth:`predict`).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -481,11 +440,7 @@ class DifferentiableKNN(nn.Module):
         *,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """The loss of :func:`knn_loss` on one batch of queries and one of candidates.
-
-        Both batches go through the embedding network in one call (so that batch statistics,
-        if any, see them together).
-        """
+        """The loss of :func:`knn_loss` on one batch of queries and one of candidates."""
         emb = self.embedding(torch.cat([query_x, cand_x]))
         q, c = emb[: query_x.shape[0]], emb[query_x.shape[0] :]
         return knn_loss(
@@ -510,11 +465,8 @@ class DifferentiableKNN(nn.Module):
         batch_size: int = 1000,
         num_classes: int | None = None,
     ) -> torch.Tensor:
-        """Hard kNN labels of ``query_x`` against the embedded ``train_x`` (:func:`knn_predict`).
-
-        Inputs are embedded ``batch_size`` at a time, in eval mode (the previous mode is
-        restored).
-        """
+        """Hard kNN labels of ``query_x`` against the embedded ``train_x`` (:func:`knn_predict`),
+        embedded ``batch_size`` at a time in eval mode."""
         was_training = self.training
         self.eval()
         try:
