@@ -30,6 +30,7 @@ from softops.metrics import (
     check_logits_epsilon,
     check_optional_int,
 )
+from softops.nn._module import ArgsModule
 from softops.sort import SORT_METHODS
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 
-class AccuracyLoss(torch.nn.Module):
+class AccuracyLoss(ArgsModule):
     """:func:`softops.losses.accuracy_loss` as a Module: ``forward(input, target)``.
 
     Args:
@@ -53,6 +54,8 @@ class AccuracyLoss(torch.nn.Module):
         >>> loss(torch.tensor([[0.7, 0.3], [0.4, 0.6]]), torch.tensor([0, 0]))
         tensor([0.3000, 0.6000])
     """
+
+    _fields = ("from_logits", "epsilon", "reduction")
 
     def __init__(
         self,
@@ -68,21 +71,10 @@ class AccuracyLoss(torch.nn.Module):
         self.from_logits, self.epsilon, self.reduction = from_logits, epsilon, reduction
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return accuracy_loss(
-            input,
-            target,
-            from_logits=self.from_logits,
-            epsilon=self.epsilon,
-            reduction=self.reduction,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"from_logits={self.from_logits}, epsilon={self.epsilon}, reduction={self.reduction!r}"
-        )
+        return accuracy_loss(input, target, **self._kwargs())
 
 
-class TopKAccuracyLoss(torch.nn.Module):
+class TopKAccuracyLoss(ArgsModule):
     """:func:`softops.losses.topk_accuracy_loss` as a Module: ``forward(scores, target)``.
 
     Args:
@@ -94,6 +86,9 @@ class TopKAccuracyLoss(torch.nn.Module):
         >>> loss(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), torch.tensor([1, 0]))
         tensor([0., 1.])
     """
+
+    _fields = ("k", "epsilon", "method", "reduction")
+    _args = ("k",)
 
     def __init__(
         self,
@@ -115,23 +110,10 @@ class TopKAccuracyLoss(torch.nn.Module):
         self.k, self.epsilon, self.method, self.reduction = k, epsilon, method, reduction
 
     def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return topk_accuracy_loss(
-            scores,
-            target,
-            self.k,
-            epsilon=self.epsilon,
-            method=self.method,
-            reduction=self.reduction,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"k={self.k}, epsilon={self.epsilon}, method={self.method!r}, "
-            f"reduction={self.reduction!r}"
-        )
+        return topk_accuracy_loss(scores, target, self.k, **self._kwargs())
 
 
-class TopKCrossEntropy(torch.nn.Module):
+class TopKCrossEntropy(ArgsModule):
     """:func:`softops.losses.topk_cross_entropy` as a Module: ``forward(logits, target)``.
 
     Args:
@@ -146,6 +128,10 @@ class TopKCrossEntropy(torch.nn.Module):
         >>> loss(s, t), torch.nn.functional.cross_entropy(s, t)
         (tensor(1.3490), tensor(1.3490))
     """
+
+    _fields = ("p_k", "epsilon", "method", "m", "reduction")
+    _args = ("p_k",)
+    _optional = (("m", None),)
 
     def __init__(
         self,
@@ -167,25 +153,10 @@ class TopKCrossEntropy(torch.nn.Module):
         self.epsilon, self.method, self.m, self.reduction = epsilon, method, m, reduction
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return topk_cross_entropy(
-            logits,
-            target,
-            self.p_k,
-            epsilon=self.epsilon,
-            method=self.method,
-            m=self.m,
-            reduction=self.reduction,
-        )
-
-    def extra_repr(self) -> str:
-        m = "" if self.m is None else f", m={self.m}"
-        return (
-            f"p_k={self.p_k}, epsilon={self.epsilon}, method={self.method!r}{m}, "
-            f"reduction={self.reduction!r}"
-        )
+        return topk_cross_entropy(logits, target, self.p_k, **self._kwargs())
 
 
-class F1Loss(torch.nn.Module):
+class F1Loss(ArgsModule):
     """:func:`softops.losses.f1_loss` as a Module: ``forward(input, target)``, a statistic of
     the whole batch (no ``reduction``).
 
@@ -196,6 +167,8 @@ class F1Loss(torch.nn.Module):
         >>> F1Loss()(torch.tensor([0.9, 0.2, 0.6, 0.3]), torch.tensor([1, 0, 1, 1]))
         tensor(0.2800)
     """
+
+    _fields = ("average", "from_logits", "epsilon")
 
     def __init__(
         self,
@@ -212,19 +185,10 @@ class F1Loss(torch.nn.Module):
         self.average, self.from_logits, self.epsilon = average, from_logits, epsilon
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return f1_loss(
-            input,
-            target,
-            average=self.average,
-            from_logits=self.from_logits,
-            epsilon=self.epsilon,
-        )
-
-    def extra_repr(self) -> str:
-        return f"average={self.average!r}, from_logits={self.from_logits}, epsilon={self.epsilon}"
+        return f1_loss(input, target, **self._kwargs())
 
 
-class SpearmanLoss(torch.nn.Module):
+class SpearmanLoss(ArgsModule):
     """:func:`softops.losses.spearman_loss` as a Module: ``forward(input, target)``.
 
     Args:
@@ -236,6 +200,8 @@ class SpearmanLoss(torch.nn.Module):
         >>> loss(torch.tensor([[0.1, 0.4, 0.3, 0.9]]), torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
         tensor([0.2000])
     """
+
+    _fields = ("dim", "epsilon", "method", "reduction")
 
     def __init__(
         self,
@@ -255,23 +221,10 @@ class SpearmanLoss(torch.nn.Module):
         self.dim, self.epsilon, self.method, self.reduction = dim, epsilon, method, reduction
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return spearman_loss(
-            input,
-            target,
-            dim=self.dim,
-            epsilon=self.epsilon,
-            method=self.method,
-            reduction=self.reduction,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"dim={self.dim}, epsilon={self.epsilon}, method={self.method!r}, "
-            f"reduction={self.reduction!r}"
-        )
+        return spearman_loss(input, target, **self._kwargs())
 
 
-class NDCGLoss(torch.nn.Module):
+class NDCGLoss(ArgsModule):
     """:func:`softops.losses.ndcg_loss` as a Module: ``forward(input, target)``.
 
     Args:
@@ -286,6 +239,8 @@ class NDCGLoss(torch.nn.Module):
         >>> loss(x, torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]))
         tensor([0., 1.])
     """
+
+    _fields = ("k", "dim", "epsilon", "gain", "reduction")
 
     def __init__(
         self,
@@ -308,18 +263,4 @@ class NDCGLoss(torch.nn.Module):
         self.gain, self.reduction = gain, reduction
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ndcg_loss(
-            input,
-            target,
-            dim=self.dim,
-            k=self.k,
-            epsilon=self.epsilon,
-            gain=self.gain,
-            reduction=self.reduction,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"k={self.k}, dim={self.dim}, epsilon={self.epsilon}, gain={self.gain!r}, "
-            f"reduction={self.reduction!r}"
-        )
+        return ndcg_loss(input, target, **self._kwargs())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from softops._core.validation import check_bool, check_dim, check_epsilon, check_k
+from softops.nn._module import ArgsModule
 from softops.smooth import (
     smooth_max,
     smooth_min,
@@ -30,8 +31,10 @@ __all__ = [
 ]
 
 
-class _Reduction(torch.nn.Module):
+class _Reduction(ArgsModule):
     """Shared checks and storage of the reductions along ``dim`` (max, min, argmax, argmin)."""
+
+    _fields = ("dim", "keepdim", "epsilon")
 
     def __init__(
         self, *, dim: int = -1, keepdim: bool = False, epsilon: float | torch.Tensor = 1.0
@@ -42,9 +45,6 @@ class _Reduction(torch.nn.Module):
         check_epsilon(epsilon, op)
         super().__init__()
         self.dim, self.keepdim, self.epsilon = dim, keepdim, epsilon
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, keepdim={self.keepdim}, epsilon={self.epsilon}"
 
 
 class SmoothMax(_Reduction):
@@ -62,7 +62,7 @@ class SmoothMax(_Reduction):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return smooth_max(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
+        return smooth_max(x, **self._kwargs())
 
 
 class SmoothMin(_Reduction):
@@ -80,7 +80,7 @@ class SmoothMin(_Reduction):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return smooth_min(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
+        return smooth_min(x, **self._kwargs())
 
 
 class SoftArgmax(_Reduction):
@@ -98,7 +98,7 @@ class SoftArgmax(_Reduction):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_argmax(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
+        return soft_argmax(x, **self._kwargs())
 
 
 class SoftArgmin(_Reduction):
@@ -117,10 +117,10 @@ class SoftArgmin(_Reduction):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_argmin(x, dim=self.dim, keepdim=self.keepdim, epsilon=self.epsilon)
+        return soft_argmin(x, **self._kwargs())
 
 
-class SoftArgmaxOneHot(torch.nn.Module):
+class SoftArgmaxOneHot(ArgsModule):
     """A Module that applies :func:`softops.soft_argmax_onehot` (a softmax) along ``dim``.
 
     Args:
@@ -134,6 +134,8 @@ class SoftArgmaxOneHot(torch.nn.Module):
         tensor([0., 1., 0.])
     """
 
+    _fields = ("dim", "epsilon", "hard")
+
     def __init__(
         self, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0, hard: bool = False
     ) -> None:
@@ -145,13 +147,10 @@ class SoftArgmaxOneHot(torch.nn.Module):
         self.dim, self.epsilon, self.hard = dim, epsilon, hard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_argmax_onehot(x, dim=self.dim, epsilon=self.epsilon, hard=self.hard)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, epsilon={self.epsilon}, hard={self.hard}"
+        return soft_argmax_onehot(x, **self._kwargs())
 
 
-class SoftKMax(torch.nn.Module):
+class SoftKMax(ArgsModule):
     """A Module that applies :func:`softops.soft_kmax` (the recursive soft-k-max) along ``dim``.
 
     Args:
@@ -165,6 +164,8 @@ class SoftKMax(torch.nn.Module):
         tensor([[0.0200, 0.9900, 0.9830, 0.0070]])
     """
 
+    _fields, _args = ("k", "dim", "epsilon"), ("k",)
+
     def __init__(self, k: int, *, dim: int = -1, epsilon: float | torch.Tensor = 1.0) -> None:
         op = type(self).__name__
         check_k(k, None, op, integer=True)
@@ -174,7 +175,4 @@ class SoftKMax(torch.nn.Module):
         self.k, self.dim, self.epsilon = k, dim, epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_kmax(x, self.k, dim=self.dim, epsilon=self.epsilon)
-
-    def extra_repr(self) -> str:
-        return f"k={self.k}, dim={self.dim}, epsilon={self.epsilon}"
+        return soft_kmax(x, self.k, **self._kwargs())

@@ -8,26 +8,23 @@ learned; an argument the method does not use must stay at its default. The funct
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from softops._core.validation import check_bool, check_dim, check_epsilon, check_q
+from softops.nn._module import ArgsModule
 from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
 from softops.sort._dispatch import check_options
 
 __all__ = ["SoftArgsort", "SoftQuantile", "SoftRank", "SoftSort"]
 
 
-def _options_repr(**kwargs: Any) -> str:
-    """``", name=value"`` for each option that differs from its default (given as a pair)."""
-    return "".join(
-        f", {name}={value!r}" for name, (value, default) in kwargs.items() if value != default
-    )
+_OT = (("max_iter", None), ("tol", None))  # the "ot" options and their defaults
 
 
-class _SortLike(torch.nn.Module):
+class _SortLike(ArgsModule):
     _kind: str
+    _optional = (("regularization", "l2"), ("distance", "l1"), *_OT)
+    _fields = ("dim", "descending", "epsilon", "method", *dict(_optional))
 
     def __init__(
         self,
@@ -58,30 +55,6 @@ class _SortLike(torch.nn.Module):
         self.dim, self.descending, self.epsilon, self.method = dim, descending, epsilon, method
         self.regularization, self.distance = regularization, distance
         self.max_iter, self.tol = max_iter, tol
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            "dim": self.dim,
-            "descending": self.descending,
-            "epsilon": self.epsilon,
-            "method": self.method,
-            "regularization": self.regularization,
-            "distance": self.distance,
-            "max_iter": self.max_iter,
-            "tol": self.tol,
-        }
-
-    def extra_repr(self) -> str:
-        rest = _options_repr(
-            regularization=(self.regularization, "l2"),
-            distance=(self.distance, "l1"),
-            max_iter=(self.max_iter, None),
-            tol=(self.tol, None),
-        )
-        return (
-            f"dim={self.dim}, descending={self.descending}, epsilon={self.epsilon}, "
-            f"method={self.method!r}{rest}"
-        )
 
 
 class SoftSort(_SortLike):
@@ -128,7 +101,7 @@ class SoftRank(_SortLike):
         return soft_rank(x, **self._kwargs())
 
 
-class SoftArgsort(torch.nn.Module):
+class SoftArgsort(ArgsModule):
     """A Module that applies :func:`softops.soft_argsort` (a soft permutation matrix).
 
     Args:
@@ -143,6 +116,9 @@ class SoftArgsort(torch.nn.Module):
                 [0., 0., 1.],
                 [1., 0., 0.]])
     """
+
+    _optional = (("distance", "l1"), *_OT)
+    _fields = ("dim", "descending", "epsilon", "method", "hard", *dict(_optional))
 
     def __init__(
         self,
@@ -167,29 +143,10 @@ class SoftArgsort(torch.nn.Module):
         self.distance, self.hard, self.max_iter, self.tol = distance, hard, max_iter, tol
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_argsort(
-            x,
-            dim=self.dim,
-            descending=self.descending,
-            epsilon=self.epsilon,
-            method=self.method,
-            distance=self.distance,
-            hard=self.hard,
-            max_iter=self.max_iter,
-            tol=self.tol,
-        )
-
-    def extra_repr(self) -> str:
-        rest = _options_repr(
-            distance=(self.distance, "l1"), max_iter=(self.max_iter, None), tol=(self.tol, None)
-        )
-        return (
-            f"dim={self.dim}, descending={self.descending}, epsilon={self.epsilon}, "
-            f"method={self.method!r}, hard={self.hard}{rest}"
-        )
+        return soft_argsort(x, **self._kwargs())
 
 
-class SoftQuantile(torch.nn.Module):
+class SoftQuantile(ArgsModule):
     """A Module that applies :func:`softops.soft_quantile` at the stored ``q`` along ``dim``.
 
     Args:
@@ -202,6 +159,9 @@ class SoftQuantile(torch.nn.Module):
         >>> layer(torch.tensor([[3.0, 1.0, 2.0, 4.0]]))
         tensor([2.5000])
     """
+
+    _fields, _args = ("q", "dim", "epsilon", "method", "keepdim"), ("q",)
+    _optional = (("keepdim", False),)
 
     def __init__(
         self,
@@ -225,10 +185,4 @@ class SoftQuantile(torch.nn.Module):
         self.q, self.dim, self.epsilon, self.method, self.keepdim = q, dim, epsilon, method, keepdim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_quantile(
-            x, self.q, dim=self.dim, epsilon=self.epsilon, method=self.method, keepdim=self.keepdim
-        )
-
-    def extra_repr(self) -> str:
-        rest = _options_repr(keepdim=(self.keepdim, False))
-        return f"q={self.q}, dim={self.dim}, epsilon={self.epsilon}, method={self.method!r}{rest}"
+        return soft_quantile(x, self.q, **self._kwargs())

@@ -20,13 +20,14 @@ from softops._core.validation import (
     check_max_iter,
     check_tol,
 )
+from softops.nn._module import ArgsModule
 from softops.topk import TopK, soft_topk, soft_topk_mask
 from softops.topk._options import check_mask_k, check_mask_options
 
 __all__ = ["SoftTopK", "SoftTopKMask"]
 
 
-class SoftTopKMask(torch.nn.Module):
+class SoftTopKMask(ArgsModule):
     """A Module that applies :func:`softops.soft_topk_mask` along ``dim``.
 
     A ``generator`` pickles (and deep-copies) as its device and state: the copy draws from a new
@@ -43,6 +44,10 @@ class SoftTopKMask(torch.nn.Module):
         >>> layer(torch.tensor([[0.1, 0.9, 0.5, 0.0]])).round(decimals=3)
         tensor([[0.1020, 0.9970, 0.8610, 0.0400]])
     """
+
+    _optional = (("max_iter", None), ("tol", None), ("n_samples", None), ("generator", None))
+    _fields = ("k", "dim", "largest", "epsilon", "method", "hard", *dict(_optional))
+    _args = ("k",)
 
     def __init__(
         self,
@@ -78,31 +83,11 @@ class SoftTopKMask(torch.nn.Module):
         self.n_samples, self.generator = n_samples, generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_topk_mask(
-            x,
-            self.k,
-            dim=self.dim,
-            largest=self.largest,
-            epsilon=self.epsilon,
-            method=self.method,
-            max_iter=self.max_iter,
-            tol=self.tol,
-            hard=self.hard,
-            n_samples=self.n_samples,
-            generator=self.generator,
-        )
+        return soft_topk_mask(x, self.k, **self._kwargs())
 
-    def extra_repr(self) -> str:
-        rest = _non_default(
-            max_iter=self.max_iter,
-            tol=self.tol,
-            n_samples=self.n_samples,
-            generator=None if self.generator is None else _GeneratorRepr(self.generator),
-        )
-        return (
-            f"k={self.k}, dim={self.dim}, largest={self.largest}, epsilon={self.epsilon}, "
-            f"method={self.method!r}, hard={self.hard}{rest}"
-        )
+    def _repr_value(self, name: str) -> Any:
+        value = getattr(self, name)
+        return _GeneratorRepr(value) if name == "generator" and value is not None else value
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.Generator does not pickle: keep its device and state instead.
@@ -119,7 +104,7 @@ class SoftTopKMask(torch.nn.Module):
         super().__setstate__(state)
 
 
-class SoftTopK(torch.nn.Module):
+class SoftTopK(ArgsModule):
     """A Module that applies :func:`softops.soft_topk` (the sorted soft top-k) along ``dim``.
 
     Args:
@@ -133,6 +118,9 @@ class SoftTopK(torch.nn.Module):
         >>> out.values.round(decimals=3), out.indices
         (tensor([[0.9000, 0.5000]]), tensor([[1, 2]]))
     """
+
+    _optional = (("max_iter", None), ("tol", None))
+    _fields, _args = ("k", "dim", "largest", "epsilon", *dict(_optional)), ("k",)
 
     def __init__(
         self,
@@ -156,24 +144,7 @@ class SoftTopK(torch.nn.Module):
         self.max_iter, self.tol = max_iter, tol
 
     def forward(self, x: torch.Tensor) -> TopK:
-        return soft_topk(
-            x,
-            self.k,
-            dim=self.dim,
-            largest=self.largest,
-            epsilon=self.epsilon,
-            max_iter=self.max_iter,
-            tol=self.tol,
-        )
-
-    def extra_repr(self) -> str:
-        rest = _non_default(max_iter=self.max_iter, tol=self.tol)
-        return f"k={self.k}, dim={self.dim}, largest={self.largest}, epsilon={self.epsilon}{rest}"
-
-
-def _non_default(**kwargs: Any) -> str:
-    """``", name=value"`` for each argument that is not None (its default)."""
-    return "".join(f", {name}={value!r}" for name, value in kwargs.items() if value is not None)
+        return soft_topk(x, self.k, **self._kwargs())
 
 
 class _GeneratorRepr:
