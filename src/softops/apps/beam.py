@@ -6,17 +6,18 @@ useful gradient; the sorted SOFT top-k (:func:`softops.soft_topk`) relaxes it: i
 :math:`W \in [0, 1]^{K \times n}` hold in row j a soft one-hot of the j-th best candidate and
 tend to the one-hots of the selection as epsilon -> 0. A sequence-level loss weighted by W
 (:func:`beam_search_loss`) trains the model *through* the search, on the hypotheses it will
-meet, wrong prefixes included (the exposure bias of teacher forcing). docs/math.md §7 derives
-the step and the loss.
+meet, wrong prefixes included (docs/math.md §7 derives the step and the loss).
 
 **Hard states, soft weights.** The kept hypotheses and their decoder states are exactly those of
 plain beam search; only the ranking is relaxed. Beams mixed by W are not offered: at
-initialisation they all collapse onto one average, and the loss cannot tell a wrong prefix from
-the right one (docs/math.md §7.2).
+initialisation they all collapse onto one average (docs/math.md §7.2).
 
-Epsilon is in the units of the candidate scores (log-probabilities), not normalised; the paper's
-smallest-first top-k is applied here largest first, as ``torch.topk``. The ``"softmax"`` method
-is the usual rank-blind surrogate (every row of W is ``softmax(c / epsilon)``), for comparison.
+**Methods** (:data:`BEAM_METHODS`): ``"soft_topk"`` (the default, above), ``"softmax"`` (every
+row of W is ``softmax(c / epsilon)``, the usual rank-blind surrogate) and ``"hard"`` (the
+one-hots of the selection; for inference). Epsilon is in the units of the candidate scores
+(log-probabilities), not normalised: a float or a (B,) tensor. Candidates scoring ``-inf`` (a
+beam not yet live, a finished hypothesis's other tokens, a masked token) are never selected and
+get weight 0.
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal
@@ -56,13 +57,11 @@ class BeamStep(NamedTuple):
     """Result of :func:`beam_step`.
 
     Attributes:
-        scores: (B, K) the new beams' scores, best first: the selected candidates' scores (hard,
-            as ``torch.topk`` values; differentiable in the inputs).
+        scores: (B, K) the selected candidates' scores, best first (differentiable).
         parents: (B, K) int64, the beam each new beam extends.
         tokens: (B, K) int64, the token each new beam appends.
-        weights: (B, K, K*V) row j: the relaxed one-hot of the j-th best candidate (rows sum to 1).
-        candidates: (B, K*V) the candidate scores ``beam_scores[p] + log_probs[p, v]`` at
-            index ``p * V + v``.
+        weights: (B, K, K*V) row j: the relaxed one-hot of the j-th best candidate.
+        candidates: (B, K*V) ``beam_scores[p] + log_probs[p, v]`` at index ``p * V + v``.
     """
 
     scores: Tensor
@@ -81,10 +80,8 @@ class BeamSearchResult(NamedTuple):
         scores: (B, K) their scores, the sums of their tokens' log-probabilities (differentiable).
         lengths: (B, K) int64 number of tokens up to and including EOS (T if none).
         finished: (B, K) bool, whether the hypothesis has emitted EOS.
-        weights: (T, B, K, K*V) each step's ranking weights (:class:`BeamStep`).
-        candidates: (T, B, K*V) each step's candidate scores.
-        parents: (T, B, K) int64 each step's parents.
-        tokens: (T, B, K) int64 each step's tokens.
+        weights, candidates, parents, tokens: each step's :class:`BeamStep` fields, stacked
+            along a first dim T.
     """
 
     sequences: Tensor
@@ -95,14 +92,6 @@ class BeamSearchResult(NamedTuple):
     candidates: Tensor
     parents: Tensor
     tokens: Tensor
-
-
-# ----------------------------------------------------------------------------------------------
-# One step
-
-
-def _check_method(op: str, method: object) -> str:
-    return check_choice(method, BEAM_METHODS, op, "method")
 
 
 def beam_step(
@@ -117,33 +106,18 @@ def beam_step(
     r"""One step of beam search with differentiable ranking weights.
 
     The K·V candidates ``c[p * V + v] = beam_scores[p] + log_probs[p, v]`` are ranked; the hard
-    part (``parents``, ``tokens``, ``scores``) is exactly that of plain beam search,
-    ``torch.topk(c, K)``, and ``weights`` relaxes it:
-
-    - ``"soft_topk"`` (default): the sorted SOFT top-k (:func:`softops.soft_topk`), row j the
-      relaxed one-hot of the j-th best candidate; as epsilon -> 0 the rows tend to the one-hots
-      of the selected candidates (distinct scores).
-    - ``"softmax"``: every row is ``softmax(c / epsilon)``, the rank-blind surrogate.
-    - ``"hard"``: the one-hots of the selection (no gradient through the weights; for inference).
-
-    Candidates with a score of ``-inf`` (a beam not yet live, a finished hypothesis's other
-    tokens, a masked token) are never selected and get weight 0.
+    part (``parents``, ``tokens``, ``scores``) is exactly ``torch.topk(c, K)``, and ``weights``
+    relaxes it by ``method`` (module docstring). A row needs at least K finite candidates.
 
     Args:
         beam_scores: (B, K) scores of the current beams (``-inf`` for beams not in use).
         log_probs: (B, K, V) next-token log-probabilities of each beam.
-        epsilon: smoothing > 0 in units of the scores; a float or a (B,) tensor.
+        epsilon: the smoothing, in the units of the scores; a float or a (B,) tensor.
         method: one of :data:`BEAM_METHODS`.
-        max_iter: Sinkhorn iteration cap of ``"soft_topk"`` (see :func:`softops.soft_topk`).
-        tol: its tolerance.
+        max_iter, tol: the Sinkhorn cap and tolerance of ``"soft_topk"``.
 
     Returns:
         A :class:`BeamStep`.
-
-    Raises:
-        ValueError: for shapes that do not match, an epsilon <= 0, an unknown method, or a row
-            with fewer than K finite candidates.
-        TypeError: for integer inputs.
 
     Example:
         >>> import torch
@@ -158,7 +132,7 @@ def beam_step(
                  [0., 1., 0., 0.]]])
     """
     op = "beam_step"
-    method = _check_method(op, method)
+    method = check_choice(method, BEAM_METHODS, op, "method")
     eps = check_epsilon(epsilon, op)
     for name, t, nd in (("beam_scores", beam_scores, 2), ("log_probs", log_probs, 3)):
         if not isinstance(t, Tensor):
@@ -264,13 +238,9 @@ def beam_search(
     ``log_probs`` (B*K, V); hypothesis ``b * K + j`` is beam j of sequence b. :func:`beam_step`
     then selects the new beams, and the state is reordered along its first dim to follow them
     (every tensor of ``state`` has B·K rows; the initial ``state`` has B rows and is repeated K
-    times). At t = 0 only beam 0 is live, so the first K distinct tokens are kept. A hypothesis
-    that emits ``eos`` is finished: from then on its only continuation is ``pad`` at
-    log-probability 0 (its score stays), and it still competes for the K places. The search
-    stops after ``max_len`` steps or once every hypothesis is finished.
-
-    Hard states, soft weights: the hypotheses are exactly those of plain beam search whatever
-    the method (see the module docstring for why beams mixed by the weights are not offered).
+    times). At t = 0 only beam 0 is live. A hypothesis that emits ``eos`` is finished: its only
+    continuation is then ``pad`` at log-probability 0, and it still competes for the K places.
+    The search stops after ``max_len`` steps or once every hypothesis is finished.
 
     Args:
         step_fn: the decoder step ``(tokens, state, t) -> (log_probs, state)``; log_probs are
@@ -283,19 +253,12 @@ def beam_search(
         bos: the token fed at step 0.
         eos: the end-of-sequence token, or None (every hypothesis runs ``max_len`` steps).
         pad: the token a finished hypothesis emits; defaults to ``eos``.
-        epsilon: smoothing of the ranking weights (:func:`beam_step`).
-        method: one of :data:`BEAM_METHODS`.
-        max_iter: Sinkhorn iteration cap of ``"soft_topk"``.
-        tol: its tolerance.
-        device: where the first tokens are made; defaults to the device of the state's first
-            tensor (CPU without one).
+        epsilon, method, max_iter, tol: as for :func:`beam_step`.
+        device: where the first tokens are made (None: that of the state's first tensor, else
+            the CPU).
 
     Returns:
         A :class:`BeamSearchResult`.
-
-    Raises:
-        ValueError: for a size below 1, V < K, or log-probabilities of the wrong shape.
-        TypeError: for a state that is not made of tensors, tuples, lists and dicts.
 
     Example:
         >>> import torch
@@ -312,7 +275,7 @@ def beam_search(
     bsz = check_positive_int(batch_size, op, "batch_size")
     beam = check_positive_int(beam_size, op, "beam_size")
     steps = check_positive_int(max_len, op, "max_len")
-    method = _check_method(op, method)
+    method = check_choice(method, BEAM_METHODS, op, "method")
     check_epsilon(epsilon, op)
     pad_token = eos if pad is None else pad
     state = _map_state(state, lambda t: t.repeat_interleave(beam, dim=0))
@@ -399,10 +362,8 @@ def beam_search(
 def prefix_costs(result: BeamSearchResult, target: Tensor, *, pad: int | None = None) -> Tensor:
     r"""Hamming cost of every candidate of every step against the target sequences.
 
-    Candidate ``p * V + v`` of step t extends beam p (as it stood before step t) by token v; its
-    cost is the number of positions ``s <= t`` where that prefix differs from ``target[:, s]``
-    (the target is read as padded with ``pad`` beyond its length). A finished hypothesis emits
-    ``pad``, so ending with the target's EOS at the right place costs nothing further.
+    Candidate ``p * V + v`` of step t extends beam p by token v; its cost is the number of
+    positions ``s <= t`` where that prefix differs from ``target[:, s]`` (padded with ``pad``).
 
     Args:
         result: a :class:`BeamSearchResult`.
@@ -463,12 +424,8 @@ def beam_search_loss(
             W^{(t)}_{b j c}\, \delta^{(t)}_{b c}
             + \lambda \sum_c W^{(t)}_{b 0 c}\, \delta^{(t)}_{b c} \Big),
 
-    :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``. The first term asks every place of
-    the beam to hold a cheap candidate (the right prefix must stay in the beam for the search to
-    find it), the second asks the best place to hold the cheapest. Through the sorted SOFT top-k
-    the gradient reaches the candidate scores, hence the log-probabilities and the model; the
-    loss is 0 exactly when every step ranks a zero-cost candidate first with certainty and fills
-    the beam with them.
+    :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``: every place of the beam should hold
+    a cheap candidate (the right prefix must stay in the beam), and the first the cheapest.
 
     Args:
         result: a :class:`BeamSearchResult` (its weights carry the gradient).
