@@ -77,6 +77,20 @@ def _check_k(op: str, k: Any, hard: bool) -> float:
     return float(k)
 
 
+def _check_dropout(op: str, name: str, p: Any) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{op}: expected `{name}` to be a float in [0, 1); got {p!r}.")
+    if not 0 <= p < 1:
+        raise ValueError(f"{op}: expected 0 <= `{name}` < 1; got {name}={p!r}.")
+    return float(p)
+
+
+def _check_floating(op: str, name: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        what = f"dtype={t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+        raise TypeError(f"{op}: expected a floating tensor `{name}`; got {what}.")
+
+
 def _check_attention_options(
     op: str, k: Any, epsilon: Any, mode: Any, method: Any, hard: Any
 ) -> tuple[float, float | torch.Tensor]:
@@ -163,16 +177,13 @@ def topk_attention_weights(
     Args: as :func:`topk_attention` (without ``value`` and ``dropout_p``).
 
     Returns:
-        A :class:`TopKAttentionWeights` ``(weights, mask)``, each of shape ``(..., L, S)``: the
-        weights sum to 1 over the keys (0 for a query with no valid key); the mask A sums to
-        ``min(k, number of valid keys)``.
+        A :class:`TopKAttentionWeights` ``(weights, mask)``, each ``(..., L, S)``: the weights
+        sum to 1 over the keys (0 without a valid key), the mask to ``min(k, valid keys)``.
     """
     op = "topk_attention"
     kf, eps = _check_attention_options(op, k, epsilon, mode, method, hard)
     for name, t in (("query", query), ("key", key)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            what = f"dtype={t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            raise TypeError(f"{op}: expected a floating tensor `{name}`; got {what}.")
+        _check_floating(op, name, t)
         if t.dim() < 2:
             raise ValueError(
                 f"{op}: expected `{name}` of shape (..., {'L' if name == 'query' else 'S'}, E); "
@@ -199,10 +210,8 @@ def topk_attention_weights(
         k_row: float | torch.Tensor = k_top
         masked = scores
     else:
-        # The masks stay in their own, broadcast shape (a causal mask is (L, S)) and are added
-        # to the scores as -inf, as scaled_dot_product_attention adds them: one pass forward and
-        # none backward (the gradient reaching a masked key is exactly 0 already: its A, its
-        # weight and its s are 0).
+        # The masks, in their own broadcast shape, are added as -inf (as SDPA does): a masked
+        # key's A, weight and gradient are exactly 0.
         bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device)
         masked = scores + bias.masked_fill_(~allowed, -math.inf)
         n_valid = allowed.sum(-1).expand(scores.shape[:-1])
@@ -225,8 +234,7 @@ def topk_attention_weights(
 def _weights(
     scores: torch.Tensor, A: torch.Tensor, k_row: float | torch.Tensor, mode: str
 ) -> torch.Tensor:
-    """The weights from the mask A, exactly 0 where A is (every masked key: its score is -inf,
-    where the top-k mask is exactly 0)."""
+    """The weights from the mask A, exactly 0 where A is (every masked key)."""
     if mode == "mean":
         if isinstance(k_row, torch.Tensor):
             return A / k_row.clamp(min=1e-30)[..., None]  # k_row = 0: A = 0, so w = 0
@@ -237,16 +245,11 @@ def _weights(
 def masked_softmax(
     scores: torch.Tensor, A: torch.Tensor, probs: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``softmax(scores + log A)`` along the last dim: exactly 0 where A is 0, and a row of zeros
-    where A is 0 everywhere (no NaN, and a zero gradient there).
+    """``softmax(scores + log A)`` along the last dim: exactly 0 where A is 0 (a row of zeros,
+    gradient 0, where A is 0 everywhere).
 
-    Formed as ``A p / sum(A p)`` with ``p = softmax(scores)`` (``probs``, where the caller has
-    it): the shift cancels, and a product and a sum replace the log, the masks and a second
-    softmax. The division is a product with the rows' reciprocals (its backward is two products
-    and a sum, where a division's is four passes over the weights). The sum is at least ``A_max
-    p_max`` wherever the largest score has the largest A (a top-k mask: A is ordered as the
-    scores); a row where it is 0 (no A > 0, or every selected p underflowing) takes the
-    log-domain form, as does traced code (no host read there).
+    Formed as ``A p / sum(A p)`` with ``p = softmax(scores)`` (``probs``, if the caller has it);
+    rows where that sum is 0, and traced code (no host read), take the log-domain form.
     """
     if not cannot_branch(A):
         p = torch.softmax(scores, -1) if probs is None else probs
@@ -308,38 +311,29 @@ def topk_attention(
         \text{"mean"}: \ \tfrac{1}{k} A\, V .
 
     At ``k`` >= the number of keys, "softmax" equals
-    :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks; as ``epsilon ->
-    0`` both modes equal the hard top-k attention above.
+    :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks.
 
     Args:
         query: ``(..., L, E)``.
         key: ``(..., S, E)``, its batch dims broadcastable with the query's.
         value: ``(..., S, Ev)``.
-        k: the keys each query attends to: a number >= 0 (fractional allowed, but for
-            ``hard``). A query with fewer valid keys attends to all of them.
-        epsilon: the temperature of the top-k, in the units of the scaled scores. Larger is
-            smoother. A float or a tensor broadcastable to ``(..., L)``.
-        attn_mask: as in ``scaled_dot_product_attention``: a bool tensor broadcastable to
-            ``(..., L, S)``, True where a query may attend, or a float tensor added to the scores
-            (its -inf entries mask their keys).
-        key_padding_mask: as in :class:`torch.nn.MultiheadAttention`: a bool tensor of shape
-            ``(N, S)`` (``(S,)`` unbatched), True for a padding key (ignored) and False for a real
-            one; N is the first dim of the query.
-        is_causal: mask the keys after each query (the lower-triangular mask, aligned at the top
-            left as in ``scaled_dot_product_attention``), on top of any other mask.
+        k: the keys each query attends to, a number >= 0 (an integer with ``hard``).
+        epsilon: the top-k's temperature, in the units of the scaled scores; a float or a tensor
+            broadcastable to ``(..., L)``.
+        attn_mask: ``scaled_dot_product_attention``'s: bool (True: may attend) or float (added),
+            broadcastable to ``(..., L, S)``.
+        key_padding_mask: ``nn.MultiheadAttention``'s: bool ``(N, S)`` or ``(S,)``, True for
+            padding.
+        is_causal: also mask the keys after each query (SDPA's top-left causal mask).
         mode: ``"softmax"`` (default) or ``"mean"`` (the module docstring).
-        hard: straight-through: the weights of the hard top-k attention forward (exactly
-            ``min(k, valid keys)`` keys), the gradient of the soft weights backward. Needs an
-            integer k.
+        hard: straight-through: the hard top-k attention forward, the soft gradient backward.
         scale: the factor on the scores (None: ``1 / sqrt(E)``).
-        dropout_p: dropout on the weights (applied whenever > 0, as in
-            ``scaled_dot_product_attention``; pass 0 in evaluation).
-        method: the top-k method, one that takes a per-query k: ``"ot"`` (the exact SOFT
-            top-k) or ``"sparse"`` (the capped-simplex projection, whose mask has exact zeros:
-            keys more than epsilon below a query's threshold get weight exactly 0).
+        dropout_p: dropout on the weights (whenever > 0, as in SDPA).
+        method: ``"ot"`` (default) or ``"sparse"`` (exact zeros for keys more than epsilon
+            below a query's threshold).
 
     Returns:
-        ``(..., L, Ev)``. A query with no valid key gives zeros.
+        ``(..., L, Ev)``; zeros for a query with no valid key.
 
     Example:
         >>> q = torch.tensor([[1.0, 0.0]])
@@ -355,18 +349,13 @@ def topk_attention(
         NeurIPS 33, section 4.3.
     """
     op = "topk_attention"
-    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-        what = f"dtype={value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
-        raise TypeError(f"{op}: expected a floating tensor `value`; got {what}.")
+    _check_floating(op, "value", value)
     if value.dim() < 2 or value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"{op}: expected `value` of shape (..., S, Ev) with the keys' S = {key.shape[-2]}; "
             f"got shape {tuple(value.shape)}."
         )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{op}: expected `dropout_p` to be a float in [0, 1); got {dropout_p!r}.")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"{op}: expected 0 <= `dropout_p` < 1; got dropout_p={dropout_p!r}.")
+    _check_dropout(op, "dropout_p", dropout_p)
     w = topk_attention_weights(
         query,
         key,
@@ -388,34 +377,17 @@ def topk_attention(
 class TopKAttention(nn.Module):
     r"""Multi-head attention over the soft top-k keys of each query.
 
-    The constructor, parameters, ``forward`` and state dict are those of
-    :class:`torch.nn.MultiheadAttention` (a packed ``in_proj_weight`` where ``kdim = vdim = E``,
-    else ``q/k/v_proj_weight``; ``in_proj_bias``; ``out_proj``), initialised as it initialises
-    them (under the same seed, the same weights), with the top-k arguments after ``num_heads``.
-    Each head runs :func:`topk_attention` on its projections.
-
-    **MultiheadAttention checkpoints.** ``load_state_dict(mha.state_dict())`` loads one, and
-    :meth:`from_multihead_attention` converts a live module; at ``k`` >= the number of keys the
-    outputs and weights are MultiheadAttention's. ``add_bias_kv`` and ``add_zero_attn`` have no
-    counterpart and are refused. State dicts of the earlier layout (``q_proj``, ``k_proj``,
-    ``v_proj`` Linear layers) are converted on load.
-
-    Masks: ``attn_mask`` and ``key_padding_mask`` as in ``nn.MultiheadAttention`` (bool True =
-    may **not** attend, float = added to the scores).
+    The constructor, parameters, ``forward``, masks and state dict are those of
+    :class:`torch.nn.MultiheadAttention`, initialised as it does (the same seed gives the same
+    weights), with the top-k arguments after ``num_heads``; each head runs
+    :func:`topk_attention`. ``load_state_dict(mha.state_dict())`` loads a MultiheadAttention
+    checkpoint (``add_bias_kv`` and ``add_zero_attn`` have no counterpart), and at ``k`` >= the
+    number of keys the outputs and weights are MultiheadAttention's.
 
     Args:
-        embed_dim: the model dim E (= num_heads * head dim).
-        num_heads: the number of heads.
-        k: the keys each query attends to, per head (see :func:`topk_attention`).
-        epsilon: the temperature of the top-k, in the units of the scaled scores.
-        mode: ``"softmax"`` (default) or ``"mean"``.
-        method: the top-k method (``"ot"`` or ``"sparse"``: see :func:`topk_attention`).
-        hard: straight-through top-k (needs an integer k).
-        dropout: dropout on the attention weights, in training.
-        bias: biases on the projections.
-        batch_first: inputs are ``(N, L, E)`` rather than ``(L, N, E)``.
-        kdim: the key features (None: embed_dim).
-        vdim: the value features (None: embed_dim).
+        embed_dim, num_heads, dropout, bias, batch_first, kdim, vdim: as for
+            ``nn.MultiheadAttention``.
+        k, epsilon, mode, method, hard: as for :func:`topk_attention`, per head.
 
     Shape:
         - query: ``(L, N, E)`` (``(N, L, E)`` with ``batch_first``, ``(L, E)`` unbatched);
@@ -488,10 +460,7 @@ class TopKAttention(nn.Module):
         kf, _ = _check_attention_options(op, k, epsilon, mode, method, hard)
         if isinstance(epsilon, torch.Tensor):
             raise TypeError(f"{op}: expected `epsilon` to be a float; got a tensor.")
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
-            raise TypeError(f"{op}: expected `dropout` to be a float in [0, 1); got {dropout!r}.")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"{op}: expected 0 <= `dropout` < 1; got dropout={dropout!r}.")
+        _check_dropout(op, "dropout", dropout)
         check_bool(bias, op, "bias")
         check_bool(batch_first, op, "batch_first")
         super().__init__()
@@ -528,9 +497,7 @@ class TopKAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        """MultiheadAttention's initialisation, in its order (so the same seed gives the same
-        weights): Xavier-uniform input projections (the packed (3 E, E) matrix as one), zero
-        biases; ``out_proj.weight`` keeps the Linear's own initialisation."""
+        """MultiheadAttention's initialisation, in its order (the same seed, the same weights)."""
         if self.in_proj_weight is not None:
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
@@ -553,15 +520,9 @@ class TopKAttention(nn.Module):
         method: str = "ot",
         hard: bool = False,
     ) -> TopKAttention:
-        """A TopKAttention with the shapes, options (``dropout``, ``bias``, ``batch_first``,
-        ``kdim``, ``vdim``), device, dtype, training mode and a copy of the weights of ``mha``,
-        a :class:`torch.nn.MultiheadAttention`; the top-k arguments as in the constructor. At
-        ``k`` >= the number of keys it computes what ``mha`` computes.
-
-        Raises:
-            TypeError: ``mha`` is not a MultiheadAttention.
-            ValueError: ``mha`` uses ``add_bias_kv`` or ``add_zero_attn`` (no counterpart here).
-        """
+        """A TopKAttention with the options, device, dtype, training mode and a copy of the
+        weights of ``mha`` (a :class:`torch.nn.MultiheadAttention`); the top-k arguments as in
+        the constructor."""
         op = f"{cls.__name__}.from_multihead_attention"
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(f"{op}: expected a torch.nn.MultiheadAttention; got {mha!r}.")
@@ -601,8 +562,7 @@ class TopKAttention(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        """Converts a state dict of the earlier layout (``q_proj``, ``k_proj``, ``v_proj``
-        Linear layers) to MultiheadAttention's, and refuses its ``bias_k``/``bias_v``."""
+        """Converts the earlier layout (``q/k/v_proj`` Linears); refuses ``bias_k``/``bias_v``."""
         old = [f"{prefix}{name}_proj.weight" for name in "qkv"]
         if all(key in state_dict for key in old):
             weights = [state_dict.pop(key) for key in old]
@@ -639,8 +599,7 @@ class TopKAttention(nn.Module):
     def _project(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The input projections: one matmul where query, key and value are one tensor (self
-        attention), two where key and value are, else three."""
+        """The input projections, one matmul per distinct tensor among query, key and value."""
         E, w, b = self.embed_dim, self.in_proj_weight, self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
         if w is None:  # kdim or vdim != embed_dim: three matrices
@@ -673,8 +632,7 @@ class TopKAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend; returns ``(output, weights)`` (weights None unless ``need_weights``).
 
-        ``is_causal=True`` adds the causal mask (``MultiheadAttention`` takes it as a hint that
-        ``attn_mask`` already is one; here it is applied, so ``attn_mask`` may be omitted).
+        ``is_causal=True`` applies the causal mask (not only a hint, as in MultiheadAttention).
         """
         op = type(self).__name__
         dims = (query.dim(), key.dim(), value.dim())
@@ -739,11 +697,8 @@ class TopKAttention(nn.Module):
         S: int,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """MultiheadAttention's masks in :func:`topk_attention`'s conventions: ``(attn_mask,
-        key_padding_mask)``. Bool masks stay bool, in their own (broadcast) shapes: the attn_mask
-        inverted (True: may attend), the padding mask as is (both take MultiheadAttention's). A
-        float mask among them makes one additive float mask of both, as MultiheadAttention does
-        (a bool mask's True is -inf there)."""
+        """MultiheadAttention's masks in :func:`topk_attention`'s conventions: bool masks stay
+        bool (attn_mask inverted); a float one makes one additive float mask of both."""
         parts: list[torch.Tensor] = []
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if m is None:
