@@ -3,9 +3,10 @@ r"""The sort family's wiring: which method serves which op, its options, and qua
 ``METHODS`` maps a method name to its backend module, each with the one signature
 ``sort/rank/argsort(x2, eps, descending, opts, offset=None)`` on canonical rows: ``x2`` (B, n)
 float32 or float64, ``eps`` (B,) positive, ``opts`` a :class:`MethodOptions`, ``offset`` an
-optional (B,) shift of the rank positions (``softops.sort._limits``). "pav" has no ``argsort``;
-:func:`interpolate` reads every quantile off the soft sort. An argument the method does not use
-must stay at its default (:func:`softops._core.validation.check_unused`).
+optional (B,) shift of the rank positions (``softops.sort._limits``); no validation; a NaN gives
+NaN in its own row, an infinity NaN too but for "pav" (the public layer takes it to its limit,
+through a backend's ``masked(kind, x2, eps, descending, opts)`` where it cannot branch). "pav"
+has no ``argsort``; :func:`interpolate` reads every quantile off the soft sort.
 """
 
 from __future__ import annotations
@@ -83,18 +84,9 @@ def check_options(
     max_iter: int | None = None,
     tol: float | None = None,
 ) -> MethodOptions:
-    """Check ``method`` for ``kind`` ("sort", "rank", "argsort" or "quantile") and its options.
-
-    Arguments the method does not use must be left at their defaults (``ValueError`` otherwise);
-    the used ones are validated: ``regularization`` in :data:`REGULARIZATIONS`, ``distance`` in
-    :data:`DISTANCES`, ``max_iter`` a positive int or None (``TypeError`` for a non-int,
-    ``ValueError`` below 1), ``tol`` a float >= 0 or None. ``op`` opens every message (the public
-    function, or the ``softops.nn`` Module checking at construction).
-
-    The result of accepted arguments is remembered (per value and type of each argument: the
-    checks depend on nothing else), so that a call with the options of an earlier one skips the
-    checks, a fixed cost of every small call; refused arguments raise every time.
-    """
+    """Check ``method`` for ``kind`` ("sort", "rank", "argsort" or "quantile") and its options,
+    unused ones at their defaults; errors open with ``op``. Accepted arguments are remembered (an
+    LRU cache, per value and type), so a repeated call skips the checks."""
     args = (op, method, kind, regularization, distance, max_iter, tol)
     try:
         hash(args)
@@ -143,14 +135,8 @@ _checked_options = functools.lru_cache(maxsize=256, typed=True)(_check_options)
 
 
 def interpolate(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    r"""``torch.quantile``'s linear interpolation of ascending rows ``values`` (B, n) at q (m,).
-
-    At position :math:`h = q\,(n - 1)`, with :math:`k = \lfloor h \rfloor` (0-based),
-    :math:`Q_q = v_k + (h - k)(v_{k+1} - v_k)`; a gradient flows to q through :math:`h`.
-    Infinite neighbours are taken as limits: the infinite one wins unless its weight is 0, and
-    ``-inf`` against ``+inf`` is NaN. Gradients stay finite. Where :math:`v_{k+1} - v_k`
-    overflows the dtype, :math:`(1 - (h - k)) v_k + (h - k) v_{k+1}` instead. Returns (B, m).
-    """
+    r"""``torch.quantile``'s linear interpolation of ascending rows ``values`` (B, n) at q (m,),
+    (B, m); infinite neighbours as limits (module docstring of :mod:`softops.sort`)."""
     n = values.shape[-1]
     h = q.to(values.dtype) * (n - 1)
     lo = h.detach().floor().clamp(0, n - 1).long()

@@ -1,19 +1,12 @@
 r"""Infinities as limits for the "softsort", "neuralsort" and "ot" sort methods.
 
-The contract (:mod:`softops.sort`) is the limit of ``±inf`` replaced by ``±M``, ``M -> inf``.
-For these methods it decouples: as ``M -> inf`` an entry at ``±M`` gets weight 0 in the row of
-every finite target (the kernels decay with distance; NeuralSort's logits separate by O(M), and
-its M terms turn the finite entries' coefficients into those of the compacted row). So the finite
-entries of a row are relaxed as the method on that row's finite entries alone, and the ``-inf``
-and ``+inf`` entries take the ends of the output order, tied among themselves: an infinite rank
-is the mean of its tied positions, a finite one :math:`\sum_i (o + i) P'_{ij}` with ``o`` the
-infinities before (the backends' ``offset``), and a row of ``argsort`` at an infinite position is
-uniform over that infinity's columns. Infinite entries get a zero gradient.
-
-:func:`with_limits` finds the rows with infinities (one host sync) and calls the backend once per
-distinct count of finite entries, on the compacted rows. Where that branch is impossible (under
-``torch.func``, on meta tensors, while compiled) every row goes through the backend's ``masked``
-form of the same limit. "pav" does not come here: it takes the projection's own limits.
+The contract is :mod:`softops.sort`'s. For these methods the limit decouples: as ``M -> inf`` an
+entry at ``±M`` gets weight 0 in the row of every finite target, so the finite entries are
+relaxed as the method on them alone (a rank offset by the infinities before them, the backends'
+``offset``). :func:`with_limits` finds the rows with infinities (one host sync) and calls the
+backend once per distinct count of finite entries, on the compacted rows; where that branch is
+impossible (``torch.func``, meta tensors, compile) every row goes through the backend's
+``masked`` form of the same limit.
 """
 
 from __future__ import annotations
@@ -37,10 +30,8 @@ MaskedBackend = Callable[[str, torch.Tensor, torch.Tensor, bool, MethodOptions],
 
 
 def _on_graph(out: torch.Tensor, xg: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
-    """``out`` plus an exact zero that depends on ``xg`` and ``eg``: rows without finite entries
-    have a constant limit, but their output must stay on the graph (zero gradients, like
-    ``x * 0`` for an empty batch). The infinite entries are masked out first (``inf * 0`` is
-    NaN)."""
+    """``out`` plus an exact zero on the graph of ``xg`` and ``eg`` (rows without finite entries
+    have a constant limit, but stay on the graph)."""
     zero = torch.where(torch.isfinite(xg), xg, 0.0).sum(-1) * 0 + eg * 0  # (Bg,)
     return out + zero.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
 
@@ -54,13 +45,8 @@ def limit_group(
     opts: MethodOptions,
     m: int,
 ) -> torch.Tensor:
-    """The limit for rows (Bg, n) that hold infinities and exactly ``m`` finite entries each.
-
-    In the limit, entries at ``±inf`` decouple from the finite ones: the finite entries are
-    relaxed among themselves (``fn`` on the (Bg, m) compacted rows), ``-inf`` entries take the
-    first output positions (the last if ``descending``) and ``+inf`` ones the others, tied among
-    themselves (module docstring).
-    """
+    """The limit for rows (Bg, n) that hold infinities and exactly ``m`` finite entries each:
+    ``fn`` on the (Bg, m) compacted rows, the infinities at the ends, tied among themselves."""
     bsz, n = xg.shape
     xd = xg.detach()
     n_neg = (xd == -math.inf).sum(-1)
@@ -106,16 +92,8 @@ def with_limits(
     opts: MethodOptions,
     masked: MaskedBackend | None = None,
 ) -> torch.Tensor:
-    """``fn(x2, eps, descending, opts)``, with rows holding ``±inf`` (and no NaN) taken to their
-    limit; ``kind`` ("sort", "rank" or "argsort") says which of ``fn``'s outputs it is.
-
-    Eagerly: one host sync per call (whether any entry is infinite); rows with infinities are
-    grouped by their number of finite entries and each group is one batched call. Under
-    ``torch.func`` transforms, on meta tensors and under ``torch.compile``, where a
-    data-dependent branch is impossible, the backend's ``masked`` formulation of the same limit
-    runs on every row (module docstring); a backend without one gets NaN in rows with
-    infinities there.
-    """
+    """``fn(x2, eps, descending, opts)`` (``kind``: "sort", "rank" or "argsort"), with rows
+    holding ``±inf`` (and no NaN) taken to their limit (module docstring)."""
     with torch.no_grad():
         inf = torch.isinf(x2)
         special = inf.any(-1) & ~torch.isnan(x2).any(-1)

@@ -8,18 +8,12 @@ row-stochastic relaxation
 
 values ``P @ x`` and ranks :math:`r_j = \sum_i i\,P_{ij}` (not confined to [1, n]).
 
-Private backend of :mod:`softops.sort` with the one backend signature
-``sort/rank/argsort(x2, eps, descending, opts, offset=None)``: x2 (B, n) float32 or float64,
-eps (B,) positive (it may require grad); ``opts`` is unused; no validation.
-
-Contract: epsilon is the paper's temperature, in units of x (``sort(c x, c e) = c sort(x, e)``);
-the paper's :math:`\hat P_{\max}` is ``descending=True``. The logits are formed relative to each
-row's argmax from the gaps of the sorted row (:func:`_gap_logits`), so they carry the rounding of
-the gaps, not of ``n * span``; tied entries get identical logits, columns and ranks. The row
-``A 1`` costs one sort (O(n log n)); the O(n²) softmax runs in checkpointed row blocks
-(docs/math.md §3). The gaps are scaled by a power of two (:func:`_frame`) and one factor
-``-s / eps``, so no pass forms ``eps**2`` or overflows before the derivative does. A NaN gives NaN
-in its own row; rows with ``±inf`` give NaN here (the public layer takes them to their limits).
+A backend of :mod:`softops.sort` (the one signature of ``softops.sort._dispatch``; ``opts``
+unused; no validation). The paper's :math:`\hat P_{\max}` is ``descending=True``. The logits are
+formed relative to each row's argmax from the gaps of the sorted row (:func:`_gap_logits`,
+docs/math.md §3), so they carry the rounding of the gaps, not of ``n * span``; the O(n²) softmax
+runs in checkpointed row blocks. The gaps are scaled by a power of two (:func:`_frame`) and one
+factor ``-s / eps``, so no pass forms ``eps**2`` or overflows before the derivative does.
 """
 
 from __future__ import annotations
@@ -38,9 +32,8 @@ __all__ = ["argsort", "rank", "sort"]
 
 
 def _sorted_frame(u: Tensor, ratio: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The frame of ``_gap_logits`` for ascending rows u (B, n): ``-ratio * g`` with
-    ``g_m = u_m - u_(m-1)`` (``g_0 = 0``; 0 where ``keep`` is False for either entry), and
-    ``-ratio * g_(m+1)`` reversed (``g_n = 0``)."""
+    """The frame of ``_gap_logits`` for ascending rows u: ``-ratio`` times the gaps (0 where
+    ``keep`` is False), and the same of the next gaps, reversed."""
     g = u[:, 1:] - u[:, :-1]
     if keep is not None:
         g = torch.where(keep[:, 1:] & keep[:, :-1], g, 0.0)
@@ -52,25 +45,8 @@ def _sorted_frame(u: Tensor, ratio: Tensor, keep: Tensor | None = None) -> tuple
 
 
 def _gap_logits(i0: Tensor, g: Tensor, g_next_rev: Tensor) -> Tensor:
-    r"""(B, b, n) logits ``(t_ik - t_ii*) / epsilon`` at the sorted positions k of the columns,
-    for the rows i whose argmax is at the sorted position ``i0`` (b,) or (B, b) (0-based), with
-    ``t_ij = c_i x_j - (A 1)_j``, from the frame of ``_sorted_frame`` (the gaps of the ascending
-    row times ``-s / eps``, and the next gaps reversed).
-
-    For the ascending row i (c_i = 2i - n - 1, 1-based), its argmax is the i-th smallest entry,
-    and between sorted positions the slope of t_i in u is c_i - (2m - n - 2) on the gap
-    g_m = u_m - u_(m-1), so, 0-based,
-
-    .. math::
-
-        t_{ik} - t_{i i_0} = -\sum_{m \in (\min(k, i_0), \max(k, i_0)]} |2 (m - i_0) - 1|\, g_m,
-
-    a sum of terms of one sign: cumulative sums from i0 outwards (to the right; to the left on
-    the reversed row), each rounded relative to itself. The logits carry the rounding of the
-    gaps, not that of (A 1) and c_i x_j (of the size n * span, which lost the small gaps); they
-    are <= 0 with 0 at the argmax (no row maximum to take off), and tied entries (g = 0) get
-    identical logits.
-    """
+    r"""(B, b, n) logits ``(t_ik - t_ii0) / epsilon`` at the sorted positions k, for the rows whose
+    argmax is at the sorted position ``i0`` (the cumulative sums of docs/math.md §3)."""
     n = g.shape[-1]
     d = torch.arange(n, device=g.device) - i0.unsqueeze(-1)  # (b, n) or (B, b, n): m - i0
     up = (torch.where(d > 0, 2 * d - 1, 0).to(g.dtype) * g.unsqueeze(1)).cumsum(-1)
@@ -84,8 +60,7 @@ def _gap_logits(i0: Tensor, g: Tensor, g_next_rev: Tensor) -> Tensor:
 def _unsort(
     r: Tensor | None, p: Tensor | None, where: Tensor
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Ranks (B, n) and P (B, n, n), in sorted column order, back in the columns' own
-    (``where``: each column's sorted position)."""
+    """Ranks and P from sorted column order back to the columns' own (``where``: sorted places)."""
     if r is not None:
         r = r.gather(-1, where)
     if p is not None:
@@ -94,9 +69,7 @@ def _unsort(
 
 
 def _frame(xc: Tensor, eps: Tensor) -> Tensor:
-    """The detached power-of-two scale s >= 1 (B, 1) of the centred rows
-    (:func:`softops.sort._softsort.row_scale`): the sums of the logits of ``xc / s`` are at
-    most ``3 n max|xc| / s``, and ``s / eps`` takes the scale back."""
+    """The detached power-of-two scale s >= 1 (B, 1) of the centred rows (``row_scale``)."""
     return row_scale(xc, eps, 1.0, 3.0 * xc.shape[-1])
 
 
@@ -138,10 +111,8 @@ def _run(
 
 
 def _masked_logits(rp: Tensor, g: Tensor, g_next_rev: Tensor, kind_u: Tensor) -> Tensor:
-    """Logits of the limit with infinities, columns in sorted order (rows and columns carry a
-    kind -1, 0, +1 for -inf, finite, +inf): the compacted NeuralSort logits between finite rows
-    and columns (``rp[0]``, the argmax's sorted position, and the gaps between the finite
-    entries), an infinite row uniform over its own infinity, -inf elsewhere."""
+    """Logits of the limit with infinities: the compacted row's between finite rows and columns,
+    an infinite row uniform over its own infinity, -inf elsewhere."""
     i0, kind_r = rp[0].long(), rp[1]
     k_row, k_col = kind_r.unsqueeze(-1), kind_u.unsqueeze(1)
     inner = torch.where(k_row == k_col, 0.0, -math.inf).to(g.dtype)
@@ -150,14 +121,9 @@ def _masked_logits(rp: Tensor, g: Tensor, g_next_rev: Tensor, kind_u: Tensor) ->
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
-    """``kind`` ("sort", "rank", "argsort") of rows that may hold ``±inf``, at their limit
-    (``softops.sort._limits``), by masks alone (no data-dependent control flow, so it runs under
-    ``torch.func.vmap``). The finite entries of a row, m of them after ``n_neg`` at -inf, get the
-    compacted row's logits: sorted, they sit at positions n_neg .. n_neg + m - 1, the gaps
-    between them are those of the compacted row (0 beside an infinity), and the i-th ascending
-    output row (1-based) has its argmax at the sorted position i - 1 (``_gap_logits``), as the
-    compacted row's i'-th with i' = i - n_neg; positions stay those of the full row (the limit's
-    offset). Rows with a NaN are not special-cased here."""
+    """``kind`` of rows that may hold ``±inf``, at their limit, by masks alone (``_limits``): the
+    finite entries get the compacted row's logits (gaps 0 beside an infinity), at the positions
+    of the full row."""
     n = x2.shape[-1]
     dt = x2.dtype
     xd = x2.detach()

@@ -1,14 +1,10 @@
 r"""Optimal-transport backend (Cuturi, Teboul and Vert, NeurIPS 2019, arXiv:1905.11885): soft sort,
 rank and argsort by entropic OT (docs/math.md §4).
 
-Private backend of :mod:`softops.sort` with the one backend signature
-``sort/rank/argsort(x2, eps, descending, opts, offset=None)``: x2 (B, n) float32 or float64,
-eps (B,) positive (it may require grad); no validation. ``opts.max_iter`` / ``opts.tol`` None
-mean ``SINKHORN_MAX_ITER`` / ``default_tol`` of x2's dtype (``tol=0`` runs ``max_iter``);
-``opts.op`` names the public op in the ``ConvergenceWarning``.
-
-Each row's n inputs (mass 1/n) are transported onto n targets (mass 1/n) with the squared cost
-and entropic weight :math:`\varepsilon`:
+A backend of :mod:`softops.sort` (the one signature of ``softops.sort._dispatch``; no
+validation); ``opts.max_iter`` / ``opts.tol`` None mean ``SINKHORN_MAX_ITER`` / ``default_tol``
+of x2's dtype. Each row's n inputs (mass 1/n) are transported onto n targets (mass 1/n) with the
+squared cost and entropic weight :math:`\varepsilon`:
 
 .. math::
 
@@ -19,15 +15,12 @@ and entropic weight :math:`\varepsilon`:
 
 Unlike the paper (which squashes x into [0, 1] onto a fixed grid), the targets are the row's own
 sorted values :math:`y = \mathrm{sort}(x)`, differentiated too: the operator is
-shift-equivariant and epsilon is in **units of x²**, ``sort(c x, c² e) = c sort(x, e)``. P is
-row-stochastic exactly, ``sort = P @ x``, and the ranks :math:`r_i = \sum_j P_{ji}\, j` lie in
-[1, n] and sum to n(n+1)/2 up to ``tol``. ``descending=True`` reverses the targets.
+shift-equivariant and epsilon is in units of x². P is row-stochastic exactly, ``sort = P @ x``,
+and the ranks :math:`r_i = \sum_j P_{ji}\, j` lie in [1, n] and sum to n(n+1)/2 up to ``tol``.
 
 The solve is the shared log-domain Sinkhorn of :mod:`softops._core.sinkhorn` in float64, with a
 semi-dual Newton polish and the implicit backward (memory independent of the iteration count).
 An iteration is O(B n²), a Newton step or backward O(B n³): meant for n up to a few thousand.
-A NaN or an infinity gives NaN in its own row; :func:`masked` takes infinities to their limits
-without branching (docs/math.md §6.2), for ``torch.func`` transforms and meta tensors.
 """
 
 from __future__ import annotations
@@ -48,12 +41,8 @@ __all__ = ["argsort", "masked", "rank", "sort"]
 def _plan(
     x2: Tensor, eps: Tensor, opts: MethodOptions, limits: bool = False
 ) -> tuple[Tensor, SinkhornResult]:
-    """The (B, n, n) float64 plan P = n Gamma^T (rows = ascending targets) and the diagnostics.
-
-    Solved in float64 whatever x2's dtype (float32 loses the digits small epsilon needs). With
-    ``limits``, the ``±inf``/NaN entries and the targets at their sorted positions carry no mass, so
-    the finite entries are transported exactly as in the row of its finite entries alone.
-    """
+    """The (B, n, n) float64 plan P = n Gamma^T (rows: ascending targets) and the diagnostics;
+    with ``limits``, the non-finite entries and their targets carry no mass."""
     bsz, n = x2.shape
     max_iter = SINKHORN_MAX_ITER if opts.max_iter is None else opts.max_iter
     tol = default_tol(x2.dtype) if opts.tol is None else opts.tol
@@ -76,13 +65,8 @@ def _plan(
 
 
 def _cost(x: Tensor, y: Tensor, eps: Tensor) -> Tensor:
-    r"""The cost in units of epsilon, ``C_ij = ((x_i - y_j) r)^2``, ``r = eps^{-1/2}`` (B, n, n).
-
-    Formed so that neither it nor its backward overflows where C does not (``(x - y)^2 / eps``
-    overflowed at gaps of 1e155, and its backward at epsilon < 1e-154); the epsilon gradient is
-    attached by :func:`softops._core.sinkhorn.attach_epsilon`, and an entry whose ``(x - y) r``
-    overflows has the constant cost inf (docs/math.md §4).
-    """
+    r"""The cost in units of epsilon, ``C_ij = ((x_i - y_j) r)^2``, ``r = eps^{-1/2}`` (B, n, n),
+    without overflow where C is finite (docs/math.md §4)."""
     r = torch.rsqrt(eps.detach()).view(-1, 1, 1)
     diff = x.unsqueeze(-1) - y.unsqueeze(1)
     with torch.no_grad():
@@ -92,11 +76,8 @@ def _cost(x: Tensor, y: Tensor, eps: Tensor) -> Tensor:
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
-    """``kind`` ("sort", "rank" or "argsort") of rows that may hold ``±inf``, at their limit
-    (``softops.sort._limits``), by masks alone: one solve whose infinite entries and targets carry
-    no mass, no host sync, so it runs under ``torch.func`` and on meta tensors. Equal to the plain
-    op on rows without infinities; NaN rows are left to the caller.
-    """
+    """``kind`` of rows that may hold ``±inf``, at their limit, by masks alone (``_limits``): one
+    solve whose infinite entries and targets carry no mass."""
     n = x2.shape[-1]
     p, _ = _plan(x2, eps, opts, limits=True)  # (B, n, n), rows: ascending targets
     xd = x2.detach().double()
@@ -131,9 +112,7 @@ def sort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""OT soft sort :math:`v_j = n \sum_i \Gamma_{ij} x_i`, (B, n) in x2's dtype: each a convex
-    combination of the row, differentiated through the plan and the targets.
-    """
+    r"""OT soft sort :math:`v_j = n \sum_i \Gamma_{ij} x_i`, (B, n) in x2's dtype."""
     p, _ = _plan(x2, eps, opts)
     x64 = x2.double()
     v = convex_combination(p, x64, small_rows(x64)).to(x2.dtype)
@@ -147,9 +126,7 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""OT soft ranks :math:`r_i = n \sum_j \Gamma_{ij} (\mathrm{pos}_j + \mathrm{offset})`,
-    (B, n) in x2's dtype; in [1, n], summing to n(n+1)/2 up to ``tol``.
-    """
+    r"""OT soft ranks :math:`r_i = n \sum_j \Gamma_{ij} (\mathrm{pos}_j + \mathrm{offset})`."""
     n = x2.shape[-1]
     p, _ = _plan(x2, eps, opts)
     pos = positions(n, descending, p.dtype, p.device)
@@ -166,9 +143,7 @@ def argsort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""The OT sorting matrix :math:`P_{ji} = n \Gamma_{ij}` (B, n, n) in x2's dtype: rows sum to 1
-    exactly, columns up to ``tol``; ``P @ x`` is :func:`sort`.
-    """
+    r"""The OT sorting matrix :math:`P_{ji} = n \Gamma_{ij}` (B, n, n) in x2's dtype."""
     p, _ = _plan(x2, eps, opts)
     p = p.to(x2.dtype)
     return p.flip(1) if descending else p

@@ -1,25 +1,17 @@
 r"""SoftSort backend (Prillo and Eisenschlos, ICML 2020, arXiv:2006.16038):
 ``P = softmax(-d(sort(x), x) / epsilon)`` row-wise, ``d`` the l1 or l2 distance.
 
-Private backend of :mod:`softops.sort` with the one backend signature
-``sort/rank/argsort(x2, eps, descending, opts, offset=None)``: x2 (B, n) float32 or float64,
-eps (B,) positive (it may require grad), ``opts.distance`` "l1" or "l2"; no validation.
-
-Contract: epsilon is the paper's temperature, in the units of x (l1) or x² (l2), so
-``sort(c x, c e) = c sort(x, e)`` (l1) and ``sort(c x, c² e) = c sort(x, e)`` (l2); ranks and P
-are unchanged. ``descending=False`` sorts ascending (the paper sorts descending). The soft ranks
-:math:`r_j = \sum_i i\,P_{ij}` are estimates: P is only row-stochastic, so r is not confined to
-[1, n]; they tend to the hard ranks as epsilon -> 0.
+A backend of :mod:`softops.sort` (the one signature of ``softops.sort._dispatch``; no
+validation). ``descending=False`` sorts ascending (the paper sorts descending). The soft ranks
+:math:`r_j = \sum_i i\,P_{ij}` are estimates: P is only row-stochastic.
 
 l1 values and ranks are exact in O(n log n) time and O(n) memory, by local-frame recurrences on
 the semiseparable Laplace kernel run as a parallel scan with an adjoint-scan backward
 (docs/math.md §3); gaps beyond 800 epsilon decouple exactly. l2 and the full P are formed in
 checkpointed row blocks (:func:`softops.sort._chunked.chunked_rows`). The dense kernels work on
-``x / s`` (:func:`row_scale`) and never form ``eps**2`` or a distance beyond the dtype, so the
-gradients are finite wherever the derivative is.
-
-A NaN gives NaN in its own row; rows with ``±inf`` give NaN here (the public layer takes them
-to their limits first).
+``x / s`` (:func:`row_scale`): the backward of a softmax reduction passes ``|x|**2`` and
+``|x| / eps``, which overflow long before the derivative does, and in that frame they do not; no
+``eps**2`` is ever formed. So the gradients are finite wherever the derivative is.
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ _GAP_CAP = 800.0
 
 
 def _strands(t: Tensor, nb: int, blk: int) -> Tensor:
-    """(..., n) -> (..., blk, nb) contiguous, row j holding step j of every block of ``blk``;
-    zero after the end (a = b = 0 there changes nothing before it). One copy."""
+    """(..., n) -> (..., blk, nb) contiguous, row j holding step j of every block; zero-padded."""
     n = t.shape[-1]
     full = n // blk
     out = t.new_zeros(*t.shape[:-1], blk, nb)
@@ -57,12 +48,8 @@ def _strands(t: Tensor, nb: int, blk: int) -> Tensor:
 
 
 def _scan_forward(a: Tensor, b: Tensor) -> Tensor:
-    """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph.
-
-    Two-level: ``_SCAN_BLOCK`` interleaved strands (step j of every block side by side), the
-    recurrence within each block, the block ends by the same recurrence (recursively: log depth),
-    then one fix-up. O(n) work; only non-negative sums and products for ``a`` in [0, 1], ``b >= 0``.
-    """
+    """``h_i = a_i h_{i-1} + b_i`` along the last dim (``h_{-1} = 0``), without a graph: within
+    blocks of interleaved strands, then the block ends recursively (log depth), then a fix-up."""
     n = a.shape[-1]
     blk = _SCAN_BLOCK
     if n <= blk:
@@ -91,11 +78,8 @@ def _shift_left(t: Tensor) -> Tensor:
 
 
 class _Recurrence(torch.autograd.Function):
-    """``h_i = a_i h_{i-1} + b_i`` with the adjoint recurrence as backward (docs/math.md §3).
-
-    The backward is written with this Function itself, so it is differentiable again. No forward
-    mode here, so ``torch.compile`` traces it; :class:`_LinearRecurrence` adds it.
-    """
+    """``h_i = a_i h_{i-1} + b_i``; its backward, the adjoint recurrence, is differentiable again.
+    No forward mode (so ``torch.compile`` traces it); :class:`_LinearRecurrence` adds it."""
 
     generate_vmap_rule = True
 
@@ -131,11 +115,8 @@ class _LinearRecurrence(_Recurrence):
 
 
 def linear_recurrence(a: Tensor, b: Tensor) -> Tensor:
-    """``h_i = a_i h_{i-1} + b_i`` along the last dim, ``h_{-1} = 0`` (``a_0`` unused).
-
-    Stable for ``a`` in [0, 1] and ``b >= 0`` (nothing cancels); log depth, O(n) autograd memory,
-    differentiable any number of times. Compiled code runs the Function without forward mode.
-    """
+    """``h_i = a_i h_{i-1} + b_i`` along the last dim, ``h_{-1} = 0``: stable for ``a`` in [0, 1]
+    and ``b >= 0``, O(n) autograd memory, differentiable any number of times."""
     if torch.compiler.is_compiling():
         return cast(Tensor, _Recurrence.apply(a, b))
     return cast(Tensor, _LinearRecurrence.apply(a, b))
@@ -150,11 +131,8 @@ def _l1_scan(
     offset: Tensor | None = None,
     masked: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Values and/or ranks of l1 SoftSort by local-frame recurrences, in float64 (docs/math.md §3).
-
-    ``masked``: rows may hold ``±inf``, at their limit without data-dependent control flow: the
-    decay is 0 across the boundary of a block of equal infinities and 1 inside it.
-    """
+    """Values and/or ranks of l1 SoftSort by local-frame recurrences, in float64 (docs/math.md §3);
+    ``masked``: rows may hold ``±inf`` (decay 0 across a block of equal infinities, 1 inside)."""
     n = x2.shape[-1]
     u, perm = torch.sort(x2.double(), dim=-1)
     # The scans run on u / s (row_scale): gaps, moments and their gradients stay the size of
@@ -224,22 +202,13 @@ def _l1_scan(
 
 
 def inverse(eps: Tensor) -> Tensor:
-    """``1/eps`` as ``exp(-log eps)``: the same value, with a backward that never squares eps
-    (``(z/eps)/eps`` overflows at an epsilon far below the gaps, and ``0 * inf`` is NaN).
-    """
+    """``1/eps`` as ``exp(-log eps)``: a backward that never squares eps (no overflow, no NaN)."""
     return torch.exp(-torch.log(eps))
 
 
 def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
-    """A detached power of two s >= 1 (B, 1) per row: the kernels work on ``x / s`` (exact) and take
-    the scale back in one factor ``s / eps**power`` (:func:`scaled_inverse`).
-
-    A softmax reduction's backward passes ``|x|**2`` and ``|x| / eps``, which overflow long before
-    the derivative does; in the frame of ``x / s`` they are ``|x|**2 / s`` and
-    ``|x| s / eps**power``. So s is up to ``max|x|`` (finite entries) while the second stays below
-    ``finfo.max / 2**10 / n``, at least ``4 spread max|x| / finfo.max`` (the forward's sums stay
-    finite), and 1 for rows with ``max|x| <= 1``.
-    """
+    """A detached power of two s >= 1 (B, 1) per row (module docstring): up to ``max|x|`` while
+    ``|x| s / eps**power`` stays below ``finfo.max / 2**10 / n``; 1 where ``max|x| <= 1``."""
     with torch.no_grad():
         xd = x2.detach()
         fmax = torch.finfo(xd.dtype).max
@@ -260,10 +229,7 @@ def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:
 
 
 def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
-    """``scale / eps**power`` (B,) as ``exp(log s - p log eps)`` (no ``eps**2`` in the backward),
-    saturated just below the dtype's largest value (only where the distances it scales are
-    denormal in the frame of ``x / s``).
-    """
+    """``scale / eps**power`` (B,) as ``exp(log s - p log eps)``, saturated below ``finfo.max``."""
     top = math.log(torch.finfo(eps.dtype).max) - 1e-3  # exp(top) < finfo.max, by 0.1%
     log_ratio = torch.log(scale.view(-1).to(eps.dtype)) - power * torch.log(eps)
     return torch.exp(log_ratio.clamp(max=top))
@@ -271,11 +237,8 @@ def scaled_inverse(eps: Tensor, scale: Tensor, power: float = 1.0) -> Tensor:
 
 def _distance_logits(distance: str) -> Callable[..., Tensor]:
     def logits(u_blk: Tensor, xs: Tensor, q: Tensor) -> Tensor:
-        """``-d(u, x)/eps`` from the row-scaled ``u/s, x/s`` (:func:`row_scale`, at most 1)
-        and ``q = s/eps`` (l1) or ``s/sqrt(eps)`` (l2): ``-|u - x| q`` or ``-((u - x) q)^2``.
-        Nothing here overflows but the l1 logit (to -inf); ``(u - x) q`` is clipped at
-        ``sqrt(finfo.max)`` (beyond it the weight is ``exp(-finfo.max) = 0`` either way), so the
-        backward (``2 (u - x) q``) sees no inf."""
+        """``-d(u, x)/eps`` from ``u/s, x/s`` and ``q = s/eps`` (l1) or ``s/sqrt(eps)`` (l2);
+        ``(u - x) q`` clipped at ``sqrt(finfo.max)`` (the weight is 0 beyond it either way)."""
         diff = u_blk.unsqueeze(-1) - xs.unsqueeze(1)  # (B, b, n)
         qv = q.view(-1, 1, 1)
         if distance == "l1":
@@ -292,9 +255,8 @@ def _power(distance: str) -> float:
 
 
 def _masked_logits(distance: str) -> Callable[..., Tensor]:
-    """Logits of the limit with infinities: rows and columns carry a kind (-1, 0, +1 for
-    -inf, finite, +inf); finite rows see the finite columns only, an infinite row its own
-    infinity only (uniform there)."""
+    """Logits of the limit with infinities: finite rows see the finite columns only, an infinite
+    row its own infinity only (uniform there)."""
     base = _distance_logits(distance)
 
     def logits(rp: Tensor, xz: Tensor, q: Tensor, kind_x: Tensor) -> Tensor:
@@ -383,9 +345,7 @@ def _blocked_masked(
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
-    """``kind`` ("sort", "rank", "argsort") of rows that may hold ``±inf``, at their limit
-    (``softops.sort._limits``), by masks alone: no host sync and no data-dependent control flow,
-    so it runs under ``torch.func.vmap``. Rows with a NaN are not special-cased here."""
+    """``kind`` of rows that may hold ``±inf``, at their limit, by masks alone (``_limits``)."""
     if kind != "argsort" and opts.distance == "l1":
         v, r = _l1_scan(x2, eps, descending, kind == "sort", kind == "rank", masked=True)
         return cast(Tensor, v if kind == "sort" else r)
@@ -409,11 +369,7 @@ def sort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""SoftSort values ``P @ x``, (B, n) in x2's dtype (module docstring for the arguments).
-
-    l1 by the exact O(n log n) scan, l2 in checkpointed row blocks; the values tend to the hard
-    sorted values as epsilon -> 0 and to the row mean as epsilon -> inf.
-    """
+    r"""SoftSort values ``P @ x``, (B, n) in x2's dtype."""
     if opts.distance == "l1":
         v, _ = _l1_scan(x2, eps, descending, values=True, ranks=False)
     else:
@@ -428,11 +384,7 @@ def rank(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""SoftSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}`, (B, n) in x2's dtype.
-
-    ``offset`` (B,) shifts the positions (the public layer's count of entries before a row's finite
-    ones, when it takes infinities to their limits). Not confined to [1, n].
-    """
+    r"""SoftSort ranks :math:`r_j = \sum_i (i + \mathrm{offset})\,P_{ij}`, (B, n) in x2's dtype."""
     if opts.distance == "l1":
         _, r = _l1_scan(x2, eps, descending, values=False, ranks=True, offset=offset)
     else:
@@ -447,9 +399,6 @@ def argsort(
     opts: MethodOptions,
     offset: Tensor | None = None,
 ) -> Tensor:
-    r"""The (B, n, n) row-stochastic SoftSort matrix P (``P @ x`` is :func:`sort`), in x2's dtype.
-
-    Formed in checkpointed row blocks: besides the output, autograd keeps O(B n) per block.
-    """
+    r"""The (B, n, n) row-stochastic SoftSort matrix P, in checkpointed row blocks."""
     _, _, p = _blocked(x2, eps, descending, opts.distance, matrix=True)
     return cast(Tensor, p)
