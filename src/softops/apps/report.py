@@ -129,14 +129,23 @@ def markdown_table(
     return "\n".join(lines) + "\n"
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def _mean_band(
     runs: Sequence[RunResult], key: str, grid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean, min and max over seeds of ``key`` on a shared time grid (linear interpolation).
-
-    Each run is read only inside its own time span: a grid point past a run's last validation
-    is the mean of the runs that reach it.
-    """
+    """Mean, min and max over seeds of ``key`` on a shared time grid, each run read (linearly
+    interpolated) only inside its own time span."""
     rows = []
     for r in runs:
         xs = torch.tensor([p["seconds"] for p in r.curve], dtype=torch.float64)
@@ -162,19 +171,10 @@ def _mean_band(
 
 
 def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str]) -> bool:
-    """Validation accuracy and training loss against training time, one colour per method.
-
-    One seed: its line. Several: each seed as a thin line and, over the time every seed
-    covers, their mean (bold) with the band between the lowest and highest seed. Points are in
-    time order within each run, so no line runs back in time; the time axis is in seconds when
-    the longest run is under two minutes.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Validation accuracy and training loss against training time, one colour per method: one
+    seed as its line; several as thin lines, with their mean and min-max band where all reach."""
+    plt = _pyplot()
+    if plt is None:
         return False
     runs_of = {m: [r for r in results if r.method == m and r.curve] for m in methods}
     runs_of = {m: sorted(rs, key=lambda r: r.seed) for m, rs in runs_of.items() if rs}
@@ -232,14 +232,8 @@ def _plot_embeddings(path: Path, results: Sequence[RunResult], methods: Sequence
         runs = [r for r in results if r.method == m and r.projection is not None]
         if runs and m != "ce":
             panels.append(min(runs, key=lambda r: r.seed))
-    if not panels:
-        return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if not panels or plt is None:
         return False
     fig, axes = plt.subplots(
         1, len(panels), figsize=(3.6 * len(panels) + 1, 4), squeeze=False, layout="constrained"
