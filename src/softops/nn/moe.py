@@ -45,8 +45,7 @@ class MoEOutput(NamedTuple):
     z_loss: torch.Tensor
     """``()``: the router's ST-MoE z-loss, the mean of ``logsumexp(logits)**2``."""
     dropped: torch.Tensor
-    """``()``: the fraction of the token-expert assignments dropped for capacity (0 without a
-    ``capacity_factor``)."""
+    """``()``: the fraction of the token-expert assignments dropped for capacity."""
     router: RouterOutput
     """The router's full output: weights, indices, load per expert, logits."""
 
@@ -71,20 +70,13 @@ class TopKMoE(nn.Module):
 
     Args:
         d_model: the token features; every expert maps ``(n, d_model)`` to ``(n, d_model)``.
-        num_experts: E.
-        k: the experts per token, an int in [1, E].
-        expert_factory: a callable with no argument that returns a new expert; called E times.
-            None (and no ``experts``): a feed-forward ``Linear(d_model, 4 d_model)``, GELU,
-            ``Linear(4 d_model, d_model)``.
-        experts: the E experts themselves, a sequence of Modules (instead of
-            ``expert_factory``).
-        capacity_factor: None (default: no limit) or a positive number c: each expert takes at
-            most ``ceil(c * k * T / E)`` of the T tokens of a call, the others are dropped for
-            it (module docstring).
-        epsilon, mode, method, hard, noise_std, bias: the router's
-            (:class:`TopKRouter`). With ``hard=False`` a token runs every expert whose weight is
-            not zero: all E with the default method, those within the window with
-            ``method="sparse"``.
+        num_experts, k: as for :class:`TopKRouter`.
+        expert_factory: a callable with no argument that returns a new expert (called E times);
+            None (and no ``experts``): ``Linear(d_model, 4 d_model)``, GELU, and back.
+        experts: the E experts themselves (instead of ``expert_factory``).
+        capacity_factor: None (default: no limit) or c > 0 (module docstring).
+        epsilon, mode, method, hard, noise_std, bias: the router's (with ``hard=False`` a token
+            runs every expert of non-zero weight).
         device, dtype: of the router and of the default experts.
 
     Shape:
@@ -193,19 +185,8 @@ class TopKMoE(nn.Module):
         return math.ceil(self.capacity_factor * self.k * tokens / self.num_experts)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        """Route the tokens ``x`` of shape ``(*, d_model)`` and combine their experts' outputs.
-
-        Args:
-            x: the tokens, floating, in the dtype of the router's parameters.
-
-        Returns:
-            A :class:`MoEOutput`: the output, the router's two auxiliary losses, the fraction
-            of assignments dropped for capacity and the router's output.
-
-        Raises:
-            TypeError, ValueError: as :meth:`TopKRouter.forward`; ValueError also when an expert
-                returns another shape than its input's.
-        """
+        """Route the tokens ``x`` (*, d_model) and combine their experts' outputs (an expert must
+        keep its input's shape); returns a :class:`MoEOutput`."""
         routed = self.router(x)
         flat = x.reshape(-1, self.d_model)
         T = flat.shape[0]

@@ -51,23 +51,17 @@ class RouterOutput(NamedTuple):
     """What :class:`TopKRouter` returns for tokens of shape ``(*, d_model)``, with E experts."""
 
     weights: torch.Tensor
-    """``(*, E)``: the combine weights. With ``hard=True`` exactly k non-zero entries per token,
-    the renormalised softmax of the selected logits (``"softmax"``) or ``1/k`` (``"mean"``);
-    they sum to 1 per token."""
+    """``(*, E)``: the combine weights g, summing to 1 per token (k non-zero with ``hard``)."""
     indices: torch.Tensor
     """``(*, k)``, int64: the k experts with the largest logits per token, best first."""
     mask: torch.Tensor
-    """``(*, E)``: the soft top-k mask A (values in [0, 1] summing to k); the hard 0/1
-    selection in the forward with ``hard=True``."""
+    """``(*, E)``: the soft top-k mask A (the hard 0/1 selection forward with ``hard``)."""
     load: torch.Tensor
-    """``(E,)``: f_e, the fraction of the tokens' k slots given to each expert (hard counts, no
-    gradient; sums to 1)."""
+    """``(E,)``: f_e, the fraction of the tokens' k slots sent to each expert (no gradient)."""
     importance: torch.Tensor
-    """``(E,)``: P_e, the mean router probability ``softmax(logits)`` of each expert (sums to
-    1)."""
+    """``(E,)``: P_e, the mean router probability ``softmax(logits)`` of each expert."""
     aux_loss: torch.Tensor
-    """``()``: the Switch Transformer load-balancing loss ``E * sum_e f_e P_e``: 1 for a uniform
-    router, up to E when every token goes to one expert."""
+    """``()``: the Switch Transformer load-balancing loss ``E * sum_e f_e P_e``."""
     logits: torch.Tensor
     """``(*, E)``: the gate's logits ``W x + b``, before the training noise."""
     z_loss: torch.Tensor
@@ -81,21 +75,17 @@ class TopKRouter(nn.Module):
         d_model: the token features.
         num_experts: E.
         k: the experts per token, an int in [1, E].
-        epsilon: the temperature of the top-k, in the units of the logits. Larger is smoother.
-        mode: ``"softmax"`` (default: the renormalised softmax of the selected logits) or
-            ``"mean"`` (``A / k``).
-        method: the top-k method of :func:`softops.soft_topk_mask` ("ot" by default).
-            ``"sparse"`` gives exact zeros even with ``hard=False``: a token is sent only to
-            the experts whose logit is within epsilon of its threshold or above it.
-        hard: exactly k experts per token in the forward, soft gradients (default True). With
-            ``hard=False`` every expert gets a (soft) weight: use it to train densely.
-        noise_std: in training, Gaussian noise of this standard deviation added to the logits
-            before the selection (the noisy top-k gating of Shazeer et al. 2017); 0 by default.
+        epsilon: the top-k's temperature, in the units of the logits.
+        mode: ``"softmax"`` (default) or ``"mean"`` (the module docstring).
+        method: the top-k method of :func:`softops.soft_topk_mask` ("ot" by default;
+            ``"sparse"`` gives exact zeros even with ``hard=False``).
+        hard: exactly k experts per token forward, soft gradients (default True).
+        noise_std: in training, Gaussian noise of this standard deviation on the logits before
+            the selection (Shazeer et al. 2017's noisy top-k gating); 0 by default.
         bias: a bias on the router's linear layer.
 
     Shape:
-        - input: ``(*, d_model)``; weights and mask ``(*, E)``, indices ``(*, k)``; load,
-          importance ``(E,)``; aux_loss a scalar.
+        - input: ``(*, d_model)``; the outputs: :class:`RouterOutput`.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -163,19 +153,13 @@ class TopKRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route the tokens ``x`` of shape ``(*, d_model)``.
+        """Route the tokens ``x``.
 
         Args:
-            x: the tokens, floating, in the dtype of the router's parameters (convert the
-                router with ``.to(dtype)``, or run it under ``torch.autocast``).
+            x: (*, d_model), in the dtype of the router's parameters (or under autocast).
 
         Returns:
-            A :class:`RouterOutput`: the combine weights, the selected experts, the mask, the
-            load statistics, the two auxiliary losses and the logits.
-
-        Raises:
-            TypeError: ``x`` is not a floating tensor, or its dtype differs from the router's.
-            ValueError: the last dim of ``x`` is not ``d_model``.
+            A :class:`RouterOutput`.
         """
         op = type(self).__name__
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
@@ -238,9 +222,7 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 def _combine(
     logits: torch.Tensor, probs: torch.Tensor, A: torch.Tensor, k: int, mode: str
 ) -> torch.Tensor:
-    """The combine weights from the mask A and the router probabilities ``p = softmax(s)``
-    (shared with the importance: "softmax" is ``A p / sum(A p)``, see
-    :func:`softops.nn.attention.masked_softmax`)."""
+    """The combine weights from the mask A and the router probabilities ``p = softmax(s)``."""
     if mode == "mean":
         return A / k
     return masked_softmax(logits, A, probs)
