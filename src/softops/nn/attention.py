@@ -80,7 +80,7 @@ def _check_k(op: str, k: Any, hard: bool) -> float:
 def _check_dropout(op: str, name: str, p: Any) -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{op}: expected `{name}` to be a float in [0, 1); got {p!r}.")
-    if not 0 <= p < 1:
+    if not 0 <= float(p) < 1:
         raise ValueError(f"{op}: expected 0 <= `{name}` < 1; got {name}={p!r}.")
     return float(p)
 
