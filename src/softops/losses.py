@@ -30,6 +30,8 @@ References:
     Järvelin and Kekäläinen. Cumulated Gain-Based Evaluation of IR Techniques. ACM TOIS 2002.
     Petersen, Kuehne, Borgelt and Deussen. Differentiable Top-k Classification Learning.
     ICML 2022. arXiv:2206.07290.
+    Berrada, Zisserman and Kumar. Smooth Loss Functions for Deep Top-k Classification.
+    ICLR 2018. arXiv:1802.07595.
 """
 
 from __future__ import annotations
@@ -172,10 +174,6 @@ def topk_accuracy_loss(
         >>> s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
         >>> topk_accuracy_loss(s, torch.tensor([1, 2]), 2, reduction="none", epsilon=0.01)
         tensor([0., 0.])
-
-    References:
-        Berrada, Zisserman and Kumar. Smooth Loss Functions for Deep Top-k Classification.
-        ICLR 2018. arXiv:1802.07595.
     """
     op = "topk_accuracy_loss"
     k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
@@ -231,10 +229,6 @@ def topk_cross_entropy(
         (tensor(1.7594), tensor(1.7594))
         >>> topk_cross_entropy(s, t, [0.0, 1.0], epsilon=0.01)  # both are in their top 2
         tensor(0.)
-
-    References:
-        Petersen, Kuehne, Borgelt and Deussen. Differentiable Top-k Classification Learning.
-        ICML 2022. arXiv:2206.07290.
     """
     op = "topk_cross_entropy"
     weights = check_p_k(p_k, op)
@@ -333,9 +327,6 @@ def f1_loss(
         >>> p = torch.tensor([0.9, 0.2, 0.6, 0.3])
         >>> f1_loss(p, torch.tensor([1, 0, 1, 1]))
         tensor(0.2800)
-
-    References:
-        See :mod:`softops.metrics`.
     """
     op = "f1_loss"
     # Checked here so that the errors name this loss; soft_confusion then cannot fail.
@@ -435,10 +426,6 @@ def spearman_loss(
         tensor([0.2000, 2.0000])
         >>> spearman_loss(x, t, epsilon=10.0, reduction="none").round(decimals=4)
         tensor([0.1276, 2.0000])
-
-    References:
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
     """
     op = "spearman_loss"
     d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)
@@ -512,12 +499,6 @@ def ndcg_loss(
         tensor([0.0000, 0.3801])
         >>> ndcg_loss(x, y, k=1, epsilon=0.01, reduction="none")
         tensor([0., 1.])
-
-    References:
-        Järvelin and Kekäläinen. Cumulated Gain-Based Evaluation of IR Techniques.
-        ACM TOIS 2002.
-        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
-        ICML 2020. arXiv:2002.08871.
     """
     op = "ndcg_loss"
     d, n, epsilon = _check_ranking(input, target, dim, epsilon, reduction, op)

@@ -607,9 +607,6 @@ def soft_f1(
         >>> t = torch.tensor([0, 1, 0])
         >>> soft_f1(p, t).round(decimals=4)
         tensor(0.4469)
-
-    References:
-        See :mod:`softops.metrics`.
     """
     counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
     return f1_from_counts(counts).to(input.dtype)

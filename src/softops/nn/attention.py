@@ -341,10 +341,6 @@ def topk_attention(
         >>> values = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
         >>> topk_attention(q, keys, values, 2, epsilon=0.01, mode="mean", scale=1.0)
         tensor([[1.5000]])
-
-    References:
-        Xie, Y., Dai, H., Chen, M., et al. (2020). Differentiable top-k with optimal transport.
-        NeurIPS 33, section 4.3.
     """
     op = "topk_attention"
     _check_floating(op, "value", value)
