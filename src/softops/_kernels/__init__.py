@@ -323,7 +323,7 @@ def build_all(verbose: bool = False) -> list[Path]:
     """Build every kernel of the package (importing the methods that declare them)."""
     importlib.import_module("softops.topk._ot")
     importlib.import_module("softops._core.isotonic")
-    importlib.import_module("softops._core.sinkhorn")
+    importlib.import_module("softops.topk._newton")
     importlib.import_module("softops.topk._sorted")
     package = Path(__file__).resolve().parents[1]
     return [

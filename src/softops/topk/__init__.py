@@ -18,13 +18,17 @@ its code select the smallest), epsilon is in the units of x (the paper divides t
 maximum), and every row is solved on its own (the official code divides by a batch-wide maximum,
 so one row changes the others).
 
-Layout: one file per method of :func:`soft_topk_mask` (``_ot.py``, ``_sinkhorn.py``,
-``_softkmax.py``, ``_perturbed.py``, ``_sparse.py``), the sorted top-k :func:`soft_topk` in
-``_sorted.py``, and the checks every method shares in ``_options.py``. This module validates,
-reshapes once to (B, n) and makes one call into the method's file.
+Layout: one file per method of :func:`soft_topk_mask`, listed in :data:`METHODS`, each with the
+one backend signature ``mask(x2, k, eps, opts)`` on canonical rows (x2 (B, n) in the compute
+dtype, largest first; k and eps (B,); opts a :class:`~softops.topk._options.MaskOptions`); the
+sorted top-k :func:`soft_topk` in ``_sorted.py`` (its Newton-first solve in ``_newton.py``); the
+checks every method shares in ``_options.py``. This module validates, reshapes once to (B, n)
+and makes one call into the method's file.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -32,29 +36,46 @@ from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.transforms import cannot_branch, plain, under_functorch
 from softops._core.validation import check_k
+from softops.topk import _ot, _perturbed, _sinkhorn, _softkmax, _sparse
 from softops.topk._options import (
     MASK_METHODS,
-    PERTURBED_DEFAULT_SAMPLES,
+    THRESHOLD_MAX_ITER,
+    MaskOptions,
     check_generator,
     check_mask_k,
     check_mask_options,
     solver_defaults,
 )
-from softops.topk._ot import hard_topk_mask, ot_mask
-from softops.topk._perturbed import perturbed_topk_mask
-from softops.topk._sinkhorn import sinkhorn_mask
+from softops.topk._ot import ThresholdState, hard_topk_mask
+from softops.topk._ot import solve as solve_threshold
 from softops.topk._softkmax import soft_kmax_rows
 from softops.topk._sorted import TopK, soft_topk
-from softops.topk._sparse import sparse_mask
 
 __all__ = [
     "MASK_METHODS",
+    "METHODS",
+    "THRESHOLD_MAX_ITER",
+    "ThresholdState",
     "TopK",
+    "check_mask_k",
+    "check_mask_options",
     "soft_kmax",
     "soft_topk",
     "soft_topk_mask",
+    "solve_threshold",
     "topk_selection_matrix",
 ]
+# (``THRESHOLD_MAX_ITER``, ``check_mask_*``, ``solve_threshold`` and ``ThresholdState`` are the
+# family's face for softops.solvers, softops.nn and softops.distributed: not in softops.__all__.)
+
+METHODS: dict[str, ModuleType] = {
+    "ot": _ot,
+    "sinkhorn": _sinkhorn,
+    "softkmax": _softkmax,
+    "perturbed": _perturbed,
+    "sparse": _sparse,
+}
+"""Method name -> backend module of :func:`soft_topk_mask` (``mask(x2, k, eps, opts)``)."""
 
 
 def soft_topk_mask(
@@ -200,23 +221,13 @@ def soft_topk_mask(
 
     x2 = rows.x2 if largest else -rows.x2
     k_row = rows.param(k, op, "k")
-    eps_row = rows.eps
     if x2.shape[0] == 0:
         return x * 0  # empty, but on the graph like every other output
-    if method in ("ot", "sinkhorn"):
-        cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)
-        if method == "ot":
-            A = ot_mask(op, x2, k_row, eps_row, cap, tolerance, k_scalar)
-        else:
-            A = sinkhorn_mask(op, x2, k_row.detach(), eps_row.detach(), cap, tolerance)
-    elif method == "sparse":
-        cap = solver_defaults(method, max_iter, tol, x2.dtype)[0]
-        A = sparse_mask(op, x2, k_row, eps_row, cap)
-    elif method == "softkmax":
-        A = soft_kmax_rows(x2, int(k), eps_row)  # k is a scalar here (checked above)
-    else:
-        draws = PERTURBED_DEFAULT_SAMPLES if n_samples is None else n_samples
-        A = perturbed_topk_mask(x2, int(k), eps_row.detach(), draws, generator)
+    cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)
+    # softkmax and perturbed read k as a count (check_mask_k: an integer, readable)
+    count = int(k) if method in ("softkmax", "perturbed") else 0
+    opts = MaskOptions(op, cap, tolerance, k_scalar, count, n_samples or 0, generator)
+    A = METHODS[method].mask(x2, k_row, rows.eps, opts)
 
     if hard:
         k_hard = None if k_scalar is None else int(k_scalar)

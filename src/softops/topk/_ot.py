@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd import forward_ad
 
-from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
+from softops._core.convergence import warn_not_converged
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -87,6 +87,7 @@ from softops._core.rootfind import (
 )
 from softops._core.transforms import apply_function, under_functorch, vmap_rows
 from softops._kernels import Kernel, define
+from softops.topk._options import THRESHOLD_MAX_ITER, MaskOptions
 
 __all__ = [
     "EXACT_MAX_N",
@@ -94,9 +95,9 @@ __all__ = [
     "balance_parts",
     "balance_step",
     "hard_topk_mask",
+    "mask",
     "mask_from_threshold",
     "near_hard",
-    "ot_mask",
     "polish",
     "solve",
 ]
@@ -1280,18 +1281,12 @@ class _SoftTopKMaskOTTraced(_SoftTopKMaskOT):
         return vmap_rows(_SoftTopKMaskOTTraced, info, in_dims, *args)
 
 
-def ot_mask(
-    op: str,
-    x2: torch.Tensor,
-    k_row: torch.Tensor,
-    eps_row: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    k_scalar: float | None,
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows, with the non-convergence warning (raised by the
     operator, once per call). Where nothing is differentiated the operator is called alone."""
-    args = (x2, k_row, eps_row, max_iter, tol, k_scalar, op)
+    args = (x2, k_row, eps_row, opts.max_iter, opts.tol, opts.k_scalar, opts.op)
     grads = torch.is_grad_enabled() and (
         x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
     )

@@ -116,9 +116,9 @@ from torch.autograd.function import once_differentiable
 
 from softops._core.transforms import plain, under_functorch, vmap_rows
 from softops._kernels import define
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["perturbed_topk_mask"]
+__all__ = ["mask", "perturbed_topk_mask"]
 
 # Work-buffer budget in elements: a chunk of c samples uses c*B*n <= this (c >= 1).
 _CHUNK_ELEMENTS = 2**22
@@ -413,6 +413,14 @@ def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
     except RuntimeError as err:
         raise RuntimeError(f"{_OP}: {err}") from err
     return x + 0.0 * r
+
+
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
+) -> torch.Tensor:
+    """The backend entry of ``soft_topk_mask``: :func:`perturbed_topk_mask` with k =
+    ``opts.count`` and the options' draws (no gradient in k or epsilon)."""
+    return perturbed_topk_mask(x2, opts.count, eps.detach(), opts.n_samples, opts.generator)
 
 
 def perturbed_topk_mask(

@@ -25,22 +25,19 @@ import math
 
 import torch
 
-from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.sinkhorn import log_sinkhorn
 from softops._core.transforms import cannot_branch
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["sinkhorn_mask"]
+__all__ = ["mask"]
 
 
-def sinkhorn_mask(
-    op: str,
-    x2: torch.Tensor,
-    k_row: torch.Tensor,
-    eps_row: torch.Tensor,
-    max_iter: int,
-    tol: float,
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows; ``k_row`` and ``eps_row`` are constants."""
+    op, max_iter, tol = opts.op, opts.max_iter, opts.tol
+    k_row, eps_row = k_row.detach(), eps_row.detach()
     dtype = x2.dtype
     n = x2.shape[1]
     # Infinities are their limits: solve on the finite entries (the infinite ones carry no mass),
@@ -102,7 +99,9 @@ def sinkhorn_mask(
     newton = tol > 0
     ones = torch.ones_like(eps_row)
     # the solve warns (naming op) where rows did not converge, also while traced
-    plan, _ = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton, caller=op)
+    plan = log_sinkhorn(
+        cost, log_a, log_b, ones, max_iter=max_iter, tol=tol, newton=newton, caller=op
+    ).plan
     A = n * plan[..., 1]
     edge_none, edge_all = k_row <= 0, k_row >= n
     if fixed or bool((edge_none | edge_all).any()):

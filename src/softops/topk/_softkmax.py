@@ -37,11 +37,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from softops._core.transforms import under_functorch
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["soft_kmax_rows"]
+__all__ = ["mask", "soft_kmax_rows"]
 
 _KMAX_CHECKPOINT_MIN = 16  # from this k on, the backward recomputes segments of rounds
+
+
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
+) -> torch.Tensor:
+    """The backend entry of ``soft_topk_mask``: :func:`soft_kmax_rows` with k = ``opts.count``."""
+    return soft_kmax_rows(x2, opts.count, eps)
 
 
 def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:

@@ -42,17 +42,11 @@ from torch.autograd import forward_ad
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import (
-    DET_MIN,
-    NEWTON_KERNEL,
-    SINKHORN_OP,
-    implicit_cost_vjp,
-    log_sinkhorn_checked,
-    use_kernel,
-)
+from softops._core.sinkhorn import DET_MIN, implicit_cost_vjp
 from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 from softops._kernels import Kernel, define, kernels_enabled
+from softops.topk._newton import NEWTON_FIRST_OP, NEWTON_KERNEL, newton_first, use_kernel
 
 __all__ = ["TopK", "soft_topk"]
 
@@ -1072,23 +1066,15 @@ class _SortedPlan(torch.autograd.Function):
         if torch.compiler.is_compiling():
             # the solve as one operator (opaque to dynamo), which warns where rows did not
             # converge: nothing is read on the host (clean False)
-            out = SINKHORN_OP(
+            out = NEWTON_FIRST_OP(
                 *(scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol),
-                *(True, True, False, _OP),
+                *(False, _OP),
             )
             plan = out[0]
             weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
             return weights, plan, out[3], out[4], False
-        res, clean = log_sinkhorn_checked(
-            scaled.transpose(1, 2),
-            log_a,
-            log_b,
-            torch.ones_like(eps),
-            max_iter=max_iter,
-            tol=tol,
-            newton=True,
-            newton_first=True,
-            potentials=False,
+        res, clean = newton_first(
+            scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol, False
         )
         plan = res.plan  # (B, n, m), float64
         weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)

@@ -87,9 +87,10 @@ import torch
 from softops._core.convergence import warn_not_converged
 from softops._core.transforms import vmap_rows
 from softops._kernels import define
+from softops.topk._options import MaskOptions
 from softops.topk._ot import Reduce, _classify, _fill_special
 
-__all__ = ["GPU_BLOCK", "sparse_mask"]
+__all__ = ["GPU_BLOCK", "mask"]
 
 GPU_BLOCK = 4
 """Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
@@ -471,10 +472,11 @@ class _SparseTopKMaskTraced(_SparseTopKMask):
         return vmap_rows(_SparseTopKMaskTraced, info, in_dims, *args)
 
 
-def sparse_mask(
-    op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask (B, n) of canonical rows, largest first, with the non-convergence warning."""
+    args = (x2, k_row, eps_row, opts.max_iter, opts.op)
     if torch.compiler.is_compiling():
-        return _SparseTopKMaskTraced.apply(x2, k_row, eps_row, max_iter, op)
-    return _SparseTopKMask.apply(x2, k_row, eps_row, max_iter, op)
+        return _SparseTopKMaskTraced.apply(*args)
+    return _SparseTopKMask.apply(*args)
