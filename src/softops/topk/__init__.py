@@ -46,27 +46,41 @@ from softops.topk._options import (
     check_mask_options,
     solver_defaults,
 )
-from softops.topk._ot import ThresholdState, hard_topk_mask
+from softops.topk._ot import SAMPLE_SIZE, ThresholdState, hard_topk_mask
 from softops.topk._ot import solve as solve_threshold
 from softops.topk._softkmax import soft_kmax_rows
 from softops.topk._sorted import TopK, soft_topk
+from softops.topk._summary import (
+    RowSummary,
+    ThresholdRows,
+    row_stats,
+    solve_ot_rows,
+    solve_sparse_rows,
+)
 
 __all__ = [
     "MASK_METHODS",
     "METHODS",
+    "SAMPLE_SIZE",
     "THRESHOLD_MAX_ITER",
+    "RowSummary",
+    "ThresholdRows",
     "ThresholdState",
     "TopK",
     "check_mask_k",
     "check_mask_options",
+    "row_stats",
     "soft_kmax",
     "soft_topk",
     "soft_topk_mask",
+    "solve_ot_rows",
+    "solve_sparse_rows",
     "solve_threshold",
     "topk_selection_matrix",
 ]
-# (``THRESHOLD_MAX_ITER``, ``check_mask_*``, ``solve_threshold`` and ``ThresholdState`` are the
-# family's face for softops.solvers, softops.nn and softops.distributed: not in softops.__all__.)
+# Besides the ops, the family's face for softops.solvers, softops.nn and softops.distributed
+# (not in softops.__all__): the threshold solvers (on whole rows, or on pieces of rows known by
+# a RowSummary and a reduction), their defaults and the checks of a mask's options.
 
 METHODS: dict[str, ModuleType] = {
     "ot": _ot,

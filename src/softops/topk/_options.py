@@ -56,7 +56,7 @@ class MaskOptions(NamedTuple):
         max_iter: the iteration cap with its default filled in ("ot", "sparse", "sinkhorn").
         tol: the tolerance with its default filled in ("ot", "sinkhorn"; 0 for the others).
         k_scalar: k as a number where it is one ("ot": the scalar-k path), else None.
-        count: k as an int ("softkmax" and "perturbed": a count of rounds or of a top-k).
+        k_int: k as an int ("softkmax" and "perturbed": a count of rounds or of a top-k).
         n_samples: "perturbed": the number of noise draws.
         generator: "perturbed": the generator of the draws, or None.
     """
@@ -65,7 +65,7 @@ class MaskOptions(NamedTuple):
     max_iter: int = 0
     tol: float = 0.0
     k_scalar: float | None = None
-    count: int = 0
+    k_int: int = 0
     n_samples: int = PERTURBED_DEFAULT_SAMPLES
     generator: torch.Generator | None = None
 

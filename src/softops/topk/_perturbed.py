@@ -419,8 +419,8 @@ def mask(
     x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The backend entry of ``soft_topk_mask``: :func:`perturbed_topk_mask` with k =
-    ``opts.count`` and the options' draws (no gradient in k or epsilon)."""
-    return perturbed_topk_mask(x2, opts.count, eps.detach(), opts.n_samples, opts.generator)
+    ``opts.k_int`` and the options' draws (no gradient in k or epsilon)."""
+    return perturbed_topk_mask(x2, opts.k_int, eps.detach(), opts.n_samples, opts.generator)
 
 
 def perturbed_topk_mask(

@@ -47,8 +47,8 @@ _KMAX_CHECKPOINT_MIN = 16  # from this k on, the backward recomputes segments of
 def mask(
     x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
-    """The backend entry of ``soft_topk_mask``: :func:`soft_kmax_rows` with k = ``opts.count``."""
-    return soft_kmax_rows(x2, opts.count, eps)
+    """The backend entry of ``soft_topk_mask``: :func:`soft_kmax_rows` with k = ``opts.k_int``."""
+    return soft_kmax_rows(x2, opts.k_int, eps)
 
 
 def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
