@@ -225,14 +225,9 @@ def _safe_level(dtype: torch.dtype) -> float:
 
 
 def _fragile(prob: _Problem) -> bool:
-    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read).
-
-    After an exact column update every column sum is at least ``b_j min_i a_i / sum_i a_i``
-    (the row masses of the plan are at most its total), so a row whose smallest nonzero masses
-    keep that bound above the level never needs the log-space sums in the loop. A column of
-    subnormal mass (``soft_topk_mask(method="sinkhorn")`` at ``k < n finfo.tiny``) does: its
-    linear sum rounds to a few subnormal ulps, or to 0 (``sigmoid`` gives 0 below
-    ``1 / finfo.max``), and ``log 0`` sent its potential to ``+inf`` and the plan to NaN."""
+    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read):
+    after an exact column update each is at least ``b_j min_i a_i / sum_i a_i``, so only
+    columns of (near) subnormal mass need the log-space sums (docs/math.md §2.5)."""
     log_b = torch.where(prob.empty, math.inf, prob.log_b).amin(-1)
     log_a = torch.where(torch.isneginf(prob.log_a), math.inf, prob.log_a).amin(-1)
     bound = log_b + log_a - prob.a_sum.log()
@@ -388,19 +383,10 @@ def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
 def _sinkhorn_or_anneal(
     prob: _Problem, v: Tensor, max_iter: int, tol: float
 ) -> tuple[Tensor, Tensor, int]:
-    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``), with epsilon scaling for the
-    rows that crawl; the same returns.
-
-    Sinkhorn moves each potential by O(1) (in units of epsilon) per iteration, so a row whose
-    solution lies a scaled-cost span far beyond that from the start (epsilon far below the gaps
-    of the cost) crawls: 1e5 iterations did not reach the Newton switch. The rows still above
-    ``tol`` after ``ANNEAL_AFTER`` iterations are therefore solved again from a cold start by
-    :func:`_anneal` (kept only where that lowers their residual), then Sinkhorn resumes for the
-    rest of the budget. Rows that converge within ``ANNEAL_AFTER`` iterations are untouched:
-    annealing is no universal warm start (a cost far wider than the rest of its row, such as an
-    outlier 1e9 epsilon away, gives coarse stages whose potentials the fine ones cannot undo in
-    float32), so it only runs where plain Sinkhorn already failed.
-    """
+    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``); the rows still above ``tol``
+    after ``ANNEAL_AFTER`` iterations are solved again by :func:`_anneal` (kept where that lowers
+    their residual), then Sinkhorn resumes. Only rows where plain Sinkhorn failed anneal: an
+    outlier far wider than its row gives coarse stages the fine ones cannot undo in float32."""
     first = min(max_iter, ANNEAL_AFTER)
     v, err, iters = _sinkhorn_loop(prob, v, first, tol)
     slow = err > tol  # NaN rows are not slow: they stop at once
@@ -494,16 +480,9 @@ def _homes(p: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _mass_gap(p: Tensor, a: Tensor, b: Tensor, top: Tensor, home: Tensor) -> Tensor:
-    """``b - c`` (B, m) with ``c_j = sum_i a_i P_ij``, without cancellation (the Newton gradient).
-
-    Near a permutation, c and b are O(1) numbers that agree to far below their rounding, and
-    ``b - c`` formed directly keeps that rounding: on a nearly decoupled block of columns its
-    noise (1e-16) drove a Newton step of 30 units along the block's weak direction, which Armijo
-    then rejected at every length. Splitting each row at its home column h(i),
-    ``b_j - c_j = (b_j - home_j) + sum_{h(i) = j} a_i (1 - P_ij) - sum_{h(i) != j} a_i P_ij``,
-    with ``1 - P_ij`` formed as the sum of the other entries of the row: every term is a sum of
-    small products, and ``b_j - home_j`` is exactly 0 where the masses are equal (sort, top-k).
-    """
+    """``b - c`` (B, m), ``c_j = sum_i a_i P_ij``, without cancellation (docs/math.md §2.5):
+    ``(b_j - home_j) + sum_{h(i) = j} a_i (1 - P_ij) - sum_{h(i) != j} a_i P_ij`` with h(i) each
+    row's home column and ``1 - P_ij`` the sum of the row's other entries."""
     rest = ((1.0 - top) * p).sum(1, keepdim=True)  # (B, 1, n): mass of each row off its home
     flow = torch.where(top > 0, -rest, p)  # (B, m, n): -(1 - P_ij) at home, P_ij elsewhere
     return (b - home) - torch.linalg.vecdot(flow, a.unsqueeze(1))
@@ -533,15 +512,10 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
 
 
 def spd_factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``.
-
-    Returns ``(chol, scale, info)`` with ``scale = D^-1/2`` (1 where ``K_jj = 0``, an empty or
-    frozen column whose row of K is zero too). The relative jitter ``tau`` is ``_JITTER_ULPS`` units
-    of rounding per column (rows whose factorisation still fails are refactored with
-    ``_JITTER_RETRY``). Equilibration makes the jitter act on every column in proportion to its own
-    diagonal, whatever the spread of the diagonal (it spans many orders of magnitude when some
-    columns are nearly one-hot and others hold ties).
-    """
+    """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``: ``(chol, scale,
+    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``). The jitter ``tau`` is ``_JITTER_ULPS``
+    roundings per column (``_JITTER_RETRY`` where that fails); equilibrated, it acts on each
+    column in proportion to its own diagonal, which spans many orders of magnitude."""
     m1 = kmat.shape[-1]
     d = kmat.detach().diagonal(dim1=-2, dim2=-1)
     scale = torch.where(d > 0, d.rsqrt(), 1.0)
@@ -967,16 +941,10 @@ def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
     of every order those of ``C / eps`` in ``C`` (whatever ``scaled`` is differentiable in) and
     ``epsilon``.
 
-    Autograd through ``C / eps`` forms ``(C / eps) / eps`` (or ``C / eps**2``), which overflows
-    at an epsilon below 1e-154, or on a wide row, although ``<grad, scaled> / eps`` is finite: the
-    zero cost gradient of an entry the plan does not use then became ``0 * inf = NaN``, and where
-    ``C`` and epsilon are both tiny ``<grad, C>`` (the chain through ``1 / eps``) is subnormal.
-    Here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached value
-    (the factor is exactly 1): the gradient in epsilon is ``<grad, scaled>`` (of the size of the
-    output) and then ``/ eps``. The factor multiplies the differentiable ``scaled``, not a
-    detached copy of it, so the gradient in epsilon is itself differentiable in ``C`` and
-    ``epsilon`` (double backward: a constant copy dropped ``d/dC`` and ``d/deps`` of that
-    gradient). Infinite costs (no mass) are constants.
+    Autograd through ``C / eps`` squares epsilon, which overflows below 1e-154 (docs/math.md
+    §4); here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached
+    value, so the gradient in epsilon is ``-<grad, scaled> / eps``, itself differentiable (double
+    backward). Infinite costs (no mass) are constants.
     """
     u = -torch.log(epsilon)
     factor = torch.exp(u - u.detach())  # 1, with d factor / du = factor
