@@ -148,23 +148,17 @@ def soft_topk_mask(
             softmaxes, plain autograd, O(k n) time; it is biased, and it is not clipped, so an
             entry can exceed 1 where the k-th largest ties with the row minimum (k = n, say).
             ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean of the
-            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, whose backward
-            is the Monte-Carlo Jacobian estimate ``E[mask(x + eps Z) Z^T] / eps`` on the same
-            draws (O(B n) memory; the noise is regenerated, never stored). Both need an integer
-            k, and differentiate with respect to x (softkmax also epsilon), not k.
+            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, with the
+            Monte-Carlo Jacobian estimate on the same draws as its backward (O(B n) memory; the
+            noise is regenerated, never stored). Both need an integer k, and differentiate with
+            respect to x (softkmax also epsilon), not k.
             ``"sparse"`` is the Euclidean projection of ``x / epsilon`` onto the capped simplex
             :math:`\{0 \le a \le 1, \sum a = k\}`, ``a = clip((x - t)/epsilon, 0, 1)`` (the
-            counterpart of "ot" with a quadratic regulariser instead of the entropy): it has
-            exact zeros and ones (entries more than epsilon below or above the threshold), so
-            attention and routing can skip work. t is solved exactly by a finite Newton method
-            on the piecewise-linear residual (1 to 13 evaluations, O(n) each, after one top-k for
-            the bracket); the backward is closed form, on the free entries S = {0 < a < 1}:
-            ``da_i/dx_j = (delta_ij - 1/|S|)/epsilon``, ``da_i/dk = 1/|S|``,
-            ``da_i/depsilon = -(a_i - mean_S a)/epsilon``
-            (0 off S, and 0 everywhere when S is empty: an integer k whose k-th and (k+1)-th
-            largest are more than epsilon apart). It takes a per-row k and differentiates
-            in x, k and epsilon, like "ot"; its ``epsilon`` is in the units of x, with the
-            same scaling law.
+            counterpart of "ot" with a quadratic regulariser, docs/math.md §1.5): exact zeros
+            and ones, so attention and routing can skip work. t is solved exactly by a finite
+            Newton method (1 to 13 evaluations, O(n) each); the backward is closed form on the
+            free entries (gradient 0 where none is free). Like "ot" it takes a per-row k,
+            differentiates in x, k and epsilon, and has the same units and scaling law.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical)
             and for "sparse" (1 to 13);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
