@@ -253,7 +253,7 @@ EXPORTED = {
         lambda x: softops.soft_topk_mask(x, 3, epsilon=0.5, method="sinkhorn").sum(0),
         "softops.sinkhorn",
     ),
-    "topk": (_topk_values_and_weights, "softops.sinkhorn"),
+    "topk": (_topk_values_and_weights, "softops.newton_first"),
     "topk_mask-perturbed": (
         lambda x: softops.soft_topk_mask(x, 3, epsilon=0.2, method="perturbed") * x,
         "softops.perturbed_topk_mask",
