@@ -301,7 +301,7 @@ def test_the_traced_solves_pass_opcheck(dtype):
     for newton, potentials in ((False, True), (True, False), (True, True)):
         args = (cost, log_a, log_b, eps, 200, 1e-6, newton, potentials, "")
         torch.library.opcheck(SINKHORN_OP, args)
-    torch.library.opcheck(NEWTON_FIRST_OP, (cost, log_a, log_b, eps, 200, 1e-6, True, ""))
+    torch.library.opcheck(NEWTON_FIRST_OP.overload, (cost, log_a, log_b, eps, 200, 1e-6, True, ""))
     x = _x(3, 6).to(dtype)
     seed = torch.tensor(11)
     torch.library.opcheck(MASK_OP, (x, eps, 2, 8, seed))
