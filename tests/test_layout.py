@@ -17,7 +17,7 @@ FAMILIES = ("topk", "sort")
 LAYERS = (
     ("_core", "_kernels"),
     ("topk", "sort", "smooth"),
-    ("solvers", "metrics", "losses"),
+    ("solvers", "metrics", "losses", "testing"),
     ("distributed",),
     ("nn",),
     ("apps",),
