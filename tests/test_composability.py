@@ -253,7 +253,7 @@ EXPORTED = {
         lambda x: softops.soft_topk_mask(x, 3, epsilon=0.5, method="sinkhorn").sum(0),
         "softops.sinkhorn",
     ),
-    "topk": (_topk_values_and_weights, "softops.sinkhorn"),
+    "topk": (_topk_values_and_weights, "softops.newton_first"),
     "topk_mask-perturbed": (
         lambda x: softops.soft_topk_mask(x, 3, epsilon=0.2, method="perturbed") * x,
         "softops.perturbed_topk_mask",
@@ -284,9 +284,11 @@ def test_exports_with_a_dynamic_batch_keeping_the_solve_as_one_operator(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_the_traced_solves_pass_opcheck(dtype):
-    """The operators that traced code calls (the Sinkhorn solve, perturbed's sampling and
-    estimator): schema, fake implementation (shapes, dtypes, strides) and dynamic shapes."""
+    """The operators that traced code calls (the Sinkhorn solve, the sorted top-k's Newton-first
+    solve, perturbed's sampling and estimator): schema, fake implementation (shapes, dtypes,
+    strides) and dynamic shapes."""
     from softops._core.sinkhorn import SINKHORN_OP
+    from softops.topk._newton import NEWTON_FIRST_OP
     from softops.topk._perturbed import ESTIMATE_OP, MASK_OP
 
     g = torch.Generator().manual_seed(2)
@@ -296,13 +298,10 @@ def test_the_traced_solves_pass_opcheck(dtype):
         torch.full((3, 4), -math.log(4), dtype=dtype),
     )
     eps = torch.full((3,), 0.5, dtype=dtype)
-    for newton, first, potentials in (
-        (False, False, True),
-        (True, False, False),
-        (True, True, True),
-    ):
-        args = (cost, log_a, log_b, eps, 200, 1e-6, newton, first, potentials, "")
+    for newton, potentials in ((False, True), (True, False), (True, True)):
+        args = (cost, log_a, log_b, eps, 200, 1e-6, newton, potentials, "")
         torch.library.opcheck(SINKHORN_OP, args)
+    torch.library.opcheck(NEWTON_FIRST_OP.overload, (cost, log_a, log_b, eps, 200, 1e-6, True, ""))
     x = _x(3, 6).to(dtype)
     seed = torch.tensor(11)
     torch.library.opcheck(MASK_OP, (x, eps, 2, 8, seed))

@@ -11,14 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
-from softops.smooth import (
-    smooth_max,
-    smooth_min,
-    soft_argmax,
-    soft_argmax_onehot,
-    soft_argmin,
-    soft_kmax,
-)
+from softops import soft_kmax
+from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_onehot, soft_argmin
 from tests._helpers import seeded
 
 F64 = torch.float64

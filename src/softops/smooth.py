@@ -9,16 +9,16 @@ Su Jianlin's note on smoothing builds every operator here from one identity,
 whose right-hand side at a fixed :math:`\varepsilon > 0` is the smooth maximum (logsumexp). Its
 gradient, :math:`\mathrm{softmax}(x/\varepsilon)`, relaxes ``one_hot(argmax(x))``; the inner
 product of that relaxed one-hot with the indices relaxes ``argmax``; and repeating "take the
-soft maximum, then remove it" k times gives the seed's soft-k-max, a relaxed top-k mask.
+soft maximum, then remove it" k times gives the seed's soft-k-max, a relaxed top-k mask, which
+lives with its family (:func:`softops.soft_kmax`, in ``softops.topk``).
 
 Conventions and deviations from the note:
 
 - The note writes the temperature as :math:`1/K` (it mostly uses K = 1); here it is ``epsilon``
   in the units of x, and larger is smoother.
 - ``soft_argmax`` is 0-based, like ``torch.argmax`` (the note uses indices 1..n).
-- Infinities follow the library-wide masking convention: ``-inf`` entries are never
-  selected and ``+inf`` entries always are. For the softmax-based ops this is the limit; for
-  ``soft_kmax`` it is a convention, since the recursion's own limits are degenerate (see there).
+- Infinities follow the library-wide masking convention, which for the softmax-based ops is
+  the limit: ``-inf`` entries are never selected and ``+inf`` entries always are.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations of
@@ -39,17 +39,12 @@ from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.validation import check_bool
 
-# soft_kmax is a relaxed top-k mask: it lives with its family (softops.topk) and is re-exported
-# here, where it was first defined, so `from softops.smooth import soft_kmax` keeps working.
-from softops.topk import soft_kmax
-
 __all__ = [
     "smooth_max",
     "smooth_min",
     "soft_argmax",
     "soft_argmax_onehot",
     "soft_argmin",
-    "soft_kmax",
 ]
 
 

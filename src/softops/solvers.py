@@ -12,9 +12,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
 from softops._core.dims import prepare_rows, row_param
-from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, attach_epsilon, log_sinkhorn
 from softops._core.transforms import plain, under_functorch
 from softops._core.validation import (
     check_bool,
@@ -25,7 +25,7 @@ from softops._core.validation import (
     check_tol,
     compute_dtype,
 )
-from softops.topk._ot import solve as solve_threshold
+from softops.topk import THRESHOLD_MAX_ITER, solve_threshold
 
 __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
 
@@ -187,15 +187,16 @@ def sinkhorn(
     ones = torch.ones_like(eps)
     # Solve the scaled problem (cost/epsilon, 1); its gradient in epsilon is -<grad, cost/eps>/eps
     # (attach_epsilon: autograd through cost/eps squares epsilon, NaN below 1e-154).
-    plan, res = sinkhorn_plan(
+    res = log_sinkhorn(
         attach_epsilon(c2 / eps.detach()[:, None, None], eps[:, None, None]),
         a_t.reshape(bsz, n).log(),
         b_t.reshape(bsz, m).log(),
         ones.detach(),
-        max_iter,
-        tol,
-        newton,
+        max_iter=max_iter,
+        tol=tol,
+        newton=newton,
     )
+    plan = res.plan
     eps_d = eps.detach()[:, None]
     out = cost.dtype
     return SinkhornResult(

@@ -403,3 +403,13 @@ def test_loss_and_costs_reject_bad_input():
         prefix_costs(out, target[:1])
     with pytest.raises(TypeError, match="integer"):
         prefix_costs(out, target.double())
+
+
+def test_beam_step_refuses_rows_with_fewer_than_k_live_candidates():
+    """A row with fewer than K candidates above -inf cannot fill its beams: the error names it."""
+    beams = torch.zeros(2, 2)
+    log_probs = torch.zeros(2, 2, 3)
+    log_probs[1] = -torch.inf
+    log_probs[1, 0, 0] = 0.0
+    with pytest.raises(ValueError, match=r"at least 2 \(K = 2\) candidates .*; row 1 has 1\.$"):
+        beam_step(beams, log_probs)

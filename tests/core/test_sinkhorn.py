@@ -10,7 +10,7 @@ import torch
 
 from softops import soft_rank, soft_sort
 from softops._core import sinkhorn
-from softops._core.sinkhorn import SinkhornResult, log_sinkhorn, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, log_sinkhorn
 from softops.testing import unrolled_sinkhorn
 from tests._helpers import saved_bytes, seeded
 
@@ -19,6 +19,12 @@ F64 = torch.float64
 
 # Tiny problems: one intra-op thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def sinkhorn_plan(cost, log_a, log_b, eps, max_iter, tol, newton=False):
+    """``(plan, result)`` of the one entry point, positionally (the plan differentiable)."""
+    res = log_sinkhorn(cost, log_a, log_b, eps, max_iter=max_iter, tol=tol, newton=newton)
+    return res.plan, res
 
 
 def _problem(bsz: int, n: int, m: int, seed: int = 0, dtype: torch.dtype = F64):
@@ -590,93 +596,6 @@ def test_the_ot_sort_through_attach_epsilon_has_second_derivatives_in_x_and_epsi
     assert torch.autograd.gradgradcheck(fn, (x, eps))
 
 
-# --------------------------------------------------------------------------- newton_first
-
-
-@pytest.mark.parametrize("m", [2, 3, 4, 7])
-@pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_newton_first_equals_the_hybrid_solve(m: int, dtype: torch.dtype) -> None:
-    """Both paths solve the same problem to tol: the plans and f_i + g_j agree."""
-    cost, log_a, log_b, eps = _problem(5, 23, m, seed=10 + m, dtype=dtype)
-    tol = 1e-6 if dtype == torch.float32 else 1e-12
-    ref = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=tol, newton=True)
-    res = log_sinkhorn(
-        cost, log_a, log_b, eps, max_iter=100_000, tol=tol, newton=True, newton_first=True
-    )
-    assert bool(res.converged.all())
-    assert res.plan.dtype == dtype and res.plan.shape == ref.plan.shape
-    atol = 1e-5 if dtype == torch.float32 else 1e-10
-    torch.testing.assert_close(res.plan, ref.plan, atol=atol, rtol=0)
-    torch.testing.assert_close(
-        res.f[:, :, None] + res.g[:, None, :],
-        ref.f[:, :, None] + ref.g[:, None, :],
-        atol=atol * 100,
-        rtol=atol * 100,
-    )
-
-
-def test_newton_first_falls_back_to_the_hybrid_solve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows Newton leaves above tol (here: no Newton steps at all) are solved from the start by
-    the hybrid path, within the rest of max_iter; NaN rows stay NaN and do not fall back."""
-    cost, log_a, log_b, eps = _problem(4, 15, 3, seed=3)
-    cost[1, 2, 0] = math.nan
-    monkeypatch.setattr(sinkhorn, "NEWTON_FIRST_STEPS", 0)
-    res = log_sinkhorn(
-        cost, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=True, newton_first=True
-    )
-    ref = log_sinkhorn(cost, log_a, log_b, eps, max_iter=100_000, tol=1e-12, newton=True)
-    keep = [0, 2, 3]
-    assert bool(res.converged[keep].all()) and not bool(res.converged[1])
-    assert bool(res.plan[1].isnan().all())
-    torch.testing.assert_close(res.plan[keep], ref.plan[keep], atol=1e-11, rtol=0)
-
-
-def test_newton_first_rows_are_independent() -> None:
-    """A row's result does not depend on the other rows (bit for bit), also when another row
-    takes more steps or falls back."""
-    cost, log_a, log_b, eps = _problem(4, 12, 3, seed=4)
-    kw = {"max_iter": 100_000, "tol": 1e-12, "newton": True, "newton_first": True}
-    res = log_sinkhorn(cost, log_a, log_b, eps, **kw)
-    cost2, eps2 = cost.clone(), eps.clone()
-    cost2[1] *= 40.0  # a far harder row
-    eps2[3] = 1e-3
-    res2 = log_sinkhorn(cost2, log_a, log_b, eps2, **kw)
-    torch.testing.assert_close(res2.plan[[0, 2]], res.plan[[0, 2]], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("kind", ["normal", "logprob"])
-@pytest.mark.parametrize("eps", [1e-3, 0.03, 0.1, 0.3, 1.0, 10.0])
-def test_sorted_topk_beam_point_needs_no_fallback(
-    kind: str, eps: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """At the beam-search point (B=64, n=18, k=2, float32) Newton from the centred start
-    finishes every row in a few steps: the slow hybrid path is never taken (the speed of
-    soft_topk there rests on it)."""
-    from softops import soft_topk
-
-    def no_fallback(*args: object, **kwargs: object) -> None:
-        raise AssertionError("newton_first fell back to the hybrid solve")
-
-    monkeypatch.setattr(sinkhorn, "_hybrid", no_fallback)
-    x = torch.randn(64, 18, generator=seeded(int(eps * 1000) + len(kind)))
-    if kind == "logprob":
-        x = torch.log_softmax(3.0 * x, -1)
-    out = soft_topk(x, 2, epsilon=eps)
-    torch.testing.assert_close(out.weights.sum(-1), torch.ones(64, 2), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("potentials", [True, False])
-def test_newton_first_without_potentials_gives_the_same_plan(potentials: bool) -> None:
-    """``potentials=False`` leaves f and g empty (B, 0) and changes nothing else."""
-    cost, log_a, log_b, eps = _problem(5, 13, 3, seed=21)
-    kw = {"max_iter": 1000, "tol": 1e-12, "newton": True, "newton_first": True}
-    ref = log_sinkhorn(cost, log_a, log_b, eps, **kw)
-    res = log_sinkhorn(cost, log_a, log_b, eps, potentials=potentials, **kw)
-    torch.testing.assert_close(res.plan, ref.plan, atol=0, rtol=0)
-    assert res.f.shape == ((5, 13) if potentials else (5, 0))
-    assert res.g.shape == ((5, 3) if potentials else (5, 0))
-
-
 # --------------------------------------------------------------------------- closed-form backward
 
 
@@ -724,34 +643,6 @@ def test_closed_form_vjp_double_backward_equals_the_cholesky_path() -> None:
         grads.append(torch.autograd.grad((out * w).sum(), (plan, grad)))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
-
-
-def test_sinkhorn_plan_checked_is_sinkhorn_plan_and_says_when_every_row_converged():
-    g = seeded(41)
-    # the sorted top-k's centred cost (k = 2): -(j s_i - sum_{l<j} beta_l), beta the midpoints of
-    # the sorted scores, so that v = 0 is the hard assignment and Newton needs no fallback
-    x = torch.randn(5, 7, generator=g, dtype=torch.float64)
-    low = x.sort(-1).values[:, :3]
-    beta = 0.5 * (low[:, :-1] + low[:, 1:])
-    j = torch.arange(3, dtype=torch.float64)
-    kappa = torch.nn.functional.pad(beta.cumsum(-1), (1, 0))  # (5, 3)
-    cost = (-(j * x.unsqueeze(-1)) + kappa.unsqueeze(1)).requires_grad_(True)  # (5, 7, 3)
-    log_a = torch.full((5, 7), -math.log(7), dtype=torch.float64)
-    log_b = torch.log(torch.tensor([[1 / 7, 1 / 7, 5 / 7]] * 5, dtype=torch.float64))
-    eps = torch.full((5,), 0.5, dtype=torch.float64)
-    args = (cost, log_a, log_b, eps, 2000, 1e-9, True)
-    plan, res, clean = sinkhorn.sinkhorn_plan_checked(*args, newton_first=True)
-    ref, _ = sinkhorn_plan(*args, newton_first=True)
-    torch.testing.assert_close(plan, ref, rtol=0, atol=0)
-    assert clean is True and bool(res.converged.all())
-    gp = torch.randn(plan.shape, generator=g, dtype=torch.float64)
-    (d1,) = torch.autograd.grad(plan, cost, gp)
-    (d2,) = torch.autograd.grad(ref, cost, gp)
-    torch.testing.assert_close(d1, d2, rtol=0, atol=0)
-    # a row that cannot converge within the cap: not clean, and converged says which
-    rough = torch.randn(5, 7, 3, generator=g, dtype=torch.float64)
-    _, res2, clean2 = sinkhorn.sinkhorn_plan_checked(rough, log_a, log_b, eps, 2, 1e-14)
-    assert clean2 is False and not bool(res2.converged.all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])

@@ -227,3 +227,15 @@ def test_an_op_takes_the_smallest_normal_of_its_compute_dtype_for_k(dtype):
         assert check_k(k, 3, "op", dtype=dtype).tolist() == [0.0, 1e-300]
     with pytest.raises(ValueError, match=r"^op: expected 0 <= `k` <= x.shape\[dim\] \(= 3\)"):
         check_k(torch.tensor([1e-40, 4.0], dtype=F64), 3, "op")
+
+
+def test_check_row_counts_names_the_first_short_row_and_skips_unreadable_counts():
+    from softops._core.validation import check_row_counts
+
+    check_row_counts(torch.tensor([3, 4]), 3, "op", "entries")
+    with pytest.raises(
+        ValueError, match=r"^op: every row needs at least 3 entries; row 1 has 2\.$"
+    ):
+        check_row_counts(torch.tensor([3, 2, 1]), 3, "op", "entries")
+    check_row_counts(torch.tensor([1, 2], device="meta"), 3, "op", "entries")  # no values
+    torch.func.vmap(lambda c: check_row_counts(c, 3, "op", "entries") or c)(torch.ones(2, 2))

@@ -244,10 +244,10 @@ def test_the_build_command_reports_each_kernel(ops, capsys):
 
     assert main([]) == 0  # built already: nothing to compile
     out = capsys.readouterr().out
-    from softops._core import isotonic, sinkhorn
-    from softops.topk import _sorted
+    from softops._core import isotonic
+    from softops.topk import _newton, _sorted
 
-    package = (_ot.KERNEL, isotonic.KERNEL, sinkhorn.NEWTON_KERNEL, _sorted.KERNEL)
+    package = (_ot.KERNEL, isotonic.KERNEL, _newton.NEWTON_KERNEL, _sorted.KERNEL)
     for kernel in package:  # every kernel of the package, probes not
         assert f"kernel ready: {kernel.path()}" in out
     assert "softops_probe" not in out

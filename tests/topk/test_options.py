@@ -1,5 +1,5 @@
 """softops.topk._options: the checks and row predicates every top-k method shares, and the two
-method kernels called directly (ot_mask, sinkhorn_mask)."""
+method backends called directly through softops.topk.METHODS."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import warnings
 import pytest
 import torch
 
-from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
+from softops.topk import METHODS, THRESHOLD_MAX_ITER
 from softops.topk._options import (
     PERTURBED_DEFAULT_SAMPLES,
+    MaskOptions,
     check_generator,
     check_mask_k,
     check_mask_options,
     solver_defaults,
     unreachable_rows,
 )
-from softops.topk._ot import ot_mask
-from softops.topk._sinkhorn import sinkhorn_mask
 
 F64 = torch.float64
 inf, nan = math.inf, math.nan
@@ -99,12 +99,14 @@ def test_ot_and_sinkhorn_kernels_on_canonical_rows():
     x = torch.randn(3, 12, dtype=F64, generator=torch.Generator().manual_seed(2))
     k = torch.full((3,), 4.0, dtype=F64)
     eps = torch.tensor([0.2, 0.5, 1.0], dtype=F64)
-    A = ot_mask("op", x, k, eps, THRESHOLD_MAX_ITER, 0.0, 4.0)
+    A = METHODS["ot"].mask(x, k, eps, MaskOptions("op", THRESHOLD_MAX_ITER, 0.0, 4.0))
     torch.testing.assert_close(A.sum(-1), k)
-    S = sinkhorn_mask("op", x, k, eps, SINKHORN_MAX_ITER, 1e-12)
+    S = METHODS["sinkhorn"].mask(x, k, eps, MaskOptions("op", SINKHORN_MAX_ITER, 1e-12))
     torch.testing.assert_close(S, A, atol=1e-9, rtol=0)
     with pytest.warns(UserWarning, match=r"^op: 3 of 3 rows did not converge within max_iter=1"):
-        ot_mask("op", x, k, eps, 1, 0.0, 4.0)
+        METHODS["ot"].mask(x, k, eps, MaskOptions("op", 1, 0.0, 4.0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sinkhorn_mask("op", x, k, eps, 3, 0.0)  # tol=0: exactly max_iter iterations, no warning
+        METHODS["sinkhorn"].mask(
+            x, k, eps, MaskOptions("op", 3, 0.0)
+        )  # tol=0: exactly max_iter iterations, no warning

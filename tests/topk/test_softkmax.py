@@ -8,14 +8,8 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from softops import soft_topk_mask
-from softops.smooth import (
-    smooth_max,
-    smooth_min,
-    soft_argmax,
-    soft_argmin,
-    soft_kmax,
-)
+from softops import soft_kmax, soft_topk_mask
+from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmin
 from softops.testing import count_saved_bytes
 from softops.topk import _softkmax as softkmax_mod
 from softops.topk._softkmax import soft_kmax_rows

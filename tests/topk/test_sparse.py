@@ -308,13 +308,14 @@ def test_sparse_mask_on_canonical_rows_is_the_capped_simplex_projection():
     import warnings
 
     import softops
-    from softops.topk._sparse import sparse_mask
+    from softops.topk import METHODS
+    from softops.topk._options import MaskOptions
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 9, generator=g, dtype=torch.float64)
     k = torch.tensor([0.5, 1.0, 2.5, 4.0, 8.5], dtype=torch.float64)
     eps = torch.tensor([0.1, 0.5, 1.0, 2.0, 0.3], dtype=torch.float64)
-    A = sparse_mask("op", x, k, eps, 100)
+    A = METHODS["sparse"].mask(x, k, eps, MaskOptions("op", 100))
     torch.testing.assert_close(A.sum(-1), k)
     # t by bisection on the residual sum(clip((x - t)/eps, 0, 1)) - k, written out
     lo, hi = (x.amin(-1) - eps).clone(), x.amax(-1).clone()
@@ -326,7 +327,9 @@ def test_sparse_mask_on_canonical_rows_is_the_capped_simplex_projection():
     torch.testing.assert_close(A, want, atol=1e-12, rtol=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sparse_mask("op", x, k, eps, 1)  # one evaluation cannot finish every row
+        METHODS["sparse"].mask(
+            x, k, eps, MaskOptions("op", 1)
+        )  # one evaluation cannot finish every row
     assert any(issubclass(w.category, softops.ConvergenceWarning) for w in caught)
 
 

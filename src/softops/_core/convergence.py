@@ -3,8 +3,7 @@
 * ``default_tol(dtype)``: the default stopping tolerance of the Sinkhorn-based methods (the L1
   error of the row marginals, relative to the total mass): 1e-6 in float32 (and below, which is
   computed in float32), 1e-9 in float64.
-* ``SINKHORN_MAX_ITER`` (2000) caps every Sinkhorn loop; ``THRESHOLD_MAX_ITER`` (100) caps the
-  bracketed Halley/Newton solve of the top-k threshold, which needs 2 to 5 evaluations.
+* ``SINKHORN_MAX_ITER`` (2000) caps every Sinkhorn loop.
 * ``warn_not_converged`` issues :class:`ConvergenceWarning` (a ``UserWarning``), once per call,
   attributed to the first frame outside softops and torch: the user's line, whatever route the call
   took inside the library.
@@ -22,7 +21,6 @@ from softops._core.transforms import plain
 
 __all__ = [
     "SINKHORN_MAX_ITER",
-    "THRESHOLD_MAX_ITER",
     "ConvergenceWarning",
     "default_tol",
     "warn_not_converged",
@@ -30,8 +28,6 @@ __all__ = [
 
 SINKHORN_MAX_ITER = 2000
 """Default cap on Sinkhorn iterations (the sorted top-k, method="sinkhorn", OT sort, solvers)."""
-THRESHOLD_MAX_ITER = 100
-"""Default cap on Newton evaluations of the top-k threshold (3 to 6 are typical)."""
 
 _SOFTOPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

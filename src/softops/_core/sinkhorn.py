@@ -1,6 +1,7 @@
 r"""Batched log-domain Sinkhorn for n x m problems with a small m, and its implicit backward.
 
-Problem (one per batch row, rows fully independent):
+One problem per batch row, rows independent (docs/math.md §2.5 for the solver, §2.3 and §6 for
+the backward):
 
 .. math::
 
@@ -8,130 +9,51 @@ Problem (one per batch row, rows fully independent):
     \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
     \qquad \Gamma_{ij} = \exp((f_i + g_j - C_{ij})/\varepsilon).
 
-Public (inside softops) entry points:
+:func:`log_sinkhorn` is the one entry point: it returns the plan (differentiable in the cost
+through :class:`SinkhornPlanFunction`, whose backward is :func:`implicit_cost_vjp`) with its
+diagnostics (:class:`SinkhornResult`). Contract:
 
-* ``log_sinkhorn(cost, log_a, log_b, epsilon, *, max_iter, tol, newton=False,
-  newton_first=False, potentials=True) -> SinkhornResult`` runs without autograd. ``cost`` is
-  (B, n, m), ``log_a`` (B, n), ``log_b`` (B, m), ``epsilon`` a (B,) tensor (one value per row).
-  ``potentials=False`` leaves ``f`` and ``g`` empty (B, 0), for callers that use the plan only.
-* ``sinkhorn_plan(cost, log_a, log_b, epsilon, max_iter, tol, newton=False, newton_first=False,
-  potentials=True) -> tuple[Tensor, SinkhornResult]`` returns ``(plan, result)`` where ``plan``
-  (B, n, m) is differentiable with respect to ``cost`` through the implicit Function
-  ``SinkhornPlanFunction`` (``result.plan`` is the same tensor; ``result.f``/``result.g``
-  carry no gradient).
-  ``log_a``, ``log_b`` and ``epsilon`` are treated as constants: no gradient flows to them.
-  Callers that need a gradient in epsilon pass ``cost / epsilon`` with ``epsilon = 1``.
-
-Conventions and choices:
-
-* **Iteration.** One iteration is the pair (row update of f, column update of g), as in the SOFT
-  paper's code (Xie et al. 2020, arXiv 2002.06504). The returned plan is the state after the last
-  g-update, so its **columns are exact** and ``residual`` is the L1 error of its row sums, relative
-  to the total mass: ``sum_i |sum_j Gamma_ij - a_i| / sum_i a_i``. With ``tol=0`` exactly
-  ``max_iter`` iterations run (``max_iter=200, tol=0`` is the paper's fixed 200 iterations).
-* **Internal form.** The row update is implicit: with v = g/epsilon and scaled cost
-  S = C/epsilon, ``Gamma = diag(a) softmax_j(v_j - S_ij) diag(b/c)`` with c the column sums of
-  ``diag(a) softmax``. The loop only updates v (B, m): ``v += log b - log c``. The layout is
-  (B, m, n) so that the sums over n are contiguous; for m = 2 the softmax is one ``sigmoid``.
-  The first column update is done fully in log space (it may see underflowing columns); after an
-  exact column update every column sum is at least ``b_j min_i a_i / sum b``, so later updates
-  cannot underflow.
-* **Convergence** is checked every ``CHECK_EVERY`` iterations, batched (one host sync per check).
-  Converged rows are frozen and removed from the working set, so a row's result does not depend on
-  the other rows. A row whose residual is NaN/inf stops at once; its outputs are NaN.
-* **Epsilon scaling** (``tol > 0``): Sinkhorn moves each potential by O(1) (in units of
-  epsilon) per iteration, so at an epsilon far below the gaps of the cost it crawls (1e5
-  iterations did not reach 1e-3). Rows still above the tolerance (or the Newton switch) after
-  ``ANNEAL_AFTER`` iterations are solved again from their epsilon times their scaled-cost span
-  over ``ANNEAL_SPAN`` down to their own, by factors of about ``ANNEAL_FACTOR``, each stage
-  warm-started from the last (Kosowsky and Yuille 1994; Schmitzer 2019), and kept where
-  that lowers their residual. Other rows are untouched.
-* **Newton polish** (``newton=True`` and ``tol > 0``): Sinkhorn runs until the residual is at most
-  ``max(tol, NEWTON_SWITCH)``; then semi-dual Newton on the reduced (m-1) x (m-1) SPD system
-  (gauge: the last v is fixed) with Armijo backtracking, at most ``NEWTON_MAX_STEPS`` steps. Each
-  row keeps the state of smallest residual seen (Newton never makes it worse), and rows Newton
-  did not finish go back to Sinkhorn for the rest of the ``max_iter`` budget. The polish, that
-  fallback and the final plan run in float64 (the bulk of the iterations stays in the input
-  dtype): in float32 the residual of a plan with many targets has a floor near 1e-6. The
-  gradient ``b - c`` and the Armijo gain are formed relative to each row's home column (its
-  largest entry), as sums of small products: near a permutation the direct difference keeps
-  only the rounding of the O(1) masses, and on nearly decoupled blocks of columns that noise
-  drove steps Armijo could never accept.
-* **Newton first** (``newton_first=True``, the sorted top-k): for costs whose column constants
-  make v = 0 a close start (the sorted top-k's cost centred at the midpoints of the sorted
-  scores, where v = 0 is the hard assignment), semi-dual Newton runs at once, in float64, all
-  rows in lock-step, from one Sinkhorn column update of v = 0 (also the solution as epsilon ->
-  infinity). Each state is one ``softmax`` over m (layout (B, m, n), contiguous) and ``b - c``
-  formed relative to each row's reference column (its cheapest one, fixed at the start) as
-  sums of small products; for m <= 3 the Newton system is the grounded Laplacian of the
-  couplings ``w_jl = sum_i a_i P_ij P_il``, solved by Cramer's rule (its adjugate and
-  determinant are sums of products: no cancellation), larger m by the Cholesky of
-  :func:`_factor`. A row stops when its bound ``sum_j |b_j - c_j| / sum_i a_i`` on the residual
-  is at most ``tol``, or when a step does not lower it (that row keeps its state); one host
-  read per step. Rows left above ``tol`` are solved from the start by the hybrid path below.
-  On the sorted top-k (standard normal scores or log-probabilities, epsilon 0.1 to 1) three
-  steps reach 1e-6. On the CPU, for rows of at most ``KERNEL_MAX_WORK`` entries ``n m^2``, the
-  same solve runs row by row in a C++ kernel (``_newton_kernel.cpp``, the operator
-  ``softops::newton_first`` of :mod:`softops._kernels`, where it is built and the kernel back end
-  is on), with the same arithmetic and stopping rule: a small batch (a beam step's (64, 18, 3))
-  is a few hundred tensor operations of a few microseconds each in torch, one call there. The
-  rows it leaves (not converged, a zero mass, a NaN) go to the torch code.
-* **Backward** (docs/math.md §2.3). With P = diag(1/mu) Gamma (mu the row sums of the saved
-  plan), u = Gbar - beta (beta_m = 0) and ``centred(u)_ij = u_ij - sum_l P_il u_il``, the cost
-  gradient is ``Cbar = -Gamma * centred(u) / epsilon`` where beta (m-1) makes the first m-1
-  column sums of Cbar vanish: ``K beta = sum_i Gamma_ij centred(Gbar)_ij`` with
-  ``K = diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` (the same system as alpha/beta of §2.3,
-  rewritten). When the plan is nearly a permutation, K and that right-hand side are both of the
-  size of the off-dominant plan entries (1e-16 and below), and the textbook forms
-  ``nu_j - sum_i Gamma_ij^2/mu_i`` and ``wc - Gamma^T (w/mu)`` are differences of O(1) numbers:
-  they keep only rounding noise, and K even came out indefinite (its Cholesky then failed
-  silently), which gave O(10-100) gradient errors with a converged forward. So every quantity is
-  formed without cancellation: K's off-diagonals are products, its diagonal
-  ``sum_i Gamma_ij sum_{l != j} P_il``; ``centred`` shifts each nearly one-hot row by its value at
-  the dominant entry first, so its mean correction is a sum of small products. K (a grounded
-  graph Laplacian: diagonally dominant, its diagonal spanning many orders of magnitude) is then
-  Jacobi-equilibrated before the float64 Cholesky, with a relative jitter of a few ulps per column
-  (a jitter relative to max diag K wipes out the small columns); one step of iterative refinement
-  with the accurately formed residual removes the jitter's effect in the determined directions,
-  and the directions it leaves undetermined (columns with no coupling left) change Cbar only by
-  their tiny coupling (pseudo-inverse behaviour). Only the plan (B, n, m) and epsilon (B,) are
-  saved, so memory does not grow with the number of iterations. The backward is written with
-  differentiable torch ops, so double backward works.
-* **Closed-form backward** (the ``newton_first`` path, m <= 3): K is the grounded Laplacian of
-  ``w_jl = sum_i Gamma_ij P_il`` and is solved by Cramer's rule, whose adjugate and determinant
-  are sums of products of the couplings: exact up to rounding whatever K's conditioning, so no
-  jitter or refinement. Rows whose ``det K`` is not a normal number well above underflow (a
-  column with no coupling left) take the Cholesky path above, row by row.
+* One iteration is the pair (row update of f, column update of g), as in the SOFT paper's code;
+  the returned plan is the state after the last column update, so its **columns are exact** and
+  ``residual`` is the L1 error of its row sums relative to the total mass. ``tol=0`` runs exactly
+  ``max_iter`` iterations (``max_iter=200, tol=0`` is the paper's fixed 200).
+* ``tol > 0``: convergence is checked every ``CHECK_EVERY`` iterations; converged rows leave the
+  working set, so a row's result never depends on the other rows. Rows that crawl (epsilon far
+  below the gaps of the cost) are re-solved by epsilon scaling; ``newton=True`` polishes with
+  semi-dual Newton (float64) from a residual of ``NEWTON_SWITCH``. A row with a NaN or infinite
+  residual stops at once and its outputs are NaN.
+* Only the plan (B, n, m) and epsilon (B,) are saved for the backward, so memory does not grow
+  with the iterations; the backward is written in differentiable torch ops (double backward),
+  and forward mode applies the same symmetric map.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch._C import _functorch
 
 from softops._core.convergence import warn_not_converged
 from softops._core.transforms import apply_function, plain, vmap_rows
-from softops._kernels import Kernel, define, kernels_enabled
+from softops._kernels import define
 
 __all__ = [
     "CHECK_EVERY",
     "DET_MIN",
-    "NEWTON_FIRST_STEPS",
     "NEWTON_MAX_STEPS",
     "NEWTON_SWITCH",
+    "SINKHORN_OP",
     "SinkhornPlanFunction",
     "SinkhornResult",
     "attach_epsilon",
+    "cyclic_couplings",
+    "implicit_cost_vjp",
+    "laplacian_solve",
     "log_sinkhorn",
-    "log_sinkhorn_checked",
-    "sinkhorn_plan",
-    "sinkhorn_plan_checked",
-    "use_kernel",
+    "spd_factor",
+    "spd_solve",
 ]
 
 CHECK_EVERY = 10
@@ -140,8 +62,6 @@ NEWTON_SWITCH = 1e-3
 """Residual below which Sinkhorn hands over to Newton."""
 NEWTON_MAX_STEPS = 30
 """Cap on Newton steps per polish phase."""
-NEWTON_FIRST_STEPS = 12
-"""Cap on the steps of a Newton solve started at the caller's warm start (``newton_first``)."""
 ANNEAL_AFTER = 10 * CHECK_EVERY
 """Iterations after which a converging solve anneals the rows still above the Newton switch."""
 ANNEAL_SPAN = 16.0
@@ -305,14 +225,9 @@ def _safe_level(dtype: torch.dtype) -> float:
 
 
 def _fragile(prob: _Problem) -> bool:
-    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read).
-
-    After an exact column update every column sum is at least ``b_j min_i a_i / sum_i a_i``
-    (the row masses of the plan are at most its total), so a row whose smallest nonzero masses
-    keep that bound above the level never needs the log-space sums in the loop. A column of
-    subnormal mass (``soft_topk_mask(method="sinkhorn")`` at ``k < n finfo.tiny``) does: its
-    linear sum rounds to a few subnormal ulps, or to 0 (``sigmoid`` gives 0 below
-    ``1 / finfo.max``), and ``log 0`` sent its potential to ``+inf`` and the plan to NaN."""
+    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read):
+    after an exact column update each is at least ``b_j min_i a_i / sum_i a_i``, so only
+    columns of (near) subnormal mass need the log-space sums (docs/math.md §2.5)."""
     log_b = torch.where(prob.empty, math.inf, prob.log_b).amin(-1)
     log_a = torch.where(torch.isneginf(prob.log_a), math.inf, prob.log_a).amin(-1)
     bound = log_b + log_a - prob.a_sum.log()
@@ -468,19 +383,10 @@ def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
 def _sinkhorn_or_anneal(
     prob: _Problem, v: Tensor, max_iter: int, tol: float
 ) -> tuple[Tensor, Tensor, int]:
-    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``), with epsilon scaling for the
-    rows that crawl; the same returns.
-
-    Sinkhorn moves each potential by O(1) (in units of epsilon) per iteration, so a row whose
-    solution lies a scaled-cost span far beyond that from the start (epsilon far below the gaps
-    of the cost) crawls: 1e5 iterations did not reach the Newton switch. The rows still above
-    ``tol`` after ``ANNEAL_AFTER`` iterations are therefore solved again from a cold start by
-    :func:`_anneal` (kept only where that lowers their residual), then Sinkhorn resumes for the
-    rest of the budget. Rows that converge within ``ANNEAL_AFTER`` iterations are untouched:
-    annealing is no universal warm start (a cost far wider than the rest of its row, such as an
-    outlier 1e9 epsilon away, gives coarse stages whose potentials the fine ones cannot undo in
-    float32), so it only runs where plain Sinkhorn already failed.
-    """
+    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``); the rows still above ``tol``
+    after ``ANNEAL_AFTER`` iterations are solved again by :func:`_anneal` (kept where that lowers
+    their residual), then Sinkhorn resumes. Only rows where plain Sinkhorn failed anneal: an
+    outlier far wider than its row gives coarse stages the fine ones cannot undo in float32."""
     first = min(max_iter, ANNEAL_AFTER)
     v, err, iters = _sinkhorn_loop(prob, v, first, tol)
     slow = err > tol  # NaN rows are not slow: they stop at once
@@ -534,8 +440,8 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
         b64 = cur.log_b.double().exp()
         top, home = _homes(pd, a64)
         grad = _mass_gap(pd, a64, b64, top, home)
-        factor = _factor(_reduced_schur(pd, a64))
-        delta = _solve(factor, grad[:, : m - 1])
+        factor = spd_factor(_reduced_schur(pd, a64))
+        delta = spd_solve(factor, grad[:, : m - 1])
         slope = (grad[:, : m - 1] * delta).sum(-1)
         ok_sys = (factor[2] == 0) & torch.isfinite(slope) & (slope > 0)
         delta = torch.cat((delta, torch.zeros_like(delta[:, :1])), dim=-1)
@@ -574,16 +480,9 @@ def _homes(p: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _mass_gap(p: Tensor, a: Tensor, b: Tensor, top: Tensor, home: Tensor) -> Tensor:
-    """``b - c`` (B, m) with ``c_j = sum_i a_i P_ij``, without cancellation (the Newton gradient).
-
-    Near a permutation, c and b are O(1) numbers that agree to far below their rounding, and
-    ``b - c`` formed directly keeps that rounding: on a nearly decoupled block of columns its
-    noise (1e-16) drove a Newton step of 30 units along the block's weak direction, which Armijo
-    then rejected at every length. Splitting each row at its home column h(i),
-    ``b_j - c_j = (b_j - home_j) + sum_{h(i) = j} a_i (1 - P_ij) - sum_{h(i) != j} a_i P_ij``,
-    with ``1 - P_ij`` formed as the sum of the other entries of the row: every term is a sum of
-    small products, and ``b_j - home_j`` is exactly 0 where the masses are equal (sort, top-k).
-    """
+    """``b - c`` (B, m), ``c_j = sum_i a_i P_ij``, without cancellation (docs/math.md §2.5):
+    ``(b_j - home_j) + sum_{h(i) = j} a_i (1 - P_ij) - sum_{h(i) != j} a_i P_ij`` with h(i) each
+    row's home column and ``1 - P_ij`` the sum of the row's other entries."""
     rest = ((1.0 - top) * p).sum(1, keepdim=True)  # (B, 1, n): mass of each row off its home
     flow = torch.where(top > 0, -rest, p)  # (B, m, n): -(1 - P_ij) at home, P_ij elsewhere
     return (b - home) - torch.linalg.vecdot(flow, a.unsqueeze(1))
@@ -612,16 +511,11 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
     return torch.where(eye, torch.diag_embed(diag), -gram)
 
 
-def _factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``.
-
-    Returns ``(chol, scale, info)`` with ``scale = D^-1/2`` (1 where ``K_jj = 0``, an empty or
-    frozen column whose row of K is zero too). The relative jitter ``tau`` is ``_JITTER_ULPS`` units
-    of rounding per column (rows whose factorisation still fails are refactored with
-    ``_JITTER_RETRY``). Equilibration makes the jitter act on every column in proportion to its own
-    diagonal, whatever the spread of the diagonal (it spans many orders of magnitude when some
-    columns are nearly one-hot and others hold ties).
-    """
+def spd_factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``: ``(chol, scale,
+    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``). The jitter ``tau`` is ``_JITTER_ULPS``
+    roundings per column (``_JITTER_RETRY`` where that fails); equilibrated, it acts on each
+    column in proportion to its own diagonal, which spans many orders of magnitude."""
     m1 = kmat.shape[-1]
     d = kmat.detach().diagonal(dim1=-2, dim2=-1)
     scale = torch.where(d > 0, d.rsqrt(), 1.0)
@@ -650,8 +544,8 @@ def _any_set(flags: Tensor) -> bool:
     return flags.device.type == "meta" or bool(flags.any())
 
 
-def _solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
-    """``K^-1 rhs`` (B, m-1) with a factor from :func:`_factor`."""
+def spd_solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
+    """``K^-1 rhs`` (B, m-1) with a factor from :func:`spd_factor`."""
     chol, scale, _ = factor
     return scale * torch.cholesky_solve((scale * rhs).unsqueeze(-1), chol).squeeze(-1)
 
@@ -696,63 +590,6 @@ def _finalize(
     return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
 
 
-def log_sinkhorn(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    *,
-    max_iter: int,
-    tol: float,
-    newton: bool = False,
-    newton_first: bool = False,
-    potentials: bool = True,
-) -> SinkhornResult:
-    """Solve a batch of entropic OT problems (no autograd).
-
-    Args:
-        cost: (B, n, m) floating cost; computation happens in its dtype (callers upcast).
-        log_a: (B, n) log row marginals.
-        log_b: (B, m) log column marginals (same total mass as ``a``).
-        epsilon: (B,) positive regularisation, in the units of the cost.
-        max_iter: cap on Sinkhorn iterations (a Newton polish adds at most ``NEWTON_MAX_STEPS``).
-        tol: relative L1 marginal tolerance; ``0`` runs exactly ``max_iter`` iterations.
-        newton: polish with semi-dual Newton once the residual is below ``NEWTON_SWITCH``.
-        newton_first: with ``newton`` (and ``tol > 0``), start with semi-dual Newton at g = 0
-            (see :func:`_newton_first`); for costs whose column constants make g = 0 a close
-            start, such as the centred cost of the sorted top-k. Rows it does not finish are
-            solved from the start as without it.
-        potentials: form f and g; without, they are empty (B, 0) tensors (for callers that
-            only use the plan).
-
-    Returns:
-        A :class:`SinkhornResult`; ``plan`` is a (B, n, m) view of a (B, m, n) buffer.
-    """
-    return _log_sinkhorn(
-        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
-    )[0]
-
-
-def log_sinkhorn_checked(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    *,
-    max_iter: int,
-    tol: float,
-    newton: bool = False,
-    newton_first: bool = False,
-    potentials: bool = True,
-) -> tuple[SinkhornResult, bool]:
-    """:func:`log_sinkhorn` and whether every row is known to have converged: True only where
-    the solver already read that on the host (a convergence warning then has nothing to
-    report); False says nothing (check ``result.converged``)."""
-    return _log_sinkhorn(
-        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
-    )
-
-
 def _log_sinkhorn(
     cost: Tensor,
     log_a: Tensor,
@@ -761,38 +598,27 @@ def _log_sinkhorn(
     max_iter: int,
     tol: float,
     newton: bool,
-    newton_first: bool,
     potentials: bool,
 ) -> tuple[SinkhornResult, bool]:
-    """:func:`log_sinkhorn` and whether every row is known to have converged (True only where
-    the solver already read that on the host; False says nothing)."""
-    clean = False
+    """The solve without autograd, in ``cost``'s dtype, and whether every row is known to have
+    converged (True only where the solver read that on the host; False says nothing)."""
     with torch.no_grad():
         cost = cost.detach()
         bsz, n, m = cost.shape
-        use_newton = newton and tol > 0 and m > 1
-        trivial = bsz == 0 or n == 0 or cost.device.type == "meta"
-        if use_newton and newton_first and not trivial:
-            res, clean = _newton_first(
-                cost, log_a.detach(), log_b.detach(), epsilon.detach(), max_iter, tol, potentials
-            )
-        else:
-            prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
-            v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
-            if trivial:
-                # Nothing to iterate (meta tensors: shape inference, no values to loop on).
-                return _finalize(prob, v, epsilon, tol, 0), clean
-            prob, v, iters = _hybrid(prob, v, max_iter, tol, use_newton)
-            res = _finalize(prob, v, epsilon, tol, iters)
-            if not potentials:
-                res = res._replace(f=res.f[:, :0], g=res.g[:, :0])
+        prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
+        v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
+        if bsz == 0 or n == 0 or cost.device.type == "meta":  # nothing to iterate
+            return _finalize(prob, v, epsilon, tol, 0), False
+        prob, v, iters = _hybrid(prob, v, max_iter, tol, newton and tol > 0 and m > 1)
+        res = _finalize(prob, v, epsilon, tol, iters)
+        if not potentials:
+            res = res._replace(f=res.f[:, :0], g=res.g[:, :0])
         dt = cost.dtype
-        if res.plan.dtype == dt:
-            return res, clean
-        res = res._replace(
-            f=res.f.to(dt), g=res.g.to(dt), plan=res.plan.to(dt), residual=res.residual.to(dt)
-        )
-        return res, clean
+        if res.plan.dtype != dt:
+            res = res._replace(
+                f=res.f.to(dt), g=res.g.to(dt), plan=res.plan.to(dt), residual=res.residual.to(dt)
+            )
+        return res, False
 
 
 def _hybrid(
@@ -828,129 +654,15 @@ def _hybrid(
     return prob, v, iters
 
 
-class _Semidual(NamedTuple):
-    """Data of a :func:`_newton_first` solve: float64, layout (B, m, n), each row on its own.
-
-    Column vectors (b, v, the gap b - c) are (B, m, 1) and per-row scalars (B, 1, 1), so that
-    they broadcast against the (B, m, n) plan without reshapes.
-    """
-
-    s: Tensor  # (B, m, n) cost / epsilon
-    log_a: Tensor  # (B, n)
-    a_row: Tensor  # (B, 1, n) row masses a_i
-    a_col: Tensor  # (B, n, 1) the same, as a column
-    a_sum: Tensor  # (B, 1, 1)
-    b: Tensor  # (B, m, 1) column masses
-    ref: Tensor  # (B, m, n) 1 at each row's reference column r(i), else 0
-    off_ref: Tensor  # (B, m, n) 1 - ref
-    b_ref: Tensor  # (B, m, 1) b_j - sum_{r(i) = j} a_i, exact (0 where the masses match)
-    tol_mass: Tensor  # (B, 1, 1) tol * sum_i a_i: the stopping level of ``l1``
-
-
-class _NewtonState(NamedTuple):
-    """The semi-dual at the states v (B, m, 1) of :func:`_newton_first`."""
-
-    p: Tensor  # (B, m, n) P_ij = softmax_j(v_j - s_ij)
-    gap: Tensor  # (B, m, 1) b - c with c_j = sum_i a_i P_ij: the gradient of the semi-dual
-    l1: Tensor  # (B, 1, 1) sum_j |b_j - c_j|, which bounds sum_i a_i times the residual
-
-
-def _semidual(
-    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor, tol: float
-) -> tuple[_Semidual, Tensor]:
-    """The :class:`_Semidual` of the problem and the start ``v = log b - log c(0)`` (B, m, 1).
-
-    The start is one Sinkhorn column update of v = 0; the reference column of row i is its
-    largest entry at v = 0 (its cheapest column: for the sorted top-k's centred cost, its hard
-    assignment).
-    """
-    f64 = torch.float64
-    # (B, m, n) in that memory order, so that every reduction over m runs over contiguous rows
-    # (``to`` would keep a transposed layout)
-    s = cost.new_empty(cost.transpose(1, 2).shape, dtype=f64)
-    torch.div(cost.transpose(1, 2), epsilon.to(f64).reshape(-1, 1, 1), out=s)
-    # both marginals from their logarithms in float64 (``a`` rounded in a narrower dtype and
-    # ``b`` in float64 differ in total mass at the narrower rounding, a residual floor there)
-    log_a64, log_b64 = log_a.to(f64), log_b.to(f64).unsqueeze(-1)
-    a, b = log_a64.exp(), log_b64.exp()
-    a_col = a.unsqueeze(-1)
-    c0 = torch.bmm(torch.softmax(s.neg(), 1), a_col)
-    v = log_b64 - c0.clamp_min_(torch.finfo(f64).tiny).log_()  # -inf at zero mass
-    ref = torch.zeros_like(s).scatter_(1, s.min(1, keepdim=True).indices, 1.0)
-    b_ref = torch.baddbmm(b, ref, a_col, alpha=-1.0)
-    a_sum = a.sum(-1).reshape(-1, 1, 1)
-    sd = _Semidual(s, log_a64, a.unsqueeze(1), a_col, a_sum, b, ref, 1.0 - ref, b_ref, tol * a_sum)
-    return sd, v
-
-
-def _newton_state(sd: _Semidual, v: Tensor) -> _NewtonState:
-    """The :class:`_NewtonState` at ``v`` (B, m, 1).
-
-    ``P`` is one ``softmax`` (its entries keep their relative precision: it takes out each
-    row's maximum first). ``b - c`` is formed relative to each row's reference column r(i), as
-    sums of small
-    products: ``P_ij - [j = r(i)]`` is ``P_ij`` off the reference column and ``-sum_{l != r(i)}
-    P_il`` on it, so ``b_j - c_j = (b_j - sum_{r(i) = j} a_i) - sum_i a_i (P_ij - [j = r(i)])``
-    keeps its relative precision when the rows are nearly one-hot at their reference column
-    (as at a small epsilon). Formed directly, ``b - c`` keeps only the rounding of the O(1)
-    masses there, and on nearly decoupled blocks of columns that noise drove steps that never
-    lowered the residual.
-    """
-    p = torch.softmax(v - sd.s, 1)
-    off = p * sd.off_ref
-    flow = off.addcmul_(sd.ref, off.sum(1, keepdim=True), value=-1.0)  # P - [j = r(i)]
-    gap = torch.baddbmm(sd.b_ref, flow, sd.a_col, alpha=-1.0)
-    return _NewtonState(p, gap, gap.abs().sum((1, 2), keepdim=True))
-
-
-def _residual(sd: _Semidual, state: _NewtonState) -> tuple[Tensor, Tensor]:
-    """``(ratio, err)``: ``ratio = (b - c) / c`` (B, m, 1) (0 in the columns of zero mass) and
-    the relative L1 row error (B, 1, 1) of the column-exact plan ``diag(a) P diag(b / c)``,
-    ``err = sum_i a_i |sum_j P_ij (b_j - c_j) / c_j| / sum_i a_i`` (no difference of O(1)
-    numbers). By the triangle inequality ``err <= sum_j |b_j - c_j| / sum_i a_i`` (the state's
-    ``l1`` over the total mass)."""
-    gap = state.gap
-    ratio = gap / (sd.b - gap).clamp_min_(torch.finfo(gap.dtype).tiny)
-    dev = torch.bmm(ratio.transpose(1, 2), state.p)  # (B, 1, n): row sums of the plan / a, - 1
-    return ratio, torch.bmm(dev.abs_(), sd.a_col).div_(sd.a_sum)
-
-
-def _newton_direction(sd: _Semidual, state: _NewtonState) -> Tensor:
-    """The reduced Newton step (B, m, 1) (gauge: the last v fixed), ``K delta_< = (b - c)_<``.
-
-    ``K = sum_i a_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns is the graph
-    Laplacian of the couplings ``w_jl = sum_i a_i P_ij P_il`` (j != l), grounded at the last
-    column: ``K_jl = -w_jl`` and ``K_jj = sum_{l != j} w_jl``. Formed that way every entry is a
-    sum of products (``K_jj`` is never ``nu_j - sum_i a_i P_ij^2``, which cancels when P is nearly
-    one-hot). For m = 2 and m = 3 the system is solved in closed form (:func:`_laplacian_solve`);
-    larger systems go through the equilibrated Cholesky of :func:`_factor`. A step that fails is
-    not finite.
-    """
-    p = state.p
-    m = p.shape[1]
-    grad = state.gap[:, : m - 1]
-    if m <= 3:
-        delta = _laplacian_solve(_cyclic_couplings(p, sd.a_col), grad)[0]
-    else:
-        w = torch.bmm(p * sd.a_row, p.transpose(1, 2))  # (B, m, m)
-        eye = torch.eye(m, dtype=torch.bool, device=p.device)
-        w_off = w.masked_fill(eye, 0.0)
-        kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
-        factor = _factor(kmat)
-        ok = (factor[2] == 0)[:, None, None]
-        delta = torch.where(ok, _solve(factor, grad.squeeze(-1)).unsqueeze(-1), math.nan)
-    return torch.nn.functional.pad(delta, (0, 0, 0, 1))
-
-
-def _cyclic_couplings(p: Tensor, weight: Tensor) -> Tensor:
+def cyclic_couplings(p: Tensor, weight: Tensor) -> Tensor:
     """``W_j = sum_i weight_i P_ij P_i(j+1 mod m)`` (B, m, 1) for P (B, m, n), weight (B, n, 1):
     for m = 3 the couplings ``(w01, w12, w20)`` of all pairs, for m = 2 ``(w01, w01)``."""
     return torch.bmm(p * p.roll(-1, 1), weight)
 
 
-def _laplacian_solve(cyc: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
+def laplacian_solve(cyc: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     """``(K^-1 rhs, det K)`` ((B, m-1, 1), (B, 1, 1)) for the grounded Laplacian K of the
-    couplings ``cyc`` (B, m, 1) of :func:`_cyclic_couplings`, m = 2 or 3, in closed form
+    couplings ``cyc`` (B, m, 1) of :func:`cyclic_couplings`, m = 2 or 3, in closed form
     (Cramer's rule).
 
     m = 2: ``K = w01``. m = 3: ``K = [[w01 + w20, -w01], [-w01, w01 + w12]]``, whose adjugate
@@ -967,260 +679,6 @@ def _laplacian_solve(cyc: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     return num / det, det
 
 
-def _newton_first(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool = True,
-) -> tuple[SinkhornResult, bool]:
-    """:func:`_newton_first_torch`, or on small CPU problems the operator ``softops::newton_first``
-    (the same solve row by row in the C++ kernel, the rows it leaves in torch)."""
-    if use_kernel(cost, cost.shape[1], cost.shape[2]):
-        plan, f, g, converged, residual, iterations, clean = NEWTON_FIRST_OP(
-            cost, log_a, log_b, epsilon, max_iter, tol, potentials
-        )
-        res = SinkhornResult(f, g, plan, converged, int(iterations), residual)
-        return res, bool(clean)
-    return _newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
-
-
-KERNEL_MAX_WORK = 1 << 17
-"""Largest ``n m^2`` per row that :func:`_newton_first` solves with the kernel: above it the
-batched torch code (its couplings are one ``bmm``) is the faster."""
-
-NEWTON_KERNEL = Kernel("softops_newton", Path(__file__).with_name("_newton_kernel.cpp"))
-"""The CPU row kernels of the Newton-first solve and of the sorted top-k plan's backward
-(``torch.ops.softops_newton``)."""
-
-
-def use_kernel(t: Tensor, n: int, m: int) -> bool:
-    """Whether the row kernels (``_newton_kernel.cpp``) may take a problem of rows of n entries
-    and m targets held by ``t``: a plain CPU tensor (not traced, not batched or wrapped by
-    ``torch.func``), at most ``KERNEL_MAX_WORK`` entries ``n m^2``, the kernel back end on
-    (:mod:`softops._kernels`; where the kernel is not built the operators run their torch
-    reference)."""
-    return (
-        t.device.type == "cpu"
-        and n * m * m <= KERNEL_MAX_WORK
-        and kernels_enabled()
-        and not torch.compiler.is_compiling()
-        and not _functorch.is_functorch_wrapped_tensor(t)
-    )
-
-
-def _newton_first_outputs(res: SinkhornResult, clean: bool) -> tuple[Tensor, ...]:
-    """A :class:`SinkhornResult` and its ``clean`` as the outputs of ``softops::newton_first``."""
-    device = res.plan.device
-    return (
-        res.plan,
-        res.f,
-        res.g,
-        res.converged,
-        res.residual,
-        torch.tensor(res.iterations, dtype=torch.int64, device=device),
-        torch.tensor(clean, device=device),
-    )
-
-
-def _newton_first_reference(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool,
-) -> tuple[Tensor, ...]:
-    return _newton_first_outputs(
-        *_newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
-    )
-
-
-def _newton_first_cpu(
-    ops: Any,
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool,
-) -> tuple[Tensor, ...]:
-    """:func:`_newton_first_torch` by the row kernel, the same arithmetic each row on its own;
-    rows it leaves above ``tol`` (or does not solve: a zero mass, a NaN) are solved by
-    :func:`_newton_first_torch`, as a sub-batch."""
-    f64 = torch.float64
-    bsz = cost.shape[0]
-    eps = epsilon.to(f64).reshape(-1, 1, 1)
-    s = torch.div(cost.transpose(1, 2).to(f64), eps).contiguous()  # (B, m, n) cost / epsilon
-    la = log_a.to(f64)
-    plan, v, ratio, err, steps = ops.newton_first_rows(
-        s, la, log_b.to(f64), float(tol), min(NEWTON_FIRST_STEPS, max_iter)
-    )
-    converged = err <= tol
-    clean = bool(converged.all())
-    iterations = int(steps.max()) if bsz else 0
-    if not clean:
-        left = ~converged
-        sub, _ = _newton_first_torch(
-            cost[left], log_a[left], log_b[left], epsilon[left], max_iter, tol, potentials
-        )
-        plan[left] = sub.plan.transpose(1, 2).to(f64)
-        err[left] = sub.residual.to(f64)
-        converged = err <= tol
-        iterations = max(iterations, sub.iterations)
-    if potentials:
-        ev = epsilon.to(f64).unsqueeze(-1)
-        f = (la - torch.logsumexp(v.unsqueeze(-1) - s, 1)) * ev
-        g = (v + torch.log1p(ratio)) * ev
-        if not clean:
-            f[left] = sub.f.to(f64)
-            g[left] = sub.g.to(f64)
-    else:
-        f, g = plan.new_empty((bsz, 0)), plan.new_empty((bsz, 0))
-    res = SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
-    return _newton_first_outputs(res, clean)
-
-
-def _newton_first_fake(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool,
-) -> tuple[Tensor, ...]:
-    bsz, n, m = cost.shape
-    f64 = torch.float64
-    return (
-        cost.new_empty((bsz, m, n), dtype=f64).transpose(1, 2),  # (the solver's layout)
-        cost.new_empty((bsz, n if potentials else 0), dtype=f64),
-        cost.new_empty((bsz, m if potentials else 0), dtype=f64),
-        cost.new_empty((bsz,), dtype=torch.bool),
-        cost.new_empty((bsz,), dtype=f64),
-        cost.new_empty((), dtype=torch.int64),
-        cost.new_empty((), dtype=torch.bool),
-    )
-
-
-NEWTON_FIRST_OP = define(
-    "softops::newton_first",
-    "(Tensor cost, Tensor log_a, Tensor log_b, Tensor eps, int max_iter, float tol,"
-    " bool potentials) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    reference=_newton_first_reference,
-    fake=_newton_first_fake,
-    cpu=_newton_first_cpu,
-    kernel=NEWTON_KERNEL,
-)
-""":func:`_newton_first_torch` as an operator: (cost (B, n, m), log_a (B, n), log_b (B, m), eps
-(B,), max_iter, tol, potentials) -> (plan (B, n, m), f, g, converged, residual, iterations (),
-clean ()), float64; not differentiable (no vmap rule: its callers run it on plain tensors)."""
-
-
-def _newton_first_torch(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool = True,
-) -> tuple[SinkhornResult, bool]:
-    """Semi-dual Newton from one Sinkhorn update of v = 0, in float64, all rows in lock-step,
-    at most ``NEWTON_FIRST_STEPS`` steps (and ``max_iter``); the rows it leaves above ``tol``
-    are solved from the start by :func:`_hybrid` within the rest of ``max_iter``.
-
-    A row takes full Newton steps while the bound ``sum_j |b_j - c_j| / sum_i a_i`` on its
-    residual is above ``tol`` and each step lowers it; a row whose step does not (or is not
-    finite) keeps its state and stops. Rows whose residual ends above ``tol`` are solved again
-    from the start, so the result is always a plan certified by its residual, whichever path
-    found it. A stopped row's state is never touched again, so a row's result depends on its
-    own data only. One host read per step (two counts: the rows kept, the rows that go on) and
-    one at the end. Also returns whether every row converged without the fallback (False does
-    not say that some row did not).
-
-    The start: for the sorted top-k's centred cost (column constants at the midpoints of the
-    sorted scores) v = 0 is the hard assignment, the solution as epsilon -> 0; one Sinkhorn
-    update of it, ``v = log b - log c(0)``, is also the solution as epsilon -> infinity (where P
-    no longer depends on the cost). On standard normal scores and log-probabilities, n = 18 to
-    1000, k = 1 to 32, epsilon 1e-3 to 10, ties included, full steps from there were accepted
-    throughout and every row reached a residual of 1e-7 within 4 steps.
-    """
-    sd, v = _semidual(cost, log_a, log_b, epsilon, tol)
-    state = _newton_state(sd, v)
-    live = state.l1 > sd.tol_mass  # (B, 1, 1)
-    steps = 0
-    n_live = int(live.sum())
-    while n_live and steps < min(NEWTON_FIRST_STEPS, max_iter):
-        v_new = torch.where(live, v + _newton_direction(sd, state), v)
-        new = _newton_state(sd, v_new)
-        # A stopped row's state is recomputed at the same v by the same ops (the same value),
-        # so its bound does not drop: ``keep`` (False where the step is not finite) holds live
-        # rows only, and some step was rejected exactly when fewer rows are kept than were live.
-        keep = new.l1 < state.l1
-        more = keep & (new.l1 > sd.tol_mass)
-        n_keep, n_more = torch.stack((keep, more)).sum((1, 2, 3)).tolist()
-        steps += 1
-        if n_keep < n_live:  # rare: some step did not lower its row's bound; it keeps its state
-            v = torch.where(keep, v_new, v)
-            state = _newton_state(sd, v)
-        else:
-            v, state = v_new, new
-        live, n_live = more, n_more
-    ratio, err = _residual(sd, state)
-    converged = err <= tol
-    clean = bool(converged.all())
-    if not clean:
-        left = (err > tol).flatten()  # not the NaN rows
-        if max_iter > steps and bool(left.any()):
-            sub = _make_problem(cost[left], log_a[left], log_b[left], epsilon[left])
-            start = torch.zeros_like(sub.log_b)
-            _, w, it = _hybrid(sub, start, max_iter - steps, tol, True)
-            v = v.masked_scatter(left[:, None, None], w.to(v.dtype))
-            steps += it
-            state = _newton_state(sd, v)
-            ratio, err = _residual(sd, state)
-            converged = err <= tol
-    res = _finalize_state(sd, v, state, ratio, err, converged, clean, epsilon, steps, potentials)
-    return res, clean
-
-
-def _finalize_state(
-    sd: _Semidual,
-    v: Tensor,
-    state: _NewtonState,
-    ratio: Tensor,
-    err: Tensor,
-    converged: Tensor,
-    clean: bool,
-    epsilon: Tensor,
-    iterations: int,
-    potentials: bool,
-) -> SinkhornResult:
-    """:func:`_finalize` from a :class:`_NewtonState` at ``v`` and its :func:`_residual`: the
-    column-exact plan ``diag(a) P diag(b / c)``, with ``b / c = 1 + (b - c) / c``. ``clean``:
-    every row converged (none is NaN or infinite, so none needs masking). Without
-    ``potentials``, f and g are empty (B, 0)."""
-    plan = state.p.mul_(sd.a_row).mul_(ratio + 1.0)
-    err, converged = err.flatten(), converged.flatten()
-    if potentials:
-        eps = epsilon.to(v.dtype).unsqueeze(-1)
-        f = (sd.log_a - torch.logsumexp(v - sd.s, 1)) * eps
-        g = (v + torch.log1p(ratio)).squeeze(-1) * eps  # -inf in the columns of zero mass
-    else:
-        f, g = plan.new_empty((plan.shape[0], 0)), plan.new_empty((plan.shape[0], 0))
-    if not clean:
-        fine = err < math.inf  # False for NaN
-        plan = torch.where(fine[:, None, None], plan, math.nan)
-        f = torch.where(fine[:, None], f, math.nan)
-        g = torch.where(fine[:, None], g, math.nan)
-    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
-
-
 def _solve_reference(
     cost: Tensor,
     log_a: Tensor,
@@ -1229,15 +687,11 @@ def _solve_reference(
     max_iter: int,
     tol: float,
     newton: bool,
-    newton_first: bool,
     potentials: bool,
     caller: str,
 ) -> tuple[Tensor, ...]:
-    """The torch solve (:func:`_log_sinkhorn`) as the outputs of ``softops::sinkhorn``, after the
-    non-convergence warning naming ``caller`` (none when ``caller`` is empty)."""
-    res, clean = _log_sinkhorn(
-        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
-    )
+    """The torch solve as the outputs of ``softops::sinkhorn``, after its warning."""
+    res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
     _warn(caller, res, clean, max_iter, tol)
     f, g = (res.f, res.g) if potentials else (res.f[:, :0], res.g[:, :0])
     device = res.plan.device
@@ -1267,7 +721,6 @@ def _solve_fake(
     max_iter: int,
     tol: float,
     newton: bool,
-    newton_first: bool,
     potentials: bool,
     caller: str,
 ) -> tuple[Tensor, ...]:
@@ -1286,18 +739,16 @@ def _solve_fake(
 SINKHORN_OP = define(
     "softops::sinkhorn",
     "(Tensor cost, Tensor log_a, Tensor log_b, Tensor eps, int max_iter, float tol, bool newton,"
-    " bool newton_first, bool potentials, str caller)"
+    " bool potentials, str caller)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     reference=_solve_reference,
     fake=_solve_fake,
 )
-"""The whole solve (:func:`log_sinkhorn`, its convergence loop and its warning) as one operator,
-for traced code (``torch.compile``, ``torch.export``), to which it is opaque: (cost (B, n, m),
-log_a (B, n), log_b (B, m), eps (B,), max_iter, tol, newton, newton_first, potentials, caller:
-the op named by the non-convergence warning, none if empty) -> (plan (B, n, m), f, g,
+"""The whole solve and its warning as one operator, opaque to traced code (``torch.compile``,
+``torch.export``): (cost (B, n, m), log_a (B, n), log_b (B, m), eps (B,), max_iter, tol, newton,
+potentials, caller: the op the warning names, none if empty) -> (plan (B, n, m), f, g,
 converged, residual, iterations (), clean ()), in cost's dtype. Not differentiable:
-:class:`SinkhornPlanFunction` carries the gradient. Eager calls run the same torch code
-directly (no dispatch)."""
+:class:`SinkhornPlanFunction` carries the gradient. Eager calls run the torch code directly."""
 
 
 class SinkhornPlanFunction(torch.autograd.Function):
@@ -1325,17 +776,14 @@ class SinkhornPlanFunction(torch.autograd.Function):
         max_iter: int,
         tol: float,
         newton: bool,
-        newton_first: bool = False,
-        potentials: bool = True,
-        caller: str = "",
+        potentials: bool,
+        caller: str,
     ) -> tuple[Any, ...]:
         if torch.compiler.is_compiling():
             return SINKHORN_OP(
-                cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller
+                cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller
             )
-        res, clean = _log_sinkhorn(
-            cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials
-        )
+        res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
         _warn(caller, res, clean, max_iter, tol)
         return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, clean
 
@@ -1343,7 +791,6 @@ class SinkhornPlanFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         epsilon = inputs[3]
         plan, f, g, converged, residual = output[:5]
-        ctx.closed_form = bool(inputs[7])
         ctx.set_materialize_grads(False)  # only the plan's gradient is used
         ctx.save_for_backward(plan, epsilon.detach())
         ctx.save_for_forward(plan, epsilon.detach())
@@ -1351,11 +798,11 @@ class SinkhornPlanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_plan: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
-        nones: tuple[None, ...] = (None,) * 9
+        nones: tuple[None, ...] = (None,) * 8
         if not ctx.needs_input_grad[0] or grad_plan is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
-        return (implicit_cost_vjp(plan, grad_plan, epsilon, ctx.closed_form), *nones)
+        return (implicit_cost_vjp(plan, grad_plan, epsilon), *nones)
 
     @staticmethod
     def jvp(ctx: Any, cost_t: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
@@ -1368,7 +815,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         if cost_t is None:
             return (None, *nones)
         plan, epsilon = ctx.saved_tensors
-        return (implicit_cost_vjp(plan, cost_t, epsilon, ctx.closed_form), *nones)
+        return (implicit_cost_vjp(plan, cost_t, epsilon), *nones)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
@@ -1394,9 +841,11 @@ def implicit_cost_vjp(
         plan: (B, n, m) converged plan.
         grad_plan: (B, n, m) incoming gradient.
         epsilon: (B,) regularisation in cost units.
-        closed_form: for m <= 3, solve the (m-1) x (m-1) system in closed form
-            (:func:`_closed_form_vjp`); rows where it is not safe (and larger m) take the
-            equilibrated Cholesky path.
+        closed_form: for m <= 3, solve the (m-1) x (m-1) system by Cramer's rule
+            (:func:`_closed_form_vjp`; exact for plans whose rows are one-hot at their cheapest
+            column, as the sorted top-k's); other rows and larger m take the equilibrated
+            Cholesky with refinement (:func:`_cholesky_vjp`), the accurate path near a
+            general permutation.
 
     Returns:
         (B, n, m) gradient with respect to the cost, in ``plan``'s dtype.
@@ -1409,7 +858,7 @@ def implicit_cost_vjp(
 
 
 def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
-    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`_laplacian_solve`.
+    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`laplacian_solve`.
 
     K is the grounded Laplacian of the couplings ``w_jl = sum_i Gamma_ij P_il``, each a sum of
     products, and its adjugate and determinant are sums of products of them: the solve is
@@ -1430,7 +879,7 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
     # K beta = sum_i Gamma_ij centred(Gbar)_ij (first m-1 columns), beta_m = 0; then
     # Cbar = -Gamma * centred(Gbar - beta) / epsilon
     rhs = (gam * _centered_at(p, gbar, home)).sum(-1, keepdim=True)[:, : m - 1]
-    beta, det = _laplacian_solve(_cyclic_couplings(p, mu.transpose(1, 2)), rhs)
+    beta, det = laplacian_solve(cyclic_couplings(p, mu.transpose(1, 2)), rhs)
     d = _centered_at(p, torch.nn.functional.pad(beta, (0, 0, 0, 1)) - gbar, home)
     cbar = (gam * d / epsilon.to(torch.float64).reshape(-1, 1, 1)).transpose(1, 2).to(dtype)
     if not _all_above(det, DET_MIN):
@@ -1473,14 +922,14 @@ def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
     p = gam / torch.where(mu > 0, mu, 1.0).unsqueeze(1)
     top = (p.detach() > 0.5).to(p.dtype)
     gs = gam[:, : m - 1]
-    factor = _factor(_reduced_schur(p, mu))
+    factor = spd_factor(_reduced_schur(p, mu))
     # Solve K beta = sum_i Gamma_ij centred(Gbar - beta)_ij ... = 0 for the first m-1 columns,
     # i.e. the column sums of Cbar vanish; each pass refines beta with the exactly formed residual.
     beta = torch.zeros((bsz, m), dtype=gam.dtype, device=gam.device)
     for _ in range(_REFINE_STEPS + 1):
         d = _centered(p, gbar - beta.unsqueeze(-1), top)
         resid = (gs * d[:, : m - 1]).sum(-1)  # (B, m-1)
-        beta = beta + torch.nn.functional.pad(_solve(factor, resid), (0, 1))
+        beta = beta + torch.nn.functional.pad(spd_solve(factor, resid), (0, 1))
     d = _centered(p, gbar - beta.unsqueeze(-1), top)
     cbar = -(gam * d) / epsilon.double().reshape(bsz, 1, 1)
     return cbar.to(dtype).transpose(1, 2)
@@ -1492,16 +941,10 @@ def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
     of every order those of ``C / eps`` in ``C`` (whatever ``scaled`` is differentiable in) and
     ``epsilon``.
 
-    Autograd through ``C / eps`` forms ``(C / eps) / eps`` (or ``C / eps**2``), which overflows
-    at an epsilon below 1e-154, or on a wide row, although ``<grad, scaled> / eps`` is finite: the
-    zero cost gradient of an entry the plan does not use then became ``0 * inf = NaN``, and where
-    ``C`` and epsilon are both tiny ``<grad, C>`` (the chain through ``1 / eps``) is subnormal.
-    Here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached value
-    (the factor is exactly 1): the gradient in epsilon is ``<grad, scaled>`` (of the size of the
-    output) and then ``/ eps``. The factor multiplies the differentiable ``scaled``, not a
-    detached copy of it, so the gradient in epsilon is itself differentiable in ``C`` and
-    ``epsilon`` (double backward: a constant copy dropped ``d/dC`` and ``d/deps`` of that
-    gradient). Infinite costs (no mass) are constants.
+    Autograd through ``C / eps`` squares epsilon, which overflows below 1e-154 (docs/math.md
+    §4); here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached
+    value, so the gradient in epsilon is ``-<grad, scaled> / eps``, itself differentiable (double
+    backward). Infinite costs (no mass) are constants.
     """
     u = -torch.log(epsilon)
     factor = torch.exp(u - u.detach())  # 1, with d factor / du = factor
@@ -1509,68 +952,44 @@ def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
     return torch.where(inf, scaled, torch.where(inf, 0, scaled) * factor)
 
 
-def sinkhorn_plan(
+def log_sinkhorn(
     cost: Tensor,
     log_a: Tensor,
     log_b: Tensor,
     epsilon: Tensor,
+    *,
     max_iter: int,
     tol: float,
     newton: bool = False,
-    newton_first: bool = False,
     potentials: bool = True,
     caller: str = "",
-) -> tuple[Tensor, SinkhornResult]:
-    """Differentiable (in ``cost``) Sinkhorn plan with the implicit backward.
+) -> SinkhornResult:
+    """Solve a batch of entropic OT problems; the plan is differentiable in ``cost``.
 
     Args:
-        cost: (B, n, m) cost; may require grad.
+        cost: (B, n, m) floating cost; computed in its dtype (callers upcast). Where it requires
+            grad, ``plan`` carries the implicit backward (and forward mode, vmap).
         log_a: (B, n) log row marginals (constant).
-        log_b: (B, m) log column marginals (constant).
-        epsilon: (B,) regularisation in cost units (constant).
-        max_iter: iteration cap.
-        tol: relative L1 marginal tolerance (0: exactly ``max_iter`` iterations).
-        newton: semi-dual Newton polish (see the module docstring).
-        newton_first: with ``newton``, start with Newton at g = 0 (see :func:`log_sinkhorn`).
-        potentials: form ``result.f`` and ``result.g`` (else empty (B, 0) tensors).
-        caller: the public op named by the non-convergence warning
-            (:func:`~softops._core.convergence.warn_not_converged`, raised by the solve, also
-            while traced); empty: no warning.
+        log_b: (B, m) log column marginals, the same total mass (constant).
+        epsilon: (B,) positive regularisation in the units of the cost (constant; callers that
+            need its gradient pass ``cost / epsilon`` with ``epsilon = 1``, see
+            :func:`attach_epsilon`).
+        max_iter: cap on Sinkhorn iterations (a Newton polish adds at most ``NEWTON_MAX_STEPS``).
+        tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` iterations.
+        newton: polish with semi-dual Newton once the residual is below ``NEWTON_SWITCH``.
+        potentials: form ``f`` and ``g`` (else empty (B, 0) tensors).
+        caller: the public op named by the non-convergence warning; empty: no warning.
 
     Returns:
-        ``(plan, result)`` with ``plan`` (B, n, m) differentiable in ``cost`` and ``result`` the
-        diagnostics (``result.plan is plan``). While tracing (``torch.compile``,
-        ``torch.export``) the solve is one operator and ``result.iterations`` a 0-dim tensor.
+        A :class:`SinkhornResult` (``plan`` a (B, n, m) view of a (B, m, n) buffer). While
+        tracing (``torch.compile``, ``torch.export``) the solve is the operator
+        :data:`SINKHORN_OP` and ``iterations`` a 0-dim tensor.
     """
-    return sinkhorn_plan_checked(
-        cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller
-    )[:2]
-
-
-def sinkhorn_plan_checked(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    newton: bool = False,
-    newton_first: bool = False,
-    potentials: bool = True,
-    caller: str = "",
-) -> tuple[Tensor, SinkhornResult, bool]:
-    """:func:`sinkhorn_plan` and whether every row is known to have converged: True only where
-    the solver already read that on the host (then a convergence warning has nothing to
-    report); False says nothing (check ``result.converged``).
-
-    While tracing, the Function without its custom ``jvp`` (which dynamo rejects) runs the
-    operator ``softops::sinkhorn`` (the operator alone where nothing is differentiated); the
-    iteration count stays a tensor and ``clean`` is False (nothing is read on the host)."""
-    args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, newton_first, potentials, caller)
+    args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller)
     if torch.compiler.is_compiling():
         grads = torch.is_grad_enabled() and cost.requires_grad
         out = _SinkhornPlanTraced.apply(*args) if grads else SINKHORN_OP(*args)
         plan, f, g, converged, residual, iterations = out[:6]
-        return plan, SinkhornResult(f, g, plan, converged, iterations, residual), False
-    plan, f, g, converged, residual, iterations, clean = apply_function(SinkhornPlanFunction, *args)
-    return plan, SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean)
+        return SinkhornResult(f, g, plan, converged, iterations, residual)
+    plan, f, g, converged, residual, iterations, _ = apply_function(SinkhornPlanFunction, *args)
+    return SinkhornResult(f, g, plan, converged, int(iterations), residual)

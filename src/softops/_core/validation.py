@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from softops._core.transforms import cannot_branch
+from softops._core.transforms import cannot_branch, unreadable
 
 __all__ = [
     "SMALLEST_K",
@@ -373,6 +373,20 @@ def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) ->
     if not 0 <= q <= 1:
         raise ValueError(f"{op}: expected 0 <= `q` <= 1; got q={q!r}.")
     return torch.tensor(float(q), dtype=dtype, device=device)
+
+
+def check_row_counts(counts: torch.Tensor, minimum: int, op: str, what: str) -> None:
+    """Raise ``ValueError`` naming the first row whose count (``counts`` (B,)) is below
+    ``minimum``; nothing where the counts cannot be read (vmap, meta, tracing: the op's own
+    convention for such rows applies)."""
+    if not counts.numel() or unreadable(counts):
+        return
+    short = counts < minimum
+    if bool(short.any()):
+        row = int(short.nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: every row needs at least {minimum} {what}; row {row} has {int(counts[row])}."
+        )
 
 
 def is_integral(k: Any) -> bool:

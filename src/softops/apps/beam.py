@@ -34,8 +34,12 @@ import torch
 from torch import Tensor
 
 import softops
-from softops._core.transforms import unreadable
-from softops._core.validation import check_choice, check_epsilon, check_positive_int
+from softops._core.validation import (
+    check_choice,
+    check_epsilon,
+    check_positive_int,
+    check_row_counts,
+)
 
 __all__ = [
     "BEAM_METHODS",
@@ -154,12 +158,7 @@ def beam_step(
     live = ((cd > -torch.inf) | torch.isnan(cd)).sum(-1)  # a NaN row is NaN, and only it
     # (Under vmap and on meta tensors the count cannot be read: such a row is then NaN, as in
     # soft_topk.)
-    if bsz and not unreadable(live) and bool((live < beam).any()):
-        row = int((live < beam).nonzero()[0, 0])
-        raise ValueError(
-            f"{op}: every row needs at least K = {beam} candidates with a score above -inf; "
-            f"row {row} has {int(live[row])}."
-        )
+    check_row_counts(live, beam, op, f"(K = {beam}) candidates with a score above -inf")
     if method == "soft_topk":
         out = softops.soft_topk(cand, beam, epsilon=eps, max_iter=max_iter, tol=tol)
         idx, weights = out.indices, out.weights

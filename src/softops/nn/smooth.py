@@ -12,14 +12,8 @@ import torch
 
 from softops._core.validation import check_bool, check_dim, check_epsilon, check_k
 from softops.nn._module import ArgsModule
-from softops.smooth import (
-    smooth_max,
-    smooth_min,
-    soft_argmax,
-    soft_argmax_onehot,
-    soft_argmin,
-    soft_kmax,
-)
+from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_onehot, soft_argmin
+from softops.topk import soft_kmax
 
 __all__ = [
     "SmoothMax",

@@ -12,8 +12,7 @@ import torch
 
 from softops._core.validation import check_bool, check_dim, check_epsilon, check_q
 from softops.nn._module import ArgsModule
-from softops.sort import soft_argsort, soft_quantile, soft_rank, soft_sort
-from softops.sort._dispatch import check_options
+from softops.sort import check_options, soft_argsort, soft_quantile, soft_rank, soft_sort
 
 __all__ = ["SoftArgsort", "SoftQuantile", "SoftRank", "SoftSort"]
 

@@ -21,8 +21,7 @@ from softops._core.validation import (
     check_tol,
 )
 from softops.nn._module import ArgsModule
-from softops.topk import TopK, soft_topk, soft_topk_mask
-from softops.topk._options import check_mask_k, check_mask_options
+from softops.topk import TopK, check_mask_k, check_mask_options, soft_topk, soft_topk_mask
 
 __all__ = ["SoftTopK", "SoftTopKMask"]
 

@@ -67,7 +67,9 @@ from softops.sort._dispatch import (  # the method tuples stay importable from s
 from softops.sort._limits import MaskedBackend, with_limits
 from softops.sort._options import MethodOptions
 
-__all__ = ["soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
+__all__ = ["METHODS", "check_options", "soft_argsort", "soft_quantile", "soft_rank", "soft_sort"]
+# (``METHODS`` and ``check_options`` are the family's face for softops.nn: not in
+# softops.__all__.)
 
 
 def _relax(

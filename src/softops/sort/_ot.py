@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
-from softops._core.sinkhorn import SinkhornResult, attach_epsilon, sinkhorn_plan
+from softops._core.sinkhorn import SinkhornResult, attach_epsilon, log_sinkhorn
 from softops.sort._chunked import convex_combination, positions, small_rows
 from softops.sort._options import MethodOptions
 
@@ -60,8 +60,10 @@ def _plan(
     cost = _cost(x64, y, eps.double())
     ones = torch.ones((bsz,), dtype=torch.float64, device=x2.device)
     # the solve warns (naming opts.op) where rows did not converge, also while traced
-    gamma, res = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=True, caller=opts.op)
-    return gamma.transpose(1, 2) * n, res
+    res = log_sinkhorn(
+        cost, log_a, log_b, ones, max_iter=max_iter, tol=tol, newton=True, caller=opts.op
+    )
+    return res.plan.transpose(1, 2) * n, res
 
 
 def _cost(x: Tensor, y: Tensor, eps: Tensor) -> Tensor:

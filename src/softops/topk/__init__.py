@@ -18,13 +18,17 @@ its code select the smallest), epsilon is in the units of x (the paper divides t
 maximum), and every row is solved on its own (the official code divides by a batch-wide maximum,
 so one row changes the others).
 
-Layout: one file per method of :func:`soft_topk_mask` (``_ot.py``, ``_sinkhorn.py``,
-``_softkmax.py``, ``_perturbed.py``, ``_sparse.py``), the sorted top-k :func:`soft_topk` in
-``_sorted.py``, and the checks every method shares in ``_options.py``. This module validates,
-reshapes once to (B, n) and makes one call into the method's file.
+Layout: one file per method of :func:`soft_topk_mask`, listed in :data:`METHODS`, each with the
+one backend signature ``mask(x2, k, eps, opts)`` on canonical rows (x2 (B, n) in the compute
+dtype, largest first; k and eps (B,); opts a :class:`~softops.topk._options.MaskOptions`); the
+sorted top-k :func:`soft_topk` in ``_sorted.py`` (its Newton-first solve in ``_newton.py``); the
+checks every method shares in ``_options.py``. This module validates, reshapes once to (B, n)
+and makes one call into the method's file.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -32,29 +36,60 @@ from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.transforms import cannot_branch, plain, under_functorch
 from softops._core.validation import check_k
+from softops.topk import _ot, _perturbed, _sinkhorn, _softkmax, _sparse
 from softops.topk._options import (
     MASK_METHODS,
-    PERTURBED_DEFAULT_SAMPLES,
+    THRESHOLD_MAX_ITER,
+    MaskOptions,
     check_generator,
     check_mask_k,
     check_mask_options,
     solver_defaults,
 )
-from softops.topk._ot import hard_topk_mask, ot_mask
-from softops.topk._perturbed import perturbed_topk_mask
-from softops.topk._sinkhorn import sinkhorn_mask
+from softops.topk._ot import SAMPLE_SIZE, ThresholdState, hard_topk_mask
+from softops.topk._ot import solve as solve_threshold
 from softops.topk._softkmax import soft_kmax_rows
 from softops.topk._sorted import TopK, soft_topk
-from softops.topk._sparse import sparse_mask
+from softops.topk._summary import (
+    RowSummary,
+    ThresholdRows,
+    row_stats,
+    solve_ot_rows,
+    solve_sparse_rows,
+)
 
 __all__ = [
     "MASK_METHODS",
+    "METHODS",
+    "SAMPLE_SIZE",
+    "THRESHOLD_MAX_ITER",
+    "RowSummary",
+    "ThresholdRows",
+    "ThresholdState",
     "TopK",
+    "check_mask_k",
+    "check_mask_options",
+    "row_stats",
     "soft_kmax",
     "soft_topk",
     "soft_topk_mask",
+    "solve_ot_rows",
+    "solve_sparse_rows",
+    "solve_threshold",
     "topk_selection_matrix",
 ]
+# Besides the ops, the family's face for softops.solvers, softops.nn and softops.distributed
+# (not in softops.__all__): the threshold solvers (on whole rows, or on pieces of rows known by
+# a RowSummary and a reduction), their defaults and the checks of a mask's options.
+
+METHODS: dict[str, ModuleType] = {
+    "ot": _ot,
+    "sinkhorn": _sinkhorn,
+    "softkmax": _softkmax,
+    "perturbed": _perturbed,
+    "sparse": _sparse,
+}
+"""Method name -> backend module of :func:`soft_topk_mask` (``mask(x2, k, eps, opts)``)."""
 
 
 def soft_topk_mask(
@@ -113,23 +148,17 @@ def soft_topk_mask(
             softmaxes, plain autograd, O(k n) time; it is biased, and it is not clipped, so an
             entry can exceed 1 where the k-th largest ties with the row minimum (k = n, say).
             ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean of the
-            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, whose backward
-            is the Monte-Carlo Jacobian estimate ``E[mask(x + eps Z) Z^T] / eps`` on the same
-            draws (O(B n) memory; the noise is regenerated, never stored). Both need an integer
-            k, and differentiate with respect to x (softkmax also epsilon), not k.
+            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, with the
+            Monte-Carlo Jacobian estimate on the same draws as its backward (O(B n) memory; the
+            noise is regenerated, never stored). Both need an integer k, and differentiate with
+            respect to x (softkmax also epsilon), not k.
             ``"sparse"`` is the Euclidean projection of ``x / epsilon`` onto the capped simplex
             :math:`\{0 \le a \le 1, \sum a = k\}`, ``a = clip((x - t)/epsilon, 0, 1)`` (the
-            counterpart of "ot" with a quadratic regulariser instead of the entropy): it has
-            exact zeros and ones (entries more than epsilon below or above the threshold), so
-            attention and routing can skip work. t is solved exactly by a finite Newton method
-            on the piecewise-linear residual (1 to 13 evaluations, O(n) each, after one top-k for
-            the bracket); the backward is closed form, on the free entries S = {0 < a < 1}:
-            ``da_i/dx_j = (delta_ij - 1/|S|)/epsilon``, ``da_i/dk = 1/|S|``,
-            ``da_i/depsilon = -(a_i - mean_S a)/epsilon``
-            (0 off S, and 0 everywhere when S is empty: an integer k whose k-th and (k+1)-th
-            largest are more than epsilon apart). It takes a per-row k and differentiates
-            in x, k and epsilon, like "ot"; its ``epsilon`` is in the units of x, with the
-            same scaling law.
+            counterpart of "ot" with a quadratic regulariser, docs/math.md §1.5): exact zeros
+            and ones, so attention and routing can skip work. t is solved exactly by a finite
+            Newton method (1 to 13 evaluations, O(n) each); the backward is closed form on the
+            free entries (gradient 0 where none is free). Like "ot" it takes a per-row k,
+            differentiates in x, k and epsilon, and has the same units and scaling law.
         max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical)
             and for "sparse" (1 to 13);
             2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
@@ -200,23 +229,13 @@ def soft_topk_mask(
 
     x2 = rows.x2 if largest else -rows.x2
     k_row = rows.param(k, op, "k")
-    eps_row = rows.eps
     if x2.shape[0] == 0:
         return x * 0  # empty, but on the graph like every other output
-    if method in ("ot", "sinkhorn"):
-        cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)
-        if method == "ot":
-            A = ot_mask(op, x2, k_row, eps_row, cap, tolerance, k_scalar)
-        else:
-            A = sinkhorn_mask(op, x2, k_row.detach(), eps_row.detach(), cap, tolerance)
-    elif method == "sparse":
-        cap = solver_defaults(method, max_iter, tol, x2.dtype)[0]
-        A = sparse_mask(op, x2, k_row, eps_row, cap)
-    elif method == "softkmax":
-        A = soft_kmax_rows(x2, int(k), eps_row)  # k is a scalar here (checked above)
-    else:
-        draws = PERTURBED_DEFAULT_SAMPLES if n_samples is None else n_samples
-        A = perturbed_topk_mask(x2, int(k), eps_row.detach(), draws, generator)
+    cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)
+    # softkmax and perturbed read k as a count (check_mask_k: an integer, readable)
+    count = int(k) if method in ("softkmax", "perturbed") else 0
+    opts = MaskOptions(op, cap, tolerance, k_scalar, count, n_samples or 0, generator)
+    A = METHODS[method].mask(x2, k_row, rows.eps, opts)
 
     if hard:
         k_hard = None if k_scalar is None else int(k_scalar)

@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from softops._core.convergence import SINKHORN_MAX_ITER, THRESHOLD_MAX_ITER, default_tol
+from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
 from softops._core.transforms import unreadable
 from softops._core.validation import (
     check_bool,
@@ -30,6 +30,8 @@ __all__ = [
     "MASK_METHODS",
     "PERTURBED_DEFAULT_SAMPLES",
     "PER_ROW_K_METHODS",
+    "THRESHOLD_MAX_ITER",
+    "MaskOptions",
     "check_generator",
     "check_mask_k",
     "check_mask_options",
@@ -38,10 +40,34 @@ __all__ = [
 ]
 
 MASK_METHODS = ("ot", "sinkhorn", "softkmax", "perturbed", "sparse")
+THRESHOLD_MAX_ITER = 100
+"""Default cap on the evaluations of the threshold solves, "ot" (3 to 6 typical) and "sparse"."""
 PER_ROW_K_METHODS = ("ot", "sparse")
 """The methods that take a per-row tensor k (and give gradients in k and epsilon)."""
 PERTURBED_DEFAULT_SAMPLES = 100
 """Noise draws of method="perturbed" when ``n_samples`` is None."""
+
+
+class MaskOptions(NamedTuple):
+    """What every backend of ``soft_topk_mask`` receives besides its rows, checked once.
+
+    Attributes:
+        op: the public op, named by errors and warnings.
+        max_iter: the iteration cap with its default filled in ("ot", "sparse", "sinkhorn").
+        tol: the tolerance with its default filled in ("ot", "sinkhorn"; 0 for the others).
+        k_scalar: k as a number where it is one ("ot": the scalar-k path), else None.
+        k_int: k as an int ("softkmax" and "perturbed": a count of rounds or of a top-k).
+        n_samples: "perturbed": the number of noise draws.
+        generator: "perturbed": the generator of the draws, or None.
+    """
+
+    op: str
+    max_iter: int = 0
+    tol: float = 0.0
+    k_scalar: float | None = None
+    k_int: int = 0
+    n_samples: int = PERTURBED_DEFAULT_SAMPLES
+    generator: torch.Generator | None = None
 
 
 def check_mask_options(
@@ -143,9 +169,12 @@ def check_mask_k(
 def solver_defaults(
     method: str, max_iter: int | None, tol: float | None, dtype: torch.dtype
 ) -> tuple[int, float]:
-    """The documented defaults of "ot" (100 evaluations, machine precision: tol 0), "sparse"
-    (100 evaluations; it has no tolerance: 0) and "sinkhorn" (2000 iterations,
-    :func:`softops._core.convergence.default_tol`)."""
+    """``(max_iter, tol)`` with the documented defaults of "ot" (100 evaluations, machine
+    precision: tol 0), "sparse" (100 evaluations; no tolerance: 0) and "sinkhorn" (2000
+    iterations, :func:`softops._core.convergence.default_tol`); (0, 0.0) for the methods
+    without a solver."""
+    if method in ("softkmax", "perturbed"):
+        return 0, 0.0
     if method in ("ot", "sparse"):
         return (THRESHOLD_MAX_ITER if max_iter is None else max_iter), (0.0 if tol is None else tol)
     return (

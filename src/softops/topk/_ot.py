@@ -1,10 +1,11 @@
 r"""Method "ot" of ``soft_topk_mask``: the exact SOFT top-k, one threshold per row.
 
-With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020, §2) is a sigmoid with one
-threshold (the derivation is in the documentation, docs/math.md §1), so the forward pass solves
-:math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row of a (B, n) tensor, largest-first,
-by bracketed Halley steps (:mod:`softops._core.rootfind`), and the backward is the closed-form
-implicit gradient (``_SoftTopKMaskOT``), O(n) per row:
+With two targets the entropic OT plan of SOFT top-k (Xie et al. 2020) is a sigmoid with one
+threshold (docs/math.md §1.2), so the forward pass solves
+:math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for every row of a (B, n) tensor, largest
+first, by bracketed Halley steps (:mod:`softops._core.rootfind`; the bracket, the centring, the
+cancellation-free residual and the log-domain polish near the hard limit are docs/math.md §1.3),
+and the backward is the closed-form implicit gradient (``_SoftTopKMaskOT``, §1.4), O(n) per row:
 
 .. math::
 
@@ -16,52 +17,13 @@ Forward mode is the same linearisation: with :math:`z = (x - t)/\varepsilon` and
 :math:`u = \dot x - z\,\dot\varepsilon`,
 :math:`\dot A = s \odot (u - \langle w, u\rangle) + w\,\dot k`.
 
-Numerics of the solver (docs/math.md §1.3):
-
-* the row is centred on ``m``, an estimate of the threshold (the midpoint of the k-th and (k+1)-th
-  largest for n <= ``EXACT_MAX_N``, of a strided subsample's quantile above it), so that ``t``
-  is small and finely resolved even in float32 at tiny epsilon;
-* the residual is evaluated from ``u = min(A, 1 - A)`` with the sign split, so it has no
-  cancellation (plain ``A.sum() - k`` in float32 resolves k = 9990 of n = 1e4 only to +-0.07);
-* the bracket is exact: ``[x_(j) - eps log(k / (j - k)), x_(j') - eps log((k - j' + 1) / (n - k))]``
-  with ``j = floor(k) + 1`` and ``j' = ceil(k)`` (for integer k, the lemma of docs/math.md
-  §1.3); the subsampled path uses the looser ``[min x, max x] - eps logit(k / n)``;
-* the initial iterate is the centre, or the large-epsilon guess ``mean(x) - eps logit(k / n)``
-  where epsilon is at least an eighth of the row's spread (on long rows, the better of the two on
-  the subsample); the steps are Halley's where ``|F F''/F'^2| <= 1`` (the second derivative costs
-  one more sum in the same pass) and Newton's elsewhere: 2 to 4 evaluations, against 4 to 8 for
-  Newton from the better of two starts;
-* the tolerance on the residual is the rounding of its sums, one ulp of t, and the flush of the
-  sigmoid (0 below about 1/finfo.max: n/finfo.max in all);
-* near the hard limit (every ``u`` small) that tolerance holds across much of the gap between the
-  entries next to t, where the gradients in k and epsilon (weights ``~ exp(-|z|)``) still depend
-  on t: those rows are polished by Newton steps on the log-domain balance of the two sides
-  (:func:`polish`, shared with :mod:`softops.distributed`);
-* infinities need no special treatment in the residual: ``+inf`` counts as selected and ``-inf``
-  as not. Rows whose k cannot be met by their finite entries are flagged, not solved;
-* rows whose epsilon is within ``2**SCALE_BITS`` of ``finfo.max`` are solved on ``(x c, eps c)``,
-  c a power of two (exact: the mask is invariant), where their offsets ``x - t`` would overflow
-  although ``(x - t) / eps`` is moderate; elsewhere an overflowing offset is the exact limit
-  ``+-inf``, and the centre and the bracket are formed so as not to overflow;
-* in the backward, the weights in k are normalised in the log domain, each side of t with its
-  nearest ``|x - t|`` taken off before dividing by epsilon and the sides weighed by the root's
-  condition where the count above t is k (:func:`_k_weights`), and ``<w, z>`` is formed on the
-  offsets, so a row whose every ``|z|`` overflows (the hard limit) gets the exact root's weights
-  and zero gradients in x and epsilon, not NaN.
-
-The kernel layer. The solve is one operator of torch's registry, ``softops::ot_threshold``
-(:mod:`softops._kernels`): not differentiable, opaque to ``torch.compile`` and ``torch.export``,
-with this module's torch code as its reference on every device and, on the CPU, a C++ kernel
-(``_ot_kernel.cpp``: the same arithmetic, including the polish of near-hard rows; rows of up to
-128 entries solved a vector of rows at a time, longer ones one row per task, over torch's
-threads; each entry's exponential formed once per solve; ``-inf`` entries, masked keys, weighing
-0 in the same pass, and rows at k = 0 or k = their count of finite entries filled at that
-limit) that leaves the rows it does not solve (``+inf``, NaN, an unreachable k, a huge epsilon,
-a capped solve) to the reference. The
-autograd Function around it carries the implicit gradient; its backward in x is the operator
-``softops::ot_vjp_rows`` (one pass of the same kernel on the CPU). torch 2.13's dynamo rejects a
-Function with a custom ``jvp``, so traced code applies the same Function without it (forward mode
-inside a compiled region is not supported).
+The solve is the operator ``softops::ot_threshold`` (:mod:`softops._kernels`): not
+differentiable, opaque to ``torch.compile`` and ``torch.export``, with this module's torch code
+as its reference and a C++ kernel on the CPU (``_ot_kernel.cpp``: the same arithmetic), which
+leaves the rows it does not solve (``+inf``, NaN, an unreachable k, a huge epsilon, a capped
+solve) to the reference. The autograd Function carries the implicit gradient (its backward in x
+the operator ``softops::ot_vjp_rows``); traced code applies it without its custom ``jvp``, which
+torch 2.13's dynamo rejects. Infinities are their limits; rows whose k cannot be met are NaN.
 """
 
 from __future__ import annotations
@@ -75,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd import forward_ad
 
-from softops._core.convergence import THRESHOLD_MAX_ITER, warn_not_converged
+from softops._core.convergence import warn_not_converged
 from softops._core.rootfind import (
     SolverState,
     fixed_schedule,
@@ -87,6 +49,7 @@ from softops._core.rootfind import (
 )
 from softops._core.transforms import apply_function, under_functorch, vmap_rows
 from softops._kernels import Kernel, define
+from softops.topk._options import THRESHOLD_MAX_ITER, MaskOptions
 
 __all__ = [
     "EXACT_MAX_N",
@@ -94,9 +57,9 @@ __all__ = [
     "balance_parts",
     "balance_step",
     "hard_topk_mask",
+    "mask",
     "mask_from_threshold",
     "near_hard",
-    "ot_mask",
     "polish",
     "solve",
 ]
@@ -1280,18 +1243,12 @@ class _SoftTopKMaskOTTraced(_SoftTopKMaskOT):
         return vmap_rows(_SoftTopKMaskOTTraced, info, in_dims, *args)
 
 
-def ot_mask(
-    op: str,
-    x2: torch.Tensor,
-    k_row: torch.Tensor,
-    eps_row: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    k_scalar: float | None,
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows, with the non-convergence warning (raised by the
     operator, once per call). Where nothing is differentiated the operator is called alone."""
-    args = (x2, k_row, eps_row, max_iter, tol, k_scalar, op)
+    args = (x2, k_row, eps_row, opts.max_iter, opts.tol, opts.k_scalar, opts.op)
     grads = torch.is_grad_enabled() and (
         x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
     )

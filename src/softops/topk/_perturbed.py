@@ -1,104 +1,32 @@
 r"""Method "perturbed" of ``soft_topk_mask``: the perturbed optimizer of Berthet et al. (2020).
 
-The hard top-k mask :math:`y(x) = \arg\max_{y \in \mathcal{C}} \langle y, x \rangle`, with
-:math:`\mathcal{C}` the 0/1 vectors with k ones, is smoothed by Gaussian perturbation of its input:
+The hard top-k mask :math:`y(x)` is smoothed by Gaussian noise, and its Jacobian estimated on
+the **same** N draws per row (docs/math.md §1.6):
 
 .. math::
 
-    y_\varepsilon(x) = \mathbb{E}_Z[y(x + \varepsilon Z)], \qquad Z \sim \mathcal{N}(0, I_n),
+    \hat y = \frac1N \sum_s y(x + \varepsilon Z_s), \qquad
+    \widehat{g^\top J} = \frac{1}{\varepsilon N} \sum_s \langle g - \bar g\mathbf 1,
+    y(x + \varepsilon Z_s) \rangle\, Z_s, \qquad Z_s \sim \mathcal{N}(0, I_n),
 
-    J y_\varepsilon(x) = \tfrac{1}{\varepsilon}\,\mathbb{E}_Z[y(x + \varepsilon Z)\, Z^\top].
+with :math:`\bar g` the mean of g over the row's finite entries (an exact control variate: every
+draw's mask has the same sum). Each entry of :math:`\hat y` has standard error at most
+:math:`0.5/\sqrt N`; epsilon is the noise's standard deviation in the units of x (scaling law
+``mask(c x, c e) ~ mask(x, e)``). Forward mode applies the same estimated Jacobian to the
+tangent, so ``jacfwd`` equals ``jacrev`` on the same draws.
 
-Both expectations are estimated on the **same** N draws :math:`Z_1, \dots, Z_N` (per row):
+Contract:
 
-.. math::
-
-    \hat y = \frac1N \sum_s y_s, \qquad
-    \widehat{g^\top J} = \frac{1}{\varepsilon N} \sum_s \langle g - \bar g\mathbf 1, y_s \rangle\,
-    Z_s, \qquad y_s = y(x + \varepsilon Z_s),
-
-where :math:`y(\cdot)` is ``zeros_like(x).scatter(-1, x.topk(k).indices, 1)`` and
-:math:`\bar g` the mean of the row of g. Centring g is Berthet et al.'s estimator applied to
-:math:`g - \bar g \mathbf 1`, which has the same exact VJP (every :math:`y_s` sums to k, so
-:math:`\mathbf 1^\top J = 0`): a control variate that keeps the estimate unbiased and removes
-the noise that a common offset of g would add (``mask.sum().backward()`` gives exactly 0).
-
-Variance. Each entry of :math:`\hat y` is a mean of N Bernoulli draws: its standard error is
-:math:`\sqrt{p(1-p)/N} \le 0.5/\sqrt N`. The values are multiples of 1/N and every row sums to
-k (exactly when N is a power of two; otherwise up to the rounding of ``count / N``; the counts
-are exact for N < 2**24 in float32). Each entry of
-the gradient estimate has standard error at most :math:`\|g\|_{(k)} / (\varepsilon \sqrt N)`,
-with :math:`\|g\|_{(k)}` the sum of the k largest :math:`|g_j - \bar g|` of the row: it shrinks like
-:math:`1/\sqrt N` and grows like :math:`1/\varepsilon`. The estimator is unbiased for the
-Jacobian of :math:`y_\varepsilon`, not for that of the hard mask (which is 0 almost everywhere).
-
-Epsilon. :math:`\varepsilon` is the standard deviation of the Gaussian noise, in the units of x.
-Scaling law: ``mask(c*x, eps=c*e)`` has the same distribution as ``mask(x, eps=e)`` for c > 0
-(with the same generator state the draws are identical, so the values agree up to rounding and
-the gradient is divided by c). Shifting a row by a constant changes nothing (up to rounding).
-
-Memory. The N samples are processed in chunks of ``max(1, 2**22 // (B*n))`` samples, so the
-work buffers hold at most about :math:`2^{22}` elements (or one (B, n) sample when B*n is
-larger): O(B n), never O(B n N). The noise is **not stored**: the backward pass rebuilds the
-generator from a snapshot of its state and regenerates the identical draws, in the same order.
-Backward keeps x, epsilon (through ``save_for_backward``; forward mode holds the same two
-through ``save_for_forward``) and the generator state (a few KiB, on the autograd context),
-whatever N.
-
-Draw order. Sample s draws one (B, n) standard normal tensor in the dtype of x, as
-``torch.randn(B, n, generator=g, dtype=x.dtype, device=x.device)`` would, for s = 0, 1, ...,
-N - 1; the chunking does not change the draws.
-
-Reproducibility.
-
-* ``generator=None``: a seed is drawn from the global default (CPU) generator and a private
-  ``torch.Generator`` on x's device is seeded with it, so ``torch.manual_seed`` makes results
-  reproducible; the backward uses a fresh generator with the same seed.
-* a user ``generator``: its state is snapshotted before sampling; the forward advances it (two
-  consecutive calls differ), and the backward uses a fresh generator set to the snapshot, so the
-  gradient uses the forward's draws even if the user's generator has moved on since.
-
-Special values. ``+inf`` entries stay infinite under the noise and are always selected, ``-inf``
-never; they neither receive nor pass on a derivative: with F the finite entries of the row, the
-centring of g (and of the tangent) is over F only (the masks sum to k minus the count of
-``+inf`` there, for every draw, so it is still an exact control variate), and the noise of an
-infinite entry never enters. A row with a NaN, with more than k entries at ``+inf``, or with
-fewer than k entries above ``-inf`` gives NaN values and a NaN gradient in that row only. k = 0
-gives zeros and k = n ones, with no sampling (the generator is not advanced) and a zero
-gradient.
-
-Forward mode. The tangent is the same estimated Jacobian applied to dx, with the same centring:
-
-.. math::
-
-    \widehat{J\,dx} = C_F\, \frac{1}{\varepsilon N} \sum_s y_s\, \langle Z_s, dx \rangle,
-    \qquad C_F = \mathrm{diag}(f) - f f^\top / |F|,
-
-with f the indicator of the finite entries (and the noise of infinite entries left out, as in the
-backward), so ``jvp`` and ``vjp`` are the transposes of one matrix, every row of the tangent sums
-to 0 (to rounding), and ``jacfwd`` equals ``jacrev`` on the same draws.
-
-torch.func. The backward and the tangent regenerate the forward's noise inside an
-``autograd.Function`` of their own, whose forward runs below every functorch level (so that
-``jacrev``'s vmap over cotangents, whose randomness is "error", never sees a random op) and
-whose ``vmap`` rule folds the vmapped dimension into the rows exactly as the forward's did; the
-draws are the forward's for every cotangent or tangent. Under ``torch.func.vmap`` the
-``randomness`` flag holds: "error" raises torch's error, "different" gives every slice its own
-draws (the vmapped dimension is folded into the rows, which draw independently), and "same"
-gives every slice the same draws (one draw per sample, broadcast over the slices); a vmapped
-dimension of size 0 draws nothing, whatever the flag. A level whose
-slices do not change x or epsilon still follows its flag: x is made to vary along it by adding 0
-times a random scalar drawn under the transforms, so torch decides, level by level, whether the
-slices differ. The ``jacrev`` of a (B, n) output runs the estimator once per cotangent (B n top-k
-passes per draw): it is meant for small problems and checks; ``backward`` runs it once.
-Meta tensors give the shape, with no draws.
-
-Cost. The forward draws N (B, n) Gaussian samples and runs one batched ``torch.topk`` per
-chunk; the backward draws the same samples again (the price of not storing them). Drawing the
-noise dominates on CPU (about half of forward+backward at B=64, n=1000, k=10, N=100).
-
-The backward is marked once-differentiable (differentiating the gradient again raises): the
-paper's second-order estimator is not implemented.
+* Draws: sample s is one (B, n) ``torch.randn`` in x's dtype, s = 0..N-1, in chunks of at most
+  about 2**22 elements. The noise is **not stored**: the backward regenerates it from a snapshot
+  of the generator (O(B n) memory whatever N). ``generator=None`` seeds a private generator from
+  the global one (``torch.manual_seed`` makes it reproducible); a user generator is advanced by
+  the forward, and the backward uses the forward's draws even if it has moved on.
+* ``+inf`` entries are always selected and ``-inf`` never, with no derivative; rows with a NaN or
+  an unreachable k are NaN; k = 0 and k = n draw nothing and have a zero gradient.
+* ``torch.func``: the regeneration runs below every functorch level; under ``vmap`` the
+  ``randomness`` flag holds ("error" raises, "different" draws per slice, "same" shares them).
+* The backward is once-differentiable (the paper's second-order estimator is not implemented).
 
 References:
     Berthet, Blondel, Teboul, Cuturi, Vert and Bach. Learning with Differentiable Perturbed
@@ -116,9 +44,9 @@ from torch.autograd.function import once_differentiable
 
 from softops._core.transforms import plain, under_functorch, vmap_rows
 from softops._kernels import define
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["perturbed_topk_mask"]
+__all__ = ["mask", "perturbed_topk_mask"]
 
 # Work-buffer budget in elements: a chunk of c samples uses c*B*n <= this (c >= 1).
 _CHUNK_ELEMENTS = 2**22
@@ -413,6 +341,14 @@ def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
     except RuntimeError as err:
         raise RuntimeError(f"{_OP}: {err}") from err
     return x + 0.0 * r
+
+
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
+) -> torch.Tensor:
+    """The backend entry of ``soft_topk_mask``: :func:`perturbed_topk_mask` with k =
+    ``opts.k_int`` and the options' draws (no gradient in k or epsilon)."""
+    return perturbed_topk_mask(x2, opts.k_int, eps.detach(), opts.n_samples, opts.generator)
 
 
 def perturbed_topk_mask(

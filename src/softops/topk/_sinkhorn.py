@@ -1,22 +1,12 @@
 r"""Method "sinkhorn" of ``soft_topk_mask``: the paper's algorithm (Xie et al. 2020, §2).
 
-The same n x 2 entropic OT problem as method "ot", with the same epsilon (eps_p = 2 epsilon on the
-unnormalised cost :math:`C_{ij} = (x_i - y_j)^2`, targets y = 0, 1 of masses (n - k)/n and k/n),
-solved by log-domain Sinkhorn (:mod:`softops._core.sinkhorn`) with a semi-dual Newton polish and
-the implicit backward of the converged plan, as in the paper (derived in docs/math.md §2.3). At
-convergence it equals "ot"; it differentiates with respect to x only. ``max_iter=200, tol=0``
-runs the paper's fixed 200 iterations. The cost is passed in units of epsilon (the plan depends on
-x / epsilon only), so the solver sees the same numbers at every scale of x, and it is centred on
-the threshold's region (``x_(k)/2 + x_(k+1)/2``; a shift of x is a gauge, which changes g but not
-the plan), so that the entries deciding the threshold keep full precision on rows that span far
-beyond their gaps. That centre is also the gauge of the fixed-iteration runs: their first
-threshold.
-
-Infinities are their limits, by structure: ``+inf`` is always selected and ``-inf`` never, so
-the problem is solved on the finite entries alone, with k less the count of ``+inf`` (the
-infinite entries carry no mass, and their cost is a finite placeholder), and those entries are
-then set to exactly 1 or 0. (Finite stand-ins beyond the finite range rounded onto the row when
-that margin was below its ulp, and overflowed at a huge epsilon.)
+The n x 2 entropic OT problem of method "ot", with the same epsilon, solved by the log-domain
+Sinkhorn of :mod:`softops._core.sinkhorn` (Newton polish, implicit backward; docs/math.md §2.3).
+At convergence it equals "ot"; it differentiates in x only. ``max_iter=200, tol=0`` runs the
+paper's fixed 200 iterations. The cost is passed in units of epsilon, centred on the threshold's
+region (``x_(k)/2 + x_(k+1)/2``, a gauge), so the entries deciding the threshold keep their
+precision at every scale. Infinities are their limits by structure: the problem is solved on the
+finite entries with k less the count of ``+inf``, and those entries are set to exactly 1 or 0.
 """
 
 from __future__ import annotations
@@ -25,22 +15,19 @@ import math
 
 import torch
 
-from softops._core.sinkhorn import sinkhorn_plan
+from softops._core.sinkhorn import log_sinkhorn
 from softops._core.transforms import cannot_branch
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["sinkhorn_mask"]
+__all__ = ["mask"]
 
 
-def sinkhorn_mask(
-    op: str,
-    x2: torch.Tensor,
-    k_row: torch.Tensor,
-    eps_row: torch.Tensor,
-    max_iter: int,
-    tol: float,
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask A (B, n) of canonical rows; ``k_row`` and ``eps_row`` are constants."""
+    op, max_iter, tol = opts.op, opts.max_iter, opts.tol
+    k_row, eps_row = k_row.detach(), eps_row.detach()
     dtype = x2.dtype
     n = x2.shape[1]
     # Infinities are their limits: solve on the finite entries (the infinite ones carry no mass),
@@ -102,7 +89,9 @@ def sinkhorn_mask(
     newton = tol > 0
     ones = torch.ones_like(eps_row)
     # the solve warns (naming op) where rows did not converge, also while traced
-    plan, _ = sinkhorn_plan(cost, log_a, log_b, ones, max_iter, tol, newton=newton, caller=op)
+    plan = log_sinkhorn(
+        cost, log_a, log_b, ones, max_iter=max_iter, tol=tol, newton=newton, caller=op
+    ).plan
     A = n * plan[..., 1]
     edge_none, edge_all = k_row <= 0, k_row >= n
     if fixed or bool((edge_none | edge_all).any()):

@@ -1,28 +1,18 @@
 r"""Method "softkmax" of ``soft_topk_mask`` and the kernel of :func:`softops.soft_kmax`.
 
-The recursive soft-k-max of Su (2019, section "softkmax"): with :math:`x' = x - \min_j x_j` and
-:math:`p^{(0)} = 0`, repeat k times
+The recursive soft-k-max of Su (2019): with :math:`x' = x - \min_j x_j` and :math:`p^{(0)} = 0`,
+repeat k times
 
 .. math::
 
-    p^{(t)} = p^{(t-1)} + \mathrm{softmax}\big(x' \odot (1 - p^{(t-1)}) / \varepsilon\big),
+    p^{(t)} = p^{(t-1)} + \mathrm{softmax}\big(x' \odot (1 - p^{(t-1)}) / \varepsilon\big).
 
-so each round takes a soft maximum and moves it to the row minimum. Plain autograd through the
-rounds; from k = 16 on, segments of about sqrt(k) rounds are checkpointed.
-
-Logits: softmax is shift-invariant, so each round forms ``w/eps`` with ``w = x'(1 - p)``
-relative to the round's top entry j, as ``(w - w_j)/eps``, the difference taken in the units
-of x before it is scaled by the correctly rounded ``1/eps`` (``_kmax_rounds``). Formed from the
-row minimum instead, the logits carried the rounding of ``1/eps`` and of ``x'`` relative to the
-span (the top entries of ``[0, -0.5, 0, 0, 0, 2**-17]`` at ``eps = 2**-17``, k = 1, were off by
-2e-3 in float32), and where ``x'/eps`` overflowed they saturated at the dtype's largest value
-and tied (``[0, 0, 8, 4]`` at the smallest normal epsilon gave ``[0, 0, .5, .5]``). Relative to
-the top, a logit overflows only towards ``-inf``, where its weight is 0 anyway.
-
-Conditioning: each round's logits depend on the previous rounds through ``-x'/eps``, so near a
-tie the gradient grows like ``(max x' / (4 eps))**(k - 1)``. Where that exceeds the dtype's range
-(float32: ``x'/eps`` of 1e10 with k = 4) the backward overflows, and can be NaN: the recursion has
-no meaningful derivative there.
+Plain autograd through the rounds; from k = 16 on, segments of about sqrt(k) rounds are
+checkpointed. Each round's logits are formed relative to its top entry, in the units of x before
+the correctly rounded ``1/eps`` scales them, so they neither carry the rounding of the span nor
+saturate where ``x'/eps`` overflows. Near a tie the gradient grows like
+``(max x' / (4 eps))**(k - 1)``: where that exceeds the dtype's range the recursion has no
+meaningful derivative and the backward overflows.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
@@ -37,11 +27,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from softops._core.transforms import under_functorch
-from softops.topk._options import unreachable_rows
+from softops.topk._options import MaskOptions, unreachable_rows
 
-__all__ = ["soft_kmax_rows"]
+__all__ = ["mask", "soft_kmax_rows"]
 
 _KMAX_CHECKPOINT_MIN = 16  # from this k on, the backward recomputes segments of rounds
+
+
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
+) -> torch.Tensor:
+    """The backend entry of ``soft_topk_mask``: :func:`soft_kmax_rows` with k = ``opts.k_int``."""
+    return soft_kmax_rows(x2, opts.k_int, eps)
 
 
 def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:

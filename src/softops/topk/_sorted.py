@@ -1,32 +1,18 @@
 r"""Sorted SOFT top-k: the k largest (or smallest) entries, in order, by entropic optimal transport.
 
-Reference: Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister, *Differentiable Top-k Operator with
-Optimal Transport*, NeurIPS 2020 (arXiv 2002.06504), sorted variant with k+1 anchors.
+Xie et al., *Differentiable Top-k Operator with Optimal Transport*, NeurIPS 2020 (arXiv
+2002.06504), the sorted variant with k+1 targets; derivations in docs/math.md §2. Deviations from
+the paper: ``largest=True`` (the default, as :func:`torch.topk`) applies its operator to ``-x``;
+epsilon is in the units of x (``eps_p = 2 epsilon``, never normalised by a batch-wide max); the
+cost ``(x_i - j)^2`` is solved as ``-2 j x_i + kappa_j`` with column constants centring it at
+the sorted scores' midpoints (the potentials stay O(1)); infinities are solved structurally
+(§2.2); long rows on a candidate set with a stated tolerance (§2.4), tested against the full
+solve (``_soft_topk(..., reduce=False)``).
 
-Deviations from the paper's notation (the derivations are in docs/math.md §2):
-
-* Orientation: the paper selects the **smallest** entries, smallest first. ``largest=True`` (the
-  default, as in :func:`torch.topk`) applies the paper's operator to ``-x``, so the outputs are in
-  ``torch.topk`` order (largest first).
-* epsilon is in units of x: the paper's entropic weight on the unnormalised cost is
-  ``eps_p = 2 * epsilon`` (never normalised by a batch-wide max).
-* The cost ``(x_i - j)^2`` is solved in the equivalent form ``-2 j x_i + kappa_j``: ``x_i^2`` is a
-  per-row constant (absorbed by f_i) and the per-column constants kappa_j (absorbed by g_j) are
-  chosen from the sorted scores so that the potentials stay O(1). The plan is unchanged; the
-  potentials are small, which lets float32 reach a 1e-6 marginal error.
-* Infinities are solved structurally (docs/math.md §2.2): the sure entries fill the first
-  ``c = min(#sure, k)`` targets (shared equally), the others none, and Sinkhorn runs on the finite
-  entries with those targets empty; rows near ``finfo.max`` are solved at a power-of-two scale
-  (the problem is invariant under ``(x, eps) -> (c x, c eps)``).
-* Long rows are solved on a candidate set (docs/math.md §2.4): the entries far below the
-  (k+1)-th score get weight 0, which moves no weight by more than a stated tolerance; the full
-  solve (``_soft_topk(..., reduce=False)``) is the reference it is tested against.
-
-Paths: :func:`_path` chooses the C++ kernel (:class:`_KernelSolve` over the operators
-``softops::sorted_topk_solve`` and ``softops::sorted_topk_vjp`` of ``_sorted_kernel.cpp``: the
-candidate set, the solve and the backward per row), the torch solve of the candidate set
-(:func:`_torch_solve`, other devices and forward mode) or the full solve (:func:`_full`, the
-solve this module had before the candidate set, with its :class:`_SortedPlan`).
+Paths (:func:`_path`): the C++ kernel (:class:`_KernelSolve` over ``softops::sorted_topk_solve``
+and ``softops::sorted_topk_vjp`` of ``_sorted_kernel.cpp``), the torch solve of the candidate set
+(:func:`_torch_solve`, other devices and forward mode), or the full solve (:func:`_full`, whose
+Newton-first forward is ``_newton.py``, with :class:`_SortedPlan`).
 """
 
 from __future__ import annotations
@@ -42,17 +28,11 @@ from torch.autograd import forward_ad
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol, warn_not_converged
 from softops._core.dims import prepare_rows
-from softops._core.sinkhorn import (
-    DET_MIN,
-    NEWTON_KERNEL,
-    SINKHORN_OP,
-    implicit_cost_vjp,
-    log_sinkhorn_checked,
-    use_kernel,
-)
+from softops._core.sinkhorn import DET_MIN, implicit_cost_vjp
 from softops._core.transforms import apply_function, cannot_branch, own_precision, vmap_rows
 from softops._core.validation import check_bool, check_k, check_max_iter, check_tol
 from softops._kernels import Kernel, define, kernels_enabled
+from softops.topk._newton import NEWTON_FIRST_OP, NEWTON_KERNEL, newton_first, use_kernel
 
 __all__ = ["TopK", "soft_topk"]
 
@@ -1099,23 +1079,15 @@ class _SortedPlan(torch.autograd.Function):
         if torch.compiler.is_compiling():
             # the solve as one operator (opaque to dynamo), which warns where rows did not
             # converge: nothing is read on the host (clean False)
-            out = SINKHORN_OP(
+            out = NEWTON_FIRST_OP(
                 *(scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol),
-                *(True, True, False, _OP),
+                *(False, _OP),
             )
             plan = out[0]
             weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
             return weights, plan, out[3], out[4], False
-        res, clean = log_sinkhorn_checked(
-            scaled.transpose(1, 2),
-            log_a,
-            log_b,
-            torch.ones_like(eps),
-            max_iter=max_iter,
-            tol=tol,
-            newton=True,
-            newton_first=True,
-            potentials=False,
+        res, clean = newton_first(
+            scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol, False
         )
         plan = res.plan  # (B, n, m), float64
         weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)

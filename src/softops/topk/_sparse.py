@@ -1,80 +1,30 @@
 r"""Method "sparse" of ``soft_topk_mask``: the Euclidean projection onto the capped simplex.
 
-The mask is the projection of :math:`x / \varepsilon` onto
-:math:`\{a : 0 \le a_i \le 1, \sum_i a_i = k\}` (the Euclidean counterpart of method "ot", whose
-regulariser is the binary entropy; Blondel et al. 2020, Amos et al. 2019 §3):
+The projection of :math:`x / \varepsilon` onto :math:`\{a : 0 \le a_i \le 1, \sum_i a_i = k\}`
+(Blondel et al. 2020; Amos et al. 2019 §3), the counterpart of method "ot" with a quadratic
+regulariser (docs/math.md §1.5):
 
 .. math::
 
     a_i = \mathrm{clip}\big((x_i - t)/\varepsilon,\ 0,\ 1\big), \qquad \textstyle\sum_i a_i = k .
 
-It has exact zeros and exact ones. With the free set :math:`S = \{i : 0 < a_i < 1\}` and the
-ones :math:`U = \{i : a_i = 1\}`, the threshold is :math:`t = (\sum_S x_i - \varepsilon (k - |U|))
-/ |S|`, and the Jacobian (symmetric, rows summing to 0) and the gradients in k and epsilon are
+It has exact zeros and ones. On the free set :math:`S = \{0 < a_i < 1\}` the Jacobian and the
+gradients in k and epsilon are
 
 .. math::
 
     \frac{\partial a_i}{\partial x_j} = \frac{\delta_{ij} - 1/|S|}{\varepsilon}, \quad
     \frac{\partial a_i}{\partial k} = \frac{1}{|S|}, \quad
     \frac{\partial a_i}{\partial \varepsilon} = -\frac{a_i - \bar a_S}{\varepsilon}
-    \qquad (i, j \in S;\ 0 \text{ elsewhere}),
+    \qquad (i, j \in S;\ 0 \text{ elsewhere, and everywhere when } S = \emptyset).
 
-with :math:`\bar a_S` the mean of a over S (from :math:`\partial t / \partial \varepsilon =
--(k - |U|)/|S|`). When S is empty (every entry at 0 or 1: an integer k and gaps larger than
-epsilon) the mask is locally constant in x, k and epsilon, and all three gradients are 0; the
-gradient in k is then the derivative of neither one-sided limit, and is defined as 0 too.
-
-Forward: an exact finite Newton method on the residual :math:`r = \sum_i a_i - k`, which is
-piecewise linear and non-increasing in t with breakpoints :math:`x_i` and :math:`x_i - \varepsilon`.
-It is solved in units of epsilon from a centre on the row's threshold, :math:`u = (t - m) /
-\varepsilon` with :math:`m = x_{(\lceil k \rceil)}` (the k-th largest finite entry, k less the
-count of ``+inf``), so that the offsets :math:`x - m` are centred before they are divided by
-epsilon: the threshold is resolved relative to epsilon wherever the row lies (in the units of x,
-t beside an entry at 0 with epsilon near ``finfo.tiny`` is subnormal, resolved only to about
-1e-7 of epsilon in float32). The bracket is exact and local: with :math:`j = \lfloor k \rfloor +
-1`, every entry at or above :math:`x_{(j)}` is at 1 once :math:`t \le x_{(j)} - \varepsilon`,
-and at most :math:`\lceil k \rceil - 1` entries exceed :math:`x_{(\lceil k \rceil)}`, so
-:math:`t \in [x_{(j)} - \varepsilon, x_{(\lceil k \rceil)}]`, of width epsilon plus the gap
-between the two (none for a fractional k), whatever the rest of the row holds. (A bracket over
-the whole row, ``[min x - eps, max x]``, took about ``log2(span / eps)`` steps beside an entry
-far beyond the gaps, or at an epsilon far below the row's span, and missed the cap.) The two
-order statistics come from one ``torch.topk`` of the side of the row that needs fewer entries
-(unsorted where every row has the same k).
-
-Each step solves the linear piece on the side it moves to (one-sided slope ``-|S|``, so a step
-from a breakpoint is right) in closed form, :math:`u = \mathrm{mean}_S(y) - (k - |U|)/|S|` with
-:math:`y = (x - m)/\varepsilon` (the sum of y over S is a sixth reduction of the evaluation),
-not as the increment ``u + r / |S|``, whose r carries a rounding relative to the iterate: a root
-far closer to the centre than the iterate (k = finfo(float32).tiny beside an iterate at -1)
-came out as the centre itself, and bisection walked down about 100 binades to it. A row
-stops **exactly** when its new iterate lies on the piece the step was computed on (the counts
-of entries above ``u`` and above ``u + 1`` are those the step predicted): no tolerance is
-involved. Steps that leave the open bracket, or start on a flat
-piece (``|S| = 0``), fall back to an Illinois secant on the bracket (bisection where it
-degenerates). The start is the large-epsilon guess (every entry free) where epsilon is at least
-an eighth of the row's spread, else the small-epsilon one (only :math:`x_{(\lceil k \rceil)}`
-free). Counts (float64, x ~ N(0, 1), k in {1, 2.5, n/10, n/3, n/2, n - 1}, epsilon from 1e-6
-to 1e3): 1 to 9 evaluations for n = 1e3, 1 to 13 for n = 1e5 (the whole-row bracket took 2 to
-32 and 2 to 37); the cap is ``max_iter`` (default 100). A last pass forms u in closed form on
-the final piece (:func:`_polish`), so that an entry at a breakpoint comes out exactly 0 or 1.
-
-Why not sort: a sort of the 2n breakpoints with cumulative sums is also exact and O(n log n), but
-(i) ``torch.sort`` of a (64, 1e5) float32 batch took about 0.6 s on one CPU thread, against about
-10 ms for one fused evaluation here and about 70 ms for the topk of k = n/10; (ii) prefix sums
-lose the residual to cancellation in float32 (the difference of two prefix sums has an error of
-about ``finfo.eps * sum |x| / eps``, which exceeds 1 once ``|x| / eps`` is large), while each
-evaluation here sums the clipped entries themselves; (iii) an evaluation is one element-wise pass
-with six row reductions, and runs as well on a GPU.
-The host reads the range of k once (the depth of the topk), and "all rows done" once per
-evaluation on the CPU and once per ``GPU_BLOCK`` evaluations elsewhere. Measured with a former
-torch.compile path (B=64, epsilon=0.1, float32, one thread, CPU time): k = n/10: n=1e3, forward
-2.0 ms, forward+backward 2.5 ms; n=1e5, 112 and 164 ms; k = n/2: n=1e3, 2.1 and 2.6 ms;
-n=1e5, 133 and 179 ms (``torch.topk`` of n/10 of 1e5: 73 ms).
-
-Infinities are exact with no special case in the residual: ``+inf`` entries are at 1 and
-``-inf`` at 0, and the bracket is taken over the finite entries. Rows whose k asks for no finite
-entry (``k`` = the count of ``+inf``) or for every one, are filled exactly; rows with a NaN, or
-whose k the finite entries cannot meet, are NaN (with NaN gradients).
+The forward pass is an exact finite Newton method on the piecewise-linear residual, in units
+of epsilon around the k-th largest entry, inside the exact local bracket
+:math:`[x_{(\lfloor k \rfloor + 1)} - \varepsilon, x_{(\lceil k \rceil)}]`; a row stops when its
+iterate lies on the piece its step was computed on (1 to 13 evaluations; cap ``max_iter``). Its
+evaluations take their row sums through a reduction (``_ot.Reduce``), which
+:mod:`softops.distributed` makes an all-reduce. Infinities are exact (``+inf`` at 1, ``-inf`` at
+0); rows with a NaN, or whose k the finite entries cannot meet, are NaN.
 """
 
 from __future__ import annotations
@@ -87,9 +37,10 @@ import torch
 from softops._core.convergence import warn_not_converged
 from softops._core.transforms import vmap_rows
 from softops._kernels import define
+from softops.topk._options import MaskOptions
 from softops.topk._ot import Reduce, _classify, _fill_special
 
-__all__ = ["GPU_BLOCK", "sparse_mask"]
+__all__ = ["GPU_BLOCK", "mask"]
 
 GPU_BLOCK = 4
 """Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
@@ -471,10 +422,11 @@ class _SparseTopKMaskTraced(_SparseTopKMask):
         return vmap_rows(_SparseTopKMaskTraced, info, in_dims, *args)
 
 
-def sparse_mask(
-    op: str, x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, max_iter: int
+def mask(
+    x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
     """The mask (B, n) of canonical rows, largest first, with the non-convergence warning."""
+    args = (x2, k_row, eps_row, opts.max_iter, opts.op)
     if torch.compiler.is_compiling():
-        return _SparseTopKMaskTraced.apply(x2, k_row, eps_row, max_iter, op)
-    return _SparseTopKMask.apply(x2, k_row, eps_row, max_iter, op)
+        return _SparseTopKMaskTraced.apply(*args)
+    return _SparseTopKMask.apply(*args)

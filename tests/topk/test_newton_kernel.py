@@ -1,5 +1,5 @@
 """The C++ kernels of the Newton-first Sinkhorn solve and of the sorted top-k plan's backward
-(softops/_core/_newton_kernel.cpp: the operators ``softops::newton_first`` and
+(softops/topk/_newton_kernel.cpp: the operators ``softops::newton_first`` and
 ``softops::sorted_plan_vjp``) against the batched torch code they stand in for, and the rules that
 choose between them.
 
@@ -16,7 +16,7 @@ import torch
 import softops
 from softops._core import sinkhorn
 from softops._kernels import set_default_backend
-from softops.topk import _sorted
+from softops.topk import _newton, _sorted
 from tests._helpers import built_ops, seeded
 
 F64 = torch.float64
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def ops():
     """The kernel's operators (``torch.ops.softops_newton``), the kernel back end on."""
-    built = built_ops(sinkhorn.NEWTON_KERNEL)
+    built = built_ops(_newton.NEWTON_KERNEL)
     set_default_backend("kernel")
     return built
 
@@ -52,9 +52,9 @@ def _sorted_problem(bsz: int, n: int, k: int, eps: float, seed: int = 0, ties: b
 
 def _both(cost, log_a, log_b, eps, max_iter=2000, tol=1e-9, potentials=True):
     args = (cost, log_a, log_b, eps, max_iter, tol, potentials)
-    plan, f, g, converged, residual, iterations, clean = sinkhorn.NEWTON_FIRST_OP(*args)
+    plan, f, g, converged, residual, iterations, clean = _newton.NEWTON_FIRST_OP(*args, "")
     fast = (sinkhorn.SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean))
-    ref = sinkhorn._newton_first_torch(*args)
+    ref = _newton._newton_first_torch(*args)
     return fast, ref
 
 
@@ -190,13 +190,13 @@ def test_soft_topk_gradcheck_through_the_kernel(ops):
 
 def test_the_kernel_is_used_only_where_it_applies(ops, monkeypatch):
     calls = []
-    real = sinkhorn.NEWTON_FIRST_OP
+    real = _newton.NEWTON_FIRST_OP
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(sinkhorn, "NEWTON_FIRST_OP", spy)
+    monkeypatch.setattr(_newton, "NEWTON_FIRST_OP", spy)
     x = torch.randn(4, 18, dtype=F64)
     ref = _full(x, 2, epsilon=0.1).weights
     assert calls == [(4, 18, 3)]
@@ -205,33 +205,23 @@ def test_the_kernel_is_used_only_where_it_applies(ops, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     assert calls == [(4, 18, 3)] * 2
     # a problem above the work limit: the torch solve
-    monkeypatch.setattr(sinkhorn, "KERNEL_MAX_WORK", 18 * 9 - 1)
+    monkeypatch.setattr(_newton, "KERNEL_MAX_WORK", 18 * 9 - 1)
     _full(x, 2, epsilon=0.1)
     # the reference back end: the torch solve
-    monkeypatch.setattr(sinkhorn, "KERNEL_MAX_WORK", 1 << 17)
+    monkeypatch.setattr(_newton, "KERNEL_MAX_WORK", 1 << 17)
     set_default_backend("reference")
     _full(x, 2, epsilon=0.1)
     assert calls == [(4, 18, 3)] * 2
 
 
-def test_use_kernel_and_log_sinkhorn_checked(ops):
+def test_use_kernel_and_newton_first(ops):
     t = torch.zeros(2, 18, 3, dtype=F64)
-    assert sinkhorn.use_kernel(t, 18, 3)
-    assert not sinkhorn.use_kernel(t, 18, 3 * 10**3)  # above KERNEL_MAX_WORK
-    assert not sinkhorn.use_kernel(t.to("meta"), 18, 3)
-    assert not torch.func.vmap(lambda r: torch.tensor(sinkhorn.use_kernel(r, 18, 3)))(t).any()
+    assert _newton.use_kernel(t, 18, 3)
+    assert not _newton.use_kernel(t, 18, 3 * 10**3)  # above KERNEL_MAX_WORK
+    assert not _newton.use_kernel(t.to("meta"), 18, 3)
+    assert not torch.func.vmap(lambda r: torch.tensor(_newton.use_kernel(r, 18, 3)))(t).any()
     cost, log_a, log_b, eps = _sorted_problem(4, 18, 2, 0.1, seed=21)
-    res, clean = sinkhorn.log_sinkhorn_checked(
-        cost,
-        log_a,
-        log_b,
-        eps,
-        max_iter=2000,
-        tol=1e-9,
-        newton=True,
-        newton_first=True,
-        potentials=False,
-    )
+    res, clean = _newton.newton_first(cost, log_a, log_b, eps, 2000, 1e-9, False)
     assert clean is True and bool(res.converged.all())
     torch.testing.assert_close(res.plan.sum(-1), torch.full((4, 18), 1 / 18, dtype=F64))
 
@@ -268,9 +258,10 @@ def test_the_operators_pass_opcheck_on_either_back_end(ops, back_end):
     with backend(back_end):
         for potentials in (True, False):
             torch.library.opcheck(
-                sinkhorn.NEWTON_FIRST_OP.overload, (cost, log_a, log_b, eps, 100, 1e-9, potentials)
+                _newton.NEWTON_FIRST_OP.overload,
+                (cost, log_a, log_b, eps, 100, 1e-9, potentials, ""),
             )
-        plan = sinkhorn.NEWTON_FIRST_OP(cost, log_a, log_b, eps, 100, 1e-9, False)[0]
+        plan = _newton.NEWTON_FIRST_OP(cost, log_a, log_b, eps, 100, 1e-9, False, "")[0]
         grad_w = torch.randn(3, 2, 10, generator=seeded(25), dtype=F64)
         scaled = cost.transpose(1, 2).contiguous()
         for need_eps in (True, False):

@@ -1,0 +1,303 @@
+r"""Sharded soft top-k over ``torch.distributed``: rows split along ``dim`` across the ranks.
+
+Each rank holds a shard ``x_r`` of every row (shards of any length, empty ones included); the
+row is their concatenation in rank order, :math:`x = (x_0, \dots, x_{P-1})`, of length
+:math:`n = \sum_r n_r`. The SOFT top-k mask is a sigmoid with one threshold per row
+(docs/math.md §1),
+
+.. math::
+
+    A_i = \sigma\big((x_i - t)/\varepsilon\big), \qquad
+    F(t) = \sum_r \sum_{i \in r} \sigma\big((x_i - t)/\varepsilon\big) - k = 0,
+
+so the ranks need only agree on t. Every quantity the solver needs is a sum over the row, hence
+a sum over ranks of a sum over each shard: the sharded op *is* the single-process solver
+(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``, method "sparse" the capped-simplex
+projection) with another reduction, one all-reduce of the per-row shard sums, and a start from
+one all-gather of each shard's statistics and candidates. No rank ever sees another rank's
+entries. This package holds the communication, the sharded backward and the sharded hard top-k.
+
+Collectives per call (B rows; each an ``all_reduce`` with SUM, so every backend runs it): one of
+an 18-float header (shard lengths, options and batch shape, checked on every rank so that
+inconsistent calls raise everywhere instead of hanging); one all-gather of the shard statistics
+and start candidates (each rank's ``floor(k) + 1`` largest where that is at most
+``max(SAMPLE_SIZE, n // 64)`` per row, else its part of a strided subsample); one of (5, B) per
+evaluation ("ot": 2 to 6; "sparse": one of (6, B) each, then two for its polish); for "ot" rows
+near the hard limit one or two all-gathers for the log-domain polish; and one in the backward
+((2, B); an all-gather of (9, B) or (13, B) with gradients in k or epsilon). A forward costs
+``2 + iterations`` collectives of O(B) whatever n is, and every rank takes the same steps (the
+iterate and the stop test are functions of all-reduced sums only). The result equals the
+single-process op's up to the order of the reductions: to rounding.
+
+**Gradient semantics.** The backward returns, on each rank, the gradient of the *sum over ranks*
+of the losses computed from the shards, ``L = sum_r L_r(A_r)``: for ``x_local`` this rank's slice
+of the single-process gradient of L; for k and epsilon, which every rank holds, the full
+gradient, on every rank. Parameters that feed ``x_local`` through a replicated model receive on
+each rank the part that flows through its shard: sum them over ranks (``all_reduce``), or use
+``DistributedDataParallel`` with the loss multiplied by the world size (DDP averages).
+
+``hard=True`` returns the exact hard top-k mask of the concatenated row, ties at the k-th value
+broken by the global position (rank order, then local index).
+
+Without a process group (``group=None``, torch.distributed not initialised) the op runs as a
+world of one unless the environment names a larger world (``WORLD_SIZE`` > 1, as torchrun sets
+it), which raises: a script that forgot ``init_process_group`` would otherwise compute each
+shard's mask on its own, silently.
+
+Not supported: double backward (it raises), forward mode, ``torch.func`` transforms and
+``torch.compile`` tracing of the call (the solve tests convergence on the host between
+collectives).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from softops._core.convergence import warn_not_converged
+from softops._core.straight_through import straight_through
+from softops.distributed._group import _MASK, _THRESHOLD, _TOPK, METHODS, _prepare
+from softops.distributed._mask import _ShardedMaskOT, _ShardedMaskSparse, _solve_ot
+from softops.distributed._topk import _Route, _sharded_topk
+from softops.solvers import ThresholdResult
+from softops.topk import SAMPLE_SIZE
+
+__all__ = [
+    "METHODS",
+    "SAMPLE_SIZE",
+    "ShardedTopK",
+    "ThresholdResult",
+    "soft_topk_mask",
+    "topk",
+    "topk_threshold",
+]
+
+
+def soft_topk_mask(
+    x_local: torch.Tensor,
+    k: int | float | torch.Tensor,
+    *,
+    group: Any = None,
+    dim: int = -1,
+    largest: bool = True,
+    epsilon: float | torch.Tensor = 0.1,
+    method: str = "ot",
+    max_iter: int | None = None,
+    tol: float | None = None,
+    hard: bool = False,
+) -> torch.Tensor:
+    r"""This rank's part of the soft top-k mask of rows sharded along ``dim`` across a group.
+
+    The hard operator, on the concatenated row ``x = torch.cat(shards, dim)`` (shards in rank
+    order), is::
+
+        torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
+
+    and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row,
+    restricted to this rank's shard (to rounding: 1e-12 in float64, gradients included):
+
+    .. math::
+
+        A_i = \sigma\!\left(\frac{x_i - t}{\varepsilon}\right), \qquad
+        \sum_{r} \sum_{i \in \text{shard } r} A_i = k .
+
+    No rank sees another's entries: the threshold t is solved by bracketed Halley steps whose
+    every evaluation all-reduces the O(B) row sums it needs (``2 + iterations`` collectives per
+    forward, one per backward). Call it on every rank of the
+    group, with the same k, epsilon and options and the shards of the same rows.
+
+    Args:
+        x_local: this rank's shard: any shape, floating dtype; ``x_local.shape[dim]`` may differ
+            across ranks and may be 0; every other dim must agree. float16 and bfloat16 are
+            computed in float32.
+        k: the global number to select, in [0, n] with n the length of ``dim`` summed over the
+            group: an int or float, a 0-dim tensor (which receives a gradient), or a tensor
+            broadcastable to the batch shape for a per-row k, as in the single-process op.
+            The same on every rank.
+        group: the process group (None: the default group; without torch.distributed
+            initialised, a world of one unless ``WORLD_SIZE`` says otherwise, which raises).
+        dim: the sharded dimension to select along.
+        largest: select the largest (default) or the smallest entries.
+        epsilon: the temperature, in the units of x (a float, or a tensor broadcastable to the
+            batch shape, which receives a gradient), as in the single-process op.
+        method: ``"ot"`` (default): the SOFT top-k sigmoid above. ``"sparse"``: the Euclidean
+            projection ``clip((x - t)/epsilon, 0, 1)`` (exact zeros and ones), solved by the
+            same finite Newton method as the single-process "sparse" on all-reduced counts.
+        max_iter: cap on evaluations of the row sums (None: 100; each is one all-reduce).
+        tol: "ot" only: extra absolute tolerance on ``|sum A - k|`` (None: machine precision).
+        hard: straight-through: the exact hard top-k mask of the concatenated row (ties at
+            the k-th value broken by the global position, lower rank first, then lower local
+            index), with the soft mask's gradient. Needs an integer k.
+
+    Returns:
+        This rank's part of the mask: the shape, dtype and device of ``x_local``.
+
+    Gradients: the backward returns the gradient of the sum over ranks of what each rank
+    computes from its part of the mask: this rank's slice of the single-process gradient in x,
+    and the full single-process gradient in k and epsilon on every rank; sum the gradients of
+    replicated parameters over ranks.
+
+    Example:
+        >>> x = torch.tensor([[5.0, 2.0, 3.0]])  # one rank: the whole row
+        >>> soft_topk_mask(x, 1, epsilon=1e-3)
+        tensor([[1., 0., 0.]])
+
+    References:
+        Xie et al. Differentiable Top-k Operator with Optimal Transport. NeurIPS 2020.
+        Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking. ICML
+        2020 (the capped-simplex projection, "sparse").
+    """
+    op = _MASK
+    local, plan = _prepare(
+        op, group, x_local, k, dim, epsilon, method, largest, hard, max_iter, tol
+    )
+    if local.x2.shape[0] == 0:
+        return x_local * 0
+    if method == "sparse":
+        out = _ShardedMaskSparse.apply(local.x2, local.k_row, local.eps_row, plan)
+        A, converged, hard_mask = out
+    else:
+        out = _ShardedMaskOT.apply(local.x2, local.k_row, local.eps_row, plan)
+        A, converged, hard_mask = out[0], out[1], out[2]
+    warn_not_converged(op, converged, plan.max_iter)
+    if hard_mask is not None:
+        A = straight_through(hard_mask, A)
+    return local.restore(A).to(x_local.dtype)
+
+
+def topk_threshold(
+    x_local: torch.Tensor,
+    k: int | float | torch.Tensor,
+    epsilon: float | torch.Tensor,
+    *,
+    group: Any = None,
+    dim: int = -1,
+    largest: bool = True,
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> ThresholdResult:
+    r"""The threshold t of :func:`soft_topk_mask` (method "ot") of each sharded row, with the
+    solver's diagnostics: the sharded :func:`softops.solvers.topk_threshold`.
+
+    Solves :math:`\sum_r \sum_{i \in r} \sigma((x_i - t)/\varepsilon) = k`; every rank returns
+    the same result. ``iterations`` is the number of evaluations, each one all-reduce; the call
+    makes ``2 + iterations`` collectives. Not differentiable.
+
+    Args:
+        x_local: this rank's shard, as in :func:`soft_topk_mask`.
+        k: the global number to select.
+        epsilon: the temperature, in the units of x.
+        group: the process group (None: the default group).
+        dim: the sharded dimension.
+        largest: select the largest (default) or the smallest.
+        max_iter: cap on evaluations (None: 100).
+        tol: extra absolute tolerance on ``|sum A - k|`` (None: machine precision only).
+
+    Returns:
+        A :class:`softops.solvers.ThresholdResult` (threshold in the units of x), with the
+        contract of :func:`softops.solvers.topk_threshold` at the limits: ``+inf`` on rows at
+        k -> 0 (k, less the entries at ``+inf``, is 0 in the compute dtype), ``-inf`` on rows
+        at k -> n (k is the count of entries not at ``-inf``), the two swapped with
+        ``largest=False``; 0 on rows without a finite entry; all of these with
+        ``converged=True`` and residual 0. Rows whose k cannot be met (a NaN on any rank, more
+        entries at the first infinity than k, fewer entries not at the other one) have a NaN
+        threshold, a NaN residual and ``converged=False``.
+
+    Example:
+        >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
+        >>> res.threshold, bool(res.converged)
+        (tensor(1.5000), True)
+    """
+    op = _THRESHOLD
+    local, plan = _prepare(op, group, x_local, k, dim, epsilon, "ot", largest, False, max_iter, tol)
+    shape = local.batch_shape
+    if local.x2.shape[0] == 0:
+        empty = torch.zeros(shape, dtype=x_local.dtype, device=x_local.device)
+        return ThresholdResult(empty, empty.bool(), 0, empty)
+    sol = _solve_ot(plan, local.x2.detach(), local.k_row.detach(), local.eps_row.detach())[0]
+    t = sol.aux[:, 0] + sol.aux[:, 1]
+    if sol.scale is not None:
+        t = t / sol.scale
+    # the rows that are not solved: the limits' thresholds, as softops.solvers.topk_threshold
+    inf = torch.full_like(t, math.inf)
+    t = torch.where(sol.sel_none, inf, torch.where(sol.sel_all, -inf, t))
+    t = torch.where(sol.sel_none & sol.sel_all, 0.0, t)  # no finite entry: any finite t
+    t = t.masked_fill(sol.invalid, math.nan)
+    t = t if largest else -t
+    return ThresholdResult(
+        t.reshape(shape).to(x_local.dtype),
+        sol.converged.reshape(shape),
+        sol.iterations,
+        sol.residual.reshape(shape).to(x_local.dtype),
+    )
+
+
+class ShardedTopK(NamedTuple):
+    """The global top-k of sharded rows, on every rank: x.shape with ``dim`` replaced by k.
+
+    Attributes:
+        values: the k largest (or smallest) entries of each concatenated row, sorted.
+        indices: their positions in the concatenated row (int64).
+        ranks: the rank that holds each (int64).
+        local_indices: their positions in that rank's shard (int64).
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    ranks: torch.Tensor
+    local_indices: torch.Tensor
+
+
+def topk(
+    x_local: torch.Tensor,
+    k: int,
+    *,
+    group: Any = None,
+    dim: int = -1,
+    largest: bool = True,
+) -> ShardedTopK:
+    r"""``torch.topk`` of rows sharded along ``dim``: the global k best, with their owners.
+
+    The hard operator, on the concatenated row ``x = torch.cat(shards, dim)``, is
+    ``x.topk(k, dim, largest, sorted=True)``; ties are broken by the global position (lower
+    first), which ``torch.topk`` leaves unspecified. Each rank selects its own k best (ties by
+    local index: they contain every entry of the global k best that it holds) and one all-gather
+    of those k values and positions per rank gives every rank the same result: two collectives
+    in all (the header and the gather), ``P k`` values per row. NaN counts as the largest, as in
+    ``torch.topk``.
+
+    Args:
+        x_local: this rank's shard (any shape, floating dtype; its ``dim`` may be empty).
+        k: an int in [0, n], n the length of ``dim`` summed over the group.
+        group: the process group (None: the default group).
+        dim: the sharded dimension.
+        largest: the largest (default) or the smallest entries.
+
+    Returns:
+        A :class:`ShardedTopK`, identical on every rank. ``values`` is differentiable: each rank
+        passes the gradient it receives to the entries it holds (no communication), which is
+        the gradient of a loss that every rank computes alike from the values; sum parameter
+        gradients over ranks, as for :func:`soft_topk_mask`.
+
+    Example:
+        >>> topk(torch.tensor([[5.0, 2.0, 6.0]]), 2)
+        ShardedTopK(values=tensor([[6., 5.]]), indices=tensor([[2, 0]]), ranks=tensor([[0, 0]]), local_indices=tensor([[2, 0]]))
+    """  # noqa: E501
+    op = _TOPK
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{op}: expected `k` to be an int; got {k!r}.")
+    local, plan = _prepare(op, group, x_local, k, dim, 1.0, "ot", largest, False, None, None)
+    x2 = local.x2
+    values, index, owner, where = _sharded_topk(plan, x2.detach(), k, largest)
+    if x2.requires_grad and k:
+        values = _Route.apply(x2, values, owner == plan.comm.rank, where)
+    values = values if largest else -values
+    restore = local.restore
+    return ShardedTopK(
+        restore(values).to(x_local.dtype),
+        restore(index),
+        restore(owner),
+        restore(where),
+    )

@@ -1,0 +1,410 @@
+"""The sorted top-k's forward solve: semi-dual Newton from the centred start (docs/math.md §2.2).
+
+The sorted top-k's cost, centred at the midpoints of the sorted scores, makes v = 0 (g in units
+of epsilon) the hard assignment, the solution as epsilon -> 0, and one Sinkhorn column update of
+it the solution as epsilon -> infinity. So Newton on the semi-dual runs at once from there, in
+float64, all rows in lock-step, with full steps that must lower the bound
+``sum_j |b_j - c_j| / sum_i a_i`` on each row's residual (a row whose step does not keeps its
+state and stops). ``b - c`` is formed relative to each row's cheapest column as sums of small
+products; for m <= 3 the system is the grounded Laplacian of the couplings, solved by Cramer's
+rule (:func:`~softops._core.sinkhorn.laplacian_solve`). Rows left above ``tol`` are solved again
+from the start by the generic solver (:func:`softops._core.sinkhorn.log_sinkhorn`), so every
+result is a plan certified by its residual.
+
+On the CPU, small problems (``n m^2 <= KERNEL_MAX_WORK``) run row by row in the C++ kernel
+``_newton_kernel.cpp`` (the operator ``softops::newton_first``), with the same arithmetic and
+stopping rule; the rows it leaves go to the torch code. The same kernel holds the sorted
+top-k plan's backward (``softops::sorted_plan_vjp``, defined in ``_sorted.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+
+from softops._core.convergence import warn_not_converged
+from softops._core.sinkhorn import (
+    SinkhornResult,
+    cyclic_couplings,
+    laplacian_solve,
+    log_sinkhorn,
+    spd_factor,
+    spd_solve,
+)
+from softops._kernels import Kernel, define, kernels_enabled
+
+__all__ = ["NEWTON_FIRST_OP", "NEWTON_FIRST_STEPS", "NEWTON_KERNEL", "newton_first", "use_kernel"]
+
+NEWTON_FIRST_STEPS = 12
+"""Cap on the Newton steps from the centred start (three reach 1e-6 on normal scores)."""
+KERNEL_MAX_WORK = 1 << 17
+"""Largest ``n m^2`` per row that the kernel solves: above it the batched torch code (its
+couplings one ``bmm``) is the faster."""
+NEWTON_KERNEL = Kernel("softops_newton", Path(__file__).with_name("_newton_kernel.cpp"))
+"""The CPU row kernels of the Newton-first solve and of the sorted top-k plan's backward
+(``torch.ops.softops_newton``)."""
+
+
+def use_kernel(t: Tensor, n: int, m: int) -> bool:
+    """Whether the row kernels may take rows of n entries and m targets held by ``t``: a plain
+    CPU tensor (not traced, not wrapped by ``torch.func``), ``n m^2 <= KERNEL_MAX_WORK``, the
+    kernel back end on (:mod:`softops._kernels`)."""
+    return (
+        t.device.type == "cpu"
+        and n * m * m <= KERNEL_MAX_WORK
+        and kernels_enabled()
+        and not torch.compiler.is_compiling()
+        and not _functorch.is_functorch_wrapped_tensor(t)
+    )
+
+
+class _Semidual(NamedTuple):
+    """The problem in float64, layout (B, m, n); column vectors (B, m, 1), scalars (B, 1, 1)."""
+
+    s: Tensor  # (B, m, n) cost / epsilon
+    log_a: Tensor  # (B, n)
+    a_row: Tensor  # (B, 1, n) row masses a_i
+    a_col: Tensor  # (B, n, 1) the same, as a column
+    a_sum: Tensor  # (B, 1, 1)
+    b: Tensor  # (B, m, 1) column masses
+    ref: Tensor  # (B, m, n) 1 at each row's reference (cheapest) column r(i), else 0
+    off_ref: Tensor  # (B, m, n) 1 - ref
+    b_ref: Tensor  # (B, m, 1) b_j - sum_{r(i) = j} a_i, exact (0 where the masses match)
+    tol_mass: Tensor  # (B, 1, 1) tol * sum_i a_i: the stopping level of ``l1``
+
+
+class _NewtonState(NamedTuple):
+    """The semi-dual at the states v (B, m, 1)."""
+
+    p: Tensor  # (B, m, n) P_ij = softmax_j(v_j - s_ij)
+    gap: Tensor  # (B, m, 1) b - c with c_j = sum_i a_i P_ij: the gradient of the semi-dual
+    l1: Tensor  # (B, 1, 1) sum_j |b_j - c_j|, which bounds sum_i a_i times the residual
+
+
+def _semidual(
+    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor, tol: float
+) -> tuple[_Semidual, Tensor]:
+    """The problem and the start ``v = log b - log c(0)`` (B, m, 1): one column update of 0."""
+    f64 = torch.float64
+    # (B, m, n) in that memory order: every reduction over m runs over contiguous rows
+    s = cost.new_empty(cost.transpose(1, 2).shape, dtype=f64)
+    torch.div(cost.transpose(1, 2), epsilon.to(f64).reshape(-1, 1, 1), out=s)
+    # both marginals from their logarithms in float64 (a narrower rounding of ``a`` gives the
+    # totals a gap, a floor of the residual)
+    log_a64, log_b64 = log_a.to(f64), log_b.to(f64).unsqueeze(-1)
+    a, b = log_a64.exp(), log_b64.exp()
+    a_col = a.unsqueeze(-1)
+    c0 = torch.bmm(torch.softmax(s.neg(), 1), a_col)
+    v = log_b64 - c0.clamp_min_(torch.finfo(f64).tiny).log_()  # -inf at zero mass
+    ref = torch.zeros_like(s).scatter_(1, s.min(1, keepdim=True).indices, 1.0)
+    b_ref = torch.baddbmm(b, ref, a_col, alpha=-1.0)
+    a_sum = a.sum(-1).reshape(-1, 1, 1)
+    sd = _Semidual(s, log_a64, a.unsqueeze(1), a_col, a_sum, b, ref, 1.0 - ref, b_ref, tol * a_sum)
+    return sd, v
+
+
+def _newton_state(sd: _Semidual, v: Tensor) -> _NewtonState:
+    """The state at ``v``: ``b_j - c_j = (b_j - sum_{r(i) = j} a_i) - sum_i a_i (P_ij - [j =
+    r(i)])``, with ``P_ij - [j = r(i)]`` taken as ``-sum_{l != r(i)} P_il`` on the reference
+    column: sums of small products, exact where the rows are nearly one-hot (formed directly,
+    ``b - c`` keeps only the rounding of the O(1) masses)."""
+    p = torch.softmax(v - sd.s, 1)
+    off = p * sd.off_ref
+    flow = off.addcmul_(sd.ref, off.sum(1, keepdim=True), value=-1.0)  # P - [j = r(i)]
+    gap = torch.baddbmm(sd.b_ref, flow, sd.a_col, alpha=-1.0)
+    return _NewtonState(p, gap, gap.abs().sum((1, 2), keepdim=True))
+
+
+def _residual(sd: _Semidual, state: _NewtonState) -> tuple[Tensor, Tensor]:
+    """``(ratio, err)``: ``ratio = (b - c) / c`` (B, m, 1) and the relative L1 row error (B, 1, 1)
+    of the column-exact plan ``diag(a) P diag(b / c)``, ``sum_i a_i |sum_j P_ij ratio_j| / sum_i
+    a_i`` (no difference of O(1) numbers; at most ``l1 / sum_i a_i``)."""
+    gap = state.gap
+    ratio = gap / (sd.b - gap).clamp_min_(torch.finfo(gap.dtype).tiny)
+    dev = torch.bmm(ratio.transpose(1, 2), state.p)  # (B, 1, n): row sums of the plan / a, - 1
+    return ratio, torch.bmm(dev.abs_(), sd.a_col).div_(sd.a_sum)
+
+
+def _newton_direction(sd: _Semidual, state: _NewtonState) -> Tensor:
+    """The Newton step (B, m, 1), gauge ``v_m`` fixed: ``K delta_< = (b - c)_<`` with K the
+    Laplacian of the couplings ``w_jl = sum_i a_i P_ij P_il`` grounded at the last column (every
+    entry a sum of products). m <= 3 in closed form, larger m by an equilibrated Cholesky; a step
+    that fails is not finite."""
+    p = state.p
+    m = p.shape[1]
+    grad = state.gap[:, : m - 1]
+    if m <= 3:
+        delta = laplacian_solve(cyclic_couplings(p, sd.a_col), grad)[0]
+    else:
+        w = torch.bmm(p * sd.a_row, p.transpose(1, 2))  # (B, m, m)
+        eye = torch.eye(m, dtype=torch.bool, device=p.device)
+        w_off = w.masked_fill(eye, 0.0)
+        kmat = (torch.diag_embed(w_off.sum(-1)) - w_off)[:, : m - 1, : m - 1]
+        factor = spd_factor(kmat)
+        ok = (factor[2] == 0)[:, None, None]
+        delta = torch.where(ok, spd_solve(factor, grad.squeeze(-1)).unsqueeze(-1), math.nan)
+    return torch.nn.functional.pad(delta, (0, 0, 0, 1))
+
+
+def newton_first(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool = True,
+) -> tuple[SinkhornResult, bool]:
+    """Solve the centred problem (no autograd): the kernel on small CPU problems, else torch.
+
+    Args:
+        cost: (B, n, m) cost whose column constants make v = 0 a close start.
+        log_a: (B, n) log row masses; ``log_b``: (B, m) log column masses.
+        epsilon: (B,) regularisation in the units of the cost.
+        max_iter: cap on Newton steps plus the fallback's iterations.
+        tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` Sinkhorn iterations.
+        potentials: form f and g (else empty (B, 0)).
+
+    Returns:
+        ``(result, clean)``: the :class:`~softops._core.sinkhorn.SinkhornResult` (float64 where
+        Newton ran) and whether every row converged without the fallback (False says nothing).
+        With ``tol=0``, a single target, no rows or meta tensors it is the generic solve's.
+    """
+    bsz, n, m = cost.shape
+    if tol <= 0 or m == 1 or bsz == 0 or n == 0 or cost.device.type == "meta":
+        res = log_sinkhorn(
+            cost,
+            log_a,
+            log_b,
+            epsilon,
+            max_iter=max_iter,
+            tol=tol,
+            newton=True,
+            potentials=potentials,
+        )
+        return res, False
+    if use_kernel(cost, cost.shape[1], cost.shape[2]):
+        plan, f, g, converged, residual, iterations, clean = NEWTON_FIRST_OP(
+            cost, log_a, log_b, epsilon, max_iter, tol, potentials, ""
+        )
+        return SinkhornResult(f, g, plan, converged, int(iterations), residual), bool(clean)
+    return _newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
+
+
+def _newton_first_torch(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool = True,
+) -> tuple[SinkhornResult, bool]:
+    """:func:`newton_first` in torch: at most ``NEWTON_FIRST_STEPS`` full steps, one host read
+    per step; a stopped row's state is never touched again, so each row depends on its own
+    data only."""
+    sd, v = _semidual(cost, log_a, log_b, epsilon, tol)
+    state = _newton_state(sd, v)
+    live = state.l1 > sd.tol_mass  # (B, 1, 1)
+    steps = 0
+    n_live = int(live.sum())
+    while n_live and steps < min(NEWTON_FIRST_STEPS, max_iter):
+        v_new = torch.where(live, v + _newton_direction(sd, state), v)
+        new = _newton_state(sd, v_new)
+        # a stopped row is recomputed at the same v by the same ops, so its bound does not
+        # drop: ``keep`` holds live rows only (False where the step is not finite)
+        keep = new.l1 < state.l1
+        more = keep & (new.l1 > sd.tol_mass)
+        n_keep, n_more = torch.stack((keep, more)).sum((1, 2, 3)).tolist()
+        steps += 1
+        if n_keep < n_live:  # rare: some step did not lower its row's bound; it keeps its state
+            v = torch.where(keep, v_new, v)
+            state = _newton_state(sd, v)
+        else:
+            v, state = v_new, new
+        live, n_live = more, n_more
+    ratio, err = _residual(sd, state)
+    converged = err <= tol
+    clean = bool(converged.all())
+    res = _finalize(sd, v, state, ratio, err, converged, clean, epsilon, steps, potentials)
+    if clean:
+        return res, clean
+    left = (err > tol).flatten()  # not the NaN rows
+    if max_iter > steps and bool(left.any()):
+        res = _merge(res, left, _fallback(cost, log_a, log_b, epsilon, left, max_iter - steps, tol))
+    return res, clean
+
+
+def _fallback(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    rows: Tensor,
+    max_iter: int,
+    tol: float,
+) -> SinkhornResult:
+    """The rows ``rows`` solved from the start by the generic solver (Sinkhorn, then Newton)."""
+    return log_sinkhorn(
+        cost[rows], log_a[rows], log_b[rows], epsilon[rows], max_iter=max_iter, tol=tol, newton=True
+    )
+
+
+def _merge(res: SinkhornResult, rows: Tensor, sub: SinkhornResult) -> SinkhornResult:
+    """``res`` with the rows ``rows`` (bool or indices) replaced by ``sub`` (float64 where
+    ``res`` is); empty potentials stay empty."""
+    plan, f, g, residual = res.plan.clone(), res.f.clone(), res.g.clone(), res.residual.clone()
+    plan[rows] = sub.plan.to(plan.dtype)
+    residual[rows] = sub.residual.to(residual.dtype)
+    if f.shape[1]:
+        f[rows], g[rows] = sub.f.to(f.dtype), sub.g.to(g.dtype)
+    converged = res.converged.clone()
+    converged[rows] = sub.converged
+    iterations = res.iterations + sub.iterations
+    return SinkhornResult(f, g, plan, converged, iterations, residual)
+
+
+def _finalize(
+    sd: _Semidual,
+    v: Tensor,
+    state: _NewtonState,
+    ratio: Tensor,
+    err: Tensor,
+    converged: Tensor,
+    clean: bool,
+    epsilon: Tensor,
+    iterations: int,
+    potentials: bool,
+) -> SinkhornResult:
+    """The column-exact plan ``diag(a) P diag(1 + ratio)`` and the potentials at ``v``; rows
+    with a NaN or infinite residual are NaN (none where ``clean``)."""
+    plan = state.p.mul_(sd.a_row).mul_(ratio + 1.0)
+    err, converged = err.flatten(), converged.flatten()
+    if potentials:
+        eps = epsilon.to(v.dtype).unsqueeze(-1)
+        f = (sd.log_a - torch.logsumexp(v - sd.s, 1)) * eps
+        g = (v + torch.log1p(ratio)).squeeze(-1) * eps  # -inf in the columns of zero mass
+    else:
+        f, g = plan.new_empty((plan.shape[0], 0)), plan.new_empty((plan.shape[0], 0))
+    if not clean:
+        fine = err < math.inf  # False for NaN
+        plan = torch.where(fine[:, None, None], plan, math.nan)
+        f = torch.where(fine[:, None], f, math.nan)
+        g = torch.where(fine[:, None], g, math.nan)
+    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
+
+
+def _outputs(res: SinkhornResult, clean: bool) -> tuple[Tensor, ...]:
+    """A result and its ``clean`` as the outputs of ``softops::newton_first``."""
+    device = res.plan.device
+    return (
+        res.plan,
+        res.f,
+        res.g,
+        res.converged,
+        res.residual,
+        torch.tensor(res.iterations, dtype=torch.int64, device=device),
+        torch.tensor(clean, device=device),
+    )
+
+
+def _warn(caller: str, res: SinkhornResult, clean: bool, max_iter: int, tol: float) -> None:
+    if caller and not clean:
+        warn_not_converged(caller, res.converged, max_iter, residual=res.residual, tol=tol)
+
+
+def _op_reference(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool,
+    caller: str,
+) -> tuple[Tensor, ...]:
+    res, clean = _newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
+    _warn(caller, res, clean, max_iter, tol)
+    return _outputs(res, clean)
+
+
+def _op_cpu(
+    ops: Any,
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool,
+    caller: str,
+) -> tuple[Tensor, ...]:
+    """The solve by the row kernel; the rows it leaves above ``tol`` (or does not solve: a zero
+    mass, a NaN) by :func:`_newton_first_torch`, as a sub-batch."""
+    f64 = torch.float64
+    bsz = cost.shape[0]
+    s = torch.div(cost.transpose(1, 2).to(f64), epsilon.to(f64).reshape(-1, 1, 1)).contiguous()
+    la = log_a.to(f64)
+    plan, v, ratio, err, steps = ops.newton_first_rows(
+        s, la, log_b.to(f64), float(tol), min(NEWTON_FIRST_STEPS, max_iter)
+    )
+    if potentials:
+        ev = epsilon.to(f64).unsqueeze(-1)
+        f = (la - torch.logsumexp(v.unsqueeze(-1) - s, 1)) * ev
+        g = (v + torch.log1p(ratio)) * ev
+    else:
+        f, g = plan.new_empty((bsz, 0)), plan.new_empty((bsz, 0))
+    converged = err <= tol
+    clean = bool(converged.all())
+    res = SinkhornResult(f, g, plan.transpose(1, 2), converged, int(steps.max()) if bsz else 0, err)
+    if not clean:
+        left = ~converged
+        sub, _ = _newton_first_torch(
+            cost[left], log_a[left], log_b[left], epsilon[left], max_iter, tol, potentials
+        )
+        res = _merge(res, left, sub)._replace(iterations=max(res.iterations, sub.iterations))
+    _warn(caller, res, clean, max_iter, tol)
+    return _outputs(res, clean)
+
+
+def _op_fake(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: Tensor,
+    max_iter: int,
+    tol: float,
+    potentials: bool,
+    caller: str,
+) -> tuple[Tensor, ...]:
+    bsz, n, m = cost.shape
+    f64 = torch.float64
+    return (
+        cost.new_empty((bsz, m, n), dtype=f64).transpose(1, 2),  # (the solver's layout)
+        cost.new_empty((bsz, n if potentials else 0), dtype=f64),
+        cost.new_empty((bsz, m if potentials else 0), dtype=f64),
+        cost.new_empty((bsz,), dtype=torch.bool),
+        cost.new_empty((bsz,), dtype=f64),
+        cost.new_empty((), dtype=torch.int64),
+        cost.new_empty((), dtype=torch.bool),
+    )
+
+
+NEWTON_FIRST_OP = define(
+    "softops::newton_first",
+    "(Tensor cost, Tensor log_a, Tensor log_b, Tensor eps, int max_iter, float tol,"
+    " bool potentials, str caller) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    reference=_op_reference,
+    fake=_op_fake,
+    cpu=_op_cpu,
+    kernel=NEWTON_KERNEL,
+)
+""":func:`newton_first` as an operator, opaque to traced code: (cost (B, n, m), log_a, log_b,
+eps (B,), max_iter, tol, potentials, caller: the op its non-convergence warning names, none if
+empty) -> (plan (B, n, m), f, g, converged, residual, iterations (), clean ()), float64; not
+differentiable (``_sorted._SortedPlan`` carries the gradient)."""
