@@ -9,21 +9,13 @@ of masses :math:`b`, one problem per batch row,
     \Gamma^\star = \arg\min_{\Gamma \ge 0,\ \Gamma 1 = a,\ \Gamma^\top 1 = b}
     \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
 
-by a fixed number of log-domain Sinkhorn iterations recorded by plain autograd
-(:func:`unrolled_sinkhorn`): their gradients are exact for the iterate they return, and their
-memory grows with the iterations. They are what the library's implicit backwards, which save the
-converged plan only, are checked against:
+by a fixed number of log-domain Sinkhorn iterations recorded by plain autograd: gradients exact
+for the returned iterate, memory growing with the iterations. The library's implicit backwards
+are checked against them. The entropy weight of the top-k problems is twice the library's
+``epsilon`` (Xie et al. 2020); the masses of the sources are 1/n.
 
-* :func:`unrolled_sinkhorn_topk_mask`: ``soft_topk_mask(method="sinkhorn")`` (Xie et al. 2020);
-* :func:`unrolled_sorted_topk`: :func:`softops.soft_topk`;
-* :func:`unrolled_ot_sort`: ``soft_sort`` / ``soft_rank`` with ``method="ot"`` (Cuturi et al.
-  2019);
-* :func:`paper_sinkhorn_topk_mask`: the top-k mask as the paper's code lays out its iterations,
-  with the implicit backward (a timing reference).
-
-:func:`count_saved_bytes` counts the memory a forward saves for its backward. :func:`backend`
-runs a block of code on the compiled kernels or on the torch reference of every method
-(:func:`kernels_enabled` says which is active).
+:func:`count_saved_bytes` counts the memory a forward saves for its backward; :func:`backend`
+runs a block on the compiled kernels or on the torch reference (:func:`kernels_enabled`).
 """
 
 from __future__ import annotations
@@ -85,19 +77,16 @@ def unrolled_sinkhorn(
         g \leftarrow \varepsilon \log b - \varepsilon \operatorname{LSE}_i((f - C)/\varepsilon),
         \quad \Gamma = \exp((f + g - C)/\varepsilon).
 
-    No convergence test, no stabilisation beyond the log domain: the plain reference. Gradients
-    flow to every tensor argument through every iteration.
+    No convergence test; gradients flow to every tensor argument through every iteration.
 
     Args:
         cost: (..., n, m) cost matrices.
-        log_a: log source masses, broadcastable to (..., n) (a float for uniform masses).
-        log_b: log target masses, broadcastable to (..., m).
-        epsilon: the entropy weight, in units of the cost: a float, or a tensor of the batch
-            shape (...,), one value per problem.
+        log_a, log_b: log masses, broadcastable to (..., n) and (..., m) (floats when uniform).
+        epsilon: the entropy weight in units of the cost: a float or a (...,) tensor.
         n_iter: the number of iterations (0 returns the plan of zero potentials).
 
     Returns:
-        ``UnrolledSinkhorn(plan, f, g)``, which unpacks as a tuple.
+        ``UnrolledSinkhorn(plan, f, g)``.
 
     Example:
         >>> import math, torch
@@ -135,19 +124,9 @@ def _topk_mask_problem(x: Tensor, k: float) -> tuple[Tensor, float, Tensor]:
 def unrolled_sinkhorn_topk_mask(x: Tensor, k: float, epsilon: float, n_iter: int) -> Tensor:
     r"""SOFT top-k mask by :func:`unrolled_sinkhorn` on the n x 2 problem (plain autograd).
 
-    Sources :math:`x_i` of mass 1/n, targets :math:`y = (0, 1)` of masses ((n-k)/n, k/n), cost
-    :math:`C_{ij} = (x_i - y_j)^2`, entropy weight :math:`\varepsilon_p = 2\varepsilon`
-    (Xie et al. 2020, with the library's epsilon, half the paper's): the mask is
-    :math:`A = n\,\Gamma_{:, 1}`, the k largest entries near 1.
-
-    Args:
-        x: scores of shape (..., n).
-        k: the number of selected entries, 0 < k < n.
-        epsilon: the library's temperature, in units of x.
-        n_iter: the number of Sinkhorn iterations.
-
-    Returns:
-        The mask, of the shape of ``x``; it sums to k along the last dim.
+    Targets :math:`y = (0, 1)` of masses ((n-k)/n, k/n), cost :math:`C_{ij} = (x_i - y_j)^2`:
+    the mask is :math:`A = n\,\Gamma_{:, 1}`, of the shape of ``x`` (..., n), summing to k.
+    ``epsilon`` is the library's temperature, 0 < k < n.
 
     Example:
         >>> import torch, softops
@@ -174,25 +153,14 @@ def unrolled_sorted_topk(
 ) -> tuple[Tensor, Tensor]:
     r"""Sorted SOFT top-k by :func:`unrolled_sinkhorn` (plain autograd through every iteration).
 
-    The reference the implicit backward of :func:`softops.soft_topk` is measured against (Xie et
-    al. 2020, the sorted variant, Sec. 3): scores ``x`` (B, n), each of mass 1/n, are
-    transported onto the k+1 targets :math:`y_j = j`, the first k with mass 1/n and the last
-    ("the rest") with mass (n-k)/n, for the cost :math:`C_{ij} = (s_i - y_j)^2` with
-    :math:`s = -x` for the largest (so the largest score goes to target 0) and :math:`s = x` for
-    the smallest, and entropy weight :math:`\varepsilon_p = 2\varepsilon`. With k = n the rest
-    target is dropped. Memory grows as O(B n k n_iter).
-
-    Args:
-        x: scores of shape (B, n).
-        k: number of selected entries, 1 <= k <= n.
-        epsilon: the temperature in units of x (the library's; the paper's is twice it).
-        n_iter: the number of Sinkhorn iterations (no convergence test).
-        largest: select the largest entries (``True``) or the smallest.
+    The reference of :func:`softops.soft_topk` (Xie et al. 2020, Sec. 3): scores ``x`` (B, n)
+    go to targets :math:`y_j = j`, k of mass 1/n and a last ("the rest", dropped when k = n) of
+    mass (n-k)/n, for the cost :math:`(s_i - y_j)^2`, :math:`s = -x` for the largest and
+    :math:`s = x` for the smallest. Memory grows as O(B n k n_iter).
 
     Returns:
-        ``(values, weights)``: values (B, k), in the order of ``torch.topk`` (decreasing for the
-        largest), and weights (B, k, n), where row j is the relaxed one-hot of the (j+1)-th
-        selected entry, ``n * Gamma[:, j]``.
+        ``(values, weights)``: values (B, k) in the order of ``torch.topk``, and weights
+        (B, k, n), row j the relaxed one-hot ``n * Gamma[:, j]`` of the (j+1)-th selected entry.
 
     Example:
         >>> import torch, softops
@@ -226,15 +194,7 @@ def unrolled_ot_sort(x: Tensor, epsilon: float, n_iter: int) -> tuple[Tensor, Te
     :math:`y = \mathrm{sort}(x)` (ascending, mass 1/n each; differentiated, as the library does),
     for the cost :math:`C_{ij} = (x_i - y_j)^2` and entropy weight :math:`\varepsilon` (units of
     x²). With :math:`P = n \Gamma^\top`, the values are :math:`P x` and the 1-based ranks
-    :math:`r_i = n \sum_j \Gamma_{ij}\, j`. Memory grows as O(B n² n_iter).
-
-    Args:
-        x: rows of shape (B, n).
-        epsilon: the entropy weight, in units of x².
-        n_iter: the number of Sinkhorn iterations.
-
-    Returns:
-        ``(values, ranks)``, each (B, n).
+    :math:`r_i = n \sum_j \Gamma_{ij}\, j`, each (B, n). Memory grows as O(B n² n_iter).
 
     Example:
         >>> import torch, softops
@@ -257,10 +217,8 @@ def unrolled_ot_sort(x: Tensor, epsilon: float, n_iter: int) -> tuple[Tensor, Te
 
 
 class _PaperSinkhorn(torch.autograd.Function):
-    """The official SOFT top-k algorithm as written: the (B, n, 2) cost layout, log-domain
-    updates with ``logsumexp`` over the size-2 target axis, a fixed number of iterations, and the
-    implicit (KKT) backward. It solves the same problem as ``method="sinkhorn"``; only the layout
-    of the iterations differs (the library's runs the m=2 row update as one sigmoid)."""
+    """The official SOFT top-k as written: (B, n, 2) cost, logsumexp over the 2 targets, fixed
+    iterations, implicit (KKT) backward (the library runs the m=2 update as one sigmoid)."""
 
     @staticmethod
     def forward(ctx: Any, cost: Tensor, log_b: Tensor, eps_p: float, n_iter: int) -> Tensor:
@@ -281,19 +239,8 @@ def paper_sinkhorn_topk_mask(
 ) -> Tensor:
     """SOFT top-k mask by the paper's algorithm as the official code lays it out (a reference).
 
-    The problem of :func:`unrolled_sinkhorn_topk_mask` (and of ``soft_topk_mask``): targets
-    (0, 1) with masses ((n-k)/n, k/n), cost ``(x_i - y_j)^2``, entropy weight ``2 * epsilon``;
-    ``n_iter`` fixed iterations, run without autograd, and the implicit backward of the converged
-    plan (exact only at convergence; it saves the plan alone).
-
-    Args:
-        x: scores of shape (B, n).
-        k: the number of selected entries, 0 < k < n.
-        epsilon: the library's temperature, in units of x.
-        n_iter: the number of Sinkhorn iterations.
-
-    Returns:
-        The mask (B, n).
+    The problem of :func:`unrolled_sinkhorn_topk_mask` on ``x`` (B, n), ``n_iter`` iterations
+    without autograd, then the implicit backward of the plan (exact only at convergence).
     """
     cost, _, log_b = _topk_mask_problem(x, k)
     plan = _PaperSinkhorn.apply(cost, log_b, 2.0 * epsilon, n_iter)
@@ -303,16 +250,8 @@ def paper_sinkhorn_topk_mask(
 def count_saved_bytes(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[Tensor, int]:
     """Run ``fn(x)`` and count the bytes it saves for backward.
 
-    Counts each distinct storage once (a tensor saved by several nodes, or views of one buffer,
-    are counted once, at the size of the whole storage, since that is what stays alive) and
-    leaves out the storage of ``x`` itself, which exists anyway.
-
-    Args:
-        fn: the function to run.
-        x: its input (usually with ``requires_grad=True``).
-
-    Returns:
-        The output of ``fn(x)`` and the number of bytes saved for its backward.
+    Each distinct storage counts once, at its whole size (what stays alive); the storage of
+    ``x`` is left out. Returns ``(fn(x), bytes)``.
 
     Example:
         >>> import torch
