@@ -14,13 +14,10 @@ The relaxation is any top-k method of :func:`softops.soft_topk_mask` (``largest=
 NeuralSort's first k rows (``"neuralsort"``).
 
 **Epsilon** is in the units of D, squared distances in the embedding space (NeuralSort's tau for
-"neuralsort"): under "ot" an entry ``epsilon`` beyond the threshold gets weight
-``sigmoid(-1) = 0.27``. Scaling the embeddings by c scales D by c², so ``epsilon -> c**2 *
-epsilon`` leaves A unchanged: the network chooses its own sharpness, and a fixed ``epsilon = 1``
-works from the start. **Never divide D by a detached per-row maximum**: the gradient then treats
-the maximum as a constant, every step pushes the embeddings outwards, and in a prototype on
-MNIST their norms grew to 1e9 and accuracy fell from 95 % to 86 %. Raw squared distances,
-L2-normalised embeddings, or a normalisation kept in the graph all train well.
+"neuralsort"). Scaling the embeddings by c scales D by c², so the network chooses its own
+sharpness and a fixed ``epsilon = 1`` works. **Never divide D by a detached per-row maximum**:
+every step then pushes the embeddings outwards (on MNIST their norms grew to 1e9 and accuracy
+fell from 95 % to 86 %).
 
 References:
     Xie, Dai, Chen, Dai, Zhao, Zha, Wei and Pfister. Differentiable Top-k Operator with Optimal
@@ -114,15 +111,7 @@ def _check_labels(op: str, y: torch.Tensor, n: int, name: str) -> None:
 def squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     r"""Pairwise squared Euclidean distances, :math:`D_{ij} = \lVert a_i - b_j \rVert^2`.
 
-    One matrix product, :math:`\lVert a_i\rVert^2 + \lVert b_j\rVert^2 - 2 a_i\cdot b_j`, clamped
-    at 0 against rounding.
-
-    Args:
-        a: (N, d) embeddings.
-        b: (M, d) embeddings.
-
-    Returns:
-        An (N, M) tensor.
+    One matrix product, clamped at 0 against rounding: (N, d) and (M, d) give (N, M).
 
     Example:
         >>> squared_distances(torch.tensor([[0.0, 0.0]]), torch.tensor([[3.0, 4.0], [1.0, 0.0]]))
@@ -160,14 +149,8 @@ def knn_mask(
 ) -> torch.Tensor:
     r"""The relaxed mask of each query's k nearest candidates (the k smallest squared distances).
 
-    The hard operator is::
-
-        D = torch.cdist(query_emb, cand_emb) ** 2
-        torch.zeros_like(D).scatter(1, D.topk(k, dim=1, largest=False).indices, 1)
-
-    and the relaxation is :func:`softops.soft_topk_mask` of each row of D with
-    ``largest=False`` (methods ``"ot"``, ``"sinkhorn"``, ``"perturbed"``, ``"softkmax"``), or the
-    sum of the first k rows of NeuralSort's relaxed permutation matrix (``"neuralsort"``):
+    :func:`softops.soft_topk_mask` of each row of D with ``largest=False``, or the sum of the
+    first k rows of NeuralSort's relaxed permutation matrix (``"neuralsort"``):
 
     .. math::
 
@@ -178,13 +161,10 @@ def knn_mask(
         query_emb: (B, d) query embeddings.
         cand_emb: (m, d) candidate embeddings.
         k: neighbours per query, in [1, m] (in [1, m - 1] with ``exclude_self``).
-        epsilon: the temperature, in squared-distance units (module docstring); a float or a
-            tensor.
-        method: "ot" (default), "sinkhorn", "perturbed", "softkmax" or "neuralsort".
-        exclude_self: the queries are the candidates (B = m): a query is not its own neighbour
-            (A's diagonal is 0; the relaxation runs on the m - 1 others).
-        n_samples: "perturbed" only: the number of noise draws (None: its default, 100).
-        generator: "perturbed" only: a ``torch.Generator`` for reproducible draws.
+        epsilon: the temperature, in squared-distance units; a float or a tensor.
+        method: one of :data:`KNN_METHODS`.
+        exclude_self: the queries are the candidates (B = m); A's diagonal is 0.
+        n_samples, generator: "perturbed" only: noise draws (None: 100) and their generator.
 
     Returns:
         A, a (B, m) tensor with rows summing to k ("softkmax" only approximately).
@@ -256,22 +236,9 @@ def knn_loss(
 
         \mathcal{L} = -\frac{1}{B}\sum_{i=1}^{B} \frac{1}{k} \sum_{j=1}^{m} A_{ij}\,[y_i = y_j],
 
-    where A is :func:`knn_mask`; the loss lies in [-1, 0] ("softkmax" can leave it slightly).
-    The hard counterpart is::
-
-        D = torch.cdist(query_emb, cand_emb) ** 2
-        same = (query_y[:, None] == cand_y[None, :]).float()
-        -same.gather(1, D.topk(k, dim=1, largest=False).indices).mean()
-
-    Args:
-        query_emb: (B, d) query embeddings.
-        cand_emb: (m, d) candidate embeddings.
-        query_y: (B,) integer labels of the queries.
-        cand_y: (m,) integer labels of the candidates.
-        k, epsilon, method, exclude_self, n_samples, generator: as for :func:`knn_mask`.
-
-    Returns:
-        A 0-dim tensor: the mean over the queries.
+    where A is :func:`knn_mask`; a 0-dim tensor in [-1, 0] ("softkmax" can leave it slightly).
+    ``query_y`` (B,) and ``cand_y`` (m,) are integer labels; the other arguments are those of
+    :func:`knn_mask`.
 
     Example:
         >>> q = torch.tensor([[0.0], [10.0]])
@@ -314,17 +281,8 @@ def knn_predict(
     equals scikit-learn's ``KNeighborsClassifier(k, algorithm="brute")``. At most ``chunk_size x
     train_chunk_size`` distances exist at once (a running top-k over blocks).
 
-    Args:
-        train_emb: (N, d) training embeddings (the neighbours).
-        train_y: (N,) their integer labels, in [0, num_classes).
-        query_emb: (Q, d) the embeddings to classify.
-        k: neighbours per query, in [1, N].
-        num_classes: the number of classes (None: ``train_y.max() + 1``).
-        chunk_size: queries per block.
-        train_chunk_size: training points per block.
-
-    Returns:
-        (Q,) int64 predicted labels, on the device of ``query_emb``.
+    ``train_emb`` (N, d) with labels ``train_y`` (N,) in [0, num_classes) (None:
+    ``train_y.max() + 1``) classify ``query_emb`` (Q, d) into (Q,) int64 labels; k in [1, N].
 
     Example:
         >>> train = torch.tensor([[0.0], [1.0], [10.0], [11.0], [12.0]])
@@ -378,13 +336,9 @@ def knn_predict(
 class DifferentiableKNN(nn.Module):
     r"""An embedding network trained through a relaxed kNN: embedding, relaxation and loss.
 
-    ``forward(query_x, cand_x, query_y, cand_y)`` embeds both batches (in one call) and returns
-    :func:`knn_loss`; :meth:`predict` classifies by the hard kNN (:func:`knn_predict`) over the
-    embeddings of a reference set.
-
-    Args:
-        embedding: the network that maps a batch of inputs to (N, d) embeddings.
-        k, epsilon, method, n_samples: as for :func:`knn_mask` (k also for :meth:`predict`).
+    ``forward(query_x, cand_x, query_y, cand_y)`` returns :func:`knn_loss` of the embeddings;
+    :meth:`predict` is :func:`knn_predict`. ``embedding`` maps inputs to (N, d); ``k``,
+    ``epsilon``, ``method`` and ``n_samples`` are those of :func:`knn_mask`.
 
     Example:
         >>> _ = torch.manual_seed(0)
