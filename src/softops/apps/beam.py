@@ -113,15 +113,9 @@ def beam_step(
     part (``parents``, ``tokens``, ``scores``) is exactly ``torch.topk(c, K)``, and ``weights``
     relaxes it by ``method`` (module docstring). A row needs at least K finite candidates.
 
-    Args:
-        beam_scores: (B, K) scores of the current beams (``-inf`` for beams not in use).
-        log_probs: (B, K, V) next-token log-probabilities of each beam.
-        epsilon: the smoothing, in the units of the scores; a float or a (B,) tensor.
-        method: one of :data:`BEAM_METHODS`.
-        max_iter, tol: the Sinkhorn cap and tolerance of ``"soft_topk"``.
-
-    Returns:
-        A :class:`BeamStep`.
+    ``beam_scores`` (B, K) are the beams' scores (``-inf`` when unused), ``log_probs``
+    (B, K, V) their next-token log-probabilities; ``max_iter`` and ``tol`` bound the Sinkhorn
+    of ``"soft_topk"``.
 
     Example:
         >>> import torch
@@ -242,22 +236,13 @@ def beam_search(
     The search stops after ``max_len`` steps or once every hypothesis is finished.
 
     Args:
-        step_fn: the decoder step ``(tokens, state, t) -> (log_probs, state)``; log_probs are
-            normalised log-probabilities (or any scores) over V >= K tokens.
-        state: the decoder state for the B sequences: a tensor, or tuples, lists and dicts of
-            them (their first dim B), or None.
-        batch_size: B.
-        beam_size: K >= 1.
-        max_len: the length limit T_max >= 1 (EOS included).
-        bos: the token fed at step 0.
-        eos: the end-of-sequence token, or None (every hypothesis runs ``max_len`` steps).
-        pad: the token a finished hypothesis emits; defaults to ``eos``.
+        step_fn: ``(tokens, state, t) -> (log_probs, state)``, log_probs over V >= K tokens.
+        state: tensors (first dim B) in tuples, lists and dicts, or None.
+        batch_size, beam_size, max_len: B, K >= 1 and T_max >= 1 (EOS included).
+        bos, eos, pad: the first token, the end token (None: run ``max_len`` steps) and the token
+            a finished hypothesis emits (default ``eos``).
         epsilon, method, max_iter, tol: as for :func:`beam_step`.
-        device: where the first tokens are made (None: that of the state's first tensor, else
-            the CPU).
-
-    Returns:
-        A :class:`BeamSearchResult`.
+        device: of the first tokens (None: that of the state's first tensor, else the CPU).
 
     Example:
         >>> import torch
@@ -362,15 +347,8 @@ def prefix_costs(result: BeamSearchResult, target: Tensor, *, pad: int | None = 
     r"""Hamming cost of every candidate of every step against the target sequences.
 
     Candidate ``p * V + v`` of step t extends beam p by token v; its cost is the number of
-    positions ``s <= t`` where that prefix differs from ``target[:, s]`` (padded with ``pad``).
-
-    Args:
-        result: a :class:`BeamSearchResult`.
-        target: (B, L) int64 target tokens (EOS included, if any).
-        pad: the padding token beyond L; required when L is shorter than the search.
-
-    Returns:
-        (T, B, K*V) costs in the dtype of the candidate scores (no gradient).
+    positions ``s <= t`` where that prefix differs from ``target[:, s]``, ``target`` (B, L)
+    padded with ``pad`` beyond L. Returns (T, B, K*V) costs, without gradient.
     """
     op = "prefix_costs"
     steps, bsz, n = result.candidates.shape
@@ -426,16 +404,8 @@ def beam_search_loss(
     :math:`\mu` = ``whole`` and :math:`\lambda` = ``first``: every place of the beam should hold
     a cheap candidate (the right prefix must stay in the beam), and the first the cheapest.
 
-    Args:
-        result: a :class:`BeamSearchResult` (its weights carry the gradient).
-        target: (B, L) target tokens, for the Hamming costs; or pass ``costs``.
-        costs: (T, B, K*V) candidate costs, instead of ``target``.
-        first: lambda >= 0, the weight of the first rank's term.
-        whole: mu >= 0, the weight of the whole beam's term.
-        pad: the padding token of :func:`prefix_costs`.
-
-    Returns:
-        The scalar loss.
+    Pass exactly one of ``target`` (B, L), for the Hamming costs (with ``pad``), and ``costs``
+    (T, B, K*V). Returns the scalar loss; the gradient flows through ``result.weights``.
     """
     op = "beam_search_loss"
     if (target is None) == (costs is None):
