@@ -245,12 +245,8 @@ def _weights(
 def masked_softmax(
     scores: torch.Tensor, A: torch.Tensor, probs: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``softmax(scores + log A)`` along the last dim: exactly 0 where A is 0 (a row of zeros,
-    gradient 0, where A is 0 everywhere).
-
-    Formed as ``A p / sum(A p)`` with ``p = softmax(scores)`` (``probs``, if the caller has it);
-    rows where that sum is 0, and traced code (no host read), take the log-domain form.
-    """
+    """``softmax(scores + log A)`` on the last dim, exactly 0 where A is 0: ``A p / sum(A p)``
+    (``p`` = ``probs`` or ``softmax(scores)``), or the log-domain form for zero rows and traces."""
     if not cannot_branch(A):
         p = torch.softmax(scores, -1) if probs is None else probs
         weighted = A * p
@@ -296,41 +292,18 @@ def topk_attention(
 ) -> torch.Tensor:
     r"""Scaled dot-product attention restricted to the soft top-k keys of each query.
 
-    The hard operator, for ``mode="softmax"`` (for ``"mean"``, replace the softmax by the mean
-    over the k kept keys)::
-
-        s = query @ key.transpose(-2, -1) * scale
-        keep = torch.zeros_like(s).scatter(-1, s.topk(k, -1).indices, 1)
-        torch.softmax(s.masked_fill(keep == 0, -inf), -1) @ value
-
-    With :math:`A = A_k(s)`, the SOFT top-k mask of the scores (:func:`softops.soft_topk_mask`),
-
-    .. math::
-
-        \text{"softmax"}: \ \mathrm{softmax}(s + \log A)\, V, \qquad
-        \text{"mean"}: \ \tfrac{1}{k} A\, V .
-
-    At ``k`` >= the number of keys, "softmax" equals
-    :func:`torch.nn.functional.scaled_dot_product_attention` with the same masks.
+    The values weighted by ``mode`` (the module's formulas) from the mask
+    :math:`A = A_k(s)` of :func:`softops.soft_topk_mask`; at ``k`` >= the number of keys,
+    "softmax" equals :func:`torch.nn.functional.scaled_dot_product_attention`.
 
     Args:
-        query: ``(..., L, E)``.
-        key: ``(..., S, E)``, its batch dims broadcastable with the query's.
-        value: ``(..., S, Ev)``.
+        query, key, value: ``(..., L, E)``, ``(..., S, E)`` and ``(..., S, Ev)``.
         k: the keys each query attends to, a number >= 0 (an integer with ``hard``).
-        epsilon: the top-k's temperature, in the units of the scaled scores; a float or a tensor
-            broadcastable to ``(..., L)``.
-        attn_mask: ``scaled_dot_product_attention``'s: bool (True: may attend) or float (added),
-            broadcastable to ``(..., L, S)``.
-        key_padding_mask: ``nn.MultiheadAttention``'s: bool ``(N, S)`` or ``(S,)``, True for
-            padding.
-        is_causal: also mask the keys after each query (SDPA's top-left causal mask).
-        mode: ``"softmax"`` (default) or ``"mean"`` (the module docstring).
+        epsilon: the temperature in units of the scaled scores; a float or a ``(..., L)`` tensor.
+        attn_mask, key_padding_mask, is_causal: SDPA's and ``nn.MultiheadAttention``'s masks.
+        mode: one of :data:`ATTENTION_MODES`; ``method``: one of :data:`ATTENTION_METHODS`.
         hard: straight-through: the hard top-k attention forward, the soft gradient backward.
-        scale: the factor on the scores (None: ``1 / sqrt(E)``).
-        dropout_p: dropout on the weights (whenever > 0, as in SDPA).
-        method: ``"ot"`` (default) or ``"sparse"`` (exact zeros for keys more than epsilon
-            below a query's threshold).
+        scale, dropout_p: the factor on the scores (None: ``1 / sqrt(E)``) and SDPA's dropout.
 
     Returns:
         ``(..., L, Ev)``; zeros for a query with no valid key.
