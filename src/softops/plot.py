@@ -1,25 +1,10 @@
 r"""``softops plot``: figures of the operators, after Figures 1 and 2 of Xie et al. (2020).
 
-Four figures, each a function that returns a matplotlib ``Figure`` (drawn on the Agg canvas,
-never through ``pyplot``, so nothing global changes) and each written as a PNG by
-:func:`write_figures`:
-
-* ``"indicator"`` (:func:`indicator_figure`, the paper's Figure 1): the top-k indicator
-  :math:`A_1` of an entry :math:`x_1` as it crosses the k-th largest of the others,
-  :math:`x_2`, hard against ``soft_topk_mask`` for several epsilon, and its derivative
-  :math:`\partial A_1 / \partial x_1` (zero almost everywhere for the hard mask);
-* ``"methods"`` (:func:`methods_figure`, the paper's Figure 2): the soft mask of one fixed
-  vector for several epsilon, one panel per method of ``soft_topk_mask``;
-* ``"sort"`` (:func:`sort_figure`): the soft sorted values and soft ranks of a vector as one
-  entry moves across the others, one column per method of ``soft_sort`` / ``soft_rank``;
-* ``"sorted-topk"`` (:func:`sorted_topk_figure`): the weights of the sorted top-k
-  ``soft_topk(x, k).weights`` (row j: a soft one-hot of the j-th largest) as heat maps, next to
-  the hard selection matrix.
-
-matplotlib comes with the ``plot`` extra (and ``apps``, ``docs``); it is imported when a figure
-is drawn, and a missing install raises ``ModuleNotFoundError`` saying which extra to install.
-The inputs are small and fixed (or seeded), so a figure is the same on every run; all of them
-take about a second on one CPU thread.
+Four figures (:data:`FIGURES`), each a function that returns a matplotlib ``Figure`` drawn on
+the Agg canvas (never through ``pyplot``, so nothing global changes); :func:`write_figures`
+writes them as PNGs. Hard curves are dashed black. matplotlib comes with the ``plot`` extra and
+is imported when a figure is drawn. The inputs are fixed or seeded: a figure is the same on
+every run.
 """
 
 from __future__ import annotations
@@ -101,6 +86,13 @@ def _grid(fig: Figure, rows: int, cols: int) -> list[list[Axes]]:
     return [list(row) for row in axes]
 
 
+def _style(ax: Axes, title: str, xlabel: str = "$x_1$") -> None:
+    """The title, x label and light grid every line panel has."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, alpha=0.3)
+
+
 # ----------------------------------------------------------------------------------------------
 # Figure 1: the indicator of x1 as x1 crosses x2
 
@@ -119,15 +111,8 @@ def indicator_figure(
     The row is ``(x1, *others)``; ``others[0]`` is :math:`x_2`, which must be the k-th largest
     of ``others``, so that the hard indicator steps from 0 to 1 at :math:`x_1 = x_2`.
 
-    Args:
-        epsilons: one soft curve per epsilon (``soft_topk_mask``'s, in the units of x).
-        k: the k of the top-k.
-        others: the fixed entries :math:`x_2, \dots, x_n`.
-        method: a method of ``soft_topk_mask`` that differentiates in x.
-        points: the number of values of :math:`x_1`.
-
-    Returns:
-        A figure with two axes: ``1 + len(epsilons)`` lines each (the hard one first).
+    The paper's Figure 1: one soft curve of ``soft_topk_mask(method=method)`` per epsilon;
+    ``points`` values of :math:`x_1`. Returns two axes of ``1 + len(epsilons)`` lines each.
     """
     rest = torch.tensor(others, dtype=torch.float64)
     x2 = float(rest[0])
@@ -150,16 +135,12 @@ def indicator_figure(
         value_ax.plot(_np(x1), _np(mask[:, 0]), color=color, label=label)
         grad_ax.plot(_np(x1), _np(grad[:, 0]), color=color, label=label)
     others_text = ", ".join(f"{v:g}" for v in others)
-    value_ax.set_title(f"top-{k} indicator of $x_1$ in $(x_1, {others_text})$")
-    value_ax.set_xlabel("$x_1$")
+    _style(value_ax, f"top-{k} indicator of $x_1$ in $(x_1, {others_text})$")
+    _style(grad_ax, r"its derivative $\partial A_1 / \partial x_1$")
     value_ax.set_ylabel("$A_1$")
-    value_ax.axvline(x2, color="grey", linewidth=0.6)
-    grad_ax.set_title(r"its derivative $\partial A_1 / \partial x_1$")
-    grad_ax.set_xlabel("$x_1$")
-    grad_ax.axvline(x2, color="grey", linewidth=0.6)
-    value_ax.legend(loc="upper left", fontsize=8)
     for ax in (value_ax, grad_ax):
-        ax.grid(True, alpha=0.3)
+        ax.axvline(x2, color="grey", linewidth=0.6)
+    value_ax.legend(loc="upper left", fontsize=8)
     return fig
 
 
@@ -181,23 +162,12 @@ def methods_figure(
     n_samples: int = 2000,
     seed: int = 0,
 ) -> Figure:
-    """The soft top-k mask of one vector for several epsilon, one panel per method.
+    """The soft top-k mask of one vector for several epsilon, one panel per method (the
+    paper's Figure 2).
 
-    Args:
-        x: the scores (default: 12 standard normal draws of seed 0, sorted descending, so the
-            hard mask is the first k entries).
-        k: the k of the top-k.
-        epsilons: one line per epsilon, the same in every panel (each method reads it in its own
-            way: the sigmoid temperature of "ot" and "sinkhorn", the width of the linear part
-            of "sparse", the softmax temperature of "softkmax", the noise scale of
-            "perturbed").
-        methods: methods of ``soft_topk_mask``.
-        n_samples: the draws of "perturbed".
-        seed: the seed of the draws of "perturbed".
-
-    Returns:
-        A figure whose first axis shows the scores (a bar per entry) and each further axis one
-        method, with ``1 + len(epsilons)`` lines (the hard mask first).
+    ``x`` defaults to 12 standard normal draws of seed 0, sorted descending; ``n_samples`` and
+    ``seed`` are those of "perturbed". The first axis shows the scores as bars, each further
+    one a method with ``1 + len(epsilons)`` lines.
     """
     scores = _default_vector() if x is None else torch.as_tensor(x, dtype=torch.float64)
     n = scores.numel()
@@ -210,9 +180,7 @@ def methods_figure(
     flat = [ax for row in grid for ax in row]
     score_ax = flat[0]
     score_ax.bar(_np(index), _np(scores), color=["black" if h else "0.7" for h in hard.tolist()])
-    score_ax.set_title(f"the scores x (the top {k} in black)")
-    score_ax.set_xlabel("entry (by decreasing score)")
-    score_ax.grid(True, alpha=0.3)
+    _style(score_ax, f"the scores x (the top {k} in black)", "entry (by decreasing score)")
     for ax, method in zip(flat[1:], methods, strict=False):
         ax.plot(_np(index), _np(hard), marker="s", markersize=4, label="hard", **_HARD)
         for eps, color in zip(epsilons, _colors(len(epsilons)), strict=True):
@@ -226,10 +194,8 @@ def methods_figure(
             ax.plot(
                 _np(index), _np(mask), marker="o", markersize=3, color=color, label=f"ε = {eps:g}"
             )
-        ax.set_title(f'method="{method}"')
-        ax.set_xlabel("entry (by decreasing score)")
+        _style(ax, f'method="{method}"', "entry (by decreasing score)")
         ax.set_ylim(-0.05, 1.1)
-        ax.grid(True, alpha=0.3)
     for ax in flat[len(methods) + 1 :]:
         ax.set_axis_off()
     flat[1].set_ylabel(f"soft top-{k} mask")
@@ -251,15 +217,8 @@ def sort_figure(
     r"""Soft sorted values (top row) and soft ranks (bottom row) of ``(x1, *others)`` as
     :math:`x_1` sweeps across the others, one column per method, hard curves dashed.
 
-    Args:
-        others: the fixed entries.
-        methods: methods of ``soft_sort`` and ``soft_rank``.
-        epsilons: per method, the epsilon of ``soft_sort`` and of ``soft_rank`` (default:
-            :data:`SORT_EPSILONS`).
-        points: the number of values of :math:`x_1`.
-
-    Returns:
-        A figure with ``2 * len(methods)`` axes, each with ``2 * n`` lines (n soft, n hard).
+    ``epsilons`` maps a method to the epsilon of ``soft_sort`` and of ``soft_rank`` (default
+    :data:`SORT_EPSILONS`). Returns ``2 * len(methods)`` axes of ``2 * n`` lines each.
     """
     table = SORT_EPSILONS if epsilons is None else epsilons
     rest = torch.tensor(others, dtype=torch.float64)
@@ -283,11 +242,8 @@ def sort_figure(
             rank_ax.plot(_np(x1), _np(hard_ranks[:, i]), alpha=0.6, **_HARD)
             name = "$x_1$" if i == 0 else f"$x_{i + 1} = {others[i - 1]:g}$"
             rank_ax.plot(_np(x1), _np(ranks[:, i]), color=colors[i], label=f"rank of {name}")
-        sort_ax.set_title(f'soft_sort, "{method}", ε = {sort_eps:g}')
-        rank_ax.set_title(f'soft_rank, "{method}", ε = {rank_eps:g}')
-        for ax in (sort_ax, rank_ax):
-            ax.set_xlabel("$x_1$")
-            ax.grid(True, alpha=0.3)
+        _style(sort_ax, f'soft_sort, "{method}", ε = {sort_eps:g}')
+        _style(rank_ax, f'soft_rank, "{method}", ε = {rank_eps:g}')
     grid[0][0].set_ylabel("sorted values (ascending)")
     grid[1][0].set_ylabel("ranks (1 = smallest)")
     grid[1][0].legend(loc="upper left", fontsize=7)
@@ -307,14 +263,8 @@ def sorted_topk_figure(
     """The weights of ``soft_topk(x, k)`` (k x n) as heat maps, one per epsilon, beside the hard
     selection matrix ``topk_selection_matrix``.
 
-    Args:
-        x: the scores (default: as :func:`methods_figure`, sorted descending, so the hard
-            weights are the identity on the first k columns).
-        k: the k of the top-k.
-        epsilons: one heat map per epsilon.
-
-    Returns:
-        A figure with ``1 + len(epsilons)`` heat maps and one colour bar.
+    ``x`` defaults to that of :func:`methods_figure`. Returns ``1 + len(epsilons)`` heat maps
+    and one colour bar.
     """
     scores = _default_vector() if x is None else torch.as_tensor(x, dtype=torch.float64)
     n = scores.numel()
@@ -355,13 +305,8 @@ def write_figures(
     *,
     dpi: int = 120,
 ) -> list[Path]:
-    """Draw the figures ``names`` and write each as ``<out>/<name>.png``; return the paths.
-
-    Args:
-        out: the output folder (created if missing).
-        names: figures among :data:`FIGURES`.
-        dpi: the resolution of the PNGs.
-    """
+    """Draw the figures ``names`` (among :data:`FIGURES`) and write each as
+    ``<out>/<name>.png`` at ``dpi`` (the folder created if missing); return the paths."""
     unknown = [name for name in names if name not in _MAKERS]
     if unknown:
         raise ValueError(
