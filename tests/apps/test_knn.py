@@ -296,9 +296,13 @@ def test_errors() -> None:
         knn_mask(q, c, 2, exclude_self=True)
     with pytest.raises(TypeError, match=r"knn_mask: expected an integer `k`; got k=2.0"):
         knn_mask(q, c, 2.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"expected `method` in .*; got method='soft'"):
+    with pytest.raises(
+        ValueError, match=r"knn_mask: expected `method` to be one of .*; got method='soft'"
+    ):
         knn_mask(q, c, 2, method="soft")
-    with pytest.raises(ValueError, match=r"expected a positive `epsilon`; got epsilon=0"):
+    with pytest.raises(
+        ValueError, match=r"knn_mask: expected `epsilon` > 0 and finite; got epsilon=0"
+    ):
         knn_mask(q, c, 2, epsilon=0)
     with pytest.raises(ValueError, match=r"`n_samples` and `generator` only with .*'ot'"):
         knn_mask(q, c, 2, n_samples=3)

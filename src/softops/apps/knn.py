@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import softops
+from softops._core.validation import check_choice, check_epsilon
 
 __all__ = [
     "KNN_METHODS",
@@ -49,13 +50,8 @@ KNN_METHODS = ("ot", "sinkhorn", "perturbed", "softkmax", "neuralsort")
 
 
 # ----------------------------------------------------------------------------------------------
-# Argument checks (messages: "<op>: expected <what>; got <value>.")
-
-
-def _check_method(op: str, method: object) -> str:
-    if not isinstance(method, str) or method not in KNN_METHODS:
-        raise ValueError(f"{op}: expected `method` in {KNN_METHODS}; got method={method!r}.")
-    return method
+# Argument checks (messages: "<op>: expected <what>; got <value>."); method and epsilon take
+# the library's shared checks
 
 
 def _check_k(op: str, k: object, limit: int | None = None, what: str = "") -> int:
@@ -67,15 +63,6 @@ def _check_k(op: str, k: object, limit: int | None = None, what: str = "") -> in
     if limit is not None and k > limit:
         raise ValueError(f"{op}: expected `k` <= {what} (= {limit}); got k={k}.")
     return k
-
-
-def _check_epsilon(op: str, epsilon: object) -> None:
-    if isinstance(epsilon, torch.Tensor):
-        if not torch.is_floating_point(epsilon):
-            raise TypeError(f"{op}: expected a floating `epsilon`; got dtype {epsilon.dtype}.")
-        return
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not float(epsilon) > 0:
-        raise ValueError(f"{op}: expected a positive `epsilon`; got epsilon={epsilon!r}.")
 
 
 def _check_embeddings(op: str, a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
@@ -178,8 +165,8 @@ def knn_mask(
     """
     op = "knn_mask"
     _check_embeddings(op, query_emb, cand_emb, ("query_emb", "cand_emb"))
-    method = _check_method(op, method)
-    _check_epsilon(op, epsilon)
+    method = check_choice(method, KNN_METHODS, op, "method")
+    check_epsilon(epsilon, op)
     if not isinstance(exclude_self, bool):
         raise TypeError(f"{op}: expected a bool `exclude_self`; got {exclude_self!r}.")
     if method != "perturbed" and (n_samples is not None or generator is not None):
@@ -368,9 +355,8 @@ class DifferentiableKNN(nn.Module):
             )
         self.embedding = embedding
         self.k = _check_k(op, k)
-        _check_epsilon(op, epsilon)
-        self.epsilon = float(epsilon)
-        self.method = _check_method(op, method)
+        self.epsilon = float(check_epsilon(epsilon, op))
+        self.method = check_choice(method, KNN_METHODS, op, "method")
         if n_samples is not None and method != "perturbed":
             raise ValueError(
                 f"{op}: expected `n_samples` only with method='perturbed'; got method={method!r}."
