@@ -158,28 +158,30 @@ def _embed(net: nn.Module, x: torch.Tensor, device: torch.device, batch: int) ->
 @torch.no_grad()
 def _accuracy(
     model: _Model,
-    metric: str,
-    ref: tuple[torch.Tensor, torch.Tensor],
-    query: tuple[torch.Tensor, torch.Tensor],
+    row: str,
+    data: ImageDataset,
+    split: str,
     k: int,
     device: torch.device,
-    num_classes: int,
     cache: dict[str, torch.Tensor],
 ) -> float:
-    """Accuracy (percent) of the kNN ("knn") or of the head ("head") on ``query``."""
+    """Accuracy (percent) on the "val" or "test" split: of the head for row "ce", else of the
+    kNN against the training split. ``cache`` keeps the embeddings across rows."""
     model.eval()
+    query_x, query_y = (data.val_x, data.val_y) if split == "val" else (data.test_x, data.test_y)
     if "query" not in cache:
-        cache["query"] = _embed(model.net, query[0], device, 1000)
+        cache["query"] = _embed(model.net, query_x, device, 1000)
     q = cache["query"]
-    if metric == "head":
+    if row == "ce":
         assert model.head is not None
         pred = model.head(q).argmax(1)
     else:
         if "ref" not in cache:
-            cache["ref"] = _embed(model.net, ref[0], device, 1000)
-        pred = knn_predict(cache["ref"], ref[1].to(device), q, k, num_classes=num_classes)
+            cache["ref"] = _embed(model.net, data.train_x, device, 1000)
+        train_y = data.train_y.to(device)
+        pred = knn_predict(cache["ref"], train_y, q, k, num_classes=data.num_classes)
     model.train()
-    return 100.0 * float((pred.cpu() == query[1]).double().mean())
+    return 100.0 * float((pred.cpu() == query_y).double().mean())
 
 
 def _projection(emb: torch.Tensor, labels: torch.Tensor, n: int = 2000) -> tuple[Any, Any]:
@@ -228,10 +230,6 @@ def _step_fn(config: KNNConfig, model: _Model, device: torch.device) -> Callable
     return step
 
 
-def _metric_of(row: str) -> str:
-    return "head" if row == "ce" else "knn"
-
-
 def train_rows(
     config: KNNConfig,
     data: ImageDataset,
@@ -241,15 +239,10 @@ def train_rows(
 ) -> list[RunResult]:
     """Train one network on ``config`` and return one :class:`RunResult` per row.
 
-    Args:
-        config: the run (its ``method`` picks the objective: a kNN loss, or cross-entropy for
-            "ce" and "pretrained").
-        data: the dataset.
-        rows: the rows to report (None: ``(config.method,)``); with the CE objective,
-            ``("ce", "pretrained")`` reports both from one training, each with its own
-            best-validation checkpoint.
-        progress: called with a dict of the run's state (``step``, ``seconds``, ``fraction``,
-            ``loss``, ``val``, ``steps_per_s``, ``done``) every few steps.
+    ``config.method`` picks the objective (cross-entropy for "ce" and "pretrained", which one
+    training reports both, each from its own best-validation checkpoint). ``progress`` gets a
+    dict (``step``, ``seconds``, ``fraction``, ``loss``, ``val``, ``steps_per_s``, ``done``)
+    every few steps.
     """
     rows = tuple(rows or (config.method,))
     ce = config.method in ("ce", "pretrained")
@@ -294,16 +287,7 @@ def train_rows(
         cache: dict[str, torch.Tensor] = {}
         accs = {}
         for r in rows:
-            acc = _accuracy(
-                model,
-                _metric_of(r),
-                (data.train_x, data.train_y),
-                (data.val_x, data.val_y),
-                config.k,
-                device,
-                data.num_classes,
-                cache,
-            )
+            acc = _accuracy(model, r, data, "val", config.k, device, cache)
             accs[r] = acc
             curve[r].append({"seconds": seconds, "step": step, "val": acc, "loss": loss})
             if r not in best or acc >= best[r][0]:  # ties: the later, more trained one
@@ -318,8 +302,23 @@ def train_rows(
     last_loss = float("nan")
     last_val: dict[str, float] = {}
     t_report = time.perf_counter()
+
+    def done_fraction() -> float:
+        return step / total_steps if total_steps else train_s / budget_s if budget_s else 1
+
+    def report(fraction: float, done: bool) -> None:
+        if progress is not None:
+            steps_per_s = step / train_s if train_s > 0 else 0.0
+            state: dict[str, Any] = {
+                "step": step,
+                "seconds": train_s,
+                "fraction": min(fraction, 1.0),
+            }
+            state |= {"loss": last_loss, "val": dict(last_val), "steps_per_s": steps_per_s}
+            progress({**state, "done": done})
+
     while True:
-        fraction = step / total_steps if total_steps else train_s / budget_s if budget_s else 1
+        fraction = done_fraction()
         if fraction >= 1:
             break
         t0 = time.perf_counter()
@@ -336,7 +335,7 @@ def train_rows(
         else:
             _sync(device)
             train_s += time.perf_counter() - t0
-        fraction = step / total_steps if total_steps else train_s / budget_s if budget_s else 1
+        fraction = done_fraction()
         due = fraction >= next_eval / evals or fraction >= 1
         if due or step % 10 == 0:
             last_loss = float(loss_t.detach())
@@ -344,19 +343,9 @@ def train_rows(
             while next_eval / evals <= fraction and next_eval <= evals:
                 next_eval += 1
             last_val = validate(step, train_s, last_loss)
-        if progress is not None and (due or time.perf_counter() - t_report > 0.5):
+        if due or time.perf_counter() - t_report > 0.5:
             t_report = time.perf_counter()
-            progress(
-                {
-                    "step": step,
-                    "seconds": train_s,
-                    "fraction": min(fraction, 1.0),
-                    "loss": last_loss,
-                    "val": dict(last_val),
-                    "steps_per_s": step / train_s if train_s > 0 else 0.0,
-                    "done": False,
-                }
-            )
+            report(fraction, False)
     if not curve[rows[0]] or curve[rows[0]][-1]["step"] != step:
         last_val = validate(step, train_s, last_loss)
 
@@ -366,16 +355,7 @@ def train_rows(
         model.load_state_dict(state)
         t0 = time.perf_counter()
         cache: dict[str, torch.Tensor] = {}
-        test = _accuracy(
-            model,
-            _metric_of(r),
-            (data.train_x, data.train_y),
-            (data.test_x, data.test_y),
-            config.k,
-            device,
-            data.num_classes,
-            cache,
-        )
+        test = _accuracy(model, r, data, "test", config.k, device, cache)
         _sync(device)
         eval_s = time.perf_counter() - t0
         proj, labels = _projection(cache["query"], data.test_y)
@@ -396,18 +376,7 @@ def train_rows(
                 projection_labels=labels,
             )
         )
-    if progress is not None:
-        progress(
-            {
-                "step": step,
-                "seconds": train_s,
-                "fraction": 1.0,
-                "loss": last_loss,
-                "val": dict(last_val),
-                "steps_per_s": step / train_s if train_s > 0 else 0.0,
-                "done": True,
-            }
-        )
+    report(1.0, True)
     return results
 
 
@@ -439,16 +408,7 @@ def measure_step(
             times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     cache: dict[str, torch.Tensor] = {}
-    _accuracy(
-        model,
-        "knn",
-        (data.train_x, data.train_y),
-        (data.test_x, data.test_y),
-        cfg.k,
-        device,
-        data.num_classes,
-        cache,
-    )
+    _accuracy(model, "knn", data, "test", cfg.k, device, cache)
     _sync(device)
     eval_s = time.perf_counter() - t0
     times.sort()
