@@ -62,10 +62,6 @@ def _plan(methods: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
     return plan
 
 
-def _fmt(x: float, digits: int = 2) -> str:
-    return f"{x:.{digits}f}"
-
-
 def markdown_table(
     config: KNNConfig,
     results: Sequence[RunResult],
@@ -109,12 +105,12 @@ def markdown_table(
         if paper:
             row.append(f"{PAPER_MNIST[m]:.1f}" if m in PAPER_MNIST else "—")
         row += [
-            ", ".join(_fmt(t) for t in tests),
-            _fmt(sum(tests) / len(tests)),
-            ", ".join(_fmt(r.best_val) for r in runs),
+            ", ".join(f"{t:.2f}" for t in tests),
+            f"{sum(tests) / len(tests):.2f}",
+            ", ".join(f"{r.best_val:.2f}" for r in runs),
             ", ".join(str(r.steps) for r in runs),
-            _fmt(sum(r.step_seconds for r in runs) / len(runs), 3),
-            _fmt(sum(r.eval_seconds for r in runs) / len(runs), 1),
+            f"{sum(r.step_seconds for r in runs) / len(runs):.3f}",
+            f"{sum(r.eval_seconds for r in runs) / len(runs):.1f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
     if paper:
@@ -348,10 +344,8 @@ def knn_main(
         sys.stderr.write(error + "\n")
         return 2
     if config.minutes is None and config.epochs is None:
-        if config.dataset == "digits":
-            config = replace(config, epochs=20.0)
-        else:
-            config = replace(config, minutes=3.0)
+        digits = config.dataset == "digits"
+        config = replace(config, epochs=20.0) if digits else replace(config, minutes=3.0)
     torch.set_num_threads(threads)
     try:
         report, _ = run_knn(
@@ -386,20 +380,11 @@ def run_knn(
 ) -> tuple[str, list[RunResult]]:
     """Train every method for every seed on ``config``'s budget; write and return the report.
 
-    Args:
-        config: the shared configuration (its ``method`` is used when ``methods`` is None).
-        methods: the rows to run (:data:`softops.apps.train.ALL_ROWS` for ``--all``).
-        seeds: one run per seed and method.
-        data_dir: the folder of "mnist-idx" and "cifar10".
-        out: the output folder (None: write nothing).
-        command: the command line, recorded in the files.
-        threads: the torch thread count, recorded (the caller sets it).
-        progress: show the progress bar.
-        log: where one-line messages go (None: stderr).
-        data: a loaded dataset (None: load ``config.dataset``).
-
-    Returns:
-        The Markdown report and every :class:`RunResult`.
+    ``methods`` are the rows (None: ``config.method``); ``out`` None writes nothing;
+    ``command`` and ``threads`` are recorded (the caller sets the threads); ``log`` takes the
+    one-line messages (None: stderr); ``data`` is a loaded dataset (None: load
+    ``config.dataset`` from ``data_dir``). Returns the Markdown report and every
+    :class:`RunResult`.
     """
     say = log or _to_stderr
     methods = tuple(methods or (config.method,))
