@@ -7,12 +7,9 @@ Usage::
                 [--k K] [--epsilon E] [--minutes M | --epochs N] [--seed S [S ...]]
                 [--threads T] [--device D] [--out DIR] [--all] ...
 
-``softops plot`` draws the figures of the operators (the top-k indicator as one entry crosses
-another, every top-k method's mask, the sort and rank curves, the sorted top-k's weights) as PNGs
-under ``--out`` (:func:`softops.plot.write_figures`; needs matplotlib). ``softops knn`` trains the
-differentiable kNN classifier of Xie et al. (2020) and its baselines
-(:func:`softops.apps.report.knn_main`). The benchmarks are not part of the package: run them
-from a checkout of the repository with ``python -m benchmarks`` (``benchmarks/README.md``).
+``softops plot`` is :func:`softops.plot.write_figures`, ``softops knn``
+:func:`softops.apps.report.knn_main`. The benchmarks are not part of the package: run them from
+a checkout with ``python -m benchmarks`` (``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -33,16 +30,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
-
-
-def _epsilon(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
     return value
 
 
@@ -113,7 +100,7 @@ def _plot(args: argparse.Namespace) -> int:
 _KNN_DEFAULT_OUT = "softops-knn"  # in the working directory
 
 
-def _budget(text: str) -> float:
+def _positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -162,21 +149,21 @@ def _add_knn(commands: Any) -> None:
     knn.add_argument("--k", type=_positive_int, default=9, help="neighbours (default: 9)")
     knn.add_argument(
         "--epsilon",
-        type=_epsilon,
+        type=_positive,
         default=1.0,
         help="temperature, in squared-distance units of the embedding (default: 1)",
     )
     budget = knn.add_mutually_exclusive_group()
     budget.add_argument(
         "--minutes",
-        type=_budget,
+        type=_positive,
         default=None,
         help="training wall-clock budget per method and seed, evaluation excluded (default: 3 "
         "for mnist, mnist-idx and cifar10)",
     )
     budget.add_argument(
         "--epochs",
-        type=_budget,
+        type=_positive,
         default=None,
         help="or a budget in epochs, exactly reproducible (default: 20 for digits)",
     )
@@ -199,7 +186,9 @@ def _add_knn(commands: Any) -> None:
     knn.add_argument(
         "--candidates", type=_positive_int, default=100, help="candidates per step (default: 100)"
     )
-    knn.add_argument("--lr", type=_epsilon, default=1e-3, help="Adam learning rate (default: 1e-3)")
+    knn.add_argument(
+        "--lr", type=_positive, default=1e-3, help="Adam learning rate (default: 1e-3)"
+    )
     knn.add_argument(
         "--shift",
         type=int,
