@@ -64,10 +64,8 @@ def kernels_enabled() -> bool:
 def backend(name: str) -> Iterator[None]:
     """Run the enclosed code on the back end ``name``: ``"kernel"`` (the compiled kernels where
     they are built, the default) or ``"reference"`` (the torch code of every method)."""
-    if name not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}; got {name!r}.")
     previous = _state["backend"]
-    _state["backend"] = name
+    _state["backend"] = _check_backend(name, "backend")
     try:
         yield
     finally:
@@ -76,19 +74,18 @@ def backend(name: str) -> Iterator[None]:
 
 def set_default_backend(name: str) -> None:
     """Make ``name`` the back end of this process (see :func:`backend`)."""
+    _state["backend"] = _check_backend(name, "set_default_backend")
+
+
+def _check_backend(name: str, op: str) -> str:
     if name not in _BACKENDS:
-        raise ValueError(f"set_default_backend: expected one of {_BACKENDS}; got {name!r}.")
-    _state["backend"] = name
+        raise ValueError(f"{op}: expected one of {_BACKENDS}; got {name!r}.")
+    return name
 
 
 def set_compile(enabled: bool) -> None:
     """Deprecated: ``set_compile(False)`` makes the torch reference this process's back end,
-    ``set_compile(True)`` the kernels (softops no longer compiles anything at call time; the
-    kernels are built ahead of time, see :mod:`softops._kernels`).
-
-    Args:
-        enabled: ``True`` for the kernels (the default), ``False`` for the reference.
-    """
+    ``set_compile(True)`` the kernels (the default); nothing compiles at call time any more."""
     if not isinstance(enabled, bool):
         raise TypeError(f"set_compile: expected a bool; got {enabled!r}.")
     warnings.warn(
@@ -126,13 +123,8 @@ def _cpu_flags() -> tuple[str, list[str]]:
         return "DEFAULT", ["-O3", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT"]
     # OpenMP: at::parallel_for runs on torch's intra-op threads (the library links libgomp.so.1,
     # which resolves to the one torch has loaded)
-    return capability, [
-        "-O3",
-        "-fopenmp",
-        *flags,
-        f"-DCPU_CAPABILITY_{capability}",
-        f"-DCPU_CAPABILITY={capability}",
-    ]
+    defines = [f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
+    return capability, ["-O3", "-fopenmp", *flags, *defines]
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -196,10 +188,8 @@ class Kernel:
         return self._ops
 
     def build(self, verbose: bool = False) -> Path:
-        """Build the library into the cache (no-op when it is there); returns its path.
-
-        The compilation runs in a child process, which leaves this one free to load the result.
-        """
+        """Build the library into the cache (no-op when it is there) in a child process, which
+        leaves this one free to load it; returns its path."""
         path = self.path()
         if path.exists():
             return path
@@ -285,14 +275,9 @@ def plain_eager(t: torch.Tensor) -> bool:
 
 
 class _Operator:
-    """A registered operator with a CPU kernel, called as the operator itself.
-
-    An eager call on plain CPU tensors, with the kernel loaded and the kernel back end on, runs
-    the kernel directly: the dispatcher would pick the same implementation, through two
-    dispatches and a Python frame (about 10 us, the cost of a small call). Every other call
-    (tracing, a dispatch mode, functorch transforms, tensor subclasses, other devices, the
-    reference back end, the first call, which loads the kernel) goes through the registry.
-    """
+    """A registered operator with a CPU kernel, called as the operator itself. An eager call on
+    plain CPU tensors with the kernel loaded and on runs it directly (the dispatcher's two
+    dispatches and a frame cost about 10 us); every other call goes through the registry."""
 
     __slots__ = ("_cpu", "_kernel", "overload")
 
