@@ -1,14 +1,8 @@
 """Embedding networks for the kNN application, and the light augmentation it trains with.
 
-- :class:`ConvNet`: two 5x5 convolutions (20 and 50 channels), each followed by 2x2 max-pooling
-  and ReLU, then a fully connected layer to a 500-d ReLU embedding. This is the small MNIST
-  ConvNet of NeuralSort's kNN experiments (Grover et al. 2019), which Xie et al. (2020) reuse.
-  Convolutions are padded for inputs smaller than 28x28 (digits' 8x8).
-- :class:`ResNet18`: the CIFAR variant of ResNet-18 (He et al. 2016: 3x3 stem, four stages of
-  two basic blocks, 64 to 512 channels), whose 512-d pooled features are the embedding; the
-  network of the papers' CIFAR-10 runs (a GPU-scale run).
-
-Both start with a fixed :class:`Standardize` layer holding the training set's per-channel mean
+:class:`ConvNet` is the small MNIST ConvNet of NeuralSort's kNN experiments (Grover et al.
+2019), which Xie et al. (2020) reuse; :class:`ResNet18` the CIFAR ResNet-18 (He et al. 2016) of
+the papers' CIFAR-10 runs, its 512-d pooled features the embedding. Both start with a fixed :class:`Standardize` layer holding the training set's per-channel mean
 and standard deviation, so that the data stay in [0, 1] (where zero padding is black) and the
 augmentation (:func:`random_shift`) works on raw pixels.
 """
@@ -42,11 +36,7 @@ class Standardize(nn.Module):
 class ConvNet(nn.Module):
     """conv5(20)-pool-relu, conv5(50)-pool-relu, fc to a ``embedding_dim`` ReLU embedding.
 
-    Args:
-        in_channels: image channels.
-        image_size: height (= width) of the images; below 28 the convolutions are padded by 2,
-            so an 8x8 digit keeps a 2x2 map.
-        embedding_dim: the size of the embedding (500, as in NeuralSort's kNN).
+    Below ``image_size`` 28 the convolutions are padded by 2 (an 8x8 digit keeps a 2x2 map).
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, embedding_dim: int = 500):
@@ -125,13 +115,8 @@ def embedding_network(
 def random_shift(
     x: torch.Tensor, max_shift: int, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Translate each image by its own random offset in [-max_shift, max_shift]^2 (zero fill).
-
-    Args:
-        x: (N, C, H, W) images.
-        max_shift: the largest shift in pixels (0 returns ``x``).
-        generator: a CPU generator for the offsets (reproducible augmentation).
-    """
+    """Translate each image of ``x`` (N, C, H, W) by its own random offset in
+    [-max_shift, max_shift]^2, zero-filled (``generator``: a CPU generator for the offsets)."""
     if max_shift <= 0:
         return x
     n, c, h, w = x.shape
