@@ -62,6 +62,7 @@ from softops.metrics import (
     check_topk_classification,
     f1_from_counts,
     gain_of,
+    pearson_terms,
     soft_confusion,
     true_class_probability,
     true_class_topk_membership,
@@ -437,15 +438,12 @@ def spearman_loss(
     r2, restore = flatten_to_2d(r, d)
     x2, _ = flatten_to_2d(x, d)
     t2, _ = flatten_to_2d(target.to(cd), d)
-    h = average_ranks(t2)
-    rc = r2 - r2.mean(-1, keepdim=True)
-    hc = h - h.mean(-1, keepdim=True)
-    var = (rc * rc).sum(-1) * (hc * hc).sum(-1)
+    cov, var = pearson_terms(r2, average_ranks(t2))
     # A constant row: correlation 0 (decided on the data, not on round-off of the soft ranks).
     x_const = (x2.amax(-1) == x2.amin(-1)) & ~torch.isnan(x2).any(-1)
     degenerate = x_const | (var == 0)
     den = torch.sqrt(torch.where(degenerate, 1.0, var))  # no 0 * inf in the backward
-    corr = torch.where(degenerate, 0.0, (rc * hc).sum(-1) / den)
+    corr = torch.where(degenerate, 0.0, cov / den)
     loss = restore((1 - corr).unsqueeze(-1)).squeeze(d)
     return _reduce(loss, reduction).to(input.dtype)
 

@@ -822,10 +822,17 @@ def spearman(pred: torch.Tensor, target: torch.Tensor, *, dim: int = -1) -> torc
     cd = compute_dtype(dtype)
     a = average_ranks(pred.movedim(d, -1).to(cd))
     b = average_ranks(target.movedim(d, -1).to(cd))
+    cov, var = pearson_terms(a, b)
+    return (cov / torch.sqrt(var)).clamp(-1, 1).to(dtype)
+
+
+def pearson_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Pearson correlation of the rows of ``a`` and ``b`` as ``cov / sqrt(var)``: the sums
+    of the centred products and of the product of the centred squares (:func:`spearman`,
+    :func:`softops.losses.spearman_loss`)."""
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)
-    rho = (a * b).sum(-1) / torch.sqrt((a * a).sum(-1) * (b * b).sum(-1))
-    return rho.clamp(-1, 1).to(dtype)
+    return (a * b).sum(-1), (a * a).sum(-1) * (b * b).sum(-1)
 
 
 def ndcg(
