@@ -356,13 +356,7 @@ class TopKAttention(nn.Module):
             ``nn.MultiheadAttention``.
         k, epsilon, mode, method, hard: as for :func:`topk_attention`, per head.
 
-    Shape:
-        - query: ``(L, N, E)`` (``(N, L, E)`` with ``batch_first``, ``(L, E)`` unbatched);
-          key: ``(S, N, kdim)``; value: ``(S, N, vdim)``.
-        - key_padding_mask: ``(N, S)``, True (or -inf) for padding.
-        - attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)``, True (or -inf) where masked.
-        - output: like the query; weights ``(N, L, S)`` averaged over heads, or
-          ``(N, num_heads, L, S)`` with ``average_attn_weights=False``.
+    Shapes are MultiheadAttention's (``(L, N, E)`` inputs, ``(N, L, S)`` weights).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -374,16 +368,6 @@ class TopKAttention(nn.Module):
         >>> out, w = layer(x, x, x)
         >>> out.shape, w.shape, w.sum(-1).allclose(torch.ones(4, 10))
         (torch.Size([4, 10, 8]), torch.Size([4, 10, 10]), True)
-
-        A MultiheadAttention, converted (at k = the number of keys, the same outputs):
-
-        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        >>> top = TopKAttention.from_multihead_attention(mha, k=3)
-        >>> top.load_state_dict(mha.state_dict())  # or load its checkpoint
-        <All keys matched successfully>
-        >>> full = TopKAttention.from_multihead_attention(mha, k=10)
-        >>> torch.allclose(full(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
-        True
     """  # noqa: E501
 
     in_proj_weight: nn.Parameter | None
