@@ -5,12 +5,8 @@ candidates :math:`c_{(p, v)} = s_p + \log \pi(v \mid p)`. That ``torch.topk(c, K
 useful gradient; the sorted SOFT top-k (:func:`softops.soft_topk`) relaxes it: its weights
 :math:`W \in [0, 1]^{K \times n}` hold in row j a soft one-hot of the j-th best candidate and
 tend to the one-hots of the selection as epsilon -> 0. A sequence-level loss weighted by W
-(:func:`beam_search_loss`) trains the model *through* the search, on the hypotheses it will
-meet, wrong prefixes included (docs/math.md §7 derives the step and the loss).
-
-**Hard states, soft weights.** The kept hypotheses and their decoder states are exactly those of
-plain beam search; only the ranking is relaxed. Beams mixed by W are not offered: at
-initialisation they all collapse onto one average (docs/math.md §7.2).
+(:func:`beam_search_loss`) trains the model *through* the search (docs/math.md §7). The kept
+hypotheses and decoder states are exactly plain beam search's; only the ranking is relaxed.
 
 **Methods** (:data:`BEAM_METHODS`): ``"soft_topk"`` (the default, above), ``"softmax"`` (every
 row of W is ``softmax(c / epsilon)``, the usual rank-blind surrogate) and ``"hard"`` (the
