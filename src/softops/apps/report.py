@@ -1,14 +1,10 @@
 """Running ``softops knn`` end to end: the runs, the progress bar, the tables and the plots.
 
 :func:`knn_main` is the ``softops knn`` command once its arguments are parsed. :func:`run_knn`
-loads the data once, trains each requested method for each seed on the same budget
-(:func:`softops.apps.train.train_rows`), and writes under ``out``, with
-``stem = knn-<dataset>-<method or "all">-<budget>``: ``<stem>.json`` (the configuration, the
-command, the machine and every run), ``<stem>.md`` (the table, also returned, with Xie et al.'s
-Table 1 beside it on MNIST), ``<stem>-curves.png`` (validation accuracy and training loss
-against time) and ``<stem>-embedding.png`` (a 2-D PCA of the test embeddings). rich and
-matplotlib are optional: without rich, or off a terminal, progress is a plain line every few
-seconds; without matplotlib, no PNG.
+trains each method for each seed on one budget and writes ``<stem>.json`` (configuration,
+machine, runs), ``<stem>.md`` (the table), ``<stem>-curves.png`` and ``<stem>-embedding.png``,
+``stem = knn-<dataset>-<method or "all">-<budget>``. Without rich (or a terminal) progress is a
+plain line every few seconds; without matplotlib, no PNG.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Training and evaluation for ``softops knn``: one run per method and seed, on a fixed budget.
 
-A run trains an embedding network (:func:`softops.apps.models.embedding_network`) for a budget
-of training wall-clock time (``minutes``, evaluation not counted) or of epochs, validates it on
-the held-out split along the way, and tests the best-validation checkpoint.
-
-- **kNN methods** ("soft", i.e. "ot", "sinkhorn", "perturbed", "softkmax", "neuralsort"): each
-  step embeds ``queries`` + ``candidates`` disjoint training images, randomly shifted by up to
-  ``shift`` pixels, and minimises :func:`softops.apps.knn_loss`; validation and test are the
-  hard kNN against the whole training split.
-- **"ce"**: the same network with a linear head, trained by cross-entropy, tested by its head.
-- **"pretrained"**: the CE network tested by the kNN on its embeddings (one CE training serves
-  both rows).
-
-Adam with a cosine learning-rate decay over the budget. Seeds fix the weights, batches, shifts
-and draws: an ``epochs`` run is reproducible exactly (on CPU, same thread count).
+A run trains an embedding network for a budget of training wall-clock time (``minutes``) or of
+epochs, with Adam and a cosine decay, validates it along the way and tests the best-validation
+checkpoint. The kNN methods minimise :func:`softops.apps.knn_loss` on ``queries`` +
+``candidates`` shifted training images per step and are evaluated by the hard kNN against the
+training split; "ce" trains a linear head by cross-entropy, and "pretrained" is the kNN on the
+CE network's embeddings. Seeds fix everything: an ``epochs`` run on CPU is reproducible exactly.
 """
 
 from __future__ import annotations
