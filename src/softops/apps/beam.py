@@ -75,13 +75,10 @@ class BeamSearchResult(NamedTuple):
     """Result of :func:`beam_search` (B sequences, beam size K, T steps run, V tokens).
 
     Attributes:
-        sequences: (B, K, T) int64 tokens of the final hypotheses, best first; after its EOS a
-            hypothesis holds ``pad``.
-        scores: (B, K) their scores, the sums of their tokens' log-probabilities (differentiable).
-        lengths: (B, K) int64 number of tokens up to and including EOS (T if none).
-        finished: (B, K) bool, whether the hypothesis has emitted EOS.
-        weights, candidates, parents, tokens: each step's :class:`BeamStep` fields, stacked
-            along a first dim T.
+        sequences: (B, K, T) int64 tokens of the final hypotheses, best first (``pad`` after EOS).
+        scores: (B, K) their summed log-probabilities (differentiable).
+        lengths, finished: (B, K) tokens up to and including EOS (T if none), and whether EOS came.
+        weights, candidates, parents, tokens: the steps' :class:`BeamStep` fields, stacked (T, ...).
     """
 
     sequences: Tensor
@@ -222,14 +219,11 @@ def beam_search(
 ) -> BeamSearchResult:
     r"""Batched beam search over a user's decoder, with the ranking weights of every step.
 
-    At step t (from 0) the decoder is called on the B·K hypotheses' last tokens (``bos`` at
-    t = 0), ``log_probs, state = step_fn(tokens, state, t)``, with ``tokens`` (B*K,) int64 and
-    ``log_probs`` (B*K, V); hypothesis ``b * K + j`` is beam j of sequence b. :func:`beam_step`
-    then selects the new beams, and the state is reordered along its first dim to follow them
-    (every tensor of ``state`` has B·K rows; the initial ``state`` has B rows and is repeated K
-    times). At t = 0 only beam 0 is live. A hypothesis that emits ``eos`` is finished: its only
-    continuation is then ``pad`` at log-probability 0, and it still competes for the K places.
-    The search stops after ``max_len`` steps or once every hypothesis is finished.
+    Each step calls ``log_probs, state = step_fn(tokens, state, t)`` on the B·K hypotheses'
+    last tokens (``bos`` first; row ``b * K + j`` is beam j of sequence b), selects by
+    :func:`beam_step` and reorders the state's rows to follow (the initial state's B rows are
+    repeated K times). A finished hypothesis continues with ``pad`` at log-probability 0 and
+    still competes for the K places; the search stops after ``max_len`` steps or when all end.
 
     Args:
         step_fn: ``(tokens, state, t) -> (log_probs, state)``, log_probs over V >= K tokens.
