@@ -2,9 +2,10 @@
 
 :class:`ConvNet` is the small MNIST ConvNet of NeuralSort's kNN experiments (Grover et al.
 2019), which Xie et al. (2020) reuse; :class:`ResNet18` the CIFAR ResNet-18 (He et al. 2016) of
-the papers' CIFAR-10 runs, its 512-d pooled features the embedding. Both start with a fixed :class:`Standardize` layer holding the training set's per-channel mean
-and standard deviation, so that the data stay in [0, 1] (where zero padding is black) and the
-augmentation (:func:`random_shift`) works on raw pixels.
+the papers' CIFAR-10 runs, its 512-d pooled features the embedding. Both start with a fixed
+:class:`Standardize` layer holding the training set's per-channel mean and standard deviation,
+so that the data stay in [0, 1] (where zero padding is black) and the augmentation
+(:func:`random_shift`) works on raw pixels.
 """
 
 from __future__ import annotations
