@@ -255,10 +255,7 @@ def beam_search(
     state = _map_state(state, lambda t: t.repeat_interleave(beam, dim=0))
     tokens: Tensor | None = None
     seqs: Tensor | None = None
-    ws: list[Tensor] = []
-    cands: list[Tensor] = []
-    parents_all: list[Tensor] = []
-    tokens_all: list[Tensor] = []
+    outs: list[BeamStep] = []
     scores = finished = lengths = None
     if device is None:
         device = _first_device(state)
@@ -309,24 +306,14 @@ def beam_search(
         scores = out.scores
         flat = (parents + beam * torch.arange(bsz, device=parents.device).unsqueeze(1)).reshape(-1)
         state = _map_state(state, functools.partial(_take_rows, flat))
-        ws.append(out.weights)
-        cands.append(out.candidates)
-        parents_all.append(parents)
-        tokens_all.append(out.tokens)
+        outs.append(out)
         if eos is not None and bool(finished.all()):
             break
     assert seqs is not None and scores is not None and finished is not None
     assert lengths is not None
-    return BeamSearchResult(
-        seqs,
-        scores,
-        lengths,
-        finished,
-        torch.stack(ws),
-        torch.stack(cands),
-        torch.stack(parents_all),
-        torch.stack(tokens_all),
-    )
+    fields = ("weights", "candidates", "parents", "tokens")
+    stacked = [torch.stack([getattr(o, name) for o in outs]) for name in fields]
+    return BeamSearchResult(seqs, scores, lengths, finished, *stacked)
 
 
 # ----------------------------------------------------------------------------------------------
