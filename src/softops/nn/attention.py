@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from softops._core.transforms import cannot_branch
-from softops._core.validation import check_bool, check_choice, check_epsilon
+from softops._core.validation import check_bool, check_choice, check_epsilon, check_floating
 from softops.topk import soft_topk_mask
 
 __all__ = [
@@ -83,12 +83,6 @@ def _check_dropout(op: str, name: str, p: Any) -> float:
     if not 0 <= float(p) < 1:
         raise ValueError(f"{op}: expected 0 <= `{name}` < 1; got {name}={p!r}.")
     return float(p)
-
-
-def _check_floating(op: str, name: str, t: Any) -> None:
-    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-        what = f"dtype={t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-        raise TypeError(f"{op}: expected a floating tensor `{name}`; got {what}.")
 
 
 def _check_attention_options(
@@ -183,7 +177,7 @@ def topk_attention_weights(
     op = "topk_attention"
     kf, eps = _check_attention_options(op, k, epsilon, mode, method, hard)
     for name, t in (("query", query), ("key", key)):
-        _check_floating(op, name, t)
+        check_floating(t, op, name)
         if t.dim() < 2:
             raise ValueError(
                 f"{op}: expected `{name}` of shape (..., {'L' if name == 'query' else 'S'}, E); "
@@ -316,7 +310,7 @@ def topk_attention(
         tensor([[1.5000]])
     """
     op = "topk_attention"
-    _check_floating(op, "value", value)
+    check_floating(value, op, "value")
     if value.dim() < 2 or value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"{op}: expected `value` of shape (..., S, Ev) with the keys' S = {key.shape[-2]}; "
