@@ -184,7 +184,7 @@ def test_step_gradcheck():
         ({"log_probs": torch.zeros(2, 3, 4)}, ValueError, r"\(B, K, V\)"),
         ({"log_probs": torch.zeros(2, 2)}, ValueError, "3 dims"),
         ({"beam_scores": torch.zeros(2, 2, dtype=torch.long)}, TypeError, "floating"),
-        ({"beam_scores": [[0.0, 0.0]]}, TypeError, "tensor"),
+        ({"beam_scores": [[0.0, 0.0]]}, TypeError, "to be a torch.Tensor"),
         ({"beam_scores": torch.tensor([[0.0, -torch.inf]] * 2)}, ValueError, "row 0 has 1"),
     ],
 )

@@ -33,6 +33,7 @@ import softops
 from softops._core.validation import (
     check_choice,
     check_epsilon,
+    check_floating,
     check_positive_int,
     check_row_counts,
 )
@@ -126,10 +127,7 @@ def beam_step(
     method = check_choice(method, BEAM_METHODS, op, "method")
     eps = check_epsilon(epsilon, op)
     for name, t, nd in (("beam_scores", beam_scores, 2), ("log_probs", log_probs, 3)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: expected {name} to be a tensor; got {type(t).__name__}.")
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: expected a floating {name}; got dtype={t.dtype}.")
+        check_floating(t, op, name)
         if t.dim() != nd:
             raise ValueError(f"{op}: expected {name} with {nd} dims; got shape {tuple(t.shape)}.")
     eps = check_epsilon(eps, op, dtype=torch.promote_types(beam_scores.dtype, log_probs.dtype))
