@@ -184,13 +184,10 @@ def methods_figure(
     for ax, method in zip(flat[1:], methods, strict=False):
         ax.plot(_np(index), _np(hard), marker="s", markersize=4, label="hard", **_HARD)
         for eps, color in zip(epsilons, _colors(len(epsilons)), strict=True):
+            draws: dict[str, Any] = {}
             if method == "perturbed":
-                generator = torch.Generator().manual_seed(seed)
-                mask = softops.soft_topk_mask(
-                    scores, k, epsilon=eps, method=method, n_samples=n_samples, generator=generator
-                )
-            else:
-                mask = softops.soft_topk_mask(scores, k, epsilon=eps, method=method)
+                draws = {"n_samples": n_samples, "generator": torch.Generator().manual_seed(seed)}
+            mask = softops.soft_topk_mask(scores, k, epsilon=eps, method=method, **draws)
             ax.plot(
                 _np(index), _np(mask), marker="o", markersize=3, color=color, label=f"ε = {eps:g}"
             )
