@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import softops
-from softops._core.validation import check_choice, check_epsilon
+from softops._core.validation import check_choice, check_epsilon, check_floating
 
 __all__ = [
     "KNN_METHODS",
@@ -67,14 +67,10 @@ def _check_k(op: str, k: object, limit: int | None = None, what: str = "") -> in
 
 def _check_embeddings(op: str, a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
     for name, t in zip(names, (a, b), strict=True):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: expected `{name}` to be a tensor; got {type(t).__name__}.")
-        if t.dim() != 2:
+        if check_floating(t, op, name).dim() != 2:
             raise ValueError(
                 f"{op}: expected `{name}` of shape (N, d); got shape {tuple(t.shape)}."
             )
-        if not torch.is_floating_point(t):
-            raise TypeError(f"{op}: expected a floating `{name}`; got dtype {t.dtype}.")
     if a.shape[1] != b.shape[1]:
         raise ValueError(
             f"{op}: expected `{names[0]}` and `{names[1]}` with the same embedding size; got "
