@@ -11,7 +11,7 @@ pytest.importorskip("matplotlib")
 
 from softops import plot as plots
 from softops.cli import build_parser, main
-from softops.sort._dispatch import SORT_METHODS
+from softops.sort import SORT_METHODS
 from softops.topk import MASK_METHODS
 
 

@@ -10,16 +10,18 @@ import re
 import pytest
 import torch
 
-from softops.sort import _neuralsort, _ot, _pav, _softsort
-from softops.sort._dispatch import (
+from softops.sort import (
     ARGSORT_METHODS,
     METHODS,
     QUANTILE_METHODS,
     SORT_METHODS,
-    MethodOptions,
+    _neuralsort,
+    _ot,
+    _pav,
+    _softsort,
     check_options,
-    interpolate,
 )
+from softops.sort._dispatch import MethodOptions, interpolate
 
 F64 = torch.float64
 KINDS = {"sort": SORT_METHODS, "rank": SORT_METHODS, "argsort": ARGSORT_METHODS}

@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from softops._core.convergence import SINKHORN_MAX_ITER, default_tol
-from softops.topk import METHODS, THRESHOLD_MAX_ITER
+from softops.topk import METHODS, THRESHOLD_MAX_ITER, check_mask_k, check_mask_options
 from softops.topk._options import (
     PERTURBED_DEFAULT_SAMPLES,
     MaskOptions,
     check_generator,
-    check_mask_k,
-    check_mask_options,
     solver_defaults,
     unreachable_rows,
 )

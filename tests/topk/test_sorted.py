@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import softops
+from softops import TopK, soft_topk
 from softops.testing import unrolled_sinkhorn, unrolled_sorted_topk
-from softops.topk._sorted import TopK, _soft_topk, soft_topk
+from softops.topk._sorted import _soft_topk
 from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
