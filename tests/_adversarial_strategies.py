@@ -234,7 +234,8 @@ def tiny_batches(draw: st.DrawFn, dtype: torch.dtype, n_max: int = 6) -> torch.T
     """A (B, n) batch of subnormal and tiny-magnitude entries of ``dtype``: ``m * 2**e * tiny``
     with |m| < 1 (a few bits or many) and e from below the subnormals to 30, one magnitude per
     row or a mix, with ties and zeros; or such a row beside entries of ordinary to huge
-    magnitude ("far": |x| / epsilon beyond the dtype at a tiny epsilon, KD22); or a batch of
+    magnitude ("far": |x| / epsilon beyond the dtype at a tiny epsilon, KD22, and gaps of x near
+    1 / epsilon there, KD24); or a batch of
     longer rows (up to 4 n_max) of small gaps, some tied, beside far entries ("cluster": a span
     of up to 2**60 gaps, KD23)."""
     fi = torch.finfo(dtype)
@@ -271,10 +272,13 @@ def tiny_batches(draw: st.DrawFn, dtype: torch.dtype, n_max: int = 6) -> torch.T
         if style == "ties":
             vals = [draw(st.sampled_from(vals[: max(1, n // 2)])) for _ in range(n)]
         if style == "far":  # one or two entries of ordinary to huge magnitude
+            # (half of them within 2**8 of a quarter of the largest value, where a gap of x
+            # reaches 1 / epsilon at the smallest epsilon: the PAV sort's rho / eps, KD24)
+            edge = draw(st.booleans())
             for _ in range(draw(st.integers(1, 2))):
                 i = draw(st.integers(0, n - 1))
                 m = draw(st.floats(0.5, 1.0)) * draw(st.sampled_from([-1.0, 1.0]))
-                vals[i] = m * 2.0 ** draw(st.integers(-4, top))
+                vals[i] = m * 2.0 ** draw(st.integers(top - 8 if edge else -4, top))
         rows.append(vals)
     return torch.tensor(rows, dtype=F64).to(dtype)
 

@@ -524,3 +524,149 @@ def test_kd22_gradients_beyond_the_dtype(reg, backend):
     gex, fd = _fd_eps(fn2, x, 0.7 * S)
     assert bool((gex != 0).all())
     torch.testing.assert_close(gex, fd, rtol=1e-6, atol=0)
+
+
+# ----------------------------- KD24: sorts whose rho / eps is beyond the dtype (no cap on 1 / eps)
+
+
+def _sort_rows(fi: torch.finfo) -> list[torch.Tensor]:
+    """Rows for the sort at a tiny epsilon: the reproducer's tiny entries beside one near
+    max / (4 n), random rows, ties and signed zeros, all in float64."""
+    g = torch.Generator().manual_seed(24)
+    return [
+        torch.tensor([5e-39, 2e-39, -3e37], dtype=F64) * (fi.tiny / torch.finfo(F32).tiny),
+        torch.randn(9, generator=g, dtype=F64),
+        torch.tensor([3.0, -1.0, 3.0, 0.0, -0.0, -1.0, 2.5], dtype=F64),
+        torch.tensor([1.0, -1.0, 2.0**-30, -(2.0**-40), 0.5], dtype=F64),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_kd24_sorts_at_a_tiny_epsilon_are_the_hard_sorts(dtype, reg, descending, backend):
+    """rho / eps beyond the dtype's largest value, every gap of x below 1 / eps: the hard sort,
+    bit for bit, also where a gap of x reaches max / (4 n), the cap that 1 / eps had
+    (soft_sort([[5e-39, 2e-39, -3e37]], epsilon=finfo(float32).tiny) was [[-2.92e37, -8.2e35,
+    5e-39]]); and soft_quantile "pav" at those rows is the hard quantile of the sorted row."""
+    fi = torch.finfo(dtype)
+    for row in _sort_rows(fi):
+        n = row.shape[-1]  # (a float64 span above max / (2 (n - 1)): KD25, test_adversarial)
+        for scale in (1.0, 2.0**20, 2.0**-10 / fi.tiny, fi.max / (8 * n)):
+            x = (row * scale / row.abs().max()).to(dtype)[None]
+            span = float(x.double().max() - x.double().min())
+            for eps in (fi.tiny, fi.tiny * 2**10):
+                if not span * (1 + 1e-3) < 1 / eps:
+                    continue  # (this class: the sort is hard)
+                s = soft_sort(x, epsilon=eps, regularization=reg, descending=descending)
+                want = x.sort(-1, descending=descending).values
+                assert torch.equal(s, want), (row, scale, eps, s, want)
+                if not descending and reg == "l2":  # (the quantile reads the l2 sort)
+                    q = soft_quantile(x, 0.5, epsilon=eps)
+                    hard = torch.quantile(x.double(), 0.5, dim=-1)
+                    torch.testing.assert_close(q.double(), hard, rtol=2 * fi.eps, atol=0)
+
+
+def test_kd24_the_reproducer_in_float32_is_the_float64_sort(backend):
+    tiny = torch.finfo(F32).tiny
+    x = torch.tensor([[5e-39, 2e-39, -3e37]])
+    for reg in ("l2", "kl"):
+        out = soft_sort(x, epsilon=tiny, regularization=reg)
+        assert torch.equal(out, x.sort(-1).values), out
+        want = soft_sort(x.double(), epsilon=tiny, regularization=reg).float()
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_kd24_soft_sorts_where_gaps_of_x_reach_one_over_eps(reg, backend):
+    """float32 rows whose gaps straddle 1 / eps at eps = finfo(float32).tiny (1 / eps = 8.5e37,
+    beyond the old cap max / (4 n)): soft there, the float64 sort of the same x and eps (which
+    nothing bounds); for L2 also the scaling law P(rho / eps, x) = P(rho c / eps, c x) / c at
+    c = 2**-120, where every number is ordinary."""
+    tiny = torch.finfo(F32).tiny
+    x = torch.tensor(
+        [[3e37, -3e37, 1e38, 2e-39], [2.5e38, -2.5e38, 0.0, 1e37], [8e37, 0.0, -9e37, 4e37]]
+    )
+    s = soft_sort(x, epsilon=tiny, regularization=reg)
+    assert not torch.equal(s, x.sort(-1).values)  # (soft: some gaps of x exceed 1 / eps)
+    want = soft_sort(x.double(), epsilon=tiny, regularization=reg)
+    torch.testing.assert_close(s.double(), want, rtol=1e-6, atol=0)
+    if reg == "l2":
+        c = 2.0**-120
+        law = soft_sort(x.double() * c, epsilon=tiny / c, regularization=reg) / c
+        torch.testing.assert_close(s.double(), law, rtol=1e-6, atol=0)
+        torch.testing.assert_close(s.double().sum(-1), x.double().sum(-1), rtol=1e-6, atol=0)
+
+
+def test_kd24_backends_agree_on_sorts_at_a_tiny_epsilon():
+    """The kernel and the torch reference form the sort's z in the same frame: the same sorts
+    and quantiles, bit for bit, at and around the frame's bound, with infinities and ties."""
+    _require_kernel()
+    x = torch.tensor(
+        [
+            [5e-39, 2e-39, -3e37, 1e38, -1e38, 0.0, 2e-39, 3e38],
+            [3e38, -3e38, 0.0, 1.0, -1.0, 2.0, 8e37, -8e37],
+            [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+            [INF, 1e38, 0.0, -1e38, 2e-39, -INF, 5.0, 5.0],
+        ]
+    )
+    for dtype in (F32, F64):
+        tiny = torch.finfo(dtype).tiny
+        for reg in ("l2", "kl"):
+            for desc in (False, True):
+                for eps in (tiny, 1.2e-38, 1e-37, 1e-30, 1.0):
+                    if eps < tiny:
+                        continue
+                    out = {}
+                    for use in BACKENDS:
+                        with kernel_backend(use):
+                            xs = x.to(dtype)
+                            out[use] = (
+                                soft_sort(xs, epsilon=eps, regularization=reg, descending=desc),
+                                soft_quantile(xs, torch.tensor([0.1, 0.5]), epsilon=eps),
+                            )
+                    for a, b in zip(out["kernel"], out["reference"], strict=True):
+                        assert torch.equal(a.nan_to_num(), b.nan_to_num()), (dtype, reg, desc, eps)
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_kd24_gradients_at_huge_x_over_eps(reg, backend):
+    """Derivatives of the sort where |x| / eps is huge: float64 at x = a S, eps = e / S (S =
+    2**300, |x| / eps ~ 1e180; rows soft), gradcheck and gradgradcheck in the units of x, the
+    L2 scaling law, and the epsilon derivative against central differences; float32 rows whose
+    gaps straddle 1 / eps at eps = finfo(float32).tiny (rho / eps beyond float32, the old cap
+    max / (4 n) below some gaps), x-gradients equal to float64's; and a float64 hard sort at
+    eps = finfo.tiny, the identity through the sort in x and 0 in epsilon, second order too."""
+    S = 2.0**300
+    a = torch.tensor([0.3, -0.2, 1.35, 1.4, -2.0], dtype=F64, requires_grad=True)
+    e = torch.tensor([0.7], dtype=F64, requires_grad=True)
+
+    def fn(a, e):
+        return soft_sort(a[None] * S, epsilon=e / S, regularization=reg) / S
+
+    assert torch.autograd.gradcheck(fn, (a, e))
+    assert torch.autograd.gradgradcheck(fn, (a, e))
+    if reg == "l2":
+        torch.testing.assert_close(fn(a, e), soft_sort(a[None], epsilon=e), rtol=1e-13, atol=0)
+    x = (a.detach() * S)[None]
+    fn2 = lambda x, e: soft_sort(x, epsilon=e, regularization=reg)  # noqa: E731
+    gex, fd = _fd_eps(fn2, x, 0.7 / S)
+    assert bool((gex != 0).all())
+    torch.testing.assert_close(gex, fd, rtol=1e-6, atol=0)
+    # float32 at its smallest epsilon: the x-gradients of float64 on the same x and epsilon
+    tiny = torch.finfo(F32).tiny
+    x32 = torch.tensor([[3e37, -3e37, 1e38, 2e-39], [8e37, 0.0, -9e37, 4e37]], requires_grad=True)
+    x64 = x32.detach().double().requires_grad_()
+    w = torch.randn(2, 4, generator=torch.Generator().manual_seed(3), dtype=F64)
+    (g32,) = torch.autograd.grad((soft_sort(x32, epsilon=tiny, regularization=reg) * w).sum(), x32)
+    (g64,) = torch.autograd.grad((soft_sort(x64, epsilon=tiny, regularization=reg) * w).sum(), x64)
+    torch.testing.assert_close(g32.double(), g64, rtol=1e-5, atol=1e-6)
+    # float64, hard at its smallest epsilon
+    xh = torch.tensor([[3.0, -1.0, 2.5, 7.0]], dtype=F64, requires_grad=True)
+    eh = torch.tensor([TINY * 4], dtype=F64, requires_grad=True)
+    out = soft_sort(xh, epsilon=eh, regularization=reg)
+    gx, ge = torch.autograd.grad((out * w[:1]).sum(), (xh, eh), create_graph=True)
+    assert torch.equal(gx, w[:1].gather(1, xh.argsort(-1).argsort(-1))) and float(ge.detach()) == 0.0
+    assert torch.autograd.gradgradcheck(
+        lambda x: soft_sort(x, epsilon=TINY * 4, regularization=reg), (xh,)
+    )

@@ -467,7 +467,7 @@ enum Mode : int64_t {
   kModeSortW = 4,     // sort w here
   kModeExp = 8,       // exp P_E(z, log w)
   kModeNegate = 16,   // -P(z, -w), formed as 0 - p
-  kModeInv = 32,      // z = u * min(1 / eps, max / (4 n)) (else z = u / f)
+  kModeInv = 32,      // z = u * (1 / eps), the sort (else z = u / f, f = +-eps)
   kModeFlip = 64,     // f = -eps (else eps)
 };
 
@@ -600,22 +600,32 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
   for (int64_t j = 0; j < n; ++j) idx[j] = items[j].index;
 }
 
-// The rank's z = u / f (f = +-eps) in sorted order, as doubles that cannot overflow (z itself
-// does, at a tiny epsilon: u / eps is beyond the dtype's range and its entries tie at +-inf).
+// z = u / f (f = +-eps) in sorted order, as doubles that cannot overflow: the rank's x / eps and
+// the sort's rho / eps are beyond the dtype's range at a tiny epsilon (their entries would tie at
+// +-inf, and a cap on 1 / eps pools entries that a gap of x near the cap keeps apart: KD24).
 // P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries wider
-// than G = (t_0 - t_{n-1}) + 2 n is never pooled across: for blocks P above T, mean(y_P) -
-// mean(y_T) (y = z - t) is at least that gap less the span of t (L2), less 2 log n more for the
-// block values logsumexp(z_B) - logsumexp(t_B) (KL). So each run of consecutive gaps at most G
-// (a segment) keeps its own differences, z'_i = o - (q_a - q_i) / f with q the sorted u and a the
-// segment's first position (the differences times 1 / f), and the segments are set G apart: o = -(sum over the earlier breaks of
-// the span of the segment before it plus G). The blocks, and every difference within a block
-// that the output is formed from, are those of z. Entries of u that are not finite keep u / f
-// (+-inf, NaN): the frame takes them as before. (The reference: _rank_frame in isotonic.py, the
-// same operations in the same order.)
+// than the span of t (plus 2 log n for KL) is never pooled across: for blocks P above T,
+// mean(y_P) - mean(y_T) (y = z - t) is at least that gap less the span of t (L2), less 2 log n
+// more for the block values logsumexp(z_B) - logsumexp(t_B) (KL). The bound taken is
+// G = 2 (t_0 - t_{n-1}) + 2 n, twice the span, so that rounding at the scale of a huge span (the
+// sort's t is x) cannot eat the margin. Each run of consecutive gaps at most G (a segment) keeps
+// its own differences, z'_i = o - (q_a - q_i) / f with q the sorted u and a the segment's first
+// position (the differences times 1 / f), and the segments are set G apart: o = -(sum over the
+// earlier breaks of the span of the segment before it plus G). The blocks, and every difference
+// within a block that the output is formed from, are those of z; no entry is beyond n G (double
+// holds it unless the span of a float64 t is itself near double's largest). Entries of u that are
+// not finite keep u / f (+-inf, NaN): the frame takes them as before. (The reference: _rank_frame
+// in isotonic.py, the same operations in the same order.)
 template <typename scalar_t>
 void rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* z) {
-  const double G = (t[0] - t[n - 1]) + 2.0 * double(n);
-  const double r = 1.0 / f;  // (differences times 1 / f: a product per entry, not a division)
+  const double G = 2.0 * (t[0] - t[n - 1]) + 2.0 * double(n);
+  // (differences times 1 / f: a product per entry, not a division); where G itself is beyond
+  // max / (4 n) (a float64 t spanning that far, or holding an infinity: the sort's), the frame
+  // could not hold n segments G apart, and |1 / f| is capped there instead (KD25: exact only where
+  // no gap of t reaches the cap)
+  const double bound = std::numeric_limits<double>::max() / (4.0 * double(n));
+  double r = 1.0 / f;
+  if (!(G <= bound) && std::abs(r) > bound) r = r > 0 ? bound : -bound;
   double acc = 0.0;
   int64_t a = 0;
   bool prev = false;  // whether q[i - 1] is finite
@@ -640,9 +650,10 @@ void rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double*
 // P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
 // reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
-// With kModeInv z = u * f in the dtype; else z = u / f is sorted by u (by -u with the flip) and
-// formed by rank_frame in double (it may be beyond the dtype), the projection solved in double
-// and cast back.
+// z = u / eps (u / -eps with kModeFlip; kModeInv, the sort's u * (1 / eps), is the same z: eps > 0)
+// is sorted by u (by -u with the flip) and formed by rank_frame in double (it may be beyond the
+// dtype: rho / eps at a tiny epsilon, where a cap on 1 / eps would pool entries that a gap of x
+// near the cap keeps apart), the projection solved in double and cast back.
 // Returns (p (B, n) in z's order, pz (B, n) or (B, 0), pw (Bw, n) or (Bw, 0), block (B, n) in sorted
 // coordinates, bad: the number of rows that held a non-finite entry, an int: no tensor to make
 // and read back on the host, a fixed cost of every call).
@@ -658,7 +669,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
   TORCH_CHECK(w_in.size(1) == n && (Bu == B || Bu == 1) && (Bw == B || Bw == 1),
               "permutahedron: u and w must be (B, n) or (1, n), eps (B,)");
   const bool kl = mode & kModeKL, sort_z = mode & kModeSortZ, sort_w = mode & kModeSortW;
-  const bool negate = mode & kModeNegate, inv = mode & kModeInv, flip = mode & kModeFlip;
+  const bool negate = mode & kModeNegate, flip = mode & kModeFlip;
   TORCH_CHECK(!(negate && (mode & kModeExp)), "permutahedron: exp space takes no negation");
   const at::Tensor u = u_in.contiguous(), eps = eps_in.contiguous();
   // w as the projection takes it, before its sort (elementwise maps commute with the sort): the
@@ -695,41 +706,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
     int64_t* pb = block.data_ptr<int64_t>();
     int64_t* ppz = pz.data_ptr<int64_t>();
     int64_t* ppw = pw.data_ptr<int64_t>();
-    // the sort's cap on 1 / eps, in the dtype (torch's clamp takes its bound so)
-    const scalar_t cap =
-        scalar_t(std::numeric_limits<scalar_t>::max() / (4.0 * double(n)));
     at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
       auto ref = work<int64_t>(n);
       auto keys = work<uint64_t>(4 * n);
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
       auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
       auto p = work<scalar_t>(n), nw = work<scalar_t>(negate_rows ? n : 0);
-      auto frame = work<double>(inv ? 0 : 3 * n);
+      auto frame = work<double>(3 * n);
       std::vector<double> scaled;
       int64_t rows_bad = 0;
       for (int64_t b = b0; b < b1; ++b) {
         const scalar_t* ru = pu + b * u_row;
         const scalar_t* rw = pwv + b * w_row;
-        scalar_t f;
-        if (inv) {
-          const scalar_t r = scalar_t(1) / pe[b];
-          f = r > cap ? cap : r;
-        } else {
-          f = flip ? -pe[b] : pe[b];
-        }
-        // inv: z = u * f; else the order of z = u / f is that of u (of -u with the flip), and z
-        // itself is formed in the frame of rank_frame, from the sorted u
-        if (inv) {
-          for (int64_t j = 0; j < n; ++j) z[j] = ru[j] * f;
-        } else if (sort_z) {
+        const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
+        // the order of z is that of u (of -u with the flip), and z itself is formed in the frame
+        // of rank_frame, from the sorted u
+        if (sort_z) {
           for (int64_t j = 0; j < n; ++j) z[j] = flip ? -ru[j] : ru[j];
         }
-        const scalar_t* rs = inv ? z.get() : ru;
+        const scalar_t* rs = ru;
         if (sort_z) {
           int64_t* idx = ppz + b * n;
           sort_descending(z.get(), n, idx, keys.get());
-          const scalar_t* from = inv ? z.get() : ru;
-          for (int64_t j = 0; j < n; ++j) s[j] = from[idx[j]];
+          for (int64_t j = 0; j < n; ++j) s[j] = ru[idx[j]];
           rs = s.get();
         }
         const scalar_t* rt = rw;
@@ -745,20 +744,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
           rt = t.get();
         }
         scalar_t* rp = sort_z ? p.get() : po + b * n;
-        bool finite;
-        if (inv) {
-          finite = kl ? project_kl_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), aux.get())
-                      : project_l2_row(rs, rt, n, rp, pb + b * n, ref.get(), acc.get(), scaled);
-        } else {  // in double: z from rank_frame, t cast, the output cast back
-          double* zd = frame.get();
-          double* td = zd + n;
-          double* pd = td + n;
-          for (int64_t j = 0; j < n; ++j) td[j] = double(rt[j]);
-          rank_frame(rs, double(f), td, n, zd);
-          finite = kl ? project_kl_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), aux.get())
-                      : project_l2_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), scaled);
-          for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(pd[j]);
-        }
+        // in double: z from rank_frame, t cast, the output cast back
+        double* zd = frame.get();
+        double* td = zd + n;
+        double* pd = td + n;
+        for (int64_t j = 0; j < n; ++j) td[j] = double(rt[j]);
+        rank_frame(rs, double(f), td, n, zd);
+        const bool finite =
+            kl ? project_kl_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), aux.get())
+               : project_l2_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), scaled);
+        for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(pd[j]);
         rows_bad += !finite;
         if (negate) {
           for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(0) - rp[j];
@@ -786,8 +781,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
 // through it (times f, or over f; negated with kModeNegate, where the output is -P(z, -w)). With u
 // too (B or 1 rows, in z's order, finite, g's dtype) also the gradient in eps, ge (B,):
 // <J_z^T g, z - z_ref> / -eps (over +eps with kModeNegate), z_ref the first entry of each block
-// (sorted coordinates), taken on the block-relative differences of u; 0 where the sort's cap on
-// 1 / eps holds. ge is (0,) without u.
+// (sorted coordinates), taken on the block-relative differences of u. ge is (0,) without u.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
     const at::Tensor& g, const std::optional<at::Tensor>& pz_in,
     const std::optional<at::Tensor>& pw_in, const at::Tensor& block_in, bool want_z,
@@ -840,7 +834,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
     const int64_t* ppw = pw ? pw->const_data_ptr<int64_t>() : nullptr;
     const scalar_t* pu = want_r ? u.const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* pe = scaled ? eps.const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t cap = scalar_t(std::numeric_limits<scalar_t>::max() / (4.0 * double(n)));
     scalar_t* pgz = want_z ? gz.data_ptr<scalar_t>() : nullptr;
     scalar_t* pgw = want_w ? gw.data_ptr<scalar_t>() : nullptr;
     scalar_t* pr = want_r ? r.data_ptr<scalar_t>() : nullptr;
@@ -853,15 +846,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
         const int64_t* rz = ppz ? ppz + b * n : nullptr;
         const int64_t* rw = ppw ? ppw + b * n : nullptr;
         // z = u * f or u / f (the forward's f), and gz taken through it
-        scalar_t f = scalar_t(1), r = scalar_t(1);
+        scalar_t f = scalar_t(1);
         if (scaled) {
           const scalar_t e = pe[b * e0];
-          if (inv) {
-            r = scalar_t(1) / e;
-            f = r > cap ? cap : r;
-          } else {
-            f = flip ? -e : e;
-          }
+          f = inv ? scalar_t(1) / e : flip ? -e : e;
         }
         const auto through = [&](scalar_t v) {
           if (!scaled) return v;
@@ -929,7 +917,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           const scalar_t rel = scalar_t(inv ? total * double(f) : total / double(f));
           const scalar_t e = pe[b * e0];
           const scalar_t ge = rel / (negate ? e : -e);
-          pr[b] = inv && r != f ? scalar_t(0) : ge;  // (f constant where the cap holds)
+          pr[b] = ge;
         }
       }
     });

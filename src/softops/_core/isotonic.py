@@ -388,22 +388,29 @@ MODE_KL, MODE_SORT_Z, MODE_SORT_W, MODE_EXP, MODE_NEGATE, MODE_INV, MODE_FLIP = 
 
 
 def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The rank's z = u / f (B, n) in sorted coordinates, from q, the sorted u (B, n), f (B, 1)
-    and t, the sorted w (B, n), in a frame that cannot overflow (``rank_frame`` in
-    ``_isotonic_kernel.cpp``, the same operations in the same order).
+    """z = u / f (B, n) in sorted coordinates (the rank's x / eps, the sort's rho / eps), from
+    q, the sorted u (B, n), f (B, 1) and t, the sorted w (B, n), in a frame that cannot overflow
+    (``rank_frame`` in ``_isotonic_kernel.cpp``, the same operations in the same order).
 
     P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries
-    wider than G = (t_0 - t_(n-1)) + 2 n is never pooled across (for blocks P above T,
+    wider than the span of t (plus 2 log n for KL) is never pooled across (for blocks P above T,
     mean(y_P) - mean(y_T), y = z - t, is at least the gap less the span of t; for KL, whose
-    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). So each run of gaps
-    at most G keeps its own differences, z'_i = o - (q_a - q_i) (1 / f) (a the run's first
-    position), and the runs are set G apart: the blocks, and every difference within a block
-    that the output is formed from, are those of z, and no entry is beyond n G. Entries of q
-    that are not finite keep q / f (+-inf, NaN), which the projection takes as before.
+    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). The bound taken is
+    G = 2 (t_0 - t_(n-1)) + 2 n, whose margin over the span survives rounding at any scale. So
+    each run of gaps at most G keeps its own differences, z'_i = o - (q_a - q_i) (1 / f) (a the
+    run's first position), and the runs are set G apart: the blocks, and every difference within
+    a block that the output is formed from, are those of z, and no entry is beyond n G. A sort
+    whose 1 / eps exceeds G is the hard sort, exactly. Entries of q that are not finite keep
+    q / f (+-inf, NaN), which the projection takes as before.
     """
     n = q.shape[-1]
-    G = (t[:, :1] - t[:, -1:]) + 2.0 * n
+    G = 2.0 * (t[:, :1] - t[:, -1:]) + 2.0 * n
     r = 1.0 / f  # (differences times 1 / f, as the kernel forms them)
+    # where G is beyond max / (4 n) (a float64 t spanning that far or holding an infinity), n
+    # segments G apart do not fit: |1 / f| is capped there instead (KD25, exact only where no gap
+    # of t reaches the cap)
+    bound = torch.finfo(q.dtype).max / (4.0 * n)
+    r = torch.where(~(G <= bound) & (r.abs() > bound), r.sign() * bound, r)
     fin = torch.isfinite(q)
     no = torch.zeros_like(fin[:, :1])
     brk = fin[:, :-1] & fin[:, 1:] & ((q[:, :-1] - q[:, 1:]) * r > G)
@@ -421,35 +428,29 @@ def _permutahedron_reference(
     u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n = u.shape[-1]
-    f = scale_factor(eps, n, mode).unsqueeze(1)
-    inv = bool(mode & MODE_INV)
+    f = (-eps if mode & MODE_FLIP else eps).unsqueeze(1)  # z = u / f (the sort's u * (1 / eps))
     u = u.expand(eps.shape[0], n)
-    # inv: z = u * f, sorted; else z = u / f, whose order is u's (-u's with the flip), formed
-    # from the sorted u by _rank_frame
-    key = u * f if inv else (-u if mode & MODE_FLIP else u)
+    # z's order is u's (-u's with the flip); z itself is formed from the sorted u by _rank_frame
+    key = -u if mode & MODE_FLIP else u
     if mode & MODE_NEGATE:
         w = -w
     if mode & MODE_EXP:
         w = w.log()
     pz = key.new_empty((key.shape[0], 0), dtype=torch.int64)
-    s = key if inv else u
+    s = u
     if mode & MODE_SORT_Z:
         key, pz = torch.sort(key, dim=-1, descending=True, stable=True)
-        s = key if inv else u.gather(1, pz)
+        s = u.gather(1, pz)
     t, pw = (  # (a single row of w is sorted once)
         torch.sort(w, dim=-1, descending=True, stable=True)
         if mode & MODE_SORT_W
         else (w, w.new_empty((w.shape[0], 0), dtype=torch.int64))
     )
     t = t.expand(eps.shape[0], n)
-    if inv:
-        res = _project(s, t, bool(mode & MODE_KL))
-        p = res.p
-    else:  # in the accumulation dtype, cast back (as the kernel)
-        acc = _acc_dtype(u)
-        ta = t.to(acc)
-        res = _project(_rank_frame(s.to(acc), f.to(acc), ta), ta, bool(mode & MODE_KL))
-        p = res.p.to(u.dtype)
+    acc = _acc_dtype(u)  # in the accumulation dtype, cast back (as the kernel)
+    ta = t.to(acc)
+    res = _project(_rank_frame(s.to(acc), f.to(acc), ta), ta, bool(mode & MODE_KL))
+    p = res.p.to(u.dtype)
     p = p.exp_() if mode & MODE_EXP else p
     if mode & MODE_NEGATE:
         p = torch.rsub(p, 0.0)
@@ -515,8 +516,9 @@ def permutahedron(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, bool]:
     """``P(z, w)`` for each row, in z's order. No autograd.
 
-    z is ``u * min(1/eps, max / (4 n))`` (``MODE_INV``) or ``u / eps`` (``u / -eps`` with
-    ``MODE_FLIP``); ``MODE_NEGATE`` gives ``-P(z, -w)`` (as ``0 - p``), ``MODE_EXP`` with
+    z is ``u * (1/eps)`` (``MODE_INV``, the sort: the same z as ``u / eps``) or ``u / eps``
+    (``u / -eps`` with ``MODE_FLIP``), formed in the frame of ``_rank_frame`` (in double, never
+    beyond its range); ``MODE_NEGATE`` gives ``-P(z, -w)`` (as ``0 - p``), ``MODE_EXP`` with
     ``MODE_KL`` ``exp P_E(z, log w)``; ``MODE_SORT_Z`` / ``MODE_SORT_W`` sort z / w here
     (descending, stably; else they come sorted descending). One pass of the C++ kernel per row
     on the CPU, the sorts included.
@@ -593,15 +595,16 @@ def _l2_vjp_reference(
         total = ((gs - mean) * (us - us.gather(1, first.gather(1, block)))).sum(-1)
         rel = (total * f.to(acc) if mode & MODE_INV else total / f.to(acc)).to(g.dtype)
         r = rel / (eps if mode & MODE_NEGATE else -eps)
-        if mode & MODE_INV:  # 0 where the cap on 1 / eps holds
-            r = torch.where(eps.reciprocal() == f, r, 0.0)
     return gz, gw, r
 
 
 def scale_factor(eps: torch.Tensor, n: int, mode: int) -> torch.Tensor:
-    """f (B,) of :func:`permutahedron`'s z: ``min(1/eps, max / (4 n))`` or ``+-eps``."""
+    """f (B,) with :func:`permutahedron`'s z = u * f (``MODE_INV``: f = 1 / eps, finite for
+    every epsilon the ops take, a normal number) or z = u / f (f = +-eps), for the backward: z
+    itself is never formed. ``n`` is unused (one signature for every mode)."""
+    del n
     if mode & MODE_INV:
-        return eps.reciprocal().clamp(max=torch.finfo(eps.dtype).max / (4 * n))
+        return eps.reciprocal()
     return -eps if mode & MODE_FLIP else eps
 
 
@@ -776,7 +779,7 @@ def l2_vjp_host_scaled(
     rows, finite, in z's order) also the gradient in eps (B,), in the same pass: the derivative
     along a scaling of z, ``<J_z^T g, z - z_ref> / -eps`` (``/ eps`` with ``MODE_NEGATE``),
     z_ref the first entry of each block, taken on the block-relative differences of u (no
-    cancellation of |z| >> its gaps, no overflow of z), 0 where the sort's cap on 1/eps holds.
+    cancellation of |z| >> its gaps, no overflow of z).
     Returns ``(gz, gw, ge)`` (ge None without u and eps), or None as :func:`l2_vjp_host` does.
     """
     if not g.is_cpu or _host_ops() is None:

@@ -168,8 +168,8 @@ class _Mode:
             as for L2).
         negate: the result is -P(z, -w) (the ascending sort), formed as ``0 - p`` so that a zero
             stays +0.
-        inv: z is ``u * min(1/eps, cap)`` (the sort: u = rho, cap = max / (4 n), where the sort is
-            already hard, keeps rho / eps finite), else ``u / eps`` (the rank).
+        inv: z is ``u * (1/eps)`` (the sort: u = rho), else ``u / eps`` (the rank); the kernel
+            forms both in the same frame (module docstring), never beyond the dtype.
         flip: z is ``u / -eps`` (the descending rank).
     """
 
@@ -217,7 +217,7 @@ def _sorted_rel(
 
     J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
     (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
-    J_z dz/deps = -J_z z / eps (z = u / eps, and z = u * (1/eps) below the cap), is taken
+    J_z dz/deps = -J_z z / eps (z = u / eps, or u * (1/eps)), is taken
     on these small differences: no (z / eps) / eps to overflow at a tiny epsilon, no infinite z
     times a zero cotangent, no cancellation of |z| >> the gaps. The reference u_ref is detached:
     its derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in u,
@@ -232,11 +232,10 @@ def _sorted_rel(
     return _through(us - us.detach().gather(1, first), f, mode)
 
 
-def _eps_grad(rel: Tensor, eps: Tensor, f: Tensor, mode: _Mode) -> Tensor:
+def _eps_grad(rel: Tensor, eps: Tensor) -> Tensor:
     """The gradient in eps (B,) from ``rel`` = <dL/dz, z - z_ref> per row: dz/deps = -z / eps
-    for z = u / eps and for z = u * (1/eps) below the sort's cap (0 where the cap holds)."""
-    ge = rel / -eps
-    return torch.where(eps.reciprocal() == f[:, 0], ge, 0.0) if mode.inv else ge
+    for z = u / eps and for the sort's z = u * (1/eps) alike."""
+    return rel / -eps
 
 
 def _limits(
@@ -379,7 +378,7 @@ class _Permutahedron(torch.autograd.Function):
             if mode.negate:  # through w -> -w
                 gw = -gw
         if want_e:
-            ge = _eps_grad((gs_z * cast(Tensor, rel)).sum(-1), eps, f, mode)
+            ge = _eps_grad((gs_z * cast(Tensor, rel)).sum(-1), eps)
         return gz, gw, ge, None
 
     @staticmethod
@@ -397,7 +396,7 @@ class _Permutahedron(torch.autograd.Function):
         if du is not None:
             ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
         if de is not None:  # dz = -z deps / eps, on the block-relative z (``_sorted_rel``)
-            dse = cast(Tensor, rel) * _eps_grad(de, eps, f, mode)[:, None]
+            dse = cast(Tensor, rel) * _eps_grad(de, eps)[:, None]
             ds = dse if ds is None else ds + dse
         terms = []
         if ds is not None:
@@ -560,8 +559,6 @@ def sort(
     ``opts.regularization`` is "l2" or "kl"; ``offset`` is unused (the one backend signature).
     """
     # descending: P(a, x); ascending: -P(a, -x), the descending sort of -x, negated; with
-    # a = rho / eps, saturated in the node so that the largest entry stays below a quarter of
-    # the dtype's range: at an epsilon that small the sort is already at its hard limit (every
-    # gap of the scores is far below 1/epsilon), and rho / eps would otherwise overflow to inf
+    # a = rho / eps, formed by the node in the frame that cannot overflow (module docstring)
     mode = _SORT[opts.regularization == "kl", not descending]
     return _apply(x2, eps, mode)
