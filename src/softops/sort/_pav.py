@@ -1,89 +1,47 @@
 r"""Fast soft sort and rank by projection onto the permutahedron (Blondel et al. 2020).
 
-With :math:`\rho = (n, \dots, 1)`, :math:`P_Q(z, w)` the Euclidean projection of z onto the
-permutahedron of w (the convex hull of the permutations of w) and :math:`P_E` its KL analogue
-(Blondel et al. 2020, §4):
+With :math:`\rho = (n, \dots, 1)` and :math:`P_Q(z, w)` / :math:`P_E(z, w)` the Euclidean / KL
+projection of z onto the permutahedron of w (Blondel et al. 2020, §4; docs/math.md §5):
 
 .. math::
 
     \mathrm{rank}(\theta) = P_Q(\theta/\varepsilon, \rho), \qquad
     \mathrm{sort}_\downarrow(\theta) = P_Q(\rho/\varepsilon, \theta), \qquad
     \mathrm{rank}_{KL}(\theta) = \exp P_E(\theta/\varepsilon, \log\rho), \qquad
-    \mathrm{sort}_{\downarrow, KL}(\theta) = P_E(\rho/\varepsilon, \theta).
+    \mathrm{sort}_{\downarrow, KL}(\theta) = P_E(\rho/\varepsilon, \theta),
 
-Each projection reduces to isotonic regression on sorted coordinates (Blondel et al. 2020, §5):
-:math:`P(z, w) = z - v(z_\sigma, w)_{\sigma^{-1}}`, with :math:`\sigma` the permutation that
-sorts z in descending order and v solved by PAV (``softops._core.isotonic``).
+each reduced to PAV isotonic regression on sorted coordinates (``softops._core.isotonic``).
+Conventions: ranks ascending (rank n is the largest), ``soft_sort`` ascending, ``descending=True``
+the same maps on ``-x``; epsilon is torchsort's ``regularization_strength``, and the weights are
+:math:`\rho/\varepsilon` as derived (not the reference numpy code's ``arange(n)[::-1] +
+1/epsilon``, a precedence slip that makes its sort ignore epsilon).
 
-Conventions (deviations from the paper's notation): ranks are ascending, so rank 1 is the
-smallest and rank n the largest, and ``soft_sort`` is ascending; ``descending=True`` applies the
-same maps to ``-x``. Both equal torchsort's ``soft_rank`` / ``soft_sort`` with
-``regularization_strength = epsilon``. The weights are :math:`\rho/\varepsilon`, as derived, not
-``arange(n)[::-1] + 1/epsilon`` (an operator-precedence slip in the reference numpy code that
-makes its sort ignore epsilon).
+One autograd ``Function``, ``_Permutahedron``, computes :math:`P(z, w)` with the scaling, the sorts,
+the isotonic step, the un-sort and the limits in one node (one operator, one kernel pass per row on
+the CPU: ``softops._core.isotonic.permutahedron``). Contract:
 
-One custom autograd ``Function``, ``_Permutahedron``, computes :math:`P(z, w)` for z in any
-order and w in any order (the permutahedron of w does not depend on its order): the scaling by
-epsilon (z = x / epsilon for the rank, z = rho * (1/epsilon) for the sort), the sorts that the
-reduction needs, the isotonic step (a compiled kernel, which cannot be traced), the un-sort and
-the limits at non-finite entries, in one autograd node. It returns :math:`P(z, w) = z - v`
-itself, formed block by block relative to each block's first entry, never as the difference of
-two large numbers: a rank at tiny epsilon (|z| ~ 1e16), beside an infinite or far entry, or a
-sort at huge epsilon stays exact, and ranks stay in [1, n] with the sum n(n+1)/2 at every scale
-(``softops._core.isotonic.project_l2``). The rank's z = x / epsilon is never formed in the
-dtype (beyond its range, at a tiny epsilon, its entries would tie at +-inf): the operator sorts
-x, and forms z from the sorted x's differences over epsilon, in double, with every gap wider
-than the span of rho plus 2n (which no block crosses) cut to that width, so the blocks and every
-within-block difference are z's and nothing overflows (``softops._core.isotonic._rank_frame``).
+- exact at every scale: P is formed block by block relative to each block's first entry, and z
+  (``x / eps`` or ``rho / eps``) is never formed in the dtype but in a frame in double that cannot
+  overflow (gaps wider than the span of w, which no block crosses, cut to a bound): ranks stay in
+  [1, n] with the sum n(n+1)/2, and a sort or rank at an epsilon below every gap is the hard one,
+  bit for bit (docs/math.md §5; KD22, KD24). The one limit: float64 rows spanning beyond about
+  max / (8 n) at epsilon below 4 n / max, where 1/eps is capped (KD25).
+- limits at non-finite entries (reported by the kernel, so that the node marks them only then):
+  a NaN makes its row NaN; for L2 a row of w holding +inf and -inf is NaN and one infinity in w
+  pulls the row to it; an infinite z sits in a block of equal infinities whose value is the
+  block's mean of w (L2) or its log-mean-exp (KL). Those entries get a zero derivative.
+- derivatives: the VJP and JVP are explicit in sorted coordinates (L2: the cotangent minus its
+  block mean in z, the block mean in w; KL: the block softmaxes of z and w), written in
+  differentiable torch ops, so second derivatives are exact (zero a.e. for L2). The derivative
+  in epsilon is :math:`-\langle J_z^\top \bar p, z - z_{\mathrm{ref}}\rangle / \varepsilon` with
+  :math:`z_{\mathrm{ref}}` each block's first entry (``_sorted_rel``): small block-relative
+  differences, one division, finite wherever the derivative is (docs/math.md §5).
 
-Its VJP is explicit, in sorted coordinates: in z, the cotangent minus its block mean (L2) or minus
-the block softmax of z times the block sum (KL); in w, the block mean (L2) or the block softmax of
-w times the block sum (KL); each is then un-sorted, and taken through z = x / epsilon. Its JVP
-(forward mode: ``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) applies the same
-Jacobian to the tangent: the L2 block mean is symmetric, so dp = ds - mean_B(ds) + mean_B(dw);
-the KL Jacobian, :math:`I - 1\,\mathrm{softmax}(s_B)^\top` in s and
-:math:`1\,\mathrm{softmax}(w_B)^\top` in w, is not, so dp = ds - <softmax(s_B), ds_B> +
-<softmax(w_B), dw_B>, broadcast over the block. Both are written in differentiable torch ops of
-the cotangent and of the saved inputs (z and the block softmaxes are recomputed from x, epsilon
-and w), so second derivatives are exact too (zero a.e. for L2).
-
-The derivative in epsilon uses the homogeneity of the scaling rather than the chain rule through
-z / epsilon, whose backward forms (z / epsilon) / epsilon (0 * inf = NaN once epsilon**2
-underflows, at a zero derivative) and x * cotangent (0 * inf at an infinite x): with
-:math:`dz/d\varepsilon = -z/\varepsilon` and :math:`J_z c 1_B = 0` for a shift constant on a
-block (the L2 block mean and the KL softmax both annihilate it),
-
-.. math::
-
-    \frac{\partial p}{\partial\varepsilon} = -\frac1\varepsilon J_z z
-        = -\frac1\varepsilon J_z (z - z_{\mathrm{ref}}),
-
-with :math:`z_{\mathrm{ref}}` the first entry of each block (sorted coordinates). The VJP is
-:math:`-\langle J_z^\top \bar p, z - z_{\mathrm{ref}}\rangle / \varepsilon`: small block-relative
-differences (0 in a singleton, 0 at the frozen infinite entries), formed as differences of x
-divided by epsilon (``_sorted_rel``), one division by epsilon, and a finite result wherever the
-derivative is finite. For the sort, where 1/epsilon is capped (at
-max / (4n), where the sort is already hard) the derivative is 0.
-
-The ascending sort, -P(rho/epsilon, -x), takes its two negations inside the node too
-(``_Mode.negate``), the descending rank its one (``_Mode.flip``). Outside torch.func,
-``softops._core.transforms.apply_function`` skips the per-call signature binding of
-``Function.apply``; the forward (the scaling, the sorts, the projection and the un-sort) is one
-operator (``softops._core.isotonic.permutahedron``), one pass of the C++ kernel per row on the
-CPU; with the kernel in use and a gradient that is not itself differentiated,
-the L2 VJP, the epsilon term included, is one compiled pass over each row
-(``softops._core.isotonic.l2_vjp_host_scaled``) instead of about ten small torch ops. A plain
-eager call on the CPU outside forward mode (``softops._core.isotonic.eager_ops``) takes the same
-node in its classic form, ``_PermutahedronEager``: the kernel called directly, one output, the
-same saved tensors and backward. These fixed costs, not the O(n log n) work, set the time of a
-small call.
-
-Limits (given by the kernels, which report a non-finite row so that the node marks the entries
-whose derivatives are zero only then): a NaN anywhere in a row of z or w makes the row NaN; for
-L2, a row of w holding both +inf and -inf is NaN (the projection keeps the sum of w, inf - inf),
-and one infinity in w pulls the whole row to it; an infinite entry of z sits in a block of equal
-infinities, whose limit is the block's mean of w (L2) or its log-mean-exp (KL). These entries get
-a zero derivative. On meta tensors the node gives shapes only.
+Fast paths: a plain eager CPU call runs the kernel directly (``_PermutahedronEager``, the same
+saved tensors and backward); an L2 gradient that is not itself differentiated is one compiled
+pass (``softops._core.isotonic.l2_vjp_host_scaled``); ``torch.compile`` takes
+``_PermutahedronTraced``; ``torch.func.vmap`` folds the vmapped dim into the rows. Meta tensors
+get shapes only.
 
 Reference: Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking.
 ICML 2020. arXiv:2002.08871.
