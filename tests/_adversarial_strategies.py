@@ -98,7 +98,7 @@ def row_values(
     draw: st.DrawFn, dtype: torch.dtype, n: int, *, nonfinite: bool = True
 ) -> list[float]:
     """One row of n float64 numbers: plain, tied, huge, tiny, or a mix, maybe with ±inf/NaN."""
-    style = draw(st.sampled_from(["plain", "ties", "hostile", "mixed", "spread"]))
+    style = draw(st.sampled_from(["plain", "ties", "hostile", "mixed", "spread", "far"]))
     scale = 10.0 ** draw(st.integers(-6, 6))
     plain = st.floats(-1.0, 1.0, allow_nan=False).map(lambda v: v * scale)
     hostile = st.sampled_from(hostile_values(dtype))
@@ -113,6 +113,13 @@ def row_values(
         exps = draw(st.lists(st.integers(-300, 300), min_size=n, max_size=n))
         signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=n, max_size=n))
         vals = [s * 10.0**e for s, e in zip(signs, exps, strict=True)]
+    elif style == "far":  # one entry far from the others, and an infinity (KD26)
+        vals = draw(st.lists(plain, min_size=n, max_size=n))
+        top = math.frexp(torch.finfo(dtype).max)[1] - 1
+        i = draw(st.integers(0, n - 1))
+        vals[i] = draw(st.sampled_from([-1.0, 1.0])) * 2.0 ** draw(st.integers(top // 2, top))
+        if nonfinite and n > 1:
+            vals[(i + 1) % n] = draw(st.sampled_from([INF, -INF]))
     else:
         vals = draw(st.lists(st.one_of(plain, hostile), min_size=n, max_size=n))
     if nonfinite and draw(st.integers(0, 3)) == 0:  # a quarter of the rows hold ±inf or NaN

@@ -357,3 +357,33 @@ def test_soft_kmax_gradients_stay_finite_at_extremes(row, eps, dtype) -> None:
     torch.testing.assert_close(out.double().sum(-1), torch.full((1,), 2.0, dtype=F64))
     gx, ge = torch.autograd.grad(out, (x, e), torch.randn_like(out))
     assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (gx, ge)
+
+
+@pytest.mark.parametrize(
+    ("row", "eps", "k"),
+    [
+        ([math.inf, 0.0, 0.5, -3.3895313892515355e38], 0.5, 3),  # the slow profile's case
+        ([math.inf, 0.0, 0.5, -1e37], 0.01, 3),
+        ([math.inf, 0.0, 0.5, -1e30], 1e-9, 3),
+        ([0.0, -math.inf, 0.5, -1e30, math.inf, 2.0], 1e-9, 4),
+    ],
+)
+def test_kd26_excluded_entries_beside_a_far_minimum_stay_out_of_the_softmax(row, eps, k):
+    """KD26 (found by the slow adversarial profile): an excluded entry (+-inf) in a row whose
+    minimum is far below, so that a_j p_j, and the excluded entry's d, are large: d * (1/eps)
+    overflowed to +inf, beside the mask's -inf: NaN in every output of the row
+    (soft_kmax([[inf, 0, 0.5, -3.39e38]], k=3, epsilon=0.5) in float32). Now float32 gives
+    float64's values and gradients (x and epsilon), and the gradient is finite."""
+    outs = {}
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor([row], dtype=dtype, requires_grad=True)
+        e = torch.tensor([eps], dtype=dtype, requires_grad=True)
+        out = soft_kmax(x, k, epsilon=e)
+        w = torch.arange(1.0, len(row) + 1, dtype=dtype)
+        gx, ge = torch.autograd.grad((out * w).sum(), (x, e))
+        assert bool(
+            torch.isfinite(out).all() and torch.isfinite(gx).all() and torch.isfinite(ge).all()
+        )
+        outs[dtype] = (out.detach(), gx, ge)
+    for a, b in zip(outs[torch.float32], outs[torch.float64], strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)

@@ -139,7 +139,9 @@ def _kmax_rounds(
 
     An entry far below the top gets at most a logit that overflows to ``-inf`` (weight 0),
     never a saturation that ties entries at the top (KD20). ``d`` is finite (``h`` keeps it
-    within the dtype) and at most 0, so no logit is NaN or ``+inf``, and a ``-inf`` one gets a
+    within the dtype) and at most 0 (0 at the excluded entries, whose ``-inf`` comes from the
+    mask: their own d is unbounded, and scaled it overflowed to ``+inf``, NaN beside the mask,
+    KD26), so no logit is NaN or ``+inf``, and a ``-inf`` one gets a
     zero gradient without a NaN (its weight is 0, and ``d`` and ``1/eps`` are finite).
     """
     for t in range(t0, t1):
@@ -160,7 +162,10 @@ def _kmax_rounds(
         d = torch.where(top, (xh - xj) - ap + apj, w - (wj - (mh - mh.detach())))  # saves `top`
         with torch.no_grad():  # rounding may leave an entry a hair above j: d <= 0 after this
             dmax = (d + mask).amax(-1, keepdim=True)
-        z = (d - dmax) * inv * hinv + mask  # saves d - dmax when eps requires grad
+            # and the excluded entries (mask -inf) to 0: their d is not bounded by dmax (a p_j a_j
+            # far above x_j), and d * (1/eps) overflowed to +inf there, +inf + -inf = NaN
+            off = torch.where(mask < 0, d - dmax, 0)
+        z = (d - dmax - off) * inv * hinv + mask  # saves d - dmax - off when eps requires grad
         q = torch.softmax(z, -1)  # saves q
         p = p + q * (t < steps)[:, None]  # (a (B, 1) factor: cheaper than a where)
     return p
