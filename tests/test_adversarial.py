@@ -1102,13 +1102,14 @@ KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
     ),
 }
 """Open: KD25 (the value and epsilon derivative of soft_sort and soft_quantile "pav" are not
-compared on float64 rows whose 2 span + 2 n exceeds max / (4 n) at 1 / eps above it). Fixed: KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17
-(_core/sinkhorn.py), KD18 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot",
-softsort l2 and neuralsort: sort/_chunked.py), KD20 and KD21 (topk/_softkmax.py), KD22 (the PAV
-rank's z = x / eps beyond the dtype: sort/_pav.py, _core/isotonic.py and _isotonic_kernel.cpp),
-KD23 (NeuralSort's logits rounded on n * span: sort/_neuralsort.py) and KD24 (the PAV sort's cap
-on 1 / eps, not hard where a gap of x reaches it: the sort now takes the rank's frame, in the
-same files as KD22), whose reproducers are regression tests for their classes in
+compared on float64 rows whose 2 span + 2 n exceeds max / (4 n) at 1 / eps above it). Fixed:
+KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py), KD18
+(PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
+neuralsort: sort/_chunked.py), KD20, KD21 and KD26 (topk/_softkmax.py), KD22 (the PAV rank's
+z = x / eps beyond the dtype: sort/_pav.py, _core/isotonic.py and _isotonic_kernel.cpp), KD23
+(NeuralSort's logits rounded on n * span: sort/_neuralsort.py) and KD24 (the PAV sort's cap on
+1 / eps, not hard where a gap of x reaches it: the sort now takes the rank's frame, in the same
+files as KD22), whose reproducers are regression tests for their classes in
 tests/topk/test_sinkhorn_extremes.py, tests/topk/test_sparse.py, tests/core/test_sinkhorn.py,
 tests/sort/test_pav_extremes.py, tests/sort/test_ot_extremes.py, tests/topk/test_softkmax.py and
 tests/sort/test_neuralsort.py."""
