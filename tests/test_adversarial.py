@@ -54,7 +54,9 @@ the ``slow`` one (``pytest -m slow tests/test_adversarial.py``) runs 6000, 1000,
 finite-difference and second-derivative examples as forward_backward and tiny_rows ones). Both
 are derandomized and use no example database, so a run is reproducible and prints nothing but
 pytest's summary. ``SOFTOPS_ADVERSARIAL_COUNTS=<file>`` adds the number of examples
-each (property, case) completed to that JSON file.
+each (property, case) completed to that JSON file; ``SOFTOPS_ADVERSARIAL_SCALE=<f>`` multiplies
+the slow profile's counts (a run on a time budget: 10**4 per op needs f = 0.5 for an op with one
+registry entry, less where an op has several).
 """
 
 from __future__ import annotations
