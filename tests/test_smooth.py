@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.autograd import gradcheck, gradgradcheck
 
+import softops
 from softops import soft_kmax
 from softops.smooth import smooth_max, smooth_min, soft_argmax, soft_argmax_onehot, soft_argmin
 from tests._helpers import seeded
@@ -365,3 +366,21 @@ def test_span_beyond_the_dtype_is_exact():
     torch.testing.assert_close(soft_argmax_onehot(x, epsilon=e).double(), ref, rtol=1e-4, atol=0)
     want = e * torch.logsumexp(x.double() / e, -1)
     torch.testing.assert_close(smooth_max(x, epsilon=e).double(), want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("op", ["soft_argmax", "soft_argmin", "smooth_max", "soft_argmax_onehot"])
+def test_kd27_one_over_epsilon_is_correctly_rounded_at_any_scale(op):
+    """KD27 (found by the slow adversarial profile): 1/eps was exp(-log eps), whose rounding
+    (about |log eps| units) every logit carried: soft_argmax(float32 [[8 tiny, 0]],
+    epsilon=tiny) was 3.3534181e-4 where float64 gives 3.3535013e-4. Rows whose x / eps is
+    exact (multiples of epsilon, a power of two) now give float64's values to float32's rounding
+    at every scale of epsilon, and the same values at each scale (the scaling law)."""
+    fn = getattr(softops, op)
+    base = torch.tensor([[8.0, 0.0, -3.0, 5.5], [1.0, 2.0, 0.25, -7.0]], dtype=torch.float64)
+    want = fn(base, epsilon=1.0)
+    for eps in (torch.finfo(torch.float32).tiny, 2.0**-100, 2.0**60):
+        x = (base * eps).float()
+        out = fn(x, epsilon=eps)
+        if op == "smooth_max":
+            out = out.double() / eps
+        torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-9)
