@@ -79,7 +79,6 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 import softops
-from softops.sort._softsort import row_scale
 from tests import _adversarial_strategies as adv
 from tests.test_contract import CASES, DETERMINISTIC, TAKES_K, Case
 
@@ -461,19 +460,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         kd25 = (1 / eps > bound) & far
         out["value"] = out["value"] | kd25
         out["grad_eps"] = out["grad_eps"] | kd25
-    if case.method == "neuralsort":
-        # KD28 (sort/_neuralsort.py and sort/_softsort.py's scaled_inverse): the gaps are taken
-        # in the frame of x / s and scaled by s / eps, which saturates below the dtype's largest
-        # value where s (held up by the row's span) over a tiny epsilon exceeds it: the small
-        # gaps of the row are then scaled 0.1% short (test_known_defect); value not compared
-        cx = xd.detach().to(cd)
-        fin_c = torch.isfinite(cx)
-        hi = torch.where(fin_c, cx, -INF).amax(-1, keepdim=True)
-        lo = torch.where(fin_c, cx, INF).amin(-1, keepdim=True)
-        centre = torch.where(torch.isfinite(hi + lo), 0.5 * hi + 0.5 * lo, 0.0)
-        sc = row_scale(torch.where(fin_c, cx - centre, 0.0), eps.to(cd), 1.0, 3.0 * n_of(xd))
-        kd28 = (sc.view(-1).double().log() - eps.log()) > math.log(fi.max) - 2e-3
-        out["value"] = out["value"] | kd28
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1111,34 +1097,16 @@ def _kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n() -> None:
         assert torch.equal(out, x.sort(-1).values), (reg, out.tolist())
 
 
-def _kd28_neuralsort_scaled_gaps_saturate_at_a_tiny_epsilon() -> None:
-    """sort/_neuralsort.py (with sort/_softsort.py's scaled_inverse): the gaps are those of x / s,
-    s a power of two held up by the row's span (so that the logits' sums stay finite), times
-    s / eps, saturated at 0.999 of the dtype's largest value: where s / eps exceeds it (a span
-    near max / (12 n) at an epsilon near finfo.tiny) every gap is scaled 0.1% short:
-    soft_rank(float32 [[-4.25e37, 0, 0, 0, 1.18e-38]], epsilon=finfo(float32).tiny,
-    method="neuralsort") is [[1, 3.7112, 3.7112, 3.7112, 2.8665]] where float64 gives [[1,
-    3.7109, 3.7109, 3.7109, 2.8672]] (found by the slow profile's tiny_rows)."""
-    x = torch.tensor([[-4.253529586511731e37, 0.0, 0.0, 0.0, 1.1754943508222875e-38]])
-    tiny = torch.finfo(torch.float32).tiny
-    out = softops.soft_rank(x, epsilon=tiny, method="neuralsort")
-    want = softops.soft_rank(x.double(), epsilon=tiny, method="neuralsort")
-    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=0)
-
-
 KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "kd28_neuralsort_scaled_gaps_saturate_at_a_tiny_epsilon": (
-        _kd28_neuralsort_scaled_gaps_saturate_at_a_tiny_epsilon,
-        "sort/_neuralsort.py: s / eps saturates where the row's span holds s up at a tiny eps",
-    ),
     "kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n": (
         _kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n,
         "_core/isotonic.py: the sort's frame caps 1/eps where double cannot hold it",
     ),
 }
 """Open: KD25 (the value and epsilon derivative of soft_sort and soft_quantile "pav" are not
-compared on float64 rows whose 2 span + 2 n exceeds max / (4 n) at 1 / eps above it) and KD28
-(NeuralSort's value is not compared where its s / eps saturates). Fixed: KD27 (smooth.py),
+compared on float64 rows whose 2 span + 2 n exceeds max / (4 n) at 1 / eps above it). Fixed:
+KD28 (NeuralSort's s / eps saturated at a tiny epsilon beside a huge span: sort/_neuralsort.py
+now scales the gaps by it below max times exact powers of two), KD27 (smooth.py),
 KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py), KD18
 (PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
 neuralsort: sort/_chunked.py), KD20, KD21 and KD26 (topk/_softkmax.py), KD22 (the PAV rank's

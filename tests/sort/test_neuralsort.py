@@ -210,6 +210,53 @@ def test_kd23_gradients_beside_a_wide_span(descending):
     torch.testing.assert_close(gx[:6], gn[:6], rtol=1e-9, atol=1e-12)
 
 
+# ------------------------------ KD28: s / eps beyond the dtype at a tiny epsilon (test_adversarial)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+def test_kd28_gaps_not_scaled_short_at_the_smallest_normal_epsilon(dtype):
+    """At epsilon = finfo.tiny beside a span near max / (12 n), the row's power-of-two scale s
+    over epsilon exceeds the dtype's largest value: the factor s / eps saturated there, and every
+    gap came out 0.1% short (soft_rank(float32 [[-4.25e37, 0, 0, 0, 1.18e-38]], epsilon=tiny)
+    was [[1, 3.7112, 3.7112, 3.7112, 2.8665]], not [[1, 3.7109, 3.7109, 3.7109, 2.8672]]; found by
+    the slow profile's tiny_rows). Ranks, P and values (and the masked path) against the naive
+    float64 formula with the far entry near, and the gradients in x finite."""
+    import softops
+
+    fi = torch.finfo(dtype)
+    tiny = fi.tiny
+    x0 = torch.tensor([[-4.253529586511731e37, 0.0, 0.0, 0.0, 1.1754943508222875e-38]])
+    r0 = softops.soft_rank(x0, epsilon=torch.finfo(torch.float32).tiny, method="neuralsort")
+    want0 = [1.0, 3.7109375, 3.7109375, 3.7109375, 2.8671875]  # the float64 reference's, to 2e-5
+    torch.testing.assert_close(r0[0].double(), torch.tensor(want0, dtype=F64), rtol=2e-5, atol=0)
+    n = 7
+    big = fi.max / (12 * n)  # (s / eps saturated: s >= 4 here, 1 / tiny = max / 4)
+    near = [0.0, 0.0, 0.0, tiny, 2 * tiny, 0.5 * tiny, 3.5 * tiny]
+    for far_x in (-big, big, -4 * big):
+        x = torch.tensor([*near, far_x], dtype=dtype)
+        far = torch.arange(len(x)) == len(x) - 1
+        xd = x.double()
+        rank = softops.soft_rank(x[None], method="neuralsort", epsilon=tiny)[0].double()
+        want = _far_reference(xd, far, tiny, "rank")
+        tol = 2e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(rank, want, rtol=tol, atol=0)
+        p = softops.soft_argsort(x[None], method="neuralsort", epsilon=tiny)[0].double()
+        pw = _far_reference(xd, far, tiny, "p")
+        torch.testing.assert_close(p, pw, rtol=0, atol=tol)
+        v = softops.soft_sort(x[None], method="neuralsort", epsilon=tiny)[0].double()
+        # (the reference's far-near weights, e**-300, are 0 at the true distance)
+        torch.testing.assert_close(v, pw.masked_fill(pw < 1e-100, 0.0) @ xd, rtol=tol, atol=0)
+        xi = torch.cat((x[None], torch.tensor([[-torch.inf]], dtype=dtype)), -1)
+        ri = softops.soft_rank(xi, method="neuralsort", epsilon=tiny)[0, :-1].double()
+        torch.testing.assert_close(ri, rank + pw.sum(0), rtol=tol, atol=0)
+        xg = x[None].clone().requires_grad_()
+        w = torch.randn(len(x), generator=torch.Generator().manual_seed(28)).to(dtype)
+        # (the values': the ranks' derivative, about n / eps, is itself beyond the dtype here)
+        out = softops.soft_sort(xg, method="neuralsort", epsilon=tiny)
+        (g,) = torch.autograd.grad((out * w).sum(), xg)
+        assert torch.isfinite(g).all(), g.tolist()
+
+
 def test_a_nan_row_of_one_entry_is_nan():
     """The gap-formed logits of a row of one entry have no gap to carry its NaN (found by the
     slow profile's forward_backward on rank-neuralsort): the first gap is 0 * u_0."""

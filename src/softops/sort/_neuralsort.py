@@ -13,7 +13,9 @@ unused; no validation). The paper's :math:`\hat P_{\max}` is ``descending=True``
 formed relative to each row's argmax from the gaps of the sorted row (:func:`_gap_logits`,
 docs/math.md §3), so they carry the rounding of the gaps, not of ``n * span``; the O(n²) softmax
 runs in checkpointed row blocks. The gaps are scaled by a power of two (:func:`_frame`) and one
-factor ``-s / eps``, so no pass forms ``eps**2`` or overflows before the derivative does.
+factor ``-s / eps`` (:func:`_ratio`: below the dtype's largest value, times exact powers of two
+where ``s / eps`` is beyond it), so no pass forms ``eps**2`` or overflows before the derivative
+does, and no gap is scaled short at a tiny epsilon (KD28).
 """
 
 from __future__ import annotations
@@ -26,20 +28,43 @@ from torch import Tensor
 
 from softops.sort._chunked import chunked_rows
 from softops.sort._options import MethodOptions
-from softops.sort._softsort import row_scale, scaled_inverse
+from softops.sort._softsort import row_scale
 
 __all__ = ["argsort", "rank", "sort"]
 
 
-def _sorted_frame(u: Tensor, ratio: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The frame of ``_gap_logits`` for ascending rows u: ``-ratio`` times the gaps (0 where
-    ``keep`` is False), and the same of the next gaps, reversed."""
+def _ratio(eps: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``s / eps`` (B,) as ``q * t1 * t2``: ``q = scaled_inverse(eps, s / 2**j)`` below the
+    dtype's largest value (unsaturated), and the detached powers of two ``t1 * t2 = 2**j`` (each
+    finite; j = 0 where ``s / eps`` fits, so that q is ``scaled_inverse(eps, s)`` there)."""
+    dt = eps.dtype
+    top = math.frexp(torch.finfo(dt).max)[1] - 1  # the dtype's largest power of two
+    with torch.no_grad():
+        # log2(s / eps) in float64, where neither overflows; j leaves q two binades below max
+        log2_ratio = torch.log2(scale.view(-1).double()) - torch.log2(eps.detach().double())
+        # (j <= 2 top: s <= 2**top and 1 / eps < 2**(2 top) for a positive eps of the dtype)
+        j = torch.ceil(log2_ratio - (top - 2)).clamp(min=0.0, max=2.0 * top)
+        j1 = j.clamp(max=top)
+        t1, t2 = torch.exp2(j1).to(dt), torch.exp2(j - j1).to(dt)
+    # scaled_inverse's form and cap (reached at epsilon 0 alone)
+    log_q = torch.log(scale.view(-1).to(dt)) - torch.log(eps) - (j * math.log(2.0)).to(dt)
+    return torch.exp(log_q.clamp(max=math.log(torch.finfo(dt).max) - 1e-3)), t1, t2
+
+
+def _sorted_frame(
+    u: Tensor, ratio: tuple[Tensor, Tensor, Tensor], keep: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The frame of ``_gap_logits`` for ascending rows u: ``-s / eps`` (``ratio``, from
+    :func:`_ratio`) times the gaps (0 where ``keep`` is False), and the same of the next gaps,
+    reversed."""
     g = u[:, 1:] - u[:, :-1]
     if keep is not None:
         g = torch.where(keep[:, 1:] & keep[:, :-1], g, 0.0)
-    # (at most -max: a zero weight times it is 0, where -inf would give NaN; the sums may reach
-    # -inf, which the softmax takes to 0)
-    g = (g * -ratio.view(-1, 1)).clamp(min=-torch.finfo(g.dtype).max)
+    q, t1, t2 = (r.view(-1, 1) for r in ratio)
+    # the gaps times q (one rounding), then by the powers of two (exact, or beyond max: a gap
+    # whose logit overflows is at the hard limit anyway); at most -max: a zero weight times it
+    # is 0, where -inf would give NaN; the sums may reach -inf, which the softmax takes to 0
+    g = (g * -q * t1 * t2).clamp(min=-torch.finfo(g.dtype).max)
     zero = u[:, :1] * 0  # (0, or NaN in a NaN row: a row of one entry has no gap to carry it)
     return torch.cat((zero, g), -1), torch.cat((g, zero), -1).flip(-1)
 
@@ -94,7 +119,7 @@ def _run(
     scale = _frame(x2.detach() - centre, eps)
     # logits of the columns in sorted order
     u, perm = torch.sort(x2 / scale, dim=-1, stable=True)
-    frame = _sorted_frame(u, scaled_inverse(eps, scale, 1))
+    frame = _sorted_frame(u, _ratio(eps, scale))
     v, r, p = chunked_rows(  # the row parameter: the argmax's sorted position (ascending rows)
         _gap_logits,
         torch.arange(n, device=x2.device),
@@ -140,7 +165,7 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
     # sorted by xd (-inf first, +inf last), the gaps between finite entries only
     perm = torch.sort(xd, dim=-1, stable=True).indices
     fin_u = fin.gather(-1, perm)
-    frame = _sorted_frame(xcz.gather(-1, perm), scaled_inverse(eps.to(dt), scale, 1), fin_u)
+    frame = _sorted_frame(xcz.gather(-1, perm), _ratio(eps.to(dt), scale), fin_u)
     i = torch.arange(1, n + 1, dtype=dt, device=x2.device)  # ascending output positions
     kind_r = torch.where(i <= n_neg.to(dt), -1.0, torch.where(i > (n_neg + m).to(dt), 1.0, 0.0))
     v, r, p = chunked_rows(
