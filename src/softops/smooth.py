@@ -12,13 +12,19 @@ product of that relaxed one-hot with the indices relaxes ``argmax``; and repeati
 soft maximum, then remove it" k times gives the seed's soft-k-max, a relaxed top-k mask, which
 lives with its family (:func:`softops.soft_kmax`, in ``softops.topk``).
 
-Conventions and deviations from the note:
+Conventions shared by every op here, and deviations from the note:
 
-- The note writes the temperature as :math:`1/K` (it mostly uses K = 1); here it is ``epsilon``
-  in the units of x, and larger is smoother.
+- ``epsilon`` is the note's :math:`1/K`, in the units of x; larger is smoother. It is a positive
+  float, or a floating tensor broadcastable to the batch shape (``x.shape`` without ``dim``),
+  which receives a gradient; at least ``finfo.tiny`` of the compute dtype, or ``ValueError``.
+  Scaling law: the values scale with x (``smooth_max(c*x, epsilon=c*e) == c*smooth_max(x,
+  epsilon=e)``, c > 0) and the indices and one-hots are invariant.
+- float16 and bfloat16 are computed in float32 and cast back; outputs keep x's dtype and device.
 - ``soft_argmax`` is 0-based, like ``torch.argmax`` (the note uses indices 1..n).
-- Infinities follow the library-wide masking convention, which for the softmax-based ops is
-  the limit: ``-inf`` entries are never selected and ``+inf`` entries always are.
+- Infinities are their limits: ``-inf`` entries are never selected and ``+inf`` entries always
+  are (several share the mass equally); the ``min`` ops mirror this. A row that holds a NaN, or
+  has nothing to select, is NaN (``-inf`` for ``smooth_max`` of an all ``-inf`` row) in that
+  row only, with a zero gradient, as are the rows with a ``+inf``.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations of
@@ -52,17 +58,8 @@ __all__ = [
 
 
 def _inverse(eps: torch.Tensor) -> torch.Tensor:
-    """``1/eps``, correctly rounded, with the backward of ``exp(-log eps)``, which never squares
-    eps.
-
-    The backward of ``z / eps`` forms ``(z/eps)/eps``, which overflows at an epsilon far below
-    the gaps (``eps**2`` underflows) and turns the zero gradient of a saturated softmax into
-    ``0 * inf = NaN``. Here the chain is ``grad * inv`` then ``/ eps``: finite whenever the true
-    derivative is (eps is in its dtype's normal range: ``prepare_rows`` refuses it below
-    ``finfo.tiny`` and clamps it to ``finfo.max``, so ``1/eps`` is finite). The value is
-    ``1/eps`` itself: ``exp(-log eps)`` rounds by about ``|log eps|`` units, which every logit
-    carried (soft_argmax of float32 ``[8 tiny, 0]`` at ``epsilon=tiny`` was off by 2.5e-5
-    relative: KD27).
+    """``1/eps`` correctly rounded, with the backward of ``exp(-log eps)``, which never squares
+    eps (the backward of ``z/eps`` overflows at a tiny eps, giving ``0 * inf = NaN``; KD27).
     """
     smooth = torch.exp(-torch.log(eps))
     return (1 / eps).detach() + (smooth - smooth.detach())
@@ -82,14 +79,9 @@ def _scaled_difference(a: torch.Tensor, b: torch.Tensor, inv: torch.Tensor) -> t
 def _scaled_rows(
     x2: torch.Tensor, eps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shift and scale each row of x2 (B, n) for a softmax, with infinities as their limits.
-
-    Returns ``(y, m, pinf, nan_row, dead_row)``: ``y = (x - m)/eps`` with ``m`` the (detached)
-    row maximum, ``-inf`` at ``-inf`` entries; ``pinf`` marks the ``+inf`` entries; ``nan_row``
-    the rows holding a NaN and ``dead_row`` the rows that are entirely ``-inf``. Rows that hold
-    a NaN or a ``+inf``, and dead rows, are "special": their answer is fixed by the caller, and
-    their ``y`` is 0 so that neither the values nor the gradients of the plain path see an
-    infinity (the double-where trick: no 0 * inf in the backward).
+    """``(y, m, pinf, nan_row, dead_row)``: ``y = (x2 - m)/eps`` per row with m the detached
+    row maximum; rows with a NaN, a ``+inf`` or no finite entry get ``y = 0`` (their answer is
+    fixed by the caller; the double-where trick keeps infinities out of the backward).
     """
     finite = torch.isfinite(x2)
     pinf = x2 == math.inf
@@ -106,11 +98,7 @@ def _scaled_rows(
 
 
 def _softmax_rows(x2: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """``softmax(x2/eps)`` per row (B, n), with infinities as their limits.
-
-    ``-inf`` entries get 0; ``+inf`` entries share the mass equally (the others get 0); a row
-    that holds a NaN, or is entirely ``-inf``, is NaN. Those rows have a zero gradient.
-    """
+    """``softmax(x2/eps)`` per row (B, n), with infinities as their limits."""
     y, _, pinf, nan_row, dead_row = _scaled_rows(x2, eps)
     p = torch.softmax(y, -1)
     n_pinf = pinf.sum(-1, keepdim=True)
@@ -121,11 +109,7 @@ def _softmax_rows(x2: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def _smooth_max_rows(x2: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """``eps * logsumexp(x2/eps)`` per row: (B, n) -> (B,), with infinities as their limits.
-
-    Computed as ``m + eps * logsumexp((x - m)/eps)`` with m the row maximum, so the result is
-    never below the maximum (the sum inside the log is at least 1).
-    """
+    """``m + eps * logsumexp((x2 - m)/eps)`` per row, (B, n) -> (B,): never below the max."""
     y, m, pinf, nan_row, dead_row = _scaled_rows(x2, eps)
     v = m + eps * torch.logsumexp(y, -1)
     has_pinf = pinf.any(-1)
@@ -181,41 +165,25 @@ def smooth_max(
             = \varepsilon \log \sum_{i=1}^{n} e^{x_i / \varepsilon}
             \in \Big[\max_i x_i,\; \max_i x_i + \varepsilon \log n\Big],
 
-    with gradient :math:`\mathrm{softmax}(x/\varepsilon)` (see :func:`soft_argmax_onehot`). It is
-    convex, and it tends to the maximum as ``epsilon -> 0``; the lower bound holds exactly in
-    floating point (it is computed as :math:`m + \varepsilon \log \sum_i e^{(x_i - m)/\varepsilon}`
-    with m the maximum).
+    convex, with gradient :math:`\mathrm{softmax}(x/\varepsilon)`; the lower bound holds
+    exactly in floating point. Conventions (epsilon, dtypes, infinities): the module docstring.
 
     Args:
-        x: any shape, floating dtype. float16 and bfloat16 are computed in float32 and the
-            result is cast back.
-        dim: the dimension to reduce (negative values count from the end).
+        x: any shape, floating dtype.
+        dim: the dimension to reduce.
         keepdim: keep ``dim`` with size 1, as ``torch.amax`` does.
-        epsilon: the temperature :math:`\varepsilon` (the seed's :math:`1/K`), in the units of
-            x; larger is smoother. A positive float, or a floating tensor broadcastable to the
-            batch shape (``x.shape`` without ``dim``), which receives a gradient. Scaling law:
-            ``smooth_max(c*x, epsilon=c*e) == c * smooth_max(x, epsilon=e)`` for c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the temperature :math:`\varepsilon` (the note's :math:`1/K`), in x's units.
 
     Returns:
-        The smooth maximum, with the dtype and device of ``x``.
+        The smooth maximum.
 
     Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``.
-        - output: x's shape without ``dim`` (with ``dim`` of size 1 if ``keepdim``).
-
-    Infinities are their limits: a ``+inf`` entry gives ``+inf``, ``-inf`` entries add nothing,
-    and a row that is entirely ``-inf`` gives ``-inf``. A NaN gives NaN in its own row only.
-    Those rows (with a ``+inf``, a NaN, or no entry above ``-inf``) have a zero gradient.
+        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
         >>> smooth_max(x).round(decimals=4)
         tensor([3.4076, 4.0360])
-        >>> smooth_max(x, epsilon=1e-3, keepdim=True)
-        tensor([[3.],
-                [4.]])
 
     References:
         Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
@@ -244,24 +212,16 @@ def smooth_min(
             \in \Big[\min_i x_i - \varepsilon \log n,\; \min_i x_i\Big].
 
     Args:
-        x: any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        x: any shape, floating dtype.
         dim: the dimension to reduce.
         keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
-            floating tensor broadcastable to the batch shape, which receives a gradient.
-            Scaling law: ``smooth_min(c*x, epsilon=c*e) == c * smooth_min(x, epsilon=e)``, c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the temperature, in x's units (the module docstring).
 
     Returns:
-        The smooth minimum, with the dtype and device of ``x``.
+        The smooth minimum.
 
     Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``.
-        - output: x's shape without ``dim`` (with ``dim`` of size 1 if ``keepdim``).
-
-    Infinities mirror :func:`smooth_max`: a ``-inf`` entry gives ``-inf``, ``+inf`` entries add
-    nothing, and a row that is entirely ``+inf`` gives ``+inf``. A NaN gives NaN in its row.
+        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
 
     Example:
         >>> smooth_min(torch.tensor([1.0, 2.0, 3.0])).round(decimals=4)
@@ -291,38 +251,25 @@ def soft_argmax(
         \operatorname{soft\_argmax}_\varepsilon(x) = \sum_{i=0}^{n-1} i \,
             \mathrm{softmax}(x/\varepsilon)_i \in [0, n - 1].
 
-    As ``epsilon -> 0`` it tends to the index of the maximum where that is unique (tied maxima
-    give the mean of their indices). For large ``epsilon`` it tends to (n - 1)/2, not to an
-    index: it is an estimate of the position, not a selection.
+    Tied maxima give the mean of their indices; a large ``epsilon`` tends to (n - 1)/2: it
+    estimates a position, it does not select one.
 
     Args:
-        x: any shape, floating dtype (float16 and bfloat16 are computed in float32; note that
-            float16 cannot hold every index above 2048).
+        x: any shape, floating dtype (float16 cannot hold every index above 2048).
         dim: the dimension to reduce.
         keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
-            floating tensor broadcastable to the batch shape, which receives a gradient.
-            Scaling law: ``soft_argmax(c*x, epsilon=c*e) == soft_argmax(x, epsilon=e)``, c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the temperature, in x's units (the module docstring).
 
     Returns:
-        The soft index, with the dtype and device of ``x``.
+        The soft index.
 
     Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``.
-        - output: x's shape without ``dim`` (with ``dim`` of size 1 if ``keepdim``).
-
-    Infinities are their limits: ``-inf`` entries get weight 0, and ``+inf`` entries share the
-    weight equally, so the result is the mean of their indices. A row that is entirely ``-inf``
-    (nothing can be selected) or holds a NaN gives NaN in that row only, with a zero gradient.
+        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
 
     Example:
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax(x).round(decimals=4)
         tensor(1.5289)
-        >>> soft_argmax(x, epsilon=1e-3)
-        tensor(1.)
 
     References:
         Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
@@ -351,24 +298,16 @@ def soft_argmin(
             \mathrm{softmax}(-x/\varepsilon)_i \in [0, n - 1].
 
     Args:
-        x: any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        x: any shape, floating dtype.
         dim: the dimension to reduce.
         keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
-            floating tensor broadcastable to the batch shape, which receives a gradient.
-            Scaling law: ``soft_argmin(c*x, epsilon=c*e) == soft_argmin(x, epsilon=e)``, c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
+        epsilon: the temperature, in x's units (the module docstring).
 
     Returns:
-        The soft index, with the dtype and device of ``x``.
+        The soft index.
 
     Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``.
-        - output: x's shape without ``dim`` (with ``dim`` of size 1 if ``keepdim``).
-
-    Infinities mirror :func:`soft_argmax`: ``+inf`` entries get weight 0 and ``-inf`` entries
-    share it; a row that is entirely ``+inf`` or holds a NaN gives NaN.
+        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
 
     Example:
         >>> soft_argmin(torch.tensor([0.0, 3.0, 1.0, 2.0]), epsilon=1e-3)
@@ -398,43 +337,29 @@ def soft_argmax_onehot(
         \operatorname{soft\_argmax\_onehot}_\varepsilon(x)_i
             = \frac{e^{x_i/\varepsilon}}{\sum_j e^{x_j/\varepsilon}},
 
-    the gradient of :func:`smooth_max`. Values are in [0, 1] and sum to 1 along ``dim``; as
-    ``epsilon -> 0`` they tend to the hard one-hot where the maximum is unique (tied maxima
-    share the mass).
+    the gradient of :func:`smooth_max`: in [0, 1], summing to 1 along ``dim``; tied maxima
+    share the mass in the limit.
 
     Args:
-        x: any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        x: any shape, floating dtype.
         dim: the dimension of the categories.
-        epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
-            floating tensor broadcastable to the batch shape (``x.shape`` without ``dim``),
-            which receives a gradient. Scaling law: ``soft_argmax_onehot(c*x, epsilon=c*e) ==
-            soft_argmax_onehot(x, epsilon=e)`` for c > 0.
-            At least ``finfo.tiny`` of the compute dtype (1.2e-38 in float32, 2.2e-308 in
-            float64): a smaller, subnormal epsilon raises ``ValueError``.
-        hard: straight-through: the forward returns the hard one-hot exactly (ties broken as
-            ``torch.argmax`` breaks them), the backward the gradient of the softmax.
+        epsilon: the temperature, in x's units (the module docstring).
+        hard: straight-through: the forward is the hard one-hot (ties broken as
+            ``torch.argmax`` breaks them), the backward the softmax's gradient.
 
     Returns:
-        A tensor with the shape, dtype and device of ``x``.
+        A tensor with the shape of ``x``.
 
     Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
-
-    Infinities are their limits: ``-inf`` entries get 0, ``+inf`` entries share the mass
-    equally (the others get 0). A row that is entirely ``-inf`` (nothing can be selected) or
-    holds a NaN gives NaN in that row only, with a zero gradient.
+        x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
     Example:
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax_onehot(x).round(decimals=4)
         tensor([0.0321, 0.6439, 0.0871, 0.2369])
-        >>> soft_argmax_onehot(x, hard=True)
-        tensor([0., 1., 0., 0.])
 
     References:
         Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
-        Bridle. Probabilistic interpretation of feedforward classification network outputs.
-        Neurocomputing, 1990.
         Bengio, Léonard and Courville. Estimating or propagating gradients through stochastic
         neurons for conditional computation. arXiv:1308.3432, 2013 (straight-through).
     """

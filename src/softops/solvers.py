@@ -91,45 +91,35 @@ def sinkhorn(
             \langle C, \Gamma \rangle + \varepsilon \sum_{ij} \Gamma_{ij} (\log\Gamma_{ij} - 1),
         \qquad \Gamma_{ij} = e^{(f_i + g_j - C_{ij})/\varepsilon}.
 
-    One iteration is a row (f) update followed by a column (g) update; the returned plan is the
-    state after the last column update (columns exact), as in the SOFT top-k paper's code, so
-    ``max_iter=200, tol=0`` reproduces its fixed 200 iterations. The layout is tuned for a small
-    number of targets m (2 to ~65) and long n.
+    One iteration is a row (f) update then a column (g) update; the plan is the state after the
+    last column update, as in the SOFT top-k paper's code (``max_iter=200, tol=0`` reproduces
+    its fixed 200 iterations). Tuned for few targets m (2 to ~65) and long n.
 
-    The plan is differentiable with respect to ``cost`` and ``epsilon`` by implicit
-    differentiation (an (m-1) x (m-1) Schur complement solved in float64), with O(n m) memory
-    whatever the number of iterations. The gradient is that of the *converged* plan, so it is
-    only as accurate as the forward (check ``converged``). ``a`` and ``b`` get no gradient.
-    Forward mode (``torch.func.jvp``, ``jacfwd``) applies the same solve, ``torch.func.vmap``
-    solves the vmapped slices as more batch rows, and meta tensors give the output shapes.
+    The plan is differentiable in ``cost`` and ``epsilon`` (not ``a``, ``b``) by implicit
+    differentiation, an (m-1) x (m-1) Schur complement solved in float64, O(n m) memory: the
+    gradient of the *converged* plan (check ``converged``). ``torch.func`` jvp and vmap and meta
+    tensors are supported.
 
     Args:
         cost: (*, n, m) cost matrix C (float16/bfloat16 are computed in float32).
         a: (*, n) positive row marginals (broadcastable).
-        b: (*, m) positive column marginals (broadcastable), with the same total mass as ``a``
-            (to within the square root of their dtype's machine epsilon; ``b`` is then rescaled
-            to ``a``'s total).
+        b: (*, m) positive column marginals (broadcastable), of ``a``'s total mass to within the
+            square root of machine epsilon (then rescaled to it exactly).
         epsilon: entropic regularisation > 0 in the units of the cost; a float or a tensor
-            broadcastable to the batch shape ``cost.shape[:-2]``.
+            broadcastable to ``cost.shape[:-2]``.
         max_iter: iteration cap; None means 2000.
-        tol: tolerance on the relative L1 row-marginal error of the plan
-            ``sum_i |sum_j Gamma_ij - a_i| / sum_i a_i``, checked every 10 iterations; None means
+        tol: on the relative L1 row-marginal error, checked every 10 iterations; None means
             1e-6 (float32) / 1e-9 (float64); ``0`` runs exactly ``max_iter`` iterations.
-        newton: once the error is below 1e-3, finish with semi-dual Newton steps (an (m-1) x (m-1)
-            SPD solve each, Armijo-damped, falling back to Sinkhorn). Much faster at small
-            epsilon; ignored when ``tol=0``.
+        newton: below an error of 1e-3, finish with damped semi-dual Newton steps (faster at
+            small epsilon); ignored when ``tol=0``.
 
     Returns:
-        :class:`SinkhornResult` ``(f, g, plan, converged, iterations, residual)`` with ``f``
-        (*, n), ``g`` (*, m), ``plan`` (*, n, m) in the dtype of ``cost``; ``converged`` (*,)
-        bool, ``residual`` (*,) and ``iterations`` an int (Sinkhorn iterations plus Newton steps,
-        maximum over rows; under ``torch.compile``/``torch.export``, where the solve is one
-        operator of the graph, a 0-dim int64 tensor). Rows with a NaN give NaN outputs and
-        ``converged=False``; other rows are unaffected.
+        :class:`SinkhornResult` ``(f, g, plan, converged, iterations, residual)``, in the dtype
+        of ``cost``; ``iterations`` is the maximum over rows (a 0-dim tensor under
+        ``torch.compile``). A row with a NaN is NaN, ``converged=False``, alone.
 
     Shape:
-        - cost: ``(*, n, m)``; a: ``(*, n)``; b: ``(*, m)``.
-        - plan: ``(*, n, m)``.
+        - cost: ``(*, n, m)``; a, f: ``(*, n)``; b, g: ``(*, m)``; plan: ``(*, n, m)``.
 
     Example:
         >>> import torch
@@ -139,8 +129,6 @@ def sinkhorn(
         >>> res = sinkhorn(cost, torch.full((4,), 0.25), torch.tensor([0.5, 0.5]), 0.5)
         >>> res.plan.sum(0)
         tensor([0.5000, 0.5000], dtype=torch.float64)
-        >>> bool(res.converged)
-        True
 
     References:
         M. Cuturi. Sinkhorn Distances: Lightspeed Computation of Optimal Transport. NeurIPS 2013.
@@ -240,23 +228,12 @@ def topk_threshold(
 ) -> ThresholdResult:
     r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
 
-    This is the solver behind ``soft_topk_mask(method="ot")``, exposed with its diagnostics.
-    It is not differentiable (use :func:`soft_topk_mask` for gradients). The mask of that op is
-    ``sigmoid((x - threshold) / epsilon)`` (``sigmoid((threshold - x) / epsilon)`` with
-    ``largest=False``) on every row, the entries of x at ``+inf`` (``-inf`` with
-    ``largest=False``) being above every threshold and those at the other infinity below it:
-
-    * rows at the limit k -> 0 (k, less the entries at that first infinity, is 0 in the dtype of
-      the computation: a tiny k rounds to 0 in float32) select those entries only: their
-      threshold is ``+inf`` (``-inf`` with ``largest=False``), ``converged=True``, residual 0;
-    * rows at the limit k -> n (k is the number of entries not at the other infinity, or rounds
-      to it) select all those: threshold ``-inf`` (``+inf`` with ``largest=False``),
-      ``converged=True``, residual 0;
-    * rows without a finite entry (at both limits) have the threshold 0 (any finite threshold
-      gives their 0/1 mask), ``converged=True``, residual 0;
-    * rows whose k cannot be met (NaN entries, more entries at that first infinity than k, or
-      fewer entries not at the other infinity) have a NaN threshold (their mask is NaN), a NaN
-      residual and ``converged=False``.
+    The solver behind ``soft_topk_mask(method="ot")``, with its diagnostics; not
+    differentiable. With ``largest=True`` (mirrored otherwise) the mask is
+    ``sigmoid((x - threshold) / epsilon)``, ``+inf`` entries above every threshold and ``-inf``
+    ones below: rows at the limit k -> 0 get ``+inf``, at k -> n ``-inf``, rows without a finite
+    entry 0 (all converged, residual 0); rows whose k cannot be met (a NaN, too many ``+inf``
+    or too few entries above ``-inf``) get NaN, ``converged=False``.
 
     Args:
         x: scores, any shape, floating dtype.
@@ -268,12 +245,7 @@ def topk_threshold(
         tol: extra absolute tolerance on ``|sum(A) - k|`` (None: machine precision only).
 
     Returns:
-        A :class:`ThresholdResult`; ``threshold`` is ``±inf`` at the limits k -> 0 and k -> n
-        and NaN where k cannot be met (above).
-
-    Raises:
-        TypeError: ``x`` is not a real floating tensor, or an argument has the wrong type.
-        ValueError: ``dim``, ``k``, ``epsilon``, ``max_iter`` or ``tol`` is out of range.
+        A :class:`ThresholdResult`.
 
     Example:
         >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)

@@ -67,16 +67,9 @@ def warn_not_converged(
     residual: torch.Tensor | None = None,
     tol: float | None = None,
 ) -> None:
-    """Warn once per call when some rows stopped at ``max_iter`` without converging.
-
-    Args:
-        op: the public op, which opens the message.
-        converged: (B,) bool per row.
-        max_iter: the cap that was hit.
-        residual: (B,) per-row residual, when the solver reports one. Rows whose residual is NaN
-            or infinite hold a NaN input: NaN by contract, not a failure, so they never warn.
-        tol: the tolerance asked for. ``tol=0`` asks for exactly ``max_iter`` iterations, so it
-            never warns.
+    """Warn once per call when some rows stopped at ``max_iter`` without converging: never with
+    ``tol=0`` (exactly ``max_iter`` asked for), nor for rows whose ``residual`` is NaN or
+    infinite (a NaN input, NaN by contract).
     """
     if tol is not None and tol <= 0:
         return

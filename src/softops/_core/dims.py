@@ -4,15 +4,11 @@
 move ``dim`` last, flatten to (B, n) in the compute dtype, broadcast epsilon per row, and hand back
 the function that restores the shape.
 
-Epsilon is a positive finite number, but the compute dtype may not hold it. Below the smallest
-normal number ``finfo.tiny`` of the compute dtype (1e-50 underflows to 0 in float32, 1e-320 is a
-subnormal in float64) it is refused (``ValueError``, by ``check_epsilon``): the subnormal
-intermediates' absolute rounding is then more than the dtype's relative rounding in units of
-epsilon, and no op could give its value or its limit. Above ``finfo.max`` (1e39 in float32) every
-op is at its large-epsilon limit (``x / eps`` underflows): epsilon is clamped to ``finfo.max``, and
-a clamped tensor epsilon gets a zero gradient, the derivative of that limit. (A tensor epsilon
-whose values Python cannot read, under ``torch.func`` or ``torch.compile``, is clamped to
-``[finfo.tiny, finfo.max]`` instead of checked.)
+Epsilon must fit the compute dtype: below its ``finfo.tiny`` it is refused (``ValueError``, by
+``check_epsilon``: subnormal rounding would exceed the dtype's relative rounding in units of
+epsilon); above ``finfo.max`` every op is at its large-epsilon limit, so epsilon is clamped
+there (a clamped tensor gets a zero gradient, that limit's derivative). Unreadable tensors
+(``torch.func``, ``torch.compile``) are clamped to ``[finfo.tiny, finfo.max]`` unchecked.
 """
 
 from __future__ import annotations

@@ -7,18 +7,11 @@ stays inside the current bracket (compared inclusively: after the bracket update
 an endpoint), and regula falsi or a bisection of the bracket otherwise, so the iteration always
 makes progress and always stops: it is capped at ``max_iter`` evaluations.
 
-Two drivers share one update rule:
-
-* :func:`bracketed_newton` (and :func:`iterate`) runs blocks of steps with a host-side test of
-  ``all(done)`` between blocks: it stops as soon as every row has converged.
-* :func:`run_steps` runs a fixed number of steps with no host synchronisation at all (the blocks
-  of the drivers, and compiled code).
-* :func:`run_while` is the driver of traced code (``torch.compile``, ``torch.export``): the
-  schedule of :func:`fixed_schedule` in ``torch.while_loop``, whose test of ``all(done)`` is part
-  of the graph. The schedule provably suffices: after the Halley steps, each *bit bisection*
-  step (the midpoint of the bracket in the order of the representable numbers) halves the count
-  of floats left in the bracket, so at most 32 (float32) or 64 (float64) of them leave adjacent
-  floats, where the resolution test stops every row.
+The drivers share one update rule: :func:`bracketed_newton` (and :func:`iterate`) runs blocks
+of steps with a host test of ``all(done)`` between them; :func:`run_steps` runs a fixed number
+with no host sync; :func:`run_while` runs :func:`fixed_schedule` in ``torch.while_loop`` for
+traced code, a schedule that provably suffices (after the Halley steps each *bit bisection*
+halves the floats left in the bracket: at most 32 or 64 steps reach adjacent floats).
 """
 
 from __future__ import annotations
@@ -246,27 +239,18 @@ def bracketed_newton(
     first: tuple[torch.Tensor, ...] | None = None,
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> RootResult:
-    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps.
+    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps (the module docstring).
 
-    A Halley step (Newton's where ``|F F''/F'^2| > 1`` or the evaluation gives no curvature) is
-    taken when it lands inside the current bracket (inclusively). Otherwise the step is regula
-    falsi with the Illinois modification between the bracket's ends, when their residuals (or
-    bounds on them) are known, and bisection when they are not. For the counting functions of
-    top-k at a tiny temperature, where the derivative vanishes between entries, the secant step
-    is an interpolation search and needs far fewer steps than bisection.
-
-    Steps run in blocks of ``block`` evaluations with no host synchronisation inside a block;
-    ``all(done)`` is tested between blocks. Rows that are done keep their iterate, so a block that
-    overshoots convergence changes nothing but the evaluation count.
+    Outside the bracket the step is Illinois regula falsi where both ends' residuals (or bounds)
+    are known, else bisection: at a tiny temperature, where F' vanishes between entries, the
+    secant is an interpolation search. ``all(done)`` is tested on the host between blocks of
+    ``block`` evaluations; finished rows keep their iterate.
 
     Args:
-        evaluate: a pure function of ``(t, *eval_args)``, t (B,), returning ``(F, dF, tol)`` or
-            ``(F, dF, tol, curv, *extra)``, each (B,) but the extras: the residual, its
-            derivative in t (<= 0), the tolerance on ``|F|`` below which the row counts as
-            solved, the ratio ``F''/F'`` (or None) and by-products kept from the last
-            evaluation. Pass a
-            module-level function: blocks are cached per function, so that ``wrap`` (e.g.
-            compilation) happens once.
+        evaluate: a module-level pure function of ``(t, *eval_args)`` (blocks are cached per
+            function) returning ``(F, dF, tol)`` or ``(F, dF, tol, curv, *extra)``: the
+            residual, its derivative (<= 0), the tolerance on ``|F|``, ``F''/F'`` (or None) and
+            by-products of the last evaluation, each (B,) but the extras.
         t: (B,) initial iterate, inside ``[lo, hi]``.
         lo, hi: (B,) bracket with ``F(lo) >= 0 >= F(hi)``.
         max_iter: cap on evaluations.

@@ -344,15 +344,10 @@ def _scaled(prob: _Problem, lam: Tensor) -> _Problem:
 
 
 def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
-    """Warm start by epsilon scaling; return (v, iterations used).
-
-    Each row whose scaled cost spans more than ``ANNEAL_SPAN`` is solved, loosely, at epsilons
-    ``lam * epsilon`` that fall geometrically (by about ``ANNEAL_FACTOR``) from the one where its
-    span is ``ANNEAL_SPAN`` down to its own, each stage warm-started from the last (the
-    potential in cost units, ``lam * v``, carries over). Each stage runs Sinkhorn to the Newton
-    switch residual, within ``max_iter // 20`` iterations, and the stages together use at most
-    half of ``max_iter``. A row's stages depend on its own cost only (rows with fewer stages
-    join later). NaN rows do not anneal.
+    """Warm start by epsilon scaling; return (v, iterations used). Rows whose scaled cost spans
+    more than ``ANNEAL_SPAN`` are solved loosely at epsilons falling geometrically (by about
+    ``ANNEAL_FACTOR``) to their own, within half of ``max_iter``; each row's stages depend on its
+    own cost only. NaN rows do not anneal.
     """
     s = prob.s
     big = torch.where(torch.isfinite(s), s, -math.inf).amax(dim=(1, 2))
@@ -489,14 +484,9 @@ def _mass_gap(p: Tensor, a: Tensor, b: Tensor, top: Tensor, home: Tensor) -> Ten
 
 
 def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
-    """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` restricted to the first m-1 columns (no jitter).
-
-    ``p`` (B, m, n) has rows ``P_i`` summing to 1 over m; ``w`` (B, n) > 0. This is
-    ``diag(nu_<) - Gamma_<^T diag(1/mu) Gamma_<`` for ``Gamma = diag(w) P``. Every entry is formed
-    with full relative precision, also when P is nearly one-hot (small epsilon): the off-diagonal
-    entries are sums of products ``-w_i P_ij P_il``, and the diagonal is formed directly as
-    ``sum_i w_i P_ij sum_{l != j} P_il`` (never as ``nu_j - sum_i w_i P_ij^2``, which cancels).
-    Differentiable (almost everywhere).
+    """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` on the first m-1 columns, ``p`` (B, m, n), ``w``
+    (B, n): every entry a sum of products, with full relative precision when P is nearly
+    one-hot (the diagonal never as ``nu_j - sum_i w_i P_ij^2``, which cancels).
     """
     m = p.shape[1]
     ps = p[:, : m - 1]
@@ -551,13 +541,9 @@ def spd_solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
 
 
 def _centered(p: Tensor, u: Tensor, top: Tensor) -> Tensor:
-    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation.
-
-    ``top`` (B, m, n) is 1 at the entry of a row whose P exceeds 1/2 (at most one), else 0. Such a
-    row is first shifted by its value there, so that its weighted mean is a sum over the *other*,
-    small entries only: for a nearly one-hot row that correction keeps its full relative
-    precision, where ``u - P.u`` would cancel to rounding noise. Rows without such an entry have
-    no weight above 1/2 and are centred directly (``(1 - P_ij) u_ij`` dominates, no cancellation).
+    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation: a
+    row with an entry of P above 1/2 (``top``) is first shifted by its value there, so its mean
+    is a sum over the small entries only.
     """
     h = u - (top * u).sum(1, keepdim=True)
     return h - (p * h).sum(1, keepdim=True)
@@ -752,19 +738,11 @@ converged, residual, iterations (), clean ()), in cost's dtype. Not differentiab
 
 
 class SinkhornPlanFunction(torch.autograd.Function):
-    """cost (B, n, m) -> plan (B, n, m) with the implicit (Schur complement) backward.
-
-    Inputs after ``cost`` (log marginals, epsilon, solver settings, the op named by the
-    non-convergence warning, none if empty) get no gradient. Outputs:
-    ``(plan, f, g, converged, residual, iterations, clean)``; only ``plan`` is differentiable;
-    ``clean`` (bool) is True where the solver already read on the host that every row
-    converged (False says nothing). While tracing, the solve is the operator
-    ``softops::sinkhorn`` (:data:`SINKHORN_OP`) and ``iterations`` and ``clean`` are 0-dim
-    tensors.
-
-    ``torch.func``: ``vmap`` folds the vmapped dimension into the rows (every row is solved on its
-    own, so this is exact); forward mode (``jvp``, ``jacfwd``) applies the same linear map as the
-    backward, because the Jacobian of the plan in the cost is symmetric (docs/math.md §6).
+    """cost (B, n, m) -> ``(plan, f, g, converged, residual, iterations, clean)`` with the
+    implicit (Schur complement) backward; only ``plan`` is differentiable, the other inputs get
+    no gradient. ``clean`` is True where the host already saw every row converge. While tracing
+    the solve is :data:`SINKHORN_OP`. ``vmap`` folds into the rows; forward mode applies the
+    backward's map (the plan's Jacobian in the cost is symmetric, docs/math.md §6).
     """
 
     @staticmethod
@@ -835,20 +813,11 @@ class _SinkhornPlanTraced(SinkhornPlanFunction):
 def implicit_cost_vjp(
     plan: Tensor, grad_plan: Tensor, epsilon: Tensor, closed_form: bool = False
 ) -> Tensor:
-    """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (docs/math.md §2.3).
+    """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (docs/math.md §2.3):
+    ``plan``, ``grad_plan`` (B, n, m), ``epsilon`` (B,) -> the cost's gradient (B, n, m).
 
-    Args:
-        plan: (B, n, m) converged plan.
-        grad_plan: (B, n, m) incoming gradient.
-        epsilon: (B,) regularisation in cost units.
-        closed_form: for m <= 3, solve the (m-1) x (m-1) system by Cramer's rule
-            (:func:`_closed_form_vjp`; exact for plans whose rows are one-hot at their cheapest
-            column, as the sorted top-k's); other rows and larger m take the equilibrated
-            Cholesky with refinement (:func:`_cholesky_vjp`), the accurate path near a
-            general permutation.
-
-    Returns:
-        (B, n, m) gradient with respect to the cost, in ``plan``'s dtype.
+    ``closed_form``: for m <= 3, Cramer's rule (:func:`_closed_form_vjp`, exact for near one-hot
+    rows); other rows take the equilibrated Cholesky with refinement (:func:`_cholesky_vjp`).
     """
     if plan.shape[2] == 1:
         return torch.zeros_like(plan)
@@ -858,15 +827,9 @@ def implicit_cost_vjp(
 
 
 def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
-    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`laplacian_solve`.
-
-    K is the grounded Laplacian of the couplings ``w_jl = sum_i Gamma_ij P_il``, each a sum of
-    products, and its adjugate and determinant are sums of products of them: the solve is
-    exact up to rounding whatever K's conditioning, without jitter or refinement (the
-    Cholesky path needs both). It is used where ``det K`` is a normal number well above
-    underflow (``DET_MIN``); other rows (a column with no coupling left, couplings near
-    underflow) take :func:`_cholesky_vjp`, row by row, so a row's gradient depends on its own
-    data only.
+    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`laplacian_solve`: exact up
+    to rounding whatever K's conditioning, where ``det K`` is above ``DET_MIN``; other rows take
+    :func:`_cholesky_vjp`, row by row.
     """
     dtype = plan.dtype
     m = plan.shape[2]
@@ -936,15 +899,10 @@ def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
 
 
 def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
-    r"""A cost in units of epsilon, ``scaled = C / eps`` formed with ``eps`` detached, made a
-    function of ``epsilon`` (broadcastable to ``scaled``) too: the same value, with derivatives
-    of every order those of ``C / eps`` in ``C`` (whatever ``scaled`` is differentiable in) and
-    ``epsilon``.
-
-    Autograd through ``C / eps`` squares epsilon, which overflows below 1e-154 (docs/math.md
-    §4); here ``C / eps = scaled * exp(u - u0)`` with ``u = -log(eps)`` and ``u0`` its detached
-    value, so the gradient in epsilon is ``-<grad, scaled> / eps``, itself differentiable (double
-    backward). Infinite costs (no mass) are constants.
+    r"""``scaled = C / eps`` (formed with ``eps`` detached) made a function of ``epsilon`` too,
+    with the derivatives of every order of ``C / eps``, as ``scaled * exp(u - u0)``, ``u =
+    -log(eps)``: autograd through ``C / eps`` squares epsilon, which overflows below 1e-154
+    (docs/math.md §4). Infinite costs are constants.
     """
     u = -torch.log(epsilon)
     factor = torch.exp(u - u.detach())  # 1, with d factor / du = factor
@@ -967,23 +925,20 @@ def log_sinkhorn(
     """Solve a batch of entropic OT problems; the plan is differentiable in ``cost``.
 
     Args:
-        cost: (B, n, m) floating cost; computed in its dtype (callers upcast). Where it requires
-            grad, ``plan`` carries the implicit backward (and forward mode, vmap).
-        log_a: (B, n) log row marginals (constant).
-        log_b: (B, m) log column marginals, the same total mass (constant).
-        epsilon: (B,) positive regularisation in the units of the cost (constant; callers that
-            need its gradient pass ``cost / epsilon`` with ``epsilon = 1``, see
-            :func:`attach_epsilon`).
-        max_iter: cap on Sinkhorn iterations (a Newton polish adds at most ``NEWTON_MAX_STEPS``).
+        cost: (B, n, m) floating cost, computed in its dtype; where it requires grad the plan
+            carries the implicit backward (and forward mode, vmap).
+        log_a, log_b: (B, n) and (B, m) log marginals of equal mass (constants).
+        epsilon: (B,) regularisation in cost units (constant: for its gradient pass
+            ``cost / epsilon`` with ``epsilon = 1``, :func:`attach_epsilon`).
+        max_iter: cap on Sinkhorn iterations (Newton adds at most ``NEWTON_MAX_STEPS``).
         tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` iterations.
-        newton: polish with semi-dual Newton once the residual is below ``NEWTON_SWITCH``.
+        newton: polish with semi-dual Newton below a residual of ``NEWTON_SWITCH``.
         potentials: form ``f`` and ``g`` (else empty (B, 0) tensors).
         caller: the public op named by the non-convergence warning; empty: no warning.
 
     Returns:
-        A :class:`SinkhornResult` (``plan`` a (B, n, m) view of a (B, m, n) buffer). While
-        tracing (``torch.compile``, ``torch.export``) the solve is the operator
-        :data:`SINKHORN_OP` and ``iterations`` a 0-dim tensor.
+        A :class:`SinkhornResult` (``plan`` a (B, n, m) view of a (B, m, n) buffer); while
+        tracing the solve is :data:`SINKHORN_OP` and ``iterations`` a 0-dim tensor.
     """
     args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller)
     if torch.compiler.is_compiling():

@@ -1,29 +1,13 @@
 """``torch.func`` support shared by the ops.
 
-* :func:`under_functorch`: whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is
-  active. Under a transform, data-dependent Python branches are impossible (a batched tensor has
-  no single value to branch on) and saved-tensor hooks, hence ``torch.utils.checkpoint``, are
-  refused. The ops ask here and take their transform-safe path: a masked formulation instead of a
-  branch, plain autograd instead of recomputed blocks.
-* :func:`cannot_branch`: whether the values of ``t`` are unavailable to Python (a ``torch.func``
-  transform, meta tensors, or ``torch.compile``/``torch.export`` tracing): the ops then take their
-  branch-free formulation instead of one host sync per call.
-* :func:`unreadable`: whether Python cannot read one tensor's values (batched by vmap, meta, or
-  traced): a count such as softkmax's k must then be a number.
-* :func:`plain`: the values under every functorch wrapper of a tensor, for host-side diagnostics
-  only (a convergence warning counts rows; it never feeds a result).
-* :func:`vmap_rows`: the ``vmap`` rule of an ``autograd.Function`` whose tensor inputs and outputs
-  all lead with the row dimension (every solver of softops works on independent rows): the
-  vmapped dimension is folded into the rows, the Function runs once on the plain tensors, and the
-  outputs are unfolded again. The solvers' own loops and convergence checks then run on real
-  values, exactly as for a batch.
-* :func:`apply_function`: ``Function.apply`` without the signature binding it runs on every call
-  (``inspect.signature``, tens of microseconds: a large part of a small op's time) to fill in
-  defaults, which the ops' Functions do not have; under a transform or while tracing, where torch
-  handles ``Function.apply`` itself, it is ``Function.apply``.
-* :func:`own_precision`: a context that turns ``torch.autocast`` off around an op's matrix
-  products, so the op keeps its own precision rules (float16 and bfloat16 computed in float32,
-  other dtypes in their own) instead of autocast's bfloat16 matmuls.
+Under a ``torch.func`` transform, meta tensors or ``torch.compile`` tracing, Python cannot
+branch on tensor values (and saved-tensor hooks, hence checkpointing, are refused under a
+transform); the ops ask here and take their branch-free path. :func:`under_functorch`,
+:func:`cannot_branch` and :func:`unreadable` say which case holds; :func:`plain` unwraps for
+host-side diagnostics only; :func:`vmap_rows` folds a vmapped dim into the rows of a row-wise
+Function; :func:`apply_function` is ``Function.apply`` without its per-call signature binding
+(tens of microseconds); :func:`own_precision` turns ``torch.autocast`` off around an op's
+matmuls, so it keeps its own precision rules.
 """
 
 from __future__ import annotations
@@ -93,21 +77,10 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    """The ``vmap`` staticmethod of a row-wise ``autograd.Function``, or the vmap rule of a
-    row-wise operator (``function`` is then the operator, called as is).
-
-    Every tensor argument of ``function.apply`` must lead with the row dimension B; non-tensor
-    arguments (solver settings) pass through. Batched tensors have their vmapped dimension moved
-    in front of B and merged with it; tensors that are not batched are expanded to every slice.
-    Tensor outputs, which also lead with B, are split back into (batch_size, B, ...) with
-    ``out_dims`` 0; non-tensor outputs (iteration counts) are returned once, with ``out_dims``
-    None, and hold the value of the merged call.
-
-    Use it as ``vmap = staticmethod(functools.partial(vmap_rows, ThisFunction))``-like glue::
-
-        @staticmethod
-        def vmap(info, in_dims, *args):
-            return vmap_rows(ThisFunction, info, in_dims, *args)
+    """The ``vmap`` rule of a row-wise ``autograd.Function`` (or operator): every tensor argument
+    leads with the rows B; the vmapped dim is merged into B, unbatched tensors are expanded, and
+    tensor outputs split back (``out_dims`` 0); non-tensor outputs are returned once (None).
+    Use as ``def vmap(info, in_dims, *args): return vmap_rows(ThisFunction, info, in_dims, *args)``.
     """
     size = info.batch_size
     merged = []

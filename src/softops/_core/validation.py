@@ -128,14 +128,9 @@ def check_nonempty(x: torch.Tensor, dim: int, op: str) -> int:
 
 
 def smallest_epsilon(dtype: torch.dtype) -> float:
-    """The smallest epsilon an op on an x of ``dtype`` accepts: the smallest normal number
-    (``finfo.tiny``) of x's compute dtype (:func:`compute_dtype`).
-
-    Below it epsilon is a subnormal number of the compute dtype, or 0: the absolute rounding of
-    the subnormal intermediates that every op then forms (``x / eps``, ``(x - t) / eps``, squared
-    gaps) is more than the dtype's relative rounding in units of epsilon, and the results were
-    wrong (masks off by 0.24, a smooth maximum beyond its bound) or NaN. Such an epsilon is
-    refused rather than rounded: no op takes a limit that the dtype cannot resolve.
+    """The smallest epsilon an op on an x of ``dtype`` accepts: ``finfo.tiny`` of x's compute
+    dtype. A subnormal epsilon's rounding exceeds the dtype's relative rounding in units of
+    epsilon (masks were off by 0.24, or NaN), so it is refused rather than rounded.
     """
     tiny = _TINY.get(dtype)
     return torch.finfo(compute_dtype(dtype)).tiny if tiny is None else tiny
@@ -164,16 +159,9 @@ def check_epsilon(
 ) -> float | torch.Tensor:
     """Check that ``epsilon`` is a positive finite float or a floating tensor with positive entries.
 
-    With ``dtype`` (the dtype of x, known to the op; a layer checks its epsilon at construction
-    without it) epsilon must also be at least :func:`smallest_epsilon` of ``dtype``: the smallest
-    normal number of x's compute dtype. A smaller value (a subnormal, or one that rounds to 0
-    there) raises ``ValueError`` naming that dtype and its smallest allowed epsilon. A tensor is
-    compared in its own dtype, where the bound is exact (a power of two) or rounds to 0.
-
-    A tensor is checked once, here, with the one host sync of the check (the bound adds none);
-    the solvers never sync on it again. Its values are checked eagerly only: under ``torch.func``
-    transforms, ``torch.compile`` and on meta tensors Python cannot see them (a non-positive entry
-    then gives NaN in its row, and one below the smallest normal number is clamped to it).
+    With ``dtype`` (x's) it must be at least :func:`smallest_epsilon` of ``dtype`` (a layer
+    checks without it at construction). A tensor is checked once, here, eagerly only (under
+    ``torch.func``, ``torch.compile`` and meta tensors a bad entry gives NaN in its row).
     """
     tiny = 0.0 if dtype is None else smallest_epsilon(dtype)
     if isinstance(epsilon, torch.Tensor):
@@ -231,18 +219,10 @@ def check_k(
 ) -> float | torch.Tensor:
     """Check ``low <= k <= n``. ``k`` is an int, a float (unless ``integer``) or a tensor.
 
-    ``n=None`` (a layer, before it sees its input) checks the type and ``k >= low`` only; the
-    op checks ``k <= x.shape[dim]`` on the forward call. Tensor entries are checked once, here
-    (one host sync at validation, none in the solver), and eagerly only, as for ``epsilon``.
-
-    A k in ``(0, tiny)``, ``tiny`` the smallest normal number of the compute dtype of x (of
-    ``dtype``; ``SMALLEST_K`` where it is not given), a subnormal or a value that rounds to 0
-    there, is its limit k -> 0 and is returned as 0 (a tensor's entries are 0 with the gradient
-    of k passing through unchanged, the derivative at that limit): the mask it stands for
-    differs from the mask of k = 0 by at most k in every entry, below the dtype's smallest
-    normal number, while a solver given such a k works with marginals the compute dtype holds
-    only as subnormals (method "sinkhorn" gave NaN). The other end needs no rule: ``n - k`` is 0
-    or at least the spacing of n (``n >= 1``).
+    ``n=None`` (a layer before its input) checks the type and ``k >= low`` only. Tensors are
+    checked once, eagerly, as ``epsilon``. A k below the smallest normal number of the compute
+    dtype (``SMALLEST_K`` without ``dtype``) is its limit k -> 0 and returned as 0 (a tensor's
+    gradient passes through): a solver would otherwise see subnormal marginals.
     """
     what = "an int" if integer else "a number"
     high = math.inf if n is None else n

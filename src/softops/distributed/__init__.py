@@ -11,42 +11,18 @@ row is their concatenation in rank order, :math:`x = (x_0, \dots, x_{P-1})`, of 
     F(t) = \sum_r \sum_{i \in r} \sigma\big((x_i - t)/\varepsilon\big) - k = 0,
 
 so the ranks need only agree on t. Every quantity the solver needs is a sum over the row, hence
-a sum over ranks of a sum over each shard: the sharded op *is* the single-process solver
-(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``, method "sparse" the capped-simplex
-projection) with another reduction, one all-reduce of the per-row shard sums, and a start from
-one all-gather of each shard's statistics and candidates. No rank ever sees another rank's
-entries. This package holds the communication, the sharded backward and the sharded hard top-k.
+a sum over ranks of shard sums: the sharded op *is* the single-process solver
+(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``) with another reduction, started from
+one all-gather of each shard's statistics and candidates. No rank sees another's entries; every
+rank takes the same steps (the iterate and stop test are functions of all-reduced sums only).
+docs/distributed.md gives the collectives per call and the gradient semantics: the backward is
+that of ``L = sum_r L_r(A_r)``, so sum replicated parameters' gradients over ranks.
 
-Collectives per call (B rows; each an ``all_reduce`` with SUM, so every backend runs it): one of
-an 18-float header (shard lengths, options and batch shape, checked on every rank so that
-inconsistent calls raise everywhere instead of hanging); one all-gather of the shard statistics
-and start candidates (each rank's ``floor(k) + 1`` largest where that is at most
-``max(SAMPLE_SIZE, n // 64)`` per row, else its part of a strided subsample); one of (5, B) per
-evaluation ("ot": 2 to 6; "sparse": one of (6, B) each, then two for its polish); for "ot" rows
-near the hard limit one or two all-gathers for the log-domain polish; and one in the backward
-((2, B); an all-gather of (9, B) or (13, B) with gradients in k or epsilon). A forward costs
-``2 + iterations`` collectives of O(B) whatever n is, and every rank takes the same steps (the
-iterate and the stop test are functions of all-reduced sums only). The result equals the
-single-process op's up to the order of the reductions: to rounding.
-
-**Gradient semantics.** The backward returns, on each rank, the gradient of the *sum over ranks*
-of the losses computed from the shards, ``L = sum_r L_r(A_r)``: for ``x_local`` this rank's slice
-of the single-process gradient of L; for k and epsilon, which every rank holds, the full
-gradient, on every rank. Parameters that feed ``x_local`` through a replicated model receive on
-each rank the part that flows through its shard: sum them over ranks (``all_reduce``), or use
-``DistributedDataParallel`` with the loss multiplied by the world size (DDP averages).
-
-``hard=True`` returns the exact hard top-k mask of the concatenated row, ties at the k-th value
-broken by the global position (rank order, then local index).
-
-Without a process group (``group=None``, torch.distributed not initialised) the op runs as a
-world of one unless the environment names a larger world (``WORLD_SIZE`` > 1, as torchrun sets
-it), which raises: a script that forgot ``init_process_group`` would otherwise compute each
-shard's mask on its own, silently.
-
-Not supported: double backward (it raises), forward mode, ``torch.func`` transforms and
-``torch.compile`` tracing of the call (the solve tests convergence on the host between
-collectives).
+Collectives are ``all_reduce`` with SUM, so every backend runs them; an 18-float header checked
+on every rank makes inconsistent calls raise everywhere instead of hanging. Without a process
+group the op runs as a world of one unless ``WORLD_SIZE`` > 1, which raises (a forgotten
+``init_process_group``). Not supported: double backward (it raises), forward mode,
+``torch.func`` and ``torch.compile`` tracing (the solve tests convergence on the host).
 """
 
 from __future__ import annotations
@@ -103,41 +79,26 @@ def soft_topk_mask(
         A_i = \sigma\!\left(\frac{x_i - t}{\varepsilon}\right), \qquad
         \sum_{r} \sum_{i \in \text{shard } r} A_i = k .
 
-    No rank sees another's entries: the threshold t is solved by bracketed Halley steps whose
-    every evaluation all-reduces the O(B) row sums it needs (``2 + iterations`` collectives per
-    forward, one per backward). Call it on every rank of the
-    group, with the same k, epsilon and options and the shards of the same rows.
+    Call it on every rank of the group, with the same k, epsilon and options and the shards of
+    the same rows: ``2 + iterations`` collectives of O(B) per forward, one per backward.
 
     Args:
-        x_local: this rank's shard: any shape, floating dtype; ``x_local.shape[dim]`` may differ
-            across ranks and may be 0; every other dim must agree. float16 and bfloat16 are
-            computed in float32.
-        k: the global number to select, in [0, n] with n the length of ``dim`` summed over the
-            group: an int or float, a 0-dim tensor (which receives a gradient), or a tensor
-            broadcastable to the batch shape for a per-row k, as in the single-process op.
-            The same on every rank.
-        group: the process group (None: the default group; without torch.distributed
-            initialised, a world of one unless ``WORLD_SIZE`` says otherwise, which raises).
+        x_local: this rank's shard, floating dtype; its ``dim`` may differ across ranks and be
+            empty, every other dim must agree.
+        k: the global number to select, as in the single-process op, the same on every rank.
+        group: the process group (None: the default group, or a world of one).
         dim: the sharded dimension to select along.
         largest: select the largest (default) or the smallest entries.
-        epsilon: the temperature, in the units of x (a float, or a tensor broadcastable to the
-            batch shape, which receives a gradient), as in the single-process op.
-        method: ``"ot"`` (default): the SOFT top-k sigmoid above. ``"sparse"``: the Euclidean
-            projection ``clip((x - t)/epsilon, 0, 1)`` (exact zeros and ones), solved by the
-            same finite Newton method as the single-process "sparse" on all-reduced counts.
+        epsilon: the temperature, in x's units, as in the single-process op.
+        method: ``"ot"`` (default) or ``"sparse"``, as in the single-process op.
         max_iter: cap on evaluations of the row sums (None: 100; each is one all-reduce).
         tol: "ot" only: extra absolute tolerance on ``|sum A - k|`` (None: machine precision).
-        hard: straight-through: the exact hard top-k mask of the concatenated row (ties at
-            the k-th value broken by the global position, lower rank first, then lower local
-            index), with the soft mask's gradient. Needs an integer k.
+        hard: straight-through: the exact hard mask of the concatenated row (ties broken by
+            the global position), with the soft gradient. Needs an integer k.
 
     Returns:
-        This rank's part of the mask: the shape, dtype and device of ``x_local``.
-
-    Gradients: the backward returns the gradient of the sum over ranks of what each rank
-    computes from its part of the mask: this rank's slice of the single-process gradient in x,
-    and the full single-process gradient in k and epsilon on every rank; sum the gradients of
-    replicated parameters over ranks.
+        This rank's part of the mask: the shape, dtype and device of ``x_local``. Its gradient
+        in x is this rank's slice of the single-process one; in k and epsilon, the full one.
 
     Example:
         >>> x = torch.tensor([[5.0, 2.0, 3.0]])  # one rank: the whole row
@@ -182,8 +143,7 @@ def topk_threshold(
     solver's diagnostics: the sharded :func:`softops.solvers.topk_threshold`.
 
     Solves :math:`\sum_r \sum_{i \in r} \sigma((x_i - t)/\varepsilon) = k`; every rank returns
-    the same result. ``iterations`` is the number of evaluations, each one all-reduce; the call
-    makes ``2 + iterations`` collectives. Not differentiable.
+    the same result, after ``2 + iterations`` collectives. Not differentiable.
 
     Args:
         x_local: this rank's shard, as in :func:`soft_topk_mask`.
@@ -196,14 +156,8 @@ def topk_threshold(
         tol: extra absolute tolerance on ``|sum A - k|`` (None: machine precision only).
 
     Returns:
-        A :class:`softops.solvers.ThresholdResult` (threshold in the units of x), with the
-        contract of :func:`softops.solvers.topk_threshold` at the limits: ``+inf`` on rows at
-        k -> 0 (k, less the entries at ``+inf``, is 0 in the compute dtype), ``-inf`` on rows
-        at k -> n (k is the count of entries not at ``-inf``), the two swapped with
-        ``largest=False``; 0 on rows without a finite entry; all of these with
-        ``converged=True`` and residual 0. Rows whose k cannot be met (a NaN on any rank, more
-        entries at the first infinity than k, fewer entries not at the other one) have a NaN
-        threshold, a NaN residual and ``converged=False``.
+        A :class:`softops.solvers.ThresholdResult`, with the limits' and the NaN rows' contract
+        of :func:`softops.solvers.topk_threshold` (a NaN on any rank makes the row NaN).
 
     Example:
         >>> res = topk_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]), 2, 0.1)
@@ -261,12 +215,9 @@ def topk(
     r"""``torch.topk`` of rows sharded along ``dim``: the global k best, with their owners.
 
     The hard operator, on the concatenated row ``x = torch.cat(shards, dim)``, is
-    ``x.topk(k, dim, largest, sorted=True)``; ties are broken by the global position (lower
-    first), which ``torch.topk`` leaves unspecified. Each rank selects its own k best (ties by
-    local index: they contain every entry of the global k best that it holds) and one all-gather
-    of those k values and positions per rank gives every rank the same result: two collectives
-    in all (the header and the gather), ``P k`` values per row. NaN counts as the largest, as in
-    ``torch.topk``.
+    ``x.topk(k, dim, largest, sorted=True)``, ties broken by the global position. Each rank's
+    own k best are all-gathered: two collectives, ``P k`` values per row. NaN counts as the
+    largest, as in ``torch.topk``.
 
     Args:
         x_local: this rank's shard (any shape, floating dtype; its ``dim`` may be empty).
@@ -276,10 +227,8 @@ def topk(
         largest: the largest (default) or the smallest entries.
 
     Returns:
-        A :class:`ShardedTopK`, identical on every rank. ``values`` is differentiable: each rank
-        passes the gradient it receives to the entries it holds (no communication), which is
-        the gradient of a loss that every rank computes alike from the values; sum parameter
-        gradients over ranks, as for :func:`soft_topk_mask`.
+        A :class:`ShardedTopK`, identical on every rank. ``values`` passes its gradient to the
+        entries each rank holds, without communication.
 
     Example:
         >>> topk(torch.tensor([[5.0, 2.0, 6.0]]), 2)

@@ -50,14 +50,10 @@ def _sample_layout(plan: _Plan) -> tuple[int, list[int], list[int]]:
 
 
 def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor | None]:
-    """The start's one collective: every rank's shard statistics and candidates, all-gathered.
-
-    The candidates are each rank's ``floor(max k) + 1`` largest entries (which hold the row's)
-    where the group sends at most ``max(SAMPLE_SIZE, n // EXACT_SHARE)`` of them per row and
-    under half the row, else
-    its part of the strided subsample ``x[:, ::stride]`` of the concatenated row; with
-    ``hard=True`` also its ``max k`` largest (the same ones on the exact path), returned
-    beside the summary as (P, B, max k) (None without ``hard`` or where k = 0 everywhere).
+    """The start's one collective: every rank's shard statistics and candidates, all-gathered:
+    its ``floor(max k) + 1`` largest where the group sends at most ``max(SAMPLE_SIZE, n //
+    EXACT_SHARE)`` per row and under half the row, else its part of a strided subsample; with
+    ``hard=True`` also its ``max k`` largest, (P, B, max k) (else None).
     """
     comm, n = plan.comm, plan.n
     B = x.shape[0]
@@ -312,19 +308,9 @@ def _weighted_sums(
     need_eps: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``<w, g>``, ``<w, off>``, ``sum_live g s off`` and ``sum_live g s`` over the row (live:
-    ``s > 0``), with ``w = s / sum s`` normalised in the log domain, from one all-gather.
-
-    As in the single-process op (``softops.topk._ot._k_weights``): ``log w_i = -|z_i| - 2 log(1
-    + e^{-|z_i|})`` up to a constant, ``z = off / eps``, each side of t (``off <= 0``, ``off >
-    0``) shifted by its nearest entry. Each rank takes off its own nearest ``|off|`` on each
-    side, ``near_r``, before dividing by epsilon, and sends it with its partial sums; a side's
-    sums are ``sum_r exp(-(near_r - near)/eps)`` times the rank's (``near = min_r near_r``), so
-    they hold where every ``s`` underflows. The sides weigh against each other by
-    ``e^{-(near_side - nearest)/eps}``, or, where the row's count above t is k, by ``1 / Us``
-    (``Us`` the side's shifted sum of u): the root's condition ``U_a = U_b`` makes that exact
-    whatever t. Rows at k' = 0 (``edge`` +1) or k' = n_fin (-1) take the one-sided limits
-    ``softmax(+-x/eps)`` over the finite entries, shifted by the row's global max or min (one
-    side, no per-rank shift); rows with no finite entry get 0.
+    ``s > 0``), ``w = s / sum s`` normalised in the log domain as in
+    ``softops.topk._ot._k_weights``, each rank's sides shifted by its nearest entries, from one
+    all-gather.
     """
     B, n_r = off.shape
     a = off.abs()

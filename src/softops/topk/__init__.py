@@ -18,12 +18,9 @@ its code select the smallest), epsilon is in the units of x (the paper divides t
 maximum), and every row is solved on its own (the official code divides by a batch-wide maximum,
 so one row changes the others).
 
-Layout: one file per method of :func:`soft_topk_mask`, listed in :data:`METHODS`, each with the
-one backend signature ``mask(x2, k, eps, opts)`` on canonical rows (x2 (B, n) in the compute
-dtype, largest first; k and eps (B,); opts a :class:`~softops.topk._options.MaskOptions`); the
-sorted top-k :func:`soft_topk` in ``_sorted.py`` (its Newton-first solve in ``_newton.py``); the
-checks every method shares in ``_options.py``. This module validates, reshapes once to (B, n)
-and makes one call into the method's file.
+Layout: one backend file per method in :data:`METHODS`, each ``mask(x2, k, eps, opts)`` on
+canonical (B, n) rows, largest first; :func:`soft_topk` in ``_sorted.py`` (Newton solve in
+``_newton.py``); the shared checks in ``_options.py``.
 """
 
 from __future__ import annotations
@@ -119,64 +116,43 @@ def soft_topk_mask(
 
         A_i = \sigma\!\left(\frac{x_i - t}{\varepsilon}\right), \qquad \sum_i A_i = k .
 
-    Values lie in [0, 1] and sum to k along ``dim``. As ``epsilon -> 0`` the mask tends to the hard
-    one on rows whose k-th and (k+1)-th largest entries differ (tied entries share the mass).
+    Values lie in [0, 1] and sum to k along ``dim``; as ``epsilon -> 0`` the mask tends to the
+    hard one where the k-th and (k+1)-th largest differ (ties share the mass). The methods are
+    compared in the table of docs/topk.md.
 
     Args:
-        x: scores, any shape, floating dtype. float16 and bfloat16 are computed in float32 and the
-            result is cast back.
-        k: how many entries to select: an int or a float in [0, n] (k = 0 gives zeros, k = n
-            ones, a fractional k is allowed); a 0-dim tensor, which receives a gradient; or, for
-            ``method="ot"`` and ``"sparse"``, a tensor broadcastable to the batch shape
-            (``x.shape`` without ``dim``) for a per-row k.
+        x: scores, any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        k: how many to select, in [0, n], possibly fractional: a number; a 0-dim tensor, which
+            receives a gradient; or, for "ot" and "sparse", a tensor broadcastable to the batch
+            shape (``x.shape`` without ``dim``) for a per-row k.
         dim: the dimension to select along.
         largest: select the largest (default) or the smallest entries.
-        epsilon: the temperature, in the units of x (:math:`\varepsilon`; the paper's
-            :math:`\varepsilon_p = 2\varepsilon` on an unnormalised cost). Larger is smoother.
-            A float, or a tensor (scalar or broadcastable to the batch shape) that receives a
-            gradient. Scaling law: ``soft_topk_mask(c*x, k, epsilon=c*e) == soft_topk_mask(x, k,
+        epsilon: the temperature :math:`\varepsilon` in x's units (the paper's
+            :math:`\varepsilon_p = 2\varepsilon`, on an unnormalised cost); larger is smoother.
+            A float or a tensor broadcastable to the batch shape, which receives a gradient.
+            Scaling law: ``soft_topk_mask(c*x, k, epsilon=c*e) == soft_topk_mask(x, k,
             epsilon=e)`` for c > 0.
-        method: ``"ot"`` (default) solves for t exactly by bracketed Halley steps (Newton's where
-            Halley's would overshoot), O(n) per evaluation, 2 to 5 evaluations, with the
-            closed-form implicit backward. ``"sinkhorn"`` runs the paper's algorithm,
-            log-domain Sinkhorn on the same n x 2 problem with the same epsilon, with an
-            implicit backward; it equals "ot" at convergence and differentiates
-            with respect to x only. The paper normalises the cost by its maximum; its epsilon
-            ``eps_paper`` corresponds to ``epsilon = eps_paper * max_i C_i / 2`` per row, where
-            ``max_i C_i = max_i max(x_i^2, (x_i - 1)^2)`` for the paper's orientation.
-            ``"softkmax"`` is the recursion of Su (2019) (see :func:`softops.soft_kmax`): k
-            softmaxes, plain autograd, O(k n) time; it is biased, and it is not clipped, so an
-            entry can exceed 1 where the k-th largest ties with the row minimum (k = n, say).
-            ``"perturbed"`` is the perturbed optimizer of Berthet et al. (2020): the mean of the
-            hard mask of ``x + epsilon * Z`` over ``n_samples`` Gaussian draws Z, with the
-            Monte-Carlo Jacobian estimate on the same draws as its backward (O(B n) memory; the
-            noise is regenerated, never stored). Both need an integer k, and differentiate with
-            respect to x (softkmax also epsilon), not k.
-            ``"sparse"`` is the Euclidean projection of ``x / epsilon`` onto the capped simplex
-            :math:`\{0 \le a \le 1, \sum a = k\}`, ``a = clip((x - t)/epsilon, 0, 1)`` (the
-            counterpart of "ot" with a quadratic regulariser, docs/math.md §1.5): exact zeros
-            and ones, so attention and routing can skip work. t is solved exactly by a finite
-            Newton method (1 to 13 evaluations, O(n) each); the backward is closed form on the
-            free entries (gradient 0 where none is free). Like "ot" it takes a per-row k,
-            differentiates in x, k and epsilon, and has the same units and scaling law.
-        max_iter: cap on iterations. None: 100 Newton evaluations for "ot" (3 to 6 are typical)
-            and for "sparse" (1 to 13);
-            2000 Sinkhorn iterations for "sinkhorn". ``max_iter=200, tol=0`` with "sinkhorn"
-            runs the paper's fixed 200 iterations (on the cost in units of epsilon, so that the
-            scaling law holds; an iterate that has not converged depends on that choice of
-            gauge, and differs from one on the paper's unnormalised cost).
-        tol: stopping tolerance. For "ot", an absolute tolerance on ``|sum(A) - k|`` added to the
-            machine-precision one (None: machine precision). For "sinkhorn", the L1 error of the
-            row marginals (None: 1e-6 in float32, 1e-9 in float64; 0 runs exactly ``max_iter``
-            iterations). A row that does not converge within ``max_iter`` raises a warning.
-            "sparse" takes no ``tol``: its solve stops exactly, on the root's linear piece.
-        hard: straight-through: return the hard mask, with the gradient of the soft one. Needs
-            an integer k.
-        n_samples: for ``"perturbed"`` only: the number of noise draws (None: 100). The
-            standard error of each entry is at most ``0.5 / sqrt(n_samples)``.
-        generator: for ``"perturbed"`` only: a ``torch.Generator`` on x's device, for
-            reproducible draws (None: a seed is drawn from the global generator, so
-            ``torch.manual_seed`` also makes it reproducible).
+        method: ``"ot"`` (default): t solved exactly by bracketed Halley steps, closed-form
+            implicit backward in x, k and epsilon. ``"sinkhorn"``: the paper's log-domain
+            Sinkhorn on the same n x 2 problem (its normalised ``eps_paper`` is ``epsilon =
+            eps_paper * max_i C_i / 2``), equal to "ot" at convergence, differentiable in x.
+            ``"softkmax"``: Su's recursion (:func:`soft_kmax`), biased and unclipped.
+            ``"perturbed"``: the mean hard mask of ``x + epsilon * Z`` over ``n_samples``
+            Gaussian draws (Berthet et al. 2020), Monte-Carlo backward. These two need an
+            integer k and differentiate in x (softkmax also epsilon). ``"sparse"``: the
+            projection ``clip((x - t)/epsilon, 0, 1)`` onto the capped simplex (docs/math.md
+            §1.5), exact zeros and ones, with the inputs, units and gradients of "ot".
+        max_iter: iteration cap (None: 100 evaluations for "ot" and "sparse", 2000 Sinkhorn
+            iterations; ``max_iter=200, tol=0`` runs the paper's fixed 200, on the cost in
+            units of epsilon).
+        tol: for "ot", an absolute tolerance on ``|sum(A) - k|`` besides machine precision; for
+            "sinkhorn", the L1 marginal error (None: 1e-6 in float32, 1e-9 in float64; 0 runs
+            ``max_iter``). A row that does not converge warns. "sparse" takes none.
+        hard: straight-through: the hard mask, with the soft one's gradient; needs an integer k.
+        n_samples: "perturbed" only: the number of draws (None: 100); each entry's standard
+            error is at most ``0.5 / sqrt(n_samples)``.
+        generator: "perturbed" only: a ``torch.Generator`` on x's device (None: seeded from
+            the global generator).
 
     Returns:
         A tensor with the shape, dtype and device of ``x``.
@@ -184,17 +160,14 @@ def soft_topk_mask(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Infinities behave as their limits: ``-inf`` is never selected and ``+inf`` always is (with
-    ``largest=True``), which is how attention masks keys. A row that cannot hold its k entries
-    (more than k entries at ``+inf``, or fewer than k above ``-inf``) and a row holding a NaN give
-    NaN in that row only.
+    Infinities are their limits: ``-inf`` is never selected and ``+inf`` always is (with
+    ``largest=True``), which is how attention masks keys. A row that cannot hold its k entries,
+    or holds a NaN, is NaN in that row only.
 
     Example:
         >>> x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])
         >>> soft_topk_mask(x, 3, epsilon=0.5).round(decimals=3)
         tensor([0.9530, 0.0470, 0.2690, 0.7310, 0.0070, 0.9930])
-        >>> soft_topk_mask(x, 3, epsilon=1e-3)
-        tensor([1., 0., 0., 1., 0., 1.])
         >>> soft_topk_mask(x, 3, epsilon=2.0, method="sparse")  # exact zeros and ones
         tensor([1.0000, 0.0000, 0.2500, 0.7500, 0.0000, 1.0000])
 
@@ -266,66 +239,34 @@ def soft_kmax(
         q^{(t)} = \mathrm{softmax}\!\left(\frac{x' \odot (1 - p^{(t-1)})}{\varepsilon}\right),
         \qquad p^{(t)} = p^{(t-1)} + q^{(t)}, \qquad t = 1, \dots, k,
 
-    and the result is :math:`p^{(k)}`. Each round is a softmax, so the entries sum to k exactly.
-    Replacing each softmax by ``one_hot(argmax)`` shows the idea: select the maximum, zero it
-    (it becomes the row minimum after the shift), and repeat.
-
-    **Not clipped.** Entries are >= 0 but can exceed 1: where the k-th largest entry ties with
-    the row minimum (for example k = n, or k - 1 entries above many equal minima), the last
-    rounds find nothing above the minimum and spread their mass over the already-selected
-    entries too. With distinct entries and k = n, as ``epsilon -> 0`` the n - 1 largest tend to
-    1 + 1/n and the minimum to 1/n. On rows where k < n, the top k entries are distinct, the
-    k-th largest is strictly above the (k+1)-th and above the row minimum, it tends to the hard
-    top-k mask as ``epsilon -> 0``, at every scale: each round's logits are formed relative to
-    its top entry, so where ``(x - min x)/epsilon`` is beyond the dtype's largest finite value
-    only the entries far below the top overflow (to weight 0), and none tie.
-
-    **Bias.** This is the sequential relaxation "take the max, then zero it", not a projection
-    onto :math:`\{0 \le p \le 1, \sum_i p_i = k\}`: at the same epsilon it differs from
-    ``soft_topk_mask(x, k, method="ot")``, a sigmoid with one threshold and values in [0, 1].
-    A round removes an entry by scaling its shifted score by :math:`1 - p_i`, i.e. by moving it
-    towards the row minimum, so an entry's mass depends on its distance to the minimum and on
-    the entries picked before it, and at moderate epsilon the selected entries stay further from
-    1: for ``x = [5, 2, 3, 4, 1, 6]``, k = 3 and epsilon = 0.5 the largest entry gets 0.891
-    here and 0.993 with "ot".
+    and the result is :math:`p^{(k)}`: entries >= 0 summing to k. It is biased and **not
+    clipped**: an entry can exceed 1 where the k-th largest ties with the row minimum (k = n,
+    say); at moderate epsilon it differs from ``soft_topk_mask(method="ot")``
+    (docs/smoothing.md). It tends to the hard mask as ``epsilon -> 0`` where the k-th largest is
+    distinct from the (k+1)-th and from the row minimum. Infinities follow
+    :func:`soft_topk_mask`'s convention (a ``+inf`` entry takes one round and gets exactly 1).
 
     Args:
-        x: scores, any shape, floating dtype. float16 and bfloat16 are computed in float32 and
-            the result is cast back.
-        k: the number of rounds (entries to select): an int in [0, n]; k = 0 gives zeros.
+        x: scores, any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        k: the number of rounds, an int in [0, n].
         dim: the dimension to select along.
-        epsilon: the temperature, in the units of x; larger is smoother. A positive float, or a
-            floating tensor broadcastable to the batch shape (``x.shape`` without ``dim``),
-            which receives a gradient. Scaling law: ``soft_kmax(c*x, k, epsilon=c*e) ==
-            soft_kmax(x, k, epsilon=e)`` for c > 0. It is also invariant to adding a constant.
+        epsilon: the temperature, in x's units, a float or a tensor broadcastable to the batch
+            shape (receives a gradient). Scaling law: ``soft_kmax(c*x, k, epsilon=c*e) ==
+            soft_kmax(x, k, epsilon=e)`` for c > 0; invariant to adding a constant.
 
     Returns:
-        A tensor with the shape, dtype and device of ``x``; entries >= 0, summing to k along
-        ``dim``.
+        A tensor with the shape, dtype and device of ``x``.
 
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Cost: O(k n) time per row. The backward is plain autograd through the k rounds: for k < 16
-    it saves about two (B, n) tensors per round, O(k B n) memory (B the number of rows); from
-    k = 16 on, segments of about sqrt(k) rounds are checkpointed and recomputed in the backward,
-    O(sqrt(k) B n) memory for one more forward pass. For large k prefer
-    ``soft_topk_mask(method="ot")`` (O(B n) memory, O(n) per Newton step).
-
-    Infinities follow the masking convention of :func:`softops.soft_topk_mask`: a ``+inf``
-    entry is always selected (value exactly 1) and uses one of the k rounds; ``-inf`` entries
-    are never selected (value 0) and take no part in the minimum or the softmax; the remaining
-    rounds run over the finite entries. A row with more than k entries at ``+inf``, fewer than k
-    entries above ``-inf``, or a NaN, gives NaN in that row only, with a zero gradient. (This is
-    a convention, not the pointwise limit of the recursion, which degenerates: a ``-inf`` would
-    become the minimum and push every other entry to ``+inf``, giving the hard mask.)
+    Cost: O(k n) time per row; plain autograd, O(k B n) memory, checkpointed from k = 16 on
+    (O(sqrt(k) B n) memory for one more forward pass).
 
     Example:
         >>> x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])
         >>> soft_kmax(x, 3).round(decimals=4)
         tensor([0.8189, 0.1711, 0.3903, 0.6545, 0.0657, 0.8996])
-        >>> soft_kmax(x, 3, epsilon=1e-3)
-        tensor([1., 0., 0., 1., 0., 1.])
         >>> soft_kmax(x, 6, epsilon=1e-2).round(decimals=4)  # k = n: not clipped
         tensor([1.1667, 1.1667, 1.1667, 1.1667, 0.1667, 1.1667])
 
@@ -355,11 +296,7 @@ def topk_selection_matrix(indices: torch.Tensor, n: int) -> torch.Tensor:
 
     Example:
         >>> y = torch.tensor([0.3, 2.0, -1.0, 0.7])
-        >>> W = topk_selection_matrix(y.topk(2).indices, 4)
-        >>> W
-        tensor([[0., 1., 0., 0.],
-                [0., 0., 0., 1.]])
-        >>> W @ y
+        >>> topk_selection_matrix(y.topk(2).indices, 4) @ y
         tensor([2.0000, 0.7000])
     """
     op = "topk_selection_matrix"

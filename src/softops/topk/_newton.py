@@ -162,18 +162,9 @@ def newton_first(
 ) -> tuple[SinkhornResult, bool]:
     """Solve the centred problem (no autograd): the kernel on small CPU problems, else torch.
 
-    Args:
-        cost: (B, n, m) cost whose column constants make v = 0 a close start.
-        log_a: (B, n) log row masses; ``log_b``: (B, m) log column masses.
-        epsilon: (B,) regularisation in the units of the cost.
-        max_iter: cap on Newton steps plus the fallback's iterations.
-        tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` Sinkhorn iterations.
-        potentials: form f and g (else empty (B, 0)).
-
-    Returns:
-        ``(result, clean)``: the :class:`~softops._core.sinkhorn.SinkhornResult` (float64 where
-        Newton ran) and whether every row converged without the fallback (False says nothing).
-        With ``tol=0``, a single target, no rows or meta tensors it is the generic solve's.
+    ``cost`` (B, n, m) has column constants that make v = 0 a close start; the other arguments
+    are those of :func:`~softops._core.sinkhorn.log_sinkhorn`. Returns ``(result, clean)``:
+    the result (float64 where Newton ran) and whether every row converged without the fallback.
     """
     bsz, n, m = cost.shape
     if tol <= 0 or m == 1 or bsz == 0 or n == 0 or cost.device.type == "meta":

@@ -149,20 +149,12 @@ def _evaluate(
     reduce: Reduce | None = None,
     n: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s``, the
-    backward's denominator, ``sum s`` where it is positive and ``inf`` elsewhere (``s = A (1 - A)
-    / eps``, the backward's weights, formed from ``u``: no cancellation), and the count of
-    entries above t (the polish keeps it).
+    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s = A (1 - A)
+    / eps``, ``sum s`` (``inf`` where 0) and the count of entries above t.
 
-    The reductions are over the last dim; ``m``, ``t`` and ``eps`` have a trailing singleton dim,
-    ``k`` the reduced shape. With ``u = min(A, 1 - A)`` the residual is split by sign, so it has no
-    cancellation; the tolerance is the rounding of the sums (at least that of min(k, n - k, 1))
-    plus the change of F over one ulp of t, plus the user's ``tol``. ``F''/F' = -<1 - 2A, d> /
-    (eps sum d)`` with ``d = u(1 - u)`` is formed as a ratio, so it neither over- nor underflows.
-
-    The five row sums are partial sums where the row is split (``x`` one shard of it): ``reduce``
-    (:data:`Reduce`) totals them, and ``n`` is then the row's whole length (default: x's last
-    dim). ``A`` and ``s`` are always those of ``x``'s entries.
+    F is split by sign via ``u = min(A, 1 - A)`` (no cancellation); the tolerance is the sums'
+    rounding plus F's change over one ulp of t plus ``tol``. The five row sums are partial where
+    ``x`` is one shard: ``reduce`` (:data:`Reduce`) totals them and ``n`` is the row's length.
     """
     em = torch.finfo(x.dtype).eps
     inv = 1 / eps  # per row: one division a row instead of one an entry
@@ -309,23 +301,17 @@ def balance_step(
     r"""The log-domain Newton step of :func:`polish`, from every shard's :func:`balance_parts`
     (P, 6, B) (P = 1 in one process); ``eps`` (B,).
 
-    With the count of entries above t fixed (t stays in its gap), ``F = L - R`` where ``L = U_b +
-    c_b`` and ``R = U_a + c_a``: ``U_b`` and ``U_a`` are the sums of u below and above t, and ``c_b
-    = max(P - k, 0)``, ``c_a = max(k - P, 0)`` the count's offset from k (P entries above t,
-    infinities included; ``F = (P - k) + U_b - U_a``). The root of F is that of ``G = log L - log
-    R``, whose Newton step is formed in units of the offsets (no division by epsilon, which can
-    overflow):
+    With the count P of entries above t fixed, ``F = L - R``, ``L = U_b + max(P - k, 0)``,
+    ``R = U_a + max(k - P, 0)`` (``U`` the sums of u below and above t). The root of F is that of
+    ``G = log L - log R``, stepped in units of the offsets (no division by epsilon):
 
     .. math::
 
-        H = \varepsilon G = \varepsilon \log L - \varepsilon \log R, \qquad
-        t' = t + \frac{H}{D_b / L + D_a / R},
+        H = \varepsilon \log L - \varepsilon \log R, \qquad t' = t + \frac{H}{D_b / L + D_a / R},
 
-    with ``D`` the sums of ``u (1 - u)``. In the hard limit (integer k, every ``|z|`` large) G is
-    linear in t and one step is exact. The shards' sums are combined with the factors
-    ``exp(-(a_r - a)/eps)``, ``a = min_r a_r``. Returns ``H`` (of the sign of F), the new
-    iterate's offset ``t' - t`` (NaN where a side is empty), and the distances ``a_b``, ``a_a``
-    from t to the nearest entries below and above.
+    ``D`` the sums of ``u (1 - u)``; exact in one step in the hard limit. Shards combine with
+    factors ``exp(-(a_r - a)/eps)``. Returns ``H``, ``t' - t`` (NaN where a side is empty) and
+    the distances ``a_b``, ``a_a`` from t to the nearest entries below and above.
     """
     out = []
     for i in (0, 3):
@@ -354,19 +340,11 @@ def polish(
     rows: torch.Tensor,
     gap: torch.Tensor,
 ) -> torch.Tensor:
-    """Re-solve, in the log domain, the thresholds ``t`` (B,) of the near-hard ``rows``.
-
-    Where every ``u = sigmoid(-|z|)`` is small (``sum u (1 - u) < NEAR_HARD sqrt(em)``), F's
-    tolerance, whose floor is ``32 em`` (the rounding of ``count - k`` and of sums up to 1),
-    holds over a stretch ``~ 32 em eps / sum u (1 - u)`` of the gap between the entries next to
-    t (all of it once ``|z|`` overflows), yet the gradients in k and epsilon weigh the entries
-    by ``s ~ exp(-|z|)``, which depends on where t is in the gap. The root of F is the root of
-    ``G = log L - log R`` (:func:`balance_step`), which resolves it to the last bits: Newton
-    steps on G inside the gap and the solver's bracket ``[lo, hi]``, bisection when a step
-    leaves them, at most ``POLISH_STEPS``. ``balance(t)`` returns every shard's
-    :func:`balance_parts` at ``t`` (P, 6, B); ``gap`` (B,) is the count of entries above t less
-    k, which stays fixed while t stays in its gap. A host test after each step stops once no row
-    moves. Returns the new ``t``.
+    """Re-solve, in the log domain, the thresholds ``t`` (B,) of the near-hard ``rows``, where
+    F's tolerance leaves t loose in its gap but the gradients in k and epsilon depend on it:
+    Newton steps on :func:`balance_step`'s ``G`` inside the gap and ``[lo, hi]``, bisection
+    when they leave it, at most ``POLISH_STEPS``. ``balance(t)``: every shard's
+    :func:`balance_parts` (P, 6, B); ``gap``: the count above t less k. Returns the new ``t``.
     """
     ulp = torch.finfo(t.dtype).eps
     c_below, c_above = gap.clamp(min=0).to(t.dtype), (-gap).clamp(min=0).to(t.dtype)
@@ -1032,14 +1010,8 @@ def _offsets_differentiable(
     A: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r""":func:`_offsets` for double backward: the same values, with the threshold's first
-    derivative on the graph.
-
-    The solve's t is a constant of the forward; its derivative, from ``sum_i sigma((x_i -
-    t)/eps) = k``, is ``dt = (<s, dx> - dk - <s, z> deps) / sum s`` (in the solve's units, ``z =
-    off / eps``). ``t + dt(x - x0, k - k0, eps - eps0)`` at the saved point ``(x0, k0, eps0)``
-    has t's value and t's first derivative, which is what differentiating the backward's
-    ``(x - t)/eps`` once more needs. Infinite entries have no derivative (their ``x - x0`` is
-    taken as 0, not ``inf - inf``).
+    derivative ``dt = (<s, dx> - dk - <s, z> deps) / sum s`` on the graph, as
+    ``t + dt(x - x0, k - k0, eps - eps0)`` at the saved point (infinite entries: ``x - x0 = 0``).
     """
     X, E = (x, eps) if scale is None else (x * scale[:, None], eps * scale[:, None])
     Xc, Ec, Ac = X.detach(), E.detach(), A.detach()
@@ -1064,19 +1036,10 @@ def _k_weights(
 ) -> torch.Tensor:
     r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
 
-    ``log s_i = log sigma(z_i) + log sigma(-z_i) - log eps = -|z_i| - 2 log(1 + e^{-|z_i|}) - log
-    eps`` with ``z = off / eps``. Each side of the threshold (the finite entries with ``off <= 0``,
-    and ``off > 0``) is weighed relative to its own entry nearest t, ``a_b`` or ``a_a`` (taken off
-    before dividing by epsilon), so that no term underflows; what remains is how the two sides weigh
-    against each other, ``W_b / W_a = e^{(a_a - a_b)/eps} S_b / S_a`` (``S`` the shifted sums).
-    Where the count P above t is k, the root's condition ``U_a = U_b + (P - k)`` on the sides' sums
-    of ``u = sigmoid(-|z|)`` gives ``U_a = U_b``, so ``e^{(a_a - a_b)/eps} = Us_b / Us_a`` (``Us``
-    the same shifted sums of u) exactly, whatever t: the weights are those of the exact root even
-    where epsilon is below the resolution of t (the hard limit, where each side weighs 1/2).
-    Elsewhere the factor is taken from t. Rows whose k is 0 or n (``edge`` +1 or -1) have no finite
-    threshold; there the weights are their one-sided limits as ``t -> +inf`` and ``t -> -inf``:
-    ``softmax(x / eps)`` and ``softmax(-x / eps)`` over the finite entries. Rows without a finite
-    entry get 0.
+    Each side of t is weighed relative to its own nearest entry; the sides weigh against each
+    other by ``Us_b / Us_a`` where the count above t is k (exact at the root, whatever t: the
+    hard limit weighs each side 1/2), else by the factor from t. Rows with k = 0 or n
+    (``edge``) take the limits ``softmax(+-x / eps)`` over the finite entries; no finite entry: 0.
     """
     a = off.abs()
     # infinite offsets (infinite entries) weigh 0; the double where keeps them out of the

@@ -15,18 +15,12 @@ draw's mask has the same sum). Each entry of :math:`\hat y` has standard error a
 ``mask(c x, c e) ~ mask(x, e)``). Forward mode applies the same estimated Jacobian to the
 tangent, so ``jacfwd`` equals ``jacrev`` on the same draws.
 
-Contract:
-
-* Draws: sample s is one (B, n) ``torch.randn`` in x's dtype, s = 0..N-1, in chunks of at most
-  about 2**22 elements. The noise is **not stored**: the backward regenerates it from a snapshot
-  of the generator (O(B n) memory whatever N). ``generator=None`` seeds a private generator from
-  the global one (``torch.manual_seed`` makes it reproducible); a user generator is advanced by
-  the forward, and the backward uses the forward's draws even if it has moved on.
-* ``+inf`` entries are always selected and ``-inf`` never, with no derivative; rows with a NaN or
-  an unreachable k are NaN; k = 0 and k = n draw nothing and have a zero gradient.
-* ``torch.func``: the regeneration runs below every functorch level; under ``vmap`` the
-  ``randomness`` flag holds ("error" raises, "different" draws per slice, "same" shares them).
-* The backward is once-differentiable (the paper's second-order estimator is not implemented).
+Contract: draw s is one (B, n) ``torch.randn`` in x's dtype, in chunks of about 2**22
+elements, **not stored**: the backward regenerates it from a snapshot of the generator (O(B n)
+memory), so it uses the forward's draws even if a user generator has moved on
+(``generator=None`` seeds a private one from the global generator). ``+inf`` entries are always
+selected and ``-inf`` never, without derivative; NaN or unreachable-k rows are NaN; k = 0 and
+k = n draw nothing. Under ``vmap`` the ``randomness`` flag holds. Once-differentiable.
 
 References:
     Berthet, Blondel, Teboul, Cuturi, Vert and Bach. Learning with Differentiable Perturbed

@@ -84,66 +84,39 @@ def soft_topk(
 
     with :math:`s = -x` for ``largest=True`` and :math:`s = x` otherwise; then
     :math:`W_{j,i} = n\Gamma_{ij}` (:math:`j < k`) and :math:`v_j = \sum_i W_{j,i} x_i`.
+    As epsilon -> 0 the weights tend to ``one_hot(torch.topk(x, k, dim, largest).indices)``
+    (for distinct values).
 
-    **Candidate set** (docs/math.md §2.4). An entry whose score lies g epsilons below the
-    (k+1)-th largest has at most ``k exp(-g)`` weight on the first k targets, so each row is
-    solved on its candidates only: the entries near enough to the top that dropping the others
-    moves no weight by more than ``tau`` (1e-7 where x is computed in float32, 1e-14 in float64),
-    the others having weight exactly 0 and their rows of the plan on the rest target. The
-    candidates' problem is that of the sub-row (the rest target's mass is the candidates' count
-    less k), each target's weights still sum to 1, and the gradient is that of the candidates'
-    problem: **0 at the entries outside the set** (up to the tolerance: their weights and
-    derivatives carry the factor ``exp(-g)``). Where epsilon is large against the spread of the
-    scores the set is the whole row. Rows with an infinity or a NaN, ``tol=0``, and every call
-    under ``torch.func`` transforms, on meta tensors or while tracing, solve the full row.
+    **Candidate set** (docs/math.md §2.4): each row is solved on the entries near enough to the
+    top that dropping the others moves no weight by more than 1e-7 (float32) or 1e-14 (float64);
+    the others get weight and gradient 0. Rows with an infinity or a NaN, ``tol=0``, and calls
+    under ``torch.func``, on meta tensors or while tracing solve the full row.
 
-    The forward pass is semi-dual Newton in float64 from one Sinkhorn update of the centred start
-    (the plain start far below the gaps). On the CPU (float32 and float64, k <= 32) the candidate
-    set, the solve and the backward run in a C++ kernel, row by row over torch's threads, without
-    an exponential per entry and target (built ahead of time once per machine by
-    ``python -m softops._kernels``; without a build the torch code runs, after one warning); rows
-    the kernel does not finish, and other devices, are solved in torch (log-domain Sinkhorn to a
-    relative L1 marginal error of 1e-3, then Newton). The backward pass is implicit
-    differentiation through a k x k SPD (Schur complement) solve in float64 (in closed form for
-    k <= 2, else Cholesky), so memory is O(n k) whatever the iteration count; double backward
-    recomputes the forward in torch.
-
-    **epsilon** (the paper's entropic weight is ``2 * epsilon``) is in the units of x: the soft
-    boundary between two adjacent ranks has the width of a sigmoid of temperature epsilon, as in
-    ``soft_topk_mask``. Scaling law: ``soft_topk(c * x, k, epsilon=c * e).values = c *
-    soft_topk(x, k, epsilon=e).values`` for ``c > 0``; weights are unchanged. As epsilon -> 0 the
-    weights tend to ``one_hot(torch.topk(x, k, dim, largest).indices)`` (for distinct values).
-    Small epsilon (relative to the gaps between the top scores) needs more Sinkhorn iterations.
+    The forward is semi-dual Newton in float64 from one Sinkhorn update (on the CPU for k <= 32
+    in a C++ kernel built by ``python -m softops._kernels``, else in torch); the backward is
+    implicit, a k x k SPD Schur-complement solve in float64, O(n k) memory.
 
     Args:
-        x: input scores (any number of batch dims). float16/bfloat16 are computed in float32.
-        k: number of entries to select, an int in [1, n]. ``k = n`` drops the rest target (a soft
-            sort of the whole row).
-        dim: the dim to select along; negative values allowed.
-        largest: select the largest (True, largest first) or the smallest (False, smallest first).
-        epsilon: smoothing strength > 0 in units of x; a float or a tensor broadcastable to the
-            batch shape (x.shape without ``dim``); a tensor gets a gradient.
-        max_iter: Sinkhorn iteration cap; None means 2000 (plus at most 30 Newton steps).
-        tol: relative L1 marginal tolerance; None means 1e-6 (float32) / 1e-9 (float64).
-            ``tol=0`` runs exactly ``max_iter`` plain Sinkhorn iterations (no Newton, no warning).
+        x: scores, any shape, floating dtype (float16 and bfloat16 are computed in float32).
+        k: an int in [1, n]; ``k = n`` drops the rest target (a soft sort of the row).
+        dim: the dimension to select along.
+        largest: select the largest (largest first) or the smallest (smallest first).
+        epsilon: in x's units (the paper's entropic weight is ``2 * epsilon``), a float or a
+            tensor broadcastable to the batch shape, which receives a gradient. Scaling law: the
+            values scale with x (``c > 0``), the weights are unchanged.
+        max_iter: Sinkhorn iteration cap; None: 2000 (plus at most 30 Newton steps).
+        tol: relative L1 marginal tolerance; None: 1e-6 (float32) / 1e-9 (float64). ``tol=0``
+            runs exactly ``max_iter`` plain Sinkhorn iterations.
 
     Returns:
-        A :class:`TopK` ``(values, weights, indices)``. If a row does not reach ``tol`` within
-        ``max_iter`` iterations a ``UserWarning`` is issued (once per call); the result is
-        returned anyway.
+        A :class:`TopK` ``(values, weights, indices)``; a row that does not reach ``tol`` warns.
 
     Shape:
         - x: ``(*, n, *)`` with n at ``dim``.
-        - values: x.shape with ``dim`` replaced by k.
-        - weights: ``values.shape + (n,)``.
-        - indices: as values (int64): those of ``torch.topk``, ties in the order of x.
+        - values, indices: x.shape with ``dim`` replaced by k; weights: ``values.shape + (n,)``.
 
-    Notes:
-        Non-finite scores: entries that can never be selected (``-inf`` for ``largest=True``,
-        ``+inf`` otherwise) get weight 0 and do not change the others; entries of the opposite
-        infinity are always selected (their values are infinite). A row with fewer than k
-        selectable entries, or with a NaN, gives NaN in that row only. ``x``'s own gradient is
-        the implicit one; ``epsilon`` (tensor) also gets a gradient.
+    Infinities: entries that can never be selected get weight 0, those of the opposite infinity
+    are always selected; a row with fewer than k selectable entries, or a NaN, is NaN.
 
     Example:
         >>> import torch
@@ -155,10 +128,6 @@ def soft_topk(
         >>> out.weights.round(decimals=3)
         tensor([[0., 1., 0., 0.],
                 [0., 0., 0., 1.]])
-        >>> out.indices
-        tensor([1, 3])
-        >>> torch.topk(x, 2, -1, True, sorted=True).values  # the hard op
-        tensor([3., 2.])
 
     References:
         Y. Xie, H. Dai, M. Chen, B. Dai, T. Zhao, H. Zha, W. Wei, T. Pfister. Differentiable Top-k
@@ -1040,27 +1009,12 @@ class _SortedPlan(torch.autograd.Function):
     r"""``(s, eps) -> (weights, plan, converged, residual, clean)``: the sorted top-k's OT solve,
     differentiable in the scores and epsilon in one node.
 
-    The cost is ``C_ij = slope_j s_i + c_ij`` (``slope_j = -j`` in the paper's orientation,
-    ``+j`` in units of x with ``neg``; the constants c_ij centre it), given by its values in
-    units of epsilon, ``scaled = C / eps`` (B, m, n), a constant: the plan depends on the scores
-    s (B, n) and on epsilon (B,) only through it, with :math:`\partial (C/\varepsilon)_{ij} /
-    \partial s_i = \mathrm{slope}_j/\varepsilon` and :math:`\partial (C/\varepsilon) /
-    \partial\varepsilon = -(C/\varepsilon)/\varepsilon`. So the backward is one implicit
-    VJP of the plan (:func:`~softops._core.sinkhorn.implicit_cost_vjp`, in units of epsilon)
-    and two contractions of it: ``sum_j slope_j G_ij / eps`` and ``-<G, C/eps> / eps`` (the
-    infinite costs of entries without mass are constants). Formed that way the chain through
-    ``1 / eps`` never squares epsilon (which overflowed below 1e-154).
-
-    ``tensor_eps`` False says that epsilon has neither a gradient nor a tangent (a float
-    epsilon), so ``scaled`` is not saved. ``weights = n plan[:, :, :k]`` (B, k, n), in the dtype
-    of s; ``plan`` (B, n, m) is the float64 plan, an output too so that double backward reaches
-    the plan through this node (the torch backward is formed from the saved plan by
-    differentiable operations). Without a graph of the backward, small CPU problems take the
-    operator ``softops::sorted_plan_vjp`` (the C++ kernel ``sorted_vjp_rows``: the same solve and
-    contractions; the rows it cannot solve safely are redone in torch). ``converged`` and
-    ``residual`` are not differentiable; ``clean`` is True where the solver read on the host
-    that every row converged. Forward mode applies the same (symmetric) implicit map to the
-    tangent of the scaled cost; ``vmap`` folds the vmapped dimension into the rows.
+    The cost ``C_ij = slope_j s_i + c_ij`` is given in units of epsilon (``scaled``, a
+    constant), so the backward is one implicit VJP of the plan
+    (:func:`~softops._core.sinkhorn.implicit_cost_vjp`) and two contractions of it,
+    ``sum_j slope_j G_ij / eps`` and ``-<G, C/eps> / eps``, which never square epsilon.
+    ``plan`` (float64) is an output so that double backward reaches it; small CPU problems take
+    the operator ``softops::sorted_plan_vjp``. ``tensor_eps`` False: ``scaled`` is not saved.
     """
 
     @staticmethod

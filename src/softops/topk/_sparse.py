@@ -18,13 +18,10 @@ gradients in k and epsilon are
     \frac{\partial a_i}{\partial \varepsilon} = -\frac{a_i - \bar a_S}{\varepsilon}
     \qquad (i, j \in S;\ 0 \text{ elsewhere, and everywhere when } S = \emptyset).
 
-The forward pass is an exact finite Newton method on the piecewise-linear residual, in units
-of epsilon around the k-th largest entry, inside the exact local bracket
-:math:`[x_{(\lfloor k \rfloor + 1)} - \varepsilon, x_{(\lceil k \rceil)}]`; a row stops when its
-iterate lies on the piece its step was computed on (1 to 13 evaluations; cap ``max_iter``). Its
-evaluations take their row sums through a reduction (``_ot.Reduce``), which
-:mod:`softops.distributed` makes an all-reduce. Infinities are exact (``+inf`` at 1, ``-inf`` at
-0); rows with a NaN, or whose k the finite entries cannot meet, are NaN.
+The forward is an exact finite Newton method on the piecewise-linear residual, in units of
+epsilon, inside :math:`[x_{(\lfloor k \rfloor + 1)} - \varepsilon, x_{(\lceil k \rceil)}]`,
+stopping on the root's piece (1 to 13 evaluations); its row sums go through ``_ot.Reduce``, an
+all-reduce in :mod:`softops.distributed`. Infinities are exact; NaN or unreachable-k rows are NaN.
 """
 
 from __future__ import annotations
@@ -56,13 +53,9 @@ def _evaluate(
     k: torch.Tensor,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """At ``u`` (B, 1), the threshold ``t = m + eps u`` in units of epsilon from the centre ``m``
-    (B, 1): ``r = sum a - k``, the counts of ``z > 0``, ``z >= 0``, ``z >= 1`` and ``z > 1``
-    (``z = y - u``, ``y = (x - m) / eps``), as floats, and the sum of ``y`` over the strictly
-    free entries ``0 < z < 1`` (for the closed-form step), (B,) each (reductions only: the mask
-    is formed once, by :func:`_polish`). Where the row is split (``x`` one shard of it),
-    ``reduce`` totals the six partial sums (``softops.topk._ot.Reduce``); they come back in x's
-    dtype."""
+    """At ``u`` (B, 1), ``t = m + eps u``: ``r = sum a - k``, the counts of ``z > 0``, ``z >= 0``,
+    ``z >= 1`` and ``z > 1`` (``z = (x - m) / eps - u``) as floats, and the sum of ``y`` over the
+    free entries, (B,) each in x's dtype; ``reduce`` totals a split row's partial sums."""
     y = (x - m) * inv
     z = y - u
     a = z.clamp(0, 1)
@@ -109,15 +102,10 @@ def _polish(
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """u again, in closed form from the final piece, ``u = mean_S(y) - (k - |U|) / |S|`` with
-    ``y = (x - m) / eps`` (``m`` (B, 1): the centre of the solve), so that neither the threshold
-    nor the mask is ever formed in the units of x: it carries none of the rounding of the steps
-    (an entry at a breakpoint comes out exactly 0 or 1), and its resolution is that of ``u``,
-    relative to epsilon, where ``t = m + eps u`` itself may not be representable (subnormal). On
-    rows stopped on the root's piece (``exact``) the piece is that of ``a``; on rows stopped by
-    the resolution of u it is read from the final bracket, whose ends are adjacent floats: ``S
-    = {lo < y, y - hi < 1}``, ``U = {y - hi >= 1}``. Returns the mask at u and the polished one,
-    their residuals, and |S|. Where the row is split, ``reduce`` totals the partial sums (two
-    reductions: |S|, |U|, the sums of y over S and of a; then the sum of the polished a)."""
+    ``y = (x - m) / eps``: free of the steps' rounding (an entry at a breakpoint is exactly 0 or
+    1), never in the units of x. The piece is ``a``'s on ``exact`` rows, else read from the final
+    bracket. Returns the mask at u and the polished one, their residuals, and |S|; ``reduce``
+    totals split rows' partial sums."""
     dtype = x.dtype
     y = (x - m) / eps[:, None]
     a = (y - u[:, None]).clamp(0, 1)
@@ -142,14 +130,8 @@ def _polish(
 
 def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``ceil(k)``-th and the ``(floor(k) + 1)``-th largest entries of each row (B,), ranks
-    clamped to [1, n], infinities counted: on a row without NaN these are the ``ceil(k')``-th
-    and ``(floor(k') + 1)``-th largest finite entries, ``k' = k - #(+inf)``, where ``0 < k' <
-    #finite`` (``+inf`` entries lead the row and ``-inf`` entries trail it).
-
-    From a topk of the side of the row that needs fewer entries. Where every row has the same
-    k (one host read tells), the ranks are shared and the topk is unsorted: the deepest rank is
-    its extreme, the other one rank short of it (about 3 times cheaper than a sorted topk of
-    half a row); per-row k reads the ranks from a sorted topk.
+    clamped to [1, n], infinities counted, from a topk of the side of the row that needs fewer
+    entries (unsorted where every row has the same k, about 3 times cheaper).
     """
     n = x.shape[-1]
     k_max, k_min = torch.stack((k.max(), k.min())).tolist()
@@ -209,13 +191,9 @@ def _solve_rows(
     x_lo: torch.Tensor | None,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_solve` from the rows' statistics (:func:`_row_stats`, of the whole row), the
-    centre ``x_(ceil(k))`` and ``x_lo = x_(floor(k) + 1)`` (:func:`_order_statistics`): the exact
-    bracket; or, with ``x_lo`` None, any centre within the finite range and the bracket over it,
-    ``[(min x - m)/eps - 1, (max x - m)/eps]`` (every entry at 1 at its lower end, at 0 at its
-    upper). Where the row is split (``x`` one shard of it, the statistics the row's), ``reduce``
-    totals the partial sums of each evaluation (``softops.topk._ot.Reduce``): the mask returned
-    is then the shard's."""
+    """:func:`_solve` from the rows' statistics and order statistics (the exact bracket), or,
+    with ``x_lo`` None, any finite centre and the bracket over the row's range; ``reduce``
+    totals a split row's partial sums (the mask returned is then the shard's)."""
     dtype = x.dtype
     n_fin, n_pinf, n_nan, top, bottom, total = stats
     kk, _, n_fin1, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
