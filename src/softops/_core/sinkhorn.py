@@ -678,7 +678,13 @@ def _solve_reference(
 ) -> tuple[Tensor, ...]:
     """The torch solve as the outputs of ``softops::sinkhorn``, after its warning."""
     res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
-    _warn(caller, res, clean, max_iter, tol)
+    warn_unless_clean(caller, res, clean, max_iter, tol)
+    return op_outputs(res, clean, potentials)
+
+
+def op_outputs(res: SinkhornResult, clean: bool, potentials: bool) -> tuple[Tensor, ...]:
+    """A result and its ``clean`` as the outputs of a Sinkhorn-type operator (this module's and
+    the sorted top-k's ``softops::newton_first``), in the layout :func:`fake_outputs` declares."""
     f, g = (res.f, res.g) if potentials else (res.f[:, :0], res.g[:, :0])
     device = res.plan.device
     return (
@@ -692,7 +698,27 @@ def _solve_reference(
     )
 
 
-def _warn(caller: str, res: SinkhornResult, clean: bool, max_iter: int, tol: float) -> None:
+def fake_outputs(
+    cost: Tensor, potentials: bool, dtype: torch.dtype | None = None
+) -> tuple[Tensor, ...]:
+    """The outputs' shapes, dtypes and layout for a cost (B, n, m): the fake implementation of
+    a Sinkhorn-type operator (``dtype``: of the floating outputs, the cost's by default)."""
+    bsz, n, m = cost.shape
+    dtype = cost.dtype if dtype is None else dtype
+    return (
+        cost.new_empty((bsz, m, n), dtype=dtype).transpose(1, 2),  # (the solver's layout)
+        cost.new_empty((bsz, n if potentials else 0), dtype=dtype),
+        cost.new_empty((bsz, m if potentials else 0), dtype=dtype),
+        cost.new_empty((bsz,), dtype=torch.bool),
+        cost.new_empty((bsz,), dtype=dtype),
+        cost.new_empty((), dtype=torch.int64),
+        cost.new_empty((), dtype=torch.bool),
+    )
+
+
+def warn_unless_clean(
+    caller: str, res: SinkhornResult, clean: bool, max_iter: int, tol: float
+) -> None:
     """The non-convergence warning naming ``caller`` (none when it is empty, or every row is
     known to have converged)."""
     if caller and not clean:
@@ -710,16 +736,7 @@ def _solve_fake(
     potentials: bool,
     caller: str,
 ) -> tuple[Tensor, ...]:
-    bsz, n, m = cost.shape
-    return (
-        cost.new_empty((bsz, m, n)).transpose(1, 2),  # (the solver's layout)
-        cost.new_empty((bsz, n if potentials else 0)),
-        cost.new_empty((bsz, m if potentials else 0)),
-        cost.new_empty((bsz,), dtype=torch.bool),
-        cost.new_empty((bsz,)),
-        cost.new_empty((), dtype=torch.int64),
-        cost.new_empty((), dtype=torch.bool),
-    )
+    return fake_outputs(cost, potentials)
 
 
 SINKHORN_OP = define(
@@ -762,7 +779,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
                 cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller
             )
         res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
-        _warn(caller, res, clean, max_iter, tol)
+        warn_unless_clean(caller, res, clean, max_iter, tol)
         return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, clean
 
     @staticmethod

@@ -27,14 +27,16 @@ import torch
 from torch import Tensor
 from torch._C import _functorch
 
-from softops._core.convergence import warn_not_converged
 from softops._core.sinkhorn import (
     SinkhornResult,
     cyclic_couplings,
+    fake_outputs,
     laplacian_solve,
     log_sinkhorn,
+    op_outputs,
     spd_factor,
     spd_solve,
+    warn_unless_clean,
 )
 from softops._kernels import Kernel, define, kernels_enabled
 
@@ -290,25 +292,6 @@ def _finalize(
     return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
 
 
-def _outputs(res: SinkhornResult, clean: bool) -> tuple[Tensor, ...]:
-    """A result and its ``clean`` as the outputs of ``softops::newton_first``."""
-    device = res.plan.device
-    return (
-        res.plan,
-        res.f,
-        res.g,
-        res.converged,
-        res.residual,
-        torch.tensor(res.iterations, dtype=torch.int64, device=device),
-        torch.tensor(clean, device=device),
-    )
-
-
-def _warn(caller: str, res: SinkhornResult, clean: bool, max_iter: int, tol: float) -> None:
-    if caller and not clean:
-        warn_not_converged(caller, res.converged, max_iter, residual=res.residual, tol=tol)
-
-
 def _op_reference(
     cost: Tensor,
     log_a: Tensor,
@@ -320,8 +303,8 @@ def _op_reference(
     caller: str,
 ) -> tuple[Tensor, ...]:
     res, clean = _newton_first_torch(cost, log_a, log_b, epsilon, max_iter, tol, potentials)
-    _warn(caller, res, clean, max_iter, tol)
-    return _outputs(res, clean)
+    warn_unless_clean(caller, res, clean, max_iter, tol)
+    return op_outputs(res, clean, potentials)
 
 
 def _op_cpu(
@@ -359,8 +342,8 @@ def _op_cpu(
             cost[left], log_a[left], log_b[left], epsilon[left], max_iter, tol, potentials
         )
         res = _merge(res, left, sub)._replace(iterations=max(res.iterations, sub.iterations))
-    _warn(caller, res, clean, max_iter, tol)
-    return _outputs(res, clean)
+    warn_unless_clean(caller, res, clean, max_iter, tol)
+    return op_outputs(res, clean, potentials)
 
 
 def _op_fake(
@@ -373,17 +356,7 @@ def _op_fake(
     potentials: bool,
     caller: str,
 ) -> tuple[Tensor, ...]:
-    bsz, n, m = cost.shape
-    f64 = torch.float64
-    return (
-        cost.new_empty((bsz, m, n), dtype=f64).transpose(1, 2),  # (the solver's layout)
-        cost.new_empty((bsz, n if potentials else 0), dtype=f64),
-        cost.new_empty((bsz, m if potentials else 0), dtype=f64),
-        cost.new_empty((bsz,), dtype=torch.bool),
-        cost.new_empty((bsz,), dtype=f64),
-        cost.new_empty((), dtype=torch.int64),
-        cost.new_empty((), dtype=torch.bool),
-    )
+    return fake_outputs(cost, potentials, torch.float64)
 
 
 NEWTON_FIRST_OP = define(
