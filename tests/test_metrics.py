@@ -14,8 +14,13 @@ from torch.autograd import gradcheck
 
 from softops.metrics import (
     SoftConfusion,
+    check_logits_epsilon,
+    check_optional_int,
+    check_relevance,
     f1_from_counts,
+    gain_of,
     ndcg,
+    pearson_terms,
     precision_from_counts,
     recall_from_counts,
     soft_accuracy,
@@ -1027,3 +1032,48 @@ def test_property_spearman_invariants(data):
     torch.testing.assert_close(spearman(increasing, t), rho)  # the ranks only
     torch.testing.assert_close(spearman(-p, t), -rho)
     torch.testing.assert_close(spearman(p, p), torch.tensor(1.0, dtype=F64))
+
+
+# ------------------------------------------------------------ the checks shared with losses and nn
+
+
+def test_check_logits_epsilon():
+    assert check_logits_epsilon(False, 1.0, "op") == 1.0
+    assert check_logits_epsilon(True, 0.25, "op") == 0.25
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` to be left at its default 1\.0"):
+        check_logits_epsilon(False, 0.5, "op")
+    with pytest.raises(ValueError, match=r"^op: "):
+        check_logits_epsilon(False, torch.tensor(1.0), "op")  # a tensor is never the default
+    with pytest.raises(TypeError, match=r"^op: expected `from_logits`"):
+        check_logits_epsilon(1, 1.0, "op")
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` > 0"):
+        check_logits_epsilon(True, -1.0, "op")
+
+
+def test_check_optional_int():
+    check_optional_int(None, "op", "k")
+    check_optional_int(3, "op", "k", low=3)
+    with pytest.raises(TypeError, match=r"^op: expected `k` to be an int or None; got k=True\.$"):
+        check_optional_int(True, "op", "k")
+    with pytest.raises(TypeError, match=r"got k=2\.0\.$"):
+        check_optional_int(2.0, "op", "k")
+    with pytest.raises(ValueError, match=r"^op: expected `k` >= 1 or None; got k=0\.$"):
+        check_optional_int(0, "op", "k", low=1)
+
+
+def test_gain_of_and_check_relevance():
+    y = torch.tensor([0.0, 1.0, 3.0], dtype=F64)
+    assert gain_of(y, "linear") is y
+    want = torch.tensor([0.0, 1.0, 7.0], dtype=F64)  # 2**y - 1
+    torch.testing.assert_close(gain_of(y, "exp"), want, rtol=4 * torch.finfo(F64).eps, atol=0)
+    check_relevance(y, "op", "relevance")
+    with pytest.raises(ValueError, match=r"^op: expected non-negative relevance; got -2\.0\.$"):
+        check_relevance(torch.tensor([1.0, -2.0, -3.0]), "op", "relevance")
+
+
+def test_pearson_terms_give_numpy_corrcoef():
+    g = seeded(11)
+    a, b = torch.randn(4, 9, generator=g, dtype=F64), torch.randn(4, 9, generator=g, dtype=F64)
+    cov, var = pearson_terms(a, b)
+    want = [np.corrcoef(a[i].numpy(), b[i].numpy())[0, 1] for i in range(4)]
+    torch.testing.assert_close(cov / var.sqrt(), torch.tensor(want, dtype=F64))

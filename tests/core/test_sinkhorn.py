@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 
 import pytest
 import torch
 
+import softops
 from softops import soft_rank, soft_sort
 from softops._core import sinkhorn
 from softops._core.sinkhorn import SinkhornResult, log_sinkhorn
@@ -676,3 +678,76 @@ def test_columns_of_subnormal_mass(dtype, m, newton):
             want = b.to(dtype).double()[:, 1:]
             tol = (1e-5 if dtype == torch.float32 else 1e-12) * want + 5 * 5 * ulp
             assert ((cols - want).abs() <= tol).all(), (small, cols, want)
+
+
+# ------------------------------------------------------------ the shared linear algebra and op glue
+
+
+def test_spd_factor_and_solve_equal_a_dense_solve_across_scales():
+    # an SPD K whose diagonal spans 1e-12 .. 1e12 (what Jacobi equilibration is for)
+    g = seeded(3)
+    a = torch.randn(4, 3, 3, generator=g, dtype=F64)
+    d = torch.tensor([1e-12, 1.0, 1e12], dtype=F64).sqrt()
+    kmat = d[:, None] * (a @ a.mT + 3 * torch.eye(3, dtype=F64)) * d[None, :]
+    rhs = torch.randn(4, 3, generator=g, dtype=F64)
+    factor = sinkhorn.spd_factor(kmat)
+    assert (factor[2] == 0).all()
+    want = torch.linalg.solve(kmat, rhs)
+    torch.testing.assert_close(sinkhorn.spd_solve(factor, rhs), want, rtol=1e-8, atol=0)
+
+
+def test_cyclic_couplings_and_laplacian_solve_equal_the_grounded_laplacian():
+    g = seeded(4)
+    for m in (2, 3):
+        p = torch.softmax(torch.randn(5, m, 7, generator=g, dtype=F64), 1)  # (B, m, n)
+        w = torch.rand(5, 7, 1, generator=g, dtype=F64)
+        cyc = sinkhorn.cyclic_couplings(p, w)
+        for j in range(m):
+            want = (w[:, :, 0] * p[:, j] * p[:, (j + 1) % m]).sum(-1)
+            torch.testing.assert_close(cyc[:, j, 0], want)
+        # the Laplacian of the couplings, grounded at the last column
+        lap = torch.zeros(5, m, m, dtype=F64)
+        for j in range(m if m == 3 else 1):
+            i, k = j, (j + 1) % m
+            c = cyc[:, j, 0]
+            lap[:, i, i] += c
+            lap[:, k, k] += c
+            lap[:, i, k] -= c
+            lap[:, k, i] -= c
+        kmat = lap[:, : m - 1, : m - 1]
+        rhs = torch.randn(5, m - 1, 1, generator=g, dtype=F64)
+        sol, det = sinkhorn.laplacian_solve(cyc, rhs)
+        torch.testing.assert_close(sol, torch.linalg.solve(kmat, rhs))
+        torch.testing.assert_close(det[:, 0, 0], torch.linalg.det(kmat))
+
+
+@pytest.mark.parametrize("potentials", [True, False])
+def test_op_outputs_match_fake_outputs(potentials):
+    # the real outputs of a Sinkhorn-type operator have the shapes, dtypes and strides its fake
+    # implementation declares (torch.library checks this when tracing)
+    cost = torch.rand(3, 5, 2, dtype=F64)
+    log_a = torch.full((3, 5), -math.log(5), dtype=F64)
+    log_b = torch.full((3, 2), -math.log(2), dtype=F64)
+    res = log_sinkhorn(cost, log_a, log_b, torch.full((3,), 0.5, dtype=F64), max_iter=50, tol=0)
+    real = sinkhorn.op_outputs(res, False, potentials)
+    fake = sinkhorn.fake_outputs(cost, potentials)
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.dtype) == (f.shape, f.dtype)
+        assert r.numel() == 0 or r.stride() == f.stride()  # (strides of an empty one are moot)
+    assert real[-1].item() is False and real[-2].item() == res.iterations
+    assert all(
+        t.dtype == torch.float32 for t in sinkhorn.fake_outputs(cost, True, torch.float32)[:3]
+    )
+
+
+def test_warn_unless_clean_names_its_caller_only_when_a_row_may_not_have_converged():
+    res = SinkhornResult(
+        torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1, 1), torch.tensor([True, False]),
+        7, torch.tensor([0.0, 0.5]),
+    )  # fmt: skip
+    with pytest.warns(softops.ConvergenceWarning, match="^myop: "):
+        sinkhorn.warn_unless_clean("myop", res, False, 7, 1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sinkhorn.warn_unless_clean("", res, False, 7, 1e-6)  # no caller: no warning
+        sinkhorn.warn_unless_clean("myop", res, True, 7, 1e-6)  # known clean: no warning

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import softops
 from softops import TopK, soft_topk
 from softops.testing import unrolled_sinkhorn, unrolled_sorted_topk
-from softops.topk._sorted import _soft_topk
+from softops.topk._sorted import _soft_topk, topk_indices
 from tests._helpers import saved_bytes, seeded
 
 F64 = torch.float64
@@ -554,3 +554,24 @@ def test_meta_tensors_give_the_shapes(dtype: torch.dtype) -> None:
     assert out.indices.shape == (2, 3, 4) and out.indices.dtype == torch.int64
     assert out.values.dtype == dtype and out.weights.dtype == dtype
     assert all(t.device.type == "meta" for t in out)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_indices_are_a_stable_sorts(largest):
+    # the reference back end's indices: torch.topk's where no equal entries meet the top k, a
+    # stable sort's (equal entries in the order of the row; NaN above every number) where they do
+    nan, inf = math.nan, math.inf
+    x = torch.tensor(
+        [
+            [0.3, 1.0, -2.0, 0.7, 5.0, -1.0],  # distinct
+            [1.0, 2.0, 2.0, 0.0, 2.0, -1.0],  # ties inside and at the k-th
+            [0.0, -0.0, 0.0, 1.0, -1.0, 0.0],  # signed zeros are equal
+            [nan, 1.0, nan, -inf, inf, 0.0],  # NaN and infinities
+            [3.0, 3.0, 3.0, 3.0, 3.0, 3.0],  # a constant row
+        ]
+    )
+    for k in (1, 3, 6):
+        got = topk_indices(x, k, largest)
+        want = torch.sort(x, dim=-1, descending=largest, stable=True).indices[:, :k]
+        assert torch.equal(got, want), (k, got, want)
+        assert torch.equal(got[0], torch.topk(x[0], k, largest=largest).indices)
