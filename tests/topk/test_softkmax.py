@@ -359,6 +359,44 @@ def test_soft_kmax_gradients_stay_finite_at_extremes(row, eps, dtype) -> None:
     assert not torch.isnan(gx).any() and not torch.isnan(ge).any(), (gx, ge)
 
 
+def _kmax_grads(row, eps, k, dtype, scale=1.0):
+    """soft_kmax's gradients in x and eps for one row scaled by ``scale`` (a power of two),
+    scaled back (float64)."""
+    x = (torch.tensor([row], dtype=F64) * scale).to(dtype).requires_grad_()
+    e = torch.tensor([eps * scale], dtype=dtype, requires_grad=True)
+    out = soft_kmax(x, k, epsilon=e)
+    g = torch.randn(out.shape, generator=seeded(0), dtype=F64).to(dtype)
+    gx, ge = torch.autograd.grad(out, (x, e), g)
+    return gx.double() * scale, ge.double() * scale
+
+
+@pytest.mark.parametrize(
+    ("dtype", "eps", "ratio", "k"),
+    [(F64, eps, r, k) for eps in (1e150, 1e200, 1e228) for r in (1e40, 1e75) for k in (3, 4)]
+    + [(torch.float32, eps, r, 3) for eps in (1e8, 1e12) for r in (1e12, 1e15)],
+)
+def test_soft_kmax_epsilon_derivative_is_formed_in_the_logits_units(dtype, eps, ratio, k):
+    """Found by the slow adversarial profile: soft_kmax([[1e160, -1, -1, -1e235]], 4,
+    epsilon=1e160) had a NaN epsilon derivative. Near a tie the rounds' cotangent grows like
+    (span / eps)**(k - 2) (here 1e150), and the product rule of ``u * (1/eps)``, u in the units
+    of x (here 1e160), summed terms of +-5e308: inf - inf. The derivative is small (its terms
+    are 5e-12 before they cancel), and the row scaled down by a power of two, which the scaling
+    law maps to the same derivative, never overflowed. Rows with a tie beside a far minimum,
+    within the recursion's documented range ((k - 1) log(span / (4 eps)) below the dtype's):
+    the gradients are finite and equal those of the scaled row."""
+    row = [eps, -1.0, -1.0, -ratio * eps, 0.5 * eps]
+    got = _kmax_grads(row, eps, k, dtype)
+    want = _kmax_grads(row, eps, k, dtype, 2.0 ** -(math.ceil(math.log2(ratio * eps)) + 2))
+    assert all(torch.isfinite(g).all() for g in got), got
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    x = torch.tensor([[1e160, -1.0, -1.0, -1e235]], dtype=F64, requires_grad=True)
+    e = torch.tensor([1e160], dtype=F64, requires_grad=True)
+    out = soft_kmax(x, 4, epsilon=e)
+    gx, ge = torch.autograd.grad(out, (x, e), torch.randn(out.shape, generator=seeded(0), dtype=F64))
+    assert torch.isfinite(gx).all() and torch.isfinite(ge).all()
+
+
 @pytest.mark.parametrize(
     ("row", "eps", "k"),
     [

@@ -76,9 +76,9 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
     # and an all -inf softmax would put NaN where a 0 is wanted).
     excluded = ~ok & ok.any(-1, keepdim=True)
     mask = torch.zeros_like(xs).masked_fill_(excluded, -math.inf)  # additive: saves nothing
-    scale = (_inverse(eps)[:, None], 1 / h)  # the logits are d * (1/eps) * (1/h)
+    scale = (_inverse(eps[:, None]), 1 / h, _unit_ratio(eps[:, None]))
     steps = torch.where(bad, 0, k - n_pinf)  # recursion steps per row
-    p = a * 0 + scale[0] * 0  # zeros, on the graph of x and eps (k = 0: a zero gradient)
+    p = a * 0 + scale[2] * 0  # zeros, on the graph of x and eps (k = 0: a zero gradient)
     # torch.func transforms refuse checkpointing (its saved-tensor hooks): plain autograd there
     grad = xs.requires_grad or eps.requires_grad
     plain = not (torch.is_grad_enabled() and grad) or under_functorch()
@@ -98,18 +98,24 @@ def soft_kmax_rows(x2: torch.Tensor, k: int, eps: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse(eps: torch.Tensor) -> torch.Tensor:
-    """``1/eps``, correctly rounded, with the backward of ``exp(-log eps)``, which never squares
-    eps.
+    """``1/eps``, correctly rounded and detached: the logits' derivative in eps is carried by
+    :func:`_unit_ratio`."""
+    return (1 / eps).detach()
 
-    The backward of ``z / eps`` (or of ``reciprocal``) forms ``(z/eps)/eps``, which overflows at
-    an epsilon far below the gaps and turns the zero gradient of a saturated logit into
-    ``0 * inf = NaN``; here the chain is ``grad * inv`` then ``/ eps``, finite whenever the true
-    derivative is (eps is clamped to its dtype's normal range by ``prepare_rows``, so ``1/eps``
-    is finite). The value is ``1/eps`` itself, not ``exp(-log eps)``, whose rounding (about
-    ``|log eps|`` units) would be multiplied by every logit.
+
+def _unit_ratio(eps: torch.Tensor) -> torch.Tensor:
+    """``eps0 / eps - 1`` at ``eps0 = eps``: exactly 0, with every derivative of ``1/eps``
+    relative to its value (``-1/eps``, ``2/eps**2``, ...), formed as ``exp(-log eps)`` so that
+    eps is never squared.
+
+    A logit is ``z = u / eps`` with ``u`` in the units of x. Differentiated as a product, its
+    eps derivative takes ``sum(gz * u)``, the cotangent in the units of the logits times ``u``,
+    which overflows where the recursion's cotangent grows (like ``(span / eps)**(k - 2)`` near a
+    tie) while the derivative itself is small. Written as ``z0 + z0 * (eps0 / eps - 1)`` with
+    ``z0 = u / eps0``, it takes ``sum(gz * z0)`` instead, in the units of the derivative.
     """
-    smooth = torch.exp(-torch.log(eps))
-    return (1 / eps).detach() + (smooth - smooth.detach())
+    log = torch.log(eps)
+    return torch.exp(log.detach() - log) - 1
 
 
 def _kmax_rounds(
@@ -119,6 +125,7 @@ def _kmax_rounds(
     mask: torch.Tensor,
     inv: torch.Tensor,
     hinv: torch.Tensor,
+    ratio: torch.Tensor,
     steps: torch.Tensor,
     p: torch.Tensor,
     t0: int,
@@ -165,7 +172,14 @@ def _kmax_rounds(
             # and the excluded entries (mask -inf) to 0: their d is not bounded by dmax (a p_j a_j
             # far above x_j), and d * (1/eps) overflowed to +inf there, +inf + -inf = NaN
             off = torch.where(mask < 0, d - dmax, 0)
-        z = (d - dmax - off) * inv * hinv + mask  # saves d - dmax - off when eps requires grad
+            # and a logit that would overflow to -inf (weight 0 either way) to -max / 2, so that
+            # the eps term below is 0, not -inf * 0
+            floor = -torch.finfo(d.dtype).max / 2 / (inv * hinv)
+            off = off + (d - dmax - off - floor).clamp(max=0)
+        z = (d - dmax - off) * (inv * hinv)  # <= 0 and finite
+        if ratio.requires_grad:  # the eps derivative in the logits' units (_unit_ratio)
+            z = z + z * ratio  # saves z, as the product with 1/eps saved d - dmax - off
+        z = z + mask
         q = torch.softmax(z, -1)  # saves q
         p = p + q * (t < steps)[:, None]  # (a (B, 1) factor: cheaper than a where)
     return p
