@@ -59,8 +59,7 @@ __all__ = [
 
 def _inverse(eps: torch.Tensor) -> torch.Tensor:
     """``1/eps`` correctly rounded, with the backward of ``exp(-log eps)``, which never squares
-    eps (the backward of ``z/eps`` overflows at a tiny eps, giving ``0 * inf = NaN``; KD27).
-    """
+    eps (the backward of ``z/eps`` overflows at a tiny eps, giving ``0 * inf = NaN``)."""
     smooth = torch.exp(-torch.log(eps))
     return (1 / eps).detach() + (smooth - smooth.detach())
 
@@ -81,8 +80,7 @@ def _scaled_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, m, pinf, nan_row, dead_row)``: ``y = (x2 - m)/eps`` per row with m the detached
     row maximum; rows with a NaN, a ``+inf`` or no finite entry get ``y = 0`` (their answer is
-    fixed by the caller; the double-where trick keeps infinities out of the backward).
-    """
+    fixed by the caller; the double-where trick keeps infinities out of the backward)."""
     finite = torch.isfinite(x2)
     pinf = x2 == math.inf
     nan_row = torch.isnan(x2).any(-1)
@@ -226,9 +224,6 @@ def smooth_min(
     Example:
         >>> smooth_min(torch.tensor([1.0, 2.0, 3.0])).round(decimals=4)
         tensor(0.5924)
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
     """
     return _reduce("smooth_min", x, dim, keepdim, epsilon, lambda x2, e: -_smooth_max_rows(-x2, e))
 
@@ -312,9 +307,6 @@ def soft_argmin(
     Example:
         >>> soft_argmin(torch.tensor([0.0, 3.0, 1.0, 2.0]), epsilon=1e-3)
         tensor(0.)
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
     """
     return _reduce("soft_argmin", x, dim, keepdim, epsilon, lambda x2, e: _argmax_rows(-x2, e))
 
