@@ -165,19 +165,7 @@ def smooth_max(
 
     convex, with gradient :math:`\mathrm{softmax}(x/\varepsilon)`; the lower bound holds
     exactly in floating point. Conventions (epsilon, dtypes, infinities): the module docstring.
-
-    Args:
-        x: any shape, floating dtype.
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1, as ``torch.amax`` does.
-        epsilon: the temperature :math:`\varepsilon` (the note's :math:`1/K`), in x's units.
-
-    Returns:
-        The smooth maximum.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    {args}
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
         >>> smooth_max(x).round(decimals=4)
@@ -208,19 +196,7 @@ def smooth_min(
         \operatorname{smooth\_min}_\varepsilon(x)
             = -\varepsilon \log \sum_{i=1}^{n} e^{-x_i / \varepsilon}
             \in \Big[\min_i x_i - \varepsilon \log n,\; \min_i x_i\Big].
-
-    Args:
-        x: any shape, floating dtype.
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
-
-    Returns:
-        The smooth minimum.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    {args}
     Example:
         >>> smooth_min(torch.tensor([1.0, 2.0, 3.0])).round(decimals=4)
         tensor(0.5924)
@@ -247,20 +223,8 @@ def soft_argmax(
             \mathrm{softmax}(x/\varepsilon)_i \in [0, n - 1].
 
     Tied maxima give the mean of their indices; a large ``epsilon`` tends to (n - 1)/2: it
-    estimates a position, it does not select one.
-
-    Args:
-        x: any shape, floating dtype (float16 cannot hold every index above 2048).
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
-
-    Returns:
-        The soft index.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    estimates a position, it does not select one (float16 cannot hold every index above 2048).
+    {args}
     Example:
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax(x).round(decimals=4)
@@ -291,24 +255,33 @@ def soft_argmin(
 
         \operatorname{soft\_argmin}_\varepsilon(x) = \sum_{i=0}^{n-1} i \,
             \mathrm{softmax}(-x/\varepsilon)_i \in [0, n - 1].
-
-    Args:
-        x: any shape, floating dtype.
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
-
-    Returns:
-        The soft index.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    {args}
     Example:
         >>> soft_argmin(torch.tensor([0.0, 3.0, 1.0, 2.0]), epsilon=1e-3)
         tensor(0.)
     """
     return _reduce("soft_argmin", x, dim, keepdim, epsilon, lambda x2, e: _argmax_rows(-x2, e))
+
+
+_REDUCTION_ARGS = r"""
+    Args:
+        x: any shape, floating dtype.
+        dim: the dimension to reduce.
+        keepdim: keep ``dim`` with size 1, as ``torch.amax`` does.
+        epsilon: the temperature :math:`\varepsilon` (the note's :math:`1/K`), in x's units
+            (the module docstring).
+
+    Returns:
+        The reduction (a value, or a soft index), with the dtype and device of ``x``.
+
+    Shape:
+        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
+
+"""
+
+for _fn in (smooth_max, smooth_min, soft_argmax, soft_argmin):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("    {args}\n", _REDUCTION_ARGS)
 
 
 def soft_argmax_onehot(
