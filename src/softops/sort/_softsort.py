@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from softops.sort._chunked import chunked_rows, positions
+from softops.sort._limits import infinity_kind, limit_logits
 from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "inverse", "rank", "row_scale", "scaled_inverse", "sort"]
@@ -255,22 +256,13 @@ def _power(distance: str) -> float:
 
 
 def _masked_logits(distance: str) -> Callable[..., Tensor]:
-    """Logits of the limit with infinities: finite rows see the finite columns only, an infinite
-    row its own infinity only (uniform there)."""
+    """:func:`_distance_logits` at the limit with infinities (:func:`limit_logits`)."""
     base = _distance_logits(distance)
 
     def logits(rp: Tensor, xz: Tensor, q: Tensor, kind_x: Tensor) -> Tensor:
-        u_blk, kind_u = rp[0], rp[1]
-        k_row, k_col = kind_u.unsqueeze(-1), kind_x.unsqueeze(1)
-        inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xz.dtype)
-        return torch.where((k_row == 0) & (k_col == 0), base(u_blk, xz, q), inner)
+        return limit_logits(rp[1], kind_x, base(rp[0], xz, q))
 
     return logits
-
-
-def _kind(t: Tensor) -> Tensor:
-    """-1, 0, +1 for -inf, finite, +inf (in t's dtype)."""
-    return torch.where(torch.isinf(t), torch.sign(t), 0.0).to(t.dtype)
 
 
 def _blocked(
@@ -297,7 +289,7 @@ def _blocked(
     q = scaled_inverse(eps, scale, _power(distance))
     extra: tuple[Tensor, ...]
     if masked:  # finite rows see the finite columns only (:func:`_masked_logits`)
-        kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
+        kind_u, kind_x = infinity_kind(u.detach()), infinity_kind(x2.detach())
         logits = _masked_logits(distance)
         rows = torch.stack((torch.where(kind_u == 0, u / scale, 0.0), kind_u))
         xs = torch.where(kind_x == 0, x2, 0.0)
