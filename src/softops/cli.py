@@ -17,20 +17,29 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["build_parser", "main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
+def _positive_of(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` if it is positive and finite."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}; got {text!r}") from None
+        if not (value > 0 and value < float("inf")):
+            raise argparse.ArgumentTypeError(f"expected a positive {what}; got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _positive_of(int, "integer")
+_positive = _positive_of(float, "number")
 
 
 def _fail(message: str) -> int:
@@ -98,16 +107,6 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 _KNN_DEFAULT_OUT = "softops-knn"  # in the working directory
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
-    return value
 
 
 def _add_knn(commands: Any) -> None:
@@ -222,20 +221,12 @@ def _knn(args: argparse.Namespace) -> int:
         return _fail("softops knn: expected --samples only with --method perturbed.")
     if args.shift is not None and args.shift < 0:
         return _fail(f"softops knn: expected --shift >= 0; got {args.shift}.")
+    # the options named as KNNConfig's fields
+    same = "dataset k epsilon minutes epochs device queries candidates lr shift evals".split()
     config = KNNConfig(
-        dataset=args.dataset,
         method=args.method or "soft",
-        k=args.k,
-        epsilon=args.epsilon,
-        minutes=args.minutes,
-        epochs=args.epochs,
-        device=args.device,
-        queries=args.queries,
-        candidates=args.candidates,
-        lr=args.lr,
-        shift=args.shift,
-        evals=args.evals,
         n_samples=args.samples,
+        **{name: getattr(args, name) for name in same},
     )
     return knn_main(
         config,

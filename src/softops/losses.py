@@ -19,8 +19,7 @@ The ranking losses take any number of batch dims and work along ``dim``. A float
 (population std, kept in the graph), so the loss is scale-free (``loss(c*x, t) == loss(x, t)``,
 c > 0) and stays a rank loss at every n: with "pav" the soft ranks are exactly hard where every
 gap between sorted neighbours exceeds ``epsilon`` and exactly affine where every gap is below it
-(the site's "Choosing epsilon" page gives the fractions and how the default was chosen; its
-"Metrics and losses" page the measured distance to the hard metrics).
+(the site's "Choosing epsilon" page says how the default was chosen).
 
 References:
     Blondel, Teboul, Berthet and Djolonga. Fast Differentiable Sorting and Ranking. ICML 2020.

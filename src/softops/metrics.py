@@ -40,9 +40,7 @@ compute) score them once, as in torchmetrics; ``soft_f1(input, target)`` is
 then fine-tune with :func:`softops.losses.f1_loss` on large batches (Su 2019).
 
 Every metric returns a 0-dim tensor in the dtype of ``input`` (float16 and bfloat16 computed in
-float32), differentiable in ``input`` and a tensor ``epsilon``. The unexported checks and hits
-(:func:`check_classification`, :func:`true_class_probability`, ...) are shared with
-:mod:`softops.losses`, so that each rule has one definition.
+float32), differentiable in ``input`` and a tensor ``epsilon``.
 
 References:
     Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
@@ -156,13 +154,13 @@ def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, 
         raise ValueError(f"{op}: expected `target` values {what}; got {value}.")
 
 
-def _check_input(input: Any, op: str, name: str = "input") -> None:
-    """Predictions of shape (N,) or (N, C), floating, non-empty."""
+def _check_input(input: Any, op: str, name: str = "input", binary: bool = True) -> None:
+    """Predictions of shape (N, C), or (N,) where ``binary``, floating, non-empty."""
     check_floating(input, op, name)
-    if input.dim() not in (1, 2):
+    if input.dim() != 2 and not (binary and input.dim() == 1):
+        shapes = "(N,) (binary) or (N, C)" if binary else "(N, C)"
         raise ValueError(
-            f"{op}: expected `{name}` of shape (N,) (binary) or (N, C); "
-            f"got shape {tuple(input.shape)}."
+            f"{op}: expected `{name}` of shape {shapes}; got shape {tuple(input.shape)}."
         )
     if input.numel() == 0:
         raise ValueError(
@@ -185,18 +183,6 @@ def check_logits_epsilon(
     return check_epsilon(epsilon, op, dtype=dtype)
 
 
-def _check_logits_args(
-    from_logits: Any, epsilon: Any, op: str, dtype: torch.dtype
-) -> float | torch.Tensor:
-    epsilon = check_logits_epsilon(from_logits, epsilon, op, dtype)
-    if isinstance(epsilon, torch.Tensor) and epsilon.dim() != 0:
-        raise ValueError(
-            f"{op}: expected `epsilon` to be a float or a 0-dim tensor; "
-            f"got a tensor of shape {tuple(epsilon.shape)}."
-        )
-    return epsilon
-
-
 def check_classification(
     input: Any, target: Any, from_logits: Any, epsilon: Any, op: str
 ) -> float | torch.Tensor:
@@ -204,7 +190,13 @@ def check_classification(
     _check_input(input, op)
     n_classes = 2 if input.dim() == 1 else input.shape[1]
     _check_target(target, input.shape[0], n_classes, input.shape, op)
-    return _check_logits_args(from_logits, epsilon, op, input.dtype)
+    epsilon = check_logits_epsilon(from_logits, epsilon, op, input.dtype)
+    if isinstance(epsilon, torch.Tensor) and epsilon.dim() != 0:
+        raise ValueError(
+            f"{op}: expected `epsilon` to be a float or a 0-dim tensor; "
+            f"got a tensor of shape {tuple(epsilon.shape)}."
+        )
+    return epsilon
 
 
 def check_average(average: Any, input: torch.Tensor, op: str) -> str:
@@ -385,8 +377,7 @@ def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
         tensor(0.5082)
     """
     tp, predicted, true = _check_counts(counts, "precision_from_counts")
-    # (true == 0: TP is identically 0; its gradient times 1 / P, infinite where P is
-    # subnormal, was inf * 0 = NaN)
+    # true == 0: TP is identically 0, and its gradient times 1 / P (inf for a subnormal P) NaN
     return _class_mean(_safe_divide(tp, predicted, true == 0))
 
 
@@ -621,15 +612,7 @@ def check_topk_classification(
     scores: Any, target: Any, k: Any, epsilon: Any, method: Any, op: str
 ) -> tuple[int, float | torch.Tensor]:
     """The checks of the top-k accuracy metric and losses; returns ``(k, epsilon)`` checked."""
-    check_floating(scores, op, "scores")
-    if scores.dim() != 2:
-        raise ValueError(
-            f"{op}: expected `scores` of shape (N, C); got shape {tuple(scores.shape)}."
-        )
-    if scores.numel() == 0:
-        raise ValueError(
-            f"{op}: expected a non-empty batch; got `scores` of shape {tuple(scores.shape)}."
-        )
+    _check_input(scores, op, "scores", binary=False)
     n, n_classes = scores.shape
     _check_target(target, n, n_classes, scores.shape, op)
     if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.dtype.is_floating_point:

@@ -59,8 +59,7 @@ __all__ = [
 
 def _inverse(eps: torch.Tensor) -> torch.Tensor:
     """``1/eps`` correctly rounded, with the backward of ``exp(-log eps)``, which never squares
-    eps (the backward of ``z/eps`` overflows at a tiny eps, giving ``0 * inf = NaN``; KD27).
-    """
+    eps (the backward of ``z/eps`` overflows at a tiny eps, giving ``0 * inf = NaN``)."""
     smooth = torch.exp(-torch.log(eps))
     return (1 / eps).detach() + (smooth - smooth.detach())
 
@@ -81,8 +80,7 @@ def _scaled_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, m, pinf, nan_row, dead_row)``: ``y = (x2 - m)/eps`` per row with m the detached
     row maximum; rows with a NaN, a ``+inf`` or no finite entry get ``y = 0`` (their answer is
-    fixed by the caller; the double-where trick keeps infinities out of the backward).
-    """
+    fixed by the caller; the double-where trick keeps infinities out of the backward)."""
     finite = torch.isfinite(x2)
     pinf = x2 == math.inf
     nan_row = torch.isnan(x2).any(-1)
@@ -167,19 +165,7 @@ def smooth_max(
 
     convex, with gradient :math:`\mathrm{softmax}(x/\varepsilon)`; the lower bound holds
     exactly in floating point. Conventions (epsilon, dtypes, infinities): the module docstring.
-
-    Args:
-        x: any shape, floating dtype.
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1, as ``torch.amax`` does.
-        epsilon: the temperature :math:`\varepsilon` (the note's :math:`1/K`), in x's units.
-
-    Returns:
-        The smooth maximum.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    {args}
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
         >>> smooth_max(x).round(decimals=4)
@@ -210,25 +196,10 @@ def smooth_min(
         \operatorname{smooth\_min}_\varepsilon(x)
             = -\varepsilon \log \sum_{i=1}^{n} e^{-x_i / \varepsilon}
             \in \Big[\min_i x_i - \varepsilon \log n,\; \min_i x_i\Big].
-
-    Args:
-        x: any shape, floating dtype.
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
-
-    Returns:
-        The smooth minimum.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    {args}
     Example:
         >>> smooth_min(torch.tensor([1.0, 2.0, 3.0])).round(decimals=4)
         tensor(0.5924)
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
     """
     return _reduce("smooth_min", x, dim, keepdim, epsilon, lambda x2, e: -_smooth_max_rows(-x2, e))
 
@@ -252,20 +223,8 @@ def soft_argmax(
             \mathrm{softmax}(x/\varepsilon)_i \in [0, n - 1].
 
     Tied maxima give the mean of their indices; a large ``epsilon`` tends to (n - 1)/2: it
-    estimates a position, it does not select one.
-
-    Args:
-        x: any shape, floating dtype (float16 cannot hold every index above 2048).
-        dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
-
-    Returns:
-        The soft index.
-
-    Shape:
-        x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
-
+    estimates a position, it does not select one (float16 cannot hold every index above 2048).
+    {args}
     Example:
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax(x).round(decimals=4)
@@ -296,27 +255,33 @@ def soft_argmin(
 
         \operatorname{soft\_argmin}_\varepsilon(x) = \sum_{i=0}^{n-1} i \,
             \mathrm{softmax}(-x/\varepsilon)_i \in [0, n - 1].
+    {args}
+    Example:
+        >>> soft_argmin(torch.tensor([0.0, 3.0, 1.0, 2.0]), epsilon=1e-3)
+        tensor(0.)
+    """
+    return _reduce("soft_argmin", x, dim, keepdim, epsilon, lambda x2, e: _argmax_rows(-x2, e))
 
+
+_REDUCTION_ARGS = r"""
     Args:
         x: any shape, floating dtype.
         dim: the dimension to reduce.
-        keepdim: keep ``dim`` with size 1.
-        epsilon: the temperature, in x's units (the module docstring).
+        keepdim: keep ``dim`` with size 1, as ``torch.amax`` does.
+        epsilon: the temperature :math:`\varepsilon` (the note's :math:`1/K`), in x's units
+            (the module docstring).
 
     Returns:
-        The soft index.
+        The reduction (a value, or a soft index), with the dtype and device of ``x``.
 
     Shape:
         x: :math:`(*, n, *)` with n at ``dim``; output: without ``dim`` (size 1 if ``keepdim``).
 
-    Example:
-        >>> soft_argmin(torch.tensor([0.0, 3.0, 1.0, 2.0]), epsilon=1e-3)
-        tensor(0.)
+"""
 
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
-    """
-    return _reduce("soft_argmin", x, dim, keepdim, epsilon, lambda x2, e: _argmax_rows(-x2, e))
+for _fn in (smooth_max, smooth_min, soft_argmax, soft_argmin):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("    {args}\n", _REDUCTION_ARGS)
 
 
 def soft_argmax_onehot(

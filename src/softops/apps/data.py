@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
+import math
 import pickle
 import struct
 from collections.abc import Sequence
@@ -221,9 +222,7 @@ def _read_idx(path: Path, ndim: int) -> torch.Tensor:
         )
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = data[4 + 4 * ndim :]
-    count = 1
-    for s in shape:
-        count *= s
+    count = math.prod(shape)
     if len(body) != count:
         raise ValueError(
             f"load_mnist_idx: expected {count} bytes of data for shape {shape}; got "

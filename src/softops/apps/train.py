@@ -116,26 +116,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _channel_stats(x: torch.Tensor) -> tuple[list[float], list[float]]:
-    mean = x.mean((0, 2, 3))
-    std = x.std((0, 2, 3)).clamp_min(1e-6)
-    return mean.tolist(), std.tolist()
-
-
 class _Model(nn.Module):
     """The embedding network, and a linear head for the CE objective."""
 
     def __init__(self, data: ImageDataset, with_head: bool) -> None:
         super().__init__()
-        mean, std = _channel_stats(data.train_x)
+        x = data.train_x  # per-channel statistics for the Standardize layer
+        mean, std = x.mean((0, 2, 3)).tolist(), x.std((0, 2, 3)).clamp_min(1e-6).tolist()
         self.net, dim = embedding_network(data.image_shape, mean, std)
         self.head = nn.Linear(dim, data.num_classes) if with_head else None
 
 
-def _new_model(data: ImageDataset, with_head: bool, device: torch.device) -> _Model:
-    """A fresh model on ``device``, channels-last (2.5x faster convolutions on CPU)."""
-    model = _Model(data, with_head).to(device)
-    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+def _setup(
+    config: KNNConfig, data: ImageDataset
+) -> tuple[torch.device, _Model, Callable[..., torch.Tensor], torch.Generator]:
+    """A run's device, its fresh seeded model (channels-last: 2.5x faster convolutions on CPU),
+    the model's optimisation step and the generator of the batches and shifts."""
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    model = _Model(data, config.method in ("ce", "pretrained")).to(device)
+    model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    step_fn = _step_fn(config, model, device)
+    return device, model, step_fn, torch.Generator().manual_seed(config.seed)
 
 
 @torch.no_grad()
@@ -254,12 +256,7 @@ def train_rows(
             f"train_rows: expected k <= candidates (= {config.candidates}); got k={config.k}."
         )
 
-    device = torch.device(config.device)
-    torch.manual_seed(config.seed)
-    model = _new_model(data, ce, device)
-    model.train()
-    step_fn = _step_fn(config, model, device)
-    gen = torch.Generator().manual_seed(config.seed)
+    device, model, step_fn, gen = _setup(config, data)
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     shift = config.resolved_shift()
 
@@ -382,12 +379,7 @@ def measure_step(
     the training and test splits and classifies the test split by the hard kNN.
     """
     cfg = replace(config, epochs=None, minutes=1e9, evals=10**9)
-    device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    ce = cfg.method in ("ce", "pretrained")
-    model = _new_model(data, ce, device)
-    step_fn = _step_fn(cfg, model, device)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    device, model, step_fn, gen = _setup(cfg, data)
     per_step = cfg.queries + cfg.candidates
     times = []
     for i in range(warmup + steps):

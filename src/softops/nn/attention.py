@@ -443,16 +443,12 @@ class TopKAttention(nn.Module):
 
     def _reset_parameters(self) -> None:
         """MultiheadAttention's initialisation, in its order (the same seed, the same weights)."""
-        if self.in_proj_weight is not None:
-            nn.init.xavier_uniform_(self.in_proj_weight)
-        else:
-            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
-                if w is not None:
-                    nn.init.xavier_uniform_(w)
-        if self.in_proj_bias is not None:
-            nn.init.zeros_(self.in_proj_bias)
-        if self.out_proj.bias is not None:
-            nn.init.zeros_(self.out_proj.bias)
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        for b in (self.in_proj_bias, self.out_proj.bias):
+            if b is not None:
+                nn.init.zeros_(b)
 
     @classmethod
     def from_multihead_attention(

@@ -1,10 +1,5 @@
-"""Modules for the losses of :mod:`softops.losses`: they check and store the arguments.
-
-Each Module's ``forward(input, target)`` is its function with the stored arguments; the function
-has the math, the arguments, the shapes and the units of ``epsilon``. What needs the data (``k``
-against the number of classes, the labels' range) is checked on the forward call, the rest at
-construction. A tensor ``epsilon`` (an ``nn.Parameter`` to learn it) is kept as given.
-"""
+"""Modules for the losses of :mod:`softops.losses`: ``forward(input, target)`` is the function
+with the stored arguments (the wrappers' contract: :mod:`softops.nn`)."""
 
 from __future__ import annotations
 

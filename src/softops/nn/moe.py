@@ -22,6 +22,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -52,15 +53,13 @@ class MoEOutput(NamedTuple):
 
 def _feed_forward(
     d_model: int, device: torch.device | str | None, dtype: torch.dtype | None
-) -> Callable[[], nn.Module]:
-    def make() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(d_model, 4 * d_model, device=device, dtype=dtype),
-            nn.GELU(),
-            nn.Linear(4 * d_model, d_model, device=device, dtype=dtype),
-        )
-
-    return make
+) -> nn.Module:
+    """The default expert: ``Linear(d_model, 4 d_model)``, GELU, and back."""
+    return nn.Sequential(
+        nn.Linear(d_model, 4 * d_model, device=device, dtype=dtype),
+        nn.GELU(),
+        nn.Linear(4 * d_model, d_model, device=device, dtype=dtype),
+    )
 
 
 class TopKMoE(nn.Module):
@@ -146,7 +145,7 @@ class TopKMoE(nn.Module):
         except (TypeError, ValueError) as err:  # the router's checks, under this block's name
             raise type(err)(str(err).replace("TopKRouter:", f"{op}:", 1)) from None
         if experts is None:
-            make = expert_factory or _feed_forward(d_model, device, dtype)
+            make = expert_factory or functools.partial(_feed_forward, d_model, device, dtype)
             experts = [make() for _ in range(num_experts)]
         elif isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList):
             raise TypeError(

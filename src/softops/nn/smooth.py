@@ -1,10 +1,5 @@
-"""Modules for the smoothing family: each holds the arguments of the function of its name.
-
-Each Module checks its arguments at construction, under its own name (what needs the data, such
-as ``k <= n``, on the forward call), and stores them, not learned. The function
-(:func:`softops.smooth_max`, ...) has the math, the arguments, the shapes and the units of
-``epsilon``; ``forward(x)`` equals it.
-"""
+"""Modules for the smoothing family, each holding the arguments of the function of its name
+(the wrappers' contract: :mod:`softops.nn`)."""
 
 from __future__ import annotations
 

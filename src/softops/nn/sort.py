@@ -1,10 +1,5 @@
-"""Modules for the sort family: each holds the arguments of the function of its name.
-
-Each Module checks its arguments at construction, under its own name, and stores them, not
-learned; an argument the method does not use must stay at its default. The function
-(:func:`softops.soft_sort`, ...) has the math, the arguments, the shapes and the units of
-``epsilon``; ``forward(x)`` equals it.
-"""
+"""Modules for the sort family, each holding the arguments of the function of its name (the
+wrappers' contract: :mod:`softops.nn`)."""
 
 from __future__ import annotations
 

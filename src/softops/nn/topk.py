@@ -1,10 +1,5 @@
-"""Modules for the top-k family: each holds the arguments of the function of its name.
-
-Each Module checks its arguments at construction, under its own name (what needs the data, such
-as ``k <= n``, on the forward call), and stores them, not learned; an argument the method does
-not use must stay at its default. The function (:func:`softops.soft_topk_mask`, ...) has the
-math, the arguments, the shapes and the units of ``epsilon``; ``forward(x)`` equals it.
-"""
+"""Modules for the top-k family, each holding the arguments of the function of its name (the
+wrappers' contract: :mod:`softops.nn`)."""
 
 from __future__ import annotations
 

@@ -145,26 +145,7 @@ def soft_sort(
     and the ascending one is ``-sort_desc(-x)``. The output is sorted, keeps the mean of x (l2),
     is exact once every gap between sorted neighbours is below ``1/epsilon`` and tends to the
     mean as ``epsilon -> inf``.
-
-    Args:
-        x: input of any shape, floating dtype.
-        dim: the dimension to sort along.
-        descending: sort in descending order.
-        epsilon: the smoothing strength, larger is smoother: a float, or a tensor broadcastable
-            to the batch shape. Units and scaling law: the module docstring.
-        method: "pav" (default; exact projection, O(n log n) per row), "softsort",
-            "neuralsort" or "ot".
-        regularization: "pav" only: "l2" (Euclidean projection, default) or "kl".
-        distance: "softsort" only: "l1" (default) or "l2".
-        max_iter: "ot" only: the iteration cap (None: its default).
-        tol: "ot" only: the stopping tolerance (None: its default; 0 runs ``max_iter``).
-
-    Returns:
-        A tensor with the shape, dtype and device of ``x``.
-
-    Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
-
+    {args}
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
         >>> soft_sort(x, epsilon=0.1)
@@ -209,25 +190,7 @@ def soft_rank(
     :math:`\exp P_E(\theta/\varepsilon, \log\rho)`. Ranks from "pav" lie in [1, n], sum to
     n(n+1)/2, are exact once every gap between sorted neighbours exceeds ``epsilon`` (l2) and
     tend to (n+1)/2 as ``epsilon -> inf``; the other methods' ranks are estimates.
-
-    Args:
-        x: input of any shape, floating dtype.
-        dim: the dimension to rank along.
-        descending: rank 1 for the largest entry instead of the smallest.
-        epsilon: the smoothing strength, larger is smoother: a float, or a tensor broadcastable
-            to the batch shape. Units and scaling law: the module docstring.
-        method: "pav" (default), "softsort", "neuralsort" or "ot".
-        regularization: "pav" only: "l2" (default) or "kl".
-        distance: "softsort" only: "l1" (default) or "l2".
-        max_iter: "ot" only: the iteration cap (None: its default).
-        tol: "ot" only: the stopping tolerance (None: its default).
-
-    Returns:
-        A tensor with the shape, dtype and device of ``x``.
-
-    Shape:
-        - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
-
+    {args}
     Example:
         >>> x = torch.tensor([[3.0, 1.0, 2.0], [0.0, 10.0, 5.0]])
         >>> soft_rank(x, epsilon=0.1)
@@ -239,6 +202,33 @@ def soft_rank(
     return _sort_or_rank(
         "soft_rank", x, dim, descending, epsilon, method, regularization, distance, max_iter, tol
     )
+
+
+_SORT_ARGS = r"""
+    Args:
+        x: input of any shape, floating dtype.
+        dim: the dimension to sort (or rank) along.
+        descending: descending order (for ranks: rank 1 for the largest entry).
+        epsilon: the smoothing strength, larger is smoother: a float, or a tensor broadcastable
+            to the batch shape. Units and scaling law: the module docstring.
+        method: "pav" (default; exact projection, O(n log n) per row), "softsort",
+            "neuralsort" or "ot".
+        regularization: "pav" only: "l2" (Euclidean projection, default) or "kl".
+        distance: "softsort" only: "l1" (default) or "l2".
+        max_iter: "ot" only: the iteration cap (None: its default).
+        tol: "ot" only: the stopping tolerance (None: its default; 0 runs ``max_iter``).
+
+    Returns:
+        A tensor with the shape, dtype and device of ``x``.
+
+    Shape:
+        - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
+
+"""
+
+for _fn in (soft_sort, soft_rank):
+    if _fn.__doc__:  # None under python -OO
+        _fn.__doc__ = _fn.__doc__.replace("    {args}\n", _SORT_ARGS)
 
 
 def soft_argsort(

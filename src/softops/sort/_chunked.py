@@ -105,18 +105,15 @@ def chunked_rows(
 
     def run(rp: Tensor, xx: Tensor, pp: Tensor, *ex: Tensor) -> tuple[Tensor, ...]:
         p = torch.softmax(block_logits(rp, *ex), dim=-1)  # (B, b, n)
-        with own_precision(p):  # autocast would run these products in bfloat16
-            return _reduce(p, xx, pp)
-
-    def _reduce(p: Tensor, xx: Tensor, pp: Tensor) -> tuple[Tensor, ...]:
         outs: list[Tensor] = []
-        if values:
-            outs.append(convex_combination(p, xx, exponent))  # (B, b)
-        if ranks:
-            if pp.dim() == 1:
-                outs.append(torch.matmul(pp, p))  # (B, n)
-            else:
-                outs.append(torch.matmul(pp.unsqueeze(1), p).squeeze(1))
+        with own_precision(p):  # autocast would run these products in bfloat16
+            if values:
+                outs.append(convex_combination(p, xx, exponent))  # (B, b)
+            if ranks:
+                if pp.dim() == 1:
+                    outs.append(torch.matmul(pp, p))  # (B, n)
+                else:
+                    outs.append(torch.matmul(pp.unsqueeze(1), p).squeeze(1))
         if matrix:
             outs.append(p)
         return tuple(outs)
@@ -129,20 +126,19 @@ def chunked_rows(
             outs = checkpoint(run, rp, x2, pp, *extra, use_reentrant=False)
         else:
             outs = run(rp, x2, pp, *extra)
-        k = 0
+        parts = iter(outs)
         if values:
-            v_blocks.append(outs[k])
-            k += 1
+            v_blocks.append(next(parts))
         if ranks:
-            r_sum = outs[k] if r_sum is None else r_sum + outs[k]
-            k += 1
+            r_blk = next(parts)
+            r_sum = r_blk if r_sum is None else r_sum + r_blk
         if matrix and p_out is None:
-            p_blocks.append(outs[k])
+            p_blocks.append(next(parts))
         elif matrix and p_out is not None:
             if descending:  # output row n-1-i is ascending row i
-                p_out[:, n - stop : n - start] = outs[k].flip(1)
+                p_out[:, n - stop : n - start] = next(parts).flip(1)
             else:
-                p_out[:, start:stop] = outs[k]
+                p_out[:, start:stop] = next(parts)
     if p_blocks:
         p_out = torch.cat(p_blocks, dim=1)
         p_out = p_out.flip(1) if descending else p_out

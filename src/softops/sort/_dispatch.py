@@ -59,19 +59,14 @@ _KIND_METHODS = {
     "argsort": ARGSORT_METHODS,
     "quantile": QUANTILE_METHODS,
 }
-# The optional arguments each method uses, and their defaults in the public signatures.
+# The optional arguments each method uses (their defaults: MethodOptions', the public ones).
 _USES = {
     "pav": ("regularization",),
     "softsort": ("distance",),
     "neuralsort": (),
     "ot": ("max_iter", "tol"),
 }
-_DEFAULTS: dict[str, Any] = {
-    "regularization": "l2",
-    "distance": "l1",
-    "max_iter": None,
-    "tol": None,
-}
+_DEFAULTS: dict[str, Any] = MethodOptions()._asdict()
 
 
 def check_options(

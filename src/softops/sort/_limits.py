@@ -19,7 +19,7 @@ import torch
 from softops._core.transforms import cannot_branch
 from softops.sort._options import MethodOptions
 
-__all__ = ["limit_group", "with_limits"]
+__all__ = ["infinity_kind", "limit_group", "limit_logits", "with_limits"]
 
 Backend = Callable[..., torch.Tensor]
 """A backend kind with the one signature ``fn(x2, eps, descending, opts, offset=None)``."""
@@ -27,6 +27,22 @@ Backend = Callable[..., torch.Tensor]
 MaskedBackend = Callable[[str, torch.Tensor, torch.Tensor, bool, MethodOptions], torch.Tensor]
 """A backend's ``masked(kind, x2, eps, descending, opts)``: the same limit on rows that may hold
 ``±inf``, by masks alone (no data-dependent control flow; used under ``torch.func``)."""
+
+
+def infinity_kind(t: torch.Tensor) -> torch.Tensor:
+    """-1, 0, +1 for -inf, finite, +inf (in t's dtype)."""
+    return torch.where(torch.isinf(t), torch.sign(t), 0.0).to(t.dtype)
+
+
+def limit_logits(
+    kind_row: torch.Tensor, kind_col: torch.Tensor, finite: torch.Tensor
+) -> torch.Tensor:
+    """Logits (B, b, n) of the limit with infinities: ``finite`` between finite rows and columns,
+    an infinite row uniform over the columns of its own infinity, -inf elsewhere (the kinds of
+    :func:`infinity_kind`, rows (B, b) or (b,), columns (B, n))."""
+    k_row, k_col = kind_row.unsqueeze(-1), kind_col.unsqueeze(1)
+    inner = torch.where(k_row == k_col, 0.0, -math.inf).to(finite.dtype)
+    return torch.where((k_row == 0) & (k_col == 0), finite, inner)
 
 
 def _on_graph(out: torch.Tensor, xg: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from softops.sort._chunked import chunked_rows
+from softops.sort._limits import infinity_kind, limit_logits
 from softops.sort._options import MethodOptions
 from softops.sort._softsort import row_scale
 
@@ -136,13 +137,8 @@ def _run(
 
 
 def _masked_logits(rp: Tensor, g: Tensor, g_next_rev: Tensor, kind_u: Tensor) -> Tensor:
-    """Logits of the limit with infinities: the compacted row's between finite rows and columns,
-    an infinite row uniform over its own infinity, -inf elsewhere."""
-    i0, kind_r = rp[0].long(), rp[1]
-    k_row, k_col = kind_r.unsqueeze(-1), kind_u.unsqueeze(1)
-    inner = torch.where(k_row == k_col, 0.0, -math.inf).to(g.dtype)
-    both = (k_row == 0) & (k_col == 0)
-    return torch.where(both, _gap_logits(i0, g, g_next_rev), inner)
+    """The compacted row's :func:`_gap_logits` at the limit with infinities (``limit_logits``)."""
+    return limit_logits(rp[1], kind_u, _gap_logits(rp[0].long(), g, g_next_rev))
 
 
 def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOptions) -> Tensor:
@@ -152,7 +148,7 @@ def masked(kind: str, x2: Tensor, eps: Tensor, descending: bool, opts: MethodOpt
     n = x2.shape[-1]
     dt = x2.dtype
     xd = x2.detach()
-    kind_x = torch.where(torch.isinf(xd), torch.sign(xd), 0.0).to(dt)
+    kind_x = infinity_kind(xd)
     fin = kind_x == 0
     n_neg = (kind_x < 0).sum(-1, keepdim=True)
     m = fin.sum(-1, keepdim=True)

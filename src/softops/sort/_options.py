@@ -1,8 +1,5 @@
-"""The options of a sort method, in one small NamedTuple that every backend receives.
-
-It lives apart from ``_dispatch.py`` (which imports every backend) so that the backends can import
-it at module level without a cycle.
-"""
+"""The options every sort backend receives (apart from ``_dispatch.py``, which imports the
+backends, so that they can import it without a cycle)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from softops.sort._chunked import chunked_rows, positions
+from softops.sort._limits import infinity_kind, limit_logits
 from softops.sort._options import MethodOptions
 
 __all__ = ["argsort", "inverse", "rank", "row_scale", "scaled_inverse", "sort"]
@@ -255,15 +256,11 @@ def _power(distance: str) -> float:
 
 
 def _masked_logits(distance: str) -> Callable[..., Tensor]:
-    """Logits of the limit with infinities: finite rows see the finite columns only, an infinite
-    row its own infinity only (uniform there)."""
+    """:func:`_distance_logits` at the limit with infinities (:func:`limit_logits`)."""
     base = _distance_logits(distance)
 
     def logits(rp: Tensor, xz: Tensor, q: Tensor, kind_x: Tensor) -> Tensor:
-        u_blk, kind_u = rp[0], rp[1]
-        k_row, k_col = kind_u.unsqueeze(-1), kind_x.unsqueeze(1)
-        inner = torch.where(k_row == k_col, 0.0, -math.inf).to(xz.dtype)
-        return torch.where((k_row == 0) & (k_col == 0), base(u_blk, xz, q), inner)
+        return limit_logits(rp[1], kind_x, base(rp[0], xz, q))
 
     return logits
 
@@ -280,65 +277,37 @@ def _blocked(
     offset: Tensor | None = None,
     masked: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    if masked:
-        return _blocked_masked(
-            x2, epsilon, descending, distance, values=values, ranks=ranks, matrix=matrix
-        )
+    """Values, ranks and/or P in checkpointed row blocks; ``masked``: rows may hold ``±inf``,
+    taken to their limit by masks alone."""
     # The sorted values by a gather, not ``torch.sort(x2).values``: the same gradient, but
     # torch.compile (torch 2.13, inductor) gets the gradient of the latter wrong when x2 also
     # enters the graph directly, as it does here (the slow torch.compile test of the contract).
     u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
     # distances of x / s (no overflow, hence no inf in the backward), with s put back into q
     eps = epsilon.to(x2.dtype)
-    scale = row_scale(x2, eps, _power(distance), 2.0)
+    scale = row_scale(x2, eps, _power(distance), 2.0)  # over the finite entries
     q = scaled_inverse(eps, scale, _power(distance))
-    return chunked_rows(
-        _distance_logits(distance),
-        u / scale,
-        x2,
-        (x2 / scale, q),
+    extra: tuple[Tensor, ...]
+    if masked:  # finite rows see the finite columns only (:func:`_masked_logits`)
+        kind_u, kind_x = infinity_kind(u.detach()), infinity_kind(x2.detach())
+        logits = _masked_logits(distance)
+        rows = torch.stack((torch.where(kind_u == 0, u / scale, 0.0), kind_u))
+        xs = torch.where(kind_x == 0, x2, 0.0)
+        extra = (torch.where(kind_x == 0, x2 / scale, 0.0), q, kind_x)
+    else:
+        logits, rows, xs, extra = _distance_logits(distance), u / scale, x2, (x2 / scale, q)
+    v, r, p = chunked_rows(
+        logits,
+        rows,
+        xs,
+        extra,
         descending,
         values=values,
         ranks=ranks,
         matrix=matrix,
         offset=offset,
     )
-
-
-def _kind(t: Tensor) -> Tensor:
-    """-1, 0, +1 for -inf, finite, +inf (in t's dtype)."""
-    return torch.where(torch.isinf(t), torch.sign(t), 0.0).to(t.dtype)
-
-
-def _blocked_masked(
-    x2: Tensor,
-    epsilon: Tensor,
-    descending: bool,
-    distance: str,
-    *,
-    values: bool,
-    ranks: bool,
-    matrix: bool,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """:func:`_blocked` for rows that may hold ``±inf``, at their limit, by masks alone."""
-    u = x2.gather(-1, torch.sort(x2.detach(), dim=-1).indices)
-    kind_u, kind_x = _kind(u.detach()), _kind(x2.detach())
-    eps = epsilon.to(x2.dtype)
-    scale = row_scale(x2, eps, _power(distance), 2.0)  # over the finite entries
-    uz = torch.where(kind_u == 0, u / scale, 0.0)
-    xz = torch.where(kind_x == 0, x2, 0.0)
-    q = scaled_inverse(eps, scale, _power(distance))
-    v, r, p = chunked_rows(
-        _masked_logits(distance),
-        torch.stack((uz, kind_u)),
-        xz,
-        (torch.where(kind_x == 0, x2 / scale, 0.0), q, kind_x),
-        descending,
-        values=values,
-        ranks=ranks,
-        matrix=matrix,
-    )
-    if v is not None:
+    if masked and v is not None:
         srt = torch.sort(x2.detach(), dim=-1, descending=descending).values
         v = torch.where(torch.isinf(srt), srt, v)
     return v, r, p
