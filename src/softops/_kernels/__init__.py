@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -127,7 +127,6 @@ def _cpu_flags() -> tuple[str, list[str]]:
     return capability, ["-O3", "-fopenmp", *flags, *defines]
 
 
-_KERNELS: dict[str, Kernel] = {}
 _HINT = (
     "build the kernels once per machine with `python -m softops._kernels` (it needs a C++ "
     "compiler and ninja: `pip install ninja`; scripts/setup.sh runs it)"
@@ -142,7 +141,6 @@ class Kernel:
         self.source = source
         self._ops: Any = None
         self._tried = False
-        _KERNELS[name] = self
 
     def path(self) -> Path:
         """Where the built library lies: keyed by source, flags, capability, torch and ABI."""
@@ -188,8 +186,8 @@ class Kernel:
         return self._ops
 
     def build(self, verbose: bool = False) -> Path:
-        """Build the library into the cache (no-op when it is there) in a child process, which
-        leaves this one free to load it; returns its path."""
+        """Build the library into the cache (no-op when it is there) in a child process; returns
+        its path."""
         path = self.path()
         if path.exists():
             return path
@@ -234,15 +232,8 @@ def define(
     kernel: Kernel | None = None,
 ) -> Any:
     """Register the operator ``qualname`` (``"softops::name"``) with ``schema`` and return it
-    (with a CPU kernel: a callable whose ``overload`` is the registered operator, see
-    :class:`_Operator`).
-
-    ``reference`` is the torch code, registered for every device; ``fake`` computes the outputs'
-    metadata; ``vmap`` is torch.library's vmap rule. ``cpu(ops, *args)`` runs on CPU tensors with
-    the operators of ``kernel`` while the back end is ``"kernel"`` and the kernel is built;
-    otherwise the reference runs there too. The operator is not differentiable: its callers carry
-    the gradient.
-    """
+    (with a CPU kernel, as an :class:`_Operator`). ``reference`` runs on every device and
+    ``cpu(ops, *args)`` on CPU tensors while the kernel is built and on; not differentiable."""
     namespace, name = qualname.split("::")
     library = torch.library.Library(namespace, "FRAGMENT")
     _LIBRARIES.append(library)
@@ -275,9 +266,8 @@ def plain_eager(t: torch.Tensor) -> bool:
 
 
 class _Operator:
-    """A registered operator with a CPU kernel, called as the operator itself. An eager call on
-    plain CPU tensors with the kernel loaded and on runs it directly (the dispatcher's two
-    dispatches and a frame cost about 10 us); every other call goes through the registry."""
+    """A registered operator with a CPU kernel: an eager call on plain CPU tensors with the kernel
+    on runs it directly (no dispatch); every other call goes through the registry."""
 
     __slots__ = ("_cpu", "_kernel", "overload")
 
@@ -305,11 +295,12 @@ _LIBRARIES: list[Any] = []  # the registrations live as long as their Library ob
 
 
 def build_all(verbose: bool = False) -> list[Path]:
-    """Build every kernel of the package (importing the methods that declare them)."""
-    importlib.import_module("softops")  # (every family: each declares its kernels on import)
+    """Build every kernel of the package: each C++ source in it that declares a
+    ``TORCH_LIBRARY``, under that library's name (read from the source: no method is imported)."""
     package = Path(__file__).resolve().parents[1]
-    return [
-        kernel.build(verbose)
-        for kernel in _KERNELS.values()
-        if kernel.source.resolve().is_relative_to(package)  # (not a test's probe)
-    ]
+    paths = []
+    for source in sorted(package.rglob("*.cpp")):
+        declared = re.search(r"^TORCH_LIBRARY\((\w+),", source.read_text(), re.MULTILINE)
+        if declared:
+            paths.append(Kernel(declared[1], source).build(verbose))
+    return paths
