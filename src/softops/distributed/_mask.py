@@ -14,6 +14,7 @@ from softops.topk import (
     RowSummary,
     ThresholdRows,
     row_stats,
+    side_log_weights,
     solve_ot_rows,
     solve_sparse_rows,
 )
@@ -308,36 +309,27 @@ def _weighted_sums(
     need_eps: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``<w, g>``, ``<w, off>``, ``sum_live g s off`` and ``sum_live g s`` over the row (live:
-    ``s > 0``), ``w = s / sum s`` normalised in the log domain as in
-    ``softops.topk._ot._k_weights``, each rank's sides shifted by its nearest entries, from one
-    all-gather.
+    ``s > 0``), ``w = s / sum s`` normalised in the log domain as in the single-process backward
+    (:func:`softops.topk.side_log_weights`), each rank's sides shifted by its nearest entries,
+    from one all-gather.
     """
-    B, n_r = off.shape
-    a = off.abs()
-    fin_a = torch.isfinite(a)
+    fin_a = torch.isfinite(off)
     side = edge[:, None]
     below = fin_a & ((off <= 0) | (side != 0))  # (edge rows: one side)
+    logw, log_u, near_b, near_a = side_log_weights(off, e, below)
     finite = torch.isfinite(xs)
     xf = torch.where(finite, xs, 0)
     top, bottom = ext[:, :1].nan_to_num(0, 0, 0), ext[:, 1:2].nan_to_num(0, 0, 0)
     up = torch.where(finite, (xf - top) / e, -math.inf)
     down = torch.where(finite, (bottom - xf) / e, -math.inf)
+    logw = torch.where(side > 0, up, torch.where(side < 0, down, logw))
     live = s > 0
     gs = g * s  # (NaN where s is: a NaN row's gradient in epsilon is NaN)
     parts = []
-    for here in (below, fin_a & ~below):
-        if n_r:
-            near = torch.where(here, a, math.inf).amin(-1, keepdim=True)
-        else:
-            near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
-        near = torch.where(side != 0, 0, near)
-        shift = torch.where(torch.isfinite(near), near, 0)
-        af = torch.where(here, a, shift)
-        inner = -((af - shift) / e)
-        sp = torch.nn.functional.softplus(-(af / e))
-        logw = torch.where(side > 0, up, torch.where(side < 0, down, inner - 2 * sp))
+    for here, near in ((below, near_b), (fin_a & ~below, near_a)):
         w = torch.where(here, torch.exp(logw), 0)
-        u = torch.where(here, torch.exp(inner - sp), 0)
+        u = torch.where(here, torch.exp(log_u), 0)
+        near = torch.where(side != 0, 0, near)  # (edge rows: weighed from the row's max or min)
         parts += [near.squeeze(-1), w.sum(-1), torch.linalg.vecdot(w, g), u.sum(-1)]
         if need_eps:
             parts.append(torch.linalg.vecdot(w, torch.where(w > 0, off, 0)))

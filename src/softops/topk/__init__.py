@@ -43,7 +43,7 @@ from softops.topk._options import (
     check_mask_options,
     solver_defaults,
 )
-from softops.topk._ot import SAMPLE_SIZE, ThresholdState, hard_topk_mask
+from softops.topk._ot import SAMPLE_SIZE, ThresholdState, hard_topk_mask, side_log_weights
 from softops.topk._ot import solve as solve_threshold
 from softops.topk._softkmax import soft_kmax_rows
 from softops.topk._sorted import TopK, soft_topk
@@ -67,6 +67,7 @@ __all__ = [
     "check_mask_k",
     "check_mask_options",
     "row_stats",
+    "side_log_weights",
     "soft_kmax",
     "soft_topk",
     "soft_topk_mask",

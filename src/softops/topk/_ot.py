@@ -61,6 +61,7 @@ __all__ = [
     "mask_from_threshold",
     "near_hard",
     "polish",
+    "side_log_weights",
     "solve",
 ]
 
@@ -600,13 +601,12 @@ def _polish_rows(
     eps: torch.Tensor,
     state: SolverState,
     rows: torch.Tensor,
+    tol: float,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """:func:`polish` of the given ``rows``: the new threshold of every row (B,). The gap of the
-    count above t (``+inf`` entries: selected) from k is the last evaluation's (its count is the
-    row's). Where the row is split (``x`` one shard of it), ``gather`` stacks every shard's
-    :func:`balance_parts` (P, 6, B) (``softops.distributed``: one all-gather a step); None: the
-    row is in this process."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`polish` of the given ``rows``: the new threshold of every row (B,), and
+    :func:`_evaluate` there (its row sums this piece's where ``x`` is a shard). ``gather`` stacks
+    every shard's :func:`balance_parts` (P, 6, B) where the row is split (None: it is whole)."""
     e2 = eps[:, None]
     gap = state.extra[3] - prep.k_total
 
@@ -614,7 +614,8 @@ def _polish_rows(
         parts = balance_parts((x - prep.m2) - t[:, None], e2)
         return parts[None] if gather is None else gather(parts)
 
-    return polish(balance, state.t_eval, state.lo, state.hi, eps, rows, gap)
+    t = polish(balance, state.t_eval, state.lo, state.hi, eps, rows, gap)
+    return t, _evaluate(x, prep.m2, t[:, None], e2, prep.k_total, tol)
 
 
 KERNEL = Kernel("softops_ot", Path(__file__).with_name("_ot_kernel.cpp"))
@@ -769,10 +770,7 @@ def _solve(
     if not far:  # (eager only) F cannot place t in its gap there; the gradients need it placed
         if near is None:  # (known from the start's flags)
             near = _near_rows(state, prep, eps)
-        root = _polish_rows(x, prep, eps, state, near)
-        residual, *_, A, w, w_sum, _ = _evaluate(
-            x, prep.m2, root[:, None], eps[:, None], prep.k_total, tol
-        )
+        root, (residual, *_, A, w, w_sum, _) = _polish_rows(x, prep, eps, state, near, tol)
     elif state.extra:
         A, w, w_sum = state.extra[:3]
     else:  # meta tensors: nothing was evaluated
@@ -1027,6 +1025,33 @@ def _offsets_differentiable(
     return (X - aux[:, :1]) - (aux[:, 1:2] + dt), E
 
 
+def side_log_weights(
+    off: torch.Tensor, e: torch.Tensor, below: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log u (1 - u)`` and ``log u`` (``u = sigmoid(-|off| / eps)``) of the offsets ``off``
+    (B, n), each side of t (``below``, the other finite entries) shifted by its nearest entry's
+    ``|off| / eps`` so that neither underflows (``-inf`` at infinite offsets); and the sides'
+    nearest ``|off|`` (B, 1) (``inf``: an empty side)."""
+    B, n = off.shape
+    a = off.abs()
+    fin = torch.isfinite(a)
+    nears = [
+        torch.where(side, a, math.inf).amin(-1, keepdim=True)
+        if n
+        else torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
+        for side in (below, fin & ~below)
+    ]
+    shift = torch.where(below, nears[0], nears[1])
+    shift = torch.where(torch.isfinite(shift), shift, 0)
+    # infinite offsets weigh 0; the double where keeps them out of the arithmetic, whose
+    # derivative in epsilon (double backward) would be 0 * inf there
+    af = torch.where(fin, a, shift)
+    inner = -((af - shift) / e)
+    sp = torch.nn.functional.softplus(-(af / e))
+    logw = torch.where(fin, inner - 2 * sp, -math.inf)
+    return logw, torch.where(fin, inner - sp, -math.inf), nears[0], nears[1]
+
+
 def _k_weights(
     off: torch.Tensor,
     x: torch.Tensor,
@@ -1036,27 +1061,15 @@ def _k_weights(
 ) -> torch.Tensor:
     r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
 
-    Each side of t is weighed relative to its own nearest entry; the sides weigh against each
-    other by ``Us_b / Us_a`` where the count above t is k (exact at the root, whatever t: the
-    hard limit weighs each side 1/2), else by the factor from t. Rows with k = 0 or n
-    (``edge``) take the limits ``softmax(+-x / eps)`` over the finite entries; no finite entry: 0.
+    Each side of t is weighed relative to its own nearest entry (:func:`side_log_weights`); the
+    sides weigh against each other by ``Us_b / Us_a`` where the count above t is k (exact at the
+    root, whatever t: the hard limit weighs each side 1/2), else by the factor from t. Rows with
+    k = 0 or n (``edge``) take the limits ``softmax(+-x / eps)`` over the finite entries.
     """
-    a = off.abs()
-    # infinite offsets (infinite entries) weigh 0; the double where keeps them out of the
-    # arithmetic, whose derivative in epsilon (double backward) would be 0 * inf there
-    fin_a = torch.isfinite(a)
-    below = (off <= 0) & fin_a
-    near_b = torch.where(below, a, math.inf).amin(-1, keepdim=True)
-    near_a = torch.where(fin_a & ~below, a, math.inf).amin(-1, keepdim=True)
+    below = (off <= 0) & torch.isfinite(off)
+    logw, log_u, near_b, near_a = side_log_weights(off, e, below)
     near_b = torch.where(torch.isfinite(near_b), near_b, 0)  # (an empty side)
     near_a = torch.where(torch.isfinite(near_a), near_a, 0)
-    shift = torch.where(below, near_b, near_a)
-    af = torch.where(fin_a, a, shift)
-    inner = -((af - shift) / e)
-    sp = torch.nn.functional.softplus(-(af / e))
-    logw = torch.where(fin_a, inner - 2 * sp, -math.inf)
-    # log of each side's weight factor e^{-a_side / eps}, up to a common constant
-    log_u = torch.where(fin_a, inner - sp, -math.inf)
     lu_b = torch.logsumexp(torch.where(below, log_u, -math.inf), -1, keepdim=True)
     lu_a = torch.logsumexp(torch.where(below, -math.inf, log_u), -1, keepdim=True)
     nearest = torch.minimum(near_b, near_a)

@@ -20,7 +20,6 @@ from softops._core.rootfind import iterate, result
 from softops.topk._ot import (
     BLOCK,
     Reduce,
-    _evaluate,
     _evaluate_t,
     _near_rows,
     _polish_rows,
@@ -144,8 +143,8 @@ def solve_ot_rows(
         A, s, den = state.extra[:3]
         near = _near_rows(state, prep, eps)
         if bool(near.any()):  # (a host test every piece makes alike: on reduced sums)
-            t = _polish_rows(x, prep, eps, state, near, gather)
-            A, s = _evaluate(x, prep.m2, t[:, None], eps[:, None], prep.k_total, tol)[4:6]
+            t, polished = _polish_rows(x, prep, eps, state, near, tol, gather)
+            A, s = polished[4:6]
     else:  # every row is filled: nothing was evaluated
         A, s = torch.zeros_like(x), torch.zeros_like(x)
         den = torch.full_like(t, math.inf)
