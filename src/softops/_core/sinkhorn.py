@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from softops._core.convergence import warn_not_converged
-from softops._core.transforms import apply_function, plain, vmap_rows
+from softops._core.transforms import apply_function, plain, vmap_rows, without_jvp
 from softops._kernels import define
 
 __all__ = [
@@ -817,14 +817,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
         return vmap_rows(SinkhornPlanFunction, info, in_dims, *args)
 
 
-class _SinkhornPlanTraced(SinkhornPlanFunction):
-    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
-
-    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        return vmap_rows(_SinkhornPlanTraced, info, in_dims, *args)
+_SinkhornPlanTraced = without_jvp(SinkhornPlanFunction)
 
 
 def implicit_cost_vjp(

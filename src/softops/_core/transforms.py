@@ -5,9 +5,9 @@ branch on tensor values (and saved-tensor hooks, hence checkpointing, are refuse
 transform); the ops ask here and take their branch-free path. :func:`under_functorch`,
 :func:`cannot_branch` and :func:`unreadable` say which case holds; :func:`plain` unwraps for
 host-side diagnostics only; :func:`vmap_rows` folds a vmapped dim into the rows of a row-wise
-Function; :func:`apply_function` is ``Function.apply`` without its per-call signature binding
-(tens of microseconds); :func:`own_precision` turns ``torch.autocast`` off around an op's
-matmuls, so it keeps its own precision rules.
+Function (:func:`without_jvp`: its twin for traced code); :func:`apply_function` is
+``Function.apply`` without its per-call signature binding; :func:`own_precision` turns
+``torch.autocast`` off around an op's matmuls, so it keeps its own precision rules.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "under_functorch",
     "unreadable",
     "vmap_rows",
+    "without_jvp",
 ]
 
 _functorch = torch._C._functorch
@@ -107,6 +108,21 @@ def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) ->
     if single:
         return results[0], dims[0]
     return results, dims
+
+
+def without_jvp(function: Any) -> Any:
+    """The row-wise Function ``function`` for traced code: torch 2.13's dynamo rejects a custom
+    ``jvp``."""
+
+    class Traced(function):
+        jvp = torch.autograd.Function.jvp
+
+        @staticmethod
+        def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+            return vmap_rows(Traced, info, in_dims, *args)
+
+    Traced.__name__ = Traced.__qualname__ = f"{function.__name__}Traced"
+    return Traced
 
 
 def own_precision(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
