@@ -10,19 +10,16 @@ row is their concatenation in rank order, :math:`x = (x_0, \dots, x_{P-1})`, of 
     A_i = \sigma\big((x_i - t)/\varepsilon\big), \qquad
     F(t) = \sum_r \sum_{i \in r} \sigma\big((x_i - t)/\varepsilon\big) - k = 0,
 
-so the ranks need only agree on t. Every quantity the solver needs is a sum over the row, hence
-a sum over ranks of shard sums: the sharded op *is* the single-process solver
-(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``) with another reduction, started from
-one all-gather of each shard's statistics and candidates. No rank sees another's entries; every
-rank takes the same steps (the iterate and stop test are functions of all-reduced sums only).
-docs/distributed.md gives the collectives per call and the gradient semantics: the backward is
-that of ``L = sum_r L_r(A_r)``, so sum replicated parameters' gradients over ranks.
+so the ranks need only agree on t: the sharded op *is* the single-process solver
+(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``) with its row sums all-reduced, started
+from one all-gather of each shard's statistics and candidates; no rank sees another's entries.
+docs/distributed.md gives the collectives per call and the gradient semantics (the backward is
+that of ``L = sum_r L_r(A_r)``).
 
-Collectives are ``all_reduce`` with SUM, so every backend runs them; an 18-float header checked
-on every rank makes inconsistent calls raise everywhere instead of hanging. Without a process
-group the op runs as a world of one unless ``WORLD_SIZE`` > 1, which raises (a forgotten
-``init_process_group``). Not supported: double backward (it raises), forward mode,
-``torch.func`` and ``torch.compile`` tracing (the solve tests convergence on the host).
+Collectives are ``all_reduce`` with SUM, so every backend runs them; a header checked on every
+rank makes inconsistent calls raise everywhere instead of hanging. Without a process group the
+op runs as a world of one unless ``WORLD_SIZE`` > 1, which raises. Not supported: double
+backward (it raises), forward mode, ``torch.func`` and ``torch.compile`` tracing.
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ from softops.topk import (
 )
 
 EXACT_SHARE = 64
-"""The exact candidates may be up to ``1 / EXACT_SHARE`` of the row: a shard's top-k costs
-less than one evaluation, and the exact bracket saves two to four. Otherwise the group sends a
-strided subsample of about ``SAMPLE_SIZE`` entries per row."""
+"""The exact candidates may be up to ``1 / EXACT_SHARE`` of the row (else a strided subsample of
+about ``SAMPLE_SIZE`` entries per row)."""
 
 
 # ----------------------------------------------------------------------------- the row start
@@ -51,11 +50,9 @@ def _sample_layout(plan: _Plan) -> tuple[int, list[int], list[int]]:
 
 
 def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor | None]:
-    """The start's one collective: every rank's shard statistics and candidates, all-gathered:
-    its ``floor(max k) + 1`` largest where the group sends at most ``max(SAMPLE_SIZE, n //
-    EXACT_SHARE)`` per row and under half the row, else its part of a strided subsample; with
-    ``hard=True`` also its ``max k`` largest, (P, B, max k) (else None).
-    """
+    """The start's one all-gather: every rank's shard statistics and candidates (its
+    ``floor(max k) + 1`` largest, else its part of a strided subsample), and with ``hard=True``
+    its ``max k`` largest, (P, B, max k) (else None)."""
     comm, n = plan.comm, plan.n
     B = x.shape[0]
     f64 = torch.float64
@@ -103,9 +100,8 @@ def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor
 def _solve_ot(
     plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor
 ) -> tuple[ThresholdRows, torch.Tensor | None]:
-    """The threshold of every sharded row (largest first): the single-process solver on the
-    gathered summary, its evaluations all-reduced and its polish all-gathered; and the hard
-    mask (or None)."""
+    """The threshold of every sharded row (the single-process solver on the gathered summary),
+    and the hard mask (or None)."""
     comm = plan.comm
     many = comm.size > 1
     rows, hard_cand = _gather_rows(plan, x)
@@ -141,8 +137,7 @@ def _hard(
 
 def _no_double_backward(op: str) -> None:
     """Raise where the backward is itself differentiated (``create_graph=True``): its
-    collectives are not, and a silently constant gradient would drop a term of a gradient
-    penalty."""
+    collectives are not."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{op}: double backward (create_graph=True) is not supported across ranks; "
@@ -157,8 +152,8 @@ def _no_double_backward(op: str) -> None:
 def _solve_sparse(
     plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The sharded "sparse" mask (the single-process solver on the gathered summary, its sums
-    all-reduced): this shard's mask, the rows' convergence and the hard mask (or None)."""
+    """The sharded "sparse" mask: this shard's mask, the rows' convergence and the hard mask (or
+    None)."""
     rows, hard_cand = _gather_rows(plan, x)
     reduce = plan.comm.reduce if plan.comm.size > 1 else None
     a, converged = solve_sparse_rows(
@@ -223,12 +218,9 @@ def _first_ties(eq: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
 
 
 def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """The 0/1 mask of the k largest entries of the concatenated rows, on this shard; ties at
-    the k-th value v broken by the global position (lower first).
-
-    ``cand`` (P, B, W), W >= max k, holds every rank's W largest entries (``-inf`` padded): they
-    hold every entry above v (fewer than k), and each rank's ties at v as far as they can matter
-    (a rank whose W candidates end in ties shows at least k - #{x > v} >= the ties needed)."""
+    """The 0/1 mask of the k largest entries of the concatenated rows, on this shard, ties at the
+    k-th value broken by the global position; ``cand`` (P, B, W >= max k): every rank's W
+    largest (``-inf`` padded)."""
     P, B, W = cand.shape
     kk = k.long()
     merged = cand.permute(1, 0, 2).reshape(B, P * W).topk(W, dim=-1).values
@@ -248,12 +240,8 @@ def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor
 
 class _ShardedMaskOT(torch.autograd.Function):
     """This shard of ``A = sigmoid((x - t)/eps)``, ``sum A = k`` over the concatenated row; the
-    implicit backward with its row sums all-reduced.
-
-    Inputs: x (B, n_r) in the compute dtype, k (B,), eps (B,), and the call's :class:`_Plan`.
-    Outputs: A, then tensors that carry no gradient: the convergence flags, the hard mask (or
-    None) and the solve's diagnostics (t, residual).
-    """
+    implicit backward with its row sums all-reduced. Outputs: A, then the convergence flags,
+    the hard mask (or None) and the backward's data, without gradient."""
 
     @staticmethod
     def forward(
