@@ -6,7 +6,6 @@ on them (``soft_topk``, ``soft_topk_mask``, ...) call the private cores directly
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -25,7 +24,7 @@ from softops._core.validation import (
     check_tol,
     compute_dtype,
 )
-from softops.topk import THRESHOLD_MAX_ITER, solve_threshold
+from softops.topk import THRESHOLD_MAX_ITER, solve_threshold, threshold_values
 
 __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
 
@@ -271,16 +270,8 @@ def topk_threshold(
         tol=tol,
         k_scalar=None if isinstance(k, torch.Tensor) else k,
     )
-    t = state.m + state.t
-    if state.scale is not None:  # rows with a huge epsilon were solved on (x c, eps c)
-        t = t / state.scale
-    if state.sel_none is not None and state.sel_all is not None and state.invalid is not None:
-        # Rows the solver did not solve (their t is no threshold): the limits' thresholds, for
-        # which the contract formula gives the mask ``soft_topk_mask`` returns there.
-        inf = torch.full_like(t, math.inf)
-        t = torch.where(state.sel_none, inf, torch.where(state.sel_all, -inf, t))
-        t = torch.where(state.sel_none & state.sel_all, 0.0, t)  # no finite entry: any finite t
-        t = t.masked_fill(state.invalid, math.nan)
+    limits = (state.sel_none, state.sel_all, state.invalid)
+    t = threshold_values(state.m + state.t, state.scale, *limits)
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(batch_shape).to(x.dtype),

@@ -682,18 +682,8 @@ def warn_unless_clean(
         warn_not_converged(caller, res.converged, max_iter, residual=res.residual, tol=tol)
 
 
-def _solve_fake(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    newton: bool,
-    potentials: bool,
-    caller: str,
-) -> tuple[Tensor, ...]:
-    return fake_outputs(cost, potentials)
+def _solve_fake(cost: Tensor, *args: Any) -> tuple[Tensor, ...]:
+    return fake_outputs(cost, args[6])  # (args[6]: potentials)
 
 
 SINKHORN_OP = define(

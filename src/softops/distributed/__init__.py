@@ -24,7 +24,6 @@ backward (it raises), forward mode, ``torch.func`` and ``torch.compile`` tracing
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -35,7 +34,7 @@ from softops.distributed._group import _MASK, _THRESHOLD, _TOPK, METHODS, _prepa
 from softops.distributed._mask import _ShardedMaskOT, _ShardedMaskSparse, _solve_ot
 from softops.distributed._topk import _Route, _sharded_topk
 from softops.solvers import ThresholdResult
-from softops.topk import SAMPLE_SIZE
+from softops.topk import SAMPLE_SIZE, threshold_values
 
 __all__ = [
     "METHODS",
@@ -169,13 +168,7 @@ def topk_threshold(
         return ThresholdResult(empty, empty.bool(), 0, empty)
     sol = _solve_ot(plan, local.x2.detach(), local.k_row.detach(), local.eps_row.detach())[0]
     t = sol.aux[:, 0] + sol.aux[:, 1]
-    if sol.scale is not None:
-        t = t / sol.scale
-    # the rows that are not solved: the limits' thresholds, as softops.solvers.topk_threshold
-    inf = torch.full_like(t, math.inf)
-    t = torch.where(sol.sel_none, inf, torch.where(sol.sel_all, -inf, t))
-    t = torch.where(sol.sel_none & sol.sel_all, 0.0, t)  # no finite entry: any finite t
-    t = t.masked_fill(sol.invalid, math.nan)
+    t = threshold_values(t, sol.scale, sol.sel_none, sol.sel_all, sol.invalid)
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(shape).to(x_local.dtype),

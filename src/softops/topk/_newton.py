@@ -320,17 +320,8 @@ def _op_cpu(
     return op_outputs(res, clean, potentials)
 
 
-def _op_fake(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool,
-    caller: str,
-) -> tuple[Tensor, ...]:
-    return fake_outputs(cost, potentials, torch.float64)
+def _op_fake(cost: Tensor, *args: Any) -> tuple[Tensor, ...]:
+    return fake_outputs(cost, args[5], torch.float64)  # (args[5]: potentials)
 
 
 NEWTON_FIRST_OP = define(

@@ -60,6 +60,7 @@ __all__ = [
     "polish",
     "side_log_weights",
     "solve",
+    "threshold_values",
 ]
 
 EXACT_MAX_N = 16384
@@ -795,15 +796,7 @@ def _threshold_cpu(
     return _threshold_outputs(caller, max_iter, solved)
 
 
-def _threshold_fake(
-    x: torch.Tensor,
-    k: torch.Tensor,
-    eps: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    k_scalar: float | None,
-    caller: str,
-) -> tuple[torch.Tensor, ...]:
+def _threshold_fake(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, ...]:
     B = x.shape[0]
     return (
         torch.empty_like(x),
@@ -830,6 +823,26 @@ THRESHOLD_OP = define(
 )
 """The solve as an operator: (x, k, eps, max_iter, tol, k_scalar, caller) -> (A, s, aux, edge,
 scale) (:func:`_threshold_outputs`); not differentiable."""
+
+
+def threshold_values(
+    t: torch.Tensor,
+    scale: torch.Tensor | None,
+    sel_none: torch.Tensor | None,
+    sel_all: torch.Tensor | None,
+    invalid: torch.Tensor | None,
+) -> torch.Tensor:
+    """The solved thresholds ``t`` (``m + t``) in the units of x; the rows that are not solved
+    take the limits' thresholds (``+inf`` at k' = 0, ``-inf`` at k' = n, 0 without a finite
+    entry, NaN where k cannot be met), for which ``sigmoid((x - t) / eps)`` is their mask."""
+    if scale is not None:
+        t = t / scale
+    if sel_none is None or sel_all is None or invalid is None:
+        return t
+    inf = torch.full_like(t, math.inf)
+    t = torch.where(sel_none, inf, torch.where(sel_all, -inf, t))
+    t = torch.where(sel_none & sel_all, 0.0, t)
+    return t.masked_fill(invalid, math.nan)
 
 
 def _fill_special(
