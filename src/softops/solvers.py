@@ -30,9 +30,8 @@ __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
 
 
 def _values(t: Tensor) -> Tensor | None:
-    """``t``'s values for an input check, read through ``torch.func`` wrappers (every vmapped
-    slice at once, so an invalid slice raises as in a loop); None where Python cannot see them
-    (meta tensors, ``torch.compile`` tracing): the check is then skipped."""
+    """``t``'s values for an input check (every vmapped slice at once); None where Python cannot
+    see them (meta tensors, tracing): the check is then skipped."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
         return None
     return plain(t.detach())

@@ -1,17 +1,10 @@
 """Batched, bracketed Halley/Newton/bisection for monotone scalar equations, one per row.
 
-Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``. All rows
-advance in lock-step (no Python loop over rows). Each step is Halley's where
-``|F F''/F'^2| <= 1`` (Newton's elsewhere, or when the evaluation gives no curvature) when it
-stays inside the current bracket (compared inclusively: after the bracket update ``t`` is itself
-an endpoint), and regula falsi or a bisection of the bracket otherwise, so the iteration always
-makes progress and always stops: it is capped at ``max_iter`` evaluations.
-
-The drivers share one update rule: :func:`bracketed_newton` (and :func:`iterate`) runs blocks
-of steps with a host test of ``all(done)`` between them; :func:`run_steps` runs a fixed number
-with no host sync; :func:`run_while` runs :func:`fixed_schedule` in ``torch.while_loop`` for
-traced code, a schedule that provably suffices (after the Halley steps each *bit bisection*
-halves the floats left in the bracket: at most 32 or 64 steps reach adjacent floats).
+Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``, all rows
+in lock-step. Each step is Halley's where ``|F F''/F'^2| <= 1`` (else Newton's) when it stays
+inside the bracket, and regula falsi or bisection otherwise, capped at ``max_iter`` evaluations.
+:func:`iterate` runs blocks of steps with a host test between them, :func:`run_steps` a fixed
+number, :func:`run_while` the provably sufficient :func:`fixed_schedule` for traced code.
 """
 
 from __future__ import annotations
@@ -213,12 +206,8 @@ def bracketed_newton(
     done: torch.Tensor | None = None,
     block: int = 1,
 ) -> RootResult:
-    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps (the module docstring).
-
-    Outside the bracket the step is Illinois regula falsi where both ends' residuals (or bounds)
-    are known, else bisection: at a tiny temperature, where F' vanishes between entries, the
-    secant is an interpolation search. ``all(done)`` is tested on the host between blocks of
-    ``block`` evaluations; finished rows keep their iterate.
+    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps; outside the bracket,
+    Illinois regula falsi where both ends' residuals are known, else bisection.
 
     Args:
         evaluate: a function of ``(t, *eval_args)``, as :data:`Evaluate`.

@@ -9,22 +9,16 @@ the backward):
     \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
     \qquad \Gamma_{ij} = \exp((f_i + g_j - C_{ij})/\varepsilon).
 
-:func:`log_sinkhorn` is the one entry point: it returns the plan (differentiable in the cost
-through :class:`SinkhornPlanFunction`, whose backward is :func:`implicit_cost_vjp`) with its
-diagnostics (:class:`SinkhornResult`). Contract:
+:func:`log_sinkhorn` is the one entry point: the plan (differentiable in the cost, implicit
+backward :func:`implicit_cost_vjp`) with its diagnostics. Contract:
 
-* One iteration is the pair (row update of f, column update of g), as in the SOFT paper's code;
-  the returned plan is the state after the last column update, so its **columns are exact** and
-  ``residual`` is the L1 error of its row sums relative to the total mass. ``tol=0`` runs exactly
-  ``max_iter`` iterations (``max_iter=200, tol=0`` is the paper's fixed 200).
-* ``tol > 0``: convergence is checked every ``CHECK_EVERY`` iterations; converged rows leave the
-  working set, so a row's result never depends on the other rows. Rows that crawl (epsilon far
-  below the gaps of the cost) are re-solved by epsilon scaling; ``newton=True`` polishes with
-  semi-dual Newton (float64) from a residual of ``NEWTON_SWITCH``. A row with a NaN or infinite
-  residual stops at once and its outputs are NaN.
-* Only the plan (B, n, m) and epsilon (B,) are saved for the backward, so memory does not grow
-  with the iterations; the backward is written in differentiable torch ops (double backward),
-  and forward mode applies the same symmetric map.
+* One iteration is a row update of f then a column update of g, as in the SOFT paper's code: the
+  plan's **columns are exact** and ``residual`` is the relative L1 error of its row sums.
+  ``tol=0`` runs exactly ``max_iter`` iterations.
+* ``tol > 0``: converged rows leave the working set (a row never depends on the others); rows
+  that crawl are re-solved by epsilon scaling; ``newton=True`` polishes with semi-dual Newton. A
+  row with a NaN or infinite residual stops at once and its outputs are NaN.
+* Only the plan and epsilon are saved for the backward (differentiable: double backward).
 """
 
 from __future__ import annotations
@@ -117,16 +111,7 @@ class _Problem(NamedTuple):
         )
 
     def select(self, keep: Tensor) -> _Problem:
-        return _Problem(
-            self.s[keep],
-            None if self.d is None else self.d[keep],
-            self.log_a[keep],
-            self.a[keep],
-            self.a_sum[keep],
-            self.log_b[keep],
-            None if self.sign is None else self.sign[keep],
-            self.empty[keep],
-        )
+        return _Problem._make(None if t is None else t[keep] for t in self)
 
 
 def _make_problem(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor) -> _Problem:

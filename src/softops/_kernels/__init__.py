@@ -1,20 +1,14 @@
 """The kernel layer: compiled kernels as operators of torch's own registry, with the torch
 reference beside them.
 
-A method that has a kernel declares its operator here once (:func:`define`): a schema, the torch
-reference (registered for every device), a fake (meta) implementation for ``torch.compile`` and
-``torch.export``, a vmap rule, and optionally a CPU implementation that runs a compiled kernel.
-torch's dispatcher then picks the implementation by device; traced code sees one opaque operator.
-No math file chooses a back end.
+A method declares its operator here once (:func:`define`): a schema, the torch reference, a fake
+implementation, a vmap rule, and optionally a CPU implementation that runs a compiled kernel;
+torch's dispatcher picks by device, and traced code sees one opaque operator.
 
-Compiled kernels (C++ sources beside their methods, built with ``torch.utils.cpp_extension``) are
-built at most once per machine and torch version, ahead of time: ``python -m softops._kernels``
-(which ``scripts/setup.sh`` runs) writes each into a per-user cache (``SOFTOPS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/softops``, else ``~/.cache/softops``), under a name keyed by the source, the
-compiler flags, the CPU capability, torch's version and the Python ABI. An eager call never
-compiles: it loads a built kernel (milliseconds), or, where none is built (no compiler, no
-``ninja``, or the build not run), uses the torch reference, correct and slower, after one warning
-that says how to build.
+Compiled kernels (C++ sources beside their methods) are built ahead of time by ``python -m
+softops._kernels`` into a per-user cache (``SOFTOPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/softops``,
+else ``~/.cache/softops``), keyed by source, flags, CPU capability, torch and Python ABI. An eager
+call never compiles: where no kernel is built it uses the torch reference, after one warning.
 
 :func:`backend` picks the back end for a block of code (tests run every operator through both);
 ``SOFTOPS_KERNELS=0`` in the environment makes the reference the default.

@@ -67,13 +67,8 @@ def soft_topk_mask(
 
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
-    and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row,
-    restricted to this rank's shard (to rounding: 1e-12 in float64, gradients included):
-
-    .. math::
-
-        A_i = \sigma\!\left(\frac{x_i - t}{\varepsilon}\right), \qquad
-        \sum_{r} \sum_{i \in \text{shard } r} A_i = k .
+    and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row (the
+    module's formula), restricted to this rank's shard (to rounding, gradients included).
 
     Call it on every rank of the group, with the same k, epsilon and options and the shards of
     the same rows: ``2 + iterations`` collectives of O(B) per forward, one per backward.

@@ -395,21 +395,6 @@ def _start_exact(
     return prep, state
 
 
-def _prepare_sampled(
-    x: torch.Tensor,
-    k: torch.Tensor,
-    eps: torch.Tensor,
-    stride: int,
-    top: int,
-    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[_Prep, SolverState]:
-    """Long rows with finite entries: centred on a strided subsample's quantile, with the coarse
-    bracket ``[min x, max x] - eps logit(k / n)``."""
-    xmin, xmax, xsum = row_stats
-    sample = x[:, ::stride]
-    return _start_sampled(k, eps, x.shape[-1], sample, sample.shape[-1], top, xmin, xmax, xsum)
-
-
 def _sample_centre(
     sample: torch.Tensor,
     k: torch.Tensor,
@@ -443,9 +428,9 @@ def _start_sampled(
     total: torch.Tensor,
     counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_Prep, SolverState]:
-    """:func:`_prepare_sampled` from the rows' statistics (``sample``, ``ns``, ``top`` as in
-    :func:`_sample_centre`); ``counts``: None where every entry is finite, else the finite,
-    ``+inf`` and NaN counts, for the rows' classification."""
+    """Long rows: centred on a subsample's quantile (``sample``, ``ns``, ``top`` as in
+    :func:`_sample_centre`), with the coarse bracket ``[min x, max x] - eps logit(k / n)``;
+    ``counts``: None where every entry is finite, else the finite, ``+inf`` and NaN counts."""
     if counts is None:
         sel_none, sel_all = k <= 0, k >= n
         solve_rows = ~(sel_none | sel_all)
@@ -495,7 +480,9 @@ def _start(
     capped schedule in ``torch.while_loop``, and its evaluation count); the flags the host reads
     (all done, all regular, all within the scaling limit, none near-hard) and the convergence."""
     if stride and row_stats is not None:
-        prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
+        sample = x[:, ::stride]
+        n, ns = x.shape[-1], sample.shape[-1]
+        prep, state = _start_sampled(k, eps, n, sample, ns, top, *row_stats)
     else:
         prep, state = _prepare_exact(x, k, eps, top)
     count = None
@@ -588,17 +575,8 @@ def _solve_kernel(
         scale = torch.ones(B, dtype=x.dtype, device=x.device)
         scale[idx] = sub.scale
     sel_none, sel_all, invalid = limits
-    state = ThresholdState(
-        m,
-        t,
-        converged,
-        max(evaluations, sub.iterations),
-        residual,
-        sel_none,
-        sel_all,
-        invalid,
-        scale,
-    )
+    iterations = max(evaluations, sub.iterations)
+    state = ThresholdState(m, t, converged, iterations, residual, sel_none, sel_all, invalid, scale)
     return state, A, s, aux, all_ok
 
 
@@ -639,7 +617,6 @@ def _solve(
             else:
                 q_max = int((k.max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
-    start: Any = _start
     scale = None
     if traced or meta:  # no host read: every row is scaled (by 1 but where epsilon is huge)
         scale = _scale(x, eps)
@@ -651,7 +628,7 @@ def _solve(
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
         host = x.device.type == "cpu"
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
-    prep, state, _, flags, converged = start(
+    prep, state, _, flags, converged = _start(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
     )
     evaluations = steps + bisect
@@ -664,19 +641,15 @@ def _solve(
             scale = _scale(x, eps)
             x, eps = x * scale[:, None], eps * scale
             stats = None if stats is None else _row_stats(x)
-            prep, state, _, flags, converged = start(
+            prep, state, _, flags, converged = _start(
                 x, k, eps, tol, top, steps, bisect, stride, stats, traced
             )
             all_done, regular, _, far = flags.tolist()
     if not (traced or all_done):  # (on meta tensors, iterate returns at once)
         block = 1 if x.device.type == "cpu" else BLOCK
+        args = (x, prep.m2, eps[:, None], prep.k_total, tol)
         state, evaluations = iterate(
-            _evaluate_t,
-            state,
-            (x, prep.m2, eps[:, None], prep.k_total, tol),
-            max_iter=max_iter,
-            evaluations=evaluations,
-            block=block,
+            _evaluate_t, state, args, max_iter=max_iter, evaluations=evaluations, block=block
         )
         converged = result(state, evaluations).converged
         near = _near_rows(state, prep, eps) if state.extra else None

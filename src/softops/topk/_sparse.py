@@ -33,14 +33,12 @@ from softops._core.convergence import warn_not_converged
 from softops._core.transforms import vmap_rows, without_jvp
 from softops._kernels import define
 from softops.topk._options import MaskOptions
-from softops.topk._ot import Reduce, _classify, _fill_special, _row_counts
+from softops.topk._ot import SMOOTH_START, Reduce, _classify, _fill_special, _row_counts
 
 __all__ = ["GPU_BLOCK", "mask"]
 
 GPU_BLOCK = 4
 """Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
-SMOOTH_START = 8.0
-"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 
 
 def _evaluate(
