@@ -89,14 +89,10 @@ def sinkhorn(
             \langle C, \Gamma \rangle + \varepsilon \sum_{ij} \Gamma_{ij} (\log\Gamma_{ij} - 1),
         \qquad \Gamma_{ij} = e^{(f_i + g_j - C_{ij})/\varepsilon}.
 
-    One iteration is a row (f) update then a column (g) update; the plan is the state after the
-    last column update, as in the SOFT top-k paper's code (``max_iter=200, tol=0`` reproduces
-    its fixed 200 iterations). Tuned for few targets m (2 to ~65) and long n.
-
-    The plan is differentiable in ``cost`` and ``epsilon`` (not ``a``, ``b``) by implicit
-    differentiation, an (m-1) x (m-1) Schur complement solved in float64, O(n m) memory: the
-    gradient of the *converged* plan (check ``converged``). ``torch.func`` jvp and vmap and meta
-    tensors are supported.
+    One iteration is a row (f) update then a column (g) update, as in the SOFT top-k paper's code
+    (``max_iter=200, tol=0`` reproduces its fixed 200 iterations); tuned for few targets m. The
+    plan is differentiable in ``cost`` and ``epsilon`` (not ``a``, ``b``) by implicit
+    differentiation: the gradient of the *converged* plan (check ``converged``).
 
     Args:
         cost: (*, n, m) cost matrix C (float16/bfloat16 are computed in float32).
@@ -227,11 +223,9 @@ def topk_threshold(
     r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
 
     The solver behind ``soft_topk_mask(method="ot")``, with its diagnostics; not
-    differentiable. With ``largest=True`` (mirrored otherwise) the mask is
-    ``sigmoid((x - threshold) / epsilon)``, ``+inf`` entries above every threshold and ``-inf``
-    ones below: rows at the limit k -> 0 get ``+inf``, at k -> n ``-inf``, rows without a finite
-    entry 0 (all converged, residual 0); rows whose k cannot be met (a NaN, too many ``+inf``
-    or too few entries above ``-inf``) get NaN, ``converged=False``.
+    differentiable. The mask is ``sigmoid((x - threshold) / epsilon)`` (``largest=True``): rows
+    at the limit k -> 0 get ``+inf``, at k -> n ``-inf``, rows without a finite entry 0; rows
+    whose k cannot be met (or with a NaN) get NaN, ``converged=False``.
 
     Args:
         x: scores, any shape, floating dtype.

@@ -77,16 +77,9 @@ def row_param(
 
 
 class Rows(NamedTuple):
-    """The canonical (B, n) form of an op's input.
-
-    Attributes:
-        x2: (B, n) with ``dim`` last, in the compute dtype (float16/bfloat16 promoted to float32).
-        eps: (B,) epsilon per row, in the compute dtype.
-        restore: maps a (B, n') or (B, n', m) result back to the batch shape, n' at ``dim``.
-        dim: ``dim`` normalised to a non-negative int.
-        n: ``x.shape[dim]``.
-        batch_shape: ``x.shape`` without ``dim``.
-    """
+    """The canonical form of an op's input: x2 (B, n) with ``dim`` last and eps (B,) in the
+    compute dtype, ``restore`` (as :func:`flatten_to_2d`'s), ``dim`` normalised, ``n`` and the
+    ``batch_shape`` (x.shape without ``dim``)."""
 
     x2: torch.Tensor
     eps: torch.Tensor

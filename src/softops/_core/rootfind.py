@@ -32,15 +32,9 @@ HALLEY_STEPS = 8
 
 
 class RootResult(NamedTuple):
-    """Solution of a batch of scalar root-finding problems.
-
-    Attributes:
-        root: (B,) the last evaluated iterate of each row (its residual is ``residual``).
-        converged: (B,) bool: ``|F(root)| <= tol``, or the step fell below the resolution.
-        iterations: number of evaluations of ``F`` (the same for all rows).
-        residual: (B,) ``F(root)``.
-        extra: what the evaluation returned after its first four outputs, at ``root``.
-    """
+    """Solution of a batch of scalar root-finding problems: the last evaluated iterate of each
+    row, whether ``|F(root)| <= tol`` (or the step fell below the resolution), the number of
+    evaluations, ``F(root)`` and the evaluation's by-products there."""
 
     root: torch.Tensor
     converged: torch.Tensor
@@ -50,9 +44,8 @@ class RootResult(NamedTuple):
 
 
 class SolverState(NamedTuple):
-    """The iteration's state, per row: all (B,) tensors but ``extra``. ``t`` is the next iterate,
-    ``t_eval`` the last evaluated one (with its ``residual`` and ``extra``), ``side`` the end of
-    the bracket that moved last (Illinois), ``skip`` the rows left alone."""
+    """The iteration's state, per row: ``t`` the next iterate, ``t_eval`` the last evaluated one
+    (with its ``residual`` and ``extra``), ``side`` the end that moved last (Illinois)."""
 
     t: torch.Tensor
     lo: torch.Tensor
@@ -125,9 +118,8 @@ def run_while(
     halley: int,
     bisect: int,
 ) -> tuple[SolverState, torch.Tensor]:
-    """The capped schedule of :func:`fixed_schedule` as ``torch.while_loop`` s (up to ``halley``
-    Halley steps, then up to ``bisect`` bit bisections, each loop leaving once every row is
-    done), at least one evaluation: the state and the evaluation count, a 0-dim int64 tensor."""
+    """The capped schedule of :func:`fixed_schedule` as ``torch.while_loop`` s, at least one
+    evaluation: the state and the evaluation count, a 0-dim int64 tensor."""
     state = run_steps(evaluate, state, eval_args, 1)
     skip = state.skip
     count = torch.ones((), dtype=torch.int64, device=state.t.device)
@@ -167,9 +159,8 @@ def iterate(
     evaluations: int = 0,
     block: int = 1,
 ) -> tuple[SolverState, int]:
-    """Blocks of :func:`run_steps`, ``all(done)`` tested on the host between them, until every
-    row is done or ``max_iter`` evaluations (``evaluations`` spent already) are spent: the state
-    and the number of evaluations. Meta tensors return at once."""
+    """Blocks of :func:`run_steps`, tested on the host between them, until every row is done or
+    ``max_iter`` evaluations are spent: the state and the number of evaluations."""
     if state.t.device.type == "meta":
         return state, evaluations
     while evaluations < max_iter and not bool(state.done.all()):
@@ -206,23 +197,9 @@ def bracketed_newton(
     done: torch.Tensor | None = None,
     block: int = 1,
 ) -> RootResult:
-    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps; outside the bracket,
-    Illinois regula falsi where both ends' residuals are known, else bisection.
-
-    Args:
-        evaluate: a function of ``(t, *eval_args)``, as :data:`Evaluate`.
-        t: (B,) initial iterate, inside ``[lo, hi]``.
-        lo, hi: (B,) bracket with ``F(lo) >= 0 >= F(hi)``.
-        max_iter: cap on evaluations.
-        eval_args: the extra arguments of ``evaluate``.
-        f_lo, f_hi: (B,) ``F(lo)`` and ``F(hi)``, or upper bounds on their magnitudes; ``nan``
-            or None where unknown.
-        done: (B,) rows to leave alone (e.g. NaN rows); they count as not converged.
-        block: evaluations between two host-side convergence tests.
-
-    Returns:
-        A :class:`RootResult`.
-    """
+    """Solve ``F(t) = 0`` per row (``evaluate`` as :data:`Evaluate`) from ``t`` (B,) in the
+    bracket ``[lo, hi]``; ``f_lo``, ``f_hi``: ``F`` at the ends (or bounds; None: unknown);
+    ``done``: rows to leave alone (not converged); ``block``: evaluations between host tests."""
     state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
     state, evaluations = iterate(evaluate, state, eval_args, max_iter=max_iter, block=block)
     return result(state, evaluations)

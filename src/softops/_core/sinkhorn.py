@@ -251,15 +251,17 @@ def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor, fragile: bool = F
     return torch.linalg.vecdot(e, (prob.a / z).unsqueeze(1)).log()
 
 
-def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(log_c, err)`` at ``v``, ``err`` the relative L1 row error of the column-exact plan."""
+def _check(
+    prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(P, log_c, err)`` at ``v``, ``err`` the relative L1 row error of the column-exact plan."""
     p = _probs(prob, v)
     c = torch.linalg.vecdot(p, prob.a.unsqueeze(1))
     log_c = _safe_log_col_sums(prob, v, c, exact_log_c)
     r = _log_ratio(prob, log_c).exp()
     row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)  # (B, n): sum_j P_ij r_j
     err = torch.linalg.vecdot((row - 1).abs(), prob.a) / prob.a_sum
-    return log_c, err
+    return p, log_c, err
 
 
 def _sinkhorn_loop(
@@ -281,7 +283,7 @@ def _sinkhorn_loop(
         if last and not check:
             break
         if check:
-            log_c, err = _check(cur, cv, _log_col_sums_exact(cur, cv) if it == 1 else None)
+            _, log_c, err = _check(cur, cv, _log_col_sums_exact(cur, cv) if it == 1 else None)
             done = ~(err > tol) | last  # NaN residual stops the row
             n_done = int(done.sum())
             if n_done:
@@ -344,9 +346,8 @@ def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
 def _sinkhorn_or_anneal(
     prob: _Problem, v: Tensor, max_iter: int, tol: float
 ) -> tuple[Tensor, Tensor, int]:
-    """:func:`_sinkhorn_loop` for ``tol > 0``; the rows still above ``tol`` after
-    ``ANNEAL_AFTER`` iterations are re-solved by :func:`_anneal` (where that helps), then
-    Sinkhorn resumes."""
+    """:func:`_sinkhorn_loop` for ``tol > 0``; the rows still above ``tol`` after ``ANNEAL_AFTER``
+    iterations are re-solved by :func:`_anneal` (where that helps), then Sinkhorn resumes."""
     first = min(max_iter, ANNEAL_AFTER)
     v, err, iters = _sinkhorn_loop(prob, v, first, tol)
     slow = err > tol  # NaN rows are not slow: they stop at once
@@ -356,7 +357,7 @@ def _sinkhorn_or_anneal(
     v_slow, err_slow = v[slow], err[slow]
     w, used = _anneal(sub, torch.zeros_like(v_slow), max_iter - iters)
     iters += used
-    _, err_w = _check(sub, w)
+    err_w = _check(sub, w)[2]
     better = err_w < err_slow
     v_slow = torch.where(better[:, None], w, v_slow)
     err_slow = torch.where(better, err_w, err_slow)
@@ -377,12 +378,7 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
     cur, cv = prob, v
     steps = 0
     for step in range(NEWTON_MAX_STEPS + 1):
-        p = _probs(cur, cv)
-        c = torch.linalg.vecdot(p, cur.a.unsqueeze(1))
-        log_c = _safe_log_col_sums(cur, cv, c)
-        r = _log_ratio(cur, log_c).exp()
-        row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)
-        err = torch.linalg.vecdot((row - 1).abs(), cur.a) / cur.a_sum
+        p, _, err = _check(cur, cv)
         old = out_err[idx]
         best = (err < old) | torch.isnan(old)  # keep the best state seen (step 0 included)
         out_v[idx] = torch.where(best[:, None], cv, out_v[idx])
@@ -506,8 +502,7 @@ def _finalize(
     """Column-exact plan, potentials and diagnostics at the states ``v``."""
     log_p = _log_probs(prob, v)
     exact = _log_col_sums_exact(prob, v, log_p)
-    log_c, err = _check(prob, v, exact)
-    p = _probs(prob, v)
+    p, log_c, err = _check(prob, v, exact)
     log_r = _log_ratio(prob, log_c)
     plan = p * ((prob.a.unsqueeze(1)) * log_r.exp().unsqueeze(-1))  # (B, m, n)
     # subnormal entries of P are formed in log space
@@ -774,21 +769,10 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
     beta, det = laplacian_solve(cyclic_couplings(p, mu.transpose(1, 2)), rhs)
     d = _centered_at(p, torch.nn.functional.pad(beta, (0, 0, 0, 1)) - gbar, home)
     cbar = (gam * d / epsilon.to(torch.float64).reshape(-1, 1, 1)).transpose(1, 2).to(dtype)
-    if not _all_above(det, DET_MIN):
-        unsafe = ~(det.detach() > DET_MIN)  # (B, 1, 1), also NaN
+    unsafe = ~(det.detach() > DET_MIN)  # (B, 1, 1), also NaN
+    if _any_set(unsafe):
         cbar = torch.where(unsafe, _cholesky_vjp(plan, grad_plan, epsilon), cbar)
     return cbar
-
-
-def _all_above(t: Tensor, level: float) -> bool:
-    """Whether every entry of ``t`` is above ``level`` (False for NaN, and where nothing can be
-    read)."""
-    if torch.compiler.is_compiling():
-        return False
-    t = plain(t.detach())
-    if t.device.type == "meta":
-        return False
-    return t.numel() == 0 or bool(t.amin() > level)
 
 
 def _centered_at(p: Tensor, u: Tensor, home: Tensor) -> Tensor:
@@ -848,21 +832,11 @@ def log_sinkhorn(
 ) -> SinkhornResult:
     """Solve a batch of entropic OT problems; the plan is differentiable in ``cost``.
 
-    Args:
-        cost: (B, n, m) floating cost, computed in its dtype; where it requires grad the plan
-            carries the implicit backward (and forward mode, vmap).
-        log_a, log_b: (B, n) and (B, m) log marginals of equal mass (constants).
-        epsilon: (B,) regularisation in cost units (constant: for its gradient pass
-            ``cost / epsilon`` with ``epsilon = 1``, :func:`attach_epsilon`).
-        max_iter: cap on Sinkhorn iterations (Newton adds at most ``NEWTON_MAX_STEPS``).
-        tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` iterations.
-        newton: polish with semi-dual Newton below a residual of ``NEWTON_SWITCH``.
-        potentials: form ``f`` and ``g`` (else empty (B, 0) tensors).
-        caller: the public op named by the non-convergence warning; empty: no warning.
-
-    Returns:
-        A :class:`SinkhornResult` (``plan`` a (B, n, m) view of a (B, m, n) buffer); while
-        tracing the solve is :data:`SINKHORN_OP` and ``iterations`` a 0-dim tensor.
+    ``cost`` (B, n, m) is computed in its dtype; ``log_a``, ``log_b`` (B, n), (B, m) and
+    ``epsilon`` (B,) are constants (for a gradient in epsilon pass ``cost / epsilon`` with
+    ``epsilon = 1``, :func:`attach_epsilon`); ``potentials=False`` gives empty ``f`` and ``g``;
+    ``caller`` is the op the non-convergence warning names (empty: none). While tracing,
+    ``iterations`` is a 0-dim tensor.
     """
     args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller)
     if torch.compiler.is_compiling():

@@ -46,9 +46,8 @@ def cannot_branch(t: torch.Tensor) -> bool:
 
 
 def unreadable(t: torch.Tensor) -> bool:
-    """True where Python cannot read ``t``'s values: a tensor batched by ``vmap`` (at any level
-    of its functorch wrappers), a meta tensor, or any tensor while ``torch.compile`` traces.
-    A plain tensor used inside a transform (a k or epsilon closed over) stays readable."""
+    """True where Python cannot read ``t``'s values: batched by ``vmap`` (at any level), a meta
+    tensor, or any tensor while ``torch.compile`` traces (a plain tensor closed over is not)."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
         return True
     while _functorch.is_functorch_wrapped_tensor(t):

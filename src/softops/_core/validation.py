@@ -331,8 +331,7 @@ def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) ->
 
 def check_row_counts(counts: torch.Tensor, minimum: int, op: str, what: str) -> None:
     """Raise ``ValueError`` naming the first row whose count (``counts`` (B,)) is below
-    ``minimum``; nothing where the counts cannot be read (vmap, meta, tracing: the op's own
-    convention for such rows applies)."""
+    ``minimum``; nothing where the counts cannot be read."""
     if not counts.numel() or unreadable(counts):
         return
     short = counts < minimum

@@ -101,9 +101,7 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "softops" / "kernels"
 
 
-# Compiler flags per CPU capability (``torch.backends.cpu.get_cpu_capability()``): the vector
-# width at::vec is built for. ATen's own names (CPU_CAPABILITY) select its implementation;
-# DEFAULT is its portable code.
+# compiler flags per CPU capability (the vector width at::vec is built for; DEFAULT: portable)
 _CPU_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -115,8 +113,7 @@ def _cpu_flags() -> tuple[str, list[str]]:
     flags = _CPU_FLAGS.get(capability)
     if flags is None:
         return "DEFAULT", ["-O3", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT"]
-    # OpenMP: at::parallel_for runs on torch's intra-op threads (the library links libgomp.so.1,
-    # which resolves to the one torch has loaded)
+    # OpenMP: at::parallel_for runs on torch's intra-op threads (the libgomp torch has loaded)
     defines = [f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
     return capability, ["-O3", "-fopenmp", *flags, *defines]
 
@@ -201,8 +198,7 @@ class Kernel:
             "    os.replace(target + '.part', target)\n"
         )
         env = dict(os.environ)
-        # cpp_extension runs ninja from PATH; pip puts it in this interpreter's scripts folder,
-        # which is not on PATH when a virtual environment's python runs without activation
+        # cpp_extension runs ninja from PATH: add this interpreter's scripts folder (a venv's)
         scripts = sysconfig.get_path("scripts")
         env["PATH"] = os.pathsep.join(p for p in (env.get("PATH", ""), scripts) if p)
         name = f"{self.name}_{path.stem.rsplit('-', 1)[1]}"
@@ -248,9 +244,8 @@ def define(
 
 
 def plain_eager(t: torch.Tensor) -> bool:
-    """Whether a call on ``t`` runs eagerly on plain data: ``t`` is a ``torch.Tensor`` itself (not
-    a fake, functional or other subclass), and no tracing, dispatch mode or ``torch.func``
-    transform is active. Only such a call may skip the registry or reuse a cached tensor."""
+    """Whether a call on ``t`` runs eagerly on plain data (a ``torch.Tensor`` itself, no tracing,
+    dispatch mode or transform): only such a call may skip the registry or reuse a cached tensor."""
     return (
         type(t) is torch.Tensor
         and not torch.compiler.is_compiling()

@@ -50,9 +50,8 @@ def _sample_layout(plan: _Plan) -> tuple[int, list[int], list[int]]:
 
 
 def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor | None]:
-    """The start's one all-gather: every rank's shard statistics and candidates (its
-    ``floor(max k) + 1`` largest, else its part of a strided subsample), and with ``hard=True``
-    its ``max k`` largest, (P, B, max k) (else None)."""
+    """The start's one all-gather: every rank's shard statistics and candidates, and with
+    ``hard=True`` its ``max k`` largest, (P, B, max k) (else None)."""
     comm, n = plan.comm, plan.n
     B = x.shape[0]
     f64 = torch.float64
@@ -164,8 +163,7 @@ def _solve_sparse(
 
 class _ShardedMaskSparse(torch.autograd.Function):
     """This shard of ``a = clip((x - t)/eps, 0, 1)``, ``sum a = k`` over the concatenated row;
-    the closed-form backward on the free entries S, with ``|S|`` and the sums over S
-    all-reduced (one (3, B) all-reduce; (5, B) with a gradient in epsilon)."""
+    the closed-form backward on the free entries, its sums all-reduced."""
 
     @staticmethod
     def forward(
@@ -218,9 +216,8 @@ def _first_ties(eq: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
 
 
 def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """The 0/1 mask of the k largest entries of the concatenated rows, on this shard, ties at the
-    k-th value broken by the global position; ``cand`` (P, B, W >= max k): every rank's W
-    largest (``-inf`` padded)."""
+    """The 0/1 mask of the k largest entries of the concatenated rows on this shard (ties by the
+    global position), from ``cand`` (P, B, W >= max k), every rank's W largest."""
     P, B, W = cand.shape
     kk = k.long()
     merged = cand.permute(1, 0, 2).reshape(B, P * W).topk(W, dim=-1).values
@@ -239,9 +236,8 @@ def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor
 
 
 class _ShardedMaskOT(torch.autograd.Function):
-    """This shard of ``A = sigmoid((x - t)/eps)``, ``sum A = k`` over the concatenated row; the
-    implicit backward with its row sums all-reduced. Outputs: A, then the convergence flags,
-    the hard mask (or None) and the backward's data, without gradient."""
+    """This shard of ``A = sigmoid((x - t)/eps)``, ``sum A = k`` over the concatenated row (then
+    outputs without gradient); the implicit backward with its row sums all-reduced."""
 
     @staticmethod
     def forward(

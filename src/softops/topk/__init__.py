@@ -108,8 +108,8 @@ def soft_topk_mask(
 
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
-    SOFT top-k (Xie et al. 2020) is the entropic optimal transport of the entries of ``x`` onto
-    two targets; with two targets its plan is exactly a sigmoid with one threshold ``t`` per row:
+    SOFT top-k (Xie et al. 2020), entropic optimal transport onto two targets, is exactly a
+    sigmoid with one threshold ``t`` per row:
 
     .. math::
 
@@ -258,8 +258,7 @@ def soft_kmax(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Cost: O(k n) time per row; plain autograd, O(k B n) memory, checkpointed from k = 16 on
-    (O(sqrt(k) B n) memory for one more forward pass).
+    Cost: O(k n) time per row; memory O(k B n), checkpointed from k = 16 on (O(sqrt(k) B n)).
 
     Example:
         >>> x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])

@@ -143,9 +143,8 @@ def newton_first(
     tol: float,
     potentials: bool = True,
 ) -> tuple[SinkhornResult, bool]:
-    """Solve the centred problem (no autograd; arguments as
-    :func:`~softops._core.sinkhorn.log_sinkhorn`'s): ``(result, clean)``, the result in float64
-    where Newton ran, ``clean`` whether every row converged without the fallback."""
+    """Solve the centred problem (no autograd): ``(result, clean)``, ``clean`` whether every row
+    converged without the fallback (arguments as :func:`~softops._core.sinkhorn.log_sinkhorn`'s)."""
     bsz, n, m = cost.shape
     if tol <= 0 or m == 1 or bsz == 0 or n == 0 or cost.device.type == "meta":
         res = log_sinkhorn(

@@ -73,9 +73,8 @@ def check_mask_options(
     n_samples: Any = None,
     generator: Any = None,
 ) -> tuple[int | None, float | None, int | None]:
-    """Check the options of a top-k mask for ``method``; return ``(max_iter, tol, n_samples)``,
-    ``n_samples`` with its default filled in for "perturbed" (None stays None otherwise).
-    Arguments ``method`` does not use must be left at None."""
+    """Check the options of a top-k mask for ``method``: ``(max_iter, tol, n_samples)`` (only
+    ``n_samples`` defaulted); arguments ``method`` does not use must be left at None."""
     check_choice(method, MASK_METHODS, op, "method")
     check_bool(largest, op, "largest")
     check_bool(hard, op, "hard")
@@ -110,9 +109,8 @@ def check_mask_k(
     epsilon: Any = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[float | torch.Tensor, float | None]:
-    """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number
-    (``n=None``: ``k >= 0`` only). A k or epsilon that requires grad where the method gives it no
-    gradient is refused rather than silently ignored."""
+    """Check ``k`` for ``method``: ``(k, k_scalar)``, k_scalar its value when a number; a k or
+    epsilon that requires grad where the method gives it none is refused, not ignored."""
     k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):

@@ -13,10 +13,6 @@ and the backward is the closed-form implicit gradient (``_SoftTopKMaskOT``, §1.
     \bar x = s \odot \big(\bar A - \langle w, \bar A\rangle\big), \qquad
     \bar k = \langle w, \bar A\rangle .
 
-Forward mode is the same linearisation: with :math:`z = (x - t)/\varepsilon` and
-:math:`u = \dot x - z\,\dot\varepsilon`,
-:math:`\dot A = s \odot (u - \langle w, u\rangle) + w\,\dot k`.
-
 The solve is the operator ``softops::ot_threshold`` (not differentiable, opaque to traced
 code; a C++ kernel on the CPU, this module's torch code elsewhere and for the rows the kernel
 leaves); the autograd Function carries the implicit gradient. Infinities are their limits; rows
@@ -235,9 +231,8 @@ def near_hard(d_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def balance_parts(off: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     r"""The six (B,) sums behind :func:`balance_step`, stacked (6, B), of the offsets ``off``
-    (B, n) of a row or one shard of it: per side of t, its nearest distance ``a`` (``inf``:
-    empty) and the sums of ``u`` and ``u (1 - u)`` shifted by ``exp(a / eps)`` (no underflow).
-    """
+    (B, n): per side of t, its nearest distance ``a`` and the sums of ``u`` and ``u (1 - u)``
+    shifted by ``exp(a / eps)`` (no underflow)."""
     B, n = off.shape
     a = off.abs()
     below = (off <= 0) & torch.isfinite(off)
@@ -260,10 +255,9 @@ def balance_parts(off: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def balance_step(
     parts: torch.Tensor, eps: torch.Tensor, c_below: torch.Tensor, c_above: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""The log-domain Newton step on ``G = log L - log R`` (docs/math.md §1.3, "Near the hard
-    limit") from every shard's :func:`balance_parts` (P, 6, B): ``H = eps G``, ``t' - t`` (NaN
-    where a side is empty) and the distances ``a_b``, ``a_a`` to the nearest entries.
-    """
+    r"""The log-domain Newton step on ``G = log L - log R`` (docs/math.md §1.3) from every
+    shard's :func:`balance_parts` (P, 6, B): ``H = eps G``, ``t' - t`` (NaN where a side is
+    empty) and the distances ``a_b``, ``a_a`` to the nearest entries."""
     out = []
     for i in (0, 3):
         nears = parts[:, i]
@@ -291,9 +285,8 @@ def polish(
     rows: torch.Tensor,
     gap: torch.Tensor,
 ) -> torch.Tensor:
-    """Re-solve in the log domain the thresholds ``t`` (B,) of the near-hard ``rows`` (their
-    gradients in k and epsilon depend on where t is in its gap): :func:`balance_step` inside the
-    gap and ``[lo, hi]``, else bisection. ``balance(t)``: every shard's :func:`balance_parts`."""
+    """Re-solve in the log domain the thresholds ``t`` (B,) of the near-hard ``rows``;
+    ``balance(t)``: every shard's :func:`balance_parts`."""
     ulp = torch.finfo(t.dtype).eps
     c_below, c_above = gap.clamp(min=0).to(t.dtype), (-gap).clamp(min=0).to(t.dtype)
     active = rows
@@ -329,9 +322,8 @@ def _row_counts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _classify(
     k: torch.Tensor, n_fin: torch.Tensor, n_pinf: torch.Tensor, n_nan: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """Per row: ``kk`` (k less the ``+inf`` count where solved, else a harmless half count),
-    ``k_eff`` (k less the ``+inf`` count), the finite count (at least 1), and the masks
-    ``solve_rows``, ``sel_none`` (k' = 0), ``sel_all`` (k' = n_fin) and ``invalid``."""
+    """Per row: ``kk`` (k' where solved, else half the count), ``k_eff`` (k less the ``+inf``
+    count), the finite count (>= 1), ``solve_rows``, ``sel_none``, ``sel_all``, ``invalid``."""
     k_eff = k - n_pinf
     invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
     sel_none = ~invalid & (k_eff <= 0)
@@ -365,8 +357,7 @@ def _start_exact(
     ``top`` largest entries in descending order."""
     top = topv.shape[-1]
     kk, k_eff, nn_, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
-    # In a row without NaN the +inf entries lead the topk and -inf entries trail it, so the j-th
-    # largest finite entry is at n_pinf + j - 1 <= floor(k) < top: no masked copy of x is needed.
+    # the j-th largest finite entry is at n_pinf + j - 1 of the topk (no masked copy of x)
     j_hi = torch.ceil(kk).clamp(min=1)
     j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(min=1)
 
@@ -377,8 +368,7 @@ def _start_exact(
     x_hi, x_lo = entry(j_hi), entry(j_lo)
     zeros = torch.zeros_like(kk)
     m = torch.where(solve_rows, torch.add(0.5 * x_hi, x_lo, alpha=0.5), zeros)  # no overflow
-    # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
-    # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
+    # logs of the numerator and denominator apart (a ratio of a subnormal k and n rounds to 0)
     lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo - kk))
     hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1)) - torch.log(nn_ - kk))
     lo, hi = _pad(torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros), eps)
@@ -388,8 +378,7 @@ def _start_exact(
     t_large = xmean - m - eps * (torch.log(kk) - torch.log(nn_ - kk))
     t0 = torch.where(SMOOTH_START * eps >= spread, t_large, zeros)
     t0 = torch.minimum(torch.maximum(t0, lo), hi)
-    # Bounds on the residual at the bracket's ends: every entry above lo, none above hi. The
-    # residual counts +inf entries as selected, so it is taken against the total k.
+    # bounds on the residual at the bracket's ends (against the total k, +inf entries counted)
     state = start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
     prep = _Prep(m[:, None], kk + (k - k_eff), solve_rows, sel_none, sel_all, invalid)
     return prep, state
@@ -404,8 +393,7 @@ def _sample_centre(
     bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The midpoint of the subsample's q-th and (q+1)-th largest, ``q ~ k ns / n`` in [1, top -
-    1] (``sample`` (B, >= top) holds ``ns`` entries, then ``-inf``); clamped to ``bounds``, the
-    row's finite (min, max), where given."""
+    1] (``sample`` holds ``ns`` entries, then ``-inf``), clamped to ``bounds`` where given."""
     q = (k * (ns / n)).round().long().clamp(1, max(top - 1, 1))
     topv = sample.topk(top, dim=-1).values
     at, nxt = q - 1, q if top > 1 else q - 1
@@ -428,9 +416,8 @@ def _start_sampled(
     total: torch.Tensor,
     counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_Prep, SolverState]:
-    """Long rows: centred on a subsample's quantile (``sample``, ``ns``, ``top`` as in
-    :func:`_sample_centre`), with the coarse bracket ``[min x, max x] - eps logit(k / n)``;
-    ``counts``: None where every entry is finite, else the finite, ``+inf`` and NaN counts."""
+    """Long rows: centred on a subsample's quantile (:func:`_sample_centre`), with the bracket
+    ``[min x, max x] - eps logit(k / n)``; ``counts``: None where every entry is finite."""
     if counts is None:
         sel_none, sel_all = k <= 0, k >= n
         solve_rows = ~(sel_none | sel_all)
@@ -475,29 +462,27 @@ def _start(
     stride: int = 0,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     loop: bool = False,
-) -> tuple[_Prep, SolverState, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The preparation and the first ``steps`` Halley steps (with ``loop``, traced code: the
-    capped schedule in ``torch.while_loop``, and its evaluation count); the flags the host reads
-    (all done, all regular, all within the scaling limit, none near-hard) and the convergence."""
+) -> tuple[_Prep, SolverState, torch.Tensor, torch.Tensor]:
+    """The preparation and the first ``steps`` Halley steps (``loop``: the capped schedule, for
+    traced code), the flags the host reads, and the convergence."""
     if stride and row_stats is not None:
         sample = x[:, ::stride]
         n, ns = x.shape[-1], sample.shape[-1]
         prep, state = _start_sampled(k, eps, n, sample, ns, top, *row_stats)
     else:
         prep, state = _prepare_exact(x, k, eps, top)
-    count = None
     if loop:
         # a loop takes tensors, not (symbolic) floats, from its surroundings
         tol_t = torch.full((), tol, dtype=x.dtype, device=x.device)
         args_t = (x, prep.m2, eps[:, None], prep.k_total, tol_t)
-        state, count = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)
+        state = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)[0]
     else:
         args = (x, prep.m2, eps[:, None], prep.k_total, tol)
         state = run_steps(_evaluate_t, state, args, steps)
     ordinary = eps <= _scaling_limit(x.dtype)
     far = ~_near_rows(state, prep, eps) if state.extra else ordinary
     flags = torch.stack((state.done, prep.solve_rows, ordinary, far)).all(-1)
-    return prep, state, count, flags, result(state, 0).converged
+    return prep, state, flags, result(state, 0).converged
 
 
 def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tensor:
@@ -516,9 +501,8 @@ def _polish_rows(
     tol: float,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:func:`polish` of the given ``rows``: the new threshold of every row (B,), and
-    :func:`_evaluate` there (its row sums this piece's where ``x`` is a shard). ``gather`` stacks
-    every shard's :func:`balance_parts` (P, 6, B) where the row is split (None: it is whole)."""
+    """:func:`polish` of ``rows``: the new thresholds (B,) and :func:`_evaluate` there; ``gather``
+    stacks every shard's :func:`balance_parts` where the row is split."""
     e2 = eps[:, None]
     gap = state.extra[3] - prep.k_total
 
@@ -628,7 +612,7 @@ def _solve(
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
         host = x.device.type == "cpu"
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
-    prep, state, _, flags, converged = _start(
+    prep, state, flags, converged = _start(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
     )
     evaluations = steps + bisect
@@ -641,7 +625,7 @@ def _solve(
             scale = _scale(x, eps)
             x, eps = x * scale[:, None], eps * scale
             stats = None if stats is None else _row_stats(x)
-            prep, state, _, flags, converged = _start(
+            prep, state, flags, converged = _start(
                 x, k, eps, tol, top, steps, bisect, stride, stats, traced
             )
             all_done, regular, _, far = flags.tolist()
@@ -708,16 +692,9 @@ def solve(
     tol: float = 0.0,
     k_scalar: float | None = None,
 ) -> ThresholdState:
-    """Solve the threshold of every row of ``x`` (B, n), largest first.
-
-    Args:
-        x: (B, n) floating tensor (float32 or float64), may hold +-inf and NaN.
-        k: (B,) target sums, in [0, n].
-        eps: (B,) positive temperatures.
-        max_iter: cap on evaluations.
-        tol: extra absolute tolerance on ``|sum A - k|`` (0: machine precision only).
-        k_scalar: the common value of k when it is a Python number (saves a host sync).
-    """
+    """Solve the threshold of every row of ``x`` (B, n), largest first, for k (B,) in [0, n] and
+    eps (B,) > 0; ``tol``: extra absolute tolerance on ``|sum A - k|``; ``k_scalar``: the common
+    value of k when it is a Python number (saves a host sync)."""
     return _solve(x, k, eps, max_iter, tol, k_scalar)[0]
 
 
@@ -780,17 +757,13 @@ def _threshold_fake(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _threshold_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(THRESHOLD_OP, info, in_dims, *args)
-
-
-THRESHOLD_OP = define(
+THRESHOLD_OP: Any = define(
     "softops::ot_threshold",
     "(Tensor x, Tensor k, Tensor eps, int max_iter, float tol, float? k_scalar, str caller)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     reference=_threshold_reference,
     fake=_threshold_fake,
-    vmap=_threshold_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(THRESHOLD_OP, info, in_dims, *args),
     cpu=_threshold_cpu,
     kernel=KERNEL,
 )
@@ -806,8 +779,7 @@ def threshold_values(
     invalid: torch.Tensor | None,
 ) -> torch.Tensor:
     """The solved thresholds ``t`` (``m + t``) in the units of x; the rows that are not solved
-    take the limits' thresholds (``+inf`` at k' = 0, ``-inf`` at k' = n, 0 without a finite
-    entry, NaN where k cannot be met), for which ``sigmoid((x - t) / eps)`` is their mask."""
+    take the limits' (``+-inf``, 0 without a finite entry, NaN where k cannot be met)."""
     if scale is not None:
         t = t / scale
     if sel_none is None or sel_all is None or invalid is None:
@@ -842,16 +814,10 @@ def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tenso
     return A
 
 
-def _vjp_terms(
-    A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``s = A(1 - A)/eps``, ``sum s`` and ``<s, g>`` per row (one pass when fused)."""
-    s = A * (1 - A) / eps
-    return s, s.sum(-1, keepdim=True), (s * g).sum(-1, keepdim=True)
-
-
 def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    s, ss, sg = _vjp_terms(A, g, eps)
+    """The backward in x as a differentiable function of ``A`` (double backward)."""
+    s = A * (1 - A) / eps
+    ss, sg = s.sum(-1, keepdim=True), (s * g).sum(-1, keepdim=True)
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
@@ -866,16 +832,12 @@ def _vjp_cpu(ops: Any, s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> t
     return ops.vjp_rows(s, aux, g)  # one pass; an expanded g (a sum's gradient) is not copied
 
 
-def _vjp_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(VJP_OP, info, in_dims, *args)
-
-
-VJP_OP = define(
+VJP_OP: Any = define(
     "softops::ot_vjp_rows",
     "(Tensor s, Tensor aux, Tensor g) -> Tensor",
     reference=_vjp_formula,
     fake=lambda s, aux, g: torch.empty_like(s),
-    vmap=_vjp_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(VJP_OP, info, in_dims, *args),
     cpu=_vjp_cpu,
     kernel=KERNEL,
 )
@@ -920,9 +882,8 @@ def side_log_weights(
     off: torch.Tensor, e: torch.Tensor, below: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``log u (1 - u)`` and ``log u`` (``u = sigmoid(-|off| / eps)``) of the offsets ``off``
-    (B, n), each side of t (``below``, the other finite entries) shifted by its nearest entry's
-    ``|off| / eps`` so that neither underflows (``-inf`` at infinite offsets); and the sides'
-    nearest ``|off|`` (B, 1) (``inf``: an empty side)."""
+    (B, n), each side of t (``below``, the rest) shifted by its nearest entry's ``|off| / eps``
+    (no underflow); and the sides' nearest ``|off|`` (B, 1) (``inf``: an empty side)."""
     B, n = off.shape
     a = off.abs()
     fin = torch.isfinite(a)
@@ -950,13 +911,9 @@ def _k_weights(
     edge: torch.Tensor | None,
     k: torch.Tensor,
 ) -> torch.Tensor:
-    r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
-
-    Each side of t is weighed relative to its own nearest entry (:func:`side_log_weights`); the
-    sides weigh against each other by ``Us_b / Us_a`` where the count above t is k (exact at the
-    root, whatever t: the hard limit weighs each side 1/2), else by the factor from t. Rows with
-    k = 0 or n (``edge``) take the limits ``softmax(+-x / eps)`` over the finite entries.
-    """
+    r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain (docs/math.md §1.4):
+    each side relative to its nearest entry, the sides by the root's condition where the count
+    above t is k; rows at k = 0 or n (``edge``) take the limits ``softmax(+-x / eps)``."""
     below = (off <= 0) & torch.isfinite(off)
     logw, log_u, near_b, near_a = side_log_weights(off, e, below)
     near_b = torch.where(torch.isfinite(near_b), near_b, 0)  # (an empty side)
@@ -1082,7 +1039,6 @@ class _SoftTopKMaskOT(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        """Every input and output leads with the rows: vmapped rows are more rows."""
         return vmap_rows(_SoftTopKMaskOT, info, in_dims, *args)
 
 

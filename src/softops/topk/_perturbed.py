@@ -324,17 +324,8 @@ def perturbed_topk_mask(
     n_samples: int,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Perturbed top-k mask of each row of ``x`` (B, n); differentiable with respect to x only.
-
-    Args:
-        x: (B, n) scores in float32 or float64 (the k **largest** are selected).
-        k: an int in [0, n].
-        eps: (B,) positive noise scales in the units of x (no gradient).
-        n_samples: the number N of Gaussian draws, >= 1.
-        generator: None, or a ``torch.Generator`` on x's device type (advanced by the call).
-
-    Returns:
-        (B, n): the mean of the hard masks of ``x + eps Z_s``, values in {0, 1/N, ..., 1}.
+    """Perturbed top-k mask of each row of ``x`` (B, n), the mean of the hard masks of the k
+    largest of ``x + eps Z_s`` over N = ``n_samples`` draws; differentiable in x only.
 
     Example:
         >>> x = torch.tensor([[5.0, 2.0, 3.0, 4.0, 1.0, 6.0]])

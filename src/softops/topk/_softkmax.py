@@ -1,7 +1,7 @@
 r"""Method "softkmax" of ``soft_topk_mask`` and the kernel of :func:`softops.soft_kmax`.
 
-The recursive soft-k-max of Su (2019): with :math:`x' = x - \min_j x_j` and :math:`p^{(0)} = 0`,
-repeat k times
+The recursive soft-k-max of Su (2019, the reference of :func:`softops.soft_kmax`): with
+:math:`x' = x - \min_j x_j` and :math:`p^{(0)} = 0`, repeat k times
 
 .. math::
 
@@ -11,10 +11,6 @@ Plain autograd through the rounds; from k = 16 on, segments of about sqrt(k) rou
 checkpointed. The logits are formed relative to each round's top entry (docs/math.md §1.8). Near
 a tie the gradient grows like ``(max x' / (4 eps))**(k - 1)``: beyond the dtype's range the
 backward overflows.
-
-References:
-    Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近 (On smoothing: differentiable approximations
-    of non-differentiable functions), section "softkmax". Blog post, kexue.fm, 2019.
 """
 
 from __future__ import annotations

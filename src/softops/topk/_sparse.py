@@ -8,18 +8,10 @@ regulariser (docs/math.md §1.5):
 
     a_i = \mathrm{clip}\big((x_i - t)/\varepsilon,\ 0,\ 1\big), \qquad \textstyle\sum_i a_i = k .
 
-It has exact zeros and ones. On the free set :math:`S = \{0 < a_i < 1\}` the Jacobian and the
-gradients in k and epsilon are
-
-.. math::
-
-    \frac{\partial a_i}{\partial x_j} = \frac{\delta_{ij} - 1/|S|}{\varepsilon}, \quad
-    \frac{\partial a_i}{\partial k} = \frac{1}{|S|}, \quad
-    \frac{\partial a_i}{\partial \varepsilon} = -\frac{a_i - \bar a_S}{\varepsilon}
-    \qquad (i, j \in S;\ 0 \text{ elsewhere, and everywhere when } S = \emptyset).
-
-The forward is an exact finite Newton method on the piecewise-linear residual inside an exact
-bracket (docs/math.md §1.5). Infinities are exact; NaN or unreachable-k rows are NaN.
+It has exact zeros and ones; its gradients in x, k and epsilon live on the free set
+:math:`S = \{0 < a_i < 1\}` (0 where S is empty). The forward is an exact finite Newton method
+on the piecewise-linear residual inside an exact bracket (docs/math.md §1.5). Infinities are
+exact; NaN or unreachable-k rows are NaN.
 """
 
 from __future__ import annotations
@@ -268,16 +260,12 @@ def _solve_and_warn(
     return a
 
 
-def _solve_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(SOLVE_OP, info, in_dims, *args)
-
-
-SOLVE_OP = define(
+SOLVE_OP: Any = define(
     "softops::sparse_threshold",
     "(Tensor x, Tensor k, Tensor eps, int max_iter, str caller) -> Tensor",
     reference=_solve_and_warn,
     fake=lambda x, k, eps, max_iter, caller: torch.empty_like(x),
-    vmap=_solve_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(SOLVE_OP, info, in_dims, *args),
 )
 """The solve as an operator (not differentiable): (x, k, eps, max_iter, caller) -> the mask."""
 
@@ -346,7 +334,6 @@ class _SparseTopKMask(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        """Every input and output leads with the rows: vmapped rows are more rows."""
         return vmap_rows(_SparseTopKMask, info, in_dims, *args)
 
 

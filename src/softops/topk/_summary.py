@@ -106,9 +106,8 @@ def solve_ot_rows(
     reduce: Reduce | None = None,
     gather: Gather | None = None,
 ) -> ThresholdRows:
-    """Method "ot" on the piece ``x`` (B, n_r) of rows of length ``n``, largest first; ``k_max``
-    and ``eps_max`` the maxima over every row and piece, ``reduce`` and ``gather`` None where the
-    row is whole here."""
+    """Method "ot" on the piece ``x`` (B, n_r) of rows of length ``n``, largest first (``reduce``
+    and ``gather`` None where the row is whole here)."""
     scale = None
     if eps_max > _scaling_limit(x.dtype):  # epsilon near finfo.max: solve (x c, eps c)
         scale = _scale_of(rows.top.to(x.dtype), rows.bottom.to(x.dtype), eps)
