@@ -456,9 +456,8 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
 
 def spd_factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``: ``(chol, scale,
-    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``). The jitter ``tau`` is ``_JITTER_ULPS``
-    roundings per column (``_JITTER_RETRY`` where that fails); equilibrated, it acts on each
-    column in proportion to its own diagonal, which spans many orders of magnitude."""
+    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``); the jitter acts on each column in
+    proportion to its own diagonal."""
     m1 = kmat.shape[-1]
     d = kmat.detach().diagonal(dim1=-2, dim2=-1)
     scale = torch.where(d > 0, d.rsqrt(), 1.0)

@@ -177,7 +177,6 @@ def check_epsilon(
 def _held(value: float, tiny: float) -> float:
     """``value`` as the compute dtype holds it, near ``tiny`` (a Python float just below float32's
     smallest normal number can round to it: then it is that number, and accepted)."""
-    # (only a value below tiny can round to it: rounding is monotone and tiny is a float32)
     if value < tiny and tiny == _F32_TINY:
         return float(struct.unpack("f", struct.pack("f", value))[0])
     return value
