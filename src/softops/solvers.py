@@ -6,7 +6,6 @@ on them (``soft_topk``, ``soft_topk_mask``, ...) call the private cores directly
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -25,15 +24,14 @@ from softops._core.validation import (
     check_tol,
     compute_dtype,
 )
-from softops.topk import THRESHOLD_MAX_ITER, solve_threshold
+from softops.topk import THRESHOLD_MAX_ITER, solve_threshold, threshold_values
 
 __all__ = ["SinkhornResult", "ThresholdResult", "sinkhorn", "topk_threshold"]
 
 
 def _values(t: Tensor) -> Tensor | None:
-    """``t``'s values for an input check, read through ``torch.func`` wrappers (every vmapped
-    slice at once, so an invalid slice raises as in a loop); None where Python cannot see them
-    (meta tensors, ``torch.compile`` tracing): the check is then skipped."""
+    """``t``'s values for an input check (every vmapped slice at once); None where Python cannot
+    see them (meta tensors, tracing): the check is then skipped."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
         return None
     return plain(t.detach())
@@ -91,14 +89,10 @@ def sinkhorn(
             \langle C, \Gamma \rangle + \varepsilon \sum_{ij} \Gamma_{ij} (\log\Gamma_{ij} - 1),
         \qquad \Gamma_{ij} = e^{(f_i + g_j - C_{ij})/\varepsilon}.
 
-    One iteration is a row (f) update then a column (g) update; the plan is the state after the
-    last column update, as in the SOFT top-k paper's code (``max_iter=200, tol=0`` reproduces
-    its fixed 200 iterations). Tuned for few targets m (2 to ~65) and long n.
-
-    The plan is differentiable in ``cost`` and ``epsilon`` (not ``a``, ``b``) by implicit
-    differentiation, an (m-1) x (m-1) Schur complement solved in float64, O(n m) memory: the
-    gradient of the *converged* plan (check ``converged``). ``torch.func`` jvp and vmap and meta
-    tensors are supported.
+    One iteration is a row (f) update then a column (g) update, as in the SOFT top-k paper's code
+    (``max_iter=200, tol=0`` reproduces its fixed 200 iterations); tuned for few targets m. The
+    plan is differentiable in ``cost`` and ``epsilon`` (not ``a``, ``b``) by implicit
+    differentiation: the gradient of the *converged* plan (check ``converged``).
 
     Args:
         cost: (*, n, m) cost matrix C (float16/bfloat16 are computed in float32).
@@ -229,11 +223,9 @@ def topk_threshold(
     r"""Solve :math:`\sum_i \sigma((x_i - t)/\varepsilon) = k` for the threshold t of each row.
 
     The solver behind ``soft_topk_mask(method="ot")``, with its diagnostics; not
-    differentiable. With ``largest=True`` (mirrored otherwise) the mask is
-    ``sigmoid((x - threshold) / epsilon)``, ``+inf`` entries above every threshold and ``-inf``
-    ones below: rows at the limit k -> 0 get ``+inf``, at k -> n ``-inf``, rows without a finite
-    entry 0 (all converged, residual 0); rows whose k cannot be met (a NaN, too many ``+inf``
-    or too few entries above ``-inf``) get NaN, ``converged=False``.
+    differentiable. The mask is ``sigmoid((x - threshold) / epsilon)`` (``largest=True``): rows
+    at the limit k -> 0 get ``+inf``, at k -> n ``-inf``, rows without a finite entry 0; rows
+    whose k cannot be met (or with a NaN) get NaN, ``converged=False``.
 
     Args:
         x: scores, any shape, floating dtype.
@@ -271,16 +263,8 @@ def topk_threshold(
         tol=tol,
         k_scalar=None if isinstance(k, torch.Tensor) else k,
     )
-    t = state.m + state.t
-    if state.scale is not None:  # rows with a huge epsilon were solved on (x c, eps c)
-        t = t / state.scale
-    if state.sel_none is not None and state.sel_all is not None and state.invalid is not None:
-        # Rows the solver did not solve (their t is no threshold): the limits' thresholds, for
-        # which the contract formula gives the mask ``soft_topk_mask`` returns there.
-        inf = torch.full_like(t, math.inf)
-        t = torch.where(state.sel_none, inf, torch.where(state.sel_all, -inf, t))
-        t = torch.where(state.sel_none & state.sel_all, 0.0, t)  # no finite entry: any finite t
-        t = t.masked_fill(state.invalid, math.nan)
+    limits = (state.sel_none, state.sel_all, state.invalid)
+    t = threshold_values(state.m + state.t, state.scale, *limits)
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(batch_shape).to(x.dtype),

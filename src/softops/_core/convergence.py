@@ -1,12 +1,7 @@
 """Solver defaults and the one non-convergence warning, shared by every iterative method.
 
-* ``default_tol(dtype)``: the default stopping tolerance of the Sinkhorn-based methods (the L1
-  error of the row marginals, relative to the total mass): 1e-6 in float32 (and below, which is
-  computed in float32), 1e-9 in float64.
-* ``SINKHORN_MAX_ITER`` (2000) caps every Sinkhorn loop.
-* ``warn_not_converged`` issues :class:`ConvergenceWarning` (a ``UserWarning``), once per call,
-  attributed to the first frame outside softops and torch: the user's line, whatever route the call
-  took inside the library.
+:func:`warn_not_converged` issues :class:`ConvergenceWarning` once per call, attributed to the
+first frame outside softops and torch: the user's line, whatever route the call took.
 """
 
 from __future__ import annotations
@@ -67,13 +62,10 @@ def warn_not_converged(
     residual: torch.Tensor | None = None,
     tol: float | None = None,
 ) -> None:
-    """Warn once per call when some rows stopped at ``max_iter`` without converging: never with
-    ``tol=0`` (exactly ``max_iter`` asked for), nor for rows whose ``residual`` is NaN or
-    infinite (a NaN input, NaN by contract).
-    """
+    """Warn once per call when some rows stopped at ``max_iter`` without converging (never with
+    ``tol=0``, nor for rows whose ``residual`` is not finite)."""
     if tol is not None and tol <= 0:
         return
-    # Under torch.func the flags are wrapped; the count only needs their values.
     converged = plain(converged)
     if residual is not None:
         residual = plain(residual)

@@ -4,11 +4,9 @@
 move ``dim`` last, flatten to (B, n) in the compute dtype, broadcast epsilon per row, and hand back
 the function that restores the shape.
 
-Epsilon must fit the compute dtype: below its ``finfo.tiny`` it is refused (``ValueError``, by
-``check_epsilon``: subnormal rounding would exceed the dtype's relative rounding in units of
-epsilon); above ``finfo.max`` every op is at its large-epsilon limit, so epsilon is clamped
-there (a clamped tensor gets a zero gradient, that limit's derivative). Unreadable tensors
-(``torch.func``, ``torch.compile``) are clamped to ``[finfo.tiny, finfo.max]`` unchecked.
+Epsilon below the compute dtype's ``finfo.tiny`` is refused; above ``finfo.max`` (every op's
+large-epsilon limit) it is clamped, with a zero gradient. Unreadable tensors are clamped to
+``[finfo.tiny, finfo.max]`` unchecked.
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ __all__ = ["Rows", "flatten_to_2d", "prepare_rows", "row_param"]
 def flatten_to_2d(
     x: torch.Tensor, dim: int
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Return ``x`` as a (B, n) tensor with ``dim`` last, and a function that undoes it.
-
-    The inverse takes a (B, n') tensor (n' may differ from n, e.g. k) or a (B, n', m) tensor and
-    restores the batch shape, putting the n' axis back at ``dim`` (trailing axes stay last).
-    """
+    """Return ``x`` as a (B, n) tensor with ``dim`` last, and the inverse, which takes a (B, n')
+    or (B, n', m) tensor and puts the n' axis back at ``dim``."""
     if x.dim() == 2 and dim == 1:  # already canonical: nothing to undo
         return x, _identity
     moved = x if dim == x.dim() - 1 else x.movedim(dim, -1)
@@ -65,10 +60,7 @@ def row_param(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Broadcast a scalar or a tensor parameter to one value per row: shape (B,).
-
-    A tensor must broadcast to ``batch_shape`` (the shape of x without ``dim``).
-    """
+    """Broadcast a scalar or a tensor parameter (to ``batch_shape``) to one value per row: (B,)."""
     if not isinstance(value, torch.Tensor):
         if not torch.compiler.is_compiling():  # one fill (a small op's time is its op count)
             return torch.full((batch_shape.numel(),), value, dtype=dtype, device=device)
@@ -85,16 +77,9 @@ def row_param(
 
 
 class Rows(NamedTuple):
-    """The canonical (B, n) form of an op's input.
-
-    Attributes:
-        x2: (B, n) with ``dim`` last, in the compute dtype (float16/bfloat16 promoted to float32).
-        eps: (B,) epsilon per row, in the compute dtype.
-        restore: maps a (B, n') or (B, n', m) result back to the batch shape, n' at ``dim``.
-        dim: ``dim`` normalised to a non-negative int.
-        n: ``x.shape[dim]``.
-        batch_shape: ``x.shape`` without ``dim``.
-    """
+    """The canonical form of an op's input: x2 (B, n) with ``dim`` last and eps (B,) in the
+    compute dtype, ``restore`` (as :func:`flatten_to_2d`'s), ``dim`` normalised, ``n`` and the
+    ``batch_shape`` (x.shape without ``dim``)."""
 
     x2: torch.Tensor
     eps: torch.Tensor
@@ -109,13 +94,12 @@ class Rows(NamedTuple):
 
 
 _SHARED_ROWS = 4096
-"""The most rows whose constant epsilon row ``_epsilon_row`` keeps (16 or 32 KB)."""
+"""The most rows whose constant epsilon row ``_epsilon_row`` keeps."""
 
 
 def _epsilon_row(x2: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
-    """(B,) filled with ``value``: in an eager call on plain data with at most ``_SHARED_ROWS``
-    rows, one tensor per (B, value, dtype, device), made once (a fill and its release cost as much
-    as the rest of a small call's preamble), else a fresh fill. No op writes into its epsilon."""
+    """(B,) filled with ``value``, made once per (B, value, dtype, device) in an eager call on
+    plain data with at most ``_SHARED_ROWS`` rows (no op writes into its epsilon)."""
     rows = x2.shape[0]
     if isinstance(rows, int) and rows <= _SHARED_ROWS and plain_eager(x2):
         return _constant_row(rows, value, dtype, x2.device)
@@ -131,14 +115,12 @@ def _constant_row(
 
 
 _FINFO = {t: torch.finfo(t) for t in (torch.float32, torch.float64)}
-"""``torch.finfo`` of the usual compute dtypes (made once: it is an object per call)."""
+"""``torch.finfo`` of the usual compute dtypes, made once."""
 
 
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
-    """Validate ``x`` (a real floating tensor), ``dim`` (in range, non-empty) and ``epsilon``
-    (positive, finite and at least the compute dtype's smallest normal number), and return the
-    :class:`Rows` form of ``x``, with epsilon clamped to the compute dtype's largest finite value
-    (the module docstring says why)."""
+    """Validate ``x``, ``dim`` and ``epsilon`` and return the :class:`Rows` form of ``x``, with
+    epsilon clamped to the compute dtype's largest finite value."""
     check_floating(x, op)
     d = check_dim(x, dim, op)
     n = check_nonempty(x, d, op)

@@ -1,22 +1,14 @@
 """Batched, bracketed Halley/Newton/bisection for monotone scalar equations, one per row.
 
-Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``. All rows
-advance in lock-step (no Python loop over rows). Each step is Halley's where
-``|F F''/F'^2| <= 1`` (Newton's elsewhere, or when the evaluation gives no curvature) when it
-stays inside the current bracket (compared inclusively: after the bracket update ``t`` is itself
-an endpoint), and regula falsi or a bisection of the bracket otherwise, so the iteration always
-makes progress and always stops: it is capped at ``max_iter`` evaluations.
-
-The drivers share one update rule: :func:`bracketed_newton` (and :func:`iterate`) runs blocks
-of steps with a host test of ``all(done)`` between them; :func:`run_steps` runs a fixed number
-with no host sync; :func:`run_while` runs :func:`fixed_schedule` in ``torch.while_loop`` for
-traced code, a schedule that provably suffices (after the Halley steps each *bit bisection*
-halves the floats left in the bracket: at most 32 or 64 steps reach adjacent floats).
+Every row solves ``F(t) = 0`` for a non-increasing ``F`` with ``F(lo) >= 0 >= F(hi)``, all rows
+in lock-step. Each step is Halley's where ``|F F''/F'^2| <= 1`` (else Newton's) when it stays
+inside the bracket, and regula falsi or bisection otherwise, capped at ``max_iter`` evaluations.
+:func:`iterate` runs blocks of steps with a host test between them, :func:`run_steps` a fixed
+number, :func:`run_while` the provably sufficient :func:`fixed_schedule` for traced code.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,15 +32,9 @@ HALLEY_STEPS = 8
 
 
 class RootResult(NamedTuple):
-    """Solution of a batch of scalar root-finding problems.
-
-    Attributes:
-        root: (B,) the last evaluated iterate of each row (its residual is ``residual``).
-        converged: (B,) bool: ``|F(root)| <= tol``, or the step fell below the resolution.
-        iterations: number of evaluations of ``F`` (the same for all rows).
-        residual: (B,) ``F(root)``.
-        extra: what the evaluation returned after its first four outputs, at ``root``.
-    """
+    """Solution of a batch of scalar root-finding problems: the last evaluated iterate of each
+    row, whether ``|F(root)| <= tol`` (or the step fell below the resolution), the number of
+    evaluations, ``F(root)`` and the evaluation's by-products there."""
 
     root: torch.Tensor
     converged: torch.Tensor
@@ -58,13 +44,8 @@ class RootResult(NamedTuple):
 
 
 class SolverState(NamedTuple):
-    """The iteration's state, per row: all (B,) tensors but ``extra``.
-
-    ``t`` is the next iterate; ``t_eval`` the last evaluated one, whose residual is
-    ``residual`` and whose extra outputs of the evaluation are ``extra`` (the two agree once a row
-    is done: a done row keeps its iterate). ``side`` records which end of the bracket moved last
-    (+1 lo, -1 hi: the Illinois rule), ``skip`` the rows left alone.
-    """
+    """The iteration's state, per row: ``t`` the next iterate, ``t_eval`` the last evaluated one
+    (with its ``residual`` and ``extra``), ``side`` the end that moved last (Illinois)."""
 
     t: torch.Tensor
     lo: torch.Tensor
@@ -81,10 +62,8 @@ class SolverState(NamedTuple):
 
 Evaluate = Callable[..., tuple[Any, ...]]
 """``evaluate(t, *eval_args)`` returns ``(F, dF, tol)`` or ``(F, dF, tol, curv, *extra)``: the
-residual, its derivative in t (<= 0), the tolerance on ``|F|`` below which the row counts as
-solved, optionally the curvature ratio ``F''/F'`` (None: Newton steps; a ratio, so that it can be
-formed without over- or underflow) and anything else to keep from the last evaluation (the
-caller's by-products, e.g. the solution's mask)."""
+residual, its derivative in t (<= 0), the tolerance on ``|F|``, optionally the curvature ratio
+``F''/F'`` (None: Newton steps) and by-products to keep from the last evaluation."""
 
 
 def start_state(
@@ -121,11 +100,8 @@ def run_steps(
     *,
     bisect: bool = False,
 ) -> SolverState:
-    """``steps`` evaluations and updates, no host synchronisation (traceable as one graph).
-
-    With ``bisect`` every step is a bit bisection of the bracket (:func:`bit_midpoint`) instead of
-    Halley's: slower, but each one halves the number of floats left in the bracket.
-    """
+    """``steps`` evaluations and updates, no host synchronisation; with ``bisect`` each is a bit
+    bisection of the bracket (:func:`bit_midpoint`)."""
     for _ in range(steps):
         out = evaluate(state.t, *eval_args)
         F, dF, tol = out[:3]
@@ -142,14 +118,8 @@ def run_while(
     halley: int,
     bisect: int,
 ) -> tuple[SolverState, torch.Tensor]:
-    """The capped schedule of :func:`fixed_schedule` as ``torch.while_loop`` s, no host sync.
-
-    Up to ``halley`` evaluations of Halley steps, then up to ``bisect`` bit bisections, each loop
-    leaving as soon as every row is done: the test is part of the traced graph (``torch.compile``,
-    ``torch.export``), which holds the step once whatever the count. At least one evaluation is
-    made (the loops carry its by-products). Returns the state and the evaluation count, a 0-dim
-    int64 tensor.
-    """
+    """The capped schedule of :func:`fixed_schedule` as ``torch.while_loop`` s, at least one
+    evaluation: the state and the evaluation count, a 0-dim int64 tensor."""
     state = run_steps(evaluate, state, eval_args, 1)
     skip = state.skip
     count = torch.ones((), dtype=torch.int64, device=state.t.device)
@@ -188,20 +158,14 @@ def iterate(
     max_iter: int,
     evaluations: int = 0,
     block: int = 1,
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[SolverState, int]:
-    """Blocks of :func:`run_steps` until every row is done or ``max_iter`` evaluations are spent.
-
-    ``evaluations`` already spent count against ``max_iter``. ``all(done)`` is tested on the host
-    between blocks (never on meta tensors, which have no values: they return at once). Returns
-    the state and the number of evaluations.
-    """
+    """Blocks of :func:`run_steps`, tested on the host between them, until every row is done or
+    ``max_iter`` evaluations are spent: the state and the number of evaluations."""
     if state.t.device.type == "meta":
         return state, evaluations
     while evaluations < max_iter and not bool(state.done.all()):
         steps = min(block, max_iter - evaluations)
-        run = _block(evaluate, steps)
-        state = (run if wrap is None else wrap(run))(state, eval_args)
+        state = run_steps(evaluate, state, eval_args, steps)
         evaluations += steps
     return state, evaluations
 
@@ -213,12 +177,8 @@ def result(state: SolverState, evaluations: int) -> RootResult:
 
 
 def fixed_schedule(dtype: torch.dtype, max_iter: int) -> tuple[int, int]:
-    """``(halley, bisect)`` step counts of a sync-free solve that provably converges.
-
-    The bracket holds fewer than ``2**bits`` floats of ``dtype``; each bit bisection at least
-    halves that count, so ``bits`` of them leave two adjacent floats, which the resolution test
-    marks done. Both counts are cut to fit ``max_iter`` (the Halley steps first).
-    """
+    """``(halley, bisect)`` step counts of a sync-free solve that provably converges (``bits``
+    bit bisections leave two adjacent floats), cut to fit ``max_iter``."""
     bits = torch.finfo(dtype).bits
     halley = min(HALLEY_STEPS, max_iter)
     return halley, min(bits, max_iter - halley)
@@ -236,54 +196,13 @@ def bracketed_newton(
     f_hi: torch.Tensor | None = None,
     done: torch.Tensor | None = None,
     block: int = 1,
-    first: tuple[torch.Tensor, ...] | None = None,
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> RootResult:
-    """Solve ``F(t) = 0`` per row by safeguarded Halley (or Newton) steps (the module docstring).
-
-    Outside the bracket the step is Illinois regula falsi where both ends' residuals (or bounds)
-    are known, else bisection: at a tiny temperature, where F' vanishes between entries, the
-    secant is an interpolation search. ``all(done)`` is tested on the host between blocks of
-    ``block`` evaluations; finished rows keep their iterate.
-
-    Args:
-        evaluate: a module-level pure function of ``(t, *eval_args)`` (blocks are cached per
-            function) returning ``(F, dF, tol)`` or ``(F, dF, tol, curv, *extra)``: the
-            residual, its derivative (<= 0), the tolerance on ``|F|``, ``F''/F'`` (or None) and
-            by-products of the last evaluation, each (B,) but the extras.
-        t: (B,) initial iterate, inside ``[lo, hi]``.
-        lo, hi: (B,) bracket with ``F(lo) >= 0 >= F(hi)``.
-        max_iter: cap on evaluations.
-        eval_args: the extra arguments of ``evaluate``.
-        f_lo, f_hi: (B,) ``F(lo)`` and ``F(hi)``, or upper bounds on their magnitudes; ``nan``
-            or None where unknown.
-        done: (B,) rows to leave alone (e.g. NaN rows); they count as not converged.
-        block: evaluations between two host-side convergence tests.
-        first: ``evaluate(t)`` when the caller already has it (it is not evaluated again and not
-            counted in ``iterations``).
-        wrap: applied to each block function (pure tensor code), e.g. to compile it.
-
-    Returns:
-        A :class:`RootResult`.
-    """
+    """Solve ``F(t) = 0`` per row (``evaluate`` as :data:`Evaluate`) from ``t`` (B,) in the
+    bracket ``[lo, hi]``; ``f_lo``, ``f_hi``: ``F`` at the ends (or bounds; None: unknown);
+    ``done``: rows to leave alone (not converged); ``block``: evaluations between host tests."""
     state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
-    if first is not None:
-        curv = first[3] if len(first) > 3 else None
-        state = _update(state, first[0], first[1], curv, first[2], tuple(first[4:]), False)
-    state, evaluations = iterate(
-        evaluate, state, eval_args, max_iter=max_iter, block=block, wrap=wrap
-    )
+    state, evaluations = iterate(evaluate, state, eval_args, max_iter=max_iter, block=block)
     return result(state, evaluations)
-
-
-@functools.cache
-def _block(evaluate: Evaluate, steps: int) -> Callable[..., SolverState]:
-    """``steps`` evaluations and updates as one pure function (one stable object per key)."""
-
-    def run(state: SolverState, eval_args: tuple[Any, ...]) -> SolverState:
-        return run_steps(evaluate, state, eval_args, steps)
-
-    return run
 
 
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -296,12 +215,8 @@ def _flip(bits: torch.Tensor) -> torch.Tensor:
 
 
 def bit_midpoint(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """The float halfway between ``lo <= hi`` in the order of the representable floats.
-
-    Strictly inside the bracket unless ``lo`` and ``hi`` are equal or adjacent (then ``lo``), so
-    each bisection at this point at least halves the number of floats in the bracket. -0.0 and
-    +0.0 count as two adjacent floats.
-    """
+    """The float halfway between ``lo <= hi`` in the order of the representable floats (``lo``
+    where they are equal or adjacent; -0.0 and +0.0 count as two adjacent floats)."""
     itype = _INT[lo.dtype]
     a, b = _flip(lo.view(itype)), _flip(hi.view(itype))
     mid = (a >> 1) + (b >> 1) + (a & b & 1)  # floor((a + b) / 2) without overflow
@@ -333,9 +248,7 @@ def _update(
     else:
         newton = F / dF  # dF = 0 gives +-inf or nan, which the bracket test rejects
         if curv is not None:
-            # Halley: the Newton step over 1 - L/2, L = F F''/F'^2, where |L| <= 1 (the factor
-            # within [1/2, 3/2]); beyond, far from the root or on a staircase of entries at a
-            # tiny epsilon, the correction is unreliable and the step stays Newton's.
+            # Halley: the Newton step over 1 - L/2, L = F F''/F'^2, where |L| <= 1 (else Newton's)
             L = newton * curv
             newton = newton / torch.where(L.abs() <= 1, 1 - 0.5 * L, 1.0)
         step = t - newton

@@ -9,22 +9,16 @@ the backward):
     \langle C, \Gamma\rangle + \varepsilon \sum_{ij} \Gamma_{ij}(\log \Gamma_{ij} - 1),
     \qquad \Gamma_{ij} = \exp((f_i + g_j - C_{ij})/\varepsilon).
 
-:func:`log_sinkhorn` is the one entry point: it returns the plan (differentiable in the cost
-through :class:`SinkhornPlanFunction`, whose backward is :func:`implicit_cost_vjp`) with its
-diagnostics (:class:`SinkhornResult`). Contract:
+:func:`log_sinkhorn` is the one entry point: the plan (differentiable in the cost, implicit
+backward :func:`implicit_cost_vjp`) with its diagnostics. Contract:
 
-* One iteration is the pair (row update of f, column update of g), as in the SOFT paper's code;
-  the returned plan is the state after the last column update, so its **columns are exact** and
-  ``residual`` is the L1 error of its row sums relative to the total mass. ``tol=0`` runs exactly
-  ``max_iter`` iterations (``max_iter=200, tol=0`` is the paper's fixed 200).
-* ``tol > 0``: convergence is checked every ``CHECK_EVERY`` iterations; converged rows leave the
-  working set, so a row's result never depends on the other rows. Rows that crawl (epsilon far
-  below the gaps of the cost) are re-solved by epsilon scaling; ``newton=True`` polishes with
-  semi-dual Newton (float64) from a residual of ``NEWTON_SWITCH``. A row with a NaN or infinite
-  residual stops at once and its outputs are NaN.
-* Only the plan (B, n, m) and epsilon (B,) are saved for the backward, so memory does not grow
-  with the iterations; the backward is written in differentiable torch ops (double backward),
-  and forward mode applies the same symmetric map.
+* One iteration is a row update of f then a column update of g, as in the SOFT paper's code: the
+  plan's **columns are exact** and ``residual`` is the relative L1 error of its row sums.
+  ``tol=0`` runs exactly ``max_iter`` iterations.
+* ``tol > 0``: converged rows leave the working set (a row never depends on the others); rows
+  that crawl are re-solved by epsilon scaling; ``newton=True`` polishes with semi-dual Newton. A
+  row with a NaN or infinite residual stops at once and its outputs are NaN.
+* Only the plan and epsilon are saved for the backward (differentiable: double backward).
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ import torch
 from torch import Tensor
 
 from softops._core.convergence import warn_not_converged
-from softops._core.transforms import apply_function, plain, vmap_rows
+from softops._core.transforms import apply_function, plain, vmap_rows, without_jvp
 from softops._kernels import define
 
 __all__ = [
@@ -117,16 +111,7 @@ class _Problem(NamedTuple):
         )
 
     def select(self, keep: Tensor) -> _Problem:
-        return _Problem(
-            self.s[keep],
-            None if self.d is None else self.d[keep],
-            self.log_a[keep],
-            self.a[keep],
-            self.a_sum[keep],
-            self.log_b[keep],
-            None if self.sign is None else self.sign[keep],
-            self.empty[keep],
-        )
+        return _Problem._make(None if t is None else t[keep] for t in self)
 
 
 def _make_problem(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: Tensor) -> _Problem:
@@ -150,22 +135,15 @@ def _log_ratio(prob: _Problem, log_c: Tensor) -> Tensor:
 
 
 def _shifted(prob: _Problem, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``(S - M, M)`` for ``S_ji = v_j - s_ji`` and ``M_i = max_j S_ji`` (M of shape (B, 1, n)).
-
-    Written with plain reductions: ``torch.softmax`` over a non-last dim opens a parallel region
-    even for tiny inputs, which is slow on a busy machine.
-    """
+    """``(S - M, M)`` for ``S_ji = v_j - s_ji`` and ``M_i = max_j S_ji`` (M of shape (B, 1, n))."""
     shifted = v.unsqueeze(-1) - prob.s
     mx = shifted.amax(1, keepdim=True)
     return shifted.sub_(mx), mx
 
 
 def _exp_and_sum(prob: _Problem, v: Tensor, floor: float | None = None) -> tuple[Tensor, Tensor]:
-    """``(E, Z)`` with ``E = exp(S - M)`` (B, m, n) and ``Z = sum_j E`` (B, n).
-
-    With ``floor``, ``S - M`` is clamped below at it first, which keeps the hot loop out of
-    subnormal numbers (slow on CPUs); the entries it changes are below 1e-26 relative to the row.
-    """
+    """``(E, Z)`` with ``E = exp(S - M)`` (B, m, n) and ``Z = sum_j E`` (B, n); ``floor`` clamps
+    ``S - M`` first, keeping the hot loop out of subnormal numbers."""
     shifted, _ = _shifted(prob, v)
     if floor is not None:
         shifted.clamp_min_(floor)
@@ -225,9 +203,8 @@ def _safe_level(dtype: torch.dtype) -> float:
 
 
 def _fragile(prob: _Problem) -> bool:
-    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (one host read):
-    after an exact column update each is at least ``b_j min_i a_i / sum_i a_i``, so only
-    columns of (near) subnormal mass need the log-space sums (docs/math.md §2.5)."""
+    """Whether a column sum of some row can fall to ``_safe_level`` in the loop (docs/math.md
+    §2.5)."""
     log_b = torch.where(prob.empty, math.inf, prob.log_b).amin(-1)
     log_a = torch.where(torch.isneginf(prob.log_a), math.inf, prob.log_a).amin(-1)
     bound = log_b + log_a - prob.a_sum.log()
@@ -238,9 +215,7 @@ def _safe_log_col_sums(
     prob: _Problem, v: Tensor, c: Tensor, exact_log_c: Tensor | None = None
 ) -> Tensor:
     """``log c`` of the linear column sums ``c`` (B, m) at ``v``, with the log-space sums
-    (``exact_log_c``, computed here where none is given and some sum needs it) wherever ``c`` is
-    at or below the safe level: there the linear sum has lost its relative precision to the
-    subnormal range, or is 0."""
+    (``exact_log_c``, or computed here) wherever ``c`` is at or below the safe level."""
     log_c = c.log()
     low = c <= _safe_level(c.dtype)
     if exact_log_c is None:
@@ -251,9 +226,8 @@ def _safe_log_col_sums(
 
 
 def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor, fragile: bool = False) -> Tensor:
-    """log column sums for the hot loop (one sigmoid pass when m = 2). With ``fragile``
-    (:func:`_fragile`) the sums at or below the safe level are taken from the log-space ones, and
-    the general path's floor (which would raise them) is off."""
+    """log column sums for the hot loop (one sigmoid pass when m = 2); ``fragile``
+    (:func:`_fragile`): the sums at or below the safe level from the log-space ones."""
     if fragile:
         if prob.d is not None and prob.sign is not None:
             c = _fast_log_col_sums(prob, v, buf).exp()
@@ -277,27 +251,24 @@ def _fast_log_col_sums(prob: _Problem, v: Tensor, buf: Tensor, fragile: bool = F
     return torch.linalg.vecdot(e, (prob.a / z).unsqueeze(1)).log()
 
 
-def _check(prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Return ``(log_c, err)`` at the state ``v``.
-
-    ``err`` is the relative L1 row error of the column-exact plan ``diag(a) P diag(b/c)``.
-    """
+def _check(
+    prob: _Problem, v: Tensor, exact_log_c: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(P, log_c, err)`` at ``v``, ``err`` the relative L1 row error of the column-exact plan."""
     p = _probs(prob, v)
     c = torch.linalg.vecdot(p, prob.a.unsqueeze(1))
     log_c = _safe_log_col_sums(prob, v, c, exact_log_c)
     r = _log_ratio(prob, log_c).exp()
     row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)  # (B, n): sum_j P_ij r_j
     err = torch.linalg.vecdot((row - 1).abs(), prob.a) / prob.a_sum
-    return log_c, err
+    return p, log_c, err
 
 
 def _sinkhorn_loop(
     prob: _Problem, v: Tensor, max_iter: int, tol: float
 ) -> tuple[Tensor, Tensor, int]:
-    """Run Sinkhorn from ``v``; return (v per row, err per row (NaN if unchecked), iterations).
-
-    Each returned v is the state at which the row stopped (before its would-be next update).
-    """
+    """Run Sinkhorn from ``v``: (the state each row stopped at, err per row (NaN if unchecked),
+    iterations)."""
     bsz = v.shape[0]
     out_v = v.clone()
     out_err = torch.full((bsz,), math.nan, dtype=v.dtype, device=v.device)
@@ -312,7 +283,7 @@ def _sinkhorn_loop(
         if last and not check:
             break
         if check:
-            log_c, err = _check(cur, cv, _log_col_sums_exact(cur, cv) if it == 1 else None)
+            _, log_c, err = _check(cur, cv, _log_col_sums_exact(cur, cv) if it == 1 else None)
             done = ~(err > tol) | last  # NaN residual stops the row
             n_done = int(done.sum())
             if n_done:
@@ -344,11 +315,8 @@ def _scaled(prob: _Problem, lam: Tensor) -> _Problem:
 
 
 def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
-    """Warm start by epsilon scaling; return (v, iterations used). Rows whose scaled cost spans
-    more than ``ANNEAL_SPAN`` are solved loosely at epsilons falling geometrically (by about
-    ``ANNEAL_FACTOR``) to their own, within half of ``max_iter``; each row's stages depend on its
-    own cost only. NaN rows do not anneal.
-    """
+    """Warm start by epsilon scaling: (v, iterations used). Rows whose scaled cost spans more
+    than ``ANNEAL_SPAN`` are solved loosely at epsilons falling geometrically to their own."""
     s = prob.s
     big = torch.where(torch.isfinite(s), s, -math.inf).amax(dim=(1, 2))
     small = torch.where(torch.isfinite(s), s, math.inf).amin(dim=(1, 2))
@@ -378,10 +346,8 @@ def _anneal(prob: _Problem, v: Tensor, max_iter: int) -> tuple[Tensor, int]:
 def _sinkhorn_or_anneal(
     prob: _Problem, v: Tensor, max_iter: int, tol: float
 ) -> tuple[Tensor, Tensor, int]:
-    """:func:`_sinkhorn_loop` for a converging solve (``tol > 0``); the rows still above ``tol``
-    after ``ANNEAL_AFTER`` iterations are solved again by :func:`_anneal` (kept where that lowers
-    their residual), then Sinkhorn resumes. Only rows where plain Sinkhorn failed anneal: an
-    outlier far wider than its row gives coarse stages the fine ones cannot undo in float32."""
+    """:func:`_sinkhorn_loop` for ``tol > 0``; the rows still above ``tol`` after ``ANNEAL_AFTER``
+    iterations are re-solved by :func:`_anneal` (where that helps), then Sinkhorn resumes."""
     first = min(max_iter, ANNEAL_AFTER)
     v, err, iters = _sinkhorn_loop(prob, v, first, tol)
     slow = err > tol  # NaN rows are not slow: they stop at once
@@ -391,7 +357,7 @@ def _sinkhorn_or_anneal(
     v_slow, err_slow = v[slow], err[slow]
     w, used = _anneal(sub, torch.zeros_like(v_slow), max_iter - iters)
     iters += used
-    _, err_w = _check(sub, w)
+    err_w = _check(sub, w)[2]
     better = err_w < err_slow
     v_slow = torch.where(better[:, None], w, v_slow)
     err_slow = torch.where(better, err_w, err_slow)
@@ -403,11 +369,8 @@ def _sinkhorn_or_anneal(
 
 
 def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]:
-    """Semi-dual Newton with Armijo steps; return (best v, its err, steps) per row.
-
-    Each row returns the state of smallest residual among those evaluated (the start included),
-    so Newton never makes a row worse.
-    """
+    """Semi-dual Newton with Armijo steps: (each row's best state, start included; its err;
+    steps)."""
     bsz, m, _ = prob.s.shape
     out_v = v.clone()
     out_err = torch.full((bsz,), math.nan, dtype=v.dtype, device=v.device)
@@ -415,12 +378,7 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
     cur, cv = prob, v
     steps = 0
     for step in range(NEWTON_MAX_STEPS + 1):
-        p = _probs(cur, cv)
-        c = torch.linalg.vecdot(p, cur.a.unsqueeze(1))
-        log_c = _safe_log_col_sums(cur, cv, c)
-        r = _log_ratio(cur, log_c).exp()
-        row = torch.linalg.vecdot(p, r.unsqueeze(-1), dim=1)
-        err = torch.linalg.vecdot((row - 1).abs(), cur.a) / cur.a_sum
+        p, _, err = _check(cur, cv)
         old = out_err[idx]
         best = (err < old) | torch.isnan(old)  # keep the best state seen (step 0 included)
         out_v[idx] = torch.where(best[:, None], cv, out_v[idx])
@@ -440,12 +398,9 @@ def _newton(prob: _Problem, v: Tensor, tol: float) -> tuple[Tensor, Tensor, int]
         slope = (grad[:, : m - 1] * delta).sum(-1)
         ok_sys = (factor[2] == 0) & torch.isfinite(slope) & (slope > 0)
         delta = torch.cat((delta, torch.zeros_like(delta[:, :1])), dim=-1)
-        # Armijo on the exact dual increase, computed without cancellation: with each row taken
-        # relative to its home column h(i) (its largest entry),
-        #   Psi(v + D) - Psi(v) = sum_j D_j (b_j - home_j)
-        #                         - sum_i a_i log1p(sum_j P_ij expm1(D_j - D_h(i))).
-        # (The plain form <D, b> - sum_i a_i log1p(sum_j P_ij expm1(D_j)) subtracts two numbers
-        # of the size of D: a large step along a weakly coupled direction drowned the gain.)
+        # Armijo on the exact dual increase, without cancellation: each row relative to its home
+        # column h(i), Psi(v + D) - Psi(v) = sum_j D_j (b_j - home_j)
+        #                                    - sum_i a_i log1p(sum_j P_ij expm1(D_j - D_h(i)))
         t = torch.ones_like(slope)
         accepted = torch.zeros_like(ok_sys)
         for _ in range(_ARMIJO_MAX_HALVINGS):
@@ -485,9 +440,7 @@ def _mass_gap(p: Tensor, a: Tensor, b: Tensor, top: Tensor, home: Tensor) -> Ten
 
 def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
     """``K = sum_i w_i (diag(P_i) - P_i P_i^T)`` on the first m-1 columns, ``p`` (B, m, n), ``w``
-    (B, n): every entry a sum of products, with full relative precision when P is nearly
-    one-hot (the diagonal never as ``nu_j - sum_i w_i P_ij^2``, which cancels).
-    """
+    (B, n), without cancellation when P is nearly one-hot."""
     m = p.shape[1]
     ps = p[:, : m - 1]
     # sum_{l != j} P_il: 1 - P_ij when P_ij <= 1/2 (no cancellation); for the (at most one)
@@ -503,9 +456,8 @@ def _reduced_schur(p: Tensor, w: Tensor) -> Tensor:
 
 def spd_factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Cholesky factor of the Jacobi-equilibrated ``D^-1/2 K D^-1/2 + tau I``: ``(chol, scale,
-    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``). The jitter ``tau`` is ``_JITTER_ULPS``
-    roundings per column (``_JITTER_RETRY`` where that fails); equilibrated, it acts on each
-    column in proportion to its own diagonal, which spans many orders of magnitude."""
+    info)``, ``scale = D^-1/2`` (1 where ``K_jj = 0``); the jitter acts on each column in
+    proportion to its own diagonal."""
     m1 = kmat.shape[-1]
     d = kmat.detach().diagonal(dim1=-2, dim2=-1)
     scale = torch.where(d > 0, d.rsqrt(), 1.0)
@@ -522,12 +474,8 @@ def spd_factor(kmat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _any_set(flags: Tensor) -> bool:
-    """Whether any flag is set, read through ``torch.func`` wrappers (all vmapped slices at once).
-
-    It only chooses whether a per-row fallback is computed at all; the rows then take it through
-    ``torch.where``, so every row's result is the same whichever the answer. True on meta tensors
-    (no values: compute the fallback too, which costs nothing there).
-    """
+    """Whether any flag is set (all vmapped slices at once; True where nothing can be read): it
+    only decides whether a per-row fallback, taken through ``torch.where``, is computed."""
     if torch.compiler.is_compiling():  # no value to read: compute the fallback (as on meta)
         return True
     flags = plain(flags)
@@ -541,10 +489,8 @@ def spd_solve(factor: tuple[Tensor, Tensor, Tensor], rhs: Tensor) -> Tensor:
 
 
 def _centered(p: Tensor, u: Tensor, top: Tensor) -> Tensor:
-    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation: a
-    row with an entry of P above 1/2 (``top``) is first shifted by its value there, so its mean
-    is a sum over the small entries only.
-    """
+    """``u_ij - sum_l P_il u_il`` (B, m, n) without cancellation: a row is first shifted by its
+    value at its entry of P above 1/2 (``top``), if any."""
     h = u - (top * u).sum(1, keepdim=True)
     return h - (p * h).sum(1, keepdim=True)
 
@@ -555,12 +501,10 @@ def _finalize(
     """Column-exact plan, potentials and diagnostics at the states ``v``."""
     log_p = _log_probs(prob, v)
     exact = _log_col_sums_exact(prob, v, log_p)
-    log_c, err = _check(prob, v, exact)
-    p = _probs(prob, v)
+    p, log_c, err = _check(prob, v, exact)
     log_r = _log_ratio(prob, log_c)
     plan = p * ((prob.a.unsqueeze(1)) * log_r.exp().unsqueeze(-1))  # (B, m, n)
-    # Subnormal entries of P (a column of subnormal mass; the sigmoid gives 0 below
-    # 1 / finfo.max) are formed in log space.
+    # subnormal entries of P are formed in log space
     low = p < torch.finfo(p.dtype).tiny
     if _any_set(low):
         log_plan = log_p + prob.log_a.unsqueeze(1) + log_r.unsqueeze(-1)
@@ -585,16 +529,15 @@ def _log_sinkhorn(
     tol: float,
     newton: bool,
     potentials: bool,
-) -> tuple[SinkhornResult, bool]:
-    """The solve without autograd, in ``cost``'s dtype, and whether every row is known to have
-    converged (True only where the solver read that on the host; False says nothing)."""
+) -> SinkhornResult:
+    """The solve without autograd, in ``cost``'s dtype."""
     with torch.no_grad():
         cost = cost.detach()
         bsz, n, m = cost.shape
         prob = _make_problem(cost, log_a.detach(), log_b.detach(), epsilon.detach())
         v = torch.zeros((bsz, m), dtype=cost.dtype, device=cost.device)
         if bsz == 0 or n == 0 or cost.device.type == "meta":  # nothing to iterate
-            return _finalize(prob, v, epsilon, tol, 0), False
+            return _finalize(prob, v, epsilon, tol, 0)
         prob, v, iters = _hybrid(prob, v, max_iter, tol, newton and tol > 0 and m > 1)
         res = _finalize(prob, v, epsilon, tol, iters)
         if not potentials:
@@ -604,15 +547,14 @@ def _log_sinkhorn(
             res = res._replace(
                 f=res.f.to(dt), g=res.g.to(dt), plan=res.plan.to(dt), residual=res.residual.to(dt)
             )
-        return res, False
+        return res
 
 
 def _hybrid(
     prob: _Problem, v: Tensor, max_iter: int, tol: float, use_newton: bool
 ) -> tuple[_Problem, Tensor, int]:
-    """Sinkhorn from ``v`` (with epsilon scaling), then, with ``use_newton``, the Newton polish
-    and its Sinkhorn fallback; return (the problem, the final states, iterations), the problem
-    and the states in float64 after a polish."""
+    """Sinkhorn from ``v``, then, with ``use_newton``, the Newton polish (in float64) and its
+    Sinkhorn fallback: (the problem, the final states, iterations)."""
     m = prob.s.shape[1]
     tol1 = max(tol, NEWTON_SWITCH) if use_newton else tol
     if tol > 0 and m > 1:  # a converging solve (tol = 0 runs the plain fixed iterations)
@@ -621,8 +563,7 @@ def _hybrid(
         v, err, iters = _sinkhorn_loop(prob, v, max_iter, tol1)
     if not use_newton:
         return prob, v, iters
-    # Polish, fallback and final plan in float64: in float32 the marginal error of a plan with
-    # many targets has a floor near the default tolerance (m roundings per row).
+    # in float64: in float32 the error of a plan with many targets floors near the tolerance
     prob, v = prob.to(torch.float64), v.double()
     todo = torch.isfinite(err)  # rows already below tol stop at Newton's first check
     if bool(todo.any()):
@@ -648,13 +589,8 @@ def cyclic_couplings(p: Tensor, weight: Tensor) -> Tensor:
 
 def laplacian_solve(cyc: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     """``(K^-1 rhs, det K)`` ((B, m-1, 1), (B, 1, 1)) for the grounded Laplacian K of the
-    couplings ``cyc`` (B, m, 1) of :func:`cyclic_couplings`, m = 2 or 3, in closed form
-    (Cramer's rule).
-
-    m = 2: ``K = w01``. m = 3: ``K = [[w01 + w20, -w01], [-w01, w01 + w12]]``, whose adjugate
-    and determinant ``w01 (w12 + w20) + w12 w20`` are sums of products of the couplings (no
-    cancellation, whatever the conditioning): ``K^-1 rhs = (w01 (r0 + r1) + (w12 r0, w20 r1))
-    / det``. Not finite where K is singular (a column with no coupling left).
+    couplings ``cyc`` (B, m, 1), m = 2 or 3, by Cramer's rule: for m = 3 ``det = w01 (w12 + w20)
+    + w12 w20`` and ``K^-1 rhs = (w01 (r0 + r1) + (w12 r0, w20 r1)) / det``, no cancellation.
     """
     w01 = cyc[:, :1]
     if cyc.shape[1] == 2:
@@ -677,14 +613,14 @@ def _solve_reference(
     caller: str,
 ) -> tuple[Tensor, ...]:
     """The torch solve as the outputs of ``softops::sinkhorn``, after its warning."""
-    res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
-    warn_unless_clean(caller, res, clean, max_iter, tol)
-    return op_outputs(res, clean, potentials)
+    res = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
+    warn_unless_clean(caller, res, False, max_iter, tol)
+    return op_outputs(res, False, potentials)
 
 
 def op_outputs(res: SinkhornResult, clean: bool, potentials: bool) -> tuple[Tensor, ...]:
-    """A result and its ``clean`` as the outputs of a Sinkhorn-type operator (this module's and
-    the sorted top-k's ``softops::newton_first``), in the layout :func:`fake_outputs` declares."""
+    """A result and its ``clean`` as the outputs of a Sinkhorn-type operator (as
+    :func:`fake_outputs` declares them)."""
     f, g = (res.f, res.g) if potentials else (res.f[:, :0], res.g[:, :0])
     device = res.plan.device
     return (
@@ -725,18 +661,8 @@ def warn_unless_clean(
         warn_not_converged(caller, res.converged, max_iter, residual=res.residual, tol=tol)
 
 
-def _solve_fake(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    newton: bool,
-    potentials: bool,
-    caller: str,
-) -> tuple[Tensor, ...]:
-    return fake_outputs(cost, potentials)
+def _solve_fake(cost: Tensor, *args: Any) -> tuple[Tensor, ...]:
+    return fake_outputs(cost, args[6])  # (args[6]: potentials)
 
 
 SINKHORN_OP = define(
@@ -747,19 +673,15 @@ SINKHORN_OP = define(
     reference=_solve_reference,
     fake=_solve_fake,
 )
-"""The whole solve and its warning as one operator, opaque to traced code (``torch.compile``,
-``torch.export``): (cost (B, n, m), log_a (B, n), log_b (B, m), eps (B,), max_iter, tol, newton,
-potentials, caller: the op the warning names, none if empty) -> (plan (B, n, m), f, g,
-converged, residual, iterations (), clean ()), in cost's dtype. Not differentiable:
-:class:`SinkhornPlanFunction` carries the gradient. Eager calls run the torch code directly."""
+"""The whole solve and its warning as one operator, opaque to traced code: (cost, log_a, log_b,
+eps, max_iter, tol, newton, potentials, caller) -> (plan, f, g, converged, residual, iterations,
+clean). Not differentiable: :class:`SinkhornPlanFunction` carries the gradient."""
 
 
 class SinkhornPlanFunction(torch.autograd.Function):
     """cost (B, n, m) -> ``(plan, f, g, converged, residual, iterations, clean)`` with the
-    implicit (Schur complement) backward; only ``plan`` is differentiable, the other inputs get
-    no gradient. ``clean`` is True where the host already saw every row converge. While tracing
-    the solve is :data:`SINKHORN_OP`. ``vmap`` folds into the rows; forward mode applies the
-    backward's map (the plan's Jacobian in the cost is symmetric, docs/math.md §6).
+    implicit backward in the cost (only ``plan`` is differentiable); forward mode applies the
+    same map (the Jacobian is symmetric, docs/math.md §6).
     """
 
     @staticmethod
@@ -778,9 +700,9 @@ class SinkhornPlanFunction(torch.autograd.Function):
             return SINKHORN_OP(
                 cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller
             )
-        res, clean = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
-        warn_unless_clean(caller, res, clean, max_iter, tol)
-        return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, clean
+        res = _log_sinkhorn(cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials)
+        warn_unless_clean(caller, res, False, max_iter, tol)
+        return res.plan, res.f, res.g, res.converged, res.residual, res.iterations, False
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -801,11 +723,7 @@ class SinkhornPlanFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, cost_t: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
-        """Tangent of the plan for a cost tangent; the other inputs are constants (no tangent).
-
-        ``dGamma = J dC`` with ``J = dGamma/dC`` symmetric, so ``J dC = J^T dC`` is the VJP of
-        ``dC``: one Schur-complement solve, the same cost as the backward.
-        """
+        """Tangent of the plan for a cost tangent: ``J dC = J^T dC``, the VJP of ``dC``."""
         nones: tuple[None, ...] = (None,) * 6
         if cost_t is None:
             return (None, *nones)
@@ -817,25 +735,15 @@ class SinkhornPlanFunction(torch.autograd.Function):
         return vmap_rows(SinkhornPlanFunction, info, in_dims, *args)
 
 
-class _SinkhornPlanTraced(SinkhornPlanFunction):
-    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
-
-    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        return vmap_rows(_SinkhornPlanTraced, info, in_dims, *args)
+_SinkhornPlanTraced = without_jvp(SinkhornPlanFunction)
 
 
 def implicit_cost_vjp(
     plan: Tensor, grad_plan: Tensor, epsilon: Tensor, closed_form: bool = False
 ) -> Tensor:
     """Vector-Jacobian product of the converged plan map ``C -> Gamma`` (docs/math.md §2.3):
-    ``plan``, ``grad_plan`` (B, n, m), ``epsilon`` (B,) -> the cost's gradient (B, n, m).
-
-    ``closed_form``: for m <= 3, Cramer's rule (:func:`_closed_form_vjp`, exact for near one-hot
-    rows); other rows take the equilibrated Cholesky with refinement (:func:`_cholesky_vjp`).
-    """
+    ``plan``, ``grad_plan`` (B, n, m), ``epsilon`` (B,) -> the cost's gradient (B, n, m);
+    ``closed_form``: Cramer's rule for m <= 3, else an equilibrated Cholesky."""
     if plan.shape[2] == 1:
         return torch.zeros_like(plan)
     if closed_form and plan.shape[2] <= 3:
@@ -844,10 +752,8 @@ def implicit_cost_vjp(
 
 
 def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
-    """:func:`implicit_cost_vjp` for m = 2, 3 with K solved by :func:`laplacian_solve`: exact up
-    to rounding whatever K's conditioning, where ``det K`` is above ``DET_MIN``; other rows take
-    :func:`_cholesky_vjp`, row by row.
-    """
+    """:func:`implicit_cost_vjp` for m = 2, 3 by :func:`laplacian_solve` where ``det K`` is
+    above ``DET_MIN``; other rows take :func:`_cholesky_vjp`."""
     dtype = plan.dtype
     m = plan.shape[2]
     gam = plan.transpose(1, 2).to(torch.float64)  # (B, m, n)
@@ -862,36 +768,22 @@ def _closed_form_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor
     beta, det = laplacian_solve(cyclic_couplings(p, mu.transpose(1, 2)), rhs)
     d = _centered_at(p, torch.nn.functional.pad(beta, (0, 0, 0, 1)) - gbar, home)
     cbar = (gam * d / epsilon.to(torch.float64).reshape(-1, 1, 1)).transpose(1, 2).to(dtype)
-    if not _all_above(det, DET_MIN):
-        unsafe = ~(det.detach() > DET_MIN)  # (B, 1, 1), also NaN
+    unsafe = ~(det.detach() > DET_MIN)  # (B, 1, 1), also NaN
+    if _any_set(unsafe):
         cbar = torch.where(unsafe, _cholesky_vjp(plan, grad_plan, epsilon), cbar)
     return cbar
 
 
-def _all_above(t: Tensor, level: float) -> bool:
-    """Whether every entry of ``t`` is above ``level`` (False for NaN), read through
-    ``torch.func`` wrappers; False on meta tensors and while tracing (no values: take the
-    fallback too)."""
-    if torch.compiler.is_compiling():
-        return False
-    t = plain(t.detach())
-    if t.device.type == "meta":
-        return False
-    return t.numel() == 0 or bool(t.amin() > level)
-
-
 def _centered_at(p: Tensor, u: Tensor, home: Tensor) -> Tensor:
-    """``u_ij - sum_l P_il u_il`` (layout (B, m, n), centring over m) without cancellation:
-    each row is first shifted by its value at ``home`` (B, 1, n), the index of its largest P,
-    so that the weighted mean is a sum of small products when the row is nearly one-hot (see
-    :func:`_centered`)."""
+    """:func:`_centered` with each row shifted by its value at ``home`` (B, 1, n), the index of
+    its largest P."""
     h = u - u.gather(1, home)
     return h - (p * h).sum(1, keepdim=True)
 
 
 def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
     """:func:`implicit_cost_vjp` through the equilibrated, jittered Cholesky of K with one
-    step of iterative refinement (the module docstring's Backward)."""
+    step of iterative refinement."""
     dtype = plan.dtype
     bsz, _, m = plan.shape
     # contiguous (B, m, n) (``to`` keeps a transposed layout when the dtype is already float64)
@@ -916,11 +808,9 @@ def _cholesky_vjp(plan: Tensor, grad_plan: Tensor, epsilon: Tensor) -> Tensor:
 
 
 def attach_epsilon(scaled: Tensor, epsilon: Tensor) -> Tensor:
-    r"""``scaled = C / eps`` (formed with ``eps`` detached) made a function of ``epsilon`` too,
-    with the derivatives of every order of ``C / eps``, as ``scaled * exp(u - u0)``, ``u =
-    -log(eps)``: autograd through ``C / eps`` squares epsilon, which overflows below 1e-154
-    (docs/math.md §4). Infinite costs are constants.
-    """
+    r"""``scaled = C / eps`` (``eps`` detached) made a function of ``epsilon``, as ``scaled *
+    exp(u - u0)``, ``u = -log(eps)``: autograd through ``C / eps`` squares epsilon, which
+    overflows below 1e-154 (docs/math.md §4). Infinite costs are constants."""
     u = -torch.log(epsilon)
     factor = torch.exp(u - u.detach())  # 1, with d factor / du = factor
     inf = torch.isinf(scaled.detach())
@@ -941,21 +831,11 @@ def log_sinkhorn(
 ) -> SinkhornResult:
     """Solve a batch of entropic OT problems; the plan is differentiable in ``cost``.
 
-    Args:
-        cost: (B, n, m) floating cost, computed in its dtype; where it requires grad the plan
-            carries the implicit backward (and forward mode, vmap).
-        log_a, log_b: (B, n) and (B, m) log marginals of equal mass (constants).
-        epsilon: (B,) regularisation in cost units (constant: for its gradient pass
-            ``cost / epsilon`` with ``epsilon = 1``, :func:`attach_epsilon`).
-        max_iter: cap on Sinkhorn iterations (Newton adds at most ``NEWTON_MAX_STEPS``).
-        tol: relative L1 marginal tolerance; 0 runs exactly ``max_iter`` iterations.
-        newton: polish with semi-dual Newton below a residual of ``NEWTON_SWITCH``.
-        potentials: form ``f`` and ``g`` (else empty (B, 0) tensors).
-        caller: the public op named by the non-convergence warning; empty: no warning.
-
-    Returns:
-        A :class:`SinkhornResult` (``plan`` a (B, n, m) view of a (B, m, n) buffer); while
-        tracing the solve is :data:`SINKHORN_OP` and ``iterations`` a 0-dim tensor.
+    ``cost`` (B, n, m) is computed in its dtype; ``log_a``, ``log_b`` (B, n), (B, m) and
+    ``epsilon`` (B,) are constants (for a gradient in epsilon pass ``cost / epsilon`` with
+    ``epsilon = 1``, :func:`attach_epsilon`); ``potentials=False`` gives empty ``f`` and ``g``;
+    ``caller`` is the op the non-convergence warning names (empty: none). While tracing,
+    ``iterations`` is a 0-dim tensor.
     """
     args = (cost, log_a, log_b, epsilon, max_iter, tol, newton, potentials, caller)
     if torch.compiler.is_compiling():

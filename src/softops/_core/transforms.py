@@ -1,13 +1,9 @@
 """``torch.func`` support shared by the ops.
 
 Under a ``torch.func`` transform, meta tensors or ``torch.compile`` tracing, Python cannot
-branch on tensor values (and saved-tensor hooks, hence checkpointing, are refused under a
-transform); the ops ask here and take their branch-free path. :func:`under_functorch`,
-:func:`cannot_branch` and :func:`unreadable` say which case holds; :func:`plain` unwraps for
-host-side diagnostics only; :func:`vmap_rows` folds a vmapped dim into the rows of a row-wise
-Function; :func:`apply_function` is ``Function.apply`` without its per-call signature binding
-(tens of microseconds); :func:`own_precision` turns ``torch.autocast`` off around an op's
-matmuls, so it keeps its own precision rules.
+branch on tensor values; the ops ask here (:func:`under_functorch`, :func:`cannot_branch`,
+:func:`unreadable`) and take their branch-free path. :func:`vmap_rows` folds a vmapped dim into
+the rows of a row-wise Function.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ __all__ = [
     "under_functorch",
     "unreadable",
     "vmap_rows",
+    "without_jvp",
 ]
 
 _functorch = torch._C._functorch
@@ -36,12 +33,8 @@ def under_functorch() -> bool:
 
 
 def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)`` for a Function whose ``forward`` has no default arguments.
-
-    Outside ``torch.func`` transforms and ``torch.compile`` tracing it calls the C++ ``apply``
-    directly, skipping the per-call ``inspect.signature`` binding of ``Function.apply`` (which
-    only fills in defaults); there the results are the same.
-    """
+    """``function.apply(*args)`` for a Function whose ``forward`` has no default arguments,
+    without ``Function.apply``'s signature binding where no transform or tracing is active."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
@@ -53,9 +46,8 @@ def cannot_branch(t: torch.Tensor) -> bool:
 
 
 def unreadable(t: torch.Tensor) -> bool:
-    """True where Python cannot read ``t``'s values: a tensor batched by ``vmap`` (at any level
-    of its functorch wrappers), a meta tensor, or any tensor while ``torch.compile`` traces.
-    A plain tensor used inside a transform (a k or epsilon closed over) stays readable."""
+    """True where Python cannot read ``t``'s values: batched by ``vmap`` (at any level), a meta
+    tensor, or any tensor while ``torch.compile`` traces (a plain tensor closed over is not)."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
         return True
     while _functorch.is_functorch_wrapped_tensor(t):
@@ -66,22 +58,16 @@ def unreadable(t: torch.Tensor) -> bool:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without its functorch wrappers (batched, grad or dual levels).
-
-    The result holds every vmapped slice at once, in some layout: use it for reductions (any,
-    sum, max), never for a value that is returned.
-    """
+    """``t`` without its functorch wrappers: every vmapped slice at once, for reductions (any,
+    sum, max) only, never for a value that is returned."""
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t
 
 
 def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    """The ``vmap`` rule of a row-wise ``autograd.Function`` (or operator): every tensor argument
-    leads with the rows B; the vmapped dim is merged into B, unbatched tensors are expanded, and
-    tensor outputs split back (``out_dims`` 0); non-tensor outputs are returned once (None).
-    Use as ``def vmap(info, in_dims, *args): return vmap_rows(ThisFunction, info, in_dims, *args)``.
-    """
+    """The ``vmap`` rule of a row-wise ``autograd.Function`` (or operator) whose tensor arguments
+    lead with the rows B: the vmapped dim is merged into B, and tensor outputs split back."""
     size = info.batch_size
     merged = []
     rows = None  # B, the rows of one slice (unflattening by -1 fails on an empty vmapped dim)
@@ -107,6 +93,21 @@ def vmap_rows(function: Any, info: Any, in_dims: tuple[Any, ...], *args: Any) ->
     if single:
         return results[0], dims[0]
     return results, dims
+
+
+def without_jvp(function: Any) -> Any:
+    """The row-wise Function ``function`` for traced code: torch 2.13's dynamo rejects a custom
+    ``jvp``."""
+
+    class Traced(function):
+        jvp = torch.autograd.Function.jvp
+
+        @staticmethod
+        def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+            return vmap_rows(Traced, info, in_dims, *args)
+
+    Traced.__name__ = Traced.__qualname__ = f"{function.__name__}Traced"
+    return Traced
 
 
 def own_precision(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:

@@ -39,13 +39,8 @@ __all__ = [
 
 
 def as_number(value: Any) -> Any:
-    """``value`` as a Python int or float when it is a real number, else ``value`` unchanged.
-
-    Python ints and floats, numpy's integer and floating scalars (numpy registers them with
-    :mod:`numbers`, so numpy need not be imported, nor even installed) and numpy 0-dim arrays of
-    those are numbers; bools (Python's or numpy's), complex numbers and everything else are
-    returned unchanged, for the caller to refuse.
-    """
+    """``value`` as a Python int or float when it is a real number (numpy's scalars and 0-dim
+    arrays included, numpy not imported), else unchanged (bools too), for the caller to refuse."""
     kind = type(value)
     if kind is float or kind is int or kind is bool or kind is torch.Tensor:  # (the usual case)
         return value
@@ -97,11 +92,7 @@ _COMPUTE.update({torch.float16: torch.float32, torch.bfloat16: torch.float32})
 
 
 def check_dim(x: torch.Tensor | None, dim: Any, op: str) -> int:
-    """Normalise ``dim`` to a non-negative int for ``x``, or raise.
-
-    With ``x=None`` (a layer, before it sees its input) only the type of ``dim`` is checked and
-    ``dim`` is returned as given.
-    """
+    """Normalise ``dim`` to a non-negative int for ``x``, or raise (``x=None``: the type only)."""
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{op}: expected `dim` to be an int; got {dim!r}.")
     if x is None:
@@ -129,9 +120,7 @@ def check_nonempty(x: torch.Tensor, dim: int, op: str) -> int:
 
 def smallest_epsilon(dtype: torch.dtype) -> float:
     """The smallest epsilon an op on an x of ``dtype`` accepts: ``finfo.tiny`` of x's compute
-    dtype. A subnormal epsilon's rounding exceeds the dtype's relative rounding in units of
-    epsilon (masks were off by 0.24, or NaN), so it is refused rather than rounded.
-    """
+    dtype (a subnormal epsilon's rounding exceeds the dtype's relative rounding)."""
     tiny = _TINY.get(dtype)
     return torch.finfo(compute_dtype(dtype)).tiny if tiny is None else tiny
 
@@ -157,12 +146,8 @@ def _name(dtype: torch.dtype) -> str:
 def check_epsilon(
     epsilon: Any, op: str, name: str = "epsilon", *, dtype: torch.dtype | None = None
 ) -> float | torch.Tensor:
-    """Check that ``epsilon`` is a positive finite float or a floating tensor with positive entries.
-
-    With ``dtype`` (x's) it must be at least :func:`smallest_epsilon` of ``dtype`` (a layer
-    checks without it at construction). A tensor is checked once, here, eagerly only (under
-    ``torch.func``, ``torch.compile`` and meta tensors a bad entry gives NaN in its row).
-    """
+    """Check that ``epsilon`` is a positive finite float or a floating tensor with positive
+    entries, at least :func:`smallest_epsilon` of ``dtype`` where given; tensors eagerly only."""
     tiny = 0.0 if dtype is None else smallest_epsilon(dtype)
     if isinstance(epsilon, torch.Tensor):
         if not epsilon.dtype.is_floating_point:
@@ -192,7 +177,6 @@ def check_epsilon(
 def _held(value: float, tiny: float) -> float:
     """``value`` as the compute dtype holds it, near ``tiny`` (a Python float just below float32's
     smallest normal number can round to it: then it is that number, and accepted)."""
-    # (only a value below tiny can round to it: rounding is monotone and tiny is a float32)
     if value < tiny and tiny == _F32_TINY:
         return float(struct.unpack("f", struct.pack("f", value))[0])
     return value
@@ -202,9 +186,8 @@ _F32_TINY = torch.finfo(torch.float32).tiny
 
 
 SMALLEST_K = torch.finfo(torch.float32).tiny
-"""Where x's dtype is not known (a layer's check at construction): a real k below this (2**-126,
-the smallest normal float32: float32 is the narrowest compute dtype) is its limit k -> 0. An op,
-which knows x's dtype, takes the smallest normal number of x's compute dtype instead."""
+"""Where x's dtype is not known (a layer's check at construction), a k below this (the smallest
+normal float32) is its limit k -> 0."""
 
 
 def check_k(
@@ -217,13 +200,9 @@ def check_k(
     allow_tensor: bool = True,
     dtype: torch.dtype | None = None,
 ) -> float | torch.Tensor:
-    """Check ``low <= k <= n``. ``k`` is an int, a float (unless ``integer``) or a tensor.
-
-    ``n=None`` (a layer before its input) checks the type and ``k >= low`` only. Tensors are
-    checked once, eagerly, as ``epsilon``. A k below the smallest normal number of the compute
-    dtype (``SMALLEST_K`` without ``dtype``) is its limit k -> 0 and returned as 0 (a tensor's
-    gradient passes through): a solver would otherwise see subnormal marginals.
-    """
+    """Check ``low <= k <= n`` (``n=None``: ``k >= low``) for an int, a float (unless
+    ``integer``) or a tensor (eagerly). A k below the compute dtype's smallest normal number is
+    its limit k -> 0 and returned as 0 (a tensor's gradient passes through)."""
     what = "an int" if integer else "a number"
     high = math.inf if n is None else n
     smallest = SMALLEST_K if dtype is None else torch.finfo(compute_dtype(dtype)).tiny
@@ -281,10 +260,7 @@ def check_choice(value: Any, choices: Iterable[str], op: str, name: str) -> str:
 
 
 def check_positive_int(value: Any, op: str, name: str, default: int | None = None) -> int:
-    """``None`` means ``default`` (when one is given); otherwise an int >= 1.
-
-    A non-int raises ``TypeError``; an int < 1 raises ``ValueError``.
-    """
+    """``None`` means ``default`` (when one is given); otherwise an int >= 1."""
     if value is None and default is not None:
         return default
     value = as_number(value)
@@ -302,10 +278,7 @@ def check_max_iter(max_iter: Any, default: int, op: str) -> int:
 
 
 def check_tol(tol: Any, default: float, op: str) -> float:
-    """``None`` means ``default``; otherwise a float >= 0 (0 runs exactly ``max_iter`` steps).
-
-    A non-number raises ``TypeError``; a negative or NaN number raises ``ValueError``.
-    """
+    """``None`` means ``default``; otherwise a float >= 0 (0 runs exactly ``max_iter`` steps)."""
     if tol is None:
         return default
     tol = as_number(tol)
@@ -357,8 +330,7 @@ def check_q(q: Any, op: str, dtype: torch.dtype, device: torch.device | None) ->
 
 def check_row_counts(counts: torch.Tensor, minimum: int, op: str, what: str) -> None:
     """Raise ``ValueError`` naming the first row whose count (``counts`` (B,)) is below
-    ``minimum``; nothing where the counts cannot be read (vmap, meta, tracing: the op's own
-    convention for such rows applies)."""
+    ``minimum``; nothing where the counts cannot be read."""
     if not counts.numel() or unreadable(counts):
         return
     short = counts < minimum

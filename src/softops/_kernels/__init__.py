@@ -1,20 +1,14 @@
 """The kernel layer: compiled kernels as operators of torch's own registry, with the torch
 reference beside them.
 
-A method that has a kernel declares its operator here once (:func:`define`): a schema, the torch
-reference (registered for every device), a fake (meta) implementation for ``torch.compile`` and
-``torch.export``, a vmap rule, and optionally a CPU implementation that runs a compiled kernel.
-torch's dispatcher then picks the implementation by device; traced code sees one opaque operator.
-No math file chooses a back end.
+A method declares its operator here once (:func:`define`): a schema, the torch reference, a fake
+implementation, a vmap rule, and optionally a CPU implementation that runs a compiled kernel;
+torch's dispatcher picks by device, and traced code sees one opaque operator.
 
-Compiled kernels (C++ sources beside their methods, built with ``torch.utils.cpp_extension``) are
-built at most once per machine and torch version, ahead of time: ``python -m softops._kernels``
-(which ``scripts/setup.sh`` runs) writes each into a per-user cache (``SOFTOPS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/softops``, else ``~/.cache/softops``), under a name keyed by the source, the
-compiler flags, the CPU capability, torch's version and the Python ABI. An eager call never
-compiles: it loads a built kernel (milliseconds), or, where none is built (no compiler, no
-``ninja``, or the build not run), uses the torch reference, correct and slower, after one warning
-that says how to build.
+Compiled kernels (C++ sources beside their methods) are built ahead of time by ``python -m
+softops._kernels`` into a per-user cache (``SOFTOPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/softops``,
+else ``~/.cache/softops``), keyed by source, flags, CPU capability, torch and Python ABI. An eager
+call never compiles: where no kernel is built it uses the torch reference, after one warning.
 
 :func:`backend` picks the back end for a block of code (tests run every operator through both);
 ``SOFTOPS_KERNELS=0`` in the environment makes the reference the default.
@@ -24,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -107,9 +101,7 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "softops" / "kernels"
 
 
-# Compiler flags per CPU capability (``torch.backends.cpu.get_cpu_capability()``): the vector
-# width at::vec is built for. ATen's own names (CPU_CAPABILITY) select its implementation;
-# DEFAULT is its portable code.
+# compiler flags per CPU capability (the vector width at::vec is built for; DEFAULT: portable)
 _CPU_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -121,13 +113,11 @@ def _cpu_flags() -> tuple[str, list[str]]:
     flags = _CPU_FLAGS.get(capability)
     if flags is None:
         return "DEFAULT", ["-O3", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT"]
-    # OpenMP: at::parallel_for runs on torch's intra-op threads (the library links libgomp.so.1,
-    # which resolves to the one torch has loaded)
+    # OpenMP: at::parallel_for runs on torch's intra-op threads (the libgomp torch has loaded)
     defines = [f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
     return capability, ["-O3", "-fopenmp", *flags, *defines]
 
 
-_KERNELS: dict[str, Kernel] = {}
 _HINT = (
     "build the kernels once per machine with `python -m softops._kernels` (it needs a C++ "
     "compiler and ninja: `pip install ninja`; scripts/setup.sh runs it)"
@@ -142,7 +132,6 @@ class Kernel:
         self.source = source
         self._ops: Any = None
         self._tried = False
-        _KERNELS[name] = self
 
     def path(self) -> Path:
         """Where the built library lies: keyed by source, flags, capability, torch and ABI."""
@@ -188,8 +177,8 @@ class Kernel:
         return self._ops
 
     def build(self, verbose: bool = False) -> Path:
-        """Build the library into the cache (no-op when it is there) in a child process, which
-        leaves this one free to load it; returns its path."""
+        """Build the library into the cache (no-op when it is there) in a child process; returns
+        its path."""
         path = self.path()
         if path.exists():
             return path
@@ -209,8 +198,7 @@ class Kernel:
             "    os.replace(target + '.part', target)\n"
         )
         env = dict(os.environ)
-        # cpp_extension runs ninja from PATH; pip puts it in this interpreter's scripts folder,
-        # which is not on PATH when a virtual environment's python runs without activation
+        # cpp_extension runs ninja from PATH: add this interpreter's scripts folder (a venv's)
         scripts = sysconfig.get_path("scripts")
         env["PATH"] = os.pathsep.join(p for p in (env.get("PATH", ""), scripts) if p)
         name = f"{self.name}_{path.stem.rsplit('-', 1)[1]}"
@@ -234,15 +222,8 @@ def define(
     kernel: Kernel | None = None,
 ) -> Any:
     """Register the operator ``qualname`` (``"softops::name"``) with ``schema`` and return it
-    (with a CPU kernel: a callable whose ``overload`` is the registered operator, see
-    :class:`_Operator`).
-
-    ``reference`` is the torch code, registered for every device; ``fake`` computes the outputs'
-    metadata; ``vmap`` is torch.library's vmap rule. ``cpu(ops, *args)`` runs on CPU tensors with
-    the operators of ``kernel`` while the back end is ``"kernel"`` and the kernel is built;
-    otherwise the reference runs there too. The operator is not differentiable: its callers carry
-    the gradient.
-    """
+    (with a CPU kernel, as an :class:`_Operator`). ``reference`` runs on every device and
+    ``cpu(ops, *args)`` on CPU tensors while the kernel is built and on; not differentiable."""
     namespace, name = qualname.split("::")
     library = torch.library.Library(namespace, "FRAGMENT")
     _LIBRARIES.append(library)
@@ -263,9 +244,8 @@ def define(
 
 
 def plain_eager(t: torch.Tensor) -> bool:
-    """Whether a call on ``t`` runs eagerly on plain data: ``t`` is a ``torch.Tensor`` itself (not
-    a fake, functional or other subclass), and no tracing, dispatch mode or ``torch.func``
-    transform is active. Only such a call may skip the registry or reuse a cached tensor."""
+    """Whether a call on ``t`` runs eagerly on plain data (a ``torch.Tensor`` itself, no tracing,
+    dispatch mode or transform): only such a call may skip the registry or reuse a cached tensor."""
     return (
         type(t) is torch.Tensor
         and not torch.compiler.is_compiling()
@@ -275,9 +255,8 @@ def plain_eager(t: torch.Tensor) -> bool:
 
 
 class _Operator:
-    """A registered operator with a CPU kernel, called as the operator itself. An eager call on
-    plain CPU tensors with the kernel loaded and on runs it directly (the dispatcher's two
-    dispatches and a frame cost about 10 us); every other call goes through the registry."""
+    """A registered operator with a CPU kernel: an eager call on plain CPU tensors with the kernel
+    on runs it directly (no dispatch); every other call goes through the registry."""
 
     __slots__ = ("_cpu", "_kernel", "overload")
 
@@ -305,11 +284,14 @@ _LIBRARIES: list[Any] = []  # the registrations live as long as their Library ob
 
 
 def build_all(verbose: bool = False) -> list[Path]:
-    """Build every kernel of the package (importing the methods that declare them)."""
-    importlib.import_module("softops")  # (every family: each declares its kernels on import)
+    """Build every kernel of the package: each C++ source in it that declares a
+    ``TORCH_LIBRARY``, under that library's name (read from the source: no method is imported)."""
     package = Path(__file__).resolve().parents[1]
-    return [
-        kernel.build(verbose)
-        for kernel in _KERNELS.values()
-        if kernel.source.resolve().is_relative_to(package)  # (not a test's probe)
-    ]
+    paths = []
+    sources = list(package.rglob("*.cpp"))
+    sources.sort()  # (a stable order of builds and messages)
+    for source in sources:
+        declared = re.search(r"^TORCH_LIBRARY\((\w+),", source.read_text(), re.MULTILINE)
+        if declared:
+            paths.append(Kernel(declared[1], source).build(verbose))
+    return paths

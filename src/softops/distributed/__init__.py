@@ -10,24 +10,20 @@ row is their concatenation in rank order, :math:`x = (x_0, \dots, x_{P-1})`, of 
     A_i = \sigma\big((x_i - t)/\varepsilon\big), \qquad
     F(t) = \sum_r \sum_{i \in r} \sigma\big((x_i - t)/\varepsilon\big) - k = 0,
 
-so the ranks need only agree on t. Every quantity the solver needs is a sum over the row, hence
-a sum over ranks of shard sums: the sharded op *is* the single-process solver
-(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``) with another reduction, started from
-one all-gather of each shard's statistics and candidates. No rank sees another's entries; every
-rank takes the same steps (the iterate and stop test are functions of all-reduced sums only).
-docs/distributed.md gives the collectives per call and the gradient semantics: the backward is
-that of ``L = sum_r L_r(A_r)``, so sum replicated parameters' gradients over ranks.
+so the ranks need only agree on t: the sharded op *is* the single-process solver
+(``softops.topk.solve_ot_rows`` and ``solve_sparse_rows``) with its row sums all-reduced, started
+from one all-gather of each shard's statistics and candidates; no rank sees another's entries.
+docs/distributed.md gives the collectives per call and the gradient semantics (the backward is
+that of ``L = sum_r L_r(A_r)``).
 
-Collectives are ``all_reduce`` with SUM, so every backend runs them; an 18-float header checked
-on every rank makes inconsistent calls raise everywhere instead of hanging. Without a process
-group the op runs as a world of one unless ``WORLD_SIZE`` > 1, which raises (a forgotten
-``init_process_group``). Not supported: double backward (it raises), forward mode,
-``torch.func`` and ``torch.compile`` tracing (the solve tests convergence on the host).
+Collectives are ``all_reduce`` with SUM, so every backend runs them; a header checked on every
+rank makes inconsistent calls raise everywhere instead of hanging. Without a process group the
+op runs as a world of one unless ``WORLD_SIZE`` > 1, which raises. Not supported: double
+backward (it raises), forward mode, ``torch.func`` and ``torch.compile`` tracing.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -38,7 +34,7 @@ from softops.distributed._group import _MASK, _THRESHOLD, _TOPK, METHODS, _prepa
 from softops.distributed._mask import _ShardedMaskOT, _ShardedMaskSparse, _solve_ot
 from softops.distributed._topk import _Route, _sharded_topk
 from softops.solvers import ThresholdResult
-from softops.topk import SAMPLE_SIZE
+from softops.topk import SAMPLE_SIZE, threshold_values
 
 __all__ = [
     "METHODS",
@@ -71,13 +67,8 @@ def soft_topk_mask(
 
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
-    and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row,
-    restricted to this rank's shard (to rounding: 1e-12 in float64, gradients included):
-
-    .. math::
-
-        A_i = \sigma\!\left(\frac{x_i - t}{\varepsilon}\right), \qquad
-        \sum_{r} \sum_{i \in \text{shard } r} A_i = k .
+    and the result equals ``softops.soft_topk_mask(x, k, ...)`` on the concatenated row (the
+    module's formula), restricted to this rank's shard (to rounding, gradients included).
 
     Call it on every rank of the group, with the same k, epsilon and options and the shards of
     the same rows: ``2 + iterations`` collectives of O(B) per forward, one per backward.
@@ -172,13 +163,7 @@ def topk_threshold(
         return ThresholdResult(empty, empty.bool(), 0, empty)
     sol = _solve_ot(plan, local.x2.detach(), local.k_row.detach(), local.eps_row.detach())[0]
     t = sol.aux[:, 0] + sol.aux[:, 1]
-    if sol.scale is not None:
-        t = t / sol.scale
-    # the rows that are not solved: the limits' thresholds, as softops.solvers.topk_threshold
-    inf = torch.full_like(t, math.inf)
-    t = torch.where(sol.sel_none, inf, torch.where(sol.sel_all, -inf, t))
-    t = torch.where(sol.sel_none & sol.sel_all, 0.0, t)  # no finite entry: any finite t
-    t = t.masked_fill(sol.invalid, math.nan)
+    t = threshold_values(t, sol.scale, sol.sel_none, sol.sel_all, sol.invalid)
     t = t if largest else -t
     return ThresholdResult(
         t.reshape(shape).to(x_local.dtype),

@@ -26,8 +26,7 @@ from softops._core.validation import (
 from softops.topk import THRESHOLD_MAX_ITER, check_mask_k
 
 METHODS = ("ot", "sparse")
-"""The methods of :func:`softops.distributed.soft_topk_mask` (the single-process op's with a
-per-row k)."""
+"""The methods of :func:`softops.distributed.soft_topk_mask`."""
 _HEADER = 18
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -37,12 +36,8 @@ _TOPK = "distributed.topk"
 
 
 class _Comm:
-    """The process group of a call: this rank, the world size, and the two collectives.
-
-    Both collectives are ``all_reduce`` (SUM) on the tensors' own device, so that every backend
-    (gloo on CPU, NCCL on CUDA, ...) runs them; an all-gather is an all-reduce of zero-padded
-    per-rank slots (``x + 0`` is ``x`` for every float, infinities and NaN included).
-    """
+    """The process group of a call: this rank, the world size, and the two collectives, both
+    ``all_reduce`` (SUM) so that every backend runs them (a gather sums zero-padded slots)."""
 
     __slots__ = ("group", "rank", "size")
 
@@ -57,8 +52,7 @@ class _Comm:
 
     def reduce(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The sums over the ranks of the (B,) partial sums ``parts``, in float64, by one
-        all-reduce: the reduction of the single-process solvers' evaluations
-        (``softops.topk._ot.Reduce``)."""
+        all-reduce (the solvers' ``Reduce``)."""
         return self.sum(torch.stack([p.to(torch.float64) for p in parts])).unbind(0)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -261,11 +255,8 @@ def _exchange(
     largest: bool,
     hard: bool,
 ) -> _Plan:
-    """One all-reduce of every rank's header; every rank then raises the same error, or none.
-
-    A rank whose own arguments failed validation still takes part (with its error flag set), so
-    that the others raise instead of waiting for it in the next collective.
-    """
+    """One all-reduce of every rank's header (a rank whose own validation failed takes part with
+    its error flag set); every rank then raises the same error, or none."""
     if comm.size == 1 and error is not None:
         raise error
     device = _comm_device(comm, x)

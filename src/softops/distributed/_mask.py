@@ -14,14 +14,14 @@ from softops.topk import (
     RowSummary,
     ThresholdRows,
     row_stats,
+    side_log_weights,
     solve_ot_rows,
     solve_sparse_rows,
 )
 
 EXACT_SHARE = 64
-"""The exact candidates may be up to ``1 / EXACT_SHARE`` of the row: a shard's top-k costs
-less than one evaluation, and the exact bracket saves two to four. Otherwise the group sends a
-strided subsample of about ``SAMPLE_SIZE`` entries per row."""
+"""The exact candidates may be up to ``1 / EXACT_SHARE`` of the row (else a strided subsample of
+about ``SAMPLE_SIZE`` entries per row)."""
 
 
 # ----------------------------------------------------------------------------- the row start
@@ -50,11 +50,8 @@ def _sample_layout(plan: _Plan) -> tuple[int, list[int], list[int]]:
 
 
 def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor | None]:
-    """The start's one collective: every rank's shard statistics and candidates, all-gathered:
-    its ``floor(max k) + 1`` largest where the group sends at most ``max(SAMPLE_SIZE, n //
-    EXACT_SHARE)`` per row and under half the row, else its part of a strided subsample; with
-    ``hard=True`` also its ``max k`` largest, (P, B, max k) (else None).
-    """
+    """The start's one all-gather: every rank's shard statistics and candidates, and with
+    ``hard=True`` its ``max k`` largest, (P, B, max k) (else None)."""
     comm, n = plan.comm, plan.n
     B = x.shape[0]
     f64 = torch.float64
@@ -102,9 +99,8 @@ def _gather_rows(plan: _Plan, x: torch.Tensor) -> tuple[RowSummary, torch.Tensor
 def _solve_ot(
     plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor
 ) -> tuple[ThresholdRows, torch.Tensor | None]:
-    """The threshold of every sharded row (largest first): the single-process solver on the
-    gathered summary, its evaluations all-reduced and its polish all-gathered; and the hard
-    mask (or None)."""
+    """The threshold of every sharded row (the single-process solver on the gathered summary),
+    and the hard mask (or None)."""
     comm = plan.comm
     many = comm.size > 1
     rows, hard_cand = _gather_rows(plan, x)
@@ -140,8 +136,7 @@ def _hard(
 
 def _no_double_backward(op: str) -> None:
     """Raise where the backward is itself differentiated (``create_graph=True``): its
-    collectives are not, and a silently constant gradient would drop a term of a gradient
-    penalty."""
+    collectives are not."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{op}: double backward (create_graph=True) is not supported across ranks; "
@@ -156,8 +151,8 @@ def _no_double_backward(op: str) -> None:
 def _solve_sparse(
     plan: _Plan, x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The sharded "sparse" mask (the single-process solver on the gathered summary, its sums
-    all-reduced): this shard's mask, the rows' convergence and the hard mask (or None)."""
+    """The sharded "sparse" mask: this shard's mask, the rows' convergence and the hard mask (or
+    None)."""
     rows, hard_cand = _gather_rows(plan, x)
     reduce = plan.comm.reduce if plan.comm.size > 1 else None
     a, converged = solve_sparse_rows(
@@ -168,8 +163,7 @@ def _solve_sparse(
 
 class _ShardedMaskSparse(torch.autograd.Function):
     """This shard of ``a = clip((x - t)/eps, 0, 1)``, ``sum a = k`` over the concatenated row;
-    the closed-form backward on the free entries S, with ``|S|`` and the sums over S
-    all-reduced (one (3, B) all-reduce; (5, B) with a gradient in epsilon)."""
+    the closed-form backward on the free entries, its sums all-reduced."""
 
     @staticmethod
     def forward(
@@ -222,12 +216,8 @@ def _first_ties(eq: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
 
 
 def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """The 0/1 mask of the k largest entries of the concatenated rows, on this shard; ties at
-    the k-th value v broken by the global position (lower first).
-
-    ``cand`` (P, B, W), W >= max k, holds every rank's W largest entries (``-inf`` padded): they
-    hold every entry above v (fewer than k), and each rank's ties at v as far as they can matter
-    (a rank whose W candidates end in ties shows at least k - #{x > v} >= the ties needed)."""
+    """The 0/1 mask of the k largest entries of the concatenated rows on this shard (ties by the
+    global position), from ``cand`` (P, B, W >= max k), every rank's W largest."""
     P, B, W = cand.shape
     kk = k.long()
     merged = cand.permute(1, 0, 2).reshape(B, P * W).topk(W, dim=-1).values
@@ -246,13 +236,8 @@ def _hard_mask(plan: _Plan, x: torch.Tensor, k: torch.Tensor, cand: torch.Tensor
 
 
 class _ShardedMaskOT(torch.autograd.Function):
-    """This shard of ``A = sigmoid((x - t)/eps)``, ``sum A = k`` over the concatenated row; the
-    implicit backward with its row sums all-reduced.
-
-    Inputs: x (B, n_r) in the compute dtype, k (B,), eps (B,), and the call's :class:`_Plan`.
-    Outputs: A, then tensors that carry no gradient: the convergence flags, the hard mask (or
-    None) and the solve's diagnostics (t, residual).
-    """
+    """This shard of ``A = sigmoid((x - t)/eps)``, ``sum A = k`` over the concatenated row (then
+    outputs without gradient); the implicit backward with its row sums all-reduced."""
 
     @staticmethod
     def forward(
@@ -308,36 +293,27 @@ def _weighted_sums(
     need_eps: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``<w, g>``, ``<w, off>``, ``sum_live g s off`` and ``sum_live g s`` over the row (live:
-    ``s > 0``), ``w = s / sum s`` normalised in the log domain as in
-    ``softops.topk._ot._k_weights``, each rank's sides shifted by its nearest entries, from one
-    all-gather.
+    ``s > 0``), ``w = s / sum s`` normalised in the log domain as in the single-process backward
+    (:func:`softops.topk.side_log_weights`), each rank's sides shifted by its nearest entries,
+    from one all-gather.
     """
-    B, n_r = off.shape
-    a = off.abs()
-    fin_a = torch.isfinite(a)
+    fin_a = torch.isfinite(off)
     side = edge[:, None]
     below = fin_a & ((off <= 0) | (side != 0))  # (edge rows: one side)
+    logw, log_u, near_b, near_a = side_log_weights(off, e, below)
     finite = torch.isfinite(xs)
     xf = torch.where(finite, xs, 0)
     top, bottom = ext[:, :1].nan_to_num(0, 0, 0), ext[:, 1:2].nan_to_num(0, 0, 0)
     up = torch.where(finite, (xf - top) / e, -math.inf)
     down = torch.where(finite, (bottom - xf) / e, -math.inf)
+    logw = torch.where(side > 0, up, torch.where(side < 0, down, logw))
     live = s > 0
     gs = g * s  # (NaN where s is: a NaN row's gradient in epsilon is NaN)
     parts = []
-    for here in (below, fin_a & ~below):
-        if n_r:
-            near = torch.where(here, a, math.inf).amin(-1, keepdim=True)
-        else:
-            near = torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
-        near = torch.where(side != 0, 0, near)
-        shift = torch.where(torch.isfinite(near), near, 0)
-        af = torch.where(here, a, shift)
-        inner = -((af - shift) / e)
-        sp = torch.nn.functional.softplus(-(af / e))
-        logw = torch.where(side > 0, up, torch.where(side < 0, down, inner - 2 * sp))
+    for here, near in ((below, near_b), (fin_a & ~below, near_a)):
         w = torch.where(here, torch.exp(logw), 0)
-        u = torch.where(here, torch.exp(inner - sp), 0)
+        u = torch.where(here, torch.exp(log_u), 0)
+        near = torch.where(side != 0, 0, near)  # (edge rows: weighed from the row's max or min)
         parts += [near.squeeze(-1), w.sum(-1), torch.linalg.vecdot(w, g), u.sum(-1)]
         if need_eps:
             parts.append(torch.linalg.vecdot(w, torch.where(w > 0, off, 0)))

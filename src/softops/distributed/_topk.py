@@ -15,9 +15,8 @@ from softops.distributed._mask import _first_ties
 def _sharded_topk(
     plan: _Plan, x: torch.Tensor, k: int, nan_first: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, k) values, global indices, owners and local indices of the global top-k, from one
-    all-gather of each rank's own top-k: the order is NaN first (``nan_first``) or last, then
-    value descending, then global position ascending."""
+    """(B, k) values, global indices, owners and local indices of the global top-k (NaN first or
+    last, value descending, global position ascending) from one all-gather."""
     comm = plan.comm
     B, n_r = x.shape
     P = comm.size

@@ -10,17 +10,10 @@ optimal plan is a sigmoid with a single threshold (derived in docs/math.md §1):
     A_i = n\,\Gamma_{i1} = \sigma\big((x_i - t)/\varepsilon\big), \qquad
     \textstyle\sum_i A_i = k, \qquad \varepsilon = \varepsilon_p / 2,
 
-so ``method="ot"`` solves one scalar equation per row instead of running Sinkhorn, and its
-backward pass is the closed-form implicit gradient, O(n).
-
-Deviations from the paper's notation: the library selects the **largest** entries (the paper and
-its code select the smallest), epsilon is in the units of x (the paper divides the cost by its
-maximum), and every row is solved on its own (the official code divides by a batch-wide maximum,
-so one row changes the others).
-
-Layout: one backend file per method in :data:`METHODS`, each ``mask(x2, k, eps, opts)`` on
-canonical (B, n) rows, largest first; :func:`soft_topk` in ``_sorted.py`` (Newton solve in
-``_newton.py``); the shared checks in ``_options.py``.
+so ``method="ot"`` solves one scalar equation per row, with a closed-form O(n) backward.
+Unlike the paper, the library selects the **largest** entries, epsilon is in the units of x, and
+every row is solved on its own. One backend file per method in :data:`METHODS`, each
+``mask(x2, k, eps, opts)`` on canonical (B, n) rows, largest first.
 """
 
 from __future__ import annotations
@@ -43,7 +36,13 @@ from softops.topk._options import (
     check_mask_options,
     solver_defaults,
 )
-from softops.topk._ot import SAMPLE_SIZE, ThresholdState, hard_topk_mask
+from softops.topk._ot import (
+    SAMPLE_SIZE,
+    ThresholdState,
+    hard_topk_mask,
+    side_log_weights,
+    threshold_values,
+)
 from softops.topk._ot import solve as solve_threshold
 from softops.topk._softkmax import soft_kmax_rows
 from softops.topk._sorted import TopK, soft_topk
@@ -67,17 +66,17 @@ __all__ = [
     "check_mask_k",
     "check_mask_options",
     "row_stats",
+    "side_log_weights",
     "soft_kmax",
     "soft_topk",
     "soft_topk_mask",
     "solve_ot_rows",
     "solve_sparse_rows",
     "solve_threshold",
+    "threshold_values",
     "topk_selection_matrix",
 ]
-# Besides the ops, the family's face for softops.solvers, softops.nn and softops.distributed
-# (not in softops.__all__): the threshold solvers (on whole rows, or on pieces of rows known by
-# a RowSummary and a reduction), their defaults and the checks of a mask's options.
+# besides the ops, the solvers and checks that softops.solvers, nn and distributed use
 
 METHODS: dict[str, ModuleType] = {
     "ot": _ot,
@@ -109,8 +108,8 @@ def soft_topk_mask(
 
         torch.zeros_like(x).scatter(dim, x.topk(k, dim, largest).indices, 1)
 
-    SOFT top-k (Xie et al. 2020) is the entropic optimal transport of the entries of ``x`` onto
-    two targets; with two targets its plan is exactly a sigmoid with one threshold ``t`` per row:
+    SOFT top-k (Xie et al. 2020), entropic optimal transport onto two targets, is exactly a
+    sigmoid with one threshold ``t`` per row:
 
     .. math::
 
@@ -192,8 +191,7 @@ def soft_topk_mask(
     rows = prepare_rows(op, x, dim, epsilon)
     functorch = under_functorch()
     if functorch and isinstance(k, torch.Tensor) and method in ("ot", "sparse"):
-        # A batched k has no single value to test: its integrality (hard=True) is read from every
-        # vmapped slice at once; "ot" and "sparse" have no rule on the shape of k or its grad.
+        # a batched k: its integrality (hard=True) read from every vmapped slice at once
         k_scalar = check_mask_k(op, plain(k).detach(), rows.n, method, hard=hard, dtype=x.dtype)[1]
     else:
         k, k_scalar = check_mask_k(op, k, rows.n, method, hard=hard, epsilon=epsilon, dtype=x.dtype)
@@ -260,8 +258,7 @@ def soft_kmax(
     Shape:
         - x: :math:`(*, n, *)` with n at ``dim``; output: the same.
 
-    Cost: O(k n) time per row; plain autograd, O(k B n) memory, checkpointed from k = 16 on
-    (O(sqrt(k) B n) memory for one more forward pass).
+    Cost: O(k n) time per row; memory O(k B n), checkpointed from k = 16 on (O(sqrt(k) B n)).
 
     Example:
         >>> x = torch.tensor([5.0, 2.0, 3.0, 4.0, 1.0, 6.0])

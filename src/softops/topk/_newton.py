@@ -1,20 +1,10 @@
 """The sorted top-k's forward solve: semi-dual Newton from the centred start (docs/math.md §2.2).
 
-The sorted top-k's cost, centred at the midpoints of the sorted scores, makes v = 0 (g in units
-of epsilon) the hard assignment, the solution as epsilon -> 0, and one Sinkhorn column update of
-it the solution as epsilon -> infinity. So Newton on the semi-dual runs at once from there, in
-float64, all rows in lock-step, with full steps that must lower the bound
-``sum_j |b_j - c_j| / sum_i a_i`` on each row's residual (a row whose step does not keeps its
-state and stops). ``b - c`` is formed relative to each row's cheapest column as sums of small
-products; for m <= 3 the system is the grounded Laplacian of the couplings, solved by Cramer's
-rule (:func:`~softops._core.sinkhorn.laplacian_solve`). Rows left above ``tol`` are solved again
-from the start by the generic solver (:func:`softops._core.sinkhorn.log_sinkhorn`), so every
-result is a plan certified by its residual.
-
-On the CPU, small problems (``n m^2 <= KERNEL_MAX_WORK``) run row by row in the C++ kernel
-``_newton_kernel.cpp`` (the operator ``softops::newton_first``), with the same arithmetic and
-stopping rule; the rows it leaves go to the torch code. The same kernel holds the sorted
-top-k plan's backward (``softops::sorted_plan_vjp``, defined in ``_sorted.py``).
+From the centred start (v = 0, exact as epsilon -> 0; one column update of it, exact as epsilon
+-> infinity), full Newton steps in float64 that must lower the bound ``sum_j |b_j - c_j| / sum_i
+a_i`` on each row's residual; rows left above ``tol`` are solved again by the generic solver
+(:func:`softops._core.sinkhorn.log_sinkhorn`), so every result is certified by its residual. On
+the CPU, small problems run row by row in the C++ kernel (the operator ``softops::newton_first``).
 """
 
 from __future__ import annotations
@@ -45,17 +35,14 @@ __all__ = ["NEWTON_FIRST_OP", "NEWTON_FIRST_STEPS", "NEWTON_KERNEL", "newton_fir
 NEWTON_FIRST_STEPS = 12
 """Cap on the Newton steps from the centred start (three reach 1e-6 on normal scores)."""
 KERNEL_MAX_WORK = 1 << 17
-"""Largest ``n m^2`` per row that the kernel solves: above it the batched torch code (its
-couplings one ``bmm``) is the faster."""
+"""Largest ``n m^2`` per row that the kernel solves (above it the batched torch code is faster)."""
 NEWTON_KERNEL = Kernel("softops_newton", Path(__file__).with_name("_newton_kernel.cpp"))
-"""The CPU row kernels of the Newton-first solve and of the sorted top-k plan's backward
-(``torch.ops.softops_newton``)."""
+"""The CPU row kernels of the Newton-first solve and of the sorted top-k plan's backward."""
 
 
 def use_kernel(t: Tensor, n: int, m: int) -> bool:
-    """Whether the row kernels may take rows of n entries and m targets held by ``t``: a plain
-    CPU tensor (not traced, not wrapped by ``torch.func``), ``n m^2 <= KERNEL_MAX_WORK``, the
-    kernel back end on (:mod:`softops._kernels`)."""
+    """Whether the row kernels may take rows of n entries and m targets held by ``t`` (a plain
+    CPU tensor, ``n m^2 <= KERNEL_MAX_WORK``, the kernel back end on)."""
     return (
         t.device.type == "cpu"
         and n * m * m <= KERNEL_MAX_WORK
@@ -96,8 +83,7 @@ def _semidual(
     # (B, m, n) in that memory order: every reduction over m runs over contiguous rows
     s = cost.new_empty(cost.transpose(1, 2).shape, dtype=f64)
     torch.div(cost.transpose(1, 2), epsilon.to(f64).reshape(-1, 1, 1), out=s)
-    # both marginals from their logarithms in float64 (a narrower rounding of ``a`` gives the
-    # totals a gap, a floor of the residual)
+    # both marginals from their logarithms in float64 (else the totals' gap floors the residual)
     log_a64, log_b64 = log_a.to(f64), log_b.to(f64).unsqueeze(-1)
     a, b = log_a64.exp(), log_b64.exp()
     a_col = a.unsqueeze(-1)
@@ -111,10 +97,8 @@ def _semidual(
 
 
 def _newton_state(sd: _Semidual, v: Tensor) -> _NewtonState:
-    """The state at ``v``: ``b_j - c_j = (b_j - sum_{r(i) = j} a_i) - sum_i a_i (P_ij - [j =
-    r(i)])``, with ``P_ij - [j = r(i)]`` taken as ``-sum_{l != r(i)} P_il`` on the reference
-    column: sums of small products, exact where the rows are nearly one-hot (formed directly,
-    ``b - c`` keeps only the rounding of the O(1) masses)."""
+    """The state at ``v``: ``b - c`` relative to each row's reference column r(i), as sums of
+    small products (exact where the rows are nearly one-hot)."""
     p = torch.softmax(v - sd.s, 1)
     off = p * sd.off_ref
     flow = off.addcmul_(sd.ref, off.sum(1, keepdim=True), value=-1.0)  # P - [j = r(i)]
@@ -124,8 +108,7 @@ def _newton_state(sd: _Semidual, v: Tensor) -> _NewtonState:
 
 def _residual(sd: _Semidual, state: _NewtonState) -> tuple[Tensor, Tensor]:
     """``(ratio, err)``: ``ratio = (b - c) / c`` (B, m, 1) and the relative L1 row error (B, 1, 1)
-    of the column-exact plan ``diag(a) P diag(b / c)``, ``sum_i a_i |sum_j P_ij ratio_j| / sum_i
-    a_i`` (no difference of O(1) numbers; at most ``l1 / sum_i a_i``)."""
+    of the column-exact plan, without a difference of O(1) numbers."""
     gap = state.gap
     ratio = gap / (sd.b - gap).clamp_min_(torch.finfo(gap.dtype).tiny)
     dev = torch.bmm(ratio.transpose(1, 2), state.p)  # (B, 1, n): row sums of the plan / a, - 1
@@ -133,10 +116,8 @@ def _residual(sd: _Semidual, state: _NewtonState) -> tuple[Tensor, Tensor]:
 
 
 def _newton_direction(sd: _Semidual, state: _NewtonState) -> Tensor:
-    """The Newton step (B, m, 1), gauge ``v_m`` fixed: ``K delta_< = (b - c)_<`` with K the
-    Laplacian of the couplings ``w_jl = sum_i a_i P_ij P_il`` grounded at the last column (every
-    entry a sum of products). m <= 3 in closed form, larger m by an equilibrated Cholesky; a step
-    that fails is not finite."""
+    """The Newton step (B, m, 1), ``v_m`` fixed: K, the grounded Laplacian of the couplings,
+    solved in closed form for m <= 3, else by Cholesky; a step that fails is not finite."""
     p = state.p
     m = p.shape[1]
     grad = state.gap[:, : m - 1]
@@ -162,12 +143,8 @@ def newton_first(
     tol: float,
     potentials: bool = True,
 ) -> tuple[SinkhornResult, bool]:
-    """Solve the centred problem (no autograd): the kernel on small CPU problems, else torch.
-
-    ``cost`` (B, n, m) has column constants that make v = 0 a close start; the other arguments
-    are those of :func:`~softops._core.sinkhorn.log_sinkhorn`. Returns ``(result, clean)``:
-    the result (float64 where Newton ran) and whether every row converged without the fallback.
-    """
+    """Solve the centred problem (no autograd): ``(result, clean)``, ``clean`` whether every row
+    converged without the fallback (arguments as :func:`~softops._core.sinkhorn.log_sinkhorn`'s)."""
     bsz, n, m = cost.shape
     if tol <= 0 or m == 1 or bsz == 0 or n == 0 or cost.device.type == "meta":
         res = log_sinkhorn(
@@ -198,9 +175,8 @@ def _newton_first_torch(
     tol: float,
     potentials: bool = True,
 ) -> tuple[SinkhornResult, bool]:
-    """:func:`newton_first` in torch: at most ``NEWTON_FIRST_STEPS`` full steps, one host read
-    per step; a stopped row's state is never touched again, so each row depends on its own
-    data only."""
+    """:func:`newton_first` in torch: at most ``NEWTON_FIRST_STEPS`` full steps; a stopped
+    row's state is never touched again."""
     sd, v = _semidual(cost, log_a, log_b, epsilon, tol)
     state = _newton_state(sd, v)
     live = state.l1 > sd.tol_mass  # (B, 1, 1)
@@ -209,8 +185,7 @@ def _newton_first_torch(
     while n_live and steps < min(NEWTON_FIRST_STEPS, max_iter):
         v_new = torch.where(live, v + _newton_direction(sd, state), v)
         new = _newton_state(sd, v_new)
-        # a stopped row is recomputed at the same v by the same ops, so its bound does not
-        # drop: ``keep`` holds live rows only (False where the step is not finite)
+        # ``keep`` holds live rows only (a stopped row's bound does not drop)
         keep = new.l1 < state.l1
         more = keep & (new.l1 > sd.tol_mass)
         n_keep, n_more = torch.stack((keep, more)).sum((1, 2, 3)).tolist()
@@ -249,8 +224,7 @@ def _fallback(
 
 
 def _merge(res: SinkhornResult, rows: Tensor, sub: SinkhornResult) -> SinkhornResult:
-    """``res`` with the rows ``rows`` (bool or indices) replaced by ``sub`` (float64 where
-    ``res`` is); empty potentials stay empty."""
+    """``res`` with the rows ``rows`` (bool or indices) replaced by ``sub``."""
     plan, f, g, residual = res.plan.clone(), res.f.clone(), res.g.clone(), res.residual.clone()
     plan[rows] = sub.plan.to(plan.dtype)
     residual[rows] = sub.residual.to(residual.dtype)
@@ -318,8 +292,7 @@ def _op_cpu(
     potentials: bool,
     caller: str,
 ) -> tuple[Tensor, ...]:
-    """The solve by the row kernel; the rows it leaves above ``tol`` (or does not solve: a zero
-    mass, a NaN) by :func:`_newton_first_torch`, as a sub-batch."""
+    """The solve by the row kernel; the rows it leaves by :func:`_newton_first_torch`."""
     f64 = torch.float64
     bsz = cost.shape[0]
     s = torch.div(cost.transpose(1, 2).to(f64), epsilon.to(f64).reshape(-1, 1, 1)).contiguous()
@@ -346,17 +319,8 @@ def _op_cpu(
     return op_outputs(res, clean, potentials)
 
 
-def _op_fake(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: Tensor,
-    max_iter: int,
-    tol: float,
-    potentials: bool,
-    caller: str,
-) -> tuple[Tensor, ...]:
-    return fake_outputs(cost, potentials, torch.float64)
+def _op_fake(cost: Tensor, *args: Any) -> tuple[Tensor, ...]:
+    return fake_outputs(cost, args[5], torch.float64)  # (args[5]: potentials)
 
 
 NEWTON_FIRST_OP = define(
@@ -368,7 +332,5 @@ NEWTON_FIRST_OP = define(
     cpu=_op_cpu,
     kernel=NEWTON_KERNEL,
 )
-""":func:`newton_first` as an operator, opaque to traced code: (cost (B, n, m), log_a, log_b,
-eps (B,), max_iter, tol, potentials, caller: the op its non-convergence warning names, none if
-empty) -> (plan (B, n, m), f, g, converged, residual, iterations (), clean ()), float64; not
-differentiable (``_sorted._SortedPlan`` carries the gradient)."""
+""":func:`newton_first` as an operator, opaque to traced code, with the outputs of
+``softops::sinkhorn`` in float64; not differentiable."""

@@ -49,17 +49,8 @@ PERTURBED_DEFAULT_SAMPLES = 100
 
 
 class MaskOptions(NamedTuple):
-    """What every backend of ``soft_topk_mask`` receives besides its rows, checked once.
-
-    Attributes:
-        op: the public op, named by errors and warnings.
-        max_iter: the iteration cap with its default filled in ("ot", "sparse", "sinkhorn").
-        tol: the tolerance with its default filled in ("ot", "sinkhorn"; 0 for the others).
-        k_scalar: k as a number where it is one ("ot": the scalar-k path), else None.
-        k_int: k as an int ("softkmax" and "perturbed": a count of rounds or of a top-k).
-        n_samples: "perturbed": the number of noise draws.
-        generator: "perturbed": the generator of the draws, or None.
-    """
+    """What every backend of ``soft_topk_mask`` receives besides its rows, checked once (the
+    defaults filled in; ``k_scalar``: k where it is a number; ``k_int``: k as a count)."""
 
     op: str
     max_iter: int = 0
@@ -82,14 +73,8 @@ def check_mask_options(
     n_samples: Any = None,
     generator: Any = None,
 ) -> tuple[int | None, float | None, int | None]:
-    """Check the options of a top-k mask for ``method``; return ``(max_iter, tol, n_samples)``.
-
-    ``max_iter`` and ``tol`` come back as given (None stays None: the default depends on the
-    compute dtype, known only with x) after their type and range are checked; ``n_samples``
-    with its default filled in for "perturbed" (None otherwise). Arguments ``method`` does not
-    use must be left at their default (None). ``epsilon`` is checked when given (a layer checks
-    it at construction; the op checks it with x).
-    """
+    """Check the options of a top-k mask for ``method``: ``(max_iter, tol, n_samples)`` (only
+    ``n_samples`` defaulted); arguments ``method`` does not use must be left at None."""
     check_choice(method, MASK_METHODS, op, "method")
     check_bool(largest, op, "largest")
     check_bool(hard, op, "hard")
@@ -124,13 +109,8 @@ def check_mask_k(
     epsilon: Any = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[float | torch.Tensor, float | None]:
-    """Check ``k`` for ``method``; return ``(k, k_scalar)``, k_scalar its value when a number.
-
-    ``0 <= k <= n`` (``n=None``: a layer before it sees x checks ``k >= 0`` only); a per-row k
-    needs "ot" or "sparse"; ``hard=True``, "softkmax" and "perturbed" need an integer k; "sinkhorn",
-    "softkmax" and "perturbed" give no gradient in k (nor, but for "softkmax", in epsilon), so a
-    k or epsilon that requires grad is refused rather than silently ignored.
-    """
+    """Check ``k`` for ``method``: ``(k, k_scalar)``, k_scalar its value when a number; a k or
+    epsilon that requires grad where the method gives it none is refused, not ignored."""
     k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
@@ -142,8 +122,7 @@ def check_mask_k(
         )
     opaque = isinstance(k, torch.Tensor) and unreadable(k)
     if method in ("softkmax", "perturbed") and opaque:
-        # their k is a count of rounds (draws of a top-k), read on the host: a batched (vmap),
-        # traced or meta tensor has no value to read
+        # their k is a count, read on the host
         raise ValueError(
             f"{op}: expected `k` as a number, or a plain tensor, with method={method!r} (it "
             "reads k's value); got a tensor batched by vmap, traced by torch.compile or on the "
@@ -169,9 +148,7 @@ def check_mask_k(
 def solver_defaults(
     method: str, max_iter: int | None, tol: float | None, dtype: torch.dtype
 ) -> tuple[int, float]:
-    """``(max_iter, tol)`` with the documented defaults of "ot" (100 evaluations, machine
-    precision: tol 0), "sparse" (100 evaluations; no tolerance: 0) and "sinkhorn" (2000
-    iterations, :func:`softops._core.convergence.default_tol`); (0, 0.0) for the methods
+    """``(max_iter, tol)`` with the documented defaults filled in; (0, 0.0) for the methods
     without a solver."""
     if method in ("softkmax", "perturbed"):
         return 0, 0.0
@@ -196,11 +173,8 @@ def check_generator(generator: torch.Generator | None, device: torch.device, op:
 
 
 def unreachable_rows(x2: torch.Tensor, k: torch.Tensor | float) -> torch.Tensor:
-    """(B,) bool: the rows of x2 (B, n) that cannot hold their k entries.
-
-    A row with a NaN, with more than k entries at ``+inf`` (they must all be selected), or with
-    fewer than k entries above ``-inf`` (which is never selected) gives NaN by contract.
-    """
+    """(B,) bool: the rows of x2 (B, n) that cannot hold their k entries (a NaN, more than k
+    at ``+inf`` or fewer than k above ``-inf``): NaN by contract."""
     n_pinf = (x2 == math.inf).sum(-1)
     n_above = (x2 > -math.inf).sum(-1)
     return torch.isnan(x2).any(-1) | (n_pinf > k) | (n_above < k)

@@ -13,17 +13,10 @@ and the backward is the closed-form implicit gradient (``_SoftTopKMaskOT``, §1.
     \bar x = s \odot \big(\bar A - \langle w, \bar A\rangle\big), \qquad
     \bar k = \langle w, \bar A\rangle .
 
-Forward mode is the same linearisation: with :math:`z = (x - t)/\varepsilon` and
-:math:`u = \dot x - z\,\dot\varepsilon`,
-:math:`\dot A = s \odot (u - \langle w, u\rangle) + w\,\dot k`.
-
-The solve is the operator ``softops::ot_threshold`` (:mod:`softops._kernels`): not
-differentiable, opaque to ``torch.compile`` and ``torch.export``, with this module's torch code
-as its reference and a C++ kernel on the CPU (``_ot_kernel.cpp``: the same arithmetic), which
-leaves the rows it does not solve (``+inf``, NaN, an unreachable k, a huge epsilon, a capped
-solve) to the reference. The autograd Function carries the implicit gradient (its backward in x
-the operator ``softops::ot_vjp_rows``); traced code applies it without its custom ``jvp``, which
-torch 2.13's dynamo rejects. Infinities are their limits; rows whose k cannot be met are NaN.
+The solve is the operator ``softops::ot_threshold`` (not differentiable, opaque to traced
+code; a C++ kernel on the CPU, this module's torch code elsewhere and for the rows the kernel
+leaves); the autograd Function carries the implicit gradient. Infinities are their limits; rows
+whose k cannot be met are NaN.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ from softops._core.rootfind import (
     run_while,
     start_state,
 )
-from softops._core.transforms import apply_function, under_functorch, vmap_rows
+from softops._core.transforms import apply_function, under_functorch, vmap_rows, without_jvp
 from softops._kernels import Kernel, define
 from softops.topk._options import THRESHOLD_MAX_ITER, MaskOptions
 
@@ -61,7 +54,9 @@ __all__ = [
     "mask_from_threshold",
     "near_hard",
     "polish",
+    "side_log_weights",
     "solve",
+    "threshold_values",
 ]
 
 EXACT_MAX_N = 16384
@@ -69,43 +64,29 @@ EXACT_MAX_N = 16384
 longer rows by a strided subsample of about ``SAMPLE_SIZE`` entries (the bracket stays exact)."""
 SAMPLE_SIZE = 2048
 FIRST_BLOCK = {torch.float32: 3, torch.float64: 4}
-"""Evaluations run with the preparation, before the first convergence test (typical counts)."""
+"""Evaluations before the first convergence test off the CPU (typical counts)."""
 BLOCK = 2
-"""Evaluations between two later convergence tests off the CPU (no host sync inside a block); on
-the CPU every evaluation is followed by a test (a host test is free there)."""
+"""Evaluations between two later convergence tests off the CPU (the CPU tests after each)."""
 SMOOTH_START = 8
-"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``. (An int:
-torch.compile lifts a module-level float read by traced code to a graph input, a per-call cost,
-and specialises an int.)"""
+"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 SCALE_BITS = 40
 """Rows whose epsilon exceeds ``finfo.max / 2**SCALE_BITS`` are solved on ``(x c, eps c)`` for a
-power of two ``c < 1`` (the mask is invariant): their offsets ``x - t`` can exceed the dtype's
-range while ``(x - t) / eps`` is moderate. Every other row saturates wherever an offset
-overflows (``|x - t| / eps > 2**SCALE_BITS``), so there ``+-inf`` is the exact limit."""
+power of two ``c < 1`` (docs/math.md §1.3, "At the ends of the range")."""
 
 
 def _scaling_limit(dtype: torch.dtype) -> float:
-    """The scaling limit of ``dtype``, ``finfo.max / 2**SCALE_BITS`` (a constant of the dtype:
-    torch.compile folds it, where a module-level table of floats would be a graph input)."""
+    """``finfo.max / 2**SCALE_BITS``."""
     return torch.finfo(dtype).max * 2.0**-SCALE_BITS
-
-
-# The cap on evaluations is THRESHOLD_MAX_ITER (100). 3 to 5 are typical; plain bisection within
-# the coarse bracket of the subsampled path needs at most about 30 (float32) or 60 (float64).
 
 
 class ThresholdState(NamedTuple):
     """The solved threshold of each row, ``A = sigmoid(((x - m) - t) / eps)``, with diagnostics.
 
-    ``t`` is the last evaluated iterate, whose residual ``sum A - k`` is ``residual``.
-    ``sel_none``/``sel_all``/``invalid`` are None when no row needs them (all entries finite and
-    0 < k < n); otherwise (B,) bool masks of rows that select only their ``+inf`` entries, all
-    their non ``-inf`` entries, or that cannot be solved (NaN entries, or k not reachable).
-    Traced and meta solves always give the masks; ``iterations`` is then the cap of the schedule
-    (a traced solve stops in the graph, where Python cannot count). ``scale`` is None, or (B,)
-    powers of two ``c`` (1 on most rows) when rows with a huge epsilon were solved on
-    ``(x c, eps c)``: then ``m`` and ``t`` are in those units, ``A = sigmoid(((x c - m) - t) /
-    (eps c))``.
+    ``t`` is the last evaluated iterate, whose ``sum A - k`` is ``residual``. ``sel_none``,
+    ``sel_all``, ``invalid``: None when every row is regular, else (B,) masks of the rows that
+    select only their ``+inf`` entries, all but their ``-inf`` ones, or that cannot be solved.
+    ``scale``: None, or (B,) powers of two ``c`` where rows were solved on ``(x c, eps c)``
+    (``m`` and ``t`` in those units).
     """
 
     m: torch.Tensor
@@ -120,8 +101,7 @@ class ThresholdState(NamedTuple):
 
 
 class _Prep(NamedTuple):
-    """What the iteration needs of the rows: (B,) tensors (``m2`` (B, 1)). Epsilon is not among
-    them: a compiled function returning a view of its input pays for regenerating it."""
+    """What the iteration needs of the rows: (B,) tensors (``m2`` (B, 1))."""
 
     m2: torch.Tensor
     k_total: torch.Tensor  # the residual's target: k, with the +inf entries counted
@@ -132,11 +112,8 @@ class _Prep(NamedTuple):
 
 
 Reduce = Callable[[tuple[torch.Tensor, ...]], Sequence[torch.Tensor]]
-"""How an evaluation combines its per-row partial sums over the pieces of a row: None (the
-identity: the row is in this process) or a function of the tuple of (B,) partial sums that
-returns their totals over the row, in the same order (``softops.distributed``: one all-reduce
-across the ranks that hold the row's shards). It may return them in a wider dtype (float64);
-the evaluation then forms the row's formulas in it and returns them in the dtype of ``x``."""
+"""How an evaluation totals its (B,) partial sums over the pieces of a row, in order (None: the
+row is whole here; ``softops.distributed``: one all-reduce), possibly in a wider dtype."""
 
 
 def _evaluate(
@@ -149,12 +126,9 @@ def _evaluate(
     reduce: Reduce | None = None,
     n: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``F = sum A - k``, ``dF/dt``, the tolerance on ``|F|``, ``F''/F'``, ``A``, ``s = A (1 - A)
-    / eps``, ``sum s`` (``inf`` where 0) and the count of entries above t.
-
-    F is split by sign via ``u = min(A, 1 - A)`` (no cancellation); the tolerance is the sums'
-    rounding plus F's change over one ulp of t plus ``tol``. The five row sums are partial where
-    ``x`` is one shard: ``reduce`` (:data:`Reduce`) totals them and ``n`` is the row's length.
+    """``F = sum A - k`` (without cancellation, docs/math.md §1.3), ``dF/dt``, the tolerance on
+    ``|F|``, ``F''/F'``, ``A``, ``s = A (1 - A) / eps``, ``sum s`` (``inf`` where 0) and the count
+    above t. Where ``x`` is a shard, ``reduce`` totals the row sums and ``n`` is the row's length.
     """
     em = torch.finfo(x.dtype).eps
     inv = 1 / eps  # per row: one division a row instead of one an entry
@@ -178,12 +152,9 @@ def _evaluate(
     slope = d_sum / e
     curv = -c_sum / d_sum / e
     n = x.shape[-1] if n is None else n
-    # The sums are of size min(k, n - k) at the root: below 1 the rounding floor follows them, so
-    # that a k within rounding of 0 or n (1e-300, say) is still solved to relative precision.
+    # the rounding floor follows sums below 1 (a k within rounding of 0 or n), down to where the
+    # sigmoid flushes to 0 (each term resolved to about 1 / finfo.max)
     floor = torch.minimum(k, n - k).clamp(0, 1)
-    # ...down to where the sigmoid flushes to 0: 1 / (1 + exp(-z)) is 0 once exp(-z) overflows,
-    # so each term is resolved only to about 1 / finfo.max (k = 1e-322 on a tied row cannot be
-    # met more closely than that: no spurious warning, no bisection down to the ulps of t).
     flush = n / torch.finfo(x.dtype).max
     bound = 32 * em * torch.maximum(u_sum, floor) + 2 * em * slope * t.squeeze(-1).abs()
     bound = bound + flush + tol
@@ -219,11 +190,8 @@ def _mask(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) 
 
 
 def _pad(lo: torch.Tensor, hi: torch.Tensor, eps: torch.Tensor):
-    """Widen by a few ulps of the scale so that rounding cannot leave the root outside, within
-    the finite range: on a row spanning more than it (``x_(k) - x_(k+1)`` near ``2 finfo.max``)
-    an end can round to infinity, and an infinite bracket has no midpoint. The root itself is
-    within ``eps log n`` of ``0`` there (|t| << finfo.max once epsilon is below the scaling limit,
-    ``SCALE_BITS``)."""
+    """Widen the bracket by a few ulps of the scale, within the finite range (an infinite end
+    has no midpoint)."""
     fi = torch.finfo(lo.dtype)
     em, big = fi.eps, fi.max
     pad = 4 * em * (lo.abs() + hi.abs() + eps)
@@ -231,11 +199,8 @@ def _pad(lo: torch.Tensor, hi: torch.Tensor, eps: torch.Tensor):
 
 
 def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Per row, the power of two ``c`` with which the solve runs on ``(x c, eps c)``: 1 where
-    epsilon is at most ``finfo.max / 2**SCALE_BITS``, else the largest ``c`` that brings both
-    epsilon and the half span of the finite entries below that limit (so every offset, bracket
-    end and step of the solve is far inside the range). Exact: powers of two scale without
-    rounding (but for subnormal entries, whose effect on ``(x - t) / eps`` is then nil)."""
+    """Per row, the power of two ``c`` of the solve on ``(x c, eps c)``: 1 where epsilon is within
+    the scaling limit, else the largest ``c`` that brings epsilon and the half span below it."""
     finite = torch.isfinite(x)
     top = torch.where(finite, x, -math.inf).amax(-1)
     bottom = torch.where(finite, x, math.inf).amin(-1)
@@ -243,8 +208,7 @@ def _scale(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_of(top: torch.Tensor, bottom: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """:func:`_scale` from the rows' largest and smallest finite entries (B,) (``-inf`` and
-    ``inf`` where a row has none)."""
+    """:func:`_scale` from the rows' largest and smallest finite entries (B,)."""
     limit = _scaling_limit(eps.dtype)
     half = torch.where(top >= bottom, 0.5 * top - 0.5 * bottom, 0)  # (NaN rows: 0)
     size = torch.maximum(torch.nan_to_num(half, nan=0.0), eps)
@@ -257,8 +221,7 @@ POLISH_STEPS = 6
 """Cap on the log-domain Newton steps of a near-hard row (:func:`polish`; 1 or 2 typical)."""
 NEAR_HARD = 32
 """Rows with ``sum u (1 - u) < NEAR_HARD * sqrt(finfo.eps)`` at the solution are near the hard
-limit: F's tolerance leaves their threshold uncertain by more than ``sqrt(finfo.eps) * eps``
-(see :func:`polish`)."""
+limit and polished (:func:`polish`)."""
 
 
 def near_hard(d_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -267,15 +230,9 @@ def near_hard(d_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def balance_parts(off: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    r"""The six (B,) sums behind :func:`balance_step`, stacked (6, B), of the offsets ``off =
-    (x - m) - t`` (B, n) of one shard of the rows (the whole row in one process), ``e`` (B, 1).
-
-    For each side of t (the finite entries with ``off <= 0``, then those with ``off > 0``): the
-    distance ``a`` from t to the side's nearest entry (``inf`` on an empty side), and the sums
-    ``sum exp(log u_i + a / eps)`` and ``sum exp(log u_i + a / eps) (1 - u_i)`` with ``u =
-    sigmoid(-|off| / eps)``. The shift by ``a`` (taken off before dividing by epsilon) puts the
-    largest term in [1/2, 1]: neither sum underflows, whatever epsilon.
-    """
+    r"""The six (B,) sums behind :func:`balance_step`, stacked (6, B), of the offsets ``off``
+    (B, n): per side of t, its nearest distance ``a`` and the sums of ``u`` and ``u (1 - u)``
+    shifted by ``exp(a / eps)`` (no underflow)."""
     B, n = off.shape
     a = off.abs()
     below = (off <= 0) & torch.isfinite(off)
@@ -298,21 +255,9 @@ def balance_parts(off: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def balance_step(
     parts: torch.Tensor, eps: torch.Tensor, c_below: torch.Tensor, c_above: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""The log-domain Newton step of :func:`polish`, from every shard's :func:`balance_parts`
-    (P, 6, B) (P = 1 in one process); ``eps`` (B,).
-
-    With the count P of entries above t fixed, ``F = L - R``, ``L = U_b + max(P - k, 0)``,
-    ``R = U_a + max(k - P, 0)`` (``U`` the sums of u below and above t). The root of F is that of
-    ``G = log L - log R``, stepped in units of the offsets (no division by epsilon):
-
-    .. math::
-
-        H = \varepsilon \log L - \varepsilon \log R, \qquad t' = t + \frac{H}{D_b / L + D_a / R},
-
-    ``D`` the sums of ``u (1 - u)``; exact in one step in the hard limit. Shards combine with
-    factors ``exp(-(a_r - a)/eps)``. Returns ``H``, ``t' - t`` (NaN where a side is empty) and
-    the distances ``a_b``, ``a_a`` from t to the nearest entries below and above.
-    """
+    r"""The log-domain Newton step on ``G = log L - log R`` (docs/math.md §1.3) from every
+    shard's :func:`balance_parts` (P, 6, B): ``H = eps G``, ``t' - t`` (NaN where a side is
+    empty) and the distances ``a_b``, ``a_a`` to the nearest entries."""
     out = []
     for i in (0, 3):
         nears = parts[:, i]
@@ -340,12 +285,8 @@ def polish(
     rows: torch.Tensor,
     gap: torch.Tensor,
 ) -> torch.Tensor:
-    """Re-solve, in the log domain, the thresholds ``t`` (B,) of the near-hard ``rows``, where
-    F's tolerance leaves t loose in its gap but the gradients in k and epsilon depend on it:
-    Newton steps on :func:`balance_step`'s ``G`` inside the gap and ``[lo, hi]``, bisection
-    when they leave it, at most ``POLISH_STEPS``. ``balance(t)``: every shard's
-    :func:`balance_parts` (P, 6, B); ``gap``: the count above t less k. Returns the new ``t``.
-    """
+    """Re-solve in the log domain the thresholds ``t`` (B,) of the near-hard ``rows``;
+    ``balance(t)``: every shard's :func:`balance_parts`."""
     ulp = torch.finfo(t.dtype).eps
     c_below, c_above = gap.clamp(min=0).to(t.dtype), (-gap).clamp(min=0).to(t.dtype)
     active = rows
@@ -366,10 +307,8 @@ def polish(
 
 
 def _row_counts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per row of ``x`` (B, n), n >= 1: the counts of finite, ``+inf`` and NaN entries (as
-    floats of x's dtype), the smallest finite entry (``inf``: none) and the sum of the finite
-    ones. Counts are float sums of comparisons: one vectorised pass each (``isnan().any()`` is
-    not, on the CPU)."""
+    """Per row of ``x`` (B, n), n >= 1: the counts of finite, ``+inf`` and NaN entries (floats),
+    the smallest finite entry (``inf``: none) and the sum of the finite ones."""
     dtype = x.dtype
     finite = torch.isfinite(x)
     n_fin = finite.sum(-1, dtype=dtype)
@@ -383,13 +322,8 @@ def _row_counts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _classify(
     k: torch.Tensor, n_fin: torch.Tensor, n_pinf: torch.Tensor, n_nan: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """Which rows are solved, and the k they are solved for (B,) each: ``kk``, k less the count of
-    ``+inf`` on the rows solved and half the finite count elsewhere (a harmless k that keeps the
-    arithmetic finite); ``k_eff``, k less the count of ``+inf`` (the residual's target, with the
-    ``+inf`` entries counted, is ``kk + (k - k_eff)``); the finite count clamped to at least 1;
-    ``solve_rows``; ``sel_none`` (k' = 0: only the ``+inf`` entries are selected); ``sel_all``
-    (k' = n_fin: all but the ``-inf`` ones; a row without a finite entry is at both); and
-    ``invalid`` (a NaN, or a k the finite entries cannot meet)."""
+    """Per row: ``kk`` (k' where solved, else half the count), ``k_eff`` (k less the ``+inf``
+    count), the finite count (>= 1), ``solve_rows``, ``sel_none``, ``sel_all``, ``invalid``."""
     k_eff = k - n_pinf
     invalid = (n_nan > 0) | (k_eff < 0) | (k_eff > n_fin)
     sel_none = ~invalid & (k_eff <= 0)
@@ -403,11 +337,8 @@ def _classify(
 def _prepare_exact(
     x: torch.Tensor, k: torch.Tensor, eps: torch.Tensor, top: int
 ) -> tuple[_Prep, SolverState]:
-    """Row counts, the exact bracket from a ``topk`` of ``top`` entries, and the start; any row.
-
-    Branch-free: infinities, NaN and k at 0 or n are masks, not Python branches. ``top`` must be
-    at least ``floor(max k) + 1`` (clamped to n).
-    """
+    """Row counts, the exact bracket from a ``topk`` of ``top >= floor(max k) + 1`` entries
+    (clamped to n), and the start; branch-free."""
     counts = _row_counts(x)
     return _start_exact(k, eps, x.topk(top, dim=-1).values, *counts)
 
@@ -422,13 +353,11 @@ def _start_exact(
     bottom: torch.Tensor,
     total: torch.Tensor,
 ) -> tuple[_Prep, SolverState]:
-    """:func:`_prepare_exact` from the rows' statistics (:func:`_row_counts`, of the whole row:
-    ``softops.distributed`` totals its shards') and ``topv`` (B, top), the row's ``top`` largest
-    entries in descending order, ``top >= floor(max k) + 1`` (clamped to n)."""
+    """:func:`_prepare_exact` from the whole row's :func:`_row_counts` and ``topv`` (B, top), its
+    ``top`` largest entries in descending order."""
     top = topv.shape[-1]
     kk, k_eff, nn_, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
-    # In a row without NaN the +inf entries lead the topk and -inf entries trail it, so the j-th
-    # largest finite entry is at n_pinf + j - 1 <= floor(k) < top: no masked copy of x is needed.
+    # the j-th largest finite entry is at n_pinf + j - 1 of the topk (no masked copy of x)
     j_hi = torch.ceil(kk).clamp(min=1)
     j_lo = torch.minimum(torch.floor(kk) + 1, nn_).clamp(min=1)
 
@@ -439,8 +368,7 @@ def _start_exact(
     x_hi, x_lo = entry(j_hi), entry(j_lo)
     zeros = torch.zeros_like(kk)
     m = torch.where(solve_rows, torch.add(0.5 * x_hi, x_lo, alpha=0.5), zeros)  # no overflow
-    # logs of the numerator and denominator apart: a ratio of a subnormal k (5e-324) and n
-    # would round to 0 (log 0 = -inf: an infinite bracket that bisection cannot shrink)
+    # logs of the numerator and denominator apart (a ratio of a subnormal k and n rounds to 0)
     lo = (x_lo - m) - eps * (torch.log(kk) - torch.log(j_lo - kk))
     hi = (x_hi - m) - eps * (torch.log(kk - (j_hi - 1)) - torch.log(nn_ - kk))
     lo, hi = _pad(torch.where(solve_rows, lo, zeros), torch.where(solve_rows, hi, zeros), eps)
@@ -450,27 +378,10 @@ def _start_exact(
     t_large = xmean - m - eps * (torch.log(kk) - torch.log(nn_ - kk))
     t0 = torch.where(SMOOTH_START * eps >= spread, t_large, zeros)
     t0 = torch.minimum(torch.maximum(t0, lo), hi)
-    # Bounds on the residual at the bracket's ends: every entry above lo, none above hi. The
-    # residual counts +inf entries as selected, so it is taken against the total k.
+    # bounds on the residual at the bracket's ends (against the total k, +inf entries counted)
     state = start_state(t0, lo, hi, f_lo=nn_ - kk, f_hi=-kk, done=~solve_rows)
     prep = _Prep(m[:, None], kk + (k - k_eff), solve_rows, sel_none, sel_all, invalid)
     return prep, state
-
-
-def _prepare_sampled(
-    x: torch.Tensor,
-    k: torch.Tensor,
-    eps: torch.Tensor,
-    stride: int,
-    top: int,
-    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[_Prep, SolverState]:
-    """Long rows with finite entries: centred on a strided subsample's quantile, with the coarse
-    bracket ``[min x, max x] - eps logit(k / n)``; the start is the better of the centre and the
-    large-epsilon guess on the subsample."""
-    xmin, xmax, xsum = row_stats
-    sample = x[:, ::stride]
-    return _start_sampled(k, eps, x.shape[-1], sample, sample.shape[-1], top, xmin, xmax, xsum)
 
 
 def _sample_centre(
@@ -481,11 +392,8 @@ def _sample_centre(
     top: int,
     bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The midpoint of the subsample's q-th and (q+1)-th largest, ``q ~ k ns / n`` clamped to [1,
-    top - 1]: an estimate of the threshold (B,). ``sample`` (B, >= top) holds ``ns`` entries of
-    the row (any further ones are ``-inf``); ``top >= max q + 1`` where it can be (``top <=
-    ns``). With ``bounds``, the smallest and largest finite entries (B,) of the row, the centre
-    is clamped to them (the sample can hold infinities, and the padding)."""
+    """The midpoint of the subsample's q-th and (q+1)-th largest, ``q ~ k ns / n`` in [1, top -
+    1] (``sample`` holds ``ns`` entries, then ``-inf``), clamped to ``bounds`` where given."""
     q = (k * (ns / n)).round().long().clamp(1, max(top - 1, 1))
     topv = sample.topk(top, dim=-1).values
     at, nxt = q - 1, q if top > 1 else q - 1
@@ -508,12 +416,8 @@ def _start_sampled(
     total: torch.Tensor,
     counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_Prep, SolverState]:
-    """:func:`_prepare_sampled` from the rows' statistics: ``sample`` (B, >= top) holds ``ns``
-    entries of each row of length ``n`` (any further ones are ``-inf``), ``top`` as in
-    :func:`_sample_centre`; ``xmin``, ``xmax`` and ``total`` the smallest, largest and sum of the
-    finite entries; ``counts`` None where every entry is finite, else the counts of finite,
-    ``+inf`` and NaN entries (:func:`_row_counts`): then the centre is clamped to the finite
-    range, and the rows are classified as in :func:`_start_exact`."""
+    """Long rows: centred on a subsample's quantile (:func:`_sample_centre`), with the bracket
+    ``[min x, max x] - eps logit(k / n)``; ``counts``: None where every entry is finite."""
     if counts is None:
         sel_none, sel_all = k <= 0, k >= n
         solve_rows = ~(sel_none | sel_all)
@@ -558,37 +462,31 @@ def _start(
     stride: int = 0,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     loop: bool = False,
-) -> tuple[_Prep, SolverState, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The preparation and the first ``steps`` Halley steps: pure tensor code, compiled as one
-    function on the fused path. With ``loop`` (traced code) the steps are the capped schedule
-    of up to ``steps`` Halley steps and ``bisect`` bit bisections in ``torch.while_loop``, and
-    the evaluation count comes back as a tensor (else None). Last, the three flags the host
-    reads (all rows done, all rows regular: finite, 0 < k < n; every epsilon within the scaling
-    limit, ``SCALE_BITS``) and the rows' convergence."""
+) -> tuple[_Prep, SolverState, torch.Tensor, torch.Tensor]:
+    """The preparation and the first ``steps`` Halley steps (``loop``: the capped schedule, for
+    traced code), the flags the host reads, and the convergence."""
     if stride and row_stats is not None:
-        prep, state = _prepare_sampled(x, k, eps, stride, top, row_stats)
+        sample = x[:, ::stride]
+        n, ns = x.shape[-1], sample.shape[-1]
+        prep, state = _start_sampled(k, eps, n, sample, ns, top, *row_stats)
     else:
         prep, state = _prepare_exact(x, k, eps, top)
-    count = None
     if loop:
         # a loop takes tensors, not (symbolic) floats, from its surroundings
         tol_t = torch.full((), tol, dtype=x.dtype, device=x.device)
         args_t = (x, prep.m2, eps[:, None], prep.k_total, tol_t)
-        state, count = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)
+        state = run_while(_evaluate_t, state, args_t, halley=steps, bisect=bisect)[0]
     else:
         args = (x, prep.m2, eps[:, None], prep.k_total, tol)
         state = run_steps(_evaluate_t, state, args, steps)
-    # What the host needs to know, in one read: are all rows done, are all rows regular, must
-    # some rows be solved scaled (then this solve is discarded).
     ordinary = eps <= _scaling_limit(x.dtype)
     far = ~_near_rows(state, prep, eps) if state.extra else ordinary
     flags = torch.stack((state.done, prep.solve_rows, ordinary, far)).all(-1)
-    return prep, state, count, flags, result(state, 0).converged
+    return prep, state, flags, result(state, 0).converged
 
 
 def _near_rows(state: SolverState, prep: _Prep, eps: torch.Tensor) -> torch.Tensor:
-    """The converged rows near the hard limit at the last evaluation (:func:`near_hard`), from
-    the denominator ``sum s = sum u (1 - u) / eps`` it returned (``inf`` where it is 0)."""
+    """The converged rows near the hard limit at the last evaluation (:func:`near_hard`)."""
     den = state.extra[2]
     d_sum = torch.where(den < math.inf, den * eps, 0)
     return prep.solve_rows & state.done & near_hard(d_sum, den.dtype)
@@ -600,13 +498,11 @@ def _polish_rows(
     eps: torch.Tensor,
     state: SolverState,
     rows: torch.Tensor,
+    tol: float,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """:func:`polish` of the given ``rows``: the new threshold of every row (B,). The gap of the
-    count above t (``+inf`` entries: selected) from k is the last evaluation's (its count is the
-    row's). Where the row is split (``x`` one shard of it), ``gather`` stacks every shard's
-    :func:`balance_parts` (P, 6, B) (``softops.distributed``: one all-gather a step); None: the
-    row is in this process."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`polish` of ``rows``: the new thresholds (B,) and :func:`_evaluate` there; ``gather``
+    stacks every shard's :func:`balance_parts` where the row is split."""
     e2 = eps[:, None]
     gap = state.extra[3] - prep.k_total
 
@@ -614,11 +510,12 @@ def _polish_rows(
         parts = balance_parts((x - prep.m2) - t[:, None], e2)
         return parts[None] if gather is None else gather(parts)
 
-    return polish(balance, state.t_eval, state.lo, state.hi, eps, rows, gap)
+    t = polish(balance, state.t_eval, state.lo, state.hi, eps, rows, gap)
+    return t, _evaluate(x, prep.m2, t[:, None], e2, prep.k_total, tol)
 
 
 KERNEL = Kernel("softops_ot", Path(__file__).with_name("_ot_kernel.cpp"))
-"""The CPU row kernel of the solve and of the backward in x (``torch.ops.softops_ot``)."""
+"""The CPU row kernel of the solve and of the backward in x."""
 
 
 def _solve_kernel(
@@ -630,11 +527,8 @@ def _solve_kernel(
     tol: float,
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by the CPU row kernel (in x's dtype with double sums, the rows near the
-    hard limit polished there as :func:`polish` does; ``-inf`` entries, masked ones, weigh 0 in
-    its sums, and rows at k = 0 or k = their count of finite entries are filled at that limit);
-    the rows it leaves (a NaN or ``+inf``, a huge epsilon, an unreachable k, capped) are solved
-    by the torch code and merged."""
+    """:func:`_solve` by the CPU row kernel; the rows it leaves (a NaN or ``+inf``, a huge
+    epsilon, an unreachable k, capped) are solved by the torch code and merged."""
     B = x.shape[0]
     A, s, aux, residual, converged, status, evaluations, n_left, n_limit = ops.threshold_rows(
         x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter
@@ -665,17 +559,8 @@ def _solve_kernel(
         scale = torch.ones(B, dtype=x.dtype, device=x.device)
         scale[idx] = sub.scale
     sel_none, sel_all, invalid = limits
-    state = ThresholdState(
-        m,
-        t,
-        converged,
-        max(evaluations, sub.iterations),
-        residual,
-        sel_none,
-        sel_all,
-        invalid,
-        scale,
-    )
+    iterations = max(evaluations, sub.iterations)
+    state = ThresholdState(m, t, converged, iterations, residual, sel_none, sel_all, invalid, scale)
     return state, A, s, aux, all_ok
 
 
@@ -687,23 +572,16 @@ def _solve(
     tol: float,
     k_scalar: float | None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`solve`, the mask ``A`` at the solution, ``s = A (1 - A) / eps``, the backward's
-    ``aux`` (B, 3): the columns m, t and the denominator of the backward's weights (``sum s``, or
-    ``inf`` where it is 0; NaN on rows that cannot be solved: the last evaluation's
-    by-products), and whether every row is known on the host to have converged (then there is
-    nothing to warn about). The torch code: the reference of the operator ``ot_threshold``."""
+    """:func:`solve`, the mask ``A``, ``s = A (1 - A) / eps``, ``aux`` (B, 3): m, t and ``sum s``
+    (``inf`` where 0), and whether every row is known on the host to have converged."""
     n = x.shape[-1]
     dtype = x.dtype
     traced = torch.compiler.is_compiling()
     meta = x.device.type == "meta"
-    # The solve is not differentiated (its Function has the implicit backward). Detached inputs
-    # keep torch.compile's guards on requires_grad from compiling one graph per combination of
-    # x, k and epsilon requiring grad (its recompile limit would then turn the fused path off);
-    # a zero tolerance goes in as the int 0, which it specialises (a float is a graph input).
+    # (not differentiated: the Function has the implicit backward)
     x, k, eps, tol = x.detach(), k.detach(), eps.detach(), tol or 0
     if k_scalar is not None and dtype == torch.float32:
-        # k is the value the rows hold, rounded to the dtype: a Python k in (0, n) can round to
-        # 0 or n (2.99999999 of n = 3 in float32), and the rows then take the limit below.
+        # the value the rows hold: a Python k in (0, n) can round to 0 or n in float32
         k_scalar = struct.unpack("f", struct.pack("f", k_scalar))[0]
     if k_scalar is not None:
         top = min(math.floor(k_scalar) + 1, n)
@@ -723,7 +601,6 @@ def _solve(
             else:
                 q_max = int((k.max() * (ns / n)).round().clamp(1, ns - 1))
             top = q_max + 1
-    start: Any = _start
     scale = None
     if traced or meta:  # no host read: every row is scaled (by 1 but where epsilon is huge)
         scale = _scale(x, eps)
@@ -735,7 +612,7 @@ def _solve(
     else:  # the eager path on a CPU tests after every evaluation (a host test is free there)
         host = x.device.type == "cpu"
         steps, bisect = min(1 if host else FIRST_BLOCK.get(dtype, 3), max_iter), 0
-    prep, state, _, flags, converged = start(
+    prep, state, flags, converged = _start(
         x, k, eps, tol, top, steps, bisect, stride, stats, traced
     )
     evaluations = steps + bisect
@@ -748,19 +625,15 @@ def _solve(
             scale = _scale(x, eps)
             x, eps = x * scale[:, None], eps * scale
             stats = None if stats is None else _row_stats(x)
-            prep, state, _, flags, converged = start(
+            prep, state, flags, converged = _start(
                 x, k, eps, tol, top, steps, bisect, stride, stats, traced
             )
             all_done, regular, _, far = flags.tolist()
     if not (traced or all_done):  # (on meta tensors, iterate returns at once)
         block = 1 if x.device.type == "cpu" else BLOCK
+        args = (x, prep.m2, eps[:, None], prep.k_total, tol)
         state, evaluations = iterate(
-            _evaluate_t,
-            state,
-            (x, prep.m2, eps[:, None], prep.k_total, tol),
-            max_iter=max_iter,
-            evaluations=evaluations,
-            block=block,
+            _evaluate_t, state, args, max_iter=max_iter, evaluations=evaluations, block=block
         )
         converged = result(state, evaluations).converged
         near = _near_rows(state, prep, eps) if state.extra else None
@@ -769,10 +642,7 @@ def _solve(
     if not far:  # (eager only) F cannot place t in its gap there; the gradients need it placed
         if near is None:  # (known from the start's flags)
             near = _near_rows(state, prep, eps)
-        root = _polish_rows(x, prep, eps, state, near)
-        residual, *_, A, w, w_sum, _ = _evaluate(
-            x, prep.m2, root[:, None], eps[:, None], prep.k_total, tol
-        )
+        root, (residual, *_, A, w, w_sum, _) = _polish_rows(x, prep, eps, state, near, tol)
     elif state.extra:
         A, w, w_sum = state.extra[:3]
     else:  # meta tensors: nothing was evaluated
@@ -802,10 +672,8 @@ def _special_rows(
     residual: torch.Tensor,
     converged: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """The rows that are not solved, in the solve's outputs: the mask filled exactly
-    (:func:`_fill_special`), ``s`` 0 and ``sum s`` inf (the mask is exactly 0 or 1 there), or
-    NaN (NaN gradients) on the rows that cannot be solved, whose residual is NaN and which have
-    not converged; the filled rows have residual 0 and have converged."""
+    """The rows that are not solved, in the solve's outputs: filled exactly (``s`` 0, residual 0,
+    converged), or NaN where they cannot be solved (not converged)."""
     solve_rows, invalid = prep.solve_rows, prep.invalid
     converged = converged | ~(solve_rows | invalid)
     residual = torch.where(solve_rows, residual, 0).masked_fill(invalid, math.nan)
@@ -824,16 +692,9 @@ def solve(
     tol: float = 0.0,
     k_scalar: float | None = None,
 ) -> ThresholdState:
-    """Solve the threshold of every row of ``x`` (B, n), largest first.
-
-    Args:
-        x: (B, n) floating tensor (float32 or float64), may hold +-inf and NaN.
-        k: (B,) target sums, in [0, n].
-        eps: (B,) positive temperatures.
-        max_iter: cap on evaluations.
-        tol: extra absolute tolerance on ``|sum A - k|`` (0: machine precision only).
-        k_scalar: the common value of k when it is a Python number (saves a host sync).
-    """
+    """Solve the threshold of every row of ``x`` (B, n), largest first, for k (B,) in [0, n] and
+    eps (B,) > 0; ``tol``: extra absolute tolerance on ``|sum A - k|``; ``k_scalar``: the common
+    value of k when it is a Python number (saves a host sync)."""
     return _solve(x, k, eps, max_iter, tol, k_scalar)[0]
 
 
@@ -842,9 +703,8 @@ def _threshold_outputs(
     max_iter: int,
     solved: tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool],
 ) -> tuple[torch.Tensor, ...]:
-    """The operator's outputs from a solve, after the non-convergence warning: A, s, aux, the
-    rows at k = 0 (+1) or k = n (-1) counting infinities (int8; a row without a finite entry is
-    at both: +1, it has no weights in k), and the rows' scale (1 where not scaled)."""
+    """The operator's outputs, after the warning: A, s, aux, the rows at k = 0 (+1) or k = n (-1)
+    (int8; no finite entry: +1), and the rows' scale (1 where not scaled)."""
     state, A, s, aux, all_ok = solved
     if not all_ok:  # rows that cannot be solved (NaN, unreachable k) are NaN by contract
         ok = state.converged if state.invalid is None else state.converged | state.invalid
@@ -886,15 +746,7 @@ def _threshold_cpu(
     return _threshold_outputs(caller, max_iter, solved)
 
 
-def _threshold_fake(
-    x: torch.Tensor,
-    k: torch.Tensor,
-    eps: torch.Tensor,
-    max_iter: int,
-    tol: float,
-    k_scalar: float | None,
-    caller: str,
-) -> tuple[torch.Tensor, ...]:
+def _threshold_fake(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, ...]:
     B = x.shape[0]
     return (
         torch.empty_like(x),
@@ -905,23 +757,37 @@ def _threshold_fake(
     )
 
 
-def _threshold_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(THRESHOLD_OP, info, in_dims, *args)
-
-
-THRESHOLD_OP = define(
+THRESHOLD_OP: Any = define(
     "softops::ot_threshold",
     "(Tensor x, Tensor k, Tensor eps, int max_iter, float tol, float? k_scalar, str caller)"
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     reference=_threshold_reference,
     fake=_threshold_fake,
-    vmap=_threshold_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(THRESHOLD_OP, info, in_dims, *args),
     cpu=_threshold_cpu,
     kernel=KERNEL,
 )
-"""The solve as an operator: (x (B, n), k (B,), eps (B,), max_iter, tol, k_scalar, the caller's
-name for the warning) -> (A, s, aux (B, 3): m, t, sum s; edge (B,) int8; scale (B,)). Not
-differentiable; its inputs are detached."""
+"""The solve as an operator: (x, k, eps, max_iter, tol, k_scalar, caller) -> (A, s, aux, edge,
+scale) (:func:`_threshold_outputs`); not differentiable."""
+
+
+def threshold_values(
+    t: torch.Tensor,
+    scale: torch.Tensor | None,
+    sel_none: torch.Tensor | None,
+    sel_all: torch.Tensor | None,
+    invalid: torch.Tensor | None,
+) -> torch.Tensor:
+    """The solved thresholds ``t`` (``m + t``) in the units of x; the rows that are not solved
+    take the limits' (``+-inf``, 0 without a finite entry, NaN where k cannot be met)."""
+    if scale is not None:
+        t = t / scale
+    if sel_none is None or sel_all is None or invalid is None:
+        return t
+    inf = torch.full_like(t, math.inf)
+    t = torch.where(sel_none, inf, torch.where(sel_all, -inf, t))
+    t = torch.where(sel_none & sel_all, 0.0, t)
+    return t.masked_fill(invalid, math.nan)
 
 
 def _fill_special(
@@ -948,23 +814,15 @@ def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tenso
     return A
 
 
-def _vjp_terms(
-    A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``s = A(1 - A)/eps``, ``sum s`` and ``<s, g>`` per row (one pass when fused)."""
-    s = A * (1 - A) / eps
-    return s, s.sum(-1, keepdim=True), (s * g).sum(-1, keepdim=True)
-
-
 def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    s, ss, sg = _vjp_terms(A, g, eps)
+    """The backward in x as a differentiable function of ``A`` (double backward)."""
+    s = A * (1 - A) / eps
+    ss, sg = s.sum(-1, keepdim=True), (s * g).sum(-1, keepdim=True)
     return s * (g - torch.where(ss > 0, sg / torch.where(ss > 0, ss, 1), 0))
 
 
 def _vjp_formula(s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``s * (g - <s, g> / sum s)`` from the forward's ``s`` and ``aux`` (B, 3), whose last
-    column is the denominator ``sum s``, or ``inf`` where every s is 0, so that the quotient is 0
-    there: the reference of the operator ``ot_vjp_rows``."""
+    """``s * (g - <s, g> / sum s)``, ``sum s`` the last column of ``aux`` (``inf``: 0 there)."""
     return (g - torch.linalg.vecdot(s, g).unsqueeze(-1) / aux[:, 2:]) * s
 
 
@@ -974,16 +832,12 @@ def _vjp_cpu(ops: Any, s: torch.Tensor, aux: torch.Tensor, g: torch.Tensor) -> t
     return ops.vjp_rows(s, aux, g)  # one pass; an expanded g (a sum's gradient) is not copied
 
 
-def _vjp_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(VJP_OP, info, in_dims, *args)
-
-
-VJP_OP = define(
+VJP_OP: Any = define(
     "softops::ot_vjp_rows",
     "(Tensor s, Tensor aux, Tensor g) -> Tensor",
     reference=_vjp_formula,
     fake=lambda s, aux, g: torch.empty_like(s),
-    vmap=_vjp_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(VJP_OP, info, in_dims, *args),
     cpu=_vjp_cpu,
     kernel=KERNEL,
 )
@@ -994,8 +848,7 @@ double backward uses the formula on the differentiable A)."""
 def _offsets(
     x: torch.Tensor, aux: torch.Tensor, eps: torch.Tensor, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The solve's offsets ``(x - m) - t`` and its epsilon, (B, n) and (B, 1), in the units the
-    threshold was solved in (``(x c, eps c)`` where it was scaled by ``scale``)."""
+    """The solve's offsets ``(x - m) - t`` (B, n) and epsilon (B, 1), in its units."""
     if scale is not None:
         x, eps = x * scale[:, None], eps * scale[:, None]
     return (x - aux[:, :1]) - aux[:, 1:2], eps
@@ -1010,9 +863,7 @@ def _offsets_differentiable(
     A: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r""":func:`_offsets` for double backward: the same values, with the threshold's first
-    derivative ``dt = (<s, dx> - dk - <s, z> deps) / sum s`` on the graph, as
-    ``t + dt(x - x0, k - k0, eps - eps0)`` at the saved point (infinite entries: ``x - x0 = 0``).
-    """
+    derivative ``dt = (<s, dx> - dk - <s, z> deps) / sum s`` on the graph."""
     X, E = (x, eps) if scale is None else (x * scale[:, None], eps * scale[:, None])
     Xc, Ec, Ac = X.detach(), E.detach(), A.detach()
     off0 = (Xc - aux[:, :1]) - aux[:, 1:2]
@@ -1027,6 +878,32 @@ def _offsets_differentiable(
     return (X - aux[:, :1]) - (aux[:, 1:2] + dt), E
 
 
+def side_log_weights(
+    off: torch.Tensor, e: torch.Tensor, below: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log u (1 - u)`` and ``log u`` (``u = sigmoid(-|off| / eps)``) of the offsets ``off``
+    (B, n), each side of t (``below``, the rest) shifted by its nearest entry's ``|off| / eps``
+    (no underflow); and the sides' nearest ``|off|`` (B, 1) (``inf``: an empty side)."""
+    B, n = off.shape
+    a = off.abs()
+    fin = torch.isfinite(a)
+    nears = [
+        torch.where(side, a, math.inf).amin(-1, keepdim=True)
+        if n
+        else torch.full((B, 1), math.inf, dtype=off.dtype, device=off.device)
+        for side in (below, fin & ~below)
+    ]
+    shift = torch.where(below, nears[0], nears[1])
+    shift = torch.where(torch.isfinite(shift), shift, 0)
+    # infinite offsets weigh 0; the double where keeps them out of the arithmetic, whose
+    # derivative in epsilon (double backward) would be 0 * inf there
+    af = torch.where(fin, a, shift)
+    inner = -((af - shift) / e)
+    sp = torch.nn.functional.softplus(-(af / e))
+    logw = torch.where(fin, inner - 2 * sp, -math.inf)
+    return logw, torch.where(fin, inner - sp, -math.inf), nears[0], nears[1]
+
+
 def _k_weights(
     off: torch.Tensor,
     x: torch.Tensor,
@@ -1034,29 +911,13 @@ def _k_weights(
     edge: torch.Tensor | None,
     k: torch.Tensor,
 ) -> torch.Tensor:
-    r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain: it never underflows.
-
-    Each side of t is weighed relative to its own nearest entry; the sides weigh against each
-    other by ``Us_b / Us_a`` where the count above t is k (exact at the root, whatever t: the
-    hard limit weighs each side 1/2), else by the factor from t. Rows with k = 0 or n
-    (``edge``) take the limits ``softmax(+-x / eps)`` over the finite entries; no finite entry: 0.
-    """
-    a = off.abs()
-    # infinite offsets (infinite entries) weigh 0; the double where keeps them out of the
-    # arithmetic, whose derivative in epsilon (double backward) would be 0 * inf there
-    fin_a = torch.isfinite(a)
-    below = (off <= 0) & fin_a
-    near_b = torch.where(below, a, math.inf).amin(-1, keepdim=True)
-    near_a = torch.where(fin_a & ~below, a, math.inf).amin(-1, keepdim=True)
+    r"""``w = s / sum(s)`` per row (``dA/dk``), normalised in the log domain (docs/math.md §1.4):
+    each side relative to its nearest entry, the sides by the root's condition where the count
+    above t is k; rows at k = 0 or n (``edge``) take the limits ``softmax(+-x / eps)``."""
+    below = (off <= 0) & torch.isfinite(off)
+    logw, log_u, near_b, near_a = side_log_weights(off, e, below)
     near_b = torch.where(torch.isfinite(near_b), near_b, 0)  # (an empty side)
     near_a = torch.where(torch.isfinite(near_a), near_a, 0)
-    shift = torch.where(below, near_b, near_a)
-    af = torch.where(fin_a, a, shift)
-    inner = -((af - shift) / e)
-    sp = torch.nn.functional.softplus(-(af / e))
-    logw = torch.where(fin_a, inner - 2 * sp, -math.inf)
-    # log of each side's weight factor e^{-a_side / eps}, up to a common constant
-    log_u = torch.where(fin_a, inner - sp, -math.inf)
     lu_b = torch.logsumexp(torch.where(below, log_u, -math.inf), -1, keepdim=True)
     lu_a = torch.logsumexp(torch.where(below, -math.inf, log_u), -1, keepdim=True)
     nearest = torch.minimum(near_b, near_a)
@@ -1088,22 +949,16 @@ def _k_weights(
 def _centred_z(
     off: torch.Tensor, e: torch.Tensor, s: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
-    r"""``z - <w, z>`` (``z = off / eps``) where ``s > 0``, and 0 elsewhere: ``dA/deps = -s (z -
-    <w, z>)``. The mean is taken of the offsets, ``<w, off> / eps``, and the difference formed
-    before dividing by epsilon: where ``s`` vanishes everywhere (the hard limit) the entries
-    nearest the threshold can have ``|z| = inf`` on both sides, whose mean is ``inf - inf``."""
+    r"""``z - <w, z>`` (``z = off / eps``) where ``s > 0``, else 0 (``dA/deps = -s (z - <w, z>)``),
+    formed before dividing by epsilon (docs/math.md §1.4)."""
     mean = (w * torch.where(w > 0, off, 0)).sum(-1, keepdim=True)
     live = s > 0
     return torch.where(live, (torch.where(live, off, 0) - mean) / e, 0)
 
 
 class _SoftTopKMaskOT(torch.autograd.Function):
-    """A = sigmoid((x - t)/eps) with sum(A) = k per row; the implicit O(n) backward and jvp.
-
-    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,); the settings of the
-    solve and the caller's name. Outputs: those of the operator ``ot_threshold`` (A; s and
-    ``aux``, the weights of the backward; the rows at k = 0 or n; the rows' scale).
-    """
+    """A = sigmoid((x - t)/eps) with sum(A) = k per row (canonical rows, the outputs of
+    :data:`THRESHOLD_OP`); the implicit O(n) backward and jvp."""
 
     @staticmethod
     def forward(
@@ -1123,9 +978,6 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         A, s, aux, edge, scale = output
         ctx.mark_non_differentiable(s, aux, edge, scale)
         ctx.set_materialize_grads(False)
-        # A is saved for the gradients in k and epsilon and for double backward (differentiable
-        # in A); s and sum s make the plain backward in x one pass; k only for double backward
-        # (the threshold's dependence on it).
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             ctx.save_for_backward(A, s, aux, eps, x, edge, scale, k)
         else:
@@ -1169,12 +1021,7 @@ class _SoftTopKMaskOT(torch.autograd.Function):
         deps: torch.Tensor | None,
         *_: Any,
     ) -> tuple[torch.Tensor | None, ...]:
-        r"""``dA = s * (u - <w, u>) + w dk`` with ``u = dx - z deps`` (the backward's transpose).
-
-        Differentiating ``sum_i sigma((x_i - t)/eps) = k`` gives ``dt = (<s, u> - dk) / sum s``,
-        and ``dA_i = s_i (u_i - dt)``. The part in epsilon is ``-s (z - <w, z>) deps``, formed
-        as in the backward, so that saturated and infinite entries contribute 0, not ``0 * inf``.
-        """
+        r"""``dA = s * (u - <w, u>) + w dk`` with ``u = dx - z deps`` (the backward's transpose)."""
         A, s, aux, eps, x, edge, scale, k = ctx.saved_tensors
         if dk is None and deps is None:
             dA = torch.zeros_like(A) if dx is None else _vjp_formula(s, aux, dx)  # J = J^T
@@ -1192,25 +1039,16 @@ class _SoftTopKMaskOT(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        """Every input and output leads with the rows: vmapped rows are more rows."""
         return vmap_rows(_SoftTopKMaskOT, info, in_dims, *args)
 
 
-class _SoftTopKMaskOTTraced(_SoftTopKMaskOT):
-    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
-
-    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        return vmap_rows(_SoftTopKMaskOTTraced, info, in_dims, *args)
+_SoftTopKMaskOTTraced = without_jvp(_SoftTopKMaskOT)
 
 
 def mask(
     x2: torch.Tensor, k_row: torch.Tensor, eps_row: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
-    """The mask A (B, n) of canonical rows, with the non-convergence warning (raised by the
-    operator, once per call). Where nothing is differentiated the operator is called alone."""
+    """The mask A (B, n) of canonical rows, with the non-convergence warning."""
     args = (x2, k_row, eps_row, opts.max_iter, opts.tol, opts.k_scalar, opts.op)
     grads = torch.is_grad_enabled() and (
         x2.requires_grad or k_row.requires_grad or eps_row.requires_grad
@@ -1223,11 +1061,8 @@ def mask(
 
 
 def hard_topk_mask(x: torch.Tensor, k: torch.Tensor, k_scalar: int | None) -> torch.Tensor:
-    """The 0/1 mask of the k largest entries of each row of ``x`` (B, n).
-
-    ``k`` is (B,) with integer values; ``k_scalar`` is its common value when known (one
-    ``torch.topk`` instead of a full argsort). Ties are broken as ``torch.topk`` breaks them.
-    """
+    """The 0/1 mask of the k (B,) largest entries of each row of ``x`` (B, n), ties as
+    ``torch.topk``; ``k_scalar``: k's common value where known (no argsort)."""
     if k_scalar is not None:
         if k_scalar == 0:
             return torch.zeros_like(x)

@@ -9,18 +9,15 @@ the **same** N draws per row (docs/math.md §1.6):
     \widehat{g^\top J} = \frac{1}{\varepsilon N} \sum_s \langle g - \bar g\mathbf 1,
     y(x + \varepsilon Z_s) \rangle\, Z_s, \qquad Z_s \sim \mathcal{N}(0, I_n),
 
-with :math:`\bar g` the mean of g over the row's finite entries (an exact control variate: every
-draw's mask has the same sum). Each entry of :math:`\hat y` has standard error at most
-:math:`0.5/\sqrt N`; epsilon is the noise's standard deviation in the units of x (scaling law
-``mask(c x, c e) ~ mask(x, e)``). Forward mode applies the same estimated Jacobian to the
-tangent, so ``jacfwd`` equals ``jacrev`` on the same draws.
+with :math:`\bar g` the mean of g over the row's finite entries (an exact control variate).
+epsilon is the noise's standard deviation in the units of x (scaling law ``mask(c x, c e) ~
+mask(x, e)``); forward mode applies the same estimated Jacobian, so ``jacfwd`` equals ``jacrev``.
 
-Contract: draw s is one (B, n) ``torch.randn`` in x's dtype, in chunks of about 2**22
-elements, **not stored**: the backward regenerates it from a snapshot of the generator (O(B n)
-memory), so it uses the forward's draws even if a user generator has moved on
-(``generator=None`` seeds a private one from the global generator). ``+inf`` entries are always
-selected and ``-inf`` never, without derivative; NaN or unreachable-k rows are NaN; k = 0 and
-k = n draw nothing. Under ``vmap`` the ``randomness`` flag holds. Once-differentiable.
+Contract: draw s is one (B, n) ``torch.randn`` in x's dtype, **not stored**: the backward
+regenerates it from a snapshot of the generator (``generator=None`` seeds a private one from the
+global generator). ``+inf`` entries are always selected and ``-inf`` never, without derivative;
+NaN or unreachable-k rows are NaN; k = 0 and k = n draw nothing. Under ``vmap`` the
+``randomness`` flag holds. Once-differentiable.
 
 References:
     Berthet, Blondel, Teboul, Cuturi, Vert and Bach. Learning with Differentiable Perturbed
@@ -54,8 +51,8 @@ Layout = tuple[tuple[int, bool], ...]
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """A generator state (a small CPU byte tensor), kept out of autograd's and torch.func's view:
-    it is replayed, not differentiated, and its size does not depend on n_samples."""
+    """A generator state, kept out of autograd's and torch.func's view (replayed, not
+    differentiated)."""
 
     state: torch.Tensor | None
 
@@ -85,11 +82,9 @@ def _draws(
     layout: Layout,
     keep_noise: bool,
 ):
-    """The draws of the forward, chunk by chunk: ``(z, idx)``, z (m, R, n) the standard normal
-    noise of each row (None unless ``keep_noise``) and idx (m, R, k) the top-k of x + eps z.
-
-    Sample s draws one (D, n) tensor, D the rows that do not share their draws, and spreads it
-    over the R rows of ``layout``; the chunking does not change the draws.
+    """The draws of the forward, chunk by chunk: ``(z, idx)``, z (m, R, n) the noise of each row
+    (None unless ``keep_noise``) and idx (m, R, k) the top-k of x + eps z. Sample s draws one
+    (D, n) tensor, D the rows that do not share their draws, spread over the rows of ``layout``.
     """
     R, n = x.shape
     sizes = [size for size, _ in layout]
@@ -122,13 +117,8 @@ def _centre(t: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
 
 
 class _PerturbedTopKMask(torch.autograd.Function):
-    """Mean of hard top-k masks of x + eps Z over N draws; Berthet's estimator as the VJP and
-    the JVP.
-
-    Inputs are canonical: x (B, n) float32/float64, eps (B,), k in [0, n], n_samples >= 1,
-    ``generator`` (advanced by the forward), ``snapshot``, its state before sampling, and the
-    ``layout`` of the rows (``()`` but under vmap).
-    """
+    """Mean of hard top-k masks of x + eps Z over N draws (canonical rows; ``snapshot`` the
+    generator's state before sampling); Berthet's estimator as the VJP and the JVP."""
 
     @staticmethod
     def forward(
@@ -186,12 +176,8 @@ class _PerturbedTopKMask(torch.autograd.Function):
 
 
 class _Estimate(torch.autograd.Function):
-    """The estimated Jacobian of the forward's draws applied to t (B, n): ``transpose=True``
-    gives the VJP g -> g^T J, ``False`` the JVP dx -> J dx (module docstring).
-
-    A Function only so that its forward runs below every functorch level and its ``vmap`` rule
-    folds rows like the forward's; it has no derivative of its own (once differentiable).
-    """
+    """The estimated Jacobian of the forward's draws applied to t (B, n): the VJP with
+    ``transpose``, else the JVP. A Function so that it runs below every functorch level."""
 
     @staticmethod
     def forward(
@@ -212,8 +198,7 @@ class _Estimate(torch.autograd.Function):
             generator = torch.Generator(device=x.device)
             generator.set_state(snapshot.state)
             finite = torch.isfinite(x)
-            # transpose: the centred cotangent C_F g (an exact control variate: every y_s sums
-            # to the same count on F); forward: the tangent of the finite entries only
+            # transpose: the centred cotangent C_F g; forward: the finite entries' tangent
             t = _centre(t.to(x.dtype), finite) if transpose else torch.where(finite, t, 0.0)
             for z, idx in _draws(x, eps, k, n_samples, generator, layout, keep_noise=True):
                 if transpose:  # sum_s <C_F g, y_s> Z_s
@@ -244,25 +229,20 @@ class _Estimate(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- traced code
-# dynamo can neither make nor carry a torch.Generator: traced, the draws come from a seed (an
-# int64 0-dim tensor drawn in the graph from the global generator, as the eager call draws it),
-# and the sampling loops run inside two operators of torch's registry (opaque to dynamo), which
-# seed a generator of their own from it, as the eager call does.
+# dynamo can neither make nor carry a torch.Generator: traced, the draws come from a seed drawn
+# in the graph, and the sampling runs inside two operators (opaque to dynamo) that seed their own.
 
 
-def _seeded(x: torch.Tensor, seed: torch.Tensor) -> _Snapshot:
+def _seeded(x: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Generator, _Snapshot]:
     generator = torch.Generator(device=x.device)
     generator.manual_seed(int(seed))
-    return _Snapshot(generator.get_state())
+    return generator, _Snapshot(generator.get_state())
 
 
 def _mask_reference(
     x: torch.Tensor, eps: torch.Tensor, k: int, n_samples: int, seed: torch.Tensor
 ) -> torch.Tensor:
-    generator = torch.Generator(device=x.device)
-    generator.manual_seed(int(seed))
-    snapshot = _Snapshot(generator.get_state())
-    return _PerturbedTopKMask.forward(x, eps, k, n_samples, generator, snapshot, ())
+    return _PerturbedTopKMask.forward(x, eps, k, n_samples, *_seeded(x, seed), ())
 
 
 def _estimate_reference(
@@ -274,7 +254,7 @@ def _estimate_reference(
     seed: torch.Tensor,
     transpose: bool,
 ) -> torch.Tensor:
-    return _Estimate.forward(x, eps, t, k, n_samples, _seeded(x, seed), (), transpose)
+    return _Estimate.forward(x, eps, t, k, n_samples, _seeded(x, seed)[1], (), transpose)
 
 
 MASK_OP = define(
@@ -283,9 +263,8 @@ MASK_OP = define(
     reference=_mask_reference,
     fake=lambda x, *_: torch.empty_like(x),
 )
-"""The mean of the hard top-k masks of ``x + eps Z_s`` (x (B, n), eps (B,), k, n_samples, the
-seed of the draws (), int64) -> (B, n): the forward of :class:`_PerturbedTopKMask` with a
-generator seeded by ``seed``. For traced code; not differentiable."""
+"""The forward of :class:`_PerturbedTopKMask` with a generator seeded by ``seed`` (an int64
+0-dim tensor), for traced code; not differentiable."""
 
 ESTIMATE_OP = define(
     "softops::perturbed_estimate",
@@ -293,14 +272,12 @@ ESTIMATE_OP = define(
     reference=_estimate_reference,
     fake=lambda x, *_: torch.empty_like(x),
 )
-""":class:`_Estimate` of the draws of :data:`MASK_OP` with the same seed (the VJP with
-``transpose``). For traced code; not differentiable."""
+""":class:`_Estimate` of the draws of :data:`MASK_OP` with the same seed, for traced code."""
 
 
 class _PerturbedTopKMaskTraced(torch.autograd.Function):
-    """:class:`_PerturbedTopKMask` for traced code: ``(x, eps, k, n_samples, seed) -> A`` by
-    :data:`MASK_OP`, the VJP by :data:`ESTIMATE_OP` on the same draws (no custom ``jvp``, which
-    torch 2.13's dynamo rejects)."""
+    """:class:`_PerturbedTopKMask` for traced code, on a seed: :data:`MASK_OP`, and the VJP by
+    :data:`ESTIMATE_OP` on the same draws."""
 
     @staticmethod
     def forward(
@@ -322,12 +299,8 @@ class _PerturbedTopKMaskTraced(torch.autograd.Function):
 
 
 def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
-    """x, made to vary along every vmap level whose randomness is "different".
-
-    x + 0 * r, with r one normal draw taken under the active transforms: torch makes r batched at
-    the "different" levels, leaves it unbatched at the "same" ones and raises at the "error"
-    ones, and x (exactly unchanged in value) inherits that, so the rows fold accordingly.
-    """
+    """x, made to vary along every vmap level whose randomness is "different": ``x + 0 * r``
+    with r one normal draw taken under the active transforms."""
     try:
         r = torch.randn(
             (), generator=torch.Generator(device=x.device), dtype=x.dtype, device=x.device
@@ -340,8 +313,7 @@ def _follow_randomness(x: torch.Tensor) -> torch.Tensor:
 def mask(
     x2: torch.Tensor, k_row: torch.Tensor, eps: torch.Tensor, opts: MaskOptions
 ) -> torch.Tensor:
-    """The backend entry of ``soft_topk_mask``: :func:`perturbed_topk_mask` with k =
-    ``opts.k_int`` and the options' draws (no gradient in k or epsilon)."""
+    """The backend entry of ``soft_topk_mask`` (no gradient in k or epsilon)."""
     return perturbed_topk_mask(x2, opts.k_int, eps.detach(), opts.n_samples, opts.generator)
 
 
@@ -352,17 +324,8 @@ def perturbed_topk_mask(
     n_samples: int,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Perturbed top-k mask of each row of ``x`` (B, n); differentiable with respect to x only.
-
-    Args:
-        x: (B, n) scores in float32 or float64 (the k **largest** are selected).
-        k: an int in [0, n].
-        eps: (B,) positive noise scales in the units of x (no gradient).
-        n_samples: the number N of Gaussian draws, >= 1.
-        generator: None, or a ``torch.Generator`` on x's device type (advanced by the call).
-
-    Returns:
-        (B, n): the mean of the hard masks of ``x + eps Z_s``, values in {0, 1/N, ..., 1}.
+    """Perturbed top-k mask of each row of ``x`` (B, n), the mean of the hard masks of the k
+    largest of ``x + eps Z_s`` over N = ``n_samples`` draws; differentiable in x only.
 
     Example:
         >>> x = torch.tensor([[5.0, 2.0, 3.0, 4.0, 1.0, 6.0]])
@@ -378,9 +341,7 @@ def perturbed_topk_mask(
             drawn = torch.zeros((), dtype=torch.int64)
         return _PerturbedTopKMaskTraced.apply(x, eps.detach(), k, n_samples, drawn)
     if plain(x).numel() == 0:
-        # No row at all (under vmap: a vmapped dimension of size 0, which x's own shape does not
-        # show): nothing to draw, no generator advanced. torch's random ops cannot run on such a
-        # level under randomness="different", and the rows would not unfold from 0 elements.
+        # no row at all (maybe a vmapped dim of size 0): nothing to draw, no generator advanced
         return x * 0.0
     if not 0 < k < x.shape[-1] or x.is_meta:  # no sampling: no generator made or advanced
         generator, snapshot = None, _Snapshot(None)
@@ -388,8 +349,8 @@ def perturbed_topk_mask(
         if under_functorch():
             x = _follow_randomness(x)
         if generator is None:
-            # A seed from the global generator, so that torch.manual_seed makes it reproducible;
-            # drawn outside the transforms (one seed, whatever the vmap randomness).
+            # a seed from the global generator (torch.manual_seed makes it reproducible), drawn
+            # outside the transforms
             with torch._C._DisableFuncTorch():
                 seed = int(torch.randint(2**62, ()))
             generator = torch.Generator(device=x.device)

@@ -3,10 +3,8 @@ r"""Method "sinkhorn" of ``soft_topk_mask``: the paper's algorithm (Xie et al. 2
 The n x 2 entropic OT problem of method "ot", with the same epsilon, solved by the log-domain
 Sinkhorn of :mod:`softops._core.sinkhorn` (Newton polish, implicit backward; docs/math.md §2.3).
 At convergence it equals "ot"; it differentiates in x only. ``max_iter=200, tol=0`` runs the
-paper's fixed 200 iterations. The cost is passed in units of epsilon, centred on the threshold's
-region (``x_(k)/2 + x_(k+1)/2``, a gauge), so the entries deciding the threshold keep their
-precision at every scale. Infinities are their limits by structure: the problem is solved on the
-finite entries with k less the count of ``+inf``, and those entries are set to exactly 1 or 0.
+paper's fixed 200 iterations. The cost is in units of epsilon, centred on the threshold's region
+(docs/math.md §1.7); infinities are their limits.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ def mask(
     k_row, eps_row = k_row.detach(), eps_row.detach()
     dtype = x2.dtype
     n = x2.shape[1]
-    # Infinities are their limits: solve on the finite entries (the infinite ones carry no mass),
-    # then set those entries to exactly 0 or 1. Rows with NaN, or whose k cannot be met, give NaN.
-    # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
-    # row then takes the masked path below, which leaves a finite row exactly as it is.
+    # solve on the finite entries, then set the infinite ones to 0 or 1; where nothing can be
+    # read, every row takes the masked path (which leaves a finite row as it is)
     fixed = cannot_branch(x2)
     finite = torch.isfinite(x2)
     all_finite = not fixed and bool(finite.all())
@@ -44,10 +40,8 @@ def mask(
         n_fin: torch.Tensor | float = float(n)
         trivial = None
     else:
-        # The finite problem: the finite entries (mass 1/n each) onto targets of masses
-        # (n_fin - k_fin)/n and k_fin/n, k_fin = k - #(+inf). Rows that cannot hold k (or hold
-        # a NaN) are NaN by contract, and rows at k_fin = 0 or n_fin are exact: they solve a
-        # trivial problem (zero cost, uniform masses) that converges at once.
+        # the finite entries onto targets of masses (n_fin - k_fin)/n and k_fin/n; the rows that
+        # are NaN or at k_fin = 0 or n_fin solve a trivial problem that converges at once
         bad = unreachable_rows(x2, k_row)
         n_fin = finite.sum(-1).to(dtype)
         k_fin = k_row - (x2 == math.inf).sum(-1).to(dtype)
@@ -57,23 +51,8 @@ def mask(
         log_a = torch.full_like(x2, -log_n).masked_fill(~(live | trivial[:, None]), -math.inf)
         k_fin = torch.where(trivial, 0.5 * n, k_fin)
         n_fin = torch.where(trivial, float(n), n_fin)
-    # The squared cost (x_i - y_j)^2 / eps_p, eps_p = 2 epsilon, in units of eps_p: the x_i^2 term
-    # is a row constant (absorbed by f), y_j^2 and a shift of x by a per-row centre c are column
-    # constants (absorbed by g), which leaves C_i0 = 0 and C_i1 = -(x_i - c)/epsilon. The plan
-    # depends on x/epsilon only (the documented scaling law), so the solver sees the same numbers
-    # at every scale of x: in x's own units the O(1) constant y^2 = 1 swamped an x of 1e-7 in
-    # float32. Beyond 1/16 of the dtype's range every entry is already decided (the hard limit),
-    # so the scaled scores saturate there instead of overflowing (epsilon can be finfo.tiny).
-    # The centre is the threshold's region, x_(ceil k)/2 + x_(floor k + 1)/2 over the live entries
-    # (k less the count of +inf; halved before the sum so that it cannot overflow), as for
-    # method "ot": the two entries that decide the threshold are then within half their gap of
-    # it, so (x - c)/eps resolves them at any span of the row. (The median, -1e30 on the row
-    # [0, -1e30, -1e30, -1], put both 0 and -1 at (x - c)/eps = 3.3e30, one float: the mask
-    # of k = 1 came out [.5, 0, 0, .5] for [.84, 0, 0, .16].) The centre is also the gauge of
-    # the fixed-iteration runs (from g = 0 it is their first threshold); it is detached, as the
-    # plan does not depend on it. A descending sort of the live entries (the others at -inf,
-    # last) gives both entries with no host read; its O(n log n) is below the solve's O(n) per
-    # iteration times the iterations.
+    # C_i0 = 0, C_i1 = -(x_i - c)/epsilon, c the threshold's region (docs/math.md §1.7), its two
+    # entries from a descending sort of the live entries (no host read)
     live = torch.ones_like(x2, dtype=torch.bool) if trivial is None else log_a > -math.inf
     ranked = torch.where(live, xs, -math.inf).detach().sort(-1, descending=True).values
     ranks = torch.stack((torch.ceil(k_fin), torch.floor(k_fin) + 1), -1).clamp(1, n)

@@ -8,20 +8,10 @@ regulariser (docs/math.md §1.5):
 
     a_i = \mathrm{clip}\big((x_i - t)/\varepsilon,\ 0,\ 1\big), \qquad \textstyle\sum_i a_i = k .
 
-It has exact zeros and ones. On the free set :math:`S = \{0 < a_i < 1\}` the Jacobian and the
-gradients in k and epsilon are
-
-.. math::
-
-    \frac{\partial a_i}{\partial x_j} = \frac{\delta_{ij} - 1/|S|}{\varepsilon}, \quad
-    \frac{\partial a_i}{\partial k} = \frac{1}{|S|}, \quad
-    \frac{\partial a_i}{\partial \varepsilon} = -\frac{a_i - \bar a_S}{\varepsilon}
-    \qquad (i, j \in S;\ 0 \text{ elsewhere, and everywhere when } S = \emptyset).
-
-The forward is an exact finite Newton method on the piecewise-linear residual, in units of
-epsilon, inside :math:`[x_{(\lfloor k \rfloor + 1)} - \varepsilon, x_{(\lceil k \rceil)}]`,
-stopping on the root's piece (1 to 13 evaluations); its row sums go through ``_ot.Reduce``, an
-all-reduce in :mod:`softops.distributed`. Infinities are exact; NaN or unreachable-k rows are NaN.
+It has exact zeros and ones; its gradients in x, k and epsilon live on the free set
+:math:`S = \{0 < a_i < 1\}` (0 where S is empty). The forward is an exact finite Newton method
+on the piecewise-linear residual inside an exact bracket (docs/math.md §1.5). Infinities are
+exact; NaN or unreachable-k rows are NaN.
 """
 
 from __future__ import annotations
@@ -32,17 +22,15 @@ from typing import Any
 import torch
 
 from softops._core.convergence import warn_not_converged
-from softops._core.transforms import vmap_rows
+from softops._core.transforms import vmap_rows, without_jvp
 from softops._kernels import define
 from softops.topk._options import MaskOptions
-from softops.topk._ot import Reduce, _classify, _fill_special
+from softops.topk._ot import SMOOTH_START, Reduce, _classify, _fill_special, _row_counts
 
 __all__ = ["GPU_BLOCK", "mask"]
 
 GPU_BLOCK = 4
 """Evaluations between two host tests of "all rows done" off the CPU (none inside a block)."""
-SMOOTH_START = 8.0
-"""Start from the large-epsilon guess where ``SMOOTH_START * eps >= max x - min x``."""
 
 
 def _evaluate(
@@ -76,18 +64,11 @@ def _evaluate(
 
 
 def _row_stats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per row, in one pass: the counts of finite, ``+inf`` and NaN entries, the largest and
-    smallest finite entries, and the sum of the finite ones."""
-    dtype = x.dtype
-    finite = torch.isfinite(x)
-    return (
-        finite.sum(-1, dtype=dtype),
-        (x == math.inf).sum(-1, dtype=dtype),
-        (x != x).sum(-1, dtype=dtype),
-        torch.where(finite, x, -math.inf).amax(-1),
-        torch.where(finite, x, math.inf).amin(-1),
-        torch.where(finite, x, 0).sum(-1),
-    )
+    """Per row: the counts of finite, ``+inf`` and NaN entries, the largest and smallest finite
+    entries, and the sum of the finite ones."""
+    n_fin, n_pinf, n_nan, bottom, total = _row_counts(x)
+    top = torch.where(torch.isfinite(x), x, -math.inf).amax(-1)
+    return n_fin, n_pinf, n_nan, top, bottom, total
 
 
 def _polish(
@@ -101,11 +82,8 @@ def _polish(
     k: torch.Tensor,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """u again, in closed form from the final piece, ``u = mean_S(y) - (k - |U|) / |S|`` with
-    ``y = (x - m) / eps``: free of the steps' rounding (an entry at a breakpoint is exactly 0 or
-    1), never in the units of x. The piece is ``a``'s on ``exact`` rows, else read from the final
-    bracket. Returns the mask at u and the polished one, their residuals, and |S|; ``reduce``
-    totals split rows' partial sums."""
+    """u again, in closed form on the final piece (``a``'s on ``exact`` rows, else the final
+    bracket's): the mask at u and the polished one, their residuals, and |S|."""
     dtype = x.dtype
     y = (x - m) / eps[:, None]
     a = (y - u[:, None]).clamp(0, 1)
@@ -130,9 +108,7 @@ def _polish(
 
 def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``ceil(k)``-th and the ``(floor(k) + 1)``-th largest entries of each row (B,), ranks
-    clamped to [1, n], infinities counted, from a topk of the side of the row that needs fewer
-    entries (unsorted where every row has the same k, about 3 times cheaper).
-    """
+    clamped to [1, n], from a topk of the side of the row that needs fewer entries."""
     n = x.shape[-1]
     k_max, k_min = torch.stack((k.max(), k.min())).tolist()
     deep, shallow = min(math.floor(k_max) + 1, n), min(n - math.ceil(k_min) + 1, n)
@@ -153,9 +129,8 @@ def _order_statistics(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
 def _ranked_pair(
     ranked: torch.Tensor, k: torch.Tensor, n: int, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_order_statistics` per row from ``ranked`` (B, depth), the ``depth`` largest
-    entries of each row of length ``n`` in descending order (``largest``; else its smallest in
-    ascending order), deep enough to hold both ranks."""
+    """:func:`_order_statistics` from ``ranked`` (B, depth), each row's largest entries in
+    descending order (else its smallest, ascending), deep enough to hold both ranks."""
     depth = ranked.shape[-1]
     ranks = torch.stack((torch.ceil(k), torch.floor(k) + 1), -1).clamp(1, n)
     index = ranks - 1 if largest else n - ranks
@@ -169,13 +144,7 @@ def _solve(
     """The mask of every row of ``x`` (B, n), and the (B,) convergence flags (None: all rows)."""
     if x.device.type == "meta" or x.numel() == 0:  # nothing to solve, no value to test
         return torch.empty_like(x), None
-    # The bracket, exact, from two order statistics of the finite entries: with j = floor(k') + 1
-    # and j' = ceil(k') (k' = k less the count of +inf), every entry at or above x_(j) is at 1
-    # once t <= x_(j) - eps (r >= j - k' > 0), and at most j' - 1 entries exceed x_(j') (r <=
-    # j' - 1 - k' < 0 at t = x_(j')). So the root lies within eps plus the gap x_(j') - x_(j)
-    # (no gap at all for a fractional k), whatever the rest of the row holds: an entry far beyond
-    # the gaps never enters the search, which over [min x - eps, max x] took about
-    # log2(span / eps) steps and missed the cap.
+    # the exact bracket [x_(j) - eps, x_(j')] from two order statistics (docs/math.md §1.5)
     stats = _row_stats(x)
     x_hi, x_lo = _order_statistics(x, k)
     return _solve_rows(x, k, eps, max_iter, stats, x_hi, x_lo)
@@ -192,19 +161,14 @@ def _solve_rows(
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_solve` from the rows' statistics and order statistics (the exact bracket), or,
-    with ``x_lo`` None, any finite centre and the bracket over the row's range; ``reduce``
-    totals a split row's partial sums (the mask returned is then the shard's)."""
+    with ``x_lo`` None, any finite centre and the bracket over the row's range."""
     dtype = x.dtype
     n_fin, n_pinf, n_nan, top, bottom, total = stats
     kk, _, n_fin1, solve_rows, sel_none, sel_all, invalid = _classify(k, n_fin, n_pinf, n_nan)
     zeros = torch.zeros_like(k)
     j_lo = torch.floor(kk) + 1
     j_hi = torch.ceil(kk).clamp(min=1)
-    # The solve is on u = (t - m) / eps, centred on m = x_(j'), the top of the bracket: the
-    # offsets are centred before they are divided by epsilon, so the threshold is resolved
-    # relative to epsilon (its own scale) wherever the row lies. In the units of x, t beside a
-    # zero entry at an epsilon near finfo.tiny is subnormal, whose absolute resolution left an
-    # ulp of t at 1e-7 of epsilon (float32), and bisection walked down the subnormals.
+    # the solve is on u = (t - m) / eps, centred on m = x_(j'): t resolved relative to epsilon
     big = torch.finfo(dtype).max
     m = torch.where(solve_rows, centre, zeros)
     inv = 1 / eps
@@ -253,12 +217,8 @@ def _solve_rows(
         lo = torch.where(below, u, lo)
         hi = torch.where(above, u, hi)
         side = torch.where(below, 1.0, torch.where(above, -1.0, side))
-        # The piece's root in closed form, mean_S(y) - (k - |U|) / |S| (the entries at the
-        # breakpoint that joins S have y = u + 1 going up, y = u going down). Not as the
-        # increment u + r / |S|: r carries the rounding of sum a, relative to the iterate, so
-        # that a root far closer to the centre than the iterate (k = finfo.tiny beside an
-        # iterate at -1: r = 1 - k rounds to 1) came out as the centre itself, the bracket's
-        # end, and bisection walked down some 100 binades to it (KD16).
+        # the piece's root in closed form, mean_S(y) - (k - |U|) / |S| (the entries at the
+        # breakpoint that joins S have y = u + 1 going up, y = u going down)
         joins = torch.where(up, (one - one1) * (u + 1), (pos0 - pos) * u)
         step = (sum_y + joins - (k - want_one)) / free.clamp(min=1)
         newton = (free > 0) & (step > lo) & (step < hi)
@@ -269,12 +229,8 @@ def _solve_rows(
         # No representable point left between the ends: u is as close as the dtype allows.
         done = done | (u_new == u) | (u_new <= lo) | (u_new >= hi)
         u = torch.where(done, u, u_new)
-    # Polish: u again, in closed form from the final piece (rows stopped on the root's piece
-    # take it; rows stopped by the resolution of u, where it is closer to k).
     a, a_p, r, r_p, size = _polish(x, m2, u, lo, hi, eps, exact, k, reduce)
     take = solve_rows & (size > 0) & (exact | (r_p.abs() <= r.abs()))
-    # One host read of three flags; the common case (every row polished, none special) then
-    # costs no further pass over the rows.
     all_taken, all_done, regular = torch.stack((take.all(), done.all(), solve_rows.all())).tolist()
     a = a_p if all_taken else torch.where(take[:, None], a_p, a)
     converged: torch.Tensor | None = None if all_done else done
@@ -304,27 +260,19 @@ def _solve_and_warn(
     return a
 
 
-def _solve_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(SOLVE_OP, info, in_dims, *args)
-
-
-SOLVE_OP = define(
+SOLVE_OP: Any = define(
     "softops::sparse_threshold",
     "(Tensor x, Tensor k, Tensor eps, int max_iter, str caller) -> Tensor",
     reference=_solve_and_warn,
     fake=lambda x, k, eps, max_iter, caller: torch.empty_like(x),
-    vmap=_solve_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(SOLVE_OP, info, in_dims, *args),
 )
-"""The solve as an operator of torch's registry (not differentiable; no compiled kernel yet):
-(x (B, n), k (B,), eps (B,), max_iter, the caller's name for the warning) -> the mask."""
+"""The solve as an operator (not differentiable): (x, k, eps, max_iter, caller) -> the mask."""
 
 
 class _SparseTopKMask(torch.autograd.Function):
-    """``a = clip((x - t)/eps, 0, 1)`` with ``sum a = k`` per row; closed-form backward and jvp.
-
-    Inputs are canonical: x (B, n) in the compute dtype, k (B,), eps (B,); the iteration cap and
-    the caller's name. Output: the mask (the operator ``sparse_threshold`` warns).
-    """
+    """``a = clip((x - t)/eps, 0, 1)`` with ``sum a = k`` per canonical row; closed-form
+    backward and jvp."""
 
     @staticmethod
     def forward(
@@ -386,18 +334,10 @@ class _SparseTopKMask(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        """Every input and output leads with the rows: vmapped rows are more rows."""
         return vmap_rows(_SparseTopKMask, info, in_dims, *args)
 
 
-class _SparseTopKMaskTraced(_SparseTopKMask):
-    """The same Function for traced code: torch 2.13's dynamo rejects a custom ``jvp``."""
-
-    jvp = torch.autograd.Function.jvp  # type: ignore[assignment]
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-        return vmap_rows(_SparseTopKMaskTraced, info, in_dims, *args)
+_SparseTopKMaskTraced = without_jvp(_SparseTopKMask)
 
 
 def mask(

@@ -1,11 +1,8 @@
 """The threshold solves of "ot" and "sparse" on rows known by a summary and a reduction.
 
-A row that is split across processes is known to each of them by a summary (its counts, finite
-range and sum, and candidates for the start: its largest entries, or a strided subsample) and
-by a reduction that totals the per-piece sums of each evaluation. Given both, the
-single-process solvers of ``_ot.py`` and ``_sparse.py`` run unchanged: the same start, bracket,
-steps, polish and fill rules. In one process the reduction is the identity.
-:mod:`softops.distributed` builds the summary with one all-gather and reduces with all-reduce.
+A row split across processes is known to each by a summary (counts, finite range and sum, and
+candidates for the start) and a reduction that totals each evaluation's per-piece sums; given
+both, the single-process solvers of ``_ot.py`` and ``_sparse.py`` run unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from softops._core.rootfind import iterate, result
 from softops.topk._ot import (
     BLOCK,
     Reduce,
-    _evaluate,
     _evaluate_t,
     _near_rows,
     _polish_rows,
@@ -42,8 +38,7 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 def row_stats(x: torch.Tensor) -> torch.Tensor:
     """(B, 6) float64 statistics of the rows (or pieces of rows) ``x`` (B, n_r): counts of
-    finite, ``+inf`` and NaN entries, finite max, finite min, sum of the finite entries (an
-    empty piece: 0, 0, 0, -inf, inf, 0). Totals over pieces: sum, sum, sum, max, min, sum."""
+    finite, ``+inf`` and NaN entries, finite max, finite min, sum of the finite entries."""
     B, n_r = x.shape
     if not n_r:
         empty = torch.tensor([0.0, 0.0, 0.0, -math.inf, math.inf, 0.0], device=x.device)
@@ -111,11 +106,8 @@ def solve_ot_rows(
     reduce: Reduce | None = None,
     gather: Gather | None = None,
 ) -> ThresholdRows:
-    """Method "ot" on the piece ``x`` (B, n_r) of rows of length ``n``, largest first.
-
-    ``k``, ``eps`` (B,) per row; ``k_max``, ``eps_max`` their maxima over every row and piece
-    (the same everywhere); ``reduce`` totals each evaluation's sums over the pieces and
-    ``gather`` stacks the polish's per-piece terms (None: the row is whole here)."""
+    """Method "ot" on the piece ``x`` (B, n_r) of rows of length ``n``, largest first (``reduce``
+    and ``gather`` None where the row is whole here)."""
     scale = None
     if eps_max > _scaling_limit(x.dtype):  # epsilon near finfo.max: solve (x c, eps c)
         scale = _scale_of(rows.top.to(x.dtype), rows.bottom.to(x.dtype), eps)
@@ -144,8 +136,8 @@ def solve_ot_rows(
         A, s, den = state.extra[:3]
         near = _near_rows(state, prep, eps)
         if bool(near.any()):  # (a host test every piece makes alike: on reduced sums)
-            t = _polish_rows(x, prep, eps, state, near, gather)
-            A, s = _evaluate(x, prep.m2, t[:, None], eps[:, None], prep.k_total, tol)[4:6]
+            t, polished = _polish_rows(x, prep, eps, state, near, tol, gather)
+            A, s = polished[4:6]
     else:  # every row is filled: nothing was evaluated
         A, s = torch.zeros_like(x), torch.zeros_like(x)
         den = torch.full_like(t, math.inf)
@@ -173,9 +165,7 @@ def solve_sparse_rows(
     max_iter: int,
     reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Method "sparse" on the piece ``x`` (B, n_r): ``(a, converged)``. Its bracket is the
-    single-process op's exact one where the candidates are the row's largest, else the finite
-    range around the subsample's centre."""
+    """Method "sparse" on the piece ``x`` (B, n_r): ``(a, converged)``."""
     stats = rows.stats(x.dtype)
     if rows.exact:
         topv = rows.cand.topk(rows.depth, dim=-1).values.to(x.dtype)
