@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import func
 
@@ -69,3 +70,50 @@ def test_apply_function_equals_function_apply_eagerly_and_under_transforms():
     # under torch.func it goes through Function.apply (which torch.func needs)
     gf = torch.func.grad(lambda t: apply_function(Square, t, 2.0).sum())(x.detach())
     torch.testing.assert_close(gf, 4 * x.detach())
+
+
+class _RowScale(torch.autograd.Function):
+    """A row-wise Function with its own jvp and vmap rule: y = x * w (w per row)."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w[:, None]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * w[:, None], None
+
+    @staticmethod
+    def jvp(ctx, dx, dw):
+        raise AssertionError("the custom jvp must not run")
+
+    @staticmethod
+    def vmap(info, in_dims, x, w):
+        from softops._core.transforms import vmap_rows
+
+        return vmap_rows(_RowScale, info, in_dims, x, w)
+
+
+def test_without_jvp_keeps_forward_backward_and_vmap_and_drops_the_custom_jvp():
+    from softops._core.transforms import without_jvp
+
+    traced = without_jvp(_RowScale)
+    assert traced.__name__ == "_RowScaleTraced" and issubclass(traced, _RowScale)
+    assert traced.jvp is torch.autograd.Function.jvp  # the base rule: dynamo accepts it
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    y = traced.apply(x, w)
+    torch.testing.assert_close(y, x * w[:, None], rtol=0, atol=0)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, w[:, None].expand(3, 4), rtol=0, atol=0)
+    # its vmap rule is its own (rows merged into B), not the base class's
+    xs = torch.randn(5, 3, 4, dtype=torch.float64)
+    ys = func.vmap(lambda t: traced.apply(t, w.repeat(1)), in_dims=0)(xs)
+    torch.testing.assert_close(ys, xs * w[:, None], rtol=0, atol=0)
+    with pytest.raises(RuntimeError):  # the base jvp: forward mode is refused, not wrong
+        func.jvp(lambda t: traced.apply(t, w), (x.detach(),), (torch.ones_like(x),))

@@ -764,3 +764,48 @@ def test_torch_compile_values_and_gradients_and_fullgraph_inference():
     with torch.no_grad():
         full = torch.compile(fn, fullgraph=True)(x.detach(), k.detach())
     torch.testing.assert_close(full, fn(x, k).detach(), atol=1e-12, rtol=0)
+
+
+def test_side_log_weights_are_the_logs_of_u_1_minus_u_and_u_shifted_per_side():
+    from softops.topk import side_log_weights
+
+    off = torch.tensor(
+        [[-3.0, -0.5, 0.25, 2.0, math.inf, -math.inf], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]],
+        dtype=torch.float64,
+    )
+    below = off < 0
+    e = torch.tensor([[0.7], [0.3]], dtype=torch.float64)
+    logw, logu, near_below, near_above = side_log_weights(off, e, below)
+    fin = torch.isfinite(off)
+    want_below = torch.tensor([[0.5], [math.inf]], dtype=torch.float64)  # an empty side: inf
+    want_above = torch.tensor([[0.25], [1.0]], dtype=torch.float64)
+    torch.testing.assert_close(near_below, want_below, rtol=0, atol=0)
+    torch.testing.assert_close(near_above, want_above, rtol=0, atol=0)
+    shift = torch.where(below, want_below, want_above)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    u = torch.sigmoid(-off.abs() / e)
+    lift = (shift / e).expand_as(off)[fin]
+    torch.testing.assert_close(logw[fin] - lift, (u * (1 - u)).log()[fin])
+    torch.testing.assert_close(logu[fin] - lift, u.log()[fin])
+    assert (logw[~fin] == -math.inf).all() and (logu[~fin] == -math.inf).all()
+    # far below the gaps nothing underflows: each side's nearest entry keeps log weight about 0
+    tiny = torch.full((2, 1), 1e-300, dtype=torch.float64)
+    logw, logu, *_ = side_log_weights(off, tiny, below)
+    assert torch.isfinite(logw[fin]).all() and logw[fin].max() == 0.0
+    assert logw[0, 1] == 0.0 and logw[0, 2] == 0.0 and logw[1, 0] == 0.0
+
+
+def test_threshold_values_give_the_limits_of_the_rows_that_are_not_solved():
+    from softops.topk import threshold_values
+
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.float64)
+    scale = torch.tensor([2.0, 2.0, 4.0, 1.0, 0.5], dtype=torch.float64)
+    none = torch.tensor([False, True, False, True, False])
+    every = torch.tensor([False, False, True, True, False])
+    invalid = torch.tensor([False, False, False, False, True])
+    got = threshold_values(t, scale, none, every, invalid)
+    want = torch.tensor([0.5, math.inf, -math.inf, 0.0, math.nan], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # without the classification, the solved thresholds in the units of x only
+    torch.testing.assert_close(threshold_values(t, scale, None, None, None), t / scale)
+    torch.testing.assert_close(threshold_values(t, None, None, None, None), t)
