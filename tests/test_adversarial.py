@@ -448,18 +448,6 @@ def known_defects(case: Case, call: dict[str, Any], xd: torch.Tensor) -> dict[st
         loose = math.log(adv.tolerance(call["x"].dtype) / fi.eps)
         growth_x = (k - 1).clamp(min=0) * torch.log(span.nan_to_num(0.0) / (4 * eps) + 1)
         out["value"] = out["value"] | (growth_x > loose)
-    if case.op in ("soft_sort", "soft_quantile") and case.method == "pav" and cd == F64:
-        # KD25 (_core/isotonic.py and _isotonic_kernel.cpp, the frame of the sort): where the
-        # frame's bound G = 2 span + 2 n is beyond max / (4 n) (a float64 row spanning that far),
-        # n segments G apart do not fit in double, and 1 / eps is capped at max / (4 n) there,
-        # not hard where a gap of x reaches the cap (test_known_defect): value and epsilon
-        # derivative not compared on those rows
-        bound = fi.max / (4 * n_of(xd))
-        span = torch.where(fin, xd, -INF).amax(-1) - torch.where(fin, xd, INF).amin(-1)
-        far = ~(2 * span.nan_to_num(0.0, neginf=0.0) + 2 * n_of(xd) <= bound)
-        kd25 = (1 / eps > bound) & far
-        out["value"] = out["value"] | kd25
-        out["grad_eps"] = out["grad_eps"] | kd25
     if case.method != "pav":
         # not a defect: where the derivative itself (about n * scale / epsilon, in the units of
         # x; scale: the span for values, n for ranks, 1 for P and masks) is beyond the dtype,
@@ -1083,40 +1071,20 @@ PROPERTIES = {
 # ------------------------------------------------ the reported defects, as strict xfails
 
 
-def _kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n() -> None:
-    """_core/isotonic.py and _isotonic_kernel.cpp (the frame of the sort): a float64 row whose
-    span exceeds about max / (8 n) at an epsilon below 4 n / max: the frame cannot hold n
-    segments 2 span apart in double, and caps 1 / eps at max / (4 n), where the sort is not
-    hard although every gap of x is below 1 / eps: soft_sort([[1e307, -1e307, 0, 1, 2, 3]],
-    epsilon=finfo(float64).tiny) gives [[-8.7e306, -1.3e306, 1, 2, 1.3e306, 8.7e306]] (l2; kl
-    alike), not the sorted row (KD24's class, left where double cannot hold the frame; a frame
-    kept as gaps rather than positions would close it)."""
-    x = torch.tensor([[1e307, -1e307, 0.0, 1.0, 2.0, 3.0]], dtype=F64)
-    for reg in ("l2", "kl"):
-        out = softops.soft_sort(x, epsilon=torch.finfo(F64).tiny, regularization=reg)
-        assert torch.equal(out, x.sort(-1).values), (reg, out.tolist())
-
-
-KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {
-    "kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n": (
-        _kd25_pav_sort_of_a_row_spanning_beyond_max_over_8n,
-        "_core/isotonic.py: the sort's frame caps 1/eps where double cannot hold it",
-    ),
-}
-"""Open: KD25 (the value and epsilon derivative of soft_sort and soft_quantile "pav" are not
-compared on float64 rows whose 2 span + 2 n exceeds max / (4 n) at 1 / eps above it). Fixed:
-KD28 (NeuralSort's s / eps saturated at a tiny epsilon beside a huge span: sort/_neuralsort.py
-now scales the gaps by it below max times exact powers of two), KD27 (smooth.py),
-KD13 (topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py), KD18
-(PAV l2, _core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and
-neuralsort: sort/_chunked.py), KD20, KD21 and KD26 (topk/_softkmax.py), KD22 (the PAV rank's
-z = x / eps beyond the dtype: sort/_pav.py, _core/isotonic.py and _isotonic_kernel.cpp), KD23
-(NeuralSort's logits rounded on n * span: sort/_neuralsort.py) and KD24 (the PAV sort's cap on
-1 / eps, not hard where a gap of x reaches it: the sort now takes the rank's frame, in the same
-files as KD22), whose reproducers are regression tests for their classes in
-tests/topk/test_sinkhorn_extremes.py, tests/topk/test_sparse.py, tests/core/test_sinkhorn.py,
-tests/sort/test_pav_extremes.py, tests/sort/test_ot_extremes.py, tests/topk/test_softkmax.py and
-tests/sort/test_neuralsort.py."""
+KNOWN_DEFECTS: dict[str, tuple[Any, str]] = {}
+"""Open: none. Fixed: KD25 (the PAV sort's frame capped 1 / eps where double could not hold n runs G
+apart: the projection now runs on the gaps of z, _core/isotonic.py and _isotonic_kernel.cpp), KD28
+(NeuralSort's s / eps saturated at a tiny epsilon beside a huge span: sort/_neuralsort.py now
+scales the gaps by it below max times exact powers of two), KD27 (smooth.py), KD13
+(topk/_sinkhorn.py), KD14, KD15 and KD16 (topk/_sparse.py), KD17 (_core/sinkhorn.py), KD18 (PAV l2,
+_core/isotonic.py and _isotonic_kernel.cpp), KD19 (sort "ot", softsort l2 and neuralsort:
+sort/_chunked.py), KD20, KD21 and KD26 (topk/_softkmax.py), KD22 (the PAV rank's z = x / eps beyond
+the dtype: sort/_pav.py, _core/isotonic.py and _isotonic_kernel.cpp), KD23 (NeuralSort's logits
+rounded on n * span: sort/_neuralsort.py) and KD24 (the PAV sort's cap on 1 / eps, not hard where a
+gap of x reaches it: the sort now takes the rank's frame, in the same files as KD22), whose
+reproducers are regression tests for their classes in tests/topk/test_sinkhorn_extremes.py,
+tests/topk/test_sparse.py, tests/core/test_sinkhorn.py, tests/sort/test_pav_extremes.py,
+tests/sort/test_ot_extremes.py, tests/topk/test_softkmax.py and tests/sort/test_neuralsort.py."""
 
 
 @pytest.mark.parametrize(

@@ -551,7 +551,7 @@ def test_kd24_sorts_at_a_tiny_epsilon_are_the_hard_sorts(dtype, reg, descending,
     5e-39]]); and soft_quantile "pav" at those rows is the hard quantile of the sorted row."""
     fi = torch.finfo(dtype)
     for row in _sort_rows(fi):
-        n = row.shape[-1]  # (a float64 span above max / (2 (n - 1)): KD25, test_adversarial)
+        n = row.shape[-1]  # (rows spanning up to +-max: KD25, below)
         for scale in (1.0, 2.0**20, 2.0**-10 / fi.tiny, fi.max / (8 * n)):
             x = (row * scale / row.abs().max()).to(dtype)[None]
             span = float(x.double().max() - x.double().min())
@@ -671,3 +671,129 @@ def test_kd24_gradients_at_huge_x_over_eps(reg, backend):
     assert torch.autograd.gradgradcheck(
         lambda x: soft_sort(x, epsilon=TINY * 4, regularization=reg), (xh,)
     )
+
+
+# ------------------ KD25: rows spanning up to +-max at a tiny epsilon (the projection on gaps)
+
+
+def _spanning_rows(fi: torch.finfo) -> list[torch.Tensor]:
+    """Rows whose span reaches up to 2 max (float64's span overflows) with every gap of x below
+    1 / eps at eps = finfo.tiny (so the sort is hard there, and the ranks are at any epsilon
+    below the smallest gap): the reproducer's ends beside small entries, evenly spread rows
+    from -max to max, and a shuffled one with ties and signed zeros near 0."""
+    g = torch.Generator().manual_seed(25)
+    even = torch.linspace(-1.0, 1.0, 11, dtype=F64) * fi.max
+    mixed = torch.cat((even * 0.99, torch.tensor([0.0, -0.0, 1.0, 1.0, -2.5], dtype=F64)))
+    return [
+        torch.tensor([1e307, -1e307, 0.0, 1.0, 2.0, 3.0], dtype=F64) * (fi.max / 1.7e308),
+        even,
+        even[torch.randperm(11, generator=g)],
+        mixed[torch.randperm(mixed.shape[0], generator=g)],
+    ]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_kd25_rows_spanning_the_dtype_at_a_tiny_epsilon_are_hard(dtype, reg, descending, backend):
+    """Rows spanning up to +-max at epsilon = finfo.tiny, every gap of x below 1 / eps: the hard
+    sort (bit for bit), the hard ranks (ties at their mean) and the hard quantiles. Before, the
+    frame set n runs of z = rho / eps G = 2 span + 2 n apart, which double cannot hold beyond a
+    span of about max / (8 n), and capped 1 / eps at max / (4 n) there instead:
+    soft_sort([[1e307, -1e307, 0, 1, 2, 3]], epsilon=finfo(float64).tiny) gave [[-8.7e306,
+    -1.3e306, 1, 2, 1.3e306, 8.7e306]]. The projection now runs on the gaps of z, and no block
+    spans more than the span of x. Gradients: finite, the identity through the sort, 0 for the
+    ranks and 0 in epsilon."""
+    fi = torch.finfo(dtype)
+    eps = fi.tiny
+    tol = 0.0 if reg == "l2" else 4 * fi.eps
+    for row in _spanning_rows(fi):
+        x = row.to(dtype)[None]
+        xd = x.double()
+        gaps = xd.sort(-1).values.diff(dim=-1)
+        assert float(gaps.max()) < 1 / eps  # (this class: the sort is hard)
+        s = soft_sort(x, epsilon=eps, regularization=reg, descending=descending)
+        assert torch.equal(s, x.sort(-1, descending=descending).values), (row, s)
+        r = soft_rank(x, epsilon=eps, regularization=reg, descending=descending)
+        torch.testing.assert_close(r.double(), _hard_ranks(x, descending), rtol=tol, atol=0)
+        if not descending and reg == "l2":  # (the quantile reads the l2 sort)
+            qs = torch.tensor([0.0, 0.25, 0.5, 1.0], dtype=dtype)
+            q = soft_quantile(x, qs, epsilon=eps)
+            hard = torch.quantile(xd, qs.double(), dim=-1)
+            torch.testing.assert_close(q.double(), hard, rtol=2 * fi.eps, atol=0)
+        # derivatives, on rows without ties (where the hard sort's permutation is unique)
+        if bool((gaps > 0).all()):
+            xg = x.clone().requires_grad_()
+            e = torch.tensor([eps], dtype=dtype, requires_grad=True)
+            w = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+            out = soft_sort(xg, epsilon=e, regularization=reg, descending=descending)
+            gx, ge = torch.autograd.grad((out * w).sum(), (xg, e))
+            perm = x.argsort(-1, descending=descending)
+            assert torch.equal(gx, w.gather(1, perm.argsort(-1))), gx
+            assert float(ge) == 0.0
+            out = soft_rank(xg, epsilon=e, regularization=reg, descending=descending)
+            gx, ge = torch.autograd.grad((out * w).sum(), (xg, e))
+            assert bool((gx == 0).all()) and float(ge) == 0.0, (gx, ge)
+
+
+@pytest.mark.parametrize("reg", ["l2", "kl"])
+def test_kd25_soft_sorts_of_rows_spanning_float64(reg, backend):
+    """float64 rows spanning up to +-max whose gaps straddle 1 / eps (eps = finfo.tiny, and
+    above): soft, monotone, finite with finite gradients in x (not NaN in eps); for L2 the
+    scaling law
+    P(rho / eps, x) = P(rho c / eps, c x) / c at c = 2**-600, where every number is ordinary,
+    and the row's mean kept."""
+    fi = torch.finfo(F64)
+    x = torch.tensor(
+        [
+            [1e308, -1e308, 0.0, 1.0, 5e307, -6e307],
+            [fi.max, -fi.max, 0.0, 1e307, -2e307, 3.0],
+            [1.5e308, 1.0e308, 0.9e308, -1.7e308, 2.0, -1e307],
+        ],
+        dtype=F64,
+    )
+    c = 2.0**-600
+    for eps in (fi.tiny, fi.tiny * 2**10, 1e-300):
+        xg = x.clone().requires_grad_()
+        e = torch.full((3,), eps, dtype=F64, requires_grad=True)
+        s = soft_sort(xg, epsilon=e, regularization=reg)
+        assert bool(torch.isfinite(s).all()), s
+        assert bool((s.diff(dim=-1) >= 0).all()), s
+        gx, ge = torch.autograd.grad((s * torch.linspace(-1, 1, 6, dtype=F64)).sum(), (xg, e))
+        # (the derivative in eps, about span / eps, is itself beyond double here: +-inf)
+        assert bool(torch.isfinite(gx).all() and not torch.isnan(ge).any()), (gx, ge)
+        if reg == "l2":
+            law = soft_sort(x * c, epsilon=eps / c) / c
+            torch.testing.assert_close(s.detach(), law, rtol=1e-12, atol=0)
+            mean = (s.detach() / 8).sum(-1)  # (the sum of x itself overflows)
+            torch.testing.assert_close(mean, (x / 8).sum(-1), rtol=0, atol=1e-14 * fi.max)
+    assert not torch.equal(soft_sort(x, epsilon=fi.tiny), x.sort(-1).values)  # (soft)
+
+
+def test_kd25_backends_agree_on_rows_spanning_float64():
+    """The kernel and the torch reference run the same PAV on the same gaps: the same sorts,
+    ranks and quantiles, bit for bit, on rows spanning up to +-max, with infinities and ties."""
+    _require_kernel()
+    fi = torch.finfo(F64)
+    x = torch.tensor(
+        [
+            [1e307, -1e307, 0.0, 1.0, 2.0, 3.0, 3.0, -0.0],
+            [fi.max, -fi.max, 0.0, 1e307, -2e307, 3.0, 8e307, -8e307],
+            [INF, 1e308, 0.0, -1e308, 2e-300, -INF, 5.0, 5.0],
+            [1.5e308, 1.0e308, 0.9e308, -1.7e308, 2.0, -1e307, 1e-310, 0.0],
+        ],
+        dtype=F64,
+    )
+    for reg in ("l2", "kl"):
+        for desc in (False, True):
+            for eps in (fi.tiny, 1e-307, 1e-300, 1.0, 1e300):
+                out = {}
+                for use in BACKENDS:
+                    with kernel_backend(use):
+                        out[use] = (
+                            soft_sort(x, epsilon=eps, regularization=reg, descending=desc),
+                            soft_rank(x, epsilon=eps, regularization=reg, descending=desc),
+                            soft_quantile(x, torch.tensor([0.1, 0.5], dtype=F64), epsilon=eps),
+                        )
+                for a, b in zip(out["kernel"], out["reference"], strict=True):
+                    assert torch.equal(a.nan_to_num(), b.nan_to_num()), (reg, desc, eps, a, b)

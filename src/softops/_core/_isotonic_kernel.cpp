@@ -600,60 +600,241 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
   for (int64_t j = 0; j < n; ++j) idx[j] = items[j].index;
 }
 
-// z = u / f (f = +-eps) in sorted order, as doubles that cannot overflow: the rank's x / eps and
-// the sort's rho / eps are beyond the dtype's range at a tiny epsilon (their entries would tie at
-// +-inf, and a cap on 1 / eps pools entries that a gap of x near the cap keeps apart: KD24).
-// P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries wider
-// than the span of t (plus 2 log n for KL) is never pooled across: for blocks P above T,
-// mean(y_P) - mean(y_T) (y = z - t) is at least that gap less the span of t (L2), less 2 log n
-// more for the block values logsumexp(z_B) - logsumexp(t_B) (KL). The bound taken is
-// G = 2 (t_0 - t_{n-1}) + 2 n, twice the span, so that rounding at the scale of a huge span (the
-// sort's t is x) cannot eat the margin. Each run of consecutive gaps at most G (a segment) keeps
-// its own differences, z'_i = o - (q_a - q_i) / f with q the sorted u and a the segment's first
-// position (the differences times 1 / f), and the segments are set G apart: o = -(sum over the
-// earlier breaks of the span of the segment before it plus G). The blocks, and every difference
-// within a block that the output is formed from, are those of z; no entry is beyond n G (double
-// holds it unless the span of a float64 t is itself near double's largest). Entries of u that are
-// not finite keep u / f (+-inf, NaN): the frame takes them as before. (The reference: _rank_frame
-// in isotonic.py, the same operations in the same order.)
+// The gaps of z = u / f (f = +-eps) in sorted order, d[i] = z[i - 1] - z[i] >= 0 (d[0] = 0), as
+// doubles that cannot overflow: the rank's x / eps and the sort's rho / eps are beyond the dtype's
+// range at a tiny epsilon (their entries would tie at +-inf), and a cap on 1 / eps pools entries
+// that a gap of x near the cap keeps apart (KD24). P(z, t) depends on z only through its gaps, and
+// a gap between consecutive sorted entries wider than the span of t (plus 2 log n for KL) is never
+// pooled across: for blocks P above T, mean(y_P) - mean(y_T) (y = z - t) is at least that gap less
+// the span of t (L2), less 2 log n more for the block values logsumexp(z_B) - logsumexp(t_B) (KL).
+// So each gap is cut to G = 2 (t_0 - t_{n-1}) + 2 n (twice the span, so that rounding at the scale
+// of a huge span cannot eat the margin): d[i] = min((q[i - 1] - q[i]) / f, G), q the sorted u (the
+// difference times 1 / f), 0 between equal entries (equal infinities too), and the gap to an
+// infinite entry is infinite, so cut to G like any other wide gap. No position is formed, only
+// gaps: the projection below works on them (the blocks never span a cut gap), so nothing is beyond
+// max, at any epsilon and any span of t. Returns the largest finite gap (for the L2 scaling) and
+// whether q holds a NaN or an infinity. (The reference: _rank_frame in isotonic.py, the same
+// operations in the same order.)
+struct Frame {
+  double dmax;
+  bool nan;
+  bool finite;
+};
+
 template <typename scalar_t>
-void rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* z) {
+Frame rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* d) {
   const double G = 2.0 * (t[0] - t[n - 1]) + 2.0 * double(n);
-  // (differences times 1 / f: a product per entry, not a division); where G itself is beyond
-  // max / (4 n) (a float64 t spanning that far, or holding an infinity: the sort's), the frame
-  // could not hold n segments G apart, and |1 / f| is capped there instead (KD25: exact only where
-  // no gap of t reaches the cap)
-  const double bound = std::numeric_limits<double>::max() / (4.0 * double(n));
-  double r = 1.0 / f;
-  if (!(G <= bound) && std::abs(r) > bound) r = r > 0 ? bound : -bound;
-  double acc = 0.0;
-  int64_t a = 0;
-  bool prev = false;  // whether q[i - 1] is finite
-  for (int64_t i = 0; i < n; ++i) {
+  const double r = 1.0 / f;  // (differences times 1 / f: a product per entry, not a division)
+  double dmax = 0.0;
+  double prev = double(q[0]);
+  bool nan = prev != prev, finite = std::isfinite(prev);
+  d[0] = 0.0;
+  for (int64_t i = 1; i < n; ++i) {
     const double qi = double(q[i]);
-    if (!std::isfinite(qi)) {
-      z[i] = qi * r;
-      prev = false;
+    double g = prev == qi ? 0.0 : rounded((prev - qi) * r);
+    g = g > G ? G : g;
+    d[i] = g;
+    dmax = g > dmax && g != kInf ? g : dmax;
+    nan |= qi != qi;
+    finite &= std::isfinite(qi);
+    prev = qi;
+  }
+  return {dmax, nan, finite};
+}
+
+// PAV on the gaps of z (the projections of permutahedron()): as l2_frame and kl_frame, with the
+// position of an entry never formed. Each block keeps, besides its statistics relative to its first
+// entry, its z-span D (z at its first entry less z at its last); the first entries of adjacent
+// blocks P and T are z_P - z_T = D_P + d[first of T] apart, and pooling them gives
+// D = (D_P + d[first of T]) + D_T. The output at j is shift - (the sum of the gaps from the block's
+// first entry to j), formed as (0 - off) + shift (as (z_j - z_ref) + shift was). A block's z-span
+// never exceeds the span of t (plus 2 log n for KL): its first entry's y = z - t is at most the
+// block's mean and its last entry's at least. With `inf_t` (KL rows whose t holds infinities) the
+// differences of t are formed by diff(), else by a plain subtraction. Rows of huge magnitude are
+// solved on c d, c t (c from project_gaps_row, with d0, t0 the unscaled row where c != 1), so that
+// no sum of gaps overflows even where the span of t is beyond double; as in l2_frame, the output
+// is formed in the row's own frame, and scaled where that is not finite.
+void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out, int64_t* block,
+             int64_t* ref, double* acc, double* span, const double* d0 = nullptr,
+             const double* t0 = nullptr) {
+  int64_t depth = 0, cr = 0, pr = 0;
+  double ca = 0.0, cd = 0.0, pa = 0.0, pd = 0.0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, span[depth - 1] = pd;
+    pr = cr, pa = ca, pd = cd, ++depth;
+    cr = i, ca = 0.0, cd = 0.0;
+    while (true) {
+      const double cp = double(cr - pr), ct = double(i + 1 - cr);
+      const double zg = pd + d[cr];  // z_P - z_T, at the blocks' first entries
+      const double gap = zg - (t[pr] - t[cr]);
+      // pool while mean(prev) <= mean(top), i.e. gap + acc_P / cP - acc_T / cT <= 0
+      if (rounded(rounded(gap * cp) * ct) + rounded(pa * ct) - rounded(ca * cp) > 0.0) break;
+      ca = pa + (ca - rounded(ct * gap));
+      cd = zg + cd;
+      cr = pr;
+      if (--depth == 0) break;
+      pr = ref[depth - 1], pa = acc[depth - 1], pd = span[depth - 1];
+    }
+  }
+  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
+  ref[depth] = cr, acc[depth] = ca;
+  for (int64_t k = 0; k <= depth; ++k) {
+    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
+    const double mean = acc[k] / double(end - r);
+    const double shift = t[r] - mean;  // mean(t_B) - mean(z_B) + z_r
+    double off = 0.0;
+    if (c == 1.0) {
+      for (int64_t j = r; j < end; ++j) {
+        if (j > r) off += d[j];
+        out[j] = (0.0 - off) + shift;
+        block[j] = k;
+      }
       continue;
     }
-    if (!prev) {
-      a = i;
-    } else if (rounded((double(q[i - 1]) - qi) * r) > G) {
-      acc += rounded((double(q[a]) - double(q[i - 1])) * r) + G;
-      a = i;
+    // in the row's own frame (exact where c d or c t lost bits); scaled where that overflows
+    const double wr0 = t0[r], mean0 = mean / c;
+    double off0 = 0.0;
+    for (int64_t j = r; j < end; ++j) {
+      if (j > r) off += d[j], off0 += d0[j];
+      const double own = ((0.0 - off0) - mean0) + wr0;
+      out[j] = std::isfinite(own) ? own : ((0.0 - off) + shift) / c;
+      block[j] = k;
     }
-    z[i] = -acc - rounded((double(q[a]) - qi) * r);
-    prev = true;
   }
+}
+
+// The KL projection on the gaps, as l2_gaps: rows solved on c d, c t (c != 1: rows of huge
+// magnitude) compare blocks in that frame, score times c (exact: c is a power of two), and keep
+// their log-sums in the row's own units (ds / c, dw / c: a gap that overflows there is -inf, which
+// adds e^-inf = 0, as any gap beyond ~745 does); the output is formed in the row's own frame, and
+// scaled where that is not finite (a block whose sum of gaps overflows, or whose shift is +-inf).
+template <bool inf_t>
+void kl_gaps(const double* d, const double* t, int64_t n, double c, double* out, int64_t* block,
+             int64_t* ref, double* acc, double* aux, double* span, const double* d0 = nullptr,
+             const double* t0 = nullptr) {
+  const double inv = 1.0 / c;
+  int64_t depth = 0, cr = 0, pr = 0;
+  double ca = 0.0, cx = 0.0, cd = 0.0, pa = 0.0, px = 0.0, pd = 0.0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (depth > 0) {
+      ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px, span[depth - 1] = pd;
+    }
+    pr = cr, pa = ca, px = cx, pd = cd, ++depth;
+    cr = i, ca = 0.0, cx = 0.0, cd = 0.0;
+    while (true) {
+      const double zg = pd + d[cr];
+      const double ds = -zg;  // z_T - z_P
+      const double dw = inf_t ? diff(t[cr], t[pr]) : t[cr] - t[pr];
+      // value(B) = z_ref + acc - t_ref - aux; pool while value(prev) <= value(top)
+      if (rounded(((cx - px) - (ca - pa)) * c) + dw - ds > 0.0) break;
+      ca = logaddexp(pa, ca + rounded(ds * inv));
+      cx = logaddexp(px, cx + rounded(dw * inv));
+      cd = zg + cd;
+      cr = pr;
+      if (--depth == 0) break;
+      pr = ref[depth - 1], pa = acc[depth - 1], px = aux[depth - 1], pd = span[depth - 1];
+    }
+  }
+  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px;
+  ref[depth] = cr, acc[depth] = ca, aux[depth] = cx;
+  for (int64_t k = 0; k <= depth; ++k) {
+    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
+    const double rel = aux[k] - acc[k];
+    double off = 0.0;
+    if (c == 1.0) {
+      const double shift = rel + t[r];
+      for (int64_t j = r; j < end; ++j) {
+        if (j > r) off += d[j];
+        out[j] = (0.0 - off) + shift;
+        block[j] = k;
+      }
+      continue;
+    }
+    const double shift0 = rel + t0[r], shift = rounded(rel * c) + t[r];
+    double off0 = 0.0;
+    for (int64_t j = r; j < end; ++j) {
+      if (j > r) off += d[j], off0 += d0[j];
+      const double own = (0.0 - off0) + shift0;
+      out[j] = std::isfinite(own) ? own : ((0.0 - off) + shift) * inv;
+      block[j] = k;
+    }
+  }
+}
+
+// One row of P(z, t) from the frame's gaps d of z (fr: what rank_frame saw in q) and the sorted t,
+// into out and block: rows holding a NaN (in q or t), and L2 rows with an infinite t, are filled
+// with their limits (as project_l2_row and project_kl_row); rows whose largest finite magnitude
+// (of t, and of the gaps) exceeds l2_limit(n) are solved scaled by a power of two (`scaled`: a work
+// row of 2 n doubles); KL rows alike (kl_gaps), so that no sum of gaps overflows. Returns whether
+// q and t were finite.
+bool project_gaps_row(const double* d, const double* t, int64_t n, const Frame& fr, bool kl,
+                      double* out, int64_t* block, int64_t* ref, double* acc, double* aux,
+                      double* span, std::vector<double>& scaled) {
+  bool t_finite = true;
+  for (int64_t i = 0; i < n; ++i) t_finite &= std::isfinite(t[i]);
+  bool t_pos = false, t_neg = false, t_nan = false;
+  double big = fr.dmax;
+  if (t_finite) {
+    big = std::max(big, std::max(std::abs(t[0]), std::abs(t[n - 1])));
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const double b = t[i];
+      if (b != b) {
+        t_nan = true;
+      } else if (b == kInf) {
+        t_pos = true;
+      } else if (b == -kInf) {
+        t_neg = true;
+      } else if (std::abs(b) > big) {
+        big = std::abs(b);
+      }
+    }
+  }
+  const bool finite = t_finite && fr.finite;
+  if (fr.nan || t_nan || (!kl && t_pos && t_neg)) {
+    fill(out, block, n, kNaN);
+    return false;
+  }
+  if (!kl && !t_finite) {  // L2: an infinite t pulls the whole row to it
+    fill(out, block, n, t_pos ? kInf : -kInf);
+    return false;
+  }
+  const double limit = l2_limit(n);
+  if (!(big > limit)) {
+    if (!kl) {
+      l2_gaps(d, t, n, 1.0, out, block, ref, acc, span);
+    } else if (t_finite) {
+      kl_gaps<false>(d, t, n, 1.0, out, block, ref, acc, aux, span);
+    } else {
+      kl_gaps<true>(d, t, n, 1.0, out, block, ref, acc, aux, span);
+    }
+    return finite;
+  }
+  int e_limit = 0, e_big = 0;
+  std::frexp(limit, &e_limit);
+  std::frexp(big, &e_big);
+  const double c = std::ldexp(1.0, e_limit - e_big - 1);
+  scaled.resize(2 * n);
+  double* cd = scaled.data();
+  double* ct = cd + n;
+  for (int64_t j = 0; j < n; ++j) cd[j] = d[j] * c, ct[j] = t[j] * c;
+  if (!kl) {
+    l2_gaps(cd, ct, n, c, out, block, ref, acc, span, d, t);
+  } else if (t_finite) {
+    kl_gaps<false>(cd, ct, n, c, out, block, ref, acc, aux, span, d, t);
+  } else {
+    kl_gaps<true>(cd, ct, n, c, out, block, ref, acc, aux, span, d, t);
+  }
+  return finite;
 }
 
 // P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
 // reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
 // z = u / eps (u / -eps with kModeFlip; kModeInv, the sort's u * (1 / eps), is the same z: eps > 0)
-// is sorted by u (by -u with the flip) and formed by rank_frame in double (it may be beyond the
-// dtype: rho / eps at a tiny epsilon, where a cap on 1 / eps would pool entries that a gap of x
-// near the cap keeps apart), the projection solved in double and cast back.
+// is sorted by u (by -u with the flip) and taken as its gaps, from rank_frame in double (z itself
+// may be beyond double: rho / eps at a tiny epsilon beside a huge span of x), the projection solved
+// on them (project_gaps_row) and cast back.
 // Returns (p (B, n) in z's order, pz (B, n) or (B, 0), pw (Bw, n) or (Bw, 0), block (B, n) in sorted
 // coordinates, bad: the number of rows that held a non-finite entry, an int: no tensor to make
 // and read back on the host, a fixed cost of every call).
@@ -709,7 +890,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
     at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
       auto ref = work<int64_t>(n);
       auto keys = work<uint64_t>(4 * n);
-      auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
+      auto acc = work<double>(n), aux = work<double>(kl ? n : 0), span = work<double>(n);
       auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
       auto p = work<scalar_t>(n), nw = work<scalar_t>(negate_rows ? n : 0);
       auto frame = work<double>(3 * n);
@@ -719,8 +900,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
         const scalar_t* ru = pu + b * u_row;
         const scalar_t* rw = pwv + b * w_row;
         const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
-        // the order of z is that of u (of -u with the flip), and z itself is formed in the frame
-        // of rank_frame, from the sorted u
+        // the order of z is that of u (of -u with the flip), and its gaps are formed by
+        // rank_frame, from the sorted u
         if (sort_z) {
           for (int64_t j = 0; j < n; ++j) z[j] = flip ? -ru[j] : ru[j];
         }
@@ -744,15 +925,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
           rt = t.get();
         }
         scalar_t* rp = sort_z ? p.get() : po + b * n;
-        // in double: z from rank_frame, t cast, the output cast back
-        double* zd = frame.get();
-        double* td = zd + n;
+        // in double: the gaps of z from rank_frame, t cast, the output cast back
+        double* dd = frame.get();
+        double* td = dd + n;
         double* pd = td + n;
         for (int64_t j = 0; j < n; ++j) td[j] = double(rt[j]);
-        rank_frame(rs, double(f), td, n, zd);
-        const bool finite =
-            kl ? project_kl_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), aux.get())
-               : project_l2_row(zd, td, n, pd, pb + b * n, ref.get(), acc.get(), scaled);
+        const Frame fr = rank_frame(rs, double(f), td, n, dd);
+        const bool finite = project_gaps_row(dd, td, n, fr, kl, pd, pb + b * n, ref.get(),
+                                             acc.get(), aux.get(), span.get(), scaled);
         for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(pd[j]);
         rows_bad += !finite;
         if (negate) {

@@ -388,49 +388,172 @@ MODE_KL, MODE_SORT_Z, MODE_SORT_W, MODE_EXP, MODE_NEGATE, MODE_INV, MODE_FLIP = 
 
 
 def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """z = u / f (B, n) in sorted coordinates (the rank's x / eps, the sort's rho / eps), from
-    q, the sorted u (B, n), f (B, 1) and t, the sorted w (B, n), in a frame that cannot overflow
-    (``rank_frame`` in ``_isotonic_kernel.cpp``, the same operations in the same order).
+    """The gaps of z = u / f (B, n) in sorted coordinates (the rank's x / eps, the sort's
+    rho / eps), ``d[:, i] = z[:, i - 1] - z[:, i]`` (``d[:, 0] = 0``), from q, the sorted u
+    (B, n), f (B, 1) and t, the sorted w (B, n), as doubles that cannot overflow (``rank_frame``
+    in ``_isotonic_kernel.cpp``, the same operations in the same order).
 
     P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries
     wider than the span of t (plus 2 log n for KL) is never pooled across (for blocks P above T,
     mean(y_P) - mean(y_T), y = z - t, is at least the gap less the span of t; for KL, whose
-    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). The bound taken is
-    G = 2 (t_0 - t_(n-1)) + 2 n, whose margin over the span survives rounding at any scale. So
-    each run of gaps at most G keeps its own differences, z'_i = o - (q_a - q_i) (1 / f) (a the
-    run's first position), and the runs are set G apart: the blocks, and every difference within
-    a block that the output is formed from, are those of z, and no entry is beyond n G. A sort
-    whose 1 / eps exceeds G is the hard sort, exactly. Entries of q that are not finite keep
-    q / f (+-inf, NaN), which the projection takes as before.
+    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). So each gap is cut to
+    G = 2 (t_0 - t_(n-1)) + 2 n, whose margin over the span survives rounding at any scale:
+    ``d_i = min((q_(i-1) - q_i) (1 / f), G)``, 0 between equal entries (equal infinities too);
+    the gap to an infinite entry is infinite, so cut to G too. No position of z is formed: the
+    projection works on the gaps (:func:`_torch_project_gaps`), and a sort whose 1 / eps exceeds
+    G is the hard sort, exactly, at any span of t.
     """
     n = q.shape[-1]
     G = 2.0 * (t[:, :1] - t[:, -1:]) + 2.0 * n
     r = 1.0 / f  # (differences times 1 / f, as the kernel forms them)
-    # where G is beyond max / (4 n) (a float64 t spanning that far or holding an infinity), n
-    # segments G apart do not fit: |1 / f| is capped there instead (KD25, exact only where no gap
-    # of t reaches the cap)
-    bound = torch.finfo(q.dtype).max / (4.0 * n)
-    r = torch.where(~(G <= bound) & (r.abs() > bound), r.sign() * bound, r)
-    fin = torch.isfinite(q)
-    no = torch.zeros_like(fin[:, :1])
-    brk = fin[:, :-1] & fin[:, 1:] & ((q[:, :-1] - q[:, 1:]) * r > G)
-    brk = torch.cat((no, brk), -1)  # a new run after a wide gap
-    start = brk | (fin & ~torch.cat((no, fin[:, :-1]), -1))  # or at the first finite entry
-    positions = torch.arange(n, device=q.device).expand_as(q)
-    anchor = torch.where(start, positions, 0).cummax(-1).values
-    dz = torch.where(fin, (q.gather(1, anchor) - q) * r, 0.0)
-    # at a break i: the span of the run before it, dz[i - 1], plus G
-    step = torch.where(brk, torch.cat((torch.zeros_like(dz[:, :1]), dz[:, :-1]), -1) + G, 0.0)
-    return torch.where(fin, -step.cumsum(-1) - dz, q * r)
+    a, b = q[:, :-1], q[:, 1:]
+    g = torch.where(a == b, 0.0, (a - b) * r)
+    g = torch.where(g > G, G, g)
+    return torch.cat((torch.zeros_like(q[:, :1]), g), -1)
+
+
+def _gap_scale(d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(B, 1): 1, or the power of two that brings a row's largest finite magnitude (of t and
+    of the gaps d) below ``max / (8 n**2)`` (:func:`_l2_scale`, on gaps; for KL rows too)."""
+    n = t.shape[-1]
+    big = torch.maximum(
+        torch.where(torch.isfinite(d), d, 0).amax(-1, keepdim=True),
+        torch.where(torch.isfinite(t), t.abs(), 0).amax(-1, keepdim=True),
+    )
+    limit = torch.finfo(t.dtype).max / (8.0 * n * n)
+    shift = int(math.frexp(limit)[1]) - torch.frexp(big).exponent - 1
+    return torch.where(big > limit, torch.ldexp(torch.ones_like(big), shift), 1.0)
+
+
+def _block_offsets(d: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The sum of the gaps d from each position's block's first entry (``first``) to it (B, n),
+    accumulated entry by entry, restarting at each block (as the kernel)."""
+    off = torch.zeros_like(d)
+    for j in range(1, d.shape[-1]):
+        off[:, j] = torch.where(first[:, j] == j, 0.0, off[:, j - 1] + d[:, j])
+    return off
+
+
+def _torch_project_gaps(
+    q: torch.Tensor, d: torch.Tensor, t: torch.Tensor, kl: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """P(z, t) row by row from the gaps d of z (:func:`_rank_frame`; q the sorted u it came from,
+    for the rows' non-finite entries) and t (B, n), sorted, all in the accumulation dtype: PAV
+    on the gaps (``project_gaps_row`` in ``_isotonic_kernel.cpp``). Each block keeps, besides its
+    statistics relative to its first entry (as :func:`_torch_project`), its z-span D (z at its
+    first entry less z at its last); the first entries of adjacent blocks P and T are
+    ``D_P + d[first of T]`` apart, and pooling them gives ``D = (D_P + d[first of T]) + D_T``.
+    The output at j is ``(0 - off_j) + shift``, off_j the sum of the gaps from its block's first
+    entry to j. A block's z-span never exceeds the span of t (plus 2 log n for KL). Rows holding
+    a NaN, and L2 rows with an infinite t, are filled with their limits; rows of huge magnitude
+    are solved scaled by a power of two c (:func:`_gap_scale`; KL compares blocks in that frame,
+    its score times c, and keeps its log-sums in the row's own units), so that no sum of gaps
+    overflows, and their output is formed in the row's own frame where that is finite. Returns
+    ``(p, block, bad)`` as :func:`_torch_project`."""
+    B, n = d.shape
+    dev, acc_dt = d.device, d.dtype
+    nan = (torch.isnan(q) | torch.isnan(t)).any(-1, keepdim=True)
+    bad = int((~(torch.isfinite(q) & torch.isfinite(t)).all(-1)).sum())
+    finite = bad == 0
+    fill = torch.where(nan, math.nan, 0.0)
+    special = nan
+    if not kl:
+        pos, neg = (t == math.inf).any(-1, keepdim=True), (t == -math.inf).any(-1, keepdim=True)
+        fill = torch.where(pos & neg, math.nan, torch.where(pos, math.inf, -math.inf))
+        fill = torch.where(nan, math.nan, fill)
+        special = nan | pos | neg
+    if not finite:  # the filled rows run on zeros
+        d, t = d.masked_fill(special, 0.0), t.masked_fill(special, 0.0)
+    scale = _gap_scale(d, t)
+    d0, t0 = d, t  # the row's own frame (where scaled, the output is formed there)
+    d, t = d * scale, t * scale
+    inv = 1.0 / scale
+    c_row, inv_row = scale.view(-1), inv.view(-1)
+    rows = torch.arange(B, device=dev)
+    ref = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    cnt = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    acc = torch.zeros(B, n, dtype=acc_dt, device=dev)
+    aux = torch.zeros(B, n, dtype=acc_dt, device=dev)
+    span = torch.zeros(B, n, dtype=acc_dt, device=dev)
+    top = torch.full((B,), -1, dtype=torch.int64, device=dev)
+
+    def gaps(r: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """z_P - z_T at the first entries of the blocks k - 1 (P) and k (T), and t_T - t_P."""
+        p, c = ref[r, k - 1], ref[r, k]
+        zg = span[r, k - 1] + d[r, c]
+        dw = _sub(t[r, c], t[r, p]) if kl else -(t[r, p] - t[r, c])
+        return zg, -zg, dw
+
+    def violated(k: torch.Tensor) -> torch.Tensor:
+        kc = k.clamp(min=1, max=max(n - 1, 0))
+        zg, ds, dw = gaps(rows, kc)
+        if kl:  # (times c: the comparison in the scaled frame)
+            score = (aux[rows, kc] - aux[rows, kc - 1]) - (acc[rows, kc] - acc[rows, kc - 1])
+            score = score * c_row + dw - ds
+        else:
+            cp, ct = cnt[rows, kc - 1].to(acc_dt), cnt[rows, kc].to(acc_dt)
+            gap = zg + dw  # (z_P - z_T) - (t_P - t_T)
+            score = gap * cp * ct + acc[rows, kc - 1] * ct - acc[rows, kc] * cp
+        return (k > 0) & ~(score > 0)  # (a NaN score pools, as in the kernel)
+
+    for i in range(n):
+        top += 1
+        ref[rows, top] = i
+        cnt[rows, top] = 1
+        acc[rows, top] = 0.0
+        aux[rows, top] = 0.0
+        span[rows, top] = 0.0
+        need = violated(top)
+        while bool(need.any()):
+            r, k = rows[need], top[need]
+            zg, ds, dw = gaps(r, k)
+            if kl:  # (the log-sums in the row's own units)
+                acc[r, k - 1] = torch.logaddexp(acc[r, k - 1], acc[r, k] + ds * inv_row[r])
+                aux[r, k - 1] = torch.logaddexp(aux[r, k - 1], aux[r, k] + dw * inv_row[r])
+            else:
+                acc[r, k - 1] += acc[r, k] - cnt[r, k].to(acc_dt) * (zg + dw)
+            span[r, k - 1] = zg + span[r, k]
+            cnt[r, k - 1] += cnt[r, k]
+            top -= need.long()
+            need = violated(top)
+    blk = _blocks_from_counts(cnt, top)
+    first = ref.gather(1, blk)
+    if kl:
+        rel = (aux - acc).gather(1, blk)
+        shift = rel * scale + t.gather(1, first)
+    else:
+        mean = (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
+        shift = t.gather(1, first) - mean
+    p = (0.0 - _block_offsets(d, first)) + shift
+    p = p if kl else p / scale
+    if bool((scale != 1).any()):
+        # Scaled rows: the output formed in the row's own frame, (0 - off_j) - mean_B / c + t_r
+        # (L2; t_r itself for a singleton block) or (0 - off_j) + shift (KL), and scaled where
+        # that is not finite
+        off0 = 0.0 - _block_offsets(d0, first)
+        if kl:
+            own = off0 + (rel + t0.gather(1, first))
+            p = torch.where((scale == 1) | ~torch.isfinite(own), p * inv, own)
+        else:
+            own = (off0 - mean / scale) + t0.gather(1, first)
+            p = torch.where((scale == 1) | ~torch.isfinite(own), p, own)
+    if not finite:
+        p = torch.where(special, fill, p)
+        blk = blk.masked_fill(special, 0)
+    return p, blk, bad
 
 
 def _permutahedron_reference(
     u: torch.Tensor, w: torch.Tensor, eps: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _on_host(u) and u.dtype in _KERNEL_DTYPES:  # (another device: the kernel, through host)
+        dev = u.device
+        p, pz, pw, block, bad = _host_ops().permutahedron(u.cpu(), w.cpu(), eps.cpu(), mode)
+        return p.to(dev), pz.to(dev), pw.to(dev), block.to(dev), torch.tensor(bad, device=dev)
     n = u.shape[-1]
     f = (-eps if mode & MODE_FLIP else eps).unsqueeze(1)  # z = u / f (the sort's u * (1 / eps))
     u = u.expand(eps.shape[0], n)
-    # z's order is u's (-u's with the flip); z itself is formed from the sorted u by _rank_frame
+    # z's order is u's (-u's with the flip); its gaps are formed from the sorted u by _rank_frame
     key = -u if mode & MODE_FLIP else u
     if mode & MODE_NEGATE:
         w = -w
@@ -448,15 +571,17 @@ def _permutahedron_reference(
     )
     t = t.expand(eps.shape[0], n)
     acc = _acc_dtype(u)  # in the accumulation dtype, cast back (as the kernel)
-    ta = t.to(acc)
-    res = _project(_rank_frame(s.to(acc), f.to(acc), ta), ta, bool(mode & MODE_KL))
-    p = res.p.to(u.dtype)
+    ta, qa = t.to(acc), s.to(acc)
+    p, block, bad = _torch_project_gaps(
+        qa, _rank_frame(qa, f.to(acc), ta), ta, bool(mode & MODE_KL)
+    )
+    p = p.to(u.dtype)
     p = p.exp_() if mode & MODE_EXP else p
     if mode & MODE_NEGATE:
         p = torch.rsub(p, 0.0)
     if mode & MODE_SORT_Z:
         p = torch.empty_like(p).scatter(1, pz, p)
-    return p, pz, pw, res.block, torch.tensor(int(not res.finite), device=u.device)
+    return p, pz, pw, block, torch.tensor(bad, device=u.device)
 
 
 def _permutahedron_fake(
@@ -517,9 +642,10 @@ def permutahedron(
     """``P(z, w)`` for each row, in z's order. No autograd.
 
     z is ``u * (1/eps)`` (``MODE_INV``, the sort: the same z as ``u / eps``) or ``u / eps``
-    (``u / -eps`` with ``MODE_FLIP``), formed in the frame of ``_rank_frame`` (in double, never
-    beyond its range); ``MODE_NEGATE`` gives ``-P(z, -w)`` (as ``0 - p``), ``MODE_EXP`` with
-    ``MODE_KL`` ``exp P_E(z, log w)``; ``MODE_SORT_Z`` / ``MODE_SORT_W`` sort z / w here
+    (``u / -eps`` with ``MODE_FLIP``), taken as its gaps (``_rank_frame``, in double, never
+    beyond its range: PAV runs on them, ``_torch_project_gaps``); ``MODE_NEGATE`` gives
+    ``-P(z, -w)`` (as ``0 - p``), ``MODE_EXP`` with ``MODE_KL`` ``exp P_E(z, log w)``;
+    ``MODE_SORT_Z`` / ``MODE_SORT_W`` sort z / w here
     (descending, stably; else they come sorted descending). One pass of the C++ kernel per row
     on the CPU, the sorts included.
 

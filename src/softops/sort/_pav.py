@@ -21,11 +21,11 @@ the isotonic step, the un-sort and the limits in one node (one operator, one ker
 the CPU: ``softops._core.isotonic.permutahedron``). Contract:
 
 - exact at every scale: P is formed block by block relative to each block's first entry, and z
-  (``x / eps`` or ``rho / eps``) is never formed in the dtype but in a frame in double that cannot
-  overflow (gaps wider than the span of w, which no block crosses, cut to a bound): ranks stay in
-  [1, n] with the sum n(n+1)/2, and a sort or rank at an epsilon below every gap is the hard one,
-  bit for bit (docs/math.md §5; KD22, KD24). The one limit: float64 rows spanning beyond about
-  max / (8 n) at epsilon below 4 n / max, where 1/eps is capped (KD25).
+  (``x / eps`` or ``rho / eps``) is never formed: PAV runs on its gaps, in double (gaps wider than
+  the span of w, which no block crosses, cut to a bound; a block's span of z is at most the span
+  of w, and rows of huge magnitude are solved scaled by a power of two), so nothing overflows:
+  ranks stay in [1, n] with the sum n(n+1)/2, and a sort or rank at an epsilon below every gap is
+  the hard one, bit for bit, at any span of x (docs/math.md §5; KD22, KD24, KD25).
 - limits at non-finite entries (reported by the kernel, so that the node marks them only then):
   a NaN makes its row NaN; for L2 a row of w holding +inf and -inf is NaN and one infinity in w
   pulls the row to it; an infinite z sits in a block of equal infinities whose value is the
