@@ -555,11 +555,14 @@ inline void network_sort(item_t* items, int64_t n, item_t pad) {
   for (int64_t j = 0; j < n; ++j) items[j] = v[j];
 }
 
-// idx[0 .. n) that sorts key descending (NaN first, ties by index); work holds 4 n words.
-inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work) {
+// idx[0 .. n) that sorts key (-key with `neg`: the negation folded into the keys, no pass of its
+// own) descending (NaN first, ties by index); work holds 4 n words.
+inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work,
+                            bool neg = false) {
   uint64_t* items = work;
   for (int64_t j = 0; j < n; ++j) {
-    items[j] = (uint64_t(descending_key<uint32_t>(key[j])) << 32) | uint64_t(j);
+    const float v = neg ? -key[j] : key[j];
+    items[j] = (uint64_t(descending_key<uint32_t>(v)) << 32) | uint64_t(j);
   }
   if (n <= 8) {
     network_sort(items, n, ~uint64_t(0));
@@ -578,9 +581,10 @@ inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t*
   for (int64_t j = 0; j < n; ++j) idx[j] = int64_t(items[j] & 0xFFFFFFFFull);
 }
 
-inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t* work) {
+inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t* work,
+                            bool neg = false) {
   Item64* items = reinterpret_cast<Item64*>(work);
-  for (int64_t j = 0; j < n; ++j) items[j] = {descending_key<uint64_t>(key[j]), j};
+  for (int64_t j = 0; j < n; ++j) items[j] = {descending_key<uint64_t>(neg ? -key[j] : key[j]), j};
   if (n <= 8) {
     network_sort(items, n, Item64{~uint64_t(0), std::numeric_limits<int64_t>::max()});
   } else if (n <= 48) {
@@ -621,16 +625,18 @@ struct Frame {
   bool finite;
 };
 
-template <typename scalar_t>
-Frame rank_frame(const scalar_t* q, double f, const double* t, int64_t n, double* d) {
+template <bool ordered, typename scalar_t>
+Frame rank_frame(const scalar_t* q, const int64_t* order, double f, const double* t, int64_t n,
+                 double* d) {
+  // (q read in the order `order` where `ordered`: the sorted u without a pass of its own)
   const double G = 2.0 * (t[0] - t[n - 1]) + 2.0 * double(n);
   const double r = 1.0 / f;  // (differences times 1 / f: a product per entry, not a division)
   double dmax = 0.0;
-  double prev = double(q[0]);
+  double prev = double(ordered ? q[order[0]] : q[0]);
   bool nan = prev != prev, finite = std::isfinite(prev);
   d[0] = 0.0;
   for (int64_t i = 1; i < n; ++i) {
-    const double qi = double(q[i]);
+    const double qi = double(ordered ? q[order[i]] : q[i]);
     double g = prev == qi ? 0.0 : rounded((prev - qi) * r);
     g = g > G ? G : g;
     d[i] = g;
@@ -765,13 +771,11 @@ void kl_gaps(const double* d, const double* t, int64_t n, double c, double* out,
 // into out and block: rows holding a NaN (in q or t), and L2 rows with an infinite t, are filled
 // with their limits (as project_l2_row and project_kl_row); rows whose largest finite magnitude
 // (of t, and of the gaps) exceeds l2_limit(n) are solved scaled by a power of two (`scaled`: a work
-// row of 2 n doubles); KL rows alike (kl_gaps), so that no sum of gaps overflows. Returns whether
-// q and t were finite.
-bool project_gaps_row(const double* d, const double* t, int64_t n, const Frame& fr, bool kl,
-                      double* out, int64_t* block, int64_t* ref, double* acc, double* aux,
-                      double* span, std::vector<double>& scaled) {
-  bool t_finite = true;
-  for (int64_t i = 0; i < n; ++i) t_finite &= std::isfinite(t[i]);
+// row of 2 n doubles); KL rows alike (kl_gaps), so that no sum of gaps overflows. t_finite: whether
+// every entry of t is finite (the caller reads t anyway). Returns whether q and t were finite.
+bool project_gaps_row(const double* d, const double* t, bool t_finite, int64_t n,
+                      const Frame& fr, bool kl, double* out, int64_t* block, int64_t* ref,
+                      double* acc, double* aux, double* span, std::vector<double>& scaled) {
   bool t_pos = false, t_neg = false, t_nan = false;
   double big = fr.dmax;
   if (t_finite) {
@@ -825,6 +829,24 @@ bool project_gaps_row(const double* d, const double* t, int64_t n, const Frame& 
   } else {
     kl_gaps<true>(cd, ct, n, c, out, block, ref, acc, aux, span, d, t);
   }
+  return finite;
+}
+
+// td[j] = the row rw (read in the order idx, where given; negated with `neg`) in double; returns
+// whether every entry is finite.
+template <typename scalar_t>
+bool load_t(const scalar_t* rw, const int64_t* idx, int64_t n, bool neg, double* td) {
+  if (idx && neg) {
+    for (int64_t j = 0; j < n; ++j) td[j] = double(-rw[idx[j]]);
+  } else if (idx) {
+    for (int64_t j = 0; j < n; ++j) td[j] = double(rw[idx[j]]);
+  } else if (neg) {
+    for (int64_t j = 0; j < n; ++j) td[j] = double(-rw[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) td[j] = double(rw[j]);
+  }
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) finite &= std::isfinite(td[j]);
   return finite;
 }
 
@@ -891,57 +913,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
       auto ref = work<int64_t>(n);
       auto keys = work<uint64_t>(4 * n);
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0), span = work<double>(n);
-      auto z = work<scalar_t>(n), s = work<scalar_t>(n), t = work<scalar_t>(n);
-      auto p = work<scalar_t>(n), nw = work<scalar_t>(negate_rows ? n : 0);
       auto frame = work<double>(3 * n);
       std::vector<double> scaled;
       int64_t rows_bad = 0;
+      // in double: the gaps of z from rank_frame, t cast, the output cast back
+      double* dd = frame.get();
+      double* td = dd + n;
+      double* pd = td + n;
+      // t as the projection takes it (negated, sorted), cast, and whether it is finite: once
+      // for one row of w taken as it is, else per row below
+      const bool t_rows = w_row != 0 || negate_rows || sort_rows_w;
+      bool t_finite = t_rows || load_t(pwv, nullptr, n, false, td);
       for (int64_t b = b0; b < b1; ++b) {
         const scalar_t* ru = pu + b * u_row;
         const scalar_t* rw = pwv + b * w_row;
         const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
-        // the order of z is that of u (of -u with the flip), and its gaps are formed by
-        // rank_frame, from the sorted u
-        if (sort_z) {
-          for (int64_t j = 0; j < n; ++j) z[j] = flip ? -ru[j] : ru[j];
-        }
-        const scalar_t* rs = ru;
+        // the order of z is that of u (of -u with the flip: folded into the sort's keys), and
+        // its gaps are formed by rank_frame, from u read in that order
+        const int64_t* iz = nullptr;
         if (sort_z) {
           int64_t* idx = ppz + b * n;
-          sort_descending(z.get(), n, idx, keys.get());
-          for (int64_t j = 0; j < n; ++j) s[j] = ru[idx[j]];
-          rs = s.get();
+          sort_descending(ru, n, idx, keys.get(), flip);
+          iz = idx;
         }
-        const scalar_t* rt = rw;
-        if (negate_rows) {
-          for (int64_t j = 0; j < n; ++j) nw[j] = -rw[j];
-          rt = nw.get();
+        if (t_rows) {
+          const int64_t* iw = nullptr;
+          if (sort_rows_w) {  // (the sort of -w with the negation: its keys negated)
+            int64_t* idx = ppw + b * n;
+            sort_descending(rw, n, idx, keys.get(), negate_rows);
+            iw = idx;
+          }
+          t_finite = load_t(rw, iw, n, negate_rows, td);
         }
-        if (sort_rows_w) {
-          const scalar_t* key = rt;
-          int64_t* idx = ppw + b * n;
-          sort_descending(key, n, idx, keys.get());
-          for (int64_t j = 0; j < n; ++j) t[j] = key[idx[j]];
-          rt = t.get();
-        }
-        scalar_t* rp = sort_z ? p.get() : po + b * n;
-        // in double: the gaps of z from rank_frame, t cast, the output cast back
-        double* dd = frame.get();
-        double* td = dd + n;
-        double* pd = td + n;
-        for (int64_t j = 0; j < n; ++j) td[j] = double(rt[j]);
-        const Frame fr = rank_frame(rs, double(f), td, n, dd);
-        const bool finite = project_gaps_row(dd, td, n, fr, kl, pd, pb + b * n, ref.get(),
-                                             acc.get(), aux.get(), span.get(), scaled);
-        for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(pd[j]);
+        const Frame fr = iz ? rank_frame<true>(ru, iz, double(f), td, n, dd)
+                            : rank_frame<false>(ru, iz, double(f), td, n, dd);
+        const bool finite = project_gaps_row(dd, td, t_finite, n, fr, kl, pd, pb + b * n,
+                                             ref.get(), acc.get(), aux.get(), span.get(), scaled);
         rows_bad += !finite;
-        if (negate) {
-          for (int64_t j = 0; j < n; ++j) rp[j] = scalar_t(0) - rp[j];
-        }
-        if (sort_z) {
-          const int64_t* idx = ppz + b * n;
-          scalar_t* ro = po + b * n;
-          for (int64_t j = 0; j < n; ++j) ro[idx[j]] = rp[j];
+        // cast back (negated as 0 - p in the dtype), un-sorted where z was sorted here
+        // (a loop per case: a conditional index inside one loop is vectorised as masked loads
+        // through the null pointer, each a microcode assist)
+        scalar_t* ro = po + b * n;
+        if (iz && negate) {
+          for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(0) - scalar_t(pd[j]);
+        } else if (iz) {
+          for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(pd[j]);
+        } else if (negate) {
+          for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(0) - scalar_t(pd[j]);
+        } else {
+          for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(pd[j]);
         }
       }
       bad += rows_bad;
