@@ -1040,6 +1040,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
     at::parallel_for(0, B, grain_for(n, 65536), [&](int64_t b0, int64_t b1) {
       auto acc = work<double>(n);
       auto cnt = work<int64_t>(n);
+      auto ident = work<int64_t>(n);
+      for (int64_t j = 0; j < n; ++j) ident[j] = j;
       for (int64_t b = b0; b < b1; ++b) {
         const scalar_t* rg = pg + b * g0;
         const int64_t* rb = pb + b * n;
@@ -1059,32 +1061,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
         // (indices checked as they are read: a malformed one is an error, not a stray write)
         const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
         double total = 0.0;
-        // The blocks of a projection are runs numbered 0, 1, ... in sorted order: one pass per
-        // run, its sum and then its entries (the usual case, and the only one the projections
-        // give); any other labelling takes the general pass below, block statistics by label.
-        int64_t j0 = 0, expect = 0;
-        for (; j0 < n; ++expect) {
-          if (rb[j0] != expect) break;
-          double sum = 0.0;
-          int64_t j = j0;
-          do {
-            const int64_t i = rz ? rz[j] : j;
-            TORCH_CHECK(!outside(i) && (!rw || !outside(rw[j])),
-                        "l2_vjp: permutations out of range");
-            sum += double(rg[i * g1]);
-          } while (++j < n && rb[j] == expect);
-          const double mean = sum / double(j - j0);
-          const double ur = pr ? double(pu[b * u0 + (rz ? rz[j0] : j0) * u1]) : 0.0;
-          for (int64_t e = j0; e < j; ++e) {
-            const int64_t i = rz ? rz[e] : e;
-            const double gi = double(rg[i * g1]);
-            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
-            if (pgw) pgw[b * n + (rw ? rw[e] : e)] = scalar_t(mean);
-            if (pr) total += rounded((gi - mean) * (double(pu[b * u0 + i * u1]) - ur));
-          }
-          j0 = j;
+        // (the identity where a permutation is absent: no conditional index in the loops, which
+        // the compiler may vectorise as masked loads through the null pointer)
+        const int64_t* iz = rz ? rz : ident.get();
+        const int64_t* iw = rw ? rw : ident.get();
+        // The blocks of a projection are runs numbered 0, 1, ... in sorted order (the usual case,
+        // and the only one the projections give): branch-free passes, each run's sum restarted
+        // at its first entry (a sum from 0, in order) and its mean read back from its last entry
+        // (a loop per run ends at a data-dependent jump, mispredicted about once a run: most of
+        // the pass at n = 8); any other labelling takes the general pass below, by label.
+        bool runs = rb[0] == 0;
+        double sum = 0.0;
+        int64_t count = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t i = iz[j];
+          TORCH_CHECK(!outside(i) && !outside(iw[j]), "l2_vjp: permutations out of range");
+          const int64_t step = j == 0 ? 0 : rb[j] - rb[j - 1];
+          runs &= step == 0 || step == 1;
+          const bool start = j == 0 || step != 0;
+          sum = (start ? 0.0 : sum) + double(rg[i * g1]);
+          count = (start ? 0 : count) + 1;
+          acc[j] = sum, cnt[j] = count;
         }
-        if (j0 < n) {  // not runs numbered in order: by label
+        if (runs) {
+          double mean = 0.0;
+          for (int64_t j = n - 1; j >= 0; --j) {  // acc[j]: the mean of j's run
+            const double m = acc[j] / double(cnt[j]);
+            mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
+            acc[j] = mean;
+          }
+          double ur = 0.0;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t i = iz[j];
+            const double gi = double(rg[i * g1]), mean = acc[j];
+            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
+            if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+            if (pr) {
+              const double uj = double(pu[b * u0 + i * u1]);
+              ur = j == 0 || rb[j] != rb[j - 1] ? uj : ur;  // the first entry of its run
+              total += rounded((gi - mean) * (uj - ur));
+            }
+          }
+        }
+        if (!runs) {  // not runs numbered in order: by label
           const int64_t blocks = rb[n - 1] + 1;
           TORCH_CHECK(!outside(blocks - 1), "l2_vjp: block ids out of range");
           for (int64_t k = 0; k < blocks; ++k) acc[k] = 0.0, cnt[k] = 0;
