@@ -542,7 +542,9 @@ inline void exchange(Item64& a, Item64& b) {
 // items[0 .. n), n <= 8, sorted ascending by the optimal network of 8 inputs (19 compare-exchanges
 // in 6 layers; Knuth, TAOCP vol. 3, 5.3.4), the inputs past n set to `pad`, a value above every
 // item, which stays past n: the sort of the short rows (many rows of 8: a router's experts), where
-// an insertion sort's mispredicted comparisons cost more than the rest of the row's work.
+// an insertion sort's mispredicted comparisons cost more than the rest of the row's work. items
+// has room for 8: all 8 are written back (a fixed-size copy; one of n items was a call to memmove
+// per row), the pads past n.
 template <typename item_t>
 inline void network_sort(item_t* items, int64_t n, item_t pad) {
   static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
@@ -552,11 +554,11 @@ inline void network_sort(item_t* items, int64_t n, item_t pad) {
   for (int64_t j = 0; j < 8; ++j) v[j] = j < n ? items[j] : pad;
 #pragma GCC unroll 19
   for (int k = 0; k < 19; ++k) exchange(v[kPairs[k][0]], v[kPairs[k][1]]);
-  for (int64_t j = 0; j < n; ++j) items[j] = v[j];
+  for (int64_t j = 0; j < 8; ++j) items[j] = v[j];
 }
 
 // idx[0 .. n) that sorts key (-key with `neg`: the negation folded into the keys, no pass of its
-// own) descending (NaN first, ties by index); work holds 4 n words.
+// own) descending (NaN first, ties by index); work holds max(4 n, 16) words.
 inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t* work,
                             bool neg = false) {
   uint64_t* items = work;
@@ -911,7 +913,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
     int64_t* ppw = pw.data_ptr<int64_t>();
     at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
       auto ref = work<int64_t>(n);
-      auto keys = work<uint64_t>(4 * n);
+      auto keys = work<uint64_t>(std::max<int64_t>(4 * n, 16));  // (sort_descending)
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0), span = work<double>(n);
       auto frame = work<double>(3 * n);
       std::vector<double> scaled;
