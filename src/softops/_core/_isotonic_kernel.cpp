@@ -1085,7 +1085,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           count = (start ? 0 : count) + 1;
           acc[j] = sum, cnt[j] = count;
         }
-        if (runs) {
+        if (runs && !pr) {  // the means, backwards from each run's last entry, and the outputs
+          double mean = 0.0;
+          for (int64_t j = n - 1; j >= 0; --j) {
+            const double m = acc[j] / double(cnt[j]);
+            mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
+            const int64_t i = iz[j];
+            if (pgz) pgz[b * n + i] = through(scalar_t(double(rg[i * g1]) - mean));
+            if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+          }
+        } else if (runs) {  // (with the epsilon term, summed in order)
           double mean = 0.0;
           for (int64_t j = n - 1; j >= 0; --j) {  // acc[j]: the mean of j's run
             const double m = acc[j] / double(cnt[j]);
