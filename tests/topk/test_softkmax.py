@@ -398,6 +398,27 @@ def test_soft_kmax_epsilon_derivative_is_formed_in_the_logits_units(dtype, eps, 
     assert torch.isfinite(gx).all() and torch.isfinite(ge).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize(
+    ("row", "want"),
+    [
+        ([0.0, 3.3895313892515355e38, 1.1754943508222875e-38], [0.0, 1.0, 0.0]),  # wide: h = 1/8
+        ([-67108864.0, 0.0], [0.0, 1.0]),
+        ([-2.247116418577895e307, 0.0, 1.0], [0.0, 0.0, 1.0]),
+    ],
+)
+def test_soft_kmax_overflowing_logits_with_an_epsilon_gradient(row, want, dtype) -> None:
+    # logits far beyond the dtype at the smallest normal epsilon, with epsilon requiring grad
+    # (the eps term of each round): the hard mask, not 0 * inf = NaN or a gap rounded away
+    x = torch.tensor([row], dtype=F64).to(dtype).requires_grad_()
+    tiny = torch.finfo(dtype if dtype != torch.bfloat16 else torch.float32).tiny
+    e = torch.tensor([tiny], dtype=F64, requires_grad=True)
+    out = soft_kmax(x, 1, epsilon=e)
+    torch.testing.assert_close(out.double(), torch.tensor([want], dtype=F64), rtol=0, atol=0)
+    gx, ge = torch.autograd.grad(out, (x, e), torch.ones_like(out))
+    assert not torch.isnan(gx).any() and not torch.isnan(ge).any()
+
+
 @pytest.mark.parametrize(
     ("row", "eps", "k"),
     [

@@ -125,13 +125,11 @@ def _kmax_rounds(
             dmax = (d + mask).amax(-1, keepdim=True)
             # and the excluded entries (mask -inf) to 0, whose d is unbounded (no +inf + -inf)
             off = torch.where(mask < 0, d - dmax, 0)
-            # and a logit that would overflow to -inf (weight 0 either way) to -max / 2, so that
-            # the eps term below is 0, not -inf * 0
-            floor = -torch.finfo(d.dtype).max / 2 / (inv * hinv)
-            off = off + (d - dmax - off - floor).clamp(max=0)
-        z = (d - dmax - off) * (inv * hinv)  # <= 0 and finite
+        z = (d - dmax - off) * inv * hinv  # <= 0; -inf where it overflows (weight 0)
         if ratio.requires_grad:  # the eps derivative in the logits' units (_unit_ratio)
-            z = z + z * ratio  # saves z, as the product with 1/eps saved d - dmax - off
+            # -max in place of -inf, whose product with the ratio (0) would be NaN
+            finite = torch.where(z > -math.inf, z, -torch.finfo(z.dtype).max)
+            z = z + finite * ratio  # saves `finite`, as the product with 1/eps saved d - dmax - off
         z = z + mask
         q = torch.softmax(z, -1)  # saves q
         p = p + q * (t < steps)[:, None]  # (a (B, 1) factor: cheaper than a where)
