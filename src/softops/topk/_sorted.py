@@ -414,15 +414,18 @@ def _path(x2: Tensor, k: int, n: int, tol: float, reduce: bool, kernel: bool) ->
     return "torch" if k < n else "full"
 
 
-def _select_torch(
-    x2: Tensor, eps: Tensor, k: int, largest: bool, tau: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The candidate set of every row (docs/math.md §2.4), in torch: ``(cand, count, bad)``,
     ``cand`` (B, m) the indices of the candidates of each row in its first ``count`` places,
     ``bad`` (B,) the rows with an entry that is not finite or near the largest finite value
-    (solved in full)."""
+    (solved in full). For k = n every entry is a candidate."""
     bsz, n = x2.shape
     f64 = torch.float64
+    if k == n:
+        bad = ~(x2.detach().abs() <= torch.finfo(x2.dtype).max / (64 * k)).all(-1)
+        cand = torch.arange(n, device=x2.device).expand(bsz, n)
+        return cand, torch.full((bsz,), n, device=x2.device), bad
+    tau = _candidate_tolerance(x2.dtype)
     y = x2.detach().to(f64)
     if not largest:
         y = -y
@@ -507,9 +510,9 @@ def _reduced_reference(
 def _torch_solve(
     x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """The candidate-set solve in torch (:func:`_select_torch`, :func:`_reduced_reference`);
+    """The candidate-set solve in torch (:func:`_select_rows`, :func:`_reduced_reference`);
     rows with an infinity, a NaN or an entry near the largest finite value are solved in full."""
-    cand, count, bad = _select_torch(x2, eps, k, largest, _candidate_tolerance(x2.dtype))
+    cand, count, bad = _select_rows(x2, eps, k, largest)
     if bool(bad.all()):
         return _full(x2, eps, k, largest, max_iter, tol, tensor_eps)
     good = (~bad).nonzero().squeeze(1)
@@ -518,44 +521,31 @@ def _torch_solve(
     )
     if good.numel() == x2.shape[0]:
         return weights, values, converged, residual, clean
-    return _merge_full_rows(
-        x2,
-        eps,
-        k,
-        largest,
-        max_iter,
-        tol,
-        tensor_eps,
-        good,
-        bad,
-        (weights, values, converged, residual, clean),
-    )
+    part = (weights, values, converged, residual, clean)
+    return _merge_full_rows(part, good, bad, x2, eps, k, largest, max_iter, tol, tensor_eps)
 
 
 def _merge_full_rows(
-    x2: Tensor,
-    eps: Tensor,
-    k: int,
-    largest: bool,
-    max_iter: int,
-    tol: float,
-    tensor_eps: bool,
+    part: tuple[Tensor, Tensor, Tensor, Tensor, bool],
     good: Tensor | None,
     bad: Tensor,
-    part: tuple[Tensor, Tensor, Tensor, Tensor, bool],
+    x2: Tensor,
+    eps: Tensor,
+    *settings: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """The results of the rows ``good`` (``part``; None: ``part`` holds every row already) and
-    the full solve of the rows ``bad``, merged into (B, ...) (differentiable)."""
+    the full solve (``settings``: its k, largest, max_iter, tol and tensor_eps) of the rows
+    ``bad``, merged into (B, ...) (differentiable)."""
     bsz, n = x2.shape
+    k = settings[0]
     rows = bad.nonzero().squeeze(1)
-    wb, vb, cb, rb, clean_b = _full(x2[rows], eps[rows], k, largest, max_iter, tol, tensor_eps)
+    wb, vb, cb, rb, clean_b = _full(x2[rows], eps[rows], *settings)
     w, v, c, r, clean = part
     if good is not None:
-        shape_w, shape_v = (bsz, k, n), (bsz, k)
-        w = w.new_zeros(shape_w).index_put((good,), w)
-        v = v.new_zeros(shape_v).index_put((good,), v)
+        w = w.new_zeros((bsz, k, n)).index_put((good,), w)
+        v = v.new_zeros((bsz, k)).index_put((good,), v)
         c = c.new_zeros(bsz).index_put((good,), c)
-        r = r.new_zeros(bsz).index_put((good,), r.to(r.dtype))
+        r = r.new_zeros(bsz).index_put((good,), r)
     weights = w.index_put((rows,), wb.to(w.dtype))
     values = v.index_put((rows,), vb.to(v.dtype))
     converged = c.index_put((rows,), cb.to(c.dtype))
@@ -575,17 +565,6 @@ def _state_width(k: int, n: int) -> int:
     column states v, the ratios (b - c)/c, the centre and log tau (k+1 targets; k where k = n)."""
     big = k + 1 if k < n else k
     return 3 * big + 4
-
-
-def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_select_torch` for any k (k = n: every entry is a candidate)."""
-    bsz, n = x2.shape
-    if k < n:
-        return _select_torch(x2, eps, k, largest, _candidate_tolerance(x2.dtype))
-    limit = torch.finfo(x2.dtype).max / (64 * k)
-    bad = ~(x2.detach().abs() <= limit).all(-1)
-    cand = torch.arange(n, device=x2.device).expand(bsz, n)
-    return cand, torch.full((bsz,), n, device=x2.device), bad
 
 
 def _candidate_rows(
@@ -700,50 +679,6 @@ the backward; indices (B, k) int64, :func:`topk_indices`). Not differentiable
 (:class:`_KernelSolve` carries the gradient)."""
 
 
-def _candidate_grads(
-    x2: Tensor,
-    eps: Tensor,
-    gv: Tensor | None,
-    gw: Tensor | None,
-    k: int,
-    largest: bool,
-    max_iter: int,
-    tol: float,
-    need_x: bool,
-    need_eps: bool,
-    create_graph: bool,
-) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients (B, n) and (B,) of the candidate-set solve of the rows x2 (B, n) for the
-    cotangents gv (B, k) of the values and gw (B, k, n) of the weights, by autograd through the
-    torch solve (:func:`_candidate_rows`); with ``create_graph`` differentiable in x2 and eps."""
-    with torch.enable_grad():
-        xs = x2 if create_graph else x2.detach().requires_grad_(need_x)
-        es = eps if create_graph else eps.detach().requires_grad_(need_eps)
-        w, v, _ = _candidate_rows(xs, es, k, largest, max_iter, tol, need_eps)
-        outs, gouts = [], []
-        if gw is not None:
-            outs.append(w)
-            gouts.append(gw.to(w.dtype))
-        if gv is not None:
-            outs.append(v)
-            gouts.append(gv.to(v.dtype))
-        inputs = [t for t, need in ((xs, need_x), (es, need_eps)) if need]
-        if not outs or not inputs:
-            grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
-        else:
-            grads = torch.autograd.grad(
-                outs, inputs, gouts, create_graph=create_graph, allow_unused=True
-            )
-    it = iter(grads)
-    gx = next(it) if need_x else None
-    geps = next(it) if need_eps else None
-    if gx is None and need_x:
-        gx = torch.zeros_like(x2)
-    if geps is None and need_eps:
-        geps = torch.zeros_like(eps)
-    return gx, geps
-
-
 def _candidate_vjp(
     x2: Tensor,
     eps: Tensor,
@@ -789,29 +724,21 @@ def _candidate_vjp(
 
 
 def _vjp_rows_torch(
+    gx: Tensor,
+    geps: Tensor,
+    rows: Tensor,
     x: Tensor,
     eps: Tensor,
-    rows: Tensor,
     gv: Tensor | None,
     gw: Tensor | None,
-    k: int,
-    largest: bool,
-    max_iter: int,
-    tol: float,
-    need_eps: bool,
+    *settings: Any,
 ) -> tuple[Tensor, Tensor]:
-    """The gradients of the rows ``rows`` by :func:`_candidate_vjp`: ((R, n), (R,) float64)."""
-    return _candidate_vjp(
-        x[rows],
-        eps[rows],
-        None if gv is None else gv[rows],
-        None if gw is None else gw[rows],
-        k,
-        largest,
-        max_iter,
-        tol,
-        need_eps,
-    )
+    """``(gx, geps)`` with the rows ``rows`` set by :func:`_candidate_vjp` (``settings``: its k,
+    largest, max_iter, tol and need_eps)."""
+    if rows.numel():
+        gv, gw = (None if g is None else g[rows] for g in (gv, gw))
+        gx[rows], geps[rows] = _candidate_vjp(x[rows], eps[rows], gv, gw, *settings)
+    return gx, geps
 
 
 def _vjp_reference(
@@ -829,14 +756,9 @@ def _vjp_reference(
 ) -> tuple[Tensor, Tensor]:
     """The operator ``sorted_topk_vjp`` in torch: autograd through the torch solve of every row
     the solve took (status 0 or 1); 0 in the others."""
-    bsz, n = x.shape
-    gx = x.new_zeros((bsz, n))
-    geps = torch.zeros(bsz, dtype=F64, device=x.device)
+    gx, geps = x.new_zeros(x.shape), torch.zeros(x.shape[0], dtype=F64, device=x.device)
     rows = (status != 2).nonzero().squeeze(1)
-    if rows.numel():
-        sub_x, sub_e = _vjp_rows_torch(x, eps, rows, gv, gw, k, largest, max_iter, tol, need_eps)
-        gx[rows], geps[rows] = sub_x, sub_e
-    return gx, geps
+    return _vjp_rows_torch(gx, geps, rows, x, eps, gv, gw, k, largest, max_iter, tol, need_eps)
 
 
 def _vjp_cpu(
@@ -876,11 +798,8 @@ def _vjp_cpu(
     )
     if x.shape[0] and not (int(status.max()) == 0 and bool(safe.all())):
         rows = ((status == 1) | ~safe).nonzero().squeeze(1)
-        if rows.numel():
-            sub_x, sub_e = _vjp_rows_torch(
-                x, eps, rows, gv, gw, k, largest, max_iter, tol, need_eps
-            )
-            gx[rows], geps[rows] = sub_x, sub_e
+        args = (k, largest, max_iter, tol, need_eps)
+        gx, geps = _vjp_rows_torch(gx, geps, rows, x, eps, gv, gw, *args)
     return gx, geps
 
 
@@ -922,18 +841,9 @@ def _kernel_solve(
     converged = err <= tol
     clean = bool(converged[status == 1].all())
     if smax == 2:
-        bad = status == 2
+        part = (weights, values, converged, err, clean)
         merged = _merge_full_rows(
-            x2,
-            eps,
-            k,
-            largest,
-            max_iter,
-            tol,
-            tensor_eps,
-            None,
-            bad,
-            (weights, values, converged, err, clean),
+            part, None, status == 2, x2, eps, k, largest, max_iter, tol, tensor_eps
         )
         return (*merged, indices)
     return weights, values, converged, err, clean, indices
@@ -970,37 +880,24 @@ class _KernelSolve(torch.autograd.Function):
         need_x, need_eps = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_w is None and grad_v is None) or not (need_x or need_eps):
             return (None, None, *nones)
-        k, largest, max_iter, tol = ctx.settings
-        if torch.is_grad_enabled():  # a differentiable backward: through the torch solve
+        if torch.is_grad_enabled():  # a differentiable backward: autograd through the torch solve
             rows = (status != 2).nonzero().squeeze(1)
-            gx, geps = _candidate_grads(
-                x2[rows],
-                eps[rows],
-                None if grad_v is None else grad_v[rows],
-                None if grad_w is None else grad_w[rows],
-                k,
-                largest,
-                max_iter,
-                tol,
-                need_x,
-                need_eps,
-                True,
-            )
-            gx_full = x2.new_zeros(x2.shape).index_put((rows,), gx) if need_x else None
-            ge_full = eps.new_zeros(eps.shape).index_put((rows,), geps) if need_eps else None
-            return (gx_full, ge_full, *nones)
+            k, largest, max_iter, tol = ctx.settings
+            with torch.enable_grad():
+                w, v, _res = _candidate_rows(
+                    x2[rows], eps[rows], k, largest, max_iter, tol, need_eps
+                )
+                pairs = [(o, g[rows]) for o, g in ((w, grad_w), (v, grad_v)) if g is not None]
+                inputs = [t for t, need in ((x2, need_x), (eps, need_eps)) if need]
+                outs, gouts = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+                grads = torch.autograd.grad(
+                    outs, inputs, gouts, create_graph=True, allow_unused=True
+                )
+            found = zip(inputs, grads, strict=True)
+            it = (torch.zeros_like(t) if g is None else g for t, g in found)
+            return (next(it) if need_x else None, next(it) if need_eps else None, *nones)
         gx, geps = VJP_OP(
-            x2.detach(),
-            eps.detach(),
-            state,
-            status,
-            grad_v,
-            grad_w,
-            k,
-            largest,
-            max_iter,
-            tol,
-            bool(need_eps),
+            x2.detach(), eps.detach(), state, status, grad_v, grad_w, *ctx.settings, bool(need_eps)
         )
         return (gx if need_x else None, geps.to(eps.dtype) if need_eps else None, *nones)
 
