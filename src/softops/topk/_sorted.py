@@ -214,32 +214,21 @@ def _full(
     finite: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """The full solve of every row of x2 (B, n) (docs/math.md §2.2): ``(weights (B, k, n),
-    values (B, k), converged, residual, clean)``, weights and values in x2's dtype.
-
-    ``log_a`` (B, n) and ``log_b`` (B, k+1) replace the uniform masses (the candidate-set
-    problem of :func:`_reduced_reference`: entries of zero mass, a smaller rest); ``finite``
-    says that x2 is known to hold no infinity and no entry near the largest finite value (no
-    host read for it). ``tensor_eps``: epsilon is a tensor (its gradient and tangent are formed).
-    """
-    n = x2.shape[1]
+    values (B, k), converged, residual, clean)`` in x2's dtype. ``log_a``, ``log_b``: other
+    masses (the candidate set's); ``finite``: x2 is known to need no range or infinity handling."""
+    bsz, n = x2.shape
     cd = x2.dtype
-    bsz = x2.shape[0]
-    # Under torch.func, on meta tensors and while tracing there is no value to branch on: every
-    # row then takes the path of rows with infinities, which leaves a finite row as it is.
     m = k + 1 if k < n else k
-    # One host read in the common case: rows with an infinity, or an entry within 64 m of the
-    # largest finite value (scaled below), are the only ones with |x| above that limit.
+    # One host read: only rows with an infinity or an entry near finfo.max exceed the limit.
+    # With no value to branch on, every row takes the infinity path (a no-op on a finite row).
     no_values = cannot_branch(x2)
     limit = torch.finfo(cd).max / (64 * m)
     unusual = not finite and (no_values or bool((x2.detach().abs() > limit).any()))
     has_inf = unusual and (no_values or bool(torch.isinf(x2.detach()).any()))
 
-    # Paper orientation: the smallest s are selected, smallest first. The solve runs in float64
-    # (its cost, marginals and plan); the weights are cast back to the compute dtype.
+    # The paper selects the smallest s; the solve is in float64. ``neg``: s = -x2 is folded into
+    # the cost's slopes and column constants instead of formed.
     f64 = torch.float64
-    # Rows without an unusual entry are solved in the units of x2: for ``largest`` the
-    # orientation is folded into the column constants and the cost's slope below (``neg``:
-    # s = -x2 is never formed); the other paths form s.
     neg = largest and not unusual
     s = -x2 if largest and unusual else x2
     if log_a is None or log_b is None:
@@ -247,13 +236,9 @@ def _full(
         log_nu = [-math.log(n)] * k + ([math.log((n - k) / n)] if k < n else [])
         log_b = torch.tensor(log_nu, dtype=f64, device=x2.device).expand(bsz, m)
     if has_inf:
-        # Infinities are their limits, by structure: -inf (in s) is always selected and fills
-        # the first targets, +inf never is; the problem is solved on the finite entries, the
-        # infinite ones carrying no mass (their costs are placeholders within the finite range)
-        # and the first c = min(#(-inf), k) targets none. (Finite stand-ins beyond the range
-        # rounded onto the row at a small epsilon, and overflowed at a huge one.) Rows with
-        # fewer than k selectable entries, or a NaN, are NaN; they, and rows without a finite
-        # entry, solve a uniform stand-in (zeros), whose plan is discarded.
+        # Infinities by structure (docs/math.md §2.2): the finite entries are solved, the first
+        # c = min(#(-inf), k) targets empty. NaN rows, rows with fewer than k selectable entries
+        # and rows with no finite entry solve a stand-in (zeros) whose plan is discarded.
         sd = s.detach()
         fin = torch.isfinite(sd)
         sure, never = sd == -math.inf, sd == math.inf
@@ -275,10 +260,7 @@ def _full(
             log_rest = torch.where(rest == n - k, log_b[:, k], log_rest)
             log_fin = torch.where(j == k, log_rest[:, None], log_fin)
         log_b = torch.where(trivial[:, None], log_b, log_fin)
-    # Centred (by the column constants below) and scaled: the problem is invariant under (s, eps)
-    # -> (c s, c eps); rows whose finite entries come within 64 m of the largest finite value
-    # are solved at c a power of two that brings them below it (the partial sums of the costs
-    # are then finite; a row near finfo.max gave NaN), other rows at c = 1.
+    # Rows near finfo.max are solved at (c s, c eps), c a power of two (docs/math.md §2.2).
     if unusual:
         with torch.no_grad():
             mag = s.detach().abs().amax(-1)
@@ -288,7 +270,6 @@ def _full(
         eps = eps * scale
 
     eps_eff, scaled = _scaled_cost(s, eps, k, neg, cd)
-    # a float epsilon has no gradient or tangent: the scaled cost is then not kept for them
     weights, _, converged, residual, clean = apply_function(
         _SortedPlanTraced if torch.compiler.is_compiling() else _SortedPlan,
         *(s, eps_eff, scaled, log_a, log_b, neg, k, max_iter, tol, tensor_eps),
@@ -312,22 +293,12 @@ def _full(
 def _scaled_cost(
     s: Tensor, eps: Tensor, k: int, neg: bool, cd: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """The effective epsilon (B,) float64 and the centred cost in its units ``scaled`` (B, m, n),
-    a constant, of the scores s (B, n) (``neg``: the orientation folded in, see :func:`_full`;
-    ``cd`` the compute dtype)."""
+    """The effective epsilon (B,) float64 and the cost in its units ``scaled`` (B, m, n), a
+    constant, of the scores s (B, n): centred at the midpoints and shifted to each entry's home
+    column, as two one-signed partial sums (docs/math.md §2.2). ``cd``: the compute dtype."""
     n = s.shape[1]
     m = k + 1 if k < n else k
     f64 = torch.float64
-    # Cost / eps_p with eps_p = 2 epsilon: -(j s_i - sum_{l<j} beta_l)/epsilon, where beta_l is the
-    # midpoint between the (l+1)-th and (l+2)-th smallest s (detached constants): column constants
-    # do not change the plan, and they keep the potentials O(1). Each row is then shifted by its
-    # own cost at its "home" column j_i = #{l: beta_l < s_i} (a row constant, absorbed by f_i):
-    #   C_ij - C_ij_i = -sum_{j_i <= l < j} (s_i - beta_l)   (j > j_i),
-    #                 = +sum_{j <= l < j_i} (s_i - beta_l)   (j < j_i),
-    # two one-signed partial sums, so every cost keeps full relative precision and the smallest
-    # is 0. Formed as one cumsum over all l, the far-away midpoints (an entry 1e8 away from the
-    # rest) would add a common offset that the dtype cannot carry next to the O(1) differences.
-    # Layout (B, m, n), in float64 (the differences s_i - beta_l of float32 numbers are exact).
     with torch.no_grad():
         sd = s.detach().to(f64)  # -s with ``neg``; detached: no_grad keeps forward-mode tangents
         low = torch.topk(sd, min(k + 1, n), dim=-1, largest=neg, sorted=True).values
@@ -340,10 +311,7 @@ def _scaled_cost(
         up = pad(dd.clamp_max(0.0), (0, 0, 1, 0)).cumsum(1)  # sum_{l<j} of the negative ones
         down = pad(dd.clamp_min(0.0), (0, 0, 0, 1)).flip(1).cumsum(1).flip(1)  # l >= j, > 0
         accurate = down - up  # (B, m, n), >= 0
-        # At an epsilon far below the gaps (cost / epsilon beyond the range of the compute
-        # dtype) every entry is already decided: floor epsilon per row so that the scaled cost
-        # stays within 1/16 of that range, as when the cost was formed in that dtype (a (B,)
-        # floor, so nothing more is saved for backward).
+        # far below the gaps every entry is decided: floor epsilon so cost / epsilon stays in range
         floor = accurate.amax(dim=(1, 2)) / (torch.finfo(cd).max / 16)
     eps_eff = torch.maximum(eps.to(f64), floor)
     with torch.no_grad():  # the cost in units of epsilon (its gradients are _SortedPlan's)
@@ -381,11 +349,9 @@ def _bin_weights(n: int, k: int, tau: float) -> Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _bins(n: int, k: int, tau: float) -> tuple[int, tuple[float, ...]]:
-    """``(nb, weight)``: the number of histogram bins of the gaps d (in units of epsilon below the
-    (k+1)-th score) and the bound ``weight[b]`` on exp(-d) in bin b: bin 0 holds d <= 0, bin b
-    in 1..nb-1 holds ``(b-1)/bpu < d <= b/bpu``, bin nb every larger gap (``weight[nb]`` is
-    below ``tau / (2 k n)``, so those entries are never needed). Cached: every call and its
-    backward take it."""
+    """``(nb, weight)``: the histogram bins of the gaps d below the (k+1)-th score, in epsilon
+    (bin 0: d <= 0, bin b: ``(b-1)/bpu < d <= b/bpu``, bin nb: the rest, never needed), and the
+    bound ``weight[b]`` on exp(-d) in each."""
     far = math.log(2.0 * k * max(n, 2) / tau)
     nb = math.ceil(far * _BINS_PER_UNIT) + 2
     weight = (1.0, *(math.exp(-(b - 1) / _BINS_PER_UNIT) for b in range(1, nb + 1)))
@@ -393,11 +359,9 @@ def _bins(n: int, k: int, tau: float) -> tuple[int, tuple[float, ...]]:
 
 
 def _path(x2: Tensor, k: int, n: int, tol: float, reduce: bool, kernel: bool) -> str:
-    """Which solve takes the rows: ``"kernel"`` (candidate set and solve by the C++ kernel, CPU,
-    where it is built and the kernel back end is on),
-    ``"torch"`` (candidate set chosen in torch, solved by :func:`_full`) or ``"full"`` (every
-    row in full: under ``torch.func`` transforms, on meta tensors, while tracing, with ``tol=0``
-    (the paper's fixed iterations) and where no candidate set can drop an entry)."""
+    """Which solve takes the rows: ``"kernel"`` (the C++ kernel, CPU, where built and enabled),
+    ``"torch"`` (the candidate set in torch) or ``"full"`` (no candidate set: transforms, meta
+    tensors, tracing, ``tol=0``, or nothing to drop)."""
     if not reduce or tol <= 0 or n == 1 or x2.shape[0] == 0 or cannot_branch(x2):
         return "full"
     if forward_ad._current_level >= 0:  # forward mode: the Functions with a jvp
@@ -456,8 +420,7 @@ def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor
 def _candidate_problem(
     x2: Tensor, cand: Tensor, count: Tensor, k: int, largest: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The candidates' problem of :func:`_reduced_reference`: ``(xr (B, mm), log_a, log_b,
-    valid (B, mm))``, xr differentiable in x2 at the candidates (padding: no mass)."""
+    """The candidates' problem: ``(xr (B, mm), log_a, log_b, valid (B, mm))`` (padding: no mass)."""
     bsz = x2.shape[0]
     mm = cand.shape[1]
     f64 = torch.float64
@@ -492,10 +455,8 @@ def _reduced_reference(
     tol: float,
     tensor_eps: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """The candidate-set problem of every row solved by :func:`_full` (differentiable): the
-    candidates ``cand[:, :count]`` of mass 1/n each, the first k targets of mass 1/n, the rest
-    of mass (count - k)/n; the weights scattered back to (B, k, n) (0 off the candidates).
-    Rows with fewer candidates than ``cand`` has columns are padded with entries of zero mass."""
+    """The candidate-set problem of every row solved by :func:`_full` (differentiable), the
+    weights scattered back to (B, k, n) (0 off the candidates)."""
     bsz, n = x2.shape
     mm = cand.shape[1]
     xr, log_a, log_b, _ = _candidate_problem(x2, cand, count, k, largest)
@@ -533,9 +494,8 @@ def _merge_full_rows(
     eps: Tensor,
     *settings: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
-    """The results of the rows ``good`` (``part``; None: ``part`` holds every row already) and
-    the full solve (``settings``: its k, largest, max_iter, tol and tensor_eps) of the rows
-    ``bad``, merged into (B, ...) (differentiable)."""
+    """``part`` (the rows ``good``; None: every row) with the rows ``bad`` solved by :func:`_full`
+    (``settings``: its k, largest, max_iter, tol and tensor_eps) merged in (differentiable)."""
     bsz, n = x2.shape
     k = settings[0]
     rows = bad.nonzero().squeeze(1)
@@ -554,15 +514,13 @@ def _merge_full_rows(
 
 
 KERNEL = Kernel("softops_sorted", Path(__file__).with_name("_sorted_kernel.cpp"))
-"""The CPU row kernels of the candidate-set solve and its backward
-(``torch.ops.softops_sorted``)."""
+"""The CPU row kernels of the candidate-set solve and its backward."""
 
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 def _state_width(k: int, n: int) -> int:
-    """Columns of the kernel's per-row state: the k+1 largest scores, the cut, the count, the
-    column states v, the ratios (b - c)/c, the centre and log tau (k+1 targets; k where k = n)."""
+    """Columns of the kernel's per-row state (three per target, four more)."""
     big = k + 1 if k < n else k
     return 3 * big + 4
 
@@ -570,8 +528,8 @@ def _state_width(k: int, n: int) -> int:
 def _candidate_rows(
     x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The candidate-set solve of rows without an infinity or a NaN in torch, differentiable:
-    ``(weights (B, k, n), values (B, k), residual (B,))`` (the reference of the kernel)."""
+    """The candidate-set solve of finite rows in torch, differentiable: ``(weights (B, k, n),
+    values (B, k), residual (B,))``."""
     cand, count, _ = _select_rows(x2, eps, k, largest)
     w, v, _, res, _ = _reduced_reference(
         x2, eps, cand, count, k, largest, max_iter, tol, tensor_eps
@@ -582,9 +540,7 @@ def _candidate_rows(
 def _solve_reference(
     x: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
 ) -> tuple[Tensor, ...]:
-    """The operator ``sorted_topk_solve`` in torch: every row solved on its candidate set by
-    :func:`_reduced_reference` (status 1), the rows with an infinity, a NaN or an entry near the
-    largest finite value left (status 2: zeros, residual inf); no kernel state (zeros)."""
+    """The operator ``sorted_topk_solve`` in torch (status 1 or 2; no kernel state)."""
     bsz, n = x.shape
     f64 = torch.float64
     with torch.no_grad():
@@ -605,8 +561,7 @@ def _solve_reference(
 def _solve_cpu(
     ops: Any, x: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float
 ) -> tuple[Tensor, ...]:
-    """The operator ``sorted_topk_solve`` by the kernel; the rows it leaves above ``tol`` (status
-    1) are solved by the torch code on the same candidate sets."""
+    """The operator ``sorted_topk_solve`` by the kernel; rows it leaves above ``tol`` in torch."""
     if x.dtype not in _KERNEL_DTYPES:
         return _solve_reference(x, eps, k, largest, max_iter, tol)
     bsz, n = x.shape
@@ -690,11 +645,8 @@ def _candidate_vjp(
     tol: float,
     need_eps: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The gradients of the candidate-set solve of the rows x2 (B, n) (finite) for the cotangents
-    gv (B, k) of the values and gw (B, k, n) of the weights, in torch and without autograd (the
-    backward of :func:`_candidate_rows` formed step by step: the values' direct term, the implicit
-    VJP of :class:`_SortedPlan` on the candidates, the scatter back): ``(gx (B, n) in x2's dtype,
-    0 off the candidates; geps (B,) float64, 0 unless need_eps)``."""
+    """The VJP of :func:`_candidate_rows` for the cotangents gv (B, k) and gw (B, k, n), formed
+    without autograd: ``(gx (B, n) in x2's dtype, geps (B,) float64, 0 unless need_eps)``."""
     bsz, n = x2.shape
     f64 = torch.float64
     with torch.no_grad():
@@ -754,8 +706,7 @@ def _vjp_reference(
     tol: float,
     need_eps: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The operator ``sorted_topk_vjp`` in torch: autograd through the torch solve of every row
-    the solve took (status 0 or 1); 0 in the others."""
+    """The operator ``sorted_topk_vjp`` in torch (:func:`_candidate_vjp`; 0 in rows of status 2)."""
     gx, geps = x.new_zeros(x.shape), torch.zeros(x.shape[0], dtype=F64, device=x.device)
     rows = (status != 2).nonzero().squeeze(1)
     return _vjp_rows_torch(gx, geps, rows, x, eps, gv, gw, k, largest, max_iter, tol, need_eps)
@@ -775,9 +726,7 @@ def _vjp_cpu(
     tol: float,
     need_eps: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The operator ``sorted_topk_vjp`` by the kernel for the rows it solved (status 0); the rows
-    solved by the torch code, and those whose system the kernel finds singular, by autograd
-    through the torch solve."""
+    """The operator ``sorted_topk_vjp`` by the kernel; status-1 and singular rows in torch."""
     if x.dtype not in _KERNEL_DTYPES:
         return _vjp_reference(x, eps, state, status, gv, gw, k, largest, max_iter, tol, need_eps)
     n = x.shape[1]
@@ -830,9 +779,7 @@ Not differentiable (double backward goes through the torch solve)."""
 def _kernel_solve(
     x2: Tensor, eps: Tensor, k: int, largest: bool, max_iter: int, tol: float, tensor_eps: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool, Tensor]:
-    """The candidate set and its solve by the kernel (:class:`_KernelSolve`); rows with an
-    infinity, a NaN or an entry near the largest finite value are solved in full. The last
-    output: the indices (:func:`topk_indices`)."""
+    """The solve by the kernel (:class:`_KernelSolve`), rows of status 2 in full; plus indices."""
     out = apply_function(_KernelSolve, x2, eps, k, largest, max_iter, tol)
     weights, values, err, status, indices = out[0], out[1], out[2], out[3], out[5]
     smax = int(status.max()) if x2.shape[0] else 0
