@@ -543,19 +543,26 @@ def _solve_reference(
     """The operator ``sorted_topk_solve`` in torch (status 1 or 2; no kernel state)."""
     bsz, n = x.shape
     f64 = torch.float64
-    with torch.no_grad():
-        x, eps = x.detach(), eps.detach()
-        _, _, bad = _select_rows(x, eps, k, largest)
-        weights = x.new_zeros((bsz, k, n))
-        values = x.new_zeros((bsz, k))
-        err = torch.full((bsz,), math.inf, dtype=f64, device=x.device)
-        status = torch.where(bad, 2, 1).to(torch.int8)
-        state = torch.zeros((bsz, _state_width(k, n)), dtype=f64, device=x.device)
-        good = (~bad).nonzero().squeeze(1)
-        if good.numel():
-            w, v, res = _candidate_rows(x[good], eps[good], k, largest, max_iter, tol, False)
-            weights[good], values[good], err[good] = w, v.to(x.dtype), res
+    x, eps = x.detach(), eps.detach()
+    bad = _select_rows(x, eps, k, largest)[2]
+    weights, values = x.new_zeros((bsz, k, n)), x.new_zeros((bsz, k))
+    err = torch.full((bsz,), math.inf, dtype=f64, device=x.device)
+    status = torch.where(bad, 2, 1).to(torch.int8)
+    state = torch.zeros((bsz, _state_width(k, n)), dtype=f64, device=x.device)
+    good = (~bad).nonzero().squeeze(1)
+    _solve_rows_torch((weights, values, err), good, x, eps, k, largest, max_iter, tol, False)
     return weights, values, err, status, state, topk_indices(x, k, largest)
+
+
+def _solve_rows_torch(
+    out: tuple[Tensor, Tensor, Tensor], rows: Tensor, x: Tensor, eps: Tensor, *settings: Any
+) -> None:
+    """Sets the rows ``rows`` of the solve's weights, values and residual by :func:`_candidate_rows`
+    (``settings``: its k, largest, max_iter, tol and tensor_eps)."""
+    if rows.numel():
+        with torch.no_grad():
+            w, v, res = _candidate_rows(x[rows], eps[rows], *settings)
+        out[0][rows], out[1][rows], out[2][rows] = w, v.to(out[1].dtype), res
 
 
 def _solve_cpu(
@@ -585,12 +592,8 @@ def _solve_cpu(
     values = v64.to(x.dtype)
     if bsz and int(status.max()) >= 1:
         left = (status == 1).nonzero().squeeze(1)
-        if left.numel():
-            with torch.no_grad():
-                w, v, res = _candidate_rows(
-                    x[left].detach(), eps[left].detach(), k, largest, max_iter, tol, False
-                )
-            weights[left], values[left], err[left] = w, v.to(x.dtype), res
+        x, eps = x.detach(), eps.detach()
+        _solve_rows_torch((weights, values, err), left, x, eps, k, largest, max_iter, tol, False)
         bad = (status == 2).nonzero().squeeze(1)
         if bad.numel():  # (the kernel sets no indices there)
             indices[bad] = topk_indices(x[bad].detach(), k, largest)
@@ -626,12 +629,10 @@ SOLVE_OP = define(
     cpu=_solve_cpu,
     kernel=KERNEL,
 )
-"""The candidate-set solve of rows (x (B, n) in the compute dtype, eps (B,), k, largest,
-max_iter, tol) -> (weights (B, k, n), values (B, k), residual (B,) float64, status (B,) int8: 0
-solved by the kernel, 1 solved by the torch code, 2 left to the caller (an infinity, a NaN, an
-entry near the largest finite value: zeros); the kernel's state (B, 3 (k+1) + 4) float64, for
-the backward; indices (B, k) int64, :func:`topk_indices`). Not differentiable
-(:class:`_KernelSolve` carries the gradient)."""
+"""The candidate-set solve of rows (x (B, n), eps (B,), k, largest, max_iter, tol) -> (weights
+(B, k, n), values (B, k), residual (B,) float64, status (B,) int8 (0: by the kernel, 1: in torch,
+2: left to the caller, zeros), the kernel's state for the backward, indices (B, k) int64). Not
+differentiable (:class:`_KernelSolve` carries the gradient)."""
 
 
 def _candidate_vjp(
@@ -770,10 +771,9 @@ VJP_OP = define(
     cpu=_vjp_cpu,
     kernel=KERNEL,
 )
-"""The implicit VJP of :data:`SOLVE_OP` (its x, eps, state and status; the cotangents gv (B, k)
-of the values and gw (B, k, n) of the weights, either None) -> (the gradient in x (B, n), 0 off
-the candidates and in the rows of status 2; in epsilon (B,) float64, 0 unless ``need_eps``).
-Not differentiable (double backward goes through the torch solve)."""
+"""The implicit VJP of :data:`SOLVE_OP` for the cotangents gv (B, k), gw (B, k, n) (either None)
+-> (the gradients in x (B, n) and epsilon (B,) float64, 0 in rows of status 2); not
+differentiable."""
 
 
 def _kernel_solve(
@@ -797,11 +797,8 @@ def _kernel_solve(
 
 
 class _KernelSolve(torch.autograd.Function):
-    """``(x2, eps) -> (weights, values, residual, status, state, indices)`` by :data:`SOLVE_OP` (the
-    candidate set of each row and its solve); the backward is :data:`VJP_OP`, the implicit VJP
-    in x and epsilon. Double backward (a backward with a graph) goes through the torch solve of
-    the same candidate sets by autograd. Rows of status 2 (an infinity, a NaN) are left at 0 (the
-    caller solves them)."""
+    """:data:`SOLVE_OP` with :data:`VJP_OP` as its backward; a backward with a graph (double
+    backward) is autograd through the torch solve. Rows of status 2 are the caller's."""
 
     @staticmethod
     def forward(
@@ -850,16 +847,9 @@ class _KernelSolve(torch.autograd.Function):
 
 
 class _SortedPlan(torch.autograd.Function):
-    r"""``(s, eps) -> (weights, plan, converged, residual, clean)``: the sorted top-k's OT solve,
-    differentiable in the scores and epsilon in one node.
-
-    The cost ``C_ij = slope_j s_i + c_ij`` is given in units of epsilon (``scaled``, a
-    constant), so the backward is one implicit VJP of the plan
-    (:func:`~softops._core.sinkhorn.implicit_cost_vjp`) and two contractions of it,
-    ``sum_j slope_j G_ij / eps`` and ``-<G, C/eps> / eps``, which never square epsilon.
-    ``plan`` (float64) is an output so that double backward reaches it; small CPU problems take
-    the operator ``softops::sorted_plan_vjp``. ``tensor_eps`` False: ``scaled`` is not saved.
-    """
+    """``(s, eps) -> (weights, plan, converged, residual, clean)``: the OT solve, differentiable
+    in s and epsilon. The backward is one implicit VJP of the plan for the cost ``scaled`` (in
+    units of epsilon) and two contractions of it; ``plan`` is an output for double backward."""
 
     @staticmethod
     def forward(
@@ -874,22 +864,16 @@ class _SortedPlan(torch.autograd.Function):
         tol: float,
         tensor_eps: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        problem = (scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol)
         if torch.compiler.is_compiling():
-            # the solve as one operator (opaque to dynamo), which warns where rows did not
-            # converge: nothing is read on the host (clean False)
-            out = NEWTON_FIRST_OP(
-                *(scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol),
-                *(False, _OP),
-            )
-            plan = out[0]
-            weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
-            return weights, plan, out[3], out[4], False
-        res, clean = newton_first(
-            scaled.transpose(1, 2), log_a, log_b, torch.ones_like(eps), max_iter, tol, False
-        )
-        plan = res.plan  # (B, n, m), float64
+            # one operator, opaque to dynamo, that warns itself: nothing is read on the host
+            out = NEWTON_FIRST_OP(*problem, False, _OP)
+            plan, converged, residual, clean = out[0], out[3], out[4], False
+        else:
+            res, clean = newton_first(*problem, False)
+            plan, converged, residual = res.plan, res.converged, res.residual  # plan (B, n, m)
         weights = (plan[:, :, :k] * plan.shape[1]).to(s.dtype).transpose(1, 2)
-        return weights, plan, res.converged, res.residual, clean
+        return weights, plan, converged, residual, clean
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -969,8 +953,8 @@ def _torch_vjp(
     neg: bool,
     need_eps: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """The backward of :class:`_SortedPlan` in torch, differentiable (double backward): the
-    gradients in s (B, n), float64, and, with ``need_eps``, in epsilon (B,)."""
+    """The backward of :class:`_SortedPlan` in torch, differentiable: the gradients in s (B, n),
+    float64, and, with ``need_eps``, in epsilon (B,)."""
     n, m = plan.shape[1], plan.shape[2]
     grad = torch.zeros_like(plan) if grad_plan is None else grad_plan.to(plan.dtype)
     if grad_w is not None:
@@ -992,9 +976,8 @@ def _torch_vjp(
 def _plan_vjp_reference(
     plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
 ) -> tuple[Tensor, Tensor]:
-    """The operator ``sorted_plan_vjp`` in torch (:func:`_torch_vjp` for a cotangent of the
-    weights only, not differentiated again): ``(grad_s (B, n), grad_eps (B,))``, float64,
-    grad_eps 0 unless ``need_eps``."""
+    """The operator ``sorted_plan_vjp`` in torch (:func:`_torch_vjp`), grad_eps 0 unless
+    ``need_eps``."""
     s = plan.new_zeros(plan.shape[:2])  # (its value does not enter: only its derivative does)
     grad_s, grad_eps = _torch_vjp(plan, grad_w, None, eps, scaled, s, neg, need_eps)
     if grad_eps is None:
@@ -1005,8 +988,7 @@ def _plan_vjp_reference(
 def _plan_vjp_cpu(
     ops: Any, plan: Tensor, grad_w: Tensor, eps: Tensor, scaled: Tensor, neg: bool, need_eps: bool
 ) -> tuple[Tensor, Tensor]:
-    """The operator ``sorted_plan_vjp`` by the row kernel ``sorted_vjp_rows``; the rows it does
-    not solve safely (a singular system) by the torch code."""
+    """The operator ``sorted_plan_vjp`` by the row kernel; singular rows by the torch code."""
     bsz, n, m = plan.shape
     pm = plan.detach().transpose(1, 2)  # (B, m, n): the solver's buffer, no copy
     gm = pm.new_zeros((bsz, m, n))
@@ -1038,9 +1020,8 @@ PLAN_VJP_OP = define(
     cpu=_plan_vjp_cpu,
     kernel=NEWTON_KERNEL,
 )
-"""The backward of :class:`_SortedPlan` for a cotangent of its weights, not differentiated again
-(plan (B, n, m) float64, grad_w (B, k, n), eps (B,), the scaled cost (B, m, n) where
-``need_eps``) -> (the gradients in the scores (B, n) and in epsilon (B,)), float64."""
+"""The backward of :class:`_SortedPlan` for a cotangent of its weights, not differentiated again:
+(the gradients in the scores (B, n) and in epsilon (B,)), float64."""
 
 
 def _slopes(m: int, neg: bool, like: Tensor) -> Tensor:
@@ -1056,11 +1037,8 @@ def _finite_costs(scaled: Tensor) -> Tensor:
 
 
 def _values_with_infinities(weights: Tensor, x2: Tensor, largest: bool) -> Tensor:
-    """``weights @ x`` for rows with infinite scores.
-
-    The c always-selected infinities (``+inf`` for ``largest``) fill the first c targets, whose
-    values are that infinity; the other infinities have zero weight and contribute 0 (not NaN).
-    """
+    """``weights @ x`` for rows with infinities: the first c values are the c always-selected
+    infinities, the others (zero weight) contribute 0, not NaN."""
     xd = x2.detach()
     finite_x = torch.where(torch.isinf(xd), 0.0, x2)
     with own_precision(x2):
