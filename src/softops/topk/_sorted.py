@@ -147,9 +147,8 @@ def _soft_topk(
     reduce: bool = True,
     kernel: bool = True,
 ) -> TopK:
-    """:func:`soft_topk`; ``reduce=False`` solves every row in full (no candidate set: the
-    reference the candidate-set path is tested against), ``kernel=False`` keeps off the C++
-    kernel (the candidate set is then chosen and solved in torch)."""
+    """:func:`soft_topk`; ``reduce=False`` solves every row in full (the candidate set's reference),
+    ``kernel=False`` keeps off the C++ kernel."""
     check_bool(largest, _OP, "largest")
     rows = prepare_rows(_OP, x, dim, epsilon)
     n, x2, eps, restore = rows.n, rows.x2, rows.eps, rows.restore  # x2 (B, n), eps (B,)
@@ -171,8 +170,7 @@ def _soft_topk(
             x2, eps, k, largest, max_iter, tol, tensor_eps
         )
 
-    # (clean: the solver read on the host that every row converged; while traced the solve's
-    # operator has warned)
+    # (clean: every row converged, read on the host; while traced the solve's operator warned)
     if not clean and not torch.compiler.is_compiling():
         warn_not_converged(_OP, converged, max_iter, residual=residual, tol=tol)
 
@@ -183,9 +181,8 @@ def _soft_topk(
 
 def topk_indices(x2: Tensor, k: int, largest: bool) -> Tensor:
     """The indices (B, k) int64 of the k largest (smallest) entries of each row of x2 (B, n), in
-    order, equal entries in the order of the row (the order of a stable sort; NaN is above every
-    number, as in torch.topk and torch.sort): torch.topk's, whose order among equal entries is
-    unspecified, with the rows where equal entries meet the top k sorted stably."""
+    order, equal entries in the order of the row (NaN above every number, as in torch.topk):
+    torch.topk's, with the rows where equal entries meet the top k sorted stably."""
     top = torch.topk(x2, k, dim=-1, largest=largest, sorted=True)
     if cannot_branch(x2):  # no values to branch on: every row sorted
         return torch.sort(x2, dim=-1, descending=largest, stable=True).indices[:, :k]
