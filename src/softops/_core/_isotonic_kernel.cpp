@@ -179,27 +179,25 @@ std::tuple<at::Tensor, at::Tensor> pav_kl(const at::Tensor& s_in, const at::Tens
 // at large epsilon) v = s - w is far larger than P, and s - (s - w) cancels. Each block k keeps a
 // reference position ref[k] (its first, where s and w are largest) and its statistics relative to
 // it, so that every sum is over small numbers: L2: acc[k] = sum_j (y_j - y_ref) with y = s - w;
-// KL: acc[k] = log sum_j e^(s_j - s_ref) and aux[k] = log sum_j e^(w_j - w_ref). Adjacent blocks
-// are compared through the gap (s_p - s_t) - (w_p - w_t), differences of the sorted inputs. A
-// singleton's output is (s_i - s_i) + w_i = w_i exactly, and tied inputs give gaps of exactly 0.
-// Blocks are contiguous, so a block's count is the distance to the next block's reference.
+// KL: acc[k] = log sum_j e^(s_j - s_ref) and aux[k] = log sum_j e^(w_j - w_ref). A singleton's
+// output is w_i exactly, and tied inputs give gaps of exactly 0. Blocks are contiguous, so a
+// block's count is the distance to the next block's reference. The positions of s are never
+// formed, only its gaps (rank_frame, l2_gaps and kl_gaps below).
 //
-// The same frame takes the infinities, with differences formed by diff() (0 between equal
-// infinities): an infinite s_t is an infinite gap to every finite neighbour, so it never pools
-// with one; equal infinities pool among themselves, and their block's output (s_j - s_ref) + shift
-// is the projection's limit there, mean(w_B) (L2) or log mean exp(w_B) (KL). For KL an infinite w
-// is taken too. For L2 an infinite w pulls the whole row to it, +inf against -inf is NaN, and so
-// is any row holding a NaN: such rows are filled without a pass of PAV.
+// Infinities: an infinite s_t is a wide gap to every finite neighbour, so it never pools with
+// one; equal infinities pool among themselves, and their block's output is the projection's limit
+// there, mean(w_B) (L2) or log mean exp(w_B) (KL). For KL an infinite w is taken too. For L2 an
+// infinite w pulls the whole row to it, +inf against -inf is NaN, and so is any row holding a
+// NaN: such rows are filled without a pass of PAV.
 //
-// L2 rows whose finite magnitudes exceed l2_limit(n) (where a gap, or a cross-multiplied
-// comparison, could overflow) are solved for c s, c w with c a power of two: the projection is
+// Rows whose finite magnitudes exceed l2_limit(n) (where a sum of gaps, or a cross-multiplied
+// comparison, could overflow) are solved scaled by c, a power of two: the projection is
 // positively homogeneous, and the scaling is exact down to the subnormals, where it is not: an
 // entry that c brings below the smallest normal number loses bits (a row of subnormal w beside
 // s = rho / epsilon near the largest float, the sort at epsilon = finfo.tiny: 7.9e-322 came back
 // 6.3e-322). So the blocks and their means are found in the scaled frame, and the output is formed
-// in the row's own: (s_j - s_r) - mean_B / c + w_r, with s_j - s_r and w_r unscaled (exact for a
-// singleton block, where the output is w_r itself); where that overflows (a row spanning both
-// signs near the largest float), the scaled output ((c s_j - c s_r) + c w_r - mean_B) / c.
+// in the row's own (exact for a singleton block, where the output is w_r itself); where that
+// overflows (a row spanning both signs near the largest float), the scaled output divided by c.
 
 // The largest magnitude that the L2 frame takes unscaled in a row of n: its gaps (at most 4 times
 // it) times two counts (at most n**2 / 4) and its sums stay below double's largest.
@@ -208,254 +206,9 @@ inline double l2_limit(int64_t n) {
   return std::numeric_limits<double>::max() / (8.0 * m * m);
 }
 
-enum Kind { kFinite = 0, kInfInFrame = 1, kNaNRow = 2, kPosInfW = 3, kNegInfW = 4 };
-
-struct Scan {
-  int kind;
-  double c;
-};
-
-// What the sorted rows s, w hold: kFinite (every entry finite), kInfInFrame (infinities only where
-// the frame takes them: in s, and in w when `limit` is inf, as for KL), kNaNRow (a NaN, or +inf
-// and -inf in w), kPosInfW or kNegInfW; and c, 1 or the power of two that brings the largest
-// finite magnitude below `limit`. A finite row costs one plain pass; its magnitude is read off
-// its ends (the rows are sorted).
-template <typename scalar_t>
-Scan scan(const scalar_t* s, const scalar_t* w, int64_t n, double limit) {
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) {
-    finite &= std::isfinite(double(s[i])) & std::isfinite(double(w[i]));
-  }
-  double big = 0.0;
-  int kind = kFinite;
-  if (finite) {
-    big = std::max(std::max(std::abs(double(s[0])), std::abs(double(s[n - 1]))),
-                   std::max(std::abs(double(w[0])), std::abs(double(w[n - 1]))));
-  } else {
-    bool s_inf = false, w_pos = false, w_neg = false;
-    for (int64_t i = 0; i < n; ++i) {
-      const double a = double(s[i]), b = double(w[i]);
-      if (a != a || b != b) return {kNaNRow, 1.0};
-      if (std::isinf(a)) {
-        s_inf = true;
-      } else if (std::abs(a) > big) {
-        big = std::abs(a);
-      }
-      if (b == kInf) {
-        w_pos = true;
-      } else if (b == -kInf) {
-        w_neg = true;
-      } else if (std::abs(b) > big) {
-        big = std::abs(b);
-      }
-    }
-    if (limit == kInf) {  // KL: the frame takes infinite w too
-      kind = kInfInFrame;
-    } else if (w_pos || w_neg) {
-      kind = w_pos && w_neg ? kNaNRow : (w_pos ? kPosInfW : kNegInfW);
-    } else {
-      kind = s_inf ? kInfInFrame : kFinite;
-    }
-  }
-  double c = 1.0;
-  if (big > limit) {
-    int e_limit = 0, e_big = 0;
-    std::frexp(limit, &e_limit);
-    std::frexp(big, &e_big);
-    c = std::ldexp(1.0, e_limit - e_big - 1);
-  }
-  return {kind, c};
-}
-
 template <typename scalar_t>
 void fill(scalar_t* out, int64_t* block, int64_t n, double value) {
   for (int64_t j = 0; j < n; ++j) out[j] = scalar_t(value), block[j] = 0;
-}
-
-// PAV in the relative frame on one row of s and finite w (of type in_t: the row's dtype, or
-// double for a row scaled by c), into out (the row's dtype) divided by c. With `inf` (s holds
-// infinities) the differences of s are formed by diff(), else by a plain subtraction.
-template <bool inf, typename in_t, typename scalar_t>
-void l2_frame(const in_t* s, const in_t* w, int64_t n, double c, scalar_t* out, int64_t* block,
-              int64_t* ref, double* acc, const scalar_t* s0 = nullptr,
-              const scalar_t* w0 = nullptr) {
-  // (s0, w0: the unscaled row, where c != 1)
-  // The stack holds `depth` blocks below the current one (cr, ca); its top (pr, pa) stays in
-  // registers, the others in ref[0 .. depth - 1), acc[0 .. depth - 1): a push that pools at once
-  // (the usual case) touches no memory.
-  int64_t depth = 0, cr = 0, pr = 0;
-  double ca = 0.0, pa = 0.0;
-  for (int64_t i = 1; i < n; ++i) {
-    if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
-    pr = cr, pa = ca, ++depth;
-    cr = i, ca = 0.0;
-    while (true) {
-      const double cp = double(cr - pr), ct = double(i + 1 - cr);
-      const double sp = double(s[pr]), st = double(s[cr]);
-      const double gap = (inf ? diff(sp, st) : sp - st) - (double(w[pr]) - double(w[cr]));
-      // pool while mean(prev) <= mean(top), i.e. gap + acc_P / cP - acc_T / cT <= 0
-      if (rounded(rounded(gap * cp) * ct) + rounded(pa * ct) - rounded(ca * cp) > 0.0) break;
-      ca = pa + (ca - rounded(ct * gap));
-      cr = pr;
-      if (--depth == 0) break;
-      pr = ref[depth - 1], pa = acc[depth - 1];
-    }
-  }
-  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
-  ref[depth] = cr, acc[depth] = ca;
-  for (int64_t k = 0; k <= depth; ++k) {
-    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
-    const double mean = acc[k] / double(end - r);
-    const double shift = double(w[r]) - mean;  // mean(w_B) - mean(s_B) + s_r
-    const double sr = double(s[r]);
-    if (c == 1.0) {
-      for (int64_t j = r; j < end; ++j) {
-        const double sj = double(s[j]);
-        out[j] = scalar_t((inf ? diff(sj, sr) : sj - sr) + shift);
-        block[j] = k;
-      }
-      continue;
-    }
-    // in the row's own frame (exact where c s or c w lost bits); scaled where that overflows
-    const double sr0 = double(s0[r]), wr0 = double(w0[r]), mean0 = mean / c;
-    for (int64_t j = r; j < end; ++j) {
-      const double sj = double(s[j]), sj0 = double(s0[j]);
-      const double own = ((inf ? diff(sj0, sr0) : sj0 - sr0) - mean0) + wr0;
-      out[j] = scalar_t(std::isfinite(own) ? own
-                                           : ((inf ? diff(sj, sr) : sj - sr) + shift) / c);
-      block[j] = k;
-    }
-  }
-}
-
-// One row of P_Q(s, w) into out and block; returns whether the row was finite. `scaled` is a work
-// row of 2 n doubles, for a row solved scaled.
-template <typename scalar_t>
-bool project_l2_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out,
-                    int64_t* block, int64_t* ref, double* acc, std::vector<double>& scaled) {
-  const Scan sc = scan(s, w, n, l2_limit(n));
-  if (sc.kind >= kNaNRow) {
-    fill(out, block, n, sc.kind == kNaNRow ? kNaN : (sc.kind == kPosInfW ? kInf : -kInf));
-    return false;
-  }
-  const bool inf = sc.kind == kInfInFrame;
-  if (sc.c == 1.0) {
-    if (inf) {
-      l2_frame<true>(s, w, n, 1.0, out, block, ref, acc);
-    } else {
-      l2_frame<false>(s, w, n, 1.0, out, block, ref, acc);
-    }
-  } else {  // P(s, w) = P(c s, c w) / c, formed in the row's own frame (above)
-    scaled.resize(2 * n);
-    double* cs = scaled.data();
-    double* cw = cs + n;
-    for (int64_t j = 0; j < n; ++j) cs[j] = double(s[j]) * sc.c, cw[j] = double(w[j]) * sc.c;
-    if (inf) {
-      l2_frame<true>(cs, cw, n, sc.c, out, block, ref, acc, s, w);
-    } else {
-      l2_frame<false>(cs, cw, n, sc.c, out, block, ref, acc, s, w);
-    }
-  }
-  return sc.kind == kFinite;
-}
-
-template <bool inf, typename scalar_t>
-void kl_frame(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out, int64_t* block,
-              int64_t* ref, double* acc, double* aux) {
-  // The stack as in l2_frame: the current block (cr, ca, cx), the top below it (pr, pa, px) in
-  // registers, the others in memory.
-  int64_t depth = 0, cr = 0, pr = 0;
-  double ca = 0.0, cx = 0.0, pa = 0.0, px = 0.0;
-  for (int64_t i = 1; i < n; ++i) {
-    if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px;
-    pr = cr, pa = ca, px = cx, ++depth;
-    cr = i, ca = 0.0, cx = 0.0;
-    while (true) {
-      const double ds = inf ? diff(double(s[cr]), double(s[pr])) : double(s[cr]) - double(s[pr]);
-      const double dw = inf ? diff(double(w[cr]), double(w[pr])) : double(w[cr]) - double(w[pr]);
-      // value(B) = s_ref + acc - w_ref - aux; pool while value(prev) <= value(top)
-      if ((cx - px) - (ca - pa) + dw - ds > 0.0) break;
-      ca = logaddexp(pa, ca + ds);
-      cx = logaddexp(px, cx + dw);
-      cr = pr;
-      if (--depth == 0) break;
-      pr = ref[depth - 1], pa = acc[depth - 1], px = aux[depth - 1];
-    }
-  }
-  if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa, aux[depth - 1] = px;
-  ref[depth] = cr, acc[depth] = ca, aux[depth] = cx;
-  for (int64_t k = 0; k <= depth; ++k) {
-    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
-    const double shift = (aux[k] - acc[k]) + double(w[r]);
-    const double sr = double(s[r]);
-    for (int64_t j = r; j < end; ++j) {
-      const double sj = double(s[j]);
-      out[j] = scalar_t((inf ? diff(sj, sr) : sj - sr) + shift);
-      block[j] = k;
-    }
-  }
-}
-
-// One row of P_E(s, w) into out and block; returns whether the row was finite.
-template <typename scalar_t>
-bool project_kl_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* out,
-                    int64_t* block, int64_t* ref, double* acc, double* aux) {
-  const Scan sc = scan(s, w, n, kInf);
-  if (sc.kind == kNaNRow) {
-    fill(out, block, n, kNaN);
-    return false;
-  }
-  if (sc.kind == kInfInFrame) {
-    kl_frame<true>(s, w, n, out, block, ref, acc, aux);
-  } else {
-    kl_frame<false>(s, w, n, out, block, ref, acc, aux);
-  }
-  return sc.kind == kFinite;
-}
-
-// P(s, w) row by row (s and w sorted descending, (B, n) or one row (1, n) for every row; w in s's
-// dtype): the projection (B, n) in s's dtype, the block ids (B, n) and the number of rows that
-// held a non-finite entry (where the caller may want to mark the projection's limits), a 0-dim
-// int64 tensor.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& s_in,
-                                                     const at::Tensor& w_in, bool kl) {
-  check_rows(s_in, "project");
-  check_rows(w_in, "project");
-  TORCH_CHECK(w_in.scalar_type() == s_in.scalar_type(), "project: w must have s's dtype");
-  const int64_t Bs = s_in.size(0), Bw = w_in.size(0), n = s_in.size(1);
-  const int64_t B = Bs == 1 ? Bw : Bs;
-  TORCH_CHECK(w_in.size(1) == n && (Bs == B || Bs == 1) && (Bw == B || Bw == 1),
-              "project: s and w must be (B, n) or (1, n)");
-  const at::Tensor s = s_in.contiguous(), w = w_in.contiguous();
-  auto out = at::empty({B, n}, s.options());
-  auto block = at::empty({B, n}, s.options().dtype(at::kLong));
-  if (B == 0 || n == 0) return {out, block, at::zeros({}, s.options().dtype(at::kLong))};
-  const int64_t s_row = Bs == 1 ? 0 : n, w_row = Bw == 1 ? 0 : n;
-  std::atomic<int64_t> bad{0};
-  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "project", [&] {
-    const scalar_t* ps = s.const_data_ptr<scalar_t>();
-    const scalar_t* pw = w.const_data_ptr<scalar_t>();
-    scalar_t* po = out.data_ptr<scalar_t>();
-    int64_t* pb = block.data_ptr<int64_t>();
-    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
-      auto ref = work<int64_t>(n);
-      auto acc = work<double>(n), aux = work<double>(kl ? n : 0);
-      std::vector<double> scaled;
-      int64_t rows_bad = 0;
-      for (int64_t b = b0; b < b1; ++b) {
-        const scalar_t* rs = ps + b * s_row;
-        const scalar_t* rw = pw + b * w_row;
-        const bool finite =
-            kl ? project_kl_row(rs, rw, n, po + b * n, pb + b * n, ref.get(), acc.get(),
-                                aux.get())
-               : project_l2_row(rs, rw, n, po + b * n, pb + b * n, ref.get(), acc.get(),
-                                scaled);
-        rows_bad += !finite;
-      }
-      bad += rows_bad;
-    });
-  });
-  return {out, block, at::scalar_tensor(bad.load(), s.options().dtype(at::kLong))};
 }
 
 // ------------------------------------------------- the whole projection, sorts included
@@ -650,8 +403,8 @@ Frame rank_frame(const scalar_t* q, const int64_t* order, double f, const double
   return {dmax, nan, finite};
 }
 
-// PAV on the gaps of z (the projections of permutahedron()): as l2_frame and kl_frame, with the
-// position of an entry never formed. Each block keeps, besides its statistics relative to its first
+// PAV on the gaps of z (the projections of permutahedron() and project()), in the frame above,
+// with the position of an entry never formed. Each block keeps, besides its statistics relative to its first
 // entry, its z-span D (z at its first entry less z at its last); the first entries of adjacent
 // blocks P and T are z_P - z_T = D_P + d[first of T] apart, and pooling them gives
 // D = (D_P + d[first of T]) + D_T. The output at j is shift - (the sum of the gaps from the block's
@@ -660,7 +413,7 @@ Frame rank_frame(const scalar_t* q, const int64_t* order, double f, const double
 // block's mean and its last entry's at least. With `inf_t` (KL rows whose t holds infinities) the
 // differences of t are formed by diff(), else by a plain subtraction. Rows of huge magnitude are
 // solved on c d, c t (c from project_gaps_row, with d0, t0 the unscaled row where c != 1), so that
-// no sum of gaps overflows even where the span of t is beyond double; as in l2_frame, the output
+// no sum of gaps overflows even where the span of t is beyond double; the output
 // is formed in the row's own frame, and scaled where that is not finite.
 void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out, int64_t* block,
              int64_t* ref, double* acc, double* span, const double* d0 = nullptr,
@@ -771,7 +524,7 @@ void kl_gaps(const double* d, const double* t, int64_t n, double c, double* out,
 
 // One row of P(z, t) from the frame's gaps d of z (fr: what rank_frame saw in q) and the sorted t,
 // into out and block: rows holding a NaN (in q or t), and L2 rows with an infinite t, are filled
-// with their limits (as project_l2_row and project_kl_row); rows whose largest finite magnitude
+// with their limits (above); rows whose largest finite magnitude
 // (of t, and of the gaps) exceeds l2_limit(n) are solved scaled by a power of two (`scaled`: a work
 // row of 2 n doubles); KL rows alike (kl_gaps), so that no sum of gaps overflows. t_finite: whether
 // every entry of t is finite (the caller reads t anyway). Returns whether q and t were finite.
@@ -974,6 +727,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
 }
 
 // ----------------------------------------------------------------- the L2 VJP, in one pass
+
+// P(s, w) row by row (s and w sorted descending, (B, n) or one row (1, n) for every row; w in s's
+// dtype): the projection (B, n) in s's dtype, the block ids (B, n) and the number of rows that
+// held a non-finite entry (where the caller may want to mark the projection's limits), a 0-dim
+// int64 tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& s_in,
+                                                     const at::Tensor& w_in, bool kl) {
+  check_rows(s_in, "project");
+  check_rows(w_in, "project");
+  TORCH_CHECK(w_in.scalar_type() == s_in.scalar_type(), "project: w must have s's dtype");
+  const int64_t Bs = s_in.size(0), Bw = w_in.size(0), n = s_in.size(1);
+  const int64_t B = Bs == 1 ? Bw : Bs;
+  TORCH_CHECK(w_in.size(1) == n && (Bs == B || Bs == 1) && (Bw == B || Bw == 1),
+              "project: s and w must be (B, n) or (1, n)");
+  // z = s / 1, taken as its gaps (exact): permutahedron() without a sort
+  const auto res = permutahedron(s_in, w_in, at::ones({B}, s_in.options()), kl ? kModeKL : 0);
+  return {std::get<0>(res), std::get<3>(res),
+          at::scalar_tensor(std::get<4>(res), s_in.options().dtype(at::kLong))};
+}
 
 // The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g (B, n) in z's order, any
 // strides. pz / pw (B, n) sort z / w descending (absent: already sorted); block (B, n) the block

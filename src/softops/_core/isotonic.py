@@ -39,11 +39,13 @@ without a kernel: there are no values to pool.
 
 Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
 cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
-formed relative to each block's first entry (what the soft sort and rank need, exact at any
-scale), infinities included: an infinite entry of s is an infinite gap to its finite neighbours,
-so it pools only with its equal infinities, whose block gets the limit (the mean of w, or its
-log-mean-exp), and the finite entries beside it keep the exact frame (there is no s - (s - w) to
-cancel). L2 rows of huge magnitude (above ``max / (8 n**2)``, where a gap or a comparison could
+formed relative to each block's first entry from the gaps of s (the projection of
+:func:`permutahedron` with z = s: exact at any scale, a gap wider than the span of w cut to a
+bound that no block crosses), infinities included: an infinite entry of s pools only with its
+equal infinities, whose block gets the limit (the mean of w, or its log-mean-exp), and the finite
+entries beside it keep the exact frame (there is no s - (s - w) to cancel). For KL, a row whose s
+holds an infinity while w holds one too (or spans beyond the dtype) has no bound to cut to: NaN.
+Rows of huge magnitude (above ``max / (8 n**2)``, where a sum of gaps or a comparison could
 overflow) are solved scaled by a power of two, which is exact: the projection is homogeneous.
 :func:`isotonic_l2` and :func:`isotonic_kl` return ``v``.
 """
@@ -165,112 +167,6 @@ def _sub(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(p == q, torch.zeros_like(p), p - q)
 
 
-def _l2_scale(sa: torch.Tensor, wa: torch.Tensor) -> torch.Tensor:
-    """(B, 1): 1, or the power of two that brings a row's largest finite magnitude below
-    ``max / (8 n**2)``, where the L2 frame's gaps and cross-multiplied comparisons cannot overflow
-    (``l2_limit`` in ``_isotonic_kernel.cpp``)."""
-    n = sa.shape[-1]
-    big = torch.maximum(
-        torch.where(torch.isfinite(sa), sa.abs(), 0).amax(-1, keepdim=True),
-        torch.where(torch.isfinite(wa), wa.abs(), 0).amax(-1, keepdim=True),
-    )
-    limit = torch.finfo(sa.dtype).max / (8.0 * n * n)
-    shift = int(math.frexp(limit)[1]) - torch.frexp(big).exponent - 1
-    return torch.where(big > limit, torch.ldexp(torch.ones_like(big), shift), 1.0)
-
-
-def _torch_project(
-    s: torch.Tensor, w: torch.Tensor, kl: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``p = s - v(s, w)`` row by row (s, w: (B, n)), in the frame of the C++ kernel
-    (``_isotonic_kernel.cpp``): blocks keep their statistics relative to their first position,
-    and adjacent blocks are compared through gaps of the sorted inputs, formed by ``_sub`` (0
-    between equal infinities), so that infinities of s (and, for KL, of w) take the same formulas.
-    Rows holding a NaN, and L2 rows with an infinite w, are filled with their limits (NaN, or that
-    infinity). Returns ``(p, block, bad)``, bad the number of rows that held a non-finite entry:
-    the reference of ``softops::isotonic_project``."""
-    B, n = s.shape
-    dev, acc_dt = s.device, _acc_dtype(s)
-    sa, wa = s.detach().to(acc_dt), w.detach().to(acc_dt)
-    nan = (torch.isnan(sa) | torch.isnan(wa)).any(-1, keepdim=True)
-    bad = int((~(torch.isfinite(sa) & torch.isfinite(wa)).all(-1)).sum())
-    finite = bad == 0
-    fill = torch.where(nan, math.nan, 0.0)
-    special = nan
-    if not kl:
-        pos, neg = (wa == math.inf).any(-1, keepdim=True), (wa == -math.inf).any(-1, keepdim=True)
-        fill = torch.where(pos & neg, math.nan, torch.where(pos, math.inf, -math.inf))
-        fill = torch.where(nan, math.nan, fill)
-        special = nan | pos | neg
-    if not finite:  # the filled rows run on zeros
-        sa, wa = sa.masked_fill(special, 0.0), wa.masked_fill(special, 0.0)
-    scale = _l2_scale(sa, wa) if not kl else None
-    s0, w0 = sa, wa  # the row's own frame (where scaled, the output is formed there)
-    if scale is not None:
-        sa, wa = sa * scale, wa * scale
-    rows = torch.arange(B, device=dev)
-    ref = torch.zeros(B, n, dtype=torch.int64, device=dev)
-    cnt = torch.zeros(B, n, dtype=torch.int64, device=dev)
-    acc = torch.zeros(B, n, dtype=acc_dt, device=dev)
-    aux = torch.zeros(B, n, dtype=acc_dt, device=dev)
-    top = torch.full((B,), -1, dtype=torch.int64, device=dev)
-
-    def gaps(r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p, q = ref[r, t - 1], ref[r, t]
-        return _sub(sa[r, q], sa[r, p]), _sub(wa[r, q], wa[r, p])  # s_t - s_p, w_t - w_p
-
-    def violated(t: torch.Tensor) -> torch.Tensor:
-        tc = t.clamp(min=1, max=max(n - 1, 0))
-        ds, dw = gaps(rows, tc)
-        if kl:
-            score = (aux[rows, tc] - aux[rows, tc - 1]) - (acc[rows, tc] - acc[rows, tc - 1])
-            score = score + dw - ds
-        else:
-            cp, ct = cnt[rows, tc - 1].to(acc_dt), cnt[rows, tc].to(acc_dt)
-            score = (dw - ds) * cp * ct + acc[rows, tc - 1] * ct - acc[rows, tc] * cp
-        return (t > 0) & (score <= 0)
-
-    for i in range(n):
-        top += 1
-        ref[rows, top] = i
-        cnt[rows, top] = 1
-        acc[rows, top] = 0.0
-        aux[rows, top] = 0.0
-        need = violated(top)
-        while bool(need.any()):
-            r, t = rows[need], top[need]
-            ds, dw = gaps(r, t)
-            if kl:
-                acc[r, t - 1] = torch.logaddexp(acc[r, t - 1], acc[r, t] + ds)
-                aux[r, t - 1] = torch.logaddexp(aux[r, t - 1], aux[r, t] + dw)
-            else:
-                acc[r, t - 1] += acc[r, t] - cnt[r, t].to(acc_dt) * (dw - ds)
-            cnt[r, t - 1] += cnt[r, t]
-            top -= need.long()
-            need = violated(top)
-    blk = _blocks_from_counts(cnt, top)
-    first = ref.gather(1, blk)
-    w_ref = wa.gather(1, first)
-    if kl:
-        shift = (aux - acc).gather(1, blk) + w_ref
-    else:
-        mean = (acc / cnt.clamp(min=1).to(acc_dt)).gather(1, blk)
-        shift = w_ref - mean
-    p = _sub(sa, sa.gather(1, first)) + shift
-    if scale is not None:
-        p = p / scale
-        # Scaled rows: the scaling is exact except where it brings an entry below the smallest
-        # normal number (subnormal w beside s near the largest float); the output is formed in
-        # the row's own frame, (s_j - s_r) - mean_B / c + w_r (w_r itself for a singleton
-        # block), and scaled where that overflows (``l2_frame`` in ``_isotonic_kernel.cpp``).
-        own = (_sub(s0, s0.gather(1, first)) - mean / scale) + w0.gather(1, first)
-        p = torch.where((scale == 1) | ~torch.isfinite(own), p, own)
-    if not finite:
-        p = torch.where(special, fill, p)
-        blk = blk.masked_fill(special, 0)
-    return p.to(s.dtype), blk, bad
-
-
 # --------------------------------------------------------------------------- the operators
 
 KERNEL = Kernel("softops_isotonic", Path(__file__).with_name("_isotonic_kernel.cpp"))
@@ -295,31 +191,23 @@ def _pav_fake(s: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(s), torch.empty_like(s, dtype=torch.int64)
 
 
-def _pav_l2_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(PAV_L2_OP, info, in_dims, *args)
-
-
-def _pav_kl_vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
-    return vmap_rows(PAV_KL_OP, info, in_dims, *args)
-
-
-PAV_L2_OP = define(
+PAV_L2_OP: Any = define(
     "softops::isotonic_l2",
     "(Tensor y) -> (Tensor, Tensor)",
     reference=lambda y: _torch_pav(y, None),
     fake=_pav_fake,
-    vmap=_pav_l2_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(PAV_L2_OP, info, in_dims, *args),
     cpu=lambda ops, y: ops.pav_l2(y) if y.dtype in _KERNEL_DTYPES else _torch_pav(y, None),
     kernel=KERNEL,
 )
 """Decreasing L2 isotonic regression of the rows of y (B, n): ``(v, block)``."""
 
-PAV_KL_OP = define(
+PAV_KL_OP: Any = define(
     "softops::isotonic_kl",
     "(Tensor s, Tensor w) -> (Tensor, Tensor)",
     reference=lambda s, w: _torch_pav(s, w),
     fake=_pav_fake,
-    vmap=_pav_kl_vmap,
+    vmap=lambda info, in_dims, *args: vmap_rows(PAV_KL_OP, info, in_dims, *args),
     cpu=lambda ops, s, w: ops.pav_kl(s, w) if s.dtype in _KERNEL_DTYPES else _torch_pav(s, w),
     kernel=KERNEL,
 )
@@ -334,9 +222,10 @@ def _rows(s: torch.Tensor, w: torch.Tensor) -> int:
 def _project_reference(
     s: torch.Tensor, w: torch.Tensor, kl: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, n = _rows(s, w), s.shape[-1]
-    p, block, bad = _torch_project(s.expand(B, n), w.expand(B, n), kl)
-    return p, block, torch.tensor(bad, device=s.device)
+    """P(s, w) as :func:`permutahedron` forms it for z = s / 1 (its gaps: exact), unsorted."""
+    eps = s.new_ones(_rows(s, w))
+    p, _, _, block, bad = _permutahedron_reference(s, w, eps, MODE_KL if kl else 0)
+    return p, block, bad
 
 
 def _project_fake(
@@ -388,20 +277,11 @@ MODE_KL, MODE_SORT_Z, MODE_SORT_W, MODE_EXP, MODE_NEGATE, MODE_INV, MODE_FLIP = 
 
 
 def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The gaps of z = u / f (B, n) in sorted coordinates (the rank's x / eps, the sort's
-    rho / eps), ``d[:, i] = z[:, i - 1] - z[:, i]`` (``d[:, 0] = 0``), from q, the sorted u
-    (B, n), f (B, 1) and t, the sorted w (B, n), as doubles that cannot overflow (``rank_frame``
-    in ``_isotonic_kernel.cpp``, the same operations in the same order).
-
-    P(z, t) depends on z only through its gaps, and a gap between consecutive sorted entries
-    wider than the span of t (plus 2 log n for KL) is never pooled across (for blocks P above T,
-    mean(y_P) - mean(y_T), y = z - t, is at least the gap less the span of t; for KL, whose
-    block values are logsumexp(z_B) - logsumexp(t_B), less 2 log n more). So each gap is cut to
-    G = 2 (t_0 - t_(n-1)) + 2 n, whose margin over the span survives rounding at any scale:
-    ``d_i = min((q_(i-1) - q_i) (1 / f), G)``, 0 between equal entries (equal infinities too);
-    the gap to an infinite entry is infinite, so cut to G too. No position of z is formed: the
-    projection works on the gaps (:func:`_torch_project_gaps`), and a sort whose 1 / eps exceeds
-    G is the hard sort, exactly, at any span of t.
+    """The gaps of z = u / f (B, n) in sorted coordinates, ``d[:, i] = z[:, i - 1] - z[:, i]``
+    (``d[:, 0] = 0``), from q, the sorted u (B, n), f (B, 1) and t, the sorted w (B, n), as
+    doubles that cannot overflow: ``d_i = min((q_(i-1) - q_i) (1 / f), G)``, 0 between equal
+    entries, with ``G = 2 (t_0 - t_(n-1)) + 2 n`` a bound that no block crosses (docs/math.md §5).
+    ``rank_frame`` in ``_isotonic_kernel.cpp`` does the same operations in the same order.
     """
     n = q.shape[-1]
     G = 2.0 * (t[:, :1] - t[:, -1:]) + 2.0 * n
@@ -414,7 +294,8 @@ def _rank_frame(q: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> torch.Tens
 
 def _gap_scale(d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """(B, 1): 1, or the power of two that brings a row's largest finite magnitude (of t and
-    of the gaps d) below ``max / (8 n**2)`` (:func:`_l2_scale`, on gaps; for KL rows too)."""
+    of the gaps d) below ``max / (8 n**2)``, where no sum of gaps or cross-multiplied comparison
+    can overflow (``l2_limit`` in ``_isotonic_kernel.cpp``)."""
     n = t.shape[-1]
     big = torch.maximum(
         torch.where(torch.isfinite(d), d, 0).amax(-1, keepdim=True),
@@ -438,18 +319,12 @@ def _torch_project_gaps(
     q: torch.Tensor, d: torch.Tensor, t: torch.Tensor, kl: bool
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """P(z, t) row by row from the gaps d of z (:func:`_rank_frame`; q the sorted u it came from,
-    for the rows' non-finite entries) and t (B, n), sorted, all in the accumulation dtype: PAV
-    on the gaps (``project_gaps_row`` in ``_isotonic_kernel.cpp``). Each block keeps, besides its
-    statistics relative to its first entry (as :func:`_torch_project`), its z-span D (z at its
-    first entry less z at its last); the first entries of adjacent blocks P and T are
-    ``D_P + d[first of T]`` apart, and pooling them gives ``D = (D_P + d[first of T]) + D_T``.
-    The output at j is ``(0 - off_j) + shift``, off_j the sum of the gaps from its block's first
-    entry to j. A block's z-span never exceeds the span of t (plus 2 log n for KL). Rows holding
-    a NaN, and L2 rows with an infinite t, are filled with their limits; rows of huge magnitude
-    are solved scaled by a power of two c (:func:`_gap_scale`; KL compares blocks in that frame,
-    its score times c, and keeps its log-sums in the row's own units), so that no sum of gaps
-    overflows, and their output is formed in the row's own frame where that is finite. Returns
-    ``(p, block, bad)`` as :func:`_torch_project`."""
+    for the rows' non-finite entries) and t (B, n), sorted, all in the accumulation dtype: PAV on
+    the gaps, each block keeping its statistics relative to its first entry and its z-span
+    (docs/math.md §5; ``project_gaps_row`` in ``_isotonic_kernel.cpp``). Rows holding a NaN, and
+    L2 rows with an infinite t, are filled with their limits; rows of huge magnitude are solved
+    scaled by a power of two (:func:`_gap_scale`). Returns ``(p, block, bad)``, bad the number of
+    rows that held a non-finite entry."""
     B, n = d.shape
     dev, acc_dt = d.device, d.dtype
     nan = (torch.isnan(q) | torch.isnan(t)).any(-1, keepdim=True)
@@ -674,13 +549,8 @@ def permutahedron(
         # (on another device the reference runs there, its projection through host memory)
         p, pz, pw, block, bad = PERMUTAHEDRON_OP(_detached(u), _detached(w), _detached(eps), mode)
         finite = read and not bad
-    return (
-        p,
-        pz if mode & MODE_SORT_Z else None,
-        pw if mode & MODE_SORT_W else None,
-        block,
-        finite,
-    )
+    keep_z, keep_w = mode & MODE_SORT_Z, mode & MODE_SORT_W
+    return p, pz if keep_z else None, pw if keep_w else None, block, finite
 
 
 def _l2_vjp_reference(
@@ -734,18 +604,9 @@ def scale_factor(eps: torch.Tensor, n: int, mode: int) -> torch.Tensor:
     return -eps if mode & MODE_FLIP else eps
 
 
-def _l2_vjp_fake(
-    g: torch.Tensor,
-    pz: Any,
-    pw: Any,
-    block: torch.Tensor,
-    want_z: bool,
-    want_w: bool,
-    u: Any,
-    eps: Any,
-    mode: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _l2_vjp_fake(g: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, n = g.shape
+    want_z, want_w, u, eps = args[3:7]
     return (
         g.new_empty((B, n if want_z else 0)),
         g.new_empty((B, n if want_w else 0)),
@@ -818,12 +679,8 @@ def _project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
     B = _rows(s, w)
     n = s.shape[-1]
     if s.is_meta or w.is_meta:  # shape inference (meta tensors): no data to pool, shapes only
-        meta = torch.device("meta")
-        return Projection(
-            torch.empty(B, n, dtype=s.dtype, device=meta),
-            torch.empty(B, n, dtype=torch.int64, device=meta),
-            False,
-        )
+        p, block, _ = _project_fake(s.to("meta"), w, False)
+        return Projection(p, block, False)
     if n == 0 or B == 0:
         empty = s.detach().expand(B, n).clone()
         return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device), True)
@@ -916,17 +773,8 @@ def l2_vjp_host_scaled(
             u = _detached(u if u.dtype == g.dtype else u.to(g.dtype))
     else:
         u = None
-    gz, gw, ge = L2_VJP_OP(
-        _detached(g),
-        pz,
-        pw if want_w else None,  # (only gw needs it)
-        block,
-        want_z,
-        want_w,
-        u,
-        eps,
-        mode,
-    )
+    pw = pw if want_w else None  # (only gw needs it)
+    gz, gw, ge = L2_VJP_OP(_detached(g), pz, pw, block, want_z, want_w, u, eps, mode)
     return gz if want_z else None, gw if want_w else None, None if u is None else ge
 
 
