@@ -102,9 +102,9 @@ def _rows_like(g: Tensor, rows: int) -> Tensor:
 
 def _frozen(s: Tensor, t: Tensor, kl: bool) -> Tensor:
     """The entries whose derivatives are zero (module docstring): the infinite entries of s
-    (sorted coordinates), where the kernel gave the projection's limit, and every entry of a NaN
-    row (for L2 also of a row of t holding both +inf and -inf). Only called when some row of s or
-    t is not finite (the kernel says so), or on meta tensors."""
+    (sorted), at the projection's limit, and every entry of a NaN row (for L2 also of a row of t
+    holding both +inf and -inf). Called only where the kernel met a non-finite row, or where that
+    is not known (traced code, meta tensors)."""
     bad = torch.isnan(s).any(-1, keepdim=True) | torch.isnan(t).any(-1, keepdim=True)
     if not kl:
         mixed = (t == torch.inf).any(-1, keepdim=True) & (t == -torch.inf).any(-1, keepdim=True)
@@ -167,20 +167,11 @@ def _through(u: Tensor, f: Tensor, mode: _Mode) -> Tensor:
 def _sorted_rel(
     u: Tensor, f: Tensor, pz: Tensor | None, block: Tensor, frozen: Tensor | None, mode: _Mode
 ) -> Tensor:
-    """z - z_ref in sorted coordinates (B, n), z_ref the first entry of each block (its
-    largest), for the backward and the jvp: formed from the differences of u, then scaled, so
-    that it is finite wherever the blocks are (z = u / eps itself overflows at a tiny epsilon);
-    0 where frozen, masked in u before the scaling, so that no infinity enters their graph (its
-    0 * inf would be a NaN second derivative).
-
-    J_z z = J_z (z - z_ref): the Jacobian in z annihilates a shift that is constant on each block
-    (L2: minus the block mean; KL: minus <softmax(s_B), .>). So the derivative in epsilon,
-    J_z dz/deps = -J_z z / eps (z = u / eps, or u * (1/eps)), is taken
-    on these small differences: no (z / eps) / eps to overflow at a tiny epsilon, no infinite z
-    times a zero cotangent, no cancellation of |z| >> the gaps. The reference u_ref is detached:
-    its derivative multiplies the block sum of dL/dz, which is 0. (The frozen entries, 0 in u,
-    are blocks of their own: equal infinities, or a whole NaN row.)
-    """
+    """z - z_ref in sorted coordinates (B, n), z_ref the first entry of each block, for the
+    derivative in epsilon and the KL Jacobian: J_z z = J_z (z - z_ref), taken on these small
+    differences of u, then scaled, so that it is finite wherever the blocks are (docs/math.md §5).
+    0 where frozen, masked in u before the scaling (no 0 * inf in the second derivative); u_ref
+    is detached (its derivative multiplies the block sum of dL/dz, which is 0)."""
     us = _gather(u.expand(f.shape[0], -1), pz)
     if frozen is not None:
         us = us.masked_fill(frozen, 0.0)
@@ -188,12 +179,6 @@ def _sorted_rel(
     positions = torch.arange(n, device=us.device).expand_as(block)
     first = torch.full_like(block, n).scatter_reduce(1, block, positions, "amin").gather(1, block)
     return _through(us - us.detach().gather(1, first), f, mode)
-
-
-def _eps_grad(rel: Tensor, eps: Tensor) -> Tensor:
-    """The gradient in eps (B,) from ``rel`` = <dL/dz, z - z_ref> per row: dz/deps = -z / eps
-    for z = u / eps and for the sort's z = u * (1/eps) alike."""
-    return rel / -eps
 
 
 def _limits(
@@ -239,17 +224,8 @@ def _fused_backward(ctx: Any, gp: Tensor, vjp: Any) -> tuple[Tensor | None, ...]
     want_u, want_w, want_e = ctx.needs_input_grad[:3]
     if frozen is not None or (want_w and ctx.w_rows != gp.shape[0]):
         return None
-    fused = vjp(
-        gp,
-        pz,
-        pw if want_w else None,
-        block,
-        want_u,
-        want_w,
-        u if want_e else None,
-        eps,
-        ctx.mode.bits,
-    )
+    pw, u = pw if want_w else None, u if want_e else None
+    fused = vjp(gp, pz, pw, block, want_u, want_w, u, eps, ctx.mode.bits)
     if fused is None:
         return None
     gz, gw, ge = fused
@@ -336,7 +312,7 @@ class _Permutahedron(torch.autograd.Function):
             if mode.negate:  # through w -> -w
                 gw = -gw
         if want_e:
-            ge = _eps_grad((gs_z * cast(Tensor, rel)).sum(-1), eps)
+            ge = (gs_z * cast(Tensor, rel)).sum(-1) / -eps  # dz/deps = -z / eps
         return gz, gw, ge, None
 
     @staticmethod
@@ -354,7 +330,7 @@ class _Permutahedron(torch.autograd.Function):
         if du is not None:
             ds = _gather((du * f if mode.inv else du / f).expand(rows), pz)
         if de is not None:  # dz = -z deps / eps, on the block-relative z (``_sorted_rel``)
-            dse = cast(Tensor, rel) * _eps_grad(de, eps)[:, None]
+            dse = cast(Tensor, rel) * (de / -eps)[:, None]
             ds = dse if ds is None else ds + dse
         terms = []
         if ds is not None:
@@ -414,12 +390,10 @@ class _PermutahedronTraced(_Permutahedron):
 
 
 class _PermutahedronEager(torch.autograd.Function):
-    """The same node for a plain eager call whose forward runs the CPU kernel directly
-    (:func:`softops._core.isotonic.eager_ops`: ``ops``) outside forward mode: a classic
-    ``forward`` (ctx first, no ``setup_context``, which only ``torch.func`` needs) with one
-    output (the permutations and block ids stay on ctx instead of being outputs marked
-    non-differentiable), the same saved tensors and the same backward, whose fused L2 pass calls
-    the kernel directly too. A small call's time is such fixed costs."""
+    """The same node for a plain eager CPU call outside forward mode (fixed costs are a small
+    call's time): a classic ``forward`` that runs the kernel directly (``ops``:
+    :func:`softops._core.isotonic.eager_ops`) with one output (the permutations and block ids
+    stay on ctx), the same saved tensors and backward, its fused L2 pass in the kernel too."""
 
     @staticmethod
     def forward(ctx: Any, u: Tensor, w: Tensor, eps: Tensor, mode: _Mode, ops: Any) -> Tensor:
