@@ -175,3 +175,39 @@ def test_limit_group_relaxes_the_finite_entries_among_themselves():
         torch.testing.assert_close(row[1:4], alone)
     ranks = limit_group(_softsort.rank, "rank", xg, eg, False, opts, 3)
     assert ranks[0, 0] == 5.0 and ranks[0, 2] == 1.0 and ranks[1, 0] == 1.0 and ranks[1, 2] == 5.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_infinity_kind_is_the_sign_of_the_infinities_only(dtype):
+    from softops.sort._limits import infinity_kind
+
+    t = torch.tensor([-math.inf, -1e30, -0.0, 0.0, 2.5, math.inf, math.nan], dtype=dtype)
+    kind = infinity_kind(t)
+    assert kind.dtype == dtype
+    # finite values (huge, signed zeros) and NaN are 0: only the infinities carry a sign
+    assert kind.tolist() == [-1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_limit_logits_pair_each_infinite_row_with_the_columns_of_its_own_infinity():
+    from softops.sort._limits import infinity_kind, limit_logits
+
+    cols = torch.tensor([[-math.inf, 1.0, math.inf, 3.0, math.inf]])  # (B=1, n=5)
+    rows = torch.tensor([1.0, math.inf, -math.inf, 2.0])  # (b=4,)
+    finite = torch.arange(20, dtype=torch.float32).view(1, 4, 5)
+    out = limit_logits(infinity_kind(rows), infinity_kind(cols), finite)
+    assert out.shape == (1, 4, 5)
+    ninf = -math.inf
+    want = torch.tensor(
+        [
+            [ninf, 1.0, ninf, 3.0, ninf],  # a finite row: `finite` on the finite columns
+            [ninf, ninf, 0.0, ninf, 0.0],  # +inf: uniform over the +inf columns
+            [0.0, ninf, ninf, ninf, ninf],  # -inf: the -inf column only
+            [ninf, 16.0, ninf, 18.0, ninf],  # (`finite` row r holds 5 r .. 5 r + 4)
+        ]
+    )
+    torch.testing.assert_close(out, want.view(1, 4, 5), rtol=0, atol=0)
+    # a softmax over the columns is the limit's weights: each row sums to 1
+    torch.testing.assert_close(out.softmax(-1).sum(-1), torch.ones(1, 4))
+    # rows may carry the batch dim too
+    out2 = limit_logits(infinity_kind(rows)[None], infinity_kind(cols), finite)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
