@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,3 +98,17 @@ def test_eager_ops_only_for_plain_cpu_rows_on_the_kernel_back_end() -> None:
         ).all()
     with backend("reference"):
         assert isotonic.eager_ops(x, eps) is None
+
+
+def test_nan_failed_rows_marks_the_rows_with_a_non_finite_residual_only():
+    from softops._core.sinkhorn import nan_failed_rows
+
+    err = torch.tensor([0.0, math.inf, math.nan, 1e30])
+    plan = torch.arange(24.0).view(4, 2, 3)
+    f = torch.arange(8.0).view(4, 2)
+    empty = torch.empty(4, 0)  # potentials not asked for
+    p2, f2, e2 = nan_failed_rows(err, plan, f, empty)
+    bad = torch.tensor([False, True, True, False])
+    assert torch.isnan(p2[bad]).all() and torch.isnan(f2[bad]).all()
+    assert torch.equal(p2[~bad], plan[~bad]) and torch.equal(f2[~bad], f[~bad])
+    assert e2.shape == (4, 0)

@@ -46,6 +46,7 @@ __all__ = [
     "implicit_cost_vjp",
     "laplacian_solve",
     "log_sinkhorn",
+    "nan_failed_rows",
     "spd_factor",
     "spd_solve",
 ]
@@ -512,12 +513,15 @@ def _finalize(
     eps = epsilon.to(v.dtype)
     f = (prob.log_a - _row_lse(prob, v)) * eps[:, None]
     g = (v + _log_ratio(prob, log_c)) * eps[:, None]
-    converged = err <= tol
+    plan, f, g = nan_failed_rows(err, plan, f, g)
+    return SinkhornResult(f, g, plan.transpose(1, 2), err <= tol, iterations, err)
+
+
+def nan_failed_rows(err: Tensor, *rows: Tensor) -> list[Tensor]:
+    """Each tensor of ``rows`` (leading dim B) NaN in the rows whose residual ``err`` (B,) is
+    NaN or infinite."""
     bad = ~torch.isfinite(err)
-    plan = torch.where(bad[:, None, None], math.nan, plan)
-    f = torch.where(bad[:, None], math.nan, f)
-    g = torch.where(bad[:, None], math.nan, g)
-    return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
+    return [torch.where(bad.view(-1, *[1] * (t.dim() - 1)), math.nan, t) for t in rows]
 
 
 def _log_sinkhorn(

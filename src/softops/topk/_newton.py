@@ -23,6 +23,7 @@ from softops._core.sinkhorn import (
     fake_outputs,
     laplacian_solve,
     log_sinkhorn,
+    nan_failed_rows,
     op_outputs,
     spd_factor,
     spd_solve,
@@ -259,10 +260,7 @@ def _finalize(
     else:
         f, g = plan.new_empty((plan.shape[0], 0)), plan.new_empty((plan.shape[0], 0))
     if not clean:
-        fine = err < math.inf  # False for NaN
-        plan = torch.where(fine[:, None, None], plan, math.nan)
-        f = torch.where(fine[:, None], f, math.nan)
-        g = torch.where(fine[:, None], g, math.nan)
+        plan, f, g = nan_failed_rows(err, plan, f, g)
     return SinkhornResult(f, g, plan.transpose(1, 2), converged, iterations, err)
 
 
