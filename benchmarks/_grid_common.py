@@ -277,11 +277,14 @@ def _cell(record: dict[str, Any] | None, target: float | None) -> str:
     return f"{record['ratio']:.2f}{mark}"
 
 
-def neighbour_jump(cells: dict[tuple[int, int], float]) -> tuple[float, str] | None:
-    """The largest ratio between two measured cells next to each other in B or in n."""
+def neighbour_jump(
+    cells: dict[tuple[int, int], float],
+) -> tuple[float, str, tuple[tuple[int, int], tuple[int, int]]] | None:
+    """The largest ratio between two measured cells next to each other in B or in n, with the
+    pair's keys."""
     batches = sorted({b for b, _ in cells})
     sizes = sorted({n for _, n in cells})
-    best: tuple[float, str] | None = None
+    best: tuple[float, str, tuple[tuple[int, int], tuple[int, int]]] | None = None
     for i, b in enumerate(batches):
         for j, n in enumerate(sizes):
             if (b, n) not in cells:
@@ -299,7 +302,7 @@ def neighbour_jump(cells: dict[tuple[int, int], float]) -> tuple[float, str] | N
                         f"B={b}, n={_fmt_n(n)}: {a:.2f} vs "
                         f"B={other[0]}, n={_fmt_n(other[1])}: {c:.2f}"
                     )
-                    best = (jump, where)
+                    best = (jump, where, ((b, n), other))
     return best
 
 
@@ -398,7 +401,13 @@ def ratio_tables(
                     f"({worst['median_s'] * 1e3:.3g} ms over {worst['floor_s'] * 1e3:.3g} ms)."
                 )
                 if jump is not None:
-                    note += f" Largest jump between neighbours: {jump[0]:.2f}x ({jump[1]})."
+                    first, second = (ok[key] for key in jump[2])
+                    note += (
+                        f" Largest jump between neighbours: {jump[0]:.2f}x ({jump[1]}); between"
+                        f" them the op's time changed {second['median_s'] / first['median_s']:.2f}x"
+                        f" and the floor's {second['floor_s'] / first['floor_s']:.2f}x"
+                        f" ({first['floor_kind']} to {second['floor_kind']})."
+                    )
                 note += f" The floor was the sigmoid in {by_sigmoid} of {len(ok)} cells."
                 loads = [r["loadavg"] for r in ok.values() if "loadavg" in r]
                 if loads:

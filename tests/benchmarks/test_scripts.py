@@ -454,3 +454,26 @@ def test_soft_vs_hard_data_is_the_stated_distribution(monkeypatch: pytest.Monkey
     # the grades cut y at its row's quantiles: half the entries are 0, a twentieth 4
     assert (grades == 0).float().mean() == pytest.approx(0.5, abs=0.02)
     assert (grades == 4).float().mean() == pytest.approx(0.05, abs=0.02)
+
+
+def test_grid_report_names_the_largest_neighbour_jump_and_its_cause() -> None:
+    from benchmarks._grid_common import neighbour_jump, ratio_tables
+
+    def record(b: int, n: int, op_s: float, floor_s: float, kind: str) -> dict:
+        return {
+            "op": "ot", "B": b, "n": n, "threads": "1", "status": "ok", "ratio": op_s / floor_s,
+            "median_s": op_s, "floor_s": floor_s, "floor_kind": kind, "rounds": 5,
+        }  # fmt: skip
+
+    # the op's time grows smoothly; the floor's jumps 5x between (4, 8) and (4, 32)
+    records = [
+        record(1, 8, 1.0, 1.0, "sigmoid"),
+        record(4, 8, 2.0, 1.0, "hard"),
+        record(1, 32, 1.5, 1.0, "sigmoid"),
+        record(4, 32, 3.0, 5.0, "hard"),
+    ]
+    jump, where, pair = neighbour_jump({(r["B"], r["n"]): r["ratio"] for r in records})
+    assert jump == pytest.approx(2.0 / 0.6)
+    assert pair == ((4, 8), (4, 32)) and where.startswith("B=4, n=8: 2.00 vs B=4, n=32: 0.60")
+    text = "\n".join(ratio_tables(records))
+    assert "the op's time changed 1.50x and the floor's 5.00x (hard to hard)" in text
