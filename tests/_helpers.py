@@ -186,3 +186,23 @@ def built_ops(kernel: Any) -> Any:
             pytest.fail(message)
         pytest.skip(message)
     return built
+
+
+def pav_decreasing(y: list[float]) -> tuple[list[float], list[int]]:
+    """Decreasing L2 isotonic regression of one row by a plain stack PAV (a reference that shares
+    nothing with the package): the fit and the block id of each position, from 0."""
+    sums: list[float] = []
+    counts: list[int] = []
+    for x in y:
+        sums.append(x)
+        counts.append(1)
+        while len(sums) > 1 and sums[-2] * counts[-1] <= sums[-1] * counts[-2]:
+            total, count = sums.pop(), counts.pop()
+            sums[-1] += total
+            counts[-1] += count
+    fit: list[float] = []
+    block: list[int] = []
+    for k, (total, count) in enumerate(zip(sums, counts, strict=True)):
+        fit += [total / count] * count
+        block += [k] * count
+    return fit, block

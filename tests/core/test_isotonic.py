@@ -1,6 +1,6 @@
 """softops._core.isotonic: the PAV solvers (the C++ kernels of ``_isotonic_kernel.cpp`` and their
 torch reference, chosen by the kernel layer's switch) and the blockwise VJP helpers, against
-brute-force min-max formulas and scikit-learn.
+brute-force min-max formulas, a plain PAV and scikit-learn.
 
 The kernel is built ahead of time (``python -m softops._kernels``). Where it is not built the tests
 of the kernel skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."""
@@ -14,12 +14,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from softops._core import isotonic
 from softops._kernels import backend, set_default_backend
-from tests._helpers import built_ops, seeded
+from tests._helpers import built_ops, pav_decreasing, seeded
 
 F64 = torch.float64
 BACK_ENDS = ["kernel", "reference"]
@@ -91,126 +91,18 @@ def _check_blocks(v: np.ndarray, block: np.ndarray, value_of) -> None:
         assert all(p > q for p, q in itertools.pairwise(values)), values
 
 
-def _kernel_l2(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel (``softops_isotonic::pav_l2``) on y."""
-    v, block = require_kernel().pav_l2(torch.from_numpy(y))
-    return v.numpy(), block.numpy()
+def _fits(project, s: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The fit ``v = s - P(s, w)`` (float64) and the blocks of a projection of sorted rows."""
+    res = project(s, w)
+    return (s.double() - res.p.double()).numpy(), res.block.numpy()
 
 
-def _kernel_kl(s: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    v, block = require_kernel().pav_kl(torch.from_numpy(s), torch.from_numpy(w))
-    return v.numpy(), block.numpy()
-
-
-# --------------------------------------------------------------------- the PAV kernels
-
-
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pav_l2_kernel_matches_references(ops, dtype):
-    g = seeded(3)
-    y = torch.randint(-3, 4, (6, 11), generator=g).to(F64)
-    y[1:3] += 0.1 * torch.randn(2, 11, generator=g, dtype=F64)
-    y[3] = 2.0  # all tied: one block
-    y[4] = torch.arange(11, dtype=F64)  # increasing: one block, the mean
-    y[5] = -torch.arange(11, dtype=F64)  # strictly decreasing: n singleton blocks
-    yn = np.ascontiguousarray(y.numpy().astype(dtype))
-    v, block = _kernel_l2(yn)
-    assert v.dtype == dtype and block.dtype == np.int64
-    y64 = yn.astype(np.float64)
-    for row, vr in zip(y64.tolist(), v, strict=True):
-        np.testing.assert_allclose(vr, _pav_l2_reference(row), rtol=1e-6, atol=1e-6)
-    assert (np.diff(v, axis=-1) <= 0).all()
-    assert (block[3] == 0).all() and (block[4] == 0).all()
-    np.testing.assert_allclose(v[4], 5.0)
-    assert (block[5] == np.arange(11)).all() and (v[5] == yn[5]).all()
-    _check_blocks(v, block, lambda b, idx: y64[b, idx].mean())
-    # the torch fallback gives the same solution and the same blocks
-    ref_v, ref_block = isotonic._torch_pav(torch.from_numpy(yn), None)
-    np.testing.assert_allclose(v, ref_v.numpy(), rtol=1e-6, atol=1e-6)
-    assert (block == ref_block.numpy()).all()
-
-
-def test_pav_l2_kernel_matches_sklearn_and_pools_ties(ops):
-    sk = pytest.importorskip("sklearn.isotonic")
-    g = seeded(4)
-    y = torch.randn(5, 50, generator=g, dtype=F64).cumsum(-1) * 0.3
-    y += torch.randn(5, 50, generator=g, dtype=F64)
-    v, block = _kernel_l2(np.ascontiguousarray(y.numpy()))
-    for row, vr in zip(y.numpy(), v, strict=True):
-        ref = sk.IsotonicRegression(increasing=False).fit_transform(np.arange(50), row)
-        np.testing.assert_allclose(vr, ref, rtol=0, atol=1e-12)
-    _check_blocks(v, block, lambda b, idx: y.numpy()[b, idx].mean())
-    # equal neighbours are pooled (the test is `<=`), exact block ids
-    ties = np.array([[3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0, 5.0, 5.0, 5.0]])
-    v, block = _kernel_l2(ties)
-    assert block.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
-    np.testing.assert_allclose(v[0], ties[0])
-    np.testing.assert_allclose(v[1], np.full(7, 19.0 / 7))
-    # one column: the identity
-    col = np.array([[2.5], [-1.0]])
-    v, block = _kernel_l2(col)
-    assert (v == col).all() and (block == 0).all()
-
-
-def test_pav_l2_kernel_rows_are_independent(ops):
-    """Rows over threads: each row's answer is the same alone as in a batch."""
-    y = torch.randn(9, 30, generator=seeded(5), dtype=F64).numpy()
-    v, block = _kernel_l2(y)
-    for b in range(9):
-        vb, bb = _kernel_l2(np.ascontiguousarray(y[b : b + 1]))
-        assert (vb[0] == v[b]).all() and (bb[0] == block[b]).all()
-
-
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_pav_kl_kernel_matches_references(ops, dtype):
-    g = seeded(6)
-    s = torch.randn(6, 10, generator=g, dtype=F64)
-    w = torch.randn(6, 10, generator=g, dtype=F64).sort(-1, descending=True).values
-    s[1] = torch.randint(0, 3, (10,), generator=g).to(F64)  # ties in s
-    w[1] = 0.0  # and s - w tied too
-    s[2, 4] = -math.inf  # exp(s) = 0 at one position
-    s[3] = 1.0  # s - w increasing: one block
-    w[3] = -torch.arange(10, dtype=F64)
-    s[4] = -torch.arange(10, dtype=F64) * 2  # s - w strictly decreasing: singletons
-    w[4] = 0.0
-    sn = np.ascontiguousarray(s.numpy().astype(dtype))
-    wn = np.ascontiguousarray(w.numpy().astype(dtype))
-    v, block = _kernel_kl(sn, wn)
-    assert v.dtype == dtype
-    s64, w64 = sn.astype(np.float64), wn.astype(np.float64)
-    for sr, wr, vr in zip(s64.tolist(), w64.tolist(), v, strict=True):
-        np.testing.assert_allclose(vr, _pav_kl_reference(sr, wr), rtol=1e-5, atol=1e-5)
-    assert (np.diff(v, axis=-1) <= 0).all()
-    assert (block[3] == 0).all() and (block[4] == np.arange(10)).all()
-    np.testing.assert_allclose(v[4], sn[4] - wn[4])
-
-    def kl_value(b, idx):
-        return _lse(s64[b, idx].tolist()) - _lse(w64[b, idx].tolist())
-
-    _check_blocks(v, block, kl_value)
-    ref_v, ref_block = isotonic._torch_pav(torch.from_numpy(sn), torch.from_numpy(wn))
-    np.testing.assert_allclose(v, ref_v.numpy(), rtol=1e-5, atol=1e-5)
-    assert (block == ref_block.numpy()).all()
-
-
-def test_pav_kl_kernel_weighted_isotonic_and_ties(ops):
-    """v_KL(s, w) = log of the weighted decreasing isotonic regression of e^(s-w), weights e^w."""
-    sk = pytest.importorskip("sklearn.isotonic")
-    g = seeded(7)
-    s = torch.randn(4, 40, generator=g, dtype=F64).numpy()
-    w = (torch.randn(4, 40, generator=g, dtype=F64) * 0.5).numpy()
-    v, _ = _kernel_kl(s, w)
-    for sr, wr, vr in zip(s, w, v, strict=True):
-        iso = sk.IsotonicRegression(increasing=False)
-        ref = iso.fit_transform(np.arange(40), np.exp(sr - wr), sample_weight=np.exp(wr))
-        np.testing.assert_allclose(vr, np.log(ref), rtol=0, atol=1e-10)
-    # equal values s - w are pooled: one block, value log(sum e^s) - log(sum e^w)
-    s = np.array([[0.0, 1.0, 2.0], [-math.inf, -math.inf, 0.0]])
-    w = np.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
-    v, block = _kernel_kl(s, w)
-    assert block.tolist() == [[0, 0, 0], [0, 0, 0]]
-    np.testing.assert_allclose(v[0], 0.0, atol=1e-12)
-    np.testing.assert_allclose(v[1], -math.log(3.0))
+def _l2_pair(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows s and w sorted descending with ``s - w = y`` exactly (y of small integers and
+    fractions), so that the L2 fit of any y is ``s - P_Q(s, w)``."""
+    step = float(y.diff(dim=-1).abs().max()) + 1.0 if y.shape[-1] > 1 else 1.0
+    w = -step * torch.arange(y.shape[-1], dtype=y.dtype).expand_as(y)
+    return y + w, w
 
 
 # --------------------------------------------------------------- blockwise VJP helpers
@@ -295,77 +187,166 @@ def test_block_helpers_float32_and_gradcheck():
         assert torch.autograd.gradcheck(lambda t, fn=fn: fn(t, block), (x,))
 
 
-# ------------------------------------------------------------- isotonic_l2 / isotonic_kl (public)
+# ------------------------------------------------- the PAV core, through the projections
 
 
 @pytest.mark.parametrize("back_end", BACK_ENDS)
-def test_isotonic_l2_matches_min_max_formula(back_end):
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_l2_fits_match_min_max_formula_and_plain_pav(dtype, back_end):
     if back_end == "kernel":
         require_kernel()
-    y = torch.randint(-3, 4, (6, 9)).to(F64) + 0.1 * torch.randn(6, 9, dtype=F64)
-    y[0] = 1.0  # all tied: one block
+    g = seeded(3)
+    y = torch.randint(-3, 4, (6, 11), generator=g).to(F64)
+    y[1:3] += torch.randint(-4, 5, (2, 11), generator=g) / 8
+    y[3] = 2.0  # all tied: one block
+    y[4] = torch.arange(11, dtype=F64)  # increasing: one block, the mean
+    y[5] = -torch.arange(11, dtype=F64)  # strictly decreasing: n singleton blocks
+    s, w = (t.to(dtype) for t in _l2_pair(y))
     with backend(back_end):
-        res = isotonic.isotonic_l2(y)
-    for row, v in zip(y.tolist(), res.v, strict=True):
-        torch.testing.assert_close(v, torch.tensor(_pav_l2_reference(row), dtype=F64))
-    assert (res.v.diff(dim=-1) <= 0).all()
-    assert (res.block[0] == 0).all()
-    # blocks are contiguous, numbered from 0, and v is constant on each
-    assert (res.block.diff(dim=-1) >= 0).all() and (res.block.diff(dim=-1) <= 1).all()
+        v, block = _fits(isotonic.project_l2, s, w)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for row, vr, br in zip(y.tolist(), v, block, strict=True):
+        np.testing.assert_allclose(vr, _pav_l2_reference(row), rtol=tol, atol=tol)
+        fit, ids = pav_decreasing(row)
+        np.testing.assert_allclose(vr, fit, rtol=tol, atol=tol)
+        assert br.tolist() == ids
+    assert (block[3] == 0).all() and (block[4] == 0).all()
+    np.testing.assert_allclose(v[4], 5.0)
+    assert (block[5] == np.arange(11)).all() and (v[5] == y[5].numpy()).all()
+    _check_blocks(v, block, lambda b, idx: y.numpy()[b, idx].mean())
 
 
-def test_isotonic_l2_matches_sklearn(ops):
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_l2_fits_match_sklearn_and_pool_ties(back_end):
     sk = pytest.importorskip("sklearn.isotonic")
-    y = torch.randn(4, 40, dtype=F64).cumsum(-1) * 0.2 + torch.randn(4, 40, dtype=F64)
-    with backend("kernel"):
-        v = isotonic.isotonic_l2(y).v
-    for row, vr in zip(y, v, strict=True):
-        ref = sk.IsotonicRegression(increasing=False).fit_transform(range(40), row.numpy())
-        torch.testing.assert_close(vr, torch.from_numpy(ref), atol=1e-12, rtol=0)
+    if back_end == "kernel":
+        require_kernel()
+    g = seeded(4)
+    y = torch.randn(5, 50, generator=g, dtype=F64).cumsum(-1) * 0.3
+    y += torch.randn(5, 50, generator=g, dtype=F64)
+    s, w = _l2_pair(y)
+    with backend(back_end):
+        v, block = _fits(isotonic.project_l2, s, w)
+        for row, vr in zip((s - w).numpy(), v, strict=True):
+            ref = sk.IsotonicRegression(increasing=False).fit_transform(np.arange(50), row)
+            np.testing.assert_allclose(vr, ref, rtol=0, atol=1e-12)
+        _check_blocks(v, block, lambda b, idx: (s - w).numpy()[b, idx].mean())
+        # equal neighbours are pooled (the test is `<=`), exact block ids
+        ties = torch.tensor([[3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0, 5, 5, 5]])
+        v, block = _fits(isotonic.project_l2, *_l2_pair(ties.to(F64)))
+        assert block.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
+        np.testing.assert_allclose(v[0], ties[0].numpy())
+        np.testing.assert_allclose(v[1], np.full(7, 19.0 / 7))
+        # one column: the identity
+        col = torch.tensor([[2.5], [-1.0]], dtype=F64)
+        v, block = _fits(isotonic.project_l2, col, torch.zeros(1, 1, dtype=F64))
+        assert (v == col.numpy()).all() and (block == 0).all()
 
 
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_kl_fits_match_min_max_formula(dtype, back_end):
+    if back_end == "kernel":
+        require_kernel()
+    g = seeded(6)
+    s = torch.randn(6, 10, generator=g, dtype=F64).sort(-1, descending=True).values
+    w = torch.randn(6, 10, generator=g, dtype=F64).sort(-1, descending=True).values
+    s[1] = torch.randint(0, 3, (10,), generator=g).to(F64).sort(descending=True).values  # ties
+    w[1] = 0.0  # and s - w tied too
+    s[2, -1] = -math.inf  # exp(s) = 0 at one position
+    s[3] = 1.0  # s - w increasing: one block
+    w[3] = -torch.arange(10, dtype=F64)
+    s[4] = -torch.arange(10, dtype=F64) * 2  # s - w strictly decreasing: singletons
+    w[4] = 0.0
+    s, w = s.to(dtype), w.to(dtype)
+    with backend(back_end):
+        res = isotonic.project_kl(s, w)
+    s64, w64 = s.double().numpy(), w.double().numpy()
+    v, block = s64 - res.p.double().numpy(), res.block.numpy()
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for sr, wr, vr in zip(s64.tolist(), w64.tolist(), v, strict=True):
+        np.testing.assert_allclose(vr, _pav_kl_reference(sr, wr), rtol=tol, atol=tol)
+    assert (block[3] == 0).all() and (block[4] == np.arange(10)).all()
+    np.testing.assert_allclose(v[4], s64[4] - w64[4])
+
+    def kl_value(b, idx):
+        return _lse(s64[b, idx].tolist()) - _lse(w64[b, idx].tolist())
+
+    _check_blocks(v, block, kl_value)
+
+
+@pytest.mark.parametrize("back_end", BACK_ENDS)
+def test_kl_fits_are_a_weighted_isotonic_regression(back_end):
+    """v_KL(s, w) = log of the weighted decreasing isotonic regression of e^(s-w), weights e^w."""
+    sk = pytest.importorskip("sklearn.isotonic")
+    if back_end == "kernel":
+        require_kernel()
+    g = seeded(7)
+    s = torch.randn(4, 40, generator=g, dtype=F64).sort(-1, descending=True).values
+    w = (torch.randn(4, 40, generator=g, dtype=F64) * 0.5).sort(-1, descending=True).values
+    with backend(back_end):
+        v, _ = _fits(isotonic.project_kl, s, w)
+        for sr, wr, vr in zip(s.numpy(), w.numpy(), v, strict=True):
+            iso = sk.IsotonicRegression(increasing=False)
+            ref = iso.fit_transform(np.arange(40), np.exp(sr - wr), sample_weight=np.exp(wr))
+            np.testing.assert_allclose(vr, np.log(ref), rtol=0, atol=1e-10)
+        # equal values s - w are pooled: one block, value log(sum e^s) - log(sum e^w)
+        s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+        w = torch.tensor([[2.0, 1.0, 0.0], [1.0, 0.0, -1.0]], dtype=F64)
+        v, block = _fits(isotonic.project_kl, s, w)
+    assert block.tolist() == [[0, 0, 0], [0, 0, 0]]
+    np.testing.assert_allclose(v[0], 0.0, atol=1e-12)
+    np.testing.assert_allclose(v[1], math.log(3.0) - float(torch.logsumexp(w[1], -1)))
+
+
+@pytest.mark.parametrize("kl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_kernel_equals_the_reference(dtype, ops):
-    y = torch.randn(7, 60, dtype=dtype)
-    y[1] = torch.randint(0, 3, (60,)).to(dtype)  # many ties
-    y[2, 5] = math.inf
-    y[3, 7] = -math.inf
-    y[4, 9] = math.nan
-    a, b = _both(isotonic.isotonic_l2, y)
-    torch.testing.assert_close(a.v, b.v, equal_nan=True)
-    assert torch.equal(a.block, b.block)
-    s = torch.randn(7, 60, dtype=dtype)
-    w = torch.randn(7, 60, dtype=dtype).sort(-1, descending=True).values
-    s[1] = torch.randint(0, 3, (60,)).to(dtype)
-    s[2, 3] = -math.inf
-    a, b = _both(isotonic.isotonic_kl, s, w)
-    torch.testing.assert_close(a.v, b.v, equal_nan=True)
-    assert torch.equal(a.block, b.block)
+def test_kernel_equals_the_reference_with_ties_and_infinities(kl, dtype, ops):
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    g = seeded(8)
+    s = torch.randn(7, 60, generator=g, dtype=dtype).sort(-1, descending=True).values
+    w = torch.randn(7, 60, generator=g, dtype=dtype).sort(-1, descending=True).values
+    s[1] = torch.randint(0, 3, (60,), generator=g).to(dtype).sort(descending=True).values
+    s[2, :3] = math.inf
+    s[3, -2:] = -math.inf
+    s[4, 0] = math.nan
+    a, b = _both(project, s, w)
+    torch.testing.assert_close(a.p, b.p, equal_nan=True)
+    assert torch.equal(a.block, b.block) and a.finite is b.finite is False
 
 
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(st.integers(-3, 3), min_size=1, max_size=12),
     st.sampled_from([1e-3, 1.0, 1e6]),
+    st.booleans(),
 )
-def test_kernel_equals_the_reference_with_ties_and_magnitudes(values, scale):
+@example([0, 1, 1, 3], 1.0, False)  # (s - w tied: pooled)
+@example([0, 1, 1, 3], 1.0, True)
+def test_kernel_equals_the_reference_with_ties_and_magnitudes(values, scale, kl):
     require_kernel()
-    y = torch.tensor([values], dtype=F64) * scale
-    a, b = _both(isotonic.isotonic_l2, y)
-    torch.testing.assert_close(a.v, b.v)
+    project = isotonic.project_kl if kl else isotonic.project_l2
+    s = torch.tensor([sorted(values, reverse=True)], dtype=F64) * scale
+    w = torch.arange(len(values), 0, -1, dtype=F64)[None]
+    a, b = _both(project, s, w)
+    torch.testing.assert_close(a.p, b.p)
     assert torch.equal(a.block, b.block)
 
 
 def test_default_backend_follows_the_kernel_layer_switch(monkeypatch):
     calls = []
-    monkeypatch.setattr(isotonic, "_torch_pav", lambda s, w: calls.append("torch") or (s, s.long()))
+    torch_code = isotonic._permutahedron_reference
+    monkeypatch.setattr(
+        isotonic, "_permutahedron_reference", lambda *a: calls.append("torch") or torch_code(*a)
+    )
+    s = torch.randn(2, 3).sort(-1, descending=True).values
     with backend("reference"):
-        isotonic.isotonic_l2(torch.randn(2, 3))
+        isotonic.project_l2(s, s)
     assert calls == ["torch"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         built = isotonic.KERNEL.ops() is not None
-    isotonic.isotonic_l2(torch.randn(2, 3))  # out of the box: the kernel's where built
+    isotonic.project_l2(s, s)  # out of the box: the kernel's where built
     assert calls == (["torch"] if built else ["torch", "torch"])
 
 
@@ -470,8 +451,7 @@ def test_meta_tensors_give_shapes_only(back_end, monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran on meta tensors")
 
-    names = ("PROJECT_OP", "PAV_L2_OP", "PAV_KL_OP", "_torch_project_gaps", "_torch_pav")
-    for name in names:
+    for name in ("PROJECT_OP", "_torch_project_gaps"):
         monkeypatch.setattr(isotonic, name, no_kernel)
     for dtype in (torch.float32, F64):
         s = torch.empty(4, 6, dtype=dtype, device="meta")
@@ -481,9 +461,6 @@ def test_meta_tensors_give_shapes_only(back_end, monkeypatch):
                 assert p.is_meta and block.is_meta and finite is False  # unknown
                 assert p.shape == block.shape == (4, 6)
                 assert p.dtype == dtype and block.dtype == torch.int64
-        for v, block in (isotonic.isotonic_l2(s), isotonic.isotonic_kl(s, s[:1])):
-            assert v.is_meta and v.shape == (4, 6) and v.dtype == dtype
-            assert block.is_meta and block.dtype == torch.int64
 
 
 @pytest.mark.parametrize("back_end", BACK_ENDS)
@@ -626,8 +603,6 @@ def _op_args(dtype):
     )
     sort = isotonic.MODE_SORT_W | isotonic.MODE_NEGATE | isotonic.MODE_INV
     return [
-        (isotonic.PAV_L2_OP, (s,)),
-        (isotonic.PAV_KL_OP, (s, w)),
         (isotonic.PROJECT_OP, (s, w, False)),
         (isotonic.PROJECT_OP, (s, w[:1], True)),
         (isotonic.PERMUTAHEDRON_OP, (u, rho, eps, rank | isotonic.MODE_FLIP)),
@@ -642,7 +617,7 @@ def _op_args(dtype):
 @pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
-    """Schema, fake (meta) implementation and dispatch of the four operators."""
+    """Schema, fake (meta) implementation and dispatch of the three operators."""
     if back_end == "kernel":
         require_kernel()
     with backend(back_end):
@@ -664,11 +639,6 @@ def test_the_operators_under_vmap_are_the_merged_call(back_end):
             assert torch.equal(p.reshape(12, 9), ref[0]) and torch.equal(
                 block.reshape(12, 9), ref[1]
             )
-        v, block = torch.func.vmap(isotonic.PAV_L2_OP)(s)
-        assert torch.equal(v.reshape(12, 9), isotonic.PAV_L2_OP(s.reshape(12, 9))[0])
-        v, block = torch.func.vmap(isotonic.PAV_KL_OP, in_dims=(0, None))(s, s[0])
-        ref = isotonic.PAV_KL_OP(s.reshape(12, 9), s[0].repeat(3, 1))
-        assert torch.equal(v.reshape(12, 9), ref[0])
 
 
 def test_the_kernel_refuses_malformed_arguments(ops):
@@ -678,7 +648,7 @@ def test_the_kernel_refuses_malformed_arguments(ops):
     with pytest.raises(RuntimeError, match="w must have s's dtype"):
         ops.project(s, torch.zeros(3, 10, dtype=F64), False)
     with pytest.raises(RuntimeError, match="expected \\(B, n\\) tensors"):
-        ops.pav_l2(torch.zeros(10))
+        ops.project(torch.zeros(10), torch.zeros(1, 10), False)
     g, block = torch.zeros(2, 4), torch.tensor([[0, 1, 1, 2], [0, 0, 5, 5]])
     with pytest.raises(RuntimeError, match="out of range"):
         ops.l2_vjp(g, None, None, block, True, True, None, None, False)

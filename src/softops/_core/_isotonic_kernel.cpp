@@ -1,9 +1,9 @@
-// The PAV kernels of softops._core.isotonic on the CPU, row by row: stack PAV for the decreasing
-// L2 and KL isotonic regressions, the projections P(s, w) = s - v(s, w) onto the permutahedron
-// with the scans that take their non-finite rows, and the L2 VJP in one pass.
+// The PAV kernels of softops._core.isotonic on the CPU, row by row: the projections
+// P(s, w) = s - v(s, w) onto the permutahedron with the scans that take their non-finite rows, and
+// the L2 VJP in one pass.
 //
 // Built ahead of time by `python -m softops._kernels` (softops._kernels) and registered as the
-// operators softops_isotonic::{pav_l2, pav_kl, project, l2_vjp}, which the operators of
+// operators softops_isotonic::{project, permutahedron, l2_vjp}, which the operators of
 // softops._core.isotonic run on CPU tensors; the torch code there is their reference, and the
 // arithmetic here is its arithmetic: the inputs' dtype in and out, every block statistic and
 // comparison in double. The rows spread over torch's intra-op threads (at::parallel_for); a row is
@@ -67,110 +67,9 @@ inline int64_t grain_for(int64_t n, int64_t entries = 32768) {
   return std::max<int64_t>(1, entries / (n + 16));
 }
 
-// ------------------------------------------------------------------ isotonic regressions v(y)
-
-// Decreasing L2 isotonic regression of one row: block sums and counts, pooled while
-// mean(prev) <= mean(top) (cross-multiplied: the counts are positive).
-template <typename scalar_t>
-void pav_l2_row(const scalar_t* y, int64_t n, scalar_t* v, int64_t* block, double* acc,
-                int64_t* cnt) {
-  int64_t top = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    ++top;
-    acc[top] = double(y[i]);
-    cnt[top] = 1;
-    while (top > 0 && acc[top - 1] * double(cnt[top]) <= acc[top] * double(cnt[top - 1])) {
-      acc[top - 1] += acc[top];
-      cnt[top - 1] += cnt[top];
-      --top;
-    }
-  }
-  int64_t pos = 0;
-  for (int64_t k = 0; k <= top; ++k) {
-    const scalar_t value = scalar_t(acc[k] / double(cnt[k]));
-    for (int64_t j = pos; j < pos + cnt[k]; ++j) v[j] = value, block[j] = k;
-    pos += cnt[k];
-  }
-}
-
-// Decreasing KL isotonic regression of one row: block values logsumexp(s_B) - logsumexp(w_B).
-template <typename scalar_t>
-void pav_kl_row(const scalar_t* s, const scalar_t* w, int64_t n, scalar_t* v, int64_t* block,
-                double* ls, double* lw, int64_t* cnt) {
-  int64_t top = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    ++top;
-    ls[top] = double(s[i]);
-    lw[top] = double(w[i]);
-    cnt[top] = 1;
-    while (top > 0 && (ls[top - 1] - lw[top - 1]) <= (ls[top] - lw[top])) {
-      ls[top - 1] = logaddexp(ls[top - 1], ls[top]);
-      lw[top - 1] = logaddexp(lw[top - 1], lw[top]);
-      cnt[top - 1] += cnt[top];
-      --top;
-    }
-  }
-  int64_t pos = 0;
-  for (int64_t k = 0; k <= top; ++k) {
-    const scalar_t value = scalar_t(ls[k] - lw[k]);
-    for (int64_t j = pos; j < pos + cnt[k]; ++j) v[j] = value, block[j] = k;
-    pos += cnt[k];
-  }
-}
-
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2, what, ": expected (B, n) tensors");
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), what, ": expected a floating dtype");
-}
-
-// v (B, n), in y's dtype, and the block id of each position (B, n), int64, from 0.
-std::tuple<at::Tensor, at::Tensor> pav_l2(const at::Tensor& y_in) {
-  check_rows(y_in, "pav_l2");
-  const at::Tensor y = y_in.contiguous();
-  const int64_t B = y.size(0), n = y.size(1);
-  auto v = at::empty_like(y);
-  auto block = at::empty({B, n}, y.options().dtype(at::kLong));
-  if (B == 0 || n == 0) return {v, block};
-  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "pav_l2", [&] {
-    const scalar_t* py = y.const_data_ptr<scalar_t>();
-    scalar_t* pv = v.data_ptr<scalar_t>();
-    int64_t* pb = block.data_ptr<int64_t>();
-    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
-      auto acc = work<double>(n);
-      auto cnt = work<int64_t>(n);
-      for (int64_t b = b0; b < b1; ++b) {
-        pav_l2_row(py + b * n, n, pv + b * n, pb + b * n, acc.get(), cnt.get());
-      }
-    });
-  });
-  return {v, block};
-}
-
-// As pav_l2 for v_KL(s, w); w (B, n) in s's dtype.
-std::tuple<at::Tensor, at::Tensor> pav_kl(const at::Tensor& s_in, const at::Tensor& w_in) {
-  check_rows(s_in, "pav_kl");
-  TORCH_CHECK(w_in.sizes() == s_in.sizes() && w_in.scalar_type() == s_in.scalar_type(),
-              "pav_kl: w must have s's shape and dtype");
-  const at::Tensor s = s_in.contiguous(), w = w_in.contiguous();
-  const int64_t B = s.size(0), n = s.size(1);
-  auto v = at::empty_like(s);
-  auto block = at::empty({B, n}, s.options().dtype(at::kLong));
-  if (B == 0 || n == 0) return {v, block};
-  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "pav_kl", [&] {
-    const scalar_t* ps = s.const_data_ptr<scalar_t>();
-    const scalar_t* pw = w.const_data_ptr<scalar_t>();
-    scalar_t* pv = v.data_ptr<scalar_t>();
-    int64_t* pb = block.data_ptr<int64_t>();
-    at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
-      auto ls = work<double>(n), lw = work<double>(n);
-      auto cnt = work<int64_t>(n);
-      for (int64_t b = b0; b < b1; ++b) {
-        pav_kl_row(ps + b * n, pw + b * n, n, pv + b * n, pb + b * n, ls.get(), lw.get(),
-                   cnt.get());
-      }
-    });
-  });
-  return {v, block};
 }
 
 // --------------------------------------------------------- projections P(s, w) = s - v(s, w)
@@ -930,8 +829,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
 }  // namespace
 
 TORCH_LIBRARY(softops_isotonic, m) {
-  m.def("pav_l2(Tensor y) -> (Tensor, Tensor)");
-  m.def("pav_kl(Tensor s, Tensor w) -> (Tensor, Tensor)");
   m.def("project(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)");
   m.def(
       "permutahedron(Tensor u, Tensor w, Tensor eps, int mode) -> "
@@ -942,8 +839,6 @@ TORCH_LIBRARY(softops_isotonic, m) {
 }
 
 TORCH_LIBRARY_IMPL(softops_isotonic, CPU, m) {
-  m.impl("pav_l2", &pav_l2);
-  m.impl("pav_kl", &pav_kl);
   m.impl("project", &project);
   m.impl("permutahedron", &permutahedron);
   m.impl("l2_vjp", &l2_vjp);

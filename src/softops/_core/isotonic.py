@@ -9,45 +9,31 @@ Both problems are solved row by row, on rows that the caller has already sorted:
         + \langle e^{w}, v\rangle .
 
 The solution is constant on contiguous blocks B, with the value ``mean(y_B)`` (L2) or
-``logsumexp(s_B) - logsumexp(w_B)`` (KL). The stack algorithm pushes one block per entry and pools
-the top two blocks while they violate the order (``value(prev) <= value(top)``), so it costs O(n)
-per row. The block id of every position is returned too: the Jacobian is block diagonal, which is
-all a backward pass needs (docs/math.md §5).
+``logsumexp(s_B) - logsumexp(w_B)`` (KL), found by a stack PAV in O(n) per row; the Jacobian is
+block diagonal, so the block ids are all a backward pass needs (docs/math.md §5).
 
 Back ends: each entry point is an operator of torch's registry (:mod:`softops._kernels`):
-``softops::isotonic_l2``, ``softops::isotonic_kl``, ``softops::isotonic_project`` and
+``softops::isotonic_project``, ``softops::isotonic_permutahedron`` and
 ``softops::isotonic_l2_vjp``. On CPU tensors of float32 and float64 they run the C++ kernels of
-``_isotonic_kernel.cpp`` (``torch.ops.softops_isotonic``: the same algorithms, the rows spread over
-torch's intra-op threads by ``at::parallel_for``), built ahead of time by ``python -m
-softops._kernels``; their reference,
-registered for every device, is the torch code of this module, vectorised over the batch and
-looping over n in Python: the same answers, far more slowly. The reference runs where the kernels
-are not built (after one ``RuntimeWarning`` that says how to build them) and on the reference back
-end (:func:`softops._kernels.backend`, ``SOFTOPS_KERNELS=0``). Tensors on another device (CUDA)
-make a round trip through host memory to the CPU kernel while it is available, which synchronises
-the stream (a GPU kernel is out of scope); the torch reference runs on their device otherwise.
+``_isotonic_kernel.cpp`` (rows spread over torch's intra-op threads), built ahead of time by
+``python -m softops._kernels``; their reference, registered for every device, is the torch code
+of this module (the same answers, far more slowly). The reference runs where the kernels are not
+built (after one ``RuntimeWarning``) and on the reference back end
+(:func:`softops._kernels.backend`, ``SOFTOPS_KERNELS=0``). Tensors on another device make a round
+trip through host memory to the CPU kernel while it is available (which synchronises the stream);
+the torch reference runs on their device otherwise. Meta tensors get outputs of the right shapes
+and dtypes, without a kernel.
 
-The projection kernels also report whether every row was finite (``Projection.finite``), so that a
-caller applies the limits of non-finite entries only when there are some, without a pass of its
-own; :func:`l2_vjp_host` is the L2 VJP in one pass of the kernel (gather, block mean, scatter),
-for a backward whose gradient is not differentiated again (the torch form, with the helpers at the
-end of this module, serves every other case); :func:`l2_vjp_host_scaled` adds,
-in the same pass, the derivative along a scaling of z (the soft sort's and rank's epsilon).
-
-Meta tensors (shape inference) get outputs of the right shapes and dtypes from every entry point,
-without a kernel: there are no values to pool.
-
-Block values are accumulated in float64 (on devices that have it) whatever the input dtype, and
-cast back. :func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself,
-formed relative to each block's first entry from the gaps of s (the projection of
-:func:`permutahedron` with z = s: exact at any scale, a gap wider than the span of w cut to a
-bound that no block crosses), infinities included: an infinite entry of s pools only with its
-equal infinities, whose block gets the limit (the mean of w, or its log-mean-exp), and the finite
-entries beside it keep the exact frame (there is no s - (s - w) to cancel). For KL, a row whose s
-holds an infinity while w holds one too (or spans beyond the dtype) has no bound to cut to: NaN.
-Rows of huge magnitude (above ``max / (8 n**2)``, where a sum of gaps or a comparison could
-overflow) are solved scaled by a power of two, which is exact: the projection is homogeneous.
-:func:`isotonic_l2` and :func:`isotonic_kl` return ``v``.
+:func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself (never ``v``),
+formed relative to each block's first entry from the gaps of s: exact at any scale, block values
+accumulated in float64, with ``Projection.finite`` saying whether every row was finite. An
+infinite entry of s pools only with its equal infinities, whose block gets the limit (the mean of
+w, or its log-mean-exp); for KL, a row whose s holds an infinity while w holds one too (or spans
+beyond the dtype) gives NaN. Rows above ``max / (8 n**2)`` are solved scaled by a power of two
+(exact: the projection is homogeneous).
+:func:`l2_vjp_host` is the L2 VJP in one pass of the kernel, for a backward that is not
+differentiated again; :func:`l2_vjp_host_scaled` adds the derivative along a scaling of z (the
+soft sort's and rank's epsilon).
 """
 
 from __future__ import annotations
@@ -58,20 +44,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from softops._core.transforms import vmap_rows
 from softops._kernels import Kernel, define, kernels_enabled, plain_eager
 
 __all__ = [
     "KERNEL",
-    "IsotonicResult",
     "Projection",
     "block_max",
     "block_mean",
     "block_softmax",
     "block_sum",
     "eager_ops",
-    "isotonic_kl",
-    "isotonic_l2",
     "l2_vjp_host",
     "l2_vjp_host_scaled",
     "permutahedron",
@@ -79,13 +61,6 @@ __all__ = [
     "project_l2",
     "scale_factor",
 ]
-
-
-class IsotonicResult(NamedTuple):
-    """The solution ``v`` (B, n) and the block id of each position (B, n), int64, from 0."""
-
-    v: torch.Tensor
-    block: torch.Tensor
 
 
 class Projection(NamedTuple):
@@ -115,53 +90,6 @@ def _blocks_from_counts(cnt: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(ends, positions, right=True)
 
 
-def _torch_pav(
-    s: torch.Tensor, w: torch.Tensor | None, sub: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack PAV over all rows at once; ``w is None`` selects L2 (on ``s - sub``, or ``s``), else
-    KL."""
-    if w is None and sub is not None:
-        s = s.detach().to(_acc_dtype(s)) - sub.detach().to(_acc_dtype(s))
-    B, n = s.shape
-    dev, acc = s.device, _acc_dtype(s)
-    kl = w is not None
-    a = torch.zeros(B, n, dtype=acc, device=dev)  # L2: block sums; KL: logsumexp(s_B)
-    c = torch.zeros(B, n, dtype=acc, device=dev)  # L2: block counts; KL: logsumexp(w_B)
-    cnt = torch.zeros(B, n, dtype=torch.int64, device=dev)
-    top = torch.full((B,), -1, dtype=torch.int64, device=dev)
-    rows = torch.arange(B, device=dev)
-    s_acc = s.detach().to(acc)
-    w_acc = w.detach().to(acc) if w is not None else torch.ones_like(s_acc)
-    ones = torch.ones(B, dtype=torch.int64, device=dev)
-
-    def violated(t: torch.Tensor) -> torch.Tensor:
-        p = (t - 1).clamp(min=0)
-        if kl:
-            return (t > 0) & (a[rows, p] - c[rows, p] <= a[rows, t] - c[rows, t])
-        return (t > 0) & (a[rows, p] * c[rows, t] <= a[rows, t] * c[rows, p])
-
-    for i in range(n):
-        top += 1
-        a[rows, top] = s_acc[:, i]
-        c[rows, top] = w_acc[:, i]
-        cnt[rows, top] = ones
-        need = violated(top)
-        while bool(need.any()):
-            r, t = rows[need], top[need]
-            if kl:
-                a[r, t - 1] = torch.logaddexp(a[r, t - 1], a[r, t])
-                c[r, t - 1] = torch.logaddexp(c[r, t - 1], c[r, t])
-            else:
-                a[r, t - 1] += a[r, t]
-                c[r, t - 1] += c[r, t]
-            cnt[r, t - 1] += cnt[r, t]
-            top -= need.long()
-            need = violated(top)
-    block = _blocks_from_counts(cnt, top)
-    value = a - c if kl else a / c
-    return value.gather(1, block).to(s.dtype), block
-
-
 def _sub(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """p - q, and 0 where p == q (also for equal infinities)."""
     return torch.where(p == q, torch.zeros_like(p), p - q)
@@ -185,33 +113,6 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 """The dtypes the kernels are built for; the others (float16, bfloat16) take the reference."""
-
-
-def _pav_fake(s: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(s), torch.empty_like(s, dtype=torch.int64)
-
-
-PAV_L2_OP: Any = define(
-    "softops::isotonic_l2",
-    "(Tensor y) -> (Tensor, Tensor)",
-    reference=lambda y: _torch_pav(y, None),
-    fake=_pav_fake,
-    vmap=lambda info, in_dims, *args: vmap_rows(PAV_L2_OP, info, in_dims, *args),
-    cpu=lambda ops, y: ops.pav_l2(y) if y.dtype in _KERNEL_DTYPES else _torch_pav(y, None),
-    kernel=KERNEL,
-)
-"""Decreasing L2 isotonic regression of the rows of y (B, n): ``(v, block)``."""
-
-PAV_KL_OP: Any = define(
-    "softops::isotonic_kl",
-    "(Tensor s, Tensor w) -> (Tensor, Tensor)",
-    reference=lambda s, w: _torch_pav(s, w),
-    fake=_pav_fake,
-    vmap=lambda info, in_dims, *args: vmap_rows(PAV_KL_OP, info, in_dims, *args),
-    cpu=lambda ops, s, w: ops.pav_kl(s, w) if s.dtype in _KERNEL_DTYPES else _torch_pav(s, w),
-    kernel=KERNEL,
-)
-"""Decreasing KL isotonic regression of the rows of s, w (B, n), one dtype: ``(v, block)``."""
 
 
 def _rows(s: torch.Tensor, w: torch.Tensor) -> int:
@@ -635,44 +536,6 @@ wanted (gz, gw: (B, 0); ge: (0,))."""
 def _on_host(t: torch.Tensor) -> bool:
     """Whether a call on ``t`` (not on the CPU) goes through host memory to the CPU kernel."""
     return not t.is_cpu and _host_ops() is not None
-
-
-def isotonic_l2(y: torch.Tensor) -> IsotonicResult:
-    """Decreasing L2 isotonic regression of each row of ``y`` (B, n). No autograd.
-
-    Args:
-        y: a (B, n) floating tensor.
-
-    Returns:
-        ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``y``.
-    """
-    if y.shape[-1] == 0 or y.shape[0] == 0 or y.is_meta:
-        return IsotonicResult(y.detach().clone(), torch.zeros_like(y, dtype=torch.int64))
-    y = _detached(y)
-    if _on_host(y):
-        v, block = PAV_L2_OP(y.cpu())
-        return IsotonicResult(v.to(y.device), block.to(y.device))
-    return IsotonicResult(*PAV_L2_OP(y))
-
-
-def isotonic_kl(s: torch.Tensor, w: torch.Tensor) -> IsotonicResult:
-    """Decreasing KL isotonic regression ``v_KL(s, w)`` of each row (B, n). No autograd.
-
-    Args:
-        s: a (B, n) floating tensor.
-        w: a tensor broadcastable to ``s``.
-
-    Returns:
-        ``IsotonicResult(v, block)``: ``v`` has the dtype and device of ``s``.
-    """
-    w = w.to(s.dtype).expand_as(s)
-    if s.shape[-1] == 0 or s.shape[0] == 0 or s.is_meta or w.is_meta:
-        return IsotonicResult(s.detach().clone(), torch.zeros_like(s, dtype=torch.int64))
-    s, w = _detached(s), _detached(w)
-    if _on_host(s):
-        v, block = PAV_KL_OP(s.cpu(), w.cpu())
-        return IsotonicResult(v.to(s.device), block.to(s.device))
-    return IsotonicResult(*PAV_KL_OP(s, w))
 
 
 def _project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
