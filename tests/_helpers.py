@@ -206,3 +206,10 @@ def pav_decreasing(y: list[float]) -> tuple[list[float], list[int]]:
         fit += [total / count] * count
         block += [k] * count
     return fit, block
+
+
+def mask_at_threshold(x: torch.Tensor, state: Any, eps: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(((x - m) - t) / eps)`` at a threshold solve's ``state`` (``topk._ot.solve``) of
+    finite rows, on ``(x c, eps c)`` where the solve was scaled by ``state.scale``."""
+    c = 1.0 if state.scale is None else state.scale[:, None]
+    return torch.sigmoid(((x * c - state.m[:, None]) - state.t[:, None]) / (eps[:, None] * c))

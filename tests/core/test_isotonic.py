@@ -492,6 +492,11 @@ def test_projection_reports_whether_every_row_was_finite(kl, back_end):
     assert count.shape == () and count.dtype == torch.int64 and int(count) == 2
 
 
+def _vjp_host(g, pz, pw, block, want_z, want_w):
+    """``l2_vjp_host_scaled`` without a scaling of z: ``(gz, gw, None)``, or None off the kernel."""
+    return isotonic.l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_l2_vjp_host_matches_the_block_mean_formula(dtype, ops, monkeypatch):
     set_default_backend("kernel")
@@ -508,15 +513,15 @@ def test_l2_vjp_host_matches_the_block_mean_formula(dtype, ops, monkeypatch):
         if perm_z is not None:
             want_z = torch.empty_like(gs).scatter(1, perm_z, want_z)
         want_w = mean if perm_w is None else torch.empty_like(mean).scatter(1, perm_w, mean)
-        gz, gw = isotonic.l2_vjp_host(cot, perm_z, perm_w, block, True, True)
+        gz, gw, _ = _vjp_host(cot, perm_z, perm_w, block, True, True)
         tol = 1e-6 if dtype == torch.float32 else 1e-13
         torch.testing.assert_close(gz, want_z, rtol=tol, atol=tol)
         torch.testing.assert_close(gw, want_w, rtol=tol, atol=tol)
         assert gz.dtype == dtype and gw.dtype == dtype
-    assert isotonic.l2_vjp_host(cot, pz, None, block, True, False)[1] is None
-    assert isotonic.l2_vjp_host(cot[:, ::2], None, None, block[:, :6], True, True) is not None
+    assert _vjp_host(cot, pz, None, block, True, False)[1] is None
+    assert _vjp_host(cot[:, ::2], None, None, block[:, :6], True, True) is not None
     set_default_backend("reference")
-    assert isotonic.l2_vjp_host(cot, pz, None, block, True, False) is None  # torch form then
+    assert _vjp_host(cot, pz, None, block, True, False) is None  # torch form then
 
 
 # ------------------------------------------------- the fused l2 VJP operator and block_max

@@ -6,9 +6,17 @@ import math
 
 import torch
 
-from softops._core.rootfind import bracketed_newton
+from softops._core.rootfind import RootResult, iterate, result, start_state
 
 F64 = torch.float64
+
+
+def bracketed_newton(
+    evaluate, t, lo, hi, *, max_iter, eval_args=(), f_lo=None, f_hi=None, done=None, block=1
+) -> RootResult:
+    """The whole solve: start_state, iterate (host tests every ``block`` evaluations), result."""
+    state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
+    return result(*iterate(evaluate, state, eval_args, max_iter=max_iter, block=block))
 
 
 def _cubic(t: torch.Tensor, c: torch.Tensor):

@@ -365,8 +365,8 @@ def test_the_kernel_layer_switches_the_backend_here_too():
     with kernel_backend("reference"):
         assert isotonic._host_ops() is None
         assert (
-            isotonic.l2_vjp_host(
-                torch.zeros(1, 2), None, None, torch.zeros(1, 2).long(), True, False
+            isotonic.l2_vjp_host_scaled(
+                torch.zeros(1, 2), None, None, torch.zeros(1, 2).long(), True, False, None, None, 0
             )
             is None
         )

@@ -19,8 +19,8 @@ from softops.solvers import topk_threshold
 from softops.testing import unrolled_sinkhorn_topk_mask
 from softops.topk import _ot
 from softops.topk._ot import hard_topk_mask as hard_mask_kernel
-from softops.topk._ot import mask_from_threshold, solve
-from tests._helpers import hard_topk_mask
+from softops.topk._ot import solve
+from tests._helpers import hard_topk_mask, mask_at_threshold
 
 F64 = torch.float64
 
@@ -370,7 +370,7 @@ def test_solve_long_rows_take_the_subsampled_path_and_match_the_exact_one():
     eps = torch.full((3,), 0.05, dtype=F64)
     state = solve(x, k, eps, k_scalar=400.0)
     assert bool(state.converged.all()) and state.iterations <= 12
-    A = mask_from_threshold(x, state, eps)
+    A = mask_at_threshold(x, state, eps)
     torch.testing.assert_close(A.sum(-1), k, atol=1e-9, rtol=0)
     # the same rows solved exactly (centre and bracket from the full top-k) give the same mask
     short = solve(x[:, :16_000], k, eps, k_scalar=400.0)

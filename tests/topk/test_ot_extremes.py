@@ -14,7 +14,8 @@ import torch
 
 import softops
 from softops.solvers import topk_threshold
-from softops.topk._ot import SCALE_BITS, mask_from_threshold, solve
+from softops.topk._ot import SCALE_BITS, solve
+from tests._helpers import mask_at_threshold
 
 F64 = torch.float64
 INF = math.inf
@@ -133,7 +134,7 @@ def test_solver_reports_the_threshold_of_a_scaled_row():
     k = torch.tensor([2.0], dtype=F64)
     state = solve(x, k, eps, k_scalar=2.0)
     assert state.scale is not None and bool(state.converged.all())
-    A = mask_from_threshold(x, state, eps)
+    A = mask_at_threshold(x, state, eps)
     torch.testing.assert_close(A.sum(-1), k)
     res = topk_threshold(x, 2, 1e300)
     torch.testing.assert_close(res.threshold, torch.tensor([1.5e300], dtype=F64))

@@ -31,9 +31,9 @@ infinite entry of s pools only with its equal infinities, whose block gets the l
 w, or its log-mean-exp); for KL, a row whose s holds an infinity while w holds one too (or spans
 beyond the dtype) gives NaN. Rows above ``max / (8 n**2)`` are solved scaled by a power of two
 (exact: the projection is homogeneous).
-:func:`l2_vjp_host` is the L2 VJP in one pass of the kernel, for a backward that is not
-differentiated again; :func:`l2_vjp_host_scaled` adds the derivative along a scaling of z (the
-soft sort's and rank's epsilon).
+:func:`l2_vjp_host_scaled` is the L2 VJP in one pass of the kernel, for a backward that is not
+differentiated again, with the derivative along a scaling of z (the soft sort's and rank's
+epsilon).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ __all__ = [
     "block_softmax",
     "block_sum",
     "eager_ops",
-    "l2_vjp_host",
     "l2_vjp_host_scaled",
     "permutahedron",
     "project_kl",
@@ -587,28 +586,6 @@ def project_kl(s: torch.Tensor, w: torch.Tensor) -> Projection:
     return _project(s, w, True)
 
 
-def l2_vjp_host(
-    g: torch.Tensor,
-    pz: torch.Tensor | None,
-    pw: torch.Tensor | None,
-    block: torch.Tensor,
-    want_z: bool,
-    want_w: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """The VJP of the L2 projection ``P_Q(z, w)`` in one pass of the kernel (``l2_vjp`` of
-    ``_isotonic_kernel.cpp``, through the operator ``softops::isotonic_l2_vjp``).
-
-    ``g`` (B, n) is the cotangent in z's order; ``pz`` / ``pw`` (B, n) sort z / w descending (None:
-    already sorted); ``block`` the block ids in sorted coordinates. Returns ``(gz, gw)`` (None
-    where not wanted), with m the block mean of ``g[pz]``: ``gz[pz] = g[pz] - m`` and
-    ``gw[pw] = m``, or None when the kernel is not in use (the reference back end, or not built)
-    or ``g`` is not on the CPU (the caller then uses the torch form, which is also the one to use
-    when the gradient itself is to be differentiated: this pass is not).
-    """
-    res = l2_vjp_host_scaled(g, pz, pw, block, want_z, want_w, None, None, 0)
-    return None if res is None else res[:2]
-
-
 def l2_vjp_host_scaled(
     g: torch.Tensor,
     pz: torch.Tensor | None,
@@ -620,13 +597,19 @@ def l2_vjp_host_scaled(
     eps: torch.Tensor | None,
     mode: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
-    """:func:`l2_vjp_host` for the projection of :func:`permutahedron` (``mode`` as there): with
-    ``eps`` (B,), gz is taken through z = u * f or u / f (and the negation), and with u (B or 1
-    rows, finite, in z's order) also the gradient in eps (B,), in the same pass: the derivative
-    along a scaling of z, ``<J_z^T g, z - z_ref> / -eps`` (``/ eps`` with ``MODE_NEGATE``),
-    z_ref the first entry of each block, taken on the block-relative differences of u (no
-    cancellation of |z| >> its gaps, no overflow of z).
-    Returns ``(gz, gw, ge)`` (ge None without u and eps), or None as :func:`l2_vjp_host` does.
+    """The VJP of the L2 projection ``P_Q(z, w)`` in one pass of the kernel (``l2_vjp``), for a
+    backward whose gradient is not differentiated again.
+
+    ``g`` (B, n) is the cotangent in z's order; ``pz`` / ``pw`` (B, n) sort z / w descending (None:
+    already sorted); ``block`` the block ids in sorted coordinates. With m the block mean of
+    ``g[pz]``: ``gz[pz] = g[pz] - m`` and ``gw[pw] = m``. With ``eps`` (B,) (``mode`` as in
+    :func:`permutahedron`), gz is taken through z = u * f or u / f (and the negation), and with u
+    (B or 1 rows, finite, in z's order) also the gradient in eps (B,): the derivative along a
+    scaling of z, ``<J_z^T g, z - z_ref> / -eps`` (``/ eps`` with ``MODE_NEGATE``), z_ref the
+    first entry of each block, on the block-relative differences of u (no cancellation, no
+    overflow). Returns ``(gz, gw, ge)`` (None where not wanted; ge None without u and eps), or
+    None when the kernel is not in use or ``g`` is not on the CPU (the caller then uses the torch
+    form).
     """
     if not g.is_cpu or _host_ops() is None:
         return None

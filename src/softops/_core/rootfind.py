@@ -18,7 +18,6 @@ __all__ = [
     "RootResult",
     "SolverState",
     "bit_midpoint",
-    "bracketed_newton",
     "fixed_schedule",
     "iterate",
     "result",
@@ -75,7 +74,9 @@ def start_state(
     f_hi: torch.Tensor | None = None,
     done: torch.Tensor | None = None,
 ) -> SolverState:
-    """The state before the first evaluation (see :func:`bracketed_newton` for the arguments)."""
+    """The state before the first evaluation from ``t`` (B,) in the bracket ``[lo, hi]``;
+    ``f_lo``, ``f_hi``: ``F`` at the ends (or bounds; None: unknown); ``done``: rows to leave
+    alone (not converged)."""
     nan = torch.full_like(t, float("nan"))
     skip = torch.zeros_like(t, dtype=torch.bool) if done is None else done
     return SolverState(
@@ -182,27 +183,6 @@ def fixed_schedule(dtype: torch.dtype, max_iter: int) -> tuple[int, int]:
     bits = torch.finfo(dtype).bits
     halley = min(HALLEY_STEPS, max_iter)
     return halley, min(bits, max_iter - halley)
-
-
-def bracketed_newton(
-    evaluate: Evaluate,
-    t: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    *,
-    max_iter: int,
-    eval_args: tuple[Any, ...] = (),
-    f_lo: torch.Tensor | None = None,
-    f_hi: torch.Tensor | None = None,
-    done: torch.Tensor | None = None,
-    block: int = 1,
-) -> RootResult:
-    """Solve ``F(t) = 0`` per row (``evaluate`` as :data:`Evaluate`) from ``t`` (B,) in the
-    bracket ``[lo, hi]``; ``f_lo``, ``f_hi``: ``F`` at the ends (or bounds; None: unknown);
-    ``done``: rows to leave alone (not converged); ``block``: evaluations between host tests."""
-    state = start_state(t, lo, hi, f_lo=f_lo, f_hi=f_hi, done=done)
-    state, evaluations = iterate(evaluate, state, eval_args, max_iter=max_iter, block=block)
-    return result(state, evaluations)
 
 
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64}

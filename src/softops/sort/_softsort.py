@@ -27,7 +27,7 @@ from softops.sort._chunked import chunked_rows, positions
 from softops.sort._limits import infinity_kind, limit_logits
 from softops.sort._options import MethodOptions
 
-__all__ = ["argsort", "inverse", "rank", "row_scale", "scaled_inverse", "sort"]
+__all__ = ["argsort", "rank", "row_scale", "scaled_inverse", "sort"]
 
 _SCAN_BLOCK = 32
 """Steps per block of the two-level scan (:func:`_scan_forward`)."""
@@ -200,11 +200,6 @@ def _l1_scan(
         r = torch.zeros_like(r_sorted).scatter(-1, perm, r_sorted)
         out_r = r.to(x2.dtype)
     return out_v, out_r
-
-
-def inverse(eps: Tensor) -> Tensor:
-    """``1/eps`` as ``exp(-log eps)``: a backward that never squares eps (no overflow, no NaN)."""
-    return torch.exp(-torch.log(eps))
 
 
 def row_scale(x2: Tensor, eps: Tensor, power: float, spread: float) -> Tensor:

@@ -51,7 +51,6 @@ __all__ = [
     "balance_step",
     "hard_topk_mask",
     "mask",
-    "mask_from_threshold",
     "near_hard",
     "polish",
     "side_log_weights",
@@ -801,17 +800,6 @@ def _fill_special(
     A = torch.where(sel_none[:, None], (x == math.inf).to(x.dtype), A)
     A = torch.where(sel_all[:, None], (x > -math.inf).to(x.dtype), A)
     return A.masked_fill(invalid[:, None], math.nan)
-
-
-def mask_from_threshold(x: torch.Tensor, state: ThresholdState, eps: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(((x - m) - t) / eps)`` with the special rows of ``state`` filled in exactly
-    (on ``(x c, eps c)`` where the solve was scaled by ``state.scale``)."""
-    if state.scale is not None:
-        x, eps = x * state.scale[:, None], eps * state.scale
-    A = _mask(x, state.m[:, None], state.t[:, None], eps[:, None])
-    if state.invalid is not None and state.sel_none is not None and state.sel_all is not None:
-        A = _fill_special(A, x, state.sel_none, state.sel_all, state.invalid)
-    return A
 
 
 def _vjp_x(A: torch.Tensor, g: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
