@@ -6,7 +6,7 @@ on them (``soft_topk``, ``soft_topk_mask``, ...) call the private cores directly
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -252,7 +252,6 @@ def topk_threshold(
     max_iter = check_max_iter(max_iter, THRESHOLD_MAX_ITER, op)
     tol = check_tol(tol, 0.0, op)
     x2 = rows.x2 if largest else -rows.x2
-    batch_shape = rows.batch_shape
     k_row = rows.param(k, op, "k").detach()
     eps_row = rows.eps.detach()
     state = solve_threshold(
@@ -263,12 +262,19 @@ def topk_threshold(
         tol=tol,
         k_scalar=None if isinstance(k, torch.Tensor) else k,
     )
-    limits = (state.sel_none, state.sel_all, state.invalid)
-    t = threshold_values(state.m + state.t, state.scale, *limits)
+    return _threshold_result(state.m + state.t, state, largest, rows.batch_shape, x.dtype)
+
+
+def _threshold_result(
+    t: Tensor, solve: Any, largest: bool, shape: torch.Size, dtype: torch.dtype
+) -> ThresholdResult:
+    """The result of a threshold solve (``solve``: its scale, limits and diagnostics) at its
+    threshold ``t`` (B,) of the canonical rows, in the caller's direction, shape and dtype."""
+    t = threshold_values(t, solve.scale, solve.sel_none, solve.sel_all, solve.invalid)
     t = t if largest else -t
     return ThresholdResult(
-        t.reshape(batch_shape).to(x.dtype),
-        state.converged.reshape(batch_shape),
-        state.iterations,
-        state.residual.reshape(batch_shape).to(x.dtype),
+        t.reshape(shape).to(dtype),
+        solve.converged.reshape(shape),
+        solve.iterations,
+        solve.residual.reshape(shape).to(dtype),
     )

@@ -33,8 +33,8 @@ from softops._core.straight_through import straight_through
 from softops.distributed._group import _MASK, _THRESHOLD, _TOPK, METHODS, _prepare
 from softops.distributed._mask import _ShardedMaskOT, _ShardedMaskSparse, _solve_ot
 from softops.distributed._topk import _Route, _sharded_topk
-from softops.solvers import ThresholdResult
-from softops.topk import SAMPLE_SIZE, threshold_values
+from softops.solvers import ThresholdResult, _threshold_result
+from softops.topk import SAMPLE_SIZE
 
 __all__ = [
     "METHODS",
@@ -162,15 +162,7 @@ def topk_threshold(
         empty = torch.zeros(shape, dtype=x_local.dtype, device=x_local.device)
         return ThresholdResult(empty, empty.bool(), 0, empty)
     sol = _solve_ot(plan, local.x2.detach(), local.k_row.detach(), local.eps_row.detach())[0]
-    t = sol.aux[:, 0] + sol.aux[:, 1]
-    t = threshold_values(t, sol.scale, sol.sel_none, sol.sel_all, sol.invalid)
-    t = t if largest else -t
-    return ThresholdResult(
-        t.reshape(shape).to(x_local.dtype),
-        sol.converged.reshape(shape),
-        sol.iterations,
-        sol.residual.reshape(shape).to(x_local.dtype),
-    )
+    return _threshold_result(sol.aux[:, 0] + sol.aux[:, 1], sol, largest, shape, x_local.dtype)
 
 
 class ShardedTopK(NamedTuple):
