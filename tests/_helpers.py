@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -206,6 +206,38 @@ def pav_decreasing(y: list[float]) -> tuple[list[float], list[int]]:
         fit += [total / count] * count
         block += [k] * count
     return fit, block
+
+
+class Projection(NamedTuple):
+    """:func:`project`'s result: p (B, n), the block ids (B, n) and whether every row was finite."""
+
+    p: torch.Tensor
+    block: torch.Tensor
+    finite: bool
+
+
+def project(s: torch.Tensor, w: torch.Tensor, kl: bool = False) -> Projection:
+    """The projection ``P(s, w) = s - v(s, w)`` (``kl``: P_E, else P_Q) of rows s and w sorted
+    descending, (B, n) or (1, n), as the sort ops run it: ``isotonic.permutahedron`` with z = s / 1
+    (eps = 1: the gaps of s exactly) and no sort, on the back end in use."""
+    from softops._core import isotonic
+
+    rows = w.shape[0] if s.shape[0] == 1 else s.shape[0]
+    mode = isotonic.MODE_KL if kl else 0
+    p, _, _, block, finite = isotonic.permutahedron(s, w.to(s.dtype), s.new_ones(rows), mode)
+    return Projection(p, block, finite)
+
+
+def project_op(s: torch.Tensor, w: torch.Tensor, kl: bool = False) -> Any:
+    """:func:`project` as a call of the operator ``isotonic.PERMUTAHEDRON_OP`` itself (no meta or
+    empty-row shortcut, no detach): ``(p, block, bad)``, bad the number of rows that held a
+    non-finite entry (a 0-dim int64 tensor)."""
+    from softops._core import isotonic
+
+    rows = w.shape[0] if s.shape[0] == 1 else s.shape[0]
+    mode = isotonic.MODE_KL if kl else 0
+    p, _, _, block, bad = isotonic.PERMUTAHEDRON_OP(s, w, s.new_ones(rows), mode)
+    return p, block, bad
 
 
 def mask_at_threshold(x: torch.Tensor, state: Any, eps: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """softops._core.isotonic: the PAV solvers (the C++ kernels of ``_isotonic_kernel.cpp`` and their
 torch reference, chosen by the kernel layer's switch) and the blockwise VJP helpers, against
-brute-force min-max formulas, a plain PAV and scikit-learn.
+brute-force min-max formulas, a plain PAV and scikit-learn. The projection ``P(s, w)`` of sorted
+rows is taken as the sort ops take it, ``isotonic.permutahedron`` at z = s / 1 with no sort
+(``tests._helpers.project``; ``project_op`` calls its operator).
 
 The kernel is built ahead of time (``python -m softops._kernels``). Where it is not built the tests
 of the kernel skip, unless ``SOFTOPS_REQUIRE_KERNELS=1`` (CI sets it), where they fail."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from functools import partial
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ from hypothesis import strategies as st
 
 from softops._core import isotonic
 from softops._kernels import backend, set_default_backend
-from tests._helpers import built_ops, pav_decreasing, seeded
+from tests._helpers import built_ops, pav_decreasing, project, project_op, seeded
 
 F64 = torch.float64
 BACK_ENDS = ["kernel", "reference"]
@@ -91,9 +94,9 @@ def _check_blocks(v: np.ndarray, block: np.ndarray, value_of) -> None:
         assert all(p > q for p, q in itertools.pairwise(values)), values
 
 
-def _fits(project, s: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _fits(kl: bool, s: torch.Tensor, w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The fit ``v = s - P(s, w)`` (float64) and the blocks of a projection of sorted rows."""
-    res = project(s, w)
+    res = project(s, w, kl)
     return (s.double() - res.p.double()).numpy(), res.block.numpy()
 
 
@@ -203,7 +206,7 @@ def test_l2_fits_match_min_max_formula_and_plain_pav(dtype, back_end):
     y[5] = -torch.arange(11, dtype=F64)  # strictly decreasing: n singleton blocks
     s, w = (t.to(dtype) for t in _l2_pair(y))
     with backend(back_end):
-        v, block = _fits(isotonic.project_l2, s, w)
+        v, block = _fits(False, s, w)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for row, vr, br in zip(y.tolist(), v, block, strict=True):
         np.testing.assert_allclose(vr, _pav_l2_reference(row), rtol=tol, atol=tol)
@@ -226,20 +229,20 @@ def test_l2_fits_match_sklearn_and_pool_ties(back_end):
     y += torch.randn(5, 50, generator=g, dtype=F64)
     s, w = _l2_pair(y)
     with backend(back_end):
-        v, block = _fits(isotonic.project_l2, s, w)
+        v, block = _fits(False, s, w)
         for row, vr in zip((s - w).numpy(), v, strict=True):
             ref = sk.IsotonicRegression(increasing=False).fit_transform(np.arange(50), row)
             np.testing.assert_allclose(vr, ref, rtol=0, atol=1e-12)
         _check_blocks(v, block, lambda b, idx: (s - w).numpy()[b, idx].mean())
         # equal neighbours are pooled (the test is `<=`), exact block ids
         ties = torch.tensor([[3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0, 5, 5, 5]])
-        v, block = _fits(isotonic.project_l2, *_l2_pair(ties.to(F64)))
+        v, block = _fits(False, *_l2_pair(ties.to(F64)))
         assert block.tolist() == [[0, 1, 1, 2, 2, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
         np.testing.assert_allclose(v[0], ties[0].numpy())
         np.testing.assert_allclose(v[1], np.full(7, 19.0 / 7))
         # one column: the identity
         col = torch.tensor([[2.5], [-1.0]], dtype=F64)
-        v, block = _fits(isotonic.project_l2, col, torch.zeros(1, 1, dtype=F64))
+        v, block = _fits(False, col, torch.zeros(1, 1, dtype=F64))
         assert (v == col.numpy()).all() and (block == 0).all()
 
 
@@ -260,7 +263,7 @@ def test_kl_fits_match_min_max_formula(dtype, back_end):
     w[4] = 0.0
     s, w = s.to(dtype), w.to(dtype)
     with backend(back_end):
-        res = isotonic.project_kl(s, w)
+        res = project(s, w, True)
     s64, w64 = s.double().numpy(), w.double().numpy()
     v, block = s64 - res.p.double().numpy(), res.block.numpy()
     tol = 1e-5 if dtype == torch.float32 else 1e-10
@@ -285,7 +288,7 @@ def test_kl_fits_are_a_weighted_isotonic_regression(back_end):
     s = torch.randn(4, 40, generator=g, dtype=F64).sort(-1, descending=True).values
     w = (torch.randn(4, 40, generator=g, dtype=F64) * 0.5).sort(-1, descending=True).values
     with backend(back_end):
-        v, _ = _fits(isotonic.project_kl, s, w)
+        v, _ = _fits(True, s, w)
         for sr, wr, vr in zip(s.numpy(), w.numpy(), v, strict=True):
             iso = sk.IsotonicRegression(increasing=False)
             ref = iso.fit_transform(np.arange(40), np.exp(sr - wr), sample_weight=np.exp(wr))
@@ -293,7 +296,7 @@ def test_kl_fits_are_a_weighted_isotonic_regression(back_end):
         # equal values s - w are pooled: one block, value log(sum e^s) - log(sum e^w)
         s = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
         w = torch.tensor([[2.0, 1.0, 0.0], [1.0, 0.0, -1.0]], dtype=F64)
-        v, block = _fits(isotonic.project_kl, s, w)
+        v, block = _fits(True, s, w)
     assert block.tolist() == [[0, 0, 0], [0, 0, 0]]
     np.testing.assert_allclose(v[0], 0.0, atol=1e-12)
     np.testing.assert_allclose(v[1], math.log(3.0) - float(torch.logsumexp(w[1], -1)))
@@ -302,7 +305,7 @@ def test_kl_fits_are_a_weighted_isotonic_regression(back_end):
 @pytest.mark.parametrize("kl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_kernel_equals_the_reference_with_ties_and_infinities(kl, dtype, ops):
-    project = isotonic.project_kl if kl else isotonic.project_l2
+    proj = partial(project, kl=kl)
     g = seeded(8)
     s = torch.randn(7, 60, generator=g, dtype=dtype).sort(-1, descending=True).values
     w = torch.randn(7, 60, generator=g, dtype=dtype).sort(-1, descending=True).values
@@ -310,7 +313,7 @@ def test_kernel_equals_the_reference_with_ties_and_infinities(kl, dtype, ops):
     s[2, :3] = math.inf
     s[3, -2:] = -math.inf
     s[4, 0] = math.nan
-    a, b = _both(project, s, w)
+    a, b = _both(proj, s, w)
     torch.testing.assert_close(a.p, b.p, equal_nan=True)
     assert torch.equal(a.block, b.block) and a.finite is b.finite is False
 
@@ -325,28 +328,28 @@ def test_kernel_equals_the_reference_with_ties_and_infinities(kl, dtype, ops):
 @example([0, 1, 1, 3], 1.0, True)
 def test_kernel_equals_the_reference_with_ties_and_magnitudes(values, scale, kl):
     require_kernel()
-    project = isotonic.project_kl if kl else isotonic.project_l2
+    proj = partial(project, kl=kl)
     s = torch.tensor([sorted(values, reverse=True)], dtype=F64) * scale
     w = torch.arange(len(values), 0, -1, dtype=F64)[None]
-    a, b = _both(project, s, w)
+    a, b = _both(proj, s, w)
     torch.testing.assert_close(a.p, b.p)
     assert torch.equal(a.block, b.block)
 
 
 def test_default_backend_follows_the_kernel_layer_switch(monkeypatch):
     calls = []
-    torch_code = isotonic._permutahedron_reference
+    torch_code = isotonic._torch_project_gaps  # (the torch reference's PAV)
     monkeypatch.setattr(
-        isotonic, "_permutahedron_reference", lambda *a: calls.append("torch") or torch_code(*a)
+        isotonic, "_torch_project_gaps", lambda *a: calls.append("torch") or torch_code(*a)
     )
     s = torch.randn(2, 3).sort(-1, descending=True).values
     with backend("reference"):
-        isotonic.project_l2(s, s)
+        project(s, s)
     assert calls == ["torch"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         built = isotonic.KERNEL.ops() is not None
-    isotonic.project_l2(s, s)  # out of the box: the kernel's where built
+    project(s, s)  # out of the box: the kernel's where built
     assert calls == (["torch"] if built else ["torch", "torch"])
 
 
@@ -374,11 +377,11 @@ def _sorted_pair(B: int, n: int, scale: float, dtype, g: torch.Generator):
 @pytest.mark.parametrize("kl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_projection_matches_reference_and_backends_agree(kl, dtype, ops):
-    project = isotonic.project_kl if kl else isotonic.project_l2
+    proj = partial(project, kl=kl)
     g = seeded(21)
     for scale in [0.3, 3.0, 30.0]:
         s, w = _sorted_pair(5, 9, scale, dtype, g)
-        a, b = _both(project, s, w)
+        a, b = _both(proj, s, w)
         assert a.p.dtype == dtype and (a.block == b.block).all()
         tol = 1e-5 if dtype == torch.float32 else 1e-10
         torch.testing.assert_close(a.p, b.p, rtol=tol, atol=tol)
@@ -386,12 +389,12 @@ def test_projection_matches_reference_and_backends_agree(kl, dtype, ops):
             ref = torch.tensor(_proj_reference(sr, wr, kl), dtype=F64)
             torch.testing.assert_close(pr.double(), ref, rtol=10 * tol, atol=10 * tol)
         # one row of w for every row gives the same as the expanded w
-        one, one_ref = _both(project, s, w[:1])
+        one, one_ref = _both(proj, s, w[:1])
         with backend("kernel"):
-            assert torch.equal(one.p, project(s, w[:1].expand_as(s)).p)
+            assert torch.equal(one.p, proj(s, w[:1].expand_as(s)).p)
         torch.testing.assert_close(one.p, one_ref.p, rtol=tol, atol=tol)
         # and one row of s for every row (the sort's rho / epsilon)
-        row, row_ref = _both(project, s[:1], w)
+        row, row_ref = _both(proj, s[:1], w)
         assert row.p.shape == (5, 9)
         torch.testing.assert_close(row.p, row_ref.p, rtol=tol, atol=tol)
 
@@ -403,13 +406,13 @@ def test_projection_singletons_are_exact_at_any_scale(scale, kl, back_end):
     """Singleton blocks give w itself, bit for bit, however far s is from w (no cancellation)."""
     if back_end == "kernel":
         require_kernel()
-    project = isotonic.project_kl if kl else isotonic.project_l2
+    proj = partial(project, kl=kl)
     n = 7
     w = torch.arange(n, 0, -1, dtype=F64)[None].log() if kl else torch.arange(n, 0, -1.0)[None]
     w = w.to(F64)
     s = (torch.arange(n, 0, -1, dtype=F64) * 10.0 * scale + 1e3 * scale)[None]
     with backend(back_end):
-        res = project(s.expand(2, n), w)
+        res = proj(s.expand(2, n), w)
     if scale > 1:  # s gaps far above w's: all singletons, p = w exactly
         assert (res.block == torch.arange(n)).all()
         assert torch.equal(res.p, w.expand(2, n))
@@ -426,39 +429,45 @@ def test_projection_on_one_thread_and_on_several_agree(ops):
     s, w = _sorted_pair(2000, 50, 2.0, torch.float64, g)  # several tasks of rows
     s[[3, 1500], 0] = math.inf
     threads = torch.get_num_threads()
+
+    def kernel(s, w, kl):  # (p, block, bad) of the kernel's permutahedron at z = s / 1
+        mode = isotonic.MODE_KL if kl else 0
+        p, _, _, block, bad = ops.permutahedron(s, w, s.new_ones(s.shape[0]), mode)
+        return p, block, bad
+
     for kl in (False, True):
         outs = []
         for count in (1, max(2, threads)):
             torch.set_num_threads(count)
             try:
-                outs.append(ops.project(s, w, kl))
+                outs.append(kernel(s, w, kl))
             finally:
                 torch.set_num_threads(threads)
         (p1, b1, bad1), (p2, b2, bad2) = outs
         assert torch.equal(p1, p2) and torch.equal(b1, b2) and int(bad1) == int(bad2) == 2
         for b in (0, 3, 1999):
-            pb, bb, _ = ops.project(s[b : b + 1], w[b : b + 1], kl)
+            pb, bb, _ = kernel(s[b : b + 1], w[b : b + 1], kl)
             assert torch.equal(pb[0], p1[b]) and torch.equal(bb[0], b1[b])
 
 
 @pytest.mark.parametrize("back_end", [*BACK_ENDS, None])
 def test_meta_tensors_give_shapes_only(back_end, monkeypatch):
-    """Meta tensors have no data: every entry point returns meta outputs of the right shapes and
-    dtypes without reaching a kernel (which would need the values)."""
+    """Meta tensors have no data: ``permutahedron`` returns meta outputs of the right shapes and
+    dtypes without reaching a kernel (which would need the values), and no rows to mark."""
     if back_end is not None:
         set_default_backend(back_end)
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran on meta tensors")
 
-    for name in ("PROJECT_OP", "_torch_project_gaps"):
+    for name in ("PERMUTAHEDRON_OP", "_torch_project_gaps"):
         monkeypatch.setattr(isotonic, name, no_kernel)
     for dtype in (torch.float32, F64):
         s = torch.empty(4, 6, dtype=dtype, device="meta")
         for w in (torch.empty(1, 6, dtype=dtype, device="meta"), torch.empty(4, 6, device="cpu")):
-            for project in (isotonic.project_l2, isotonic.project_kl):
-                p, block, finite = project(s, w)
-                assert p.is_meta and block.is_meta and finite is False  # unknown
+            for kl in (False, True):
+                p, block, finite = project(s, w, kl)
+                assert p.is_meta and block.is_meta and finite is True  # (no limits to mark)
                 assert p.shape == block.shape == (4, 6)
                 assert p.dtype == dtype and block.dtype == torch.int64
 
@@ -471,24 +480,24 @@ def test_projection_reports_whether_every_row_was_finite(kl, back_end):
     if back_end == "kernel":
         require_kernel()
     set_default_backend(back_end)
-    project = isotonic.project_kl if kl else isotonic.project_l2
+    proj = partial(project, kl=kl)
     g = seeded(4)
     s, w = _sorted_pair(5, 9, 1.0, torch.float64, g)
-    assert project(s, w).finite is True
+    assert proj(s, w).finite is True
     for bad in (math.inf, -math.inf, math.nan):
         s2 = s.clone()
         s2[3, 0 if bad != -math.inf else -1] = bad
-        res = project(s2, w)
+        res = proj(s2, w)
         assert res.finite is False
         fine = [0, 1, 2, 4]  # the other rows are unchanged
-        assert torch.equal(res.p[fine], project(s, w).p[fine])
+        assert torch.equal(res.p[fine], proj(s, w).p[fine])
     w2 = w.clone()
     w2[1, 0] = math.inf
-    assert project(s, w2).finite is False
+    assert proj(s, w2).finite is False
     # the operator counts the rows
     s2 = s.clone()
     s2[[0, 3], 0] = math.inf
-    _, _, count = isotonic.PROJECT_OP(s2, w, kl)
+    _, _, count = project_op(s2, w, kl)
     assert count.shape == () and count.dtype == torch.int64 and int(count) == 2
 
 
@@ -502,7 +511,7 @@ def test_l2_vjp_host_matches_the_block_mean_formula(dtype, ops, monkeypatch):
     set_default_backend("kernel")
     g = seeded(9)
     s, w = _sorted_pair(5, 12, 1.0, dtype, g)
-    block = isotonic.project_l2(s, w).block
+    block = project(s, w).block
     cot = torch.randn(5, 12, generator=g, dtype=F64).to(dtype)
     pz = torch.stack([torch.randperm(12, generator=g) for _ in range(5)])
     pw = torch.stack([torch.randperm(12, generator=g) for _ in range(5)])
@@ -596,20 +605,21 @@ def _op_args(dtype):
     g = seeded(31)
     s, w = _sorted_pair(5, 9, 2.0, dtype, g)
     s[2, 0] = math.inf
-    block = isotonic.project_l2(s, w).block
+    block = project(s, w).block
     cot = torch.randn(5, 9, generator=g, dtype=dtype)
     pz = torch.stack([torch.randperm(9, generator=g) for _ in range(5)])
     u = torch.randn(5, 9, generator=g, dtype=dtype)
     eps = torch.rand(5, generator=g, dtype=dtype) + 0.1
     rho = torch.arange(9, 0, -1, dtype=dtype)[None]
+    ones = torch.ones(5, dtype=dtype)
     rank, kl_rank = (
         isotonic.MODE_SORT_Z,
         isotonic.MODE_SORT_Z | isotonic.MODE_KL | isotonic.MODE_EXP,
     )
     sort = isotonic.MODE_SORT_W | isotonic.MODE_NEGATE | isotonic.MODE_INV
     return [
-        (isotonic.PROJECT_OP, (s, w, False)),
-        (isotonic.PROJECT_OP, (s, w[:1], True)),
+        (isotonic.PERMUTAHEDRON_OP, (s, w, ones, 0)),  # (z = s / 1, no sort)
+        (isotonic.PERMUTAHEDRON_OP, (s, w[:1], ones, isotonic.MODE_KL)),
         (isotonic.PERMUTAHEDRON_OP, (u, rho, eps, rank | isotonic.MODE_FLIP)),
         (isotonic.PERMUTAHEDRON_OP, (u, rho, eps, kl_rank)),
         (isotonic.PERMUTAHEDRON_OP, (rho, u, eps, sort)),
@@ -622,7 +632,7 @@ def _op_args(dtype):
 @pytest.mark.parametrize("back_end", BACK_ENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
-    """Schema, fake (meta) implementation and dispatch of the three operators."""
+    """Schema, fake (meta) implementation and dispatch of the two operators."""
     if back_end == "kernel":
         require_kernel()
     with backend(back_end):
@@ -631,7 +641,9 @@ def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
 
 
 @pytest.mark.parametrize("back_end", BACK_ENDS)
-def test_the_operators_under_vmap_are_the_merged_call(back_end):
+def test_the_operator_under_vmap_is_the_merged_call(back_end):
+    """(PERMUTAHEDRON_OP has no vmap rule of its own, the sort ops fold vmapped rows before it:
+    torch's batching fallback, row by row, gives the merged call's bits.)"""
     if back_end == "kernel":
         require_kernel()
     g = seeded(32)
@@ -639,21 +651,23 @@ def test_the_operators_under_vmap_are_the_merged_call(back_end):
     w = torch.randn(1, 9, generator=g, dtype=F64).sort(-1, descending=True).values
     with backend(back_end):
         for kl in (False, True):
-            p, block, _ = torch.func.vmap(lambda t, kl=kl: isotonic.PROJECT_OP(t, w, kl))(s)
-            ref = isotonic.PROJECT_OP(s.reshape(12, 9), w, kl)
+            p, block, _ = torch.func.vmap(lambda t, kl=kl: project_op(t, w, kl))(s)
+            ref = project_op(s.reshape(12, 9), w, kl)
             assert torch.equal(p.reshape(12, 9), ref[0]) and torch.equal(
                 block.reshape(12, 9), ref[1]
             )
 
 
 def test_the_kernel_refuses_malformed_arguments(ops):
-    s = torch.zeros(3, 10)
-    with pytest.raises(RuntimeError, match="must be \\(B, n\\) or \\(1, n\\)"):
-        ops.project(s, torch.zeros(2, 10), False)
-    with pytest.raises(RuntimeError, match="w must have s's dtype"):
-        ops.project(s, torch.zeros(3, 10, dtype=F64), False)
+    s, ones = torch.zeros(3, 10), torch.ones(3)
+    with pytest.raises(RuntimeError, match="must be \\(B, n\\) or \\(1, n\\), eps \\(B,\\)"):
+        ops.permutahedron(s, torch.zeros(2, 10), ones, 0)
+    with pytest.raises(RuntimeError, match="must be \\(B, n\\) or \\(1, n\\), eps \\(B,\\)"):
+        ops.permutahedron(s, torch.zeros(1, 10), torch.ones(2), 0)
+    with pytest.raises(RuntimeError, match="u, w and eps must have one dtype"):
+        ops.permutahedron(s, torch.zeros(3, 10, dtype=F64), ones, 0)
     with pytest.raises(RuntimeError, match="expected \\(B, n\\) tensors"):
-        ops.project(torch.zeros(10), torch.zeros(1, 10), False)
+        ops.permutahedron(torch.zeros(10), torch.zeros(1, 10), torch.ones(1), 0)
     g, block = torch.zeros(2, 4), torch.tensor([[0, 1, 1, 2], [0, 0, 5, 5]])
     with pytest.raises(RuntimeError, match="out of range"):
         ops.l2_vjp(g, None, None, block, True, True, None, None, False)
@@ -662,8 +676,10 @@ def test_the_kernel_refuses_malformed_arguments(ops):
         ops.l2_vjp(
             g, bad_perm, None, torch.zeros(2, 4, dtype=torch.int64), True, True, None, None, False
         )
-    p, block, bad = ops.project(torch.zeros(0, 10), torch.zeros(1, 10), True)
-    assert p.shape == block.shape == (0, 10) and int(bad) == 0
+    p, _, _, block, bad = ops.permutahedron(
+        torch.zeros(0, 10), torch.zeros(1, 10), ones[:0], isotonic.MODE_KL
+    )
+    assert p.shape == block.shape == (0, 10) and bad == 0
 
 
 def test_block_max_is_the_largest_entry_of_each_block_and_detached():

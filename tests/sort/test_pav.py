@@ -614,7 +614,7 @@ def test_meta_tensors_give_the_shape_without_data(back_end, monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("a PAV kernel ran on meta tensors")
 
-    monkeypatch.setattr(isotonic, "PROJECT_OP", no_kernel)
+    monkeypatch.setattr(isotonic, "PERMUTAHEDRON_OP", no_kernel)
     monkeypatch.setattr(isotonic, "_torch_project_gaps", no_kernel)
     for dtype in (torch.float16, torch.float32, F64):
         x = torch.empty(3, 5, 4, dtype=dtype, device="meta")

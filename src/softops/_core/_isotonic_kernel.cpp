@@ -627,25 +627,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
 
 // ----------------------------------------------------------------- the L2 VJP, in one pass
 
-// P(s, w) row by row (s and w sorted descending, (B, n) or one row (1, n) for every row; w in s's
-// dtype): the projection (B, n) in s's dtype, the block ids (B, n) and the number of rows that
-// held a non-finite entry (where the caller may want to mark the projection's limits), a 0-dim
-// int64 tensor.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& s_in,
-                                                     const at::Tensor& w_in, bool kl) {
-  check_rows(s_in, "project");
-  check_rows(w_in, "project");
-  TORCH_CHECK(w_in.scalar_type() == s_in.scalar_type(), "project: w must have s's dtype");
-  const int64_t Bs = s_in.size(0), Bw = w_in.size(0), n = s_in.size(1);
-  const int64_t B = Bs == 1 ? Bw : Bs;
-  TORCH_CHECK(w_in.size(1) == n && (Bs == B || Bs == 1) && (Bw == B || Bw == 1),
-              "project: s and w must be (B, n) or (1, n)");
-  // z = s / 1, taken as its gaps (exact): permutahedron() without a sort
-  const auto res = permutahedron(s_in, w_in, at::ones({B}, s_in.options()), kl ? kModeKL : 0);
-  return {std::get<0>(res), std::get<3>(res),
-          at::scalar_tensor(std::get<4>(res), s_in.options().dtype(at::kLong))};
-}
-
 // The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g (B, n) in z's order, any
 // strides. pz / pw (B, n) sort z / w descending (absent: already sorted); block (B, n) the block
 // ids in sorted coordinates. With m the block mean of the sorted cotangent gs = g[pz]:
@@ -829,7 +810,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
 }  // namespace
 
 TORCH_LIBRARY(softops_isotonic, m) {
-  m.def("project(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)");
   m.def(
       "permutahedron(Tensor u, Tensor w, Tensor eps, int mode) -> "
       "(Tensor, Tensor, Tensor, Tensor, int)");
@@ -839,7 +819,6 @@ TORCH_LIBRARY(softops_isotonic, m) {
 }
 
 TORCH_LIBRARY_IMPL(softops_isotonic, CPU, m) {
-  m.impl("project", &project);
   m.impl("permutahedron", &permutahedron);
   m.impl("l2_vjp", &l2_vjp);
 }

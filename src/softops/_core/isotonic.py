@@ -13,24 +13,22 @@ The solution is constant on contiguous blocks B, with the value ``mean(y_B)`` (L
 block diagonal, so the block ids are all a backward pass needs (docs/math.md §5).
 
 Back ends: each entry point is an operator of torch's registry (:mod:`softops._kernels`):
-``softops::isotonic_project``, ``softops::isotonic_permutahedron`` and
-``softops::isotonic_l2_vjp``. On CPU tensors of float32 and float64 they run the C++ kernels of
-``_isotonic_kernel.cpp`` (rows spread over torch's intra-op threads), built ahead of time by
-``python -m softops._kernels``; their reference, registered for every device, is the torch code
-of this module (the same answers, far more slowly). The reference runs where the kernels are not
-built (after one ``RuntimeWarning``) and on the reference back end
-(:func:`softops._kernels.backend`, ``SOFTOPS_KERNELS=0``). Tensors on another device make a round
-trip through host memory to the CPU kernel while it is available (which synchronises the stream);
-the torch reference runs on their device otherwise. Meta tensors get outputs of the right shapes
-and dtypes, without a kernel.
+``softops::isotonic_permutahedron`` and ``softops::isotonic_l2_vjp``. On CPU tensors of float32
+and float64 they run the C++ kernels of ``_isotonic_kernel.cpp`` (rows spread over torch's
+intra-op threads), built ahead of time by ``python -m softops._kernels``; their reference,
+registered for every device, is the torch code of this module (the same answers, far more
+slowly). The reference runs where the kernels are not built (after one ``RuntimeWarning``) and on
+the reference back end (:func:`softops._kernels.backend`, ``SOFTOPS_KERNELS=0``). Tensors on
+another device make a round trip through host memory to the CPU kernel while it is available
+(which synchronises the stream); the torch reference runs on their device otherwise. Meta tensors
+get outputs of the right shapes and dtypes, without a kernel.
 
-:func:`project_l2` and :func:`project_kl` return the projection ``s - v`` itself (never ``v``),
-formed relative to each block's first entry from the gaps of s: exact at any scale, block values
-accumulated in float64, with ``Projection.finite`` saying whether every row was finite. An
-infinite entry of s pools only with its equal infinities, whose block gets the limit (the mean of
-w, or its log-mean-exp); for KL, a row whose s holds an infinity while w holds one too (or spans
-beyond the dtype) gives NaN. Rows above ``max / (8 n**2)`` are solved scaled by a power of two
-(exact: the projection is homogeneous).
+:func:`permutahedron` returns the projection ``z - v`` itself (never ``v``), formed relative to
+each block's first entry from the gaps of z: exact at any scale, block values accumulated in
+float64, with whether every row was finite. An infinite entry of z pools only with its equal
+infinities, whose block gets the limit (the mean of w, or its log-mean-exp); for KL, a row whose z
+holds an infinity while w holds one too (or spans beyond the dtype) gives NaN. Rows above
+``max / (8 n**2)`` are solved scaled by a power of two (exact: the projection is homogeneous).
 :func:`l2_vjp_host_scaled` is the L2 VJP in one pass of the kernel, for a backward that is not
 differentiated again, with the derivative along a scaling of z (the soft sort's and rank's
 epsilon).
@@ -40,7 +38,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -48,7 +46,6 @@ from softops._kernels import Kernel, define, kernels_enabled, plain_eager
 
 __all__ = [
     "KERNEL",
-    "Projection",
     "block_max",
     "block_mean",
     "block_softmax",
@@ -56,21 +53,8 @@ __all__ = [
     "eager_ops",
     "l2_vjp_host_scaled",
     "permutahedron",
-    "project_kl",
-    "project_l2",
     "scale_factor",
 ]
-
-
-class Projection(NamedTuple):
-    """The projection ``p = s - v`` (B, n), the block id of each position (B, n), int64, and
-    whether every row of s and w was finite (False: some row held an infinity or a NaN, where p
-    is the projection's limit, and the caller may want to mark those entries; also False on meta
-    tensors, where it is unknown)."""
-
-    p: torch.Tensor
-    block: torch.Tensor
-    finite: bool
 
 
 # ------------------------------------------------------------------------- torch reference
@@ -112,62 +96,6 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 """The dtypes the kernels are built for; the others (float16, bfloat16) take the reference."""
-
-
-def _rows(s: torch.Tensor, w: torch.Tensor) -> int:
-    """The rows of P(s, w): s's, or w's where s is one row for every row."""
-    return w.shape[0] if s.shape[0] == 1 else s.shape[0]
-
-
-def _project_reference(
-    s: torch.Tensor, w: torch.Tensor, kl: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """P(s, w) as :func:`permutahedron` forms it for z = s / 1 (its gaps: exact), unsorted."""
-    eps = s.new_ones(_rows(s, w))
-    p, _, _, block, bad = _permutahedron_reference(s, w, eps, MODE_KL if kl else 0)
-    return p, block, bad
-
-
-def _project_fake(
-    s: torch.Tensor, w: torch.Tensor, kl: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, n = _rows(s, w), s.shape[-1]
-    return (
-        s.new_empty((B, n)),
-        s.new_empty((B, n), dtype=torch.int64),
-        s.new_empty((), dtype=torch.int64),
-    )
-
-
-def _project_vmap(
-    info: Any, in_dims: tuple[Any, ...], s: torch.Tensor, w: torch.Tensor, kl: bool
-) -> tuple[Any, Any]:
-    size = info.batch_size
-    s, w = (
-        t.expand(size, *t.shape) if d is None else t.movedim(d, 0)
-        for t, d in zip((s, w), in_dims[:2], strict=True)
-    )
-    B, n = w.shape[1] if s.shape[1] == 1 else s.shape[1], s.shape[-1]
-    p, block, bad = PROJECT_OP(
-        s.expand(size, B, n).reshape(-1, n), w.expand(size, B, n).reshape(-1, n), kl
-    )
-    return (p.unflatten(0, (size, B)), block.unflatten(0, (size, B)), bad), (0, 0, None)
-
-
-PROJECT_OP = define(
-    "softops::isotonic_project",
-    "(Tensor s, Tensor w, bool kl) -> (Tensor, Tensor, Tensor)",
-    reference=_project_reference,
-    fake=_project_fake,
-    vmap=_project_vmap,
-    cpu=lambda ops, s, w, kl: (
-        ops.project(s, w, kl) if s.dtype in _KERNEL_DTYPES else _project_reference(s, w, kl)
-    ),
-    kernel=KERNEL,
-)
-"""The projection ``P(s, w) = s - v(s, w)`` (``kl``: P_E, else P_Q) of the rows of s and w,
-sorted descending, each (B, n) or (1, n), one dtype: ``(p, block, bad)``, bad the number of
-rows that held a non-finite entry (a 0-dim int64 tensor)."""
 
 
 # The modes of ``permutahedron`` (bits; ``Mode`` in ``_isotonic_kernel.cpp``).
@@ -535,55 +463,6 @@ wanted (gz, gw: (B, 0); ge: (0,))."""
 def _on_host(t: torch.Tensor) -> bool:
     """Whether a call on ``t`` (not on the CPU) goes through host memory to the CPU kernel."""
     return not t.is_cpu and _host_ops() is not None
-
-
-def _project(s: torch.Tensor, w: torch.Tensor, kl: bool) -> Projection:
-    B = _rows(s, w)
-    n = s.shape[-1]
-    if s.is_meta or w.is_meta:  # shape inference (meta tensors): no data to pool, shapes only
-        p, block, _ = _project_fake(s.to("meta"), w, False)
-        return Projection(p, block, False)
-    if n == 0 or B == 0:
-        empty = s.detach().expand(B, n).clone()
-        return Projection(empty, torch.zeros(B, n, dtype=torch.int64, device=s.device), True)
-    s = _detached(s)
-    w = _detached(w if w.dtype == s.dtype else w.to(s.dtype))
-    if _on_host(s):
-        p, block, bad = PROJECT_OP(s.cpu(), w.cpu(), kl)
-        return Projection(p.to(s.device), block.to(s.device), not bad)
-    p, block, bad = PROJECT_OP(s, w, kl)
-    return Projection(p, block, not bad)
-
-
-def project_l2(s: torch.Tensor, w: torch.Tensor) -> Projection:
-    r"""The Euclidean projection ``P_Q(s, w) = s - v_Q(s, w)`` of each row (B, n). No autograd.
-
-    ``s`` and ``w`` are (B, n) or (1, n) (one row for every row), each sorted descending; ``v_Q``
-    is the decreasing isotonic fit of ``s - w``. The result is formed without ``v`` (which can be
-    far larger than it): a singleton block gives ``w_i`` exactly, at any scale of ``s``.
-
-    Args:
-        s: a floating tensor, rows sorted descending.
-        w: a tensor with rows sorted descending, cast to ``s``'s dtype.
-
-    Returns:
-        ``Projection(p, block, finite)``: ``p`` has the dtype and device of ``s``.
-
-    Example:
-        >>> s = torch.tensor([[3e8, 2e8, 1e8]])
-        >>> project_l2(s, torch.tensor([[3.0, 2.0, 1.0]])).p
-        tensor([[3., 2., 1.]])
-    """
-    return _project(s, w, False)
-
-
-def project_kl(s: torch.Tensor, w: torch.Tensor) -> Projection:
-    r"""The KL projection ``P_E(s, w) = s - v_E(s, w)`` of each row (B, n). No autograd.
-
-    Shapes and order as for :func:`project_l2`; ``v_E`` has the block values
-    ``logsumexp(s_B) - logsumexp(w_B)``, formed relative to each block's first position.
-    """
-    return _project(s, w, True)
 
 
 def l2_vjp_host_scaled(
