@@ -179,34 +179,26 @@ def _add_knn(commands: Any) -> None:
     knn.add_argument(
         "--out", default=_KNN_DEFAULT_OUT, help=f"output folder (default: {_KNN_DEFAULT_OUT})"
     )
-    knn.add_argument(
-        "--queries", type=_positive_int, default=100, help="queries per step (default: 100)"
-    )
-    knn.add_argument(
-        "--candidates", type=_positive_int, default=100, help="candidates per step (default: 100)"
-    )
-    knn.add_argument(
-        "--lr", type=_positive, default=1e-3, help="Adam learning rate (default: 1e-3)"
-    )
-    knn.add_argument(
-        "--shift",
-        type=int,
-        default=None,
-        help="random shifts of up to this many pixels (default: 2 for MNIST, 0 for digits, 4 "
-        "for CIFAR-10)",
-    )
-    knn.add_argument(
-        "--evals",
-        type=_positive_int,
-        default=6,
-        help="validations over the budget (default: 6); each embeds the training split",
-    )
-    knn.add_argument(
-        "--samples",
-        type=_positive_int,
-        default=None,
-        help="perturbed only: noise draws per step (default: 100)",
-    )
+    for flag, kind, default, text in (
+        ("--queries", _positive_int, 100, "queries per step (default: 100)"),
+        ("--candidates", _positive_int, 100, "candidates per step (default: 100)"),
+        ("--lr", _positive, 1e-3, "Adam learning rate (default: 1e-3)"),
+        (
+            "--shift",
+            int,
+            None,
+            "random shifts of up to this many pixels (default: 2 for MNIST, 0 "
+            "for digits, 4 for CIFAR-10)",
+        ),
+        (
+            "--evals",
+            _positive_int,
+            6,
+            "validations over the budget (default: 6); each embeds the training split",
+        ),
+        ("--samples", _positive_int, None, "perturbed only: noise draws per step (default: 100)"),
+    ):
+        knn.add_argument(flag, type=kind, default=default, help=text)
     knn.add_argument("--no-progress", action="store_true", help="no progress bar")
     knn.set_defaults(func=_knn)
 

@@ -54,15 +54,14 @@ from softops._core.validation import (
 from softops.metrics import (
     GAINS,
     average_ranks,
-    check_average,
     check_classification,
     check_optional_int,
     check_relevance,
     check_topk_classification,
+    checked_confusion,
     f1_from_counts,
     gain_of,
     pearson_terms,
-    soft_confusion,
     true_class_probability,
     true_class_topk_membership,
 )
@@ -328,13 +327,7 @@ def f1_loss(
         >>> f1_loss(p, torch.tensor([1, 0, 1, 1]))
         tensor(0.2800)
     """
-    op = "f1_loss"
-    # Checked here so that the errors name this loss; soft_confusion then cannot fail.
-    epsilon = check_classification(input, target, from_logits, epsilon, op)
-    average = check_average(average, input, op)
-    counts = soft_confusion(
-        input, target, average=average, from_logits=from_logits, epsilon=epsilon
-    )
+    counts = checked_confusion(input, target, average, from_logits, epsilon, "f1_loss")
     return 1 - f1_from_counts(counts).to(input.dtype)
 
 

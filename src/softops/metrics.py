@@ -283,10 +283,10 @@ def _confusion(
     return SoftConfusion((p * onehot).sum(0), p.sum(0), true)
 
 
-def _checked_confusion(
+def checked_confusion(
     input: Any, target: Any, average: Any, from_logits: Any, epsilon: Any, op: str
 ) -> SoftConfusion:
-    """The update step with its checks, errors named after ``op``."""
+    """The update step with its checks, errors named after ``op`` (shared with f1_loss)."""
     epsilon = check_classification(input, target, from_logits, epsilon, op)
     average = check_average(average, input, op)
     return _confusion(input, target, average, from_logits, epsilon)
@@ -357,7 +357,7 @@ def soft_confusion(
         >>> counts.tp, counts.predicted, counts.true
         (tensor([1.0000, 0.8000, 0.0000]), tensor([1.1000, 1.3000, 0.6000]), tensor([2., 1., 0.]))
     """
-    return _checked_confusion(input, target, average, from_logits, epsilon, "soft_confusion")
+    return checked_confusion(input, target, average, from_logits, epsilon, "soft_confusion")
 
 
 def precision_from_counts(counts: SoftConfusion) -> torch.Tensor:
@@ -569,7 +569,7 @@ def soft_recall(
         >>> soft_recall(p, t)
         tensor(0.4333)
     """
-    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_recall")
+    counts = checked_confusion(input, target, average, from_logits, epsilon, "soft_recall")
     return recall_from_counts(counts).to(input.dtype)
 
 
@@ -599,7 +599,7 @@ def soft_f1(
         >>> soft_f1(p, t).round(decimals=4)
         tensor(0.4469)
     """
-    counts = _checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
+    counts = checked_confusion(input, target, average, from_logits, epsilon, "soft_f1")
     return f1_from_counts(counts).to(input.dtype)
 
 

@@ -204,12 +204,11 @@ def test_sparse_method_routes_with_exact_zeros():
 def test_combine_weights_are_the_masked_softmax_also_where_probabilities_underflow():
     # A p / sum(A p) (one softmax for the weights and the importance) is softmax(s + log A);
     # where every selected p underflows (a mask not ordered as the logits) the log-domain form
-    from softops.nn.attention import masked_softmax
-    from softops.nn.router import _combine
+    from softops.nn.attention import mask_weights, masked_softmax
 
     logits = torch.tensor([[3.0, 1.0, 0.5, -2.0], [200.0, 0.0, -1.0, -3.0]])
     A = torch.tensor([[0.9, 0.8, 0.2, 0.1], [0.0, 1.0, 1.0, 0.0]])
-    got = _combine(logits, torch.softmax(logits, -1), A, 2, "softmax")
+    got = mask_weights(logits, A, 2, "softmax", torch.softmax(logits, -1))
     torch.testing.assert_close(got, masked_softmax(logits, A))
     assert torch.isfinite(got).all() and torch.allclose(got.sum(-1), torch.ones(2))
 

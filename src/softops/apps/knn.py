@@ -105,20 +105,6 @@ def squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.addmm(a2 + b2, a, b.T, alpha=-2).clamp_min(0)
 
 
-def _off_diagonal(x: torch.Tensor) -> torch.Tensor:
-    """(B, B) -> (B, B - 1): each row without its diagonal entry."""
-    b = x.shape[0]
-    keep = ~torch.eye(b, dtype=torch.bool, device=x.device)
-    return x[keep].view(b, b - 1)
-
-
-def _with_zero_diagonal(x: torch.Tensor) -> torch.Tensor:
-    """(B, B - 1) -> (B, B): the inverse of :func:`_off_diagonal`, with zeros on the diagonal."""
-    b = x.shape[0]
-    keep = ~torch.eye(b, dtype=torch.bool, device=x.device)
-    return x.new_zeros(b, b).masked_scatter(keep, x)
-
-
 def knn_mask(
     query_emb: torch.Tensor,
     cand_emb: torch.Tensor,
@@ -182,8 +168,9 @@ def knn_mask(
         k = _check_k(op, k, m, "the number of candidates")
 
     D = squared_distances(query_emb, cand_emb)
-    if exclude_self:
-        D = _off_diagonal(D)
+    if exclude_self:  # (m, m) -> (m, m - 1): each row without its diagonal entry
+        off_diagonal = ~torch.eye(m, dtype=torch.bool, device=D.device)
+        D = D[off_diagonal].view(m, m - 1)
     if method == "neuralsort":
         P = softops.soft_argsort(D, epsilon=epsilon, method="neuralsort")  # ascending
         A = P[:, :k, :].sum(1)
@@ -197,7 +184,8 @@ def knn_mask(
             n_samples=n_samples,
             generator=generator,
         )
-    return _with_zero_diagonal(A) if exclude_self else A
+    # the diagonal back, as zeros
+    return A.new_zeros(m, m).masked_scatter(off_diagonal, A) if exclude_self else A
 
 
 def knn_loss(

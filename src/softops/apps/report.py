@@ -45,17 +45,14 @@ def _is_mnist(dataset: str) -> bool:
 
 def _plan(methods: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
     """(objective method, rows) pairs: "ce" and "pretrained" share one CE training."""
-    plan: list[tuple[str, tuple[str, ...]]] = []
     ce_rows = tuple(m for m in methods if m in ("ce", "pretrained"))
-    done_ce = False
-    for m in methods:
-        if m in ("ce", "pretrained"):
-            if not done_ce:
-                plan.append((ce_rows[0], ce_rows))
-                done_ce = True
-        else:
-            plan.append((m, (m,)))
-    return plan
+    # the CE training where its first row stands
+    first_ce = methods.index(ce_rows[0]) if ce_rows else -1
+    return [
+        (ce_rows[0], ce_rows) if i == first_ce else (m, (m,))
+        for i, m in enumerate(methods)
+        if m not in ce_rows or i == first_ce
+    ]
 
 
 def markdown_table(

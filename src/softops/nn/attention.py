@@ -216,24 +216,28 @@ def topk_attention_weights(
         if cannot_branch(empty) or bool(empty.any()):
             masked = masked.masked_fill(empty[..., None], 0.0)
     A = soft_topk_mask(masked, k_row, epsilon=eps, method=method)
-    weights = _weights(masked, A, k_row, mode)
+    weights = mask_weights(masked, A, k_row, mode)
     if hard:
         A_hard = _hard_mask(masked.detach(), k_row, int(k_top))
-        w_hard = _weights(masked.detach(), A_hard, k_row, mode)
+        w_hard = mask_weights(masked.detach(), A_hard, k_row, mode)
         weights = w_hard + (weights - weights.detach())  # straight-through
         A = A_hard + (A - A.detach())
     return TopKAttentionWeights(weights, A)
 
 
-def _weights(
-    scores: torch.Tensor, A: torch.Tensor, k_row: float | torch.Tensor, mode: str
+def mask_weights(
+    scores: torch.Tensor,
+    A: torch.Tensor,
+    k_row: float | torch.Tensor,
+    mode: str,
+    probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The weights from the mask A, exactly 0 where A is (every masked key)."""
+    """The weights of ``mode`` from the mask A, exactly 0 where A is (probs: softmax(scores))."""
     if mode == "mean":
         if isinstance(k_row, torch.Tensor):
             return A / k_row.clamp(min=1e-30)[..., None]  # k_row = 0: A = 0, so w = 0
         return A / k_row if k_row > 0 else A * 0
-    return masked_softmax(scores, A)
+    return masked_softmax(scores, A, probs)
 
 
 def masked_softmax(

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from softops._core.validation import check_bool, check_choice, check_epsilon
-from softops.nn.attention import masked_softmax
+from softops.nn.attention import mask_weights
 from softops.topk import soft_topk_mask
 
 __all__ = ["ROUTER_METHODS", "ROUTER_MODES", "RouterOutput", "TopKRouter"]
@@ -199,11 +199,11 @@ def route(
     E = logits.shape[-1]
     A = soft_topk_mask(logits, k, epsilon=epsilon, method=method)
     probs = torch.softmax(logits, -1)  # (one softmax: the weights' and the importance's)
-    weights = _combine(logits, probs, A, k, mode)
+    weights = mask_weights(logits, A, k, mode, probs)
     indices = logits.detach().topk(k, -1).indices
     hard_mask = torch.zeros_like(logits).scatter(-1, indices, 1.0)
     if hard:
-        w_hard = _combine(logits.detach(), probs.detach(), hard_mask, k, mode)
+        w_hard = mask_weights(logits.detach(), hard_mask, k, mode, probs.detach())
         weights = w_hard + (weights - weights.detach())  # straight-through
         A = hard_mask + (A - A.detach())
     flat = hard_mask.reshape(-1, E)
@@ -217,12 +217,3 @@ def route(
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """The ST-MoE router z-loss of ``logits`` (*, E): the mean of ``logsumexp(s)**2``."""
     return torch.logsumexp(logits, -1).square().mean()
-
-
-def _combine(
-    logits: torch.Tensor, probs: torch.Tensor, A: torch.Tensor, k: int, mode: str
-) -> torch.Tensor:
-    """The combine weights from the mask A and the router probabilities ``p = softmax(s)``."""
-    if mode == "mean":
-        return A / k
-    return masked_softmax(logits, A, probs)

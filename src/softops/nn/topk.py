@@ -81,14 +81,12 @@ class SoftTopKMask(ArgsModule):
 
     def _repr_value(self, name: str) -> Any:
         value = getattr(self, name)
-        return _GeneratorRepr(value) if name == "generator" and value is not None else value
+        return _PickledGenerator(value) if name == "generator" and value is not None else value
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch.Generator does not pickle: keep its device and state instead.
         state = self.__dict__.copy()
-        generator = state.get("generator")
-        if generator is not None:
-            state["generator"] = _PickledGenerator(str(generator.device), generator.get_state())
+        if state.get("generator") is not None:
+            state["generator"] = _PickledGenerator(state["generator"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -141,19 +139,14 @@ class SoftTopK(ArgsModule):
         return soft_topk(x, self.k, **self._kwargs())
 
 
-class _GeneratorRepr:
+class _PickledGenerator:
+    """A torch.Generator as its device and state (a generator does not pickle), with its repr."""
+
     def __init__(self, generator: torch.Generator) -> None:
-        self.device = generator.device
+        self.device, self.state = str(generator.device), generator.get_state()
 
     def __repr__(self) -> str:
-        return f"torch.Generator(device={str(self.device)!r})"
-
-
-class _PickledGenerator:
-    """A torch.Generator as its device and state (a generator itself does not pickle)."""
-
-    def __init__(self, device: str, state: torch.Tensor) -> None:
-        self.device, self.state = device, state
+        return f"torch.Generator(device={self.device!r})"
 
     def restore(self) -> torch.Generator:
         generator = torch.Generator(device=self.device)
