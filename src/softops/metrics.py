@@ -272,15 +272,13 @@ def _confusion(
         p = p[:, 1]
         t = (target == 1).to(p.dtype)
         return SoftConfusion((p * t).sum(), p.sum(), t.sum())
-    n_classes = p.shape[1]
     t = target.long()
     if average == "micro":
         tp = p.gather(1, t.unsqueeze(1)).sum()
         true = torch.tensor(float(t.numel()), dtype=p.dtype, device=p.device)
         return SoftConfusion(tp, p.sum(), true)
-    onehot = torch.nn.functional.one_hot(t, n_classes).to(p.dtype)
-    true = onehot.sum(0)
-    return SoftConfusion((p * onehot).sum(0), p.sum(0), true)
+    onehot = torch.nn.functional.one_hot(t, p.shape[1]).to(p.dtype)
+    return SoftConfusion((p * onehot).sum(0), p.sum(0), onehot.sum(0))
 
 
 def checked_confusion(
@@ -528,18 +526,14 @@ def _precision_from_logits(
 ) -> torch.Tensor:
     """Per-class precision of logits, ``sum_n [t_n = c] softmax_n(log p_nc)``; 0 where P_c = 0."""
     z = _logits_scale(input.to(compute_dtype(input.dtype)), epsilon)
-    if average == "binary":
-        if z.dim() == 1:
-            log_p = torch.nn.functional.logsigmoid(z).unsqueeze(1)
-        else:
-            log_p = torch.log_softmax(z, dim=-1)[:, 1:2]
-        t = (target == 1).unsqueeze(1)
+    if z.dim() == 1:
+        f = torch.nn.functional.logsigmoid
+        log_p = torch.stack([f(-z), f(z)], dim=-1)
     else:
-        if z.dim() == 1:
-            f = torch.nn.functional.logsigmoid
-            log_p = torch.stack([f(-z), f(z)], dim=-1)
-        else:
-            log_p = torch.log_softmax(z, dim=-1)
+        log_p = torch.log_softmax(z, dim=-1)
+    if average == "binary":
+        log_p, t = log_p[:, 1:2], (target == 1).unsqueeze(1)
+    else:
         t = torch.nn.functional.one_hot(target.long(), log_p.shape[1]).bool()
     empty = (log_p.detach().exp().sum(0) == 0).unsqueeze(0)  # P_c == 0
     w = torch.softmax(torch.where(empty, 0.0, log_p), dim=0)
@@ -810,9 +804,8 @@ def spearman(pred: torch.Tensor, target: torch.Tensor, *, dim: int = -1) -> torc
 
 
 def pearson_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Pearson correlation of the rows of ``a`` and ``b`` as ``cov / sqrt(var)``: the sums
-    of the centred products and of the product of the centred squares (:func:`spearman`,
-    :func:`softops.losses.spearman_loss`)."""
+    """``(cov, var)`` of the rows of ``a`` and ``b``: their Pearson correlation is
+    ``cov / sqrt(var)`` (:func:`spearman`, :func:`softops.losses.spearman_loss`)."""
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)
     return (a * b).sum(-1), (a * a).sum(-1) * (b * b).sum(-1)
