@@ -93,8 +93,7 @@ def _style(ax: Axes, title: str, xlabel: str = "$x_1$") -> None:
     ax.grid(True, alpha=0.3)
 
 
-# ----------------------------------------------------------------------------------------------
-# Figure 1: the indicator of x1 as x1 crosses x2
+# --------------------------------------------------- Figure 1: the indicator of x1 as x1 crosses x2
 
 
 def indicator_figure(
@@ -144,8 +143,7 @@ def indicator_figure(
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Figure 2: one vector, every top-k method, several epsilon
+# ---------------------------------------- Figure 2: one vector, every top-k method, several epsilon
 
 
 def _default_vector() -> torch.Tensor:
@@ -200,8 +198,7 @@ def methods_figure(
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Sort and rank curves
+# ----------------------------------------------------------------------------- sort and rank curves
 
 
 def sort_figure(
@@ -247,8 +244,7 @@ def sort_figure(
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# The sorted top-k's weights
+# ----------------------------------------------------------------------- the sorted top-k's weights
 
 
 def sorted_topk_figure(
@@ -284,8 +280,7 @@ def sorted_topk_figure(
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing them
+# ------------------------------------------------------------------------------------- writing them
 
 
 _MAKERS: dict[str, Callable[[], Figure]] = {

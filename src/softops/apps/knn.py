@@ -49,9 +49,7 @@ KNN_METHODS = ("ot", "sinkhorn", "perturbed", "softkmax", "neuralsort")
 """The relaxations of the neighbour mask that :func:`knn_mask` accepts."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Argument checks (messages: "<op>: expected <what>; got <value>."); method and epsilon take
-# the library's shared checks
+# -------------------------------- argument checks (method and epsilon: the library's shared checks)
 
 
 def _check_k(op: str, k: object, limit: int | None = None, what: str = "") -> int:
@@ -87,8 +85,7 @@ def _check_labels(op: str, y: torch.Tensor, n: int, name: str) -> None:
         raise TypeError(f"{op}: expected integer labels `{name}`; got dtype {y.dtype}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# The functional pieces
+# ---------------------------------------------------------------------------- the functional pieces
 
 
 def squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -300,8 +297,7 @@ def knn_predict(
     return torch.cat(out)
 
 
-# ----------------------------------------------------------------------------------------------
-# The Module
+# --------------------------------------------------------------------------------------- the Module
 
 
 class DifferentiableKNN(nn.Module):
