@@ -269,8 +269,7 @@ def train_rows(
         cache: dict[str, torch.Tensor] = {}
         accs = {}
         for r in rows:
-            acc = _accuracy(model, r, data, "val", config.k, device, cache)
-            accs[r] = acc
+            accs[r] = acc = _accuracy(model, r, data, "val", config.k, device, cache)
             curve[r].append({"seconds": seconds, "step": step, "val": acc, "loss": loss})
             if r not in best or acc >= best[r][0]:  # ties: the later, more trained one
                 best[r] = (acc, step, seconds, copy.deepcopy(model.state_dict()))
@@ -299,10 +298,7 @@ def train_rows(
             state |= {"loss": last_loss, "val": dict(last_val), "steps_per_s": steps_per_s}
             progress({**state, "done": done})
 
-    while True:
-        fraction = done_fraction()
-        if fraction >= 1:
-            break
+    while (fraction := done_fraction()) < 1:
         t0 = time.perf_counter()
         if pos + per_step > n_train:
             order = torch.randperm(n_train, generator=gen)
