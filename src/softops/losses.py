@@ -1,12 +1,9 @@
 r"""Losses built on the soft metrics and the soft sort family: 1 - (soft metric).
 
-- :func:`accuracy_loss`, :func:`topk_accuracy_loss`: per sample, with ``reduction``.
-- :func:`topk_cross_entropy`: the top-k cross-entropy of Petersen et al. (2022), per sample.
-- :func:`f1_loss`: ``1 - soft_f1``, a statistic of the whole batch (no ``reduction``).
-- :func:`spearman_loss`: 1 - the Pearson correlation of the soft ranks of the predictions with
-  the ranks of the target (Blondel et al. 2020, §6).
-- :func:`ndcg_loss`: 1 - the NDCG whose ranks are the soft ranks of the scores, optionally
-  truncated at k by the soft top-k mask.
+:func:`accuracy_loss`, :func:`topk_accuracy_loss` and :func:`topk_cross_entropy` (Petersen et
+al. 2022) are per sample, with ``reduction``; :func:`f1_loss` is ``1 - soft_f1``, a statistic of
+the whole batch (no ``reduction``); :func:`spearman_loss` and :func:`ndcg_loss` rank with the
+soft ranks of the predictions (Blondel et al. 2020, §6), per row.
 
 Conventions for the classification losses (``input``, ``target``, ``average``,
 ``from_logits``, ``epsilon``) are those of :mod:`softops.metrics`; ``reduction`` is ``"mean"``

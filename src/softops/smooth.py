@@ -32,6 +32,8 @@ References:
     Bridle. Probabilistic interpretation of feedforward classification network outputs (the
     softmax). Neurocomputing, 1990.
     Boyd and Vandenberghe. Convex Optimization, §3.1.5 (log-sum-exp as a smooth maximum). 2004.
+    Bengio, Léonard and Courville. Estimating or propagating gradients through stochastic neurons
+    for conditional computation. arXiv:1308.3432, 2013 (the straight-through ``hard=True``).
 """
 
 from __future__ import annotations
@@ -170,10 +172,6 @@ def smooth_max(
         >>> x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
         >>> smooth_max(x).round(decimals=4)
         tensor([3.4076, 4.0360])
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
-        Boyd and Vandenberghe. Convex Optimization, §3.1.5. 2004.
     """
     return _reduce("smooth_max", x, dim, keepdim, epsilon, _smooth_max_rows)
 
@@ -229,11 +227,6 @@ def soft_argmax(
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax(x).round(decimals=4)
         tensor(1.5289)
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
-        Bridle. Probabilistic interpretation of feedforward classification network outputs.
-        Neurocomputing, 1990 (the softmax).
     """
     return _reduce("soft_argmax", x, dim, keepdim, epsilon, _argmax_rows)
 
@@ -322,11 +315,6 @@ def soft_argmax_onehot(
         >>> x = torch.tensor([0.0, 3.0, 1.0, 2.0])
         >>> soft_argmax_onehot(x).round(decimals=4)
         tensor([0.0321, 0.6439, 0.0871, 0.2369])
-
-    References:
-        Su Jianlin. 函数光滑化杂谈：不可导函数的可导逼近. kexue.fm, 2019.
-        Bengio, Léonard and Courville. Estimating or propagating gradients through stochastic
-        neurons for conditional computation. arXiv:1308.3432, 2013 (straight-through).
     """
     op = "soft_argmax_onehot"
     check_bool(hard, op, "hard")
