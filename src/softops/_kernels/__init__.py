@@ -288,7 +288,9 @@ def build_all(verbose: bool = False) -> list[Path]:
     ``TORCH_LIBRARY``, under that library's name (read from the source: no method is imported)."""
     package = Path(__file__).resolve().parents[1]
     paths = []
-    for source in sorted(package.rglob("*.cpp")):  # a stable order of builds and messages
+    sources = list(package.rglob("*.cpp"))
+    sources.sort()  # (a stable order of builds and messages)
+    for source in sources:
         declared = re.search(r"^TORCH_LIBRARY\((\w+),", source.read_text(), re.MULTILINE)
         if declared:
             paths.append(Kernel(declared[1], source).build(verbose))
