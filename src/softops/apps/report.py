@@ -293,8 +293,7 @@ class _Bar:
         return self.update
 
     def update(self, state: dict[str, Any]) -> None:
-        val = state["val"]
-        vals = " ".join(f"val {v:.2f}%" for v in val.values()) if val else "val -"
+        vals = " ".join(f"val {v:.2f}%" for v in state["val"].values()) or "val -"
         status = (
             f"step {state['step']}  loss {state['loss']:.4f}  {state['steps_per_s']:.1f} steps/s"
             f"  {vals}"
