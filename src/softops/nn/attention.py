@@ -31,8 +31,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -105,19 +107,14 @@ def _allowed(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scores with float masks added, and the boolean "may attend" mask (None: all keys)."""
     L, S = scores.shape[-2:]
-    allowed: torch.Tensor | None = None
-
-    def both(mask: torch.Tensor) -> None:
-        nonlocal allowed
-        allowed = mask if allowed is None else allowed & mask
-
+    allowed: list[torch.Tensor] = []  # the masks of the keys a query may attend to
     if is_causal:
-        both(torch.ones(L, S, dtype=torch.bool, device=scores.device).tril())
+        allowed.append(torch.ones(L, S, dtype=torch.bool, device=scores.device).tril())
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"{op}: expected `attn_mask` to be a tensor; got {attn_mask!r}.")
         if attn_mask.dtype == torch.bool:
-            both(attn_mask)
+            allowed.append(attn_mask)
         elif attn_mask.dtype.is_floating_point:
             scores = scores + attn_mask.to(scores.dtype)
         else:
@@ -136,9 +133,7 @@ def _allowed(
                 f"shape {tuple(key_padding_mask.shape)}."
             )
         if key_padding_mask.dim() == 2:  # (N, S) against (N, *, L, S)
-            pad = key_padding_mask.reshape(
-                key_padding_mask.shape[0], *([1] * (scores.dim() - 2)), S
-            )
+            pad = key_padding_mask[(slice(None),) + (None,) * (scores.dim() - 2)]
         elif key_padding_mask.dim() == 1:  # unbatched
             pad = key_padding_mask
         else:
@@ -146,10 +141,10 @@ def _allowed(
                 f"{op}: expected `key_padding_mask` of shape (N, S) or (S,); got shape "
                 f"{tuple(key_padding_mask.shape)}."
             )
-        both(~pad)  # nn.MultiheadAttention's convention: True is padding
+        allowed.append(~pad)  # nn.MultiheadAttention's convention: True is padding
     if attn_mask is not None and attn_mask.dtype.is_floating_point:
-        both(scores != -math.inf)  # a float mask's -inf entries (NaN scores stay: NaN rows)
-    return scores, allowed
+        allowed.append(scores != -math.inf)  # its -inf entries (NaN scores stay: NaN rows)
+    return scores, functools.reduce(operator.and_, allowed) if allowed else None
 
 
 def topk_attention_weights(
