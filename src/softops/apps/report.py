@@ -151,12 +151,9 @@ def _mean_band(
         rows.append(ys_at)
     stack = torch.stack(rows)
     seen = ~stack.isnan()
-    mean = stack.nan_to_num(0.0).sum(0) / seen.sum(0).clamp(min=1)
-    low = torch.where(seen, stack, torch.inf).amin(0)
-    high = torch.where(seen, stack, -torch.inf).amax(0)
-    some = seen.any(0)
-    nan = torch.full_like(mean, float("nan"))
-    return torch.where(some, mean, nan), torch.where(some, low, nan), torch.where(some, high, nan)
+    low = torch.where(seen, stack, torch.inf).amin(0).masked_fill(~seen.any(0), float("nan"))
+    high = torch.where(seen, stack, -torch.inf).amax(0).masked_fill(~seen.any(0), float("nan"))
+    return stack.nanmean(0), low, high
 
 
 def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str]) -> bool:
@@ -180,14 +177,12 @@ def _plot_curves(path: Path, results: Sequence[RunResult], methods: Sequence[str
         color = colors(i % 10)
         seeds = len(rs)
         label = LABELS.get(m, m) + (f" ({seeds} seeds: mean, min-max)" if seeds > 1 else "")
+        one = {"marker": "o", "ms": 3, "label": label}  # one seed: its line, labelled
+        style = one if seeds == 1 else {"alpha": 0.35, "lw": 0.8}  # several: thin lines
         for ax, key in ((acc_ax, "val"), (loss_ax, "loss")):
             for r in rs:
                 xs = [p["seconds"] / scale for p in r.curve]
-                ys = [p[key] for p in r.curve]
-                if seeds == 1:
-                    ax.plot(xs, ys, marker="o", ms=3, color=color, label=label)
-                else:
-                    ax.plot(xs, ys, color=color, alpha=0.35, lw=0.8)
+                ax.plot(xs, [p[key] for p in r.curve], color=color, **style)
             # the mean and band where every seed has data (a seed that ends early would make
             # the mean jump); each seed's own line shows the rest
             start = max(r.curve[0]["seconds"] for r in rs)
