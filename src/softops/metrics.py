@@ -696,9 +696,8 @@ def soft_topk_accuracy(
     op = "soft_topk_accuracy"
     k, epsilon = check_topk_classification(scores, target, k, epsilon, method, op)
     check_bool(hard, op, "hard")
-    return (
-        true_class_topk_membership(scores, target, k, epsilon, method, hard).mean().to(scores.dtype)
-    )
+    hits = true_class_topk_membership(scores, target, k, epsilon, method, hard)
+    return hits.mean().to(scores.dtype)
 
 
 # -------------------------------------------------------------------------- hard ranking metrics

@@ -1,4 +1,4 @@
-"""The base of the Modules that hold a function's arguments: their keywords and their repr."""
+"""The base of the Modules that hold their arguments (a function's, a layer's): keywords, repr."""
 
 from __future__ import annotations
 

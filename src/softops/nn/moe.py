@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from softops.nn._module import ArgsModule
 from softops.nn.router import RouterOutput, TopKRouter
 
 __all__ = ["MoEOutput", "TopKMoE"]
@@ -62,7 +63,7 @@ def _feed_forward(
     )
 
 
-class TopKMoE(nn.Module):
+class TopKMoE(ArgsModule):
     r"""A mixture-of-experts block: route each token to k experts, run them sparsely, combine.
 
     See the module docstring for the math, the gradients and the capacity rule.
@@ -90,6 +91,9 @@ class TopKMoE(nn.Module):
         >>> loss = out.output.square().mean() + 0.01 * out.aux_loss + 0.001 * out.z_loss
         >>> loss.backward()
     """
+
+    _fields = ("d_model", "num_experts", "k", "capacity_factor")
+    _optional = (("capacity_factor", None),)
 
     def __init__(
         self,
@@ -172,10 +176,6 @@ class TopKMoE(nn.Module):
         )
         self.router: TopKRouter = router
         self.experts: nn.ModuleList = nn.ModuleList(experts)
-
-    def extra_repr(self) -> str:
-        cap = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
-        return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}{cap}"
 
     def capacity(self, tokens: int) -> int | None:
         """The most tokens an expert takes in a call on ``tokens`` tokens (None: no limit)."""

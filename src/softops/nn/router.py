@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from softops._core.validation import check_bool, check_choice, check_epsilon
+from softops.nn._module import ArgsModule
 from softops.nn.attention import mask_weights
 from softops.topk import soft_topk_mask
 
@@ -68,7 +69,7 @@ class RouterOutput(NamedTuple):
     """``()``: the ST-MoE router z-loss, the mean over tokens of ``logsumexp(logits)**2``."""
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(ArgsModule):
     r"""Route each token to k of ``num_experts`` experts through the SOFT top-k (module docstring).
 
     Args:
@@ -96,6 +97,9 @@ class TopKRouter(nn.Module):
         >>> out.weights.sum(-1).allclose(torch.ones(5)), float(out.load.sum())
         (True, 1.0)
     """
+
+    _fields = ("d_model", "num_experts", "k", "epsilon", "mode", "method", "hard", "noise_std")
+    _optional = (("noise_std", 0.0),)
 
     def __init__(
         self,
@@ -142,14 +146,6 @@ class TopKRouter(nn.Module):
         self.noise_std: float = float(noise_std)
         self.gate: nn.Linear = nn.Linear(
             d_model, num_experts, bias=bias, device=device, dtype=dtype
-        )
-
-    def extra_repr(self) -> str:
-        noise = f", noise_std={self.noise_std}" if self.noise_std else ""
-        return (
-            f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, "
-            f"epsilon={self.epsilon}, mode={self.mode!r}, method={self.method!r}, "
-            f"hard={self.hard}{noise}"
         )
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
