@@ -364,8 +364,7 @@ def _check_ranking(
 
 
 def _row_epsilon(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
-    """``3 * std / n`` of each row along d; 1 where that is not positive and finite (degenerate
-    rows, decided by their own rules)."""
+    """``3 * std / n`` of each row along d; 1 where not positive and finite (degenerate rows)."""
     eps = 3.0 * x.std(dim=d, correction=0) / n
     good = torch.isfinite(eps) & (eps > 0)
     return torch.where(good, eps, torch.ones_like(eps))

@@ -803,8 +803,7 @@ def spearman(pred: torch.Tensor, target: torch.Tensor, *, dim: int = -1) -> torc
 
 
 def pearson_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cov, var)`` of the rows of ``a`` and ``b``: their Pearson correlation is
-    ``cov / sqrt(var)`` (:func:`spearman`, :func:`softops.losses.spearman_loss`)."""
+    """``(cov, var)``, the Pearson correlation of the rows of a and b being ``cov / sqrt(var)``."""
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)
     return (a * b).sum(-1), (a * a).sum(-1) * (b * b).sum(-1)

@@ -149,8 +149,7 @@ class Kernel:
         return cache_dir() / f"{self.name}-{key.hexdigest()[:16]}.so"
 
     def ops(self) -> Any:
-        """The kernel's operators (``torch.ops.<name>``) if its library is built, else None (once
-        per process, with a warning that says how to build it)."""
+        """The kernel's operators (``torch.ops.<name>``), or None unbuilt (warned once)."""
         if not self._tried:
             self._tried = True
             path = self.path()
@@ -177,8 +176,7 @@ class Kernel:
         return self._ops
 
     def build(self, verbose: bool = False) -> Path:
-        """Build the library into the cache (no-op when it is there) in a child process; returns
-        its path."""
+        """Build the library into the cache in a child process (no-op if it is); its path."""
         path = self.path()
         if path.exists():
             return path

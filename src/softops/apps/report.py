@@ -133,8 +133,7 @@ def _pyplot() -> Any:
 def _mean_band(
     runs: Sequence[RunResult], key: str, grid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean, min and max over seeds of ``key`` on a shared time grid, each run read (linearly
-    interpolated) only inside its own time span."""
+    """Mean, min and max over seeds of ``key`` on ``grid``, each run interpolated in its span."""
     rows = []
     for r in runs:
         xs = torch.tensor([p["seconds"] for p in r.curve], dtype=torch.float64)

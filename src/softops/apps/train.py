@@ -126,8 +126,7 @@ class _Model(nn.Module):
 def _setup(
     config: KNNConfig, data: ImageDataset
 ) -> tuple[torch.device, _Model, Callable[..., torch.Tensor], torch.Generator]:
-    """A run's device, its fresh seeded model (channels-last: 2.5x faster convolutions on CPU),
-    the model's optimisation step and the generator of the batches and shifts."""
+    """A run's device, fresh seeded model (channels-last), step and batch and shift generator."""
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     model = _Model(data, config.method in ("ce", "pretrained")).to(device)
