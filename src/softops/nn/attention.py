@@ -422,21 +422,16 @@ class TopKAttention(nn.Module):
         self.hard: bool = hard
         self.dropout: float = float(dropout)
         self.batch_first: bool = batch_first
-        # MultiheadAttention's parameters, registered in its order (its state dict's)
-        E = embed_dim
-        if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * E, E, **kw))
-            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
-                self.register_parameter(name, None)
-        else:
-            self.q_proj_weight = nn.Parameter(torch.empty(E, E, **kw))
-            self.k_proj_weight = nn.Parameter(torch.empty(E, self.kdim, **kw))
-            self.v_proj_weight = nn.Parameter(torch.empty(E, self.vdim, **kw))
-            self.register_parameter("in_proj_weight", None)
-        if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * E, **kw))
-        else:
-            self.register_parameter("in_proj_bias", None)
+        # MultiheadAttention's parameters, in its state dict's order (None where not used)
+        E, packed = embed_dim, self._qkv_same_embed_dim
+
+        def weight(*shape: int, used: bool) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(*shape, **kw)) if used else None
+
+        self.register_parameter("in_proj_weight", weight(3 * E, E, used=packed))
+        for name, dim in (("q", E), ("k", self.kdim), ("v", self.vdim)):
+            self.register_parameter(f"{name}_proj_weight", weight(E, dim, used=not packed))
+        self.register_parameter("in_proj_bias", weight(3 * E, used=bias))
         self.out_proj: nn.Linear = nn.Linear(E, E, bias=bias, **kw)
         self._reset_parameters()
 
