@@ -172,11 +172,9 @@ def methods_figure(
     cols = min(len(methods) + 1, 3)
     rows = math.ceil((len(methods) + 1) / cols)
     fig = _new_figure((3.6 * cols, 2.9 * rows))
-    grid = _grid(fig, rows, cols)
-    flat = [ax for row in grid for ax in row]
-    score_ax = flat[0]
-    score_ax.bar(_np(index), _np(scores), color=["black" if h else "0.7" for h in hard.tolist()])
-    _style(score_ax, f"the scores x (the top {k} in black)", "entry (by decreasing score)")
+    flat = [ax for row in _grid(fig, rows, cols) for ax in row]
+    flat[0].bar(_np(index), _np(scores), color=["black" if h else "0.7" for h in hard.tolist()])
+    _style(flat[0], f"the scores x (the top {k} in black)", "entry (by decreasing score)")
     for ax, method in zip(flat[1:], methods, strict=False):
         ax.plot(_np(index), _np(hard), marker="s", markersize=4, label="hard", **_HARD)
         for eps, color in zip(epsilons, _colors(len(epsilons)), strict=True):

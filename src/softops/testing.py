@@ -291,7 +291,5 @@ def _storage_key(t: Tensor) -> Any:
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
-        return ("id", id(t))
-    if ptr == 0:  # empty storages all have address 0
-        return ("id", id(t))
-    return (str(t.device), ptr)
+        ptr = 0
+    return (str(t.device), ptr) if ptr else ("id", id(t))  # (empty storages all have address 0)

@@ -94,8 +94,7 @@ def set_compile(enabled: bool) -> None:
 
 def cache_dir() -> Path:
     """The per-user folder of built kernels."""
-    root = os.environ.get("SOFTOPS_CACHE_DIR")
-    if root:
+    if root := os.environ.get("SOFTOPS_CACHE_DIR"):
         return Path(root) / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "softops" / "kernels"

@@ -325,8 +325,7 @@ def knn_main(
     Sets torch's thread count to ``threads``. Returns the exit status: 0, or 2 after printing
     the error to stderr (an unusable device, a missing dataset or optional package).
     """
-    error = check_device(config.device)
-    if error:
+    if error := check_device(config.device):
         sys.stderr.write(error + "\n")
         return 2
     if config.minutes is None and config.epochs is None:
