@@ -409,9 +409,8 @@ def run_knn(
         (folder / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
         (folder / f"{stem}.md").write_text(report)
         written = [f"{stem}.json", f"{stem}.md"]
-        if _plot_curves(folder / f"{stem}-curves.png", results, methods):
-            written.append(f"{stem}-curves.png")
-        if _plot_embeddings(folder / f"{stem}-embedding.png", results, methods):
-            written.append(f"{stem}-embedding.png")
+        for name, plot in (("curves", _plot_curves), ("embedding", _plot_embeddings)):
+            if plot(folder / f"{stem}-{name}.png", results, methods):
+                written.append(f"{stem}-{name}.png")
         say(f"wrote {', '.join(written)} in {folder} ({wall / 60:.1f} min in all)")
     return report, results
