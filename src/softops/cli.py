@@ -130,11 +130,10 @@ def _add_knn(commands: Any) -> None:
         "(seconds); mnist-idx: a folder of MNIST IDX files (--data-dir); cifar10: a folder of "
         "CIFAR-10 python batches (--data-dir; GPU-scale, use --device cuda) (default: digits)",
     )
-    knn.add_argument("--data-dir", default=None, metavar="PATH", help="the dataset's folder")
+    knn.add_argument("--data-dir", metavar="PATH", help="the dataset's folder")
     knn.add_argument(
         "--method",
         choices=METHODS,
-        default=None,
         help="soft: SOFT top-k (method 'ot'); sinkhorn: the same by Sinkhorn; perturbed; "
         "softkmax: softmax k times; neuralsort; ce: a cross-entropy CNN; pretrained: kNN on "
         "the CE CNN's features (default: soft)",
@@ -156,14 +155,12 @@ def _add_knn(commands: Any) -> None:
     budget.add_argument(
         "--minutes",
         type=_positive,
-        default=None,
         help="training wall-clock budget per method and seed, evaluation excluded (default: 3 "
         "for mnist, mnist-idx and cifar10)",
     )
     budget.add_argument(
         "--epochs",
         type=_positive,
-        default=None,
         help="or a budget in epochs, exactly reproducible (default: 20 for digits)",
     )
     knn.add_argument(
