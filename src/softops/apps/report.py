@@ -266,7 +266,6 @@ class _Bar:
             TextColumn("{task.percentage:>3.0f}%"),
             TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"),
-            transient=False,
         )
 
     def __enter__(self) -> _Bar:
