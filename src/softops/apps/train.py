@@ -287,14 +287,11 @@ def train_rows(
 
     def report(fraction: float, done: bool) -> None:
         if progress is not None:
-            steps_per_s = step / train_s if train_s > 0 else 0.0
-            state: dict[str, Any] = {
-                "step": step,
-                "seconds": train_s,
-                "fraction": min(fraction, 1.0),
-            }
-            state |= {"loss": last_loss, "val": dict(last_val), "steps_per_s": steps_per_s}
-            progress({**state, "done": done})
+            rate = step / train_s if train_s > 0 else 0.0
+            progress(
+                {"step": step, "seconds": train_s, "fraction": min(fraction, 1.0), "done": done}
+                | {"loss": last_loss, "val": dict(last_val), "steps_per_s": rate}
+            )
 
     while (fraction := done_fraction()) < 1:
         t0 = time.perf_counter()
