@@ -42,11 +42,8 @@ __all__ = [
 ]
 
 _BACKENDS = ("kernel", "reference")
-_state: dict[str, Any] = {
-    "backend": "reference"
-    if os.environ.get("SOFTOPS_KERNELS", "1").strip().lower() in {"0", "false", "no"}
-    else "kernel",
-}
+_OFF = os.environ.get("SOFTOPS_KERNELS", "1").strip().lower() in {"0", "false", "no"}
+_state: dict[str, Any] = {"backend": "reference" if _OFF else "kernel"}
 
 
 def kernels_enabled() -> bool:

@@ -171,9 +171,7 @@ class TopKMoE(ArgsModule):
         self.d_model: int = d_model
         self.num_experts: int = num_experts
         self.k: int = k
-        self.capacity_factor: float | None = (
-            None if capacity_factor is None else float(capacity_factor)
-        )
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.router: TopKRouter = router
         self.experts: nn.ModuleList = nn.ModuleList(experts)
 
