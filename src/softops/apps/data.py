@@ -135,10 +135,8 @@ def load_mnist(path: str | Path | None = None) -> ImageDataset:
             f"load_mnist: expected a pickle of three (images, labels) splits in {file}; got "
             f"{type(splits).__name__}."
         ) from None
-    x = [
-        torch.as_tensor(a, dtype=torch.float32).reshape(-1, 1, 28, 28).clone() for a in (tx, vx, sx)
-    ]
-    y = [torch.as_tensor(a, dtype=torch.int64).clone() for a in (ty, vy, sy)]
+    x = [torch.tensor(a, dtype=torch.float32).reshape(-1, 1, 28, 28) for a in (tx, vx, sx)]
+    y = [torch.tensor(a, dtype=torch.int64) for a in (ty, vy, sy)]
     return ImageDataset("mnist", x[0], y[0], x[1], y[1], x[2], y[2], 10)
 
 
