@@ -106,7 +106,7 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-_KNN_DEFAULT_OUT = "softops-knn"  # in the working directory
+_KNN_OUT = "softops-knn"  # in the working directory
 
 
 def _add_knn(commands: Any) -> None:
@@ -173,9 +173,7 @@ def _add_knn(commands: Any) -> None:
     )
     knn.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default: 1)")
     knn.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ... (default: cpu)")
-    knn.add_argument(
-        "--out", default=_KNN_DEFAULT_OUT, help=f"output folder (default: {_KNN_DEFAULT_OUT})"
-    )
+    knn.add_argument("--out", default=_KNN_OUT, help=f"output folder (default: {_KNN_OUT})")
     for flag, kind, default, text in (
         ("--queries", _positive_int, 100, "queries per step (default: 100)"),
         ("--candidates", _positive_int, 100, "candidates per step (default: 100)"),

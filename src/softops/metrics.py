@@ -115,9 +115,7 @@ class SoftConfusion(NamedTuple):
                 "SoftConfusion: expected counts of one shape (made with one `average`) to add; "
                 f"got shapes {tuple(self.tp.shape)} and {tuple(other.tp.shape)}."
             )
-        return SoftConfusion(
-            self.tp + other.tp, self.predicted + other.predicted, self.true + other.true
-        )
+        return SoftConfusion(*(a + b for a, b in zip(self, other, strict=True)))
 
     def __radd__(self, other: object) -> SoftConfusion:
         # ``sum(...)`` starts from the int 0.
@@ -516,9 +514,8 @@ def soft_precision(
     average = check_average(average, input, op)
     if from_logits and average != "micro":  # (micro: P = N)
         return _class_mean(_precision_from_logits(input, target, average, epsilon)).to(input.dtype)
-    return precision_from_counts(_confusion(input, target, average, from_logits, epsilon)).to(
-        input.dtype
-    )
+    counts = _confusion(input, target, average, from_logits, epsilon)
+    return precision_from_counts(counts).to(input.dtype)
 
 
 def _precision_from_logits(

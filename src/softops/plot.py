@@ -182,9 +182,7 @@ def methods_figure(
             if method == "perturbed":
                 draws = {"n_samples": n_samples, "generator": torch.Generator().manual_seed(seed)}
             mask = softops.soft_topk_mask(scores, k, epsilon=eps, method=method, **draws)
-            ax.plot(
-                _np(index), _np(mask), marker="o", markersize=3, color=color, label=f"ε = {eps:g}"
-            )
+            ax.plot(_np(index), _np(mask), marker="o", ms=3, color=color, label=f"ε = {eps:g}")
         _style(ax, f'method="{method}"', "entry (by decreasing score)")
         ax.set_ylim(-0.05, 1.1)
     for ax in flat[len(methods) + 1 :]:
