@@ -617,11 +617,7 @@ def check_topk_classification(
         )
     check_choice(method, TOPK_METHODS, op, "method")
     epsilon = check_epsilon(epsilon, op, dtype=scores.dtype)
-    if (
-        method not in ("ot", "sparse")
-        and isinstance(epsilon, torch.Tensor)
-        and epsilon.requires_grad
-    ):
+    if method not in ("ot", "sparse") and torch.is_tensor(epsilon) and epsilon.requires_grad:
         raise ValueError(
             f"{op}: expected an `epsilon` that does not require grad with method={method!r} "
             "(only methods 'ot' and 'sparse' differentiate with respect to epsilon); got one "

@@ -249,6 +249,7 @@ def beam_search(
     method = check_choice(method, BEAM_METHODS, op, "method")
     check_epsilon(epsilon, op)
     pad_token = eos if pad is None else pad
+    hyps = bsz * beam  # the rows of step_fn's batch
     state = _map_state(state, lambda t: t.repeat_interleave(beam, dim=0))
     tokens: Tensor | None = None
     seqs: Tensor | None = None
@@ -258,19 +259,15 @@ def beam_search(
         device = _first_device(state)
     for t in range(steps):
         if tokens is None:
-            feed = torch.full((bsz * beam,), bos, dtype=torch.long, device=device)
+            feed = torch.full((hyps,), bos, dtype=torch.long, device=device)
         else:
             feed = tokens.reshape(-1)
         log_probs, state = step_fn(feed, state, t)
-        if (
-            not isinstance(log_probs, Tensor)
-            or log_probs.dim() != 2
-            or log_probs.shape[0] != (bsz * beam)
-        ):
+        if not torch.is_tensor(log_probs) or log_probs.dim() != 2 or log_probs.shape[0] != hyps:
             shape = tuple(log_probs.shape) if isinstance(log_probs, Tensor) else type(log_probs)
             raise ValueError(
                 f"{op}: expected step_fn to return log_probs of shape (B*K, V) = "
-                f"({bsz * beam}, V); got {shape}."
+                f"({hyps}, V); got {shape}."
             )
         vocab = log_probs.shape[-1]
         if vocab < beam:

@@ -68,10 +68,9 @@ class _Block(nn.Module):
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
         self.skip: nn.Module = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.skip = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
+        if stride != 1 or c_in != c_out:  # a strided 1x1 projection
+            project = nn.Conv2d(c_in, c_out, 1, stride, bias=False)
+            self.skip = nn.Sequential(project, nn.BatchNorm2d(c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))

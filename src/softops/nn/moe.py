@@ -211,9 +211,8 @@ class TopKMoE(ArgsModule):
             keep = torch.arange(expert.numel(), device=x.device) - start[expert] < cap
             expert, token, w = expert[keep], token[keep], w[keep]
             counts = counts.clamp(max=cap)
-        dropped = torch.tensor(
-            (assigned - expert.numel()) / max(assigned, 1), dtype=x.dtype, device=x.device
-        )
+        fraction = (assigned - expert.numel()) / max(assigned, 1)
+        dropped = torch.tensor(fraction, dtype=x.dtype, device=x.device)
         parts = []
         offset = 0
         for e, n in enumerate(counts.tolist()):  # a host sync: the experts' batch sizes
