@@ -154,16 +154,12 @@ def _check_target(target: Any, n: int, n_classes: int, input_shape: torch.Size, 
 
 def _check_input(input: Any, op: str, name: str = "input", binary: bool = True) -> None:
     """Predictions of shape (N, C), or (N,) where ``binary``, floating, non-empty."""
-    check_floating(input, op, name)
+    shape = tuple(check_floating(input, op, name).shape)
     if input.dim() != 2 and not (binary and input.dim() == 1):
         shapes = "(N,) (binary) or (N, C)" if binary else "(N, C)"
-        raise ValueError(
-            f"{op}: expected `{name}` of shape {shapes}; got shape {tuple(input.shape)}."
-        )
+        raise ValueError(f"{op}: expected `{name}` of shape {shapes}; got shape {shape}.")
     if input.numel() == 0:
-        raise ValueError(
-            f"{op}: expected a non-empty batch; got `{name}` of shape {tuple(input.shape)}."
-        )
+        raise ValueError(f"{op}: expected a non-empty batch; got `{name}` of shape {shape}.")
 
 
 def check_logits_epsilon(

@@ -637,9 +637,7 @@ class TopKAttention(nn.Module):
         for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if m is None:
                 continue
-            if not isinstance(m, torch.Tensor) or not (
-                m.dtype == torch.bool or m.dtype.is_floating_point
-            ):
+            if not torch.is_tensor(m) or not (m.dtype == torch.bool or m.is_floating_point()):
                 raise TypeError(f"{op}: expected `{name}` to be a bool or float tensor; got {m!r}.")
             if name == "key_padding_mask":
                 if tuple(m.shape) != (N, S):
