@@ -100,6 +100,7 @@ class TopKRouter(ArgsModule):
 
     _fields = ("d_model", "num_experts", "k", "epsilon", "mode", "method", "hard", "noise_std")
     _optional = (("noise_std", 0.0),)
+    gate: nn.Linear
 
     def __init__(
         self,
@@ -144,9 +145,7 @@ class TopKRouter(ArgsModule):
         self.method: str = method
         self.hard: bool = hard
         self.noise_std: float = float(noise_std)
-        self.gate: nn.Linear = nn.Linear(
-            d_model, num_experts, bias=bias, device=device, dtype=dtype
-        )
+        self.gate = nn.Linear(d_model, num_experts, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """Route the tokens ``x``.
