@@ -39,7 +39,8 @@ __all__ = [
 METHODS = ("soft", "sinkhorn", "perturbed", "softkmax", "neuralsort", "ce", "pretrained")
 #: The rows of Xie et al.'s Table 1 that ``--all`` runs, in the paper's order.
 ALL_ROWS = ("pretrained", "ce", "softkmax", "neuralsort", "soft")
-_LOSS_METHOD = {m: "ot" if m == "soft" else m for m in METHODS[:5]}  # the kNN rows' knn_loss
+_LOSS_METHOD = {"soft": "ot", "sinkhorn": "sinkhorn", "perturbed": "perturbed"}  # knn_loss's
+_LOSS_METHOD |= {"softkmax": "softkmax", "neuralsort": "neuralsort"}
 _DEFAULT_SHIFT = {"mnist": 2, "mnist-idx": 2, "digits": 0, "cifar10": 4}
 
 
