@@ -369,7 +369,8 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
     for (int64_t i = 0; i < n; ++i) {
       const double yi = y[i];
       int64_t r = 0;
-      for (int64_t j = 0; j < n; ++j) r += (y[j] > yi || (y[j] == yi && j < i)) ? 1 : 0;
+      for (int64_t j = 0; j < i; ++j) r += y[j] >= yi ? 1 : 0;
+      for (int64_t j = i + 1; j < n; ++j) r += y[j] > yi ? 1 : 0;
       if (r < kk) {
         top[r] = yi;
         ti[r] = i;
@@ -960,7 +961,7 @@ struct VecArr {
 // A group's rows transposed: slot i of lane l at [i * kLanes + l].
 struct Lanes {
   int64_t big = 0, slots = 0;
-  std::vector<double> e, ie, home, valid, p, p_new, gb, yc, xs, out;
+  std::vector<double> e, ie, home, valid, p, p_new, gb, yc, xs, out, kept;
   std::vector<int64_t> shared;  // per slot: the home of every lane's entry, or -1
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
@@ -991,6 +992,8 @@ struct Lanes {
       xs.resize(ns);
       out.resize(ns);
     }
+    const size_t nk = ns * static_cast<size_t>(big + 2);
+    if (kept.size() < nk) kept.resize(nk);
   }
   // the candidate problems pb[0..kLanes) into the lanes (slots past a row's candidates: factors
   // 0, so that their plan is 1 at their home and 0 elsewhere whatever the state, masked out; their
@@ -1161,32 +1164,38 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
   return okv;
 }
 
-// laplacian_solve on every lane, its first two attempts (without jitter where the least squared
-// pivot is at least 1e-2, else with the small jitter): res[l] its return value (2, or the least
-// squared pivot), or -1 where the lane needs the third attempt (the caller takes
-// laplacian_solve); tau the jitter each lane took.
+// laplacian_solve on every lane, its first two attempts, except that a factor without jitter is
+// taken wherever its squared pivots are positive, however small (laplacian_solve retries those
+// below 1e-2 with the jitter): a chain of couplings of very different sizes, as in a short row
+// of distinct entries, has a pivot below 1e-2 in most rows, and one refinement against the
+// exactly formed residual (the backward's, where res[l] <= 1) makes either solve accurate to
+// rounding. res[l]: 2 where the least squared pivot is at least 1e-2, else the least squared
+// pivot of the factor taken (in (0, 1]), or -1 where the lane needs the third attempt (the
+// caller takes laplacian_solve); tau the jitter each lane took.
 void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, double* res,
                  VecD& tau) {
   const VecD zero(0.0);
   VecD least;
   const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least);
-  const VecD first = at::vec::minimum(ok0, least.ge(VecD(1e-2)));
-  double fl[kLanes];
-  first.store(fl);
+  double o0[kLanes], l0[kLanes];
+  ok0.store(o0);
+  least.store(l0);
   bool all = true;
-  for (int64_t l = 0; l < kLanes; ++l) all = all && fl[l] > 0;
-  tau = zero;
-  if (all) {
-    for (int64_t l = 0; l < kLanes; ++l) res[l] = 2.0;
-    return;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    all = all && o0[l] > 0;
+    res[l] = l0[l] >= 1e-2 ? 2.0 : l0[l];
   }
+  tau = zero;
+  if (all) return;
   const double m1 = static_cast<double>(big - 1);
-  tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, first > zero);
+  tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, ok0 > zero);
   const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least);
   double o1[kLanes], ll[kLanes];
   ok1.store(o1);
   least.store(ll);
-  for (int64_t l = 0; l < kLanes; ++l) res[l] = fl[l] > 0 ? 2.0 : (o1[l] > 0 ? ll[l] : -1.0);
+  for (int64_t l = 0; l < kLanes; ++l) {
+    if (!(o0[l] > 0)) res[l] = o1[l] > 0 ? ll[l] : -1.0;
+  }
 }
 
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles), four targets o
@@ -1367,6 +1376,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   // the lanes: rows of four targets or more (fewer: the closed forms) and few candidates
   const bool lanes_on = big >= 4 && big <= kLaneBig;
+  const double log_tau = std::log(tau);
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     Work w;
     Prob pb;
@@ -1432,6 +1442,26 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       bool done[kLanes];
       newton_lanes(g, lpb, tol, max_steps, halvings, v, gap, done);
       const int64_t sj = ns * kLanes;
+      // the ratios (b - c)/c of the lanes solved here (0 in the others), then each row's residual
+      // of the column-exact plan, sum_i |sum_t P_ti r_t| / m, every lane at once (the plan is 0
+      // in the slots past a row's candidates)
+      double rl[kLaneBig * kLanes], el[kLanes];
+      for (int64_t t = 0; t < big; ++t) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const double gt = gap[t * kLanes + l];
+          const bool solved = l < count && done[l];
+          rl[t * kLanes + l] = solved ? gt / std::max(lpb[l].bcol[t] - gt, kTiny) : 0.0;
+        }
+      }
+      VecD err(0.0);
+      for (int64_t i = 0; i < ns; ++i) {
+        VecD dev(0.0);
+        for (int64_t t = 0; t < big; ++t) {
+          dev = dev + VecD::loadu(g.p.data() + t * sj + i * kLanes) * VecD::loadu(rl + t * kLanes);
+        }
+        err = err + dev.abs();
+      }
+      err.store(el);
       for (int64_t l = 0; l < count; ++l) {
         const int64_t row = lrow[l];
         const Prob& pr = lpb[l];
@@ -1440,21 +1470,13 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
           continue;
         }
         double* st = pst + row * lay.size();
-        double* rr = st + lay.ratio();
         for (int64_t t = 0; t < big; ++t) {
-          const double gt = gap[t * kLanes + l];
-          rr[t] = gt / std::max(pr.bcol[t] - gt, kTiny);
+          st[lay.ratio() + t] = rl[t * kLanes + l];
           st[lay.v() + t] = v[t * kLanes + l];
         }
         st[lay.centre()] = pr.c;
-        // the row residual of the column-exact plan, sum_i |sum_t P_ti r_t| / m
         const double* p = g.p.data() + l;
-        double e = 0.0;
-        for (int64_t i = 0; i < pr.m; ++i) {
-          double dev = 0.0;
-          for (int64_t t = 0; t < big; ++t) dev += p[t * sj + i * kLanes] * rr[t];
-          e += std::abs(dev);
-        }
+        const double e = el[l];
         int64_t lim[kMaxBig];
         for (int64_t t = 0; t < big; ++t) lim[t] = pr.m;
         finish(row, pr, lw[l], p, sj, kLanes, lim, e / static_cast<double>(pr.m));
@@ -1487,8 +1509,8 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
-      st[lay.log_tau()] = std::log(tau);
-      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
+      st[lay.log_tau()] = log_tau;
+      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, log_tau, wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
@@ -1798,20 +1820,34 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         gvv[t] = VecD::loadu(gvl + t * kLanes);
       }
       // slot i: the column-exact plan gam, 1 / its row sum, each entry's largest column (the
-      // centring's reference; the first of equals) and gb
-      auto plan_at = [&](int64_t i, VecD& inv_mu) {
-        VecD mu = zero, best = minus_one, hv = zero;
+      // centring's reference; the first of equals) and gb; formed in the first pass over the
+      // slots (`form`), kept in g.kept for the later ones
+      auto plan_at = [&](int64_t i, VecD& inv_mu, bool form) {
+        double* kept = g.kept.data() + i * (big + 2) * kLanes;  // gam (big), 1 / mu, the home
         const VecD xsv = VecD::loadu(g.xs.data() + i * kLanes);
-        for (int64_t t = 0; t < big; ++t) {
-          gam[t] = VecD::loadu(gp + t * sj + i * kLanes) * fv[t];
-          mu = mu + gam[t];
-          const VecD gt = gam[t] > best;
-          best = VecD::blendv(best, gam[t], gt);
-          hv = VecD::blendv(hv, VecD(static_cast<double>(t)), gt);
-          gbv[t] = has_gw ? VecD::loadu(gbp + (t * ns + i) * kLanes) : gvv[t] * xsv;
+        VecD hv = zero;
+        if (form) {
+          VecD mu = zero, best = minus_one;
+          for (int64_t t = 0; t < big; ++t) {
+            gam[t] = VecD::loadu(gp + t * sj + i * kLanes) * fv[t];
+            mu = mu + gam[t];
+            const VecD gt = gam[t] > best;
+            best = VecD::blendv(best, gam[t], gt);
+            hv = VecD::blendv(hv, VecD(static_cast<double>(t)), gt);
+            gam[t].store(kept + t * kLanes);
+          }
+          inv_mu = VecD(1.0) / at::vec::maximum(mu, tiny);
+          inv_mu.store(kept + big * kLanes);
+          hv.store(kept + (big + 1) * kLanes);
+        } else {
+          for (int64_t t = 0; t < big; ++t) gam[t] = VecD::loadu(kept + t * kLanes);
+          inv_mu = VecD::loadu(kept + big * kLanes);
+          hv = VecD::loadu(kept + (big + 1) * kLanes);
         }
-        for (int64_t t = 0; t < big; ++t) eq[t] = hv == VecD(static_cast<double>(t));
-        inv_mu = VecD(1.0) / at::vec::maximum(mu, tiny);
+        for (int64_t t = 0; t < big; ++t) {
+          gbv[t] = has_gw ? VecD::loadu(gbp + (t * ns + i) * kLanes) : gvv[t] * xsv;
+          eq[t] = hv == VecD(static_cast<double>(t));
+        }
       };
       // u_t - sum_l P_l u_l for u_t = sb beta_t + sg gb_t, shifted by u at the home, into cen
       VecArr cen;
@@ -1838,7 +1874,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       for (int64_t i = 0; i < ns; ++i) {
         VecD inv_mu;
-        plan_at(i, inv_mu);
+        plan_at(i, inv_mu, true);
         centre_at(beta, 0.0, 1.0, inv_mu);
         for (int64_t t = 0; t < big; ++t) {
           rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
@@ -1859,14 +1895,14 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       VecD tau;
       solve_lanes(wc, big, rhsl, betal, okl, tau);
       for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
-      // one refinement against the exactly formed residual in the lanes that took the jitter
+      // one refinement against the exactly formed residual in the lanes of a pivot below 1e-2
       bool refine = false;
       for (int64_t l = 0; l < count; ++l) refine = refine || (okl[l] > 0 && okl[l] <= 1.0);
       if (refine) {
         for (int64_t t = 0; t < big; ++t) rhs[t] = zero;
         for (int64_t i = 0; i < ns; ++i) {
           VecD inv_mu;
-          plan_at(i, inv_mu);
+          plan_at(i, inv_mu, false);
           centre_at(beta, -1.0, 1.0, inv_mu);
           for (int64_t t = 0; t < big; ++t) rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
         }
@@ -1886,7 +1922,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* outp = g.out.data();
       for (int64_t i = 0; i < ns; ++i) {
         VecD inv_mu;
-        plan_at(i, inv_mu);
+        plan_at(i, inv_mu, false);
         centre_at(beta, 1.0, -1.0, inv_mu);
         VecD acc_y = zero, direct = zero;
         for (int64_t t = 0; t < big; ++t) {
