@@ -1077,3 +1077,19 @@ def test_pearson_terms_give_numpy_corrcoef():
     cov, var = pearson_terms(a, b)
     want = [np.corrcoef(a[i].numpy(), b[i].numpy())[0, 1] for i in range(4)]
     torch.testing.assert_close(cov / var.sqrt(), torch.tensor(want, dtype=F64))
+
+
+def test_checked_confusion_is_the_checked_update_step_named_after_its_caller():
+    from softops.metrics import checked_confusion
+
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.4, 0.1]])
+    t = torch.tensor([0, 2, 2, 1])
+    for average in ("macro", "micro", None):
+        got = checked_confusion(p, t, average, False, 1.0, "f1_loss")
+        want = soft_confusion(p, t, average=average)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # the caller's name in every error, with the checks of soft_confusion
+    with pytest.raises(ValueError, match=r"^f1_loss: .*`target`"):
+        checked_confusion(p, torch.tensor([0, 3, 1, 1]), "macro", False, 1.0, "f1_loss")
+    with pytest.raises(ValueError, match=r"^f1_loss: .*`average`"):
+        checked_confusion(p, t, "weighted-ish", False, 1.0, "f1_loss")
