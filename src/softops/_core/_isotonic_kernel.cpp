@@ -52,6 +52,15 @@ inline double logaddexp(double p, double q) {
   return m + std::log1p(std::exp(-std::abs(p - q)));
 }
 
+// +0 where `zero`, else x: a select on the bits (the compiler keeps a ternary as a jump).
+inline double select_zero(double x, bool zero) {
+  uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  b &= uint64_t(zero) - 1;
+  std::memcpy(&x, &b, sizeof b);
+  return x;
+}
+
 // a - b, and 0 where a == b (equal infinities too).
 inline double diff(double a, double b) { return a == b ? 0.0 : a - b; }
 
@@ -194,11 +203,11 @@ inline void exchange(Item64& a, Item64& b) {
 // items[0 .. n), n <= 8, sorted ascending by the optimal network of 8 inputs (19 compare-exchanges
 // in 6 layers; Knuth, TAOCP vol. 3, 5.3.4), the inputs past n set to `pad`, a value above every
 // item, which stays past n: the sort of the short rows (many rows of 8: a router's experts), where
-// an insertion sort's mispredicted comparisons cost more than the rest of the row's work. items
-// has room for 8: all 8 are written back (a fixed-size copy; one of n items was a call to memmove
-// per row), the pads past n.
-template <typename item_t>
-inline void network_sort(item_t* items, int64_t n, item_t pad) {
+// an insertion sort's mispredicted comparisons cost more than the rest of the row's work. The n
+// sorted items go to `emit(j, item)` from registers (not stored back and read again: a vector
+// load of 8 items just stored one by one waits for every store, at most of the row's time).
+template <typename item_t, typename emit_t>
+inline void network_sort(const item_t* items, int64_t n, item_t pad, emit_t emit) {
   static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
                                         {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
                                         {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
@@ -206,7 +215,10 @@ inline void network_sort(item_t* items, int64_t n, item_t pad) {
   for (int64_t j = 0; j < 8; ++j) v[j] = j < n ? items[j] : pad;
 #pragma GCC unroll 19
   for (int k = 0; k < 19; ++k) exchange(v[kPairs[k][0]], v[kPairs[k][1]]);
-  for (int64_t j = 0; j < 8; ++j) items[j] = v[j];
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < 8; ++j) {
+    if (j < n) emit(j, v[j]);
+  }
 }
 
 // idx[0 .. n) that sorts key (-key with `neg`: the negation folded into the keys, no pass of its
@@ -219,8 +231,11 @@ inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t*
     items[j] = (uint64_t(descending_key<uint32_t>(v)) << 32) | uint64_t(j);
   }
   if (n <= 8) {
-    network_sort(items, n, ~uint64_t(0));
-  } else if (n <= 48) {
+    network_sort(items, n, ~uint64_t(0),
+                 [idx](int64_t j, uint64_t v) { idx[j] = int64_t(v & 0xFFFFFFFFull); });
+    return;
+  }
+  if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const uint64_t v = items[j];
       int64_t i = j;
@@ -240,8 +255,11 @@ inline void sort_descending(const double* key, int64_t n, int64_t* idx, uint64_t
   Item64* items = reinterpret_cast<Item64*>(work);
   for (int64_t j = 0; j < n; ++j) items[j] = {descending_key<uint64_t>(neg ? -key[j] : key[j]), j};
   if (n <= 8) {
-    network_sort(items, n, Item64{~uint64_t(0), std::numeric_limits<int64_t>::max()});
-  } else if (n <= 48) {
+    network_sort(items, n, Item64{~uint64_t(0), std::numeric_limits<int64_t>::max()},
+                 [idx](int64_t j, const Item64& v) { idx[j] = v.index; });
+    return;
+  }
+  if (n <= 48) {
     for (int64_t j = 1; j < n; ++j) {
       const Item64 v = items[j];
       int64_t i = j;
@@ -338,19 +356,31 @@ void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out,
   }
   if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
   ref[depth] = cr, acc[depth] = ca;
+  ref[depth + 1] = n;  // (ref has n + 1 entries)
+  if (c == 1.0) {
+    // acc[k] := the shift of block k, then the entries in one branch-free pass (a loop per
+    // block ends at a data-dependent jump, mispredicted about once a block)
+    for (int64_t k = 0; k <= depth; ++k) {
+      const double mean = acc[k] / double(ref[k + 1] - ref[k]);
+      acc[k] = t[ref[k]] - mean;  // mean(t_B) - mean(z_B) + z_r
+    }
+    out[0] = (0.0 - 0.0) + acc[0], block[0] = 0;
+    int64_t k = 0;
+    double off = 0.0;
+    for (int64_t j = 1; j < n; ++j) {
+      const bool next = j == ref[k + 1];
+      k += next;
+      off = select_zero(off + d[j], next);  // (0 at a block's first entry)
+      out[j] = (0.0 - off) + acc[k];
+      block[j] = k;
+    }
+    return;
+  }
   for (int64_t k = 0; k <= depth; ++k) {
-    const int64_t r = ref[k], end = k < depth ? ref[k + 1] : n;
+    const int64_t r = ref[k], end = ref[k + 1];
     const double mean = acc[k] / double(end - r);
     const double shift = t[r] - mean;  // mean(t_B) - mean(z_B) + z_r
     double off = 0.0;
-    if (c == 1.0) {
-      for (int64_t j = r; j < end; ++j) {
-        if (j > r) off += d[j];
-        out[j] = (0.0 - off) + shift;
-        block[j] = k;
-      }
-      continue;
-    }
     // in the row's own frame (exact where c d or c t lost bits); scaled where that overflows
     const double wr0 = t0[r], mean0 = mean / c;
     double off0 = 0.0;
@@ -564,7 +594,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
     int64_t* ppz = pz.data_ptr<int64_t>();
     int64_t* ppw = pw.data_ptr<int64_t>();
     at::parallel_for(0, B, grain_for(n), [&](int64_t b0, int64_t b1) {
-      auto ref = work<int64_t>(n);
+      auto ref = work<int64_t>(n + 1);  // (l2_gaps' sentinel)
       auto keys = work<uint64_t>(std::max<int64_t>(4 * n, 16));  // (sort_descending)
       auto acc = work<double>(n), aux = work<double>(kl ? n : 0), span = work<double>(n);
       auto frame = work<double>(3 * n);
@@ -607,8 +637,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
         // cast back (negated as 0 - p in the dtype), un-sorted where z was sorted here
         // (a loop per case: a conditional index inside one loop is vectorised as masked loads
         // through the null pointer, each a microcode assist)
+        // (and entry by entry in short rows: a vector load of pd, just stored entry by entry,
+        // would wait for every store; kept scalar by an empty asm per entry)
         scalar_t* ro = po + b * n;
-        if (iz && negate) {
+        if (n <= 16) {
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t v = scalar_t(rounded(pd[j]));
+            ro[iz ? iz[j] : j] = negate ? scalar_t(0) - v : v;
+          }
+        } else if (iz && negate) {
           for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(0) - scalar_t(pd[j]);
         } else if (iz) {
           for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(pd[j]);
