@@ -52,13 +52,16 @@ inline double logaddexp(double p, double q) {
   return m + std::log1p(std::exp(-std::abs(p - q)));
 }
 
-// +0 where `zero`, else x: a select on the bits (the compiler keeps a ternary as a jump).
-inline double select_zero(double x, bool zero) {
-  uint64_t b;
-  std::memcpy(&b, &x, sizeof b);
-  b &= uint64_t(zero) - 1;
-  std::memcpy(&x, &b, sizeof b);
-  return x;
+// c ? a : b, a select on the bits, no jump (the compiler keeps some such ternaries as jumps,
+// which data-dependent conditions mispredict about half the time).
+inline double pick(bool c, double a, double b) {
+  uint64_t x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  const uint64_t mask = uint64_t(0) - uint64_t(c);
+  x = (x & mask) | (y & ~mask);
+  std::memcpy(&a, &x, sizeof a);
+  return a;
 }
 
 // a - b, and 0 where a == b (equal infinities too).
@@ -370,7 +373,7 @@ void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out,
     for (int64_t j = 1; j < n; ++j) {
       const bool next = j == ref[k + 1];
       k += next;
-      off = select_zero(off + d[j], next);  // (0 at a block's first entry)
+      off = pick(next, 0.0, off + d[j]);  // (0 at a block's first entry)
       out[j] = (0.0 - off) + acc[k];
       block[j] = k;
     }
