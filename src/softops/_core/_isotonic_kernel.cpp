@@ -360,9 +360,10 @@ void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out,
   if (depth > 0) ref[depth - 1] = pr, acc[depth - 1] = pa;
   ref[depth] = cr, acc[depth] = ca;
   ref[depth + 1] = n;  // (ref has n + 1 entries)
-  if (c == 1.0) {
-    // acc[k] := the shift of block k, then the entries in one branch-free pass (a loop per
-    // block ends at a data-dependent jump, mispredicted about once a block)
+  if (c == 1.0 && n <= 16) {
+    // short rows: acc[k] := the shift of block k, then the entries in one branch-free pass (a
+    // loop per block ends at a data-dependent jump, mispredicted about once a block; in long
+    // rows, where blocks are long, the chain through ref[k] costs more)
     for (int64_t k = 0; k <= depth; ++k) {
       const double mean = acc[k] / double(ref[k + 1] - ref[k]);
       acc[k] = t[ref[k]] - mean;  // mean(t_B) - mean(z_B) + z_r
@@ -384,6 +385,14 @@ void l2_gaps(const double* d, const double* t, int64_t n, double c, double* out,
     const double mean = acc[k] / double(end - r);
     const double shift = t[r] - mean;  // mean(t_B) - mean(z_B) + z_r
     double off = 0.0;
+    if (c == 1.0) {
+      for (int64_t j = r; j < end; ++j) {
+        if (j > r) off += d[j];
+        out[j] = (0.0 - off) + shift;
+        block[j] = k;
+      }
+      continue;
+    }
     // in the row's own frame (exact where c d or c t lost bits); scaled where that overflows
     const double wr0 = t0[r], mean0 = mean / c;
     double off0 = 0.0;
