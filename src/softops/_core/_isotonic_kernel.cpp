@@ -3,7 +3,7 @@
 // the L2 VJP in one pass.
 //
 // Built ahead of time by `python -m softops._kernels` (softops._kernels) and registered as the
-// operators softops_isotonic::{project, permutahedron, l2_vjp}, which the operators of
+// operators softops_isotonic::{permutahedron, l2_vjp}, which the operators of
 // softops._core.isotonic run on CPU tensors; the torch code there is their reference, and the
 // arithmetic here is its arithmetic: the inputs' dtype in and out, every block statistic and
 // comparison in double. The rows spread over torch's intra-op threads (at::parallel_for); a row is
@@ -323,7 +323,7 @@ Frame rank_frame(const scalar_t* q, const int64_t* order, double f, const double
   return {dmax, nan, finite};
 }
 
-// PAV on the gaps of z (the projections of permutahedron() and project()), in the frame above,
+// PAV on the gaps of z (the projection of permutahedron()), in the frame above,
 // with the position of an entry never formed. Each block keeps, besides its statistics relative to its first
 // entry, its z-span D (z at its first entry less z at its last); the first entries of adjacent
 // blocks P and T are z_P - z_T = D_P + d[first of T] apart, and pooling them gives

@@ -363,7 +363,8 @@ def permutahedron(
     Returns:
         ``(p, pz, pw, block, finite)``: p (B, n) in z's order; the permutations that sort z
         (B, n) and w (as many rows as w; None where not sorted here); the block ids in sorted
-        coordinates; whether every row is known to be finite.
+        coordinates; whether every row is known to be finite (True on meta tensors, which
+        hold no entry to mark).
     """
     B, n = eps.shape[0], u.shape[-1]
     if u.is_meta or n == 0 or B == 0:
