@@ -346,3 +346,32 @@ def test_sinkhorn_gradient_in_a_tiny_epsilon_is_finite():
     res = sinkhorn(cost, a, a, eps)
     (g,) = torch.autograd.grad((res.plan * torch.arange(9.0).reshape(3, 3)).sum(), eps)
     assert g == 0, g
+
+
+def test_threshold_result_puts_a_solve_in_the_callers_direction_shape_and_dtype():
+    """(solvers.threshold_result: the one tail of topk_threshold and its sharded form.)"""
+    from types import SimpleNamespace
+
+    from softops.solvers import threshold_result
+
+    f64 = torch.float64
+    solve = SimpleNamespace(
+        scale=torch.tensor([2.0, 2.0, 4.0, 1.0], dtype=f64),
+        sel_none=torch.tensor([False, True, False, False]),
+        sel_all=torch.tensor([False, False, True, False]),
+        invalid=torch.tensor([False, False, False, True]),
+        converged=torch.tensor([True, True, False, True]),
+        iterations=7,
+        residual=torch.tensor([1e-9, 0.0, 0.5, 0.0], dtype=f64),
+    )
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=f64)
+    shape = torch.Size([2, 2])
+    res = threshold_result(t, solve, True, shape, torch.float32)
+    want = torch.tensor([[0.5, math.inf], [-math.inf, math.nan]])
+    torch.testing.assert_close(res.threshold, want, rtol=0, atol=0, equal_nan=True)
+    assert res.threshold.dtype == torch.float32 and res.residual.dtype == torch.float32
+    assert res.converged.tolist() == [[True, True], [False, True]] and res.iterations == 7
+    assert res.residual.shape == shape and res.residual[1, 0] == 0.5
+    # largest=False: the canonical rows were -x, so the threshold is negated (limits swap)
+    low = threshold_result(t, solve, False, shape, torch.float64).threshold
+    torch.testing.assert_close(low, -want.double(), rtol=0, atol=0, equal_nan=True)

@@ -262,10 +262,10 @@ def topk_threshold(
         tol=tol,
         k_scalar=None if isinstance(k, torch.Tensor) else k,
     )
-    return _threshold_result(state.m + state.t, state, largest, rows.batch_shape, x.dtype)
+    return threshold_result(state.m + state.t, state, largest, rows.batch_shape, x.dtype)
 
 
-def _threshold_result(
+def threshold_result(
     t: Tensor, solve: Any, largest: bool, shape: torch.Size, dtype: torch.dtype
 ) -> ThresholdResult:
     """The result of a threshold solve (``solve``: its scale, limits and diagnostics) at its

@@ -33,7 +33,7 @@ from softops._core.straight_through import straight_through
 from softops.distributed._group import _MASK, _THRESHOLD, _TOPK, METHODS, _prepare
 from softops.distributed._mask import _ShardedMaskOT, _ShardedMaskSparse, _solve_ot
 from softops.distributed._topk import _Route, _sharded_topk
-from softops.solvers import ThresholdResult, _threshold_result
+from softops.solvers import ThresholdResult, threshold_result
 from softops.topk import SAMPLE_SIZE
 
 __all__ = [
@@ -162,7 +162,7 @@ def topk_threshold(
         empty = torch.zeros(shape, dtype=x_local.dtype, device=x_local.device)
         return ThresholdResult(empty, empty.bool(), 0, empty)
     sol = _solve_ot(plan, local.x2.detach(), local.k_row.detach(), local.eps_row.detach())[0]
-    return _threshold_result(sol.aux[:, 0] + sol.aux[:, 1], sol, largest, shape, x_local.dtype)
+    return threshold_result(sol.aux[:, 0] + sol.aux[:, 1], sol, largest, shape, x_local.dtype)
 
 
 class ShardedTopK(NamedTuple):

@@ -942,8 +942,7 @@ using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
 // Most candidates of a row solved in the lanes, forward and backward (past them a row costs
 // about as much one at a time: the scalar code vectorises over its entries, and its rest's
-// entries stop short of the far targets; the backward took 64 until its lanes kept their plan
-// between passes: 6-8 % faster at n = 128, k = 8, where most rows have 60-116 candidates).
+// entries stop short of the far targets).
 constexpr int64_t kLaneMaxM = 128;
 // Most targets of a row solved in the lanes.
 constexpr int64_t kLaneBig = 12;
