@@ -370,3 +370,33 @@ def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     w = one[1][torch.arange(1100) != 3]
     torch.testing.assert_close(w.sum(-1), torch.ones(1099, 8), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "regime", ["plain", "near ties", "eps far below the gaps", "eps far above", "large |x|/eps"]
+)
+@pytest.mark.parametrize("n, k", [(8, 8), (8, 4), (100, 8)])
+def test_lane_rows_gradients_match_central_differences(ops, regime, n, k) -> None:
+    """The lanes' backward (a factor without jitter wherever its pivots are positive, one
+    refinement against the exact residual below 1e-2) against float64 central differences of
+    the values and the weights, where the couplings of a row differ by orders of magnitude."""
+    from tests._helpers import fd_gap
+
+    g = seeded(3)
+    x = torch.randn(64 if n == 8 else 32, n, generator=g, dtype=torch.float64)
+    eps, h = 0.1, 1e-6
+    if regime == "near ties":
+        x[:, 1], x[:, 3], h = x[:, 0] + 1e-9, x[:, 2], 1e-7
+    elif regime == "eps far below the gaps":
+        x, eps = x * 50, 0.3
+    elif regime == "eps far above":
+        eps, h = 50.0, 1e-5
+    elif regime == "large |x|/eps":
+        x, eps, h = x * 1e3 + 1e4, 1.0, 1e-5
+
+    def both(t: torch.Tensor) -> torch.Tensor:
+        out = softops.soft_topk(t, k, epsilon=eps)
+        return torch.cat([out.values.flatten(), out.weights.flatten()])
+
+    with backend("kernel"):
+        assert fd_gap(both, x, h, g) < 1e-8
