@@ -26,7 +26,12 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -546,6 +551,385 @@ bool load_t(const scalar_t* rw, const int64_t* idx, int64_t n, bool neg, double*
   return finite;
 }
 
+// ------------------------------------ short rows, eight at a time (AVX-512: one row per lane)
+//
+// L2 rows of n <= 8 (a router's experts: B rows of 8) are solved eight rows at a time, one row per
+// lane of a vector of doubles (lanes_group()): the rows are transposed (entry j of the eight rows
+// in one vector), sorted on the lanes by network_sort()'s network (a float32 item packs its key
+// and index into one 64-bit lane, as in sort_descending(); a double's key and index take two
+// vectors, compared as exchange() compares them), their values read back from the sorted keys
+// (descending_key()'s map is its own inverse; only -0 comes back +0, which changes no output:
+// every sum that meets it adds +0 or a nonzero number to it), and solved by l2_gaps()'s PAV with
+// every lane's stack in vectors: the blocks below the top two as a shift register (a push shifts
+// every lane up, a pop shifts down the lanes that pooled), each block with its length, its
+// statistics and the t and d at its first entry (no lane indexes an array by its own position).
+// Every operation is the scalar path's, in its order, on each lane, products unfused (vrounded()),
+// so the results are the scalar path's bit for bit (tests/core compares a batch with its rows one
+// at a time). A row that is not finite, or that needs the scaled frame, is left to the scalar path
+// (its bit of the mask returned).
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define SOFTOPS_LANES 1
+
+using VD = __m512d;
+using VI = __m512i;
+
+inline VD vrounded(VD x) {  // (rounded() on a vector)
+  asm("" : "+v"(x));
+  return x;
+}
+
+// The 8 x 8 transpose of r[0 .. 8) (int64 lanes go through casts).
+inline void transpose8(VD* r) {
+  VD a[8], c[8];
+  for (int p = 0; p < 4; ++p) {
+    a[2 * p] = _mm512_unpacklo_pd(r[2 * p], r[2 * p + 1]);      // entries 0 2 4 6 of two rows
+    a[2 * p + 1] = _mm512_unpackhi_pd(r[2 * p], r[2 * p + 1]);  // entries 1 3 5 7
+  }
+  const VI lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const VI hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int h = 0; h < 2; ++h) {  // c[4 h + k]: entries k and k + 4 of rows 4 h .. 4 h + 4
+    for (int e = 0; e < 2; ++e) {
+      const VD x = a[4 * h + e], y = a[4 * h + 2 + e];
+      c[4 * h + e] = _mm512_permutex2var_pd(x, lo, y);
+      c[4 * h + 2 + e] = _mm512_permutex2var_pd(x, hi, y);
+    }
+  }
+  const VI first = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
+  const VI second = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_permutex2var_pd(c[k], first, c[4 + k]);
+    r[k + 4] = _mm512_permutex2var_pd(c[k], second, c[4 + k]);
+  }
+}
+
+inline VD as_d(VI x) { return _mm512_castsi512_pd(x); }
+inline VI as_i(VD x) { return _mm512_castpd_si512(x); }
+
+// x[j] (j < N): entry j of the rows base + (b + l) * stride, l = 0 .. 8, in double (stride 0: one
+// row for all).
+template <int N, typename scalar_t>
+void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
+  if (stride == 0) {
+    for (int j = 0; j < N; ++j) x[j] = _mm512_set1_pd(double(base[j]));
+    return;
+  }
+  const __mmask8 m = __mmask8((1u << N) - 1);
+  VD r[8];
+  for (int l = 0; l < 8; ++l) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, base + l * stride));
+    } else {
+      r[l] = _mm512_maskz_loadu_pd(m, base + l * stride);
+    }
+  }
+  transpose8(r);
+  for (int j = 0; j < N; ++j) x[j] = r[j];
+}
+
+// Rows base + (b + l) * N (l = 0 .. 8) set to the lanes x[j] (j < N); transposed back.
+template <int N, typename scalar_t>
+void store_lanes(const VD* x, scalar_t* base) {
+  const __mmask8 m = __mmask8((1u << N) - 1);
+  VD r[8];
+  for (int j = 0; j < 8; ++j) r[j] = j < N ? x[j] : _mm512_setzero_pd();
+  transpose8(r);
+  for (int l = 0; l < 8; ++l) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      _mm256_mask_storeu_ps(base + l * N, m, _mm512_cvtpd_ps(r[l]));
+    } else if constexpr (std::is_same_v<scalar_t, double>) {
+      _mm512_mask_storeu_pd(base + l * N, m, r[l]);
+    } else {
+      _mm512_mask_storeu_epi64(base + l * N, m, as_i(r[l]));
+    }
+  }
+}
+
+// descending_key() on the lanes, its own inverse (NaN: key 0; -0 as +0): a negative value's bits
+// as they are, a positive one's with all bits but the sign flipped.
+inline __m256i key_lanes(__m256i b, __mmask8 nan) {
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i magnitude = _mm256_andnot_si256(sign, b);
+  b = _mm256_mask_blend_epi32(_mm256_cmpeq_epi32_mask(magnitude, _mm256_setzero_si256()), b,
+                              _mm256_setzero_si256());  // (-0 as +0)
+  const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
+  return _mm256_maskz_xor_epi32(__mmask8(~nan), b, flip);
+}
+
+inline VI key_lanes(VI b, __mmask8 nan) {
+  const VI sign = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
+  const VI magnitude = _mm512_andnot_si512(sign, b);
+  b = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(magnitude, _mm512_setzero_si512()), b,
+                              _mm512_setzero_si512());
+  const VI flip =
+      _mm512_andnot_si512(_mm512_srai_epi64(b, 63), _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll));
+  return _mm512_maskz_xor_epi64(__mmask8(~nan), b, flip);
+}
+
+// The lanes x[j] (j < N; negated with `neg`) sorted descending as sort_descending() sorts a row:
+// idx[j] the index of the j-th, and v[j] its value (from its key: as x[j], but -0 as +0, NaN
+// as some NaN).
+template <int N, typename scalar_t>
+void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
+  static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                                        {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                                        {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+  const VD sign = _mm512_set1_pd(-0.0);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    VI items[8];
+    for (int j = 0; j < 8; ++j) {
+      if (j >= N) {
+        items[j] = _mm512_set1_epi64(-1);  // (past n: above every item)
+        continue;
+      }
+      const __m256 f = _mm512_cvtpd_ps(neg ? _mm512_xor_pd(x[j], sign) : x[j]);
+      const __mmask8 nan = _mm256_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+      const __m256i key = key_lanes(_mm256_castps_si256(f), nan);
+      items[j] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(key), 32),
+                                 _mm512_set1_epi64(j));
+    }
+    for (int k = 0; k < 19; ++k) {
+      VI& a = items[kPairs[k][0]];
+      VI& b = items[kPairs[k][1]];
+      const VI lo = _mm512_min_epu64(a, b);
+      b = _mm512_max_epu64(a, b), a = lo;
+    }
+    for (int j = 0; j < N; ++j) {
+      idx[j] = _mm512_and_si512(items[j], _mm512_set1_epi64(0xFFFFFFFFll));
+      const __m256i key = _mm512_cvtepi64_epi32(_mm512_srli_epi64(items[j], 32));
+      v[j] = _mm512_cvtps_pd(_mm256_castsi256_ps(key_lanes(key, 0)));
+    }
+  } else {
+    VI keys[8], ids[8];
+    for (int j = 0; j < 8; ++j) {
+      ids[j] = _mm512_set1_epi64(j < N ? j : std::numeric_limits<int64_t>::max());
+      if (j >= N) {
+        keys[j] = _mm512_set1_epi64(-1);
+        continue;
+      }
+      const VD f = neg ? _mm512_xor_pd(x[j], sign) : x[j];
+      keys[j] = key_lanes(as_i(f), _mm512_cmp_pd_mask(f, f, _CMP_UNORD_Q));
+    }
+    for (int k = 0; k < 19; ++k) {
+      const int p = kPairs[k][0], q = kPairs[k][1];
+      const __mmask8 swap =
+          _mm512_cmplt_epu64_mask(keys[q], keys[p]) |
+          (_mm512_cmpeq_epi64_mask(keys[q], keys[p]) & _mm512_cmplt_epi64_mask(ids[q], ids[p]));
+      const VI kp = keys[p], ip = ids[p];
+      keys[p] = _mm512_mask_blend_epi64(swap, kp, keys[q]);
+      keys[q] = _mm512_mask_blend_epi64(swap, keys[q], kp);
+      ids[p] = _mm512_mask_blend_epi64(swap, ip, ids[q]);
+      ids[q] = _mm512_mask_blend_epi64(swap, ids[q], ip);
+    }
+    for (int j = 0; j < N; ++j) idx[j] = ids[j], v[j] = as_d(key_lanes(keys[j], 0));
+  }
+}
+
+// A block of the lanes' PAV stacks: its length, acc and span (l2_gaps()), and t and d at its first
+// entry.
+struct LaneBlock {
+  VD len, acc, span, t, d;
+};
+
+inline LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {  // c ? b : a
+  return {_mm512_mask_mov_pd(a.len, c, b.len), _mm512_mask_mov_pd(a.acc, c, b.acc),
+          _mm512_mask_mov_pd(a.span, c, b.span), _mm512_mask_mov_pd(a.t, c, b.t),
+          _mm512_mask_mov_pd(a.d, c, b.d)};
+}
+
+// Eight rows b .. b + 8 of permutahedron() for L2 and n = N <= 8 (its arguments as there; td /
+// t_finite: the one row of t where `shared_t`). Returns the mask of the lanes left undone.
+template <int N, typename scalar_t>
+__mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w_row,
+                     const scalar_t* pe, bool flip, bool sort_z, bool sort_w, bool negate_w,
+                     bool negate, const double* td, bool t_finite, scalar_t* ro, int64_t* rb,
+                     int64_t* rz, int64_t* rpw) {
+  const VD zero = _mm512_setzero_pd(), inf = _mm512_set1_pd(kInf), sign = _mm512_set1_pd(-0.0);
+  const int fin = 0x01 | 0x08 | 0x10 | 0x80;  // (fpclass: NaN or infinite)
+  __mmask8 bad = t_finite ? 0 : 0xFF;
+  VD t[N], q[N], d[N];
+  VI iz[N], iw[N];
+  if (w_row == 0) {
+    for (int j = 0; j < N; ++j) t[j] = _mm512_set1_pd(td[j]);
+  } else {
+    VD x[N];
+    load_lanes<N>(rw, w_row, x);
+    if (sort_w) {
+      sort_lanes<N, scalar_t>(x, negate_w, iw, t);
+    } else {
+      for (int j = 0; j < N; ++j) t[j] = negate_w ? _mm512_xor_pd(x[j], sign) : x[j];
+    }
+    for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(t[j], fin);
+  }
+  {
+    VD x[N];
+    load_lanes<N>(ru, u_row, x);
+    if (sort_z) {
+      sort_lanes<N, scalar_t>(x, flip, iz, q);
+      if (flip) {
+        for (int j = 0; j < N; ++j) q[j] = _mm512_xor_pd(q[j], sign);
+      }
+    } else {
+      for (int j = 0; j < N; ++j) q[j] = x[j];
+    }
+    for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(q[j], fin);
+  }
+  // rank_frame()
+  VD f;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    f = _mm512_cvtps_pd(_mm256_loadu_ps(pe));
+  } else {
+    f = _mm512_loadu_pd(pe);
+  }
+  f = flip ? _mm512_xor_pd(f, sign) : f;  // (-eps in the dtype, exactly)
+  const VD G = _mm512_add_pd(vrounded(_mm512_mul_pd(_mm512_set1_pd(2.0),
+                                                    _mm512_sub_pd(t[0], t[N - 1]))),
+                             _mm512_set1_pd(2.0 * double(N)));
+  const VD r = _mm512_div_pd(_mm512_set1_pd(1.0), f);
+  VD dmax = zero;
+  d[0] = zero;
+  for (int i = 1; i < N; ++i) {
+    const __mmask8 same = _mm512_cmp_pd_mask(q[i - 1], q[i], _CMP_EQ_OQ);
+    VD g = _mm512_maskz_mov_pd(__mmask8(~same),
+                               vrounded(_mm512_mul_pd(_mm512_sub_pd(q[i - 1], q[i]), r)));
+    g = _mm512_mask_mov_pd(g, _mm512_cmp_pd_mask(g, G, _CMP_GT_OQ), G);
+    d[i] = g;
+    const __mmask8 up = _mm512_cmp_pd_mask(g, dmax, _CMP_GT_OQ) &
+                        _mm512_cmp_pd_mask(g, inf, _CMP_NEQ_UQ);
+    dmax = _mm512_mask_mov_pd(dmax, up, g);
+  }
+  // project_gaps_row(): rows beyond l2_limit() are scaled, on the scalar path
+  const VD abs_mask = _mm512_castsi512_pd(_mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll));
+  const VD big = _mm512_max_pd(dmax, _mm512_max_pd(_mm512_and_pd(t[0], abs_mask),
+                                                   _mm512_and_pd(t[N - 1], abs_mask)));
+  bad |= _mm512_cmp_pd_mask(big, _mm512_set1_pd(l2_limit(N)), _CMP_GT_OQ);
+  if (bad == 0xFF) return bad;
+  // l2_gaps(): top (the current block), prev and the shift register below them
+  const VD one = _mm512_set1_pd(1.0);
+  LaneBlock top{one, zero, zero, t[0], d[0]}, prev = top, below[N > 2 ? N - 2 : 1];
+  VI depth = _mm512_setzero_si512();
+  const VI ione = _mm512_set1_epi64(1);
+  for (int i = 1; i < N; ++i) {
+    for (int m = i - 2; m >= 1; --m) below[m] = below[m - 1];
+    if (i >= 2) below[0] = prev;
+    prev = top, top = {one, zero, zero, t[i], d[i]};
+    depth = _mm512_add_epi64(depth, ione);
+    __mmask8 active = 0xFF;
+    while (active) {
+      const VD cp = prev.len, ct = top.len;
+      const VD zg = _mm512_add_pd(prev.span, top.d);
+      const VD gap = _mm512_sub_pd(zg, _mm512_sub_pd(prev.t, top.t));
+      const VD lhs = _mm512_sub_pd(
+          _mm512_add_pd(vrounded(_mm512_mul_pd(vrounded(_mm512_mul_pd(gap, cp)), ct)),
+                        vrounded(_mm512_mul_pd(prev.acc, ct))),
+          vrounded(_mm512_mul_pd(top.acc, cp)));
+      const __mmask8 pool = active & ~_mm512_cmp_pd_mask(lhs, zero, _CMP_GT_OQ);
+      const LaneBlock merged{
+          _mm512_add_pd(cp, ct),
+          _mm512_add_pd(prev.acc,
+                        _mm512_sub_pd(top.acc, vrounded(_mm512_mul_pd(ct, gap)))),
+          _mm512_add_pd(zg, top.span), prev.t, prev.d};
+      top = pick_lanes(pool, top, merged);
+      depth = _mm512_mask_sub_epi64(depth, pool, depth, ione);
+      active = pool & _mm512_cmpgt_epi64_mask(depth, _mm512_setzero_si512());
+      if (!active) break;
+      prev = pick_lanes(active, prev, below[0]);
+      for (int m = 0; m + 1 <= i - 2; ++m) below[m] = pick_lanes(active, below[m], below[m + 1]);
+    }
+  }
+  // the shifts and block ids, from the last entry back (a block's entries: its length), then the
+  // outputs forwards, as l2_gaps()'s short rows form them
+  VD shift[N];
+  VI block[N];
+  __mmask8 start[N];
+  {
+    VD len = top.len, s = _mm512_sub_pd(top.t, _mm512_div_pd(top.acc, top.len));
+    LaneBlock next = prev;
+    VI k = depth;
+    for (int j = N - 1; j >= 0; --j) {
+      shift[j] = s, block[j] = k;
+      len = _mm512_sub_pd(len, one);
+      start[j] = _mm512_cmp_pd_mask(len, zero, _CMP_EQ_OQ);
+      if (j == 0) break;
+      const __mmask8 pop = start[j];
+      len = _mm512_mask_mov_pd(len, pop, next.len);
+      s = _mm512_mask_mov_pd(s, pop, _mm512_sub_pd(next.t, _mm512_div_pd(next.acc, next.len)));
+      k = _mm512_mask_sub_epi64(k, pop, k, ione);
+      next = pick_lanes(pop, next, below[0]);
+      for (int m = 0; m + 1 < N - 2; ++m) below[m] = pick_lanes(pop, below[m], below[m + 1]);
+    }
+  }
+  VD out[N];
+  VD off = zero;
+  for (int j = 0; j < N; ++j) {
+    off = _mm512_maskz_mov_pd(__mmask8(~start[j]), _mm512_add_pd(off, d[j]));
+    VD v = _mm512_add_pd(_mm512_sub_pd(zero, off), shift[j]);
+    if constexpr (std::is_same_v<scalar_t, float>) v = _mm512_cvtps_pd(_mm512_cvtpd_ps(v));
+    out[j] = negate ? _mm512_sub_pd(zero, v) : v;  // (0 - v: exact in the dtype too)
+  }
+  if (sort_z) {  // un-sorted: entry p of a row is out[j] with iz[j] = p (the inverse, sorted)
+    VI inv[8];
+    for (int j = 0; j < 8; ++j) {
+      inv[j] = j < N ? _mm512_or_si512(_mm512_slli_epi64(iz[j], 32), _mm512_set1_epi64(j))
+                     : _mm512_set1_epi64(-1);
+    }
+    static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                                          {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                                          {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+    for (int k = 0; k < 19; ++k) {
+      VI& a = inv[kPairs[k][0]];
+      VI& b = inv[kPairs[k][1]];
+      const VI lo = _mm512_min_epu64(a, b);
+      b = _mm512_max_epu64(a, b), a = lo;
+    }
+    VD rows[8], perm[8];
+    for (int j = 0; j < 8; ++j) {
+      rows[j] = j < N ? out[j] : zero;
+      perm[j] = as_d(_mm512_and_si512(inv[j], _mm512_set1_epi64(7)));
+    }
+    transpose8(rows);
+    transpose8(perm);
+    const __mmask8 m = __mmask8((1u << N) - 1);
+    for (int l = 0; l < 8; ++l) {
+      const VD row = _mm512_permutexvar_pd(as_i(perm[l]), rows[l]);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        _mm256_mask_storeu_ps(ro + l * N, m, _mm512_cvtpd_ps(row));
+      } else {
+        _mm512_mask_storeu_pd(ro + l * N, m, row);
+      }
+    }
+    VD ids[N];
+    for (int j = 0; j < N; ++j) ids[j] = as_d(iz[j]);
+    store_lanes<N>(ids, rz);
+  } else {
+    store_lanes<N>(out, ro);
+  }
+  if (w_row != 0 && sort_w) {
+    VD ids[N];
+    for (int j = 0; j < N; ++j) ids[j] = as_d(iw[j]);
+    store_lanes<N>(ids, rpw);
+  }
+  VD ids[N];
+  for (int j = 0; j < N; ++j) ids[j] = as_d(block[j]);
+  store_lanes<N>(ids, rb);
+  return bad;
+}
+
+// lanes_group() for n = 2 .. 8 (its arguments).
+template <typename scalar_t, typename... Args>
+int lanes_rows(int64_t n, Args... args) {
+  switch (n) {
+    case 2: return lanes_group<2, scalar_t>(args...);
+    case 3: return lanes_group<3, scalar_t>(args...);
+    case 4: return lanes_group<4, scalar_t>(args...);
+    case 5: return lanes_group<5, scalar_t>(args...);
+    case 6: return lanes_group<6, scalar_t>(args...);
+    case 7: return lanes_group<7, scalar_t>(args...);
+    case 8: return lanes_group<8, scalar_t>(args...);
+    default: return 0xFF;
+  }
+}
+#endif  // AVX-512
+
 // P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
 // reference): u (B or 1, n), w (B or 1, n) and eps (B,), one dtype; `mode` a sum of Mode bits.
@@ -597,6 +981,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
   }
   const bool sort_rows_w = sort_w && !shared;
   std::atomic<int64_t> bad{0};
+#ifdef SOFTOPS_LANES
+  // short L2 rows: lanes_group() (t as the rows take it: per row, or the one row load_t() reads)
+  const bool lanes = !kl && n >= 2 && n <= 8 && (w_row != 0 || !(negate_rows || sort_rows_w));
+#endif
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "permutahedron", [&] {
     const scalar_t* pu = u.const_data_ptr<scalar_t>();
     const scalar_t* pwv = w.const_data_ptr<scalar_t>();
@@ -620,7 +1008,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
       // for one row of w taken as it is, else per row below
       const bool t_rows = w_row != 0 || negate_rows || sort_rows_w;
       bool t_finite = t_rows || load_t(pwv, nullptr, n, false, td);
-      for (int64_t b = b0; b < b1; ++b) {
+      const auto row = [&](int64_t b) {
         const scalar_t* ru = pu + b * u_row;
         const scalar_t* rw = pwv + b * w_row;
         const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
@@ -666,7 +1054,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
         } else {
           for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(pd[j]);
         }
+      };
+      int64_t b = b0;
+#ifdef SOFTOPS_LANES
+      if (lanes) {  // eight rows at a time, the rows a lane leaves on the row path
+        for (; b + 8 <= b1; b += 8) {
+          const int left = lanes_rows<scalar_t>(n, pu + b * u_row, u_row, pwv + b * w_row, w_row, pe + b,
+                                      flip, sort_z, sort_rows_w, negate_rows, negate, td,
+                                      t_finite, po + b * n, pb + b * n, ppz + b * n, ppw + b * n);
+          for (int l = 0; l < 8; ++l) {
+            if (left >> l & 1) row(b + l);
+          }
+        }
       }
+#endif
+      for (; b < b1; ++b) row(b);
       bad += rows_bad;
     });
   });
