@@ -214,15 +214,16 @@ inline void exchange(Item64& a, Item64& b) {
 // an insertion sort's mispredicted comparisons cost more than the rest of the row's work. The n
 // sorted items go to `emit(j, item)` from registers (not stored back and read again: a vector
 // load of 8 items just stored one by one waits for every store, at most of the row's time).
+constexpr int kNetwork[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                                 {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                                 {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+
 template <typename item_t, typename emit_t>
 inline void network_sort(const item_t* items, int64_t n, item_t pad, emit_t emit) {
-  static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
-                                        {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
-                                        {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
   item_t v[8];
   for (int64_t j = 0; j < 8; ++j) v[j] = j < n ? items[j] : pad;
 #pragma GCC unroll 19
-  for (int k = 0; k < 19; ++k) exchange(v[kPairs[k][0]], v[kPairs[k][1]]);
+  for (int k = 0; k < 19; ++k) exchange(v[kNetwork[k][0]], v[kNetwork[k][1]]);
 #pragma GCC unroll 8
   for (int64_t j = 0; j < 8; ++j) {
     if (j < n) emit(j, v[j]);
@@ -572,22 +573,27 @@ bool load_t(const scalar_t* rw, const int64_t* idx, int64_t n, bool neg, double*
 
 using VD = __m512d;
 using VI = __m512i;
+// (inlined: the lanes of a group stay in registers, not in arrays passed through memory)
+#define SOFTOPS_INLINE inline __attribute__((always_inline))
 
-inline VD vrounded(VD x) {  // (rounded() on a vector)
+SOFTOPS_INLINE VD vrounded(VD x) {  // (rounded() on a vector)
   asm("" : "+v"(x));
   return x;
 }
 
 // The 8 x 8 transpose of r[0 .. 8) (int64 lanes go through casts).
-inline void transpose8(VD* r) {
+SOFTOPS_INLINE void transpose8(VD* r) {
   VD a[8], c[8];
+  #pragma GCC unroll 8
   for (int p = 0; p < 4; ++p) {
     a[2 * p] = _mm512_unpacklo_pd(r[2 * p], r[2 * p + 1]);      // entries 0 2 4 6 of two rows
     a[2 * p + 1] = _mm512_unpackhi_pd(r[2 * p], r[2 * p + 1]);  // entries 1 3 5 7
   }
   const VI lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
   const VI hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  #pragma GCC unroll 8
   for (int h = 0; h < 2; ++h) {  // c[4 h + k]: entries k and k + 4 of rows 4 h .. 4 h + 4
+    #pragma GCC unroll 8
     for (int e = 0; e < 2; ++e) {
       const VD x = a[4 * h + e], y = a[4 * h + 2 + e];
       c[4 * h + e] = _mm512_permutex2var_pd(x, lo, y);
@@ -596,25 +602,28 @@ inline void transpose8(VD* r) {
   }
   const VI first = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
   const VI second = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  #pragma GCC unroll 8
   for (int k = 0; k < 4; ++k) {
     r[k] = _mm512_permutex2var_pd(c[k], first, c[4 + k]);
     r[k + 4] = _mm512_permutex2var_pd(c[k], second, c[4 + k]);
   }
 }
 
-inline VD as_d(VI x) { return _mm512_castsi512_pd(x); }
-inline VI as_i(VD x) { return _mm512_castpd_si512(x); }
+SOFTOPS_INLINE VD as_d(VI x) { return _mm512_castsi512_pd(x); }
+SOFTOPS_INLINE VI as_i(VD x) { return _mm512_castpd_si512(x); }
 
 // x[j] (j < N): entry j of the rows base + (b + l) * stride, l = 0 .. 8, in double (stride 0: one
 // row for all).
 template <int N, typename scalar_t>
-void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
+SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
   if (stride == 0) {
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) x[j] = _mm512_set1_pd(double(base[j]));
     return;
   }
   const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
+  #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     if constexpr (std::is_same_v<scalar_t, float>) {
       r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, base + l * stride));
@@ -623,16 +632,19 @@ void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
     }
   }
   transpose8(r);
+  #pragma GCC unroll 8
   for (int j = 0; j < N; ++j) x[j] = r[j];
 }
 
 // Rows base + (b + l) * N (l = 0 .. 8) set to the lanes x[j] (j < N); transposed back.
 template <int N, typename scalar_t>
-void store_lanes(const VD* x, scalar_t* base) {
+SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base) {
   const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
+  #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) r[j] = j < N ? x[j] : _mm512_setzero_pd();
   transpose8(r);
+  #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     if constexpr (std::is_same_v<scalar_t, float>) {
       _mm256_mask_storeu_ps(base + l * N, m, _mm512_cvtpd_ps(r[l]));
@@ -646,7 +658,7 @@ void store_lanes(const VD* x, scalar_t* base) {
 
 // descending_key() on the lanes, its own inverse (NaN: key 0; -0 as +0): a negative value's bits
 // as they are, a positive one's with all bits but the sign flipped.
-inline __m256i key_lanes(__m256i b, __mmask8 nan) {
+SOFTOPS_INLINE __m256i key_lanes(__m256i b, __mmask8 nan) {
   const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
   const __m256i magnitude = _mm256_andnot_si256(sign, b);
   b = _mm256_mask_blend_epi32(_mm256_cmpeq_epi32_mask(magnitude, _mm256_setzero_si256()), b,
@@ -655,7 +667,7 @@ inline __m256i key_lanes(__m256i b, __mmask8 nan) {
   return _mm256_maskz_xor_epi32(__mmask8(~nan), b, flip);
 }
 
-inline VI key_lanes(VI b, __mmask8 nan) {
+SOFTOPS_INLINE VI key_lanes(VI b, __mmask8 nan) {
   const VI sign = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
   const VI magnitude = _mm512_andnot_si512(sign, b);
   b = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(magnitude, _mm512_setzero_si512()), b,
@@ -669,13 +681,11 @@ inline VI key_lanes(VI b, __mmask8 nan) {
 // idx[j] the index of the j-th, and v[j] its value (from its key: as x[j], but -0 as +0, NaN
 // as some NaN).
 template <int N, typename scalar_t>
-void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
-  static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
-                                        {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
-                                        {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
   const VD sign = _mm512_set1_pd(-0.0);
   if constexpr (std::is_same_v<scalar_t, float>) {
     VI items[8];
+    #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       if (j >= N) {
         items[j] = _mm512_set1_epi64(-1);  // (past n: above every item)
@@ -687,12 +697,14 @@ void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       items[j] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(key), 32),
                                  _mm512_set1_epi64(j));
     }
+    #pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
-      VI& a = items[kPairs[k][0]];
-      VI& b = items[kPairs[k][1]];
+      VI& a = items[kNetwork[k][0]];
+      VI& b = items[kNetwork[k][1]];
       const VI lo = _mm512_min_epu64(a, b);
       b = _mm512_max_epu64(a, b), a = lo;
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
       idx[j] = _mm512_and_si512(items[j], _mm512_set1_epi64(0xFFFFFFFFll));
       const __m256i key = _mm512_cvtepi64_epi32(_mm512_srli_epi64(items[j], 32));
@@ -700,6 +712,7 @@ void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
     }
   } else {
     VI keys[8], ids[8];
+    #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       ids[j] = _mm512_set1_epi64(j < N ? j : std::numeric_limits<int64_t>::max());
       if (j >= N) {
@@ -709,8 +722,9 @@ void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       const VD f = neg ? _mm512_xor_pd(x[j], sign) : x[j];
       keys[j] = key_lanes(as_i(f), _mm512_cmp_pd_mask(f, f, _CMP_UNORD_Q));
     }
+    #pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
-      const int p = kPairs[k][0], q = kPairs[k][1];
+      const int p = kNetwork[k][0], q = kNetwork[k][1];
       const __mmask8 swap =
           _mm512_cmplt_epu64_mask(keys[q], keys[p]) |
           (_mm512_cmpeq_epi64_mask(keys[q], keys[p]) & _mm512_cmplt_epi64_mask(ids[q], ids[p]));
@@ -720,6 +734,7 @@ void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       ids[p] = _mm512_mask_blend_epi64(swap, ip, ids[q]);
       ids[q] = _mm512_mask_blend_epi64(swap, ids[q], ip);
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) idx[j] = ids[j], v[j] = as_d(key_lanes(keys[j], 0));
   }
 }
@@ -730,7 +745,7 @@ struct LaneBlock {
   VD len, acc, span, t, d;
 };
 
-inline LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {  // c ? b : a
+SOFTOPS_INLINE LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {  // c ? b : a
   return {_mm512_mask_mov_pd(a.len, c, b.len), _mm512_mask_mov_pd(a.acc, c, b.acc),
           _mm512_mask_mov_pd(a.span, c, b.span), _mm512_mask_mov_pd(a.t, c, b.t),
           _mm512_mask_mov_pd(a.d, c, b.d)};
@@ -749,6 +764,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   VD t[N], q[N], d[N];
   VI iz[N], iw[N];
   if (w_row == 0) {
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) t[j] = _mm512_set1_pd(td[j]);
   } else {
     VD x[N];
@@ -756,8 +772,10 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
     if (sort_w) {
       sort_lanes<N, scalar_t>(x, negate_w, iw, t);
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < N; ++j) t[j] = negate_w ? _mm512_xor_pd(x[j], sign) : x[j];
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(t[j], fin);
   }
   {
@@ -766,11 +784,14 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
     if (sort_z) {
       sort_lanes<N, scalar_t>(x, flip, iz, q);
       if (flip) {
+        #pragma GCC unroll 8
         for (int j = 0; j < N; ++j) q[j] = _mm512_xor_pd(q[j], sign);
       }
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < N; ++j) q[j] = x[j];
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(q[j], fin);
   }
   // rank_frame()
@@ -787,6 +808,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   const VD r = _mm512_div_pd(_mm512_set1_pd(1.0), f);
   VD dmax = zero;
   d[0] = zero;
+  #pragma GCC unroll 8
   for (int i = 1; i < N; ++i) {
     const __mmask8 same = _mm512_cmp_pd_mask(q[i - 1], q[i], _CMP_EQ_OQ);
     VD g = _mm512_maskz_mov_pd(__mmask8(~same),
@@ -808,13 +830,17 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   LaneBlock top{one, zero, zero, t[0], d[0]}, prev = top, below[N > 2 ? N - 2 : 1];
   VI depth = _mm512_setzero_si512();
   const VI ione = _mm512_set1_epi64(1);
+#pragma GCC unroll 8
   for (int i = 1; i < N; ++i) {
+#pragma GCC unroll 8
     for (int m = i - 2; m >= 1; --m) below[m] = below[m - 1];
     if (i >= 2) below[0] = prev;
     prev = top, top = {one, zero, zero, t[i], d[i]};
     depth = _mm512_add_epi64(depth, ione);
-    __mmask8 active = 0xFF;
-    while (active) {
+    // at most i pools; the first two rounds without a jump (most steps pool in no lane or once
+    // in some: a jump on whether any lane pooled would be mispredicted about half the time)
+    __mmask8 active = __mmask8(~bad);  // (the lanes left to the row path take no part)
+    for (int round = 0; round < i && (round < 1 || active); ++round) {
       const VD cp = prev.len, ct = top.len;
       const VD zg = _mm512_add_pd(prev.span, top.d);
       const VD gap = _mm512_sub_pd(zg, _mm512_sub_pd(prev.t, top.t));
@@ -825,92 +851,111 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       const __mmask8 pool = active & ~_mm512_cmp_pd_mask(lhs, zero, _CMP_GT_OQ);
       const LaneBlock merged{
           _mm512_add_pd(cp, ct),
-          _mm512_add_pd(prev.acc,
-                        _mm512_sub_pd(top.acc, vrounded(_mm512_mul_pd(ct, gap)))),
+          _mm512_add_pd(prev.acc, _mm512_sub_pd(top.acc, vrounded(_mm512_mul_pd(ct, gap)))),
           _mm512_add_pd(zg, top.span), prev.t, prev.d};
       top = pick_lanes(pool, top, merged);
       depth = _mm512_mask_sub_epi64(depth, pool, depth, ione);
       active = pool & _mm512_cmpgt_epi64_mask(depth, _mm512_setzero_si512());
       if (!active) break;
       prev = pick_lanes(active, prev, below[0]);
+#pragma GCC unroll 8
       for (int m = 0; m + 1 <= i - 2; ++m) below[m] = pick_lanes(active, below[m], below[m + 1]);
     }
   }
-  // the shifts and block ids, from the last entry back (a block's entries: its length), then the
-  // outputs forwards, as l2_gaps()'s short rows form them
-  VD shift[N];
+  // the shifts and block ids from the last entry back (a block's entries: its length; its shift
+  // t_ref - acc / length), then the outputs forwards, as l2_gaps()'s short rows form them
+  const auto shift_of = [](const LaneBlock& k) {
+    return _mm512_sub_pd(k.t, _mm512_div_pd(k.acc, k.len));
+  };
+  VD shift[N], lens[N > 2 ? N - 2 : 1], shifts[N > 2 ? N - 2 : 1];
   VI block[N];
   __mmask8 start[N];
   {
-    VD len = top.len, s = _mm512_sub_pd(top.t, _mm512_div_pd(top.acc, top.len));
-    LaneBlock next = prev;
+#pragma GCC unroll 8
+    for (int m = 0; m < N - 2; ++m) lens[m] = below[m].len, shifts[m] = shift_of(below[m]);
+    VD len = top.len, s = shift_of(top), next_len = prev.len, next_shift = shift_of(prev);
     VI k = depth;
+#pragma GCC unroll 8
     for (int j = N - 1; j >= 0; --j) {
       shift[j] = s, block[j] = k;
       len = _mm512_sub_pd(len, one);
       start[j] = _mm512_cmp_pd_mask(len, zero, _CMP_EQ_OQ);
       if (j == 0) break;
       const __mmask8 pop = start[j];
-      len = _mm512_mask_mov_pd(len, pop, next.len);
-      s = _mm512_mask_mov_pd(s, pop, _mm512_sub_pd(next.t, _mm512_div_pd(next.acc, next.len)));
+      len = _mm512_mask_mov_pd(len, pop, next_len);
+      s = _mm512_mask_mov_pd(s, pop, next_shift);
       k = _mm512_mask_sub_epi64(k, pop, k, ione);
-      next = pick_lanes(pop, next, below[0]);
-      for (int m = 0; m + 1 < N - 2; ++m) below[m] = pick_lanes(pop, below[m], below[m + 1]);
+      if (N > 2) {
+        next_len = _mm512_mask_mov_pd(next_len, pop, lens[0]);
+        next_shift = _mm512_mask_mov_pd(next_shift, pop, shifts[0]);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m + 1 < N - 2; ++m) {
+        lens[m] = _mm512_mask_mov_pd(lens[m], pop, lens[m + 1]);
+        shifts[m] = _mm512_mask_mov_pd(shifts[m], pop, shifts[m + 1]);
+      }
     }
   }
-  VD out[N];
+  VD out[8];
   VD off = zero;
-  for (int j = 0; j < N; ++j) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if (j >= N) {
+      out[j] = zero;
+      continue;
+    }
     off = _mm512_maskz_mov_pd(__mmask8(~start[j]), _mm512_add_pd(off, d[j]));
     VD v = _mm512_add_pd(_mm512_sub_pd(zero, off), shift[j]);
     if constexpr (std::is_same_v<scalar_t, float>) v = _mm512_cvtps_pd(_mm512_cvtpd_ps(v));
     out[j] = negate ? _mm512_sub_pd(zero, v) : v;  // (0 - v: exact in the dtype too)
   }
-  if (sort_z) {  // un-sorted: entry p of a row is out[j] with iz[j] = p (the inverse, sorted)
+  // the integer outputs in 16-bit fields of one word, one transpose for all: the block id, the
+  // permutations of w and z, and the inverse of z's (where z's entry p is: the un-sort)
+  VD ints[8];
+  if (sort_z) {  // the inverse of iz: the items (iz[j], j) sorted
     VI inv[8];
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       inv[j] = j < N ? _mm512_or_si512(_mm512_slli_epi64(iz[j], 32), _mm512_set1_epi64(j))
                      : _mm512_set1_epi64(-1);
     }
-    static constexpr int kPairs[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
-                                          {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
-                                          {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+#pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
-      VI& a = inv[kPairs[k][0]];
-      VI& b = inv[kPairs[k][1]];
+      VI& a = inv[kNetwork[k][0]];
+      VI& b = inv[kNetwork[k][1]];
       const VI lo = _mm512_min_epu64(a, b);
       b = _mm512_max_epu64(a, b), a = lo;
     }
-    VD rows[8], perm[8];
-    for (int j = 0; j < 8; ++j) {
-      rows[j] = j < N ? out[j] : zero;
-      perm[j] = as_d(_mm512_and_si512(inv[j], _mm512_set1_epi64(7)));
-    }
-    transpose8(rows);
-    transpose8(perm);
-    const __mmask8 m = __mmask8((1u << N) - 1);
-    for (int l = 0; l < 8; ++l) {
-      const VD row = _mm512_permutexvar_pd(as_i(perm[l]), rows[l]);
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        _mm256_mask_storeu_ps(ro + l * N, m, _mm512_cvtpd_ps(row));
-      } else {
-        _mm512_mask_storeu_pd(ro + l * N, m, row);
-      }
-    }
-    VD ids[N];
-    for (int j = 0; j < N; ++j) ids[j] = as_d(iz[j]);
-    store_lanes<N>(ids, rz);
-  } else {
-    store_lanes<N>(out, ro);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) ints[j] = as_d(_mm512_and_si512(inv[j], _mm512_set1_epi64(7)));
   }
-  if (w_row != 0 && sort_w) {
-    VD ids[N];
-    for (int j = 0; j < N; ++j) ids[j] = as_d(iw[j]);
-    store_lanes<N>(ids, rpw);
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) {
+    VI word = _mm512_slli_epi64(block[j], 48);
+    if (sort_z) word = _mm512_or_si512(word, _mm512_or_si512(as_i(ints[j]), _mm512_slli_epi64(iz[j], 16)));
+    if (w_row != 0 && sort_w) word = _mm512_or_si512(word, _mm512_slli_epi64(iw[j], 32));
+    ints[j] = as_d(word);
   }
-  VD ids[N];
-  for (int j = 0; j < N; ++j) ids[j] = as_d(block[j]);
-  store_lanes<N>(ids, rb);
+  transpose8(out);
+  transpose8(ints);
+  const __mmask8 m = __mmask8((1u << N) - 1);
+  const VI field = _mm512_set1_epi64(0xFFFF);
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) {
+    const VI word = as_i(ints[l]);
+    // (vpermpd reads the low 3 bits of each index: the inverse's field)
+    const VD row = sort_z ? _mm512_permutexvar_pd(word, out[l]) : out[l];
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      _mm256_mask_storeu_ps(ro + l * N, m, _mm512_cvtpd_ps(row));
+    } else {
+      _mm512_mask_storeu_pd(ro + l * N, m, row);
+    }
+    _mm512_mask_storeu_epi64(rb + l * N, m, _mm512_srli_epi64(word, 48));
+    if (sort_z) _mm512_mask_storeu_epi64(rz + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 16), field));
+    if (w_row != 0 && sort_w) {
+      _mm512_mask_storeu_epi64(rpw + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 32), field));
+    }
+  }
   return bad;
 }
 
