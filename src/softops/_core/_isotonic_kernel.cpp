@@ -636,9 +636,10 @@ SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
   for (int j = 0; j < N; ++j) x[j] = r[j];
 }
 
-// Rows base + (b + l) * N (l = 0 .. 8) set to the lanes x[j] (j < N); transposed back.
+// Rows base + l * N (l = 0 .. 8, the bits of `rows`) set to the lanes x[j] (j < N): transposed
+// back.
 template <int N, typename scalar_t>
-SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base) {
+SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base, __mmask8 rows = 0xFF) {
   const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
   #pragma GCC unroll 8
@@ -646,6 +647,7 @@ SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base) {
   transpose8(r);
   #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
+    if (!(rows >> l & 1)) continue;
     if constexpr (std::is_same_v<scalar_t, float>) {
       _mm256_mask_storeu_ps(base + l * N, m, _mm512_cvtpd_ps(r[l]));
     } else if constexpr (std::is_same_v<scalar_t, double>) {
@@ -942,6 +944,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   const VI field = _mm512_set1_epi64(0xFFFF);
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
+    if (bad >> l & 1) continue;  // (the row path's)
     const VI word = as_i(ints[l]);
     // (vpermpd reads the low 3 bits of each index: the inverse's field)
     const VD row = sort_z ? _mm512_permutexvar_pd(word, out[l]) : out[l];
@@ -1121,6 +1124,161 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
   return {out, pz, pw, block, bad.load()};
 }
 
+#ifdef SOFTOPS_LANES
+// (key[j], payload[j]) (j < N) sorted by the keys, distinct integers below N: the payload of
+// key p lands in lane position p (an un-sort, where the keys are a permutation).
+template <int N>
+SOFTOPS_INLINE void unsort_lanes(const VI* key, VD* payload) {
+  VI k[8];
+  VD v[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    k[j] = j < N ? key[j] : _mm512_set1_epi64(j);  // (past n: already in place)
+    v[j] = j < N ? payload[j] : _mm512_setzero_pd();
+  }
+#pragma GCC unroll 19
+  for (int e = 0; e < 19; ++e) {
+    const int p = kNetwork[e][0], q = kNetwork[e][1];
+    const __mmask8 swap = _mm512_cmplt_epi64_mask(k[q], k[p]);
+    const VI kp = k[p];
+    const VD vp = v[p];
+    k[p] = _mm512_mask_blend_epi64(swap, kp, k[q]), k[q] = _mm512_mask_blend_epi64(swap, k[q], kp);
+    v[p] = _mm512_mask_blend_pd(swap, vp, v[q]), v[q] = _mm512_mask_blend_pd(swap, v[q], vp);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) payload[j] = v[j];
+}
+
+// The lanes x[j] (j < N) of rows base + (b + l) * stride as int64 (transposed), and whether each
+// lane's row is a permutation of 0 .. N.
+template <int N>
+SOFTOPS_INLINE __mmask8 load_perm_lanes(const int64_t* base, VI* x) {
+  load_lanes<N>(reinterpret_cast<const double*>(base), N, reinterpret_cast<VD*>(x));
+  VI seen = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < N; ++j) {
+    seen = _mm512_or_si512(seen, _mm512_sllv_epi64(_mm512_set1_epi64(1), x[j]));  // (0 past 63)
+  }
+  return _mm512_cmpeq_epi64_mask(seen, _mm512_set1_epi64((int64_t(1) << N) - 1));
+}
+
+// Eight rows b .. b + 8 of l2_vjp() for n = N <= 8 without the epsilon term, g's rows contiguous
+// (its arguments as there, the pointers at row b; e: the eight rows' epsilon). The same passes on
+// the lanes: runs numbered in order are checked (a lane whose rows are not, or whose permutations
+// are not permutations, is left to the row path, which takes them or raises: its bit of the mask
+// returned), the sorted cotangent read through pz in each row, the running sums and the means
+// backwards, and the outputs un-sorted by a sort on the permutation's entries.
+template <int N, typename scalar_t>
+__mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int64_t* rz,
+                   const int64_t* rw, const scalar_t* e, bool scaled, bool inv, bool flip,
+                   bool negate, scalar_t* rgz, scalar_t* rgw) {
+  const VD zero = _mm512_setzero_pd(), one = _mm512_set1_pd(1.0);
+  VI block[N], iz[N], iw[N];
+  __mmask8 ok = 0xFF;
+  load_lanes<N>(reinterpret_cast<const double*>(rb), N, reinterpret_cast<VD*>(block));
+  __mmask8 start[N];
+  ok &= _mm512_cmpeq_epi64_mask(block[0], _mm512_setzero_si512());
+  start[0] = 0xFF;
+#pragma GCC unroll 8
+  for (int j = 1; j < N; ++j) {
+    const VI step = _mm512_sub_epi64(block[j], block[j - 1]);
+    start[j] = _mm512_cmpneq_epi64_mask(step, _mm512_setzero_si512());
+    ok &= ~start[j] | _mm512_cmpeq_epi64_mask(step, _mm512_set1_epi64(1));
+  }
+  VD gs[N];
+  {  // the rows of g, read through pz in each row (vpermpd: its low 3 bits)
+    VD rows[8], perm[8];
+    const __mmask8 m = __mmask8((1u << N) - 1);
+    if (rz) ok &= load_perm_lanes<N>(rz, iz);
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        rows[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, rg + l * g0));
+      } else {
+        rows[l] = _mm512_maskz_loadu_pd(m, rg + l * g0);
+      }
+      if (rz) perm[l] = _mm512_castsi512_pd(_mm512_maskz_loadu_epi64(m, rz + l * N));
+      if (rz) rows[l] = _mm512_permutexvar_pd(_mm512_castpd_si512(perm[l]), rows[l]);
+    }
+    transpose8(rows);
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) gs[j] = rows[j];
+  }
+  if (rw) ok &= load_perm_lanes<N>(rw, iw);
+  if (ok == 0) return 0xFF;
+  // the running sums of each run, then its mean from its last entry backwards
+  VD acc[N], cnt[N];
+  {
+    VD sum = zero, count = zero;
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) {
+      sum = _mm512_add_pd(_mm512_maskz_mov_pd(__mmask8(~start[j]), sum), gs[j]);
+      count = _mm512_add_pd(_mm512_maskz_mov_pd(__mmask8(~start[j]), count), one);
+      acc[j] = sum, cnt[j] = count;
+    }
+  }
+  VD gz[N], gw[N];
+  {
+    VD mean = zero;
+#pragma GCC unroll 8
+    for (int j = N - 1; j >= 0; --j) {
+      const VD m = _mm512_div_pd(acc[j], cnt[j]);
+      mean = j == N - 1 ? m : _mm512_mask_mov_pd(mean, start[j + 1], m);
+      gw[j] = mean;
+      gz[j] = _mm512_sub_pd(gs[j], mean);
+    }
+  }
+  // in the dtype: gz through z's scaling (-v; v * f or v / f, f as the forward's), gw cast
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    __m256 f = _mm256_loadu_ps(e);
+    f = inv ? _mm256_div_ps(_mm256_set1_ps(1.0f), f) : flip ? _mm256_xor_ps(f, _mm256_set1_ps(-0.0f)) : f;
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) {
+      __m256 v = _mm512_cvtpd_ps(gz[j]);
+      if (scaled) {
+        v = negate ? _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)) : v;
+        v = inv ? _mm256_mul_ps(v, f) : _mm256_div_ps(v, f);
+      }
+      gz[j] = _mm512_cvtps_pd(v);
+      gw[j] = _mm512_cvtps_pd(_mm512_cvtpd_ps(gw[j]));
+    }
+  } else {
+    VD f = _mm512_loadu_pd(e);
+    f = inv ? _mm512_div_pd(one, f) : flip ? _mm512_xor_pd(f, _mm512_set1_pd(-0.0)) : f;
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) {
+      if (!scaled) continue;
+      VD v = negate ? _mm512_xor_pd(gz[j], _mm512_set1_pd(-0.0)) : gz[j];
+      gz[j] = inv ? _mm512_mul_pd(v, f) : _mm512_div_pd(v, f);
+    }
+  }
+  if (rgz) {
+    if (rz) unsort_lanes<N>(iz, gz);
+    store_lanes<N>(gz, rgz, ok);
+  }
+  if (rgw) {
+    if (rw) unsort_lanes<N>(iw, gw);
+    store_lanes<N>(gw, rgw, ok);
+  }
+  return __mmask8(~ok);
+}
+
+// vjp_lanes() for n = 2 .. 8 (its arguments).
+template <typename scalar_t, typename... Args>
+int vjp_rows(int64_t n, Args... args) {
+  switch (n) {
+    case 2: return vjp_lanes<2, scalar_t>(args...);
+    case 3: return vjp_lanes<3, scalar_t>(args...);
+    case 4: return vjp_lanes<4, scalar_t>(args...);
+    case 5: return vjp_lanes<5, scalar_t>(args...);
+    case 6: return vjp_lanes<6, scalar_t>(args...);
+    case 7: return vjp_lanes<7, scalar_t>(args...);
+    case 8: return vjp_lanes<8, scalar_t>(args...);
+    default: return 0xFF;
+  }
+}
+#endif
+
 // ----------------------------------------------------------------- the L2 VJP, in one pass
 
 // The VJP of P_Q(z, w) = z - v(z_sorted, w_sorted) for a cotangent g (B, n) in z's order, any
@@ -1177,6 +1335,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
   const int64_t u0 = want_r ? (u.size(0) == 1 ? 0 : u.stride(0)) : 0;
   const int64_t u1 = want_r ? u.stride(1) : 0;
   const int64_t e0 = scaled ? eps.stride(0) : 0;
+#ifdef SOFTOPS_LANES
+  // short rows without the epsilon term, g's rows contiguous: vjp_lanes()
+  const bool lanes = !want_r && n >= 2 && n <= 8 && g1 == 1 && (want_z || want_w);
+#endif
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "l2_vjp", [&] {
     const scalar_t* pg = g.const_data_ptr<scalar_t>();
     const int64_t* pb = block.const_data_ptr<int64_t>();
@@ -1192,7 +1354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
       auto cnt = work<int64_t>(n);
       auto ident = work<int64_t>(n);
       for (int64_t j = 0; j < n; ++j) ident[j] = j;
-      for (int64_t b = b0; b < b1; ++b) {
+      const auto row = [&](int64_t b) {
         const scalar_t* rg = pg + b * g0;
         const int64_t* rb = pb + b * n;
         const int64_t* rz = ppz ? ppz + b * n : nullptr;
@@ -1297,7 +1459,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           const scalar_t ge = rel / (negate ? e : -e);
           pr[b] = ge;
         }
+      };
+      int64_t b = b0;
+#ifdef SOFTOPS_LANES
+      if (lanes) {  // eight rows at a time, the rows a lane leaves on the row path
+        scalar_t e[8];
+        for (; b + 8 <= b1; b += 8) {
+          for (int l = 0; l < 8; ++l) e[l] = scaled ? pe[(b + l) * e0] : scalar_t(1);
+          const int left = vjp_rows<scalar_t>(
+              n, pg + b * g0, g0, pb + b * n, ppz ? ppz + b * n : nullptr,
+              ppw ? ppw + b * n : nullptr, static_cast<const scalar_t*>(e), scaled, inv, flip,
+              negate, pgz ? pgz + b * n : nullptr, pgw ? pgw + b * n : nullptr);
+          for (int l = 0; l < 8; ++l) {
+            if (left >> l & 1) row(b + l);
+          }
+        }
       }
+#endif
+      for (; b < b1; ++b) row(b);
     });
   });
   return {gz, gw, r};
