@@ -727,3 +727,81 @@ def test_the_kernels_network_sort_of_short_rows_on_every_zero_one_row_and_permut
     with backend("kernel"):
         _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(x, rho, eps, isotonic.MODE_SORT_Z)
     assert torch.equal(pz, torch.sort(x, descending=True, stable=True).indices)
+
+
+def _bits(t):
+    """t's bit pattern (floats as integers: -0 and NaN payloads count), for equality tests."""
+    return t.view({torch.float32: torch.int32, F64: torch.int64}.get(t.dtype, t.dtype))
+
+
+def _short_rows(n, dtype, g):
+    """19 rows of n (two groups of 8 and 3 more) of every kind the short-row path meets or hands
+    back: random, ties, zeros of both signs, infinities, NaN, near the dtype's largest (the scaled
+    frame), subnormal, each kind spread over the lanes of both groups."""
+    info = torch.finfo(dtype)
+    x = torch.randn(19, n, generator=g, dtype=F64)
+    x[1::6] = torch.randint(-1, 2, (len(range(1, 19, 6)), n), generator=g).double()
+    x[2::6] = x[2::6].round() * 0.0 * x[2::6].sign()
+    x[3::6] *= info.max / 4
+    x[4::6] *= info.tiny / 8
+    x = x.to(dtype)
+    x[5, 0], x[11, -1], x[17, n // 2] = math.inf, -math.nan, -math.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("n", range(1, 10))
+def test_the_short_row_lanes_equal_the_row_path_bit_for_bit(dtype, n, ops):
+    # rows of n <= 8 are solved eight at a time on AVX-512 lanes where the kernel is built for it
+    # (the rows they cannot take, and the rest, on the row path): every output of a batch, L2
+    # projection and VJP, is that of its rows called one at a time (the row path), bit for bit,
+    # in every L2 mode, the sort's (one row of rho, rows of w) and the rank's (rows of u)
+    g = seeded(70 + n)
+    x = _short_rows(n, dtype, g)
+    B = x.shape[0]
+    eps = torch.rand(B, generator=g, dtype=F64).to(dtype) + 0.25
+    rho = torch.arange(n, 0, -1, dtype=dtype)[None]
+    cot = torch.randn(B, n + 2, generator=g, dtype=F64).to(dtype)[:, 1 : n + 1]  # (row stride)
+    M = isotonic
+    for mode in range(0, 128, 2):  # (even: L2)
+        if mode & M.MODE_EXP:
+            continue
+        for u, w in ((rho, x), (x, rho), (x, x.flip(0))):
+            batch = ops.permutahedron(u, w, eps, mode)
+            rows = [
+                ops.permutahedron(
+                    u[b : b + 1] if u.shape[0] > 1 else u,
+                    w[b : b + 1] if w.shape[0] > 1 else w,
+                    eps[b : b + 1],
+                    mode,
+                )
+                for b in range(B)
+            ]
+            for k in range(4):
+                got = batch[k]
+                if got.shape[0] == B:
+                    want = torch.cat([r[k] for r in rows])
+                    assert torch.equal(_bits(got), _bits(want)), (mode, k)
+            assert batch[4] == sum(r[4] for r in rows)
+            pz = batch[1] if mode & M.MODE_SORT_Z else None
+            pw = batch[2] if mode & M.MODE_SORT_W and batch[2].shape[0] == B else None
+            for want_z, want_w, e in ((True, True, None), (False, True, eps), (True, False, eps)):
+                vjp = ops.l2_vjp(cot, pz, pw, batch[3], want_z, want_w, None, e, mode)
+                for k in range(2):
+                    want = torch.cat(
+                        [
+                            ops.l2_vjp(
+                                cot[b : b + 1],
+                                None if pz is None else pz[b : b + 1],
+                                None if pw is None else pw[b : b + 1],
+                                batch[3][b : b + 1],
+                                want_z,
+                                want_w,
+                                None,
+                                None if e is None else e[b : b + 1],
+                                mode,
+                            )[k]
+                            for b in range(B)
+                        ]
+                    )
+                    assert torch.equal(_bits(vjp[k]), _bits(want)), (mode, want_z, want_w, k)
