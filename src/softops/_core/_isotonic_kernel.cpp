@@ -584,16 +584,16 @@ SOFTOPS_INLINE VD vrounded(VD x) {  // (rounded() on a vector)
 // The 8 x 8 transpose of r[0 .. 8) (int64 lanes go through casts).
 SOFTOPS_INLINE void transpose8(VD* r) {
   VD a[8], c[8];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int p = 0; p < 4; ++p) {
     a[2 * p] = _mm512_unpacklo_pd(r[2 * p], r[2 * p + 1]);      // entries 0 2 4 6 of two rows
     a[2 * p + 1] = _mm512_unpackhi_pd(r[2 * p], r[2 * p + 1]);  // entries 1 3 5 7
   }
   const VI lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
   const VI hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int h = 0; h < 2; ++h) {  // c[4 h + k]: entries k and k + 4 of rows 4 h .. 4 h + 4
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int e = 0; e < 2; ++e) {
       const VD x = a[4 * h + e], y = a[4 * h + 2 + e];
       c[4 * h + e] = _mm512_permutex2var_pd(x, lo, y);
@@ -602,7 +602,7 @@ SOFTOPS_INLINE void transpose8(VD* r) {
   }
   const VI first = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
   const VI second = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int k = 0; k < 4; ++k) {
     r[k] = _mm512_permutex2var_pd(c[k], first, c[4 + k]);
     r[k + 4] = _mm512_permutex2var_pd(c[k], second, c[4 + k]);
@@ -612,18 +612,18 @@ SOFTOPS_INLINE void transpose8(VD* r) {
 SOFTOPS_INLINE VD as_d(VI x) { return _mm512_castsi512_pd(x); }
 SOFTOPS_INLINE VI as_i(VD x) { return _mm512_castpd_si512(x); }
 
-// x[j] (j < N): entry j of the rows base + (b + l) * stride, l = 0 .. 8, in double (stride 0: one
+// x[j] (j < N): entry j of the rows base + l * stride, l = 0 .. 8, in double (stride 0: one
 // row for all).
 template <int N, typename scalar_t>
 SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
   if (stride == 0) {
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) x[j] = _mm512_set1_pd(double(base[j]));
     return;
   }
   const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     if constexpr (std::is_same_v<scalar_t, float>) {
       r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, base + l * stride));
@@ -632,7 +632,7 @@ SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
     }
   }
   transpose8(r);
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int j = 0; j < N; ++j) x[j] = r[j];
 }
 
@@ -642,10 +642,10 @@ template <int N, typename scalar_t>
 SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base, __mmask8 rows = 0xFF) {
   const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) r[j] = j < N ? x[j] : _mm512_setzero_pd();
   transpose8(r);
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     if (!(rows >> l & 1)) continue;
     if constexpr (std::is_same_v<scalar_t, float>) {
@@ -687,7 +687,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
   const VD sign = _mm512_set1_pd(-0.0);
   if constexpr (std::is_same_v<scalar_t, float>) {
     VI items[8];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       if (j >= N) {
         items[j] = _mm512_set1_epi64(-1);  // (past n: above every item)
@@ -699,14 +699,14 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       items[j] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(key), 32),
                                  _mm512_set1_epi64(j));
     }
-    #pragma GCC unroll 19
+#pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
       VI& a = items[kNetwork[k][0]];
       VI& b = items[kNetwork[k][1]];
       const VI lo = _mm512_min_epu64(a, b);
       b = _mm512_max_epu64(a, b), a = lo;
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
       idx[j] = _mm512_and_si512(items[j], _mm512_set1_epi64(0xFFFFFFFFll));
       const __m256i key = _mm512_cvtepi64_epi32(_mm512_srli_epi64(items[j], 32));
@@ -714,7 +714,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
     }
   } else {
     VI keys[8], ids[8];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       ids[j] = _mm512_set1_epi64(j < N ? j : std::numeric_limits<int64_t>::max());
       if (j >= N) {
@@ -724,7 +724,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       const VD f = neg ? _mm512_xor_pd(x[j], sign) : x[j];
       keys[j] = key_lanes(as_i(f), _mm512_cmp_pd_mask(f, f, _CMP_UNORD_Q));
     }
-    #pragma GCC unroll 19
+#pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
       const int p = kNetwork[k][0], q = kNetwork[k][1];
       const __mmask8 swap =
@@ -736,7 +736,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
       ids[p] = _mm512_mask_blend_epi64(swap, ip, ids[q]);
       ids[q] = _mm512_mask_blend_epi64(swap, ids[q], ip);
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) idx[j] = ids[j], v[j] = as_d(key_lanes(keys[j], 0));
   }
 }
@@ -747,14 +747,16 @@ struct LaneBlock {
   VD len, acc, span, t, d;
 };
 
-SOFTOPS_INLINE LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {  // c ? b : a
+// c ? b : a, lane by lane.
+SOFTOPS_INLINE LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {
   return {_mm512_mask_mov_pd(a.len, c, b.len), _mm512_mask_mov_pd(a.acc, c, b.acc),
           _mm512_mask_mov_pd(a.span, c, b.span), _mm512_mask_mov_pd(a.t, c, b.t),
           _mm512_mask_mov_pd(a.d, c, b.d)};
 }
 
-// Eight rows b .. b + 8 of permutahedron() for L2 and n = N <= 8 (its arguments as there; td /
-// t_finite: the one row of t where `shared_t`). Returns the mask of the lanes left undone.
+// Eight rows of permutahedron() for L2 and n = N <= 8 (its arguments as there, the pointers at the
+// group's first row; td and t_finite: the one row of t, load_t()'s, where w_row is 0). Returns the
+// mask of the lanes left to the row path (whose outputs it has not written).
 template <int N, typename scalar_t>
 __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w_row,
                      const scalar_t* pe, bool flip, bool sort_z, bool sort_w, bool negate_w,
@@ -766,7 +768,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   VD t[N], q[N], d[N];
   VI iz[N], iw[N];
   if (w_row == 0) {
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) t[j] = _mm512_set1_pd(td[j]);
   } else {
     VD x[N];
@@ -774,10 +776,10 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
     if (sort_w) {
       sort_lanes<N, scalar_t>(x, negate_w, iw, t);
     } else {
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int j = 0; j < N; ++j) t[j] = negate_w ? _mm512_xor_pd(x[j], sign) : x[j];
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(t[j], fin);
   }
   {
@@ -786,14 +788,14 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
     if (sort_z) {
       sort_lanes<N, scalar_t>(x, flip, iz, q);
       if (flip) {
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int j = 0; j < N; ++j) q[j] = _mm512_xor_pd(q[j], sign);
       }
     } else {
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int j = 0; j < N; ++j) q[j] = x[j];
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(q[j], fin);
   }
   // rank_frame()
@@ -810,7 +812,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   const VD r = _mm512_div_pd(_mm512_set1_pd(1.0), f);
   VD dmax = zero;
   d[0] = zero;
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int i = 1; i < N; ++i) {
     const __mmask8 same = _mm512_cmp_pd_mask(q[i - 1], q[i], _CMP_EQ_OQ);
     VD g = _mm512_maskz_mov_pd(__mmask8(~same),
@@ -934,7 +936,9 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
 #pragma GCC unroll 8
   for (int j = 0; j < N; ++j) {
     VI word = _mm512_slli_epi64(block[j], 48);
-    if (sort_z) word = _mm512_or_si512(word, _mm512_or_si512(as_i(ints[j]), _mm512_slli_epi64(iz[j], 16)));
+    if (sort_z) {
+      word = _mm512_or_si512(word, _mm512_or_si512(as_i(ints[j]), _mm512_slli_epi64(iz[j], 16)));
+    }
     if (w_row != 0 && sort_w) word = _mm512_or_si512(word, _mm512_slli_epi64(iw[j], 32));
     ints[j] = as_d(word);
   }
@@ -954,9 +958,12 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       _mm512_mask_storeu_pd(ro + l * N, m, row);
     }
     _mm512_mask_storeu_epi64(rb + l * N, m, _mm512_srli_epi64(word, 48));
-    if (sort_z) _mm512_mask_storeu_epi64(rz + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 16), field));
+    if (sort_z) {
+      _mm512_mask_storeu_epi64(rz + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 16), field));
+    }
     if (w_row != 0 && sort_w) {
-      _mm512_mask_storeu_epi64(rpw + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 32), field));
+      const VI iw_row = _mm512_and_si512(_mm512_srli_epi64(word, 32), field);
+      _mm512_mask_storeu_epi64(rpw + l * N, m, iw_row);
     }
   }
   return bad;
@@ -1058,64 +1065,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
       bool t_finite = t_rows || load_t(pwv, nullptr, n, false, td);
       // (the loop twice, with the lanes and without: the row path's code as it was without them)
       const auto rows = [&](auto with_lanes) {
-      int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
-      for (int64_t b = b0; b < b1; ++b) {
+        int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
+        for (int64_t b = b0; b < b1; ++b) {
 #ifdef SOFTOPS_LANES
-        if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
-          left = b + 8 > b1 ? 0xFF
-                            : lanes_rows<scalar_t>(n, pu + b * u_row, u_row, pwv + b * w_row,
-                                                   w_row, pe + b, flip, sort_z, sort_rows_w,
-                                                   negate_rows, negate, td, t_finite, po + b * n,
-                                                   pb + b * n, ppz + b * n, ppw + b * n);
-        }
-        if (!(left >> ((b - b0) & 7) & 1)) continue;
+          if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
+            left = b + 8 > b1 ? 0xFF
+                              : lanes_rows<scalar_t>(n, pu + b * u_row, u_row, pwv + b * w_row,
+                                                     w_row, pe + b, flip, sort_z, sort_rows_w,
+                                                     negate_rows, negate, td, t_finite, po + b * n,
+                                                     pb + b * n, ppz + b * n, ppw + b * n);
+          }
+          if (!(left >> ((b - b0) & 7) & 1)) continue;
 #endif
-        const scalar_t* ru = pu + b * u_row;
-        const scalar_t* rw = pwv + b * w_row;
-        const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
-        // the order of z is that of u (of -u with the flip: folded into the sort's keys), and
-        // its gaps are formed by rank_frame, from u read in that order
-        const int64_t* iz = nullptr;
-        if (sort_z) {
-          int64_t* idx = ppz + b * n;
-          sort_descending(ru, n, idx, keys.get(), flip);
-          iz = idx;
-        }
-        if (t_rows) {
-          const int64_t* iw = nullptr;
-          if (sort_rows_w) {  // (the sort of -w with the negation: its keys negated)
-            int64_t* idx = ppw + b * n;
-            sort_descending(rw, n, idx, keys.get(), negate_rows);
-            iw = idx;
+          const scalar_t* ru = pu + b * u_row;
+          const scalar_t* rw = pwv + b * w_row;
+          const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
+          // the order of z is that of u (of -u with the flip: folded into the sort's keys), and
+          // its gaps are formed by rank_frame, from u read in that order
+          const int64_t* iz = nullptr;
+          if (sort_z) {
+            int64_t* idx = ppz + b * n;
+            sort_descending(ru, n, idx, keys.get(), flip);
+            iz = idx;
           }
-          t_finite = load_t(rw, iw, n, negate_rows, td);
-        }
-        const Frame fr = iz ? rank_frame<true>(ru, iz, double(f), td, n, dd)
-                            : rank_frame<false>(ru, iz, double(f), td, n, dd);
-        const bool finite = project_gaps_row(dd, td, t_finite, n, fr, kl, pd, pb + b * n,
-                                             ref.get(), acc.get(), aux.get(), span.get(), scaled);
-        rows_bad += !finite;
-        // cast back (negated as 0 - p in the dtype), un-sorted where z was sorted here
-        // (a loop per case: a conditional index inside one loop is vectorised as masked loads
-        // through the null pointer, each a microcode assist)
-        // (and entry by entry in short rows: a vector load of pd, just stored entry by entry,
-        // would wait for every store; kept scalar by an empty asm per entry)
-        scalar_t* ro = po + b * n;
-        if (n <= 16) {
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t v = scalar_t(rounded(pd[j]));
-            ro[iz ? iz[j] : j] = negate ? scalar_t(0) - v : v;
+          if (t_rows) {
+            const int64_t* iw = nullptr;
+            if (sort_rows_w) {  // (the sort of -w with the negation: its keys negated)
+              int64_t* idx = ppw + b * n;
+              sort_descending(rw, n, idx, keys.get(), negate_rows);
+              iw = idx;
+            }
+            t_finite = load_t(rw, iw, n, negate_rows, td);
           }
-        } else if (iz && negate) {
-          for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(0) - scalar_t(pd[j]);
-        } else if (iz) {
-          for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(pd[j]);
-        } else if (negate) {
-          for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(0) - scalar_t(pd[j]);
-        } else {
-          for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(pd[j]);
+          const Frame fr = iz ? rank_frame<true>(ru, iz, double(f), td, n, dd)
+                              : rank_frame<false>(ru, iz, double(f), td, n, dd);
+          const bool finite = project_gaps_row(dd, td, t_finite, n, fr, kl, pd, pb + b * n,
+                                               ref.get(), acc.get(), aux.get(), span.get(), scaled);
+          rows_bad += !finite;
+          // cast back (negated as 0 - p in the dtype), un-sorted where z was sorted here
+          // (a loop per case: a conditional index inside one loop is vectorised as masked loads
+          // through the null pointer, each a microcode assist)
+          // (and entry by entry in short rows: a vector load of pd, just stored entry by entry,
+          // would wait for every store; kept scalar by an empty asm per entry)
+          scalar_t* ro = po + b * n;
+          if (n <= 16) {
+            for (int64_t j = 0; j < n; ++j) {
+              const scalar_t v = scalar_t(rounded(pd[j]));
+              ro[iz ? iz[j] : j] = negate ? scalar_t(0) - v : v;
+            }
+          } else if (iz && negate) {
+            for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(0) - scalar_t(pd[j]);
+          } else if (iz) {
+            for (int64_t j = 0; j < n; ++j) ro[iz[j]] = scalar_t(pd[j]);
+          } else if (negate) {
+            for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(0) - scalar_t(pd[j]);
+          } else {
+            for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(pd[j]);
+          }
         }
-      }
       };
 #ifdef SOFTOPS_LANES
       if (lanes) {
@@ -1171,12 +1178,13 @@ SOFTOPS_INLINE __mmask8 load_perm_lanes(const int64_t* base, VI* x) {
   return _mm512_cmpeq_epi64_mask(seen, _mm512_set1_epi64((int64_t(1) << N) - 1));
 }
 
-// Eight rows b .. b + 8 of l2_vjp() for n = N <= 8 without the epsilon term, g's rows contiguous
-// (its arguments as there, the pointers at row b; e: the eight rows' epsilon). The same passes on
-// the lanes: runs numbered in order are checked (a lane whose rows are not, or whose permutations
-// are not permutations, is left to the row path, which takes them or raises: its bit of the mask
-// returned), the sorted cotangent read through pz in each row, the running sums and the means
-// backwards, and the outputs un-sorted by a sort on the permutation's entries.
+// Eight rows of l2_vjp() for n = N <= 8 without the epsilon term, g's rows contiguous (its
+// arguments as there, the pointers at the group's first row; e: its eight epsilons). The same
+// passes on the lanes: runs numbered in order are checked (a lane whose rows are not, or whose
+// permutations are not permutations, is left to the row path, which takes them or raises: its bit
+// of the mask returned; its outputs not written here), the sorted cotangent read through pz in each
+// row, the running sums and the means backwards, and the outputs un-sorted by a sort on the
+// permutation's entries.
 template <int N, typename scalar_t>
 __mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int64_t* rz,
                    const int64_t* rw, const scalar_t* e, bool scaled, bool inv, bool flip,
@@ -1240,7 +1248,9 @@ __mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int6
   // in the dtype: gz through z's scaling (-v; v * f or v / f, f as the forward's), gw cast
   if constexpr (std::is_same_v<scalar_t, float>) {
     __m256 f = _mm256_loadu_ps(e);
-    f = inv ? _mm256_div_ps(_mm256_set1_ps(1.0f), f) : flip ? _mm256_xor_ps(f, _mm256_set1_ps(-0.0f)) : f;
+    f = inv    ? _mm256_div_ps(_mm256_set1_ps(1.0f), f)
+        : flip ? _mm256_xor_ps(f, _mm256_set1_ps(-0.0f))
+               : f;
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
       __m256 v = _mm512_cvtpd_ps(gz[j]);
@@ -1365,128 +1375,128 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
       for (int64_t j = 0; j < n; ++j) ident[j] = j;
       // (the loop twice, with the lanes and without: the row path's code as it was without them)
       const auto rows = [&](auto with_lanes) __attribute__((always_inline)) {
-      int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
-      scalar_t e8[8];
-      for (int64_t b = b0; b < b1; ++b) {
+        int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
+        scalar_t e8[8];
+        for (int64_t b = b0; b < b1; ++b) {
 #ifdef SOFTOPS_LANES
-        if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
-          left = 0xFF;
-          if (b + 8 <= b1) {
-            for (int l = 0; l < 8; ++l) e8[l] = scaled ? pe[(b + l) * e0] : scalar_t(1);
-            left = vjp_rows<scalar_t>(n, pg + b * g0, g0, pb + b * n, ppz ? ppz + b * n : nullptr,
-                                      ppw ? ppw + b * n : nullptr,
-                                      static_cast<const scalar_t*>(e8), scaled, inv, flip,
-                                      negate, pgz ? pgz + b * n : nullptr,
-                                      pgw ? pgw + b * n : nullptr);
+          if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
+            left = 0xFF;
+            if (b + 8 <= b1) {
+              for (int l = 0; l < 8; ++l) e8[l] = scaled ? pe[(b + l) * e0] : scalar_t(1);
+              left = vjp_rows<scalar_t>(n, pg + b * g0, g0, pb + b * n, ppz ? ppz + b * n : nullptr,
+                                        ppw ? ppw + b * n : nullptr,
+                                        static_cast<const scalar_t*>(e8), scaled, inv, flip,
+                                        negate, pgz ? pgz + b * n : nullptr,
+                                        pgw ? pgw + b * n : nullptr);
+            }
           }
-        }
-        if (!(left >> ((b - b0) & 7) & 1)) continue;
+          if (!(left >> ((b - b0) & 7) & 1)) continue;
 #endif
-        const scalar_t* rg = pg + b * g0;
-        const int64_t* rb = pb + b * n;
-        const int64_t* rz = ppz ? ppz + b * n : nullptr;
-        const int64_t* rw = ppw ? ppw + b * n : nullptr;
-        // z = u * f or u / f (the forward's f), and gz taken through it
-        scalar_t f = scalar_t(1);
-        if (scaled) {
-          const scalar_t e = pe[b * e0];
-          f = inv ? scalar_t(1) / e : flip ? -e : e;
-        }
-        const auto through = [&](scalar_t v) {
-          if (!scaled) return v;
-          v = negate ? -v : v;
-          return inv ? v * f : v / f;
-        };
-        // (indices checked as they are read: a malformed one is an error, not a stray write)
-        const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
-        double total = 0.0;
-        // (the identity where a permutation is absent: no conditional index in the loops, which
-        // the compiler may vectorise as masked loads through the null pointer)
-        const int64_t* iz = rz ? rz : ident.get();
-        const int64_t* iw = rw ? rw : ident.get();
-        // The blocks of a projection are runs numbered 0, 1, ... in sorted order (the usual case,
-        // and the only one the projections give): branch-free passes, each run's sum restarted
-        // at its first entry (a sum from 0, in order) and its mean read back from its last entry
-        // (a loop per run ends at a data-dependent jump, mispredicted about once a run: most of
-        // the pass at n = 8); any other labelling takes the general pass below, by label.
-        bool runs = rb[0] == 0;
-        double sum = 0.0;
-        int64_t count = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t i = iz[j];
-          TORCH_CHECK(!outside(i) && !outside(iw[j]), "l2_vjp: permutations out of range");
-          const int64_t step = j == 0 ? 0 : rb[j] - rb[j - 1];
-          runs &= step == 0 || step == 1;
-          const bool start = j == 0 || step != 0;
-          sum = (start ? 0.0 : sum) + double(rg[i * g1]);
-          count = (start ? 0 : count) + 1;
-          acc[j] = sum, cnt[j] = count;
-        }
-        if (runs && !pr) {  // the means, backwards from each run's last entry, and the outputs
-          double mean = 0.0;
-          for (int64_t j = n - 1; j >= 0; --j) {
-            const double m = acc[j] / double(cnt[j]);
-            mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
-            const int64_t i = iz[j];
-            if (pgz) pgz[b * n + i] = through(scalar_t(double(rg[i * g1]) - mean));
-            if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+          const scalar_t* rg = pg + b * g0;
+          const int64_t* rb = pb + b * n;
+          const int64_t* rz = ppz ? ppz + b * n : nullptr;
+          const int64_t* rw = ppw ? ppw + b * n : nullptr;
+          // z = u * f or u / f (the forward's f), and gz taken through it
+          scalar_t f = scalar_t(1);
+          if (scaled) {
+            const scalar_t e = pe[b * e0];
+            f = inv ? scalar_t(1) / e : flip ? -e : e;
           }
-        } else if (runs) {  // (with the epsilon term, summed in order)
-          double mean = 0.0;
-          for (int64_t j = n - 1; j >= 0; --j) {  // acc[j]: the mean of j's run
-            const double m = acc[j] / double(cnt[j]);
-            mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
-            acc[j] = mean;
-          }
-          double ur = 0.0;
+          const auto through = [&](scalar_t v) {
+            if (!scaled) return v;
+            v = negate ? -v : v;
+            return inv ? v * f : v / f;
+          };
+          // (indices checked as they are read: a malformed one is an error, not a stray write)
+          const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
+          double total = 0.0;
+          // (the identity where a permutation is absent: no conditional index in the loops, which
+          // the compiler may vectorise as masked loads through the null pointer)
+          const int64_t* iz = rz ? rz : ident.get();
+          const int64_t* iw = rw ? rw : ident.get();
+          // The blocks of a projection are runs numbered 0, 1, ... in sorted order (the usual case,
+          // and the only one the projections give): branch-free passes, each run's sum restarted
+          // at its first entry (a sum from 0, in order) and its mean read back from its last entry
+          // (a loop per run ends at a data-dependent jump, mispredicted about once a run: most of
+          // the pass at n = 8); any other labelling takes the general pass below, by label.
+          bool runs = rb[0] == 0;
+          double sum = 0.0;
+          int64_t count = 0;
           for (int64_t j = 0; j < n; ++j) {
             const int64_t i = iz[j];
-            const double gi = double(rg[i * g1]), mean = acc[j];
-            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
-            if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
-            if (pr) {
-              const double uj = double(pu[b * u0 + i * u1]);
-              ur = j == 0 || rb[j] != rb[j - 1] ? uj : ur;  // the first entry of its run
-              total += rounded((gi - mean) * (uj - ur));
+            TORCH_CHECK(!outside(i) && !outside(iw[j]), "l2_vjp: permutations out of range");
+            const int64_t step = j == 0 ? 0 : rb[j] - rb[j - 1];
+            runs &= step == 0 || step == 1;
+            const bool start = j == 0 || step != 0;
+            sum = (start ? 0.0 : sum) + double(rg[i * g1]);
+            count = (start ? 0 : count) + 1;
+            acc[j] = sum, cnt[j] = count;
+          }
+          if (runs && !pr) {  // the means, backwards from each run's last entry, and the outputs
+            double mean = 0.0;
+            for (int64_t j = n - 1; j >= 0; --j) {
+              const double m = acc[j] / double(cnt[j]);
+              mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
+              const int64_t i = iz[j];
+              if (pgz) pgz[b * n + i] = through(scalar_t(double(rg[i * g1]) - mean));
+              if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+            }
+          } else if (runs) {  // (with the epsilon term, summed in order)
+            double mean = 0.0;
+            for (int64_t j = n - 1; j >= 0; --j) {  // acc[j]: the mean of j's run
+              const double m = acc[j] / double(cnt[j]);
+              mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
+              acc[j] = mean;
+            }
+            double ur = 0.0;
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t i = iz[j];
+              const double gi = double(rg[i * g1]), mean = acc[j];
+              if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
+              if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+              if (pr) {
+                const double uj = double(pu[b * u0 + i * u1]);
+                ur = j == 0 || rb[j] != rb[j - 1] ? uj : ur;  // the first entry of its run
+                total += rounded((gi - mean) * (uj - ur));
+              }
             }
           }
-        }
-        if (!runs) {  // not runs numbered in order: by label
-          const int64_t blocks = rb[n - 1] + 1;
-          TORCH_CHECK(!outside(blocks - 1), "l2_vjp: block ids out of range");
-          for (int64_t k = 0; k < blocks; ++k) acc[k] = 0.0, cnt[k] = 0;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t k = rb[j], i = rz ? rz[j] : j;
-            TORCH_CHECK(uint64_t(k) < uint64_t(blocks) && !outside(i) && (!rw || !outside(rw[j])),
-                        "l2_vjp: block ids or permutations out of range");
-            acc[k] += double(rg[i * g1]);
-            cnt[k] += 1;
-          }
-          for (int64_t k = 0; k < blocks; ++k) acc[k] /= double(cnt[k]);  // the block means
-          double ur = 0.0;
-          int64_t last = -1;
-          total = 0.0;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t k = rb[j];
-            const double mean = acc[k];
-            const int64_t i = rz ? rz[j] : j;
-            const double gi = double(rg[i * g1]);
-            if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
-            if (pgw) pgw[b * n + (rw ? rw[j] : j)] = scalar_t(mean);
-            if (pr) {
-              const double uj = double(pu[b * u0 + i * u1]);
-              if (k != last) ur = uj, last = k;  // the first entry of its run
-              total += rounded((gi - mean) * (uj - ur));
+          if (!runs) {  // not runs numbered in order: by label
+            const int64_t blocks = rb[n - 1] + 1;
+            TORCH_CHECK(!outside(blocks - 1), "l2_vjp: block ids out of range");
+            for (int64_t k = 0; k < blocks; ++k) acc[k] = 0.0, cnt[k] = 0;
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t k = rb[j], i = rz ? rz[j] : j;
+              TORCH_CHECK(uint64_t(k) < uint64_t(blocks) && !outside(i) && (!rw || !outside(rw[j])),
+                          "l2_vjp: block ids or permutations out of range");
+              acc[k] += double(rg[i * g1]);
+              cnt[k] += 1;
+            }
+            for (int64_t k = 0; k < blocks; ++k) acc[k] /= double(cnt[k]);  // the block means
+            double ur = 0.0;
+            int64_t last = -1;
+            total = 0.0;
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t k = rb[j];
+              const double mean = acc[k];
+              const int64_t i = rz ? rz[j] : j;
+              const double gi = double(rg[i * g1]);
+              if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
+              if (pgw) pgw[b * n + (rw ? rw[j] : j)] = scalar_t(mean);
+              if (pr) {
+                const double uj = double(pu[b * u0 + i * u1]);
+                if (k != last) ur = uj, last = k;  // the first entry of its run
+                total += rounded((gi - mean) * (uj - ur));
+              }
             }
           }
+          if (pr) {  // <J_z^T g, z - z_ref> = total * f (or / f), then d z / d eps = -z / eps
+            const scalar_t rel = scalar_t(inv ? total * double(f) : total / double(f));
+            const scalar_t e = pe[b * e0];
+            const scalar_t ge = rel / (negate ? e : -e);
+            pr[b] = ge;
+          }
         }
-        if (pr) {  // <J_z^T g, z - z_ref> = total * f (or / f), then d z / d eps = -z / eps
-          const scalar_t rel = scalar_t(inv ? total * double(f) : total / double(f));
-          const scalar_t e = pe[b * e0];
-          const scalar_t ge = rel / (negate ? e : -e);
-          pr[b] = ge;
-        }
-      }
       };
 #ifdef SOFTOPS_LANES
       if (lanes) {
