@@ -848,15 +848,20 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       const VD cp = prev.len, ct = top.len;
       const VD zg = _mm512_add_pd(prev.span, top.d);
       const VD gap = _mm512_sub_pd(zg, _mm512_sub_pd(prev.t, top.t));
-      const VD lhs = _mm512_sub_pd(
-          _mm512_add_pd(vrounded(_mm512_mul_pd(vrounded(_mm512_mul_pd(gap, cp)), ct)),
-                        vrounded(_mm512_mul_pd(prev.acc, ct))),
-          vrounded(_mm512_mul_pd(top.acc, cp)));
+      // (the first round's top is the singleton i: ct = 1 and acc 0, whose products are exact,
+      // ((gap cp) + pa) - 0 the same sum: two products fewer on the chain from step to step)
+      const VD lhs =
+          round == 0
+              ? _mm512_add_pd(vrounded(_mm512_mul_pd(gap, cp)), prev.acc)
+              : _mm512_sub_pd(
+                    _mm512_add_pd(vrounded(_mm512_mul_pd(vrounded(_mm512_mul_pd(gap, cp)), ct)),
+                                  vrounded(_mm512_mul_pd(prev.acc, ct))),
+                    vrounded(_mm512_mul_pd(top.acc, cp)));
       const __mmask8 pool = active & ~_mm512_cmp_pd_mask(lhs, zero, _CMP_GT_OQ);
-      const LaneBlock merged{
-          _mm512_add_pd(cp, ct),
-          _mm512_add_pd(prev.acc, _mm512_sub_pd(top.acc, vrounded(_mm512_mul_pd(ct, gap)))),
-          _mm512_add_pd(zg, top.span), prev.t, prev.d};
+      const VD ct_gap = round == 0 ? gap : vrounded(_mm512_mul_pd(ct, gap));
+      const LaneBlock merged{_mm512_add_pd(cp, ct),
+                             _mm512_add_pd(prev.acc, _mm512_sub_pd(top.acc, ct_gap)),
+                             _mm512_add_pd(zg, top.span), prev.t, prev.d};
       top = pick_lanes(pool, top, merged);
       depth = _mm512_mask_sub_epi64(depth, pool, depth, ione);
       active = pool & _mm512_cmpgt_epi64_mask(depth, _mm512_setzero_si512());
