@@ -1068,20 +1068,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
       // for one row of w taken as it is, else per row below
       const bool t_rows = w_row != 0 || negate_rows || sort_rows_w;
       bool t_finite = t_rows || load_t(pwv, nullptr, n, false, td);
-      // (the loop twice, with the lanes and without: the row path's code as it was without them)
-      const auto rows = [&](auto with_lanes) {
-        int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
-        for (int64_t b = b0; b < b1; ++b) {
+      // groups of eight rows that the lanes take whole, then the row path on a group they leave
+      // rows of (all eight again: the same values) and on the rest
+      int64_t b = b0;
+      while (b < b1) {
+        int64_t end = b1;
 #ifdef SOFTOPS_LANES
-          if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
-            left = b + 8 > b1 ? 0xFF
-                              : lanes_rows<scalar_t>(n, pu + b * u_row, u_row, pwv + b * w_row,
-                                                     w_row, pe + b, flip, sort_z, sort_rows_w,
-                                                     negate_rows, negate, td, t_finite, po + b * n,
-                                                     pb + b * n, ppz + b * n, ppw + b * n);
+        if (lanes) {
+          while (b + 8 <= b1 &&
+                 lanes_rows<scalar_t>(n, pu + b * u_row, u_row, pwv + b * w_row, w_row, pe + b,
+                                      flip, sort_z, sort_rows_w, negate_rows, negate, td,
+                                      t_finite, po + b * n, pb + b * n, ppz + b * n,
+                                      ppw + b * n) == 0) {
+            b += 8;
           }
-          if (!(left >> ((b - b0) & 7) & 1)) continue;
+          end = std::min(b1, b + 8);
+        }
 #endif
+        for (; b < end; ++b) {
           const scalar_t* ru = pu + b * u_row;
           const scalar_t* rw = pwv + b * w_row;
           const scalar_t f = flip ? -pe[b] : pe[b];  // z = u / f (the sort's u * (1 / eps) too)
@@ -1128,16 +1132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> permutahedro
             for (int64_t j = 0; j < n; ++j) ro[j] = scalar_t(pd[j]);
           }
         }
-      };
-#ifdef SOFTOPS_LANES
-      if (lanes) {
-        rows(std::true_type{});
-      } else {
-        rows(std::false_type{});
       }
-#else
-      rows(std::false_type{});
-#endif
       bad += rows_bad;
     });
   });
@@ -1378,25 +1373,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
       auto cnt = work<int64_t>(n);
       auto ident = work<int64_t>(n);
       for (int64_t j = 0; j < n; ++j) ident[j] = j;
-      // (the loop twice, with the lanes and without: the row path's code as it was without them)
-      const auto rows = [&](auto with_lanes) __attribute__((always_inline)) {
-        int left = 0xFF;  // (the rows of the current group of eight that the lanes left)
-        scalar_t e8[8];
-        for (int64_t b = b0; b < b1; ++b) {
+      // groups of eight rows that the lanes take whole, then the row path on a group they leave
+      // rows of (all eight again: the same values) and on the rest
+      scalar_t e8[8];
+      int64_t b = b0;
+      while (b < b1) {
+        int64_t end = b1;
 #ifdef SOFTOPS_LANES
-          if (with_lanes && ((b - b0) & 7) == 0) {  // eight rows at a time where eight are left
-            left = 0xFF;
-            if (b + 8 <= b1) {
-              for (int l = 0; l < 8; ++l) e8[l] = scaled ? pe[(b + l) * e0] : scalar_t(1);
-              left = vjp_rows<scalar_t>(n, pg + b * g0, g0, pb + b * n, ppz ? ppz + b * n : nullptr,
-                                        ppw ? ppw + b * n : nullptr,
-                                        static_cast<const scalar_t*>(e8), scaled, inv, flip,
-                                        negate, pgz ? pgz + b * n : nullptr,
-                                        pgw ? pgw + b * n : nullptr);
-            }
+        if (lanes) {
+          for (; b + 8 <= b1; b += 8) {
+            for (int l = 0; l < 8; ++l) e8[l] = scaled ? pe[(b + l) * e0] : scalar_t(1);
+            const int left = vjp_rows<scalar_t>(
+                n, pg + b * g0, g0, pb + b * n, ppz ? ppz + b * n : nullptr,
+                ppw ? ppw + b * n : nullptr, static_cast<const scalar_t*>(e8), scaled, inv, flip,
+                negate, pgz ? pgz + b * n : nullptr, pgw ? pgw + b * n : nullptr);
+            if (left) break;
           }
-          if (!(left >> ((b - b0) & 7) & 1)) continue;
+          end = std::min(b1, b + 8);
+        }
 #endif
+        for (; b < end; ++b) {
           const scalar_t* rg = pg + b * g0;
           const int64_t* rb = pb + b * n;
           const int64_t* rz = ppz ? ppz + b * n : nullptr;
@@ -1502,16 +1498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
             pr[b] = ge;
           }
         }
-      };
-#ifdef SOFTOPS_LANES
-      if (lanes) {
-        rows(std::true_type{});
-      } else {
-        rows(std::false_type{});
       }
-#else
-      rows(std::false_type{});
-#endif
     });
   });
   return {gz, gw, r};
