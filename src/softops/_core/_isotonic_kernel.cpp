@@ -841,8 +841,7 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
     if (i >= 2) below[0] = prev;
     prev = top, top = {one, zero, zero, t[i], d[i]};
     depth = _mm512_add_epi64(depth, ione);
-    // at most i pools; the first two rounds without a jump (most steps pool in no lane or once
-    // in some: a jump on whether any lane pooled would be mispredicted about half the time)
+    // at most i pools: a round per pool of the lane that pools most, the first on every lane
     __mmask8 active = __mmask8(~bad);  // (the lanes left to the row path take no part)
     for (int round = 0; round < i && (round < 1 || active); ++round) {
       const VD cp = prev.len, ct = top.len;
