@@ -267,7 +267,7 @@ struct Work {
   std::vector<int64_t> idx, grouped, sup;
   std::vector<int32_t> bin, home, hbuf;
   std::vector<double> yc, ytmp, e, ie, p, p_new, gb, cen, mu, inv_mu, xc, ref, mean, acc_y,
-      direct;
+      direct, gap;
   std::vector<uint8_t> far;
   std::vector<int64_t> hist, cnt, nxt;
 
@@ -320,11 +320,6 @@ struct Prob {
   double bref[kMaxBig];
 };
 
-// The bin of a gap t (in bins: (y_(k+1) - y) / eps * bpu): 0 for t <= 0, ceil(t) up to nb.
-inline int64_t bin_of(double t, int64_t nb) {
-  return static_cast<int64_t>(std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb)));
-}
-
 // y (entry i) into the descending buffer top[0..kk) (indices ti) in place of its last, after the
 // entries equal to it: the buffer holds equal scores in the order of the row (the lower index
 // first, as a stable sort). Called where y > top[kk - 1]. (A loop that stops at the place: in a
@@ -338,6 +333,21 @@ inline void insert_top(double* top, int64_t* ti, int64_t kk, double y, int64_t i
   }
   top[t] = y;
   ti[t] = i;
+}
+
+// L scores sign * x[0..L) as a vector of doubles (L = at::vec's width for double).
+template <typename scalar_t>
+inline at::vec::Vectorized<double> load_scores(const scalar_t* x, double sign) {
+  using Vec = at::vec::Vectorized<double>;
+  double buf[Vec::size()];
+  for (int64_t l = 0; l < Vec::size(); ++l) buf[l] = static_cast<double>(x[l]);
+  return Vec::loadu(buf) * Vec(sign);
+}
+
+// Whether any lane of a comparison's mask is set.
+inline bool any_lane(const at::vec::Vectorized<double>& mask) {
+  using Vec = at::vec::Vectorized<double>;
+  return mask.zero_mask() != (1 << Vec::size()) - 1;
 }
 
 // Rows up to this long place their k+1 largest by rank (every pair compared, in vectors), not by
@@ -369,8 +379,8 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
     for (int64_t i = 0; i < n; ++i) {
       const double yi = y[i];
       int64_t r = 0;
-      for (int64_t j = 0; j < i; ++j) r += y[j] >= yi ? 1 : 0;
-      for (int64_t j = i + 1; j < n; ++j) r += y[j] > yi ? 1 : 0;
+#pragma omp simd reduction(+ : r)
+      for (int64_t j = 0; j < n; ++j) r += (y[j] > yi || (y[j] == yi && j < i)) ? 1 : 0;
       if (r < kk) {
         top[r] = yi;
         ti[r] = i;
@@ -378,42 +388,97 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
     }
     return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
   }
-  int64_t i = 0;
-  // blocks of 16: the bounds of a block first (vectorised), the insertion only where its
-  // largest entry enters the buffer
-  constexpr int64_t kBlock = 16;
-  for (; i + kBlock <= n; i += kBlock) {
-    double hi = -kInf, lo = kInf;
-    bool fine = true;
-    for (int64_t l = 0; l < kBlock; ++l) {
-      const double yi = sign * static_cast<double>(xr[i + l]);
-      fine &= std::abs(yi) <= limit;
-      hi = std::max(hi, yi);
-      lo = std::min(lo, yi);
+  // blocks of 16, in two passes. The first (vector operations) checks the range, finds the least
+  // score and the kk largest of the blocks' maxima, whose least, floor, no entry below it can
+  // pass (kk entries are at or above it); the second inserts into the buffer the entries at or
+  // above floor, in the blocks whose maximum reaches it (in a long row, a few of them). Dropping
+  // entries that never end in the buffer leaves it as the single pass over every entry would.
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int64_t L = Vec::size();
+  constexpr int64_t kBlock = L >= 16 ? L : 16;
+  const int64_t nfull = n / kBlock * kBlock;
+  double bm[kMaxBig];
+  for (int64_t t = 0; t < kk; ++t) bm[t] = -kInf;
+  const Vec vlimit(limit);
+  Vec vmin(kInf), vfine(1.0);
+  auto block_max = [&](int64_t i) {
+    Vec hi = load_scores(xr + i, sign);
+    for (int64_t l = L; l < kBlock; l += L) hi = at::vec::maximum(hi, load_scores(xr + i + l, sign));
+    return hi;
+  };
+  for (int64_t i = 0; i < nfull; i += kBlock) {
+    Vec hi(-kInf);
+    for (int64_t l = 0; l < kBlock; l += L) {
+      const Vec y = load_scores(xr + i + l, sign);
+      vfine = vfine & (y.abs() <= vlimit);  // (false at a NaN)
+      hi = at::vec::maximum(hi, y);
+      vmin = at::vec::minimum(vmin, y);
     }
-    ok &= fine;
-    ymin = std::min(ymin, lo);
-    if (hi > low) {
-      for (int64_t l = 0; l < kBlock; ++l) {
-        const double yi = sign * static_cast<double>(xr[i + l]);
-        if (yi > low) {
-          insert_top(top, ti, kk, yi, i + l);
-          low = top[kk - 1];
-        }
-      }
+    if (!any_lane(hi > Vec(bm[kk - 1]))) continue;
+    double lane[L];
+    hi.store(lane);
+    double h = lane[0];
+    for (int64_t l = 1; l < L; ++l) h = std::max(h, lane[l]);
+    int64_t t = kk - 1;
+    while (t > 0 && bm[t - 1] < h) {
+      bm[t] = bm[t - 1];
+      --t;
     }
+    bm[t] = h;
   }
-  for (; i < n; ++i) {
+  {
+    double lane[L];
+    vfine.store(lane);
+    for (int64_t l = 0; l < L; ++l) ok &= lane[l] != 0.0;
+    vmin.store(lane);
+    for (int64_t l = 0; l < L; ++l) ymin = std::min(ymin, lane[l]);
+  }
+  for (int64_t i = nfull; i < n; ++i) {
     const double yi = sign * static_cast<double>(xr[i]);
     ok &= std::abs(yi) <= limit;
     ymin = std::min(ymin, yi);
+  }
+  if (!ok) return false;
+  const double floor = bm[kk - 1];
+  for (int64_t i = 0; i < nfull; i += kBlock) {
+    const Vec hi = block_max(i);
+    if (!any_lane(hi >= Vec(floor)) || !any_lane(hi > Vec(low))) continue;
+    for (int64_t l = 0; l < kBlock; ++l) {
+      const double yi = sign * static_cast<double>(xr[i + l]);
+      if (yi >= floor && yi > low) {
+        insert_top(top, ti, kk, yi, i + l);
+        low = top[kk - 1];
+      }
+    }
+  }
+  for (int64_t i = nfull; i < n; ++i) {
+    const double yi = sign * static_cast<double>(xr[i]);
     if (yi > low) {
       insert_top(top, ti, kk, yi, i);
       low = top[kk - 1];
     }
   }
-  if (!ok) return false;
   return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
+}
+
+// The gap bins of a row's entries (docs/math.md §2.4) into bin[:n]: for the gap t = (y_(k+1) - y)
+// / eps * bpu, 0 where t <= 0, else ceil(t) up to nb; a vector loop, one function for the forward
+// and the backward (the same rounding).
+template <typename scalar_t>
+__attribute__((noinline)) void gap_bins(const scalar_t* xr, int64_t n, double sign, double yk,
+                                        double inv_eps, double bpu, int64_t nb, double* bin) {
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int64_t L = Vec::size();
+  const Vec vyk(yk), vie(inv_eps), vbpu(bpu), zero(0.0), last(static_cast<double>(nb));
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const Vec t = ((vyk - load_scores(xr + i, sign)) * vie) * vbpu;
+    at::vec::minimum(at::vec::maximum(t.ceil(), zero), last).store(bin + i);
+  }
+  for (; i < n; ++i) {
+    const double t = ((yk - sign * static_cast<double>(xr[i])) * inv_eps) * bpu;
+    bin[i] = std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb));
+  }
 }
 
 // The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
@@ -434,13 +499,13 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
     return n;
   }
   w.hist.assign(nb + 1, 0);
-  const double yk = top[k];
+  if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
+  gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
   int64_t kept = 0;  // the entries below the last bin (the others are never candidates)
   for (int64_t i = 0; i < n; ++i) {
-    const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
-    const int64_t b = bin_of(t, nb);
+    const auto b = static_cast<int32_t>(w.gap[i]);
     w.idx[kept] = i;
-    w.bin[kept] = static_cast<int32_t>(b);
+    w.bin[kept] = b;
     kept += b < nb ? 1 : 0;
   }
   // (counted apart: the last bin, often the most of a long row, would chain its increments)
@@ -479,17 +544,19 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
     std::fill(w.bin.begin(), w.bin.begin() + n, 0);
     return n;
   }
-  const double yk = top[k];
+  if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
+  gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
   int64_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const double t = (yk - sign * static_cast<double>(xr[i])) * inv_eps * bpu;
-    const int64_t b = bin_of(t, nb);
+    const auto b = static_cast<int32_t>(w.gap[i]);
     w.idx[m] = i;
-    w.bin[m] = static_cast<int32_t>(b);
+    w.bin[m] = b;
     m += b < cut ? 1 : 0;
   }
   return m;
 }
+
+void factors(double top, double ymin, Work& w, Prob& pb);
 
 // The candidate problem of a row (see Prob) from its candidates w.idx[:m] (in the row's order)
 // and their gap bins w.bin[:m] (0..nb, bpu bins per epsilon): they are grouped by home into
@@ -571,13 +638,22 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
     pb.log_drop =
         std::min(kLogDropMax, log_tau + kLogDropMargin - std::log(static_cast<double>(m)));
   }
+  factors(top[0], ymin, w, pb);
+}
+
+// The factors e = exp((c - y)/eps) and ie = 1/e of the candidates pb.yc[:m] (far: out of range)
+// into w, for top (their largest score) and ymin (their least); sets pb.fast.
+void factors(double top, double ymin, Work& w, Prob& pb) {
+  const int64_t m = pb.m;
+  const double inv_eps = pb.inv_eps;
+  const double* yc = w.yc.data();
   double* e = w.e.data();
   double* ie = w.ie.data();
   uint8_t* far = w.far.data();
-  // (the largest |z| is at an end of the candidates' range, top[0] or ymin: |z| is monotone in
+  // (the largest |z| is at an end of the candidates' range, top or ymin: |z| is monotone in
   // |c - y|)
   const double zmax =
-      std::max(std::abs((pb.c - top[0]) * inv_eps), std::abs((pb.c - ymin) * inv_eps));
+      std::max(std::abs((pb.c - top) * inv_eps), std::abs((pb.c - ymin) * inv_eps));
 #pragma omp simd
   for (int64_t i = 0; i < m; ++i) e[i] = (pb.c - yc[i]) * inv_eps;
   pb.fast = zmax <= kFar;
@@ -610,7 +686,46 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   pb.e = e;
   pb.ie = ie;
   pb.far = far;
-  pb.home = home;
+  pb.home = w.home.data();
+}
+
+// prepare for k = n (every entry a candidate, no rest target) from the row's ranks: top (n, its
+// scores descending) and ti (their indices). Where every midpoint lies strictly between its two
+// scores the entry of rank r has r midpoints above it, so its home is r and the grouped order is
+// the rank order (prepare's counting sort gives the same). Returns false, having set nothing the
+// caller reads, where two neighbours are equal or their midpoint rounds onto one of them (the
+// caller takes prepare).
+bool prepare_ranked(const double* top, const int64_t* ti, int64_t k, double inv_eps, Work& w,
+                    Prob& pb) {
+  const int64_t m = k;
+  bool strict = true;
+  for (int64_t t = 0; t + 1 < m; ++t) {
+    const double mid = 0.5 * top[t] + 0.5 * top[t + 1];
+    pb.bmid[t] = mid;
+    strict &= mid < top[t] && mid > top[t + 1];
+  }
+  if (!strict) return false;
+  pb.m = m;
+  pb.big = m;
+  pb.k = k;
+  pb.ld = m;
+  pb.inv_eps = inv_eps;
+  pb.bend = nullptr;
+  pb.nb = -1;
+  double* yc = w.yc.data();
+  int32_t* home = w.home.data();
+  for (int64_t t = 0; t < m; ++t) {
+    pb.gs[t] = t;
+    pb.bcol[t] = 1.0;
+    pb.bref[t] = 0.0;
+    w.grouped[t] = ti[t];
+    yc[t] = top[t];
+    home[t] = static_cast<int32_t>(t);
+  }
+  pb.gs[m] = m;
+  pb.c = 0.5 * top[0] + 0.5 * top[m - 1];
+  factors(top[0], top[m - 1], w, pb);
+  return true;
 }
 
 // The row-normalised plan P (big, m; row stride pb.ld) at the column states v into p, and the
@@ -1510,7 +1625,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
       st[lay.log_tau()] = log_tau;
-      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, log_tau, wk, pr);
+      if (k < n || !prepare_ranked(top, ti, k, inv_eps, wk, pr)) {
+        prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, log_tau, wk, pr);
+      }
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
@@ -1977,7 +2094,15 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         continue;
       }
       wk.entries(m, big, true);
-      prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
+      // (k = n: the ranks again, as the forward found them; top is the forward's)
+      bool ranked = false;
+      if (k == n) {
+        double again[kMaxBig];
+        int64_t ti[kMaxBig];
+        top_scores(xr, n, sign, big, inv_eps, kInf, kInf, again, ti);
+        ranked = prepare_ranked(top, ti, k, inv_eps, wk, pr);
+      }
+      if (!ranked) prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
