@@ -941,7 +941,9 @@ double eval_state(const Prob& pb, const double* v, double* p, double* gap, int64
   return eval_general(pb, v, p, gap, lim);
 }
 
-// State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre, log tau.
+// State layout per row: top (big), cut, count, v (big), ratio (b - c)/c (big), centre, log tau;
+// for k = n, in place of top, the indices of the ranks (top is x at them: the backward reads
+// both from them, the ranks without a second ranking of the row).
 struct Layout {
   int64_t big;
   int64_t top() const { return 0; }
@@ -1628,6 +1630,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       if (k < n || !prepare_ranked(top, ti, k, inv_eps, wk, pr)) {
         prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, log_tau, wk, pr);
       }
+      if (k == n) {  // (the problem holds its own copies of top from here)
+        for (int64_t t = 0; t < k; ++t) top[t] = static_cast<double>(ti[t]);
+      }
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
@@ -2082,6 +2087,24 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       const double* st = pst + row * lay.size();
       const double inv_eps = 1.0 / eps[row];
       const double* top = st + lay.top();
+      // k = n: the forward's ranks (indices) and top, x at them
+      double ranked_top[kMaxBig];
+      int64_t ti[kMaxBig];
+      if (k == n) {
+        bool valid = true;
+        for (int64_t t = 0; t < k; ++t) {
+          const double r = top[t];
+          valid = valid && r >= 0 && r < static_cast<double>(n);
+          ti[t] = valid ? static_cast<int64_t>(r) : 0;
+          ranked_top[t] = sign * static_cast<double>(xr[ti[t]]);
+        }
+        if (!valid) {  // (not the forward's state)
+          std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+          psafe[row] = false;
+          continue;
+        }
+        top = ranked_top;
+      }
       const int64_t cut = static_cast<int64_t>(st[lay.cut()]);
       Work& wk = lanes_on ? lw[count] : w;
       Prob& pr = lanes_on ? lpb[count] : pb;
@@ -2094,14 +2117,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         continue;
       }
       wk.entries(m, big, true);
-      // (k = n: the ranks again, as the forward found them; top is the forward's)
-      bool ranked = false;
-      if (k == n) {
-        double again[kMaxBig];
-        int64_t ti[kMaxBig];
-        top_scores(xr, n, sign, big, inv_eps, kInf, kInf, again, ti);
-        ranked = prepare_ranked(top, ti, k, inv_eps, wk, pr);
-      }
+      const bool ranked = k == n && prepare_ranked(top, ti, k, inv_eps, wk, pr);
       if (!ranked) prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
