@@ -46,6 +46,9 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -102,6 +105,38 @@ void advise_huge_pages(const at::Tensor& t, bool touch) {
 #else
   (void)t;
   (void)touch;
+#endif
+}
+
+// bytes from src (a scratch in the cache) to dst (a large output written once) by non-temporal
+// stores where the target allows (x86): the output's lines are not read into the cache first, as
+// an ordinary store's are. The caller fences (stream_fence) before its writes are read elsewhere.
+void stream_bytes(void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  if (bytes >= head + 64) {
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    bytes -= head;
+    size_t i = 0;
+    for (; i + 16 <= bytes; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    }
+    d += i;
+    s += i;
+    bytes -= i;
+  }
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
 #endif
 }
 
@@ -1504,12 +1539,18 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     Lanes g;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
+    // a row with entries off its candidates: its weights formed in `dense` (in the cache; the
+    // others 0), then streamed to the output
+    std::vector<scalar_t> dense;
     auto finish = [&](int64_t row, const Prob& pr, const Work& wk, const double* p, int64_t sj,
                       int64_t si, const int64_t* lim, double e) {
       pe[row] = e;
       ps[row] = e <= tol ? 0 : 1;
       const double* rr = pst + row * lay.size() + lay.ratio();
-      scalar_t* wr = pw + row * k * n;
+      const bool part = pr.m < n;
+      if (part && static_cast<int64_t>(dense.size()) < k * n) dense.resize(k * n);
+      if (part) std::memset(dense.data(), 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
+      scalar_t* wr = part ? dense.data() : pw + row * k * n;
       for (int64_t t = 0; t < k; ++t) {
         const double f = 1.0 + rr[t];
         const double* pt = p + t * sj;
@@ -1534,6 +1575,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         }
         pv[row * k + t] = sign * (f * acc);
       }
+      if (part) stream_bytes(pw + row * k * n, wr, sizeof(scalar_t) * static_cast<size_t>(k * n));
     };
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
       double* p = nullptr;
@@ -1621,8 +1663,6 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       Prob& pr = lanes_on ? lpb[count] : pb;
       int64_t cut = 0;
       const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, wk, cut);
-      // (every candidate's weight is written: the others are 0)
-      if (m < n) std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
       st[lay.cut()] = static_cast<double>(cut);
       st[lay.count()] = static_cast<double>(m);
       wk.entries(m, big, false);
@@ -1641,6 +1681,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       }
     }
     flush();
+    stream_fence();
   });
 }
 
