@@ -1769,6 +1769,42 @@ void contract(const double* gam, const double* cen, int64_t big, int64_t ld, con
   }
 }
 
+// centred for the values' cotangent alone, gb_ji = gv_j x_i (gv_j = 0 in the rest), without
+// forming gb or out: ref (u at each entry's home) and mean (sum_l P_li u_li, the row sums'
+// reciprocals applied), each u_ji - ref_i formed again where it is read (the same arithmetic).
+void centred_values(const double* gam, const double* inv_mu, const double* gv, const double* xc,
+                    const double* beta, double sb, double sg, const int32_t* home, int64_t m,
+                    int64_t big, int64_t ld, const int64_t* lim, double* ref, double* mean) {
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t hi = home[i];
+    ref[i] = sb * beta[hi] + sg * (gv[hi] * xc[i]);
+    mean[i] = 0.0;
+  }
+  for (int64_t j = 0; j < big; ++j) {
+    const double bj = sb * beta[j], gj = gv[j];
+    const double* pj = gam + j * ld;
+    const int64_t mj = lim[j];
+#pragma omp simd
+    for (int64_t i = 0; i < mj; ++i) mean[i] += pj[i] * ((bj + sg * (gj * xc[i])) - ref[i]);
+  }
+  for (int64_t i = 0; i < m; ++i) mean[i] *= inv_mu[i];
+}
+
+// contract of centred_values' centred cotangent: rhs_t = sum_i gam_ti (u_ti - ref_i - mean_i).
+void contract_values(const double* gam, const double* gv, const double* xc, const double* beta,
+                     double sb, double sg, int64_t big, int64_t ld, const int64_t* lim,
+                     const double* ref, const double* mean, double* rhs) {
+  for (int64_t t = 0; t < big; ++t) {
+    const double bt = sb * beta[t], gt = gv[t];
+    const double* pt = gam + t * ld;
+    double acc = 0.0;
+    const int64_t mt = lim[t];
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < mt; ++i) acc += pt[i] * (((bt + sg * (gt * xc[i])) - ref[i]) - mean[i]);
+    rhs[t] = acc;
+  }
+}
+
 template <typename scalar_t>
 void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double bpu,
                    int64_t nb, const double* pst, const int8_t* ps, const double* pgv,
@@ -1796,6 +1832,13 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes g;
+    // a system the scalar code does not take: det K not above det_min (big <= 3) or not
+    // positive, or a solution that is not finite
+    auto singular = [&](double det, const double* beta) {
+      bool ok = big <= 3 ? det > det_min : det > 0;
+      for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(beta[t]);
+      return !ok;
+    };
     // one row (prepared in wk, pr) by the scalar code
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
       const int64_t m = pr.m;
@@ -1846,66 +1889,103 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           }
         }
       }
-      // the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), the rest 0
-      double* gb = wk.gb.data();
-      for (int64_t t = 0; t < big; ++t) {
-        double* gt = gb + t * m;
-        const int64_t mt = lim[t];
-        if (t < k) {
-          const double gvt = pgv != nullptr ? pgv[row * k + t] : 0.0;
-          for (int64_t i = 0; i < mt; ++i) gt[i] = gvt * xc[i];
-          if (has_gw) {
-            const scalar_t* gwr = pgw + row * sw0 + t * sw1;
-            for (int64_t i = 0; i < mt; ++i) {
-              gt[i] += static_cast<double>(gwr[wk.grouped[i] * sw2]);
-            }
-          }
-        } else {
-          for (int64_t i = 0; i < mt; ++i) gt[i] = 0.0;
-        }
-      }
       double beta[kMaxBig], rhs[kMaxBig], stepv[kMaxBig], wc[kMaxBig * kMaxBig];
       for (int64_t t = 0; t < big; ++t) beta[t] = 0.0;
       double* cen = wk.cen.data();
       double* ref = wk.ref.data();
       double* mean = wk.mean.data();
-      centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, lim, cen, ref, mean);
-      contract(gam, cen, big, m, lim, rhs);
-      couplings(gam, m, m, big, inv_mu, lim, wc);
-      const double det = laplacian_solve(wc, big, rhs, beta);
-      // one refinement against the exactly formed residual where the solve took the jitter
-      if (big > 3 && det > 0 && det <= 1.0) {
-        centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, m, lim, cen, ref, mean);
+      double* acc_y = wk.acc_y.data();
+      double* direct = wk.direct.data();
+      double det = 0.0;
+      if (!has_gw) {
+        // the values' cotangent alone: u_ti = gv_t x_i is formed where it is read (the same
+        // arithmetic as the general code below, without its (big, m) arrays)
+        double gvv[kMaxBig];
+        for (int64_t t = 0; t < big; ++t) {
+          gvv[t] = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
+        }
+        centred_values(gam, inv_mu, gvv, xc, beta, 0.0, 1.0, home, m, big, m, lim, ref, mean);
+        contract_values(gam, gvv, xc, beta, 0.0, 1.0, big, m, lim, ref, mean, rhs);
+        couplings(gam, m, m, big, inv_mu, lim, wc);
+        det = laplacian_solve(wc, big, rhs, beta);
+        if (big > 3 && det > 0 && det <= 1.0) {
+          centred_values(gam, inv_mu, gvv, xc, beta, -1.0, 1.0, home, m, big, m, lim, ref, mean);
+          contract_values(gam, gvv, xc, beta, -1.0, 1.0, big, m, lim, ref, mean, rhs);
+          laplacian_solve(wc, big, rhs, stepv);
+          for (int64_t t = 0; t < big; ++t) beta[t] += stepv[t];
+        }
+        if (!singular(det, beta)) {
+          centred_values(gam, inv_mu, gvv, xc, beta, 1.0, -1.0, home, m, big, m, lim, ref, mean);
+          for (int64_t i = 0; i < m; ++i) {
+            acc_y[i] = 0.0;
+            direct[i] = 0.0;
+          }
+          for (int64_t t = 0; t < big; ++t) {
+            const double ft = static_cast<double>(t);
+            const double bt = beta[t], gvt = gvv[t];
+            const double* gt = gam + t * m;
+            const int64_t mt = lim[t];
+#pragma omp simd
+            for (int64_t i = 0; i < mt; ++i) {
+              const double ct = ((bt - gvt * xc[i]) - ref[i]) - mean[i];
+              acc_y[i] += ft * gt[i] * ct;
+              direct[i] += gt[i] * gvt;
+            }
+          }
+        }
+      } else {
+        // the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), the rest 0
+        double* gb = wk.gb.data();
+        for (int64_t t = 0; t < big; ++t) {
+          double* gt = gb + t * m;
+          const int64_t mt = lim[t];
+          if (t < k) {
+            const double gvt = pgv != nullptr ? pgv[row * k + t] : 0.0;
+            for (int64_t i = 0; i < mt; ++i) gt[i] = gvt * xc[i];
+            const scalar_t* gwr = pgw + row * sw0 + t * sw1;
+            for (int64_t i = 0; i < mt; ++i) {
+              gt[i] += static_cast<double>(gwr[wk.grouped[i] * sw2]);
+            }
+          } else {
+            for (int64_t i = 0; i < mt; ++i) gt[i] = 0.0;
+          }
+        }
+        centred(gam, inv_mu, gb, beta, 0.0, 1.0, home, m, big, m, lim, cen, ref, mean);
         contract(gam, cen, big, m, lim, rhs);
-        laplacian_solve(wc, big, rhs, stepv);
-        for (int64_t t = 0; t < big; ++t) beta[t] += stepv[t];
+        couplings(gam, m, m, big, inv_mu, lim, wc);
+        det = laplacian_solve(wc, big, rhs, beta);
+        // one refinement against the exactly formed residual where the solve took the jitter
+        if (big > 3 && det > 0 && det <= 1.0) {
+          centred(gam, inv_mu, gb, beta, -1.0, 1.0, home, m, big, m, lim, cen, ref, mean);
+          contract(gam, cen, big, m, lim, rhs);
+          laplacian_solve(wc, big, rhs, stepv);
+          for (int64_t t = 0; t < big; ++t) beta[t] += stepv[t];
+        }
+        if (!singular(det, beta)) {
+          centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, lim, cen, ref, mean);
+          // d values / d y through the plan (slopes t / eps) and directly (the weights)
+          for (int64_t i = 0; i < m; ++i) {
+            acc_y[i] = 0.0;
+            direct[i] = 0.0;
+          }
+          for (int64_t t = 0; t < big; ++t) {
+            const double ft = static_cast<double>(t);
+            const double gvt = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
+            const double* gt = gam + t * m;
+            const double* ct = cen + t * m;
+            const int64_t mt = lim[t];
+#pragma omp simd
+            for (int64_t i = 0; i < mt; ++i) {
+              acc_y[i] += ft * gt[i] * ct[i];
+              direct[i] += gt[i] * gvt;
+            }
+          }
+        }
       }
-      bool ok = big <= 3 ? det > det_min : det > 0;
-      for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(beta[t]);
-      if (!ok) {
+      if (singular(det, beta)) {
         std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
         psafe[row] = false;
         return;
-      }
-      centred(gam, inv_mu, gb, beta, 1.0, -1.0, home, m, big, m, lim, cen, ref, mean);
-      // d values / d y through the plan (slopes t / eps) and directly (the weights)
-      double* acc_y = wk.acc_y.data();
-      double* direct = wk.direct.data();
-      for (int64_t i = 0; i < m; ++i) {
-        acc_y[i] = 0.0;
-        direct[i] = 0.0;
-      }
-      for (int64_t t = 0; t < big; ++t) {
-        const double ft = static_cast<double>(t);
-        const double gvt = (t < k && pgv != nullptr) ? pgv[row * k + t] : 0.0;
-        const double* gt = gam + t * m;
-        const double* ct = cen + t * m;
-        const int64_t mt = lim[t];
-#pragma omp simd
-        for (int64_t i = 0; i < mt; ++i) {
-          acc_y[i] += ft * gt[i] * ct[i];
-          direct[i] += gt[i] * gvt;
-        }
       }
       double g_e = 0.0;
       for (int64_t i = 0; i < m; ++i) {
