@@ -1858,37 +1858,29 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* inv_mu = wk.inv_mu.data();
       double* xc = wk.xc.data();
       int32_t* home = wk.hbuf.data();
+      double* best = wk.ref.data();
       for (int64_t i = 0; i < m; ++i) {
         mu[i] = 0.0;
         xc[i] = static_cast<double>(xr[wk.grouped[i]]);
+        home[i] = 0;
+        best[i] = -1.0;
       }
       for (int64_t t = 0; t < big; ++t) {
         const double f = 1.0 + rr[t];
         double* gt = gam + t * m;
         const int64_t mt = lim[t];
+        const auto tt = static_cast<int32_t>(t);
 #pragma omp simd
         for (int64_t i = 0; i < mt; ++i) {
           const double g = gt[i] * f;
           gt[i] = g;
           mu[i] += g;
+          const bool above = g > best[i];  // (the first of equal largest columns)
+          best[i] = above ? g : best[i];
+          home[i] = above ? tt : home[i];
         }
       }
-      double* best = wk.ref.data();
-      for (int64_t i = 0; i < m; ++i) {
-        inv_mu[i] = 1.0 / std::max(mu[i], kTiny);
-        home[i] = 0;
-        best[i] = -1.0;
-      }
-      for (int64_t t = 0; t < big; ++t) {
-        const double* gt = gam + t * m;
-        const int64_t mt = lim[t];
-        for (int64_t i = 0; i < mt; ++i) {
-          if (gt[i] > best[i]) {
-            best[i] = gt[i];
-            home[i] = static_cast<int32_t>(t);
-          }
-        }
-      }
+      for (int64_t i = 0; i < m; ++i) inv_mu[i] = 1.0 / std::max(mu[i], kTiny);
       double beta[kMaxBig], rhs[kMaxBig], stepv[kMaxBig], wc[kMaxBig * kMaxBig];
       for (int64_t t = 0; t < big; ++t) beta[t] = 0.0;
       double* cen = wk.cen.data();
