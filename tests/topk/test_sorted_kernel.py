@@ -400,3 +400,98 @@ def test_lane_rows_gradients_match_central_differences(ops, regime, n, k) -> Non
 
     with backend("kernel"):
         assert fd_gap(both, x, h, g) < 1e-8
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (8, 4), (40, 8), (601, 5), (1000, 8)])
+def test_the_values_alone_backward_equals_the_general_one_and_the_torch_code(ops, dtype, n, k):
+    """A cotangent of the values alone (the scalar rows form u = gv_t x_i where they read it,
+    the lanes from the scores) against a zero cotangent of the weights beside it (the general
+    code, which forms the cotangent's arrays) and against the torch code, with epsilon's
+    gradient; rows of every kind, n not a multiple of the vector width (the weights' rows off
+    the output's alignment)."""
+    x, eps = _mixed_rows(n, dtype, seed=300 + n + k)
+    gv = torch.randn(19, k, generator=seeded(9), dtype=dtype)
+    zero = torch.zeros(19, k, n, dtype=dtype)
+    with backend("kernel"):
+        _, _, _, status, state, _ = _sorted.SOLVE_OP(x, eps, k, True, 2000, 1e-9)
+        args = (k, True, 2000, 1e-9, True)
+        alone = _sorted.VJP_OP(x, eps, state, status, gv, None, *args)
+        general = _sorted.VJP_OP(x, eps, state, status, gv, zero, *args)
+    rtol = 1e-10 if dtype == F64 else 1e-5
+    for a, b in zip(alone, general, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
+    # the whole op, values only, against the torch code (values, gradients in x and epsilon)
+    e = eps.clone().requires_grad_()
+
+    def run(back_end: str) -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_()
+        with backend(back_end):
+            out = softops.soft_topk(xs, k, epsilon=e)
+            keep = torch.isfinite(out.values)
+            loss = (torch.where(keep, out.values, 0) * gv).sum()
+            return (out.values.detach(), *torch.autograd.grad(loss, (xs, e)))
+
+    tol = 1e-8 if dtype == F64 else 2e-4
+    for a, b in zip(run("kernel"), run("reference"), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("eps", [1e-4, 0.1, 1e4])
+def test_rows_of_k_equal_to_n_ranked_or_not_equal_the_torch_code(ops, eps) -> None:
+    """k = n rows are prepared from their ranks (the home of rank r is r) where every midpoint
+    lies strictly between its two scores, else by the general code: distinct rows, rows with a
+    pair of equal scores, and float64 rows with neighbours one unit of rounding apart (whose
+    midpoint rounds onto one of them), near ties at either end, against the torch code (values,
+    weights, float64 gradients in x and epsilon), and the gradients against central
+    differences."""
+    x = torch.randn(13, 8, generator=seeded(21), dtype=F64)
+    x[1, 3] = x[1, 5]  # equal scores
+    x[2, 2] = torch.nextafter(x[2, 6], torch.tensor(math.inf, dtype=F64))  # one ulp apart
+    x[3, 0] = x[3, 1] + 1e-12  # near ties
+    x[4, :2] = x[4, :2].max() + torch.tensor([0.0, 1e-13], dtype=F64)  # at the top
+    x[5] = torch.arange(8, dtype=F64) * 50  # far apart
+    x[6] = 0.3  # all tied
+    _both(x, 8, eps, tol=1e-7 if eps < 1e-3 else 1e-9)
+    _both(x, 8, torch.full((13,), eps, dtype=F64), largest=False, tol=1e-7 if eps < 1e-3 else 1e-9)
+    if eps == 0.1:
+        from tests._helpers import fd_gap
+
+        def values(t: torch.Tensor) -> torch.Tensor:
+            return softops.soft_topk(t, 8, epsilon=eps).values
+
+        with backend("kernel"):
+            assert fd_gap(values, x[[0, 3, 5]], 1e-6, seeded(22)) < 1e-8
+
+
+def test_a_k_equal_to_n_state_not_the_forward_s_is_redone_in_torch(ops) -> None:
+    # for k = n the state holds the rows' rank indices; indices out of range (not a state of the
+    # forward) leave the row to the torch code, which gives the torch code's gradient
+    x = torch.randn(3, 8, generator=seeded(23), dtype=F64)
+    eps = torch.full((3,), 0.1, dtype=F64)
+    gv = torch.randn(3, 8, generator=seeded(24), dtype=F64)
+    with backend("kernel"):
+        _, _, _, status, state, _ = _sorted.SOLVE_OP(x, eps, 8, True, 2000, 1e-9)
+        good = _sorted.VJP_OP(x, eps, state, status, gv, None, 8, True, 2000, 1e-9, False)
+        bad_state = state.clone()
+        bad_state[1, 0] = 99.0
+        bad = _sorted.VJP_OP(x, eps, bad_state, status, gv, None, 8, True, 2000, 1e-9, False)
+    torch.testing.assert_close(bad[0], good[0], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [57, 1000, 1013])
+def test_long_rows_top_scores_with_the_top_in_one_block_or_the_tail(ops, n) -> None:
+    # the k + 1 largest found from a floor set by the blocks' maxima: the largest entries packed
+    # into one block, into the tail past the last whole block, equal block maxima, -0.0 and 0.0
+    g = seeded(n)
+    x = torch.randn(5, n, generator=g)
+    x[0, 32:48] = torch.arange(16.0) + 10  # one block holds them all
+    x[1, n - 5 :] = torch.arange(5.0) + 10  # the tail
+    x[2] = torch.randint(0, 2, (n,), generator=g).float()  # every block's maximum equal
+    x[3, ::2] = -0.0
+    x[3, 1::2] = 0.0
+    x[4, -1] = 100.0
+    for largest in (True, False):
+        with backend("kernel"):
+            got = softops.soft_topk(x, 8, largest=largest).indices
+        assert got.tolist() == [_stable_top(r, 8, largest) for r in x.tolist()]

@@ -1769,10 +1769,18 @@ void contract(const double* gam, const double* cen, int64_t big, int64_t ld, con
   }
 }
 
-// centred for the values' cotangent alone, gb_ji = gv_j x_i (gv_j = 0 in the rest), without
-// forming gb or out: ref (u at each entry's home) and mean (sum_l P_li u_li, the row sums'
-// reciprocals applied), each u_ji - ref_i formed again where it is read (the same arithmetic).
-void centred_values(const double* gam, const double* inv_mu, const double* gv, const double* xc,
+// The values' cotangent alone, gb_ji = gv_j x_i (gv_j = 0 in the rest), without forming gb or
+// centred's out: each u_ji - ref_i formed again where it is read, by the same operations, so that
+// it is exactly 0 at the entry's home as in centred (no product contracted into an addition: a
+// product rounded in one place and fused in another leaves a unit of its rounding there).
+#if defined(__GNUC__) && !defined(__clang__)
+#define SOFTOPS_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define SOFTOPS_NO_CONTRACT
+#endif
+
+// centred's ref (u at each entry's home) and mean (sum_l P_li (u_li - ref_i), times 1 / mu_i).
+SOFTOPS_NO_CONTRACT void centred_values(const double* gam, const double* inv_mu, const double* gv, const double* xc,
                     const double* beta, double sb, double sg, const int32_t* home, int64_t m,
                     int64_t big, int64_t ld, const int64_t* lim, double* ref, double* mean) {
   for (int64_t i = 0; i < m; ++i) {
@@ -1791,7 +1799,7 @@ void centred_values(const double* gam, const double* inv_mu, const double* gv, c
 }
 
 // contract of centred_values' centred cotangent: rhs_t = sum_i gam_ti (u_ti - ref_i - mean_i).
-void contract_values(const double* gam, const double* gv, const double* xc, const double* beta,
+SOFTOPS_NO_CONTRACT void contract_values(const double* gam, const double* gv, const double* xc, const double* beta,
                      double sb, double sg, int64_t big, int64_t ld, const int64_t* lim,
                      const double* ref, const double* mean, double* rhs) {
   for (int64_t t = 0; t < big; ++t) {
@@ -1802,6 +1810,32 @@ void contract_values(const double* gam, const double* gv, const double* xc, cons
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < mt; ++i) acc += pt[i] * (((bt + sg * (gt * xc[i])) - ref[i]) - mean[i]);
     rhs[t] = acc;
+  }
+}
+
+// The gradient's sums over the targets for the values' cotangent alone (u = beta_t - gv_t x_i,
+// centred_values' ref and mean): acc_y_i = sum_t t gam_ti (u_ti - ref_i - mean_i) and direct_i =
+// sum_t gam_ti gv_t.
+SOFTOPS_NO_CONTRACT void gradient_values(const double* gam, const double* gv, const double* xc,
+                                         const double* beta, int64_t m, int64_t big, int64_t ld,
+                                         const int64_t* lim, const double* ref,
+                                         const double* mean, double* acc_y, double* direct) {
+  const double sg = -1.0;
+  for (int64_t i = 0; i < m; ++i) {
+    acc_y[i] = 0.0;
+    direct[i] = 0.0;
+  }
+  for (int64_t t = 0; t < big; ++t) {
+    const double ft = static_cast<double>(t);
+    const double bt = beta[t], gt = gv[t];
+    const double* pt = gam + t * ld;
+    const int64_t mt = lim[t];
+#pragma omp simd
+    for (int64_t i = 0; i < mt; ++i) {
+      const double ct = ((bt + sg * (gt * xc[i])) - ref[i]) - mean[i];
+      acc_y[i] += ft * pt[i] * ct;
+      direct[i] += pt[i] * gt;
+    }
   }
 }
 
@@ -1908,22 +1942,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
         if (!singular(det, beta)) {
           centred_values(gam, inv_mu, gvv, xc, beta, 1.0, -1.0, home, m, big, m, lim, ref, mean);
-          for (int64_t i = 0; i < m; ++i) {
-            acc_y[i] = 0.0;
-            direct[i] = 0.0;
-          }
-          for (int64_t t = 0; t < big; ++t) {
-            const double ft = static_cast<double>(t);
-            const double bt = beta[t], gvt = gvv[t];
-            const double* gt = gam + t * m;
-            const int64_t mt = lim[t];
-#pragma omp simd
-            for (int64_t i = 0; i < mt; ++i) {
-              const double ct = ((bt - gvt * xc[i]) - ref[i]) - mean[i];
-              acc_y[i] += ft * gt[i] * ct;
-              direct[i] += gt[i] * gvt;
-            }
-          }
+          gradient_values(gam, gvv, xc, beta, m, big, m, lim, ref, mean, acc_y, direct);
         }
       } else {
         // the cotangent of the plan: gv_t x_i (values) and gw[t, i] (weights), the rest 0
