@@ -1462,7 +1462,11 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
       need[l] = true;
       any_need = true;
     }
-    if (any_accept) {
+    bool all_accept = true;
+    for (int64_t l = 0; l < kLanes; ++l) all_accept = all_accept && accept[l];
+    if (all_accept) {  // (every lane takes its new plan: no lane's plan to keep)
+      std::swap(p, p_new);
+    } else if (any_accept) {
       double am[kLanes];
       for (int64_t l = 0; l < kLanes; ++l) am[l] = accept[l] ? 1.0 : 0.0;
       const VecD mask = VecD::loadu(am) > VecD(0.0);
@@ -1506,6 +1510,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     for (int64_t l = 0; l < kLanes; ++l) any = any || active[l];
     if (!any) break;
   }
+  if (p != g.p.data()) std::swap(g.p, g.p_new);  // (the plans in g.p)
 }
 
 template <typename scalar_t>
