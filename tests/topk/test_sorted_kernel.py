@@ -495,3 +495,17 @@ def test_long_rows_top_scores_with_the_top_in_one_block_or_the_tail(ops, n) -> N
         with backend("kernel"):
             got = softops.soft_topk(x, 8, largest=largest).indices
         assert got.tolist() == [_stable_top(r, 8, largest) for r in x.tolist()]
+
+
+def test_weights_streamed_to_a_large_output_equal_those_written_in_place(ops) -> None:
+    # weights of 8 MiB or more are formed in a scratch and streamed to the output (the others
+    # written in place): the same rows, bit for bit, with their zeros off the candidates
+    x = torch.randn(1100, 1001, generator=seeded(31))  # (rows off the vector alignment)
+    x[4] = 0.5  # (a row of candidates only)
+    with backend("kernel"):
+        big = softops.soft_topk(x, 8)
+        small = softops.soft_topk(x[:6], 8)
+    assert big.weights.numel() * big.weights.element_size() >= 2**23
+    for a, b in zip(small, big, strict=True):
+        torch.testing.assert_close(a, b[:6], rtol=0, atol=0)
+    assert int((big.weights[:6] == 0).sum()) > 0

@@ -134,6 +134,10 @@ void stream_bytes(void* dst, const void* src, size_t bytes) {
   std::memcpy(d, s, bytes);
 }
 
+// Outputs of this many bytes or more are written by stream_bytes (far beyond the caches, where an
+// ordinary store reads each line first); smaller ones stay in the cache for the caller.
+constexpr int64_t kStreamBytes = int64_t{1} << 23;
+
 void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
@@ -1544,18 +1548,19 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     Lanes g;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
-    // a row with entries off its candidates: its weights formed in `dense` (in the cache; the
-    // others 0), then streamed to the output
+    // a row with entries off its candidates, where the output is large: its weights formed in
+    // `dense` (in the cache; the others 0), then streamed to the output
+    const bool stream = static_cast<int64_t>(weights.nbytes()) >= kStreamBytes;
     std::vector<scalar_t> dense;
     auto finish = [&](int64_t row, const Prob& pr, const Work& wk, const double* p, int64_t sj,
                       int64_t si, const int64_t* lim, double e) {
       pe[row] = e;
       ps[row] = e <= tol ? 0 : 1;
       const double* rr = pst + row * lay.size() + lay.ratio();
-      const bool part = pr.m < n;
-      if (part && static_cast<int64_t>(dense.size()) < k * n) dense.resize(k * n);
-      if (part) std::memset(dense.data(), 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
-      scalar_t* wr = part ? dense.data() : pw + row * k * n;
+      const bool part = pr.m < n, via = part && stream;
+      if (via && static_cast<int64_t>(dense.size()) < k * n) dense.resize(k * n);
+      scalar_t* wr = via ? dense.data() : pw + row * k * n;
+      if (part) std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
       for (int64_t t = 0; t < k; ++t) {
         const double f = 1.0 + rr[t];
         const double* pt = p + t * sj;
@@ -1580,7 +1585,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         }
         pv[row * k + t] = sign * (f * acc);
       }
-      if (part) stream_bytes(pw + row * k * n, wr, sizeof(scalar_t) * static_cast<size_t>(k * n));
+      if (via) stream_bytes(pw + row * k * n, wr, sizeof(scalar_t) * static_cast<size_t>(k * n));
     };
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
       double* p = nullptr;
