@@ -407,19 +407,28 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
   double low = -kInf, ymin = kInf;
   bool ok = true;
   if (n <= kRankMaxN) {
-    double y[kRankMaxN];
+    double y[kRankMaxN + 8];
     for (int64_t i = 0; i < n; ++i) {
       y[i] = sign * static_cast<double>(xr[i]);
       ok &= std::abs(y[i]) <= limit;
       ymin = std::min(ymin, y[i]);
     }
     if (!ok) return false;  // (a NaN has no rank)
-    // the rank of entry i: the entries above it, and the equal ones before it
+    // the rank of entry i: the entries above it, and the equal ones before it, a vector of
+    // entries at a time (the lanes past the row at -inf, never above)
+    using Vec = at::vec::Vectorized<double>;
+    constexpr int64_t L = Vec::size();
+    const int64_t nv = (n + L - 1) / L * L;
+    for (int64_t i = n; i < nv; ++i) y[i] = -kInf;
     for (int64_t i = 0; i < n; ++i) {
       const double yi = y[i];
+      const Vec yv(yi), iv(static_cast<double>(i));
       int64_t r = 0;
-#pragma omp simd reduction(+ : r)
-      for (int64_t j = 0; j < n; ++j) r += (y[j] > yi || (y[j] == yi && j < i)) ? 1 : 0;
+      for (int64_t j0 = 0; j0 < nv; j0 += L) {
+        const Vec yj = Vec::loadu(y + j0);
+        const Vec above = (yj > yv) | ((yj == yv) & (Vec::arange(static_cast<double>(j0), 1.0) < iv));
+        r += L - __builtin_popcount(static_cast<unsigned>(above.zero_mask()));
+      }
       if (r < kk) {
         top[r] = yi;
         ti[r] = i;
@@ -1671,15 +1680,21 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       }
       Work& wk = lanes_on ? lw[count] : w;
       Prob& pr = lanes_on ? lpb[count] : pb;
-      int64_t cut = 0;
-      const int64_t m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, wk, cut);
-      st[lay.cut()] = static_cast<double>(cut);
-      st[lay.count()] = static_cast<double>(m);
-      wk.entries(m, big, false);
-      st[lay.log_tau()] = log_tau;
-      if (k < n || !prepare_ranked(top, ti, k, inv_eps, wk, pr)) {
+      // (k = n: every entry a candidate, the row grouped by its ranks where it can be)
+      int64_t cut = nb + 1, m = n;
+      bool ranked = false;
+      if (k == n) {
+        wk.entries(n, big, false);
+        ranked = prepare_ranked(top, ti, k, inv_eps, wk, pr);
+      }
+      if (!ranked) {
+        m = candidates(xr, n, sign, k, top, inv_eps, tau, bpu, weight, nb, wk, cut);
+        wk.entries(m, big, false);
         prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, log_tau, wk, pr);
       }
+      st[lay.cut()] = static_cast<double>(cut);
+      st[lay.count()] = static_cast<double>(m);
+      st[lay.log_tau()] = log_tau;
       if (k == n) {  // (the problem holds its own copies of top from here)
         for (int64_t t = 0; t < k; ++t) top[t] = static_cast<double>(ti[t]);
       }
@@ -2250,17 +2265,23 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       const int64_t cut = static_cast<int64_t>(st[lay.cut()]);
       Work& wk = lanes_on ? lw[count] : w;
       Prob& pr = lanes_on ? lpb[count] : pb;
-      const int64_t m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, wk);
-      if (m < n || m != static_cast<int64_t>(st[lay.count()])) {
-        std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+      const auto count_fwd = static_cast<int64_t>(st[lay.count()]);
+      int64_t m = n;
+      bool ranked = false;
+      if (k == n && count_fwd == n) {
+        wk.entries(n, big, true);
+        ranked = prepare_ranked(top, ti, k, inv_eps, wk, pr);
       }
-      if (m != static_cast<int64_t>(st[lay.count()])) {  // (not the forward's rows)
-        psafe[row] = false;
-        continue;
+      if (!ranked) {
+        m = candidates_at(xr, n, sign, k, top, inv_eps, bpu, nb, cut, wk);
+        if (m < n || m != count_fwd) std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+        if (m != count_fwd) {  // (not the forward's rows)
+          psafe[row] = false;
+          continue;
+        }
+        wk.entries(m, big, true);
+        prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       }
-      wk.entries(m, big, true);
-      const bool ranked = k == n && prepare_ranked(top, ti, k, inv_eps, wk, pr);
-      if (!ranked) prepare(xr, sign, top, k, big, m, inv_eps, nb, bpu, st[lay.log_tau()], wk, pr);
       if (lanes_on && pr.fast && m <= kLaneMaxM) {
         lrow[count] = row;
         if (++count == kLanes) flush();
