@@ -1275,23 +1275,55 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
 // same factor: D holds the squared pivots; a pivot's square root and its reciprocal were the
 // longest chain of the factorisation): out = K^-1 rhs ([j * kLanes + l]); returns 1.0 in the
 // lanes where every squared pivot is positive (else 0.0), their least in least.
+// A factor of laplacian_lanes (unit lower triangle, 1 / D and the equilibration), for a second
+// right-hand side (the backward's refinement) without factoring again.
+struct LaneFactor {
+  double unit[kLaneBig * kLaneBig * kLanes];
+  double scale[kLaneBig * kLanes];
+  double inv_d[kLaneBig * kLanes];
+};
+
+// out = K^-1 rhs by the factor f of laplacian_lanes (big targets, grounded at the last).
+void factor_solve(const LaneFactor& f, int64_t big, const double* rhs, double* out) {
+  const int64_t m1 = big - 1;
+  auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(f.unit + (j * m1 + col) * kLanes); };
+  VecArr y, x;
+  for (int64_t j = 0; j < m1; ++j) {
+    VecD acc = VecD::loadu(rhs + j * kLanes) * VecD::loadu(f.scale + j * kLanes);
+    for (int64_t s = 0; s < j; ++s) acc = acc - at_l(j, s) * y[s];
+    y[j] = acc;
+  }
+  for (int64_t j = m1 - 1; j >= 0; --j) {
+    VecD acc = y[j] * VecD::loadu(f.inv_d + j * kLanes);
+    for (int64_t s = j + 1; s < m1; ++s) acc = acc - at_l(s, j) * x[s];
+    x[j] = acc;
+  }
+  for (int64_t j = 0; j < m1; ++j) (x[j] * VecD::loadu(f.scale + j * kLanes)).store(out + j * kLanes);
+  VecD(0.0).store(out + m1 * kLanes);
+}
+
+// (the factor into *keep where given)
 VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* out,
-                     const VecD& tau, VecD& least) {
+                     const VecD& tau, VecD& least, LaneFactor* keep = nullptr) {
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
   // (the matrices as plain doubles, vector j * m1 + col at [(j * m1 + col) * kLanes]: an array
   // of Vectorized would be zeroed on construction)
-  double amat[kLaneBig * kLaneBig * kLanes], unit[kLaneBig * kLaneBig * kLanes];
+  double amat[kLaneBig * kLaneBig * kLanes];
+  LaneFactor local;
+  LaneFactor& f = keep != nullptr ? *keep : local;
+  double* unit = f.unit;
   auto at_w = [&](int64_t j, int64_t col) { return VecD::loadu(w + (j * kLaneBig + col) * kLanes); };
   auto at_a = [&](int64_t j, int64_t col) { return VecD::loadu(amat + (j * m1 + col) * kLanes); };
   auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(unit + (j * m1 + col) * kLanes); };
-  VecArr scale, inv_d, y, x, e;
+  VecArr scale, inv_d, e;
   for (int64_t j = 0; j < m1; ++j) {
     VecD d = zero;
     for (int64_t col = 0; col < big; ++col) {
       if (col != j) d = d + at_w(j, col);
     }
     scale[j] = VecD::blendv(one, one / d.sqrt(), d > zero);
+    scale[j].store(f.scale + j * kLanes);
     (d * scale[j] * scale[j]).store(amat + (j * m1 + j) * kLanes);
     for (int64_t col = 0; col < j; ++col) {
       (zero - at_w(j, col) * scale[j] * scale[col]).store(amat + (j * m1 + col) * kLanes);
@@ -1312,20 +1344,10 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
     }
     okv = at::vec::minimum(okv, acc.gt(zero));
     inv_d[j] = one / acc;
+    inv_d[j].store(f.inv_d + j * kLanes);
     least = at::vec::minimum(least, acc);
   }
-  for (int64_t j = 0; j < m1; ++j) {
-    VecD acc = VecD::loadu(rhs + j * kLanes) * scale[j];
-    for (int64_t s = 0; s < j; ++s) acc = acc - at_l(j, s) * y[s];
-    y[j] = acc;
-  }
-  for (int64_t j = m1 - 1; j >= 0; --j) {
-    VecD acc = y[j] * inv_d[j];
-    for (int64_t s = j + 1; s < m1; ++s) acc = acc - at_l(s, j) * x[s];
-    x[j] = acc;
-  }
-  for (int64_t j = 0; j < m1; ++j) (x[j] * scale[j]).store(out + j * kLanes);
-  zero.store(out + m1 * kLanes);
+  factor_solve(f, big, rhs, out);
   return okv;
 }
 
@@ -1338,10 +1360,10 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
 // pivot of the factor taken (in (0, 1]), or -1 where the lane needs the third attempt (the
 // caller takes laplacian_solve); tau the jitter each lane took.
 void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, double* res,
-                 VecD& tau) {
+                 VecD& tau, LaneFactor* keep = nullptr) {
   const VecD zero(0.0);
   VecD least;
-  const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least);
+  const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least, keep);
   double o0[kLanes], l0[kLanes];
   ok0.store(o0);
   least.store(l0);
@@ -1354,7 +1376,7 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
   if (all) return;
   const double m1 = static_cast<double>(big - 1);
   tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, ok0 > zero);
-  const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least);
+  const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least, keep);
   double o1[kLanes], ll[kLanes];
   ok1.store(o1);
   least.store(ll);
@@ -2172,7 +2194,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double rhsl[kLaneBig * kLanes], betal[kLaneBig * kLanes];
       for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
       VecD tau;
-      solve_lanes(wc, big, rhsl, betal, okl, tau);
+      LaneFactor fac;  // (the factor taken, for the refinement)
+      solve_lanes(wc, big, rhsl, betal, okl, tau, &fac);
       for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
       // one refinement against the exactly formed residual in the lanes of a pivot below 1e-2
       bool refine = false;
@@ -2187,8 +2210,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
         for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
         double stepl[kLaneBig * kLanes], rf[kLanes];
-        VecD least;
-        laplacian_lanes(wc, big, rhsl, stepl, tau, least);
+        factor_solve(fac, big, rhsl, stepl);
         for (int64_t l = 0; l < kLanes; ++l) rf[l] = okl[l] > 0 && okl[l] <= 1.0 ? 1.0 : 0.0;
         const VecD rv = VecD::loadu(rf) > zero;
         for (int64_t t = 0; t < big; ++t) {
