@@ -1687,14 +1687,15 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       const scalar_t* xr = px + row * n;
       double* st = pst + row * lay.size();
       scalar_t* wr = pw + row * k * n;
-      for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
-      for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
       const double inv_eps = 1.0 / eps[row];
       double* top = st + lay.top();
       int64_t ti[kMaxBig];
       const bool finite = top_scores(xr, n, sign, big, inv_eps, limit, span_max, top, ti);
       for (int64_t t = 0; t < k; ++t) pidx[row * k + t] = ti[t];
+      // (a solved row's state and values are written in full by its solve)
       if (!finite || big < 2) {
+        for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
+        for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
         std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
         ps[row] = 2;
         pe[row] = kInf;
