@@ -10,8 +10,9 @@ box (default epsilons, no softops setting changed), at 1 thread (``torch.set_num
 and at torch's default thread count ("auto"). Every configuration (op x shape x threads) runs in
 a fresh subprocess (``_grid_worker.py``: one warm-up call, which is the first call of the process
 and is recorded, then interleaved rounds of the op and its two floors for about ``--budget``
-seconds; medians). The floor is the larger of the hard op's forward+backward through autograd
-and that of a sigmoid ``torch.autograd.Function``, measured in the same subprocess.
+seconds, each short call timed after an untimed call of the same callable; medians). The floor
+is the larger of the hard op's forward+backward through autograd and that of a sigmoid
+``torch.autograd.Function``, measured in the same subprocess.
 
 A configuration is skipped, with its reason recorded, where it makes no sense (soft_f1 at B=1,
 and over a million classes), where a smaller configuration of the same op and threads (B' <= B,
@@ -153,6 +154,9 @@ def report(payload: dict[str, Any]) -> str:
         "rounds of the op and both floors for about "
         + "/".join(f"{b:g}" for b in budgets)
         + f" s (at least {meta['limits']['min_rounds']} rounds unless a round is slow), "
+        "each call under 50 ms timed right after an untimed call of the same callable (a call "
+        "that follows another callable pays for its freed pages and caches: the small hard op "
+        "beside a large op read up to twice its own time), "
         f"medians. `·`: outside the grid (B·n > {max_numel:.0e}); `—`: in the grid, not run; "
         "a table shows the B and n where it has a record. " + TARGETS_NOTE,
         "",

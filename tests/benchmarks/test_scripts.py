@@ -477,3 +477,27 @@ def test_grid_report_names_the_largest_neighbour_jump_and_its_cause() -> None:
     assert pair == ((4, 8), (4, 32)) and where.startswith("B=4, n=8: 2.00 vs B=4, n=32: 0.60")
     text = "\n".join(ratio_tables(records))
     assert "the op's time changed 1.50x and the floor's 5.00x (hard to hard)" in text
+
+
+def test_grid_round_times_a_short_call_after_an_untimed_one_of_the_same_callable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # (the worker runs as a script beside them)
+    worker = _load("_grid_worker")
+    SETTLE_BELOW_S, timed_round = worker.SETTLE_BELOW_S, worker.timed_round
+
+    calls: list[str] = []
+    readings = {"op": 2 * SETTLE_BELOW_S, "hard": SETTLE_BELOW_S / 10}
+
+    def clock(fn):  # a reading per call, the callable's own length
+        fn()
+        return readings[calls[-1]]
+
+    fns = {name: (lambda name=name: calls.append(name)) for name in readings}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    first = {"op": SETTLE_BELOW_S / 2, "hard": SETTLE_BELOW_S / 10}  # the op's first call short
+    timed_round(fns, ["op", "hard"], times, first, clock)
+    assert calls == ["op", "op", "hard", "hard"]
+    timed_round(fns, ["hard", "op"], times, first, clock)  # the op's last reading is long now
+    assert calls[4:] == ["hard", "hard", "op"]
+    assert times == {"op": [readings["op"]] * 2, "hard": [readings["hard"]] * 2}
