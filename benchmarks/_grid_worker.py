@@ -26,12 +26,14 @@ rounds, each running the three in turn (the order reversed every other round, so
 a shared machine hits them alike), until the rounds have taken ``--budget`` seconds and at least
 ``--min-rounds`` rounds have run, at most ``--max-rounds``; a configuration whose next round
 would take it past ``--max-config-s`` stops early (at least one round). Medians over the rounds.
-In a round, a callable whose last reading was under :data:`SETTLE_BELOW_S` is called once
-untimed before its timed call: each reading is then of a call that follows a call of the same
-callable, as in a user's loop. (The first call after another callable pays for what that one
-left: the allocator's freed pages faulted in again, caches refilled. Timed that way, the hard
-op of a cell read up to twice its own loop's time beside an op that allocates far more than it,
-and a ratio half of what a user sees: soft_topk at (1024, 8), 7x against 12x.)
+In a round, a callable whose last reading was under :data:`SETTLE_BELOW_S` is first called
+untimed, for about :data:`SETTLE_S` (1 to :data:`SETTLE_CALLS` calls): each reading is then of a
+call in a run of calls of the same callable, as in a user's loop. (A call that follows another
+callable pays for what that one left, the allocator's freed pages faulted in again and caches
+refilled, and it takes a few calls to settle: torch.topk at (1024, 8) beside soft_topk read 188,
+141, 131, 115, 111 us on its first five calls and 105 us from the seventh. Timed right after the
+op, the hard op of such a cell read up to twice its own loop's time, and the ratio half of what a
+user sees: soft_topk at (1024, 8), 7x against 12x.)
 The garbage collector is paused while timing. On CUDA every reading is bracketed by
 ``torch.cuda.synchronize()``.
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -179,8 +182,12 @@ def callables(op: str, x: torch.Tensor, gen: torch.Generator) -> dict[str, Calla
 
 
 SETTLE_BELOW_S = 0.05
-"""A callable whose last reading was shorter is called once, untimed, before each timed call
-(module docstring); longer calls hardly notice what the call before them left."""
+"""A callable whose last reading was shorter is called untimed before each timed call (module
+docstring); longer calls hardly notice what the call before them left."""
+SETTLE_S = 0.005
+"""About how long the untimed calls before a timed one take ..."""
+SETTLE_CALLS = 8
+"""... and at most how many they are."""
 
 
 def _clock(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -203,12 +210,14 @@ def timed_round(
     first: dict[str, float],
     clock: Callable[[Callable[[], None]], float],
 ) -> None:
-    """One round: each callable in ``order`` timed once into ``times``, after an untimed call
-    where its last reading (``first`` before any) was under :data:`SETTLE_BELOW_S`."""
+    """One round: each callable in ``order`` timed once into ``times``, after untimed calls
+    (about :data:`SETTLE_S` of them, 1 to :data:`SETTLE_CALLS`) where its last reading (``first``
+    before any) was under :data:`SETTLE_BELOW_S`."""
     for name in order:
         last = times[name][-1] if times[name] else first[name]
         if last < SETTLE_BELOW_S:
-            clock(fns[name])  # (untimed: it follows another callable)
+            for _ in range(min(SETTLE_CALLS, max(1, math.ceil(SETTLE_S / max(last, 1e-9))))):
+                fns[name]()  # (untimed: the run settles after another callable)
         times[name].append(clock(fns[name]))
 
 

@@ -484,10 +484,13 @@ def test_grid_round_times_a_short_call_after_an_untimed_one_of_the_same_callable
 ) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # (the worker runs as a script beside them)
     worker = _load("_grid_worker")
-    SETTLE_BELOW_S, timed_round = worker.SETTLE_BELOW_S, worker.timed_round
-
+    settle_s, settle_calls = worker.SETTLE_S, worker.SETTLE_CALLS
     calls: list[str] = []
-    readings = {"op": 2 * SETTLE_BELOW_S, "hard": SETTLE_BELOW_S / 10}
+    readings = {  # a long call, one that settles in 2 calls, and a very short one
+        "long": 2 * worker.SETTLE_BELOW_S,
+        "mid": settle_s / 2,
+        "short": settle_s / (10 * settle_calls),
+    }
 
     def clock(fn):  # a reading per call, the callable's own length
         fn()
@@ -495,9 +498,10 @@ def test_grid_round_times_a_short_call_after_an_untimed_one_of_the_same_callable
 
     fns = {name: (lambda name=name: calls.append(name)) for name in readings}
     times: dict[str, list[float]] = {name: [] for name in fns}
-    first = {"op": SETTLE_BELOW_S / 2, "hard": SETTLE_BELOW_S / 10}  # the op's first call short
-    timed_round(fns, ["op", "hard"], times, first, clock)
-    assert calls == ["op", "op", "hard", "hard"]
-    timed_round(fns, ["hard", "op"], times, first, clock)  # the op's last reading is long now
-    assert calls[4:] == ["hard", "hard", "op"]
-    assert times == {"op": [readings["op"]] * 2, "hard": [readings["hard"]] * 2}
+    first = {"long": settle_s, "mid": settle_s / 2, "short": settle_s}  # (first: all short)
+    worker.timed_round(fns, ["long", "mid", "short"], times, first, clock)
+    assert calls == ["long", "long", "mid", "mid", "mid", "short", "short"]
+    calls.clear()
+    worker.timed_round(fns, ["short", "long", "mid"], times, first, clock)
+    assert calls == ["short"] * (settle_calls + 1) + ["long"] + ["mid"] * 3
+    assert times == {name: [reading] * 2 for name, reading in readings.items()}
