@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -569,17 +569,78 @@ bool load_t(const scalar_t* rw, const int64_t* idx, int64_t n, bool neg, double*
 // at a time). A row that is not finite, or that needs the scaled frame, is left to the scalar path
 // (its bit of the mask returned).
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define SOFTOPS_LANES 1
+#define SOFTOPS_LANES 512
+#elif defined(__AVX2__)
+#define SOFTOPS_LANES 256
+#endif
 
-using VD = __m512d;
-using VI = __m512i;
+#ifdef SOFTOPS_LANES
 // (inlined: the lanes of a group stay in registers, not in arrays passed through memory)
 #define SOFTOPS_INLINE inline __attribute__((always_inline))
 
+// The operations of the lanes, per instruction set: VD eight doubles, VI eight int64, VM a mask
+// of the eight lanes (AVX-512: a mask register; AVX2: two halves of four lanes each, the mask a
+// vector of all-ones lanes, a select a blend). Named as their arithmetic: dadd (doubles), iadd
+// (int64); dsel(m, a, b) = m ? b : a, dkeep(m, x) = m ? x : 0.
+#if SOFTOPS_LANES == 512
+using VD = __m512d;
+using VI = __m512i;
+using VM = __mmask8;
+
+SOFTOPS_INLINE int bits(VM m) { return m; }
+SOFTOPS_INLINE VM mask_of(int b) { return VM(b); }
+SOFTOPS_INLINE VM mand(VM a, VM b) { return VM(a & b); }
+SOFTOPS_INLINE VM mor(VM a, VM b) { return VM(a | b); }
+SOFTOPS_INLINE VM mnot(VM a) { return VM(~a); }
+SOFTOPS_INLINE VD dset1(double x) { return _mm512_set1_pd(x); }
+SOFTOPS_INLINE VI iset1(int64_t x) { return _mm512_set1_epi64(x); }
+SOFTOPS_INLINE VD dadd(VD a, VD b) { return _mm512_add_pd(a, b); }
+SOFTOPS_INLINE VD dsub(VD a, VD b) { return _mm512_sub_pd(a, b); }
+SOFTOPS_INLINE VD dmul(VD a, VD b) { return _mm512_mul_pd(a, b); }
+SOFTOPS_INLINE VD ddiv(VD a, VD b) { return _mm512_div_pd(a, b); }
+SOFTOPS_INLINE VD dxor(VD a, VD b) { return _mm512_xor_pd(a, b); }
+SOFTOPS_INLINE VD dand(VD a, VD b) { return _mm512_and_pd(a, b); }
+SOFTOPS_INLINE VD dmax(VD a, VD b) { return _mm512_max_pd(a, b); }
+template <int P>
+SOFTOPS_INLINE VM dcmp(VD a, VD b) {
+  return _mm512_cmp_pd_mask(a, b, P);
+}
+SOFTOPS_INLINE VM nonfinite(VD x) { return _mm512_fpclass_pd_mask(x, 0x01 | 0x08 | 0x10 | 0x80); }
+SOFTOPS_INLINE VD dsel(VM m, VD a, VD b) { return _mm512_mask_mov_pd(a, m, b); }
+SOFTOPS_INLINE VD dkeep(VM m, VD x) { return _mm512_maskz_mov_pd(m, x); }
+SOFTOPS_INLINE VI isel(VM m, VI a, VI b) { return _mm512_mask_blend_epi64(m, a, b); }
+SOFTOPS_INLINE VI iadd(VI a, VI b) { return _mm512_add_epi64(a, b); }
+SOFTOPS_INLINE VI isub(VI a, VI b) { return _mm512_sub_epi64(a, b); }
+SOFTOPS_INLINE VI iand(VI a, VI b) { return _mm512_and_si512(a, b); }
+SOFTOPS_INLINE VI ior(VI a, VI b) { return _mm512_or_si512(a, b); }
+template <int K>
+SOFTOPS_INLINE VI ishl(VI a) {
+  return _mm512_slli_epi64(a, K);
+}
+template <int K>
+SOFTOPS_INLINE VI ishr(VI a) {
+  return _mm512_srli_epi64(a, K);
+}
+SOFTOPS_INLINE VI ishlv(VI a, VI k) { return _mm512_sllv_epi64(a, k); }  // (0 past 63)
+SOFTOPS_INLINE VM ieq(VI a, VI b) { return _mm512_cmpeq_epi64_mask(a, b); }
+SOFTOPS_INLINE VM igt(VI a, VI b) { return _mm512_cmpgt_epi64_mask(a, b); }
+SOFTOPS_INLINE VM iltu(VI a, VI b) { return _mm512_cmplt_epu64_mask(a, b); }  // (unsigned)
+SOFTOPS_INLINE VI iminu(VI a, VI b) { return _mm512_min_epu64(a, b); }
+SOFTOPS_INLINE VI imaxu(VI a, VI b) { return _mm512_max_epu64(a, b); }
+SOFTOPS_INLINE VD as_d(VI x) { return _mm512_castsi512_pd(x); }
+SOFTOPS_INLINE VI as_i(VD x) { return _mm512_castpd_si512(x); }
 SOFTOPS_INLINE VD vrounded(VD x) {  // (rounded() on a vector)
   asm("" : "+v"(x));
   return x;
 }
+// x[idx[j] & 7] at j: a permutation within a row
+SOFTOPS_INLINE VD permute_row(VI idx, VD x) { return _mm512_permutexvar_pd(idx, x); }
+// eight floats and back
+SOFTOPS_INLINE __m256 to_f32(VD x) { return _mm512_cvtpd_ps(x); }
+SOFTOPS_INLINE VD from_f32(__m256 x) { return _mm512_cvtps_pd(x); }
+// the unsigned 32-bit lanes as int64, and the high halves of int64 lanes as 32-bit lanes
+SOFTOPS_INLINE VI widen_u32(__m256i x) { return _mm512_cvtepu32_epi64(x); }
+SOFTOPS_INLINE __m256i high_u32(VI x) { return _mm512_cvtepi64_epi32(_mm512_srli_epi64(x, 32)); }
 
 // The 8 x 8 transpose of r[0 .. 8) (int64 lanes go through casts).
 SOFTOPS_INLINE void transpose8(VD* r) {
@@ -609,8 +670,256 @@ SOFTOPS_INLINE void transpose8(VD* r) {
   }
 }
 
-SOFTOPS_INLINE VD as_d(VI x) { return _mm512_castsi512_pd(x); }
-SOFTOPS_INLINE VI as_i(VD x) { return _mm512_castpd_si512(x); }
+// The first N entries of a row, in double (zeros past N), and a row's first N entries stored
+// (int64 ones as their bits).
+template <int N, typename scalar_t>
+SOFTOPS_INLINE VD load_row(const scalar_t* p) {
+  const __mmask8 m = __mmask8((1u << N) - 1);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, p));
+  } else {
+    return _mm512_maskz_loadu_pd(m, p);
+  }
+}
+
+template <int N, typename scalar_t>
+SOFTOPS_INLINE void store_row(scalar_t* p, VD x) {
+  const __mmask8 m = __mmask8((1u << N) - 1);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm256_mask_storeu_ps(p, m, _mm512_cvtpd_ps(x));
+  } else if constexpr (std::is_same_v<scalar_t, double>) {
+    _mm512_mask_storeu_pd(p, m, x);
+  } else {
+    _mm512_mask_storeu_epi64(p, m, as_i(x));
+  }
+}
+
+// descending_key() on int64 lanes, its own inverse (0 where not `keep`, as a NaN's; -0 as +0): a
+// negative value's bits as they are, a positive one's with all bits but the sign flipped.
+SOFTOPS_INLINE VI key64(VI b, VM keep) {
+  const VI sign = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
+  const VI magnitude = _mm512_andnot_si512(sign, b);
+  b = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(magnitude, _mm512_setzero_si512()), b,
+                              _mm512_setzero_si512());
+  const VI flip =
+      _mm512_andnot_si512(_mm512_srai_epi64(b, 63), _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll));
+  return _mm512_maskz_xor_epi64(keep, b, flip);
+}
+
+#else  // AVX2: two halves
+struct VD {
+  __m256d h[2];
+};
+struct VI {
+  __m256i h[2];
+};
+struct VM {
+  __m256i h[2];
+};
+#define SOFTOPS_BINARY(R, name, T, intrinsic)            \
+  SOFTOPS_INLINE R name(T a, T b) {                      \
+    return R{{intrinsic(a.h[0], b.h[0]), intrinsic(a.h[1], b.h[1])}}; \
+  }
+SOFTOPS_INLINE __m256d cd(__m256i x) { return _mm256_castsi256_pd(x); }
+SOFTOPS_INLINE __m256i ci(__m256d x) { return _mm256_castpd_si256(x); }
+
+SOFTOPS_INLINE int bits(VM m) {
+  return _mm256_movemask_pd(cd(m.h[0])) | _mm256_movemask_pd(cd(m.h[1])) << 4;
+}
+SOFTOPS_INLINE VM mask_of(int b) {
+  const __m256i x = _mm256_set1_epi64x(b);
+  const __m256i lo = _mm256_setr_epi64x(1, 2, 4, 8), hi = _mm256_setr_epi64x(16, 32, 64, 128);
+  return VM{{_mm256_cmpeq_epi64(_mm256_and_si256(x, lo), lo),
+             _mm256_cmpeq_epi64(_mm256_and_si256(x, hi), hi)}};
+}
+SOFTOPS_BINARY(VM, mand, VM, _mm256_and_si256)
+SOFTOPS_BINARY(VM, mor, VM, _mm256_or_si256)
+SOFTOPS_INLINE VM mnot(VM a) {
+  const __m256i ones = _mm256_set1_epi64x(-1);
+  return VM{{_mm256_xor_si256(a.h[0], ones), _mm256_xor_si256(a.h[1], ones)}};
+}
+SOFTOPS_INLINE VD dset1(double x) { return VD{{_mm256_set1_pd(x), _mm256_set1_pd(x)}}; }
+SOFTOPS_INLINE VI iset1(int64_t x) { return VI{{_mm256_set1_epi64x(x), _mm256_set1_epi64x(x)}}; }
+SOFTOPS_BINARY(VD, dadd, VD, _mm256_add_pd)
+SOFTOPS_BINARY(VD, dsub, VD, _mm256_sub_pd)
+SOFTOPS_BINARY(VD, dmul, VD, _mm256_mul_pd)
+SOFTOPS_BINARY(VD, ddiv, VD, _mm256_div_pd)
+SOFTOPS_BINARY(VD, dxor, VD, _mm256_xor_pd)
+SOFTOPS_BINARY(VD, dand, VD, _mm256_and_pd)
+SOFTOPS_BINARY(VD, dmax, VD, _mm256_max_pd)
+template <int P>
+SOFTOPS_INLINE VM dcmp(VD a, VD b) {
+  return VM{{ci(_mm256_cmp_pd(a.h[0], b.h[0], P)), ci(_mm256_cmp_pd(a.h[1], b.h[1], P))}};
+}
+SOFTOPS_INLINE VM nonfinite(VD x) {  // (|x| not below inf: infinite, or NaN)
+  const VD magnitude = dand(x, VD{{cd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFll)),
+                                   cd(_mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFll))}});
+  return dcmp<_CMP_NLT_UQ>(magnitude, dset1(kInf));
+}
+SOFTOPS_INLINE VD dsel(VM m, VD a, VD b) {
+  return VD{{_mm256_blendv_pd(a.h[0], b.h[0], cd(m.h[0])),
+             _mm256_blendv_pd(a.h[1], b.h[1], cd(m.h[1]))}};
+}
+SOFTOPS_INLINE VD dkeep(VM m, VD x) {
+  return VD{{_mm256_and_pd(cd(m.h[0]), x.h[0]), _mm256_and_pd(cd(m.h[1]), x.h[1])}};
+}
+SOFTOPS_INLINE VI isel(VM m, VI a, VI b) {
+  return VI{{ci(_mm256_blendv_pd(cd(a.h[0]), cd(b.h[0]), cd(m.h[0]))),
+             ci(_mm256_blendv_pd(cd(a.h[1]), cd(b.h[1]), cd(m.h[1])))}};
+}
+SOFTOPS_BINARY(VI, iadd, VI, _mm256_add_epi64)
+SOFTOPS_BINARY(VI, isub, VI, _mm256_sub_epi64)
+SOFTOPS_BINARY(VI, iand, VI, _mm256_and_si256)
+SOFTOPS_BINARY(VI, ior, VI, _mm256_or_si256)
+template <int K>
+SOFTOPS_INLINE VI ishl(VI a) {
+  return VI{{_mm256_slli_epi64(a.h[0], K), _mm256_slli_epi64(a.h[1], K)}};
+}
+template <int K>
+SOFTOPS_INLINE VI ishr(VI a) {
+  return VI{{_mm256_srli_epi64(a.h[0], K), _mm256_srli_epi64(a.h[1], K)}};
+}
+SOFTOPS_BINARY(VI, ishlv, VI, _mm256_sllv_epi64)  // (0 past 63)
+SOFTOPS_BINARY(VM, ieq, VI, _mm256_cmpeq_epi64)
+SOFTOPS_BINARY(VM, igt, VI, _mm256_cmpgt_epi64)
+SOFTOPS_INLINE VM iltu(VI a, VI b) {  // (unsigned: signed, the sign bits flipped)
+  const __m256i s = _mm256_set1_epi64x(int64_t(0x8000000000000000ull));
+  return VM{{_mm256_cmpgt_epi64(_mm256_xor_si256(b.h[0], s), _mm256_xor_si256(a.h[0], s)),
+             _mm256_cmpgt_epi64(_mm256_xor_si256(b.h[1], s), _mm256_xor_si256(a.h[1], s))}};
+}
+SOFTOPS_INLINE VI iminu(VI a, VI b) { return isel(iltu(b, a), a, b); }
+SOFTOPS_INLINE VI imaxu(VI a, VI b) { return isel(iltu(a, b), a, b); }
+SOFTOPS_INLINE VD as_d(VI x) { return VD{{cd(x.h[0]), cd(x.h[1])}}; }
+SOFTOPS_INLINE VI as_i(VD x) { return VI{{ci(x.h[0]), ci(x.h[1])}}; }
+SOFTOPS_INLINE VD vrounded(VD x) {  // (rounded() on a vector)
+  asm("" : "+x"(x.h[0]), "+x"(x.h[1]));
+  return x;
+}
+// x[idx[j] & 7] at j: each half's entries from both halves (as pairs of 32-bit lanes), the half
+// chosen by bit 2
+SOFTOPS_INLINE VD permute_row(VI idx, VD x) {
+  VD r;
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    const __m256i q = _mm256_slli_epi64(_mm256_and_si256(idx.h[k], _mm256_set1_epi64x(3)), 1);
+    const __m256i pair =
+        _mm256_add_epi64(_mm256_or_si256(q, _mm256_slli_epi64(q, 32)),
+                         _mm256_set1_epi64x(int64_t(1) << 32));
+    const __m256d lo = _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(x.h[0]), pair));
+    const __m256d hi = _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_castpd_ps(x.h[1]), pair));
+    r.h[k] = _mm256_blendv_pd(lo, hi, cd(_mm256_slli_epi64(idx.h[k], 61)));
+  }
+  return r;
+}
+SOFTOPS_INLINE __m256 to_f32(VD x) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(x.h[1]), _mm256_cvtpd_ps(x.h[0]));
+}
+SOFTOPS_INLINE VD from_f32(__m256 x) {
+  return VD{{_mm256_cvtps_pd(_mm256_castps256_ps128(x)),
+             _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))}};
+}
+SOFTOPS_INLINE VI widen_u32(__m256i x) {
+  return VI{{_mm256_cvtepu32_epi64(_mm256_castsi256_si128(x)),
+             _mm256_cvtepu32_epi64(_mm256_extracti128_si256(x, 1))}};
+}
+SOFTOPS_INLINE __m256i high_u32(VI x) {
+  const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+  return _mm256_set_m128i(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(x.h[1], odd)),
+                          _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(x.h[0], odd)));
+}
+
+// The 4 x 4 transpose of a[0 .. 4).
+SOFTOPS_INLINE void transpose4(__m256d* a) {
+  const __m256d t0 = _mm256_unpacklo_pd(a[0], a[1]), t1 = _mm256_unpackhi_pd(a[0], a[1]);
+  const __m256d t2 = _mm256_unpacklo_pd(a[2], a[3]), t3 = _mm256_unpackhi_pd(a[2], a[3]);
+  a[0] = _mm256_permute2f128_pd(t0, t2, 0x20), a[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+  a[2] = _mm256_permute2f128_pd(t0, t2, 0x31), a[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+
+// The 8 x 8 transpose of r[0 .. 8): four of 4 x 4 (rows 4 R .. 4 R + 4, entries 4 E .. 4 E + 4
+// to entries 4 E .. of half R).
+SOFTOPS_INLINE void transpose8(VD* r) {
+  __m256d a[2][2][4];
+#pragma GCC unroll 8
+  for (int R = 0; R < 2; ++R) {
+#pragma GCC unroll 8
+    for (int E = 0; E < 2; ++E) {
+#pragma GCC unroll 8
+      for (int k = 0; k < 4; ++k) a[R][E][k] = r[4 * R + k].h[E];
+      transpose4(a[R][E]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int E = 0; E < 2; ++E) {
+#pragma GCC unroll 8
+    for (int k = 0; k < 4; ++k) r[4 * E + k] = VD{{a[0][E][k], a[1][E][k]}};
+  }
+}
+
+// The lanes of half `half` among the first N of eight 64-bit entries.
+template <int N>
+SOFTOPS_INLINE __m256i first_lanes(int half) {
+  return _mm256_cmpgt_epi64(_mm256_set1_epi64x(N - 4 * half), _mm256_setr_epi64x(0, 1, 2, 3));
+}
+
+template <int N, typename scalar_t>
+SOFTOPS_INLINE VD load_row(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return from_f32(N == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m));
+  } else {
+    const double* q = reinterpret_cast<const double*>(p);
+    VD x;
+    x.h[0] = N >= 4 ? _mm256_loadu_pd(q) : _mm256_maskload_pd(q, first_lanes<N>(0));
+    x.h[1] = N <= 4   ? _mm256_setzero_pd()
+             : N == 8 ? _mm256_loadu_pd(q + 4)
+                      : _mm256_maskload_pd(q + 4, first_lanes<N>(1));
+    return x;
+  }
+}
+
+template <int N, typename scalar_t>
+SOFTOPS_INLINE void store_row(scalar_t* p, VD x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    if (N == 8) {
+      _mm256_storeu_ps(p, to_f32(x));
+    } else {
+      _mm256_maskstore_ps(p, m, to_f32(x));
+    }
+  } else {
+    double* q = reinterpret_cast<double*>(p);
+    if (N >= 4) {
+      _mm256_storeu_pd(q, x.h[0]);
+    } else {
+      _mm256_maskstore_pd(q, first_lanes<N>(0), x.h[0]);
+    }
+    if (N == 8) {
+      _mm256_storeu_pd(q + 4, x.h[1]);
+    } else if (N > 4) {
+      _mm256_maskstore_pd(q + 4, first_lanes<N>(1), x.h[1]);
+    }
+  }
+}
+
+SOFTOPS_INLINE VI key64(VI b, VM keep) {
+  const __m256i sign = _mm256_set1_epi64x(int64_t(0x8000000000000000ull));
+  const __m256i rest = _mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFll), zero = _mm256_setzero_si256();
+  VI r;
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    __m256i x = b.h[k];
+    x = _mm256_andnot_si256(_mm256_cmpeq_epi64(_mm256_andnot_si256(sign, x), zero), x);
+    const __m256i flip = _mm256_andnot_si256(_mm256_cmpgt_epi64(zero, x), rest);
+    r.h[k] = _mm256_and_si256(keep.h[k], _mm256_xor_si256(x, flip));
+  }
+  return r;
+}
+#undef SOFTOPS_BINARY
+#endif  // AVX2
+
+SOFTOPS_INLINE VD dzero() { return dset1(0.0); }
+SOFTOPS_INLINE VI izero() { return iset1(0); }
 
 // x[j] (j < N): entry j of the rows base + l * stride, l = 0 .. 8, in double (stride 0: one
 // row for all).
@@ -618,19 +927,12 @@ template <int N, typename scalar_t>
 SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
   if (stride == 0) {
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) x[j] = _mm512_set1_pd(double(base[j]));
+    for (int j = 0; j < N; ++j) x[j] = dset1(double(base[j]));
     return;
   }
-  const __mmask8 m = __mmask8((1u << N) - 1);
   VD r[8];
 #pragma GCC unroll 8
-  for (int l = 0; l < 8; ++l) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, base + l * stride));
-    } else {
-      r[l] = _mm512_maskz_loadu_pd(m, base + l * stride);
-    }
-  }
+  for (int l = 0; l < 8; ++l) r[l] = load_row<N>(base + l * stride);
   transpose8(r);
 #pragma GCC unroll 8
   for (int j = 0; j < N; ++j) x[j] = r[j];
@@ -639,44 +941,23 @@ SOFTOPS_INLINE void load_lanes(const scalar_t* base, int64_t stride, VD* x) {
 // Rows base + l * N (l = 0 .. 8, the bits of `rows`) set to the lanes x[j] (j < N): transposed
 // back.
 template <int N, typename scalar_t>
-SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base, __mmask8 rows = 0xFF) {
-  const __mmask8 m = __mmask8((1u << N) - 1);
+SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base, int rows = 0xFF) {
   VD r[8];
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) r[j] = j < N ? x[j] : _mm512_setzero_pd();
+  for (int j = 0; j < 8; ++j) r[j] = j < N ? x[j] : dzero();
   transpose8(r);
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
-    if (!(rows >> l & 1)) continue;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      _mm256_mask_storeu_ps(base + l * N, m, _mm512_cvtpd_ps(r[l]));
-    } else if constexpr (std::is_same_v<scalar_t, double>) {
-      _mm512_mask_storeu_pd(base + l * N, m, r[l]);
-    } else {
-      _mm512_mask_storeu_epi64(base + l * N, m, as_i(r[l]));
-    }
+    if (rows >> l & 1) store_row<N>(base + l * N, r[l]);
   }
 }
 
-// descending_key() on the lanes, its own inverse (NaN: key 0; -0 as +0): a negative value's bits
-// as they are, a positive one's with all bits but the sign flipped.
-SOFTOPS_INLINE __m256i key_lanes(__m256i b, __mmask8 nan) {
-  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
-  const __m256i magnitude = _mm256_andnot_si256(sign, b);
-  b = _mm256_mask_blend_epi32(_mm256_cmpeq_epi32_mask(magnitude, _mm256_setzero_si256()), b,
-                              _mm256_setzero_si256());  // (-0 as +0)
+// descending_key() on eight 32-bit lanes (as key64(); `keep` all-ones lanes).
+SOFTOPS_INLINE __m256i key32(__m256i b, __m256i keep) {
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u)), zero = _mm256_setzero_si256();
+  b = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_andnot_si256(sign, b), zero), b);  // (-0)
   const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
-  return _mm256_maskz_xor_epi32(__mmask8(~nan), b, flip);
-}
-
-SOFTOPS_INLINE VI key_lanes(VI b, __mmask8 nan) {
-  const VI sign = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
-  const VI magnitude = _mm512_andnot_si512(sign, b);
-  b = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(magnitude, _mm512_setzero_si512()), b,
-                              _mm512_setzero_si512());
-  const VI flip =
-      _mm512_andnot_si512(_mm512_srai_epi64(b, 63), _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll));
-  return _mm512_maskz_xor_epi64(__mmask8(~nan), b, flip);
+  return _mm256_and_si256(keep, _mm256_xor_si256(b, flip));
 }
 
 // The lanes x[j] (j < N; negated with `neg`) sorted descending as sort_descending() sorts a row:
@@ -684,60 +965,59 @@ SOFTOPS_INLINE VI key_lanes(VI b, __mmask8 nan) {
 // as some NaN).
 template <int N, typename scalar_t>
 SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
-  const VD sign = _mm512_set1_pd(-0.0);
+  const VD sign = dset1(-0.0);
   if constexpr (std::is_same_v<scalar_t, float>) {
     VI items[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       if (j >= N) {
-        items[j] = _mm512_set1_epi64(-1);  // (past n: above every item)
+        items[j] = iset1(-1);  // (past n: above every item)
         continue;
       }
-      const __m256 f = _mm512_cvtpd_ps(neg ? _mm512_xor_pd(x[j], sign) : x[j]);
-      const __mmask8 nan = _mm256_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-      const __m256i key = key_lanes(_mm256_castps_si256(f), nan);
-      items[j] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(key), 32),
-                                 _mm512_set1_epi64(j));
+      const __m256 f = to_f32(neg ? dxor(x[j], sign) : x[j]);
+      const __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q));
+      const __m256i key = key32(_mm256_castps_si256(f), keep);
+      items[j] = ior(ishl<32>(widen_u32(key)), iset1(j));
     }
 #pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
       VI& a = items[kNetwork[k][0]];
       VI& b = items[kNetwork[k][1]];
-      const VI lo = _mm512_min_epu64(a, b);
-      b = _mm512_max_epu64(a, b), a = lo;
+      const VI lo = iminu(a, b);
+      b = imaxu(a, b), a = lo;
     }
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
-      idx[j] = _mm512_and_si512(items[j], _mm512_set1_epi64(0xFFFFFFFFll));
-      const __m256i key = _mm512_cvtepi64_epi32(_mm512_srli_epi64(items[j], 32));
-      v[j] = _mm512_cvtps_pd(_mm256_castsi256_ps(key_lanes(key, 0)));
+      idx[j] = iand(items[j], iset1(0xFFFFFFFFll));
+      const __m256i key = key32(high_u32(items[j]), _mm256_set1_epi32(-1));
+      v[j] = from_f32(_mm256_castsi256_ps(key));
     }
   } else {
     VI keys[8], ids[8];
+    const VM all = mask_of(0xFF);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      ids[j] = _mm512_set1_epi64(j < N ? j : std::numeric_limits<int64_t>::max());
+      ids[j] = iset1(j < N ? j : std::numeric_limits<int64_t>::max());
       if (j >= N) {
-        keys[j] = _mm512_set1_epi64(-1);
+        keys[j] = iset1(-1);
         continue;
       }
-      const VD f = neg ? _mm512_xor_pd(x[j], sign) : x[j];
-      keys[j] = key_lanes(as_i(f), _mm512_cmp_pd_mask(f, f, _CMP_UNORD_Q));
+      const VD f = neg ? dxor(x[j], sign) : x[j];
+      keys[j] = key64(as_i(f), dcmp<_CMP_ORD_Q>(f, f));
     }
 #pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
       const int p = kNetwork[k][0], q = kNetwork[k][1];
-      const __mmask8 swap =
-          _mm512_cmplt_epu64_mask(keys[q], keys[p]) |
-          (_mm512_cmpeq_epi64_mask(keys[q], keys[p]) & _mm512_cmplt_epi64_mask(ids[q], ids[p]));
+      const VM swap =
+          mor(iltu(keys[q], keys[p]), mand(ieq(keys[q], keys[p]), igt(ids[p], ids[q])));
       const VI kp = keys[p], ip = ids[p];
-      keys[p] = _mm512_mask_blend_epi64(swap, kp, keys[q]);
-      keys[q] = _mm512_mask_blend_epi64(swap, keys[q], kp);
-      ids[p] = _mm512_mask_blend_epi64(swap, ip, ids[q]);
-      ids[q] = _mm512_mask_blend_epi64(swap, ids[q], ip);
+      keys[p] = isel(swap, kp, keys[q]);
+      keys[q] = isel(swap, keys[q], kp);
+      ids[p] = isel(swap, ip, ids[q]);
+      ids[q] = isel(swap, ids[q], ip);
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) idx[j] = ids[j], v[j] = as_d(key_lanes(keys[j], 0));
+    for (int j = 0; j < N; ++j) idx[j] = ids[j], v[j] = as_d(key64(keys[j], all));
   }
 }
 
@@ -748,28 +1028,26 @@ struct LaneBlock {
 };
 
 // c ? b : a, lane by lane.
-SOFTOPS_INLINE LaneBlock pick_lanes(__mmask8 c, const LaneBlock& a, const LaneBlock& b) {
-  return {_mm512_mask_mov_pd(a.len, c, b.len), _mm512_mask_mov_pd(a.acc, c, b.acc),
-          _mm512_mask_mov_pd(a.span, c, b.span), _mm512_mask_mov_pd(a.t, c, b.t),
-          _mm512_mask_mov_pd(a.d, c, b.d)};
+SOFTOPS_INLINE LaneBlock pick_lanes(VM c, const LaneBlock& a, const LaneBlock& b) {
+  return {dsel(c, a.len, b.len), dsel(c, a.acc, b.acc), dsel(c, a.span, b.span),
+          dsel(c, a.t, b.t), dsel(c, a.d, b.d)};
 }
 
 // Eight rows of permutahedron() for L2 and n = N <= 8 (its arguments as there, the pointers at the
 // group's first row; td and t_finite: the one row of t, load_t()'s, where w_row is 0). Returns the
 // mask of the lanes left to the row path (whose outputs it has not written).
 template <int N, typename scalar_t>
-__mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w_row,
-                     const scalar_t* pe, bool flip, bool sort_z, bool sort_w, bool negate_w,
-                     bool negate, const double* td, bool t_finite, scalar_t* ro, int64_t* rb,
-                     int64_t* rz, int64_t* rpw) {
-  const VD zero = _mm512_setzero_pd(), inf = _mm512_set1_pd(kInf), sign = _mm512_set1_pd(-0.0);
-  const int fin = 0x01 | 0x08 | 0x10 | 0x80;  // (fpclass: NaN or infinite)
-  __mmask8 bad = t_finite ? 0 : 0xFF;
+int lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w_row,
+                const scalar_t* pe, bool flip, bool sort_z, bool sort_w, bool negate_w,
+                bool negate, const double* td, bool t_finite, scalar_t* ro, int64_t* rb,
+                int64_t* rz, int64_t* rpw) {
+  const VD zero = dzero(), inf = dset1(kInf), sign = dset1(-0.0);
+  VM bad = mask_of(t_finite ? 0 : 0xFF);
   VD t[N], q[N], d[N];
   VI iz[N], iw[N];
   if (w_row == 0) {
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) t[j] = _mm512_set1_pd(td[j]);
+    for (int j = 0; j < N; ++j) t[j] = dset1(td[j]);
   } else {
     VD x[N];
     load_lanes<N>(rw, w_row, x);
@@ -777,10 +1055,10 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       sort_lanes<N, scalar_t>(x, negate_w, iw, t);
     } else {
 #pragma GCC unroll 8
-      for (int j = 0; j < N; ++j) t[j] = negate_w ? _mm512_xor_pd(x[j], sign) : x[j];
+      for (int j = 0; j < N; ++j) t[j] = negate_w ? dxor(x[j], sign) : x[j];
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(t[j], fin);
+    for (int j = 0; j < N; ++j) bad = mor(bad, nonfinite(t[j]));
   }
   {
     VD x[N];
@@ -789,82 +1067,69 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       sort_lanes<N, scalar_t>(x, flip, iz, q);
       if (flip) {
 #pragma GCC unroll 8
-        for (int j = 0; j < N; ++j) q[j] = _mm512_xor_pd(q[j], sign);
+        for (int j = 0; j < N; ++j) q[j] = dxor(q[j], sign);
       }
     } else {
 #pragma GCC unroll 8
       for (int j = 0; j < N; ++j) q[j] = x[j];
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < N; ++j) bad |= _mm512_fpclass_pd_mask(q[j], fin);
+    for (int j = 0; j < N; ++j) bad = mor(bad, nonfinite(q[j]));
   }
   // rank_frame()
-  VD f;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    f = _mm512_cvtps_pd(_mm256_loadu_ps(pe));
-  } else {
-    f = _mm512_loadu_pd(pe);
-  }
-  f = flip ? _mm512_xor_pd(f, sign) : f;  // (-eps in the dtype, exactly)
-  const VD G = _mm512_add_pd(vrounded(_mm512_mul_pd(_mm512_set1_pd(2.0),
-                                                    _mm512_sub_pd(t[0], t[N - 1]))),
-                             _mm512_set1_pd(2.0 * double(N)));
-  const VD r = _mm512_div_pd(_mm512_set1_pd(1.0), f);
-  VD dmax = zero;
+  VD f = load_row<8>(pe);
+  f = flip ? dxor(f, sign) : f;  // (-eps in the dtype, exactly)
+  const VD G = dadd(vrounded(dmul(dset1(2.0), dsub(t[0], t[N - 1]))), dset1(2.0 * double(N)));
+  const VD r = ddiv(dset1(1.0), f);
+  VD dmax_ = zero;
   d[0] = zero;
 #pragma GCC unroll 8
   for (int i = 1; i < N; ++i) {
-    const __mmask8 same = _mm512_cmp_pd_mask(q[i - 1], q[i], _CMP_EQ_OQ);
-    VD g = _mm512_maskz_mov_pd(__mmask8(~same),
-                               vrounded(_mm512_mul_pd(_mm512_sub_pd(q[i - 1], q[i]), r)));
-    g = _mm512_mask_mov_pd(g, _mm512_cmp_pd_mask(g, G, _CMP_GT_OQ), G);
+    const VM same = dcmp<_CMP_EQ_OQ>(q[i - 1], q[i]);
+    VD g = dkeep(mnot(same), vrounded(dmul(dsub(q[i - 1], q[i]), r)));
+    g = dsel(dcmp<_CMP_GT_OQ>(g, G), g, G);
     d[i] = g;
-    const __mmask8 up = _mm512_cmp_pd_mask(g, dmax, _CMP_GT_OQ) &
-                        _mm512_cmp_pd_mask(g, inf, _CMP_NEQ_UQ);
-    dmax = _mm512_mask_mov_pd(dmax, up, g);
+    const VM up = mand(dcmp<_CMP_GT_OQ>(g, dmax_), dcmp<_CMP_NEQ_UQ>(g, inf));
+    dmax_ = dsel(up, dmax_, g);
   }
   // project_gaps_row(): rows beyond l2_limit() are scaled, on the scalar path
-  const VD abs_mask = _mm512_castsi512_pd(_mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll));
-  const VD big = _mm512_max_pd(dmax, _mm512_max_pd(_mm512_and_pd(t[0], abs_mask),
-                                                   _mm512_and_pd(t[N - 1], abs_mask)));
-  bad |= _mm512_cmp_pd_mask(big, _mm512_set1_pd(l2_limit(N)), _CMP_GT_OQ);
-  if (bad == 0xFF) return bad;
+  const VD abs_mask = as_d(iset1(0x7FFFFFFFFFFFFFFFll));
+  const VD big = dmax(dmax_, dmax(dand(t[0], abs_mask), dand(t[N - 1], abs_mask)));
+  bad = mor(bad, dcmp<_CMP_GT_OQ>(big, dset1(l2_limit(N))));
+  const int bad_rows = bits(bad);
+  if (bad_rows == 0xFF) return bad_rows;
   // l2_gaps(): top (the current block), prev and the shift register below them
-  const VD one = _mm512_set1_pd(1.0);
+  const VD one = dset1(1.0);
   LaneBlock top{one, zero, zero, t[0], d[0]}, prev = top, below[N > 2 ? N - 2 : 1];
-  VI depth = _mm512_setzero_si512();
-  const VI ione = _mm512_set1_epi64(1);
+  VI depth = izero();
+  const VI ione = iset1(1);
 #pragma GCC unroll 8
   for (int i = 1; i < N; ++i) {
 #pragma GCC unroll 8
     for (int m = i - 2; m >= 1; --m) below[m] = below[m - 1];
     if (i >= 2) below[0] = prev;
     prev = top, top = {one, zero, zero, t[i], d[i]};
-    depth = _mm512_add_epi64(depth, ione);
+    depth = iadd(depth, ione);
     // at most i pools: a round per pool of the lane that pools most, the first on every lane
-    __mmask8 active = __mmask8(~bad);  // (the lanes left to the row path take no part)
-    for (int round = 0; round < i && (round < 1 || active); ++round) {
+    VM active = mnot(bad);  // (the lanes left to the row path take no part)
+    for (int round = 0; round < i; ++round) {
       const VD cp = prev.len, ct = top.len;
-      const VD zg = _mm512_add_pd(prev.span, top.d);
-      const VD gap = _mm512_sub_pd(zg, _mm512_sub_pd(prev.t, top.t));
+      const VD zg = dadd(prev.span, top.d);
+      const VD gap = dsub(zg, dsub(prev.t, top.t));
       // (the first round's top is the singleton i: ct = 1 and acc 0, whose products are exact,
       // ((gap cp) + pa) - 0 the same sum: two products fewer on the chain from step to step)
-      const VD lhs =
-          round == 0
-              ? _mm512_add_pd(vrounded(_mm512_mul_pd(gap, cp)), prev.acc)
-              : _mm512_sub_pd(
-                    _mm512_add_pd(vrounded(_mm512_mul_pd(vrounded(_mm512_mul_pd(gap, cp)), ct)),
-                                  vrounded(_mm512_mul_pd(prev.acc, ct))),
-                    vrounded(_mm512_mul_pd(top.acc, cp)));
-      const __mmask8 pool = active & ~_mm512_cmp_pd_mask(lhs, zero, _CMP_GT_OQ);
-      const VD ct_gap = round == 0 ? gap : vrounded(_mm512_mul_pd(ct, gap));
-      const LaneBlock merged{_mm512_add_pd(cp, ct),
-                             _mm512_add_pd(prev.acc, _mm512_sub_pd(top.acc, ct_gap)),
-                             _mm512_add_pd(zg, top.span), prev.t, prev.d};
+      const VD lhs = round == 0 ? dadd(vrounded(dmul(gap, cp)), prev.acc)
+                                : dsub(dadd(vrounded(dmul(vrounded(dmul(gap, cp)), ct)),
+                                            vrounded(dmul(prev.acc, ct))),
+                                       vrounded(dmul(top.acc, cp)));
+      const VM pool = mand(active, mnot(dcmp<_CMP_GT_OQ>(lhs, zero)));
+      const VD ct_gap = round == 0 ? gap : vrounded(dmul(ct, gap));
+      const LaneBlock merged{dadd(cp, ct), dadd(prev.acc, dsub(top.acc, ct_gap)),
+                             dadd(zg, top.span), prev.t, prev.d};
       top = pick_lanes(pool, top, merged);
-      depth = _mm512_mask_sub_epi64(depth, pool, depth, ione);
-      active = pool & _mm512_cmpgt_epi64_mask(depth, _mm512_setzero_si512());
-      if (!active) break;
+      depth = isel(pool, depth, isub(depth, ione));
+      active = mand(pool, igt(depth, izero()));
+      if (!bits(active)) break;
       prev = pick_lanes(active, prev, below[0]);
 #pragma GCC unroll 8
       for (int m = 0; m + 1 <= i - 2; ++m) below[m] = pick_lanes(active, below[m], below[m + 1]);
@@ -872,12 +1137,10 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   }
   // the shifts and block ids from the last entry back (a block's entries: its length; its shift
   // t_ref - acc / length), then the outputs forwards, as l2_gaps()'s short rows form them
-  const auto shift_of = [](const LaneBlock& k) {
-    return _mm512_sub_pd(k.t, _mm512_div_pd(k.acc, k.len));
-  };
+  const auto shift_of = [](const LaneBlock& k) { return dsub(k.t, ddiv(k.acc, k.len)); };
   VD shift[N], lens[N > 2 ? N - 2 : 1], shifts[N > 2 ? N - 2 : 1];
   VI block[N];
-  __mmask8 start[N];
+  VM start[N];
   {
 #pragma GCC unroll 8
     for (int m = 0; m < N - 2; ++m) lens[m] = below[m].len, shifts[m] = shift_of(below[m]);
@@ -886,21 +1149,21 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
 #pragma GCC unroll 8
     for (int j = N - 1; j >= 0; --j) {
       shift[j] = s, block[j] = k;
-      len = _mm512_sub_pd(len, one);
-      start[j] = _mm512_cmp_pd_mask(len, zero, _CMP_EQ_OQ);
+      len = dsub(len, one);
+      start[j] = dcmp<_CMP_EQ_OQ>(len, zero);
       if (j == 0) break;
-      const __mmask8 pop = start[j];
-      len = _mm512_mask_mov_pd(len, pop, next_len);
-      s = _mm512_mask_mov_pd(s, pop, next_shift);
-      k = _mm512_mask_sub_epi64(k, pop, k, ione);
+      const VM pop = start[j];
+      len = dsel(pop, len, next_len);
+      s = dsel(pop, s, next_shift);
+      k = isel(pop, k, isub(k, ione));
       if (N > 2) {
-        next_len = _mm512_mask_mov_pd(next_len, pop, lens[0]);
-        next_shift = _mm512_mask_mov_pd(next_shift, pop, shifts[0]);
+        next_len = dsel(pop, next_len, lens[0]);
+        next_shift = dsel(pop, next_shift, shifts[0]);
       }
 #pragma GCC unroll 8
       for (int m = 0; m + 1 < N - 2; ++m) {
-        lens[m] = _mm512_mask_mov_pd(lens[m], pop, lens[m + 1]);
-        shifts[m] = _mm512_mask_mov_pd(shifts[m], pop, shifts[m + 1]);
+        lens[m] = dsel(pop, lens[m], lens[m + 1]);
+        shifts[m] = dsel(pop, shifts[m], shifts[m + 1]);
       }
     }
   }
@@ -912,10 +1175,10 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
       out[j] = zero;
       continue;
     }
-    off = _mm512_maskz_mov_pd(__mmask8(~start[j]), _mm512_add_pd(off, d[j]));
-    VD v = _mm512_add_pd(_mm512_sub_pd(zero, off), shift[j]);
-    if constexpr (std::is_same_v<scalar_t, float>) v = _mm512_cvtps_pd(_mm512_cvtpd_ps(v));
-    out[j] = negate ? _mm512_sub_pd(zero, v) : v;  // (0 - v: exact in the dtype too)
+    off = dkeep(mnot(start[j]), dadd(off, d[j]));
+    VD v = dadd(dsub(zero, off), shift[j]);
+    if constexpr (std::is_same_v<scalar_t, float>) v = from_f32(to_f32(v));
+    out[j] = negate ? dsub(zero, v) : v;  // (0 - v: exact in the dtype too)
   }
   // the integer outputs in 16-bit fields of one word, one transpose for all: the block id, the
   // permutations of w and z, and the inverse of z's (where z's entry p is: the un-sort)
@@ -923,54 +1186,38 @@ __mmask8 lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int6
   if (sort_z) {  // the inverse of iz: the items (iz[j], j) sorted
     VI inv[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      inv[j] = j < N ? _mm512_or_si512(_mm512_slli_epi64(iz[j], 32), _mm512_set1_epi64(j))
-                     : _mm512_set1_epi64(-1);
-    }
+    for (int j = 0; j < 8; ++j) inv[j] = j < N ? ior(ishl<32>(iz[j]), iset1(j)) : iset1(-1);
 #pragma GCC unroll 19
     for (int k = 0; k < 19; ++k) {
       VI& a = inv[kNetwork[k][0]];
       VI& b = inv[kNetwork[k][1]];
-      const VI lo = _mm512_min_epu64(a, b);
-      b = _mm512_max_epu64(a, b), a = lo;
+      const VI lo = iminu(a, b);
+      b = imaxu(a, b), a = lo;
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) ints[j] = as_d(_mm512_and_si512(inv[j], _mm512_set1_epi64(7)));
+    for (int j = 0; j < 8; ++j) ints[j] = as_d(iand(inv[j], iset1(7)));
   }
 #pragma GCC unroll 8
   for (int j = 0; j < N; ++j) {
-    VI word = _mm512_slli_epi64(block[j], 48);
-    if (sort_z) {
-      word = _mm512_or_si512(word, _mm512_or_si512(as_i(ints[j]), _mm512_slli_epi64(iz[j], 16)));
-    }
-    if (w_row != 0 && sort_w) word = _mm512_or_si512(word, _mm512_slli_epi64(iw[j], 32));
+    VI word = ishl<48>(block[j]);
+    if (sort_z) word = ior(word, ior(as_i(ints[j]), ishl<16>(iz[j])));
+    if (w_row != 0 && sort_w) word = ior(word, ishl<32>(iw[j]));
     ints[j] = as_d(word);
   }
   transpose8(out);
   transpose8(ints);
-  const __mmask8 m = __mmask8((1u << N) - 1);
-  const VI field = _mm512_set1_epi64(0xFFFF);
+  const VI field = iset1(0xFFFF);
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
-    if (bad >> l & 1) continue;  // (the row path's)
+    if (bad_rows >> l & 1) continue;  // (the row path's)
     const VI word = as_i(ints[l]);
-    // (vpermpd reads the low 3 bits of each index: the inverse's field)
-    const VD row = sort_z ? _mm512_permutexvar_pd(word, out[l]) : out[l];
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      _mm256_mask_storeu_ps(ro + l * N, m, _mm512_cvtpd_ps(row));
-    } else {
-      _mm512_mask_storeu_pd(ro + l * N, m, row);
-    }
-    _mm512_mask_storeu_epi64(rb + l * N, m, _mm512_srli_epi64(word, 48));
-    if (sort_z) {
-      _mm512_mask_storeu_epi64(rz + l * N, m, _mm512_and_si512(_mm512_srli_epi64(word, 16), field));
-    }
-    if (w_row != 0 && sort_w) {
-      const VI iw_row = _mm512_and_si512(_mm512_srli_epi64(word, 32), field);
-      _mm512_mask_storeu_epi64(rpw + l * N, m, iw_row);
-    }
+    // (the permutation reads the low 3 bits of each index: the inverse's field)
+    store_row<N>(ro + l * N, sort_z ? permute_row(word, out[l]) : out[l]);
+    store_row<N>(rb + l * N, as_d(ishr<48>(word)));
+    if (sort_z) store_row<N>(rz + l * N, as_d(iand(ishr<16>(word), field)));
+    if (w_row != 0 && sort_w) store_row<N>(rpw + l * N, as_d(iand(ishr<32>(word), field)));
   }
-  return bad;
+  return bad_rows;
 }
 
 // lanes_group() for n = 2 .. 8 (its arguments).
@@ -987,7 +1234,7 @@ int lanes_rows(int64_t n, Args... args) {
     default: return 0xFF;
   }
 }
-#endif  // AVX-512
+#endif  // SOFTOPS_LANES
 
 // P(z, w) with the sorts, the scaling of z and the un-sort in one pass per row (the forward of
 // softops.sort._pav's projection node; the torch code of softops._core.isotonic is its
@@ -1148,17 +1395,17 @@ SOFTOPS_INLINE void unsort_lanes(const VI* key, VD* payload) {
   VD v[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
-    k[j] = j < N ? key[j] : _mm512_set1_epi64(j);  // (past n: already in place)
-    v[j] = j < N ? payload[j] : _mm512_setzero_pd();
+    k[j] = j < N ? key[j] : iset1(j);  // (past n: already in place)
+    v[j] = j < N ? payload[j] : dzero();
   }
 #pragma GCC unroll 19
   for (int e = 0; e < 19; ++e) {
     const int p = kNetwork[e][0], q = kNetwork[e][1];
-    const __mmask8 swap = _mm512_cmplt_epi64_mask(k[q], k[p]);
+    const VM swap = igt(k[p], k[q]);
     const VI kp = k[p];
     const VD vp = v[p];
-    k[p] = _mm512_mask_blend_epi64(swap, kp, k[q]), k[q] = _mm512_mask_blend_epi64(swap, k[q], kp);
-    v[p] = _mm512_mask_blend_pd(swap, vp, v[q]), v[q] = _mm512_mask_blend_pd(swap, v[q], vp);
+    k[p] = isel(swap, kp, k[q]), k[q] = isel(swap, k[q], kp);
+    v[p] = dsel(swap, vp, v[q]), v[q] = dsel(swap, v[q], vp);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < N; ++j) payload[j] = v[j];
@@ -1167,14 +1414,13 @@ SOFTOPS_INLINE void unsort_lanes(const VI* key, VD* payload) {
 // The lanes x[j] (j < N) of rows base + (b + l) * stride as int64 (transposed), and whether each
 // lane's row is a permutation of 0 .. N.
 template <int N>
-SOFTOPS_INLINE __mmask8 load_perm_lanes(const int64_t* base, VI* x) {
-  load_lanes<N>(reinterpret_cast<const double*>(base), N, reinterpret_cast<VD*>(x));
-  VI seen = _mm512_setzero_si512();
+SOFTOPS_INLINE VM load_perm_lanes(const int64_t* base, VI* x) {
+  VD r[N];
+  load_lanes<N>(reinterpret_cast<const double*>(base), N, r);
+  VI seen = izero();
 #pragma GCC unroll 8
-  for (int j = 0; j < N; ++j) {
-    seen = _mm512_or_si512(seen, _mm512_sllv_epi64(_mm512_set1_epi64(1), x[j]));  // (0 past 63)
-  }
-  return _mm512_cmpeq_epi64_mask(seen, _mm512_set1_epi64((int64_t(1) << N) - 1));
+  for (int j = 0; j < N; ++j) x[j] = as_i(r[j]), seen = ior(seen, ishlv(iset1(1), x[j]));
+  return ieq(seen, iset1((int64_t(1) << N) - 1));
 }
 
 // Eight rows of l2_vjp() for n = N <= 8 without the epsilon term, g's rows contiguous (its
@@ -1185,51 +1431,50 @@ SOFTOPS_INLINE __mmask8 load_perm_lanes(const int64_t* base, VI* x) {
 // row, the running sums and the means backwards, and the outputs un-sorted by a sort on the
 // permutation's entries.
 template <int N, typename scalar_t>
-__mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int64_t* rz,
-                   const int64_t* rw, const scalar_t* e, bool scaled, bool inv, bool flip,
-                   bool negate, scalar_t* rgz, scalar_t* rgw) {
-  const VD zero = _mm512_setzero_pd(), one = _mm512_set1_pd(1.0);
+int vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int64_t* rz,
+              const int64_t* rw, const scalar_t* e, bool scaled, bool inv, bool flip, bool negate,
+              scalar_t* rgz, scalar_t* rgw) {
+  const VD zero = dzero(), one = dset1(1.0);
   VI block[N], iz[N], iw[N];
-  __mmask8 ok = 0xFF;
-  load_lanes<N>(reinterpret_cast<const double*>(rb), N, reinterpret_cast<VD*>(block));
-  __mmask8 start[N];
-  ok &= _mm512_cmpeq_epi64_mask(block[0], _mm512_setzero_si512());
-  start[0] = 0xFF;
+  {
+    VD r[N];
+    load_lanes<N>(reinterpret_cast<const double*>(rb), N, r);
+#pragma GCC unroll 8
+    for (int j = 0; j < N; ++j) block[j] = as_i(r[j]);
+  }
+  VM start[N];
+  VM ok = ieq(block[0], izero());
+  start[0] = mask_of(0xFF);
 #pragma GCC unroll 8
   for (int j = 1; j < N; ++j) {
-    const VI step = _mm512_sub_epi64(block[j], block[j - 1]);
-    start[j] = _mm512_cmpneq_epi64_mask(step, _mm512_setzero_si512());
-    ok &= ~start[j] | _mm512_cmpeq_epi64_mask(step, _mm512_set1_epi64(1));
+    const VI step = isub(block[j], block[j - 1]);
+    start[j] = mnot(ieq(step, izero()));
+    ok = mand(ok, mor(mnot(start[j]), ieq(step, iset1(1))));
   }
   VD gs[N];
-  {  // the rows of g, read through pz in each row (vpermpd: its low 3 bits)
-    VD rows[8], perm[8];
-    const __mmask8 m = __mmask8((1u << N) - 1);
-    if (rz) ok &= load_perm_lanes<N>(rz, iz);
+  {  // the rows of g, read through pz in each row (its low 3 bits)
+    VD rows[8];
+    if (rz) ok = mand(ok, load_perm_lanes<N>(rz, iz));
 #pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) {
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        rows[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, rg + l * g0));
-      } else {
-        rows[l] = _mm512_maskz_loadu_pd(m, rg + l * g0);
-      }
-      if (rz) perm[l] = _mm512_castsi512_pd(_mm512_maskz_loadu_epi64(m, rz + l * N));
-      if (rz) rows[l] = _mm512_permutexvar_pd(_mm512_castpd_si512(perm[l]), rows[l]);
+      rows[l] = load_row<N>(rg + l * g0);
+      if (rz) rows[l] = permute_row(as_i(load_row<N>(rz + l * N)), rows[l]);
     }
     transpose8(rows);
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) gs[j] = rows[j];
   }
-  if (rw) ok &= load_perm_lanes<N>(rw, iw);
-  if (ok == 0) return 0xFF;
+  if (rw) ok = mand(ok, load_perm_lanes<N>(rw, iw));
+  const int ok_rows = bits(ok);
+  if (ok_rows == 0) return 0xFF;
   // the running sums of each run, then its mean from its last entry backwards
   VD acc[N], cnt[N];
   {
     VD sum = zero, count = zero;
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
-      sum = _mm512_add_pd(_mm512_maskz_mov_pd(__mmask8(~start[j]), sum), gs[j]);
-      count = _mm512_add_pd(_mm512_maskz_mov_pd(__mmask8(~start[j]), count), one);
+      sum = dadd(dkeep(mnot(start[j]), sum), gs[j]);
+      count = dadd(dkeep(mnot(start[j]), count), one);
       acc[j] = sum, cnt[j] = count;
     }
   }
@@ -1238,10 +1483,10 @@ __mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int6
     VD mean = zero;
 #pragma GCC unroll 8
     for (int j = N - 1; j >= 0; --j) {
-      const VD m = _mm512_div_pd(acc[j], cnt[j]);
-      mean = j == N - 1 ? m : _mm512_mask_mov_pd(mean, start[j + 1], m);
+      const VD m = ddiv(acc[j], cnt[j]);
+      mean = j == N - 1 ? m : dsel(start[j + 1], mean, m);
       gw[j] = mean;
-      gz[j] = _mm512_sub_pd(gs[j], mean);
+      gz[j] = dsub(gs[j], mean);
     }
   }
   // in the dtype: gz through z's scaling (-v; v * f or v / f, f as the forward's), gw cast
@@ -1252,33 +1497,33 @@ __mmask8 vjp_lanes(const scalar_t* rg, int64_t g0, const int64_t* rb, const int6
                : f;
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
-      __m256 v = _mm512_cvtpd_ps(gz[j]);
+      __m256 v = to_f32(gz[j]);
       if (scaled) {
         v = negate ? _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)) : v;
         v = inv ? _mm256_mul_ps(v, f) : _mm256_div_ps(v, f);
       }
-      gz[j] = _mm512_cvtps_pd(v);
-      gw[j] = _mm512_cvtps_pd(_mm512_cvtpd_ps(gw[j]));
+      gz[j] = from_f32(v);
+      gw[j] = from_f32(to_f32(gw[j]));
     }
   } else {
-    VD f = _mm512_loadu_pd(e);
-    f = inv ? _mm512_div_pd(one, f) : flip ? _mm512_xor_pd(f, _mm512_set1_pd(-0.0)) : f;
+    VD f = load_row<8>(e);
+    f = inv ? ddiv(one, f) : flip ? dxor(f, dset1(-0.0)) : f;
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
       if (!scaled) continue;
-      VD v = negate ? _mm512_xor_pd(gz[j], _mm512_set1_pd(-0.0)) : gz[j];
-      gz[j] = inv ? _mm512_mul_pd(v, f) : _mm512_div_pd(v, f);
+      VD v = negate ? dxor(gz[j], dset1(-0.0)) : gz[j];
+      gz[j] = inv ? dmul(v, f) : ddiv(v, f);
     }
   }
   if (rgz) {
     if (rz) unsort_lanes<N>(iz, gz);
-    store_lanes<N>(gz, rgz, ok);
+    store_lanes<N>(gz, rgz, ok_rows);
   }
   if (rgw) {
     if (rw) unsort_lanes<N>(iw, gw);
-    store_lanes<N>(gw, rgw, ok);
+    store_lanes<N>(gw, rgw, ok_rows);
   }
-  return __mmask8(~ok);
+  return ~ok_rows & 0xFF;
 }
 
 // vjp_lanes() for n = 2 .. 8 (its arguments).
