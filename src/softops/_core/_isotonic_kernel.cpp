@@ -706,6 +706,20 @@ SOFTOPS_INLINE VI key64(VI b, VM keep) {
   return _mm512_maskz_xor_epi64(keep, b, flip);
 }
 
+// The same on eight 32-bit lanes, and the mask of the lanes of f that are not NaN.
+SOFTOPS_INLINE __m256i key32(__m256i b, __mmask8 keep) {
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
+  const __m256i magnitude = _mm256_andnot_si256(sign, b);
+  b = _mm256_mask_blend_epi32(_mm256_cmpeq_epi32_mask(magnitude, _mm256_setzero_si256()), b,
+                              _mm256_setzero_si256());
+  const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
+  return _mm256_maskz_xor_epi32(keep, b, flip);
+}
+SOFTOPS_INLINE __mmask8 ordered32(__m256 f) { return _mm256_cmp_ps_mask(f, f, _CMP_ORD_Q); }
+SOFTOPS_INLINE __mmask8 all32() { return 0xFF; }
+// m ? x - 1 : x
+SOFTOPS_INLINE VI idec(VM m, VI x) { return _mm512_mask_sub_epi64(x, m, x, _mm512_set1_epi64(1)); }
+
 #else  // AVX2: two halves
 struct VD {
   __m256d h[2];
@@ -915,6 +929,20 @@ SOFTOPS_INLINE VI key64(VI b, VM keep) {
   }
   return r;
 }
+// descending_key() on eight 32-bit lanes (as key64(); `keep` all-ones lanes), and
+// the lanes of f that are not NaN.
+SOFTOPS_INLINE __m256i key32(__m256i b, __m256i keep) {
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u)), zero = _mm256_setzero_si256();
+  b = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_andnot_si256(sign, b), zero), b);  // (-0)
+  const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
+  return _mm256_and_si256(keep, _mm256_xor_si256(b, flip));
+}
+SOFTOPS_INLINE __m256i ordered32(__m256 f) { return _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q)); }
+SOFTOPS_INLINE __m256i all32() { return _mm256_set1_epi32(-1); }
+// m ? x - 1 : x (m's lanes -1 or 0)
+SOFTOPS_INLINE VI idec(VM m, VI x) {
+  return VI{{_mm256_add_epi64(x.h[0], m.h[0]), _mm256_add_epi64(x.h[1], m.h[1])}};
+}
 #undef SOFTOPS_BINARY
 #endif  // AVX2
 
@@ -952,14 +980,6 @@ SOFTOPS_INLINE void store_lanes(const VD* x, scalar_t* base, int rows = 0xFF) {
   }
 }
 
-// descending_key() on eight 32-bit lanes (as key64(); `keep` all-ones lanes).
-SOFTOPS_INLINE __m256i key32(__m256i b, __m256i keep) {
-  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u)), zero = _mm256_setzero_si256();
-  b = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_andnot_si256(sign, b), zero), b);  // (-0)
-  const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
-  return _mm256_and_si256(keep, _mm256_xor_si256(b, flip));
-}
-
 // The lanes x[j] (j < N; negated with `neg`) sorted descending as sort_descending() sorts a row:
 // idx[j] the index of the j-th, and v[j] its value (from its key: as x[j], but -0 as +0, NaN
 // as some NaN).
@@ -975,8 +995,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
         continue;
       }
       const __m256 f = to_f32(neg ? dxor(x[j], sign) : x[j]);
-      const __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q));
-      const __m256i key = key32(_mm256_castps_si256(f), keep);
+      const __m256i key = key32(_mm256_castps_si256(f), ordered32(f));
       items[j] = ior(ishl<32>(widen_u32(key)), iset1(j));
     }
 #pragma GCC unroll 19
@@ -989,7 +1008,7 @@ SOFTOPS_INLINE void sort_lanes(const VD* x, bool neg, VI* idx, VD* v) {
 #pragma GCC unroll 8
     for (int j = 0; j < N; ++j) {
       idx[j] = iand(items[j], iset1(0xFFFFFFFFll));
-      const __m256i key = key32(high_u32(items[j]), _mm256_set1_epi32(-1));
+      const __m256i key = key32(high_u32(items[j]), all32());
       v[j] = from_f32(_mm256_castsi256_ps(key));
     }
   } else {
@@ -1127,7 +1146,7 @@ int lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w
       const LaneBlock merged{dadd(cp, ct), dadd(prev.acc, dsub(top.acc, ct_gap)),
                              dadd(zg, top.span), prev.t, prev.d};
       top = pick_lanes(pool, top, merged);
-      depth = isel(pool, depth, isub(depth, ione));
+      depth = idec(pool, depth);
       active = mand(pool, igt(depth, izero()));
       if (!bits(active)) break;
       prev = pick_lanes(active, prev, below[0]);
@@ -1155,7 +1174,7 @@ int lanes_group(const scalar_t* ru, int64_t u_row, const scalar_t* rw, int64_t w
       const VM pop = start[j];
       len = dsel(pop, len, next_len);
       s = dsel(pop, s, next_shift);
-      k = isel(pop, k, isub(k, ione));
+      k = idec(pop, k);
       if (N > 2) {
         next_len = dsel(pop, next_len, lens[0]);
         next_shift = dsel(pop, next_shift, shifts[0]);
