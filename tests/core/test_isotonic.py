@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 import warnings
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -752,7 +756,8 @@ def _short_rows(n, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("n", range(1, 10))
 def test_the_short_row_lanes_equal_the_row_path_bit_for_bit(dtype, n, ops):
-    # rows of n <= 8 are solved eight at a time on AVX-512 lanes where the kernel is built for it
+    # rows of n <= 8 are solved eight at a time, a row per vector lane, where the kernel is built
+    # for AVX-512 or AVX2 (the AVX2 build: the test below)
     # (the rows they cannot take, and the rest, on the row path): every output of a batch, L2
     # projection and VJP, is that of its rows called one at a time (the row path), bit for bit,
     # in every L2 mode, the sort's (one row of rho, rows of w) and the rank's (rows of u)
@@ -805,3 +810,31 @@ def test_the_short_row_lanes_equal_the_row_path_bit_for_bit(dtype, n, ops):
                         ]
                     )
                     assert torch.equal(_bits(vjp[k]), _bits(want)), (mode, want_z, want_w, k)
+
+
+@pytest.mark.slow
+def test_the_short_row_lanes_equal_the_row_path_on_an_avx2_build_too():
+    # the lanes are compiled per CPU capability (AVX-512: a vector of eight; AVX2: two halves of
+    # four, masks as vectors), and a run meets only its machine's: the lane test again in a process
+    # that torch, and so softops' build, takes for an AVX2 machine (a kernel build, then cached)
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    check = "import torch; assert torch.backends.cpu.get_cpu_capability() == 'AVX2'"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    args = [
+        "-m",
+        "pytest",
+        "-q",
+        "-pno:cacheprovider",
+        __file__,
+        "-k",
+        "lanes_equal_the_row_path_bit",
+    ]
+    done = subprocess.run(
+        [sys.executable, *args], env=env, cwd=root, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "18 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-4000:]

@@ -552,7 +552,7 @@ bool load_t(const scalar_t* rw, const int64_t* idx, int64_t n, bool neg, double*
   return finite;
 }
 
-// ------------------------------------ short rows, eight at a time (AVX-512: one row per lane)
+// -------------------- short rows, eight at a time (AVX-512 and AVX2 builds: one row per lane)
 //
 // L2 rows of n <= 8 (a router's experts: B rows of 8) are solved eight rows at a time, one row per
 // lane of a vector of doubles (lanes_group()): the rows are transposed (entry j of the eight rows
@@ -876,10 +876,16 @@ SOFTOPS_INLINE __m256i first_lanes(int half) {
   return _mm256_cmpgt_epi64(_mm256_set1_epi64x(N - 4 * half), _mm256_setr_epi64x(0, 1, 2, 3));
 }
 
+// The lanes of the first N of eight 32-bit entries.
+template <int N>
+SOFTOPS_INLINE __m256i first_floats() {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 template <int N, typename scalar_t>
 SOFTOPS_INLINE VD load_row(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i m = first_floats<N>();
     return from_f32(N == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m));
   } else {
     const double* q = reinterpret_cast<const double*>(p);
@@ -895,7 +901,7 @@ SOFTOPS_INLINE VD load_row(const scalar_t* p) {
 template <int N, typename scalar_t>
 SOFTOPS_INLINE void store_row(scalar_t* p, VD x) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i m = first_floats<N>();
     if (N == 8) {
       _mm256_storeu_ps(p, to_f32(x));
     } else {
@@ -937,7 +943,9 @@ SOFTOPS_INLINE __m256i key32(__m256i b, __m256i keep) {
   const __m256i flip = _mm256_andnot_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF));
   return _mm256_and_si256(keep, _mm256_xor_si256(b, flip));
 }
-SOFTOPS_INLINE __m256i ordered32(__m256 f) { return _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q)); }
+SOFTOPS_INLINE __m256i ordered32(__m256 f) {
+  return _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q));
+}
 SOFTOPS_INLINE __m256i all32() { return _mm256_set1_epi32(-1); }
 // m ? x - 1 : x (m's lanes -1 or 0)
 SOFTOPS_INLINE VI idec(VM m, VI x) {
