@@ -28,7 +28,8 @@ the first-call table of ``first_call.py``) and ``grid.png`` (heat maps of the ra
 ``grid-quick.*`` instead. The JSON is rewritten after every configuration, so an interrupted run
 keeps what it measured; ``--report-only`` rebuilds the Markdown and PNG from it. ``--append``
 adds a run (other threads, ops or shapes) to the existing JSON: the configurations it measures
-again replace the old records, which are kept under ``replaced``.
+again replace the old records, which are kept under ``replaced``, and its first calls replace
+those of its ops (the other ops' are kept).
 """
 
 from __future__ import annotations
@@ -198,6 +199,19 @@ def _order(record: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+def merge_first_calls(
+    old: list[dict[str, Any]], fresh: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The first-call records of an appending run: ``fresh`` in place of the old records of the
+    same subject, shape and threads; the other old ones (the ops this run did not take) kept."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["subject"], r["B"], r["n"], r["threads"]
+
+    taken = {key(r) for r in fresh}
+    return [*(r for r in old if key(r) not in taken), *fresh]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", nargs="+", choices=THREADS, default=list(THREADS))
@@ -281,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     save(run_grid(args.ops, shapes, args.threads, limits, budget, save))
     if not args.no_first_call:
         fc_shapes = first_call.QUICK_SHAPES if args.quick else first_call.SHAPES
-        payload["first_call"] = first_call.run_all(args.ops, fc_shapes, "1", args.timeout)
+        fresh = first_call.run_all(args.ops, fc_shapes, "1", args.timeout)
+        payload["first_call"] = merge_first_calls(payload.get("first_call", []), fresh)
     run["duration_s"] = round(time.perf_counter() - start, 1)
     run["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     write_reports(payload, out, name)

@@ -505,3 +505,20 @@ def test_grid_round_times_a_short_call_after_an_untimed_one_of_the_same_callable
     worker.timed_round(fns, ["short", "long", "mid"], times, first, clock)
     assert calls == ["short"] * (settle_calls + 1) + ["long"] + ["mid"] * 3
     assert times == {name: [reading] * 2 for name, reading in readings.items()}
+
+
+def test_grid_append_replaces_the_first_calls_of_its_ops_and_keeps_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # (grid.py imports its siblings by name)
+    grid = _load("grid")
+
+    def record(subject: str, n: int, first_s: float) -> dict:
+        return {"subject": subject, "B": 8, "n": n, "threads": "1", "first_s": first_s}
+
+    old = [record("ot", 128, 1.0), record("sparse", 128, 2.0), record("ot", 1000, 3.0)]
+    fresh = [record("ot", 128, 0.5), record("ot", 1000, 0.7)]
+    merged = grid.merge_first_calls(old, fresh)
+    assert sorted((r["subject"], r["n"], r["first_s"]) for r in merged) == [
+        ("ot", 128, 0.5), ("ot", 1000, 0.7), ("sparse", 128, 2.0)
+    ]  # fmt: skip
