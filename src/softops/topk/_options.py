@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -75,6 +76,34 @@ def check_mask_options(
 ) -> tuple[int | None, float | None, int | None]:
     """Check the options of a top-k mask for ``method``: ``(max_iter, tol, n_samples)`` (only
     ``n_samples`` defaulted); arguments ``method`` does not use must be left at None."""
+    if epsilon is None and generator is None:
+        try:  # plain values, their types in the key (1 == True): checked once per combination
+            return _options_once(
+                *(op, method, type(method), largest, type(largest), max_iter, type(max_iter)),
+                *(tol, type(tol), hard, type(hard), n_samples, type(n_samples)),
+            )
+        except TypeError:  # (an unhashable value, or a type refused: checked below, and told)
+            pass
+    return _check_options(op, method, largest, epsilon, max_iter, tol, hard, n_samples, generator)
+
+
+@functools.lru_cache(maxsize=64)
+def _options_once(op: str, method: Any, _: type, *args: Any) -> tuple[Any, ...]:
+    largest, max_iter, tol, hard, n_samples = args[0:9:2]
+    return _check_options(op, method, largest, None, max_iter, tol, hard, n_samples, None)
+
+
+def _check_options(
+    op: str,
+    method: Any,
+    largest: Any,
+    epsilon: Any,
+    max_iter: Any,
+    tol: Any,
+    hard: Any,
+    n_samples: Any,
+    generator: Any,
+) -> tuple[int | None, float | None, int | None]:
     check_choice(method, MASK_METHODS, op, "method")
     check_bool(largest, op, "largest")
     check_bool(hard, op, "hard")
@@ -111,6 +140,27 @@ def check_mask_k(
 ) -> tuple[float | torch.Tensor, float | None]:
     """Check ``k`` for ``method``: ``(k, k_scalar)``, k_scalar its value when a number; a k or
     epsilon that requires grad where the method gives it none is refused, not ignored."""
+    if type(k) in (int, float) and not isinstance(epsilon, torch.Tensor):
+        return _number_k_once(op, k, type(k), n, method, hard, dtype)  # (checked once)
+    return _check_mask_k(op, k, n, method, hard, epsilon, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _number_k_once(
+    op: str, k: float, _: type, n: int | None, method: str, hard: bool, dtype: torch.dtype | None
+) -> tuple[float, float | None]:
+    return _check_mask_k(op, k, n, method, hard, None, dtype)  # type: ignore[return-value]
+
+
+def _check_mask_k(
+    op: str,
+    k: Any,
+    n: int | None,
+    method: str,
+    hard: bool,
+    epsilon: Any,
+    dtype: torch.dtype | None,
+) -> tuple[float | torch.Tensor, float | None]:
     k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
