@@ -78,18 +78,17 @@ def check_mask_options(
     ``n_samples`` defaulted); arguments ``method`` does not use must be left at None."""
     if epsilon is None and generator is None:
         try:  # plain values, their types in the key (1 == True): checked once per combination
-            return _options_once(
-                *(op, method, type(method), largest, type(largest), max_iter, type(max_iter)),
-                *(tol, type(tol), hard, type(hard), n_samples, type(n_samples)),
-            )
+            values = (method, largest, max_iter, tol, hard, n_samples)
+            types = (type(method), type(largest), type(max_iter), type(tol), type(hard))
+            return _options_once(op, values, (*types, type(n_samples)))
         except TypeError:  # (an unhashable value, or a type refused: checked below, and told)
             pass
     return _check_options(op, method, largest, epsilon, max_iter, tol, hard, n_samples, generator)
 
 
 @functools.lru_cache(maxsize=64)
-def _options_once(op: str, method: Any, _: type, *args: Any) -> tuple[Any, ...]:
-    largest, max_iter, tol, hard, n_samples = args[0:9:2]
+def _options_once(op: str, values: tuple[Any, ...], _: tuple[type, ...]) -> tuple[Any, ...]:
+    method, largest, max_iter, tol, hard, n_samples = values
     return _check_options(op, method, largest, None, max_iter, tol, hard, n_samples, None)
 
 
@@ -141,15 +140,15 @@ def check_mask_k(
     """Check ``k`` for ``method``: ``(k, k_scalar)``, k_scalar its value when a number; a k or
     epsilon that requires grad where the method gives it none is refused, not ignored."""
     if type(k) in (int, float) and not isinstance(epsilon, torch.Tensor):
-        return _number_k_once(op, k, type(k), n, method, hard, dtype)  # (checked once)
+        return _number_k_once(op, k, type(k) is int, n, method, hard, dtype)  # (checked once)
     return _check_mask_k(op, k, n, method, hard, epsilon, dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _number_k_once(
-    op: str, k: float, _: type, n: int | None, method: str, hard: bool, dtype: torch.dtype | None
-) -> tuple[float, float | None]:
-    return _check_mask_k(op, k, n, method, hard, None, dtype)  # type: ignore[return-value]
+    op: str, k: float, _: bool, n: int | None, method: str, hard: bool, dtype: torch.dtype | None
+) -> tuple[float | torch.Tensor, float | None]:
+    return _check_mask_k(op, k, n, method, hard, None, dtype)
 
 
 def _check_mask_k(
