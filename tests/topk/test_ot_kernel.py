@@ -515,3 +515,24 @@ def test_rows_at_k_zero_are_the_limit_on_either_back_end(ops, dtype, n):
         torch.testing.assert_close(gk, want, rtol=5 * tol, atol=tol)
     for a, w in zip(out["kernel"], out["reference"], strict=True):
         torch.testing.assert_close(a, w, atol=tol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("limit_row", [False, True])
+def test_operator_returns_the_kernel_outputs_as_they_are_where_every_row_is_solved(
+    ops, dtype, limit_row
+):
+    # where no row is left or at a limit of k, the CPU operator hands back the kernel's A, s and
+    # aux, its status as the edge (0) and its scale (1); they are those of the merged path
+    x = _rows(9, 8, dtype, 11)
+    k = torch.full((9,), 3.0, dtype=dtype)
+    if limit_row:
+        k[4] = 0.0  # (at a limit: the merged path, whose edge marks the row)
+    eps = torch.linspace(0.05, 2.0, 9, dtype=dtype)
+    with backend("kernel"):
+        out = _ot.THRESHOLD_OP(x, k, eps, 100, 0.0, None, "op")
+    merged = _ot._threshold_outputs("op", 100, _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None))
+    for got, want in zip(out, merged, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert out[3].dtype == torch.int8 and out[3].tolist() == [0] * 4 + [limit_row] + [0] * 4
+    assert out[4].dtype == dtype and (out[4] == 1).all()
