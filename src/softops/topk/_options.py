@@ -92,17 +92,8 @@ def _options_once(op: str, values: tuple[Any, ...], _: tuple[type, ...]) -> tupl
     return _check_options(op, method, largest, None, max_iter, tol, hard, n_samples, None)
 
 
-def _check_options(
-    op: str,
-    method: Any,
-    largest: Any,
-    epsilon: Any,
-    max_iter: Any,
-    tol: Any,
-    hard: Any,
-    n_samples: Any,
-    generator: Any,
-) -> tuple[int | None, float | None, int | None]:
+def _check_options(op: str, method: Any, *args: Any) -> tuple[int | None, float | None, int | None]:
+    largest, epsilon, max_iter, tol, hard, n_samples, generator = args
     check_choice(method, MASK_METHODS, op, "method")
     check_bool(largest, op, "largest")
     check_bool(hard, op, "hard")
@@ -151,15 +142,8 @@ def _number_k_once(
     return _check_mask_k(op, k, n, method, hard, None, dtype)
 
 
-def _check_mask_k(
-    op: str,
-    k: Any,
-    n: int | None,
-    method: str,
-    hard: bool,
-    epsilon: Any,
-    dtype: torch.dtype | None,
-) -> tuple[float | torch.Tensor, float | None]:
+def _check_mask_k(op: str, k: Any, *args: Any) -> tuple[float | torch.Tensor, float | None]:
+    n, method, hard, epsilon, dtype = args
     k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):
