@@ -108,3 +108,25 @@ def test_ot_and_sinkhorn_kernels_on_canonical_rows():
         METHODS["sinkhorn"].mask(
             x, k, eps, MaskOptions("op", 3, 0.0)
         )  # tol=0: exactly max_iter iterations, no warning
+
+
+def test_checks_of_plain_values_are_kept_apart_by_type():
+    # the checks of plain options and of a number k are made once per combination: a value equal
+    # (and hashing alike) to one already checked, of another type, is checked on its own
+    assert check_mask_options("op", "ot", largest=True, hard=False, max_iter=3) == (3, None, None)
+    for bad in (dict(largest=1), dict(hard=0), dict(max_iter=3.0)):
+        with pytest.raises(TypeError, match=r"expected `(largest|hard|max_iter)` to be a"):
+            check_mask_options("op", "ot", **bad)
+    assert check_mask_options("op", "sinkhorn", tol=0.5) == (None, 0.5, None)
+    with pytest.raises(ValueError, match="tol"):
+        check_mask_options("op", "sparse", tol=0.5)  # (the same values, another method)
+    k, k_scalar = check_mask_k("op", 1, 4, "softkmax")
+    assert (k, k_scalar) == (1, 1) and type(k) is int and type(k_scalar) is int
+    k, k_scalar = check_mask_k("op", 1.0, 4, "softkmax")
+    assert type(k) is float and type(k_scalar) is float
+    with pytest.raises(TypeError, match="expected `k` to be a number; got True"):
+        check_mask_k("op", True, 4, "softkmax")
+    with pytest.raises(ValueError, match="k"):
+        check_mask_k("op", 5, 4, "ot")  # refused each time, not remembered as passed
+    with pytest.raises(ValueError, match="k"):
+        check_mask_k("op", 5, 4, "ot")

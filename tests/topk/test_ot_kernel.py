@@ -100,13 +100,11 @@ def test_the_kernel_takes_its_exponentials_from_the_rows(ops):
 def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(ops):
     x, k, eps = flagged_rows()
     limit = _ot._scaling_limit(F64)
-    *_, converged, status, evaluations, left, at_limit = ops.threshold_rows(
-        x, k, eps, 0.0, limit, 100
-    )
+    *_, scale, status, evaluations, left, at_limit = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
     # (the near-hard row, 5, is polished by the kernel itself: see the test of such rows; rows 3
     # and 6 are at their limits k = n_fin and k = 0, filled: 4 and 2)
     assert status.tolist() == [0, 1, 1, 4, 1, 0, 2] and left == 3 and at_limit == 2
-    assert converged.all() and 1 <= evaluations <= 8
+    assert (scale == 1).all() and 1 <= evaluations <= 8
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     assert_merged_solve(got, _ot._solve(x, k, eps, 100, 0.0, None))
     # and through the operator, whatever the back end
@@ -320,12 +318,10 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     eps[7] = 1e300 if dtype == F64 else 1e37
     special = [3, 4, 5, 6, 7]
     limit = _ot._scaling_limit(dtype)
-    *_, converged, status, evaluations, left, at_limit = ops.threshold_rows(
-        x, k, eps, 0.0, limit, 100
-    )
+    *_, scale, status, evaluations, left, at_limit = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
     assert status.nonzero().squeeze(-1).tolist() == special
     assert status[special].tolist() == [1, 1, 2, 4, 1] and (left, at_limit) == (3, 2)
-    assert converged.all() and 1 <= evaluations <= 8
+    assert (scale == 1).all() and 1 <= evaluations <= 8
     got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     tol = 1e-12 if dtype == F64 else 2e-6
@@ -519,3 +515,24 @@ def test_rows_at_k_zero_are_the_limit_on_either_back_end(ops, dtype, n):
         torch.testing.assert_close(gk, want, rtol=5 * tol, atol=tol)
     for a, w in zip(out["kernel"], out["reference"], strict=True):
         torch.testing.assert_close(a, w, atol=tol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("limit_row", [False, True])
+def test_operator_returns_the_kernel_outputs_as_they_are_where_every_row_is_solved(
+    ops, dtype, limit_row
+):
+    # where no row is left or at a limit of k, the CPU operator hands back the kernel's A, s and
+    # aux, its status as the edge (0) and its scale (1); they are those of the merged path
+    x = _rows(9, 8, dtype, 11)
+    k = torch.full((9,), 3.0, dtype=dtype)
+    if limit_row:
+        k[4] = 0.0  # (at a limit: the merged path, whose edge marks the row)
+    eps = torch.linspace(0.05, 2.0, 9, dtype=dtype)
+    with backend("kernel"):
+        out = _ot.THRESHOLD_OP(x, k, eps, 100, 0.0, None, "op")
+    merged = _ot._threshold_outputs("op", 100, _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None))
+    for got, want in zip(out, merged, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert out[3].dtype == torch.int8 and out[3].tolist() == [0] * 4 + [limit_row] + [0] * 4
+    assert out[4].dtype == dtype and (out[4] == 1).all()

@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from softops._core.dims import _epsilon_row as constant_row
 from softops._core.dims import prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.transforms import cannot_branch, plain, under_functorch
@@ -199,7 +200,10 @@ def soft_topk_mask(
         check_generator(generator, x.device, op)
 
     x2 = rows.x2 if largest else -rows.x2
-    k_row = rows.param(k, op, "k")
+    if isinstance(k, torch.Tensor) or torch.compiler.is_compiling():
+        k_row = rows.param(k, op, "k")
+    else:  # a number: its row made once per (B, k, dtype, device), as epsilon's
+        k_row = constant_row(x2, k, x2.dtype)
     if x2.shape[0] == 0:
         return x * 0  # empty, but on the graph like every other output
     cap, tolerance = solver_defaults(method, max_iter, tol, x2.dtype)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -75,6 +76,24 @@ def check_mask_options(
 ) -> tuple[int | None, float | None, int | None]:
     """Check the options of a top-k mask for ``method``: ``(max_iter, tol, n_samples)`` (only
     ``n_samples`` defaulted); arguments ``method`` does not use must be left at None."""
+    if epsilon is None and generator is None:
+        try:  # plain values, their types in the key (1 == True): checked once per combination
+            values = (method, largest, max_iter, tol, hard, n_samples)
+            types = (type(method), type(largest), type(max_iter), type(tol), type(hard))
+            return _options_once(op, values, (*types, type(n_samples)))
+        except TypeError:  # (an unhashable value, or a type refused: checked below, and told)
+            pass
+    return _check_options(op, method, largest, epsilon, max_iter, tol, hard, n_samples, generator)
+
+
+@functools.lru_cache(maxsize=64)
+def _options_once(op: str, values: tuple[Any, ...], _: tuple[type, ...]) -> tuple[Any, ...]:
+    method, largest, max_iter, tol, hard, n_samples = values
+    return _check_options(op, method, largest, None, max_iter, tol, hard, n_samples, None)
+
+
+def _check_options(op: str, method: Any, *args: Any) -> tuple[int | None, float | None, int | None]:
+    largest, epsilon, max_iter, tol, hard, n_samples, generator = args
     check_choice(method, MASK_METHODS, op, "method")
     check_bool(largest, op, "largest")
     check_bool(hard, op, "hard")
@@ -111,6 +130,20 @@ def check_mask_k(
 ) -> tuple[float | torch.Tensor, float | None]:
     """Check ``k`` for ``method``: ``(k, k_scalar)``, k_scalar its value when a number; a k or
     epsilon that requires grad where the method gives it none is refused, not ignored."""
+    if type(k) in (int, float) and not isinstance(epsilon, torch.Tensor):
+        return _number_k_once(op, k, type(k) is int, n, method, hard, dtype)  # (checked once)
+    return _check_mask_k(op, k, n, method, hard, epsilon, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _number_k_once(
+    op: str, k: float, _: bool, n: int | None, method: str, hard: bool, dtype: torch.dtype | None
+) -> tuple[float | torch.Tensor, float | None]:
+    return _check_mask_k(op, k, n, method, hard, None, dtype)
+
+
+def _check_mask_k(op: str, k: Any, *args: Any) -> tuple[float | torch.Tensor, float | None]:
+    n, method, hard, epsilon, dtype = args
     k = check_k(k, n, op, dtype=dtype)
     k_scalar: float | None = None
     if not isinstance(k, torch.Tensor):

@@ -78,6 +78,9 @@ def _scaling_limit(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max * 2.0**-SCALE_BITS
 
 
+_LIMITS = {t: _scaling_limit(t) for t in (torch.float32, torch.float64)}
+
+
 class ThresholdState(NamedTuple):
     """The solved threshold of each row, ``A = sigmoid(((x - m) - t) / eps)``, with diagnostics.
 
@@ -525,13 +528,16 @@ def _solve_kernel(
     max_iter: int,
     tol: float,
     k_scalar: float | None,
+    solved: tuple[Any, ...] | None = None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by the CPU row kernel; the rows it leaves (a NaN or ``+inf``, a huge
-    epsilon, an unreachable k, capped) are solved by the torch code and merged."""
+    """:func:`_solve` by the CPU row kernel (``solved``: its outputs, where already run); the
+    rows it leaves (a NaN or ``+inf``, a huge epsilon, an unreachable k, capped) are solved by
+    the torch code and merged."""
     B = x.shape[0]
-    A, s, aux, residual, converged, status, evaluations, n_left, n_limit = ops.threshold_rows(
-        x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter
-    )
+    if solved is None:
+        solved = ops.threshold_rows(x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter)
+    A, s, aux, residual, _, status, evaluations, n_left, n_limit = solved
+    converged = torch.ones(B, dtype=torch.bool, device=x.device)  # (a capped row is left)
     # the kernel's status: 0 solved, 1 left, else the limits (2: k = 0, 4: k = n_fin)
     sel_none = sel_all = invalid = None
     if n_limit or n_left:
@@ -741,7 +747,11 @@ def _threshold_cpu(
     k_scalar: float | None,
     caller: str,
 ) -> tuple[torch.Tensor, ...]:
-    solved = _solve_kernel(ops, x, k, eps, max_iter, tol, k_scalar)
+    limit = _LIMITS.get(x.dtype) or _scaling_limit(x.dtype)
+    out = ops.threshold_rows(x, k, eps, float(tol), limit, max_iter)
+    if not (out[7] or out[8]):  # every row solved: edge 0 (the status) and scale 1 as they are
+        return out[0], out[1], out[2], out[5], out[4]
+    solved = _solve_kernel(ops, x, k, eps, max_iter, tol, k_scalar, out)
     return _threshold_outputs(caller, max_iter, solved)
 
 

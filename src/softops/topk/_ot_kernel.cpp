@@ -368,6 +368,13 @@ template <typename scalar_t>
 C10_ALWAYS_INLINE at::vec::Vectorized<double> rounded(const at::vec::Vectorized<double>& v) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return v;
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<scalar_t, float>) {  // (one conversion each way)
+    return _mm512_cvtps_pd(_mm512_cvtpd_ps(v));
+#elif defined(CPU_CAPABILITY_AVX2)
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_cvtps_pd(_mm256_cvtpd_ps(v));
+#endif
   } else {
     using VecD = at::vec::Vectorized<double>;
     alignas(64) double lanes[VecD::size()];
@@ -1147,8 +1154,8 @@ void solve_group(const scalar_t* px, int64_t n_row, int64_t b0, int64_t rows, co
 }
 
 // Returns A and s (B, n); aux (B, 3), the columns m, t and sum s, the backward's (m and t exact
-// in x's dtype); the residual (B,); the rows' convergence (B,), all true (a row that would not
-// converge is left); the rows' status (B,) int8 (kSolved, kLeft to the torch code, or filled at
+// in x's dtype); the residual (B,); the rows' scale (B,), all 1 (a row that needs scaling is left:
+// the operator's output as it is where no row is left); the rows' status (B,) int8 (kSolved, kLeft to the torch code, or filled at
 // a limit of k: kNone, kAll or both, see classify()); the most evaluations of a row, the number
 // of rows left and the number at a limit, so that the caller reads nothing back. k and eps are
 // (B,), any stride (an expanded scalar, say). The outputs are apart so that the caller takes no
@@ -1168,9 +1175,9 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
   auto s = at::empty_like(x);
   auto aux = at::empty({B, 3}, x.options());
   auto residual = at::empty({B}, x.options());
-  auto converged = at::ones({B}, x.options().dtype(at::kBool));
+  auto scale = at::ones({B}, x.options());
   auto status = at::full({B}, kLeft, x.options().dtype(at::kChar));
-  if (B == 0 || n == 0) return {A, s, aux, residual, converged, status, 0, B, 0};
+  if (B == 0 || n == 0) return {A, s, aux, residual, scale, status, 0, B, 0};
   const int64_t k_stride = k.stride(0), eps_stride = eps.stride(0);
   std::vector<int64_t> evaluations(B);
   int8_t* pl = status.data_ptr<int8_t>();
@@ -1222,7 +1229,7 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
           s,
           aux,
           residual,
-          converged,
+          scale,
           status,
           *std::max_element(evaluations.begin(), evaluations.end()),
           int64_t(std::count(pl, pl + B, int8_t(kLeft))),
