@@ -1188,8 +1188,9 @@ struct Lanes {
 // eval_fast on every lane at once: the plans (big, slots, lanes) into p, the gaps into gap;
 // returns the lanes' sum_j |gap_j|, and in `inrange` 1.0 where every column factor is in range
 // (0.0: the lane's row needs eval_general).
+template <int64_t BIG = 0>
 VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
-  const int64_t big = g.big, ns = g.slots;
+  const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
   const VecD one(1.0), zero(0.0), far(kFar);
   VecArr rho, irho, gv;
   inrange = one;
@@ -1284,7 +1285,9 @@ struct LaneFactor {
 };
 
 // out = K^-1 rhs by the factor f of laplacian_lanes (big targets, grounded at the last).
-void factor_solve(const LaneFactor& f, int64_t big, const double* rhs, double* out) {
+template <int64_t BIG = 0>
+void factor_solve(const LaneFactor& f, int64_t big_in, const double* rhs, double* out) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t m1 = big - 1;
   auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(f.unit + (j * m1 + col) * kLanes); };
   VecArr y, x;
@@ -1303,8 +1306,10 @@ void factor_solve(const LaneFactor& f, int64_t big, const double* rhs, double* o
 }
 
 // (the factor into *keep where given)
-VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* out,
+template <int64_t BIG = 0>
+VecD laplacian_lanes(const double* w, int64_t big_in, const double* rhs, double* out,
                      const VecD& tau, VecD& least, LaneFactor* keep = nullptr) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
   // (the matrices as plain doubles, vector j * m1 + col at [(j * m1 + col) * kLanes]: an array
@@ -1347,7 +1352,7 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
     inv_d[j].store(f.inv_d + j * kLanes);
     least = at::vec::minimum(least, acc);
   }
-  factor_solve(f, big, rhs, out);
+  factor_solve<BIG>(f, big, rhs, out);
   return okv;
 }
 
@@ -1359,11 +1364,13 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
 // rounding. res[l]: 2 where the least squared pivot is at least 1e-2, else the least squared
 // pivot of the factor taken (in (0, 1]), or -1 where the lane needs the third attempt (the
 // caller takes laplacian_solve); tau the jitter each lane took.
-void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, double* res,
+template <int64_t BIG = 0>
+void solve_lanes(const double* w, int64_t big_in, const double* rhs, double* out, double* res,
                  VecD& tau, LaneFactor* keep = nullptr) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const VecD zero(0.0);
   VecD least;
-  const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least, keep);
+  const VecD ok0 = laplacian_lanes<BIG>(w, big, rhs, out, zero, least, keep);
   double o0[kLanes], l0[kLanes];
   ok0.store(o0);
   least.store(l0);
@@ -1376,7 +1383,7 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
   if (all) return;
   const double m1 = static_cast<double>(big - 1);
   tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, ok0 > zero);
-  const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least, keep);
+  const VecD ok1 = laplacian_lanes<BIG>(w, big, rhs, out, tau, least, keep);
   double o1[kLanes], ll[kLanes];
   ok1.store(o1);
   least.store(ll);
@@ -1387,7 +1394,9 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
 
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles), four targets o
 // at a time (four independent sums; the targets past the last are the last again, discarded).
-void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
+template <int64_t BIG = 0>
+void couplings_lanes(const double* p, int64_t big_in, int64_t ns, double* w) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t sj = ns * kLanes;
   for (int64_t j = 0; j < big; ++j) {
     const double* pj = p + j * sj;
@@ -1416,9 +1425,10 @@ void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
 // newton_row on the lanes of a group (lanes of rows already prepared in pb[l]), every lane at
 // once. Per lane: done 1 where the row is solved here (its state in v, its gaps in gap, its plan
 // in g.p), 0 where the scalar code must solve the row.
+template <int64_t BIG = 0>
 void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64_t halvings,
                   double* v, double* gap, bool* done) {
-  const int64_t big = g.big, ns = g.slots;
+  const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
   const int64_t np = big * ns * kLanes;
   double v_new[kMaxBig * kLanes], gap_new[kMaxBig * kLanes], delta[kMaxBig * kLanes];
   double l1[kLanes], l1n[kLanes], inr[kLanes], step[kLanes], tolm[kLanes], okl[kLanes];
@@ -1443,7 +1453,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   double* p_new = g.p_new.data();
   VecD inrange;
   // the start: one Sinkhorn column update of v = 0
-  eval_lanes(g, v_new, p_new, gap_new, inrange);
+  eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange);
   inrange.store(inr);
   for (int64_t t = 0; t < big; ++t) {
     VecD col(0.0);
@@ -1460,7 +1470,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
   }
   while (true) {
-    eval_lanes(g, v_new, p_new, gap_new, inrange).store(l1n);
+    eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange).store(l1n);
     inrange.store(inr);
     bool any_accept = false, any_need = false;
     for (int64_t l = 0; l < kLanes; ++l) {
@@ -1511,9 +1521,9 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
     if (any_need) {
       double wc[kLaneBig * kLaneBig * kLanes];
-      couplings_lanes(p, big, ns, wc);
+      couplings_lanes<BIG>(p, big, ns, wc);
       VecD tau;
-      solve_lanes(wc, big, gap, delta, okl, tau);
+      solve_lanes<BIG>(wc, big, gap, delta, okl, tau);
       for (int64_t l = 0; l < kLanes; ++l) {
         if (!need[l]) continue;
         double ok = okl[l];
@@ -1577,6 +1587,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes g;
+    const int64_t big_rt = big;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
     // a row with entries off its candidates, where the output is large: its weights formed in
@@ -1626,13 +1637,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       finish(row, pr, wk, p, pr.m, 1, lim, e);
     };
     // the rows gathered in the lanes, solved together (one alone: the scalar code)
-    auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
+    auto flush_big = [&](auto big_c) {
+      constexpr int64_t BIG = decltype(big_c)::value;
+      const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       for (int64_t l = count; l < kLanes; ++l) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
@@ -1640,7 +1647,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       g.load(lpb);
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
-      newton_lanes(g, lpb, tol, max_steps, halvings, v, gap, done);
+      newton_lanes<BIG>(g, lpb, tol, max_steps, halvings, v, gap, done);
       const int64_t sj = ns * kLanes;
       // the ratios (b - c)/c of the lanes solved here (0 in the others), then each row's residual
       // of the column-exact plan, sum_i |sum_t P_ti r_t| / m, every lane at once (the plan is 0
@@ -1682,6 +1689,16 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         finish(row, pr, lw[l], p, sj, kLanes, lim, e / static_cast<double>(pr.m));
       }
       count = 0;
+    };
+    // (a group of 8 or 9 targets, the usual short rows, with its size known to the compiler)
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      flush_big(std::integral_constant<int64_t, 0>{});
     };
     for (int64_t row = b0; row < b1; ++row) {
       const scalar_t* xr = px + row * n;
@@ -1914,6 +1931,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes g;
+    const int64_t big_rt = big;
     // a system the scalar code does not take: det K not above det_min (big <= 3) or not
     // positive, or a solution that is not finite
     auto singular = [&](double det, const double* beta) {
@@ -2058,13 +2076,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     // the column-exact plan, its centred cotangent, the grounded Laplacian's solve by the
     // lanes' Cholesky, the gradients); a lane whose state leaves the product's range or whose
     // Cholesky needs the jitter (or is singular) is redone by scalar_row.
-    auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
+    auto flush_big = [&](auto big_c) {
+      constexpr int64_t BIG = decltype(big_c)::value;
+      const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       int64_t rows[kLanes];
@@ -2109,7 +2123,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
       }
       VecD inrange;
-      eval_lanes(g, v, g.p.data(), gap, inrange);
+      eval_lanes<BIG>(g, v, g.p.data(), gap, inrange);
       double okl[kLanes], inr[kLanes];
       inrange.store(inr);
       const int64_t sj = ns * kLanes;
@@ -2196,7 +2210,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
       VecD tau;
       LaneFactor fac;  // (the factor taken, for the refinement)
-      solve_lanes(wc, big, rhsl, betal, okl, tau, &fac);
+      solve_lanes<BIG>(wc, big, rhsl, betal, okl, tau, &fac);
       for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
       // one refinement against the exactly formed residual in the lanes of a pivot below 1e-2
       bool refine = false;
@@ -2211,7 +2225,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
         for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
         double stepl[kLaneBig * kLanes], rf[kLanes];
-        factor_solve(fac, big, rhsl, stepl);
+        factor_solve<BIG>(fac, big, rhsl, stepl);
         for (int64_t l = 0; l < kLanes; ++l) rf[l] = okl[l] > 0 && okl[l] <= 1.0 ? 1.0 : 0.0;
         const VecD rv = VecD::loadu(rf) > zero;
         for (int64_t t = 0; t < big; ++t) {
@@ -2253,6 +2267,22 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         pge[row] = need_eps ? -gel[l] * ie[l] : 0.0;
       }
       count = 0;
+    };
+    // (a group of 8 or 9 targets, the usual short rows, with its size known to the compiler)
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      if (big_rt == 8) {
+        flush_big(std::integral_constant<int64_t, 8>{});
+      } else if (big_rt == 9) {
+        flush_big(std::integral_constant<int64_t, 9>{});
+      } else {
+        flush_big(std::integral_constant<int64_t, 0>{});
+      }
     };
     for (int64_t row = b0; row < b1; ++row) {
       scalar_t* gxr = pgx + row * n;
