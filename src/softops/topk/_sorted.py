@@ -743,8 +743,8 @@ def _vjp_cpu(
         need_eps,
         DET_MIN,
     )
-    if x.shape[0] and not (int(status.max()) == 0 and bool(safe.all())):
-        rows = ((status == 1) | ~safe).nonzero().squeeze(1)
+    if x.shape[0] and not bool(safe.all()):  # (safe is false in the rows of status 1 too)
+        rows = (~safe).nonzero().squeeze(1)
         args = (k, largest, max_iter, tol, need_eps)
         gx, geps = _vjp_rows_torch(gx, geps, rows, x, eps, gv, gw, *args)
     return gx, geps

@@ -2291,6 +2291,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       // (gx is written at every candidate of a row solved here, 0 elsewhere)
       if (ps[row] != 0) {
         std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+        psafe[row] = ps[row] != 1;  // (a row the forward's torch code solved: its backward too)
         continue;
       }
       const scalar_t* xr = px + row * n;
@@ -2349,7 +2350,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
 // The implicit VJP (docs/math.md §2.3) of the rows of status 0, for the cotangents gv (B, k)
 // float64 of the values (empty: none) and gw (B, k, n) of the weights (empty: none; any
 // strides): (gx (B, n) in x's dtype, 0 off the candidates and in the rows not solved; geps (B,)
-// float64; safe (B,) bool, false where the system is singular).
+// float64; safe (B,) bool, false where the torch code must redo the row: its system is
+// singular, or the forward left it to the torch code (status 1)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> vjp_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double bpu,
     int64_t nb, const at::Tensor& state_in, const at::Tensor& status_in, const at::Tensor& gv_in,
