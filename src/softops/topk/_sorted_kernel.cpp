@@ -1570,7 +1570,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   const double sign = largest ? 1.0 : -1.0;
   const scalar_t* px = x.data_ptr<scalar_t>();
   scalar_t* pw = weights.data_ptr<scalar_t>();
-  double* pv = values.data_ptr<double>();
+  scalar_t* pv = values.data_ptr<scalar_t>();
   double* pe = err.data_ptr<double>();
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
@@ -1625,7 +1625,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         if (pr.m == n) {  // (a row of candidates only was not cleared)
           for (int64_t i = mt; i < pr.m; ++i) wt[grouped[i]] = scalar_t(0);
         }
-        pv[row * k + t] = sign * (f * acc);
+        pv[row * k + t] = static_cast<scalar_t>(sign * (f * acc));
       }
       if (via) stream_bytes(pw + row * k * n, wr, sizeof(scalar_t) * static_cast<size_t>(k * n));
     };
@@ -1712,7 +1712,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       // (a solved row's state and values are written in full by its solve)
       if (!finite || big < 2) {
         for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
-        for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
+        for (int64_t t = 0; t < k; ++t) pv[row * k + t] = scalar_t(0);
         std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
         ps[row] = 2;
         pe[row] = kInf;
@@ -1752,9 +1752,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
 
 // (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
 // the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
-// (weights (B, k, n) in x's dtype, values (B, k) float64, err (B,), status (B,) int8, state (B,
-// 3 big + 4) float64, indices (B, k) int64: the k largest in order, equal scores in the order of
-// the row; not set in the rows of status 2).
+// (weights (B, k, n) and values (B, k) in x's dtype (each rounded once from double), err (B,),
+// status (B,) int8, state (B, 3 big + 4) float64, indices (B, k) int64: the k largest in order,
+// equal scores in the order of the row; not set in the rows of status 2).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double tau,
     double bpu, double limit, double span_max, const at::Tensor& bin_weight, double tol,
@@ -1771,7 +1771,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // (more than one task of the row loop: the rows are written by several threads)
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   advise_huge_pages(weights, at::get_num_threads() > 1 && !at::in_parallel_region() && B > grain);
-  at::Tensor values = at::empty({B, k}, f64);
+  at::Tensor values = at::empty({B, k}, x.options());
   at::Tensor err = at::empty({B}, f64);
   at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
   at::Tensor state = at::empty({B, Layout{big}.size()}, f64);
