@@ -509,3 +509,32 @@ def test_weights_streamed_to_a_large_output_equal_those_written_in_place(ops) ->
     for a, b in zip(small, big, strict=True):
         torch.testing.assert_close(a, b[:6], rtol=0, atol=0)
     assert int((big.weights[:6] == 0).sum()) > 0
+
+
+def test_operand_layouts_give_the_same_bits(ops) -> None:
+    # epsilon and the values' cotangent are read as doubles: float32 converted in the kernel's
+    # buffer, float64 in place, others (strided) by torch; each the same to the bit, as are the
+    # values written in x's dtype and those of the float64 solve rounded once
+    x = torch.randn(40, 8, generator=seeded(21), dtype=F32)
+    eps32 = torch.full((40,), 0.1, dtype=F32)
+    args = (8, True, 2000, 1e-6)
+    out = _sorted.SOLVE_OP(x, eps32, *args)
+    out64 = _sorted.SOLVE_OP(x, eps32.double(), *args)
+    for a, b in zip(out, out64, strict=True):
+        assert torch.equal(a, b)
+    assert out[1].dtype == F32
+    with backend("reference"):
+        ref = _sorted.SOLVE_OP(x, eps32, *args)
+    torch.testing.assert_close(out[1], ref[1], atol=1e-5, rtol=1e-5)
+    status, state = out[3], out[4]
+    assert status.tolist() == [0] * 40
+    gv = torch.randn(40, 8, generator=seeded(22), dtype=F32)
+    vjp = (8, True, 2000, 1e-6, True)
+    base = _sorted.VJP_OP(x, eps32, state, status, gv, None, *vjp)
+    strided = torch.randn(40, 16, generator=seeded(23), dtype=F32)[:, ::2].copy_(gv)
+    for e, g in ((eps32.double(), gv.double()), (eps32.expand(40), strided), (eps32, gv)):
+        again = _sorted.VJP_OP(x, e, state, status, g, None, *vjp)
+        assert torch.equal(again[0], base[0]) and torch.equal(again[1], base[1])
+    # a second call with fewer rows reads only its own (the buffers persist, larger)
+    small = _sorted.VJP_OP(x[:3], eps32[:3], state[:3], status[:3], gv[:3], None, *vjp)
+    assert torch.equal(small[0], base[0][:3]) and torch.equal(small[1], base[1][:3])

@@ -1750,6 +1750,26 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   });
 }
 
+// t's values as contiguous doubles: its own data where they are, float32 converted into buf (a
+// buffer of the calling thread that persists across calls: no tensor allocated per call, no
+// page faults of a fresh one), else torch's conversion kept in hold. (float32 to double is
+// exact: the same values as t.to(at::kDouble).)
+const double* as_doubles(const at::Tensor& t, std::vector<double>& buf, at::Tensor& hold) {
+  if (t.scalar_type() == at::kDouble && t.is_contiguous()) return t.data_ptr<double>();
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
+    const float* src = t.data_ptr<float>();
+    const auto count = static_cast<size_t>(t.numel());
+    if (buf.size() < count) buf.resize(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = static_cast<double>(src[i]);
+    return buf.data();
+  }
+  hold = t.to(at::kDouble).contiguous();
+  return hold.data_ptr<double>();
+}
+
+// The calling thread's buffers for as_doubles: epsilon and the values' cotangent.
+thread_local std::vector<double> eps_buffer, gv_buffer;
+
 // (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
 // the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
 // (weights (B, k, n) and values (B, k) in x's dtype (each rounded once from double), err (B,),
@@ -1761,7 +1781,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t max_steps, int64_t halvings) {
   TORCH_CHECK(x_in.dim() == 2, "solve_rows: x must be (B, n)");
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  at::Tensor eps_hold;
+  const double* peps = as_doubles(eps_in, eps_buffer, eps_hold);
   const at::Tensor weight = bin_weight.to(at::kDouble).contiguous();
   const int64_t B = x.size(0), n = x.size(1);
   TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "solve_rows: k out of range");
@@ -1777,7 +1798,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor state = at::empty({B, Layout{big}.size()}, f64);
   at::Tensor indices = at::empty({B, k}, x.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "solve_rows", [&] {
-    solve_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, tau, bpu, limit, span_max,
+    solve_rows_impl<scalar_t>(x, peps, largest, k, tau, bpu, limit, span_max,
                               weight.data_ptr<double>(), weight.numel() - 1, tol, max_steps,
                               halvings, weights, values, err, status, state, indices);
   });
@@ -2357,21 +2378,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vjp_rows(
     int64_t nb, const at::Tensor& state_in, const at::Tensor& status_in, const at::Tensor& gv_in,
     const at::Tensor& gw_in, bool need_eps, double det_min) {
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  at::Tensor eps_hold, gv_hold;
+  const double* peps = as_doubles(eps_in, eps_buffer, eps_hold);
   const at::Tensor state = state_in.to(at::kDouble).contiguous();
   const at::Tensor status = status_in.to(at::kChar).contiguous();
   const int64_t B = x.size(0), n = x.size(1);
   TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "vjp_rows: k out of range");
-  const at::Tensor gv = gv_in.numel() > 0 ? gv_in.to(at::kDouble).contiguous() : gv_in;
+  const double* pgv = gv_in.numel() > 0 ? as_doubles(gv_in, gv_buffer, gv_hold) : nullptr;
   const at::Tensor gw = gw_in.numel() > 0 ? gw_in.to(x.scalar_type()) : gw_in;
   at::Tensor gx = at::empty({B, n}, x.options());
   at::Tensor geps = at::empty({B}, x.options().dtype(at::kDouble));
   at::Tensor safe = at::empty({B}, x.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vjp_rows", [&] {
-    vjp_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, bpu, nb,
-                            state.data_ptr<double>(), status.data_ptr<int8_t>(),
-                            gv.numel() > 0 ? gv.data_ptr<double>() : nullptr, gw, need_eps,
-                            det_min, gx, geps, safe);
+    vjp_rows_impl<scalar_t>(x, peps, largest, k, bpu, nb, state.data_ptr<double>(),
+                            status.data_ptr<int8_t>(), pgv, gw, need_eps, det_min, gx, geps,
+                            safe);
   });
   return {gx, geps, safe};
 }
