@@ -1111,6 +1111,11 @@ constexpr int64_t kLanes = VecD::size();
 constexpr int64_t kLaneMaxM = 128;
 // Most targets of a row solved in the lanes.
 constexpr int64_t kLaneBig = 12;
+// The least squared pivot of the backward's lanes' factor (without jitter) below which the row is
+// the scalar code's (laplacian_solve's jitter and refinement): one refinement does not make a
+// factor of a smaller pivot accurate (a short row at epsilon 0.01 came out with gradients of 5e3
+// and 4e10 against the torch code's 1).
+constexpr double kLaneBackwardPivot = 1e-8;
 
 // kLaneBig vectors left uninitialised (a Vectorized zeroes its lanes on construction; these
 // arrays are written before they are read).
@@ -2274,7 +2279,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       ge.store(gel);
       for (int64_t l = 0; l < count; ++l) {
         const int64_t row = lrow[l];
-        bool ok = inr[l] > 0 && okl[l] > 0;
+        bool ok = inr[l] > 0 && okl[l] >= kLaneBackwardPivot;
         for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(betal[t * kLanes + l]);
         if (!ok) {
           scalar_row(row, lw[l], lpb[l]);
