@@ -572,7 +572,7 @@ def _solve_cpu(
     tau = _candidate_tolerance(x.dtype)
     big = k + 1 if k < n else k
     top = torch.finfo(x.dtype).max
-    weights, v64, err, status, state, indices = ops.solve_rows(
+    weights, values, err, status, state, indices = ops.solve_rows(
         x.detach(),
         eps.detach(),
         largest,
@@ -586,7 +586,6 @@ def _solve_cpu(
         min(_KERNEL_STEPS, max_iter),
         _KERNEL_HALVINGS,
     )
-    values = v64.to(x.dtype)
     if bsz and int(status.max()) >= 1:
         left = (status == 1).nonzero().squeeze(1)
         x, eps = x.detach(), eps.detach()
@@ -743,8 +742,8 @@ def _vjp_cpu(
         need_eps,
         DET_MIN,
     )
-    if x.shape[0] and not (int(status.max()) == 0 and bool(safe.all())):
-        rows = ((status == 1) | ~safe).nonzero().squeeze(1)
+    if x.shape[0] and not bool(safe.all()):  # (safe is false in the rows of status 1 too)
+        rows = (~safe).nonzero().squeeze(1)
         args = (k, largest, max_iter, tol, need_eps)
         gx, geps = _vjp_rows_torch(gx, geps, rows, x, eps, gv, gw, *args)
     return gx, geps

@@ -1111,6 +1111,11 @@ constexpr int64_t kLanes = VecD::size();
 constexpr int64_t kLaneMaxM = 128;
 // Most targets of a row solved in the lanes.
 constexpr int64_t kLaneBig = 12;
+// The least squared pivot of the backward's lanes' factor (without jitter) below which the row is
+// the scalar code's (laplacian_solve's jitter and refinement): one refinement does not make a
+// factor of a smaller pivot accurate (a short row at epsilon 0.01 came out with gradients of 5e3
+// and 4e10 against the torch code's 1).
+constexpr double kLaneBackwardPivot = 1e-8;
 
 // kLaneBig vectors left uninitialised (a Vectorized zeroes its lanes on construction; these
 // arrays are written before they are read).
@@ -1188,8 +1193,9 @@ struct Lanes {
 // eval_fast on every lane at once: the plans (big, slots, lanes) into p, the gaps into gap;
 // returns the lanes' sum_j |gap_j|, and in `inrange` 1.0 where every column factor is in range
 // (0.0: the lane's row needs eval_general).
+template <int64_t BIG = 0>
 VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
-  const int64_t big = g.big, ns = g.slots;
+  const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
   const VecD one(1.0), zero(0.0), far(kFar);
   VecArr rho, irho, gv;
   inrange = one;
@@ -1284,7 +1290,9 @@ struct LaneFactor {
 };
 
 // out = K^-1 rhs by the factor f of laplacian_lanes (big targets, grounded at the last).
-void factor_solve(const LaneFactor& f, int64_t big, const double* rhs, double* out) {
+template <int64_t BIG = 0>
+void factor_solve(const LaneFactor& f, int64_t big_in, const double* rhs, double* out) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t m1 = big - 1;
   auto at_l = [&](int64_t j, int64_t col) { return VecD::loadu(f.unit + (j * m1 + col) * kLanes); };
   VecArr y, x;
@@ -1303,8 +1311,10 @@ void factor_solve(const LaneFactor& f, int64_t big, const double* rhs, double* o
 }
 
 // (the factor into *keep where given)
-VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* out,
+template <int64_t BIG = 0>
+VecD laplacian_lanes(const double* w, int64_t big_in, const double* rhs, double* out,
                      const VecD& tau, VecD& least, LaneFactor* keep = nullptr) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t m1 = big - 1;
   const VecD one(1.0), zero(0.0);
   // (the matrices as plain doubles, vector j * m1 + col at [(j * m1 + col) * kLanes]: an array
@@ -1347,7 +1357,7 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
     inv_d[j].store(f.inv_d + j * kLanes);
     least = at::vec::minimum(least, acc);
   }
-  factor_solve(f, big, rhs, out);
+  factor_solve<BIG>(f, big, rhs, out);
   return okv;
 }
 
@@ -1359,11 +1369,13 @@ VecD laplacian_lanes(const double* w, int64_t big, const double* rhs, double* ou
 // rounding. res[l]: 2 where the least squared pivot is at least 1e-2, else the least squared
 // pivot of the factor taken (in (0, 1]), or -1 where the lane needs the third attempt (the
 // caller takes laplacian_solve); tau the jitter each lane took.
-void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, double* res,
+template <int64_t BIG = 0>
+void solve_lanes(const double* w, int64_t big_in, const double* rhs, double* out, double* res,
                  VecD& tau, LaneFactor* keep = nullptr) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const VecD zero(0.0);
   VecD least;
-  const VecD ok0 = laplacian_lanes(w, big, rhs, out, zero, least, keep);
+  const VecD ok0 = laplacian_lanes<BIG>(w, big, rhs, out, zero, least, keep);
   double o0[kLanes], l0[kLanes];
   ok0.store(o0);
   least.store(l0);
@@ -1376,7 +1388,7 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
   if (all) return;
   const double m1 = static_cast<double>(big - 1);
   tau = VecD::blendv(VecD(16.0 * std::max(m1, 4.0) * kEps64), zero, ok0 > zero);
-  const VecD ok1 = laplacian_lanes(w, big, rhs, out, tau, least, keep);
+  const VecD ok1 = laplacian_lanes<BIG>(w, big, rhs, out, tau, least, keep);
   double o1[kLanes], ll[kLanes];
   ok1.store(o1);
   least.store(ll);
@@ -1387,7 +1399,9 @@ void solve_lanes(const double* w, int64_t big, const double* rhs, double* out, d
 
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles), four targets o
 // at a time (four independent sums; the targets past the last are the last again, discarded).
-void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
+template <int64_t BIG = 0>
+void couplings_lanes(const double* p, int64_t big_in, int64_t ns, double* w) {
+  const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t sj = ns * kLanes;
   for (int64_t j = 0; j < big; ++j) {
     const double* pj = p + j * sj;
@@ -1416,9 +1430,10 @@ void couplings_lanes(const double* p, int64_t big, int64_t ns, double* w) {
 // newton_row on the lanes of a group (lanes of rows already prepared in pb[l]), every lane at
 // once. Per lane: done 1 where the row is solved here (its state in v, its gaps in gap, its plan
 // in g.p), 0 where the scalar code must solve the row.
+template <int64_t BIG = 0>
 void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64_t halvings,
                   double* v, double* gap, bool* done) {
-  const int64_t big = g.big, ns = g.slots;
+  const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
   const int64_t np = big * ns * kLanes;
   double v_new[kMaxBig * kLanes], gap_new[kMaxBig * kLanes], delta[kMaxBig * kLanes];
   double l1[kLanes], l1n[kLanes], inr[kLanes], step[kLanes], tolm[kLanes], okl[kLanes];
@@ -1443,7 +1458,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   double* p_new = g.p_new.data();
   VecD inrange;
   // the start: one Sinkhorn column update of v = 0
-  eval_lanes(g, v_new, p_new, gap_new, inrange);
+  eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange);
   inrange.store(inr);
   for (int64_t t = 0; t < big; ++t) {
     VecD col(0.0);
@@ -1460,7 +1475,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
   }
   while (true) {
-    eval_lanes(g, v_new, p_new, gap_new, inrange).store(l1n);
+    eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange).store(l1n);
     inrange.store(inr);
     bool any_accept = false, any_need = false;
     for (int64_t l = 0; l < kLanes; ++l) {
@@ -1511,9 +1526,9 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
     if (any_need) {
       double wc[kLaneBig * kLaneBig * kLanes];
-      couplings_lanes(p, big, ns, wc);
+      couplings_lanes<BIG>(p, big, ns, wc);
       VecD tau;
-      solve_lanes(wc, big, gap, delta, okl, tau);
+      solve_lanes<BIG>(wc, big, gap, delta, okl, tau);
       for (int64_t l = 0; l < kLanes; ++l) {
         if (!need[l]) continue;
         double ok = okl[l];
@@ -1560,7 +1575,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   const double sign = largest ? 1.0 : -1.0;
   const scalar_t* px = x.data_ptr<scalar_t>();
   scalar_t* pw = weights.data_ptr<scalar_t>();
-  double* pv = values.data_ptr<double>();
+  scalar_t* pv = values.data_ptr<scalar_t>();
   double* pe = err.data_ptr<double>();
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
@@ -1577,6 +1592,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes g;
+    const int64_t big_rt = big;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
     // a row with entries off its candidates, where the output is large: its weights formed in
@@ -1614,7 +1630,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         if (pr.m == n) {  // (a row of candidates only was not cleared)
           for (int64_t i = mt; i < pr.m; ++i) wt[grouped[i]] = scalar_t(0);
         }
-        pv[row * k + t] = sign * (f * acc);
+        pv[row * k + t] = static_cast<scalar_t>(sign * (f * acc));
       }
       if (via) stream_bytes(pw + row * k * n, wr, sizeof(scalar_t) * static_cast<size_t>(k * n));
     };
@@ -1626,13 +1642,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       finish(row, pr, wk, p, pr.m, 1, lim, e);
     };
     // the rows gathered in the lanes, solved together (one alone: the scalar code)
-    auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
+    auto flush_big = [&](auto big_c) {
+      constexpr int64_t BIG = decltype(big_c)::value;
+      const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       for (int64_t l = count; l < kLanes; ++l) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
@@ -1640,7 +1652,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       g.load(lpb);
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
-      newton_lanes(g, lpb, tol, max_steps, halvings, v, gap, done);
+      newton_lanes<BIG>(g, lpb, tol, max_steps, halvings, v, gap, done);
       const int64_t sj = ns * kLanes;
       // the ratios (b - c)/c of the lanes solved here (0 in the others), then each row's residual
       // of the column-exact plan, sum_i |sum_t P_ti r_t| / m, every lane at once (the plan is 0
@@ -1683,6 +1695,16 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       }
       count = 0;
     };
+    // (a group of 8 or 9 targets, the usual short rows, with its size known to the compiler)
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      flush_big(std::integral_constant<int64_t, 0>{});
+    };
     for (int64_t row = b0; row < b1; ++row) {
       const scalar_t* xr = px + row * n;
       double* st = pst + row * lay.size();
@@ -1695,7 +1717,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       // (a solved row's state and values are written in full by its solve)
       if (!finite || big < 2) {
         for (int64_t t = 0; t < lay.size(); ++t) st[t] = 0.0;
-        for (int64_t t = 0; t < k; ++t) pv[row * k + t] = 0.0;
+        for (int64_t t = 0; t < k; ++t) pv[row * k + t] = scalar_t(0);
         std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
         ps[row] = 2;
         pe[row] = kInf;
@@ -1733,18 +1755,39 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   });
 }
 
+// t's values as contiguous doubles: its own data where they are, float32 converted into buf (a
+// buffer of the calling thread that persists across calls: no tensor allocated per call, no
+// page faults of a fresh one), else torch's conversion kept in hold. (float32 to double is
+// exact: the same values as t.to(at::kDouble).)
+const double* as_doubles(const at::Tensor& t, std::vector<double>& buf, at::Tensor& hold) {
+  if (t.scalar_type() == at::kDouble && t.is_contiguous()) return t.data_ptr<double>();
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
+    const float* src = t.data_ptr<float>();
+    const auto count = static_cast<size_t>(t.numel());
+    if (buf.size() < count) buf.resize(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = static_cast<double>(src[i]);
+    return buf.data();
+  }
+  hold = t.to(at::kDouble).contiguous();
+  return hold.data_ptr<double>();
+}
+
+// The calling thread's buffers for as_doubles: epsilon and the values' cotangent.
+thread_local std::vector<double> eps_buffer, gv_buffer;
+
 // (x (B, n), eps (B,) float64, largest, k, tau, bins per epsilon, the limit of |x|, the limit of
 // the span over epsilon, the bins' bounds (nb + 1,) float64, tol, Newton steps, halvings) ->
-// (weights (B, k, n) in x's dtype, values (B, k) float64, err (B,), status (B,) int8, state (B,
-// 3 big + 4) float64, indices (B, k) int64: the k largest in order, equal scores in the order of
-// the row; not set in the rows of status 2).
+// (weights (B, k, n) and values (B, k) in x's dtype (each rounded once from double), err (B,),
+// status (B,) int8, state (B, 3 big + 4) float64, indices (B, k) int64: the k largest in order,
+// equal scores in the order of the row; not set in the rows of status 2).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> solve_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double tau,
     double bpu, double limit, double span_max, const at::Tensor& bin_weight, double tol,
     int64_t max_steps, int64_t halvings) {
   TORCH_CHECK(x_in.dim() == 2, "solve_rows: x must be (B, n)");
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  at::Tensor eps_hold;
+  const double* peps = as_doubles(eps_in, eps_buffer, eps_hold);
   const at::Tensor weight = bin_weight.to(at::kDouble).contiguous();
   const int64_t B = x.size(0), n = x.size(1);
   TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "solve_rows: k out of range");
@@ -1754,13 +1797,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // (more than one task of the row loop: the rows are written by several threads)
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   advise_huge_pages(weights, at::get_num_threads() > 1 && !at::in_parallel_region() && B > grain);
-  at::Tensor values = at::empty({B, k}, f64);
+  at::Tensor values = at::empty({B, k}, x.options());
   at::Tensor err = at::empty({B}, f64);
   at::Tensor status = at::empty({B}, x.options().dtype(at::kChar));
   at::Tensor state = at::empty({B, Layout{big}.size()}, f64);
   at::Tensor indices = at::empty({B, k}, x.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "solve_rows", [&] {
-    solve_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, tau, bpu, limit, span_max,
+    solve_rows_impl<scalar_t>(x, peps, largest, k, tau, bpu, limit, span_max,
                               weight.data_ptr<double>(), weight.numel() - 1, tol, max_steps,
                               halvings, weights, values, err, status, state, indices);
   });
@@ -1914,6 +1957,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes g;
+    const int64_t big_rt = big;
     // a system the scalar code does not take: det K not above det_min (big <= 3) or not
     // positive, or a solution that is not finite
     auto singular = [&](double det, const double* beta) {
@@ -2058,13 +2102,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     // the column-exact plan, its centred cotangent, the grounded Laplacian's solve by the
     // lanes' Cholesky, the gradients); a lane whose state leaves the product's range or whose
     // Cholesky needs the jitter (or is singular) is redone by scalar_row.
-    auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
+    auto flush_big = [&](auto big_c) {
+      constexpr int64_t BIG = decltype(big_c)::value;
+      const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       int64_t rows[kLanes];
@@ -2109,7 +2149,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
       }
       VecD inrange;
-      eval_lanes(g, v, g.p.data(), gap, inrange);
+      eval_lanes<BIG>(g, v, g.p.data(), gap, inrange);
       double okl[kLanes], inr[kLanes];
       inrange.store(inr);
       const int64_t sj = ns * kLanes;
@@ -2196,7 +2236,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
       VecD tau;
       LaneFactor fac;  // (the factor taken, for the refinement)
-      solve_lanes(wc, big, rhsl, betal, okl, tau, &fac);
+      solve_lanes<BIG>(wc, big, rhsl, betal, okl, tau, &fac);
       for (int64_t t = 0; t < big; ++t) beta[t] = VecD::loadu(betal + t * kLanes);
       // one refinement against the exactly formed residual in the lanes of a pivot below 1e-2
       bool refine = false;
@@ -2211,7 +2251,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
         for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
         double stepl[kLaneBig * kLanes], rf[kLanes];
-        factor_solve(fac, big, rhsl, stepl);
+        factor_solve<BIG>(fac, big, rhsl, stepl);
         for (int64_t l = 0; l < kLanes; ++l) rf[l] = okl[l] > 0 && okl[l] <= 1.0 ? 1.0 : 0.0;
         const VecD rv = VecD::loadu(rf) > zero;
         for (int64_t t = 0; t < big; ++t) {
@@ -2239,7 +2279,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       ge.store(gel);
       for (int64_t l = 0; l < count; ++l) {
         const int64_t row = lrow[l];
-        bool ok = inr[l] > 0 && okl[l] > 0;
+        bool ok = inr[l] > 0 && okl[l] >= kLaneBackwardPivot;
         for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(betal[t * kLanes + l]);
         if (!ok) {
           scalar_row(row, lw[l], lpb[l]);
@@ -2254,6 +2294,22 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       count = 0;
     };
+    // (a group of 8 or 9 targets, the usual short rows, with its size known to the compiler)
+    auto flush = [&]() {
+      if (count == 0) return;
+      if (count == 1) {
+        scalar_row(lrow[0], lw[0], lpb[0]);
+        count = 0;
+        return;
+      }
+      if (big_rt == 8) {
+        flush_big(std::integral_constant<int64_t, 8>{});
+      } else if (big_rt == 9) {
+        flush_big(std::integral_constant<int64_t, 9>{});
+      } else {
+        flush_big(std::integral_constant<int64_t, 0>{});
+      }
+    };
     for (int64_t row = b0; row < b1; ++row) {
       scalar_t* gxr = pgx + row * n;
       pge[row] = 0.0;
@@ -2261,6 +2317,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       // (gx is written at every candidate of a row solved here, 0 elsewhere)
       if (ps[row] != 0) {
         std::memset(gxr, 0, sizeof(scalar_t) * static_cast<size_t>(n));
+        psafe[row] = ps[row] != 1;  // (a row the forward's torch code solved: its backward too)
         continue;
       }
       const scalar_t* xr = px + row * n;
@@ -2319,27 +2376,28 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
 // The implicit VJP (docs/math.md §2.3) of the rows of status 0, for the cotangents gv (B, k)
 // float64 of the values (empty: none) and gw (B, k, n) of the weights (empty: none; any
 // strides): (gx (B, n) in x's dtype, 0 off the candidates and in the rows not solved; geps (B,)
-// float64; safe (B,) bool, false where the system is singular).
+// float64; safe (B,) bool, false where the torch code must redo the row: its system is
+// singular, or the forward left it to the torch code (status 1)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> vjp_rows(
     const at::Tensor& x_in, const at::Tensor& eps_in, bool largest, int64_t k, double bpu,
     int64_t nb, const at::Tensor& state_in, const at::Tensor& status_in, const at::Tensor& gv_in,
     const at::Tensor& gw_in, bool need_eps, double det_min) {
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor eps = eps_in.to(at::kDouble).contiguous();
+  at::Tensor eps_hold, gv_hold;
+  const double* peps = as_doubles(eps_in, eps_buffer, eps_hold);
   const at::Tensor state = state_in.to(at::kDouble).contiguous();
   const at::Tensor status = status_in.to(at::kChar).contiguous();
   const int64_t B = x.size(0), n = x.size(1);
   TORCH_CHECK(k >= 1 && k <= n && k + 1 <= kMaxBig, "vjp_rows: k out of range");
-  const at::Tensor gv = gv_in.numel() > 0 ? gv_in.to(at::kDouble).contiguous() : gv_in;
+  const double* pgv = gv_in.numel() > 0 ? as_doubles(gv_in, gv_buffer, gv_hold) : nullptr;
   const at::Tensor gw = gw_in.numel() > 0 ? gw_in.to(x.scalar_type()) : gw_in;
   at::Tensor gx = at::empty({B, n}, x.options());
   at::Tensor geps = at::empty({B}, x.options().dtype(at::kDouble));
   at::Tensor safe = at::empty({B}, x.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vjp_rows", [&] {
-    vjp_rows_impl<scalar_t>(x, eps.data_ptr<double>(), largest, k, bpu, nb,
-                            state.data_ptr<double>(), status.data_ptr<int8_t>(),
-                            gv.numel() > 0 ? gv.data_ptr<double>() : nullptr, gw, need_eps,
-                            det_min, gx, geps, safe);
+    vjp_rows_impl<scalar_t>(x, peps, largest, k, bpu, nb, state.data_ptr<double>(),
+                            status.data_ptr<int8_t>(), pgv, gw, need_eps, det_min, gx, geps,
+                            safe);
   });
   return {gx, geps, safe};
 }
