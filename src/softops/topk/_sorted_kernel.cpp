@@ -135,8 +135,12 @@ void stream_bytes(void* dst, const void* src, size_t bytes) {
 }
 
 // Outputs of this many bytes or more are written by stream_bytes (far beyond the caches, where an
-// ordinary store reads each line first); smaller ones stay in the cache for the caller.
+// ordinary store reads each line first); smaller ones stay in the cache for the caller. A row's
+// weights go through the scratch only where they fit in the cache (at most kScratchBytes): a longer
+// row's would make the scratch itself a pass beyond the caches, and its pages faulted per call (a
+// row of 1e6 took 3x the time that way).
 constexpr int64_t kStreamBytes = int64_t{1} << 23;
+constexpr int64_t kScratchBytes = int64_t{1} << 18;
 
 void stream_fence() {
 #if defined(__SSE2__)
@@ -1598,13 +1602,14 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     // a row with entries off its candidates, where the output is large: its weights formed in
     // `dense` (in the cache; the others 0), then streamed to the output
     const bool stream = static_cast<int64_t>(weights.nbytes()) >= kStreamBytes;
+    const int64_t row_bytes = static_cast<int64_t>(sizeof(scalar_t)) * k * n;
     std::vector<scalar_t> dense;
     auto finish = [&](int64_t row, const Prob& pr, const Work& wk, const double* p, int64_t sj,
                       int64_t si, const int64_t* lim, double e) {
       pe[row] = e;
       ps[row] = e <= tol ? 0 : 1;
       const double* rr = pst + row * lay.size() + lay.ratio();
-      const bool part = pr.m < n, via = part && stream;
+      const bool part = pr.m < n, via = part && stream && row_bytes <= kScratchBytes;
       if (via && static_cast<int64_t>(dense.size()) < k * n) dense.resize(k * n);
       scalar_t* wr = via ? dense.data() : pw + row * k * n;
       if (part) std::memset(wr, 0, sizeof(scalar_t) * static_cast<size_t>(k * n));
