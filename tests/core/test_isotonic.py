@@ -680,6 +680,15 @@ def test_the_kernel_refuses_malformed_arguments(ops):
         ops.l2_vjp(
             g, bad_perm, None, torch.zeros(2, 4, dtype=torch.int64), True, True, None, None, False
         )
+    # an index in range that repeats, in pz or pw, on rows of 4 (the vector lanes' length) and 12
+    for n in (4, 12):
+        g, block, good = torch.zeros(2, n), torch.zeros(2, n, dtype=torch.int64), torch.arange(n)
+        repeated = good.clone()
+        repeated[1] = 0
+        for pz, pw in ((repeated, good), (good, repeated)):
+            with pytest.raises(RuntimeError, match="must be permutations"):
+                ops.l2_vjp(g, torch.stack([good, pz]), torch.stack([good, pw]), block, True, True,
+                           None, None, False)  # fmt: skip
     p, _, _, block, bad = ops.permutahedron(
         torch.zeros(0, 10), torch.zeros(1, 10), ones[:0], isotonic.MODE_KL
     )

@@ -1644,6 +1644,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
       auto cnt = work<int64_t>(n);
       auto ident = work<int64_t>(n);
       for (int64_t j = 0; j < n; ++j) ident[j] = j;
+      // the last row in which each position of z and of w was met (a repeated index is an error:
+      // the entry it misses would never be written)
+      auto seen = work<int64_t>(2 * n);
+      for (int64_t j = 0; j < 2 * n; ++j) seen[j] = -1;
       // groups of eight rows that the lanes take whole, then the row path on a group they leave
       // rows of (all eight again: the same values) and on the rest
       scalar_t e8[8];
@@ -1697,6 +1701,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           for (int64_t j = 0; j < n; ++j) {
             const int64_t i = iz[j];
             TORCH_CHECK(!outside(i) && !outside(iw[j]), "l2_vjp: permutations out of range");
+            TORCH_CHECK(seen[i] != b && seen[n + iw[j]] != b,
+                        "l2_vjp: pz and pw rows must be permutations (an index repeats)");
+            seen[i] = rz ? b : -1, seen[n + iw[j]] = rw ? b : -1;
             const int64_t step = j == 0 ? 0 : rb[j] - rb[j - 1];
             runs &= step == 0 || step == 1;
             const bool start = j == 0 || step != 0;
