@@ -32,6 +32,12 @@ def ops():
     return built_ops(_ot.KERNEL)
 
 
+def _solve_kernel(ops, x, k, eps, max_iter, tol, k_scalar):
+    """The CPU solve as the operator runs it: the row kernel, then the torch code's merge."""
+    out = ops.threshold_rows(x, k, eps, float(tol), _ot._scaling_limit(x.dtype), max_iter)
+    return _ot._solve_kernel(out, x, k, eps, max_iter, tol, k_scalar)
+
+
 def _rows(b: int, n: int, dtype: torch.dtype, seed: int, layout: str = "normal") -> torch.Tensor:
     x = torch.randn(b, n, generator=seeded(seed), dtype=F64)
     if layout == "ties":
@@ -47,7 +53,7 @@ def _kernel_solve(ops, x: torch.Tensor, k: float, eps: float) -> tuple:
     b = x.shape[0]
     kt = torch.full((b,), k, dtype=x.dtype)
     et = torch.full((b,), eps, dtype=x.dtype)
-    got = _ot._solve_kernel(ops, x, kt, et, 100, 0.0, k)
+    got = _solve_kernel(ops, x, kt, et, 100, 0.0, k)
     want = _ot._solve(x, kt, et, 100, 0.0, k)
     return got, want
 
@@ -105,7 +111,7 @@ def test_rows_the_kernel_leaves_are_solved_by_the_torch_code(ops):
     # and 6 are at their limits k = n_fin and k = 0, filled: 4 and 2)
     assert status.tolist() == [0, 1, 1, 4, 1, 0, 2] and left == 3 and at_limit == 2
     assert (scale == 1).all() and 1 <= evaluations <= 8
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     assert_merged_solve(got, _ot._solve(x, k, eps, 100, 0.0, None))
     # and through the operator, whatever the back end
     for name in ("kernel", "reference"):
@@ -235,7 +241,7 @@ def _assert_drawn_rows_solve_as_the_torch_code(ops, data, x: torch.Tensor) -> No
         .clamp(torch.finfo(dtype).tiny, torch.finfo(dtype).max)
         .to(dtype)
     )
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=1e-5, rtol=0)
     assert torch.equal(got[1].isnan().any(-1), x.isnan().any(-1) | want[1].isnan().any(-1))
@@ -272,7 +278,7 @@ def test_rows_near_the_hard_limit_are_polished_by_the_kernel(ops, dtype, n):
     limit = _ot._scaling_limit(dtype)
     *_, status, _, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
     assert left == 0 and not status.any()
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     den = want[3][:, 2]
     assert _ot.near_hard(torch.where(den < math.inf, den * eps, 0), dtype).all()
@@ -322,7 +328,7 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     assert status.nonzero().squeeze(-1).tolist() == special
     assert status[special].tolist() == [1, 1, 2, 4, 1] and (left, at_limit) == (3, 2)
     assert (scale == 1).all() and 1 <= evaluations <= 8
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     tol = 1e-12 if dtype == F64 else 2e-6
     torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0, equal_nan=True)
@@ -337,7 +343,7 @@ def test_short_rows_are_solved_a_vector_of_rows_at_a_time(ops, dtype, n):
     # torch code's
     *_, status, evaluations, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 1)
     assert evaluations == 1 and left >= 3 and status[special].tolist() == [1, 1, 2, 4, 1]
-    got = _ot._solve_kernel(ops, x, k, eps, 1, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 1, 0.0, None)
     want = _ot._solve(x, k, eps, 1, 0.0, None)
     torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0, equal_nan=True)
     assert torch.equal(got[0].converged, want[0].converged)
@@ -379,7 +385,7 @@ def test_masked_rows_are_solved_by_the_kernel_as_by_the_torch_code(ops, dtype, n
     limit = _ot._scaling_limit(dtype)
     *_, status, _, left, at_limit = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
     assert status.tolist() == [0] * 8 + [4, 1, 1, 1] and (left, at_limit) == (3, 1)
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     tol = 1e-12 if dtype == F64 else 2e-6
     torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=tol, rtol=0)
@@ -428,7 +434,7 @@ def test_padded_rows_are_solved_on_the_window_of_their_keys(ops, dtype, n, pad):
     limit = _ot._scaling_limit(dtype)
     *_, status, _, left, _ = ops.threshold_rows(x, k, eps, 0.0, limit, 100)
     assert left == 0 and status[5] == 6 and status[7] == 4
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     tol = 1e-12 if dtype == F64 else 2e-6
     torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0)
@@ -449,7 +455,7 @@ def test_a_masked_row_beside_the_dtypes_extremes_is_solved_on_its_finite_entries
     k = torch.tensor([3.5])
     eps = torch.tensor([0.3])
     assert ops.threshold_rows(x, k, eps, 0.0, _ot._scaling_limit(x.dtype), 100)[5].item() == 0
-    got = _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None)
+    got = _solve_kernel(ops, x, k, eps, 100, 0.0, None)
     want = _ot._solve(x, k, eps, 100, 0.0, None)
     torch.testing.assert_close(got[1], want[1], atol=2e-6, rtol=0)
     assert abs(float(got[1].sum()) - 3.5) < 1e-5 and float(got[1][0, 3]) > 0.4
@@ -531,7 +537,7 @@ def test_operator_returns_the_kernel_outputs_as_they_are_where_every_row_is_solv
     eps = torch.linspace(0.05, 2.0, 9, dtype=dtype)
     with backend("kernel"):
         out = _ot.THRESHOLD_OP(x, k, eps, 100, 0.0, None, "op")
-    merged = _ot._threshold_outputs("op", 100, _ot._solve_kernel(ops, x, k, eps, 100, 0.0, None))
+    merged = _ot._threshold_outputs("op", 100, _solve_kernel(ops, x, k, eps, 100, 0.0, None))
     for got, want in zip(out, merged, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert out[3].dtype == torch.int8 and out[3].tolist() == [0] * 4 + [limit_row] + [0] * 4

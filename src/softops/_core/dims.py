@@ -26,7 +26,7 @@ from softops._core.validation import (
 )
 from softops._kernels import plain_eager
 
-__all__ = ["Rows", "flatten_to_2d", "prepare_rows", "row_param"]
+__all__ = ["Rows", "constant_row", "flatten_to_2d", "prepare_rows", "row_param"]
 
 
 def flatten_to_2d(
@@ -94,12 +94,13 @@ class Rows(NamedTuple):
 
 
 _SHARED_ROWS = 4096
-"""The most rows whose constant epsilon row ``_epsilon_row`` keeps."""
+"""The most rows whose constant row :func:`constant_row` keeps."""
 
 
-def _epsilon_row(x2: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
-    """(B,) filled with ``value``, made once per (B, value, dtype, device) in an eager call on
-    plain data with at most ``_SHARED_ROWS`` rows (no op writes into its epsilon)."""
+def constant_row(x2: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """(B,) filled with ``value`` for the rows x2 (an epsilon, a number k), made once per
+    (B, value, dtype, device) in an eager call on plain data with at most ``_SHARED_ROWS`` rows
+    (no op writes into such a row)."""
     rows = x2.shape[0]
     if isinstance(rows, int) and rows <= _SHARED_ROWS and plain_eager(x2):
         return _constant_row(rows, value, dtype, x2.device)
@@ -133,5 +134,5 @@ def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tens
         eps = row_param(epsilon, batch_shape, op, "epsilon", cd, x.device)
         eps = eps.clamp(fi.tiny, fi.max)
     else:  # a Python float (>= fi.tiny, checked): clamp on the host, one fill
-        eps = _epsilon_row(x2, min(epsilon, fi.max), cd)
+        eps = constant_row(x2, min(epsilon, fi.max), cd)
     return Rows(x2 if x2.dtype == cd else x2.to(cd), eps, restore, d, n, batch_shape)

@@ -22,8 +22,7 @@ from types import ModuleType
 
 import torch
 
-from softops._core.dims import _epsilon_row as constant_row
-from softops._core.dims import prepare_rows
+from softops._core.dims import constant_row, prepare_rows
 from softops._core.straight_through import straight_through
 from softops._core.transforms import cannot_branch, plain, under_functorch
 from softops._core.validation import check_k

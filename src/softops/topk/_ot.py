@@ -21,6 +21,7 @@ whose k cannot be met are NaN.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -73,12 +74,10 @@ SCALE_BITS = 40
 power of two ``c < 1`` (docs/math.md §1.3, "At the ends of the range")."""
 
 
+@functools.lru_cache(maxsize=8)
 def _scaling_limit(dtype: torch.dtype) -> float:
-    """``finfo.max / 2**SCALE_BITS``."""
+    """``finfo.max / 2**SCALE_BITS`` (once per dtype)."""
     return torch.finfo(dtype).max * 2.0**-SCALE_BITS
-
-
-_LIMITS = {t: _scaling_limit(t) for t in (torch.float32, torch.float64)}
 
 
 class ThresholdState(NamedTuple):
@@ -521,21 +520,18 @@ KERNEL = Kernel("softops_ot", Path(__file__).with_name("_ot_kernel.cpp"))
 
 
 def _solve_kernel(
-    ops: Any,
+    solved: tuple[Any, ...],
     x: torch.Tensor,
     k: torch.Tensor,
     eps: torch.Tensor,
     max_iter: int,
     tol: float,
     k_scalar: float | None,
-    solved: tuple[Any, ...] | None = None,
 ) -> tuple[ThresholdState, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """:func:`_solve` by the CPU row kernel (``solved``: its outputs, where already run); the
-    rows it leaves (a NaN or ``+inf``, a huge epsilon, an unreachable k, capped) are solved by
-    the torch code and merged."""
+    """:func:`_solve` from the CPU row kernel's outputs ``solved`` (``threshold_rows``); the
+    rows it left (a NaN or ``+inf``, a huge epsilon, an unreachable k, capped) are solved by the
+    torch code and merged."""
     B = x.shape[0]
-    if solved is None:
-        solved = ops.threshold_rows(x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter)
     A, s, aux, residual, _, status, evaluations, n_left, n_limit = solved
     converged = torch.ones(B, dtype=torch.bool, device=x.device)  # (a capped row is left)
     # the kernel's status: 0 solved, 1 left, else the limits (2: k = 0, 4: k = n_fin)
@@ -747,11 +743,11 @@ def _threshold_cpu(
     k_scalar: float | None,
     caller: str,
 ) -> tuple[torch.Tensor, ...]:
-    limit = _LIMITS.get(x.dtype) or _scaling_limit(x.dtype)
-    out = ops.threshold_rows(x, k, eps, float(tol), limit, max_iter)
-    if not (out[7] or out[8]):  # every row solved: edge 0 (the status) and scale 1 as they are
-        return out[0], out[1], out[2], out[5], out[4]
-    solved = _solve_kernel(ops, x, k, eps, max_iter, tol, k_scalar, out)
+    out = ops.threshold_rows(x, k, eps, float(tol), _scaling_limit(x.dtype), max_iter)
+    A, s, aux, _, scale, status, _, n_left, n_limit = out
+    if not (n_left or n_limit):  # every row solved: edge 0 (the status) and scale 1 as they are
+        return A, s, aux, status, scale
+    solved = _solve_kernel(out, x, k, eps, max_iter, tol, k_scalar)
     return _threshold_outputs(caller, max_iter, solved)
 
 
