@@ -511,6 +511,40 @@ def test_weights_streamed_to_a_large_output_equal_those_written_in_place(ops) ->
     assert int((big.weights[:6] == 0).sum()) > 0
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_calls_leave_nothing_in_the_kept_scratch(ops, dtype) -> None:
+    # each thread keeps its scratch between calls (released past a size): rows solved after
+    # calls that left other rows, targets, lanes and candidate counts in it come out bit for
+    # bit as before, values, weights and gradients (nothing read that the call did not write)
+    g = seeded(41)
+    x = torch.randn(24, 128, generator=g, dtype=dtype)
+    x[5] = 0.25  # (a row of candidates only)
+    x[9, :64] = x[9, 64:]  # (ties)
+    gv = torch.randn(24, 8, generator=g, dtype=dtype)
+
+    def run(rows: torch.Tensor, k: int, cot: torch.Tensor | None = None) -> tuple:
+        xs = rows.clone().requires_grad_()
+        out = softops.soft_topk(xs, k, epsilon=0.05)
+        cot = torch.ones_like(out.values) if cot is None else cot
+        (grad,) = torch.autograd.grad((out.values * cot).sum() + out.weights.sum() ** 2, xs)
+        return out.values, out.weights, grad
+
+    others = [  # (rows, k): longer rows, fewer and more targets, a row past the kept size
+        (torch.randn(40, 1000, generator=g, dtype=dtype) * 3, 8),
+        (torch.randn(9, 60, generator=g, dtype=dtype), 3),
+        (torch.randn(17, 40, generator=g, dtype=dtype), 31),
+        (torch.randn(2, 300_000, generator=g, dtype=dtype), 8),
+        (torch.randn(33, 8, generator=g, dtype=dtype), 8),
+    ]
+    with backend("kernel"):
+        first = run(x, 8, gv)
+        for rows, k in others:
+            run(rows, k)
+            again = run(x, 8, gv)
+            for a, b in zip(first, again, strict=True):
+                assert torch.equal(a, b)
+
+
 def test_operand_layouts_give_the_same_bits(ops) -> None:
     # epsilon and the values' cotangent are read as doubles: float32 converted in the kernel's
     # buffer, float64 in place, others (strided) by torch; each the same to the bit, as are the

@@ -305,6 +305,12 @@ void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double
 
 // --------------------------------------------------------------------------- the candidate set
 
+// The bytes the vectors vs hold (their capacity).
+template <typename... V>
+size_t capacity_bytes(const V&... vs) {
+  return (size_t{0} + ... + (vs.capacity() * sizeof(typename V::value_type)));
+}
+
 // A task's scratch, grown to the largest row it meets (never shrunk).
 struct Work {
   std::vector<int64_t> idx, grouped, sup;
@@ -313,6 +319,11 @@ struct Work {
       direct, gap;
   std::vector<uint8_t> far;
   std::vector<int64_t> hist, cnt, nxt;
+
+  size_t bytes() const {
+    return capacity_bytes(idx, grouped, sup, bin, home, hbuf, yc, ytmp, e, ie, p, p_new, gb, cen,
+                          mu, inv_mu, xc, ref, mean, acc_y, direct, gap, far, hist, cnt, nxt);
+  }
 
   void entries(int64_t m, int64_t big, bool backward) {
     if (static_cast<int64_t>(yc.size()) >= m && static_cast<int64_t>(p.size()) >= big * m &&
@@ -1141,6 +1152,10 @@ struct Lanes {
   double bref[kMaxBig * kLanes];
   double bcol[kMaxBig * kLanes];
 
+  size_t bytes() const {
+    return capacity_bytes(e, ie, home, valid, p, p_new, gb, yc, xs, out, kept, shared);
+  }
+
   void size(int64_t big_in, int64_t slots_in) {
     big = big_in;
     slots = slots_in;
@@ -1567,6 +1582,34 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   if (p != g.p.data()) std::swap(g.p, g.p_new);  // (the plans in g.p)
 }
 
+// Scratch a thread keeps between calls, at most this many bytes of it (past it: released).
+constexpr size_t kKeepScratchBytes = size_t{1} << 22;
+
+// A thread's scratch for the rows of one pass (the forward's or the backward's), kept between
+// calls: a call whose rows fit reuses it (no allocation, no zero-filling of new vectors, memory
+// the caches may still hold; allocating it per call cost a tenth of a (64, 128) call); a call
+// that leaves it larger than kKeepScratchBytes releases it (long rows, whose own work dwarfs an
+// allocation).
+struct Scratch {
+  Work w;
+  std::vector<Work> lw;  // (a group of rows in the lanes)
+  Lanes g;
+
+  std::vector<Work>& lanes(bool on) {
+    if (on && lw.size() < static_cast<size_t>(kLanes)) lw.resize(kLanes);
+    return lw;
+  }
+  void trim() {
+    size_t held = w.bytes() + g.bytes();
+    for (const Work& u : lw) held += u.bytes();
+    if (held > kKeepScratchBytes) {
+      w = Work{};
+      lw.clear();
+      g = Lanes{};
+    }
+  }
+};
+
 template <typename scalar_t>
 void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t k, double tau,
                      double bpu, double limit, double span_max, const double* weight, int64_t nb,
@@ -1589,13 +1632,14 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   const double log_tau = std::log(tau);
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-    Work w;
+    static thread_local Scratch scratch;
+    Work& w = scratch.w;
     Prob pb;
-    std::vector<Work> lw(lanes_on ? kLanes : 0);
+    std::vector<Work>& lw = scratch.lanes(lanes_on);
     Prob lpb[kLanes];
     int64_t lrow[kLanes];
     int64_t count = 0;
-    Lanes g;
+    Lanes& g = scratch.g;
     const int64_t big_rt = big;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
@@ -1757,6 +1801,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     }
     flush();
     stream_fence();
+    scratch.trim();
   });
 }
 
@@ -1955,13 +2000,14 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-    Work w;
+    static thread_local Scratch scratch;
+    Work& w = scratch.w;
     Prob pb;
-    std::vector<Work> lw(lanes_on ? kLanes : 0);
+    std::vector<Work>& lw = scratch.lanes(lanes_on);
     Prob lpb[kLanes];
     int64_t lrow[kLanes];
     int64_t count = 0;
-    Lanes g;
+    Lanes& g = scratch.g;
     const int64_t big_rt = big;
     // a system the scalar code does not take: det K not above det_min (big <= 3) or not
     // positive, or a solution that is not finite
@@ -2375,6 +2421,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
     }
     flush();
+    scratch.trim();
   });
 }
 
