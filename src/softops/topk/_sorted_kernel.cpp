@@ -1151,6 +1151,11 @@ struct Lanes {
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
   double bcol[kMaxBig * kLanes];
+  // the rows' problems (for column_limits' bins: bend, gs) and, per lane, column_limits' bounds
+  // (rest false: no rest target, every column formed at every slot)
+  const Prob* pb = nullptr;
+  bool rest = false;
+  double lie0[kLanes], lie1[kLanes], drop[kLanes], bpu[kLanes], nb[kLanes];
 
   size_t bytes() const {
     return capacity_bytes(e, ie, home, valid, p, p_new, gb, yc, xs, out, kept, shared);
@@ -1187,7 +1192,9 @@ struct Lanes {
   // the candidate problems pb[0..kLanes) into the lanes (slots past a row's candidates: factors
   // 0, so that their plan is 1 at their home and 0 elsewhere whatever the state, masked out; their
   // home is lane 0's, or the rest's)
-  void load(const Prob* pb) {
+  void load(const Prob* pb_in) {
+    pb = pb_in;
+    rest = pb[0].nb >= 0;
     for (int64_t i = 0; i < slots; ++i) shared[i] = i < pb[0].m ? pb[0].home[i] : big - 1;
     for (int64_t l = 0; l < kLanes; ++l) {
       const Prob& pr = pb[l];
@@ -1205,30 +1212,96 @@ struct Lanes {
         bref[j * kLanes + l] = pr.bref[j];
         bcol[j * kLanes + l] = pr.bcol[j];
       }
+      rest = rest && pr.nb >= 0;
+      lie0[l] = pr.lie0;
+      lie1[l] = pr.lie1;
+      drop[l] = pr.log_drop;
+      bpu[l] = pr.bpu;
+      nb[l] = static_cast<double>(pr.nb);
     }
   }
 };
 
+// column_limits on every lane at once (a: the lanes' log column factors, in range in the lanes
+// of `inrange` 1.0; the others form every column): lim[j] the largest over the lanes of the
+// lane's limit of column j, so that a slot below lim[j] has column j formed in every lane (in a
+// lane whose own limit is below it, as the one-row code would form it: the same plan, within the
+// drop bound), and no lane forms column j at a slot at or past it. The largest of non-decreasing
+// limits is non-decreasing in j; lim[big - 1] = slots. An entry at one of the first k homes has
+// every column formed (column_limits' limits are at least the start of the rest), so the first
+// column formed at a slot is never above the home of a lane's entry there.
+void lane_limits(const Lanes& g, const VecArr& a, const VecD& inrange, int64_t* lim) {
+  const int64_t big = g.big, ns = g.slots;
+  for (int64_t j = 0; j < big; ++j) lim[j] = ns;
+  if (!g.rest) return;
+  const int64_t k = big - 1;  // (the rest is column k)
+  const VecD lie0 = VecD::loadu(g.lie0), lie1 = VecD::loadu(g.lie1), drop = VecD::loadu(g.drop);
+  const VecD bpu = VecD::loadu(g.bpu), nb = VecD::loadu(g.nb), none(-1.0), zero(0.0);
+  const VecD out = inrange == zero;  // (every column formed: the last bin)
+  VecD bmax[kLaneBig + 1];
+  VecD sum_a = zero;
+  for (int64_t r = 1; r <= k; ++r) {
+    sum_a = sum_a + a[k - r];
+    const VecD rd(static_cast<double>(r));
+    // the last bin whose bound reaches exp(drop), as column_limits (-1: none)
+    const VecD t = bpu * (lie1 - (sum_a + drop) / rd);
+    const VecD bt = VecD::blendv(at::vec::minimum(VecD(1.0) + t.floor(), nb), nb, t >= nb);
+    const VecD b1 = VecD::blendv(zero, bt, (rd * lie1 - sum_a) >= drop);
+    bmax[r] = VecD::blendv(VecD::blendv(none, b1, (rd * lie0 - sum_a) >= drop), nb, out);
+  }
+  VecD run = none;
+  double rl[kLanes];
+  for (int64_t r = k; r >= 1; --r) {
+    run = at::vec::maximum(run, bmax[r]);
+    run.store(rl);
+    int64_t most = 0;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const Prob& pr = g.pb[l];
+      const int64_t e = rl[l] < 0 ? pr.gs[big - 1] : pr.bend[static_cast<int64_t>(rl[l])];
+      most = std::max(most, e);
+    }
+    lim[k - r] = most;
+  }
+}
+
 // eval_fast on every lane at once: the plans (big, slots, lanes) into p, the gaps into gap;
 // returns the lanes' sum_j |gap_j|, and in `inrange` 1.0 where every column factor is in range
-// (0.0: the lane's row needs eval_general).
+// (0.0: the lane's row needs eval_general). As eval_fast, the rest's entries stop their downward
+// recurrence at the first column formed at their slot (lane_limits, from this state's factors):
+// lim[j] the end of the slots at which column j is formed. p's column j is not written at or past
+// lim[j], except that with `hw` (in: the slots past which p's column j is already 0; out: lim)
+// the slots in [lim[j], hw[j]) are cleared, so that p is 0 wherever a column is not formed.
 template <int64_t BIG = 0>
-VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange) {
+VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange,
+                int64_t* lim, int64_t* hw = nullptr) {
   const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
   const VecD one(1.0), zero(0.0), far(kFar);
-  VecArr rho, irho, gv;
+  VecArr rho, irho, gv, av;
   inrange = one;
   for (int64_t j = 0; j + 1 < big; ++j) {
     const VecD a = (VecD::loadu(v + (j + 1) * kLanes) - VecD::loadu(v + j * kLanes)) +
                    VecD::loadu(g.aconst + j * kLanes);
+    av[j] = a;
     inrange = at::vec::minimum(inrange, a.abs().le(far));
     rho[j] = a.exp();
     irho[j] = one / rho[j];
   }
+  const int64_t sj = ns * kLanes;
+  lane_limits(g, av, inrange, lim);
+  if (hw != nullptr) {
+    for (int64_t j = 0; j < big; ++j) {
+      if (hw[j] > lim[j]) {
+        std::memset(p + j * sj + lim[j] * kLanes, 0,
+                    sizeof(double) * static_cast<size_t>((hw[j] - lim[j]) * kLanes));
+      }
+      hw[j] = lim[j];
+    }
+  }
   for (int64_t j = 0; j < big; ++j) gv[j] = VecD::loadu(g.bref + j * kLanes);
   VecArr q, eq;
-  const int64_t sj = ns * kLanes;
+  int64_t lo = 0;  // the first column formed at slot i (non-decreasing in i; lim[big - 1] = ns)
   for (int64_t i = 0; i < ns; ++i) {
+    while (lim[lo] <= i) ++lo;
     const VecD ei = VecD::loadu(g.e.data() + i * kLanes);
     const VecD iei = VecD::loadu(g.ie.data() + i * kLanes);
     const VecD h = VecD::loadu(g.home.data() + i * kLanes);
@@ -1241,13 +1314,13 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
         q[j + 1] = q[j] * (ei * rho[j]);
         tot = tot + q[j + 1];
       }
-      for (int64_t j = hs - 1; j >= 0; --j) {
+      for (int64_t j = hs - 1; j >= lo; --j) {
         q[j] = q[j + 1] * (iei * irho[j]);
         tot = tot + q[j];
       }
       const VecD inv = (one / tot) * val;
       VecD off = zero;
-      for (int64_t j = 0; j < big; ++j) {
+      for (int64_t j = lo; j < big; ++j) {
         const VecD pj = q[j] * inv;
         pj.store(p + j * sj + i * kLanes);
         if (j != hs) {
@@ -1258,18 +1331,19 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
       gv[hs] = gv[hs] + off;
       continue;
     }
-    // upward from the home (1 there, 0 below it), then downward (the slots below the home)
+    // upward from the home (1 there, 0 below it), then downward (the slots below the home, to
+    // the first column formed)
     VecD qu = zero;
-    for (int64_t j = 0; j < big; ++j) {
+    for (int64_t j = lo; j < big; ++j) {
       const VecD jv(static_cast<double>(j));
       eq[j] = h == jv;
-      const VecD nxt = j > 0 ? qu * (ei * rho[j - 1]) : zero;
+      const VecD nxt = j > lo ? qu * (ei * rho[j - 1]) : zero;
       qu = VecD::blendv(VecD::blendv(nxt, one, eq[j]), zero, h > jv);
       q[j] = qu;
     }
     VecD qd = zero;
     VecD tot = zero;
-    for (int64_t j = big - 1; j >= 0; --j) {
+    for (int64_t j = big - 1; j >= lo; --j) {
       const VecD jv(static_cast<double>(j));
       const VecD nxt = j + 1 < big ? qd * (iei * irho[j]) : zero;
       qd = VecD::blendv(VecD::blendv(nxt, one, eq[j]), zero, h < jv);
@@ -1278,14 +1352,14 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     }
     const VecD inv = (one / tot) * val;
     VecD off = zero;
-    for (int64_t j = 0; j < big; ++j) {
+    for (int64_t j = lo; j < big; ++j) {
       const VecD pj = q[j] * inv;
       pj.store(p + j * sj + i * kLanes);
       const VecD po = VecD::blendv(pj, zero, eq[j]);
       off = off + po;
       gv[j] = gv[j] - po;
     }
-    for (int64_t j = 0; j < big; ++j) gv[j] = gv[j] + VecD::blendv(zero, off, eq[j]);
+    for (int64_t j = lo; j < big; ++j) gv[j] = gv[j] + VecD::blendv(zero, off, eq[j]);
   }
   VecD l1 = zero;
   for (int64_t j = 0; j < big; ++j) {
@@ -1416,44 +1490,54 @@ void solve_lanes(const double* w, int64_t big_in, const double* rhs, double* out
   }
 }
 
+// u sums sum_i P_ji P_(o+s),i of every lane (s < u) over the first len doubles of the columns
+// (pj, po: columns j and o), into both triangles of w.
+template <int U>
+inline void coupling_sums(const double* pj, const double* po, int64_t sj, int64_t len, int64_t j,
+                          int64_t o, double* w) {
+  VecD s[U];
+  for (int u = 0; u < U; ++u) s[u] = VecD(0.0);
+  for (int64_t i = 0; i < len; i += kLanes) {
+    const VecD q = VecD::loadu(pj + i);
+    for (int u = 0; u < U; ++u) s[u] = at::vec::fmadd(q, VecD::loadu(po + u * sj + i), s[u]);
+  }
+  for (int u = 0; u < U; ++u) {
+    s[u].store(w + (j * kLaneBig + o + u) * kLanes);
+    s[u].store(w + ((o + u) * kLaneBig + j) * kLanes);
+  }
+}
+
 // The couplings w[j, o] = sum_i P_ji P_oi of every lane (j != o; both triangles), four targets o
-// at a time (four independent sums; the targets past the last are the last again, discarded).
+// at a time (four independent sums; the last one to three apart), the pair j < o over the slots
+// below lim[j] (p's column j is 0 past it).
 template <int64_t BIG = 0>
-void couplings_lanes(const double* p, int64_t big_in, int64_t ns, double* w) {
+void couplings_lanes(const double* p, int64_t big_in, int64_t ns, const int64_t* lim, double* w) {
   const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t sj = ns * kLanes;
   for (int64_t j = 0; j < big; ++j) {
     const double* pj = p + j * sj;
-    for (int64_t o = j + 1; o < big; o += 4) {
-      const double* p0 = p + o * sj;
-      const double* p1 = p + std::min(o + 1, big - 1) * sj;
-      const double* p2 = p + std::min(o + 2, big - 1) * sj;
-      const double* p3 = p + std::min(o + 3, big - 1) * sj;
-      VecD s0(0.0), s1(0.0), s2(0.0), s3(0.0);
-      for (int64_t i = 0; i < sj; i += kLanes) {
-        const VecD q = VecD::loadu(pj + i);
-        s0 = at::vec::fmadd(q, VecD::loadu(p0 + i), s0);
-        s1 = at::vec::fmadd(q, VecD::loadu(p1 + i), s1);
-        s2 = at::vec::fmadd(q, VecD::loadu(p2 + i), s2);
-        s3 = at::vec::fmadd(q, VecD::loadu(p3 + i), s3);
-      }
-      const VecD sums[4] = {s0, s1, s2, s3};
-      for (int64_t u = 0; u < 4 && o + u < big; ++u) {
-        sums[u].store(w + (j * kLaneBig + o + u) * kLanes);
-        sums[u].store(w + ((o + u) * kLaneBig + j) * kLanes);
-      }
+    const int64_t len = lim[j] * kLanes;
+    int64_t o = j + 1;
+    for (; o + 4 <= big; o += 4) coupling_sums<4>(pj, p + o * sj, sj, len, j, o, w);
+    const int64_t left = big - o;
+    if (left == 3) {
+      coupling_sums<3>(pj, p + o * sj, sj, len, j, o, w);
+    } else if (left == 2) {
+      coupling_sums<2>(pj, p + o * sj, sj, len, j, o, w);
+    } else if (left == 1) {
+      coupling_sums<1>(pj, p + o * sj, sj, len, j, o, w);
     }
   }
 }
 
 // newton_row on the lanes of a group (lanes of rows already prepared in pb[l]), every lane at
 // once. Per lane: done 1 where the row is solved here (its state in v, its gaps in gap, its plan
-// in g.p), 0 where the scalar code must solve the row.
+// in g.p, column t 0 at the slots at and past lim_out[t]), 0 where the scalar code must solve the
+// row.
 template <int64_t BIG = 0>
 void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64_t halvings,
-                  double* v, double* gap, bool* done) {
+                  double* v, double* gap, bool* done, int64_t* lim_out) {
   const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
-  const int64_t np = big * ns * kLanes;
   double v_new[kMaxBig * kLanes], gap_new[kMaxBig * kLanes], delta[kMaxBig * kLanes];
   double l1[kLanes], l1n[kLanes], inr[kLanes], step[kLanes], tolm[kLanes], okl[kLanes];
   int64_t steps[kLanes], tries[kLanes];
@@ -1475,14 +1559,23 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   }
   double* p = g.p.data();
   double* p_new = g.p_new.data();
+  // per buffer and column, the slots past which it is 0 (ns: not known) and, for an evaluation,
+  // the end of the slots formed
+  int64_t hw_a[kMaxBig], hw_b[kMaxBig], lim_e[kMaxBig];
+  int64_t* hw = hw_a;
+  int64_t* hw_new = hw_b;
+  for (int64_t t = 0; t < big; ++t) {
+    hw[t] = ns;
+    hw_new[t] = ns;
+  }
   VecD inrange;
   // the start: one Sinkhorn column update of v = 0
-  eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange);
+  eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new);
   inrange.store(inr);
   for (int64_t t = 0; t < big; ++t) {
     VecD col(0.0);
     const double* pt = p_new + t * ns * kLanes;
-    for (int64_t i = 0; i < ns; ++i) col = col + VecD::loadu(pt + i * kLanes);
+    for (int64_t i = 0; i < hw_new[t]; ++i) col = col + VecD::loadu(pt + i * kLanes);
     const VecD vt = VecD::loadu(g.bcol + t * kLanes).log() -
                     at::vec::maximum(col, VecD(kTiny)).log();
     vt.store(v_new + t * kLanes);
@@ -1494,7 +1587,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
   }
   while (true) {
-    eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange).store(l1n);
+    eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new).store(l1n);
     inrange.store(inr);
     bool any_accept = false, any_need = false;
     for (int64_t l = 0; l < kLanes; ++l) {
@@ -1535,17 +1628,23 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     for (int64_t l = 0; l < kLanes; ++l) all_accept = all_accept && accept[l];
     if (all_accept) {  // (every lane takes its new plan: no lane's plan to keep)
       std::swap(p, p_new);
-    } else if (any_accept) {
+      std::swap(hw, hw_new);
+    } else if (any_accept) {  // (both 0 past their limits: the blend 0 past the larger)
       double am[kLanes];
       for (int64_t l = 0; l < kLanes; ++l) am[l] = accept[l] ? 1.0 : 0.0;
       const VecD mask = VecD::loadu(am) > VecD(0.0);
-      for (int64_t t = 0; t < np; t += kLanes) {
-        VecD::blendv(VecD::loadu(p + t), VecD::loadu(p_new + t), mask).store(p + t);
+      for (int64_t t = 0; t < big; ++t) {
+        hw[t] = std::max(hw[t], hw_new[t]);
+        double* pt = p + t * ns * kLanes;
+        const double* pnt = p_new + t * ns * kLanes;
+        for (int64_t i = 0; i < hw[t] * kLanes; i += kLanes) {
+          VecD::blendv(VecD::loadu(pt + i), VecD::loadu(pnt + i), mask).store(pt + i);
+        }
       }
     }
     if (any_need) {
       double wc[kLaneBig * kLaneBig * kLanes];
-      couplings_lanes<BIG>(p, big, ns, wc);
+      couplings_lanes<BIG>(p, big, ns, hw, wc);
       VecD tau;
       solve_lanes<BIG>(wc, big, gap, delta, okl, tau);
       for (int64_t l = 0; l < kLanes; ++l) {
@@ -1580,6 +1679,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     if (!any) break;
   }
   if (p != g.p.data()) std::swap(g.p, g.p_new);  // (the plans in g.p)
+  for (int64_t t = 0; t < big; ++t) lim_out[t] = hw[t];
 }
 
 // Scratch a thread keeps between calls, at most this many bytes of it (past it: released).
@@ -1701,11 +1801,12 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       g.load(lpb);
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
-      newton_lanes<BIG>(g, lpb, tol, max_steps, halvings, v, gap, done);
+      int64_t glim[kMaxBig];
+      newton_lanes<BIG>(g, lpb, tol, max_steps, halvings, v, gap, done, glim);
       const int64_t sj = ns * kLanes;
       // the ratios (b - c)/c of the lanes solved here (0 in the others), then each row's residual
       // of the column-exact plan, sum_i |sum_t P_ti r_t| / m, every lane at once (the plan is 0
-      // in the slots past a row's candidates)
+      // in the slots past a row's candidates, and column t at the slots past glim[t])
       double rl[kLaneBig * kLanes], el[kLanes];
       for (int64_t t = 0; t < big; ++t) {
         for (int64_t l = 0; l < kLanes; ++l) {
@@ -1715,9 +1816,11 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         }
       }
       VecD err(0.0);
+      int64_t lo = 0;  // (the first column formed at slot i)
       for (int64_t i = 0; i < ns; ++i) {
+        while (glim[lo] <= i) ++lo;
         VecD dev(0.0);
-        for (int64_t t = 0; t < big; ++t) {
+        for (int64_t t = lo; t < big; ++t) {
           dev = dev + VecD::loadu(g.p.data() + t * sj + i * kLanes) * VecD::loadu(rl + t * kLanes);
         }
         err = err + dev.abs();
@@ -1739,7 +1842,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         const double* p = g.p.data() + l;
         const double e = el[l];
         int64_t lim[kMaxBig];
-        for (int64_t t = 0; t < big; ++t) lim[t] = pr.m;
+        for (int64_t t = 0; t < big; ++t) lim[t] = std::min(pr.m, glim[t]);
         finish(row, pr, lw[l], p, sj, kLanes, lim, e / static_cast<double>(pr.m));
       }
       count = 0;
@@ -2200,7 +2303,8 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
       }
       VecD inrange;
-      eval_lanes<BIG>(g, v, g.p.data(), gap, inrange);
+      int64_t lim[kMaxBig];  // (column t formed at the slots below lim[t], not written past it)
+      eval_lanes<BIG>(g, v, g.p.data(), gap, inrange, lim);
       double okl[kLanes], inr[kLanes];
       inrange.store(inr);
       const int64_t sj = ns * kLanes;
@@ -2214,14 +2318,17 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       // slot i: the column-exact plan gam, 1 / its row sum, each entry's largest column (the
       // centring's reference; the first of equals) and gb; formed in the first pass over the
-      // slots (`form`), kept in g.kept for the later ones
-      auto plan_at = [&](int64_t i, VecD& inv_mu, bool form) {
+      // slots (`form`), kept in g.kept for the later ones. Only the columns formed at the slot,
+      // lo and above (as the one-row code's loops over a column's entries below its limit: the
+      // others are 0 in every lane, and every sum below takes them as 0).
+      auto plan_at = [&](int64_t i, int64_t lo, VecD& inv_mu, bool form) {
         double* kept = g.kept.data() + i * (big + 2) * kLanes;  // gam (big), 1 / mu, the home
         const VecD xsv = VecD::loadu(g.xs.data() + i * kLanes);
         VecD hv = zero;
         if (form) {
           VecD mu = zero, best = minus_one;
           for (int64_t t = 0; t < big; ++t) {
+            if (t < lo) continue;
             gam[t] = VecD::loadu(gp + t * sj + i * kLanes) * fv[t];
             mu = mu + gam[t];
             const VecD gt = gam[t] > best;
@@ -2233,30 +2340,38 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
           inv_mu.store(kept + big * kLanes);
           hv.store(kept + (big + 1) * kLanes);
         } else {
-          for (int64_t t = 0; t < big; ++t) gam[t] = VecD::loadu(kept + t * kLanes);
+          for (int64_t t = 0; t < big; ++t) {
+            if (t >= lo) gam[t] = VecD::loadu(kept + t * kLanes);
+          }
           inv_mu = VecD::loadu(kept + big * kLanes);
           hv = VecD::loadu(kept + (big + 1) * kLanes);
         }
         for (int64_t t = 0; t < big; ++t) {
+          if (t < lo) continue;
           gbv[t] = has_gw ? VecD::loadu(gbp + (t * ns + i) * kLanes) : gvv[t] * xsv;
           eq[t] = hv == VecD(static_cast<double>(t));
         }
       };
       // u_t - sum_l P_l u_l for u_t = sb beta_t + sg gb_t, shifted by u at the home, into cen
       VecArr cen;
-      auto centre_at = [&](const VecArr& bv, double sb, double sg, const VecD& inv_mu) {
+      auto centre_at = [&](const VecArr& bv, double sb, double sg, const VecD& inv_mu,
+                           int64_t lo) {
         VecD ref = zero;
         for (int64_t t = 0; t < big; ++t) {
+          if (t < lo) continue;
           cen[t] = VecD(sb) * bv[t] + VecD(sg) * gbv[t];
           ref = ref + VecD::blendv(zero, cen[t], eq[t]);
         }
         VecD mean = zero;
         for (int64_t t = 0; t < big; ++t) {
+          if (t < lo) continue;
           cen[t] = cen[t] - ref;
           mean = mean + gam[t] * cen[t];
         }
         mean = mean * inv_mu;
-        for (int64_t t = 0; t < big; ++t) cen[t] = cen[t] - mean;
+        for (int64_t t = 0; t < big; ++t) {
+          if (t >= lo) cen[t] = cen[t] - mean;
+        }
       };
       VecArr beta, rhs;
       double wc[kLaneBig * kLaneBig * kLanes];
@@ -2265,11 +2380,14 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         rhs[t] = zero;
         for (int64_t o = 0; o < big; ++o) zero.store(wc + (t * kLaneBig + o) * kLanes);
       }
+      int64_t lo = 0;  // (the first column formed at slot i: non-decreasing in i)
       for (int64_t i = 0; i < ns; ++i) {
+        while (lim[lo] <= i) ++lo;
         VecD inv_mu;
-        plan_at(i, inv_mu, true);
-        centre_at(beta, 0.0, 1.0, inv_mu);
+        plan_at(i, lo, inv_mu, true);
+        centre_at(beta, 0.0, 1.0, inv_mu, lo);
         for (int64_t t = 0; t < big; ++t) {
+          if (t < lo) continue;
           rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
           const VecD a = gam[t] * inv_mu;
           for (int64_t o = t + 1; o < big; ++o) {
@@ -2294,11 +2412,15 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       for (int64_t l = 0; l < count; ++l) refine = refine || (okl[l] > 0 && okl[l] <= 1.0);
       if (refine) {
         for (int64_t t = 0; t < big; ++t) rhs[t] = zero;
+        lo = 0;
         for (int64_t i = 0; i < ns; ++i) {
+          while (lim[lo] <= i) ++lo;
           VecD inv_mu;
-          plan_at(i, inv_mu, false);
-          centre_at(beta, -1.0, 1.0, inv_mu);
-          for (int64_t t = 0; t < big; ++t) rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
+          plan_at(i, lo, inv_mu, false);
+          centre_at(beta, -1.0, 1.0, inv_mu, lo);
+          for (int64_t t = 0; t < big; ++t) {
+            if (t >= lo) rhs[t] = at::vec::fmadd(gam[t], cen[t], rhs[t]);
+          }
         }
         for (int64_t t = 0; t < big; ++t) rhs[t].store(rhsl + t * kLanes);
         double stepl[kLaneBig * kLanes], rf[kLanes];
@@ -2313,12 +2435,15 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       VecD ge = zero;
       const VecD iev = VecD::loadu(ie), cv = VecD::loadu(cl), sv(sign);
       double* outp = g.out.data();
+      lo = 0;
       for (int64_t i = 0; i < ns; ++i) {
+        while (lim[lo] <= i) ++lo;
         VecD inv_mu;
-        plan_at(i, inv_mu, false);
-        centre_at(beta, 1.0, -1.0, inv_mu);
+        plan_at(i, lo, inv_mu, false);
+        centre_at(beta, 1.0, -1.0, inv_mu, lo);
         VecD acc_y = zero, direct = zero;
         for (int64_t t = 0; t < big; ++t) {
+          if (t < lo) continue;
           acc_y = acc_y + VecD(static_cast<double>(t)) * gam[t] * cen[t];
           direct = direct + gam[t] * VecD::loadu(gvl + t * kLanes);
         }
