@@ -1271,7 +1271,8 @@ void lane_limits(const Lanes& g, const VecArr& a, const VecD& inrange, int64_t* 
 // lim[j] the end of the slots at which column j is formed. p's column j is not written at or past
 // lim[j], except that with `hw` (in: the slots past which p's column j is already 0; out: lim)
 // the slots in [lim[j], hw[j]) are cleared, so that p is 0 wherever a column is not formed.
-template <int64_t BIG = 0>
+// CUT false: rows without a rest (every column formed, lim[j] = slots, without lane_limits).
+template <int64_t BIG = 0, bool CUT = true>
 VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& inrange,
                 int64_t* lim, int64_t* hw = nullptr) {
   const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
@@ -1287,7 +1288,11 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     irho[j] = one / rho[j];
   }
   const int64_t sj = ns * kLanes;
-  lane_limits(g, av, inrange, lim);
+  if constexpr (CUT) {
+    lane_limits(g, av, inrange, lim);
+  } else {
+    for (int64_t j = 0; j < big; ++j) lim[j] = ns;
+  }
   if (hw != nullptr) {
     for (int64_t j = 0; j < big; ++j) {
       if (hw[j] > lim[j]) {
@@ -1301,7 +1306,9 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
   VecArr q, eq;
   int64_t lo = 0;  // the first column formed at slot i (non-decreasing in i; lim[big - 1] = ns)
   for (int64_t i = 0; i < ns; ++i) {
-    while (lim[lo] <= i) ++lo;
+    if constexpr (CUT) {
+      while (lim[lo] <= i) ++lo;
+    }
     const VecD ei = VecD::loadu(g.e.data() + i * kLanes);
     const VecD iei = VecD::loadu(g.ie.data() + i * kLanes);
     const VecD h = VecD::loadu(g.home.data() + i * kLanes);
@@ -1534,7 +1541,7 @@ void couplings_lanes(const double* p, int64_t big_in, int64_t ns, const int64_t*
 // once. Per lane: done 1 where the row is solved here (its state in v, its gaps in gap, its plan
 // in g.p, column t 0 at the slots at and past lim_out[t]), 0 where the scalar code must solve the
 // row.
-template <int64_t BIG = 0>
+template <int64_t BIG = 0, bool CUT = true>
 void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64_t halvings,
                   double* v, double* gap, bool* done, int64_t* lim_out) {
   const int64_t big = BIG > 0 ? BIG : g.big, ns = g.slots;
@@ -1570,7 +1577,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   }
   VecD inrange;
   // the start: one Sinkhorn column update of v = 0
-  eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new);
+  eval_lanes<BIG, CUT>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new);
   inrange.store(inr);
   for (int64_t t = 0; t < big; ++t) {
     VecD col(0.0);
@@ -1587,7 +1594,7 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     }
   }
   while (true) {
-    eval_lanes<BIG>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new).store(l1n);
+    eval_lanes<BIG, CUT>(g, v_new, p_new, gap_new, inrange, lim_e, hw_new).store(l1n);
     inrange.store(inr);
     bool any_accept = false, any_need = false;
     for (int64_t l = 0; l < kLanes; ++l) {
@@ -1791,8 +1798,10 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       finish(row, pr, wk, p, pr.m, 1, lim, e);
     };
     // the rows gathered in the lanes, solved together (one alone: the scalar code)
-    auto flush_big = [&](auto big_c) {
+    // (CUT: the rows have a rest, as in vjp_rows_impl's flush_big)
+    auto flush_big = [&](auto big_c, auto cut_c) {
       constexpr int64_t BIG = decltype(big_c)::value;
+      constexpr bool CUT = decltype(cut_c)::value;
       const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
@@ -1802,7 +1811,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
       int64_t glim[kMaxBig];
-      newton_lanes<BIG>(g, lpb, tol, max_steps, halvings, v, gap, done, glim);
+      newton_lanes<BIG, CUT>(g, lpb, tol, max_steps, halvings, v, gap, done, glim);
       const int64_t sj = ns * kLanes;
       // the ratios (b - c)/c of the lanes solved here (0 in the others), then each row's residual
       // of the column-exact plan, sum_i |sum_t P_ti r_t| / m, every lane at once (the plan is 0
@@ -1818,7 +1827,9 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       VecD err(0.0);
       int64_t lo = 0;  // (the first column formed at slot i)
       for (int64_t i = 0; i < ns; ++i) {
-        while (glim[lo] <= i) ++lo;
+        if constexpr (CUT) {
+          while (glim[lo] <= i) ++lo;
+        }
         VecD dev(0.0);
         for (int64_t t = lo; t < big; ++t) {
           dev = dev + VecD::loadu(g.p.data() + t * sj + i * kLanes) * VecD::loadu(rl + t * kLanes);
@@ -1855,7 +1866,11 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         count = 0;
         return;
       }
-      flush_big(std::integral_constant<int64_t, 0>{});
+      if (k == n) {  // (no rest)
+        flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
+      } else {
+        flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
+      }
     };
     for (int64_t row = b0; row < b1; ++row) {
       const scalar_t* xr = px + row * n;
@@ -2256,8 +2271,11 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     // the column-exact plan, its centred cotangent, the grounded Laplacian's solve by the
     // lanes' Cholesky, the gradients); a lane whose state leaves the product's range or whose
     // Cholesky needs the jitter (or is singular) is redone by scalar_row.
-    auto flush_big = [&](auto big_c) {
+    // (CUT: the rows have a rest, whose entries may have columns not formed; without one every
+    // column is formed at every slot, and the loops below take every column)
+    auto flush_big = [&](auto big_c, auto cut_c) {
       constexpr int64_t BIG = decltype(big_c)::value;
+      constexpr bool CUT = decltype(cut_c)::value;
       const int64_t big = BIG > 0 ? BIG : big_rt;
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
@@ -2304,7 +2322,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       VecD inrange;
       int64_t lim[kMaxBig];  // (column t formed at the slots below lim[t], not written past it)
-      eval_lanes<BIG>(g, v, g.p.data(), gap, inrange, lim);
+      eval_lanes<BIG, CUT>(g, v, g.p.data(), gap, inrange, lim);
       double okl[kLanes], inr[kLanes];
       inrange.store(inr);
       const int64_t sj = ns * kLanes;
@@ -2382,7 +2400,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       }
       int64_t lo = 0;  // (the first column formed at slot i: non-decreasing in i)
       for (int64_t i = 0; i < ns; ++i) {
-        while (lim[lo] <= i) ++lo;
+        if constexpr (CUT) {
+          while (lim[lo] <= i) ++lo;
+        }
         VecD inv_mu;
         plan_at(i, lo, inv_mu, true);
         centre_at(beta, 0.0, 1.0, inv_mu, lo);
@@ -2414,7 +2434,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         for (int64_t t = 0; t < big; ++t) rhs[t] = zero;
         lo = 0;
         for (int64_t i = 0; i < ns; ++i) {
-          while (lim[lo] <= i) ++lo;
+          if constexpr (CUT) {
+            while (lim[lo] <= i) ++lo;
+          }
           VecD inv_mu;
           plan_at(i, lo, inv_mu, false);
           centre_at(beta, -1.0, 1.0, inv_mu, lo);
@@ -2437,7 +2459,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* outp = g.out.data();
       lo = 0;
       for (int64_t i = 0; i < ns; ++i) {
-        while (lim[lo] <= i) ++lo;
+        if constexpr (CUT) {
+          while (lim[lo] <= i) ++lo;
+        }
         VecD inv_mu;
         plan_at(i, lo, inv_mu, false);
         centre_at(beta, 1.0, -1.0, inv_mu, lo);
@@ -2478,12 +2502,18 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         count = 0;
         return;
       }
-      if (big_rt == 8) {
-        flush_big(std::integral_constant<int64_t, 8>{});
+      if (k == n) {  // (no rest)
+        if (big_rt == 8) {
+          flush_big(std::integral_constant<int64_t, 8>{}, std::false_type{});
+        } else {
+          flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
+        }
+      } else if (big_rt == 8) {
+        flush_big(std::integral_constant<int64_t, 8>{}, std::true_type{});
       } else if (big_rt == 9) {
-        flush_big(std::integral_constant<int64_t, 9>{});
+        flush_big(std::integral_constant<int64_t, 9>{}, std::true_type{});
       } else {
-        flush_big(std::integral_constant<int64_t, 0>{});
+        flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
       }
     };
     for (int64_t row = b0; row < b1; ++row) {
