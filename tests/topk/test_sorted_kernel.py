@@ -310,6 +310,45 @@ def test_a_row_solved_in_the_lanes_equals_the_row_solved_alone(ops, dtype, n, k)
                 torch.testing.assert_close(a, b[r : r + 1], rtol=1e-7, atol=1e-9, equal_nan=True)
 
 
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(("n", "eps"), [(128, 0.1), (100, 0.05), (64, 0.2)])
+def test_lane_rows_whose_far_entries_leave_columns_unformed_equal_the_row_alone(
+    ops, dtype, n, eps
+) -> None:
+    # rows of many candidates (solved in the lanes in a batch, by the one-row code alone): a
+    # rest entry far below the k-th score has its plan's first columns below the drop bound,
+    # not formed (its weight there exactly 0) in either, the lanes forming a column at a slot
+    # wherever one of its rows does; the flags, values, weights and gradients agree
+    k = 8
+    g = seeded(300 + n)
+    x = torch.randn(21, n, generator=g, dtype=F64)
+    x[::4] *= 2.5  # (wider rows: more entries far below)
+    x = x.to(dtype)
+    e = torch.full((21,), eps, dtype=dtype)
+    gv = torch.randn(21, k, generator=seeded(9), dtype=dtype)
+    gw = torch.randn(21, k, n, generator=seeded(10), dtype=dtype)
+    with backend("kernel"):
+        batch = _sorted.SOLVE_OP(x, e, k, True, 2000, 1e-9)
+        bgrad = _sorted.VJP_OP(x, e, batch[4], batch[3], gv, gw, k, True, 2000, 1e-9, True)
+        bgrad_v = _sorted.VJP_OP(x, e, batch[4], batch[3], gv, None, k, True, 2000, 1e-9, True)
+        assert (batch[3] == 0).all()
+        if dtype == F64:  # (in float32 an entry below 2^-60 rounds to 0 either way)
+            w = batch[0]
+            cut = (w[:, 0] == 0) & (w[:, k - 1] > 0)  # formed in column k - 1, not in column 0
+            assert cut.sum(-1).min() > 0
+        for r in range(21):
+            one = _sorted.SOLVE_OP(x[r : r + 1], e[r : r + 1], k, True, 2000, 1e-9)
+            assert one[3].tolist() == batch[3][r : r + 1].tolist()
+            for a, b in zip(one[:2], batch[:2], strict=True):
+                torch.testing.assert_close(a, b[r : r + 1], rtol=1e-9, atol=1e-12)
+            for cot, want in ((gw[r : r + 1], bgrad), (None, bgrad_v)):
+                args = (one[4], one[3], gv[r : r + 1], cot, k, True, 2000, 1e-9, True)
+                grad = _sorted.VJP_OP(x[r : r + 1], e[r : r + 1], *args)
+                for a, b in zip(grad, want, strict=True):
+                    torch.testing.assert_close(a, b[r : r + 1], rtol=1e-7, atol=1e-9)
+
+
 def _stable_top(row: list[float], k: int, largest: bool) -> list[int]:
     """The indices of the k largest (smallest) of row, ties by index, NaN above every number:
     Python's stable sort, independent of torch."""

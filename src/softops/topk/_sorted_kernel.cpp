@@ -31,7 +31,9 @@
 // flush(): newton_lanes, eval_lanes, couplings_lanes, solve_lanes): the same arithmetic over the
 // lanes, each lane with its own Newton control; a lane the vector code cannot finish as the
 // one-row code would (a state out of range, a system that needs the larger jitter or is
-// singular) is handed to the one-row code.
+// singular) is handed to the one-row code. The lanes' slots (a row's entries in its grouped
+// order) stop the same way: per state, column j is formed at the slots below the largest of the
+// lanes' lim[j] (lane_limits) and every later loop over a column's slots stops there.
 //
 // Flags: status 0 the row is solved (within tol), 1 the kernel left it above tol (the torch
 // code solves it), 2 the row has an entry that is not finite or near the largest finite value
@@ -1117,7 +1119,9 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
 // in its grouped order; the slots past a row's candidates masked out). Each lane keeps its own
 // control (steps, halvings, flags); a lane whose state leaves the product's range, or whose
 // Cholesky would take the jitter, is handed to the scalar code (the whole row again, or that one
-// solve), so every row gets the scalar path's result up to rounding.
+// solve), so every row gets the scalar path's result up to rounding (and up to the plan's entries
+// below the drop bound: a slot forms a column wherever one of its lanes' rows does, so a lane
+// may form an entry there that its row alone would leave out, within exp(log_drop)).
 using VecD = at::vec::Vectorized<double>;
 constexpr int64_t kLanes = VecD::size();
 // Most candidates of a row solved in the lanes, forward and backward (past them a row costs
