@@ -1199,17 +1199,22 @@ struct Lanes {
   void load(const Prob* pb_in) {
     pb = pb_in;
     rest = pb[0].nb >= 0;
-    for (int64_t i = 0; i < slots; ++i) shared[i] = i < pb[0].m ? pb[0].home[i] : big - 1;
+    const int64_t m0 = std::min(pb[0].m, slots);
     for (int64_t l = 0; l < kLanes; ++l) {
       const Prob& pr = pb[l];
-      for (int64_t i = 0; i < slots; ++i) {
-        const bool in = i < pr.m;
-        const int64_t hi = in ? pr.home[i] : (i < pb[0].m ? pb[0].home[i] : big - 1);
-        e[i * kLanes + l] = in ? pr.e[i] : 0.0;
-        ie[i * kLanes + l] = in ? pr.ie[i] : 0.0;
-        home[i * kLanes + l] = static_cast<double>(hi);
-        valid[i * kLanes + l] = in ? 1.0 : 0.0;
-        if (shared[i] != hi) shared[i] = -1;
+      // (each lane's entries, then its slots past them: lane 0's home there, or the rest's)
+      const int64_t ml = std::min(pr.m, slots);
+      for (int64_t i = 0; i < ml; ++i) {
+        e[i * kLanes + l] = pr.e[i];
+        ie[i * kLanes + l] = pr.ie[i];
+        home[i * kLanes + l] = static_cast<double>(pr.home[i]);
+        valid[i * kLanes + l] = 1.0;
+      }
+      for (int64_t i = ml; i < slots; ++i) {
+        e[i * kLanes + l] = 0.0;
+        ie[i * kLanes + l] = 0.0;
+        home[i * kLanes + l] = static_cast<double>(i < m0 ? pb[0].home[i] : big - 1);
+        valid[i * kLanes + l] = 0.0;
       }
       for (int64_t j = 0; j < big; ++j) {
         aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
@@ -1222,6 +1227,13 @@ struct Lanes {
       drop[l] = pr.log_drop;
       bpu[l] = pr.bpu;
       nb[l] = static_cast<double>(pr.nb);
+    }
+    // per slot, the home of every lane's entry where they are at one (else -1)
+    for (int64_t i = 0; i < slots; ++i) {
+      const VecD h = VecD::loadu(home.data() + i * kLanes);
+      const double h0 = home[i * kLanes];
+      const bool one = (h - VecD(h0)).zero_mask() == (1 << kLanes) - 1;
+      shared[i] = one ? static_cast<int64_t>(h0) : -1;
     }
   }
 };
