@@ -310,7 +310,6 @@ def test_a_row_solved_in_the_lanes_equals_the_row_solved_alone(ops, dtype, n, k)
                 torch.testing.assert_close(a, b[r : r + 1], rtol=1e-7, atol=1e-9, equal_nan=True)
 
 
-
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize(("n", "eps"), [(128, 0.1), (100, 0.05), (64, 0.2)])
 def test_lane_rows_whose_far_entries_leave_columns_unformed_equal_the_row_alone(
