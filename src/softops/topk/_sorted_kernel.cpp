@@ -2325,17 +2325,23 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
         ie[l] = 1.0 / eps[row];
         cl[l] = st[lay.centre()];
-        // the cotangent of the plan (gv_t x_i + gw[t, i]; 0 past the row and in the rest) and
-        // the scores
+        // the scores (x at the candidates: sign y, exactly) and the cotangent of the plan
+        // (gv_t x_i + gw[t, i]; 0 past the row and in the rest)
         const Prob& pr = lpb[l];
         const Work& wk = lw[l < count ? l : 0];
-        const scalar_t* xr = px + row * n;
+        const int64_t ml = std::min(pr.m, ns);
+        for (int64_t i = 0; i < ml; ++i) {
+          g.yc[i * kLanes + l] = pr.yc[i];
+          g.xs[i * kLanes + l] = sign * pr.yc[i];
+        }
+        for (int64_t i = ml; i < ns; ++i) {
+          g.yc[i * kLanes + l] = 0.0;
+          g.xs[i * kLanes + l] = 0.0;
+        }
+        if (!has_gw) continue;
         for (int64_t i = 0; i < ns; ++i) {
           const bool in = i < pr.m;
-          const double xi = in ? static_cast<double>(xr[wk.grouped[i]]) : 0.0;
-          g.yc[i * kLanes + l] = in ? pr.yc[i] : 0.0;
-          g.xs[i * kLanes + l] = xi;
-          if (!has_gw) continue;
+          const double xi = g.xs[i * kLanes + l];
           for (int64_t t = 0; t < big; ++t) {
             double u = 0.0;
             if (in && t < k) {
