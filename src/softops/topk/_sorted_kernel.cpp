@@ -256,11 +256,53 @@ double laplacian_solve(const double* w, int64_t big, const double* rhs, double* 
   return 0.0;
 }
 
+// sums[r] += sum_i q_i pt[r][i] (i < len) for R targets, U independent partial sums per target
+// (vectors of entries in turn): the R x U sums hide the latency of the additions without a sum
+// whose result is discarded.
+template <int R, int U>
+inline void dots(const double* q, const double* const* pt, int64_t len, double* sums) {
+  using Vec = at::vec::Vectorized<double>;
+  constexpr int64_t L = Vec::size();
+  Vec acc[R][U];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < U; ++u) acc[r][u] = Vec(0.0);
+  }
+  int64_t i = 0;
+  for (; i + U * L <= len; i += U * L) {
+    for (int u = 0; u < U; ++u) {
+      const Vec qv = Vec::loadu(q + i + u * L);
+      for (int r = 0; r < R; ++r) {
+        acc[r][u] = at::vec::fmadd(qv, Vec::loadu(pt[r] + i + u * L), acc[r][u]);
+      }
+    }
+  }
+  for (; i + L <= len; i += L) {
+    const Vec qv = Vec::loadu(q + i);
+    for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(qv, Vec::loadu(pt[r] + i), acc[r][0]);
+  }
+  if (i < len) {  // (the partial vector's lanes past len load as 0)
+    const int cnt = static_cast<int>(len - i);
+    const Vec qv = Vec::loadu(q + i, cnt);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = at::vec::fmadd(qv, Vec::loadu(pt[r] + i, cnt), acc[r][0]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Vec s = acc[r][0];
+    for (int u = 1; u < U; ++u) s = s + acc[r][u];
+    double lane[L];
+    s.store(lane);
+    double tot = 0.0;
+    for (int64_t l = 0; l < L; ++l) tot += lane[l];
+    sums[r] += tot;
+  }
+}
+
 // w[j, o] = sum_i a_i P_ji P_oi (j != o; a = 1 where null) for P (big, m) of row stride ld, in
 // chunks of entries (every pair of a chunk's targets while it is in the cache), four targets o
-// at a time (four independent sums: a single one waits on its own additions). Column j holds
-// its entries i < lim[j] (the others are 0 and not read); lim is non-decreasing in j, so a pair
-// j < o has its entries below lim[j].
+// at a time (four independent sums), then the last 1-3 targets each with 4 / 2 / 2 independent
+// partial sums over the entries (dots). Column j holds its entries i < lim[j] (the others are 0
+// and not read); lim is non-decreasing in j, so a pair j < o has its entries below lim[j].
 void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double* a,
                const int64_t* lim, double* w) {
   for (int64_t j = 0; j < big; ++j) {
@@ -269,34 +311,35 @@ void couplings(const double* p, int64_t ld, int64_t m, int64_t big, const double
   double paj[kChunk];
   for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
     const int64_t full = std::min(m, i0 + kChunk) - i0;
-    for (int64_t j = 0; j < big; ++j) {
+    for (int64_t j = 0; j + 1 < big; ++j) {
       const int64_t len = std::min(full, std::max<int64_t>(lim[j] - i0, 0));
       if (len == 0) continue;
       const double* pj = p + j * ld + i0;
+      const double* q = pj;
       if (a != nullptr) {
         for (int64_t i = 0; i < len; ++i) paj[i] = a[i0 + i] * pj[i];
-      } else {
-        for (int64_t i = 0; i < len; ++i) paj[i] = pj[i];
+        q = paj;
       }
-      for (int64_t o = j + 1; o < big; o += 4) {
-        // (the rows past the last target are the first one again, their sums discarded)
-        const double* p0 = p + o * ld + i0;
-        const double* p1 = p + (o + 1 < big ? o + 1 : o) * ld + i0;
-        const double* p2 = p + (o + 2 < big ? o + 2 : o) * ld + i0;
-        const double* p3 = p + (o + 3 < big ? o + 3 : o) * ld + i0;
-        double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t i = 0; i < len; ++i) {
-          const double q = paj[i];
-          s0 += q * p0[i];
-          s1 += q * p1[i];
-          s2 += q * p2[i];
-          s3 += q * p3[i];
-        }
-        w[j * kMaxBig + o] += s0;
-        if (o + 1 < big) w[j * kMaxBig + o + 1] += s1;
-        if (o + 2 < big) w[j * kMaxBig + o + 2] += s2;
-        if (o + 3 < big) w[j * kMaxBig + o + 3] += s3;
+      double* wj = w + j * kMaxBig;
+      int64_t o = j + 1;
+      const double* pt[4];
+      for (; o + 4 <= big; o += 4) {
+        for (int r = 0; r < 4; ++r) pt[r] = p + (o + r) * ld + i0;
+        dots<4, 1>(q, pt, len, wj + o);
+      }
+      for (int r = 0; o + r < big; ++r) pt[r] = p + (o + r) * ld + i0;
+      switch (big - o) {
+        case 3:
+          dots<3, 2>(q, pt, len, wj + o);
+          break;
+        case 2:
+          dots<2, 2>(q, pt, len, wj + o);
+          break;
+        case 1:
+          dots<1, 4>(q, pt, len, wj + o);
+          break;
+        default:
+          break;
       }
     }
   }
@@ -1537,7 +1580,7 @@ template <int64_t BIG = 0>
 void couplings_lanes(const double* p, int64_t big_in, int64_t ns, const int64_t* lim, double* w) {
   const int64_t big = BIG > 0 ? BIG : big_in;
   const int64_t sj = ns * kLanes;
-  for (int64_t j = 0; j < big; ++j) {
+  for (int64_t j = 0; j + 1 < big; ++j) {
     const double* pj = p + j * sj;
     const int64_t len = lim[j] * kLanes;
     int64_t o = j + 1;
