@@ -589,6 +589,37 @@ __attribute__((noinline)) void gap_bins(const scalar_t* xr, int64_t n, double si
   }
 }
 
+// The entries i < n whose gap bin (gap[i], from gap_bins: whole numbers) is below lim: their
+// indices into idx and bins into bin, in the order of the row; returns their count. With
+// AVX-512 a vector of entries at a time (the kept lanes compressed), else one loop
+// whose stores are unconditional (the next store overwrites an entry not kept).
+inline int64_t keep_bins(const double* gap, int64_t n, int64_t lim, int64_t* idx, int32_t* bin) {
+  int64_t m = 0, i = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  const __m512d vlim = _mm512_set1_pd(static_cast<double>(lim));
+  __m512i iv = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i step = _mm512_set1_epi64(8);
+  for (; i + 8 <= n; i += 8) {
+    const __m512d g = _mm512_loadu_pd(gap + i);
+    const __mmask8 keep = _mm512_cmp_pd_mask(g, vlim, _CMP_LT_OQ);
+    // (compressed in a register, stored whole: m <= i, so the 8 slots from m lie in the row;
+    // a compressed store to memory is microcoded on some processors, 10x slower)
+    _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi64(keep, iv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin + m),
+                        _mm256_maskz_compress_epi32(keep, _mm512_cvttpd_epi32(g)));
+    m += __builtin_popcount(static_cast<unsigned>(keep));
+    iv = _mm512_add_epi64(iv, step);
+  }
+#endif
+  for (; i < n; ++i) {
+    const auto b = static_cast<int32_t>(gap[i]);
+    idx[m] = i;
+    bin[m] = b;
+    m += b < lim ? 1 : 0;
+  }
+  return m;
+}
+
 // The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
 // bins into w.bin, and its size; the cut (the first bin dropped) into cut. `weight[b]` bounds
 // exp(-gap) in bin b.
@@ -609,13 +640,8 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   w.hist.assign(nb + 1, 0);
   if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
   gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
-  int64_t kept = 0;  // the entries below the last bin (the others are never candidates)
-  for (int64_t i = 0; i < n; ++i) {
-    const auto b = static_cast<int32_t>(w.gap[i]);
-    w.idx[kept] = i;
-    w.bin[kept] = b;
-    kept += b < nb ? 1 : 0;
-  }
+  // the entries below the last bin (the others are never candidates)
+  const int64_t kept = keep_bins(w.gap.data(), n, nb, w.idx.data(), w.bin.data());
   // (counted apart: the last bin, often the most of a long row, would chain its increments)
   int64_t* hist = w.hist.data();
   for (int64_t j = 0; j < kept; ++j) hist[w.bin[j]] += 1;
@@ -630,13 +656,8 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
     --c;
   }
   cut = c;
-  int64_t m = 0;
-  for (int64_t j = 0; j < kept; ++j) {
-    w.idx[m] = w.idx[j];
-    w.bin[m] = w.bin[j];
-    m += w.bin[j] < c ? 1 : 0;
-  }
-  return m;
+  if (c >= nb) return kept;  // (the last bin is never a candidate)
+  return keep_bins(w.gap.data(), n, c, w.idx.data(), w.bin.data());
 }
 
 // The same candidate set again (the backward), from the saved cut.
@@ -654,14 +675,7 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
   }
   if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
   gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto b = static_cast<int32_t>(w.gap[i]);
-    w.idx[m] = i;
-    w.bin[m] = b;
-    m += b < cut ? 1 : 0;
-  }
-  return m;
+  return keep_bins(w.gap.data(), n, cut, w.idx.data(), w.bin.data());
 }
 
 void factors(double top, double ymin, Work& w, Prob& pb);
