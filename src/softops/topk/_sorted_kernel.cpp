@@ -2221,7 +2221,6 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     // one row (prepared in wk, pr) by the scalar code
     auto scalar_row = [&](int64_t row, Work& wk, const Prob& pr) {
       const int64_t m = pr.m;
-      const scalar_t* xr = px + row * n;
       const double* st = pst + row * lay.size();
       const double inv_eps = 1.0 / eps[row];
       scalar_t* gxr = pgx + row * n;
@@ -2238,9 +2237,12 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
       double* xc = wk.xc.data();
       int32_t* home = wk.hbuf.data();
       double* best = wk.ref.data();
+      // (x at the candidates is sign * y, exactly: no gather from the row)
+      const double* yc = pr.yc;
+#pragma omp simd
       for (int64_t i = 0; i < m; ++i) {
         mu[i] = 0.0;
-        xc[i] = static_cast<double>(xr[wk.grouped[i]]);
+        xc[i] = sign * yc[i];
         home[i] = 0;
         best[i] = -1.0;
       }
@@ -2343,11 +2345,16 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         psafe[row] = false;
         return;
       }
-      double g_e = 0.0;
+      // (epsilon's sum apart, and only where it is asked for: a vector reduction, not one chained
+      // sum in the scatter's loop)
       for (int64_t i = 0; i < m; ++i) {
-        const double gy = acc_y[i] * inv_eps;
-        g_e += (pr.yc[i] - c) * gy;
-        gxr[wk.grouped[i]] = static_cast<scalar_t>(sign * gy + direct[i]);
+        gxr[wk.grouped[i]] = static_cast<scalar_t>(sign * (acc_y[i] * inv_eps) + direct[i]);
+      }
+      double g_e = 0.0;
+      if (need_eps) {
+        const double* yc = pr.yc;
+#pragma omp simd reduction(+ : g_e)
+        for (int64_t i = 0; i < m; ++i) g_e += (yc[i] - c) * (acc_y[i] * inv_eps);
       }
       pge[row] = need_eps ? -g_e * inv_eps : 0.0;
     };
