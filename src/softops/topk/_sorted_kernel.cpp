@@ -1105,11 +1105,16 @@ double newton_row(const Prob& pb, double tol, int64_t max_steps, int64_t halving
     const double l1_new = eval_state(pb, v_new, p_new, gap_new, lim_new);
     if (phase == 0) {  // the start: one Sinkhorn column update of v = 0 (the hard assignment)
       for (int64_t t = 0; t < big; ++t) {
-        const double* pt = p_new + t * ld;
-        double col = 0.0;
-        const int64_t mt = lim_new[t];
+        // the column's mass is b - gap (the gap is formed against b); summed over the column
+        // only where that difference would lose its digits (a column far below its mass)
+        double col = pb.bcol[t] - gap_new[t];
+        if (!(col >= 1e-3 * pb.bcol[t])) {
+          const double* pt = p_new + t * ld;
+          const int64_t mt = lim_new[t];
+          col = 0.0;
 #pragma omp simd reduction(+ : col)
-        for (int64_t i = 0; i < mt; ++i) col += pt[i];
+          for (int64_t i = 0; i < mt; ++i) col += pt[i];
+        }
         v_new[t] = std::log(pb.bcol[t]) - std::log(std::max(col, kTiny));
       }
       phase = 1;
