@@ -700,31 +700,35 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   double mids[kMaxBig];
   for (int64_t t = 0; t + 1 < big; ++t) mids[t] = pb.bmid[t];
   const int64_t* idx = w.idx.data();
-  // the sort keys (counted in the same pass): the home, the rest's entries (home big - 1) at
-  // big - 1 + their bin
-  const bool rest = big > k;
-  const int64_t nkeys = rest ? big + nb : big;
-  w.cnt.assign(static_cast<size_t>(nkeys + 1), 0);
-  w.nxt.resize(static_cast<size_t>(nkeys));
-  int64_t* cnt = w.cnt.data();
-  const int32_t* bin = w.bin.data();
-  const auto rest_key = static_cast<int32_t>(big - 1);
   double ymin = kInf;
   for (int64_t i = 0; i < m; ++i) {
     const double yi = sign * static_cast<double>(xr[idx[i]]);
     ytmp[i] = yi;
     ymin = std::min(ymin, yi);
     // the home: big - 1 at or below the last midpoint (most candidates of a long row: the rest),
-    // else the count of the (descending) midpoints above y (below big - 1), without a branch
-    // per midpoint
-    int32_t key = rest ? rest_key + bin[i] : rest_key;
+    // else the count of the (descending) midpoints above y, without a branch per midpoint
+    int64_t hi = big - 1;
     if (yi > last) {
-      int32_t hi = 0;
+      hi = 0;
       for (int64_t t = 0; t + 1 < big; ++t) hi += mids[t] > yi ? 1 : 0;
-      key = hi;
     }
-    hbuf[i] = key;
-    cnt[key + 1] += 1;
+    hbuf[i] = static_cast<int32_t>(hi);
+  }
+  // the sort keys: the home, the rest's entries (home big - 1) at big - 1 + their bin
+  const bool rest = big > k;
+  const int64_t nkeys = rest ? big + nb : big;
+  w.cnt.assign(static_cast<size_t>(nkeys + 1), 0);
+  w.nxt.resize(static_cast<size_t>(nkeys));
+  int64_t* cnt = w.cnt.data();
+  const int32_t* bin = w.bin.data();
+  if (rest) {
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t key = hbuf[i] == big - 1 ? static_cast<int32_t>(big - 1) + bin[i] : hbuf[i];
+      hbuf[i] = key;
+      cnt[key + 1] += 1;
+    }
+  } else {
+    for (int64_t i = 0; i < m; ++i) cnt[hbuf[i] + 1] += 1;
   }
   for (int64_t t = 0; t < nkeys; ++t) cnt[t + 1] += cnt[t];
   for (int64_t t = 0; t < big; ++t) pb.gs[t] = cnt[t];
