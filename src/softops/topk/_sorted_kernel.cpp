@@ -591,15 +591,16 @@ __attribute__((noinline)) void gap_bins(const scalar_t* xr, int64_t n, double si
 
 // The entries i < n whose gap bin (gap[i], from gap_bins: whole numbers) is below lim: their
 // indices into idx and bins into bin, in the order of the row; returns their count. With
-// AVX-512 a vector of entries at a time (the kept lanes compressed), else one loop
-// whose stores are unconditional (the next store overwrites an entry not kept).
+// AVX-512 a vector of entries at a time (the kept lanes compressed) in a row of 64 entries or
+// more, else one loop whose stores are unconditional (the next store overwrites an entry not
+// kept; a row of 32 was 2-3 % faster that way).
 inline int64_t keep_bins(const double* gap, int64_t n, int64_t lim, int64_t* idx, int32_t* bin) {
   int64_t m = 0, i = 0;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   const __m512d vlim = _mm512_set1_pd(static_cast<double>(lim));
   __m512i iv = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i step = _mm512_set1_epi64(8);
-  for (; i + 8 <= n; i += 8) {
+  for (; n >= 64 && i + 8 <= n; i += 8) {
     const __m512d g = _mm512_loadu_pd(gap + i);
     const __mmask8 keep = _mm512_cmp_pd_mask(g, vlim, _CMP_LT_OQ);
     // (compressed in a register, stored whole: m <= i, so the 8 slots from m lie in the row;
