@@ -892,10 +892,11 @@ void column_limits(const Prob& pb, const double* a, int64_t* lim) {
   }
 }
 
+template <int64_t BIG = 0>
 double eval_fast(const Prob& pb, const double* v, double* p, double* gap, int64_t* lim) {
   using Vec = at::vec::Vectorized<double>;
   constexpr int64_t L = Vec::size();
-  const int64_t big = pb.big, ld = pb.ld;
+  const int64_t big = BIG > 0 ? BIG : pb.big, ld = pb.ld;
   double rho[kMaxBig], irho[kMaxBig], q[kMaxBig], g[kMaxBig], av[kMaxBig];
   for (int64_t j = 0; j + 1 < big; ++j) {
     const double a = v[j + 1] - v[j] + (pb.bmid[j] - pb.c) * pb.inv_eps;
@@ -1058,7 +1059,9 @@ double eval_general(const Prob& pb, const double* v, double* p, double* gap, int
 // lim[j].
 double eval_state(const Prob& pb, const double* v, double* p, double* gap, int64_t* lim) {
   if (pb.fast) {
-    const double l1 = eval_fast(pb, v, p, gap, lim);
+    // (9 targets, k = 8 with a rest, the usual long row: the size known to the compiler)
+    const double l1 =
+        pb.big == 9 ? eval_fast<9>(pb, v, p, gap, lim) : eval_fast(pb, v, p, gap, lim);
     if (l1 < kInf) return l1;
   }
   return eval_general(pb, v, p, gap, lim);
