@@ -1771,14 +1771,16 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   for (int64_t t = 0; t < big; ++t) lim_out[t] = hw[t];
 }
 
-// Scratch a thread keeps between calls, at most this many bytes of it (past it: released).
-constexpr size_t kKeepScratchBytes = size_t{1} << 22;
+// Scratch a thread keeps between calls, at most this many bytes of it (past it: released): a
+// row of up to about 3e5 entries (a row of n with m candidates takes about 20 n + 330 m bytes).
+constexpr size_t kKeepScratchBytes = size_t{1} << 24;
 
 // A thread's scratch for the rows of one pass (the forward's or the backward's), kept between
 // calls: a call whose rows fit reuses it (no allocation, no zero-filling of new vectors, memory
-// the caches may still hold; allocating it per call cost a tenth of a (64, 128) call); a call
-// that leaves it larger than kKeepScratchBytes releases it (long rows, whose own work dwarfs an
-// allocation).
+// the caches may still hold; allocating it per call cost a tenth of a (64, 128) call, and a row
+// of 1e5 took 500-1400 page faults per call in some processes, 2-5x its time, where the freed
+// scratch went back to the system); a call that leaves it larger than kKeepScratchBytes releases
+// it (rows of about 1e6, whose own work dwarfs an allocation).
 struct Scratch {
   Work w;
   std::vector<Work> lw;  // (a group of rows in the lanes)
