@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from softops._core.dims import flatten_to_2d, prepare_rows, row_param
+import softops
+from softops._core.dims import _SHARED_ROWS, constant_row, flatten_to_2d, prepare_rows, row_param
 
 F64 = torch.float64
 
@@ -95,3 +96,37 @@ def test_epsilon_is_clamped_to_the_largest_and_refused_below_the_smallest_normal
         prepare_rows(
             "op", x, -1, torch.tensor([1e-30, 1e-40 if dtype != F64 else 1e-310], dtype=F64)
         )
+
+
+def test_constant_row_is_made_once_per_key_and_never_written():
+    # a number's row (an epsilon, a number k) is one cached tensor per (B, value, dtype, device)
+    # in an eager call on plain data with at most _SHARED_ROWS rows, a fresh one otherwise; the
+    # ops that take it never write into it
+    x2 = torch.randn(5, 7)
+    row = constant_row(x2, 0.25, F64)
+    assert (
+        row.shape == (5,)
+        and row.dtype == F64
+        and torch.equal(row, torch.full((5,), 0.25, dtype=F64))
+    )
+    assert constant_row(torch.zeros(5, 3), 0.25, F64) is row  # (B, value, dtype, device) only
+    for other in (
+        constant_row(x2, 0.5, F64),
+        constant_row(x2, 0.25, torch.float32),
+        constant_row(x2[:4], 0.25, F64),
+    ):
+        assert other is not row
+    many = torch.zeros(_SHARED_ROWS + 1, 2)
+    big = constant_row(many, 3.0, F64)
+    assert big is not constant_row(many, 3.0, F64)  # (past the shared size: made per call)
+    assert torch.equal(big, torch.full((_SHARED_ROWS + 1,), 3.0, dtype=F64))
+    # under a transform the row is made per call, as a plain tensor of the batch's rows
+    rows = torch.func.vmap(lambda t: constant_row(t, 0.25, F64).sum())(torch.randn(3, 5, 7))
+    assert torch.equal(rows, torch.full((3,), 1.25, dtype=F64))
+    # an op with a number epsilon and a number k leaves the cached rows as they were
+    x = torch.randn(5, 7, dtype=F64, requires_grad=True)
+    eps_row, k_row = constant_row(x, 0.1, F64), constant_row(x, 3, F64)
+    softops.soft_topk_mask(x, 3, epsilon=0.1, method="ot").sum().backward()
+    softops.soft_topk(x, 3, epsilon=0.1).values.sum().backward()
+    assert torch.equal(eps_row, torch.full((5,), 0.1, dtype=F64))
+    assert torch.equal(k_row, torch.full((5,), 3.0, dtype=F64))
