@@ -1771,6 +1771,19 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
   for (int64_t t = 0; t < big; ++t) lim_out[t] = hw[t];
 }
 
+// The rows gathered for the lanes (count of them, lrow[l] in lw[l], lpb[l]): none, one alone by
+// the scalar code, or a group by `group` (a flush_big); count 0 after.
+template <typename ScalarRow, typename Group>
+void flush_lanes(int64_t& count, const int64_t* lrow, std::vector<Work>& lw, const Prob* lpb,
+                 ScalarRow&& scalar_row, Group&& group) {
+  if (count == 1) {
+    scalar_row(lrow[0], lw[0], lpb[0]);
+  } else if (count > 1) {
+    group();
+  }
+  count = 0;
+}
+
 // Scratch a thread keeps between calls, at most this many bytes of it (past it: released): a
 // row of up to about 3e5 entries (a row of n with m candidates takes about 20 n + 330 m bytes).
 constexpr size_t kKeepScratchBytes = size_t{1} << 24;
@@ -1955,17 +1968,13 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     // (the size of a group not known to the compiler: a forward with 9 targets known to it was
     // within noise of this, 257 vs 262 us at (64, 128); rows without a rest take every column)
     auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
-      if (k == n) {  // (no rest)
-        flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
-      } else {
-        flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
-      }
+      flush_lanes(count, lrow, lw, lpb, scalar_row, [&] {
+        if (k == n) {  // (no rest)
+          flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
+        } else {
+          flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
+        }
+      });
     };
     for (int64_t row = b0; row < b1; ++row) {
       const scalar_t* xr = px + row * n;
@@ -2604,25 +2613,21 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     };
     // (a group of 8 or 9 targets, the usual short rows, with its size known to the compiler)
     auto flush = [&]() {
-      if (count == 0) return;
-      if (count == 1) {
-        scalar_row(lrow[0], lw[0], lpb[0]);
-        count = 0;
-        return;
-      }
-      if (k == n) {  // (no rest)
-        if (big_rt == 8) {
-          flush_big(std::integral_constant<int64_t, 8>{}, std::false_type{});
+      flush_lanes(count, lrow, lw, lpb, scalar_row, [&] {
+        if (k == n) {  // (no rest)
+          if (big_rt == 8) {
+            flush_big(std::integral_constant<int64_t, 8>{}, std::false_type{});
+          } else {
+            flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
+          }
+        } else if (big_rt == 8) {
+          flush_big(std::integral_constant<int64_t, 8>{}, std::true_type{});
+        } else if (big_rt == 9) {
+          flush_big(std::integral_constant<int64_t, 9>{}, std::true_type{});
         } else {
-          flush_big(std::integral_constant<int64_t, 0>{}, std::false_type{});
+          flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
         }
-      } else if (big_rt == 8) {
-        flush_big(std::integral_constant<int64_t, 8>{}, std::true_type{});
-      } else if (big_rt == 9) {
-        flush_big(std::integral_constant<int64_t, 9>{}, std::true_type{});
-      } else {
-        flush_big(std::integral_constant<int64_t, 0>{}, std::true_type{});
-      }
+      });
     };
     for (int64_t row = b0; row < b1; ++row) {
       scalar_t* gxr = pgx + row * n;
