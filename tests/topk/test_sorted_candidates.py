@@ -70,13 +70,26 @@ def test_lemma_2_bounds_the_weights_of_the_full_solve(n, k, eps, kind, largest) 
         x = torch.log_softmax(3 * x, -1)
     w = _soft_topk(x, k, epsilon=eps, largest=largest, reduce=False, **TIGHT).weights
     gap = _gaps(x, k, eps, largest)
-    below = gap >= 0
+    below = gap > 0
     total = w.sum(-2)  # sum over the first k targets
-    bound = k * torch.exp(-gap)
+    # sum_j e^{-(k-j) g} <= 1 / expm1(g): no factor k (each column's mass bounds its ratio)
+    bound = 1 / torch.expm1(gap.clamp(min=1e-300))
     assert bool((total[below] <= bound[below] * (1 + 1e-9) + 1e-15).all())
     for j in range(k):
-        per = k * torch.exp(-(k - j) * gap)
+        per = torch.exp(-(k - j) * gap)
         assert bool((w[:, j][below] <= per[below] * (1 + 1e-9) + 1e-15).all())
+
+
+def test_lemma_2_is_nearly_attained_at_a_tie() -> None:
+    # k + 1 tied scores share the first k targets: the tied entries' ratio to the rest is 1, so
+    # an entry g below them carries close to e^{-g} on the k-th target (the bound is sharp)
+    k, eps = 4, 0.1
+    x = torch.full((1, 40), -5.0, dtype=F64)
+    x[0, : k + 1] = 1.0
+    x[0, k + 1] = 1.0 - 0.5  # g = 5
+    w = _soft_topk(x, k, epsilon=eps, reduce=False, **TIGHT).weights
+    g = 0.5 / eps
+    assert 0.5 * math.exp(-g) <= float(w[0, k - 1, k + 1]) <= math.exp(-g) * (1 + 1e-9)
 
 
 # --------------------------------------------------------------------------- against the full solve
@@ -168,9 +181,10 @@ def test_the_candidates_are_the_entries_near_the_boundary() -> None:
     out = _soft_topk(x, 3, epsilon=0.1)
     support = (out.weights.abs().sum(-2) > 0)[0]
     gaps = _gaps(x, 3, 0.1)[0]
-    # every entry within log(k / tau) of the (k+1)-th is kept, every one beyond log(2kn/tau) dropped
-    assert bool(support[gaps <= math.log(3 / 1e-14)].all())
-    assert not bool(support[gaps > math.log(2 * 3 * 10 / 1e-14) + 1].any())
+    # every entry within log(1 / tau) of the (k+1)-th is kept (its bin's bound alone is above
+    # tau), every one beyond log(1 + 2n / tau) dropped (the last bin)
+    assert bool(support[gaps <= math.log(1 / 1e-14)].all())
+    assert not bool(support[gaps > math.log1p(2 * 10 / 1e-14) + 1].any())
     assert bool(support[:5].all()) and not bool(support[5:8].any())
 
 

@@ -11,7 +11,7 @@
 // The candidate problem of a row (solve_rows): one pass finds its k+1 largest scores (an
 // insertion buffer, or by rank in a row of at most 32; their indices are the op's), a second
 // bins the gaps below the (k+1)-th in quarters of epsilon and keeps the entries that may be
-// candidates; the cut drops the farthest bins while k times their bound
+// candidates; the cut drops the farthest bins while the sum of their bounds
 // stays within tau. The candidates are then grouped by their home (their hard rank), and each
 // state v of the columns is evaluated without an exponential per entry and target: with the
 // centre c, e_i = exp((c - y_i)/eps) once per row and rho_j = exp(v_{j+1} - v_j + (b_j - c)/eps)
@@ -623,7 +623,7 @@ inline int64_t keep_bins(const double* gap, int64_t n, int64_t lim, int64_t* idx
 
 // The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
 // bins into w.bin, and its size; the cut (the first bin dropped) into cut. `weight[b]` bounds
-// exp(-gap) in bin b.
+// an entry's weight on the first k targets in bin b (1 / expm1 of the bin's least gap).
 template <typename scalar_t>
 int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const double* top,
                    double inv_eps, double tau, double bpu, const double* weight, int64_t nb,
@@ -647,12 +647,12 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   int64_t* hist = w.hist.data();
   for (int64_t j = 0; j < kept; ++j) hist[w.bin[j]] += 1;
   hist[nb] = n - kept;
-  // drop the bins from the farthest while k times their bound stays within tau
+  // drop the bins from the farthest while the sum of their bounds stays within tau
   double acc = 0.0;
   int64_t c = nb + 1;
   while (c > 1) {
     const double add = static_cast<double>(w.hist[c - 1]) * weight[c - 1];
-    if (static_cast<double>(k) * (acc + add) > tau) break;
+    if (acc + add > tau) break;
     acc += add;
     --c;
   }
