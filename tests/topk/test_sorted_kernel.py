@@ -158,6 +158,31 @@ def test_the_candidate_set_bounds_the_error_of_the_full_solve(ops, dtype) -> Non
     assert bool((out.weights == 0).any())  # (the set dropped entries)
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("n", [20, 63, 64, 71, 1000, 4099])
+def test_the_kernel_s_candidates_are_the_torch_rule_s(ops, dtype, largest, n) -> None:
+    # the kernel's one-pass bins and in-place cut (vector code from 64 entries, a scalar tail)
+    # keep exactly the entries of the torch rule (_select_rows), at epsilons where the cut falls
+    # inside the row, at its end and beyond it; ties at the boundary and a row of logits
+    x = torch.randn(6, n, generator=seeded(n), dtype=F64)
+    x[1] = (x[1] * 2).round() / 2
+    x[2] = torch.log_softmax(3 * x[2], -1)
+    x = x.to(dtype)
+    for eps in (0.003, 0.05, 0.3, 3.0):
+        e = torch.full((6,), eps, dtype=F64)
+        out = _sorted.SOLVE_OP(x, e, 8, largest, 2000, 1e-9 if dtype == F64 else 1e-6)
+        state, status = out[4], out[3]
+        cand, count, _ = _sorted._select_rows(x, e, 8, largest)
+        assert bool((status == 0).all())
+        assert state[:, 10].long().tolist() == count.tolist(), eps  # (the state's count)
+        support = out[0].abs().sum(1) > 0
+        for r in range(6):
+            kept = torch.zeros(n, dtype=torch.bool)
+            kept[cand[r, : int(count[r])]] = True
+            assert bool((support[r] <= kept).all()), (eps, r)  # no weight off the candidates
+
+
 def test_rows_the_kernel_leaves_and_singular_systems_take_the_torch_code(ops, monkeypatch) -> None:
     x = torch.randn(4, 300, generator=seeded(8), dtype=F64)
     ref = _both(x, 5, 0.1)

@@ -361,13 +361,13 @@ struct Work {
   std::vector<int64_t> idx, grouped, sup;
   std::vector<int32_t> bin, home, hbuf;
   std::vector<double> yc, ytmp, e, ie, p, p_new, gb, cen, mu, inv_mu, xc, ref, mean, acc_y,
-      direct, gap;
+      direct;
   std::vector<uint8_t> far;
   std::vector<int64_t> hist, cnt, nxt;
 
   size_t bytes() const {
     return capacity_bytes(idx, grouped, sup, bin, home, hbuf, yc, ytmp, e, ie, p, p_new, gb, cen,
-                          mu, inv_mu, xc, ref, mean, acc_y, direct, gap, far, hist, cnt, nxt);
+                          mu, inv_mu, xc, ref, mean, acc_y, direct, far, hist, cnt, nxt);
   }
 
   void entries(int64_t m, int64_t big, bool backward) {
@@ -569,56 +569,73 @@ bool top_scores(const scalar_t* xr, int64_t n, double sign, int64_t kk, double i
   return (top[0] - ymin) * static_cast<double>(kk) * inv_eps <= span_max;
 }
 
-// The gap bins of a row's entries (docs/math.md §2.4) into bin[:n]: for the gap t = (y_(k+1) - y)
-// / eps * bpu, 0 where t <= 0, else ceil(t) up to nb; a vector loop, one function for the forward
-// and the backward (the same rounding).
+// The entries i < n whose gap bin is below lim (docs/math.md §2.4): for the gap t = (y_(k+1) - y)
+// / eps * bpu, bin 0 where t <= 0, else ceil(t) up to nb. Their indices into idx and bins into
+// bin, in the order of the row; returns their count. One pass, the bins formed and kept in the
+// same loop (one function for the forward and the backward: the same rounding). With AVX-512 a
+// vector of entries at a time (the kept lanes compressed) in a row of 64 entries or more, else
+// one loop whose stores are unconditional (the next store overwrites an entry not kept; a row of
+// 32 was 2-3 % faster that way).
 template <typename scalar_t>
-__attribute__((noinline)) void gap_bins(const scalar_t* xr, int64_t n, double sign, double yk,
-                                        double inv_eps, double bpu, int64_t nb, double* bin) {
-  using Vec = at::vec::Vectorized<double>;
-  constexpr int64_t L = Vec::size();
-  const Vec vyk(yk), vie(inv_eps), vbpu(bpu), zero(0.0), last(static_cast<double>(nb));
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    const Vec t = ((vyk - load_scores(xr + i, sign)) * vie) * vbpu;
-    at::vec::minimum(at::vec::maximum(t.ceil(), zero), last).store(bin + i);
-  }
-  for (; i < n; ++i) {
-    const double t = ((yk - sign * static_cast<double>(xr[i])) * inv_eps) * bpu;
-    bin[i] = std::min(std::max(std::ceil(t), 0.0), static_cast<double>(nb));
-  }
-}
-
-// The entries i < n whose gap bin (gap[i], from gap_bins: whole numbers) is below lim: their
-// indices into idx and bins into bin, in the order of the row; returns their count. With
-// AVX-512 a vector of entries at a time (the kept lanes compressed) in a row of 64 entries or
-// more, else one loop whose stores are unconditional (the next store overwrites an entry not
-// kept; a row of 32 was 2-3 % faster that way).
-inline int64_t keep_bins(const double* gap, int64_t n, int64_t lim, int64_t* idx, int32_t* bin) {
+__attribute__((noinline)) int64_t keep_gaps(const scalar_t* xr, int64_t n, double sign, double yk,
+                                            double inv_eps, double bpu, int64_t nb, int64_t lim,
+                                            int64_t* idx, int32_t* bin) {
   int64_t m = 0, i = 0;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-  const __m512d vlim = _mm512_set1_pd(static_cast<double>(lim));
-  __m512i iv = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i step = _mm512_set1_epi64(8);
-  for (; n >= 64 && i + 8 <= n; i += 8) {
-    const __m512d g = _mm512_loadu_pd(gap + i);
-    const __mmask8 keep = _mm512_cmp_pd_mask(g, vlim, _CMP_LT_OQ);
-    // (compressed in a register, stored whole: m <= i, so the 8 slots from m lie in the row;
-    // a compressed store to memory is microcoded on some processors, 10x slower)
-    _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi64(keep, iv));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin + m),
-                        _mm256_maskz_compress_epi32(keep, _mm512_cvttpd_epi32(g)));
-    m += __builtin_popcount(static_cast<unsigned>(keep));
-    iv = _mm512_add_epi64(iv, step);
+  using Vec = at::vec::Vectorized<double>;
+  if constexpr (Vec::size() == 8) {
+    const Vec vyk(yk), vie(inv_eps), vbpu(bpu), zero(0.0), last(static_cast<double>(nb));
+    const __m512d vlim = _mm512_set1_pd(static_cast<double>(lim));
+    __m512i iv = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i step = _mm512_set1_epi64(8);
+    for (; n >= 64 && i + 8 <= n; i += 8) {
+      const Vec t = ((vyk - load_scores(xr + i, sign)) * vie) * vbpu;
+      const __m512d g = at::vec::minimum(at::vec::maximum(t.ceil(), zero), last);
+      const __mmask8 keep = _mm512_cmp_pd_mask(g, vlim, _CMP_LT_OQ);
+      // (compressed in a register, stored whole: m <= i, so the 8 slots from m lie in the row;
+      // a compressed store to memory is microcoded on some processors, 10x slower)
+      _mm512_storeu_si512(idx + m, _mm512_maskz_compress_epi64(keep, iv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin + m),
+                          _mm256_maskz_compress_epi32(keep, _mm512_cvttpd_epi32(g)));
+      m += __builtin_popcount(static_cast<unsigned>(keep));
+      iv = _mm512_add_epi64(iv, step);
+    }
   }
 #endif
+  const double dnb = static_cast<double>(nb);
   for (; i < n; ++i) {
-    const auto b = static_cast<int32_t>(gap[i]);
+    const double t = ((yk - sign * static_cast<double>(xr[i])) * inv_eps) * bpu;
+    const auto b = static_cast<int32_t>(std::min(std::max(std::ceil(t), 0.0), dnb));
     idx[m] = i;
     bin[m] = b;
     m += b < lim ? 1 : 0;
   }
   return m;
+}
+
+// The entries j < m of idx, bin (from keep_gaps) whose bin is below lim, in place, in order;
+// returns their count (as keep_gaps, a vector of entries at a time with AVX-512: each vector is
+// read before the slots it overwrites, which lie at or below it).
+inline int64_t keep_kept(int64_t* idx, int32_t* bin, int64_t m, int64_t lim) {
+  int64_t out = 0, j = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  const __m256i vlim = _mm256_set1_epi32(static_cast<int32_t>(lim));
+  for (; j + 8 <= m; j += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bin + j));
+    const __m512i ix = _mm512_loadu_si512(idx + j);
+    const __mmask8 keep = _mm256_cmplt_epi32_mask(b, vlim);
+    _mm512_storeu_si512(idx + out, _mm512_maskz_compress_epi64(keep, ix));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bin + out), _mm256_maskz_compress_epi32(keep, b));
+    out += __builtin_popcount(static_cast<unsigned>(keep));
+  }
+#endif
+  for (; j < m; ++j) {
+    const int32_t b = bin[j];
+    idx[out] = idx[j];
+    bin[out] = b;
+    out += b < lim ? 1 : 0;
+  }
+  return out;
 }
 
 // The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
@@ -639,10 +656,9 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
     return n;
   }
   w.hist.assign(nb + 1, 0);
-  if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
-  gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
   // the entries below the last bin (the others are never candidates)
-  const int64_t kept = keep_bins(w.gap.data(), n, nb, w.idx.data(), w.bin.data());
+  const int64_t kept =
+      keep_gaps(xr, n, sign, top[k], inv_eps, bpu, nb, nb, w.idx.data(), w.bin.data());
   // (counted apart: the last bin, often the most of a long row, would chain its increments)
   int64_t* hist = w.hist.data();
   for (int64_t j = 0; j < kept; ++j) hist[w.bin[j]] += 1;
@@ -658,7 +674,7 @@ int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const 
   }
   cut = c;
   if (c >= nb) return kept;  // (the last bin is never a candidate)
-  return keep_bins(w.gap.data(), n, c, w.idx.data(), w.bin.data());
+  return keep_kept(w.idx.data(), w.bin.data(), kept, c);
 }
 
 // The same candidate set again (the backward), from the saved cut.
@@ -674,9 +690,7 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
     std::fill(w.bin.begin(), w.bin.begin() + n, 0);
     return n;
   }
-  if (static_cast<int64_t>(w.gap.size()) < n) w.gap.resize(n);
-  gap_bins(xr, n, sign, top[k], inv_eps, bpu, nb, w.gap.data());
-  return keep_bins(w.gap.data(), n, cut, w.idx.data(), w.bin.data());
+  return keep_gaps(xr, n, sign, top[k], inv_eps, bpu, nb, cut, w.idx.data(), w.bin.data());
 }
 
 void factors(double top, double ymin, Work& w, Prob& pb);
