@@ -435,6 +435,28 @@ def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
     torch.testing.assert_close(w.sum(-1), torch.ones(1099, 8), rtol=0, atol=1e-5)
 
 
+def test_short_rows_spread_over_two_threads_equal_one_thread(ops) -> None:
+    # rows of 8, k = 8: a row's own work counts in the rows per task (row_grain: 565), so 1500
+    # rows spread over both threads (750 each, each ending on a part-filled group of lanes: 750 =
+    # 93 * 8 + 6); bit for bit as on one thread
+    x = torch.randn(1500, 8, generator=seeded(31))
+    x[10] = 0.25  # (ties: the row is not ranked)
+    gv = torch.randn(1500, 8, generator=seeded(32))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_()
+        out = softops.soft_topk(xs, 8)
+        (grad,) = torch.autograd.grad((out.values * gv).sum(), xs)
+        return out.values, out.weights, out.indices, grad
+
+    with backend("kernel"):
+        one = run()
+        torch.set_num_threads(2)  # (the fixture restores the count)
+        two = run()
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "regime", ["plain", "near ties", "eps far below the gaps", "eps far above", "large |x|/eps"]
 )

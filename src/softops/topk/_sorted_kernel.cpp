@@ -66,6 +66,16 @@ namespace {
 // so. A smaller task costs more than it saves where the other threads are not idle: waking them
 // (a busy machine's time slice) took 50x a (33, 128) call's whole solve with two threads.
 constexpr int64_t kGrainWork = int64_t{1} << 18;
+// A row's own work in those units beside its n x targets: its top scores, problem, Newton control
+// and output cost about this much whatever its length (a row of 8 entries, k = 8, took as long
+// as ~470 units of a long row's entries: 1024 such rows, about 0.4 ms of forward, had been one
+// task, and ran on one thread out of the box).
+constexpr int64_t kRowWork = 400;
+
+// Rows per task for rows of n entries and big targets.
+inline int64_t row_grain(int64_t n, int64_t big) {
+  return std::max<int64_t>(1, kGrainWork / (n * big + kRowWork));
+}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -1845,7 +1855,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
   int8_t* ps = status.data_ptr<int8_t>();
   double* pst = state.data_ptr<double>();
   int64_t* pidx = indices.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
+  const int64_t grain = row_grain(n, big);
   // the lanes: rows of four targets or more (fewer: the closed forms) and few candidates
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   const double log_tau = std::log(tau);
@@ -2081,7 +2091,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   auto f64 = x.options().dtype(at::kDouble);
   at::Tensor weights = at::empty({B, k, n}, x.options());
   // (more than one task of the row loop: the rows are written by several threads)
-  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
+  const int64_t grain = row_grain(n, big);
   advise_huge_pages(weights, at::get_num_threads() > 1 && !at::in_parallel_region() && B > grain);
   at::Tensor values = at::empty({B, k}, x.options());
   at::Tensor err = at::empty({B}, f64);
@@ -2233,7 +2243,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
   scalar_t* pgx = gx.data_ptr<scalar_t>();
   double* pge = geps.data_ptr<double>();
   bool* psafe = safe.data_ptr<bool>();
-  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(n * big, 1));
+  const int64_t grain = row_grain(n, big);
   const bool lanes_on = big >= 4 && big <= kLaneBig;
   at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
     static thread_local Scratch scratch;
