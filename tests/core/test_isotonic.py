@@ -705,10 +705,13 @@ def test_block_max_is_the_largest_entry_of_each_block_and_detached():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 9, 48, 49, 256, 257, 3000, 20000])
+@pytest.mark.parametrize(
+    "n", [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 256, 257, 3000, 20000]
+)
 def test_the_kernels_sort_is_torch_sort_stable_descending(dtype, n):
-    # the permutation the projection's kernel sorts z by (a sorting network, insertion, std::sort
-    # or a radix sort, by n) is torch.sort(stable=True, descending=True)'s: ties in index order,
+    # the permutation the projection's kernel sorts z by (a sorting network, a bitonic sort in
+    # AVX-512 registers, insertion, std::sort or a radix sort, by n and the dtype) is
+    # torch.sort(stable=True, descending=True)'s: ties in index order,
     # NaN first, -0 as +0, infinities at the ends
     require_kernel()
     g = seeded(40 + n)
@@ -740,6 +743,30 @@ def test_the_kernels_network_sort_of_short_rows_on_every_zero_one_row_and_permut
     with backend("kernel"):
         _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(x, rho, eps, isotonic.MODE_SORT_Z)
     assert torch.equal(pz, torch.sort(x, descending=True, stable=True).indices)
+
+
+@pytest.mark.parametrize("n", [16, 32, 64])
+def test_the_kernels_bitonic_sort_of_float32_rows_on_zero_one_rows(n):
+    # float32 rows of 9 to 64 entries take a bitonic network in AVX-512 registers (where the
+    # kernel was built with it): for n = 16 every row of zeros and ones (the 0-1 principle: the
+    # network sorts every row; the index order of ties must survive), for 32 and 64 random ones,
+    # their permutations and rows of a few distinct values, each padded past n by the network
+    require_kernel()
+    g = seeded(50 + n)
+    if n == 16:
+        bits = torch.arange(2**n)[:, None] >> torch.arange(n) & 1
+    else:
+        bits = torch.randint(0, 2, (4000, n), generator=g)
+    perms = torch.argsort(torch.rand(500, n, generator=g), -1)
+    few = torch.randint(-2, 3, (500, n), generator=g)
+    x = torch.cat([bits, perms, few]).to(torch.float32)
+    for m in (n, n - 3):  # (a row that does not fill its last vector)
+        xm = x[:, :m].contiguous()
+        eps = torch.ones(xm.shape[0])
+        rho = torch.arange(m, 0, -1, dtype=torch.float32)[None]
+        with backend("kernel"):
+            _, pz, _, _, _ = isotonic.PERMUTAHEDRON_OP(xm, rho, eps, isotonic.MODE_SORT_Z)
+        assert torch.equal(pz, torch.sort(xm, descending=True, stable=True).indices)
 
 
 def _bits(t):
