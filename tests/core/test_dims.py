@@ -74,6 +74,31 @@ def test_prepare_rows_errors(args, exc, match):
         prepare_rows("op", *args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_the_usual_call_takes_the_rows_as_the_general_path_forms_them(dtype, dim):
+    # float rows (B, n) along the last dim with a float epsilon in [tiny, max] skip the checks
+    # that cannot fail there: the same Rows as the general path (epsilon as a numpy float takes
+    # it), x itself, no copy
+    np = pytest.importorskip("numpy")
+    fi = torch.finfo(dtype)
+    x = torch.randn(3, 5, dtype=dtype, requires_grad=True)
+    for eps in (0.25, fi.tiny, fi.max):
+        fast = prepare_rows("op", x, dim, eps)
+        general = prepare_rows("op", x, dim, np.float64(eps))
+        assert fast.x2 is x and general.x2 is x
+        assert torch.equal(fast.eps, general.eps) and fast.eps.dtype == dtype
+        assert (fast.dim, fast.n, fast.batch_shape) == (general.dim, general.n, general.batch_shape)
+        y = torch.randn(3, 2, dtype=dtype)
+        assert torch.equal(fast.restore(y), general.restore(y))
+    # the calls it does not take still check, move and clamp
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` > 0 and finite"):
+        prepare_rows("op", x, dim, math.inf)
+    with pytest.raises(ValueError, match=r"^op: expected `epsilon` > 0 and finite"):
+        prepare_rows("op", x, dim, math.nan)
+    assert prepare_rows("op", x.detach().T.contiguous(), 0, 0.5).x2.shape == (3, 5)
+
+
 # ---------------------------------------------------------------- epsilon beyond the dtype
 # (every public op at such an epsilon: tests/test_contract.py::test_epsilon_outside_the_dtype)
 
