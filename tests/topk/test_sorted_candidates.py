@@ -72,8 +72,10 @@ def test_lemma_2_bounds_the_weights_of_the_full_solve(n, k, eps, kind, largest) 
     gap = _gaps(x, k, eps, largest)
     below = gap > 0
     total = w.sum(-2)  # sum over the first k targets
-    # sum_j e^{-(k-j) g} <= 1 / expm1(g): no factor k (each column's mass bounds its ratio)
-    bound = 1 / torch.expm1(gap.clamp(min=1e-300))
+    # sum_j e^{-(k-j) g} = -expm1(-k g) / expm1(g) <= 1 / expm1(g): no factor k (each column's
+    # mass bounds its ratio)
+    g_pos = gap.clamp(min=1e-300)
+    bound = -torch.expm1(-k * g_pos) / torch.expm1(g_pos)
     assert bool((total[below] <= bound[below] * (1 + 1e-9) + 1e-15).all())
     for j in range(k):
         per = torch.exp(-(k - j) * gap)

@@ -436,7 +436,7 @@ def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
 
 
 def test_short_rows_spread_over_two_threads_equal_one_thread(ops) -> None:
-    # rows of 8, k = 8: a row's own work counts in the rows per task (row_grain: 565), so 1500
+    # rows of 8, k = 8: a row's own work counts in the rows per task (row_grain: 564), so 1500
     # rows spread over both threads (750 each, each ending on a part-filled group of lanes: 750 =
     # 93 * 8 + 6); bit for bit as on one thread
     x = torch.randn(1500, 8, generator=seeded(31))

@@ -339,21 +339,22 @@ def _candidate_tolerance(dtype: torch.dtype) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _bin_weights(n: int, tau: float) -> Tensor:
+def _bin_weights(n: int, k: int, tau: float) -> Tensor:
     """:func:`_bins`' weights as a float64 tensor (cached: the kernel's argument)."""
-    return torch.tensor(_bins(n, tau)[1], dtype=torch.float64)
+    return torch.tensor(_bins(n, k, tau)[1], dtype=torch.float64)
 
 
 @functools.lru_cache(maxsize=64)
-def _bins(n: int, tau: float) -> tuple[int, tuple[float, ...]]:
+def _bins(n: int, k: int, tau: float) -> tuple[int, tuple[float, ...]]:
     """``(nb, weight)``: the histogram bins of the gaps d below the (k+1)-th score, in epsilon
     (bin 0: d <= 0, bin b: ``(b-1)/bpu < d <= b/bpu``, bin nb: the rest, never needed), and the
-    bound ``weight[b]`` on an entry's weight on the first k targets in each, ``1 / expm1(d)``
-    at the bin's least d (Lemma 2; at most 1, a row's mass)."""
+    bound ``weight[b]`` on an entry's weight on the first k targets in each, ``sum_{r=1..k}
+    e^{-r d} = -expm1(-k d) / expm1(d)`` at the bin's least d (Lemma 2; at most 1, a row's mass).
+    The last bin's bound is below ``1 / expm1(far) = tau / (2 n)``, whatever k."""
     far = math.log1p(2.0 * max(n, 2) / tau)
     nb = math.ceil(far * _BINS_PER_UNIT) + 2
     low = [(b - 1) / _BINS_PER_UNIT for b in range(1, nb + 1)]
-    weight = (1.0, *(min(1.0, 1.0 / math.expm1(d)) if d > 0 else 1.0 for d in low))
+    weight = (1.0, *(min(1.0, -math.expm1(-k * d) / math.expm1(d)) if d > 0 else 1.0 for d in low))
     return nb, weight
 
 
@@ -398,7 +399,7 @@ def _select_rows(x2: Tensor, eps: Tensor, k: int, largest: bool) -> tuple[Tensor
     yk = torch.topk(y, k + 1, dim=-1, sorted=True).values[:, k:]
     inv = 1.0 / eps.detach().to(f64)
     d = (yk - y) * inv[:, None]
-    nb, weight = _bins(n, tau)
+    nb, weight = _bins(n, k, tau)
     b = torch.ceil(d * _BINS_PER_UNIT).clamp(0, nb).long()
     hist = torch.zeros(bsz, nb + 1, dtype=f64, device=x2.device)
     hist.scatter_add_(1, b, torch.ones_like(d))
@@ -583,7 +584,7 @@ def _solve_cpu(
         _BINS_PER_UNIT,
         top / (64 * big),
         top / 64,
-        _bin_weights(n, tau),
+        _bin_weights(n, k, tau),
         float(tol),
         min(_KERNEL_STEPS, max_iter),
         _KERNEL_HALVINGS,
@@ -736,7 +737,7 @@ def _vjp_cpu(
         largest,
         k,
         _BINS_PER_UNIT,
-        _bins(n, _candidate_tolerance(x.dtype))[0],
+        _bins(n, k, _candidate_tolerance(x.dtype))[0],
         state,
         status,
         empty if gv is None else gv.detach(),

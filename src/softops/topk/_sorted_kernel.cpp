@@ -650,7 +650,7 @@ inline int64_t keep_kept(int64_t* idx, int32_t* bin, int64_t m, int64_t lim) {
 
 // The candidate set of a row (docs/math.md §2.4) into w.idx (in the order of the row), their gap
 // bins into w.bin, and its size; the cut (the first bin dropped) into cut. `weight[b]` bounds
-// an entry's weight on the first k targets in bin b (1 / expm1 of the bin's least gap).
+// an entry's weight on the first k targets in bin b (sum_{r=1..k} e^{-r g} at the bin's least g).
 template <typename scalar_t>
 int64_t candidates(const scalar_t* xr, int64_t n, double sign, int64_t k, const double* top,
                    double inv_eps, double tau, double bpu, const double* weight, int64_t nb,
@@ -700,7 +700,9 @@ int64_t candidates_at(const scalar_t* xr, int64_t n, double sign, int64_t k, con
     std::fill(w.bin.begin(), w.bin.begin() + n, 0);
     return n;
   }
-  return keep_gaps(xr, n, sign, top[k], inv_eps, bpu, nb, cut, w.idx.data(), w.bin.data());
+  // (the cut at most nb, as the forward takes it: the last bin is never a candidate)
+  return keep_gaps(xr, n, sign, top[k], inv_eps, bpu, nb, std::min(cut, nb), w.idx.data(),
+                   w.bin.data());
 }
 
 void factors(double top, double ymin, Work& w, Prob& pb);
