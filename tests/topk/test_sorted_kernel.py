@@ -409,15 +409,9 @@ def test_indices_are_topk_s_with_ties_in_the_order_of_the_row(ops, back_end, lar
     assert torch.equal(got, torch.topk(distinct, k, -1, largest, sorted=True).indices)
 
 
-def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
-    # weights of 8 MiB or more are advised onto huge pages and, where the rows spread over
-    # threads, first touched in the calling thread: every entry is still written by its row's
-    # solve, and the rows (independent) come out bit for bit as on one thread, gradients too
-    x = torch.randn(1100, 1000, generator=seeded(11))
-    x[3, 5] = math.nan  # (a row the caller solves in full)
-    x[7] = 0.5  # (every entry tied: a row of candidates only)
-    gv = torch.randn(1100, 8, generator=seeded(12))
-    assert x.numel() * 8 * x.element_size() >= 16 * 2**21  # (35 MB of weights)
+def _on_one_and_two_threads(x, gv):
+    """soft_topk(x, 8)'s values, weights, indices and gradient of (values * gv).sum() by the
+    kernel, on one thread, then on two (the one_thread fixture restores the count)."""
 
     def run() -> tuple[torch.Tensor, ...]:
         xs = x.clone().requires_grad_()
@@ -427,8 +421,21 @@ def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
 
     with backend("kernel"):
         one = run()
-        torch.set_num_threads(2)  # (the fixture restores the count)
+        torch.set_num_threads(2)
         two = run()
+    return one, two
+
+
+def test_a_batch_on_two_threads_equals_the_batch_on_one(ops) -> None:
+    # weights of 8 MiB or more are advised onto huge pages and, where the rows spread over
+    # threads, first touched in the calling thread: every entry is still written by its row's
+    # solve, and the rows (independent) come out bit for bit as on one thread, gradients too
+    x = torch.randn(1100, 1000, generator=seeded(11))
+    x[3, 5] = math.nan  # (a row the caller solves in full)
+    x[7] = 0.5  # (every entry tied: a row of candidates only)
+    gv = torch.randn(1100, 8, generator=seeded(12))
+    assert x.numel() * 8 * x.element_size() >= 16 * 2**21  # (35 MB of weights)
+    one, two = _on_one_and_two_threads(x, gv)
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     w = one[1][torch.arange(1100) != 3]
@@ -442,17 +449,7 @@ def test_short_rows_spread_over_two_threads_equal_one_thread(ops) -> None:
     x = torch.randn(1500, 8, generator=seeded(31))
     x[10] = 0.25  # (ties: the row is not ranked)
     gv = torch.randn(1500, 8, generator=seeded(32))
-
-    def run() -> tuple[torch.Tensor, ...]:
-        xs = x.clone().requires_grad_()
-        out = softops.soft_topk(xs, 8)
-        (grad,) = torch.autograd.grad((out.values * gv).sum(), xs)
-        return out.values, out.weights, out.indices, grad
-
-    with backend("kernel"):
-        one = run()
-        torch.set_num_threads(2)  # (the fixture restores the count)
-        two = run()
+    one, two = _on_one_and_two_threads(x, gv)
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
