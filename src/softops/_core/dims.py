@@ -119,21 +119,14 @@ _FINFO = {t: torch.finfo(t) for t in (torch.float32, torch.float64)}
 """``torch.finfo`` of the usual compute dtypes, made once."""
 
 
-_ROWS_AS_THEY_ARE = {
-    t: (torch.finfo(t).tiny, torch.finfo(t).max) for t in (torch.float32, torch.float64)
-}
-"""The dtypes whose rows a call takes as they are, with the least and the largest epsilon that
-needs neither a check nor a clamp there."""
-
-
 def prepare_rows(op: str, x: torch.Tensor, dim: int, epsilon: float | torch.Tensor) -> Rows:
     """Validate ``x``, ``dim`` and ``epsilon`` and return the :class:`Rows` form of ``x``, with
     epsilon clamped to the compute dtype's largest finite value."""
     # (the usual call first: float32 or float64 rows (B, n) along the last dim, a float epsilon
     # in [tiny, max]: nothing to move, check or clamp; a small op's time is its fixed cost)
     if type(epsilon) is float and type(dim) is int and (dim == -1 or dim == 1):
-        bounds = _ROWS_AS_THEY_ARE.get(x.dtype) if isinstance(x, torch.Tensor) else None
-        if bounds is not None and x.dim() == 2 and x.shape[1] and bounds[0] <= epsilon <= bounds[1]:
+        usual = _FINFO.get(x.dtype) if isinstance(x, torch.Tensor) else None
+        if usual is not None and x.dim() == 2 and x.shape[1] and usual.tiny <= epsilon <= usual.max:
             eps = constant_row(x, epsilon, x.dtype)
             return Rows(x, eps, _identity, 1, x.shape[1], x.shape[:1])
     check_floating(x, op)
