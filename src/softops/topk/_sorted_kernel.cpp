@@ -1247,6 +1247,7 @@ struct Lanes {
   double aconst[kMaxBig * kLanes];  // (bmid_j - c) / eps
   double bref[kMaxBig * kLanes];
   double bcol[kMaxBig * kLanes];
+  double log_bcol[kMaxBig * kLanes];  // (0 at a column of mass 1: one log per row with a rest)
   // the rows' problems (for column_limits' bins: bend, gs) and, per lane, column_limits' bounds
   // (rest false: no rest target, every column formed at every slot)
   const Prob* pb = nullptr;
@@ -1312,6 +1313,7 @@ struct Lanes {
         aconst[j * kLanes + l] = j + 1 < big ? (pr.bmid[j] - pr.c) * pr.inv_eps : 0.0;
         bref[j * kLanes + l] = pr.bref[j];
         bcol[j * kLanes + l] = pr.bcol[j];
+        log_bcol[j * kLanes + l] = pr.bcol[j] == 1.0 ? 0.0 : std::log(pr.bcol[j]);
       }
       rest = rest && pr.nb >= 0;
       lie0[l] = pr.lie0;
@@ -1423,27 +1425,34 @@ VecD eval_lanes(const Lanes& g, const double* v, double* p, double* gap, VecD& i
     const VecD val = VecD::loadu(g.valid.data() + i * kLanes);
     const int64_t hs = g.shared[i];
     if (hs >= 0) {  // every lane's entry at one home: eval_fast's recurrence as it is
+      // (the sums above and below the home apart: two chains of additions, each half as long,
+      // beside the recurrences; the forward of rows of 8, k = 8, 4 % faster)
       q[hs] = one;
-      VecD tot = one;
+      VecD up = zero, down = zero;
       for (int64_t j = hs; j + 1 < big; ++j) {
         q[j + 1] = q[j] * (ei * rho[j]);
-        tot = tot + q[j + 1];
+        up = up + q[j + 1];
       }
       for (int64_t j = hs - 1; j >= lo; --j) {
         q[j] = q[j + 1] * (iei * irho[j]);
-        tot = tot + q[j];
+        down = down + q[j];
       }
-      const VecD inv = (one / tot) * val;
-      VecD off = zero;
-      for (int64_t j = lo; j < big; ++j) {
+      const VecD inv = (one / (one + (up + down))) * val;
+      VecD off_down = zero, off_up = zero;
+      for (int64_t j = lo; j < hs; ++j) {
         const VecD pj = q[j] * inv;
         pj.store(p + j * sj + i * kLanes);
-        if (j != hs) {
-          off = off + pj;
-          gv[j] = gv[j] - pj;
-        }
+        off_down = off_down + pj;
+        gv[j] = gv[j] - pj;
       }
-      gv[hs] = gv[hs] + off;
+      (q[hs] * inv).store(p + hs * sj + i * kLanes);
+      for (int64_t j = hs + 1; j < big; ++j) {
+        const VecD pj = q[j] * inv;
+        pj.store(p + j * sj + i * kLanes);
+        off_up = off_up + pj;
+        gv[j] = gv[j] - pj;
+      }
+      gv[hs] = gv[hs] + (off_down + off_up);
       continue;
     }
     // upward from the home (1 there, 0 below it), then downward (the slots below the home, to
@@ -1691,8 +1700,8 @@ void newton_lanes(Lanes& g, const Prob* pb, double tol, int64_t max_steps, int64
     VecD col(0.0);
     const double* pt = p_new + t * ns * kLanes;
     for (int64_t i = 0; i < hw_new[t]; ++i) col = col + VecD::loadu(pt + i * kLanes);
-    const VecD vt = VecD::loadu(g.bcol + t * kLanes).log() -
-                    at::vec::maximum(col, VecD(kTiny)).log();
+    const VecD vt =
+        VecD::loadu(g.log_bcol + t * kLanes) - at::vec::maximum(col, VecD(kTiny)).log();
     vt.store(v_new + t * kLanes);
   }
   for (int64_t l = 0; l < kLanes; ++l) {
