@@ -336,6 +336,34 @@ def test_a_row_solved_in_the_lanes_equals_the_row_solved_alone(ops, dtype, n, k)
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_groups_of_ranked_rows_write_what_the_row_alone_writes(ops, dtype, n) -> None:
+    # rows of k = n distinct entries fill whole groups of lanes, whose weights and values are
+    # written for the group at once (each row's plan put back in the row's order): the same as
+    # the one-row code's, entry by entry, at every place of the row, in both orientations
+    g = seeded(300 + n)
+    x = torch.randn(21, n, generator=g, dtype=dtype)
+    x[3] = x[3].flip(-1).sort().values  # (already ascending)
+    x[4] = torch.randperm(n, generator=g).to(dtype) * 0.3
+    eps = torch.full((21,), 0.1, dtype=dtype)
+    eps[5:9] = 0.5
+    for largest in (True, False):
+        with backend("kernel"):
+            batch = _sorted.SOLVE_OP(x, eps, n, largest, 2000, 1e-9)
+            assert batch[3].tolist() == [0] * 21
+            for r in range(21):
+                one = _sorted.SOLVE_OP(x[r : r + 1], eps[r : r + 1], n, largest, 2000, 1e-9)
+                for a, b in zip(one[:2], batch[:2], strict=True):
+                    torch.testing.assert_close(a, b[r : r + 1], rtol=1e-9, atol=1e-12)
+        # each entry's weights sum to 1 over the targets and each target's over the entries, to
+        # the solve's tolerance (relative L1: tol n) and the weights' rounding
+        w = batch[0].double()
+        tol = (1e-9 * n) if dtype == F64 else (1e-6 * n + 1e-6)
+        torch.testing.assert_close(w.sum(-2), torch.ones(21, n, dtype=F64), atol=tol, rtol=0)
+        torch.testing.assert_close(w.sum(-1), torch.ones(21, n, dtype=F64), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize(("n", "eps"), [(128, 0.1), (100, 0.05), (64, 0.2)])
 def test_lane_rows_whose_far_entries_leave_columns_unformed_equal_the_row_alone(
     ops, dtype, n, eps

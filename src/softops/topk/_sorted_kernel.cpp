@@ -427,6 +427,8 @@ struct Prob {
   double bmid[kMaxBig];
   double bcol[kMaxBig];
   double bref[kMaxBig];
+  // (prepare_ranked's problem: m = big = k targets, entry t at home t, columns of mass 1)
+  bool ranked = false;
 };
 
 // y (entry i) into the descending buffer top[0..kk) (indices ti) in place of its last, after the
@@ -719,6 +721,7 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   pb.k = k;
   pb.ld = m;
   pb.inv_eps = inv_eps;
+  pb.ranked = false;
   for (int64_t t = 0; t + 1 < big; ++t) pb.bmid[t] = 0.5 * top[t] + 0.5 * top[t + 1];
   for (int64_t t = 0; t <= big; ++t) pb.gs[t] = 0;
   const double last = big > 1 ? pb.bmid[big - 2] : kInf;
@@ -872,6 +875,7 @@ bool prepare_ranked(const double* top, const int64_t* ti, int64_t k, double inv_
     home[t] = static_cast<int32_t>(t);
   }
   pb.gs[m] = m;
+  pb.ranked = true;
   pb.c = 0.5 * top[0] + 0.5 * top[m - 1];
   factors(top[0], top[m - 1], w, pb);
   return true;
@@ -1292,6 +1296,12 @@ struct Lanes {
   void load(const Prob* pb_in) {
     pb = pb_in;
     rest = pb[0].nb >= 0;
+    bool ranked = slots == big;
+    for (int64_t l = 0; l < kLanes; ++l) ranked = ranked && pb[l].ranked;
+    if (ranked) {
+      load_ranked();
+      return;
+    }
     const int64_t m0 = std::min(pb[0].m, slots);
     for (int64_t l = 0; l < kLanes; ++l) {
       const Prob& pr = pb[l];
@@ -1328,6 +1338,40 @@ struct Lanes {
       const double h0 = home[i * kLanes];
       const bool one = (h - VecD(h0)).zero_mask() == (1 << kLanes) - 1;
       shared[i] = one ? static_cast<int64_t>(h0) : -1;
+    }
+  }
+  // load where every lane's problem is prepare_ranked's (slots = big): what the lanes share (the
+  // entry of slot i at home i, columns of mass 1, no rest) set once for all of them, not per lane
+  // (the same arrays as the general load; about a tenth of a forward of rows of 8, k = 8, went to
+  // the general load's per-lane stores)
+  void load_ranked() {
+    rest = false;
+    const VecD one(1.0), zero(0.0);
+    for (int64_t i = 0; i < slots; ++i) {
+      VecD(static_cast<double>(i)).store(home.data() + i * kLanes);
+      one.store(valid.data() + i * kLanes);
+      shared[i] = i;
+    }
+    for (int64_t j = 0; j < big; ++j) {
+      zero.store(bref + j * kLanes);
+      one.store(bcol + j * kLanes);
+      zero.store(log_bcol + j * kLanes);
+    }
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const Prob& pr = pb[l];
+      for (int64_t i = 0; i < slots; ++i) {
+        e[i * kLanes + l] = pr.e[i];
+        ie[i * kLanes + l] = pr.ie[i];
+      }
+      for (int64_t j = 0; j + 1 < big; ++j) {
+        aconst[j * kLanes + l] = (pr.bmid[j] - pr.c) * pr.inv_eps;
+      }
+      aconst[(big - 1) * kLanes + l] = 0.0;
+      lie0[l] = pr.lie0;
+      lie1[l] = pr.lie1;
+      drop[l] = pr.log_drop;
+      bpu[l] = pr.bpu;
+      nb[l] = -1.0;
     }
   }
 };
@@ -1819,6 +1863,105 @@ void flush_lanes(int64_t& count, const int64_t* lrow, std::vector<Work>& lw, con
   count = 0;
 }
 
+// Whether finish_ranked_lanes writes rows of n entries of scalar_t (else: finish, row by row).
+template <typename scalar_t>
+constexpr bool finish_ranked_lanes_on(int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  return kLanes == 8 && n <= 8 &&
+         (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>);
+#else
+  (void)n;
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+// The 8 x 8 transpose of r[0..8) (vector i, lane l) into c (vector l, lane i): pairs of lanes,
+// then their 128-bit quarters, then their halves.
+inline void transpose8(const __m512d* r, __m512d* c) {
+  __m512d t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);  // r_i,0 r_i+1,0 r_i,2 r_i+1,2 ...
+    t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);  // (lanes 1, 3, 5, 7)
+  }
+  for (int h = 0; h < 8; h += 4) {  // (rows h..h+3: lanes {0, 4}, {2, 6}, {1, 5}, {3, 7})
+    u[h] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0x88);
+    u[h + 1] = _mm512_shuffle_f64x2(t[h], t[h + 2], 0xDD);
+    u[h + 2] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0x88);
+    u[h + 3] = _mm512_shuffle_f64x2(t[h + 1], t[h + 3], 0xDD);
+  }
+  c[0] = _mm512_shuffle_f64x2(u[0], u[4], 0x88);
+  c[4] = _mm512_shuffle_f64x2(u[0], u[4], 0xDD);
+  c[2] = _mm512_shuffle_f64x2(u[1], u[5], 0x88);
+  c[6] = _mm512_shuffle_f64x2(u[1], u[5], 0xDD);
+  c[1] = _mm512_shuffle_f64x2(u[2], u[6], 0x88);
+  c[5] = _mm512_shuffle_f64x2(u[2], u[6], 0xDD);
+  c[3] = _mm512_shuffle_f64x2(u[3], u[7], 0x88);
+  c[7] = _mm512_shuffle_f64x2(u[3], u[7], 0xDD);
+}
+#endif
+
+// The weights and values of the lanes l < count with write[l] of a group whose problems are all
+// prepare_ranked's (k = n <= 8 targets and slots, every column formed at every slot; slot i of
+// lane l is the row's entry lw[l].grouped[i]), from the plan p (n, n, lanes) and the ratios rl:
+// w[t, grouped[i]] = P_ti f_t (f_t = 1 + rl_t; the same bits as finish writes), value_t = sign f_t
+// sum_i P_ti y_i (the sum in another order). Per target the slots' vectors are transposed into
+// the lanes' rows, each put in the row's order by one permutation and written by one store,
+// where finish took a strided load and a scattered store per entry.
+template <typename scalar_t>
+void finish_ranked_lanes(const double* p, int64_t n, const double* rl, const Prob* lpb,
+                         const std::vector<Work>& lw, const int64_t* lrow, const bool* write,
+                         int64_t count, double sign, scalar_t* pw, scalar_t* pv) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  if constexpr (kLanes == 8 &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+    const int64_t k = n, sj = n * kLanes;
+    alignas(64) int64_t idx[kLanes * 8];
+    double yv[8 * kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const bool on = l < count && write[l];
+      for (int64_t j = 0; j < 8; ++j) idx[l * 8 + j] = j;  // (past n: not stored)
+      for (int64_t i = 0; i < n; ++i) {
+        if (on) idx[l * 8 + lw[l].grouped[i]] = i;
+        yv[i * kLanes + l] = on ? lpb[l].yc[i] : 0.0;
+      }
+    }
+    const auto mask = static_cast<__mmask8>((1u << n) - 1u);
+    const VecD sv(sign), one(1.0);
+    __m512d r[8], c[8];
+    for (int64_t i = n; i < 8; ++i) r[i] = _mm512_setzero_pd();
+    for (int64_t t = 0; t < k; ++t) {
+      const double* pt = p + t * sj;
+      VecD acc(0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        r[i] = _mm512_loadu_pd(pt + i * kLanes);
+        acc = at::vec::fmadd(VecD(r[i]), VecD::loadu(yv + i * kLanes), acc);
+      }
+      const VecD fv = one + VecD::loadu(rl + t * kLanes);
+      double vals[kLanes], fl[kLanes];
+      (sv * (fv * acc)).store(vals);
+      fv.store(fl);
+      transpose8(r, c);
+      for (int64_t l = 0; l < count; ++l) {
+        if (!write[l]) continue;
+        pv[lrow[l] * k + t] = static_cast<scalar_t>(vals[l]);
+        const __m512d w = _mm512_permutexvar_pd(_mm512_load_si512(idx + l * 8),
+                                                _mm512_mul_pd(c[l], _mm512_set1_pd(fl[l])));
+        scalar_t* dst = pw + lrow[l] * k * n + t * n;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          _mm256_mask_storeu_ps(dst, mask, _mm512_cvtpd_ps(w));
+        } else {
+          _mm512_mask_storeu_pd(dst, mask, w);
+        }
+      }
+    }
+    return;
+  }
+#endif
+  (void)p, (void)n, (void)rl, (void)lpb, (void)lw, (void)lrow, (void)write, (void)count,
+      (void)sign, (void)pw, (void)pv;
+}
+
 // Scratch a thread keeps between calls, at most this many bytes of it (past it: released): a
 // row of up to about 3e5 entries (a row of n with m candidates takes about 20 n + 330 m bytes).
 constexpr size_t kKeepScratchBytes = size_t{1} << 24;
@@ -1979,9 +2122,15 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         err = err + dev.abs();
       }
       err.store(el);
+      // (rows of k = n <= 8 entries: their weights and values for the whole group at once)
+      bool grouped_out = !CUT && ns == k && k == n && finish_ranked_lanes_on<scalar_t>(n);
+      for (int64_t l = 0; l < count; ++l) grouped_out = grouped_out && lpb[l].ranked;
+      for (int64_t t = 0; t < big; ++t) grouped_out = grouped_out && glim[t] == ns;
+      bool write[kLanes];
       for (int64_t l = 0; l < count; ++l) {
         const int64_t row = lrow[l];
         const Prob& pr = lpb[l];
+        write[l] = false;
         if (!done[l]) {
           scalar_row(row, lw[l], pr);
           continue;
@@ -1992,11 +2141,20 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
           st[lay.v() + t] = v[t * kLanes + l];
         }
         st[lay.centre()] = pr.c;
+        const double e = el[l] / static_cast<double>(pr.m);
+        if (grouped_out) {
+          pe[row] = e;
+          ps[row] = e <= tol ? 0 : 1;
+          write[l] = true;
+          continue;
+        }
         const double* p = g.p.data() + l;
-        const double e = el[l];
         int64_t lim[kMaxBig];
         for (int64_t t = 0; t < big; ++t) lim[t] = std::min(pr.m, glim[t]);
-        finish(row, pr, lw[l], p, sj, kLanes, lim, e / static_cast<double>(pr.m));
+        finish(row, pr, lw[l], p, sj, kLanes, lim, e);
+      }
+      if (grouped_out) {
+        finish_ranked_lanes(g.p.data(), n, rl, lpb, lw, lrow, write, count, sign, pw, pv);
       }
       count = 0;
     };
