@@ -364,6 +364,43 @@ def test_groups_of_ranked_rows_write_what_the_row_alone_writes(ops, dtype, n) ->
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("n", [4, 5, 8])
+def test_rows_prepared_a_vector_at_a_time_are_the_rows_prepared_one_at_a_time(
+    ops, dtype, n
+) -> None:
+    # eight rows of k = n entries are sorted, checked and given their factors a vector of rows
+    # at a time; fewer than eight take the one-row preparation into the same lanes. Both give the
+    # rows the same numbers, bit for bit: weights, values, residuals, states, indices and
+    # gradients. A tie among eight rows sends them to the one-row preparation, which keeps equal
+    # scores in the order of the row, as the vectors' sort does.
+    g = seeded(400 + n)
+    x = torch.randn(8, n, generator=g, dtype=dtype)
+    x[2, 1] = x[2, 0] - 1e-3  # (close neighbours)
+    x[5] *= 20  # (nearly one-hot)
+    eps = torch.full((8,), 0.1, dtype=dtype)
+    eps[3] = 0.7
+    gv = torch.randn(8, n, generator=seeded(401), dtype=dtype)
+    for largest in (True, False):
+        args = (n, largest, 2000, 1e-9)
+        with backend("kernel"):
+            block = _sorted.SOLVE_OP(x, eps, *args)
+            rows = _sorted.SOLVE_OP(x[:7], eps[:7], *args)
+            assert block[3].tolist() == [0] * 8
+            for a, b in zip(block, rows, strict=True):
+                assert torch.equal(a[:7], b)
+            gb = _sorted.VJP_OP(x, eps, block[4], block[3], gv, None, *args, True)
+            gr = _sorted.VJP_OP(x[:7], eps[:7], rows[4], rows[3], gv[:7], None, *args, True)
+            for a, b in zip(gb, gr, strict=True):
+                assert torch.equal(a[:7], b)
+            tied = x.clone()
+            tied[6, 1] = tied[6, 0]
+            out = _sorted.SOLVE_OP(tied, eps, *args)
+            order = torch.sort(tied, dim=-1, descending=largest, stable=True).indices
+            assert torch.equal(out[5], order)
+            assert torch.equal(block[5], torch.sort(x, dim=-1, descending=largest, stable=True).indices)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize(("n", "eps"), [(128, 0.1), (100, 0.05), (64, 0.2)])
 def test_lane_rows_whose_far_entries_leave_columns_unformed_equal_the_row_alone(
     ops, dtype, n, eps

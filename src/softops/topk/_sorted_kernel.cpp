@@ -83,6 +83,10 @@ constexpr double kTiny = std::numeric_limits<double>::min();
 constexpr double kEps64 = std::numeric_limits<double>::epsilon();
 // |log factor| up to which a state is evaluated by the product recurrence.
 constexpr double kFar = 600.0;
+
+// (a + b) / 2 as 0.5 a + 0.5 b with one rounding of the sum (a fused multiply-add), the same in
+// the one-row code and a vector of rows (ranked_block)
+inline double midpoint(double a, double b) { return std::fma(0.5, a, 0.5 * b); }
 // Most targets of a candidate problem (k <= 32, plus the rest).
 constexpr int64_t kMaxBig = 34;
 // Entries per chunk of the loops over a row's candidates.
@@ -429,6 +433,9 @@ struct Prob {
   double bref[kMaxBig];
   // (prepare_ranked's problem: m = big = k targets, entry t at home t, columns of mass 1)
   bool ranked = false;
+  // (ranked_block's: only what the lanes read is set, its scores in yc and their indices in the
+  // work's grouped; prepare_ranked completes it before the one-row code takes the row)
+  bool lazy = false;
 };
 
 // y (entry i) into the descending buffer top[0..kk) (indices ti) in place of its last, after the
@@ -722,6 +729,7 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   pb.ld = m;
   pb.inv_eps = inv_eps;
   pb.ranked = false;
+  pb.lazy = false;
   for (int64_t t = 0; t + 1 < big; ++t) pb.bmid[t] = 0.5 * top[t] + 0.5 * top[t + 1];
   for (int64_t t = 0; t <= big; ++t) pb.gs[t] = 0;
   const double last = big > 1 ? pb.bmid[big - 2] : kInf;
@@ -814,7 +822,9 @@ void factors(double top, double ymin, Work& w, Prob& pb) {
     constexpr int64_t L = Vec::size();
     int64_t i = 0;
     for (; i + L <= m; i += L) Vec::loadu(e + i).exp().store(e + i);
-    for (; i < m; ++i) e[i] = std::exp(e[i]);
+    // (the tail by the same vector exponential: an entry's factor does not depend on its place,
+    // and ranked_block's factors, a vector of rows at a time, are the same numbers)
+    if (i < m) Vec::loadu(e + i, m - i).exp().store(e + i, m - i);
     const Vec one(1.0);
     for (i = 0; i + L <= m; i += L) (one / Vec::loadu(e + i)).store(ie + i);
     for (; i < m; ++i) ie[i] = 1.0 / e[i];
@@ -852,7 +862,7 @@ bool prepare_ranked(const double* top, const int64_t* ti, int64_t k, double inv_
   const int64_t m = k;
   bool strict = true;
   for (int64_t t = 0; t + 1 < m; ++t) {
-    const double mid = 0.5 * top[t] + 0.5 * top[t + 1];
+    const double mid = midpoint(top[t], top[t + 1]);
     pb.bmid[t] = mid;
     strict &= mid < top[t] && mid > top[t + 1];
   }
@@ -876,7 +886,8 @@ bool prepare_ranked(const double* top, const int64_t* ti, int64_t k, double inv_
   }
   pb.gs[m] = m;
   pb.ranked = true;
-  pb.c = 0.5 * top[0] + 0.5 * top[m - 1];
+  pb.lazy = false;
+  pb.c = midpoint(top[0], top[m - 1]);
   factors(top[0], top[m - 1], w, pb);
   return true;
 }
@@ -1986,6 +1997,157 @@ void finish_ranked_lanes(const double* p, int64_t n, const double* rl, const Pro
       (void)sign, (void)pw, (void)pv;
 }
 
+// Whether ranked_block takes rows of k = n entries of scalar_t (with kLanes rows per group).
+template <typename scalar_t>
+constexpr bool ranked_block_on(int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  return kLanes == 8 && n >= 4 && n <= 8 &&
+         (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>);
+#else
+  (void)n;
+  return false;
+#endif
+}
+
+// The forward's preparation of kLanes (8) rows of k = n (4..8) entries at once, a vector of rows
+// at a time (as the lanes solve them), where the one-row code takes each row in turn (top_scores,
+// prepare_ranked, factors, Lanes::load: two fifths of the forward of rows of 8 went there). The
+// rows x[0..8) (stride n) are transposed into one vector per place, oriented, checked as
+// top_scores checks them, sorted by a sorting network, checked as prepare_ranked checks its
+// midpoints, and their factors formed as factors forms them (the same numbers). Returns false,
+// having written nothing, where a row is not finite or beyond limit, its span over epsilon is beyond
+// span_max, two neighbours are not strictly apart, or a factor is out of range: the one-row code
+// takes those rows. Else: the lanes g loaded, each row's sorted scores and their indices in
+// lw[l].yc and lw[l].grouped, its indices in pidx (row-major, n per row), its state's top (the
+// indices), cut, count and log_tau, and lpb[l] as far as the lanes read it (lazy).
+template <typename scalar_t>
+bool ranked_block(const scalar_t* px, int64_t n, double sign, const double* eps, double limit,
+                  double span_max, double cut, double log_tau, const Layout& lay, double* pst,
+                  int64_t* pidx, Lanes& g, std::vector<Work>& lw, Prob* lpb) {
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  if constexpr (kLanes == 8 &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+    const auto mask = static_cast<__mmask8>((1u << n) - 1u);
+    __m512d r[8], y[8], ix[8];
+    for (int64_t l = 0; l < 8; ++l) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, px + l * n));
+      } else {
+        r[l] = _mm512_maskz_loadu_pd(mask, px + l * n);
+      }
+    }
+    transpose8(r, y);  // (y[j]: entry j of every row)
+    const __m512d sv = _mm512_set1_pd(sign), lim = _mm512_set1_pd(limit);
+    const __m512d ninf = _mm512_set1_pd(-kInf), half = _mm512_set1_pd(0.5);
+    __mmask8 ok = 0xFF;
+    for (int64_t j = 0; j < 8; ++j) {
+      if (j < n) {
+        y[j] = _mm512_mul_pd(y[j], sv);
+        ok &= _mm512_cmp_pd_mask(_mm512_abs_pd(y[j]), lim, _CMP_LE_OQ);  // (false at a NaN)
+      } else {
+        y[j] = ninf;  // (below every entry: the network leaves them last)
+      }
+      ix[j] = _mm512_set1_pd(static_cast<double>(j));
+    }
+    if (ok != 0xFF) return false;
+    // descending (equal scores in any order: a row with two is not strictly apart below, and
+    // the one-row code takes it)
+    auto exchange = [&](int a, int b) {
+      const __mmask8 m = _mm512_cmp_pd_mask(y[b], y[a], _CMP_GT_OQ);
+      const __m512d ya = y[a], xa = ix[a];
+      y[a] = _mm512_mask_blend_pd(m, ya, y[b]);
+      y[b] = _mm512_mask_blend_pd(m, y[b], ya);
+      ix[a] = _mm512_mask_blend_pd(m, xa, ix[b]);
+      ix[b] = _mm512_mask_blend_pd(m, ix[b], xa);
+    };
+    // Batcher's odd-even merge sort of 8 (19 comparators)
+    static constexpr int kNet[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6},
+                                        {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7},
+                                        {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+    for (const auto& c : kNet) exchange(c[0], c[1]);
+    const __m512d inv = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_loadu_pd(eps));
+    const __m512d low = y[n - 1];
+    // top_scores' span, prepare_ranked's midpoints strictly between their scores
+    ok = _mm512_cmp_pd_mask(
+        _mm512_mul_pd(_mm512_mul_pd(_mm512_sub_pd(y[0], low), _mm512_set1_pd(static_cast<double>(n))),
+                      inv),
+        _mm512_set1_pd(span_max), _CMP_LE_OQ);
+    __m512d mid[8];
+    for (int64_t t = 0; t + 1 < n; ++t) {
+      mid[t] = _mm512_fmadd_pd(half, y[t], _mm512_mul_pd(half, y[t + 1]));
+      ok &= _mm512_cmp_pd_mask(mid[t], y[t], _CMP_LT_OQ) &
+            _mm512_cmp_pd_mask(mid[t], y[t + 1], _CMP_GT_OQ);
+    }
+    const __m512d c = _mm512_fmadd_pd(half, y[0], _mm512_mul_pd(half, low));
+    // factors' range: |c - y| / eps at the two ends
+    const __m512d zmax = _mm512_max_pd(_mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, y[0]), inv)),
+                                       _mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, low), inv)));
+    ok &= _mm512_cmp_pd_mask(zmax, _mm512_set1_pd(kFar), _CMP_LE_OQ);
+    if (ok != 0xFF) return false;
+    // the lanes (Lanes::load_ranked's arrays, from the vectors)
+    g.size(n, n);
+    g.pb = lpb;
+    g.rest = false;
+    const VecD one(1.0), zero(0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const VecD e = VecD(_mm512_mul_pd(_mm512_sub_pd(c, y[i]), inv)).exp();
+      e.store(g.e.data() + i * kLanes);
+      (one / e).store(g.ie.data() + i * kLanes);
+      VecD(static_cast<double>(i)).store(g.home.data() + i * kLanes);
+      one.store(g.valid.data() + i * kLanes);
+      g.shared[i] = i;
+      zero.store(g.bref + i * kLanes);
+      one.store(g.bcol + i * kLanes);
+      zero.store(g.log_bcol + i * kLanes);
+      const VecD a = i + 1 < n ? VecD(_mm512_mul_pd(_mm512_sub_pd(mid[i], c), inv)) : zero;
+      a.store(g.aconst + i * kLanes);
+    }
+    for (int64_t l = 0; l < kLanes; ++l) g.nb[l] = -1.0;
+    // each row's sorted scores and indices, its state and its problem as the lanes read it
+    __m512d ys[8], xs[8];
+    transpose8(y, ys);
+    transpose8(ix, xs);
+    double invl[8], cl[8];
+    _mm512_storeu_pd(invl, inv);
+    _mm512_storeu_pd(cl, c);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      Work& wk = lw[l];
+      wk.entries(n, n, false);
+      _mm512_mask_storeu_pd(wk.yc.data(), mask, ys[l]);
+      const __m512i iv = _mm512_cvtpd_epi64(xs[l]);
+      _mm512_mask_storeu_epi64(wk.grouped.data(), mask, iv);
+      _mm512_mask_storeu_epi64(pidx + l * n, mask, iv);
+      double* st = pst + l * lay.size();
+      _mm512_mask_storeu_pd(st + lay.top(), mask, xs[l]);  // (k = n: the indices)
+      st[lay.cut()] = cut;
+      st[lay.count()] = static_cast<double>(n);
+      st[lay.log_tau()] = log_tau;
+      Prob& pr = lpb[l];
+      pr.m = pr.big = pr.k = pr.ld = n;
+      pr.inv_eps = invl[l];
+      pr.c = cl[l];
+      pr.fast = true;
+      pr.yc = wk.yc.data();
+      pr.e = pr.ie = nullptr;
+      pr.nb = -1;
+      pr.bend = nullptr;
+      pr.ranked = true;
+      pr.lazy = true;
+      for (int64_t t = 0; t < n; ++t) {
+        pr.gs[t] = t;
+        pr.bcol[t] = 1.0;
+        pr.bref[t] = 0.0;
+      }
+      pr.gs[n] = n;
+    }
+    return true;
+  }
+#endif
+  (void)px, (void)n, (void)sign, (void)eps, (void)limit, (void)span_max, (void)cut,
+      (void)log_tau, (void)lay, (void)pst, (void)pidx, (void)g, (void)lw, (void)lpb;
+  return false;
+}
+
 // Scratch a thread keeps between calls, at most this many bytes of it (past it: released): a
 // row of up to about 3e5 entries (a row of n with m candidates takes about 20 n + 330 m bytes).
 constexpr size_t kKeepScratchBytes = size_t{1} << 24;
@@ -2046,6 +2208,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes& g = scratch.g;
+    bool g_ready = false;  // (the lanes loaded by ranked_block)
     const int64_t big_rt = big;
     // a solved row's flags, weights (scattered to the candidates) and values (x = sign y) from
     // its state and its plan P_ti at p[t * sj + i * si] (i < lim[t]; 0 beyond, left as it is)
@@ -2115,8 +2278,11 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
       int64_t ns = 0;
       for (int64_t l = 0; l < count; ++l) ns = std::max(ns, lpb[l].m);
       for (int64_t l = count; l < kLanes; ++l) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
-      g.size(big, ns);
-      g.load(lpb);
+      if (!g_ready) {
+        g.size(big, ns);
+        g.load(lpb);
+      }
+      g_ready = false;
       double v[kLaneBig * kLanes], gap[kLaneBig * kLanes];
       bool done[kLanes];
       int64_t glim[kMaxBig];
@@ -2156,6 +2322,7 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         const Prob& pr = lpb[l];
         write[l] = false;
         if (!done[l]) {
+          if (pr.lazy) prepare_ranked(pr.yc, lw[l].grouped.data(), k, pr.inv_eps, lw[l], lpb[l]);
           scalar_row(row, lw[l], pr);
           continue;
         }
@@ -2193,7 +2360,20 @@ void solve_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64
         }
       });
     };
+    // (rows of k = n <= 8: kLanes at a time while they pass ranked_block's checks)
+    const bool blocks = lanes_on && k == n && ranked_block_on<scalar_t>(n);
     for (int64_t row = b0; row < b1; ++row) {
+      if (blocks && count == 0 && row + kLanes <= b1 &&
+          ranked_block(px + row * n, n, sign, eps + row, limit, span_max,
+                       static_cast<double>(nb + 1), log_tau, lay, pst + row * lay.size(),
+                       pidx + row * k, g, lw, lpb)) {
+        for (int64_t l = 0; l < kLanes; ++l) lrow[l] = row + l;
+        count = kLanes;
+        g_ready = true;
+        flush();
+        row += kLanes - 1;
+        continue;
+      }
       const scalar_t* xr = px + row * n;
       double* st = pst + row * lay.size();
       scalar_t* wr = pw + row * k * n;
