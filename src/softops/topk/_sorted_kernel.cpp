@@ -1997,7 +1997,99 @@ void finish_ranked_lanes(const double* p, int64_t n, const double* rl, const Pro
       (void)sign, (void)pw, (void)pv;
 }
 
-// Whether ranked_block takes rows of k = n entries of scalar_t (with kLanes rows per group).
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// The lanes' problems of 8 rows of k = n (4..8) entries from their scores sorted descending, y[t]
+// the t-th largest of every row (a vector of rows), ix[t] its index (as doubles), and 1 / epsilon:
+// false, having written nothing, where two neighbours are not strictly apart (prepare_ranked's
+// check: it also fails a row out of order) or a factor is out of range (factors' check); else
+// the lanes g loaded (Lanes::load_ranked's arrays), each row's sorted scores and indices in
+// lw[l].yc and lw[l].grouped, lpb[l] as far as the lanes read it (lazy: prepare_ranked completes
+// it for the one-row code), and each row's indices into rows_ix[l] (a vector per row). The numbers
+// are prepare_ranked's and factors' (the same operations, a vector of rows at a time).
+bool ranked_lanes(const __m512d* y, const __m512d* ix, __m512d inv, int64_t n, bool backward,
+                  Lanes& g, std::vector<Work>& lw, Prob* lpb, __m512d* rows_ix) {
+  const auto mask = static_cast<__mmask8>((1u << n) - 1u);
+  const __m512d half = _mm512_set1_pd(0.5), low = y[n - 1];
+  __mmask8 ok = 0xFF;
+  __m512d mid[8];
+  for (int64_t t = 0; t + 1 < n; ++t) {
+    mid[t] = _mm512_fmadd_pd(half, y[t], _mm512_mul_pd(half, y[t + 1]));
+    ok &= _mm512_cmp_pd_mask(mid[t], y[t], _CMP_LT_OQ) &
+          _mm512_cmp_pd_mask(mid[t], y[t + 1], _CMP_GT_OQ);
+  }
+  const __m512d c = _mm512_fmadd_pd(half, y[0], _mm512_mul_pd(half, low));
+  const __m512d zmax = _mm512_max_pd(_mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, y[0]), inv)),
+                                     _mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, low), inv)));
+  ok &= _mm512_cmp_pd_mask(zmax, _mm512_set1_pd(kFar), _CMP_LE_OQ);
+  if (ok != 0xFF) return false;
+  g.size(n, n);
+  g.pb = lpb;
+  g.rest = false;
+  const VecD one(1.0), zero(0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const VecD e = VecD(_mm512_mul_pd(_mm512_sub_pd(c, y[i]), inv)).exp();
+    e.store(g.e.data() + i * kLanes);
+    (one / e).store(g.ie.data() + i * kLanes);
+    VecD(static_cast<double>(i)).store(g.home.data() + i * kLanes);
+    one.store(g.valid.data() + i * kLanes);
+    g.shared[i] = i;
+    zero.store(g.bref + i * kLanes);
+    one.store(g.bcol + i * kLanes);
+    zero.store(g.log_bcol + i * kLanes);
+    const VecD a = i + 1 < n ? VecD(_mm512_mul_pd(_mm512_sub_pd(mid[i], c), inv)) : zero;
+    a.store(g.aconst + i * kLanes);
+  }
+  for (int64_t l = 0; l < kLanes; ++l) g.nb[l] = -1.0;
+  __m512d ys[8], yt[8], xt[8];
+  for (int64_t t = 0; t < 8; ++t) yt[t] = t < n ? y[t] : _mm512_setzero_pd();
+  transpose8(yt, ys);
+  for (int64_t t = 0; t < 8; ++t) xt[t] = t < n ? ix[t] : _mm512_setzero_pd();
+  transpose8(xt, rows_ix);
+  double invl[8], cl[8];
+  _mm512_storeu_pd(invl, inv);
+  _mm512_storeu_pd(cl, c);
+  for (int64_t l = 0; l < kLanes; ++l) {
+    Work& wk = lw[l];
+    wk.entries(n, n, backward);
+    _mm512_mask_storeu_pd(wk.yc.data(), mask, ys[l]);
+    _mm512_mask_storeu_epi64(wk.grouped.data(), mask, _mm512_cvtpd_epi64(rows_ix[l]));
+    Prob& pr = lpb[l];
+    pr.m = pr.big = pr.k = pr.ld = n;
+    pr.inv_eps = invl[l];
+    pr.c = cl[l];
+    pr.fast = true;
+    pr.yc = wk.yc.data();
+    pr.e = pr.ie = nullptr;
+    pr.nb = -1;
+    pr.bend = nullptr;
+    pr.ranked = true;
+    pr.lazy = true;
+    for (int64_t t = 0; t < n; ++t) {
+      pr.gs[t] = t;
+      pr.bcol[t] = 1.0;
+      pr.bref[t] = 0.0;
+    }
+    pr.gs[n] = n;
+  }
+  return true;
+}
+
+// 8 rows x[0..8) (stride n) of scalar_t as vectors of doubles (row l in r[l], 0 past n).
+template <typename scalar_t>
+void load_rows(const scalar_t* px, int64_t n, __m512d* r) {
+  const auto mask = static_cast<__mmask8>((1u << n) - 1u);
+  for (int64_t l = 0; l < 8; ++l) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, px + l * n));
+    } else {
+      r[l] = _mm512_maskz_loadu_pd(mask, px + l * n);
+    }
+  }
+}
+#endif
+
+// Whether ranked_block and ranked_block_vjp take rows of k = n entries of scalar_t (kLanes rows
+// per group).
 template <typename scalar_t>
 constexpr bool ranked_block_on(int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -2013,13 +2105,12 @@ constexpr bool ranked_block_on(int64_t n) {
 // at a time (as the lanes solve them), where the one-row code takes each row in turn (top_scores,
 // prepare_ranked, factors, Lanes::load: two fifths of the forward of rows of 8 went there). The
 // rows x[0..8) (stride n) are transposed into one vector per place, oriented, checked as
-// top_scores checks them, sorted by a sorting network, checked as prepare_ranked checks its
-// midpoints, and their factors formed as factors forms them (the same numbers). Returns false,
-// having written nothing, where a row is not finite or beyond limit, its span over epsilon is beyond
-// span_max, two neighbours are not strictly apart, or a factor is out of range: the one-row code
-// takes those rows. Else: the lanes g loaded, each row's sorted scores and their indices in
-// lw[l].yc and lw[l].grouped, its indices in pidx (row-major, n per row), its state's top (the
-// indices), cut, count and log_tau, and lpb[l] as far as the lanes read it (lazy).
+// top_scores checks them, sorted by Batcher's network (checked by the 0-1 principle), and given to
+// ranked_lanes, whose checks fail a row with equal neighbours or out of order (a network that
+// sorted wrongly would cost time, not a wrong number). Returns false, having written nothing,
+// where a check fails: the one-row code takes those rows. Else the lanes are loaded (ranked_lanes)
+// and each row's indices are in pidx (row-major, n per row) and its state's top (the indices),
+// cut, count and log_tau.
 template <typename scalar_t>
 bool ranked_block(const scalar_t* px, int64_t n, double sign, const double* eps, double limit,
                   double span_max, double cut, double log_tau, const Layout& lay, double* pst,
@@ -2029,16 +2120,10 @@ bool ranked_block(const scalar_t* px, int64_t n, double sign, const double* eps,
                 (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
     const auto mask = static_cast<__mmask8>((1u << n) - 1u);
     __m512d r[8], y[8], ix[8];
-    for (int64_t l = 0; l < 8; ++l) {
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        r[l] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, px + l * n));
-      } else {
-        r[l] = _mm512_maskz_loadu_pd(mask, px + l * n);
-      }
-    }
+    load_rows(px, n, r);
     transpose8(r, y);  // (y[j]: entry j of every row)
     const __m512d sv = _mm512_set1_pd(sign), lim = _mm512_set1_pd(limit);
-    const __m512d ninf = _mm512_set1_pd(-kInf), half = _mm512_set1_pd(0.5);
+    const __m512d ninf = _mm512_set1_pd(-kInf);
     __mmask8 ok = 0xFF;
     for (int64_t j = 0; j < 8; ++j) {
       if (j < n) {
@@ -2050,8 +2135,8 @@ bool ranked_block(const scalar_t* px, int64_t n, double sign, const double* eps,
       ix[j] = _mm512_set1_pd(static_cast<double>(j));
     }
     if (ok != 0xFF) return false;
-    // descending (equal scores in any order: a row with two is not strictly apart below, and
-    // the one-row code takes it)
+    // descending (equal scores in any order: a row with two is not strictly apart in
+    // ranked_lanes, and the one-row code takes it)
     auto exchange = [&](int a, int b) {
       const __mmask8 m = _mm512_cmp_pd_mask(y[b], y[a], _CMP_GT_OQ);
       const __m512d ya = y[a], xa = ix[a];
@@ -2066,85 +2151,68 @@ bool ranked_block(const scalar_t* px, int64_t n, double sign, const double* eps,
                                         {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
     for (const auto& c : kNet) exchange(c[0], c[1]);
     const __m512d inv = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_loadu_pd(eps));
-    const __m512d low = y[n - 1];
-    // top_scores' span, prepare_ranked's midpoints strictly between their scores
+    // top_scores' span over epsilon
     ok = _mm512_cmp_pd_mask(
-        _mm512_mul_pd(_mm512_mul_pd(_mm512_sub_pd(y[0], low), _mm512_set1_pd(static_cast<double>(n))),
-                      inv),
+        _mm512_mul_pd(
+            _mm512_mul_pd(_mm512_sub_pd(y[0], y[n - 1]), _mm512_set1_pd(static_cast<double>(n))),
+            inv),
         _mm512_set1_pd(span_max), _CMP_LE_OQ);
-    __m512d mid[8];
-    for (int64_t t = 0; t + 1 < n; ++t) {
-      mid[t] = _mm512_fmadd_pd(half, y[t], _mm512_mul_pd(half, y[t + 1]));
-      ok &= _mm512_cmp_pd_mask(mid[t], y[t], _CMP_LT_OQ) &
-            _mm512_cmp_pd_mask(mid[t], y[t + 1], _CMP_GT_OQ);
-    }
-    const __m512d c = _mm512_fmadd_pd(half, y[0], _mm512_mul_pd(half, low));
-    // factors' range: |c - y| / eps at the two ends
-    const __m512d zmax = _mm512_max_pd(_mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, y[0]), inv)),
-                                       _mm512_abs_pd(_mm512_mul_pd(_mm512_sub_pd(c, low), inv)));
-    ok &= _mm512_cmp_pd_mask(zmax, _mm512_set1_pd(kFar), _CMP_LE_OQ);
-    if (ok != 0xFF) return false;
-    // the lanes (Lanes::load_ranked's arrays, from the vectors)
-    g.size(n, n);
-    g.pb = lpb;
-    g.rest = false;
-    const VecD one(1.0), zero(0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const VecD e = VecD(_mm512_mul_pd(_mm512_sub_pd(c, y[i]), inv)).exp();
-      e.store(g.e.data() + i * kLanes);
-      (one / e).store(g.ie.data() + i * kLanes);
-      VecD(static_cast<double>(i)).store(g.home.data() + i * kLanes);
-      one.store(g.valid.data() + i * kLanes);
-      g.shared[i] = i;
-      zero.store(g.bref + i * kLanes);
-      one.store(g.bcol + i * kLanes);
-      zero.store(g.log_bcol + i * kLanes);
-      const VecD a = i + 1 < n ? VecD(_mm512_mul_pd(_mm512_sub_pd(mid[i], c), inv)) : zero;
-      a.store(g.aconst + i * kLanes);
-    }
-    for (int64_t l = 0; l < kLanes; ++l) g.nb[l] = -1.0;
-    // each row's sorted scores and indices, its state and its problem as the lanes read it
-    __m512d ys[8], xs[8];
-    transpose8(y, ys);
-    transpose8(ix, xs);
-    double invl[8], cl[8];
-    _mm512_storeu_pd(invl, inv);
-    _mm512_storeu_pd(cl, c);
+    __m512d rows_ix[8];
+    if (ok != 0xFF || !ranked_lanes(y, ix, inv, n, false, g, lw, lpb, rows_ix)) return false;
     for (int64_t l = 0; l < kLanes; ++l) {
-      Work& wk = lw[l];
-      wk.entries(n, n, false);
-      _mm512_mask_storeu_pd(wk.yc.data(), mask, ys[l]);
-      const __m512i iv = _mm512_cvtpd_epi64(xs[l]);
-      _mm512_mask_storeu_epi64(wk.grouped.data(), mask, iv);
-      _mm512_mask_storeu_epi64(pidx + l * n, mask, iv);
+      _mm512_mask_storeu_epi64(pidx + l * n, mask, _mm512_cvtpd_epi64(rows_ix[l]));
       double* st = pst + l * lay.size();
-      _mm512_mask_storeu_pd(st + lay.top(), mask, xs[l]);  // (k = n: the indices)
+      _mm512_mask_storeu_pd(st + lay.top(), mask, rows_ix[l]);  // (k = n: the indices)
       st[lay.cut()] = cut;
       st[lay.count()] = static_cast<double>(n);
       st[lay.log_tau()] = log_tau;
-      Prob& pr = lpb[l];
-      pr.m = pr.big = pr.k = pr.ld = n;
-      pr.inv_eps = invl[l];
-      pr.c = cl[l];
-      pr.fast = true;
-      pr.yc = wk.yc.data();
-      pr.e = pr.ie = nullptr;
-      pr.nb = -1;
-      pr.bend = nullptr;
-      pr.ranked = true;
-      pr.lazy = true;
-      for (int64_t t = 0; t < n; ++t) {
-        pr.gs[t] = t;
-        pr.bcol[t] = 1.0;
-        pr.bref[t] = 0.0;
-      }
-      pr.gs[n] = n;
     }
     return true;
   }
 #endif
   (void)px, (void)n, (void)sign, (void)eps, (void)limit, (void)span_max, (void)cut,
       (void)log_tau, (void)lay, (void)pst, (void)pidx, (void)g, (void)lw, (void)lpb;
+  return false;
+}
+
+// The backward's preparation of kLanes (8) rows of k = n (4..8) entries at once, as
+// ranked_block's: each row's scores in the forward's order (its indices in the state's top, as
+// the one-row code reads them), given to ranked_lanes. Returns false, having written nothing,
+// where a row is not of status 0 with every entry a candidate, an index is out of the row, or
+// ranked_lanes' checks fail (the one-row code then takes the rows).
+template <typename scalar_t>
+bool ranked_block_vjp(const scalar_t* px, int64_t n, double sign, const double* eps,
+                      const int8_t* ps, const double* pst, const Layout& lay, Lanes& g,
+                      std::vector<Work>& lw, Prob* lpb) {
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  if constexpr (kLanes == 8 &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)) {
+    const auto mask = static_cast<__mmask8>((1u << n) - 1u);
+    const __m512d top = _mm512_set1_pd(static_cast<double>(n)), zero = _mm512_setzero_pd();
+    __m512d r[8], q[8], y[8], ix[8];
+    load_rows(px, n, r);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const double* st = pst + l * lay.size();
+      if (ps[l] != 0 || st[lay.count()] != static_cast<double>(n)) return false;
+      q[l] = _mm512_maskz_loadu_pd(mask, st + lay.top());
+      const __mmask8 in = _mm512_cmp_pd_mask(q[l], zero, _CMP_GE_OQ) &
+                          _mm512_cmp_pd_mask(q[l], top, _CMP_LT_OQ) &
+                          _mm512_cmp_pd_mask(q[l], _mm512_roundscale_pd(q[l], _MM_FROUND_TO_ZERO),
+                                             _CMP_EQ_OQ);
+      if ((in & mask) != mask) return false;
+      // (the row's scores in the forward's order: x at its indices, oriented)
+      r[l] = _mm512_mul_pd(_mm512_permutexvar_pd(_mm512_cvttpd_epi64(q[l]), r[l]),
+                           _mm512_set1_pd(sign));
+    }
+    transpose8(r, y);
+    transpose8(q, ix);
+    const __m512d inv = _mm512_div_pd(_mm512_set1_pd(1.0), _mm512_loadu_pd(eps));
+    __m512d rows_ix[8];
+    return ranked_lanes(y, ix, inv, n, true, g, lw, lpb, rows_ix);
+  }
+#endif
+  (void)px, (void)n, (void)sign, (void)eps, (void)ps, (void)pst, (void)lay, (void)g, (void)lw,
+      (void)lpb;
   return false;
 }
 
@@ -2627,6 +2695,7 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
     int64_t lrow[kLanes];
     int64_t count = 0;
     Lanes& g = scratch.g;
+    bool g_ready = false;  // (the lanes loaded by ranked_block_vjp)
     const int64_t big_rt = big;
     // a system the scalar code does not take: det K not above det_min (big <= 3) or not
     // positive, or a solution that is not finite
@@ -2792,9 +2861,12 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         rows[l] = l < count ? lrow[l] : lrow[0];
         if (l >= count) lpb[l] = lpb[0];  // (idle lanes: lane 0 again)
       }
-      g.size(big, ns);
+      if (!g_ready) {
+        g.size(big, ns);
+        g.load(lpb);
+      }
+      g_ready = false;
       g.size_backward(has_gw);
-      g.load(lpb);
       double v[kLaneBig * kLanes], f[kLaneBig * kLanes], gvl[kLaneBig * kLanes],
           gap[kLaneBig * kLanes], ie[kLanes], cl[kLanes];
       for (int64_t l = 0; l < kLanes; ++l) {
@@ -2997,6 +3069,9 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         bool ok = inr[l] > 0 && okl[l] >= kLaneBackwardPivot;
         for (int64_t t = 0; t < big; ++t) ok = ok && std::isfinite(betal[t * kLanes + l]);
         if (!ok) {
+          if (lpb[l].lazy) {
+            prepare_ranked(lpb[l].yc, lw[l].grouped.data(), k, lpb[l].inv_eps, lw[l], lpb[l]);
+          }
           scalar_row(row, lw[l], lpb[l]);
           continue;
         }
@@ -3027,7 +3102,23 @@ void vjp_rows_impl(const at::Tensor& x, const double* eps, bool largest, int64_t
         }
       });
     };
+    // (rows of k = n <= 8: kLanes at a time while they pass ranked_block_vjp's checks)
+    const bool blocks = lanes_on && k == n && ranked_block_on<scalar_t>(n);
     for (int64_t row = b0; row < b1; ++row) {
+      if (blocks && count == 0 && row + kLanes <= b1 &&
+          ranked_block_vjp(px + row * n, n, sign, eps + row, ps + row, pst + row * lay.size(),
+                           lay, g, lw, lpb)) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          lrow[l] = row + l;
+          pge[row + l] = 0.0;
+          psafe[row + l] = true;
+        }
+        count = kLanes;
+        g_ready = true;
+        flush();
+        row += kLanes - 1;
+        continue;
+      }
       scalar_t* gxr = pgx + row * n;
       pge[row] = 0.0;
       psafe[row] = true;
