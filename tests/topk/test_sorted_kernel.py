@@ -397,7 +397,9 @@ def test_rows_prepared_a_vector_at_a_time_are_the_rows_prepared_one_at_a_time(
             out = _sorted.SOLVE_OP(tied, eps, *args)
             order = torch.sort(tied, dim=-1, descending=largest, stable=True).indices
             assert torch.equal(out[5], order)
-            assert torch.equal(block[5], torch.sort(x, dim=-1, descending=largest, stable=True).indices)
+            assert torch.equal(
+                block[5], torch.sort(x, dim=-1, descending=largest, stable=True).indices
+            )
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
