@@ -35,6 +35,11 @@
 // order) stop the same way: per state, column j is formed at the slots below the largest of the
 // lanes' lim[j] (lane_limits) and every later loop over a column's slots stops there.
 //
+// Rows of k = n entries, 4 to 8 (with AVX-512), are also prepared eight at a time, as vectors of
+// rows (ranked_block in the forward, ranked_block_vjp in the backward, both through ranked_lanes:
+// the one-row preparation's numbers, bit for bit), and such a group's weights are written at once
+// (finish_ranked_lanes); rows that fail a check of the preparation take the one-row code.
+//
 // Flags: status 0 the row is solved (within tol), 1 the kernel left it above tol (the torch
 // code solves it), 2 the row has an entry that is not finite or near the largest finite value
 // (the caller solves it in full). The backward (vjp_rows) recomputes the candidate set and the
