@@ -380,6 +380,7 @@ def test_rows_prepared_a_vector_at_a_time_are_the_rows_prepared_one_at_a_time(
     eps = torch.full((8,), 0.1, dtype=dtype)
     eps[3] = 0.7
     gv = torch.randn(8, n, generator=seeded(401), dtype=dtype)
+    gw = torch.randn(8, n, n, generator=seeded(402), dtype=dtype)
     for largest in (True, False):
         args = (n, largest, 2000, 1e-9)
         with backend("kernel"):
@@ -388,10 +389,12 @@ def test_rows_prepared_a_vector_at_a_time_are_the_rows_prepared_one_at_a_time(
             assert block[3].tolist() == [0] * 8
             for a, b in zip(block, rows, strict=True):
                 assert torch.equal(a[:7], b)
-            gb = _sorted.VJP_OP(x, eps, block[4], block[3], gv, None, *args, True)
-            gr = _sorted.VJP_OP(x[:7], eps[:7], rows[4], rows[3], gv[:7], None, *args, True)
-            for a, b in zip(gb, gr, strict=True):
-                assert torch.equal(a[:7], b)
+            for cw in (None, gw):  # (the values' cotangent alone, and the weights' beside it)
+                gb = _sorted.VJP_OP(x, eps, block[4], block[3], gv, cw, *args, True)
+                cr = None if cw is None else cw[:7]
+                gr = _sorted.VJP_OP(x[:7], eps[:7], rows[4], rows[3], gv[:7], cr, *args, True)
+                for a, b in zip(gb, gr, strict=True):
+                    assert torch.equal(a[:7], b)
             tied = x.clone()
             tied[6, 1] = tied[6, 0]
             out = _sorted.SOLVE_OP(tied, eps, *args)
