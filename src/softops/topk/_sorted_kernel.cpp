@@ -1261,8 +1261,8 @@ struct VecArr {
 
 // A mask of lanes: with AVX-512 the processor's mask (a comparison writes it, a blend or a
 // masked addition reads it), else a vector of all-ones lanes (at::vec's comparisons). at::vec's
-// comparisons make a vector of the mask and its blendv a mask of the vector again: in the
-// backward's loops over the slots those conversions were a third of the work.
+// comparisons make a vector of the mask and its blendv a mask of the vector again: in a profile of
+// the backward's loops over the slots those conversions took about a third of the samples.
 #if defined(__AVX512F__)
 using LaneMask = __mmask8;
 inline LaneMask lanes_gt(const VecD& a, const VecD& b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
@@ -1382,8 +1382,8 @@ struct Lanes {
   }
   // load where every lane's problem is prepare_ranked's (slots = big): what the lanes share (the
   // entry of slot i at home i, columns of mass 1, no rest) set once for all of them, not per lane
-  // (the same arrays as the general load; about a tenth of a forward of rows of 8, k = 8, went to
-  // the general load's per-lane stores)
+  // (the same arrays as the general load; rows of 8, k = 8: forward+backward 580 -> 565 us at
+  // B = 1024)
   void load_ranked() {
     rest = false;
     const VecD one(1.0), zero(0.0);
