@@ -89,8 +89,9 @@ constexpr double kEps64 = std::numeric_limits<double>::epsilon();
 // |log factor| up to which a state is evaluated by the product recurrence.
 constexpr double kFar = 600.0;
 
-// (a + b) / 2 as 0.5 a + 0.5 b with one rounding of the sum (a fused multiply-add), the same in
-// the one-row code and a vector of rows (ranked_block)
+// (a + b) / 2 as 0.5 a + 0.5 b with one rounding of the sum (a fused multiply-add): every
+// midpoint of the candidate problems (prepare, prepare_ranked), the same in a vector of rows
+// (ranked_lanes)
 inline double midpoint(double a, double b) { return std::fma(0.5, a, 0.5 * b); }
 // Most targets of a candidate problem (k <= 32, plus the rest).
 constexpr int64_t kMaxBig = 34;
@@ -735,7 +736,7 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   pb.inv_eps = inv_eps;
   pb.ranked = false;
   pb.lazy = false;
-  for (int64_t t = 0; t + 1 < big; ++t) pb.bmid[t] = 0.5 * top[t] + 0.5 * top[t + 1];
+  for (int64_t t = 0; t + 1 < big; ++t) pb.bmid[t] = midpoint(top[t], top[t + 1]);
   for (int64_t t = 0; t <= big; ++t) pb.gs[t] = 0;
   const double last = big > 1 ? pb.bmid[big - 2] : kInf;
   double* ytmp = w.ytmp.data();
@@ -796,7 +797,7 @@ void prepare(const scalar_t* xr, double sign, const double* top, int64_t k, int6
   for (int64_t t = 0; t < big; ++t) {
     pb.bref[t] = pb.bcol[t] - static_cast<double>(pb.gs[t + 1] - pb.gs[t]);
   }
-  pb.c = 0.5 * top[0] + 0.5 * ymin;
+  pb.c = midpoint(top[0], ymin);
   if (rest) {
     pb.lie0 = (pb.bmid[big - 2] - pb.c) * inv_eps;  // (an entry of the rest is below it)
     pb.lie1 = (top[k] - pb.c) * inv_eps;
@@ -1385,18 +1386,7 @@ struct Lanes {
   // (the same arrays as the general load; rows of 8, k = 8: forward+backward 580 -> 565 us at
   // B = 1024)
   void load_ranked() {
-    rest = false;
-    const VecD one(1.0), zero(0.0);
-    for (int64_t i = 0; i < slots; ++i) {
-      VecD(static_cast<double>(i)).store(home.data() + i * kLanes);
-      one.store(valid.data() + i * kLanes);
-      shared[i] = i;
-    }
-    for (int64_t j = 0; j < big; ++j) {
-      zero.store(bref + j * kLanes);
-      one.store(bcol + j * kLanes);
-      zero.store(log_bcol + j * kLanes);
-    }
+    set_ranked();
     for (int64_t l = 0; l < kLanes; ++l) {
       const Prob& pr = pb[l];
       for (int64_t i = 0; i < slots; ++i) {
@@ -1411,8 +1401,24 @@ struct Lanes {
       lie1[l] = pr.lie1;
       drop[l] = pr.log_drop;
       bpu[l] = pr.bpu;
-      nb[l] = -1.0;
     }
+  }
+  // What every lane of ranked problems shares (slots = big): the entry of slot i at home i,
+  // columns of mass 1 (bref 0, log 0), no rest.
+  void set_ranked() {
+    rest = false;
+    const VecD one(1.0), zero(0.0);
+    for (int64_t i = 0; i < slots; ++i) {
+      VecD(static_cast<double>(i)).store(home.data() + i * kLanes);
+      one.store(valid.data() + i * kLanes);
+      shared[i] = i;
+    }
+    for (int64_t j = 0; j < big; ++j) {
+      zero.store(bref + j * kLanes);
+      one.store(bcol + j * kLanes);
+      zero.store(log_bcol + j * kLanes);
+    }
+    for (int64_t l = 0; l < kLanes; ++l) nb[l] = -1.0;
   }
 };
 
@@ -2029,22 +2035,15 @@ bool ranked_lanes(const __m512d* y, const __m512d* ix, __m512d inv, int64_t n, b
   if (ok != 0xFF) return false;
   g.size(n, n);
   g.pb = lpb;
-  g.rest = false;
+  g.set_ranked();
   const VecD one(1.0), zero(0.0);
   for (int64_t i = 0; i < n; ++i) {
     const VecD e = VecD(_mm512_mul_pd(_mm512_sub_pd(c, y[i]), inv)).exp();
     e.store(g.e.data() + i * kLanes);
     (one / e).store(g.ie.data() + i * kLanes);
-    VecD(static_cast<double>(i)).store(g.home.data() + i * kLanes);
-    one.store(g.valid.data() + i * kLanes);
-    g.shared[i] = i;
-    zero.store(g.bref + i * kLanes);
-    one.store(g.bcol + i * kLanes);
-    zero.store(g.log_bcol + i * kLanes);
     const VecD a = i + 1 < n ? VecD(_mm512_mul_pd(_mm512_sub_pd(mid[i], c), inv)) : zero;
     a.store(g.aconst + i * kLanes);
   }
-  for (int64_t l = 0; l < kLanes; ++l) g.nb[l] = -1.0;
   __m512d ys[8], yt[8], xt[8];
   for (int64_t t = 0; t < 8; ++t) yt[t] = t < n ? y[t] : _mm512_setzero_pd();
   transpose8(yt, ys);
