@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import softops
+from softops._kernels import backend
 from softops.solvers import topk_threshold
 from softops.topk._ot import SCALE_BITS, solve
 from tests._helpers import mask_at_threshold
@@ -276,3 +277,35 @@ def test_balance_step_is_exact_in_one_step_in_the_hard_limit_and_polish_stops():
     # rows not asked for are left alone, and no step is taken
     calls.clear()
     assert polish(balance, t, lo, hi, e, ~rows, zero).tolist() == t.tolist() and len(calls) == 1
+
+
+def _tied_solution(ties: int) -> float:
+    """u with ties * sigmoid(u) + sigmoid(u + 1) = 1, by bisection in float64."""
+    lo, hi = -50.0, 0.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        total = ties / (1 + math.exp(-mid)) + 1 / (1 + math.exp(-mid - 1))
+        lo, hi = (lo, mid) if total > 1 else (mid, hi)
+    return lo
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("far", [-1.0, -1e30])
+@pytest.mark.parametrize("ties", [20, 600])  # (a vector of rows, a row at a time in the kernel)
+def test_epsilon_at_the_smallest_normal_float_solves_the_threshold(dtype, far, ties):
+    # ties at 0, one entry at finfo.tiny, one far below, epsilon = finfo.tiny, k = 1: the slope
+    # sum A(1 - A) / eps overflows at the first iterate (t = 0, the ties at A ~ 1/2). A Newton
+    # step of 0 from that infinite slope was taken for the resolution limit and the row reported
+    # converged with sum A = 5.91 at 20 ties (the torch solve, and the kernel in float64); the
+    # bracket's step is taken instead. The exact mask: ties sigmoid(u) + sigmoid(u + 1) = 1.
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([[0.0] * ties + [far, tiny]], dtype=F64).to(dtype)
+    u = _tied_solution(ties)
+    want = torch.sigmoid(torch.tensor([u, u + 1.0], dtype=F64))
+    for name in ("reference", "kernel"):
+        with backend(name):
+            out = softops.soft_topk_mask(x, 1, epsilon=tiny, method="ot").double()
+        assert abs(float(out.sum()) - 1.0) < 1e-5, (name, float(out.sum()))
+        torch.testing.assert_close(out[0, :ties], want[0].expand(ties), atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[0, ties + 1], want[1], atol=1e-6, rtol=0)
+        assert float(out[0, ties]) == 0.0

@@ -232,7 +232,9 @@ def _update(
             L = newton * curv
             newton = newton / torch.where(L.abs() <= 1, 1 - 0.5 * L, 1.0)
         step = t - newton
-        inside = (step >= lo) & (step <= hi)
+        # (a derivative that overflowed, F' = -inf where epsilon is within n / finfo.max of 0 in
+        # t's units, gives a Newton step of 0: no step, not the resolution limit below)
+        inside = (step >= lo) & (step <= hi) & dF.isfinite()
         secant = lo + (hi - lo) * (f_lo / (f_lo - f_hi))
         secant_ok = (secant > lo) & (secant < hi)  # nan (unknown ends) fails
         fallback = torch.where(secant_ok, secant, 0.5 * (lo + hi))

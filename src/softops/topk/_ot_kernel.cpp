@@ -341,7 +341,9 @@ C10_ALWAYS_INLINE void update_step(scalar_t t, scalar_t& lo, scalar_t& hi, doubl
   const double secant = double(lo) + (double(hi) - double(lo)) * (fl / (fl - fh));
   const scalar_t secant_t = scalar_t(secant), middle = scalar_t(0.5) * (lo + hi);
   const scalar_t fallback = (secant > lo) & (secant < hi) ? secant_t : middle;
-  next = (halley >= lo) & (halley <= hi) ? halley : fallback;
+  // (a slope that overflowed, epsilon within n / max of 0 in t's units, gives a step of 0: no
+  // step, not the resolution limit below; as rootfind._update)
+  next = (halley >= lo) & (halley <= hi) & std::isfinite(slope) ? halley : fallback;
   // two adjacent floats are a few ulps apart, caught by this test, unless both are subnormal
   const scalar_t width = hi - lo;
   const bool collapsed = width <= 4 * scalar_t(em) * std::max(std::abs(lo), std::abs(hi));
@@ -432,7 +434,8 @@ void update_lanes(Lanes<L>& z, const double (*sums)[L], double flush, double tol
     const VecD middle = rounded<scalar_t>(half * rounded<scalar_t>(lo2 + hi2));
     const VecD fallback =
         VecD::blendv(middle, rounded<scalar_t>(secant), (secant > lo2) & (secant < hi2));
-    const VecD step = VecD::blendv(fallback, halley, (halley >= lo2) & (halley <= hi2));
+    const VecD finite = slope.abs() < VecD(std::numeric_limits<double>::infinity());
+    const VecD step = VecD::blendv(fallback, halley, (halley >= lo2) & (halley <= hi2) & finite);
     step.store(next + i);
     const VecD width = rounded<scalar_t>(hi2 - lo2);
     const VecD limit = rounded<scalar_t>(width_max * at::vec::maximum(lo2.abs(), hi2.abs()));
