@@ -745,11 +745,11 @@ def test_the_kernels_network_sort_of_short_rows_on_every_zero_one_row_and_permut
     assert torch.equal(pz, torch.sort(x, descending=True, stable=True).indices)
 
 
-@pytest.mark.parametrize("n", [16, 32, 64])
+@pytest.mark.parametrize("n", [16, 32, 64, 128, 256])
 def test_the_kernels_bitonic_sort_of_float32_rows_on_zero_one_rows(n):
-    # float32 rows of 9 to 64 entries take a bitonic network in AVX-512 registers (where the
+    # float32 rows of 9 to 256 entries take a bitonic network in AVX-512 registers (where the
     # kernel was built with it): for n = 16 every row of zeros and ones (the 0-1 principle: the
-    # network sorts every row; the index order of ties must survive), for 32 and 64 random ones,
+    # network sorts every row; the index order of ties must survive), for 32 to 256 random ones,
     # their permutations and rows of a few distinct values, each padded past n by the network
     require_kernel()
     g = seeded(50 + n)

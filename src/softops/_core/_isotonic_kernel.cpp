@@ -144,7 +144,7 @@ enum Mode : int64_t {
 // descending=True)): each key is mapped to an unsigned integer in the reverse order (NaN lowest,
 // -0 as +0), and the (key, index) pairs are sorted ascending: by a sorting network up to 8
 // entries, by insertion up to 48, by std::sort up to 256 and by a least-significant-digit radix
-// sort (stable, passes whose digit is constant skipped) above; a float32 row of up to 64 entries
+// sort (stable, passes whose digit is constant skipped) above; a float32 row of up to 256 entries
 // with AVX-512 by bitonic_sort, in registers. A float32 key and its index pack
 // into one 64-bit word.
 template <typename key_t, typename scalar_t>
@@ -262,26 +262,31 @@ inline __m512i sort_lanes8(__m512i v, bool merge_only) {
   return exchange_lanes(v, x1, 0xAA);
 }
 
-// items[0 .. n), 8 < n <= 64, sorted ascending in registers: the row padded with pad (above
-// every item) to a power of two of vectors, each sorted (sort_lanes8), then blocks of 16, 32 and
-// 64 merged: against the block's mirror (the second vector's lanes reversed), then half-cleaners
-// across vectors and within each. An insertion sort's or std::sort's comparisons mispredict about
-// half the time in a row of random keys: 53 % of the rank's forward kernel at (64, 32) was its
-// insertion sort.
-inline void bitonic_sort(uint64_t* items, int64_t n, uint64_t pad) {
+// items[0 .. n), n <= 8 NV, sorted ascending in registers: the row padded with pad (above every
+// item) to NV vectors (a power of two), each sorted (sort_lanes8), then blocks of 2, 4, ... NV
+// vectors merged: against the block's mirror (the second half's lanes reversed), then
+// half-cleaners across vectors and within each. NV is known to the compiler, so that the loops
+// unroll and the vectors live in registers. An insertion sort's or std::sort's comparisons
+// mispredict about half the time in a row of random keys: 53 % of the rank's forward kernel at
+// (64, 32) was its insertion sort, and std::sort took 2/3 of it at (32, 128).
+template <int NV>
+inline void bitonic_sort_vectors(uint64_t* items, int64_t n, uint64_t pad) {
   const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-  const int64_t nv = n <= 16 ? 2 : (n <= 32 ? 4 : 8);
-  __m512i v[8];
-  for (int64_t a = 0; a < nv; ++a) {
+  __m512i v[NV];
+#pragma GCC unroll 32
+  for (int a = 0; a < NV; ++a) {
     const int64_t left = std::min<int64_t>(8, std::max<int64_t>(0, n - 8 * a));
     const __mmask8 m = static_cast<__mmask8>((1u << left) - 1u);
     v[a] = sort_lanes8(_mm512_mask_loadu_epi64(_mm512_set1_epi64(static_cast<int64_t>(pad)), m,
                                                items + 8 * a),
                        false);
   }
-  for (int64_t k = 2; k <= nv; k *= 2) {  // (blocks of k vectors)
-    for (int64_t a = 0; a < nv; a += k) {  // the mirror step: vector a + j against a + k - 1 - j
-      for (int64_t j = 0; j < k / 2; ++j) {
+#pragma GCC unroll 8
+  for (int k = 2; k <= NV; k *= 2) {  // (blocks of k vectors)
+#pragma GCC unroll 32
+    for (int a = 0; a < NV; a += k) {  // the mirror step: vector a + j against a + k - 1 - j
+#pragma GCC unroll 32
+      for (int j = 0; j < k / 2; ++j) {
         __m512i& lo = v[a + j];
         __m512i& hi = v[a + k - 1 - j];
         const __m512i r = _mm512_permutexvar_epi64(rev, hi);
@@ -290,20 +295,39 @@ inline void bitonic_sort(uint64_t* items, int64_t n, uint64_t pad) {
         hi = _mm512_permutexvar_epi64(rev, mx);
       }
     }
-    for (int64_t d = k / 4; d >= 1; d /= 2) {  // half-cleaners across vectors
-      for (int64_t a = 0; a < nv; ++a) {
+#pragma GCC unroll 8
+    for (int d = k / 4; d >= 1; d /= 2) {  // half-cleaners across vectors
+#pragma GCC unroll 32
+      for (int a = 0; a < NV; ++a) {
         if (a & d) continue;
         const __m512i mn = _mm512_min_epu64(v[a], v[a + d]);
         v[a + d] = _mm512_max_epu64(v[a], v[a + d]);
         v[a] = mn;
       }
     }
-    for (int64_t a = 0; a < nv; ++a) v[a] = sort_lanes8(v[a], true);
+#pragma GCC unroll 32
+    for (int a = 0; a < NV; ++a) v[a] = sort_lanes8(v[a], true);
   }
-  for (int64_t a = 0; a < nv; ++a) {
+#pragma GCC unroll 32
+  for (int a = 0; a < NV; ++a) {
     const int64_t left = std::min<int64_t>(8, std::max<int64_t>(0, n - 8 * a));
     if (left <= 0) break;
     _mm512_mask_storeu_epi64(items + 8 * a, static_cast<__mmask8>((1u << left) - 1u), v[a]);
+  }
+}
+
+// items[0 .. n), 8 < n <= 256, sorted ascending (bitonic_sort_vectors, the fewest vectors).
+inline void bitonic_sort(uint64_t* items, int64_t n, uint64_t pad) {
+  if (n <= 16) {
+    bitonic_sort_vectors<2>(items, n, pad);
+  } else if (n <= 32) {
+    bitonic_sort_vectors<4>(items, n, pad);
+  } else if (n <= 64) {
+    bitonic_sort_vectors<8>(items, n, pad);
+  } else if (n <= 128) {
+    bitonic_sort_vectors<16>(items, n, pad);
+  } else {
+    bitonic_sort_vectors<32>(items, n, pad);
   }
 }
 #endif
@@ -323,7 +347,7 @@ inline void sort_descending(const float* key, int64_t n, int64_t* idx, uint64_t*
     return;
   }
 #if defined(__AVX512F__)
-  if (n <= 64) {  // (the words are distinct: the order is the stable one)
+  if (n <= 256) {  // (the words are distinct: the order is the stable one)
     bitonic_sort(items, n, ~uint64_t(0));
   } else
 #endif
@@ -1755,17 +1779,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           const int64_t* rb = pb + b * n;
           const int64_t* rz = ppz ? ppz + b * n : nullptr;
           const int64_t* rw = ppw ? ppw + b * n : nullptr;
-          // z = u * f or u / f (the forward's f), and gz taken through it
+          // z = u * f or u / f (the forward's f); gz is written as the sorted cotangent less its
+          // mean, and taken through z's scaling in a pass of its own over the row (see below)
           scalar_t f = scalar_t(1);
           if (scaled) {
             const scalar_t e = pe[b * e0];
             f = inv ? scalar_t(1) / e : flip ? -e : e;
           }
-          const auto through = [&](scalar_t v) {
-            if (!scaled) return v;
-            v = negate ? -v : v;
-            return inv ? v * f : v / f;
-          };
+          scalar_t* const out_z = pgz ? pgz + b * n : nullptr;
+          scalar_t* const out_w = pgw ? pgw + b * n : nullptr;
           // (indices checked as they are read: a malformed one is an error, not a stray write)
           const auto outside = [n](int64_t i) { return uint64_t(i) >= uint64_t(n); };
           double total = 0.0;
@@ -1775,12 +1797,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
           const int64_t* iw = rw ? rw : ident.get();
           // The blocks of a projection are runs numbered 0, 1, ... in sorted order (the usual case,
           // and the only one the projections give): branch-free passes, each run's sum restarted
-          // at its first entry (a sum from 0, in order) and its mean read back from its last entry
-          // (a loop per run ends at a data-dependent jump, mispredicted about once a run: most of
-          // the pass at n = 8); any other labelling takes the general pass below, by label.
+          // at its first entry (a sum from 0, in order) and kept at the run's number, then one
+          // division per run for its mean, read back by the entries' block ids (a division per
+          // entry, or a loop per run, which ends at a data-dependent jump, mispredicted about once
+          // a run, cost more than the rest of the pass); any other labelling takes the general
+          // pass below, by label.
           bool runs = rb[0] == 0;
           double sum = 0.0;
-          int64_t count = 0;
+          int64_t count = 0, run = -1;
           for (int64_t j = 0; j < n; ++j) {
             const int64_t i = iz[j];
             TORCH_CHECK(!outside(i) && !outside(iw[j]), "l2_vjp: permutations out of range");
@@ -1790,40 +1814,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
             const int64_t step = j == 0 ? 0 : rb[j] - rb[j - 1];
             runs &= step == 0 || step == 1;
             const bool start = j == 0 || step != 0;
+            run += start;  // (<= j: in range whatever rb holds)
             sum = (start ? 0.0 : sum) + double(rg[i * g1]);
             count = (start ? 0 : count) + 1;
-            acc[j] = sum, cnt[j] = count;
+            acc[run] = sum, cnt[run] = count;
           }
-          if (runs && !pr) {  // the means, backwards from each run's last entry, and the outputs
-            double mean = 0.0;
-            for (int64_t j = n - 1; j >= 0; --j) {
-              const double m = acc[j] / double(cnt[j]);
-              mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
-              const int64_t i = iz[j];
-              if (pgz) pgz[b * n + i] = through(scalar_t(double(rg[i * g1]) - mean));
-              if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
-            }
-          } else if (runs) {  // (with the epsilon term, summed in order)
-            double mean = 0.0;
-            for (int64_t j = n - 1; j >= 0; --j) {  // acc[j]: the mean of j's run
-              const double m = acc[j] / double(cnt[j]);
-              mean = j == n - 1 || rb[j + 1] != rb[j] ? m : mean;
-              acc[j] = mean;
-            }
+          if (runs) {  // rb[j] is j's run: the means, then the outputs
+            for (int64_t k = 0; k <= run; ++k) acc[k] /= double(cnt[k]);
             double ur = 0.0;
             for (int64_t j = 0; j < n; ++j) {
               const int64_t i = iz[j];
-              const double gi = double(rg[i * g1]), mean = acc[j];
-              if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
-              if (pgw) pgw[b * n + iw[j]] = scalar_t(mean);
+              const double gi = double(rg[i * g1]), mean = acc[rb[j]];
+              if (out_z) out_z[i] = scalar_t(gi - mean);
+              if (out_w) out_w[iw[j]] = scalar_t(mean);
               if (pr) {
                 const double uj = double(pu[b * u0 + i * u1]);
                 ur = j == 0 || rb[j] != rb[j - 1] ? uj : ur;  // the first entry of its run
                 total += rounded((gi - mean) * (uj - ur));
               }
             }
-          }
-          if (!runs) {  // not runs numbered in order: by label
+          } else {  // not runs numbered in order: by label
             const int64_t blocks = rb[n - 1] + 1;
             TORCH_CHECK(!outside(blocks - 1), "l2_vjp: block ids out of range");
             for (int64_t k = 0; k < blocks; ++k) acc[k] = 0.0, cnt[k] = 0;
@@ -1843,13 +1853,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> l2_vjp(
               const double mean = acc[k];
               const int64_t i = rz ? rz[j] : j;
               const double gi = double(rg[i * g1]);
-              if (pgz) pgz[b * n + i] = through(scalar_t(gi - mean));
-              if (pgw) pgw[b * n + (rw ? rw[j] : j)] = scalar_t(mean);
+              if (out_z) out_z[i] = scalar_t(gi - mean);
+              if (out_w) out_w[rw ? rw[j] : j] = scalar_t(mean);
               if (pr) {
                 const double uj = double(pu[b * u0 + i * u1]);
                 if (k != last) ur = uj, last = k;  // the first entry of its run
                 total += rounded((gi - mean) * (uj - ur));
               }
+            }
+          }
+          if (out_z && scaled) {  // gz through z = u * f or u / f (negated with kModeNegate), in
+            // the dtype, in order (a division per entry in the scattered loop above cost more)
+            for (int64_t i = 0; i < n; ++i) {
+              const scalar_t v = negate ? -out_z[i] : out_z[i];
+              out_z[i] = inv ? v * f : v / f;
             }
           }
           if (pr) {  // <J_z^T g, z - z_ref> = total * f (or / f), then d z / d eps = -z / eps
