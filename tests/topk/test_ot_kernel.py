@@ -92,6 +92,36 @@ def test_the_kernel_solves_as_the_torch_code(ops, dtype, layout, eps, b, n, k):
     assert got[0].iterations <= (8 if n <= _ot.EXACT_MAX_N else 24)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_long_rows_are_evaluated_in_chunks_alike_on_any_count_of_threads(ops, dtype):
+    # A row of more than 2 * 2**16 entries is evaluated in chunks whose sums are added in order,
+    # spread over the threads where the row is alone (B = 1) and in turn in a task of the rows'
+    # parallel_for (B = 2): the torch code's roots and masks, the same bits on one thread and on
+    # two, and the same row alone or beside another; a row near the hard limit (epsilon far
+    # below the gaps) is polished and written anew through the same chunks
+    n = 300_001  # (a partial last chunk and a partial last vector)
+    x = _rows(2, n, dtype, seed=21)
+    tol = 2e-12 if dtype == F64 else 4e-6
+    for k, eps in ((10.0, 1.0), (0.5 * n, 0.3), (7.0, 1e-9)):
+        got, want = _kernel_solve(ops, x, k, eps)
+        torch.testing.assert_close(got[1], want[1], atol=tol, rtol=0)
+        torch.testing.assert_close(got[3][:, 2], want[3][:, 2], atol=0, rtol=1e3 * tol)
+        assert got[0].converged.all()
+        kt, et = torch.full((2,), k, dtype=dtype), torch.full((2,), eps, dtype=dtype)
+        limit = _ot._scaling_limit(dtype)
+        outs = []
+        threads = torch.get_num_threads()
+        try:
+            for count, rows in ((1, 1), (2, 1), (2, 2)):
+                torch.set_num_threads(count)
+                outs.append(ops.threshold_rows(x[:rows], kt[:rows], et[:rows], 0.0, limit, 100))
+        finally:
+            torch.set_num_threads(threads)
+        for out in outs[1:]:
+            for a, b in zip(outs[0][:3], out[:3], strict=True):
+                assert torch.equal(a, b[:1])
+
+
 def test_the_kernel_takes_its_exponentials_from_the_rows(ops):
     # A threshold far from the centre (|t| / eps beyond the factored range, the large-epsilon
     # start) and entries far below it (E subnormal) take the direct exp: the masks still agree.

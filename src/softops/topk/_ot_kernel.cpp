@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -166,7 +167,8 @@ void fill_limit(const scalar_t* row, int64_t n, double kb, int64_t status, scala
   out[5] = double(status);
 }
 
-// One evaluation at t: the five sums, and A and s = A (1 - A) / eps written for the row.
+// One evaluation at t: the five sums, and A and s = A (1 - A) / eps written for the row (each
+// evaluation writes them: a pass of its own at the final t cost more than the stores).
 //
 // E holds the row's exponentials exp(-|x - m| / eps), formed by the first evaluation that has E
 // (`fill`): an evaluation at t then needs no exp of its own, since exp(-|z|) = exp(-|(x - m) -
@@ -241,6 +243,34 @@ Sums evaluate(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t i
   if (i < n) step(i, n - i);
   flush(a_signed, out.signed_u), flush(a_u, out.u), flush(a_d, out.d);
   flush(a_c, out.c_signed), flush(a_count, out.count);
+  return out;
+}
+
+// evaluate() on a row of any length: rows longer than 2 kChunk entries in chunks of kChunk, their
+// sums added in the chunks' order, the chunks spread over torch's intra-op threads where the row
+// has them to itself (one long row, B = 1; in a task of the rows' parallel_for the chunks run in
+// turn), so that the sums are the same whatever the count of threads.
+constexpr int64_t kChunk = int64_t(1) << 15;
+
+template <typename scalar_t>
+Sums evaluate_row(const scalar_t* row, int64_t n, scalar_t m, scalar_t t, scalar_t inv,
+                  scalar_t* E, bool fill, scalar_t f_up, scalar_t f_down, scalar_t* A,
+                  scalar_t* s) {
+  if (n <= 2 * kChunk) return evaluate<scalar_t>(row, n, m, t, inv, E, fill, f_up, f_down, A, s);
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<Sums> part(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i = c * kChunk;
+      part[c] = evaluate<scalar_t>(row + i, std::min(kChunk, n - i), m, t, inv,
+                                   E ? E + i : nullptr, fill, f_up, f_down, A + i, s + i);
+    }
+  });
+  Sums out;
+  for (const Sums& p : part) {
+    out.signed_u += p.signed_u, out.u += p.u, out.d += p.d;
+    out.c_signed += p.c_signed, out.count += p.count;
+  }
   return out;
 }
 
@@ -603,8 +633,8 @@ bool finish(const scalar_t* row, int64_t n, scalar_t m, const Iterate<scalar_t>&
   if (near) {
     const scalar_t gap = scalar_t(sums.count) - k_row;
     t = polish(row, n, m, t, it.lo, it.hi, e, gap);
-    const Sums again = evaluate<scalar_t>(row, n, m, t, scalar_t(1) / e, nullptr, false,
-                                          scalar_t(1), scalar_t(1), A, s);
+    const Sums again = evaluate_row<scalar_t>(row, n, m, t, scalar_t(1) / e, nullptr, false,
+                                              scalar_t(1), scalar_t(1), A, s);
     F = again.signed_u + (again.count - double(k_row));
     w_sum = backward_den(again.d, e);
   }
@@ -615,6 +645,18 @@ bool finish(const scalar_t* row, int64_t n, scalar_t m, const Iterate<scalar_t>&
   out[5] = 0;
   return near;
 }
+
+// A work row that grows and is never initialised (the row's exponentials: a std::vector's resize
+// would write zeros over it first, a pass of its own).
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> data;
+  int64_t size = 0;
+  T* get(int64_t n) {
+    if (n > size) data.reset(new T[n]), size = n;
+    return data.get();
+  }
+};
 
 // The solve's settings, common to its rows.
 struct Settings {
@@ -628,7 +670,7 @@ struct Settings {
 template <typename scalar_t>
 void solve_row(const scalar_t* row_in, int64_t n_row, scalar_t k_row, scalar_t eps_row,
                const Settings& cfg, scalar_t* A_out, scalar_t* s_out, double* out,
-               std::vector<scalar_t>& work, Logs& logs) {
+               std::vector<scalar_t>& work, Scratch<scalar_t>& scratch, Logs& logs) {
   using Vec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t L = Vec::size();
   using fi = std::numeric_limits<scalar_t>;
@@ -709,18 +751,18 @@ void solve_row(const scalar_t* row_in, int64_t n_row, scalar_t k_row, scalar_t e
   int64_t evaluations = 0;
   double F = 0;
   Sums sums;
-  if (int64_t(work.size()) < n) work.resize(n);
+  scalar_t* const exps = scratch.get(n);
   bool filled = false;
   while (evaluations < cfg.max_iter) {
     // the factors exp(+-t / eps), where they are well inside the range (else the direct exp)
     const double tz = double(it.t) * double(inv);
     const bool factor = std::abs(tz) <= kFactorMax;
-    scalar_t* E = factor ? work.data() : nullptr;
+    scalar_t* E = factor ? exps : nullptr;
     const bool fill = factor && !filled;
     filled = filled || factor;
     const scalar_t f_up = factor ? scalar_t(std::exp(tz)) : scalar_t(1);
     const scalar_t f_down = factor ? scalar_t(std::exp(-tz)) : scalar_t(1);
-    sums = evaluate(row, n, m, it.t, inv, E, fill, f_up, f_down, A, s);
+    sums = evaluate_row<scalar_t>(row, n, m, it.t, inv, E, fill, f_up, f_down, A, s);
     ++evaluations;
     F = sums.signed_u + (sums.count - kb);
     done = update(it, sums, F, double(e), floor, flush, cfg.tol);
@@ -1219,11 +1261,12 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
     }
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
       std::vector<scalar_t> work;
+      Scratch<scalar_t> scratch;
       Logs logs;
       double row_out[6];
       for (int64_t b = b0; b < b1; ++b) {
         solve_row<scalar_t>(px + b * n, n, pk[b * k_stride], pe[b * eps_stride], cfg,
-                            pA + b * n, ps + b * n, row_out, work, logs);
+                            pA + b * n, ps + b * n, row_out, work, scratch, logs);
         record(b, row_out);
       }
     });
