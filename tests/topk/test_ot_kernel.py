@@ -94,7 +94,7 @@ def test_the_kernel_solves_as_the_torch_code(ops, dtype, layout, eps, b, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_long_rows_are_evaluated_in_chunks_alike_on_any_count_of_threads(ops, dtype):
-    # A row of more than 2 * 2**16 entries is evaluated in chunks whose sums are added in order,
+    # A row of more than 2 * 2**15 entries is evaluated in chunks whose sums are added in order,
     # spread over the threads where the row is alone (B = 1) and in turn in a task of the rows'
     # parallel_for (B = 2): the torch code's roots and masks, the same bits on one thread and on
     # two, and the same row alone or beside another; a row near the hard limit (epsilon far
