@@ -647,7 +647,10 @@ def test_the_operators_pass_opcheck_on_either_back_end(back_end, dtype):
 @pytest.mark.parametrize("back_end", BACK_ENDS)
 def test_the_operator_under_vmap_is_the_merged_call(back_end):
     """(PERMUTAHEDRON_OP has no vmap rule of its own, the sort ops fold vmapped rows before it:
-    torch's batching fallback, row by row, gives the merged call's bits.)"""
+    torch's batching fallback, row by row, gives the merged call's blocks, and its values: the
+    kernel's bits, the torch code's within an ulp, since torch's elementwise kernels take an
+    entry through their vector body or their scalar tail by its place in the call, and the two
+    exponentials differ in the last bit on an AVX2 build.)"""
     if back_end == "kernel":
         require_kernel()
     g = seeded(32)
@@ -657,9 +660,11 @@ def test_the_operator_under_vmap_is_the_merged_call(back_end):
         for kl in (False, True):
             p, block, _ = torch.func.vmap(lambda t, kl=kl: project_op(t, w, kl))(s)
             ref = project_op(s.reshape(12, 9), w, kl)
-            assert torch.equal(p.reshape(12, 9), ref[0]) and torch.equal(
-                block.reshape(12, 9), ref[1]
-            )
+            assert torch.equal(block.reshape(12, 9), ref[1])
+            if back_end == "kernel":
+                assert torch.equal(p.reshape(12, 9), ref[0])
+            else:
+                torch.testing.assert_close(p.reshape(12, 9), ref[0], rtol=4e-16, atol=4e-16)
 
 
 def test_the_kernel_refuses_malformed_arguments(ops):
