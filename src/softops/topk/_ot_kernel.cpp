@@ -646,8 +646,8 @@ bool finish(const scalar_t* row, int64_t n, scalar_t m, const Iterate<scalar_t>&
   return near;
 }
 
-// A work row that grows and is never initialised (the row's exponentials: a std::vector's resize
-// would write zeros over it first, a pass of its own).
+// A work row that grows and is never initialised (a std::vector's resize would write zeros over
+// it first, a pass of its own): a row's copy for nth_element, then its exponentials.
 template <typename T>
 struct Scratch {
   std::unique_ptr<T[]> data;
@@ -670,7 +670,7 @@ struct Settings {
 template <typename scalar_t>
 void solve_row(const scalar_t* row_in, int64_t n_row, scalar_t k_row, scalar_t eps_row,
                const Settings& cfg, scalar_t* A_out, scalar_t* s_out, double* out,
-               std::vector<scalar_t>& work, Scratch<scalar_t>& scratch, Logs& logs) {
+               Scratch<scalar_t>& scratch, Logs& logs) {
   using Vec = at::vec::Vectorized<scalar_t>;
   constexpr int64_t L = Vec::size();
   using fi = std::numeric_limits<scalar_t>;
@@ -734,11 +734,12 @@ void solve_row(const scalar_t* row_in, int64_t n_row, scalar_t k_row, scalar_t e
     x_lo = buf[n - jl];
     x_hi = buf[n - jh];
   } else {
-    work.assign(row, row + n);
+    scalar_t* const copy = scratch.get(n);  // (dead before the exponentials fill it)
+    std::copy(row, row + n, copy);
     auto desc = [](scalar_t a, scalar_t b) { return a > b; };
-    std::nth_element(work.begin(), work.begin() + (jl - 1), work.end(), desc);
-    x_lo = work[jl - 1];
-    x_hi = jh == jl ? x_lo : *std::min_element(work.begin(), work.begin() + jl - 1);
+    std::nth_element(copy, copy + (jl - 1), copy + n, desc);
+    x_lo = copy[jl - 1];
+    x_hi = jh == jl ? x_lo : *std::min_element(copy, copy + jl - 1);
   }
   scalar_t m;
   Iterate<scalar_t> it;
@@ -1260,13 +1261,12 @@ threshold_rows(const at::Tensor& x_in, const at::Tensor& k, const at::Tensor& ep
       return;
     }
     at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
-      std::vector<scalar_t> work;
       Scratch<scalar_t> scratch;
       Logs logs;
       double row_out[6];
       for (int64_t b = b0; b < b1; ++b) {
         solve_row<scalar_t>(px + b * n, n, pk[b * k_stride], pe[b * eps_stride], cfg,
-                            pA + b * n, ps + b * n, row_out, work, scratch, logs);
+                            pA + b * n, ps + b * n, row_out, scratch, logs);
         record(b, row_out);
       }
     });
