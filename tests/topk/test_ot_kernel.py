@@ -120,6 +120,20 @@ def test_long_rows_are_evaluated_in_chunks_alike_on_any_count_of_threads(ops, dt
         for out in outs[1:]:
             for a, b in zip(outs[0][:3], out[:3], strict=True):
                 assert torch.equal(a, b[:1])
+    # the gradients in x, k and epsilon through the operator, from s and the sums of the chunks,
+    # are the torch code's
+    g = torch.randn(2, n, generator=seeded(22), dtype=dtype)
+    results = []
+    for name in ("kernel", "reference"):
+        with backend(name):
+            xt = x.clone().requires_grad_()
+            kt = torch.tensor([10.0, 0.5 * n], dtype=dtype, requires_grad=True)
+            et = torch.tensor([1.0, 0.3], dtype=dtype, requires_grad=True)
+            A = softops.soft_topk_mask(xt, kt, epsilon=et)
+            results.append(torch.autograd.grad(A, [xt, kt, et], g))
+    for a, w in zip(*results, strict=True):
+        scale = max(float(w.abs().max()), 1.0)
+        torch.testing.assert_close(a, w, atol=10 * tol * scale, rtol=10 * tol)
 
 
 def test_the_kernel_takes_its_exponentials_from_the_rows(ops):
